@@ -1,0 +1,54 @@
+"""The ``flashtune`` command line: one typer app; each command lives in flashtune/commands."""
+
+from __future__ import annotations
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from flashtune import __version__, knobs
+
+app = typer.Typer(
+    name="flashtune",
+    help="Autotuned, code-generated FlashAttention kernels for NVIDIA GPUs.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"flashtune {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """flashtune: generate, compile, verify, tune and serve attention kernels."""
+
+
+@app.command("knobs")
+def knobs_command() -> None:
+    """List every environment variable flashtune reads, with its current value."""
+    table = Table("variable", "value", "meaning")
+    for knob in knobs.ALL:
+        try:
+            value = str(knob.get())
+        except Exception as exc:  # a bad value is shown, not fatal, here
+            value = f"INVALID ({exc})"
+        table.add_row(knob.name, value if knob.is_set() else f"{value} (default)", knob.doc)
+    Console().print(table)
+
+
+# Command modules register themselves below, one line each.
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Render (Problem, KernelConfig) into a KernelSource through the one Jinja environment.
+
+Templates only bind parameters (constexpr values, feature switches, the entry point); the
+kernel logic lives in the ``*.cuh`` headers beside them. Only ints, bools and enum-derived
+names from validated Problem/KernelConfig values reach a template.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+from importlib import resources
+from pathlib import Path
+
+import jinja2
+
+from flashtune import __version__
+from flashtune.codegen import space
+from flashtune.codegen.spec import KernelConfig, KernelSource, Op, Problem
+
+#: Options that change the binary and are not arch-specific; the compiler adds the arch,
+#: include paths and verbosity flags.
+COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17", "-DNDEBUG")
+
+_TEMPLATE_FOR_OP = {Op.FWD: "flash_fwd.cu.jinja"}
+_INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def templates_dir() -> Path:
+    """Directory holding the templates and device headers (an include path for compilers)."""
+    return Path(str(resources.files("flashtune") / "templates"))
+
+
+@functools.lru_cache(maxsize=1)
+def environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("flashtune", "templates"),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+
+
+def included_headers(code: str) -> dict[str, str]:
+    """Contents of every flashtune header ``code`` includes, transitively, by name."""
+    root = templates_dir()
+    found: dict[str, str] = {}
+    pending = _INCLUDE_RE.findall(code)
+    while pending:
+        name = pending.pop()
+        if name in found:
+            continue
+        path = root / name
+        if not path.is_file():
+            continue  # a system or CUDA header: covered by the compiler version in the key
+        text = path.read_text()
+        found[name] = text
+        pending.extend(_INCLUDE_RE.findall(text))
+    return dict(sorted(found.items()))
+
+
+def entry_name(problem: Problem, config: KernelConfig) -> str:
+    return f"flashtune_{problem.key()}_{config.key()}"
+
+
+def _digest(body: str, headers: dict[str, str], options: tuple[str, ...]) -> str:
+    h = hashlib.sha256()
+    for part in (f"flashtune {__version__}", body, *options):
+        h.update(part.encode())
+        h.update(b"\0")
+    for name, text in headers.items():
+        h.update(name.encode() + b"\0" + text.encode() + b"\0")
+    return h.hexdigest()
+
+
+def render(problem: Problem, config: KernelConfig) -> KernelSource:
+    """Render the kernel for ``problem`` with ``config`` (both already validated)."""
+    entry = entry_name(problem, config)
+    smem = space.smem_bytes(problem, config)
+    template = environment().get_template(_TEMPLATE_FOR_OP[problem.op])
+    body = template.render(
+        entry=entry,
+        head_dim=problem.head_dim,
+        head_dim_padded=problem.padded_head_dim,
+        is_bf16=problem.dtype.value == "bf16",
+        causal=problem.causal,
+        block_m=config.block_m,
+        block_n=config.block_n,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+        smem_row_pad=space.SMEM_ROW_PAD,
+        smem_bytes=smem,
+    )
+    headers = included_headers(body)
+    digest = _digest(body, headers, COMPILE_OPTIONS)
+    banner = (
+        f"// flashtune {__version__} generated kernel\n"
+        f"// problem: {problem.key()}  config: {config.key()}\n"
+        f"// entry: {entry}  dynamic smem: {smem} B  threads: {config.threads}\n"
+        f"// digest: {digest}\n"
+    )
+    return KernelSource(
+        problem=problem,
+        config=config,
+        code=banner + body,
+        entry=entry,
+        headers=headers,
+        options=COMPILE_OPTIONS,
+        digest=digest,
+        smem_bytes=smem,
+        threads=config.threads,
+    )

@@ -1,0 +1,45 @@
+"""Shared test configuration: tiers and isolation of on-disk state."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m gpu` on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_db(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+                 ) -> Iterator[None]:
+    """Never touch the user's tuning database from tests."""
+    if "FLASHTUNE_DB" not in os.environ:
+        db = Path(tmp_path_factory.mktemp("db")) / "tuning.db"
+        monkeypatch.setenv("FLASHTUNE_DB", f"sqlite:///{db}")
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One kernel cache per test session (shared by tests, never the user's)."""
+    if "FLASHTUNE_CACHE_DIR" not in os.environ:
+        os.environ["FLASHTUNE_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernel-cache"))
+    yield
