@@ -1,5 +1,94 @@
-"""flashtune: autotuned, code-generated FlashAttention kernels for NVIDIA GPUs."""
+"""flashtune: autotuned, code-generated FlashAttention kernels for NVIDIA GPUs.
+
+The public API is imported lazily (on first attribute access), so ``import flashtune`` and
+the command line stay fast and do not import torch until attention is used.
+"""
 
 from __future__ import annotations
 
+import importlib
+import logging
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    "attention": "flashtune.runtime.ops",
+    "scaled_dot_product_attention": "flashtune.runtime.ops",
+    "explain": "flashtune.runtime.ops",
+    "BackwardNotAvailable": "flashtune.errors",
+    "Decision": "flashtune.runtime.dispatch",
+    "Tier": "flashtune.runtime.dispatch",
+    "Problem": "flashtune.codegen.spec",
+    "ProblemBucket": "flashtune.codegen.spec",
+    "KernelConfig": "flashtune.codegen.spec",
+    "DType": "flashtune.codegen.spec",
+    "Op": "flashtune.codegen.spec",
+    "DeviceInfo": "flashtune.runtime.device",
+    "precompile": "flashtune.runtime.precompile",
+}
+
+__all__ = [
+    "BackwardNotAvailable",
+    "DType",
+    "Decision",
+    "DeviceInfo",
+    "KernelConfig",
+    "Op",
+    "Problem",
+    "ProblemBucket",
+    "Tier",
+    "__version__",
+    "attention",
+    "explain",
+    "precompile",
+    "scaled_dot_product_attention",
+]
+
+if TYPE_CHECKING:
+    from flashtune.codegen.spec import DType, KernelConfig, Op, Problem, ProblemBucket
+    from flashtune.errors import BackwardNotAvailable
+    from flashtune.runtime.device import DeviceInfo
+    from flashtune.runtime.dispatch import Decision, Tier
+    from flashtune.runtime.ops import (
+        attention,
+        explain,
+        scaled_dot_product_attention,
+    )
+    from flashtune.runtime.precompile import precompile
+
+
+def _configure_logging() -> None:
+    """With FLASHTUNE_LOG_LEVEL set, log the 'flashtune' logger to stderr at that level
+    (e.g. ``debug`` shows every dispatch decision). Unset, logging is left to the
+    application."""
+    from flashtune import knobs
+    from flashtune.errors import KnobError
+
+    if not knobs.LOG_LEVEL.is_set():
+        return
+    logger = logging.getLogger("flashtune")
+    try:
+        logger.setLevel(knobs.LOG_LEVEL.get().upper())
+    except KnobError as exc:
+        logger.warning("%s", exc)
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+    logger.addHandler(handler)
+
+
+_configure_logging()
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flashtune' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | {name for name in globals() if name.startswith("__")})

@@ -7,6 +7,11 @@ from rich.console import Console
 from rich.table import Table
 
 from flashtune import __version__, knobs
+from flashtune.commands import codegen as codegen_commands
+from flashtune.commands.check import check_command
+from flashtune.commands import profile as profile_commands
+from flashtune.commands import runtime as runtime_commands
+from flashtune.commands.db import db_app
 
 app = typer.Typer(
     name="flashtune",
@@ -44,6 +49,13 @@ def knobs_command() -> None:
 
 
 # Command modules register themselves below, one line each.
+app.add_typer(db_app, name="db")
+app.command("show")(codegen_commands.show)
+app.command("compile")(codegen_commands.compile_command)
+app.command("check")(check_command)
+app.command("profile")(profile_commands.profile)
+app.command("explain")(runtime_commands.explain_command)
+app.command("precompile")(runtime_commands.precompile_command)
 
 
 def main() -> None:

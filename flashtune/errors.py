@@ -61,6 +61,10 @@ class OutOfResources(FlashtuneError, RuntimeError):
         self.limit = limit
 
 
+class BackwardNotAvailable(FlashtuneError, NotImplementedError):
+    """A gradient was requested but flashtune has no backward kernel yet."""
+
+
 class DeviceError(FlashtuneError, RuntimeError):
     """No usable CUDA device, or a launch failed on it."""
 

@@ -113,6 +113,12 @@ HOST_CXX: Knob[str] = Knob(
     lambda: "g++",
     "host C++20 compiler used to build the CPU emulator",
 )
+EMULATOR_ARCH: Knob[str] = Knob(
+    "FLASHTUNE_EMULATOR_ARCH",
+    _choice("sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_100", "sm_120"),
+    lambda: "sm_90",
+    "arch of the emulator's virtual device: configs are chosen as for a GPU of this arch",
+)
 EMULATOR_ASAN: Knob[bool] = Knob(
     "FLASHTUNE_EMULATOR_ASAN",
     _parse_bool,
@@ -139,6 +145,7 @@ ALL: tuple[Knob[object], ...] = (  # type: ignore[assignment]
     LOG_LEVEL,
     CUDA_HOME,
     HOST_CXX,
+    EMULATOR_ARCH,
     EMULATOR_ASAN,
     EMULATOR_TIMEOUT_S,
     COMPILE_WORKERS,

@@ -63,4 +63,5 @@ def get_arch(name: str) -> ArchSpec:
             f"arch {name!r} is not supported; expected one of {sorted(ARCHS)} "
             "(flashtune kernels need mma.sync m16n8k16, i.e. sm_80 or newer)"
         )
-    return ARCHS[key]  # type: ignore[index]
+    assert key is not None
+    return ARCHS[key]

@@ -33,9 +33,18 @@ def smem_bytes(problem: Problem, config: KernelConfig) -> int:
     return row * (config.block_m + 2 * config.num_stages * config.block_n)
 
 
+def mma_head_dim(problem: Problem) -> int:
+    """Head dim the tensor cores work on: the real one rounded up to the k16 step.
+
+    Shared-memory rows are sized by the compiled (padded) head dim, but the kernel computes
+    only up to this many columns (the rest of a padded row is never read).
+    """
+    return -(-problem.head_dim // 16) * 16
+
+
 def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
     """32-bit registers per thread held by the O and S accumulator fragments."""
-    return config.rows_per_warp * (problem.padded_head_dim + config.block_n) // 32
+    return config.rows_per_warp * (mma_head_dim(problem) + config.block_n) // 32
 
 
 def search_space(problem: Problem) -> list[KernelConfig]:

@@ -15,8 +15,9 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import filelock
@@ -42,7 +43,10 @@ class ArtifactCache:
 
     def __init__(self, root: Path | None = None) -> None:
         base = root if root is not None else knobs.CACHE_DIR.get()
-        self.root = Path(base) / f"v{CACHE_FORMAT}"
+        #: The directory handed in (or the knob's); ``ArtifactCache(cache.base)`` is the
+        #: same cache, e.g. in another process.
+        self.base = Path(base)
+        self.root = self.base / f"v{CACHE_FORMAT}"
 
     def path_for(self, namespace: str, key: str, suffix: str = "") -> Path:
         """Where the artifact (namespace, key) lives; names are checked to be filename-safe."""
@@ -84,8 +88,70 @@ class ArtifactCache:
         return path
 
     def put_bytes(self, namespace: str, key: str, suffix: str, data: bytes) -> Path:
-        """Store ``data`` as an artifact (atomically), returning its path."""
-        return self.get_or_build(namespace, key, suffix, lambda tmp: tmp.write_bytes(data))
+        """Store ``data`` as an artifact (atomically), returning its path.
+
+        An artifact that already exists and checks out is kept as it is (artifacts are
+        immutable: one key names one content).
+        """
+        def write(tmp: Path) -> None:
+            tmp.write_bytes(data)
+
+        return self.get_or_build(namespace, key, suffix, write)
+
+    def put_files(self, namespace: str, key: str, files: Mapping[str, bytes]) -> Path:
+        """Store a directory of files (names must be filename-safe) atomically; return it.
+
+        The directory is filled under a temporary name and renamed into place. Like every
+        artifact it is immutable: if ``key`` already exists it is returned unchanged.
+        """
+        path = self.path_for(namespace, key)
+        for name in files:
+            if not _SAFE.match(name):
+                raise ValueError(f"file name {name!r} must match {_SAFE.pattern}")
+        if path.is_dir():
+            return path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{key}.", suffix=".tmp"))
+        try:
+            for name, data in files.items():
+                (tmp / name).write_bytes(data)
+            try:
+                os.rename(tmp, path)
+            except OSError:
+                if not path.is_dir():  # not a lost race with an identical writer
+                    raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return path
+
+    def load_bytes(self, namespace: str, key: str, suffix: str = "") -> bytes | None:
+        """The artifact's contents if it exists and its digest checks out, else None.
+
+        The digest is checked on the very bytes returned, so a concurrent rebuild can never
+        hand back a mix of two versions.
+        """
+        path = self.path_for(namespace, key, suffix)
+        try:
+            expected = Path(str(path) + ".sha256").read_text().strip()
+            data = path.read_bytes()
+        except OSError:
+            return None
+        if not expected or hashlib.sha256(data).hexdigest() != expected:
+            if path.exists():
+                log.warning("cache artifact %s failed its digest check; ignoring it", path)
+            return None
+        return data
+
+    def discard(self, namespace: str, key: str, suffix: str = "") -> None:
+        """Invalidate an artifact whose contents turned out unusable, so the next
+        get_or_build rebuilds it. Processes that already read it are unaffected."""
+        path = self.path_for(namespace, key, suffix)
+        if not path.parent.is_dir():
+            return
+        with filelock.FileLock(str(path) + ".lock"):
+            Path(str(path) + ".sha256").unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
 
     def _publish(self, tmp: Path, path: Path) -> None:
         digest = _sha256(tmp)

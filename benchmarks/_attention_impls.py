@@ -1,0 +1,260 @@
+"""The attention implementations the sweep compares, and how they are timed on a GPU.
+
+Every implementation takes the same q, k, v: (batch, seqlen, heads, head_dim) tensors with a
+contiguous last dim (flash-attn's and flashtune's layout), and returns its output in that
+layout, so outputs compare element for element. SDPA gets transposed views of the very same
+storage.
+
+Timing (``time_cuda``): warm-up calls first, then per repeat an L2 flush (a 256 MiB
+write, several times any current L2) followed by the call between two CUDA events; the
+caller takes the median. Inputs are random normals, never zeros.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+#: Bytes written between repeats to evict the inputs from L2 (H100/H200 L2 is 50-60 MB).
+L2_FLUSH_BYTES = 256 * 2**20
+#: ||out - ref|| / ||ref|| above which an output is reported wrong (bf16 inputs land
+#: around 3e-3 against a float32 reference; a broken kernel lands near 1).
+REL_ERR_TOLERANCE = 1e-2
+
+
+class Unavailable(Exception):
+    """This implementation cannot run this shape here (not installed, no kernel, ...)."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One implementation bound to one set of inputs.
+
+    ``fn`` runs the forward pass and returns (batch, seqlen, heads, head_dim) output;
+    ``context`` is entered once around warm-up, check and timing (e.g. an SDPA backend
+    selection); ``config`` names what ran (kernel config or backend).
+    """
+
+    fn: Callable[[], torch.Tensor]
+    config: str
+    context: Callable[[], contextlib.AbstractContextManager[Any]] = field(
+        default=contextlib.nullcontext)
+
+
+@dataclass(frozen=True)
+class Impl:
+    """A named implementation; ``prepare`` raises Unavailable when it cannot run."""
+
+    name: str
+    prepare: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], Prepared]
+
+
+# --- timing -----------------------------------------------------------------------------
+
+
+class L2Flusher:
+    """Evicts the L2 cache by writing a buffer larger than it."""
+
+    def __init__(self, device: torch.device, nbytes: int = L2_FLUSH_BYTES) -> None:
+        import torch
+
+        self._buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._tick = 0
+
+    def __call__(self) -> None:
+        self._tick = (self._tick + 1) % 251  # a different value each time: a real write
+        self._buf.fill_(self._tick)
+
+
+@dataclass(frozen=True)
+class Timer:
+    """How a sweep synchronises and times: CUDA events on a GPU (the only mode the command
+    line uses), or the host clock on the CPU (tests of the sweep's plumbing only; such
+    numbers are never performance)."""
+
+    device: str
+    warmup: int
+    repeats: int
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device {self.device!r} is not 'cuda' or 'cpu'")
+        if self.warmup < 1 or self.repeats < 1:
+            raise ValueError(f"warmup and repeats must be >= 1, got {self.warmup}, "
+                             f"{self.repeats}")
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+
+    def flusher(self) -> Callable[[], None]:
+        import torch
+
+        if self.device == "cuda":
+            return L2Flusher(torch.device("cuda"))
+        return lambda: None
+
+    def time(self, fn: Callable[[], object], flush: Callable[[], None]) -> list[float]:
+        """Milliseconds per repeat of ``fn``."""
+        if self.device == "cuda":
+            return time_cuda(fn, warmup=self.warmup, repeats=self.repeats, flush=flush)
+        for _ in range(self.warmup):
+            fn()
+        out = []
+        for _ in range(self.repeats):
+            flush()
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+
+def time_cuda(fn: Callable[[], object], *, warmup: int, repeats: int,
+              flush: Callable[[], None]) -> list[float]:
+    """Milliseconds of ``fn`` per repeat, from CUDA events, L2 flushed before each."""
+    import torch
+
+    if warmup < 1 or repeats < 1:
+        raise ValueError(f"warmup and repeats must be >= 1, got {warmup}, {repeats}")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]  # type: ignore[no-untyped-call]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]  # type: ignore[no-untyped-call]
+    for start, end in zip(starts, ends, strict=True):
+        flush()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in zip(starts, ends, strict=True)]
+
+
+# --- reference ----------------------------------------------------------------------------
+
+
+def reference_slice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    heads: int = 2) -> torch.Tensor:
+    """float32 attention of batch 0, the first ``heads`` heads: (seqlen, heads, head_dim).
+
+    Computed head by head with plain matmul/softmax (no fused kernel), so it is independent
+    of every implementation under test; one head at a time bounds the score matrix.
+    """
+    import torch
+
+    n, d = q.shape[1], q.shape[3]
+    out = torch.empty(n, heads, d, dtype=torch.float32, device=q.device)
+    scale = 1.0 / math.sqrt(d)
+    mask = None
+    if causal:
+        mask = torch.ones(n, k.shape[1], dtype=torch.bool, device=q.device).triu_(1)
+    for h in range(min(heads, q.shape[2])):
+        qh, kh, vh = (t[0, :, h, :].float() for t in (q, k, v))
+        scores = (qh @ kh.T) * scale
+        if mask is not None:
+            scores.masked_fill_(mask, -math.inf)
+        out[:, h, :] = torch.softmax(scores, dim=-1) @ vh
+        del scores
+    return out[:, : min(heads, q.shape[2])]
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| over ``ref``'s slice of ``out`` (NaN if out has NaN/inf)."""
+    heads = ref.shape[1]
+    got = out[0, :, :heads, :].double()
+    want = ref.double()
+    if not bool(got.isfinite().all()):
+        return math.nan
+    return float((got - want).norm() / want.norm())
+
+
+# --- implementations --------------------------------------------------------------------
+
+
+def _sdpa(backend_name: str) -> Callable[[Any, Any, Any, bool], Prepared]:
+    def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Prepared:
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = getattr(SDPBackend, backend_name, None)
+        if backend is None:
+            raise Unavailable(f"this torch has no SDPBackend.{backend_name}")
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+        def fn() -> torch.Tensor:
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
+
+        def context() -> contextlib.AbstractContextManager[Any]:
+            return sdpa_kernel(backend)
+
+        try:
+            with context():
+                fn()
+        except RuntimeError as exc:  # "No available kernel" and friends
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+            raise Unavailable(f"SDPA {backend_name}: {first[:200]}") from exc
+        return Prepared(fn=fn, config=backend_name.lower(), context=context)
+
+    return prepare
+
+
+def _flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Prepared:
+    try:
+        import flash_attn
+        from flash_attn import flash_attn_func
+    except ImportError as exc:
+        raise Unavailable(f"flash-attn is not importable ({exc})") from exc
+
+    def fn() -> torch.Tensor:
+        out = flash_attn_func(q, k, v, causal=causal)
+        result: torch.Tensor = out[0] if isinstance(out, tuple) else out
+        return result
+
+    return Prepared(fn=fn, config=f"flash-attn {getattr(flash_attn, '__version__', '?')}")
+
+
+@contextlib.contextmanager
+def _flashtune_errors() -> Iterator[None]:
+    try:
+        yield
+    except ImportError as exc:
+        raise Unavailable(f"flashtune runtime is not importable ({exc})") from exc
+
+
+def _flashtune_tuned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     causal: bool) -> Prepared:
+    with _flashtune_errors():
+        from _flashtune_adapter import tuned_call
+    fn, config = tuned_call(q, k, v, causal)
+    return Prepared(fn=fn, config=config)
+
+
+def _flashtune_default(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       causal: bool) -> Prepared:
+    with _flashtune_errors():
+        from _flashtune_adapter import default_call
+    fn, config = default_call(q, k, v, causal)
+    return Prepared(fn=fn, config=config)
+
+
+IMPLS: dict[str, Impl] = {
+    impl.name: impl
+    for impl in (
+        Impl("flashtune", _flashtune_tuned),
+        Impl("flashtune-default", _flashtune_default),
+        Impl("sdpa-flash", _sdpa("FLASH_ATTENTION")),
+        Impl("sdpa-cudnn", _sdpa("CUDNN_ATTENTION")),
+        Impl("flash-attn", _flash_attn),
+    )
+}
+#: The implementation every ratio is taken against.
+BASELINE = "sdpa-flash"

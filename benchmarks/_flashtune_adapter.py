@@ -1,0 +1,69 @@
+"""flashtune as the benchmarks call it: through the dispatcher (tuned config) or pinned to
+the built-in default config.
+
+Both take q, k, v as (batch, seqlen, heads, head_dim) tensors and return a zero-argument
+callable producing the output in that layout, plus a label of the config that runs.
+``flashtune.attention`` has no way to pin a config, so the default config is launched
+through the backend directly, with the same argument packing and launch as the dispatcher's
+path (``runtime.forward``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def tuned_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+               backend: str = "cuda") -> tuple[Callable[[], torch.Tensor], str]:
+    """flashtune.attention as users call it; the label is the dispatcher's config and tier."""
+    import flashtune
+
+    decision = flashtune.explain(q, k, v, causal=causal, backend=backend)
+
+    def fn() -> torch.Tensor:
+        out = flashtune.attention(q, k, v, causal=causal, backend=backend)
+        assert not isinstance(out, tuple)
+        return out
+
+    return fn, f"{decision.config.key()} ({decision.tier.value})"
+
+
+def default_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                 backend: str = "cuda") -> tuple[Callable[[], torch.Tensor], str]:
+    """The built-in default config of this problem on this device, bypassing the dispatcher.
+
+    The kernel is compiled (or read from the caches) and loaded here, not in ``fn``.
+    """
+    import torch
+
+    import flashtune
+    from flashtune.codegen.render import render
+    from flashtune.runtime.backends import get_backend
+    from flashtune.runtime.dispatch import default_config
+    from flashtune.runtime.forward import pack_fwd_args
+
+    decision = flashtune.explain(q, k, v, causal=causal, backend=backend)
+    config = default_config(decision.problem, decision.arch)
+    source = render(decision.problem, config)
+    if q.is_cuda:
+        with torch.cuda.device(q.device):
+            kernel = get_backend(backend).load(source)
+    else:
+        kernel = get_backend(backend).load(source)
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    grid = source.grid(batch, heads_q, seqlen_q)
+    scale = 1.0 / math.sqrt(head_dim)
+
+    def fn() -> torch.Tensor:
+        out = torch.empty_like(q)
+        lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
+        stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
+        kernel.launch(grid, pack_fwd_args(q, k, v, out, lse, scale), stream=stream)
+        return out
+
+    return fn, f"{config.key()} (default)"

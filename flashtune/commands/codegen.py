@@ -1,0 +1,248 @@
+"""``flashtune show`` (print a generated kernel) and ``flashtune compile`` (NVRTC resources).
+
+Both take a problem (--head-dim, --dtype, --causal) and a config: --config KEY and/or
+--block-m/--block-n/--warps/--stages, each given field overriding the base config (the
+--config key, else the default config of the problem on the arch).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from flashtune.codegen import space
+from flashtune.codegen.arch import ArchSpec, get_arch
+from flashtune.codegen.render import render
+from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
+from flashtune.errors import FlashtuneError, InvalidConfig, InvalidProblem
+
+DEFAULT_ARCH = "sm_90"
+
+HeadDim = Annotated[int, typer.Option("--head-dim", help="Head dimension (multiple of 8, <= 256).")]
+DTypeOpt = Annotated[DType, typer.Option("--dtype", case_sensitive=False,
+                                         help="Element type of q, k, v.")]
+Causal = Annotated[bool, typer.Option("--causal/--no-causal", help="Causal masking.")]
+ConfigKey = Annotated[str | None, typer.Option(
+    "--config", help="Config key, e.g. m128_n64_w4_s2 (fields below override it).")]
+BlockM = Annotated[int | None, typer.Option("--block-m", help="Query rows per block (B_r).")]
+BlockN = Annotated[int | None, typer.Option("--block-n", help="Key rows per tile (B_c).")]
+Warps = Annotated[int | None, typer.Option("--warps", help="Warps per block.")]
+Stages = Annotated[int | None, typer.Option("--stages", help="K/V pipeline stages.")]
+
+
+@dataclass(frozen=True)
+class ConfigChoice:
+    """The config options as given; ``resolve`` turns them into a config for one arch."""
+
+    key: str | None
+    block_m: int | None
+    block_n: int | None
+    num_warps: int | None
+    num_stages: int | None
+
+    @property
+    def overrides(self) -> dict[str, int]:
+        fields = {"block_m": self.block_m, "block_n": self.block_n,
+                  "num_warps": self.num_warps, "num_stages": self.num_stages}
+        return {k: v for k, v in fields.items() if v is not None}
+
+    @property
+    def given(self) -> bool:
+        return self.key is not None or bool(self.overrides)
+
+    def resolve(self, problem: Problem, spec: ArchSpec) -> KernelConfig:
+        try:
+            base = (KernelConfig.from_key(self.key) if self.key is not None
+                    else default_config(problem, spec))
+        except InvalidConfig as exc:
+            raise typer.BadParameter(str(exc), param_hint="--config") from exc
+        try:
+            return KernelConfig(**{**base.to_dict(), **self.overrides})
+        except InvalidConfig as exc:
+            raise typer.BadParameter(
+                f"{exc} (from {base.key()} with {self.overrides})",
+                param_hint="--block-m/--block-n/--warps/--stages") from exc
+
+
+def default_config(problem: Problem, spec: ArchSpec) -> KernelConfig:
+    """The config used when none is given: flashtune.codegen.defaults' choice for ``spec``.
+
+    Until that module exists, the first candidate of the space on ``spec``.
+    """
+    try:
+        defaults = importlib.import_module("flashtune.codegen.defaults")
+    except ModuleNotFoundError as exc:
+        if exc.name != "flashtune.codegen.defaults":
+            raise
+    else:
+        chosen = defaults.default_config(problem, spec)
+        if not isinstance(chosen, KernelConfig):
+            raise TypeError(f"defaults.default_config returned {chosen!r}, not a KernelConfig")
+        return chosen
+    candidates = space.candidates(problem, spec)
+    if not candidates:
+        raise InvalidConfig(f"no config of the search space fits {problem.key()} on {spec.name}")
+    return candidates[0]
+
+
+def parse_problem(head_dim: int, dtype: DType, causal: bool) -> Problem:
+    try:
+        return Problem(head_dim=head_dim, dtype=dtype, causal=causal)
+    except InvalidProblem as exc:
+        raise typer.BadParameter(str(exc), param_hint="--head-dim") from exc
+
+
+def parse_arch(value: str) -> ArchSpec:
+    try:
+        return get_arch(value)
+    except InvalidConfig as exc:
+        raise typer.BadParameter(str(exc), param_hint="--arch") from exc
+
+
+def fail(message: str) -> typer.Exit:
+    """Print ``message`` as an error on stderr; the caller raises the returned Exit(1)."""
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    return typer.Exit(1)
+
+
+def show(
+    head_dim: HeadDim = 128,
+    dtype: DTypeOpt = DType.FP16,
+    causal: Causal = False,
+    config: ConfigKey = None,
+    block_m: BlockM = None,
+    block_n: BlockN = None,
+    warps: Warps = None,
+    stages: Stages = None,
+    arch: Annotated[str, typer.Option(
+        "--arch", help="Arch whose default config is shown when no config is given.")
+    ] = DEFAULT_ARCH,
+) -> None:
+    """Print the generated CUDA source of one kernel."""
+    problem = parse_problem(head_dim, dtype, causal)
+    spec = parse_arch(arch)
+    choice = ConfigChoice(config, block_m, block_n, warps, stages)
+    kernel_config = choice.resolve(problem, spec)
+    reason = space.static_check(problem, kernel_config, spec)
+    if reason is not None:
+        Console(stderr=True).print(f"[yellow]note:[/] {kernel_config.key()} is excluded on "
+                                   f"{spec.name}: {reason}", highlight=False)
+    typer.echo(render(problem, kernel_config).code, nl=False)
+
+
+@dataclass(frozen=True)
+class _Row:
+    source: KernelSource | None
+    config: KernelConfig
+    arch: str
+    excluded: str | None
+
+
+def _plan(problem: Problem, specs: list[ArchSpec], choice: ConfigChoice, all_configs: bool
+          ) -> list[_Row]:
+    rows: list[_Row] = []
+    if all_configs:
+        configs = space.search_space(problem)
+        for cfg in configs:
+            source = render(problem, cfg)
+            for spec in specs:
+                reason = space.static_check(problem, cfg, spec)
+                rows.append(_Row(None if reason else source, cfg, spec.name, reason))
+        return rows
+    for spec in specs:
+        cfg = choice.resolve(problem, spec)
+        reason = space.static_check(problem, cfg, spec)
+        rows.append(_Row(None if reason else render(problem, cfg), cfg, spec.name, reason))
+    return rows
+
+
+def compile_command(
+    arch: Annotated[list[str] | None, typer.Option(
+        "--arch", help=f"Target arch, repeatable (default {DEFAULT_ARCH}).")] = None,
+    head_dim: HeadDim = 128,
+    dtype: DTypeOpt = DType.FP16,
+    causal: Causal = False,
+    config: ConfigKey = None,
+    block_m: BlockM = None,
+    block_n: BlockN = None,
+    warps: Warps = None,
+    stages: Stages = None,
+    all_configs: Annotated[bool, typer.Option(
+        "--all", help="Every config of the search space (excluded ones are listed).")] = False,
+    ptx_dir: Annotated[Path | None, typer.Option(
+        "--ptx-dir", file_okay=False, help="Write <entry>.<arch>.ptx files here.")] = None,
+    sass_dir: Annotated[Path | None, typer.Option(
+        "--sass-dir", file_okay=False,
+        help="Write <entry>.<arch>.sass files here (needs nvdisasm).")] = None,
+    workers: Annotated[int | None, typer.Option(
+        "--workers", min=1, help="Compile processes (default FLASHTUNE_COMPILE_WORKERS).")
+    ] = None,
+) -> None:
+    """Compile kernels with NVRTC for the given archs and print their resource usage.
+
+    Exits with status 1 if any kernel fails to compile.
+    """
+    from flashtune.runtime.compiler import compile_pairs, compile_source
+    from flashtune.runtime.sass import disassemble
+    from flashtune.runtime.toolchain import find_toolchain, require_nvdisasm
+
+    problem = parse_problem(head_dim, dtype, causal)
+    specs = list(dict.fromkeys(parse_arch(a) for a in (arch or [DEFAULT_ARCH])))
+    choice = ConfigChoice(config, block_m, block_n, warps, stages)
+    if all_configs and choice.given:
+        raise typer.BadParameter("--all compiles every config; drop --config/--block-m/"
+                                 "--block-n/--warps/--stages, or drop --all", param_hint="--all")
+    try:
+        if sass_dir is not None:
+            require_nvdisasm(find_toolchain())
+        rows = _plan(problem, specs, choice, all_configs)
+        jobs = [(r.source, r.arch) for r in rows if r.source is not None]
+        results = iter(compile_pairs(jobs, workers))
+        console = Console()
+        table = Table(title=f"{problem.key()}: NVRTC resource usage")
+        table.add_column("config", no_wrap=True)
+        table.add_column("arch", no_wrap=True)
+        table.add_column("registers", justify="right")
+        table.add_column("spill bytes st/ld", justify="right")
+        table.add_column("smem B static+dynamic", justify="right")
+        table.add_column("status")
+        failures = []
+        for row in rows:
+            if row.source is None:
+                table.add_row(row.config.key(), row.arch, "", "", "",
+                              escape(f"excluded: {row.excluded}"))
+                continue
+            result = next(results)
+            if result.kernel is None:
+                assert result.failure is not None
+                failures.append(result.failure)
+                table.add_row(row.config.key(), row.arch, "", "", "",
+                              "[bold red]FAILED[/]: " + escape(result.failure.message))
+                continue
+            res = result.kernel.resources
+            spills = f"{res.spill_stores}/{res.spill_loads}"
+            table.add_row(row.config.key(), row.arch, str(res.registers),
+                          f"[yellow]{spills}[/]" if res.spill_bytes else spills,
+                          f"{res.static_smem}+{res.dynamic_smem}", "ok")
+            if ptx_dir is not None:
+                ptx = compile_source(row.source, row.arch, ptx=True).ptx or ""
+                ptx_dir.mkdir(parents=True, exist_ok=True)
+                (ptx_dir / f"{row.source.entry}.{row.arch}.ptx").write_text(ptx)
+            if sass_dir is not None:
+                sass_dir.mkdir(parents=True, exist_ok=True)
+                (sass_dir / f"{row.source.entry}.{row.arch}.sass").write_text(
+                    disassemble(result.kernel.cubin))
+        console.print(table)
+    except FlashtuneError as exc:
+        raise fail(str(exc)) from exc
+    if failures:
+        for failure in failures:
+            Console(stderr=True).print(str(failure.error()), highlight=False, markup=False)
+        raise fail(f"{len(failures)} of {len(jobs)} kernels failed to compile")

@@ -1,0 +1,316 @@
+"""``flashtune db ...``: inspect, upgrade, export, import and merge the tuning database.
+
+Every command takes ``--db URL`` (before the command name: ``flashtune db --db URL list``);
+the default is the knob FLASHTUNE_DB. Failures print one message and exit with status 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from flashtune.codegen.spec import KernelConfig, Problem, ProblemBucket
+from flashtune.db import (
+    BestEntry,
+    RecordValidator,
+    ShareReport,
+    TrialRecord,
+    TrialStatus,
+    TuningStore,
+    export_bundle,
+    import_bundle,
+    merge_databases,
+    read_bundle,
+    write_bundle,
+)
+from flashtune.db.engine import make_engine, resolve_url
+from flashtune.db.schema import ensure_schema, schema_state
+from flashtune.db.sharing import PREFER_CHOICES, Prefer
+from flashtune.errors import FlashtuneError
+
+
+class SpecValidator:
+    """The RecordValidator of the code generator's own rules (Problem, KernelConfig)."""
+
+    def problem(self, fields: Mapping[str, object]) -> str:
+        return Problem.from_dict(fields).key()
+
+    def config(self, fields: Mapping[str, object]) -> str:
+        return KernelConfig.from_dict(fields).key()
+
+    def bucket(self, problem_key: str, seqlen: int) -> str:
+        return ProblemBucket(Problem.from_key(problem_key), seqlen).key()
+
+
+VALIDATOR: RecordValidator = SpecValidator()
+
+db_app = typer.Typer(name="db", no_args_is_help=True,
+                     help="Inspect, upgrade, export, import and merge the tuning database.")
+
+
+def _out() -> Console:
+    # Made per call, so that the terminal width (COLUMNS) is read when printing.
+    return Console()
+
+DbOption = Annotated[str | None, typer.Option(
+    "--db", metavar="URL",
+    help="Database URL or SQLite file path (default: FLASHTUNE_DB, else the user data dir).")]
+PreferOpt = Annotated[str, typer.Option(
+    "--prefer", help="Per bucket keep the faster result, ours, or theirs: "
+    + "|".join(PREFER_CHOICES))]
+MixedOpt = Annotated[bool, typer.Option(
+    "--allow-mixed-digests",
+    help="Merge even where results were measured on different kernel sources.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Report what would change; write "
+                                                           "nothing.")]
+
+
+@db_app.callback()
+def _db(ctx: typer.Context, db: DbOption = None) -> None:
+    """The tuning database (devices, trials, best config per device and bucket)."""
+    ctx.obj = db
+
+
+def _fail(exc: Exception) -> typer.Exit:
+    Console(stderr=True).print(Text(f"error: {exc}", style="red"))
+    return typer.Exit(1)
+
+
+def _open(ctx: typer.Context, db: str | None, *, create: bool = True) -> TuningStore:
+    """The store named by the command's --db, else the group's --db, else the knob."""
+    try:
+        return TuningStore(db or ctx.obj, create=create)
+    except FlashtuneError as exc:
+        raise _fail(exc) from None
+
+
+def _prefer(value: str) -> Prefer:
+    for choice in PREFER_CHOICES:
+        if value == choice:
+            return choice
+    raise typer.BadParameter(f"{value!r}; expected one of {list(PREFER_CHOICES)}",
+                             param_hint="--prefer")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
+
+
+def _when(value: datetime) -> str:
+    return value.strftime("%Y-%m-%d %H:%M")
+
+
+def _table(*columns: str, title: str | None = None) -> Table:
+    return Table(*columns, title=title, title_justify="left")
+
+
+def _row(table: Table, *cells: object) -> None:
+    # Text cells: names and error messages from a database are never read as rich markup.
+    table.add_row(*(Text(str(cell)) for cell in cells))
+
+
+def _best_table(entries: list[BestEntry], title: str) -> Table:
+    table = _table("device", "arch", "bucket", "config", "median ms", "TFLOP/s", "digest",
+                   "host", "measured", title=title)
+    for entry in entries:
+        trial = entry.trial
+        _row(table, entry.device, entry.arch, trial.bucket, entry.config.key,
+             _ms(trial.median_ms), "-" if trial.tflops is None else f"{trial.tflops:.1f}",
+             trial.template_digest[:12], trial.host, _when(trial.created_at))
+    return table
+
+
+@db_app.command("info")
+def info_command(ctx: typer.Context, db: DbOption = None) -> None:
+    """Print the database URL, its schema version and how many rows each table holds."""
+    store = _open(ctx, db, create=False)
+    with store:
+        try:
+            counts = store.counts()
+        except FlashtuneError as exc:
+            raise _fail(exc) from None
+        _out().print(Text(f"database: {store.where}\nschema revision: {store.schema.current}"))
+        table = _table("table", "rows")
+        for name, count in counts.items():
+            _row(table, name, count)
+        _out().print(table)
+
+
+@db_app.command("upgrade")
+def upgrade_command(ctx: typer.Context, db: DbOption = None) -> None:
+    """Migrate the database to this flashtune's schema (back it up first)."""
+    try:
+        url = resolve_url(db or ctx.obj)
+        engine = make_engine(url, create=True)
+        try:
+            before = schema_state(engine).current
+            after = ensure_schema(engine, create=True, upgrade=True).current
+        finally:
+            engine.dispose()
+    except FlashtuneError as exc:
+        raise _fail(exc) from None
+    if before == after:
+        _out().print(Text(f"schema revision {after}: already up to date"))
+    else:
+        _out().print(Text(f"schema revision {before or 'none'} -> {after}"))
+
+
+@db_app.command("list")
+def list_command(
+    ctx: typer.Context,
+    db: DbOption = None,
+    device: Annotated[str | None, typer.Option("--device", help="Only this device.")] = None,
+    problem: Annotated[str | None, typer.Option(
+        "--problem", help="Only this problem key, e.g. fwd_d128_bf16_causal.")] = None,
+) -> None:
+    """List the devices and the best config of every (device, bucket)."""
+    with _open(ctx, db) as store:
+        try:
+            devices = store.devices([device] if device else [])
+            entries = store.best_entries(device=device, problem=problem)
+        except FlashtuneError as exc:
+            raise _fail(exc) from None
+    table = _table("device", "arch", "SMs", "memory GiB", "driver", "CUDA", "NVRTC", "CuPy",
+                   title="devices")
+    for d in devices:
+        _row(table, d.name, d.arch, d.sm_count, f"{d.memory_bytes / 2**30:.1f}",
+             d.driver_version, d.cuda_version, d.nvrtc_version, d.cupy_version)
+    _out().print(table)
+    _out().print(_best_table(entries, f"best configs ({len(entries)})"))
+
+
+@db_app.command("show")
+def show_command(
+    ctx: typer.Context,
+    bucket: Annotated[str, typer.Argument(help="Bucket key, e.g. fwd_d128_bf16_causal_n4096.")],
+    db: DbOption = None,
+    device: Annotated[str | None, typer.Option("--device", help="Only this device.")] = None,
+    status: Annotated[TrialStatus | None, typer.Option("--status",
+                                                       help="Only this status.")] = None,
+    limit: Annotated[int, typer.Option("--limit", min=1, help="At most this many trials.")] = 50,
+) -> None:
+    """Show the best configs and the trials of one bucket, fastest first."""
+    try:
+        parsed = ProblemBucket.from_key(bucket)
+    except FlashtuneError as exc:
+        raise typer.BadParameter(str(exc), param_hint="BUCKET") from None
+    problem, seqlen = parsed.problem.key(), parsed.seqlen
+    with _open(ctx, db) as store:
+        try:
+            best = store.best_entries(device=device, problem=problem, seqlen=seqlen)
+            trials = store.trials(device=device, problem=problem, seqlen=seqlen, status=status)
+        except FlashtuneError as exc:
+            raise _fail(exc) from None
+    _out().print(_best_table(best, f"best for {bucket}"))
+    trials.sort(key=_speed_order)
+    table = _table("device", "config", "status", "median ms", "min", "max", "n", "TFLOP/s",
+                   "predicted", "digest", "study", "measured", "error",
+                   title=f"trials ({min(limit, len(trials))} of {len(trials)})")
+    for t in trials[:limit]:
+        error = (t.error or "").strip().splitlines()
+        _row(table, t.device, t.config.key, t.status.value, _ms(t.median_ms), _ms(t.min_ms),
+             _ms(t.max_ms), t.count, "-" if t.tflops is None else f"{t.tflops:.1f}",
+             _ms(t.predicted_ms), t.template_digest[:12], t.study or "-", _when(t.created_at),
+             error[0][:80] if error else "")
+    _out().print(table)
+
+
+def _speed_order(trial: TrialRecord) -> tuple[bool, float, str]:
+    return (trial.median_ms is None, trial.median_ms or 0.0, trial.config.key)
+
+
+def _print_report(report: ShareReport, what: str) -> None:
+    note = "dry run, nothing written" if report.dry_run else "written"
+    table = _table("kind", "added", "updated", "skipped", title=f"{what} ({note})")
+    for kind, added, updated, skipped in report.rows():
+        _row(table, kind, added, updated, skipped)
+    _out().print(table)
+    if report.digest_conflicts:
+        _out().print(Text(f"merged despite {len(report.digest_conflicts)} template digest "
+                        "differences:", style="yellow"))
+        for conflict in report.digest_conflicts:
+            _out().print(Text("  " + conflict.describe()))
+
+
+@db_app.command("export")
+def export_command(
+    ctx: typer.Context,
+    output: Annotated[Path, typer.Option("-o", "--output", help="Bundle file to write.")],
+    db: DbOption = None,
+    device: Annotated[list[str] | None, typer.Option(
+        "--device", help="Only this device (repeatable).")] = None,
+    problem: Annotated[list[str] | None, typer.Option(
+        "--problem", help="Only this problem key (repeatable).")] = None,
+    best_only: Annotated[bool, typer.Option(
+        "--best-only", help="Only the best trial of each bucket, no other trials.")] = False,
+) -> None:
+    """Write a self-describing JSON bundle of tuning results for sharing."""
+    for key in problem or []:
+        try:
+            Problem.from_key(key)
+        except FlashtuneError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--problem") from None
+    with _open(ctx, db, create=False) as store:
+        try:
+            bundle = export_bundle(store, devices=device or [], problems=problem or [],
+                                   best_only=best_only)
+            write_bundle(bundle, output)
+        except (FlashtuneError, OSError) as exc:
+            raise _fail(exc) from None
+    _out().print(Text(f"wrote {output}: {len(bundle.devices)} devices, {len(bundle.trials)} "
+                    f"trials, {len(bundle.best)} best entries"))
+
+
+@db_app.command("import")
+def import_command(
+    ctx: typer.Context,
+    bundle_path: Annotated[Path, typer.Argument(metavar="BUNDLE", help="Bundle file to read.")],
+    db: DbOption = None,
+    prefer: PreferOpt = "faster",
+    allow_mixed_digests: MixedOpt = False,
+    dry_run: DryRunOpt = False,
+) -> None:
+    """Validate a bundle completely, then add its results in one transaction."""
+    choice = _prefer(prefer)
+    try:
+        bundle = read_bundle(bundle_path, VALIDATOR)
+    except FlashtuneError as exc:
+        raise _fail(exc) from None
+    with _open(ctx, db) as store:
+        try:
+            report = import_bundle(store, bundle, prefer=choice,
+                                   allow_mixed_digests=allow_mixed_digests, dry_run=dry_run)
+        except FlashtuneError as exc:
+            raise _fail(exc) from None
+    _print_report(report, f"import of {bundle_path}")
+
+
+@db_app.command("merge")
+def merge_command(
+    ctx: typer.Context,
+    other: Annotated[str, typer.Argument(help="The other database: URL or SQLite file path.")],
+    db: DbOption = None,
+    prefer: PreferOpt = "faster",
+    allow_mixed_digests: MixedOpt = False,
+    dry_run: DryRunOpt = False,
+) -> None:
+    """Merge another database's results into this one, keeping provenance."""
+    choice = _prefer(prefer)
+    try:
+        source = TuningStore(other, create=False)
+    except FlashtuneError as exc:
+        raise _fail(exc) from None
+    with source, _open(ctx, db) as store:
+        try:
+            report = merge_databases(store, source, VALIDATOR, prefer=choice,
+                                     allow_mixed_digests=allow_mixed_digests, dry_run=dry_run)
+        except FlashtuneError as exc:
+            raise _fail(exc) from None
+    _print_report(report, f"merge of {source.where}")

@@ -1,0 +1,143 @@
+"""``flashtune profile``: SASS statistics, resources, occupancy and a PREDICTED time of one
+kernel on a named GPU, without a GPU."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from flashtune.codegen.spec import DType
+from flashtune.commands.codegen import (
+    DEFAULT_ARCH,
+    BlockM,
+    BlockN,
+    Causal,
+    ConfigChoice,
+    ConfigKey,
+    DTypeOpt,
+    HeadDim,
+    Stages,
+    Warps,
+    fail,
+    parse_arch,
+    parse_problem,
+)
+from flashtune.errors import FlashtuneError
+from flashtune.perf.sass import InstructionMix
+from flashtune.perf.workload import Shape
+
+if TYPE_CHECKING:
+    from flashtune.perf.profile import KernelProfile
+
+
+def _shape(batch: int, heads: int, heads_kv: int | None, seqlen: int, seqlen_k: int | None
+           ) -> Shape:
+    try:
+        return Shape(batch, heads, heads_kv or heads, seqlen, seqlen_k or seqlen)
+    except FlashtuneError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--batch/--heads/--seqlen") from exc
+
+
+def _widths(widths: dict[int, int]) -> str:
+    return ", ".join(f"{n} x {bits}-bit" for bits, n in sorted(widths.items())) or "-"
+
+
+def _mix_rows(mix: InstructionMix) -> list[tuple[str, str]]:
+    mma = ", ".join(f"{n} {op}" for op, n in mix.by_opcode.items() if op.startswith(
+        ("HMMA", "IMMA", "HGMMA")))
+    mufu = ", ".join(f"{n} {op}" for op, n in mix.by_opcode.items() if op.startswith("MUFU"))
+    c = mix.by_category
+    return [
+        ("tensor-core MMA", f"{c['mma'] + c['wgmma']}" + (f" ({mma})" if mma else "")),
+        ("ldmatrix (LDSM)", str(c["ldsm"])),
+        ("cp.async (LDGSTS)", str(c["ldgsts"])),
+        ("global loads (LDG)", _widths(dict(mix.load_widths))),
+        ("global stores (STG)", _widths(dict(mix.store_widths))),
+        ("local memory (LDL / STL)", f"{c['ldl']} / {c['stl']}"),
+        ("barriers (BAR)", str(c["bar"])),
+        ("special functions (MUFU)", f"{c['mufu']}" + (f" ({mufu})" if mufu else "")),
+        ("FP32 + conversions", f"{c['fp32']} + {c['convert']}"),
+        ("shuffles (SHFL)", str(c["shfl"])),
+        ("all instructions", str(mix.total)),
+    ]
+
+
+def _print(profile: KernelProfile) -> None:
+    console = Console()
+    pred = profile.prediction
+    shape = profile.shape
+    console.print(f"[bold]{profile.entry}[/] for {profile.arch}; shape batch={shape.batch} "
+                  f"heads={shape.heads_q}/{shape.heads_kv} seqlen={shape.seqlen_q}/"
+                  f"{shape.seqlen_k}", highlight=False)
+    res = profile.resources
+    console.print(f"resources: {res.registers} registers, spills {res.spill_stores} B stored /"
+                  f" {res.spill_loads} B loaded, smem {res.static_smem} B static + "
+                  f"{res.dynamic_smem} B dynamic", highlight=False)
+    table = Table(title="SASS instruction mix (static counts)")
+    table.add_column("instructions")
+    table.add_column("whole kernel", justify="right")
+    loop = profile.loop
+    title = "main loop" if loop is None else f"main loop [{loop.start:#x}-{loop.end:#x}]"
+    table.add_column(title, justify="right")
+    loop_rows = (_mix_rows(profile.loop_mix) if profile.loop_mix is not None
+                 else [("", "-")] * len(_mix_rows(profile.kernel_mix)))
+    for (name, whole), (_, in_loop) in zip(_mix_rows(profile.kernel_mix), loop_rows,
+                                           strict=True):
+        table.add_row(name, whole, in_loop)
+    console.print(table)
+    occ = pred.occupancy
+    console.print(f"occupancy on {profile.arch}: {occ.blocks_per_sm} blocks/SM, "
+                  f"{occ.warps_per_sm} warps/SM ({occ.ratio:.0%}), limited by {occ.limiter}; "
+                  f"{pred.waves:.2f} waves on {profile.gpu.sm_count} SMs", highlight=False)
+    console.print(f"[bold]PREDICTED[/] on {profile.gpu.full_name}: time {pred.time_ms:.4g} ms, "
+                  f"{pred.tflops:.1f} TFLOP/s, {pred.bound}-bound "
+                  f"(model {pred.model_version}; a prediction, not a measurement)",
+                  highlight=False)
+    for note in pred.notes:
+        console.print(f"  note: {note}", highlight=False)
+
+
+def profile(
+    head_dim: HeadDim = 128,
+    dtype: DTypeOpt = DType.FP16,
+    causal: Causal = False,
+    config: ConfigKey = None,
+    block_m: BlockM = None,
+    block_n: BlockN = None,
+    warps: Warps = None,
+    stages: Stages = None,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="Batch size.")] = 4,
+    heads: Annotated[int, typer.Option("--heads", min=1, help="Query heads.")] = 16,
+    heads_kv: Annotated[int | None, typer.Option(
+        "--heads-kv", min=1, help="Key/value heads (default: --heads).")] = None,
+    seqlen: Annotated[int, typer.Option("--seqlen", min=1, help="Query sequence length.")
+                      ] = 4096,
+    seqlen_k: Annotated[int | None, typer.Option(
+        "--seqlen-k", min=1, help="Key/value sequence length (default: --seqlen).")] = None,
+    arch: Annotated[str, typer.Option("--arch", help="Arch to compile for.")] = DEFAULT_ARCH,
+    gpu: Annotated[str | None, typer.Option(
+        "--gpu", help="GPU of the prediction (default: the arch's reference GPU, e.g. H100 "
+        "for sm_90).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")
+                       ] = False,
+) -> None:
+    """Compile one kernel and print its SASS statistics, resources, occupancy and its
+    PREDICTED time and TFLOP/s on a GPU (a cost-model prediction; no GPU is used)."""
+    from flashtune.perf.profile import profile_kernel
+
+    problem = parse_problem(head_dim, dtype, causal)
+    spec = parse_arch(arch)
+    kernel_config = ConfigChoice(config, block_m, block_n, warps, stages).resolve(problem, spec)
+    shape = _shape(batch, heads, heads_kv, seqlen, seqlen_k)
+    try:
+        result = profile_kernel(problem, kernel_config, shape, spec.name, gpu)
+    except (FlashtuneError, ValueError) as exc:
+        raise fail(str(exc)) from exc
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True))
+    else:
+        _print(result)

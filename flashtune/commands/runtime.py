@@ -1,0 +1,198 @@
+"""``flashtune explain`` (which config the runtime would run, and why) and ``flashtune
+precompile`` (fill a kernel cache that serves without NVRTC)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from flashtune.codegen.arch import get_arch
+from flashtune.codegen.render import render
+from flashtune.codegen.spec import COMPILED_HEAD_DIMS, DType, Problem, seq_bucket
+from flashtune.db.records import BestEntry
+from flashtune.errors import FlashtuneError
+from flashtune.runtime.cache import ArtifactCache
+from flashtune.runtime.dispatch import DeviceLike, Dispatcher
+
+DEFAULT_ARCH = "sm_90"
+
+ArchOpt = Annotated[str | None, typer.Option(
+    "--arch", help="GPU arch (sm_80 ... sm_120); default: the current GPU's, else sm_90.")]
+DeviceOpt = Annotated[str | None, typer.Option(
+    "--device", help="GPU name as stored in the tuning database, e.g. 'NVIDIA H100 80GB "
+                     "HBM3' (its arch comes from the database unless --arch is given).")]
+DbOpt = Annotated[str | None, typer.Option(
+    "--db", help="Tuning database URL or path (default: FLASHTUNE_DB).")]
+
+
+@dataclass(frozen=True)
+class NamedDevice:
+    """A GPU known by name and arch only (for questions about another machine)."""
+
+    name: str
+    arch: str
+
+    @property
+    def family(self) -> str:
+        return get_arch(self.arch).family
+
+
+def _fail(message: str) -> typer.Exit:
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    return typer.Exit(1)
+
+
+@dataclass(frozen=True)
+class _Entries:
+    entries: tuple[BestEntry, ...]
+
+    def all_best(self) -> tuple[BestEntry, ...]:
+        return self.entries
+
+
+def _dispatcher(db: str | None) -> Dispatcher:
+    """The runtime's dispatcher, or one over ``db`` (read now, so a bad --db fails here
+    instead of silently falling back to the defaults)."""
+    if db is None:
+        return Dispatcher()
+    from flashtune.db.store import TuningStore
+
+    with TuningStore(db, create=False) as store:
+        source = _Entries(tuple(store.all_best()))
+    return Dispatcher(lambda: source)
+
+
+def _device_arch_from_db(name: str, db: str | None) -> str:
+    from flashtune.db.store import TuningStore
+
+    with TuningStore(db, create=False) as store:
+        record = store.device(name)
+    if record is None:
+        raise FlashtuneError(f"device {name!r} is not in the tuning database; give its arch "
+                             "with --arch (e.g. --arch sm_90) or check the name with "
+                             "`flashtune db devices`")
+    return record.arch
+
+
+def resolve_device(arch: str | None, device: str | None, db: str | None) -> DeviceLike:
+    """The device a question is about: a named GPU, a virtual GPU of an arch, or this GPU."""
+    from flashtune.runtime.device import DeviceInfo
+
+    if device is not None:
+        found = get_arch(arch).name if arch else _device_arch_from_db(device, db)
+        return NamedDevice(device, found)
+    if arch is not None:
+        return DeviceInfo.virtual(arch)
+    import torch
+
+    if torch.cuda.is_available():
+        return DeviceInfo.current()
+    return DeviceInfo.virtual(DEFAULT_ARCH)
+
+
+def explain_command(
+    head_dim: Annotated[int, typer.Option("--head-dim", help="Head dimension.")],
+    seqlen: Annotated[int, typer.Option("--seqlen", help="Query sequence length.")],
+    seqlen_k: Annotated[int | None, typer.Option(
+        "--seqlen-k", help="Key sequence length (default: --seqlen).")] = None,
+    dtype: Annotated[DType, typer.Option("--dtype", case_sensitive=False)] = DType.FP16,
+    causal: Annotated[bool, typer.Option("--causal/--no-causal")] = False,
+    arch: ArchOpt = None,
+    device: DeviceOpt = None,
+    db: DbOpt = None,
+) -> None:
+    """Print which config attention would run for a problem on a GPU, and which tier of the
+    lookup (exact, nearest, family, default) answered. Nothing is compiled or tuned."""
+    try:
+        problem = Problem(head_dim=head_dim, dtype=dtype, causal=causal)
+        bucket = problem.bucket(seqlen, seqlen if seqlen_k is None else seqlen_k)
+        target = resolve_device(arch, device, db)
+        decision = _dispatcher(db).decide(bucket, target)
+        source = render(problem, decision.config)
+    except FlashtuneError as exc:
+        raise _fail(str(exc)) from exc
+    from flashtune.runtime.precompile import load_shipped
+
+    shipped = load_shipped(source, decision.arch) is not None
+    console = Console(highlight=False, soft_wrap=True)
+    console.print(escape(decision.describe()))
+    console.print(f"kernel:   {source.entry} ({source.threads} threads, "
+                  f"{source.smem_bytes} B dynamic shared memory)")
+    console.print(f"cache:    precompiled cubin {'present' if shipped else 'absent'} in "
+                  f"{ArtifactCache().root}")
+
+
+def _problems(head_dims: list[int] | None, dtypes: list[DType] | None,
+              causal: bool | None) -> list[Problem]:
+    from flashtune.runtime.precompile import all_problems
+
+    masks = (False, True) if causal is None else (causal,)
+    return all_problems(head_dims or COMPILED_HEAD_DIMS, dtypes or tuple(DType), masks)
+
+
+def precompile_command(
+    arch: Annotated[str, typer.Option("--arch", help="Arch to compile for, e.g. sm_90.")],
+    head_dim: Annotated[list[int] | None, typer.Option(
+        "--head-dim", help="Head dim (repeatable; default with --all-defaults: "
+                           f"{', '.join(map(str, COMPILED_HEAD_DIMS))}).")] = None,
+    dtype: Annotated[list[DType] | None, typer.Option(
+        "--dtype", case_sensitive=False, help="Element type (repeatable; default both).")
+    ] = None,
+    causal: Annotated[bool | None, typer.Option(
+        "--causal/--no-causal", help="Only causal / only full attention (default both).")
+    ] = None,
+    seqlen: Annotated[list[int] | None, typer.Option(
+        "--seqlen", help="Sequence length to plan for (repeatable; default every bucket).")
+    ] = None,
+    all_defaults: Annotated[bool, typer.Option(
+        "--all-defaults", help="Compile the built-in default config of every selected "
+                               "problem instead of asking the dispatcher.")] = False,
+    device: DeviceOpt = None,
+    cache_dir: Annotated[Path | None, typer.Option(
+        "--cache-dir", help="Cache directory to fill (default: FLASHTUNE_CACHE_DIR).")
+    ] = None,
+    db: DbOpt = None,
+) -> None:
+    """Compile kernels for an arch into a cache directory that the runtime then serves
+    without NVRTC (ship it with an application and point FLASHTUNE_CACHE_DIR at it).
+
+    Without --all-defaults, the kernels are the ones the runtime would choose on the arch
+    (or the named --device) for the selected problems and sequence lengths: tuned results
+    of the device or its arch family, else the defaults.
+    """
+    from flashtune.runtime.precompile import (
+        ALL_BUCKETS,
+        default_kernels,
+        planned_kernels,
+        precompile,
+    )
+
+    if head_dim is None and not all_defaults:
+        raise _fail("nothing to compile: give --head-dim (repeatable) or --all-defaults")
+    try:
+        spec = get_arch(arch)
+        problems = _problems(head_dim, dtype, causal)
+        if all_defaults:
+            kernels = default_kernels(spec.name, problems)
+        else:
+            target = resolve_device(spec.name, device, db)
+            buckets = sorted({seq_bucket(n) for n in seqlen}) if seqlen else ALL_BUCKETS
+            kernels = planned_kernels(target, problems, buckets, dispatcher=_dispatcher(db))
+        cache = ArtifactCache(cache_dir) if cache_dir is not None else ArtifactCache()
+        done = precompile(kernels, spec.name, cache=cache, progress=None)
+    except FlashtuneError as exc:
+        raise _fail(str(exc)) from exc
+    table = Table("kernel", "registers", "spill bytes", title=f"precompiled for {spec.name}")
+    for item in done:
+        table.add_row(item.entry, str(item.registers), str(item.spill_bytes))
+    console = Console(highlight=False, soft_wrap=True)
+    console.print(table)
+    root = cache.root.parent
+    console.print(f"{len(done)} kernel(s) in {escape(str(root))}; serve them with "
+                  f"FLASHTUNE_CACHE_DIR={escape(str(root))}")

@@ -1,0 +1,81 @@
+"""Choosing the best known config for a (device, problem, seqlen bucket), in memory.
+
+The runtime dispatcher reads every best entry once per process (``TuningStore.all_best``)
+and resolves each bucket here, with no further database access. The store's single-bucket
+queries use the same functions, so both paths agree.
+
+Order of preference:
+
+1. exact: this device, this problem, this seqlen bucket;
+2. nearest: this device and problem, the bucket nearest in log2(seqlen) (ties: the larger
+   bucket, whose tiles were tuned for the longer sequences);
+3. family: another device of the same arch (e.g. another sm_90 GPU), nearest bucket, ties
+   broken by the larger bucket, then the device name (so the choice is deterministic).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from flashtune.db.records import BestEntry
+
+How = Literal["exact", "nearest", "family"]
+
+
+@dataclass(frozen=True)
+class Match:
+    """A best entry and how it was found."""
+
+    entry: BestEntry
+    how: How
+
+
+def log2_distance(a: int, b: int) -> float:
+    return abs(math.log2(a) - math.log2(b))
+
+
+def nearest(entries: Iterable[BestEntry], seqlen: int) -> BestEntry | None:
+    """The entry whose bucket is nearest to ``seqlen`` in log2 (ties: larger, then name)."""
+    return min(entries, key=lambda e: (log2_distance(e.seqlen, seqlen), -e.seqlen, e.device),
+               default=None)
+
+
+def resolve(entries: Iterable[BestEntry], *, device: str, arch: str, problem: str,
+            seqlen: int) -> Match | None:
+    """The best entry for the bucket by the module's order of preference, or None."""
+    own: list[BestEntry] = []
+    family: list[BestEntry] = []
+    for entry in entries:
+        if entry.problem != problem:
+            continue
+        if entry.device == device:
+            if entry.seqlen == seqlen:
+                return Match(entry, "exact")
+            own.append(entry)
+        elif entry.arch == arch:
+            family.append(entry)
+    found = nearest(own, seqlen)
+    if found is not None:
+        return Match(found, "nearest")
+    found = nearest(family, seqlen)
+    return Match(found, "family") if found is not None else None
+
+
+class BestIndex:
+    """All best entries grouped by problem, for repeated lookups without the database."""
+
+    def __init__(self, entries: Iterable[BestEntry]) -> None:
+        self._by_problem: dict[str, list[BestEntry]] = defaultdict(list)
+        for entry in entries:
+            self._by_problem[entry.problem].append(entry)
+
+    def __len__(self) -> int:
+        return sum(len(group) for group in self._by_problem.values())
+
+    def lookup(self, *, device: str, arch: str, problem: str, seqlen: int) -> Match | None:
+        return resolve(self._by_problem.get(problem, ()), device=device, arch=arch,
+                       problem=problem, seqlen=seqlen)

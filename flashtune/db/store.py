@@ -1,0 +1,174 @@
+"""TuningStore: the tuning database as the tuner and the dispatcher see it.
+
+Open one with ``TuningStore(url)`` (default: the knob ``FLASHTUNE_DB``). Opening checks the
+schema version (see ``flashtune.db.schema``) and creates a new database on first use. Every
+method is one transaction; writes are atomic and safe with concurrent writers (several
+processes on one SQLite file, or several machines on one PostgreSQL server).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from types import TracebackType
+
+from sqlalchemy.engine import URL
+
+from flashtune.db import rows
+from flashtune.db.engine import describe, make_engine, resolve_url, session_scope
+from flashtune.db.lookup import Match, nearest, resolve
+from flashtune.db.records import (
+    FAILED_STATUSES,
+    BestEntry,
+    DeviceRecord,
+    TrialRecord,
+    TrialStatus,
+    parse_arch,
+)
+from flashtune.db.schema import MIGRATIONS_DIR, SchemaState, ensure_schema
+
+
+class TuningStore:
+    """Devices, trials and the best trial per (device, problem, seqlen bucket).
+
+    ``create=False`` refuses to create a new database (e.g. the source of a merge);
+    ``upgrade=True`` migrates an older schema instead of raising ``SchemaVersionError``.
+    """
+
+    def __init__(self, url: str | Path | URL | None = None, *, create: bool = True,
+                 upgrade: bool = False, migrations: Path = MIGRATIONS_DIR) -> None:
+        self.url = resolve_url(url)
+        self.engine = make_engine(self.url, create=create)
+        try:
+            self.schema: SchemaState = ensure_schema(self.engine, create=create,
+                                                     upgrade=upgrade, migrations=migrations)
+        except BaseException:
+            self.engine.dispose()
+            raise
+
+    @property
+    def where(self) -> str:
+        """The database URL without its password, for messages."""
+        return describe(self.url)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> TuningStore:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- writes
+
+    def record_device(self, device: DeviceRecord) -> None:
+        """Insert the device, or update its software versions if already known.
+
+        Raises DatabaseError if a device of the same name has different hardware.
+        """
+        with session_scope(self.engine, write=True, action="recording a device") as session:
+            rows.Writer(session).device(device, update_software=True)
+
+    def record_trial(self, trial: TrialRecord) -> bool:
+        """Store one trial; True if it became the best of its bucket."""
+        return self.record_trials([trial]) == 1
+
+    def record_trials(self, trials: Iterable[TrialRecord]) -> int:
+        """Store trials in one transaction; returns how many became the best of their bucket.
+
+        An ``ok`` trial replaces the bucket's best only when strictly faster (median), so
+        the first of equally fast configs stays. The devices must have been recorded.
+        """
+        became_best = 0
+        with session_scope(self.engine, write=True, action="recording trials") as session:
+            writer = rows.Writer(session)
+            for trial in trials:
+                became_best += writer.offer_best(writer.trial(trial), replace="faster")
+        return became_best
+
+    # ------------------------------------------------------------------ reads
+
+    def devices(self, names: Sequence[str] = ()) -> list[DeviceRecord]:
+        with session_scope(self.engine, write=False, action="reading devices") as session:
+            return rows.select_devices(session, names)
+
+    def device(self, name: str) -> DeviceRecord | None:
+        found = self.devices([name])
+        return found[0] if found else None
+
+    def trials(self, *, device: str | None = None, problem: str | None = None,
+               seqlen: int | None = None, status: TrialStatus | None = None,
+               limit: int | None = None) -> list[TrialRecord]:
+        """Trials matching the given filters, oldest first."""
+        with session_scope(self.engine, write=False, action="reading trials") as session:
+            return rows.select_trials(
+                session, devices=[device] if device else [], problems=[problem] if problem else [],
+                seqlen=seqlen, statuses=[status] if status else [], limit=limit)
+
+    def best_entries(self, *, device: str | None = None, problem: str | None = None,
+                     seqlen: int | None = None, arch: str | None = None) -> list[BestEntry]:
+        """Best entries matching the given filters, by device, problem and seqlen."""
+        with session_scope(self.engine, write=False, action="reading best results") as session:
+            return rows.select_best(
+                session, devices=[device] if device else [], problems=[problem] if problem else [],
+                seqlen=seqlen, cc=parse_arch(arch) if arch else None)
+
+    def all_best(self) -> list[BestEntry]:
+        """Every best entry at once (the dispatcher reads this once per process)."""
+        return self.best_entries()
+
+    def best(self, device: str, problem: str, seqlen: int) -> BestEntry | None:
+        """The best entry of exactly this bucket on this device."""
+        found = self.best_entries(device=device, problem=problem, seqlen=seqlen)
+        return found[0] if found else None
+
+    def nearest_best(self, device: str, problem: str, seqlen: int) -> BestEntry | None:
+        """This device's best entry for ``problem`` in the bucket nearest in log2(seqlen)."""
+        return nearest(self.best_entries(device=device, problem=problem), seqlen)
+
+    def family_best(self, arch: str, problem: str, seqlen: int, *,
+                    exclude_device: str | None = None) -> BestEntry | None:
+        """The nearest-bucket best entry of another device of the same arch (e.g. sm_90)."""
+        entries = [e for e in self.best_entries(arch=arch, problem=problem)
+                   if e.device != exclude_device]
+        return nearest(entries, seqlen)
+
+    def lookup(self, *, device: str, arch: str, problem: str, seqlen: int) -> Match | None:
+        """Exact, else nearest bucket on this device, else same arch family (lookup.py)."""
+        with session_scope(self.engine, write=False, action="looking up a config") as session:
+            entries = rows.select_best(session, problems=[problem], cc=parse_arch(arch))
+            entries += rows.select_best(session, devices=[device], problems=[problem])
+        return resolve(entries, device=device, arch=arch, problem=problem, seqlen=seqlen)
+
+    def outcomes(self, device: str, problem: str,
+                 seqlen: int) -> dict[str, dict[str, frozenset[TrialStatus]]]:
+        """config key -> template digest -> statuses seen, for every trial of the bucket."""
+        with session_scope(self.engine, write=False, action="reading trial outcomes") as session:
+            found = rows.outcomes(session, device, problem, seqlen)
+        result: dict[str, dict[str, set[TrialStatus]]] = {}
+        for key, digest, status in found:
+            result.setdefault(key, {}).setdefault(digest, set()).add(status)
+        return {key: {d: frozenset(s) for d, s in by_digest.items()}
+                for key, by_digest in result.items()}
+
+    def tried_configs(self, device: str, problem: str, seqlen: int, *,
+                      template_digest: str | None = None) -> frozenset[str]:
+        """Config keys with any trial in the bucket (only with this digest, if given)."""
+        return frozenset(key for key, by_digest in self.outcomes(device, problem, seqlen).items()
+                         if template_digest is None or template_digest in by_digest)
+
+    def failed_configs(self, device: str, problem: str, seqlen: int, *,
+                       template_digest: str | None = None) -> frozenset[str]:
+        """Config keys known to fail in the bucket (invalid, compile/runtime failure, wrong
+        result), only with this digest if given. The tuner never retries these."""
+        return frozenset(
+            key for key, by_digest in self.outcomes(device, problem, seqlen).items()
+            if any(statuses & FAILED_STATUSES for digest, statuses in by_digest.items()
+                   if template_digest is None or digest == template_digest))
+
+    def counts(self) -> dict[str, int]:
+        """Row counts: devices, problems, configs, trials, best."""
+        with session_scope(self.engine, write=False, action="counting rows") as session:
+            return rows.counts(session)

@@ -1,0 +1,127 @@
+"""Published FlashAttention-2 forward figures and the cost model's agreement with them.
+
+FA2 is an mma.sync kernel with the same structure as flashtune's forward kernel, so its
+published throughput on its own tile choices is the model's reference point
+(reference/attention-baselines.md):
+
+- H100 SXM5, forward, fp16 (FlashAttention-3 paper): TFLOP/s at seqlen 512 .. 16k on the
+  standard sweep (hidden 2048, 16k tokens per batch);
+- A100: "FA2 forward reaches 50-73% of the A100 peak (312 TFLOP/s)": a band, not a table.
+
+FA2's tiles: D64 128x128 4 warps; D128 128x64 4 warps; D256 128x64 8 warps, with one
+shared buffer each for Q, K and V (flashtune's ``num_stages=1`` footprint) and 255
+registers per thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flashtune.codegen.spec import DType, KernelConfig, Problem
+from flashtune.perf.calibrate import Trial
+from flashtune.perf.costmodel import DEFAULT_PARAMS, ModelParams, predict
+from flashtune.perf.workload import Shape, flops
+
+#: (batch, seqlen) of the standard sweep: 16k tokens per batch.
+SWEEP: tuple[tuple[int, int], ...] = ((32, 512), (16, 1024), (8, 2048), (4, 4096),
+                                      (2, 8192), (1, 16384))
+HIDDEN = 2048
+
+#: H100 SXM5 FA2 forward fp16 TFLOP/s by (head_dim, causal), at the SWEEP seqlens.
+H100_FA2_FWD: dict[tuple[int, bool], tuple[float, ...]] = {
+    (64, False): (282, 306, 318, 321, 322, 324),
+    (128, False): (309, 350, 362, 368, 370, 370),
+    (128, True): (191, 260, 298, 319, 333, 335),
+    (256, False): (275, 313, 321, 323, 324, 326),
+}
+#: FA2 forward on A100: 50% to 73% of 312 TFLOP/s.
+A100_FA2_FWD_BAND: tuple[float, float] = (0.50 * 312, 0.73 * 312)
+
+
+@dataclass(frozen=True)
+class Fa2Resources:
+    """FA2's footprint: 255 registers, Q, K and V tiles in shared memory, no spills."""
+
+    registers: int
+    dynamic_smem: int
+    static_smem: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+
+
+def fa2_config(head_dim: int) -> KernelConfig:
+    """FA2's forward tile choice for a head dim on sm80/sm90 (64, 128 or 256)."""
+    tiles = {64: (128, 128, 4), 128: (128, 64, 4), 256: (128, 64, 8)}
+    block_m, block_n, warps = tiles[head_dim]
+    return KernelConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=1)
+
+
+def fa2_resources(head_dim: int) -> Fa2Resources:
+    config = fa2_config(head_dim)
+    smem = (config.block_m + 2 * config.block_n) * head_dim * 2
+    return Fa2Resources(registers=255, dynamic_smem=smem)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One point: the model's PREDICTED TFLOP/s against a published figure or band."""
+
+    gpu: str
+    head_dim: int
+    causal: bool
+    seqlen: int
+    predicted_tflops: float
+    published_low: float
+    published_high: float
+
+    @property
+    def ratio(self) -> float:
+        """predicted / published; 1.0 inside a published band, else against its edge."""
+        if self.predicted_tflops < self.published_low:
+            return self.predicted_tflops / self.published_low
+        if self.predicted_tflops > self.published_high:
+            return self.predicted_tflops / self.published_high
+        return 1.0
+
+    @property
+    def factor(self) -> float:
+        """max(ratio, 1 / ratio): how far off, as a factor >= 1."""
+        return max(self.ratio, 1.0 / self.ratio)
+
+
+def _point(gpu: str, head_dim: int, causal: bool, batch: int, seqlen: int,
+           params: ModelParams) -> tuple[Problem, KernelConfig, Shape, float]:
+    problem = Problem(head_dim=head_dim, dtype=DType.FP16, causal=causal)
+    config = fa2_config(head_dim)
+    shape = Shape.square(batch, HIDDEN // head_dim, seqlen)
+    pred = predict(problem, config, shape, gpu, resources=fa2_resources(head_dim),
+                   params=params)
+    return problem, config, shape, pred.tflops
+
+
+def fa2_comparison(params: ModelParams = DEFAULT_PARAMS) -> list[Comparison]:
+    """Every published point (H100 table, A100 band for the same shapes and tiles)."""
+    rows: list[Comparison] = []
+    for (head_dim, causal), published in H100_FA2_FWD.items():
+        for (batch, seqlen), value in zip(SWEEP, published, strict=True):
+            tflops = _point("H100", head_dim, causal, batch, seqlen, params)[3]
+            rows.append(Comparison("H100", head_dim, causal, seqlen, tflops, value, value))
+    low, high = A100_FA2_FWD_BAND
+    for head_dim, causal in H100_FA2_FWD:
+        for batch, seqlen in SWEEP:
+            tflops = _point("A100", head_dim, causal, batch, seqlen, params)[3]
+            rows.append(Comparison("A100", head_dim, causal, seqlen, tflops, low, high))
+    return rows
+
+
+def h100_trials() -> list[Trial]:
+    """The H100 table as calibration trials (time = published FLOPs / TFLOP/s)."""
+    out = []
+    for (head_dim, causal), published in H100_FA2_FWD.items():
+        for (batch, seqlen), value in zip(SWEEP, published, strict=True):
+            problem = Problem(head_dim=head_dim, dtype=DType.FP16, causal=causal)
+            shape = Shape.square(batch, HIDDEN // head_dim, seqlen)
+            ms = flops(problem, shape) / (value * 1e12) * 1e3
+            out.append(Trial(problem, fa2_config(head_dim), shape, "H100", ms,
+                             resources=fa2_resources(head_dim)))
+    return out

@@ -1,0 +1,385 @@
+"""A cost model of the forward kernel: PREDICTED time and TFLOP/s of one call on a named GPU.
+
+The model, per K/V tile (one iteration of the kernel's main loop):
+
+1. Each warp's instructions (from the main loop's SASS when given, else from the
+   algorithm, see workload.py) cost cycles on its sub-partition's pipes: mma.sync at the
+   GPU's mma.sync rate, MUFU and FP32 at their per-SM rates (CUDA C Programming Guide),
+   shuffles, local-memory accesses, and one issue slot for everything else. A warp runs
+   its tensor work and the rest mostly in sequence (the softmax needs the scores, the next
+   MMA needs the probabilities); ``overlap`` is the share of the non-tensor cycles other
+   warps on the same sub-partition hide (none when a warp is alone on it).
+2. The resident blocks (occupancy) share the sub-partitions: a round in which each block
+   advances one tile takes the longest of their summed compute, one block's compute plus
+   the memory latency its pipeline wait exposes (``exposed_latency_ns``, less what
+   ``num_stages - 1`` tiles of prefetch hide), and the shared-memory traffic at 128 B/clk
+   (times the bank-conflict factor when counters give one).
+3. Each block also moves its Q and O tiles and its first K/V tiles at its share of DRAM
+   bandwidth; blocks are dispatched greedily to SM slots in launch order (wave
+   quantisation and the causal tail, schedule.py).
+4. The call takes the longest of that schedule, its DRAM traffic and its L2 traffic at the
+   achievable bandwidth, plus a fixed launch overhead.
+
+Free parameters (ModelParams) are few and physical; their defaults are least-squares fits
+(log time) to the published FlashAttention-2 H100 forward table for FA2's own tiles
+(reference/attention-baselines.md), and ``calibrate`` refits them from measurements.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Protocol
+
+from flashtune.codegen import space
+from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.errors import InvalidConfig, InvalidInput, OutOfResources
+from flashtune.perf.gpus import MMA_M16N8K16_FLOPS, SUBPARTITIONS_PER_SM, GpuSpec, get_gpu
+from flashtune.perf.occupancy import Occupancy, occupancy
+from flashtune.perf.sass import InstructionMix, SassFunction
+from flashtune.perf.schedule import makespan
+from flashtune.perf.workload import (
+    ShapeLike,
+    TileMix,
+    Traffic,
+    analytic_tile_mix,
+    analytic_traffic,
+    check_shape,
+    flops,
+    mma_head_dim,
+    sass_tile_mix,
+    tiles_per_query_block,
+)
+
+MODEL_NAME = "fa2-pipes-1"
+BOUNDS = ("compute", "memory", "latency")
+#: Registers the kernel needs beyond its O and S accumulators (Q/K/V fragments,
+#: addresses, softmax state): used only when no compiled resource usage is given.
+REGISTER_OVERHEAD_ESTIMATE = 64
+
+
+@dataclass(frozen=True)
+class ModelParams:
+    """The cost model's free parameters (see the module docstring for their roles)."""
+
+    #: Share of a warp's non-tensor pipe cycles hidden behind the tensor work of other
+    #: warps on its sub-partition (applies with two or more warps per sub-partition).
+    overlap: float = 0.33
+    #: Memory latency a K/V pipeline wait exposes per tile when nothing else can run, ns.
+    exposed_latency_ns: float = 600.0
+    #: Multiplier on the GPU's mma.sync rate.
+    tensor_efficiency: float = 1.0
+    #: Achievable share of datasheet DRAM and L2 bandwidth (an H200 copies at about 4.3 of
+    #: its 4.8 TB/s; reference/attention-baselines.md).
+    bandwidth_efficiency: float = 0.9
+    #: Issue-to-use cycles of a local-memory access (spill) inside the main loop.
+    local_access_cycles: float = 32.0
+    #: Start and drain of one kernel between back-to-back launches, microseconds.
+    launch_overhead_us: float = 2.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value)):
+                raise InvalidConfig(f"ModelParams.{f.name}={value!r} must be a finite number")
+            object.__setattr__(self, f.name, float(value))
+        if not 0.0 <= self.overlap < 1.0:
+            raise InvalidConfig(f"ModelParams.overlap={self.overlap} must be in [0, 1)")
+        if not 0.0 < self.bandwidth_efficiency <= 1.0:
+            raise InvalidConfig("ModelParams.bandwidth_efficiency must be in (0, 1]")
+        for name in ("exposed_latency_ns", "local_access_cycles", "launch_overhead_us"):
+            if getattr(self, name) < 0:
+                raise InvalidConfig(f"ModelParams.{name} must be >= 0")
+        if self.tensor_efficiency <= 0:
+            raise InvalidConfig("ModelParams.tensor_efficiency must be > 0")
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, float]) -> ModelParams:
+        names = {f.name for f in fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise InvalidConfig(f"unknown ModelParams field(s) {sorted(unknown)}; expected "
+                                f"some of {sorted(names)}")
+        return cls(**dict(data))
+
+    @property
+    def version(self) -> str:
+        """Model name plus a digest of the parameter values, e.g. 'fa2-pipes-1/3f2a9c01'."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return f"{MODEL_NAME}/{hashlib.sha256(blob).hexdigest()[:8]}"
+
+
+DEFAULT_PARAMS = ModelParams()
+
+
+class ResourcesLike(Protocol):
+    """Compiled resource usage (flashtune.runtime.resources.Resources satisfies this)."""
+
+    @property
+    def registers(self) -> int: ...
+    @property
+    def spill_stores(self) -> int: ...
+    @property
+    def spill_loads(self) -> int: ...
+    @property
+    def static_smem(self) -> int: ...
+    @property
+    def dynamic_smem(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class TrafficCounters:
+    """Measured memory behaviour of one call of the predicted shape (e.g. from the CPU
+    emulator). Absent fields fall back to the algorithm's analytic figures."""
+
+    global_read_bytes: int | None = None
+    global_write_bytes: int | None = None
+    smem_bank_conflict_factor: float = 1.0  # shared-memory wavefronts per ideal wavefront
+
+    def __post_init__(self) -> None:
+        for name in ("global_read_bytes", "global_write_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise InvalidInput(f"TrafficCounters.{name}={value!r} must be a "
+                                   "non-negative int or None")
+        if not self.smem_bank_conflict_factor >= 1.0:
+            raise InvalidInput("TrafficCounters.smem_bank_conflict_factor must be >= 1 "
+                               f"(1 = conflict-free), got {self.smem_bank_conflict_factor}")
+
+
+@dataclass(frozen=True)
+class TileCycles:
+    """Cycles of one K/V tile: per warp, and per round of all resident blocks."""
+
+    tensor: float          # one warp's mma.sync cycles
+    other: float           # one warp's non-tensor pipe cycles (before overlap)
+    warp: float            # one warp's total after overlap
+    compute_round: float   # busiest sub-partition, all resident blocks
+    latency_round: float   # one block's compute plus its exposed memory latency
+    smem_round: float      # shared-memory bandwidth, all resident blocks
+    per_tile: float        # the longest of the three: each resident block's time per tile
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: round(v, 1) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A PREDICTED (never measured) time of one forward call; ``bound`` is what limits it."""
+
+    time_ms: float
+    tflops: float
+    bound: str
+    model_version: str
+    gpu: str
+    occupancy: Occupancy
+    cycles: TileCycles
+    mix: TileMix
+    traffic: Traffic
+    waves: float
+    utilisation: float
+    schedule_ms: float
+    dram_ms: float
+    l2_ms: float
+    notes: tuple[str, ...] = field(default=())
+
+    kind = "PREDICTED"
+
+    def summary(self) -> str:
+        return (f"PREDICTED {self.time_ms:.4g} ms, {self.tflops:.1f} TFLOP/s on {self.gpu} "
+                f"({self.bound}-bound; model {self.model_version})")
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "kind": self.kind, "time_ms": self.time_ms, "tflops": self.tflops,
+            "bound": self.bound, "model_version": self.model_version, "gpu": self.gpu,
+            "occupancy": self.occupancy.to_dict(), "cycles_per_tile": self.cycles.to_dict(),
+            "tile_mix": self.mix.to_dict(), "traffic": self.traffic.to_dict(),
+            "waves": round(self.waves, 3), "utilisation": round(self.utilisation, 4),
+            "schedule_ms": self.schedule_ms, "dram_ms": self.dram_ms, "l2_ms": self.l2_ms,
+            "notes": list(self.notes),
+        }
+
+
+def _gpu(gpu: GpuSpec | str) -> GpuSpec:
+    return gpu if isinstance(gpu, GpuSpec) else get_gpu(gpu)
+
+
+def _tile_mix(problem: Problem, config: KernelConfig, sass: SassFunction | InstructionMix | None,
+              resources: ResourcesLike | None, notes: list[str]) -> TileMix:
+    analytic = analytic_tile_mix(problem, config)
+    if sass is not None:
+        loop_mix = sass
+        if isinstance(sass, SassFunction):
+            loop = sass.hot_loop()
+            loop_mix = sass.mix(loop) if loop is not None else sass.mix()
+            if loop is None:
+                notes.append("no loop in the SASS; counts taken over the whole kernel")
+        assert isinstance(loop_mix, InstructionMix)
+        if loop_mix.mma_flops > 0:
+            mix, unroll = sass_tile_mix(loop_mix, analytic)
+            if unroll != 1.0:
+                notes.append(f"the SASS main loop covers {unroll:g} K/V tiles per pass")
+            return mix
+        notes.append("the SASS main loop has no MMA; using the analytic instruction mix")
+    if resources is not None and resources.spill_stores + resources.spill_loads > 0:
+        spill_ops = (resources.spill_stores + resources.spill_loads) / 4
+        notes.append(f"{resources.spill_stores + resources.spill_loads} spill bytes assumed "
+                     "to be accessed once per K/V tile")
+        return TileMix(analytic.mma_flops, analytic.mufu, analytic.fp32, analytic.shfl,
+                       spill_ops, analytic.issue_only, analytic.ldsm_bytes, analytic.source)
+    return analytic
+
+
+def _occupancy(problem: Problem, config: KernelConfig, gpu: GpuSpec,
+               resources: ResourcesLike | None, notes: list[str]) -> Occupancy:
+    if resources is not None:
+        regs = resources.registers
+        smem = resources.static_smem + resources.dynamic_smem
+    else:
+        regs = min(gpu.arch_spec.max_regs_per_thread,
+                   space.accumulator_registers(problem, config) + REGISTER_OVERHEAD_ESTIMATE)
+        smem = space.smem_bytes(problem, config)
+        notes.append(f"registers estimated ({regs}); pass the compiled resources for exact "
+                     "occupancy")
+    return occupancy(gpu.arch_spec, threads=config.threads, registers=regs, smem_bytes=smem)
+
+
+def _cycles(mix: TileMix, problem: Problem, config: KernelConfig, gpu: GpuSpec,
+            occ: Occupancy, params: ModelParams, conflict: float) -> TileCycles:
+    thr = gpu.throughput
+    tensor = mix.mma_flops / MMA_M16N8K16_FLOPS * gpu.mma_sync_cycles / params.tensor_efficiency
+    other = (mix.mufu * thr.warp_cycles(thr.mufu_per_clk)
+             + mix.fp32 * thr.warp_cycles(thr.fp32_per_clk)
+             + mix.shfl * thr.warp_cycles(thr.shfl_per_clk)
+             + mix.local * params.local_access_cycles
+             + mix.issue_only)
+    # Only other warps on the same sub-partition can hide a warp's non-tensor work.
+    warps_per_partition = math.ceil(occ.warps_per_sm / SUBPARTITIONS_PER_SM)
+    hidden = params.overlap * min(1.0, warps_per_partition - 1.0)
+    warp = tensor + (1.0 - hidden) * other
+    per_block = math.ceil(config.num_warps / SUBPARTITIONS_PER_SM) * warp
+    compute_round = warps_per_partition * warp
+    latency = params.exposed_latency_ns * 1e-9 * gpu.clock_hz
+    exposed = max(0.0, latency - (config.num_stages - 1) * per_block)
+    latency_round = per_block + exposed
+    # ldmatrix reads per warp, plus the cp.async writes of one K and one V tile per block.
+    kv_tile_bytes = 2 * config.block_n * mma_head_dim(problem) * problem.dtype.itemsize
+    smem_bytes = occ.blocks_per_sm * (config.num_warps * mix.ldsm_bytes * conflict
+                                      + kv_tile_bytes * conflict)
+    smem_round = smem_bytes / thr.smem_bytes_per_clk
+    return TileCycles(tensor, other, warp, compute_round, latency_round, smem_round,
+                      max(compute_round, latency_round, smem_round))
+
+
+def predict(
+    problem: Problem,
+    config: KernelConfig,
+    shape: ShapeLike,
+    gpu: GpuSpec | str,
+    *,
+    resources: ResourcesLike | None = None,
+    sass: SassFunction | InstructionMix | None = None,
+    counters: TrafficCounters | None = None,
+    params: ModelParams = DEFAULT_PARAMS,
+) -> Prediction:
+    """PREDICTED time of ``problem`` with ``config`` on ``shape`` on ``gpu``.
+
+    ``resources`` (registers, spills, shared memory of the compiled kernel) make occupancy
+    exact; ``sass`` (the kernel's parsed SASS function, or the main loop's mix) replaces the
+    analytic instruction counts; ``counters`` replace the analytic traffic. Raises
+    OutOfResources when no block of the kernel fits on an SM.
+    """
+    check_shape(shape)
+    spec = _gpu(gpu)
+    notes: list[str] = []
+    mix = _tile_mix(problem, config, sass, resources, notes)
+    occ = _occupancy(problem, config, spec, resources, notes)
+    conflict = counters.smem_bank_conflict_factor if counters is not None else 1.0
+    cyc = _cycles(mix, problem, config, spec, occ, params, conflict)
+    clock = spec.clock_hz
+
+    slots = occ.blocks_per_sm * spec.sm_count
+    bandwidth = params.bandwidth_efficiency * spec.hbm_gbps * 1e9
+    l2_bandwidth = params.bandwidth_efficiency * spec.l2_gbps * 1e9
+    e = problem.dtype.itemsize
+    # A block's own Q tile (read before its first tile) and O tile (written after its
+    # last) come from / go to DRAM at its share of the bandwidth; its first K/V tiles
+    # mostly hit L2 (other query blocks of the head fetched them).
+    q_o_s = 2 * config.block_m * problem.head_dim * e / (bandwidth / slots)
+    first_kv_s = 2 * config.block_n * problem.head_dim * e / (l2_bandwidth / slots)
+    tile_s = cyc.per_tile / clock
+    tiles = tiles_per_query_block(problem, config, shape)
+    durations = [q_o_s + (first_kv_s if t else 0.0) + t * tile_s for t in tiles]
+    sched = makespan(durations, shape.batch * shape.heads_q, slots)
+
+    traffic = analytic_traffic(problem, config, shape, l2_bytes=spec.l2_bytes,
+                               resident_blocks=slots)
+    if counters is not None and counters.global_read_bytes is not None:
+        write = (counters.global_write_bytes if counters.global_write_bytes is not None
+                 else shape.batch * shape.heads_q * shape.seqlen_q * (problem.head_dim * e + 4))
+        l2 = float(counters.global_read_bytes + write)
+        traffic = Traffic(min(traffic.dram_bytes, l2), l2, "counters")
+    dram_s = traffic.dram_bytes / bandwidth
+    l2_s = traffic.l2_bytes / l2_bandwidth
+    total_s = max(sched.makespan, dram_s, l2_s) + params.launch_overhead_us * 1e-6
+
+    memory_share = sum(q_o_s + (first_kv_s if t else 0.0) for t in tiles) / sum(durations)
+    bound = _bound(sched.makespan, dram_s, l2_s, sched.utilisation, memory_share, cyc, notes)
+    work = flops(problem, shape)
+    return Prediction(
+        time_ms=total_s * 1e3, tflops=work / total_s / 1e12, bound=bound,
+        model_version=params.version, gpu=spec.name, occupancy=occ, cycles=cyc, mix=mix,
+        traffic=traffic, waves=sched.waves, utilisation=sched.utilisation,
+        schedule_ms=sched.makespan * 1e3, dram_ms=dram_s * 1e3, l2_ms=l2_s * 1e3,
+        notes=tuple(notes),
+    )
+
+
+def _bound(schedule_s: float, dram_s: float, l2_s: float, utilisation: float,
+           memory_share: float, cyc: TileCycles, notes: list[str]) -> str:
+    """What limits the call: the longest of its parts, in this order of precedence."""
+    if max(dram_s, l2_s) >= schedule_s or memory_share > 0.5:
+        return "memory"
+    if utilisation < 0.5:
+        notes.append(f"the grid keeps the SMs busy only {utilisation:.0%} of the time")
+        return "latency"
+    if cyc.per_tile == cyc.smem_round and cyc.smem_round > cyc.compute_round:
+        return "memory"
+    if cyc.per_tile == cyc.latency_round and cyc.latency_round > cyc.compute_round:
+        return "latency"
+    return "compute"
+
+
+def rank(
+    problem: Problem,
+    configs: Iterable[KernelConfig],
+    shape: ShapeLike,
+    gpu: GpuSpec | str,
+    *,
+    resources: Mapping[KernelConfig, ResourcesLike] | None = None,
+    sass: Mapping[KernelConfig, SassFunction | InstructionMix] | None = None,
+    params: ModelParams = DEFAULT_PARAMS,
+) -> list[tuple[KernelConfig, Prediction]]:
+    """Configs with their predictions, fastest PREDICTED first (ties in input order).
+
+    Configs of which no block fits on an SM are left out.
+    """
+    out: list[tuple[KernelConfig, Prediction]] = []
+    for config in configs:
+        try:
+            pred = predict(problem, config, shape, gpu,
+                           resources=(resources or {}).get(config),
+                           sass=(sass or {}).get(config), params=params)
+        except OutOfResources:
+            continue
+        out.append((config, pred))
+    out.sort(key=lambda cp: cp[1].time_ms)
+    return out

@@ -1,0 +1,90 @@
+"""Profile one kernel without a GPU: compile it, read its SASS, resources and occupancy, and
+PREDICT its time on a named GPU. What ``flashtune profile`` prints."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from flashtune.codegen.arch import get_arch
+from flashtune.codegen.render import render
+from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.errors import InvalidConfig
+from flashtune.perf.costmodel import DEFAULT_PARAMS, ModelParams, Prediction, predict
+from flashtune.perf.disasm import disassemble
+from flashtune.perf.gpus import GpuSpec, default_gpu_for_arch, get_gpu
+from flashtune.perf.sass import InstructionMix, Loop
+from flashtune.perf.workload import Shape
+from flashtune.runtime.compiler import compile_source
+from flashtune.runtime.resources import Resources
+
+
+@dataclass(frozen=True)
+class KernelProfile:
+    """Static facts of one compiled kernel and its PREDICTED time on one shape."""
+
+    problem: Problem
+    config: KernelConfig
+    arch: str
+    gpu: GpuSpec
+    shape: Shape
+    entry: str
+    resources: Resources
+    kernel_mix: InstructionMix
+    loop: Loop | None
+    loop_mix: InstructionMix | None
+    prediction: Prediction
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "problem": self.problem.to_dict(),
+            "config": self.config.to_dict(),
+            "config_key": self.config.key(),
+            "arch": self.arch,
+            "gpu": self.gpu.to_dict(),
+            "shape": asdict(self.shape),
+            "entry": self.entry,
+            "resources": self.resources.to_dict(),
+            "sass": {
+                "kernel": self.kernel_mix.to_dict(),
+                "main_loop": None if self.loop_mix is None else {
+                    "start": self.loop.start if self.loop else None,
+                    "end": self.loop.end if self.loop else None,
+                    **self.loop_mix.to_dict(),
+                },
+            },
+            "occupancy": self.prediction.occupancy.to_dict(),
+            "prediction": self.prediction.to_dict(),
+        }
+
+
+def resolve_gpu(arch: str, gpu: str | None) -> GpuSpec:
+    """The GPU named (checked against ``arch``), else the arch's reference GPU."""
+    spec = get_arch(arch)
+    if gpu is None:
+        return default_gpu_for_arch(spec.name)
+    found = get_gpu(gpu)
+    if found.arch != spec.name:
+        raise InvalidConfig(f"GPU {found.name} is {found.arch}, but the kernel is compiled for "
+                            f"{spec.name}; pass --arch {found.arch} or another --gpu")
+    return found
+
+
+def profile_kernel(problem: Problem, config: KernelConfig, shape: Shape, arch: str,
+                   gpu: str | None = None, *,
+                   params: ModelParams = DEFAULT_PARAMS) -> KernelProfile:
+    """Compile ``problem`` x ``config`` for ``arch``, disassemble it and predict ``shape``
+    on ``gpu`` (default: the arch's reference GPU)."""
+    spec = get_arch(arch)
+    target = resolve_gpu(spec.name, gpu)
+    source = render(problem, config)
+    kernel = compile_source(source, spec.name)
+    function = disassemble(kernel.cubin, spec.name).function(source.entry)
+    loop = function.hot_loop()
+    prediction = predict(problem, config, shape, target, resources=kernel.resources,
+                         sass=function, params=params)
+    return KernelProfile(
+        problem=problem, config=config, arch=spec.name, gpu=target, shape=shape,
+        entry=source.entry, resources=kernel.resources, kernel_mix=function.mix(),
+        loop=loop, loop_mix=function.mix(loop) if loop is not None else None,
+        prediction=prediction,
+    )

@@ -1,0 +1,200 @@
+"""What one forward call asks of the GPU, from the algorithm alone: FLOPs, the K/V tiles each
+query block visits, the instructions one warp issues per K/V tile, and memory traffic.
+
+The per-tile instruction counts follow flashtune's forward kernel (templates/flash_fwd.cuh,
+FlashAttention-2's structure): per K/V tile each warp re-reads its Q rows and the whole K
+and V tiles from shared memory with ldmatrix.x4, runs Q K^T and P V as m16n8k16 MMAs over
+the head dim rounded up to 16, exponentiates every score once (MUFU.EX2), keeps a running
+row max (reduced across the 4 lanes of a row with 2 shuffles) and defers the row-sum
+reduction to the end. They agree with the SASS of the compiled kernel's main loop (see
+tests/perf), which the cost model uses instead when it is given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.errors import InvalidInput
+from flashtune.perf.sass import InstructionMix
+
+
+class ShapeLike(Protocol):
+    """Sizes of one forward call (flashtune.tuner.workload.Shape satisfies this)."""
+
+    @property
+    def batch(self) -> int: ...
+    @property
+    def heads_q(self) -> int: ...
+    @property
+    def heads_kv(self) -> int: ...
+    @property
+    def seqlen_q(self) -> int: ...
+    @property
+    def seqlen_k(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Sizes of one forward call: batch, query and key/value heads, sequence lengths."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidInput(f"shape {name}={value!r} is invalid; expected an int >= 1")
+        if self.heads_q % self.heads_kv:
+            raise InvalidInput(f"heads_q={self.heads_q} is not a multiple of heads_kv="
+                               f"{self.heads_kv}; GQA needs heads_q = group * heads_kv")
+
+    @classmethod
+    def square(cls, batch: int, heads: int, seqlen: int) -> Shape:
+        return cls(batch, heads, heads, seqlen, seqlen)
+
+
+def check_shape(shape: ShapeLike) -> None:
+    """Validate any ShapeLike (raises InvalidInput)."""
+    Shape(shape.batch, shape.heads_q, shape.heads_kv, shape.seqlen_q, shape.seqlen_k)
+
+
+def flops(problem: Problem, shape: ShapeLike) -> float:
+    """Forward FLOPs by the field's convention: 4 B Nq Nk H D, halved when causal."""
+    total = (4.0 * shape.batch * shape.seqlen_q * shape.seqlen_k * shape.heads_q
+             * problem.head_dim)
+    return total / 2 if problem.causal else total
+
+
+def mma_head_dim(problem: Problem) -> int:
+    """Head dim the tensor cores work on: the real one rounded up to 16."""
+    return -(-problem.head_dim // 16) * 16
+
+
+def tiles_per_query_block(problem: Problem, config: KernelConfig,
+                          shape: ShapeLike) -> list[int]:
+    """K/V tiles each query block (blockIdx.x) visits, as the kernel computes them; the
+    causal diagonal is aligned to the bottom-right corner (row i sees key j iff
+    j <= i + Nk - Nq)."""
+    nq, nk = shape.seqlen_q, shape.seqlen_k
+    out = []
+    for m_block in range(math.ceil(nq / config.block_m)):
+        n_end = nk
+        if problem.causal:
+            m_end = min(nq, (m_block + 1) * config.block_m)
+            n_end = max(0, min(nk, m_end + nk - nq))
+        out.append(math.ceil(n_end / config.block_n))
+    return out
+
+
+@dataclass(frozen=True)
+class TileMix:
+    """Instructions one warp issues per K/V tile, by the pipe that executes them."""
+
+    mma_flops: float   # tensor-core FLOPs (mma.sync)
+    mufu: float        # special-function unit (exp2, rcp)
+    fp32: float        # FP32 pipe: FFMA/FADD/FMUL/FMNMX/FSEL and conversions
+    shfl: float        # warp shuffles
+    local: float       # LDL/STL (spills, indexed arrays)
+    issue_only: float  # everything else: one issue slot each (integer, loads, control)
+    ldsm_bytes: float  # shared-memory bytes read by ldmatrix
+    source: str        # "analytic" or "sass"
+
+    def to_dict(self) -> dict[str, object]:
+        return {k: (round(v, 2) if isinstance(v, float) else v)
+                for k, v in asdict(self).items()}
+
+
+def analytic_tile_mix(problem: Problem, config: KernelConfig) -> TileMix:
+    """Per-warp, per-K/V-tile instruction counts of the forward kernel from its structure."""
+    d = mma_head_dim(problem)
+    n = config.block_n
+    slabs = config.rows_per_warp // 16          # m16 tiles per warp
+    elems = config.rows_per_warp * n / 32      # scores held per thread
+    mmas = slabs * (n // 8) * (d // 16) + slabs * (d // 8) * (n // 16)
+    ldsm = n * d / 256 * 2 + slabs * d / 16     # K and V tiles (x4), the warp's Q rows
+    ldgsts = 2 * n * d * 2 / 16 / config.threads  # 16-byte cp.async per thread
+    rows = 2 * slabs                            # rows a thread holds a share of
+    fp32 = (3 * elems            # scale-and-subtract, running max, running sum
+            + elems / 2          # pack probabilities to 16-bit pairs
+            + slabs * d / 2      # rescale the O accumulators
+            + 6 * rows)          # row statistics
+    integer = 2 * (ldsm + ldgsts) + 60          # addressing and loop control
+    return TileMix(
+        mma_flops=mmas * 2.0 * 16 * 8 * 16,
+        mufu=elems + rows,
+        fp32=fp32,
+        shfl=2 * rows,
+        local=0.0,
+        issue_only=ldsm + ldgsts + 2 + integer,
+        ldsm_bytes=ldsm * 512.0,
+        source="analytic",
+    )
+
+
+def sass_tile_mix(loop_mix: InstructionMix, analytic: TileMix) -> tuple[TileMix, float]:
+    """Per-tile counts from the main loop's SASS, and how many K/V tiles one pass of the
+    loop body covers (its MMA FLOPs over one tile's; 1 unless the loop was unrolled)."""
+    if loop_mix.mma_flops <= 0:
+        raise InvalidInput("the loop holds no MMA; it is not the kernel's main loop")
+    per = loop_mix.mma_flops / analytic.mma_flops
+    unroll = max(1.0, round(per)) if abs(per - round(per)) < 0.05 else per
+    c = loop_mix.by_category
+    issue = (c["ldsm"] + c["ldgsts"] + c["ldg"] + c["stg"] + c["lds"] + c["sts"] + c["bar"]
+             + c["int"] + c["control"] + c["other"])
+    mix = TileMix(
+        mma_flops=loop_mix.mma_flops / unroll,
+        mufu=c["mufu"] / unroll,
+        fp32=(c["fp32"] + c["convert"]) / unroll,
+        shfl=c["shfl"] / unroll,
+        local=(c["ldl"] + c["stl"]) / unroll,
+        issue_only=issue / unroll,
+        ldsm_bytes=loop_mix.ldsm_bytes / unroll,
+        source="sass",
+    )
+    return mix, unroll
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes moved by one call: at DRAM (unique data) and at L2 (every global request)."""
+
+    dram_bytes: float
+    l2_bytes: float
+    source: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {"dram_bytes": self.dram_bytes, "l2_bytes": self.l2_bytes,
+                "source": self.source}
+
+
+def analytic_traffic(problem: Problem, config: KernelConfig, shape: ShapeLike,
+                     *, l2_bytes: int, resident_blocks: int) -> Traffic:
+    """The algorithm's traffic: Q read once, O (and the LSE) written once, K and V read
+    once per query block.
+
+    At L2 every request counts. At DRAM K and V count once per kv head while the K/V of the
+    heads in flight (about ``resident_blocks`` query blocks at a time, in launch order)
+    fit in half the L2; beyond that the re-reads of later query blocks miss, in proportion.
+    """
+    e = problem.dtype.itemsize
+    d = problem.head_dim
+    q_rows = shape.batch * shape.heads_q * shape.seqlen_q
+    kv_bytes_per_head = 2 * shape.seqlen_k * d * e
+    q_o = q_rows * d * e * 2 + q_rows * 4
+    tiles = tiles_per_query_block(problem, config, shape)
+    kv_requests = (sum(min(t * config.block_n, shape.seqlen_k) for t in tiles)
+                   * 2 * d * e * shape.batch * shape.heads_q)
+    group = shape.heads_q // shape.heads_kv
+    unique_kv = shape.batch * shape.heads_kv * kv_bytes_per_head
+    heads_in_flight = max(1.0, resident_blocks / (len(tiles) * group))
+    working_set = heads_in_flight * kv_bytes_per_head
+    miss = min(1.0, max(0.0, working_set / (l2_bytes / 2) - 1.0))
+    dram_kv = unique_kv + miss * max(0.0, kv_requests - unique_kv)
+    return Traffic(dram_bytes=q_o + dram_kv, l2_bytes=q_o + kv_requests, source="analytic")

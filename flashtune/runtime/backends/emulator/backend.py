@@ -1,0 +1,60 @@
+"""The emulator behind the Backend / LoadedKernel interface of backends/base.py."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from flashtune.codegen.render import templates_dir
+from flashtune.codegen.spec import KernelSource
+from flashtune.runtime.backends.emulator.kernel import (
+    EmulatedKernel,
+    LaunchOptions,
+    build_module,
+)
+from flashtune.runtime.cache import ArtifactCache
+from flashtune.runtime.kernel_args import ArgType
+
+
+def source_defines(source: KernelSource) -> tuple[str, ...]:
+    """The -D options of a KernelSource (its other NVRTC options do not apply on the host)."""
+    return tuple(opt[2:] for opt in source.options if opt.startswith("-D") and len(opt) > 2)
+
+
+@dataclass
+class EmulatorLoadedKernel:
+    """A rendered kernel built for the emulator; launches run on the CPU."""
+
+    source: KernelSource
+    kernel: EmulatedKernel
+    options: LaunchOptions = field(default_factory=LaunchOptions)
+
+    def launch(
+        self,
+        grid: tuple[int, int, int],
+        args: Sequence[tuple[ArgType, int | float]],
+        *,
+        stream: int = 0,
+    ) -> None:
+        """Run over ``grid`` with ``source.threads`` threads and ``source.smem_bytes`` of
+        dynamic shared memory; pointers must address host memory. ``stream`` is ignored."""
+        del stream
+        self.kernel.launch(grid, (self.source.threads, 1, 1), args,
+                           smem_bytes=self.source.smem_bytes, options=self.options)
+
+
+class EmulatorBackend:
+    """Runs generated kernels on the CPU (name "emulator")."""
+
+    name = "emulator"
+
+    def __init__(self, cache: ArtifactCache | None = None,
+                 options: LaunchOptions | None = None) -> None:
+        self._cache = cache
+        self._options = options or LaunchOptions()
+
+    def load(self, source: KernelSource) -> EmulatorLoadedKernel:
+        """Compile (or fetch from the cache) and load ``source``."""
+        module = build_module(source.code, [source.entry], include_dirs=[templates_dir()],
+                              defines=source_defines(source), cache=self._cache)
+        return EmulatorLoadedKernel(source, module[source.entry], self._options)

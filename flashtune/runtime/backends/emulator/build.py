@@ -1,0 +1,175 @@
+"""Building the emulator: the runtime library once, then one shared library per kernel source.
+
+The runtime (fibers, scheduler, collectives, checks) is compiled once per toolchain and
+cached; a kernel build compiles only the kernel source, a generated launcher and the
+kernel-side headers, and links against the cached runtime by its absolute path. Both are
+cached through ArtifactCache, keyed by everything that changes the binary: sources, the
+contents of the emulator headers and of the kernel's include directories, compiler flags,
+compiler identity and CUDA header versions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from flashtune.errors import CompileError
+from flashtune.runtime.backends.emulator import toolchain
+from flashtune.runtime.cache import ArtifactCache
+
+NAMESPACE = "emulator"
+_ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,200}$")
+_DEFINE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]*)?$")
+_HEADER_SUFFIXES = (".h", ".hpp", ".cuh", ".inc")
+
+#: Flags of every emulator compilation (kernel and runtime).
+BASE_FLAGS: tuple[str, ...] = (
+    "-std=c++20", "-fPIC", "-shared", "-fvisibility=hidden", "-fno-strict-aliasing",
+    "-Wno-unknown-pragmas", "-DFLASHTUNE_EMULATOR=1",
+)
+RUNTIME_OPT: tuple[str, ...] = ("-O2",)
+#: Kernel code runs little arithmetic of its own (mma and friends run in the runtime), so
+#: a light optimisation level keeps builds fast; see the measurements in tests/emulator.
+KERNEL_OPT: tuple[str, ...] = ("-O1",)
+ASAN_FLAGS: tuple[str, ...] = (
+    "-fsanitize=address", "-fsanitize-recover=address", "-fno-omit-frame-pointer", "-g",
+)
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """What a kernel build depends on beyond its source text."""
+
+    include_dirs: tuple[Path, ...] = ()
+    defines: tuple[str, ...] = ()
+    asan: bool = False
+    opt: tuple[str, ...] = KERNEL_OPT
+    cxx: str = field(default_factory=toolchain.host_compiler)
+
+    def __post_init__(self) -> None:
+        for d in self.defines:
+            if not _DEFINE_RE.match(d):
+                raise ValueError(f"define {d!r} is malformed; expected NAME or NAME=VALUE")
+        for flag in self.opt:
+            if not re.match(r"^-O[0-3sg]$|^-g$", flag):
+                raise ValueError(f"optimisation flag {flag!r} is not one of -O0..-O3, -Os, -g")
+
+
+@dataclass(frozen=True)
+class BuiltLibrary:
+    """A compiled kernel library and what it took to get it."""
+
+    path: Path
+    runtime: Path
+    entries: tuple[str, ...]
+    key: str
+    build_seconds: float  # 0.0 when it came from the cache
+
+
+def _hash_files(h: hashlib._Hash, files: Iterable[Path], root: Path) -> None:
+    for path in sorted(files):
+        h.update(str(path.relative_to(root)).encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+
+
+def _emulator_files() -> list[Path]:
+    return [p for p in toolchain.INCLUDE_DIR.rglob("*") if p.is_file()]
+
+
+def _header_files(directory: Path) -> list[Path]:
+    return [p for p in directory.rglob("*") if p.is_file() and p.suffix in _HEADER_SUFFIXES]
+
+
+def _flags(asan: bool, opt: Sequence[str]) -> list[str]:
+    return [*BASE_FLAGS, *opt, *(ASAN_FLAGS if asan else ())]
+
+
+def _include_flags(extra: Sequence[Path]) -> list[str]:
+    dirs = [toolchain.INCLUDE_DIR, *extra, *toolchain.cuda_include_dirs()]
+    return [f"-I{d}" for d in dirs]
+
+
+def _compile(cmd: list[str], what: str, source_text: str, cache: ArtifactCache, key: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        saved = cache.put_bytes(NAMESPACE + "-failed", key, ".cu", source_text.encode())
+        raise CompileError(
+            f"the host compiler failed to build {what} for the CPU emulator (exit code "
+            f"{proc.returncode}); fix the source or the toolchain",
+            log=(proc.stderr or proc.stdout)[-20000:],
+            source_path=saved,
+        )
+
+
+def runtime_library(cache: ArtifactCache | None = None, *, asan: bool = False,
+                    cxx: str | None = None) -> Path:
+    """The emulator runtime library for this toolchain (built once, then cached)."""
+    cache = cache or ArtifactCache()
+    cxx = cxx or toolchain.host_compiler()
+    flags = _flags(asan, RUNTIME_OPT)
+    h = hashlib.sha256(b"flashtune-emulator-runtime\0")
+    h.update("\0".join([toolchain.compiler_identity(cxx), toolchain.cuda_headers_identity(),
+                        *flags]).encode())
+    _hash_files(h, _emulator_files(), toolchain.INCLUDE_DIR)
+    key = "rt-" + h.hexdigest()[:40]
+    sources = sorted(toolchain.RUNTIME_SOURCE_DIR.glob("*.cpp"))
+
+    def build(tmp: Path) -> None:
+        cmd = [cxx, *flags, *_include_flags(()), *map(str, sources), "-o", str(tmp), "-ldl",
+               "-lpthread"]
+        _compile(cmd, "the emulator runtime", "\n".join(s.read_text() for s in sources),
+                 cache, key)
+
+    return cache.get_or_build(NAMESPACE, key, ".so", build)
+
+
+def launcher_source(entries: Sequence[str]) -> str:
+    """The generated tail of a kernel source: one exported launcher per entry point."""
+    for entry in entries:
+        if not _ENTRY_RE.match(entry):
+            raise ValueError(f"entry {entry!r} is not a C identifier")
+    lines = ["", "// ---- flashtune emulator launchers (generated) ----"]
+    lines += [f"FTEMU_DEFINE_LAUNCHER({entry})" for entry in entries]
+    return "\n".join(lines) + "\n"
+
+
+def kernel_library(code: str, entries: Sequence[str], options: BuildOptions,
+                   cache: ArtifactCache | None = None) -> BuiltLibrary:
+    """Compile ``code`` (CUDA source) with launchers for ``entries`` into a cached library."""
+    if not entries:
+        raise ValueError("at least one entry point is needed")
+    cache = cache or ArtifactCache()
+    runtime = runtime_library(cache, asan=options.asan, cxx=options.cxx)
+    source = code + launcher_source(entries)
+    flags = _flags(options.asan, options.opt) + [f"-D{d}" for d in options.defines]
+    h = hashlib.sha256(b"flashtune-emulator-kernel\0")
+    h.update(runtime.name.encode() + b"\0" + source.encode() + b"\0")
+    h.update("\0".join([toolchain.compiler_identity(options.cxx), *flags]).encode())
+    for d in options.include_dirs:
+        h.update(str(d).encode() + b"\0")
+        _hash_files(h, _header_files(d), d)
+    key = "k-" + h.hexdigest()[:40]
+    file_stem = entries[0] if len(entries) == 1 else "kernels"
+    elapsed = 0.0
+
+    def build(tmp: Path) -> None:
+        nonlocal elapsed
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="flashtune-emu-") as work:
+            src = Path(work) / f"{file_stem}.cu"
+            src.write_text(source)
+            cmd = [options.cxx, *flags, *_include_flags(options.include_dirs),
+                   "-include", "flashtune_emu/runtime.h", "-x", "c++", str(src), "-x", "none",
+                   str(runtime), "-o", str(tmp)]
+            _compile(cmd, f"kernel {', '.join(entries)}", source, cache, key)
+        elapsed = time.perf_counter() - start
+
+    path = cache.get_or_build(NAMESPACE, key, ".so", build)
+    return BuiltLibrary(path=path, runtime=runtime, entries=tuple(entries), key=key,
+                        build_seconds=elapsed)

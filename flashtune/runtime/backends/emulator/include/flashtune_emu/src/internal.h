@@ -1,0 +1,213 @@
+// Internal state of the emulator runtime (not seen by kernel code).
+//
+// One launch runs on the calling OS thread: blocks one after another, each block's threads
+// as fibers. Execution is deterministic: a fiber runs until it blocks (barrier, warp
+// collective) or returns, then the scheduler picks the next runnable thread by index. When no
+// thread is runnable and some are still alive, nothing can ever make progress: a deadlock.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <string>
+#include <vector>
+
+#include "flashtune_emu/abi.h"
+
+namespace ftemu {
+
+// Shared memory is filled with this 32-bit word at block start and wherever a cp.async is in
+// flight. Every 16-bit half (0xffa5) is a NaN in fp16 and bf16 and the word is a NaN in
+// fp32, so poison that reaches arithmetic shows up as NaN; the payload is distinctive enough
+// (no conversion produces it) that mma can recognise it in its operands.
+constexpr uint32_t kPoisonWord = 0xFFA5FFA5u;
+constexpr uint16_t kPoisonHalf = 0xFFA5u;
+
+struct Thread;
+
+// ---------------------------------------------------------------------------------------
+// Fibers
+
+struct Context {
+    void* sp = nullptr;  // saved stack pointer (x86-64) or ucontext (elsewhere)
+    void* uc = nullptr;
+};
+void context_init(Context* ctx, unsigned char* stack_lo, size_t stack_size, void (*entry)());
+void context_switch(Context* from, Context* to);
+void context_release(Context* ctx);
+
+// ---------------------------------------------------------------------------------------
+// Shared memory with a shadow state per 4-byte word
+
+enum class Word : uint8_t {
+    Clean,           // visible to every thread
+    Pending,         // a cp.async into it is in flight (memory holds poison)
+    PrivateVisible,  // a completed cp.async of `owner`, not yet published by a barrier
+    PrivateHidden,   // the same while `owner` is switched out: data in `saved`, memory poison
+};
+
+struct SmemSpace {
+    const char* name = "";
+    unsigned char* base = nullptr;
+    size_t size = 0;
+    std::vector<Word> state;
+    std::vector<uint16_t> owner;
+    std::vector<uint32_t> saved;
+    std::vector<uint32_t> read_epoch;  // barrier epoch + 1 of the last ldmatrix read (0: none)
+    std::vector<uint16_t> reader_warp;
+    std::vector<ftemu_loc> reader_loc;
+
+    void assign(const char* space_name, unsigned char* p, size_t bytes);
+    void reset();  // all words clean, no reads recorded
+    bool contains(const void* p) const {
+        auto* c = static_cast<const unsigned char*>(p);
+        return c >= base && c < base + size;
+    }
+    size_t word_of(const void* p) const {
+        return static_cast<size_t>(static_cast<const unsigned char*>(p) - base) / 4;
+    }
+    uint32_t load(size_t w) const;
+    void store(size_t w, uint32_t v);
+};
+
+struct Copy {
+    SmemSpace* space;
+    uint32_t word;
+    uint32_t nwords;
+    uint32_t data[4];
+    ftemu_loc loc;
+};
+
+struct Region {
+    SmemSpace* space;
+    uint32_t word;
+    uint32_t nwords;
+};
+
+// ---------------------------------------------------------------------------------------
+// Threads, warps, collectives
+
+enum class TState : uint8_t { Runnable, AtBarrier, InCollective, Exited };
+
+struct Thread {
+    ftemu_thread_ctx ctx{};
+    unsigned tid = 0, warp = 0, lane = 0;
+    TState state = TState::Runnable;
+    Context context;
+    unsigned char* stack_lo = nullptr;
+    size_t stack_size = 0;
+    void* asan_fake_stack = nullptr;
+    ftemu_loc wait_loc{};
+    int collective = -1;  // index into its warp's pool while InCollective
+
+    std::vector<Copy> uncommitted;
+    std::deque<std::vector<Copy>> groups;  // committed, oldest first
+    std::vector<Region> priv;              // landed copies not yet published
+    bool hidden = false;
+};
+
+enum class Op : uint8_t { Mma, Ldmatrix, Shfl, Vote, SyncWarp };
+
+struct LaneArgs {
+    void* out;
+    const void* in0;
+    const void* in1;
+    const void* in2;
+    unsigned value;
+    int arg;
+};
+
+struct Collective {
+    bool active = false;
+    Op op = Op::SyncWarp;
+    int kind = 0;   // mma: FTEMU_MMA_*; ldmatrix: count | trans << 4; shfl / vote: mode
+    int width = 32;
+    unsigned mask = 0;
+    unsigned arrived = 0;
+    uint64_t serial = 0;  // creation order
+    ftemu_loc loc{};
+    LaneArgs lanes[32];
+};
+
+struct Warp {
+    unsigned present = 0;  // lanes that exist (the last warp of a block may be partial)
+    unsigned exited = 0;
+    std::vector<Collective> pool;
+};
+
+// ---------------------------------------------------------------------------------------
+// A launch
+
+struct Launch {
+    const ftemu_launch_config* cfg = nullptr;
+    const ftemu_kernel_desc* kernel = nullptr;
+    bool asan = false;
+    unsigned nthreads = 0, nwarps = 0;
+    uint3 block_idx{};
+    std::vector<Thread> threads;
+    std::vector<Warp> warps;
+    std::vector<uint64_t> runnable;  // bit per thread
+    unsigned live = 0;
+    unsigned barrier_arrived = 0;
+    ftemu_loc barrier_loc{};
+    uint32_t epoch = 0;  // completed block barriers in this block
+    uint64_t collective_serial = 0;
+    uint64_t switches = 0;  // progress counter for the watchdog
+
+    SmemSpace dyn, stat;
+    unsigned char* arena_map = nullptr;  // mmap of guard + arena + guard (non-ASan)
+    size_t arena_map_bytes = 0;
+    unsigned char* stacks_map = nullptr;
+    size_t stacks_map_bytes = 0;
+
+    Context sched;
+    Thread* cur = nullptr;
+    const void* sched_stack_bottom = nullptr;
+    size_t sched_stack_size = 0;
+    long os_tid = 0;
+
+    int status = FTEMU_OK;
+    std::string message;
+    std::string asan_report;  // set by the AddressSanitizer report callback
+};
+
+extern Launch* g_launch;
+
+// runtime.cpp
+std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+std::string where(const Thread& t);
+std::string at(ftemu_loc loc);
+std::string lane_list(unsigned lanes);
+[[noreturn]] void fail(int status, const std::string& message);
+// Leaves the current fiber for good and returns control to the scheduler.
+[[noreturn]] void abandon_current();
+void record_error(int status, const std::string& message);
+void check_async_errors();
+void make_runnable(Thread& t);
+void make_blocked(Thread& t, TState state);
+void set_current_op(const char* what);  // named in fault messages while set
+void suspend(Thread& me);
+void complete_barrier_if_ready();
+
+// faults.cpp
+long current_os_tid();
+void install_handlers(Launch& L);
+void uninstall_handlers(Launch& L);
+
+// shared.cpp
+void smem_setup_block(Launch& L);
+void smem_check_slack(Launch& L);
+void hide(Thread& t);
+void unhide(Thread& t);
+void publish_all(Launch& L);
+void land_all(Thread& t);
+SmemSpace* locate_shared(const void* p);
+std::string describe_smem_address(const void* p);
+// Reads the 16-byte row of an ldmatrix (checked: bounds, alignment, cp.async visibility).
+void read_ldmatrix_row(const Thread& reader, const void* addr, const char* what, ftemu_loc loc,
+                       uint16_t out[8]);
+
+// warp.cpp
+void on_lane_exit(Thread& t);
+std::string describe_collective(const Collective& c);
+
+}  // namespace ftemu

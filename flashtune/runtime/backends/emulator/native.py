@@ -1,0 +1,77 @@
+"""ctypes view of the emulator ABI (include/flashtune_emu/abi.h) and library loading."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from flashtune.errors import EmulatorDeadlock, EmulatorError
+
+# Status codes (abi.h).
+OK = 0
+ERROR = 1
+DEADLOCK = 2
+BAD_LAUNCH = 3
+
+CHECK_POISON_OPERANDS = 1
+CHECK_BARRIER_SITE = 2
+
+MESSAGE_BYTES = 1 << 16
+
+#: One launch at a time per process: the runtime keeps global fiber state.
+LAUNCH_LOCK = threading.Lock()
+_LOADED: dict[Path, ctypes.CDLL] = {}
+_LOAD_LOCK = threading.Lock()
+
+
+class LaunchConfig(ctypes.Structure):
+    """Mirror of ``struct ftemu_launch_config``."""
+
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("dyn_smem_bytes", ctypes.c_ulonglong),
+        ("smem_limit_bytes", ctypes.c_ulonglong),
+        ("stack_bytes", ctypes.c_ulonglong),
+        ("schedule", ctypes.c_int),
+        ("checks", ctypes.c_int),
+        ("hang_timeout_s", ctypes.c_double),
+    ]
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """Load a kernel library once per process (RTLD_LOCAL: each binds to its own runtime)."""
+    with _LOAD_LOCK:
+        lib = _LOADED.get(path)
+        if lib is None:
+            lib = ctypes.CDLL(str(path), mode=os.RTLD_NOW | os.RTLD_LOCAL)
+            _LOADED[path] = lib
+        return lib
+
+
+def entry_functions(lib: ctypes.CDLL, entry: str) -> tuple[Callable[..., int], str]:
+    """The launcher of ``entry`` and its parameter type codes (see runtime.h type_code)."""
+    launch = getattr(lib, f"ftemu_launch__{entry}")
+    launch.restype = ctypes.c_int
+    launch.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.POINTER(ctypes.c_void_p),
+                       ctypes.c_char_p, ctypes.c_ulonglong]
+    signature = getattr(lib, f"ftemu_signature__{entry}")
+    signature.restype = ctypes.c_char_p
+    signature.argtypes = []
+    codes: bytes = signature()
+    launcher: Callable[..., int] = launch
+    return launcher, codes.decode()
+
+
+def raise_for_status(status: int, message: str) -> None:
+    """Turn a launcher status into flashtune's typed errors."""
+    if status == OK:
+        return
+    if status == DEADLOCK:
+        raise EmulatorDeadlock(message)
+    if status == BAD_LAUNCH:
+        raise EmulatorError(f"invalid launch: {message}")
+    raise EmulatorError(message or f"emulated launch failed with status {status}")

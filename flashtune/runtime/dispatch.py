@@ -1,0 +1,266 @@
+"""Problem -> KernelConfig for one device: the serving side of the tuning database.
+
+Lookup order for a (device, problem, sequence bucket):
+
+1. ``exact``   -- the best tuned config of this problem and bucket on this device;
+2. ``nearest`` -- this device's best config of the problem at the nearest tuned bucket;
+3. ``family``  -- the same, from another GPU of the same arch family (e.g. any sm_90);
+4. ``default`` -- the built-in default table (``codegen.defaults``).
+
+The database is read lazily, once per process (per Dispatcher), and never written or
+created; if it cannot be read a warning is logged once and every decision falls back to the
+defaults, so attention never fails because of the database (a default database that does not
+exist yet, the normal state before any tuning, is only logged at info level). Decisions are
+memoised per (device, bucket). A tuned config that is malformed or cannot run on its arch is
+skipped with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+from flashtune.codegen import space
+from flashtune.codegen.arch import get_arch
+from flashtune.codegen.spec import KernelConfig, Problem, ProblemBucket
+from flashtune.db.lookup import BestIndex
+from flashtune.db.records import BestEntry
+from flashtune.errors import FlashtuneError
+
+log = logging.getLogger("flashtune.dispatch")
+
+
+class DeviceLike(Protocol):
+    """What the dispatcher needs to know about a device (``runtime.device.DeviceInfo``)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def arch(self) -> str: ...
+
+    @property
+    def family(self) -> str: ...
+
+
+class TunedSource(Protocol):
+    """Where tuned results come from: every best entry at once (``db.TuningStore`` fits)."""
+
+    def all_best(self) -> Iterable[BestEntry]: ...
+
+
+class Tier(str, Enum):
+    EXACT = "exact"
+    NEAREST = "nearest"
+    FAMILY = "family"
+    DEFAULT = "default"
+
+    @property
+    def meaning(self) -> str:
+        return {
+            Tier.EXACT: "tuned on this device for this bucket",
+            Tier.NEAREST: "tuned on this device for the nearest bucket",
+            Tier.FAMILY: "tuned on another GPU of the same arch family",
+            Tier.DEFAULT: "built-in default (no tuned result applies)",
+        }[self]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Which config serves ``bucket`` on ``device``, which tier answered and from what."""
+
+    bucket: ProblemBucket
+    device: str
+    arch: str
+    config: KernelConfig
+    tier: Tier
+    entry: BestEntry | None
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    @property
+    def problem(self) -> Problem:
+        return self.bucket.problem
+
+    def describe(self) -> str:
+        """A few lines a person can read: what was asked, what answered, with what config."""
+        c = self.config
+        lines = [
+            f"problem:  {self.bucket.key()} (sequence bucket {self.bucket.seqlen})",
+            f"device:   {self.device} ({self.arch})",
+            f"tier:     {self.tier.value} -- {self.tier.meaning}",
+            f"config:   {c.key()} (block_m={c.block_m}, block_n={c.block_n}, "
+            f"num_warps={c.num_warps}, num_stages={c.num_stages})",
+        ]
+        if self.entry is not None:
+            e = self.entry
+            speed = f", {e.trial.tflops:.1f} TFLOP/s" if e.trial.tflops is not None else ""
+            lines.append(f"source:   {e.device} ({e.arch}), bucket n{e.seqlen}, median "
+                         f"{e.median_ms:.4g} ms{speed}, template {e.trial.template_digest[:12]}")
+        return "\n".join(lines)
+
+
+def _fallback_default(problem: Problem, arch: str) -> KernelConfig:
+    """A conservative legal config, used only while codegen.defaults is unavailable."""
+    spec = get_arch(arch)
+    preferred = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+    if space.static_check(problem, preferred, spec) is None:
+        return preferred
+    legal = space.candidates(problem, spec)
+    if not legal:
+        raise FlashtuneError(f"no config of the search space fits {problem.key()} on {arch}")
+    return min(legal, key=lambda c: space.smem_bytes(problem, c))
+
+
+def default_config(problem: Problem, arch: str) -> KernelConfig:
+    """The built-in default config of ``problem`` on ``arch``."""
+    try:
+        from flashtune.codegen.defaults import default_config as table
+    except ImportError:
+        return _fallback_default(problem, arch)
+    config: KernelConfig = table(problem, arch)
+    return config
+
+
+def usable_config(entry: BestEntry) -> KernelConfig | str:
+    """The config of a tuned entry, or why it cannot serve (malformed, illegal on its arch)."""
+    try:
+        problem = Problem.from_key(entry.problem)
+        config = KernelConfig.from_key(entry.config.key)
+        spec = get_arch(entry.arch)
+        ProblemBucket(problem, entry.seqlen)
+    except FlashtuneError as exc:
+        return str(exc)
+    reason = space.static_check(problem, config, spec)
+    if reason is not None:
+        return f"config {config.key()} cannot run on {spec.name}: {reason}"
+    return config
+
+
+def _entry_key(entry: BestEntry) -> tuple[str, str, int]:
+    return (entry.device, entry.problem, entry.seqlen)
+
+
+class _Tuned:
+    """The usable tuned entries, indexed for lookups without the database."""
+
+    def __init__(self, entries: Iterable[BestEntry]) -> None:
+        self.configs: dict[tuple[str, str, int], KernelConfig] = {}
+        usable: list[BestEntry] = []
+        for entry in entries:
+            found = usable_config(entry)
+            if isinstance(found, str):
+                log.warning("skipping the tuned result %s/%s_n%d: %s", entry.device,
+                            entry.problem, entry.seqlen, found)
+                continue
+            self.configs[_entry_key(entry)] = found
+            usable.append(entry)
+        self.entries = tuple(usable)
+        self.index = BestIndex(self.entries)
+
+
+class Dispatcher:
+    """Chooses configs from a tuned source (read once, lazily) and the default table."""
+
+    def __init__(self, source: Callable[[], TunedSource] | None = None) -> None:
+        self._open_source = source if source is not None else open_database
+        self._tuned: _Tuned | None = None
+        self._memo: dict[tuple[str, str, ProblemBucket], Decision] = {}
+        self._lock = threading.Lock()
+
+    def _load(self) -> _Tuned:
+        with self._lock:
+            if self._tuned is None:
+                self._tuned = _Tuned(_read_entries(self._open_source))
+            return self._tuned
+
+    def decide(self, bucket: ProblemBucket, device: DeviceLike) -> Decision:
+        """The config for ``bucket`` on ``device`` (memoised; never tunes or writes)."""
+        memo_key = (device.name, device.arch, bucket)
+        decision = self._memo.get(memo_key)
+        if decision is None:
+            decision = self._decide(bucket, device)
+            self._memo[memo_key] = decision
+            log.debug("dispatch %s on %s (%s): %s -> %s", bucket.key(), device.name,
+                      device.arch, decision.tier.value, decision.config.key())
+        return decision
+
+    def _decide(self, bucket: ProblemBucket, device: DeviceLike) -> Decision:
+        tuned = self._load()
+        arch = get_arch(device.arch).name
+        match = tuned.index.lookup(device=device.name, arch=get_arch(device.family).name,
+                                   problem=bucket.problem.key(), seqlen=bucket.seqlen)
+        if match is not None:
+            config = tuned.configs[_entry_key(match.entry)]
+            reason = space.static_check(bucket.problem, config, get_arch(arch))
+            if reason is None:
+                return Decision(bucket, device.name, arch, config, Tier(match.how), match.entry)
+            log.warning("the tuned config %s (%s, %s) cannot run on %s (%s): %s; using the "
+                        "default", config.key(), match.entry.device, match.entry.arch,
+                        device.name, arch, reason)
+        return Decision(bucket, device.name, arch, default_config(bucket.problem, arch),
+                        Tier.DEFAULT, None)
+
+
+def _read_entries(open_source: Callable[[], TunedSource]) -> list[BestEntry]:
+    """Every best entry of the source; [] (with one log line) if it cannot be read."""
+    try:
+        source = open_source()
+        try:
+            return list(source.all_best())
+        finally:
+            close = getattr(source, "close", None)
+            if callable(close):
+                close()
+    except _NoDatabase as missing:
+        log.info("%s; every kernel uses the built-in default configs", missing)
+    except Exception as exc:  # any failure of the database must not fail attention
+        log.warning("the tuning database could not be read (%s: %s); every kernel uses the "
+                    "built-in default configs. Repair or migrate it (`flashtune db --help`) or "
+                    "point FLASHTUNE_DB at another database", type(exc).__name__, exc)
+    return []
+
+
+class _NoDatabase(Exception):
+    """The default database file does not exist yet: nothing has been tuned here."""
+
+
+def open_database() -> TunedSource:
+    """The tuning database at FLASHTUNE_DB, opened without creating or migrating it."""
+    from flashtune import knobs
+    from flashtune.db.engine import resolve_url, sqlite_file
+    from flashtune.db.store import TuningStore
+
+    url = resolve_url()
+    path = sqlite_file(url)
+    if path is not None and not path.is_file() and not knobs.DB_URL.is_set():
+        raise _NoDatabase(f"no tuning database at {path} (nothing tuned on this machine yet)")
+    return TuningStore(url, create=False)
+
+
+_dispatcher: Dispatcher | None = None
+_dispatcher_lock = threading.Lock()
+
+
+def get_dispatcher() -> Dispatcher:
+    """The process-wide dispatcher (its database is read on the first decision)."""
+    global _dispatcher
+    if _dispatcher is None:
+        with _dispatcher_lock:
+            if _dispatcher is None:
+                _dispatcher = Dispatcher()
+    return _dispatcher
+
+
+def set_dispatcher(dispatcher: Dispatcher | None) -> None:
+    """Replace the process-wide dispatcher (None: a fresh one, reading the database again, on
+    next use). Used by tests and by applications that bring their own source; callers that
+    keep plans (ops) must drop them too (``flashtune.runtime.forward.clear_caches``)."""
+    global _dispatcher
+    with _dispatcher_lock:
+        _dispatcher = dispatcher

@@ -1,0 +1,225 @@
+"""Running the forward kernel on validated tensors: backend, plan, outputs, arguments, launch.
+
+A *plan* is everything a call needs that does not change between calls of one (backend,
+device, dtype, head dim, causal, sequence bucket): the dispatcher's decision and the loaded
+kernel. Plans are memoised in one dictionary, so a warm call costs one lookup, two output
+allocations, the argument tuple and the launch: no compile, no database, no file access.
+
+``forward`` is the implementation of the ``flashtune::attention_fwd`` op; it expects inputs
+that passed ``validate.check_attention_inputs``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from flashtune import knobs
+from flashtune.codegen.render import render
+from flashtune.codegen.spec import (
+    MAX_SEQ_BUCKET,
+    MIN_SEQ_BUCKET,
+    DType,
+    KernelSource,
+    Problem,
+    ProblemBucket,
+)
+from flashtune.errors import InvalidInput
+from flashtune.runtime.backends import BackendEntry, backend_entry, get_backend
+from flashtune.runtime.backends.base import LoadedKernel
+from flashtune.runtime.dispatch import Decision, DeviceLike, get_dispatcher
+from flashtune.runtime.kernel_args import ArgType, FwdArgs, TensorView
+
+#: The arch whose configs the CPU emulator runs (its "device" is a virtual GPU of this arch).
+
+_DTYPES = {torch.float16: DType.FP16, torch.bfloat16: DType.BF16}
+
+# The kernel's parameter types, in order, taken from the argument contract itself.
+_ZERO_VIEW = TensorView(0, 0, 0, 0)
+FWD_ARG_TYPES: tuple[ArgType, ...] = tuple(
+    kind for kind, _ in FwdArgs(_ZERO_VIEW, _ZERO_VIEW, _ZERO_VIEW, _ZERO_VIEW, 0, 0, 0, 0, 0,
+                                0.0).packed()
+)
+
+
+def seqlen_bucket(seqlen: int) -> int:
+    """``codegen.spec.seq_bucket`` for seqlen >= 1, with integer arithmetic only."""
+    bucket = 1 << (seqlen - 1).bit_length()
+    return MIN_SEQ_BUCKET if bucket < MIN_SEQ_BUCKET else min(bucket, MAX_SEQ_BUCKET)
+
+
+def pack_fwd_args(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    softmax_scale: float,
+) -> tuple[tuple[ArgType, int | float], ...]:
+    """The kernel arguments, equal to ``FwdArgs(...).packed()`` for these tensors.
+
+    Built directly because it runs on every call: this costs about a third of building the
+    FwdArgs dataclasses; a test checks that the two agree.
+    """
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), o.stride()
+    _, seqlen_q, heads_q, _ = q.shape
+    _, seqlen_k, heads_kv, _ = k.shape
+    values = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+              seqlen_q, seqlen_k, heads_q, heads_kv,
+              qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+              os_[0], os_[1], os_[2], softmax_scale)
+    return tuple(zip(FWD_ARG_TYPES, values, strict=False))  # lengths equal by construction
+
+
+def emulator_arch() -> str:
+    """The arch of the emulator's virtual device: the configs it runs are chosen as for a GPU
+    of this arch (the tuned results of that arch family, else its defaults)."""
+    return knobs.EMULATOR_ARCH.get()
+
+
+def resolve_backend(name: str | None, device: torch.device) -> BackendEntry:
+    """The backend that serves tensors on ``device``; InvalidInput if they do not fit.
+
+    ``None`` or ``""`` means the FLASHTUNE_BACKEND knob; ``auto`` means cuda for CUDA tensors.
+    CPU tensors are only served when the emulator is asked for explicitly.
+    """
+    chosen = name or knobs.BACKEND.get()
+    if chosen == "auto":
+        if device.type == "cpu":
+            raise InvalidInput(
+                "the tensors are on the CPU; flashtune runs on CUDA tensors. Move them with "
+                ".cuda(), or run the CPU emulator (slow, for verification) with "
+                "backend='emulator' or FLASHTUNE_BACKEND=emulator")
+        chosen = "cuda"
+    entry = backend_entry(chosen)
+    if device.type not in ("meta", entry.device_type):
+        where = "CUDA" if entry.device_type == "cuda" else "CPU"
+        fix = (".cuda()" if entry.device_type == "cuda" else
+               ".cpu() (the emulator runs on CPU tensors), or backend='cuda'")
+        raise InvalidInput(f"backend {chosen!r} runs on {where} tensors but the tensors are on "
+                           f"{device}; move them with {fix}")
+    return entry
+
+
+def device_info(entry: BackendEntry, device: torch.device) -> DeviceLike:
+    """The device the dispatcher chooses for: the GPU, or the emulator's virtual GPU."""
+    from flashtune.runtime.device import DeviceInfo
+
+    if entry.device_type == "cuda":
+        info: DeviceLike = DeviceInfo.current(device.index)
+        return info
+    virtual: DeviceLike = DeviceInfo.virtual(emulator_arch())
+    return virtual
+
+
+def problem_bucket(q: torch.Tensor, k: torch.Tensor, causal: bool) -> ProblemBucket:
+    problem = Problem(head_dim=q.shape[3], dtype=_DTYPES[q.dtype], causal=causal)
+    return ProblemBucket(problem, seqlen_bucket(max(q.shape[1], k.shape[1])))
+
+
+def decide(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str | None,
+           arch: str | None = None) -> tuple[Decision, BackendEntry]:
+    """The dispatcher's decision for these tensors (no kernel is loaded or compiled).
+
+    ``arch`` overrides the device with a virtual GPU of that arch.
+    """
+    from flashtune.runtime.device import DeviceInfo
+
+    entry = resolve_backend(backend, q.device)
+    device = DeviceInfo.virtual(arch) if arch else device_info(entry, q.device)
+    return get_dispatcher().decide(problem_bucket(q, k, causal), device), entry
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A decided and loaded kernel for one (backend, device, problem bucket)."""
+
+    decision: Decision
+    source: KernelSource
+    kernel: LoadedKernel
+    stream: Callable[[], int]
+
+    @property
+    def block_m(self) -> int:
+        return self.source.config.block_m
+
+
+def _cuda_stream(device: torch.device) -> Callable[[], int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return lambda: int(raw(index))
+    return lambda: int(torch.cuda.current_stream(index).cuda_stream)
+
+
+def _no_stream() -> int:
+    return 0
+
+
+def _make_plan(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str) -> Plan:
+    decision, entry = decide(q, k, causal, backend)
+    source = render(decision.problem, decision.config)
+    loader = get_backend(entry.name)
+    if entry.device_type == "cuda":
+        with torch.cuda.device(q.device):
+            kernel = loader.load(source)
+        return Plan(decision, source, kernel, _cuda_stream(q.device))
+    return Plan(decision, source, loader.load(source), _no_stream)
+
+
+_plans: dict[tuple[object, ...], Plan] = {}
+_plans_lock = threading.Lock()
+
+
+def plan_for(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str) -> Plan:
+    """The memoised plan of this call (made, and its kernel loaded, on first use)."""
+    _, seqlen_q, _, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    bucket = seqlen_bucket(seqlen_q if seqlen_q > seqlen_k else seqlen_k)
+    # get_device(): the CUDA index, -1 for CPU tensors (the only other kind that gets here).
+    key = (backend, q.get_device(), q.dtype, head_dim, causal, bucket)
+    plan = _plans.get(key)
+    if plan is None:
+        with _plans_lock:
+            plan = _plans.get(key)
+            if plan is None:
+                plan = _make_plan(q, k, causal, backend)
+                _plans[key] = plan
+    return plan
+
+
+def clear_caches() -> None:
+    """Forget every plan (loaded kernels stay in their backends' caches)."""
+    with _plans_lock:
+        _plans.clear()
+
+
+def _misaligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> InvalidInput:
+    bad = [name for name, t in (("q", q), ("k", k), ("v", v)) if t.data_ptr() % 16]
+    return InvalidInput(f"{', '.join(bad)} start(s) at an address that is not 16-byte aligned "
+                        "(a view with an odd storage offset); the kernel loads 16-byte chunks. "
+                        "Pass a copy made with .clone() or .contiguous()")
+
+
+def empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised O (like q, same strides when q is dense) and LSE (B, Hq, Nq) float32."""
+    batch, seqlen_q, heads_q, _ = q.shape
+    # Sizes as separate ints: torch parses them several times faster than a tuple.
+    return (torch.empty_like(q),
+            torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=q.device))
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+            softmax_scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (like q) and the float32 LSE (B, Hq, Nq) of validated inputs, launched on the
+    current stream. ``backend`` "" means the FLASHTUNE_BACKEND knob."""
+    name = backend or knobs.BACKEND.get()
+    plan = plan_for(q, k, causal, name)
+    out, lse = empty_outputs(q)
+    args = pack_fwd_args(q, k, v, out, lse, softmax_scale)
+    if (args[0][1] | args[1][1] | args[2][1]) & 15:  # type: ignore[operator]  # pointers
+        raise _misaligned(q, k, v)
+    batch, seqlen_q, heads_q, _ = q.shape
+    block_m = plan.block_m
+    plan.kernel.launch(((seqlen_q + block_m - 1) // block_m, heads_q, batch), args,
+                       stream=plan.stream())
+    return out, lse

@@ -1,0 +1,214 @@
+"""The PyTorch-facing API: attention(), scaled_dot_product_attention(), explain().
+
+The forward pass is the custom op ``flashtune::attention_fwd`` (torch.library) with a fake
+implementation, so torch.compile traces through it as one graph node and CUDA graphs capture
+it (it synchronises nothing and allocates only its outputs). A plain eager call with nothing
+that observes operators (no compile, tracing, dispatch or function modes, functorch
+transforms or profiler) calls the same implementation directly, which saves the operator
+dispatch (several microseconds of host time per call).
+
+Gradients: there is no backward kernel yet, so a call whose inputs require grad (with grad
+mode on) raises ``BackwardNotAvailable`` instead of returning an output without a gradient.
+The op's autograd formula is registered and raises the same error; a backward kernel plugs
+in at ``_backward``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, overload
+
+import torch
+
+from flashtune.errors import BackwardNotAvailable, InvalidInput
+from flashtune.runtime import forward as _fwd
+from flashtune.runtime.dispatch import Decision
+from flashtune.runtime.validate import check_attention_inputs, check_softmax_scale
+
+OP_NAME = "flashtune::attention_fwd"
+
+
+_NO_BACKWARD = (
+    "flashtune has no attention backward kernel yet (op flashtune::attention_bwd), so it "
+    "cannot compute gradients; expected inputs that do not require grad. Call it under "
+    "torch.no_grad() / torch.inference_mode(), pass detached tensors, or use "
+    "torch.nn.functional.scaled_dot_product_attention for training"
+)
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  softmax_scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (B, Nq, Hq, D) and LSE (B, Hq, Nq, float32) of validated inputs."""
+    return _fwd.forward(q, k, v, causal, softmax_scale, backend)
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        softmax_scale: float, backend: str
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, seqlen_q, heads_q, _ = q.shape
+    return (torch.empty_like(q),
+            q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    q, k, v, causal, softmax_scale, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal = causal
+    ctx.softmax_scale = softmax_scale
+    ctx.backend = backend
+
+
+def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor) -> tuple[Any, ...]:
+    """Gradients of (q, k, v, causal, softmax_scale, backend)."""
+    raise BackwardNotAvailable(_NO_BACKWARD)
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_no_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        raise BackwardNotAvailable(_NO_BACKWARD)
+
+
+_C: Any = torch._C
+
+
+def _direct_call_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when calling the implementation directly is indistinguishable from the op."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (
+        type(q) is not torch.Tensor or type(k) is not torch.Tensor
+        or type(v) is not torch.Tensor or q.is_meta
+        or _C._len_torch_dispatch_stack() or _C._is_torch_function_mode_enabled()
+        or _C._are_functorch_transforms_active() or _C._autograd._profiler_enabled()
+        or _C._get_tracing_state() is not None
+    )
+
+
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
+              softmax_scale: float | None = ..., return_lse: Literal[False] = ...,
+              backend: str | None = ...) -> torch.Tensor: ...
+
+
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
+              softmax_scale: float | None = ..., return_lse: Literal[True],
+              backend: str | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
+              softmax_scale: float | None = ..., return_lse: bool,
+              backend: str | None = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ...
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention in flash-attn's layout.
+
+    q is (B, Nq, Hq, D); k and v are (B, Nk, Hkv, D) with Hq a multiple of Hkv (grouped-query
+    attention); fp16 or bf16; D a multiple of 8 up to 256; the last dim contiguous. Returns
+    O (B, Nq, Hq, D), and with ``return_lse`` also the natural-log log-sum-exp of the scaled
+    scores, float32 (B, Hq, Nq). ``causal`` masks key j from query i unless
+    j <= i + Nk - Nq (the diagonal aligned to the bottom-right corner, as in flash-attn); a
+    query row that sees no key gets O = 0 and LSE = +inf. ``softmax_scale`` defaults to
+    1/sqrt(D). ``backend``: None (FLASHTUNE_BACKEND, default ``auto``: CUDA tensors on the
+    GPU), ``"cuda"`` or ``"emulator"`` (CPU tensors, slow; for verification).
+    """
+    check_attention_inputs(q, k, v)
+    _check_no_grad(q, k, v)
+    if not isinstance(causal, bool):
+        raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
+    scale = check_softmax_scale(softmax_scale, q.shape[3])
+    name = "" if backend is None else backend
+    if _direct_call_ok(q, k, v):
+        out, lse = _fwd.forward(q, k, v, causal, scale, name)
+    else:
+        out, lse = attention_fwd(q, k, v, causal, scale, name)
+    return (out, lse) if return_lse else out
+
+
+def _sdpa_unsupported(what: str, fix: str) -> InvalidInput:
+    return InvalidInput(f"flashtune.scaled_dot_product_attention does not support {what}; "
+                        f"{fix}")
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """A drop-in for torch.nn.functional.scaled_dot_product_attention on (B, H, N, D) inputs.
+
+    Supported: 4-D fp16/bf16 inputs, ``is_causal``, ``scale``, and ``enable_gqa`` (Hq a
+    multiple of Hkv). Not supported (InvalidInput saying so): ``attn_mask``, ``dropout_p`` other
+    than 0, Hq != Hkv without ``enable_gqa``, and ``is_causal`` with L != S (torch aligns that
+    mask to the top-left corner, flashtune to the bottom-right). The inputs are passed as
+    transposed views and the result is a transposed view: nothing is copied. ``backend`` is
+    as in ``attention``.
+    """
+    if attn_mask is not None:
+        raise _sdpa_unsupported("attn_mask", "use is_causal=True for a causal mask, or "
+                                "torch.nn.functional.scaled_dot_product_attention for others")
+    if dropout_p != 0.0:
+        raise _sdpa_unsupported(f"dropout_p={dropout_p}", "expected dropout_p=0.0 (inference)")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InvalidInput(f"{name} is {shape}; expected a 4-D tensor (batch, heads, "
+                               "seqlen, head_dim). Add a batch dim with unsqueeze(0)")
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise InvalidInput(f"query has {query.shape[1]} heads but key/value have "
+                           f"{key.shape[1]}; expected equal head counts, or enable_gqa=True "
+                           "for grouped-query attention")
+    if is_causal and query.shape[2] != key.shape[2]:
+        raise _sdpa_unsupported(
+            f"is_causal=True with L={query.shape[2]} != S={key.shape[2]}",
+            "torch aligns that mask to the top-left corner; use flashtune.attention("
+            "causal=True) for flash-attn's bottom-right alignment")
+    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                    causal=is_causal, softmax_scale=scale, backend=backend)
+    return out.transpose(1, 2)
+
+
+def explain(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    backend: str | None = None,
+    arch: str | None = None,
+) -> Decision:
+    """Which config flashtune would run for this call, and why (nothing is compiled).
+
+    ``str(decision)`` or ``decision.describe()`` prints the problem, bucket, device, the tier
+    that answered (exact, nearest, family, default) and the config. ``arch`` asks about a
+    virtual GPU of that arch instead of the tensors' device (meta tensors work too).
+    """
+    check_attention_inputs(q, k, v)
+    if q.device.type == "meta" and arch is None:
+        arch = _fwd.emulator_arch()
+    decision, _ = _fwd.decide(q, k, causal, backend, arch)
+    return decision

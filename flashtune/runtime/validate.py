@@ -1,0 +1,186 @@
+"""Validation of the tensors handed to the public attention API.
+
+``check_attention_inputs`` runs on every call, so the success path is a handful of attribute
+reads and comparisons; the detailed messages are only built once something is wrong. It uses
+nothing but tensor metadata (no data pointers), so torch.compile traces it without a graph
+break. Every error is an InvalidInput that says what was wrong, what was expected and how to
+fix it.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from flashtune.codegen.spec import MAX_HEAD_DIM
+from flashtune.errors import InvalidInput
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+_DTYPES = frozenset(SUPPORTED_DTYPES)
+#: Device types whose tensors reach a kernel (cuda, cpu for the emulator) or only the fake
+#: implementation (meta, for shape inference and tracing).
+SUPPORTED_DEVICES = ("cuda", "cpu", "meta")
+#: CUDA limits the y and z grid dimensions (heads and batch) to 65535.
+MAX_GRID_YZ = 65535
+#: Sequence lengths and head counts are int32 kernel arguments.
+MAX_INT32 = 2**31 - 1
+
+_LAYOUT = "(batch, seqlen, heads, head_dim)"
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def _check_types(q: object, k: object, v: object) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInput(f"{name} must be a torch.Tensor {_LAYOUT}, got "
+                               f"{type(t).__name__}; convert it with torch.as_tensor")
+
+
+def _check_rank(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise InvalidInput(
+                f"{name} has {t.dim()} dims (shape {_shape(t)}); expected 4 dims {_LAYOUT}. "
+                "For torch's (batch, heads, seqlen, head_dim) layout use "
+                "flashtune.scaled_dot_product_attention; add a batch dim with unsqueeze(0)"
+            )
+
+
+def _check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise InvalidInput(f"q has dtype {q.dtype}; expected torch.float16 or torch.bfloat16. "
+                           "Convert with q.half() or q.bfloat16()")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise InvalidInput(f"{name} has dtype {t.dtype} but q has {q.dtype}; q, k and v "
+                               f"must share one dtype. Convert with {name}.to(q.dtype)")
+
+
+def _check_devices(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise InvalidInput(f"{name} is on {t.device} but q is on {q.device}; q, k and v "
+                               f"must be on one device. Move it with {name}.to(q.device)")
+    if q.device.type not in SUPPORTED_DEVICES:
+        raise InvalidInput(f"tensors are on {q.device}; expected CUDA tensors (or CPU tensors "
+                           "with backend='emulator'). Move them with .cuda()")
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if tuple(k.shape) != tuple(v.shape):
+        raise InvalidInput(f"k has shape {_shape(k)} but v has {_shape(v)}; expected equal "
+                           f"shapes {_LAYOUT} (one value per key, same head dim)")
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    batch_k, seqlen_k, heads_kv, head_dim_k = k.shape
+    if batch_k != batch:
+        raise InvalidInput(f"q has batch {batch} but k and v have {batch_k} (q {_shape(q)}, "
+                           f"k {_shape(k)}); expected equal batch sizes {_LAYOUT}")
+    if head_dim_k != head_dim:
+        raise InvalidInput(f"q has head_dim {head_dim} but k and v have {head_dim_k}; "
+                           f"expected equal head dims (last dim of {_LAYOUT})")
+    for name, t in (("q", q), ("k", k)):
+        if t.numel() == 0:
+            raise InvalidInput(f"{name} is empty (shape {_shape(t)}); expected every dim of "
+                               f"{_LAYOUT} >= 1. Skip the call for empty inputs")
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        hint = 8 * math.ceil(head_dim / 8)
+        fix = (f"pad q, k and v with zeros to head_dim {hint} (set softmax_scale to "
+               f"1/sqrt({head_dim}) to keep the original scaling)"
+               if hint <= MAX_HEAD_DIM else "split the heads or use another implementation")
+        raise InvalidInput(f"head_dim={head_dim} is not supported; expected a multiple of 8 "
+                           f"<= {MAX_HEAD_DIM}; {fix}")
+    if heads_q % heads_kv:
+        raise InvalidInput(f"q has {heads_q} heads but k and v have {heads_kv}; expected the "
+                           "number of q heads to be a multiple of the k/v heads (grouped-query "
+                           "attention). Repeat k and v along the heads dim to match")
+    if batch > MAX_GRID_YZ or heads_q > MAX_GRID_YZ:
+        raise InvalidInput(f"batch={batch}, heads={heads_q}; expected both <= {MAX_GRID_YZ} "
+                           "(CUDA grid limit). Split the call along batch or heads")
+    if seqlen_q > MAX_INT32 or seqlen_k > MAX_INT32:
+        raise InvalidInput(f"sequence lengths {seqlen_q}, {seqlen_k} exceed {MAX_INT32}; "
+                           "split the call along the sequence")
+
+
+def _check_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1:
+            raise InvalidInput(
+                f"{name} has stride {t.stride(-1)} in its last (head_dim) dim; expected 1 "
+                f"(strides {tuple(t.stride())}). Call {name}.contiguous() first"
+            )
+        for dim, what in enumerate(("batch", "seqlen", "heads")):
+            if t.shape[dim] > 1 and t.stride(dim) % 8:
+                raise InvalidInput(
+                    f"{name} has stride {t.stride(dim)} in its {what} dim (strides "
+                    f"{tuple(t.stride())}); expected multiples of 8 elements (the kernel "
+                    f"loads 16-byte chunks). Call {name}.contiguous() first"
+                )
+
+
+def _valid(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Every check at once, reading each tensor attribute once (the hot path)."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor)):
+        return False
+    dtype = q.dtype
+    if dtype not in _DTYPES or k.dtype != dtype or v.dtype != dtype:
+        return False
+    qs, ks = q.shape, k.shape
+    if len(qs) != 4 or len(ks) != 4 or v.shape != ks:
+        return False
+    b, nq, hq, d = qs
+    _, nk, hkv, _ = ks
+    if (ks[0] != b or ks[3] != d or d % 8 or d > MAX_HEAD_DIM or b < 1 or nq < 1 or hq < 1
+            or d < 1 or nk < 1 or hkv < 1 or hq % hkv or b > MAX_GRID_YZ or hq > MAX_GRID_YZ
+            or nq > MAX_INT32 or nk > MAX_INT32):
+        return False
+    # Strides: unit in the last dim, multiples of 8 elsewhere (size-1 dims are never
+    # stepped over, so their strides do not matter).
+    for st, n, h in ((q.stride(), nq, hq), (k.stride(), nk, hkv), (v.stride(), nk, hkv)):
+        if st[3] != 1 or (b > 1 and st[0] % 8) or (n > 1 and st[1] % 8) or (
+                h > 1 and st[2] % 8):
+            return False
+    device = q.device
+    return k.device == device and v.device == device and device.type in SUPPORTED_DEVICES
+
+
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise InvalidInput unless q (B, Nq, Hq, D) and k, v (B, Nk, Hkv, D) can be served.
+
+    Checks, in order: types, rank, dtype (fp16/bf16, all equal), devices (one device, of a
+    supported type), shapes (batch, head dim and k/v agreement, no empty tensor, head dim a
+    multiple of 8 up to 256, Hq a multiple of Hkv, grid limits) and strides (the last dim
+    contiguous, the others multiples of 8 elements). Base-pointer alignment (16 bytes) is
+    checked at launch, where data pointers are available. Whether the device suits the
+    chosen backend is checked when the backend is resolved.
+    """
+    if _valid(q, k, v):
+        return
+    _check_types(q, k, v)
+    _check_rank(q, k, v)
+    _check_dtypes(q, k, v)
+    _check_devices(q, k, v)
+    _check_shapes(q, k, v)
+    _check_strides(q, k, v)
+    raise AssertionError("check_attention_inputs: fast and detailed checks disagree")
+
+
+def check_softmax_scale(scale: object, head_dim: int) -> float:
+    """The softmax scale to use: 1/sqrt(head_dim) for None, else ``scale`` as a finite,
+    positive float (the kernel's exp2-based softmax assumes a positive scale)."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise InvalidInput(f"softmax_scale={scale!r} must be a float (or None for "
+                           f"1/sqrt(head_dim) = {1.0 / math.sqrt(head_dim):.6g})")
+    value = float(scale)
+    if not math.isfinite(value) or value <= 0.0:
+        what = "is not finite" if not math.isfinite(value) else "is not positive"
+        raise InvalidInput(f"softmax_scale={value} {what}; expected a finite, positive float "
+                           f"such as 1/sqrt(head_dim) = {1.0 / math.sqrt(head_dim):.6g}")
+    return value

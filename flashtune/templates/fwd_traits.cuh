@@ -1,0 +1,100 @@
+// Compile-time shape of one forward kernel variant: tile sizes, warp split, shared-memory
+// layout and the element type's tensor-core operations.
+#pragma once
+
+#include "primitives.cuh"
+
+namespace ft {
+
+// The tensor-core mma and the 16-bit packing for one element type.
+template <typename T>
+struct ElementOps;
+
+template <>
+struct ElementOps<__half> {
+  static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4],
+                                             const unsigned (&b)[2], const float (&c)[4]) {
+    mma_m16n8k16_f16(d, a, b, c);
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    return pack_half2(lo, hi);
+  }
+};
+
+template <>
+struct ElementOps<__nv_bfloat16> {
+  static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4],
+                                             const unsigned (&b)[2], const float (&c)[4]) {
+    mma_m16n8k16_bf16(d, a, b, c);
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    return pack_bf162(lo, hi);
+  }
+};
+
+// One variant of the FlashAttention-2 forward kernel.
+//
+// HeadDim is the real head dim (a multiple of 8); HeadDimPadded the compiled tile dim that
+// sizes the shared-memory rows. The tensor cores work on HeadDim rounded up to 16
+// (kHeadDimMma): the columns [HeadDim, kHeadDimMma) are zero-filled on load, and the columns
+// beyond kHeadDimMma are never touched.
+//
+// Shared memory (elements of Element, rows of kRowStride = HeadDimPadded + RowPad):
+//   [ Q: BlockM rows | K: NumStages x BlockN rows | V: NumStages x BlockN rows ]
+// The RowPad elements (16 bytes) at the end of each row shift consecutive rows by one
+// 16-byte bank group, so the eight rows of an ldmatrix phase hit distinct banks. The
+// total must equal flashtune.codegen.space.smem_bytes (the template asserts it).
+template <typename Element_, int HeadDim, int HeadDimPadded, int BlockM, int BlockN,
+          int NumWarps, int NumStages, bool Causal, int RowPad>
+struct FwdTraits {
+  using Element = Element_;
+  using Ops = ElementOps<Element>;
+
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kHeadDimPadded = HeadDimPadded;
+  static constexpr int kHeadDimMma = (HeadDim + 15) / 16 * 16;
+  static constexpr int kBlockM = BlockM;
+  static constexpr int kBlockN = BlockN;
+  static constexpr int kNumWarps = NumWarps;
+  static constexpr int kNumStages = NumStages;
+  static constexpr bool kCausal = Causal;
+  static constexpr int kThreads = 32 * NumWarps;
+
+  // Warp tiling: warp w owns query rows [w * kWarpRows, (w + 1) * kWarpRows) of the block.
+  static constexpr int kWarpRows = BlockM / NumWarps;
+  static constexpr int kMTiles = kWarpRows / 16;        // m16 tiles per warp
+  static constexpr int kSTiles = BlockN / 8;            // n8 tiles of S (keys)
+  static constexpr int kOTiles = kHeadDimMma / 8;       // n8 tiles of O (head dim)
+  static constexpr int kQkSteps = kHeadDimMma / 16;     // k16 steps of Q K^T
+  static constexpr int kPvSteps = BlockN / 16;          // k16 steps of P V
+
+  // Shared-memory layout, in elements.
+  static constexpr int kRowStride = HeadDimPadded + RowPad;
+  static constexpr int kQElems = BlockM * kRowStride;
+  static constexpr int kKvElems = BlockN * kRowStride;
+  static constexpr int kKOffset = kQElems;
+  static constexpr int kVOffset = kQElems + NumStages * kKvElems;
+  static constexpr int kSmemBytes =
+      (kQElems + 2 * NumStages * kKvElems) * static_cast<int>(sizeof(Element));
+
+  // 16-byte chunks per row: copied by cp.async, and real (stored / read from global).
+  static constexpr int kChunkElems = 8;
+  static constexpr int kLoadChunks = kHeadDimMma / kChunkElems;
+  static constexpr int kRealChunks = HeadDim / kChunkElems;
+
+  // cp.async groups are committed as K_0 (with Q), V_0, K_1, V_1, ...; before K_j or V_j is
+  // used, the 2 * (NumStages - 1) groups committed after it may still be in flight.
+  static constexpr int kPipelineWait = 2 * (NumStages - 1);
+
+  static_assert(sizeof(Element) == 2, "elements are 16-bit (fp16 or bf16)");
+  static_assert(HeadDim % 8 == 0 && HeadDim >= 8, "head dim must be a multiple of 8");
+  static_assert(HeadDim <= HeadDimPadded && HeadDimPadded % 16 == 0,
+                "padded head dim must cover the head dim in k16 steps");
+  static_assert(RowPad % 8 == 0, "row pad must keep rows 16-byte aligned");
+  static_assert(BlockM % (16 * NumWarps) == 0, "each warp owns whole m16 tiles");
+  static_assert(BlockN % 16 == 0, "keys come in k16 steps of P V");
+  static_assert(kOTiles % 2 == 0 && kSTiles % 2 == 0, "B operands load two n8 tiles at once");
+  static_assert(NumStages >= 1 && NumStages <= 4, "1 to 4 pipeline stages");
+};
+
+}  // namespace ft

@@ -1,0 +1,292 @@
+"""``tune()``: search every bucket of a problem on one device and store the winners.
+
+Per bucket: static pruning (space.static_check, recorded as ``invalid``), then the
+pipeline (compile ahead -> resource check -> verify -> time) driven by an Optuna study, or
+by a fixed enumeration for untimed (dry-run) backends; at the end the top candidates are
+re-measured and the winner crowned as the bucket's best in the database.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import optuna
+from optuna.trial import TrialState
+
+from flashtune.codegen.spec import DType, KernelConfig, Problem, ProblemBucket
+from flashtune.db.records import TrialStatus
+from flashtune.db.store import TuningStore
+from flashtune.errors import TuningError
+from flashtune.runtime.dispatch import default_config
+from flashtune.tuner.encoding import SearchEncoding
+from flashtune.tuner.evaluate import TrialResult
+from flashtune.tuner.lock import ProposalLock
+from flashtune.tuner.measure import MeasurementBackend
+from flashtune.tuner.options import BucketSummary, TuneOptions
+from flashtune.tuner.pipeline import CompilePool, Limits, run_pipeline
+from flashtune.tuner.records import ResultLog
+from flashtune.tuner.search import (
+    CONFIG_ATTR,
+    DUPLICATE_ATTR,
+    EnumerationSearch,
+    OptunaSearch,
+    Proposal,
+    Proposer,
+)
+from flashtune.tuner.selection import Scored, choose, remeasure
+from flashtune.tuner.study import make_sampler, open_storage, study_name, template_digest
+from flashtune.tuner.workload import BatchHeads, Workload, make_workload
+
+log = logging.getLogger("flashtune.tuner")
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+class Observer(Protocol):
+    """Receives progress (the rich display implements it; None is silent)."""
+
+    def bucket_started(self, summary: BucketSummary) -> None: ...
+
+    def trial_done(self, summary: BucketSummary, result: TrialResult) -> None: ...
+
+    def bucket_finished(self, summary: BucketSummary) -> None: ...
+
+
+class _Silent:
+    def bucket_started(self, summary: BucketSummary) -> None:
+        pass
+
+    def trial_done(self, summary: BucketSummary, result: TrialResult) -> None:
+        pass
+
+    def bucket_finished(self, summary: BucketSummary) -> None:
+        pass
+
+
+def buckets_of(problem: Problem, seqlens: Sequence[int]) -> list[ProblemBucket]:
+    """The distinct buckets of ``seqlens``, in ascending order."""
+    return sorted({problem.bucket(n, n) for n in seqlens}, key=lambda b: b.seqlen)
+
+
+class Tuner:
+    """Tunes buckets on one backend against one database (see the module docstring)."""
+
+    def __init__(self, backend: MeasurementBackend, store: TuningStore,
+                 options: TuneOptions = TuneOptions(), observer: Observer | None = None,
+                 batch_heads: Sequence[BatchHeads] = (), verify_cap: int | None = None
+                 ) -> None:
+        self.backend = backend
+        self.store = store
+        self.options = options
+        self.observer: Observer = observer or _Silent()
+        self.batch_heads = tuple(batch_heads)
+        self.verify_cap = verify_cap
+        self.digest = template_digest()
+        self._deadline = (time.monotonic() + options.timeout_s
+                          if options.timeout_s is not None else None)
+        self._untimed_memo: dict[tuple[Problem, KernelConfig], TrialResult] = {}
+        store.record_device(backend.device)
+
+    def workload(self, bucket: ProblemBucket) -> Workload:
+        if self.verify_cap is None:
+            return make_workload(bucket, self.batch_heads)
+        return make_workload(bucket, self.batch_heads, verify_cap=self.verify_cap)
+
+    def study_name(self, bucket: ProblemBucket) -> str:
+        return study_name(self.backend.device.name, bucket, self.digest,
+                          self.options.study_prefix)
+
+    def prepare_study(self, bucket: ProblemBucket,
+                      sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
+        """Create (or, with resume, load) the bucket's study; refuse to silently reuse one."""
+        storage = open_storage(self.store.url, self.options.heartbeat)
+        name = self.study_name(bucket)
+        try:
+            existing = optuna.load_study(study_name=name, storage=storage)
+        except KeyError:
+            existing = None
+        if existing is not None and not self.options.resume and existing.get_trials(
+                deepcopy=False):
+            raise TuningError(
+                f"study {name} already has {len(existing.get_trials(deepcopy=False))} trials in "
+                f"{self.store.where}; pass --resume to continue it, or --study NAME to start a "
+                "fresh one (known failures are skipped either way)")
+        return optuna.create_study(study_name=name, storage=storage, direction="maximize",
+                                   sampler=sampler, load_if_exists=True)
+
+    def run(self, buckets: Sequence[ProblemBucket]) -> list[BucketSummary]:
+        with CompilePool(self.backend.compiler, self.options.compile_workers) as pool:
+            return [self.tune_bucket(bucket, pool) for bucket in buckets]
+
+    # ------------------------------------------------------------------ one bucket
+
+    def tune_bucket(self, bucket: ProblemBucket, pool: CompilePool) -> BucketSummary:
+        problem, arch = bucket.problem, self.backend.arch
+        workload = self.workload(bucket)
+        encoding = SearchEncoding(problem, arch)
+        candidates = encoding.candidates()
+        timed = self.backend.timed
+        name = self.study_name(bucket) if timed else None
+        results = ResultLog(self.store, self.backend.device, bucket, name)
+        summary = BucketSummary(bucket, name, len(candidates), timed=timed)
+        summary.default = default_config(problem, arch.name)
+        past = results.past_outcomes()
+        self._record_static_pruning(encoding, results, past, summary)
+        if not candidates:
+            raise TuningError(f"no config of the search space fits {bucket.key()} on "
+                              f"{arch.name}: every one fails the static check")
+        self.observer.bucket_started(summary)
+
+        def on_result(proposal: Proposal, result: TrialResult) -> None:
+            results.record(result)
+            summary.measured += 1
+            summary.statuses[result.status.value] += 1
+            if result.tflops is not None and (summary.best_tflops is None
+                                              or result.tflops > summary.best_tflops):
+                summary.best_tflops, summary.best_config = result.tflops, result.config
+            self.observer.trial_done(summary, result)
+
+        if timed:
+            opts = self.options
+            study = self.prepare_study(
+                bucket, make_sampler(opts.sampler, opts.seed, summary.candidates))
+            if self.options.search:
+                self._search(study, workload, encoding, results, summary, pool, on_result)
+            if self.options.finalize:
+                self._finalize(study, workload, results, summary)
+        else:
+            proposer = EnumerationSearch(candidates, skip=past, first=[summary.default])
+            self._drive(proposer, workload, pool, on_result)
+        self.observer.bucket_finished(summary)
+        return summary
+
+    def _record_static_pruning(self, encoding: SearchEncoding, results: ResultLog,
+                               past: dict[str, TrialStatus], summary: BucketSummary) -> None:
+        """Record each statically impossible config once (as ``invalid``, never compiled)."""
+        legal = set(encoding.candidates())
+        for config in encoding.space():
+            if config in legal or config.key() in past:
+                continue
+            reason = encoding.decode(encoding.encode(config))
+            assert isinstance(reason, str)
+            results.record(TrialResult(config, TrialStatus.INVALID, error=reason))
+            summary.statuses["invalid (static)"] += 1
+
+    def _search(self, study: optuna.Study, workload: Workload, encoding: SearchEncoding,
+                results: ResultLog, summary: BucketSummary, pool: CompilePool,
+                on_result: _OnResult) -> None:
+        opts = self.options
+        lock = ProposalLock(self.store.url, study.study_name)
+        first = [summary.default] if summary.default is not None else []
+        proposer = OptunaSearch(study, encoding, lock, known_failed=results.known_failures(),
+                                first=first, grid=opts.sampler == "grid", seed=opts.seed)
+        try:
+            self._drive(proposer, workload, pool, on_result)
+        finally:
+            proposer.close()
+            lock.close()
+
+    def _drive(self, proposer: Proposer, workload: Workload, pool: CompilePool,
+               on_result: _OnResult) -> int:
+        opts = self.options
+        if not self.backend.timed:
+            return self._drive_untimed(proposer, workload, on_result, pool)
+        return run_pipeline(self.backend, workload, proposer, pool, opts.plan,
+                            Limits(opts.trials, self._deadline), depth=opts.pipeline_depth,
+                            max_spill_bytes=opts.max_spill_bytes, on_result=on_result)
+
+    def _drive_untimed(self, proposer: Proposer, workload: Workload, on_result: _OnResult,
+                       pool: CompilePool) -> int:
+        """Dry runs: a config's verdict does not depend on the bucket, so it is computed once
+        per run (on the first bucket's verify shape) and recorded for every bucket."""
+        memo = self._untimed_memo
+
+        def remember(proposal: Proposal, result: TrialResult) -> None:
+            memo[(workload.problem, proposal.config)] = result
+            on_result(proposal, result)
+
+        class _Replay:
+            def propose(self) -> Proposal | None:
+                while True:
+                    proposal = proposer.propose()
+                    if proposal is None:
+                        return None
+                    known = memo.get((workload.problem, proposal.config))
+                    if known is None:
+                        return proposal
+                    on_result(proposal, known)
+
+            def tell(self, proposal: Proposal, result: TrialResult) -> None:
+                proposer.tell(proposal, result)
+
+            def abandon(self, proposal: Proposal) -> None:
+                proposer.abandon(proposal)
+
+        opts = self.options
+        return run_pipeline(self.backend, workload, _Replay(), pool, opts.plan,
+                            Limits(opts.trials, self._deadline), depth=opts.pipeline_depth,
+                            max_spill_bytes=opts.max_spill_bytes, on_result=remember)
+
+    # ------------------------------------------------------------------ the final pick
+
+    def _finalize(self, study: optuna.Study, workload: Workload, results: ResultLog,
+                  summary: BucketSummary) -> None:
+        measured = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                    if DUPLICATE_ATTR not in t.user_attrs and CONFIG_ATTR in t.user_attrs]
+        if not measured:
+            log.warning("bucket %s: no candidate was timed successfully; nothing to choose",
+                        workload.bucket.key())
+            return
+        ranked = sorted(measured, key=lambda t: (-(t.value or 0.0), t.number))
+        configs = [KernelConfig.from_key(str(t.user_attrs[CONFIG_ATTR]))
+                   for t in ranked[:self.options.final_top]]
+        default = summary.default
+        if default is not None and default not in configs and any(
+                t.user_attrs[CONFIG_ATTR] == default.key() for t in measured):
+            configs.append(default)
+        opts = self.options
+        again = remeasure(self.backend, workload, configs, opts.final_plan, opts.final_rounds)
+        scored = [Scored(r, r.config == default) for r in again if r.status is TrialStatus.OK]
+        for r in again:
+            if r.status is not TrialStatus.OK:
+                results.record(r)
+        if not scored:
+            log.warning("bucket %s: every finalist failed when re-measured",
+                        workload.bucket.key())
+            return
+        winner = choose(workload, scored, opts.tie_tolerance)
+        for s in scored:
+            if s is not winner:
+                results.record(s.result)
+        results.crown(winner.result)
+        summary.winner, summary.winner_tflops = winner.config, winner.tflops
+        summary.default_tflops = next((s.tflops for s in scored if s.is_default), None)
+        study.set_user_attr("winner", winner.config.key())
+        study.set_user_attr("winner_tflops", winner.tflops)
+        if summary.default_tflops is not None and default is not None:
+            study.set_user_attr("default", default.key())
+            study.set_user_attr("default_tflops", summary.default_tflops)
+
+
+class _OnResult(Protocol):
+    def __call__(self, proposal: Proposal, result: TrialResult) -> None: ...
+
+
+def tune(head_dim: int, dtype: DType | str = "bf16", causal: bool = False,
+         seqlens: Sequence[int] = (1024, 4096, 16384), *, backend: MeasurementBackend,
+         db: str | None = None, options: TuneOptions = TuneOptions(),
+         batch_heads: Sequence[BatchHeads] = (), observer: Observer | None = None,
+         verify_cap: int | None = None) -> list[BucketSummary]:
+    """Tune the forward kernel of (head_dim, dtype, causal) for each bucket of ``seqlens``.
+
+    ``backend`` measures (see flashtune.tuner.measure; ``flashtune.tuner.backends`` makes
+    the GPU or dry-run one); ``db`` is the database URL (default: the FLASHTUNE_DB knob).
+    Returns one summary per bucket; the winners are the buckets' best in the database.
+    """
+    problem = Problem(head_dim=head_dim, dtype=DType(dtype), causal=causal)
+    with TuningStore(db) as store:
+        tuner = Tuner(backend, store, options, observer, batch_heads, verify_cap)
+        return tuner.run(buckets_of(problem, seqlens))

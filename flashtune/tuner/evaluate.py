@@ -1,0 +1,102 @@
+"""One candidate from compile outcome to result: resource check -> verify -> time.
+
+The order is the contract: nothing is timed before it is verified, and a backend that is
+not ``timed`` never yields a timing (its results are ``verified_untimed``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from flashtune.codegen.spec import KernelConfig
+from flashtune.db.records import TrialStatus, truncate_error
+from flashtune.errors import CompileError, DeviceError, EmulatorError, OutOfResources, TuningError
+from flashtune.tuner.measure import CompileOutcome, MeasurementBackend, ShapeTiming, TimingPlan
+from flashtune.tuner.workload import Workload, geomean
+
+log = logging.getLogger("flashtune.tuner")
+
+#: Spilled bytes per thread tolerated by default. Spills in attention's inner loop go to
+#: local memory on every iteration and are never worth it, so any spill rules a config out.
+DEFAULT_MAX_SPILL_BYTES = 0
+
+#: Failures a backend may raise for a kernel (as opposed to bugs in the backend itself).
+KERNEL_FAILURES = (CompileError, DeviceError, EmulatorError, OutOfResources)
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """What one candidate came to. Only ``ok`` results carry timings and an objective."""
+
+    config: KernelConfig
+    status: TrialStatus
+    timings: tuple[ShapeTiming, ...] = ()
+    tflops: float | None = None
+    registers: int | None = None
+    spill_bytes: int | None = None
+    max_abs_error: float | None = None
+    error: str | None = None
+    attrs: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        timed = bool(self.timings) or self.tflops is not None
+        if (self.status is TrialStatus.OK) != timed or (timed and self.tflops is None):
+            raise TuningError(f"result of {self.config.key()} with status {self.status.value} "
+                              "must carry timings and TFLOP/s exactly when it is 'ok'")
+
+    @property
+    def median_ms(self) -> float | None:
+        """Geometric mean of the shapes' medians: orders configs exactly like the objective."""
+        return geomean([t.median_ms for t in self.timings]) if self.timings else None
+
+    @property
+    def min_ms(self) -> float | None:
+        return geomean([t.min_ms for t in self.timings]) if self.timings else None
+
+    @property
+    def max_ms(self) -> float | None:
+        return geomean([t.max_ms for t in self.timings]) if self.timings else None
+
+    @property
+    def count(self) -> int:
+        return min(t.count for t in self.timings) if self.timings else 0
+
+
+def evaluate(backend: MeasurementBackend, workload: Workload, config: KernelConfig,
+             compiled: CompileOutcome, plan: TimingPlan,
+             max_spill_bytes: int = DEFAULT_MAX_SPILL_BYTES) -> TrialResult:
+    """Turn a compiled candidate into a result (see the module docstring for the order)."""
+    resources = {"registers": compiled.registers, "spill_bytes": compiled.spill_bytes}
+    if compiled.status is not TrialStatus.OK:
+        return TrialResult(config, compiled.status, error=compiled.error, **resources)
+    spills = compiled.spill_bytes or 0
+    if spills > max_spill_bytes:
+        return TrialResult(
+            config, TrialStatus.INVALID, error=(
+                f"register spills of {spills} B per thread exceed the limit of "
+                f"{max_spill_bytes} B (raise --max-spill-bytes to allow them)"),
+            **resources)
+    problem = workload.problem
+    try:
+        verdict = backend.verify(problem, config, workload.verify_shape)
+    except KERNEL_FAILURES as exc:
+        return TrialResult(config, TrialStatus.RUNTIME_FAILED,
+                           error=truncate_error(f"{type(exc).__name__}: {exc}"), **resources)
+    if verdict.status is not TrialStatus.OK:
+        return TrialResult(config, verdict.status, max_abs_error=verdict.max_abs_error,
+                           error=verdict.error, **resources)
+    if not backend.timed:
+        return TrialResult(config, TrialStatus.VERIFIED_UNTIMED,
+                           max_abs_error=verdict.max_abs_error, **resources)
+    try:
+        timings = backend.time(problem, config, workload.shapes, plan)
+    except KERNEL_FAILURES as exc:
+        return TrialResult(config, TrialStatus.RUNTIME_FAILED,
+                           error=truncate_error(f"{type(exc).__name__}: {exc}"), **resources)
+    if [t.shape for t in timings] != list(workload.shapes):
+        raise TuningError(f"backend timed {[t.shape.key() for t in timings]}, expected "
+                          f"{[s.key() for s in workload.shapes]}")
+    tflops = workload.objective([t.median_ms for t in timings])
+    return TrialResult(config, TrialStatus.OK, timings=tuple(timings), tflops=tflops,
+                       max_abs_error=verdict.max_abs_error, **resources)

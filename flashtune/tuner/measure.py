@@ -1,0 +1,128 @@
+"""The measurement backend interface: compile, verify and time one config for a problem.
+
+The tuner drives everything through this small interface, so the same search runs against
+a GPU (``flashtune.tuner.cuda_backend``), against NVRTC plus the CPU emulator for dry runs
+(``flashtune.tuner.dry_backend``, untimed), and against synthetic backends in tests.
+
+Compilation runs in a process pool while the device measures another candidate, so the
+compiler is a separate, picklable callable that must be importable in a fresh process.
+Failures are returned as outcomes with a status, never raised: a raising backend is a bug
+of the backend, and the tuner records it as ``runtime_failed`` with the traceback text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.db.records import DeviceRecord, TrialStatus
+from flashtune.errors import TuningError
+from flashtune.tuner.workload import Shape
+
+_COMPILE_STATUSES = (TrialStatus.OK, TrialStatus.COMPILE_FAILED, TrialStatus.INVALID)
+_VERIFY_STATUSES = (TrialStatus.OK, TrialStatus.WRONG_RESULT, TrialStatus.RUNTIME_FAILED)
+
+
+@dataclass(frozen=True)
+class CompileOutcome:
+    """Result of compiling one config: status, resources read back, or the error text."""
+
+    status: TrialStatus
+    registers: int | None = None
+    spill_bytes: int | None = None
+    smem_bytes: int | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.status not in _COMPILE_STATUSES:
+            raise TuningError(f"compile status {self.status!r} is not one of "
+                              f"{[s.value for s in _COMPILE_STATUSES]}")
+        if self.status is not TrialStatus.OK and not self.error:
+            raise TuningError(f"a {self.status.value} compile outcome needs its error text")
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    """Result of running one config on fresh random inputs against a reference."""
+
+    status: TrialStatus
+    max_abs_error: float | None = None
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.status not in _VERIFY_STATUSES:
+            raise TuningError(f"verify status {self.status!r} is not one of "
+                              f"{[s.value for s in _VERIFY_STATUSES]}")
+        if self.status is not TrialStatus.OK and not self.error:
+            raise TuningError(f"a {self.status.value} verify outcome needs its error text")
+
+
+@dataclass(frozen=True)
+class ShapeTiming:
+    """Timings of one shape in milliseconds over ``count`` timed runs."""
+
+    shape: Shape
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    count: int
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or not 0 < self.min_ms <= self.median_ms <= self.max_ms:
+            raise TuningError(f"timing of {self.shape.key()} is inconsistent: need count >= 1 "
+                              f"and 0 < min <= median <= max, got {self.count}, {self.min_ms}, "
+                              f"{self.median_ms}, {self.max_ms}")
+
+
+@dataclass(frozen=True)
+class TimingPlan:
+    """How to time: warm-up launches, timed repeats, and whether to flush L2 before each."""
+
+    warmup: int = 3
+    repeats: int = 20
+    flush_l2: bool = True
+
+    def __post_init__(self) -> None:
+        if self.warmup < 0 or self.repeats < 1:
+            raise TuningError(f"timing plan needs warmup >= 0 and repeats >= 1, got "
+                              f"{self.warmup}, {self.repeats}")
+
+
+class Compiler(Protocol):
+    """Compiles a config for the backend's arch. Must be picklable (runs in a process pool)."""
+
+    def __call__(self, problem: Problem, config: KernelConfig) -> CompileOutcome: ...
+
+
+class MeasurementBackend(Protocol):
+    """Compile, verify and time configs on one device (real, emulated or synthetic).
+
+    ``timed`` is False for backends whose timings mean nothing (the emulator): their
+    results are recorded as ``verified_untimed`` and never used as performance.
+    """
+
+    @property
+    def device(self) -> DeviceRecord:
+        """The device as the database identifies it."""
+        ...
+
+    @property
+    def arch(self) -> ArchSpec: ...
+
+    @property
+    def timed(self) -> bool: ...
+
+    @property
+    def compiler(self) -> Compiler: ...
+
+    def verify(self, problem: Problem, config: KernelConfig, shape: Shape) -> VerifyOutcome:
+        """Run ``config`` once on fresh random inputs of ``shape`` and compare."""
+        ...
+
+    def time(self, problem: Problem, config: KernelConfig, shapes: Sequence[Shape],
+             plan: TimingPlan) -> list[ShapeTiming]:
+        """Time ``config`` on each shape (only called when ``timed``)."""
+        ...

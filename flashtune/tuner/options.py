@@ -1,0 +1,91 @@
+"""Options of a tuning run, and what a run reports per bucket."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from flashtune.codegen.spec import KernelConfig, ProblemBucket
+from flashtune.errors import TuningError
+from flashtune.tuner.evaluate import DEFAULT_MAX_SPILL_BYTES
+from flashtune.tuner.measure import TimingPlan
+from flashtune.tuner.selection import DEFAULT_TOLERANCE
+from flashtune.tuner.study import SAMPLERS, Heartbeat
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    """How to search each bucket.
+
+    ``trials``: candidates measured per bucket (compiled, verified and timed, or failed);
+    proposals rejected before compiling (impossible, known to fail, already measured) do not
+    count. ``timeout_s``: wall-clock budget of the whole run; the trial in progress finishes.
+    ``resume``: continue existing studies (without it an existing study with trials is an
+    error). ``compile_workers``: NVRTC processes (0 compiles inline); ``depth``: proposals
+    compiled ahead of the device (default: compile_workers + 1). ``final_top`` candidates
+    (plus the default config) are re-measured ``final_rounds`` times with ``final_plan`` and
+    the winner chosen with ``tie_tolerance`` (selection.py). ``search``/``finalize`` switch
+    the two phases (several workers search; one finalizes).
+    """
+
+    trials: int = 40
+    timeout_s: float | None = None
+    sampler: str = "tpe"
+    seed: int | None = 0
+    study_prefix: str | None = None
+    resume: bool = False
+    compile_workers: int = 2
+    depth: int | None = None
+    plan: TimingPlan = TimingPlan()
+    final_plan: TimingPlan = TimingPlan(warmup=5, repeats=50)
+    final_top: int = 3
+    final_rounds: int = 3
+    tie_tolerance: float = DEFAULT_TOLERANCE
+    max_spill_bytes: int = DEFAULT_MAX_SPILL_BYTES
+    heartbeat: Heartbeat = Heartbeat()
+    search: bool = True
+    finalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.trials < 0:
+            raise TuningError(f"trials={self.trials} must be >= 0")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise TuningError(f"timeout {self.timeout_s} s must be positive")
+        if self.sampler not in SAMPLERS:
+            raise TuningError(f"sampler {self.sampler!r} is unknown; expected one of "
+                              f"{list(SAMPLERS)}")
+        if self.compile_workers < 0 or (self.depth is not None and self.depth < 1):
+            raise TuningError("compile_workers must be >= 0 and depth >= 1")
+        if self.final_top < 1 or self.final_rounds < 1:
+            raise TuningError("final_top and final_rounds must be >= 1")
+        if self.max_spill_bytes < 0:
+            raise TuningError(f"max_spill_bytes={self.max_spill_bytes} must be >= 0")
+
+    @property
+    def pipeline_depth(self) -> int:
+        return self.depth if self.depth is not None else self.compile_workers + 1
+
+
+@dataclass
+class BucketSummary:
+    """What tuning one bucket came to (``winner`` is None for dry runs and when nothing
+    could be timed)."""
+
+    bucket: ProblemBucket
+    study: str | None
+    candidates: int
+    measured: int = 0
+    statuses: Counter[str] = field(default_factory=Counter)
+    best_tflops: float | None = None
+    best_config: KernelConfig | None = None
+    winner: KernelConfig | None = None
+    winner_tflops: float | None = None
+    default: KernelConfig | None = None
+    default_tflops: float | None = None
+    timed: bool = True
+
+    @property
+    def speedup(self) -> float | None:
+        if self.winner_tflops is None or not self.default_tflops:
+            return None
+        return self.winner_tflops / self.default_tflops

@@ -1,0 +1,102 @@
+"""Writing results to the tuning database, and reading back what must not be retried.
+
+Every trial is recorded with the digest of the exact kernel source it measured
+(``KernelSource.digest``), so a failure is skipped in later runs only while the kernel
+source is unchanged; editing a template makes the config worth trying again.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from flashtune.codegen.render import render
+from flashtune.codegen.spec import KernelConfig, Problem, ProblemBucket
+from flashtune.db import rows
+from flashtune.db.engine import session_scope
+from flashtune.db.records import (
+    FAILED_STATUSES,
+    DeviceRecord,
+    Keyed,
+    TrialRecord,
+    TrialStatus,
+    truncate_error,
+)
+from flashtune.db.store import TuningStore
+from flashtune.tuner.evaluate import TrialResult
+
+
+@functools.lru_cache(maxsize=4096)
+def source_digest(problem: Problem, config: KernelConfig) -> str:
+    """Digest of the kernel source of ``config`` (rendering is pure and cheap)."""
+    return render(problem, config).digest
+
+
+class ResultLog:
+    """Records one bucket's results on one device; knows the bucket's past failures."""
+
+    def __init__(self, store: TuningStore, device: DeviceRecord, bucket: ProblemBucket,
+                 study: str | None) -> None:
+        self.store = store
+        self.device = device
+        self.bucket = bucket
+        self.study = study
+
+    def past_outcomes(self) -> dict[str, TrialStatus]:
+        """Config key -> the status to reuse, for configs already settled with their current
+        source: a failure (never retried), or ``verified_untimed`` (dry runs skip those)."""
+        problem = self.bucket.problem
+        found = self.store.outcomes(self.device.name, problem.key(), self.bucket.seqlen)
+        out: dict[str, TrialStatus] = {}
+        for key, by_digest in found.items():
+            try:
+                config = KernelConfig.from_key(key)
+            except ValueError:
+                continue  # a config of another kernel family or version
+            statuses = by_digest.get(source_digest(problem, config), frozenset())
+            failed = sorted(s.value for s in statuses & FAILED_STATUSES)
+            if failed:
+                out[key] = TrialStatus(failed[0])
+            elif TrialStatus.VERIFIED_UNTIMED in statuses:
+                out[key] = TrialStatus.VERIFIED_UNTIMED
+        return out
+
+    def known_failures(self) -> dict[str, TrialStatus]:
+        return {k: s for k, s in self.past_outcomes().items() if s in FAILED_STATUSES}
+
+    def to_record(self, result: TrialResult) -> TrialRecord:
+        problem = self.bucket.problem
+        ok = result.status is TrialStatus.OK
+        return TrialRecord(
+            device=self.device.name,
+            problem=Keyed.of(problem),
+            seqlen=self.bucket.seqlen,
+            config=Keyed.of(result.config),
+            status=result.status,
+            template_digest=source_digest(problem, result.config),
+            median_ms=result.median_ms if ok else None,
+            min_ms=result.min_ms if ok else None,
+            max_ms=result.max_ms if ok else None,
+            count=result.count if ok else 0,
+            tflops=result.tflops if ok else None,
+            error=truncate_error(result.error) if result.error else None,
+            study=self.study,
+        )
+
+    def record(self, result: TrialResult) -> TrialRecord:
+        """Store one result (an ``ok`` one becomes the bucket's best if strictly faster)."""
+        record = self.to_record(result)
+        self.store.record_trial(record)
+        return record
+
+    def crown(self, result: TrialResult) -> TrialRecord:
+        """Store the final, re-measured winner and make it the bucket's best outright.
+
+        The winner is chosen by re-measurement with a tie tolerance, which may prefer a
+        config that is not the single fastest raw measurement; it replaces the best.
+        """
+        record = self.to_record(result)
+        with session_scope(self.store.engine, write=True,
+                           action="recording the tuned winner") as session:
+            writer = rows.Writer(session)
+            writer.offer_best(writer.trial(record), replace="always")
+        return record

@@ -1,0 +1,153 @@
+"""Optuna studies of the tuner: names, storage, samplers and the template digest.
+
+One study per (device, problem bucket, template digest), stored in Optuna's RDB storage on
+the same database URL as the tuning results, so ``--resume`` and several workers (on one
+machine or many, against PostgreSQL) share it. Trials send heartbeats; a trial whose
+worker died (no heartbeat for ``grace_period`` seconds, or a dead process on this host) is
+failed so that its config can be proposed again.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+import time
+import warnings
+from typing import Any
+from dataclasses import dataclass
+
+import optuna
+import sqlalchemy
+from sqlalchemy.engine import URL
+
+from flashtune import __version__
+from flashtune.codegen import render
+from flashtune.codegen.spec import ProblemBucket
+from flashtune.db.engine import resolve_url, sqlite_file
+from flashtune.db.records import check_study
+from flashtune.errors import TuningError
+
+SAMPLERS = ("tpe", "gp", "random", "grid")
+
+# Heartbeats are meant for Study.optimize; the tuner drives ask/tell and sends its own
+# heartbeats (search.HeartbeatThread), so these notices are noise.
+warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used",
+                        category=UserWarning)
+warnings.filterwarnings("ignore", message=".*heartbeat_interval.*",
+                        category=optuna.exceptions.ExperimentalWarning)
+warnings.filterwarnings("ignore", message=".*grace_period.*",
+                        category=optuna.exceptions.ExperimentalWarning)
+warnings.filterwarnings("ignore", message=".*fail_stale_trials.*",
+                        category=optuna.exceptions.ExperimentalWarning)
+_UNSAFE = re.compile(r"[^A-Za-z0-9._:=+-]+")
+
+
+@functools.lru_cache(maxsize=1)
+def template_digest() -> str:
+    """Digest over every template and header file, the compile options and the version.
+
+    Any byte changed in ``flashtune/templates`` gives a new digest, hence new studies: a
+    study never mixes measurements of different kernel code.
+    """
+    h = hashlib.sha256(f"flashtune {__version__}\0".encode())
+    for option in render.COMPILE_OPTIONS:
+        h.update(option.encode() + b"\0")
+    root = render.templates_dir()
+    for path in sorted(root.iterdir()):
+        if path.is_file() and path.suffix in (".jinja", ".cuh", ".h"):
+            h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def study_name(device: str, bucket: ProblemBucket, digest: str, prefix: str | None = None
+               ) -> str:
+    """``flashtune/<device>/<bucket>/<digest12>``, or ``<prefix>/<bucket>`` with --study."""
+    if prefix:
+        name = f"{prefix}/{bucket.key()}"
+    else:
+        slug = _UNSAFE.sub("-", device).strip("-") or "device"
+        name = f"flashtune/{slug}/{bucket.key()}/{digest[:12]}"
+    try:
+        return check_study(name, "study name")
+    except ValueError as exc:
+        raise TuningError(f"{exc}; choose a --study name of letters, digits and ._:=+-") from None
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Seconds between a worker's heartbeats, and after which a silent trial is stale."""
+
+    interval: int = 10
+    grace_period: int = 60
+
+    def __post_init__(self) -> None:
+        if self.interval < 1 or self.grace_period <= self.interval:
+            raise TuningError(f"heartbeat interval {self.interval} s must be >= 1 and below the "
+                              f"grace period {self.grace_period} s")
+
+
+def open_storage(url: str | URL | None, heartbeat: Heartbeat = Heartbeat()
+                 ) -> optuna.storages.RDBStorage:
+    """Optuna's RDB storage on the tuning database (SQLite: waits for the write lock)."""
+    resolved = resolve_url(url)
+    kwargs: dict[str, object] = {}
+    if resolved.get_backend_name() == "sqlite":
+        path = sqlite_file(resolved)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        kwargs = {"connect_args": {"timeout": 60}}
+    else:
+        kwargs = {"pool_pre_ping": True}
+    text = resolved.render_as_string(hide_password=False)
+    for attempt in range(3):
+        try:
+            storage = optuna.storages.RDBStorage(
+                text, engine_kwargs=kwargs, heartbeat_interval=heartbeat.interval,
+                grace_period=heartbeat.grace_period)
+            break
+        except Exception as exc:  # optuna wraps driver errors in several types
+            # Workers starting together race to create Optuna's tables; the loser retries
+            # and finds them.
+            if attempt < 2:
+                time.sleep(0.5 * (attempt + 1))
+                continue
+            raise TuningError(f"cannot open the Optuna study storage at "
+                              f"{resolved.render_as_string(hide_password=True)}: {exc}"
+                              ) from exc
+    if resolved.get_backend_name() == "sqlite":
+        # Optuna commits several times per trial; WAL without a sync per commit keeps that
+        # cheap and is safe against crashes of the process (as the tuning store's engine).
+        sqlalchemy.event.listen(storage.engine, "connect", _sqlite_pragmas)
+        storage.engine.dispose()
+    return storage
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    try:
+        cursor.execute("PRAGMA busy_timeout = 60000")
+        cursor.execute("PRAGMA journal_mode = WAL")
+        cursor.execute("PRAGMA synchronous = NORMAL")
+    finally:
+        cursor.close()
+
+
+def make_sampler(kind: str, seed: int | None, n_candidates: int) -> optuna.samplers.BaseSampler:
+    """The sampler for ``--sampler``. ``grid`` is handled by the search (see search.py)."""
+    if kind not in SAMPLERS:
+        raise TuningError(f"sampler {kind!r} is unknown; expected one of {list(SAMPLERS)}")
+    startup = max(4, min(10, n_candidates // 4))
+    if kind == "tpe":
+        # multivariate: the knobs interact (tile sizes vs warps vs stages); constant_liar:
+        # trials still compiling or measuring (ours or other workers') repel new proposals.
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True,
+                                          n_startup_trials=startup)
+    if kind == "gp":
+        try:
+            import scipy  # noqa: F401  (optuna's GPSampler needs it)
+        except ImportError as exc:
+            raise TuningError("--sampler gp needs scipy; install it with 'pip install scipy' "
+                              "or use --sampler tpe") from exc
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=startup)
+    return optuna.samplers.RandomSampler(seed=seed)

@@ -1,0 +1,166 @@
+"""Several tuning workers on one study: one process per GPU, or one per machine.
+
+A worker is ``python -m flashtune.tuner.workers SPEC`` where SPEC is the JSON of a
+``WorkerSpec``: the problem, the database URL, the options and how to build the backend
+(``module:function`` plus JSON keyword arguments), so a worker needs nothing from its
+parent but the command line. Workers share the study through the database and never
+measure the same config twice (search.py); ``run_workers`` starts N of them (GPU i gets
+``CUDA_VISIBLE_DEVICES=i``) with the search phase only, waits, and then runs the final
+re-measurement once, in one more worker. On other machines, run ``flashtune tune --resume``
+with the same PostgreSQL ``--db`` URL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from flashtune.errors import TuningError
+from flashtune.tuner.measure import MeasurementBackend, TimingPlan
+from flashtune.tuner.options import BucketSummary, TuneOptions
+from flashtune.tuner.study import Heartbeat
+from flashtune.tuner.workload import BatchHeads
+
+
+def options_to_json(options: TuneOptions) -> dict[str, Any]:
+    return dataclasses.asdict(options)
+
+
+def options_from_json(data: Mapping[str, Any]) -> TuneOptions:
+    values = dict(data)
+    for name in ("plan", "final_plan"):
+        values[name] = TimingPlan(**values[name])
+    values["heartbeat"] = Heartbeat(**values["heartbeat"])
+    return TuneOptions(**values)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process needs (JSON round trip: ``to_json``/``from_json``)."""
+
+    head_dim: int
+    dtype: str
+    causal: bool
+    seqlens: tuple[int, ...]
+    db: str
+    backend: str
+    backend_kwargs: dict[str, Any] = field(default_factory=dict)
+    batch_heads: tuple[tuple[int, int], ...] = ()
+    options: TuneOptions = TuneOptions()
+    verify_cap: int | None = None
+
+    def to_json(self) -> str:
+        data = dataclasses.asdict(self)
+        data["options"] = options_to_json(self.options)
+        return json.dumps(data)
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        data = json.loads(text)
+        data["options"] = options_from_json(data["options"])
+        data["seqlens"] = tuple(data["seqlens"])
+        data["batch_heads"] = tuple(tuple(bh) for bh in data["batch_heads"])
+        return cls(**data)
+
+    def with_options(self, **changes: Any) -> WorkerSpec:
+        return dataclasses.replace(self, options=dataclasses.replace(self.options, **changes))
+
+    def make_backend(self) -> MeasurementBackend:
+        module_name, _, attr = self.backend.partition(":")
+        if not attr:
+            raise TuningError(f"backend {self.backend!r} must be 'module:function'")
+        factory: Callable[..., MeasurementBackend] = getattr(
+            importlib.import_module(module_name), attr)
+        return factory(**self.backend_kwargs)
+
+
+def run_spec(spec: WorkerSpec, observer: Any = None) -> list[BucketSummary]:
+    """Run one worker in this process."""
+    from flashtune.tuner.api import tune
+
+    return tune(spec.head_dim, spec.dtype, spec.causal, spec.seqlens,
+                backend=spec.make_backend(), db=spec.db, options=spec.options,
+                batch_heads=[BatchHeads(b, h) for b, h in spec.batch_heads],
+                observer=observer, verify_cap=spec.verify_cap)
+
+
+def start_worker(spec: WorkerSpec, env: Mapping[str, str] | None = None
+                 ) -> subprocess.Popen[bytes]:
+    """Start ``python -m flashtune.tuner.workers SPEC`` (stdout/stderr inherited)."""
+    return subprocess.Popen([sys.executable, "-m", "flashtune.tuner.workers", spec.to_json()],
+                            env={**os.environ, **(env or {})})
+
+
+def run_workers(spec: WorkerSpec, count: int, *, gpus: Sequence[int] | None = None,
+                env: Mapping[str, str] | None = None, poll: Callable[[], None] | None = None,
+                poll_interval_s: float = 1.0) -> None:
+    """Search with ``count`` workers at once, then finalize once (see the module docstring).
+
+    ``gpus`` (default: none set) assigns ``CUDA_VISIBLE_DEVICES`` round robin; ``poll`` is
+    called while waiting (e.g. to refresh a progress display from the database).
+    """
+    if count < 1:
+        raise TuningError(f"workers={count} must be >= 1")
+    from flashtune.db.store import TuningStore
+    from flashtune.tuner.study import open_storage
+
+    # create the database and Optuna's tables once, before the workers race to
+    with TuningStore(spec.db):
+        open_storage(spec.db).engine.dispose()
+    search = spec.with_options(resume=True, finalize=False)
+    procs = []
+    for i in range(count):
+        worker_env = dict(env or {})
+        if gpus:
+            worker_env["CUDA_VISIBLE_DEVICES"] = str(gpus[i % len(gpus)])
+        # distinct seeds: identical samplers would keep proposing the same configs
+        seed = None if spec.options.seed is None else spec.options.seed + i
+        procs.append(start_worker(search.with_options(seed=seed), worker_env))
+    _wait(procs, poll, poll_interval_s)
+    if spec.options.finalize:
+        final_env = dict(env or {})
+        if gpus:
+            final_env["CUDA_VISIBLE_DEVICES"] = str(gpus[0])
+        _wait([start_worker(spec.with_options(resume=True, search=False), final_env)], poll,
+              poll_interval_s)
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], poll: Callable[[], None] | None,
+          interval: float) -> None:
+    try:
+        while any(p.poll() is None for p in procs):
+            if poll is not None:
+                poll()
+            time.sleep(interval)
+    except BaseException:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            p.wait()
+        raise
+    failed = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        raise TuningError(f"tuning worker(s) failed (index, exit code): {failed}; results so "
+                          "far are kept, rerun with --resume to continue")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m flashtune.tuner.workers SPEC_JSON", file=sys.stderr)
+        return 2
+    run_spec(WorkerSpec.from_json(args[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Every config of the default space that passes static_check compiles for sm_80 and sm_90
+through NVRTC, with its resources read back (the compiles run in a process pool and land in
+the session's kernel cache, which later tests reuse)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from flashtune.codegen import space
+from flashtune.codegen.arch import get_arch
+from flashtune.codegen.render import render
+from flashtune.codegen.spec import DType, KernelSource, Problem
+from flashtune.commands.codegen import default_config
+from flashtune.runtime.compiler import CompileResult, compile_pairs, compile_source
+
+ARCHS = ("sm_80", "sm_90")
+PROBLEMS = [Problem(hd, dt, causal=c)
+            for hd, dt, c in itertools.product((64, 128), DType, (False, True))]
+
+
+def _jobs() -> list[tuple[KernelSource, str]]:
+    jobs = []
+    for problem in PROBLEMS:
+        for config in space.search_space(problem):
+            source = render(problem, config)
+            for arch in ARCHS:
+                if space.static_check(problem, config, get_arch(arch)) is None:
+                    jobs.append((source, arch))
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def results() -> list[CompileResult]:
+    return compile_pairs(_jobs())
+
+
+def test_every_candidate_compiles(results: list[CompileResult]) -> None:
+    failed = [f"{r.source.entry} {r.arch}: {r.failure.message}"
+              for r in results if r.failure is not None]
+    assert not failed, "\n".join(failed)
+    assert len(results) == len(_jobs())
+    for problem in PROBLEMS:  # each problem keeps a usable space on each arch
+        for arch in ARCHS:
+            assert any(r.source.problem == problem and r.arch == arch for r in results)
+
+
+def test_resources_are_read_back(results: list[CompileResult]) -> None:
+    for r in results:
+        kernel = r.unwrap()
+        res = kernel.resources
+        spec = get_arch(r.arch)
+        where = f"{r.source.entry} on {r.arch}"
+        assert kernel.arch == r.arch and kernel.entry == r.source.entry, where
+        assert kernel.cubin[:4] == b"\x7fELF", where
+        assert 0 < res.registers <= spec.max_regs_per_thread, where
+        # __launch_bounds__(threads) must leave every thread of a block its registers
+        assert res.registers * r.source.threads <= spec.regs_per_sm, where
+        assert res.dynamic_smem == space.smem_bytes(r.source.problem, r.source.config), where
+        assert res.smem_bytes <= spec.max_smem_per_block, where
+        assert res.max_threads == r.source.config.threads, where
+        assert res.barriers >= 1, where  # the kernel synchronises its block
+
+
+def test_binaries_differ_per_arch_and_config(results: list[CompileResult]) -> None:
+    keys = [r.unwrap().compile_key for r in results]
+    assert len(set(keys)) == len(keys)
+    cubins = {r.unwrap().cubin for r in results}
+    assert len(cubins) == len(results)
+
+
+def test_default_configs_do_not_spill(results: list[CompileResult]) -> None:
+    spilled = []
+    for problem in PROBLEMS:
+        for arch in ARCHS:
+            spec = get_arch(arch)
+            config = default_config(problem, spec)
+            assert space.static_check(problem, config, spec) is None
+            res = compile_source(render(problem, config), arch).resources
+            if res.spill_bytes or res.stack_frame:
+                spilled.append(f"{problem.key()} {config.key()} {arch}: {res}")
+    assert not spilled, "\n".join(spilled)

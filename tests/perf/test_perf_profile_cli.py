@@ -1,0 +1,75 @@
+"""``flashtune profile`` end to end: compile, disassemble, occupancy, PREDICTED time."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+from typer.testing import CliRunner
+
+from flashtune.cli import app
+from flashtune.codegen.spec import DType, KernelConfig, Problem
+from flashtune.perf.costmodel import predict
+from flashtune.perf.occupancy import occupancy
+from flashtune.perf.workload import Shape, analytic_tile_mix
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def toolchain(compile_cubin: Callable[..., bytes]) -> None:
+    """Skip this module when NVRTC or nvdisasm is missing (the fixture skips)."""
+
+
+ARGS = ["profile", "--head-dim", "64", "--dtype", "bf16", "--config", "m64_n64_w4_s2",
+        "--arch", "sm_80", "--gpu", "A100", "--batch", "2", "--heads", "8", "--seqlen", "1000"]
+
+
+def test_profile_json(toolchain: None) -> None:
+    result = runner.invoke(app, [*ARGS, "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["config_key"] == "m64_n64_w4_s2" and data["arch"] == "sm_80"
+    pred = data["prediction"]
+    assert pred["kind"] == "PREDICTED" and pred["time_ms"] > 0 and pred["tflops"] > 0
+    assert pred["bound"] in ("compute", "memory", "latency")
+    loop = data["sass"]["main_loop"]
+    problem = Problem(64, DType.BF16, False)
+    config = KernelConfig(64, 64, 4, 2)
+    expected = analytic_tile_mix(problem, config)
+    assert loop["mma_flops"] == expected.mma_flops
+    assert loop["mma_ops"] == {"HMMA.16816.F32.BF16": expected.mma_flops // 4096}
+    assert loop["mufu_ops"]["MUFU.EX2"] == expected.mufu
+    res = data["resources"]
+    occ = occupancy("sm_80", threads=128, registers=res["registers"],
+                    smem_bytes=res["static_smem"] + res["dynamic_smem"])
+    assert data["occupancy"]["blocks_per_sm"] == occ.blocks_per_sm
+    # The printed prediction is the library's for the same inputs.
+    shape = Shape(2, 8, 8, 1000, 1000)
+
+    class Res:
+        registers = res["registers"]
+        spill_stores = res["spill_stores"]
+        spill_loads = res["spill_loads"]
+        static_smem = res["static_smem"]
+        dynamic_smem = res["dynamic_smem"]
+
+    analytic = predict(problem, config, shape, "A100", resources=Res())
+    assert pred["model_version"] == analytic.model_version
+    assert pred["time_ms"] == pytest.approx(analytic.time_ms, rel=0.25)
+
+
+def test_profile_table(toolchain: None) -> None:
+    result = runner.invoke(app, ARGS)
+    assert result.exit_code == 0, result.output
+    assert "PREDICTED" in result.output
+    assert "HMMA.16816.F32.BF16" in result.output
+    assert "blocks/SM" in result.output
+
+
+def test_profile_rejects_a_gpu_of_another_arch(toolchain: None) -> None:
+    result = runner.invoke(app, ["profile", "--head-dim", "64", "--arch", "sm_80",
+                                 "--gpu", "H100"])
+    assert result.exit_code == 1
+    assert "sm_90" in result.output and "--arch" in result.output

@@ -1,0 +1,153 @@
+"""Test fixture: a measurement backend with deterministic synthetic costs.
+
+It exists only to drive the tuner's search, pruning, failure handling and persistence in
+CPU tests. Its "timings" come from a made-up cost model and are never a performance result;
+its device is named ``synthetic-test-fixture`` so nothing it writes can be mistaken for a
+real GPU's.
+
+Every call is appended to ``log_path`` (one line per call: ``<pid> <phase> <config key>``),
+so tests can check across processes which configs were compiled, verified and timed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import os
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from flashtune.codegen.arch import ArchSpec, get_arch
+from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.db.records import DeviceRecord, TrialStatus
+from flashtune.errors import DeviceError
+from flashtune.tuner.measure import CompileOutcome, ShapeTiming, TimingPlan, VerifyOutcome
+from flashtune.tuner.workload import Shape
+
+DEVICE = DeviceRecord("synthetic-test-fixture", 9, 0, 132, 80 << 30, "0", "0", "0", "0")
+
+
+def _log(path: str | None, phase: str, config: KernelConfig) -> None:
+    if not path:
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(f"{os.getpid()} {phase} {config.key()}\n")
+
+
+def read_log(path: str) -> list[tuple[int, str, str]]:
+    """The calls logged so far: (pid, phase, config key)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [(int(p), phase, key) for p, phase, key in (ln.split() for ln in f if ln.strip())]
+
+
+@dataclass(frozen=True)
+class SyntheticCompiler:
+    """Picklable compiler: fails or spills for the configured keys."""
+
+    compile_fail: frozenset[str] = frozenset()
+    spill: frozenset[str] = frozenset()
+    log_path: str | None = None
+    delay_s: float = 0.0
+
+    def __call__(self, problem: Problem, config: KernelConfig) -> CompileOutcome:
+        _log(self.log_path, "compile", config)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        key = config.key()
+        if key in self.compile_fail:
+            return CompileOutcome(TrialStatus.COMPILE_FAILED,
+                                  error=f"synthetic compile failure of {key}")
+        return CompileOutcome(TrialStatus.OK, registers=128,
+                              spill_bytes=96 if key in self.spill else 0, smem_bytes=0)
+
+
+def efficiency(config: KernelConfig, best: KernelConfig) -> float:
+    """A smooth made-up efficiency in (0, 1], peaking at ``best``."""
+    d = (math.log2(config.block_m / best.block_m) ** 2
+         + math.log2(config.block_n / best.block_n) ** 2
+         + math.log2(config.num_warps / best.num_warps) ** 2
+         + 0.5 * (config.num_stages - best.num_stages) ** 2)
+    return math.exp(-0.3 * d)
+
+
+@dataclass
+class SyntheticBackend:
+    """MeasurementBackend with made-up costs: ``ms = flops / (peak * efficiency)``."""
+
+    best: KernelConfig = KernelConfig(128, 64, 4, 2)
+    compile_fail: frozenset[str] = frozenset()
+    spill: frozenset[str] = frozenset()
+    wrong: frozenset[str] = frozenset()
+    launch_fail: frozenset[str] = frozenset()
+    #: Relative speed overrides (multiplies efficiency), e.g. to create near-ties.
+    speed: dict[str, float] = field(default_factory=dict)
+    noise: float = 0.0
+    seed: int = 0
+    time_delay_s: float = 0.0
+    log_path: str | None = None
+    arch_name: str = "sm_90"
+    is_timed: bool = True
+    peak_tflops: float = 400.0
+    _rng: random.Random = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    @property
+    def device(self) -> DeviceRecord:
+        return DEVICE
+
+    @property
+    def arch(self) -> ArchSpec:
+        return get_arch(self.arch_name)
+
+    @property
+    def timed(self) -> bool:
+        return self.is_timed
+
+    @property
+    def compiler(self) -> SyntheticCompiler:
+        return SyntheticCompiler(self.compile_fail, self.spill, self.log_path)
+
+    def verify(self, problem: Problem, config: KernelConfig, shape: Shape) -> VerifyOutcome:
+        _log(self.log_path, "verify", config)
+        key = config.key()
+        if key in self.launch_fail:
+            raise DeviceError(f"synthetic launch failure of {key}")
+        if key in self.wrong:
+            return VerifyOutcome(TrialStatus.WRONG_RESULT, max_abs_error=1.0,
+                                 error=f"synthetic wrong result of {key}")
+        return VerifyOutcome(TrialStatus.OK, max_abs_error=1e-3)
+
+    def ms(self, problem: Problem, config: KernelConfig, shape: Shape) -> float:
+        eff = efficiency(config, self.best) * self.speed.get(config.key(), 1.0)
+        return shape.flops(problem) / (self.peak_tflops * 1e12 * eff) * 1e3
+
+    def time(self, problem: Problem, config: KernelConfig, shapes: Sequence[Shape],
+             plan: TimingPlan) -> list[ShapeTiming]:
+        _log(self.log_path, "time", config)
+        if self.time_delay_s:
+            time.sleep(self.time_delay_s)
+        out = []
+        for shape in shapes:
+            base = self.ms(problem, config, shape)
+            samples = sorted(base * (1 + self._rng.uniform(-self.noise, self.noise))
+                             for _ in range(plan.repeats))
+            out.append(ShapeTiming(shape, samples[len(samples) // 2], samples[0], samples[-1],
+                                   plan.repeats))
+        return out
+
+
+def make_backend(**kwargs: object) -> SyntheticBackend:
+    """Factory for worker subprocesses (JSON-able keyword arguments)."""
+    for name in ("compile_fail", "spill", "wrong", "launch_fail"):
+        if name in kwargs:
+            kwargs[name] = frozenset(kwargs[name])  # type: ignore[arg-type]
+    if "best" in kwargs:
+        kwargs["best"] = KernelConfig.from_key(str(kwargs["best"]))
+    return SyntheticBackend(**kwargs)  # type: ignore[arg-type]

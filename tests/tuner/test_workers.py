@@ -1,0 +1,116 @@
+"""Several processes on one study, and a worker killed with SIGKILL then resumed."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import optuna
+import pytest
+import sqlalchemy as sa
+from conftest import FAST, subprocess_env
+from synthetic import DEVICE, read_log
+
+from flashtune.codegen.arch import get_arch
+from flashtune.codegen.spec import Problem
+from flashtune.db.store import TuningStore
+from flashtune.tuner.encoding import SearchEncoding
+from flashtune.tuner.search import CONFIG_ATTR, DUPLICATE_ATTR
+from flashtune.tuner.workers import WorkerSpec, run_spec, run_workers, start_worker
+
+PROBLEM = Problem(128, "bf16")
+CANDIDATES = {c.key() for c in SearchEncoding(PROBLEM, get_arch("sm_90")).candidates()}
+PG_URL = os.environ.get("FLASHTUNE_TEST_PG_URL")
+
+
+def spec_for(db: str, log: str, **backend: object) -> WorkerSpec:
+    opts = dataclasses.replace(FAST, trials=len(CANDIDATES), sampler="tpe")
+    return WorkerSpec(head_dim=128, dtype="bf16", causal=False, seqlens=(1024,), db=db,
+                      backend="synthetic:make_backend",
+                      backend_kwargs={"log_path": log, **backend}, options=opts)
+
+
+def measured_configs(db: str) -> Counter[str]:
+    [summary] = optuna.get_all_study_summaries(db)
+    study = optuna.load_study(study_name=summary.study_name, storage=db)
+    return Counter(t.user_attrs[CONFIG_ATTR] for t in study.get_trials(deepcopy=False)
+                   if t.state is optuna.trial.TrialState.COMPLETE
+                   and DUPLICATE_ATTR not in t.user_attrs)
+
+
+def check_shared_study(db: str, log: str, workers: int) -> None:
+    calls = read_log(log)
+    pids = {pid for pid, phase, _ in calls if phase == "time"}
+    assert len(pids) >= 2, f"expected several workers to measure, got pids {pids}"
+    # the search measured every candidate exactly once across all workers ...
+    done = measured_configs(db)
+    assert set(done) == CANDIDATES and max(done.values()) == 1, done
+    # ... and the final re-measurement ran once, in one process after the workers
+    with TuningStore(db) as store:
+        best = store.best(DEVICE.name, PROBLEM.key(), 1024)
+    assert best is not None
+
+
+def test_several_workers_share_one_study_on_sqlite(db_url: str, call_log: str) -> None:
+    run_workers(spec_for(db_url, call_log, time_delay_s=0.05), 3, env=subprocess_env(),
+                poll_interval_s=0.2)
+    check_shared_study(db_url, call_log, 3)
+
+
+@pytest.fixture
+def pg_url() -> str:
+    if not PG_URL:
+        pytest.skip("FLASHTUNE_TEST_PG_URL is not set: PostgreSQL worker test SKIPPED "
+                    "(start a server with `source <(bash .ci/postgres.sh)`)")
+    # a fresh schema per test keeps studies apart on the shared server
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    engine = sa.create_engine(PG_URL)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
+    engine.dispose()
+    sep = "&" if "?" in PG_URL else "?"
+    yield f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
+    engine = sa.create_engine(PG_URL)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
+    engine.dispose()
+
+
+@pytest.mark.postgres
+def test_several_workers_share_one_study_on_postgresql(pg_url: str, call_log: str) -> None:
+    run_workers(spec_for(pg_url, call_log, time_delay_s=0.05), 3, env=subprocess_env(),
+                poll_interval_s=0.2)
+    check_shared_study(pg_url, call_log, 3)
+
+
+def test_sigkill_mid_study_then_resume(db_url: str, call_log: str, tmp_path: Path) -> None:
+    spec = spec_for(db_url, call_log, time_delay_s=0.3)
+    proc = start_worker(spec, subprocess_env())
+    try:
+        deadline = time.monotonic() + 120
+        while sum(phase == "time" for _, phase, _ in read_log(call_log)) < 3:
+            assert proc.poll() is None, "the worker ended before it could be killed"
+            assert time.monotonic() < deadline, "the worker measured nothing in 120 s"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    before = measured_configs(db_url)
+    assert 2 <= sum(before.values()) < len(CANDIDATES)
+    # resume in this process: the killed worker's running trial is reaped at once (its
+    # pid is dead) and its config measured again; everything else exactly once
+    resumed = dataclasses.replace(spec, options=dataclasses.replace(spec.options, resume=True),
+                                  backend_kwargs={"log_path": call_log})
+    [summary] = run_spec(resumed)
+    done = measured_configs(db_url)
+    assert set(done) == CANDIDATES and max(done.values()) == 1
+    # the killed worker lost at most the one trial it was measuring
+    killed = {k for pid, phase, k in read_log(call_log) if pid == proc.pid and phase == "time"}
+    assert len(killed - set(before)) <= 1
+    assert summary.winner is not None
