@@ -5,9 +5,13 @@ contiguous last dim (flash-attn's and flashtune's layout), and returns its outpu
 layout, so outputs compare element for element. SDPA gets transposed views of the very same
 storage.
 
-Timing (``time_cuda``): warm-up calls first, then per repeat an L2 flush (a 256 MiB
-write, several times any current L2) followed by the call between two CUDA events; the
-caller takes the median. Inputs are random normals, never zeros.
+Checking (``reference``, ``relative_error``): each output is compared with a float32
+reference of its first, middle and last (batch, head) and must be finite everywhere; the
+checked call writes onto NaN-poisoned memory (``poison_next_output``).
+
+Timing (``Timer``, ``time_cuda``): warm-up calls first, then per repeat an L2 flush (a
+256 MiB write, several times any current L2) followed by the call between two CUDA events;
+the caller takes the median. Inputs are random normals, never zeros.
 """
 
 from __future__ import annotations
@@ -142,39 +146,69 @@ def time_cuda(fn: Callable[[], object], *, warmup: int, repeats: int,
 # --- reference ----------------------------------------------------------------------------
 
 
-def reference_slice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                    heads: int = 2) -> torch.Tensor:
-    """float32 attention of batch 0, the first ``heads`` heads: (seqlen, heads, head_dim).
+@dataclass(frozen=True)
+class Reference:
+    """float32 attention of a few (batch, head) pairs: ``values[i]`` is (seqlen_q, head_dim)
+    of ``picks[i]``."""
 
-    Computed head by head with plain matmul/softmax (no fused kernel), so it is independent
-    of every implementation under test; one head at a time bounds the score matrix.
+    picks: tuple[tuple[int, int], ...]
+    values: torch.Tensor
+
+
+def default_picks(batch: int, heads: int) -> tuple[tuple[int, int], ...]:
+    """First, middle and last (batch, head): catches wrong batch and head strides too."""
+    picks = ((0, 0), (batch // 2, heads // 2), (batch - 1, heads - 1))
+    return tuple(dict.fromkeys(picks))
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+              picks: tuple[tuple[int, int], ...] | None = None) -> Reference:
+    """The float32 reference of ``picks`` (default: ``default_picks``).
+
+    Computed head by head with plain matmul and softmax (no fused kernel), so it is
+    independent of every implementation under test; one head at a time bounds the memory
+    of the score matrix. The causal mask is aligned to the bottom-right corner (flash-attn's
+    and flashtune's convention; the same as torch's when Nq == Nk).
     """
     import torch
 
-    n, d = q.shape[1], q.shape[3]
-    out = torch.empty(n, heads, d, dtype=torch.float32, device=q.device)
-    scale = 1.0 / math.sqrt(d)
+    chosen = picks if picks is not None else default_picks(q.shape[0], q.shape[2])
+    n_q, n_k, d = q.shape[1], k.shape[1], q.shape[3]
+    out = torch.empty(len(chosen), n_q, d, dtype=torch.float32, device=q.device)
     mask = None
     if causal:
-        mask = torch.ones(n, k.shape[1], dtype=torch.bool, device=q.device).triu_(1)
-    for h in range(min(heads, q.shape[2])):
-        qh, kh, vh = (t[0, :, h, :].float() for t in (q, k, v))
-        scores = (qh @ kh.T) * scale
+        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).triu_(n_k - n_q + 1)
+    for i, (b, h) in enumerate(chosen):
+        qh, kh, vh = (t[b, :, h, :].float() for t in (q, k, v))
+        scores = (qh @ kh.T) * (1.0 / math.sqrt(d))
         if mask is not None:
             scores.masked_fill_(mask, -math.inf)
-        out[:, h, :] = torch.softmax(scores, dim=-1) @ vh
+        out[i] = torch.softmax(scores, dim=-1) @ vh
         del scores
-    return out[:, : min(heads, q.shape[2])]
+    return Reference(chosen, out)
 
 
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| over ``ref``'s slice of ``out`` (NaN if out has NaN/inf)."""
-    heads = ref.shape[1]
-    got = out[0, :, :heads, :].double()
-    want = ref.double()
-    if not bool(got.isfinite().all()):
+def relative_error(out: torch.Tensor, ref: Reference) -> float:
+    """||out - ref|| / ||ref|| over the reference's picks; NaN when any element of ``out``
+    (all of it, not only the picks) is NaN or infinite, e.g. left unwritten over poison."""
+    import torch
+
+    if not bool(out.isfinite().all()):
         return math.nan
+    got = torch.stack([out[b, :, h, :] for b, h in ref.picks]).double()
+    want = ref.values.double()
     return float((got - want).norm() / want.norm())
+
+
+def poison_next_output(like: torch.Tensor) -> None:
+    """Fill the memory the caching allocator hands out next for a tensor like ``like`` with
+    NaN: allocating and freeing a block makes the next same-size allocation reuse it, so an
+    implementation that leaves part of its output unwritten shows NaN there instead of a
+    stale, possibly correct, earlier output."""
+    import torch
+
+    block = torch.full_like(like, math.nan)
+    del block
 
 
 # --- implementations --------------------------------------------------------------------

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import importlib.metadata
 import json
 import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -79,12 +81,52 @@ def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
 
 
-def _version(module: str) -> str:
+def _version(*distributions: str) -> str:
+    """Installed version of the first of ``distributions`` that is installed, read from its
+    metadata (nothing is imported)."""
+    for name in distributions:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def _flashtune_version() -> str:
     try:
-        mod = __import__(module)
-    except Exception:
-        return "not installed"
-    return str(getattr(mod, "__version__", "unknown"))
+        from flashtune import __version__
+    except ImportError:
+        return "not importable"
+    return __version__
+
+
+def _first_line(argv: Sequence[str], cwd: Path | None = None) -> str | None:
+    """First output line of a quick command, or None when it cannot run."""
+    try:
+        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=10,
+                              cwd=cwd, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = proc.stdout.strip().splitlines()
+    return lines[0] if lines else None
+
+
+def _git_revision() -> str | None:
+    """The repository's commit, with ``+dirty`` when the tree has changes."""
+    commit = _first_line(["git", "rev-parse", "--short=12", "HEAD"], REPO_ROOT)
+    if commit is None:
+        return None
+    dirty = _first_line(["git", "status", "--porcelain", "--untracked-files=no"], REPO_ROOT)
+    return commit + ("+dirty" if dirty else "")
+
+
+def _host_cxx() -> str:
+    """The emulator's host compiler (the FLASHTUNE_CXX knob)."""
+    try:
+        from flashtune import knobs
+    except ImportError:
+        return "g++"
+    return knobs.HOST_CXX.get()
 
 
 def _cpu_model() -> str:
@@ -97,19 +139,24 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def environment_info() -> dict[str, Any]:
-    """Provenance of a measurement: date, machine, GPU and library versions."""
+def environment_info(probe_gpu: bool = True) -> dict[str, Any]:
+    """Provenance of a measurement: date, machine, library versions and, with ``probe_gpu``
+    (which imports torch and CuPy), the GPU and the NVRTC version."""
     info: dict[str, Any] = {
         "date_utc": utc_now(),
         "host": platform.node(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
-        "flashtune": _version("flashtune"),
+        "flashtune": _flashtune_version(),
         "torch": _version("torch"),
-        "cupy": _version("cupy"),
+        "cupy": _version("cupy-cuda13x", "cupy-cuda12x", "cupy"),
+        "git": _git_revision(),
+        "host_cxx": _first_line([_host_cxx(), "--version"]),
         "gpu": None,
     }
+    if not probe_gpu:
+        return info
     try:
         import torch
 
@@ -122,13 +169,14 @@ def environment_info() -> dict[str, Any]:
             info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
     except Exception as exc:  # provenance must never stop a benchmark
         info["torch_error"] = repr(exc)
-    try:
-        from cupy.cuda import nvrtc
+    try:  # the NVRTC flashtune compiles with
+        from flashtune.runtime import nvrtc
+        from flashtune.runtime.toolchain import find_toolchain
 
-        major, minor = nvrtc.getVersion()
+        major, minor = nvrtc.load(find_toolchain().nvrtc_path).version
         info["nvrtc"] = f"{major}.{minor}"
-    except Exception:
-        info["nvrtc"] = "unavailable"
+    except Exception as exc:
+        info["nvrtc"] = f"unavailable ({type(exc).__name__})"
     return info
 
 

@@ -37,9 +37,11 @@ from _attention_impls import (  # noqa: E402
     IMPLS,
     REL_ERR_TOLERANCE,
     Impl,
+    Reference,
     Timer,
     Unavailable,
-    reference_slice,
+    poison_next_output,
+    reference,
     relative_error,
 )
 from _common import (  # noqa: E402
@@ -149,9 +151,10 @@ def with_ratios(results: Sequence[Result]) -> list[Result]:
     return out
 
 
-def measure(impl: Impl, shape: Shape, q: Any, k: Any, v: Any, ref: Any, *, timer: Timer,
-            flush: Callable[[], None]) -> Result:
-    """Check ``impl`` on the inputs against ``ref``, then time it."""
+def measure(impl: Impl, shape: Shape, q: Any, k: Any, v: Any, ref: Reference, *,
+            timer: Timer, flush: Callable[[], None]) -> Result:
+    """Check ``impl`` on the inputs against ``ref`` (its output lands on NaN-poisoned
+    memory), then time it."""
     try:
         prepared = impl.prepare(q, k, v, shape.causal)
     except Unavailable as exc:
@@ -160,6 +163,7 @@ def measure(impl: Impl, shape: Shape, q: Any, k: Any, v: Any, ref: Any, *, timer
         return Result(shape, impl.name, "error", note=_short(exc))
     try:
         with prepared.context():
+            poison_next_output(q)
             out = prepared.fn()
             timer.sync()
             err = relative_error(out, ref)
@@ -200,7 +204,7 @@ def run_sweep(shapes: Sequence[Shape], impls: Sequence[Impl], *, timer: Timer,
         size = (shape.batch, shape.seqlen, shape.heads, shape.head_dim)
         q, k, v = (torch.randn(size, dtype=dtype, device=device, generator=gen)
                    for _ in range(3))
-        ref = reference_slice(q, k, v, shape.causal)
+        ref = reference(q, k, v, shape.causal)
         for impl in impls:
             results.append(measure(impl, shape, q, k, v, ref, timer=timer, flush=flush))
             on_result(with_ratios(results))
@@ -342,7 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     causal = {"both": [False, True], "causal": [True], "full": [False]}[args.causal]
     shapes = plan_sweep(args.dtypes, args.head_dims, causal, args.subset, args.seqlens)
     impls = [IMPLS[name] for name in args.impls]
-    env = environment_info()
+    env = environment_info(probe_gpu=not args.plan_only)
     env["command"] = " ".join(["python", *sys.argv]) if argv is None else " ".join(argv)
     csv_path, gpu = args.out / "attention.csv", str(env.get("gpu") or "no GPU")
 

@@ -12,6 +12,7 @@ from flashtune.commands.check import check_command
 from flashtune.commands import profile as profile_commands
 from flashtune.commands import runtime as runtime_commands
 from flashtune.commands.db import db_app
+from flashtune.commands import tune as tune_commands
 
 app = typer.Typer(
     name="flashtune",
@@ -56,6 +57,8 @@ app.command("check")(check_command)
 app.command("profile")(profile_commands.profile)
 app.command("explain")(runtime_commands.explain_command)
 app.command("precompile")(runtime_commands.precompile_command)
+app.command("tune")(tune_commands.tune_command)
+app.command("report")(tune_commands.report_command)
 
 
 def main() -> None:

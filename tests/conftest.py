@@ -19,6 +19,12 @@ def _has_gpu() -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The full config sweep is opt-in: it runs only when -m names it.
+    if "sweep" not in (config.getoption("markexpr", "") or ""):
+        skip_sweep = pytest.mark.skip(reason="full config sweep; run with `pytest -m sweep`")
+        for item in items:
+            if "sweep" in item.keywords:
+                item.add_marker(skip_sweep)
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m gpu` on a GPU machine")

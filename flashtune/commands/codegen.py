@@ -7,7 +7,6 @@ Both take a problem (--head-dim, --dtype, --causal) and a config: --config KEY a
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -19,6 +18,7 @@ from rich.table import Table
 
 from flashtune.codegen import space
 from flashtune.codegen.arch import ArchSpec, get_arch
+from flashtune.codegen.defaults import default_config
 from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
 from flashtune.errors import FlashtuneError, InvalidConfig, InvalidProblem
@@ -69,27 +69,6 @@ class ConfigChoice:
             raise typer.BadParameter(
                 f"{exc} (from {base.key()} with {self.overrides})",
                 param_hint="--block-m/--block-n/--warps/--stages") from exc
-
-
-def default_config(problem: Problem, spec: ArchSpec) -> KernelConfig:
-    """The config used when none is given: flashtune.codegen.defaults' choice for ``spec``.
-
-    Until that module exists, the first candidate of the space on ``spec``.
-    """
-    try:
-        defaults = importlib.import_module("flashtune.codegen.defaults")
-    except ModuleNotFoundError as exc:
-        if exc.name != "flashtune.codegen.defaults":
-            raise
-    else:
-        chosen = defaults.default_config(problem, spec)
-        if not isinstance(chosen, KernelConfig):
-            raise TypeError(f"defaults.default_config returned {chosen!r}, not a KernelConfig")
-        return chosen
-    candidates = space.candidates(problem, spec)
-    if not candidates:
-        raise InvalidConfig(f"no config of the search space fits {problem.key()} on {spec.name}")
-    return candidates[0]
 
 
 def parse_problem(head_dim: int, dtype: DType, causal: bool) -> Problem:

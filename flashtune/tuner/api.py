@@ -16,11 +16,12 @@ from typing import Protocol
 import optuna
 from optuna.trial import TrialState
 
+from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.defaults import default_config
 from flashtune.codegen.spec import DType, KernelConfig, Problem, ProblemBucket
 from flashtune.db.records import TrialStatus
 from flashtune.db.store import TuningStore
-from flashtune.errors import TuningError
-from flashtune.runtime.dispatch import default_config
+from flashtune.errors import InvalidConfig, TuningError
 from flashtune.tuner.encoding import SearchEncoding
 from flashtune.tuner.evaluate import TrialResult
 from flashtune.tuner.lock import ProposalLock
@@ -41,6 +42,10 @@ from flashtune.tuner.study import make_sampler, open_storage, study_name, templa
 from flashtune.tuner.workload import BatchHeads, Workload, make_workload
 
 log = logging.getLogger("flashtune.tuner")
+
+#: Verification shape of dry runs: the emulator is slow, so a short sequence that still
+#: spans two query tiles and ends in a partial one.
+DRY_RUN_VERIFY_CAP = 72
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -66,18 +71,48 @@ class _Silent:
         pass
 
 
+def _default(problem: Problem, arch: ArchSpec) -> KernelConfig | None:
+    """The default config, measured first and the reference of the speed-up."""
+    try:
+        return default_config(problem, arch)
+    except InvalidConfig as exc:
+        log.warning("no default config for %s on %s (%s): the speed-up is not reported",
+                    problem.key(), arch.name, exc)
+        return None
+
+
 def buckets_of(problem: Problem, seqlens: Sequence[int]) -> list[ProblemBucket]:
     """The distinct buckets of ``seqlens``, in ascending order."""
     return sorted({problem.bucket(n, n) for n in seqlens}, key=lambda b: b.seqlen)
+
+
+def prepare_study(store: TuningStore, name: str, options: TuneOptions,
+                  sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
+    """Create (or, with resume, load) a study; refuse to silently reuse one with trials."""
+    storage = open_storage(store.url, options.heartbeat)
+    try:
+        existing = optuna.load_study(study_name=name, storage=storage)
+    except KeyError:
+        existing = None
+    if existing is not None and not options.resume:
+        count = len(existing.get_trials(deepcopy=False))
+        if count:
+            raise TuningError(
+                f"study {name} already has {count} trials in {store.where}; pass --resume to "
+                "continue it, or --study NAME to start a fresh one (known failures are "
+                "skipped either way)")
+    return optuna.create_study(study_name=name, storage=storage, direction="maximize",
+                               sampler=sampler, load_if_exists=True)
 
 
 class Tuner:
     """Tunes buckets on one backend against one database (see the module docstring)."""
 
     def __init__(self, backend: MeasurementBackend, store: TuningStore,
-                 options: TuneOptions = TuneOptions(), observer: Observer | None = None,
+                 options: TuneOptions | None = None, observer: Observer | None = None,
                  batch_heads: Sequence[BatchHeads] = (), verify_cap: int | None = None
                  ) -> None:
+        options = options if options is not None else TuneOptions()
         self.backend = backend
         self.store = store
         self.options = options
@@ -101,21 +136,7 @@ class Tuner:
 
     def prepare_study(self, bucket: ProblemBucket,
                       sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
-        """Create (or, with resume, load) the bucket's study; refuse to silently reuse one."""
-        storage = open_storage(self.store.url, self.options.heartbeat)
-        name = self.study_name(bucket)
-        try:
-            existing = optuna.load_study(study_name=name, storage=storage)
-        except KeyError:
-            existing = None
-        if existing is not None and not self.options.resume and existing.get_trials(
-                deepcopy=False):
-            raise TuningError(
-                f"study {name} already has {len(existing.get_trials(deepcopy=False))} trials in "
-                f"{self.store.where}; pass --resume to continue it, or --study NAME to start a "
-                "fresh one (known failures are skipped either way)")
-        return optuna.create_study(study_name=name, storage=storage, direction="maximize",
-                                   sampler=sampler, load_if_exists=True)
+        return prepare_study(self.store, self.study_name(bucket), self.options, sampler)
 
     def run(self, buckets: Sequence[ProblemBucket]) -> list[BucketSummary]:
         with CompilePool(self.backend.compiler, self.options.compile_workers) as pool:
@@ -132,9 +153,15 @@ class Tuner:
         name = self.study_name(bucket) if timed else None
         results = ResultLog(self.store, self.backend.device, bucket, name)
         summary = BucketSummary(bucket, name, len(candidates), timed=timed)
-        summary.default = default_config(problem, arch.name)
-        past = results.past_outcomes()
-        self._record_static_pruning(encoding, results, past, summary)
+        summary.default = _default(problem, arch)
+        # under the study's lock, so that workers starting together record each once
+        lock = ProposalLock(self.store.url, name or f"dry-run/{bucket.key()}")
+        try:
+            with lock:
+                past = results.past_outcomes()
+                self._record_static_pruning(encoding, results, past, summary)
+        finally:
+            lock.close()
         if not candidates:
             raise TuningError(f"no config of the search space fits {bucket.key()} on "
                               f"{arch.name}: every one fails the static check")
@@ -158,7 +185,8 @@ class Tuner:
             if self.options.finalize:
                 self._finalize(study, workload, results, summary)
         else:
-            proposer = EnumerationSearch(candidates, skip=past, first=[summary.default])
+            first = [summary.default] if summary.default is not None else []
+            proposer = EnumerationSearch(candidates, skip=past, first=first)
             self._drive(proposer, workload, pool, on_result)
         self.observer.bucket_finished(summary)
         return summary
@@ -276,17 +304,27 @@ class _OnResult(Protocol):
 
 
 def tune(head_dim: int, dtype: DType | str = "bf16", causal: bool = False,
-         seqlens: Sequence[int] = (1024, 4096, 16384), *, backend: MeasurementBackend,
-         db: str | None = None, options: TuneOptions = TuneOptions(),
+         seqlens: Sequence[int] = (1024, 4096, 16384), *,
+         backend: MeasurementBackend | None = None, dry_run: bool = False,
+         arch: str = "sm_90", db: str | None = None, options: TuneOptions | None = None,
          batch_heads: Sequence[BatchHeads] = (), observer: Observer | None = None,
          verify_cap: int | None = None) -> list[BucketSummary]:
     """Tune the forward kernel of (head_dim, dtype, causal) for each bucket of ``seqlens``.
 
-    ``backend`` measures (see flashtune.tuner.measure; ``flashtune.tuner.backends`` makes
-    the GPU or dry-run one); ``db`` is the database URL (default: the FLASHTUNE_DB knob).
-    Returns one summary per bucket; the winners are the buckets' best in the database.
+    Measures on the current GPU (TuningError without one), or with ``dry_run`` compiles for
+    ``arch`` and verifies in the CPU emulator, untimed; ``backend`` overrides both (see
+    flashtune.tuner.measure). ``db`` is the database URL or path (default: the FLASHTUNE_DB
+    knob). Returns one summary per bucket; timed winners become the buckets' best in the
+    database, which the runtime dispatcher serves.
     """
-    problem = Problem(head_dim=head_dim, dtype=DType(dtype), causal=causal)
+    problem = Problem.from_dict({"head_dim": head_dim, "dtype": getattr(dtype, "value", dtype),
+                                 "causal": causal})
+    if backend is None:
+        from flashtune.tuner.backends import dry_run_backend, gpu_backend
+
+        backend = dry_run_backend(arch) if dry_run else gpu_backend()
+    if verify_cap is None and not backend.timed:  # the emulator: keep verification small
+        verify_cap = DRY_RUN_VERIFY_CAP
     with TuningStore(db) as store:
         tuner = Tuner(backend, store, options, observer, batch_heads, verify_cap)
         return tuner.run(buckets_of(problem, seqlens))

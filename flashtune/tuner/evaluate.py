@@ -7,7 +7,7 @@ not ``timed`` never yields a timing (its results are ``verified_untimed``).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from flashtune.codegen.spec import KernelConfig
 from flashtune.db.records import TrialStatus, truncate_error
@@ -17,9 +17,10 @@ from flashtune.tuner.workload import Workload, geomean
 
 log = logging.getLogger("flashtune.tuner")
 
-#: Spilled bytes per thread tolerated by default. Spills in attention's inner loop go to
-#: local memory on every iteration and are never worth it, so any spill rules a config out.
-DEFAULT_MAX_SPILL_BYTES = 0
+#: Spill stores per thread tolerated by default. A few bytes are usually spilled outside the
+#: main loop and cost nothing; spills in attention's inner loop go to local memory on every
+#: iteration and are never worth it: beyond 16 registers' worth a config is ruled out.
+DEFAULT_MAX_SPILL_BYTES = 64
 
 #: Failures a backend may raise for a kernel (as opposed to bugs in the backend itself).
 KERNEL_FAILURES = (CompileError, DeviceError, EmulatorError, OutOfResources)
@@ -37,7 +38,6 @@ class TrialResult:
     spill_bytes: int | None = None
     max_abs_error: float | None = None
     error: str | None = None
-    attrs: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         timed = bool(self.timings) or self.tflops is not None
@@ -67,36 +67,39 @@ def evaluate(backend: MeasurementBackend, workload: Workload, config: KernelConf
              compiled: CompileOutcome, plan: TimingPlan,
              max_spill_bytes: int = DEFAULT_MAX_SPILL_BYTES) -> TrialResult:
     """Turn a compiled candidate into a result (see the module docstring for the order)."""
-    resources = {"registers": compiled.registers, "spill_bytes": compiled.spill_bytes}
+    regs, spilled = compiled.registers, compiled.spill_bytes
     if compiled.status is not TrialStatus.OK:
-        return TrialResult(config, compiled.status, error=compiled.error, **resources)
+        return TrialResult(config, compiled.status, error=compiled.error, registers=regs,
+                           spill_bytes=spilled)
     spills = compiled.spill_bytes or 0
     if spills > max_spill_bytes:
         return TrialResult(
             config, TrialStatus.INVALID, error=(
                 f"register spills of {spills} B per thread exceed the limit of "
                 f"{max_spill_bytes} B (raise --max-spill-bytes to allow them)"),
-            **resources)
+            registers=regs, spill_bytes=spilled)
     problem = workload.problem
     try:
         verdict = backend.verify(problem, config, workload.verify_shape)
     except KERNEL_FAILURES as exc:
         return TrialResult(config, TrialStatus.RUNTIME_FAILED,
-                           error=truncate_error(f"{type(exc).__name__}: {exc}"), **resources)
+                           error=truncate_error(f"{type(exc).__name__}: {exc}"),
+                           registers=regs, spill_bytes=spilled)
     if verdict.status is not TrialStatus.OK:
         return TrialResult(config, verdict.status, max_abs_error=verdict.max_abs_error,
-                           error=verdict.error, **resources)
+                           error=verdict.error, registers=regs, spill_bytes=spilled)
     if not backend.timed:
         return TrialResult(config, TrialStatus.VERIFIED_UNTIMED,
-                           max_abs_error=verdict.max_abs_error, **resources)
+                           max_abs_error=verdict.max_abs_error, registers=regs, spill_bytes=spilled)
     try:
         timings = backend.time(problem, config, workload.shapes, plan)
     except KERNEL_FAILURES as exc:
         return TrialResult(config, TrialStatus.RUNTIME_FAILED,
-                           error=truncate_error(f"{type(exc).__name__}: {exc}"), **resources)
+                           error=truncate_error(f"{type(exc).__name__}: {exc}"),
+                           registers=regs, spill_bytes=spilled)
     if [t.shape for t in timings] != list(workload.shapes):
         raise TuningError(f"backend timed {[t.shape.key() for t in timings]}, expected "
                           f"{[s.key() for s in workload.shapes]}")
     tflops = workload.objective([t.median_ms for t in timings])
     return TrialResult(config, TrialStatus.OK, timings=tuple(timings), tflops=tflops,
-                       max_abs_error=verdict.max_abs_error, **resources)
+                       max_abs_error=verdict.max_abs_error, registers=regs, spill_bytes=spilled)

@@ -37,6 +37,7 @@ from flashtune.codegen.spec import KernelConfig
 from flashtune.db.records import TrialStatus, this_host
 from flashtune.tuner.encoding import SearchEncoding
 from flashtune.tuner.evaluate import TrialResult
+from flashtune.tuner.study import quiet_optuna
 
 log = logging.getLogger("flashtune.tuner")
 
@@ -164,7 +165,8 @@ class OptunaSearch:
                 if forced is not None:
                     self.study.enqueue_trial(self.encoding.encode(forced))
                     futile = 0
-                trial = self.study.ask(self._dists)
+                with quiet_optuna():
+                    trial = self.study.ask(self._dists)
                 proposal = self._screen(trial, settled)
             if proposal is not None:
                 return proposal
@@ -228,7 +230,8 @@ class OptunaSearch:
         if self._storage is None or time.monotonic() < self._next_reap:
             return
         self._next_reap = time.monotonic() + (self._storage.get_heartbeat_interval() or 0)
-        optuna.storages.fail_stale_trials(self.study)
+        with quiet_optuna():
+            optuna.storages.fail_stale_trials(self.study)
         host = this_host()
         for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
             owner = str(t.system_attrs.get(OWNER_ATTR, ""))

@@ -9,13 +9,15 @@ failed so that its config can be proposed again.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import re
 import time
 import warnings
-from typing import Any
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import optuna
 import sqlalchemy
@@ -30,16 +32,15 @@ from flashtune.errors import TuningError
 
 SAMPLERS = ("tpe", "gp", "random", "grid")
 
-# Heartbeats are meant for Study.optimize; the tuner drives ask/tell and sends its own
-# heartbeats (search.HeartbeatThread), so these notices are noise.
-warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed to be used",
-                        category=UserWarning)
-warnings.filterwarnings("ignore", message=".*heartbeat_interval.*",
-                        category=optuna.exceptions.ExperimentalWarning)
-warnings.filterwarnings("ignore", message=".*grace_period.*",
-                        category=optuna.exceptions.ExperimentalWarning)
-warnings.filterwarnings("ignore", message=".*fail_stale_trials.*",
-                        category=optuna.exceptions.ExperimentalWarning)
+@contextlib.contextmanager
+def quiet_optuna() -> Iterator[None]:
+    """Silence Optuna's notices about heartbeats: they are meant for Study.optimize, and an
+    experimental feature there; the tuner drives ask/tell and sends its own heartbeats."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Heartbeat of storage is supposed",
+                                category=UserWarning)
+        warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+        yield
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:=+-]+")
 
 
@@ -102,9 +103,10 @@ def open_storage(url: str | URL | None, heartbeat: Heartbeat = Heartbeat()
     text = resolved.render_as_string(hide_password=False)
     for attempt in range(3):
         try:
-            storage = optuna.storages.RDBStorage(
-                text, engine_kwargs=kwargs, heartbeat_interval=heartbeat.interval,
-                grace_period=heartbeat.grace_period)
+            with quiet_optuna():
+                storage = optuna.storages.RDBStorage(
+                    text, engine_kwargs=kwargs, heartbeat_interval=heartbeat.interval,
+                    grace_period=heartbeat.grace_period)
             break
         except Exception as exc:  # optuna wraps driver errors in several types
             # Workers starting together race to create Optuna's tables; the loser retries

@@ -14,15 +14,27 @@ import attention
 import numpy as np
 import pytest
 import torch
-from _attention_impls import IMPLS, Impl, Prepared, Timer, reference_slice, relative_error
+from _attention_impls import (
+    IMPLS,
+    Impl,
+    Prepared,
+    Timer,
+    default_picks,
+    poison_next_output,
+    reference,
+    relative_error,
+)
 from _common import Deadline, Stats
 
 
 def _np_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool) -> np.ndarray:
-    """float64 attention of one head: (N, D) inputs."""
+    """float64 attention of one head: (Nq, D) and (Nk, D) inputs; the causal mask lets
+    query i see key j when j <= i + Nk - Nq (bottom-right aligned)."""
     s = q @ k.T / math.sqrt(q.shape[-1])
     if causal:
-        s = np.where(np.triu(np.ones_like(s, dtype=bool), 1), -np.inf, s)
+        i = np.arange(q.shape[0])[:, None]
+        j = np.arange(k.shape[0])[None, :]
+        s = np.where(j > i + k.shape[0] - q.shape[0], -np.inf, s)
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     out: np.ndarray = (p / p.sum(axis=-1, keepdims=True)) @ v
     return out
@@ -49,27 +61,41 @@ def test_full_sweep_is_the_standard_one() -> None:
         attention.Shape("bf16", 96, False, 1, 512)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_reference_slice_against_float64(causal: bool) -> None:
-    q, k, v = _inputs(2, 37, 3, 16, torch.bfloat16)
-    ref = reference_slice(q, k, v, causal, heads=2)
-    assert ref.shape == (37, 2, 16)
-    for h in range(2):
-        qh, kh, vh = (t[0, :, h].double().numpy() for t in (q, k, v))
+@pytest.mark.parametrize(("causal", "n_q"), [(False, 37), (True, 37), (True, 20)])
+def test_reference_against_float64(causal: bool, n_q: int) -> None:
+    q = torch.randn(3, n_q, 4, 16).to(torch.bfloat16)
+    k, v = (torch.randn(3, 37, 4, 16).to(torch.bfloat16) for _ in range(2))
+    ref = reference(q, k, v, causal)
+    assert ref.picks == default_picks(3, 4) == ((0, 0), (1, 2), (2, 3))
+    assert ref.values.shape == (3, n_q, 16)
+    for i, (b, h) in enumerate(ref.picks):
+        qh, kh, vh = (t[b, :, h].double().numpy() for t in (q, k, v))
         want = _np_attention(qh, kh, vh, causal)
-        np.testing.assert_allclose(ref[:, h].numpy(), want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(ref.values[i].numpy(), want, rtol=1e-4, atol=1e-5)
 
 
 def test_relative_error_flags_nan_and_wrong_outputs() -> None:
-    q, k, v = _inputs(1, 32, 2, 16, torch.float16)
-    ref = reference_slice(q, k, v, False)
-    good = ref.unsqueeze(0).to(torch.float16)
+    q, k, v = _inputs(2, 32, 3, 16, torch.float16)
+    everything = ((0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2))
+    full = reference(q, k, v, False, picks=everything).values
+    good = full.reshape(2, 3, 32, 16).permute(0, 2, 1, 3).to(torch.float16)
+    ref = reference(q, k, v, False)
     assert relative_error(good, ref) < 1e-3
-    noisy = good + 0.05 * torch.randn_like(good) * ref.norm() / math.sqrt(ref.numel())
+    noisy = good + 0.05 * torch.randn_like(good) * full.norm() / math.sqrt(full.numel())
     assert 0.02 < relative_error(noisy, ref) < 0.1
+    wrong_head = good.clone()
+    wrong_head[1, :, 2] = good[1, :, 1]  # a head-stride bug in the last batch
+    assert relative_error(wrong_head, ref) > 0.1
     poisoned = good.clone()
-    poisoned[0, 5, 1, 3] = float("nan")
+    poisoned[0, 5, 1, 3] = float("nan")  # outside the picks: still caught
     assert math.isnan(relative_error(poisoned, ref))
+
+
+@pytest.mark.gpu
+def test_poison_next_output_lands_where_the_next_output_goes() -> None:
+    like = torch.randn(4, 1000, 8, 64, device="cuda").to(torch.bfloat16)
+    poison_next_output(like)
+    assert bool(torch.empty_like(like).isnan().all())
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -80,7 +106,7 @@ def test_sdpa_adapter_keeps_the_layout(causal: bool) -> None:
     with prepared.context():
         out = prepared.fn()
     assert out.shape == q.shape
-    assert relative_error(out, reference_slice(q, k, v, causal, heads=4)) < 1e-2
+    assert relative_error(out, reference(q, k, v, causal)) < 1e-2
 
 
 def _fixed(name: str, make_out: object) -> Impl:
@@ -195,7 +221,7 @@ def test_flashtune_adapters_compute_attention() -> None:
     from _flashtune_adapter import default_call, tuned_call
 
     q, k, v = _inputs(1, 70, 2, 128, torch.bfloat16)
-    ref = reference_slice(q, k, v, False)
+    ref = reference(q, k, v, False)
     for adapter in (tuned_call, default_call):
         fn, label = adapter(q, k, v, False, backend="emulator")
         assert label.endswith("(default)"), label

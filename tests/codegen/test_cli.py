@@ -13,6 +13,7 @@ from typer.testing import CliRunner, Result
 from flashtune.cli import app
 from flashtune.codegen import space
 from flashtune.codegen.arch import get_arch
+from flashtune.codegen.defaults import default_config
 from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
 from flashtune.commands import codegen as codegen_cmd
@@ -53,7 +54,7 @@ def test_show_uses_the_default_config_of_the_arch() -> None:
     result = run("show", "--head-dim", "128", "--arch", "sm_86")
     assert result.exit_code == 0, result.output
     problem = Problem(128, DType.FP16)
-    expected = codegen_cmd.default_config(problem, get_arch("sm_86"))
+    expected = default_config(problem, get_arch("sm_86"))
     assert space.static_check(problem, expected, get_arch("sm_86")) is None
     assert f"config: {expected.key()}" in result.stdout
 

@@ -10,9 +10,9 @@ import pytest
 
 from flashtune.codegen import space
 from flashtune.codegen.arch import get_arch
+from flashtune.codegen.defaults import default_config
 from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelSource, Problem
-from flashtune.commands.codegen import default_config
 from flashtune.runtime.compiler import CompileResult, compile_pairs, compile_source
 
 ARCHS = ("sm_80", "sm_90")

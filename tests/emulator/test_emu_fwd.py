@@ -13,7 +13,7 @@ from emu_helpers import attention_reference
 
 from flashtune.codegen import space
 from flashtune.codegen.render import render
-from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.runtime.backends.base import Backend, LoadedKernel
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
 from flashtune.runtime.kernel_args import FwdArgs, TensorView
@@ -61,7 +61,7 @@ def test_backend_protocol() -> None:
 
 @pytest.mark.parametrize("schedule", [Schedule.FORWARD, Schedule.REVERSE])
 def test_forward_512_tokens_head_dim_128(schedule: Schedule) -> None:
-    problem = Problem(128, "bf16")
+    problem = Problem(128, DType.BF16)
     source = render(problem, KernelConfig(128, 64, 4, 2))
     start = time.perf_counter()
     kernel = EmulatorBackend(options=LaunchOptions(schedule=schedule)).load(source)
@@ -76,8 +76,8 @@ def test_forward_512_tokens_head_dim_128(schedule: Schedule) -> None:
 @pytest.mark.parametrize(
     ("problem", "config", "shape"),
     [
-        (Problem(64, "fp16", causal=True), KernelConfig(64, 32, 4, 3), (2, 77, 130, 4, 2)),
-        (Problem(96, "bf16"), KernelConfig(64, 64, 4, 1), (1, 130, 77, 3, 1)),
+        (Problem(64, DType.FP16, causal=True), KernelConfig(64, 32, 4, 3), (2, 77, 130, 4, 2)),
+        (Problem(96, DType.BF16), KernelConfig(64, 64, 4, 1), (1, 130, 77, 3, 1)),
     ],
     ids=["fp16-causal-d64-gqa", "bf16-d96-single-stage"],
 )
@@ -93,7 +93,7 @@ def test_forward_ragged_shapes(problem: Problem, config: KernelConfig,
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_every_config_of_the_space(dtype: str, causal: bool) -> None:
-    problem = Problem(64, dtype, causal=causal)
+    problem = Problem(64, DType(dtype), causal=causal)
     for config in space.search_space(problem):
         kernel = EmulatorBackend().load(render(problem, config))
         for schedule in Schedule:

@@ -22,6 +22,8 @@ from flashtune.runtime.backends.emulator import (
 pytestmark = pytest.mark.emulator
 
 SOURCE = r"""
+#include <stdexcept>
+
 // Threads below `nexit` return at once; the others exchange values through shared memory
 // across two barriers.
 extern "C" __global__ void barrier_exit(int* out, int nexit) {
@@ -87,6 +89,7 @@ extern "C" __global__ void crash(int* p, int mode, int zero) {
     case 3: p[0] = recurse(zero); break;                // stack overflow
     case 4: smem[zero + 4096 + 17] = 1; break;          // far past the end: guard page
     case 5: smem[zero + 250 + 3] = 1; break;            // just past the end (250 bytes)
+    case 6: throw std::runtime_error("host-only code");  // cannot happen on a GPU
   }
 }
 """
@@ -181,8 +184,10 @@ def test_spinning_thread_is_reported_as_a_hang(module: EmulatedModule) -> None:
         (3, r"stack overflow of the emulated thread"),
         (4, r"shared memory access out of bounds: byte offset 4113 of the 256-byte dynamic"),
         (5, r"stored to shared memory out of bounds, at byte offset 253 of the 250-byte"),
+        (6, r"C\+\+ exception escaped the kernel: host-only code"),
     ],
-    ids=["null-store", "div-by-zero", "stack-overflow", "smem-guard-page", "smem-slack"],
+    ids=["null-store", "div-by-zero", "stack-overflow", "smem-guard-page", "smem-slack",
+         "exception"],
 )
 def test_faults_do_not_kill_the_process(module: EmulatedModule, mode: int, message: str) -> None:
     smem = 250 if mode == 5 else 256

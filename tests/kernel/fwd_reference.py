@@ -104,8 +104,11 @@ def run_and_check(kernel: LoadedKernel, problem: Problem, case: Case, seed: int)
     got_lse = lse.double().numpy()
     assert np.isfinite(got_o).all(), f"{where}: O has NaN/Inf (poison left or overflow)"
     empty = np.isinf(ref_lse)
-    assert np.array_equal(np.isposinf(got_lse), empty), (
-        f"{where}: LSE must be +inf exactly on the {int(empty.sum())} rows that see no key")
+    got_empty = np.isposinf(got_lse)
+    assert np.array_equal(got_empty, empty), (
+        f"{where}: LSE must be +inf exactly on the rows that see no key: the reference has "
+        f"{int(empty.sum())} such rows, the kernel {int(got_empty.sum())} +inf rows, "
+        f"{int((got_empty != empty).sum())} rows disagree")
     assert not np.isnan(got_lse).any(), f"{where}: LSE has NaN (rows never written?)"
     empty_rows = np.transpose(empty, (0, 2, 1))  # (B, Nq, Hq)
     assert (got_o[empty_rows] == 0).all(), f"{where}: rows that see no key must have O = 0"

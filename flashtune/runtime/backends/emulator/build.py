@@ -121,8 +121,11 @@ def runtime_library(cache: ArtifactCache | None = None, *, asan: bool = False,
     sources = sorted(toolchain.RUNTIME_SOURCE_DIR.glob("*.cpp"))
 
     def build(tmp: Path) -> None:
-        cmd = [cxx, *flags, *_include_flags(()), *map(str, sources), "-o", str(tmp), "-ldl",
-               "-lpthread"]
+        # Kernel libraries name the runtime by this soname; the loader matches it against the
+        # runtime already loaded from the cache (kernel.py loads it first), wherever the
+        # cache directory lives.
+        cmd = [cxx, *flags, *_include_flags(()), *map(str, sources), "-o", str(tmp),
+               f"-Wl,-soname,libftemu-{key}.so", "-ldl", "-lpthread"]
         _compile(cmd, "the emulator runtime", "\n".join(s.read_text() for s in sources),
                  cache, key)
 

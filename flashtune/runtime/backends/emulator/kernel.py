@@ -100,10 +100,11 @@ def f32(value: float) -> Arg:
 
 
 def _dims(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
-    dims = (value,) if isinstance(value, int) else tuple(value)
+    dims = [value] if isinstance(value, int) else list(value)
     if not 1 <= len(dims) <= 3 or not all(isinstance(d, int) and d >= 1 for d in dims):
         raise InvalidInput(f"{what}={value!r} must be 1 to 3 positive ints")
-    return (dims + (1, 1))[:3]  # type: ignore[return-value]
+    dims += [1] * (3 - len(dims))
+    return dims[0], dims[1], dims[2]
 
 
 def _pack_one(index: int, code: str, arg: Arg) -> ctypes._SimpleCData[Any]:
@@ -188,6 +189,7 @@ class EmulatedModule:
 
     def __init__(self, built: build.BuiltLibrary) -> None:
         self.built = built
+        native.load(built.runtime)  # first: the kernel library needs it by soname
         lib = native.load(built.path)
         self.kernels: dict[str, EmulatedKernel] = {}
         for entry in built.entries:

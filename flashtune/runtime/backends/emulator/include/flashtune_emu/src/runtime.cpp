@@ -5,6 +5,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <mutex>
 
 #include "internal.h"
@@ -228,7 +229,14 @@ static void fiber_main() {
     __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
 #endif
     Thread& me = *L.cur;
-    L.kernel->body(L.kernel->closure);
+    // An exception must not unwind past the fiber's first frame (there is no caller).
+    try {
+        L.kernel->body(L.kernel->closure);
+    } catch (const std::exception& exc) {
+        fail(FTEMU_ERROR, format("C++ exception escaped the kernel: %s", exc.what()));
+    } catch (...) {
+        fail(FTEMU_ERROR, "C++ exception of unknown type escaped the kernel");
+    }
     thread_exit(me);
 }
 
@@ -417,10 +425,8 @@ extern "C" FTEMU_API const char* ftemu_runtime_version(void) {
     return FTEMU_ASAN ? "flashtune-emulator abi " "1" " asan" : "flashtune-emulator abi 1";
 }
 
-extern "C" FTEMU_API int ftemu_run(const ftemu_launch_config* config,
-                                   const ftemu_kernel_desc* kernel, char* message,
-                                   unsigned long long message_bytes) {
-    std::lock_guard<std::mutex> lock(g_run_mutex);
+static int run_launch(const ftemu_launch_config* config, const ftemu_kernel_desc* kernel,
+                      char* message, unsigned long long message_bytes) {
     auto report = [&](int status, const std::string& text) {
         if (message && message_bytes) std::snprintf(message, message_bytes, "%s", text.c_str());
         return status;
@@ -429,6 +435,17 @@ extern "C" FTEMU_API int ftemu_run(const ftemu_launch_config* config,
     if (!bad.empty()) return report(FTEMU_BAD_LAUNCH, format("kernel %s: ", kernel->name) + bad);
 
     Launch L;
+    // Whatever happens below, the process gets its signal handlers and memory back.
+    struct Cleanup {
+        Launch& L;
+        bool installed = false;
+        ~Cleanup() {
+            if (installed) uninstall_handlers(L);
+            g_launch = nullptr;
+            ftemu_current = nullptr;
+            release(L);
+        }
+    } cleanup{L};
     L.cfg = config;
     L.kernel = kernel;
     L.asan = FTEMU_ASAN;
@@ -440,7 +457,6 @@ extern "C" FTEMU_API int ftemu_run(const ftemu_launch_config* config,
     L.runnable.assign((L.nthreads + 63) / 64, 0);
     L.os_tid = current_os_tid();
     if (!allocate(L)) {
-        release(L);
         return report(FTEMU_BAD_LAUNCH, format("kernel %s: cannot allocate %u thread stacks of "
                                                "%llu bytes and the shared memory", kernel->name,
                                                L.nthreads, config->stack_bytes));
@@ -448,20 +464,29 @@ extern "C" FTEMU_API int ftemu_run(const ftemu_launch_config* config,
     sched_stack_bounds(L);
     g_launch = &L;
     install_handlers(L);
+    cleanup.installed = true;
     for (unsigned z = 0; z < config->grid[2] && L.status == FTEMU_OK; ++z)
         for (unsigned y = 0; y < config->grid[1] && L.status == FTEMU_OK; ++y)
             for (unsigned x = 0; x < config->grid[0] && L.status == FTEMU_OK; ++x)
                 run_block(L, x, y, z);
-    uninstall_handlers(L);
     if (L.status == FTEMU_OK && !L.asan_report.empty())
         record_error(FTEMU_ERROR, "AddressSanitizer reported a bad memory access:\n" +
                                       trim_report(L.asan_report));
-    g_launch = nullptr;
-    ftemu_current = nullptr;
-    int status = L.status;
-    std::string text = L.message;
-    release(L);
-    return report(status, text);
+    return report(L.status, L.message);
+}
+
+extern "C" FTEMU_API int ftemu_run(const ftemu_launch_config* config,
+                                   const ftemu_kernel_desc* kernel, char* message,
+                                   unsigned long long message_bytes) {
+    std::lock_guard<std::mutex> lock(g_run_mutex);
+    try {
+        return run_launch(config, kernel, message, message_bytes);
+    } catch (const std::exception& exc) {  // e.g. std::bad_alloc for a huge launch
+        if (message && message_bytes)
+            std::snprintf(message, message_bytes, "kernel %s: the emulator failed: %s",
+                          kernel->name, exc.what());
+        return FTEMU_BAD_LAUNCH;
+    }
 }
 
 extern "C" FTEMU_API void ftemu_syncthreads(ftemu_loc loc) {

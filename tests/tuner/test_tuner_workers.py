@@ -8,22 +8,23 @@ import signal
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import optuna
 import pytest
 import sqlalchemy as sa
-from conftest import FAST, subprocess_env
-from synthetic import DEVICE, read_log
+from tuner_synthetic import DEVICE, read_log
+from tuner_testlib import FAST, subprocess_env
 
 from flashtune.codegen.arch import get_arch
-from flashtune.codegen.spec import Problem
+from flashtune.codegen.spec import DType, Problem
 from flashtune.db.store import TuningStore
 from flashtune.tuner.encoding import SearchEncoding
 from flashtune.tuner.search import CONFIG_ATTR, DUPLICATE_ATTR
 from flashtune.tuner.workers import WorkerSpec, run_spec, run_workers, start_worker
 
-PROBLEM = Problem(128, "bf16")
+PROBLEM = Problem(128, DType.BF16)
 CANDIDATES = {c.key() for c in SearchEncoding(PROBLEM, get_arch("sm_90")).candidates()}
 PG_URL = os.environ.get("FLASHTUNE_TEST_PG_URL")
 
@@ -31,7 +32,7 @@ PG_URL = os.environ.get("FLASHTUNE_TEST_PG_URL")
 def spec_for(db: str, log: str, **backend: object) -> WorkerSpec:
     opts = dataclasses.replace(FAST, trials=len(CANDIDATES), sampler="tpe")
     return WorkerSpec(head_dim=128, dtype="bf16", causal=False, seqlens=(1024,), db=db,
-                      backend="synthetic:make_backend",
+                      backend="tuner_synthetic:make_backend",
                       backend_kwargs={"log_path": log, **backend}, options=opts)
 
 
@@ -46,24 +47,31 @@ def measured_configs(db: str) -> Counter[str]:
 def check_shared_study(db: str, log: str, workers: int) -> None:
     calls = read_log(log)
     pids = {pid for pid, phase, _ in calls if phase == "time"}
-    assert len(pids) >= 2, f"expected several workers to measure, got pids {pids}"
+    # the search workers and the one that re-measures the finalists
+    assert len(pids) == workers + 1, f"expected {workers} workers + 1, got pids {pids}"
     # the search measured every candidate exactly once across all workers ...
     done = measured_configs(db)
     assert set(done) == CANDIDATES and max(done.values()) == 1, done
     # ... and the final re-measurement ran once, in one process after the workers
     with TuningStore(db) as store:
         best = store.best(DEVICE.name, PROBLEM.key(), 1024)
+        invalid = [t for t in store.trials(device=DEVICE.name) if t.status.value == "invalid"]
     assert best is not None
+    # statically impossible configs were recorded once, not once per worker
+    encoding = SearchEncoding(PROBLEM, get_arch("sm_90"))
+    impossible = {c.key() for c in encoding.space()} - CANDIDATES
+    assert sorted(t.config.key for t in invalid) == sorted(impossible)
 
 
 def test_several_workers_share_one_study_on_sqlite(db_url: str, call_log: str) -> None:
-    run_workers(spec_for(db_url, call_log, time_delay_s=0.05), 3, env=subprocess_env(),
+    run_workers(spec_for(db_url, call_log, time_delay_s=0.05, min_workers=3), 3,
+                env=subprocess_env(),
                 poll_interval_s=0.2)
     check_shared_study(db_url, call_log, 3)
 
 
 @pytest.fixture
-def pg_url() -> str:
+def pg_url() -> Iterator[str]:
     if not PG_URL:
         pytest.skip("FLASHTUNE_TEST_PG_URL is not set: PostgreSQL worker test SKIPPED "
                     "(start a server with `source <(bash .ci/postgres.sh)`)")
@@ -83,7 +91,8 @@ def pg_url() -> str:
 
 @pytest.mark.postgres
 def test_several_workers_share_one_study_on_postgresql(pg_url: str, call_log: str) -> None:
-    run_workers(spec_for(pg_url, call_log, time_delay_s=0.05), 3, env=subprocess_env(),
+    run_workers(spec_for(pg_url, call_log, time_delay_s=0.05, min_workers=3), 3,
+                env=subprocess_env(),
                 poll_interval_s=0.2)
     check_shared_study(pg_url, call_log, 3)
 

@@ -18,6 +18,7 @@ import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.spec import KernelConfig, Problem
@@ -34,15 +35,21 @@ def _log(path: str | None, phase: str, config: KernelConfig) -> None:
         return
     with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
-        f.write(f"{os.getpid()} {phase} {config.key()}\n")
+        f.write(f"{os.getpid()} {phase} {config.key()} {time.time():.6f}\n")
 
 
 def read_log(path: str) -> list[tuple[int, str, str]]:
     """The calls logged so far: (pid, phase, config key)."""
+    return [(pid, phase, key) for pid, phase, key, _ in read_log_times(path)]
+
+
+def read_log_times(path: str) -> list[tuple[int, str, str, float]]:
+    """The calls logged so far: (pid, phase, config key, wall-clock time)."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [(int(p), phase, key) for p, phase, key in (ln.split() for ln in f if ln.strip())]
+        rows = [ln.split() for ln in f if ln.strip()]
+    return [(int(p), phase, key, float(t)) for p, phase, key, t in rows]
 
 
 @dataclass(frozen=True)
@@ -89,11 +96,16 @@ class SyntheticBackend:
     noise: float = 0.0
     seed: int = 0
     time_delay_s: float = 0.0
+    compile_delay_s: float = 0.0
+    #: Hold the first timing until this many processes have logged a call (so that several
+    #: workers really share the study, however slowly they start).
+    min_workers: int = 0
     log_path: str | None = None
     arch_name: str = "sm_90"
     is_timed: bool = True
     peak_tflops: float = 400.0
     _rng: random.Random = field(init=False, repr=False)
+    _met: bool = field(init=False, repr=False, default=False)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
@@ -112,7 +124,8 @@ class SyntheticBackend:
 
     @property
     def compiler(self) -> SyntheticCompiler:
-        return SyntheticCompiler(self.compile_fail, self.spill, self.log_path)
+        return SyntheticCompiler(self.compile_fail, self.spill, self.log_path,
+                                 self.compile_delay_s)
 
     def verify(self, problem: Problem, config: KernelConfig, shape: Shape) -> VerifyOutcome:
         _log(self.log_path, "verify", config)
@@ -124,6 +137,17 @@ class SyntheticBackend:
                                  error=f"synthetic wrong result of {key}")
         return VerifyOutcome(TrialStatus.OK, max_abs_error=1e-3)
 
+    def _wait_for_workers(self, timeout_s: float = 120.0) -> None:
+        if self.min_workers <= 1 or not self.log_path or self._met:
+            return
+        deadline = time.monotonic() + timeout_s
+        while len({pid for pid, _, _ in read_log(self.log_path)}) < self.min_workers:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"fewer than {self.min_workers} workers started in "
+                                     f"{timeout_s} s")
+            time.sleep(0.05)
+        self._met = True
+
     def ms(self, problem: Problem, config: KernelConfig, shape: Shape) -> float:
         eff = efficiency(config, self.best) * self.speed.get(config.key(), 1.0)
         return shape.flops(problem) / (self.peak_tflops * 1e12 * eff) * 1e3
@@ -131,8 +155,10 @@ class SyntheticBackend:
     def time(self, problem: Problem, config: KernelConfig, shapes: Sequence[Shape],
              plan: TimingPlan) -> list[ShapeTiming]:
         _log(self.log_path, "time", config)
+        self._wait_for_workers()
         if self.time_delay_s:
             time.sleep(self.time_delay_s)
+        _log(self.log_path, "time_end", config)
         out = []
         for shape in shapes:
             base = self.ms(problem, config, shape)
@@ -143,11 +169,11 @@ class SyntheticBackend:
         return out
 
 
-def make_backend(**kwargs: object) -> SyntheticBackend:
+def make_backend(**kwargs: Any) -> SyntheticBackend:
     """Factory for worker subprocesses (JSON-able keyword arguments)."""
     for name in ("compile_fail", "spill", "wrong", "launch_fail"):
         if name in kwargs:
-            kwargs[name] = frozenset(kwargs[name])  # type: ignore[arg-type]
+            kwargs[name] = frozenset(kwargs[name])
     if "best" in kwargs:
         kwargs["best"] = KernelConfig.from_key(str(kwargs["best"]))
-    return SyntheticBackend(**kwargs)  # type: ignore[arg-type]
+    return SyntheticBackend(**kwargs)

@@ -1,0 +1,242 @@
+"""Default forward-kernel configs: what the dispatcher runs when nothing is tuned.
+
+One entry per (arch class, compiled head dim, causal). Arch classes group GPUs by shared
+memory per SM, the resource that decides the tile most:
+
+- ``sm80``: A100/A30 and Orin (sm_80, sm_87), 164 KB per SM;
+- ``sm86``: consumer Ampere, Ada and Blackwell (sm_86, sm_89, sm_120), 100 KB per SM;
+- ``sm90``: H100/H200 and B200 (sm_90, sm_100), 228 KB per SM.
+
+How the entries were chosen (NVRTC 13.0 ``--ptxas-options=-v`` on every arch of the class,
+fp16 and bf16): walk the default search space from the largest tile down (block_m, then
+block_n, fewer warps first, two stages before one, one before three) and take the first
+config that compiles without register spills and still fits two blocks (eight warps) on an
+SM. FlashAttention-2's own tiles (reference/attention-baselines.md) come first wherever they
+pass those two tests; each entry's reason says what it is and why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from flashtune.codegen.arch import ArchSpec, get_arch
+from flashtune.codegen.space import static_check
+from flashtune.codegen.spec import COMPILED_HEAD_DIMS, KernelConfig, Problem
+from flashtune.errors import InvalidConfig
+
+_KIB = 1024
+
+
+class ArchClass(str, Enum):
+    """A group of archs that share one column of the default table."""
+
+    SM80 = "sm80"
+    SM86 = "sm86"
+    SM90 = "sm90"
+
+
+#: The class of every arch flashtune knows (codegen.arch.ARCHS).
+ARCH_CLASS: Mapping[str, ArchClass] = {
+    "sm_80": ArchClass.SM80,
+    "sm_87": ArchClass.SM80,
+    "sm_86": ArchClass.SM86,
+    "sm_89": ArchClass.SM86,
+    "sm_120": ArchClass.SM86,
+    "sm_90": ArchClass.SM90,
+    "sm_100": ArchClass.SM90,
+}
+
+
+def arch_class(arch: ArchSpec) -> ArchClass:
+    """The default-table class of ``arch``; an arch not in ARCH_CLASS is classed by its
+    per-block shared memory limit (the property the classes stand for)."""
+    known = ARCH_CLASS.get(arch.name)
+    if known is not None:
+        return known
+    if arch.max_smem_per_block >= 227 * _KIB:
+        return ArchClass.SM90
+    if arch.max_smem_per_block >= 163 * _KIB:
+        return ArchClass.SM80
+    return ArchClass.SM86
+
+
+@dataclass(frozen=True)
+class DefaultEntry:
+    """The default config of one (arch class, compiled head dim, causal) and why."""
+
+    arch_class: ArchClass
+    head_dim: int
+    causal: bool
+    config: KernelConfig
+    reason: str
+
+    def __post_init__(self) -> None:
+        if self.head_dim not in COMPILED_HEAD_DIMS:
+            raise InvalidConfig(f"default entry head_dim={self.head_dim} is not a compiled "
+                                f"head dim; expected one of {COMPILED_HEAD_DIMS}")
+        if not self.reason.strip():
+            raise InvalidConfig(f"default entry {self.key} needs a reason")
+
+    @property
+    def key(self) -> tuple[ArchClass, int, bool]:
+        return (self.arch_class, self.head_dim, self.causal)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A flat row for docs and ``flashtune`` listings."""
+        return {
+            "arch_class": self.arch_class.value,
+            "archs": [name for name, cls in ARCH_CLASS.items() if cls is self.arch_class],
+            "head_dim": self.head_dim,
+            "causal": self.causal,
+            "config": self.config.key(),
+            "reason": self.reason,
+        }
+
+
+_A, _C, _H = ArchClass.SM80, ArchClass.SM86, ArchClass.SM90
+
+# (class, compiled head dim, causal, config key, reason). "regs" are the most registers
+# per thread over the class's archs and both dtypes; "blocks/SM" the fewest resident blocks.
+_ROWS: tuple[tuple[ArchClass, int, bool, str, str], ...] = (
+    # -- sm80: A100-class, 164 KB shared memory per SM -----------------------------------
+    (_A, 32, False, "m128_n128_w4_s2", "FA2's 128x128 tile; 239 regs, 2 blocks/SM, so a "
+                                       "second K/V buffer costs no occupancy"),
+    (_A, 32, True, "m128_n128_w4_s2", "FA2's 128x128 tile; 255 regs without spills, "
+                                      "2 blocks/SM with two K/V buffers"),
+    (_A, 64, False, "m128_n128_w4_s1", "FA2's 128x128 tile; 254 regs, 2 blocks/SM (two "
+                                       "buffers spill on sm_80, three fit only 1 block)"),
+    (_A, 64, True, "m128_n128_w4_s1", "FA2's 128x128 tile; 254 regs, 2 blocks/SM (two "
+                                      "buffers spill on sm_80, three fit only 1 block)"),
+    (_A, 96, False, "m128_n64_w4_s2", "FA2's 128x64 tile; 244 regs, two K/V buffers at "
+                                      "2 blocks/SM (78 KB each)"),
+    (_A, 96, True, "m128_n64_w4_s2", "FA2's 128x64 tile; 243 regs, two K/V buffers at "
+                                     "2 blocks/SM (78 KB each)"),
+    (_A, 128, False, "m128_n32_w4_s2", "FA2's 128x64 spills with one buffer and fits 1 "
+                                       "block/SM with two; 128x32 keeps 2 blocks, 241 regs"),
+    (_A, 128, True, "m128_n32_w4_s2", "FA2's 128x64 spills (causal) or fits 1 block/SM; "
+                                      "128x32 keeps 2 blocks/SM, 241 regs"),
+    (_A, 160, False, "m128_n32_w4_s1", "largest tile with 2 blocks/SM and no spills "
+                                       "(255 regs); a second buffer drops to 1 block"),
+    (_A, 160, True, "m128_n32_w4_s1", "largest tile with 2 blocks/SM and no spills "
+                                      "(255 regs); a second buffer spills"),
+    (_A, 192, False, "m64_n64_w4_s1", "FA2's 128x64 8-warp tile fits 1 block/SM here; "
+                                      "64x64 (75 KB) keeps 2, 167 regs"),
+    (_A, 192, True, "m64_n64_w4_s1", "FA2's 128x64 8-warp tile fits 1 block/SM here; "
+                                     "64x64 (75 KB) keeps 2, 167 regs"),
+    (_A, 224, False, "m64_n32_w4_s1", "128-row tiles and 64x64 (87 KB) fit 1 block/SM; "
+                                      "64x32 (58 KB) keeps 2, 166 regs"),
+    (_A, 224, True, "m64_n32_w4_s1", "128-row tiles and 64x64 (87 KB) fit 1 block/SM; "
+                                     "64x32 (58 KB) keeps 2, 166 regs"),
+    (_A, 256, False, "m64_n32_w4_s1", "FA2's 64x64 fallback (99 KB) fits 1 block/SM; "
+                                      "64x32 (66 KB) keeps 2, 231 regs"),
+    (_A, 256, True, "m64_n32_w4_s1", "FA2's 64x64 fallback (99 KB) fits 1 block/SM; "
+                                     "64x32 (66 KB) keeps 2, 232 regs"),
+    # -- sm86: consumer GPUs, 100 KB shared memory per SM ---------------------------------
+    (_C, 32, False, "m128_n128_w4_s1", "FA2's 128x128 tile; one K/V buffer (30 KB) keeps "
+                                       "2 blocks/SM, 240 regs"),
+    (_C, 32, True, "m128_n128_w4_s1", "FA2's 128x128 tile; one K/V buffer (30 KB) keeps "
+                                      "2 blocks/SM, 254 regs"),
+    (_C, 64, False, "m128_n64_w4_s1", "FA2's 128x128 (54 KB) fits 1 block in 100 KB; "
+                                      "128x64 (36 KB) keeps 2, 214 regs"),
+    (_C, 64, True, "m128_n64_w4_s1", "FA2's 128x128 (54 KB) fits 1 block in 100 KB; "
+                                     "128x64 (36 KB) keeps 2, 218 regs"),
+    (_C, 96, False, "m128_n32_w4_s1", "FA2's 128x64 (52 KB) fits 1 block in 100 KB; "
+                                      "128x32 (39 KB) keeps 2, 210 regs"),
+    (_C, 96, True, "m128_n32_w4_s1", "FA2's 128x64 (52 KB) fits 1 block in 100 KB; "
+                                     "128x32 (39 KB) keeps 2, 210 regs"),
+    (_C, 128, False, "m64_n32_w4_s1", "FA2's 128x32 (51 KB with padded rows) fits 1 block "
+                                      "in 100 KB; 64x32 (34 KB) keeps 2, 125 regs"),
+    (_C, 128, True, "m64_n32_w4_s1", "FA2's 64x64 (51 KB with padded rows) fits 1 block "
+                                     "in 100 KB; 64x32 (34 KB) keeps 2, 128 regs"),
+    (_C, 160, False, "m64_n32_w4_s1", "128-row tiles and 64x64 fit 1 block in 100 KB; "
+                                      "64x32 (42 KB) keeps 2, 127 regs"),
+    (_C, 160, True, "m64_n32_w4_s1", "128-row tiles and 64x64 fit 1 block in 100 KB; "
+                                     "64x32 (42 KB) keeps 2, 128 regs"),
+    (_C, 192, False, "m128_n32_w8_s1", "no tile fits 2 blocks in 100 KB; one 128x32 block "
+                                       "(75 KB) runs 8 warps, 174 regs"),
+    (_C, 192, True, "m128_n32_w8_s1", "no tile fits 2 blocks in 100 KB; one 128x32 block "
+                                      "(75 KB) runs 8 warps, 174 regs"),
+    (_C, 224, False, "m128_n32_w8_s1", "no tile fits 2 blocks in 100 KB; one 128x32 block "
+                                       "(87 KB) runs 8 warps, 220 regs"),
+    (_C, 224, True, "m128_n32_w8_s1", "no tile fits 2 blocks in 100 KB; one 128x32 block "
+                                      "(87 KB) runs 8 warps, 226 regs"),
+    (_C, 256, False, "m128_n32_w8_s1", "no tile fits 2 blocks in 100 KB; one 128x32 block "
+                                       "(99 KB) runs 8 warps, 231 regs"),
+    (_C, 256, True, "m128_n32_w8_s1", "no tile fits 2 blocks in 100 KB; one 128x32 block "
+                                      "(99 KB) runs 8 warps, 237 regs"),
+    # -- sm90: H100-class, 228 KB shared memory per SM ------------------------------------
+    (_H, 32, False, "m128_n128_w4_s2", "FA2's 128x128 tile; two K/V buffers at 2 blocks/SM, "
+                                       "238 regs"),
+    (_H, 32, True, "m128_n128_w4_s2", "FA2's 128x128 tile; two K/V buffers at 2 blocks/SM, "
+                                      "255 regs without spills"),
+    (_H, 64, False, "m128_n64_w4_s2", "FA2's 128x128 spills on sm_90/sm_100; 128x64 with "
+                                      "two buffers, 2 blocks/SM, 176 regs"),
+    (_H, 64, True, "m128_n128_w4_s2", "FA2's 128x128 tile; two buffers (90 KB) at "
+                                      "2 blocks/SM, 255 regs without spills"),
+    (_H, 96, False, "m128_n64_w4_s2", "FA2's 128x64 tile; two buffers (78 KB) at "
+                                      "2 blocks/SM, 255 regs without spills"),
+    (_H, 96, True, "m128_n32_w4_s2", "FA2's 128x64 spills on sm_90 (causal); 128x32 with "
+                                     "two buffers, 2 blocks/SM, 202 regs"),
+    (_H, 128, False, "m128_n32_w4_s2", "FA2's 128x64 spills on sm_90; 128x32 with two "
+                                       "buffers keeps 2 blocks/SM, 242 regs"),
+    (_H, 128, True, "m128_n32_w4_s2", "FA2's 128x64 spills on sm_90; 128x32 with two "
+                                      "buffers keeps 2 blocks/SM, 242 regs"),
+    (_H, 160, False, "m128_n32_w4_s2", "largest tile without spills at 2 blocks/SM; two "
+                                       "buffers (84 KB), 255 regs"),
+    (_H, 160, True, "m128_n32_w4_s2", "largest tile without spills at 2 blocks/SM; two "
+                                      "buffers (84 KB), 255 regs"),
+    (_H, 192, False, "m64_n64_w4_s1", "128-row tiles need 8 warps and fit 1 block/SM; "
+                                      "64x64 (75 KB) keeps 3, 167 regs"),
+    (_H, 192, True, "m64_n64_w4_s1", "128-row tiles need 8 warps and fit 1 block/SM; "
+                                     "64x64 (75 KB) keeps 3, 168 regs"),
+    (_H, 224, False, "m64_n64_w4_s1", "128-row tiles spill or fit 1 block/SM; 64x64 "
+                                      "(87 KB) keeps 2, 227 regs"),
+    (_H, 224, True, "m64_n64_w4_s1", "128-row tiles spill or fit 1 block/SM; 64x64 "
+                                     "(87 KB) keeps 2, 227 regs"),
+    (_H, 256, False, "m64_n64_w4_s1", "FA2's 64x64 tile for d256; 2 blocks/SM (99 KB "
+                                      "each), 251 regs"),
+    (_H, 256, True, "m64_n64_w4_s1", "FA2's 64x64 tile for d256; 2 blocks/SM (99 KB "
+                                     "each), 243 regs"),
+)
+
+DEFAULT_TABLE: tuple[DefaultEntry, ...] = tuple(
+    DefaultEntry(cls, hd, causal, KernelConfig.from_key(key), reason)
+    for cls, hd, causal, key, reason in _ROWS
+)
+_BY_KEY: dict[tuple[ArchClass, int, bool], DefaultEntry] = {e.key: e for e in DEFAULT_TABLE}
+
+#: Used only when an entry does not fit an arch (one with less shared memory than its
+#: class): the smallest tile of the space, 66 KB at head dim 256.
+FALLBACK = KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
+
+
+def _spec(arch: ArchSpec | str) -> ArchSpec:
+    return arch if isinstance(arch, ArchSpec) else get_arch(arch)
+
+
+def default_entry(problem: Problem, arch: ArchSpec | str) -> DefaultEntry:
+    """The table entry that serves ``problem`` on ``arch`` (by compiled head dim)."""
+    key = (arch_class(_spec(arch)), problem.padded_head_dim, problem.causal)
+    try:
+        return _BY_KEY[key]
+    except KeyError:
+        raise InvalidConfig(f"the default table has no entry for {key}; every class, "
+                            f"compiled head dim and mask must have one") from None
+
+
+def default_config(problem: Problem, arch: ArchSpec | str) -> KernelConfig:
+    """The config to run ``problem`` on ``arch`` (an ArchSpec or a name such as "sm_90")
+    when nothing is tuned; it always passes ``static_check`` for that arch (an
+    InvalidConfig says so when no config could)."""
+    arch = _spec(arch)
+    entry = default_entry(problem, arch)
+    for config in (entry.config, FALLBACK):
+        if static_check(problem, config, arch) is None:
+            return config
+    why = static_check(problem, FALLBACK, arch)
+    raise InvalidConfig(f"no default config fits {problem.key()} on {arch.name}: the table's "
+                        f"{entry.config.key()} and the fallback {FALLBACK.key()} are both "
+                        f"ruled out ({why}); tune this problem or add a smaller fallback")

@@ -1,0 +1,211 @@
+"""``flashtune tune`` (search configs on this GPU, or a dry run for an arch) and
+``flashtune report`` (plots of the studies in a tuning database)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from flashtune import knobs
+from flashtune.codegen.spec import Problem
+from flashtune.errors import FlashtuneError, TuningError
+from flashtune.tuner.evaluate import DEFAULT_MAX_SPILL_BYTES
+from flashtune.tuner.options import BucketSummary, TuneOptions
+from flashtune.tuner.study import SAMPLERS
+from flashtune.tuner.workload import BatchHeads
+
+
+def parse_duration(text: str) -> float:
+    """``'20m'``, ``'90s'``, ``'1h30m'`` or plain seconds -> seconds."""
+    raw = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", raw):
+        return float(raw)
+    match = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", raw)
+    if not raw or not match:
+        raise TuningError(f"duration {text!r} is malformed; expected e.g. '20m', '1h30m', "
+                          "'90s' or seconds")
+    hours, minutes, seconds = (int(g) if g else 0 for g in match.groups())
+    return float(hours * 3600 + minutes * 60 + seconds)
+
+
+def _fail(message: str) -> typer.Exit:
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    return typer.Exit(1)
+
+
+def tune_command(
+    head_dim: Annotated[int, typer.Option("--head-dim", help="Head dimension, e.g. 128.")],
+    dtype: Annotated[str, typer.Option("--dtype", help="fp16 or bf16.")] = "bf16",
+    causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Causal mask.")] = False,
+    seqlens: Annotated[str, typer.Option(
+        "--seqlens", help="Sequence lengths whose buckets to tune, e.g. 1024,4096,16k.")
+    ] = "1024,4096,16384",
+    batch_heads: Annotated[str | None, typer.Option(
+        "--batch-heads", help="BATCHxHEADS pairs timed per bucket, e.g. 4x16,1x32 (default: "
+                              "the standard sweep, hidden 2048 and ~16k tokens).")] = None,
+    trials: Annotated[int, typer.Option(
+        "--trials", help="Candidates measured per bucket.")] = 40,
+    timeout: Annotated[str | None, typer.Option(
+        "--timeout", help="Wall-clock budget of the whole run, e.g. 20m.")] = None,
+    sampler: Annotated[str, typer.Option(
+        "--sampler", help=f"Optuna sampler: {', '.join(SAMPLERS)}.")] = "tpe",
+    seed: Annotated[int | None, typer.Option("--seed", help="Sampler seed.")] = 0,
+    db: Annotated[str | None, typer.Option(
+        "--db", help="Tuning database URL or path (default: FLASHTUNE_DB).")] = None,
+    study: Annotated[str | None, typer.Option(
+        "--study", help="Study name prefix (default: flashtune/<device>/<bucket>/<digest>).")
+    ] = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue existing studies (also: join other workers).")] = False,
+    workers: Annotated[int, typer.Option(
+        "--workers", help="Worker processes on this machine, one per GPU.")] = 1,
+    compile_workers: Annotated[int | None, typer.Option(
+        "--compile-workers", help="NVRTC processes (default: FLASHTUNE_COMPILE_WORKERS).")
+    ] = None,
+    max_spill_bytes: Annotated[int, typer.Option(
+        "--max-spill-bytes", help="Register spill stores per thread tolerated.")
+    ] = DEFAULT_MAX_SPILL_BYTES,
+    tie_tolerance: Annotated[float, typer.Option(
+        "--tie-tolerance", help="Finalists within this fraction of the best tie.")] = 0.02,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="No GPU: compile for --arch and verify in the emulator, untimed.")
+    ] = False,
+    arch: Annotated[str, typer.Option(
+        "--arch", help="Arch of a dry run, e.g. sm_90.")] = "sm_90",
+) -> None:
+    """Tune the forward kernel on this GPU and store each bucket's winner."""
+    from flashtune.tuner.workload import parse_batch_heads, parse_seqlens
+
+    try:
+        problem = Problem.from_dict({"head_dim": head_dim, "dtype": dtype, "causal": causal})
+        lengths = parse_seqlens(seqlens)
+        pairs = parse_batch_heads(batch_heads)
+        options = TuneOptions(
+            trials=trials, timeout_s=parse_duration(timeout) if timeout else None,
+            sampler=sampler, seed=seed, study_prefix=study, resume=resume,
+            compile_workers=(knobs.COMPILE_WORKERS.get() if compile_workers is None
+                             else compile_workers),
+            max_spill_bytes=max_spill_bytes, tie_tolerance=tie_tolerance)
+        if dry_run:
+            if workers != 1:
+                raise TuningError("a dry run runs in one process; parallel compiles are "
+                                  "--compile-workers")
+            summaries = _run_local(problem, lengths, pairs, options, db, dry_arch=arch)
+        elif workers > 1:
+            summaries = _run_workers(problem, lengths, pairs, options, db, workers)
+        else:
+            summaries = _run_local(problem, lengths, pairs, options, db, dry_arch=None)
+    except (FlashtuneError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    except KeyboardInterrupt:
+        Console(stderr=True).print("interrupted: every finished trial is saved; rerun the same "
+                                   "command with --resume to continue")
+        raise typer.Exit(130) from None
+    from flashtune.tuner.progress import final_table
+
+    console = Console()
+    console.print()
+    console.print(final_table(summaries))
+
+
+def _run_local(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHeads, ...],
+               options: TuneOptions, db: str | None, *, dry_arch: str | None
+               ) -> list[BucketSummary]:
+    from flashtune.tuner.api import tune
+    from flashtune.tuner.backends import dry_run_backend, gpu_backend
+    from flashtune.tuner.progress import RichProgress
+
+    backend = dry_run_backend(dry_arch) if dry_arch else gpu_backend()
+    with RichProgress(options.trials) as progress:
+        return tune(problem.head_dim, problem.dtype, problem.causal, lengths, backend=backend,
+                    dry_run=dry_arch is not None, db=db, options=options,
+                    batch_heads=pairs, observer=progress)
+
+
+def _run_workers(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHeads, ...],
+                 options: TuneOptions, db: str | None, workers: int) -> list[BucketSummary]:
+    """One worker process per GPU; the live table follows the database."""
+    import torch
+
+    from flashtune.db.store import TuningStore
+    from flashtune.tuner.api import buckets_of
+    from flashtune.tuner.cuda_backend import NO_GPU
+    from flashtune.tuner.progress import RichProgress, summarize_records
+    from flashtune.tuner.workers import WorkerSpec, run_workers
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise TuningError(NO_GPU)
+    if workers > count:
+        raise TuningError(f"--workers {workers} exceeds the {count} GPU(s) here: one worker "
+                          "per GPU (timings on a shared GPU disturb each other)")
+    from flashtune.codegen.arch import get_arch
+    from flashtune.runtime.device import DeviceInfo
+    from flashtune.tuner.api import prepare_study
+    from flashtune.tuner.encoding import SearchEncoding
+    from flashtune.tuner.study import study_name, template_digest
+
+    info = DeviceInfo.current(0)
+    device = info.name
+    store = TuningStore(db)
+    url = store.url.render_as_string(hide_password=False)
+    buckets = buckets_of(problem, lengths)
+    names = [study_name(device, b, template_digest(), options.study_prefix) for b in buckets]
+    for name in names:  # create or check the studies once, before the workers start
+        prepare_study(store, name, options)
+    spec = WorkerSpec(
+        head_dim=problem.head_dim, dtype=problem.dtype.value, causal=problem.causal,
+        seqlens=lengths, db=url, backend="flashtune.tuner.backends:gpu_backend",
+        batch_heads=tuple((p.batch, p.heads) for p in pairs),
+        options=dataclasses.replace(options, resume=True))
+    candidates = len(SearchEncoding(problem, get_arch(info.arch)).candidates())
+    summaries = [BucketSummary(b, n, candidates) for b, n in zip(buckets, names, strict=True)]
+    with RichProgress(options.trials) as progress:
+        for s in summaries:
+            progress.bucket_started(s)
+
+        def poll() -> None:
+            for s in summaries:
+                records = store.trials(device=device, problem=problem.key(),
+                                       seqlen=s.bucket.seqlen)
+                summarize_records(s, records)
+            progress.bucket_finished(summaries[0])
+
+        run_workers(spec, workers, gpus=list(range(workers)), poll=poll)
+        poll()
+    for s in summaries:
+        best = store.best(device, problem.key(), s.bucket.seqlen)
+        if best is not None:
+            from flashtune.codegen.spec import KernelConfig
+
+            s.winner = KernelConfig.from_key(best.config.key)
+            s.winner_tflops = best.trial.tflops
+    store.close()
+    return summaries
+
+
+def report_command(
+    db: Annotated[str | None, typer.Option(
+        "--db", help="Tuning database URL or path (default: FLASHTUNE_DB).")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path(
+        "flashtune-report"),
+    fmt: Annotated[str, typer.Option("--format", help="png or html.")] = "png",
+    study: Annotated[str | None, typer.Option(
+        "--study", help="Only studies whose name contains this text.")] = None,
+) -> None:
+    """Plot the tuning studies in a database: best-so-far per trial, the B_r x B_c landscape
+    per (warps, stages), and the winners per bucket."""
+    from flashtune.tuner.report import write_report
+
+    try:
+        written = write_report(db, out, fmt, study_filter=study)
+    except (FlashtuneError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    for path in written:
+        Console().print(f"wrote {path}")

@@ -1,0 +1,110 @@
+"""Progress of a tuning run on the terminal (rich): live per-bucket counts and final tables."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from types import TracebackType
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from flashtune.db.records import TrialRecord, TrialStatus
+from flashtune.tuner.evaluate import TrialResult
+from flashtune.tuner.options import BucketSummary
+
+_FAILURES = ("invalid", "compile_failed", "runtime_failed", "wrong_result")
+
+
+def _failures(statuses: Counter[str]) -> str:
+    parts = [f"{name} {statuses[name]}" for name in (*_FAILURES, "invalid (static)")
+             if statuses.get(name)]
+    return ", ".join(parts) or "-"
+
+
+def live_table(rows: Sequence[BucketSummary], budget: int | None) -> Table:
+    table = Table(title="flashtune tune", expand=False)
+    for column in ("bucket", "candidates", "done", "ok", "failures", "best so far"):
+        table.add_column(column)
+    for s in rows:
+        ok = s.statuses.get(TrialStatus.OK.value, 0) + s.statuses.get(
+            TrialStatus.VERIFIED_UNTIMED.value, 0)
+        done = f"{s.measured}/{min(budget, s.candidates) if budget else s.candidates}"
+        best = (f"{s.best_tflops:.1f} TFLOP/s ({s.best_config.key()})"
+                if s.best_tflops is not None and s.best_config is not None else "-")
+        table.add_row(s.bucket.key(), str(s.candidates), done, str(ok),
+                      _failures(s.statuses), best)
+    return table
+
+
+def final_table(rows: Sequence[BucketSummary]) -> Table:
+    """Per bucket: the winner, its TFLOP/s, the default's and the speed-up (timed runs), or
+    what was verified (dry runs)."""
+    if rows and not rows[0].timed:
+        table = Table(title="dry run (untimed: compiled and verified only)")
+        for column in ("bucket", "verified", "failures", "default"):
+            table.add_column(column)
+        for s in rows:
+            table.add_row(s.bucket.key(), str(s.statuses.get("verified_untimed", 0)),
+                          _failures(s.statuses), s.default.key() if s.default else "-")
+        return table
+    table = Table(title="tuned winners")
+    for column in ("bucket", "winner", "TFLOP/s", "default", "default TFLOP/s", "speed-up"):
+        table.add_column(column)
+    for s in rows:
+        table.add_row(
+            s.bucket.key(), s.winner.key() if s.winner else "none (nothing timed)",
+            f"{s.winner_tflops:.1f}" if s.winner_tflops else "-",
+            s.default.key() if s.default else "-",
+            f"{s.default_tflops:.1f}" if s.default_tflops else "-",
+            f"{s.speedup:.2f}x" if s.speedup else "-")
+    return table
+
+
+class RichProgress:
+    """An Observer (api.Observer) that keeps a live table up to date."""
+
+    def __init__(self, budget: int | None, console: Console | None = None) -> None:
+        self.console = console or Console()
+        self.budget = budget
+        self.rows: list[BucketSummary] = []
+        self._live = Live(live_table(self.rows, budget), console=self.console,
+                          refresh_per_second=4, transient=False)
+
+    def __enter__(self) -> RichProgress:
+        self._live.__enter__()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._refresh()
+        self._live.__exit__(exc_type, exc, tb)
+
+    def _refresh(self) -> None:
+        self._live.update(live_table(self.rows, self.budget))
+
+    def bucket_started(self, summary: BucketSummary) -> None:
+        self.rows.append(summary)
+        self._refresh()
+
+    def trial_done(self, summary: BucketSummary, result: TrialResult) -> None:
+        self._refresh()
+
+    def bucket_finished(self, summary: BucketSummary) -> None:
+        self._refresh()
+
+
+def summarize_records(summary: BucketSummary, records: Sequence[TrialRecord]) -> BucketSummary:
+    """Fill a summary's counts from database rows (progress of workers in other processes)."""
+    summary.statuses = Counter(r.status.value for r in records)
+    summary.measured = len([r for r in records if r.status is not TrialStatus.INVALID
+                            or (r.error or "").startswith("register spills")])
+    timed = [r for r in records if r.tflops is not None]
+    if timed:
+        best = max(timed, key=lambda r: r.tflops or 0.0)
+        summary.best_tflops = best.tflops
+        from flashtune.codegen.spec import KernelConfig
+
+        summary.best_config = KernelConfig.from_key(best.config.key)
+    return summary

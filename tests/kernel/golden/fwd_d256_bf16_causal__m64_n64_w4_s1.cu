@@ -1,0 +1,43 @@
+// flashtune <version> generated kernel
+// problem: fwd_d256_bf16_causal  config: m64_n64_w4_s1
+// entry: flashtune_fwd_d256_bf16_causal_m64_n64_w4_s1  dynamic smem: 101376 B  threads: 128
+// digest: <digest>
+// FlashAttention-2 forward kernel: parameter bindings and entry point only; the kernel
+// logic is in flash_fwd.cuh.
+#include "flash_fwd.cuh"
+
+namespace {
+
+using Element = __nv_bfloat16;
+constexpr int kHeadDim = 256;
+constexpr int kHeadDimPadded = 256;
+constexpr int kBlockM = 64;
+constexpr int kBlockN = 64;
+constexpr int kNumWarps = 4;
+constexpr int kNumStages = 1;
+constexpr bool kCausal = true;
+constexpr int kSmemRowPad = 8;
+
+using Traits = ft::FwdTraits<Element, kHeadDim, kHeadDimPadded, kBlockM, kBlockN, kNumWarps,
+                             kNumStages, kCausal, kSmemRowPad>;
+static_assert(Traits::kSmemBytes == 101376,
+              "shared-memory layout differs from flashtune.codegen.space.smem_bytes");
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(128)
+flashtune_fwd_d256_bf16_causal_m64_n64_w4_s1(
+    const Element* __restrict__ q, const Element* __restrict__ k,
+    const Element* __restrict__ v, Element* __restrict__ o, float* __restrict__ lse,
+    int seqlen_q, int seqlen_k, int heads_q, int heads_kv,
+    long long q_batch_stride, long long q_row_stride, long long q_head_stride,
+    long long k_batch_stride, long long k_row_stride, long long k_head_stride,
+    long long v_batch_stride, long long v_row_stride, long long v_head_stride,
+    long long o_batch_stride, long long o_row_stride, long long o_head_stride,
+    float softmax_scale) {
+  ft::flash_fwd<Traits>(q, k, v, o, lse, seqlen_q, seqlen_k, heads_q, heads_kv,
+                        q_batch_stride, q_row_stride, q_head_stride,
+                        k_batch_stride, k_row_stride, k_head_stride,
+                        v_batch_stride, v_row_stride, v_head_stride,
+                        o_batch_stride, o_row_stride, o_head_stride, softmax_scale);
+}

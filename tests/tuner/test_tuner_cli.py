@@ -1,0 +1,83 @@
+"""`flashtune tune` and `flashtune report` from the command line, and the dry run end to end
+(the real NVRTC compiler and the CPU emulator)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from tuner_synthetic import SyntheticBackend
+from tuner_testlib import FAST
+from typer.testing import CliRunner
+
+from flashtune.cli import app
+from flashtune.db.store import TuningStore
+from flashtune.tuner.api import tune
+from flashtune.tuner.report import write_report
+
+runner = CliRunner()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_tune_without_a_gpu_says_so_and_points_to_the_dry_run(db_url: str) -> None:
+    result = runner.invoke(app, ["tune", "--head-dim", "128", "--db", db_url])
+    assert result.exit_code == 1
+    text = " ".join(result.output.split())
+    assert "no CUDA GPU" in text and "--dry-run --arch sm_90" in text
+
+
+def test_tune_rejects_bad_arguments_with_the_expected_form(db_url: str) -> None:
+    for args, expected in ((["--seqlens", "10x"], "expected e.g."),
+                           (["--timeout", "soon"], "expected e.g. '20m'"),
+                           (["--sampler", "annealing"], "expected one of"),
+                           (["--dtype", "fp8"], "expected one of")):
+        result = runner.invoke(app, ["tune", "--head-dim", "128", "--db", db_url, "--dry-run",
+                                     *args])
+        assert result.exit_code == 1, result.output
+        assert expected in " ".join(result.output.split()), result.output
+
+
+@pytest.mark.emulator
+def test_dry_run_end_to_end_compiles_and_verifies_untimed(db_url: str) -> None:
+    args = ["tune", "--head-dim", "64", "--dtype", "fp16", "--seqlens", "128", "--dry-run",
+            "--arch", "sm_90", "--trials", "3", "--compile-workers", "1", "--db", db_url]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "dry run (untimed" in result.output
+    with TuningStore(db_url) as store:
+        trials = store.trials(device="virtual-sm_90")
+        statuses = Counter(t.status.value for t in trials)
+        assert store.all_best() == []  # nothing untimed is ever a performance result
+    assert statuses["ok"] == 0 and all(t.tflops is None for t in trials)
+    assert statuses["verified_untimed"] >= 1, statuses
+    measured = [t for t in trials if "static" not in (t.error or "")]
+    assert 1 <= len({t.config.key for t in measured}) <= 3
+    # a second dry run skips what is settled and verifies the next candidates
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0, again.output
+    with TuningStore(db_url) as store:
+        keys = Counter(t.config.key for t in store.trials(device="virtual-sm_90"))
+    assert max(keys.values()) == 1
+
+
+def test_report_writes_png_and_html(db_url: str, tmp_path: Path) -> None:
+    opts = dataclasses.replace(FAST, trials=8, final_top=2, final_rounds=1)
+    backend = SyntheticBackend(compile_fail=frozenset({"m64_n128_w4_s1"}))
+    tune(128, "bf16", False, [1024, 4096], backend=backend, db=db_url, options=opts)
+    written = write_report(db_url, tmp_path / "png", "png")
+    names = sorted(p.name for p in written)
+    assert names[0] == "best_so_far.png" and names[-1] == "winners.png"
+    assert len([n for n in names if n.startswith("landscape-")]) == 2
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
+    result = runner.invoke(app, ["report", "--db", db_url, "--out", str(tmp_path / "html"),
+                                 "--format", "html"])
+    assert result.exit_code == 0, result.output
+    page = (tmp_path / "html" / "index.html").read_text()
+    assert page.count("data:image/png;base64,") == 4
+    missing = runner.invoke(app, ["report", "--db", f"sqlite:///{tmp_path / 'none.db'}",
+                                  "--out", str(tmp_path / "x")])
+    assert missing.exit_code == 1 and "no tuning study" in " ".join(missing.output.split())

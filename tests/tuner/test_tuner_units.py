@@ -1,0 +1,147 @@
+"""Unit tests of the tuner's pure parts: workload, objective, encoding, selection, naming."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import optuna
+import pytest
+
+from flashtune.codegen import space
+from flashtune.codegen.arch import get_arch
+from flashtune.codegen.spec import DType, KernelConfig, Problem
+from flashtune.commands.tune import parse_duration
+from flashtune.db.records import TrialStatus
+from flashtune.errors import TuningError
+from flashtune.tuner.encoding import Knob, SearchEncoding
+from flashtune.tuner.evaluate import TrialResult
+from flashtune.tuner.measure import ShapeTiming
+from flashtune.tuner.selection import Scored, choose
+from flashtune.tuner.study import study_name, template_digest
+from flashtune.tuner.workload import (
+    BatchHeads,
+    Shape,
+    geomean,
+    make_workload,
+    parse_batch_heads,
+    parse_seqlens,
+)
+
+P = Problem(128, DType.BF16)
+ARCH = get_arch("sm_90")
+
+
+def test_flops_follow_the_fields_formula_halved_when_causal() -> None:
+    shape = Shape(2, 16, 16, 4096, 4096)
+    assert shape.flops(P) == 4 * 2 * 4096 * 4096 * 16 * 128
+    assert shape.flops(Problem(128, DType.BF16, causal=True)) == shape.flops(P) / 2
+
+
+def test_objective_is_the_geometric_mean_of_tflops() -> None:
+    workload = make_workload(P.bucket(4096, 4096))
+    times = [random.uniform(0.5, 5.0) for _ in workload.shapes]
+    per_shape = [s.flops(P) / (t * 1e-3) / 1e12 for s, t in zip(workload.shapes, times,
+                                                                 strict=True)]
+    expected = math.prod(per_shape) ** (1 / len(per_shape))
+    assert workload.objective(times) == pytest.approx(expected, rel=1e-12)
+    with pytest.raises(TuningError):
+        workload.objective(times[:-1])
+    with pytest.raises(TuningError):
+        geomean([1.0, 0.0])
+
+
+def test_representative_shapes_cover_the_bucket() -> None:
+    workload = make_workload(P.bucket(3000, 3000))
+    assert workload.bucket.seqlen == 4096
+    lengths = sorted({s.seqlen_q for s in workload.shapes})
+    assert lengths == [3072, 4096]  # 3/4 N and N: both inside the bucket (N/2, N]
+    for s in workload.shapes:  # the standard sweep: hidden 2048, ~16k tokens
+        assert s.heads_q * P.head_dim == 2048 and s.batch == max(1, 16384 // s.seqlen_q)
+    assert workload.verify_shape.seqlen_q % 16 != 0  # partial tiles are verified
+    custom = make_workload(P.bucket(1024, 1024), parse_batch_heads("4x8,1x32"))
+    assert {(s.batch, s.heads_q) for s in custom.shapes} == {(4, 8), (1, 32)}
+
+
+def test_parsers() -> None:
+    assert parse_seqlens("1024, 4k,16384") == (1024, 4096, 16384)
+    assert parse_batch_heads("2x16") == (BatchHeads(2, 16),)
+    assert parse_duration("20m") == 1200 and parse_duration("1h30m") == 5400
+    assert parse_duration("90") == 90
+    for bad in ("abc", "1024,x", "0"):
+        with pytest.raises(TuningError):
+            parse_seqlens(bad)
+    for bad in ("", "20x", "m20"):
+        with pytest.raises(TuningError):
+            parse_duration(bad)
+    with pytest.raises(TuningError):
+        BatchHeads.parse("4*")
+
+
+def test_knob_encodings_keep_order_and_scale() -> None:
+    evenly = Knob("num_stages", (1, 2, 3))
+    doubling = Knob("block_n", (32, 64, 128))
+    other = Knob("block_n", (80, 96, 144))
+    assert (evenly.param, doubling.param, other.param) == ("num_stages", "log2_block_n",
+                                                           "block_n_rank")
+    for knob in (evenly, doubling, other):
+        encoded = [knob.encode(v) for v in knob.values]
+        assert encoded == sorted(encoded)  # order is preserved
+        assert [knob.decode(e) for e in encoded] == list(knob.values)
+        dist = knob.distribution()
+        assert all(dist.low <= e <= dist.high for e in encoded)
+
+
+def test_encoding_round_trips_every_candidate_and_rejects_the_rest() -> None:
+    encoding = SearchEncoding(P, ARCH)
+    candidates = encoding.candidates()
+    assert candidates == space.candidates(P, ARCH)
+    for config in candidates:
+        assert encoding.decode(encoding.encode(config)) == config
+    impossible = [c for c in encoding.space() if c not in candidates]
+    for config in impossible:
+        reason = encoding.decode(encoding.encode(config))
+        assert isinstance(reason, str) and reason == space.static_check(P, config, ARCH)
+    # combinations KernelConfig itself refuses (64 rows over 8 warps) decode to a reason
+    raw = {"block_m": 64, "log2_block_n": 6, "num_warps": 8, "num_stages": 2}
+    assert isinstance(encoding.decode(raw), str)
+    dists = encoding.distributions()
+    assert all(isinstance(d, optuna.distributions.IntDistribution) for d in dists.values())
+
+
+def _scored(config: KernelConfig, tflops: float, default: bool = False) -> Scored:
+    shape = Shape(1, 1, 1, 64, 64)
+    timing = ShapeTiming(shape, 1.0, 1.0, 1.0, 1)
+    return Scored(TrialResult(config, TrialStatus.OK, timings=(timing,), tflops=tflops),
+                  default)
+
+
+def test_choose_prefers_default_then_simplest_within_tolerance() -> None:
+    workload = make_workload(P.bucket(1024, 1024))
+    big = KernelConfig(128, 128, 8, 3)
+    small = KernelConfig(64, 64, 4, 2)
+    default = KernelConfig(128, 64, 4, 2)
+    # a clear winner wins
+    assert choose(workload, [_scored(big, 300), _scored(small, 250)]).config == big
+    # within 2 %: the default, whatever the order
+    tied = [_scored(big, 300), _scored(default, 295, default=True), _scored(small, 296)]
+    for order in (tied, tied[::-1]):
+        assert choose(workload, order).config == default
+    # within 2 % and no default among them: the least shared memory
+    tied = [_scored(big, 300), _scored(small, 297)]
+    assert choose(workload, tied).config == small
+    assert choose(workload, tied, tolerance=0.0).config == big
+    with pytest.raises(TuningError):
+        choose(workload, [])
+
+
+def test_study_names_separate_devices_buckets_and_template_digests() -> None:
+    digest = template_digest()
+    assert len(digest) == 64 and digest == template_digest()
+    a = study_name("NVIDIA H200", P.bucket(1024, 1024), digest)
+    assert a == f"flashtune/NVIDIA-H200/fwd_d128_bf16_full_n1024/{digest[:12]}"
+    assert a != study_name("NVIDIA H200", P.bucket(4096, 4096), digest)
+    assert a != study_name("NVIDIA H200", P.bucket(1024, 1024), "f" * 64)
+    assert study_name("x", P.bucket(64, 64), digest, "mine") == "mine/fwd_d128_bf16_full_n64"
+    with pytest.raises(TuningError):
+        study_name("x", P.bucket(64, 64), digest, "bad name!")
