@@ -47,8 +47,17 @@ class CompileError(FlashtuneError, RuntimeError):
         if log:
             detail += "\n  compiler log:\n" + "\n".join("    " + ln for ln in log.splitlines())
         super().__init__(detail)
+        self.message = message
         self.log = log
         self.source_path = source_path
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keep the log and path across process pools (the default pickles args only).
+        return (_rebuild_compile_error, (self.message, self.log, self.source_path))
+
+
+def _rebuild_compile_error(message: str, log: str, source_path: Path | None) -> CompileError:
+    return CompileError(message, log=log, source_path=source_path)
 
 
 class OutOfResources(FlashtuneError, RuntimeError):

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 from typing import Annotated
@@ -76,8 +75,8 @@ def tune_command(
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="No GPU: compile for --arch and verify in the emulator, untimed.")
     ] = False,
-    arch: Annotated[str, typer.Option(
-        "--arch", help="Arch of a dry run, e.g. sm_90.")] = "sm_90",
+    arch: Annotated[str | None, typer.Option(
+        "--arch", help="Arch of a dry run (default sm_90); a GPU run uses the GPU's.")] = None,
 ) -> None:
     """Tune the forward kernel on this GPU and store each bucket's winner."""
     from flashtune.tuner.workload import parse_batch_heads, parse_seqlens
@@ -92,11 +91,15 @@ def tune_command(
             compile_workers=(knobs.COMPILE_WORKERS.get() if compile_workers is None
                              else compile_workers),
             max_spill_bytes=max_spill_bytes, tie_tolerance=tie_tolerance)
+        if arch is not None and not dry_run:
+            raise TuningError("--arch applies to --dry-run only: a run on the GPU tunes for "
+                              "the GPU's own arch")
         if dry_run:
             if workers != 1:
                 raise TuningError("a dry run runs in one process; parallel compiles are "
                                   "--compile-workers")
-            summaries = _run_local(problem, lengths, pairs, options, db, dry_arch=arch)
+            summaries = _run_local(problem, lengths, pairs, options, db,
+                                   dry_arch=arch or "sm_90")
         elif workers > 1:
             summaries = _run_workers(problem, lengths, pairs, options, db, workers)
         else:
@@ -133,11 +136,10 @@ def _run_workers(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchH
     """One worker process per GPU; the live table follows the database."""
     import torch
 
-    from flashtune.db.store import TuningStore
-    from flashtune.tuner.api import buckets_of
+    from flashtune.runtime.device import DeviceInfo
     from flashtune.tuner.cuda_backend import NO_GPU
-    from flashtune.tuner.progress import RichProgress, summarize_records
-    from flashtune.tuner.workers import WorkerSpec, run_workers
+    from flashtune.tuner.progress import RichProgress
+    from flashtune.tuner.workers import WorkerSpec, tune_parallel
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
@@ -145,49 +147,14 @@ def _run_workers(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchH
     if workers > count:
         raise TuningError(f"--workers {workers} exceeds the {count} GPU(s) here: one worker "
                           "per GPU (timings on a shared GPU disturb each other)")
-    from flashtune.codegen.arch import get_arch
-    from flashtune.runtime.device import DeviceInfo
-    from flashtune.tuner.api import prepare_study
-    from flashtune.tuner.encoding import SearchEncoding
-    from flashtune.tuner.study import study_name, template_digest
-
     info = DeviceInfo.current(0)
-    device = info.name
-    store = TuningStore(db)
-    url = store.url.render_as_string(hide_password=False)
-    buckets = buckets_of(problem, lengths)
-    names = [study_name(device, b, template_digest(), options.study_prefix) for b in buckets]
-    for name in names:  # create or check the studies once, before the workers start
-        prepare_study(store, name, options)
     spec = WorkerSpec(
         head_dim=problem.head_dim, dtype=problem.dtype.value, causal=problem.causal,
-        seqlens=lengths, db=url, backend="flashtune.tuner.backends:gpu_backend",
-        batch_heads=tuple((p.batch, p.heads) for p in pairs),
-        options=dataclasses.replace(options, resume=True))
-    candidates = len(SearchEncoding(problem, get_arch(info.arch)).candidates())
-    summaries = [BucketSummary(b, n, candidates) for b, n in zip(buckets, names, strict=True)]
+        seqlens=lengths, db=db or "", backend="flashtune.tuner.backends:gpu_backend",
+        batch_heads=tuple((p.batch, p.heads) for p in pairs), options=options)
     with RichProgress(options.trials) as progress:
-        for s in summaries:
-            progress.bucket_started(s)
-
-        def poll() -> None:
-            for s in summaries:
-                records = store.trials(device=device, problem=problem.key(),
-                                       seqlen=s.bucket.seqlen)
-                summarize_records(s, records)
-            progress.bucket_finished(summaries[0])
-
-        run_workers(spec, workers, gpus=list(range(workers)), poll=poll)
-        poll()
-    for s in summaries:
-        best = store.best(device, problem.key(), s.bucket.seqlen)
-        if best is not None:
-            from flashtune.codegen.spec import KernelConfig
-
-            s.winner = KernelConfig.from_key(best.config.key)
-            s.winner_tflops = best.trial.tflops
-    store.close()
-    return summaries
+        return tune_parallel(spec, workers, device=info.name, arch=info.spec,
+                             gpus=list(range(workers)), observer=progress)
 
 
 def report_command(

@@ -10,8 +10,10 @@
 //
 // Tensors: Q, O (batch, seqlen_q, heads_q, dim); K, V (batch, seqlen_k, heads_kv, dim);
 // strides in elements, the last dim contiguous; base pointers 16-byte aligned and strides
-// multiples of 8 elements. LSE: contiguous float32 (batch, heads_q, seqlen_q). GQA/MQA: query
-// head h reads kv head h / (heads_q / heads_kv). softmax_scale must be positive.
+// multiples of 8 elements. LSE: contiguous float32 (batch, heads_q, seqlen_q). GQA/MQA:
+// heads_q is a multiple of heads_kv and query head h reads kv head h / (heads_q / heads_kv).
+// seqlen_q, seqlen_k >= 1. softmax_scale must be positive (the running max is taken over
+// unscaled scores).
 #pragma once
 
 #include "fwd_traits.cuh"
@@ -77,9 +79,9 @@ __device__ __forceinline__ void flash_fwd(
   Element* const sv = sq + Tr::kVOffset;
 
   // The pipeline walks the tiles from the last one down, so the tiles that need a mask come
-  // first; step j works on tile n_tiles - 1 - j, in buffer j % kStages. Groups are
-  // committed as K_0 (with Q), V_0, K_1, V_1, ...; a step past the last tile commits an
-  // empty group, which keeps the wait counts uniform.
+  // first; step j works on tile n_tiles - 1 - j, in buffer j % kStages. One cp.async group
+  // per copy, committed in the order K_0 (with Q), V_0, K_1, V_1, ... (indices are steps);
+  // a step past the last tile commits an empty group, which keeps the wait counts uniform.
   auto load_k = [&](int step) {
     if (step < n_tiles) {
       load_rows_async<Tr, kBlockN>(sk + (step % kStages) * Tr::kKvElems, k_bh, k_row_stride,

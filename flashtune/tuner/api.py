@@ -186,8 +186,8 @@ class Tuner:
                 self._finalize(study, workload, results, summary)
         else:
             first = [summary.default] if summary.default is not None else []
-            proposer = EnumerationSearch(candidates, skip=past, first=first)
-            self._drive(proposer, workload, pool, on_result)
+            self._dry_run(EnumerationSearch(candidates, skip=past, first=first), workload, pool,
+                          on_result)
         self.observer.bucket_finished(summary)
         return summary
 
@@ -210,7 +210,8 @@ class Tuner:
         lock = ProposalLock(self.store.url, study.study_name)
         first = [summary.default] if summary.default is not None else []
         proposer = OptunaSearch(study, encoding, lock, known_failed=results.known_failures(),
-                                first=first, grid=opts.sampler == "grid", seed=opts.seed)
+                                first=first, grid=opts.sampler == "grid", seed=opts.seed,
+                                budget=opts.trials)
         try:
             self._drive(proposer, workload, pool, on_result)
         finally:
@@ -218,45 +219,34 @@ class Tuner:
             lock.close()
 
     def _drive(self, proposer: Proposer, workload: Workload, pool: CompilePool,
-               on_result: _OnResult) -> int:
+               on_result: _OnResult, budget: int | None = None) -> int:
         opts = self.options
-        if not self.backend.timed:
-            return self._drive_untimed(proposer, workload, on_result, pool)
+        trials = opts.trials if budget is None else budget
         return run_pipeline(self.backend, workload, proposer, pool, opts.plan,
-                            Limits(opts.trials, self._deadline), depth=opts.pipeline_depth,
+                            Limits(trials, self._deadline), depth=opts.pipeline_depth,
                             max_spill_bytes=opts.max_spill_bytes, on_result=on_result)
 
-    def _drive_untimed(self, proposer: Proposer, workload: Workload, on_result: _OnResult,
-                       pool: CompilePool) -> int:
-        """Dry runs: a config's verdict does not depend on the bucket, so it is computed once
-        per run (on the first bucket's verify shape) and recorded for every bucket."""
+    def _dry_run(self, proposer: EnumerationSearch, workload: Workload, pool: CompilePool,
+                 on_result: _OnResult) -> int:
+        """A config's verdict does not depend on the bucket, so a dry run verifies each
+        config once (on the first bucket's verify shape), records the verdict for every
+        bucket, and spends what is left of the budget on configs not yet verified."""
         memo = self._untimed_memo
+        replayed = 0
+        for config in proposer.pending():
+            known = memo.get((workload.problem, config))
+            if known is None or replayed >= self.options.trials:
+                continue
+            proposer.discard(config)
+            on_result(Proposal(config), known)
+            replayed += 1
 
         def remember(proposal: Proposal, result: TrialResult) -> None:
             memo[(workload.problem, proposal.config)] = result
             on_result(proposal, result)
 
-        class _Replay:
-            def propose(self) -> Proposal | None:
-                while True:
-                    proposal = proposer.propose()
-                    if proposal is None:
-                        return None
-                    known = memo.get((workload.problem, proposal.config))
-                    if known is None:
-                        return proposal
-                    on_result(proposal, known)
-
-            def tell(self, proposal: Proposal, result: TrialResult) -> None:
-                proposer.tell(proposal, result)
-
-            def abandon(self, proposal: Proposal) -> None:
-                proposer.abandon(proposal)
-
-        opts = self.options
-        return run_pipeline(self.backend, workload, _Replay(), pool, opts.plan,
-                            Limits(opts.trials, self._deadline), depth=opts.pipeline_depth,
-                            max_spill_bytes=opts.max_spill_bytes, on_result=remember)
+        return replayed + self._drive(proposer, workload, pool, remember,
+                                      budget=self.options.trials - replayed)
 
     # ------------------------------------------------------------------ the final pick
 

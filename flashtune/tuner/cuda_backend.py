@@ -33,6 +33,9 @@ NO_GPU = ("no CUDA GPU is available here, so `flashtune tune` cannot time kernel
           "GPU, run `flashtune tune --dry-run --arch sm_90 ...` to compile and verify every "
           "candidate for that arch (untimed), and tune on the GPU machine later")
 
+#: Timing inputs kept on the device (one bucket's shapes).
+MAX_CACHED_INPUTS = 8
+
 
 class CudaMeasurement:
     """MeasurementBackend on one CUDA device (default: torch's current device)."""
@@ -53,6 +56,7 @@ class CudaMeasurement:
         self._flush = torch.empty(max(2 * l2, 64 << 20), dtype=torch.uint8,
                                   device=self.torch_device)
         self._context_lost: str | None = None
+        self._inputs: dict[tuple[Problem, Shape], tuple[torch.Tensor, ...]] = {}
 
     @property
     def device(self) -> DeviceRecord:
@@ -110,7 +114,12 @@ class CudaMeasurement:
 
     def _time_shape(self, kernel: LoadedKernel, problem: Problem, config: KernelConfig,
                     shape: Shape, plan: TimingPlan) -> ShapeTiming:
-        q, k, v = random_inputs(problem, shape, self.torch_device)
+        key = (problem, shape)
+        if key not in self._inputs:  # timing inputs do not depend on the config: draw once
+            if len(self._inputs) >= MAX_CACHED_INPUTS:  # a new bucket: free the old ones
+                self._inputs.clear()
+            self._inputs[key] = random_inputs(problem, shape, self.torch_device)
+        q, k, v = self._inputs[key]
         out = torch.empty_like(q)
         lse = torch.empty(shape.batch, shape.heads_q, shape.seqlen_q, dtype=torch.float32,
                           device=self.torch_device)

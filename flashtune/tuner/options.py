@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from flashtune import knobs
 from flashtune.codegen.spec import KernelConfig, ProblemBucket
 from flashtune.errors import TuningError
 from flashtune.tuner.evaluate import DEFAULT_MAX_SPILL_BYTES
@@ -17,15 +18,19 @@ from flashtune.tuner.study import SAMPLERS, Heartbeat
 class TuneOptions:
     """How to search each bucket.
 
-    ``trials``: candidates measured per bucket (compiled, verified and timed, or failed);
-    proposals rejected before compiling (impossible, known to fail, already measured) do not
-    count. ``timeout_s``: wall-clock budget of the whole run; the trial in progress finishes.
+    ``trials``: candidates measured per bucket's study, by all its workers and runs together
+    (compiled, verified and timed, or failed); proposals rejected before compiling
+    (impossible, known to fail, already measured) do not count. Dry runs: candidates
+    verified per run.
+    ``timeout_s``: wall-clock budget of the whole run; the trial in progress finishes.
     ``resume``: continue existing studies (without it an existing study with trials is an
-    error). ``compile_workers``: NVRTC processes (0 compiles inline); ``depth``: proposals
-    compiled ahead of the device (default: compile_workers + 1). ``final_top`` candidates
-    (plus the default config) are re-measured ``final_rounds`` times with ``final_plan`` and
-    the winner chosen with ``tie_tolerance`` (selection.py). ``search``/``finalize`` switch
-    the two phases (several workers search; one finalizes).
+    error).
+    ``compile_workers``: NVRTC processes (0 compiles inline; default: the
+    FLASHTUNE_COMPILE_WORKERS knob); ``depth``: proposals compiled ahead of the device
+    (default: compile_workers + 1).
+    ``final_top`` candidates (plus the default config) are re-measured ``final_rounds``
+    times with ``final_plan`` and the winner chosen with ``tie_tolerance`` (selection.py).
+    ``search``/``finalize`` switch the two phases (several workers search; one finalizes).
     """
 
     trials: int = 40
@@ -34,7 +39,7 @@ class TuneOptions:
     seed: int | None = 0
     study_prefix: str | None = None
     resume: bool = False
-    compile_workers: int = 2
+    compile_workers: int = field(default_factory=knobs.COMPILE_WORKERS.get)
     depth: int | None = None
     plan: TimingPlan = TimingPlan()
     final_plan: TimingPlan = TimingPlan(warmup=5, repeats=50)

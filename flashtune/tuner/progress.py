@@ -18,14 +18,15 @@ _FAILURES = ("invalid", "compile_failed", "runtime_failed", "wrong_result")
 
 
 def _failures(statuses: Counter[str]) -> str:
-    parts = [f"{name} {statuses[name]}" for name in (*_FAILURES, "invalid (static)")
-             if statuses.get(name)]
+    parts = [f"{name.replace('invalid (static)', 'static')} {statuses[name]}"
+             for name in (*_FAILURES, "invalid (static)") if statuses.get(name)]
     return ", ".join(parts) or "-"
 
 
 def live_table(rows: Sequence[BucketSummary], budget: int | None) -> Table:
     table = Table(title="flashtune tune", expand=False)
-    for column in ("bucket", "candidates", "done", "ok", "failures", "best so far"):
+    table.add_column("bucket", no_wrap=True)
+    for column in ("candidates", "done", "ok", "failures", "best so far"):
         table.add_column(column)
     for s in rows:
         ok = s.statuses.get(TrialStatus.OK.value, 0) + s.statuses.get(
@@ -43,14 +44,16 @@ def final_table(rows: Sequence[BucketSummary]) -> Table:
     what was verified (dry runs)."""
     if rows and not rows[0].timed:
         table = Table(title="dry run (untimed: compiled and verified only)")
-        for column in ("bucket", "verified", "failures", "default"):
+        table.add_column("bucket", no_wrap=True)
+        for column in ("verified", "failures", "default"):
             table.add_column(column)
         for s in rows:
             table.add_row(s.bucket.key(), str(s.statuses.get("verified_untimed", 0)),
                           _failures(s.statuses), s.default.key() if s.default else "-")
         return table
     table = Table(title="tuned winners")
-    for column in ("bucket", "winner", "TFLOP/s", "default", "default TFLOP/s", "speed-up"):
+    table.add_column("bucket", no_wrap=True)
+    for column in ("winner", "TFLOP/s", "default", "default TFLOP/s", "speed-up"):
         table.add_column(column)
     for s in rows:
         table.add_row(
@@ -98,8 +101,9 @@ class RichProgress:
 def summarize_records(summary: BucketSummary, records: Sequence[TrialRecord]) -> BucketSummary:
     """Fill a summary's counts from database rows (progress of workers in other processes)."""
     summary.statuses = Counter(r.status.value for r in records)
-    summary.measured = len([r for r in records if r.status is not TrialStatus.INVALID
-                            or (r.error or "").startswith("register spills")])
+    # configs measured (a finalist re-measured at the end has several records)
+    summary.measured = len({r.config.key for r in records if r.status is not TrialStatus.INVALID
+                            or (r.error or "").startswith("register spills")})
     timed = [r for r in records if r.tflops is not None]
     if timed:
         best = max(timed, key=lambda r: r.tflops or 0.0)

@@ -176,8 +176,8 @@ def winners_figure(studies: Sequence[StudyData]) -> Any:
     ax.bar([x + 0.2 for x in xs], [d.attrs.get("default_tflops", 0.0) for d in done],
            width=0.4, label="default config")
     for x, d in zip(xs, done, strict=True):
-        ax.text(x - 0.2, d.attrs["winner_tflops"], str(d.attrs.get("winner", "")),
-                rotation=90, ha="center", va="bottom", fontsize=7)
+        ax.text(x - 0.2, d.attrs["winner_tflops"] / 2, str(d.attrs.get("winner", "")),
+                rotation=90, ha="center", va="center", fontsize=7, color="white")
     ax.set_xticks(list(xs), labels, rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("TFLOP/s")
     ax.set_title("Winners per bucket")

@@ -10,6 +10,9 @@ candidates) and filters each proposal before anything is compiled:
 - a config another worker (or this one, in its compile-ahead queue) is measuring is told
   FAIL (no information) and skipped.
 
+The budget (``--trials``) is the study's: configs measured by all workers and earlier runs
+count, so ``--resume`` after an interruption completes the original budget.
+
 These checks run under the study's ``ProposalLock``, so two workers can never both accept a
 config. When the sampler keeps proposing configs that are settled, the search enqueues an
 untried legal candidate instead (and stops once none is left).
@@ -124,8 +127,10 @@ class OptunaSearch:
     def __init__(self, study: optuna.Study, encoding: SearchEncoding,
                  lock: AbstractContextManager[object], *,
                  known_failed: Mapping[str, TrialStatus], first: Sequence[KernelConfig] = (),
-                 grid: bool = False, seed: int | None = None, futile_limit: int = 4) -> None:
+                 grid: bool = False, seed: int | None = None, futile_limit: int = 4,
+                 budget: int | None = None) -> None:
         self.study = study
+        self.budget = budget
         self.encoding = encoding
         self.lock = lock
         self.known_failed = dict(known_failed)
@@ -157,7 +162,7 @@ class OptunaSearch:
                 self._reap_dead_trials()
                 settled = self._settled()
                 untried = [c for c in self.candidates if c.key() not in settled]
-                if not untried:
+                if not untried or self._budget_spent(settled):
                     return None
                 forced = self._pop_first(untried)
                 if forced is None and (self.grid or futile >= self.futile_limit):
@@ -171,6 +176,13 @@ class OptunaSearch:
             if proposal is not None:
                 return proposal
             futile += 1
+
+    def _budget_spent(self, settled: Mapping[str, FrozenTrial | TrialStatus]) -> bool:
+        """The budget counts every config measured (or being measured) in the study, by
+        any worker and any earlier run of it."""
+        if self.budget is None:
+            return False
+        return sum(isinstance(v, FrozenTrial) for v in settled.values()) >= self.budget
 
     def _pop_first(self, untried: list[KernelConfig]) -> KernelConfig | None:
         while self._first:
@@ -286,6 +298,13 @@ class EnumerationSearch:
         ordered = [c for c in first if c in candidates]
         ordered += [c for c in candidates if c not in ordered]
         self._queue = [c for c in ordered if c.key() not in skip]
+
+    def pending(self) -> list[KernelConfig]:
+        """The configs still to propose, in order."""
+        return list(self._queue)
+
+    def discard(self, config: KernelConfig) -> None:
+        self._queue.remove(config)
 
     def propose(self) -> Proposal | None:
         return Proposal(self._queue.pop(0)) if self._queue else None

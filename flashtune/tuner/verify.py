@@ -44,13 +44,14 @@ def torch_dtype(dtype: DType) -> torch.dtype:
 def random_inputs(problem: Problem, shape: Shape, device: torch.device | str,
                   seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q (B, Nq, Hq, D), K and V (B, Nk, Hkv, D), standard normal, from a fresh seed."""
-    gen = torch.Generator(device="cpu")
+    gen = torch.Generator(device=device)
     gen.manual_seed(secrets.randbits(63) if seed is None else seed)
     dt = torch_dtype(problem.dtype)
 
     def draw(seqlen: int, heads: int) -> torch.Tensor:
-        data = torch.randn(shape.batch, seqlen, heads, problem.head_dim, generator=gen)
-        return data.to(dt).to(device)
+        data = torch.randn(shape.batch, seqlen, heads, problem.head_dim, generator=gen,
+                           device=device)
+        return data.to(dt)
 
     return (draw(shape.seqlen_q, shape.heads_q), draw(shape.seqlen_k, shape.heads_kv),
             draw(shape.seqlen_k, shape.heads_kv))

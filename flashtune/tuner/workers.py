@@ -21,13 +21,19 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import optuna
+
+from flashtune.codegen.arch import ArchSpec
 from flashtune.errors import TuningError
 from flashtune.tuner.measure import MeasurementBackend, TimingPlan
 from flashtune.tuner.options import BucketSummary, TuneOptions
 from flashtune.tuner.study import Heartbeat
 from flashtune.tuner.workload import BatchHeads
+
+if TYPE_CHECKING:
+    from flashtune.tuner.api import Observer
 
 
 def options_to_json(options: TuneOptions) -> dict[str, Any]:
@@ -82,7 +88,7 @@ class WorkerSpec:
         return factory(**self.backend_kwargs)
 
 
-def run_spec(spec: WorkerSpec, observer: Any = None) -> list[BucketSummary]:
+def run_spec(spec: WorkerSpec, observer: Observer | None = None) -> list[BucketSummary]:
     """Run one worker in this process."""
     from flashtune.tuner.api import tune
 
@@ -151,6 +157,63 @@ def _wait(procs: list[subprocess.Popen[bytes]], poll: Callable[[], None] | None,
     if failed:
         raise TuningError(f"tuning worker(s) failed (index, exit code): {failed}; results so "
                           "far are kept, rerun with --resume to continue")
+
+
+def tune_parallel(spec: WorkerSpec, count: int, *, device: str, arch: ArchSpec,
+                  gpus: Sequence[int] | None = None, env: Mapping[str, str] | None = None,
+                  observer: Observer | None = None, poll_interval_s: float = 1.0
+                  ) -> list[BucketSummary]:
+    """``run_workers`` for a problem on ``device``: creates (or, with resume, checks) the
+    studies first, follows progress in the database for ``observer``, and returns each
+    bucket's summary with the winner stored as its best."""
+    from flashtune.codegen.spec import KernelConfig, Problem
+    from flashtune.db.store import TuningStore
+    from flashtune.tuner.api import buckets_of, prepare_study
+    from flashtune.tuner.encoding import SearchEncoding
+    from flashtune.tuner.progress import summarize_records
+    from flashtune.tuner.study import open_storage, study_name, template_digest
+
+    problem = Problem.from_dict({"head_dim": spec.head_dim, "dtype": spec.dtype,
+                                 "causal": spec.causal})
+    with TuningStore(spec.db or None) as store:
+        url = store.url.render_as_string(hide_password=False)
+        buckets = buckets_of(problem, spec.seqlens)
+        options = spec.options
+        names = [study_name(device, b, template_digest(), options.study_prefix)
+                 for b in buckets]
+        for name in names:  # create or check the studies once, before the workers start
+            prepare_study(store, name, options)
+        candidates = len(SearchEncoding(problem, arch).candidates())
+        summaries = [BucketSummary(b, n, candidates) for b, n in zip(buckets, names,
+                                                                     strict=True)]
+        for s in summaries:
+            if observer is not None:
+                observer.bucket_started(s)
+
+        def poll() -> None:
+            for s in summaries:
+                summarize_records(s, store.trials(device=device, problem=problem.key(),
+                                                  seqlen=s.bucket.seqlen))
+                if observer is not None:
+                    observer.bucket_finished(s)
+
+        shared = dataclasses.replace(spec, db=url, options=dataclasses.replace(
+            options, resume=True))
+        run_workers(shared, count, gpus=gpus, env=env, poll=poll,
+                    poll_interval_s=poll_interval_s)
+        poll()
+        storage = open_storage(url, options.heartbeat)
+        for s, name in zip(summaries, names, strict=True):
+            best = store.best(device, problem.key(), s.bucket.seqlen)
+            if best is not None:
+                s.winner = KernelConfig.from_key(best.config.key)
+                s.winner_tflops = best.trial.tflops
+            attrs = optuna.load_study(study_name=name, storage=storage).user_attrs
+            if "default" in attrs and "default_tflops" in attrs:
+                s.default = KernelConfig.from_key(str(attrs["default"]))
+                s.default_tflops = float(attrs["default_tflops"])
+        storage.engine.dispose()
+    return summaries
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import optuna
 import pytest
@@ -145,3 +146,39 @@ def test_study_names_separate_devices_buckets_and_template_digests() -> None:
     assert study_name("x", P.bucket(64, 64), digest, "mine") == "mine/fwd_d128_bf16_full_n64"
     with pytest.raises(TuningError):
         study_name("x", P.bucket(64, 64), digest, "bad name!")
+
+
+def test_progress_tables_and_database_summaries(tmp_path: Path) -> None:
+    from collections import Counter
+
+    from rich.console import Console
+
+    from flashtune.db.records import Keyed, TrialRecord
+    from flashtune.tuner.options import BucketSummary
+    from flashtune.tuner.progress import final_table, live_table, summarize_records
+
+    bucket = P.bucket(1024, 1024)
+    best, default = KernelConfig(128, 64, 4, 2), KernelConfig(64, 64, 4, 2)
+    summary = BucketSummary(bucket, "s", 20, measured=3,
+                            statuses=Counter({"ok": 2, "wrong_result": 1}),
+                            winner=best, winner_tflops=330.0, default=default,
+                            default_tflops=300.0)
+    console = Console(width=200, record=True, file=(tmp_path / "out.txt").open("w"))
+    console.print(final_table([summary]))
+    console.print(live_table([summary], budget=10))
+    text = console.export_text()
+    assert "m128_n64_w4_s2" in text and "1.10x" in text and "wrong_result 1" in text
+
+    def record(config: KernelConfig, status: str, ms: float | None) -> TrialRecord:
+        timed = ms is not None
+        return TrialRecord(device="gpu", problem=Keyed.of(P), seqlen=1024,
+                           config=Keyed.of(config), status=TrialStatus(status),
+                           template_digest="ab" * 8, median_ms=ms, min_ms=ms, max_ms=ms,
+                           count=1 if timed else 0, tflops=100.0 / ms if ms else None,
+                           error=None if timed else "x")
+
+    rows = [record(best, "ok", 0.5), record(default, "ok", 1.0),
+            record(KernelConfig(64, 32, 4, 1), "compile_failed", None)]
+    filled = summarize_records(BucketSummary(bucket, "s", 20), rows)
+    assert filled.measured == 3 and filled.statuses["compile_failed"] == 1
+    assert filled.best_config == best and filled.best_tflops == pytest.approx(200.0)

@@ -22,7 +22,12 @@ from flashtune.codegen.spec import DType, Problem
 from flashtune.db.store import TuningStore
 from flashtune.tuner.encoding import SearchEncoding
 from flashtune.tuner.search import CONFIG_ATTR, DUPLICATE_ATTR
-from flashtune.tuner.workers import WorkerSpec, run_spec, run_workers, start_worker
+from flashtune.tuner.workers import (
+    WorkerSpec,
+    run_spec,
+    run_workers,
+    start_worker,
+)
 
 PROBLEM = Problem(128, DType.BF16)
 CANDIDATES = {c.key() for c in SearchEncoding(PROBLEM, get_arch("sm_90")).candidates()}

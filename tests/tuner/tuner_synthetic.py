@@ -97,7 +97,7 @@ class SyntheticBackend:
     seed: int = 0
     time_delay_s: float = 0.0
     compile_delay_s: float = 0.0
-    #: Hold the first timing until this many processes have logged a call (so that several
+    #: Hold the first timing until this many processes have started timing (so that several
     #: workers really share the study, however slowly they start).
     min_workers: int = 0
     log_path: str | None = None
@@ -141,7 +141,8 @@ class SyntheticBackend:
         if self.min_workers <= 1 or not self.log_path or self._met:
             return
         deadline = time.monotonic() + timeout_s
-        while len({pid for pid, _, _ in read_log(self.log_path)}) < self.min_workers:
+        while len({pid for pid, phase, _ in read_log(self.log_path)
+                   if phase == "time"}) < self.min_workers:
             if time.monotonic() > deadline:
                 raise AssertionError(f"fewer than {self.min_workers} workers started in "
                                      f"{timeout_s} s")
