@@ -8,11 +8,11 @@ from rich.table import Table
 
 from flashtune import __version__, knobs
 from flashtune.commands import codegen as codegen_commands
-from flashtune.commands.check import check_command
 from flashtune.commands import profile as profile_commands
 from flashtune.commands import runtime as runtime_commands
-from flashtune.commands.db import db_app
 from flashtune.commands import tune as tune_commands
+from flashtune.commands.check import check_command
+from flashtune.commands.db import db_app
 
 app = typer.Typer(
     name="flashtune",

@@ -8,6 +8,16 @@ from pathlib import Path
 
 import pytest
 
+#: One seed per test run for the sampled parts of the suite: fresh each run, printed in the
+#: report header, and replayable by setting the variable.
+SEED_VARIABLE = "FLASHTUNE_TEST_SEED"
+os.environ.setdefault(SEED_VARIABLE, str(int.from_bytes(os.urandom(4), "little")))
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    seed = os.environ[SEED_VARIABLE]
+    return f"test run seed: {SEED_VARIABLE}={seed} (set it to replay the sampled tests)"
+
 
 def _has_gpu() -> bool:
     try:
@@ -21,10 +31,10 @@ def _has_gpu() -> bool:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # The full config sweep is opt-in: it runs only when -m names it.
     if "sweep" not in (config.getoption("markexpr", "") or ""):
-        skip_sweep = pytest.mark.skip(reason="full config sweep; run with `pytest -m sweep`")
-        for item in items:
-            if "sweep" in item.keywords:
-                item.add_marker(skip_sweep)
+        sweep = [item for item in items if "sweep" in item.keywords]
+        if sweep:
+            config.hook.pytest_deselected(items=sweep)
+            items[:] = [item for item in items if "sweep" not in item.keywords]
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m gpu` on a GPU machine")

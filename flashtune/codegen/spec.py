@@ -54,7 +54,9 @@ def _enum(cls: type[Any], value: object, what: str) -> Any:
         return cls(value)
     except ValueError:
         legal = [m.value for m in cls]
-        raise InvalidProblem(f"{what}={value!r} is not supported; expected one of {legal}") from None
+        raise InvalidProblem(
+            f"{what}={value!r} is not supported; expected one of {legal}"
+        ) from None
 
 
 def _check_int(value: object, what: str, exc: type[Exception]) -> int:

@@ -99,6 +99,30 @@ def _print(profile: KernelProfile) -> None:
                   highlight=False)
     for note in pred.notes:
         console.print(f"  note: {note}", highlight=False)
+    if profile.emulated is not None:
+        _print_counters(console, profile)
+
+
+def _print_counters(console: Console, profile: KernelProfile) -> None:
+    emu = profile.emulated
+    assert emu is not None
+    c = emu.counters
+    s = emu.sample
+    console.print(f"emulator counters (sample batch=1 heads=1 seqlen={s.seqlen_q}/{s.seqlen_k}"
+                  f"; fed to the prediction):", highlight=False)
+    console.print(f"  cp.async: {c.cp_async_bytes} B read ({emu.read_ratio:.3f} x the "
+                  f"algorithm's minimum), {c.sectors_per_request:.1f} sectors per warp request"
+                  f" (coalescing {c.coalescing_efficiency:.0%}), "
+                  f"{c.cp_async_smem_conflicts} shared bank conflicts", highlight=False)
+    console.print(f"  ldmatrix: {c.ldmatrix_count} instructions, {c.ldmatrix_conflicts} bank "
+                  f"conflicts; mma {c.mma_count}, shuffles {c.shfl_count}, barriers "
+                  f"{c.barrier_count}; bank-conflict factor "
+                  f"{c.smem_bank_conflict_factor:.3f}", highlight=False)
+    console.print(f"  global read for the predicted shape: {emu.traffic.global_read_bytes} B "
+                  "(O and LSE stores are not counted: analytic)", highlight=False)
+    for site in c.conflicting_sites():
+        console.print(f"  conflicts at {site.where} ({site.kind}): {site.bank_conflicts} extra "
+                      f"wavefronts over {site.phases} phases", highlight=False)
 
 
 def profile(
@@ -124,6 +148,9 @@ def profile(
         "for sm_90).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")
                        ] = False,
+    counters: Annotated[bool, typer.Option(
+        "--counters", help="Also run the kernel in the CPU emulator on a small shape and feed "
+        "its measured global bytes and bank conflicts to the prediction.")] = False,
 ) -> None:
     """Compile one kernel and print its SASS statistics, resources, occupancy and its
     PREDICTED time and TFLOP/s on a GPU (a cost-model prediction; no GPU is used)."""
@@ -134,7 +161,8 @@ def profile(
     kernel_config = ConfigChoice(config, block_m, block_n, warps, stages).resolve(problem, spec)
     shape = _shape(batch, heads, heads_kv, seqlen, seqlen_k)
     try:
-        result = profile_kernel(problem, kernel_config, shape, spec.name, gpu)
+        result = profile_kernel(problem, kernel_config, shape, spec.name, gpu,
+                                counters=counters)
     except (FlashtuneError, ValueError) as exc:
         raise fail(str(exc)) from exc
     if as_json:

@@ -156,6 +156,11 @@ class Writer:
         return self.session.execute(stmt.returning(BestRow.trial_id)).first() is not None
 
 
+def find_trial(session: Session, uid: str) -> TrialRow | None:
+    """The row of the trial with this uid, or None."""
+    return session.execute(sa.select(TrialRow).where(TrialRow.uid == uid)).scalar_one_or_none()
+
+
 def _utc(value: datetime) -> datetime:
     # SQLite hands back naive datetimes; everything stored is UTC.
     if value.tzinfo is None:
@@ -168,6 +173,21 @@ def _trial_query() -> sa.Select[TrialRow, DeviceRow, ProblemRow, ConfigRow]:
             .join(DeviceRow, TrialRow.device_id == DeviceRow.id)
             .join(ProblemRow, TrialRow.problem_id == ProblemRow.id)
             .join(ConfigRow, TrialRow.config_id == ConfigRow.id))
+
+
+def _filters(devices: Sequence[str], problems: Sequence[str], seqlen: int | None,
+             uids: Sequence[str]) -> list[sa.ColumnElement[bool]]:
+    """Conditions on a ``_trial_query`` for every non-empty filter (none: match all)."""
+    found: list[sa.ColumnElement[bool]] = []
+    if devices:
+        found.append(DeviceRow.name.in_(devices))
+    if problems:
+        found.append(ProblemRow.key.in_(problems))
+    if seqlen is not None:
+        found.append(TrialRow.seqlen == seqlen)
+    if uids:
+        found.append(TrialRow.uid.in_(uids))
+    return found
 
 
 def _to_trial(row: TrialRow, dev: DeviceRow, prob: ProblemRow, conf: ConfigRow) -> TrialRecord:
@@ -194,33 +214,21 @@ def select_trials(session: Session, *, devices: Sequence[str] = (),
                   statuses: Sequence[TrialStatus] = (), uids: Sequence[str] = (),
                   limit: int | None = None) -> list[TrialRecord]:
     """Trials matching every given filter (empty filters match all), oldest first."""
-    stmt = _trial_query()
-    if devices:
-        stmt = stmt.where(DeviceRow.name.in_(devices))
-    if problems:
-        stmt = stmt.where(ProblemRow.key.in_(problems))
-    if seqlen is not None:
-        stmt = stmt.where(TrialRow.seqlen == seqlen)
+    stmt = _trial_query().where(*_filters(devices, problems, seqlen, uids))
     if statuses:
         stmt = stmt.where(TrialRow.status.in_([s.value for s in statuses]))
-    if uids:
-        stmt = stmt.where(TrialRow.uid.in_(uids))
     stmt = stmt.order_by(TrialRow.created_at, TrialRow.uid).limit(limit)
     return [_to_trial(*row) for row in session.execute(stmt)]
 
 
 def select_best(session: Session, *, devices: Sequence[str] = (),
                 problems: Sequence[str] = (), seqlen: int | None = None,
-                cc: tuple[int, int] | None = None) -> list[BestEntry]:
+                cc: tuple[int, int] | None = None,
+                uids: Sequence[str] = ()) -> list[BestEntry]:
     """Best entries matching every given filter, ordered by device, problem and seqlen."""
     stmt = (_trial_query().add_columns(BestRow.trial_id)
-            .join(BestRow, BestRow.trial_id == TrialRow.id))
-    if devices:
-        stmt = stmt.where(DeviceRow.name.in_(devices))
-    if problems:
-        stmt = stmt.where(ProblemRow.key.in_(problems))
-    if seqlen is not None:
-        stmt = stmt.where(TrialRow.seqlen == seqlen)
+            .join(BestRow, BestRow.trial_id == TrialRow.id)
+            .where(*_filters(devices, problems, seqlen, uids)))
     if cc is not None:
         stmt = stmt.where(DeviceRow.cc_major == cc[0], DeviceRow.cc_minor == cc[1])
     stmt = stmt.order_by(DeviceRow.name, ProblemRow.key, TrialRow.seqlen)

@@ -26,6 +26,7 @@ from flashtune.db.records import (
     parse_arch,
 )
 from flashtune.db.schema import MIGRATIONS_DIR, SchemaState, ensure_schema
+from flashtune.errors import DatabaseError
 
 
 class TuningStore:
@@ -87,6 +88,30 @@ class TuningStore:
             for trial in trials:
                 became_best += writer.offer_best(writer.trial(trial), replace="faster")
         return became_best
+
+    def set_best(self, trial_uid: str) -> BestEntry:
+        """Make the stored trial ``trial_uid`` the best of its bucket outright; returns the
+        bucket's new best entry.
+
+        For a winner chosen by more than one median (the tuner re-measures its finalists and
+        breaks near-ties by a tolerance), it replaces the current best even if that one is
+        faster; later ``record_trial`` calls compare against the new best as usual. Raises
+        DatabaseError, writing nothing, if no trial has this uid or if the trial is not
+        ``ok`` with a median time (a failed or untimed trial can never be a best).
+        """
+        with session_scope(self.engine, write=True, action="setting a bucket's best") as session:
+            row = rows.find_trial(session, trial_uid)
+            if row is None:
+                raise DatabaseError(f"no trial with uid {trial_uid!r} is recorded; record it "
+                                    "(TuningStore.record_trial) before making it the best")
+            if row.status != TrialStatus.OK.value or row.median_ms is None:
+                raise DatabaseError(
+                    f"trial {trial_uid!r} has status {row.status!r} and median time "
+                    f"{row.median_ms!r} ms; only an 'ok' trial with a median time can be the "
+                    "best of its bucket")
+            rows.Writer(session).offer_best(row, replace="always")
+            (entry,) = rows.select_best(session, uids=[trial_uid])
+        return entry
 
     # ------------------------------------------------------------------ reads
 

@@ -4,6 +4,7 @@ PREDICT its time on a named GPU. What ``flashtune profile`` prints."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.render import render
@@ -16,6 +17,9 @@ from flashtune.perf.sass import InstructionMix, Loop
 from flashtune.perf.workload import Shape
 from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.resources import Resources
+
+if TYPE_CHECKING:
+    from flashtune.perf.emulated import EmulatedTraffic
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class KernelProfile:
     loop: Loop | None
     loop_mix: InstructionMix | None
     prediction: Prediction
+    emulated: EmulatedTraffic | None = None  # emulator counters fed to the prediction
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -54,6 +59,7 @@ class KernelProfile:
             },
             "occupancy": self.prediction.occupancy.to_dict(),
             "prediction": self.prediction.to_dict(),
+            "emulator_counters": None if self.emulated is None else self.emulated.to_dict(),
         }
 
 
@@ -71,20 +77,29 @@ def resolve_gpu(arch: str, gpu: str | None) -> GpuSpec:
 
 def profile_kernel(problem: Problem, config: KernelConfig, shape: Shape, arch: str,
                    gpu: str | None = None, *,
-                   params: ModelParams = DEFAULT_PARAMS) -> KernelProfile:
+                   params: ModelParams = DEFAULT_PARAMS,
+                   counters: bool = False) -> KernelProfile:
     """Compile ``problem`` x ``config`` for ``arch``, disassemble it and predict ``shape``
-    on ``gpu`` (default: the arch's reference GPU)."""
+    on ``gpu`` (default: the arch's reference GPU). With ``counters``, the kernel also runs
+    in the CPU emulator on a small sample shape and its measured global bytes and bank
+    conflicts replace the model's analytic ones (perf.emulated)."""
     spec = get_arch(arch)
     target = resolve_gpu(spec.name, gpu)
     source = render(problem, config)
     kernel = compile_source(source, spec.name)
     function = disassemble(kernel.cubin, spec.name).function(source.entry)
     loop = function.hot_loop()
+    emulated = None
+    if counters:
+        from flashtune.perf.emulated import measure_traffic
+
+        emulated = measure_traffic(problem, config, shape)
     prediction = predict(problem, config, shape, target, resources=kernel.resources,
-                         sass=function, params=params)
+                         sass=function, params=params,
+                         counters=emulated.traffic if emulated is not None else None)
     return KernelProfile(
         problem=problem, config=config, arch=spec.name, gpu=target, shape=shape,
         entry=source.entry, resources=kernel.resources, kernel_mix=function.mix(),
         loop=loop, loop_mix=function.mix(loop) if loop is not None else None,
-        prediction=prediction,
+        prediction=prediction, emulated=emulated,
     )

@@ -22,7 +22,7 @@ from flashtune.perf.sass import InstructionMix
 
 
 class ShapeLike(Protocol):
-    """Sizes of one forward call (flashtune.tuner.workload.Shape satisfies this)."""
+    """Sizes of one forward call (``Shape`` below satisfies this)."""
 
     @property
     def batch(self) -> int: ...
@@ -58,6 +58,11 @@ class Shape:
     @classmethod
     def square(cls, batch: int, heads: int, seqlen: int) -> Shape:
         return cls(batch, heads, heads, seqlen, seqlen)
+
+    def key(self) -> str:
+        """A short, filename-safe name of the shape, e.g. ``b2_hq16_hkv16_q4096_k4096``."""
+        return (f"b{self.batch}_hq{self.heads_q}_hkv{self.heads_kv}_"
+                f"q{self.seqlen_q}_k{self.seqlen_k}")
 
 
 def check_shape(shape: ShapeLike) -> None:

@@ -21,13 +21,13 @@ from flashtune.codegen.render import render
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.db.records import DeviceRecord
 from flashtune.errors import DeviceError, TuningError
+from flashtune.perf.workload import Shape
 from flashtune.runtime.backends.base import LoadedKernel
 from flashtune.runtime.device import DeviceInfo
 from flashtune.runtime.forward import pack_fwd_args
 from flashtune.tuner.backends import NvrtcCompiler, device_record
 from flashtune.tuner.measure import ShapeTiming, TimingPlan, VerifyOutcome
 from flashtune.tuner.verify import check_kernel, random_inputs
-from flashtune.tuner.workload import Shape
 
 NO_GPU = ("no CUDA GPU is available here, so `flashtune tune` cannot time kernels. Without a "
           "GPU, run `flashtune tune --dry-run --arch sm_90 ...` to compile and verify every "

@@ -13,11 +13,11 @@ from flashtune.codegen.render import render
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.db.records import DeviceRecord
 from flashtune.errors import TuningError
+from flashtune.perf.workload import Shape
 from flashtune.runtime.device import DeviceInfo
 from flashtune.tuner.backends import NvrtcCompiler, device_record
 from flashtune.tuner.measure import ShapeTiming, TimingPlan, VerifyOutcome
 from flashtune.tuner.verify import check_kernel
-from flashtune.tuner.workload import Shape
 
 
 class DryRunMeasurement:

@@ -22,6 +22,10 @@ log = logging.getLogger("flashtune.tuner")
 #: iteration and are never worth it: beyond 16 registers' worth a config is ruled out.
 DEFAULT_MAX_SPILL_BYTES = 64
 
+#: How the error text of a spill rejection starts; it tells those ``invalid`` trials (compiled,
+#: never run) from the statically pruned ones (never compiled) when counting progress.
+SPILL_ERROR_PREFIX = "register spills"
+
 #: Failures a backend may raise for a kernel (as opposed to bugs in the backend itself).
 KERNEL_FAILURES = (CompileError, DeviceError, EmulatorError, OutOfResources)
 
@@ -73,9 +77,16 @@ def evaluate(backend: MeasurementBackend, workload: Workload, config: KernelConf
                            spill_bytes=spilled)
     spills = compiled.spill_bytes or 0
     if spills > max_spill_bytes:
+        # Recorded as ``invalid``, the status of a config ruled out by a limit before it
+        # runs (as static pruning does for shared memory and threads), rather than a status
+        # of its own: it is never timed, never a best, and like every ``invalid`` config it
+        # is settled for this kernel source, since its spills are a property of the compiled
+        # source. A further status would need a schema migration and a bundle format change
+        # for no different handling. One consequence: a later run with a higher
+        # --max-spill-bytes skips these configs while their kernel source is unchanged.
         return TrialResult(
             config, TrialStatus.INVALID, error=(
-                f"register spills of {spills} B per thread exceed the limit of "
+                f"{SPILL_ERROR_PREFIX} of {spills} B per thread exceed the limit of "
                 f"{max_spill_bytes} B (raise --max-spill-bytes to allow them)"),
             registers=regs, spill_bytes=spilled)
     problem = workload.problem

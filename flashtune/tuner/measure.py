@@ -20,10 +20,20 @@ from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.db.records import DeviceRecord, TrialStatus
 from flashtune.errors import TuningError
-from flashtune.tuner.workload import Shape
+from flashtune.perf.workload import Shape
 
 _COMPILE_STATUSES = (TrialStatus.OK, TrialStatus.COMPILE_FAILED, TrialStatus.INVALID)
 _VERIFY_STATUSES = (TrialStatus.OK, TrialStatus.WRONG_RESULT, TrialStatus.RUNTIME_FAILED)
+
+
+def _check_outcome(step: str, status: TrialStatus, allowed: tuple[TrialStatus, ...],
+                   error: str | None) -> None:
+    """A step's outcome is one of its statuses, and a failure carries its error text."""
+    if status not in allowed:
+        raise TuningError(f"{step} status {status!r} is not one of "
+                          f"{[s.value for s in allowed]}")
+    if status is not TrialStatus.OK and not error:
+        raise TuningError(f"a {status.value} {step} outcome needs its error text")
 
 
 @dataclass(frozen=True)
@@ -37,11 +47,7 @@ class CompileOutcome:
     error: str | None = None
 
     def __post_init__(self) -> None:
-        if self.status not in _COMPILE_STATUSES:
-            raise TuningError(f"compile status {self.status!r} is not one of "
-                              f"{[s.value for s in _COMPILE_STATUSES]}")
-        if self.status is not TrialStatus.OK and not self.error:
-            raise TuningError(f"a {self.status.value} compile outcome needs its error text")
+        _check_outcome("compile", self.status, _COMPILE_STATUSES, self.error)
 
 
 @dataclass(frozen=True)
@@ -53,11 +59,7 @@ class VerifyOutcome:
     error: str | None = None
 
     def __post_init__(self) -> None:
-        if self.status not in _VERIFY_STATUSES:
-            raise TuningError(f"verify status {self.status!r} is not one of "
-                              f"{[s.value for s in _VERIFY_STATUSES]}")
-        if self.status is not TrialStatus.OK and not self.error:
-            raise TuningError(f"a {self.status.value} verify outcome needs its error text")
+        _check_outcome("verify", self.status, _VERIFY_STATUSES, self.error)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from rich.live import Live
 from rich.table import Table
 
 from flashtune.db.records import TrialRecord, TrialStatus
-from flashtune.tuner.evaluate import TrialResult
+from flashtune.tuner.evaluate import SPILL_ERROR_PREFIX, TrialResult
 from flashtune.tuner.options import BucketSummary
 
 _FAILURES = ("invalid", "compile_failed", "runtime_failed", "wrong_result")
@@ -103,7 +103,7 @@ def summarize_records(summary: BucketSummary, records: Sequence[TrialRecord]) ->
     summary.statuses = Counter(r.status.value for r in records)
     # configs measured (a finalist re-measured at the end has several records)
     summary.measured = len({r.config.key for r in records if r.status is not TrialStatus.INVALID
-                            or (r.error or "").startswith("register spills")})
+                            or (r.error or "").startswith(SPILL_ERROR_PREFIX)})
     timed = [r for r in records if r.tflops is not None]
     if timed:
         best = max(timed, key=lambda r: r.tflops or 0.0)

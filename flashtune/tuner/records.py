@@ -11,8 +11,6 @@ import functools
 
 from flashtune.codegen.render import render
 from flashtune.codegen.spec import KernelConfig, Problem, ProblemBucket
-from flashtune.db import rows
-from flashtune.db.engine import session_scope
 from flashtune.db.records import (
     FAILED_STATUSES,
     DeviceRecord,
@@ -94,9 +92,6 @@ class ResultLog:
         The winner is chosen by re-measurement with a tie tolerance, which may prefer a
         config that is not the single fastest raw measurement; it replaces the best.
         """
-        record = self.to_record(result)
-        with session_scope(self.store.engine, write=True,
-                           action="recording the tuned winner") as session:
-            writer = rows.Writer(session)
-            writer.offer_best(writer.trial(record), replace="always")
+        record = self.record(result)
+        self.store.set_best(record.uid)
         return record

@@ -16,10 +16,10 @@ import torch
 
 from flashtune.codegen.spec import DType, Problem
 from flashtune.db.records import TrialStatus
+from flashtune.perf.workload import Shape
 from flashtune.runtime.backends.base import LoadedKernel
 from flashtune.runtime.forward import pack_fwd_args
 from flashtune.tuner.measure import VerifyOutcome
-from flashtune.tuner.workload import Shape
 
 _TORCH_DTYPES = {DType.FP16: torch.float16, DType.BF16: torch.bfloat16}
 

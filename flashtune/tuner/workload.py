@@ -5,7 +5,8 @@ It is measured on a few representative shapes (by default N and 3N/4, at the bat
 head counts of the field's standard sweep: hidden size 2048 and about 16k tokens per
 batch) and scored by the geometric mean of their TFLOP/s, so no single shape dominates.
 
-FLOPs follow the field's convention: ``4 * B * Nq * Nk * H * D``, halved when causal.
+FLOPs follow the field's convention: ``4 * B * Nq * Nk * H * D``, halved when causal
+(``flashtune.perf.workload.flops``); shapes are ``flashtune.perf.workload.Shape``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from flashtune.codegen.spec import Problem, ProblemBucket
 from flashtune.errors import TuningError
+from flashtune.perf.workload import Shape, flops
 
 #: The standard sweep's hidden size (heads * head_dim) and tokens per batch.
 SWEEP_HIDDEN = 2048
@@ -27,35 +29,6 @@ DEFAULT_SEQ_FRACTIONS = (1.0, 0.75)
 #: the masked edges of the last query and key tiles are checked too.
 VERIFY_SEQ_CAP = 1024
 _VERIFY_ODD = 7
-
-
-@dataclass(frozen=True)
-class Shape:
-    """One forward call: batch, query/key-value heads and sequence lengths."""
-
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seqlen_q: int
-    seqlen_k: int
-
-    def __post_init__(self) -> None:
-        for name in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise TuningError(f"shape {name}={value!r} is invalid; expected an int >= 1")
-        if self.heads_q % self.heads_kv:
-            raise TuningError(f"heads_q={self.heads_q} is not a multiple of heads_kv="
-                              f"{self.heads_kv}; GQA needs heads_q = group * heads_kv")
-
-    def flops(self, problem: Problem) -> float:
-        """Forward FLOPs by the field's formula (halved when causal)."""
-        total = 4.0 * self.batch * self.seqlen_q * self.seqlen_k * self.heads_q * problem.head_dim
-        return total / 2 if problem.causal else total
-
-    def key(self) -> str:
-        return (f"b{self.batch}_hq{self.heads_q}_hkv{self.heads_kv}_"
-                f"q{self.seqlen_q}_k{self.seqlen_k}")
 
 
 @dataclass(frozen=True)
@@ -127,7 +100,7 @@ class Workload:
         return self.bucket.problem
 
     def tflops(self, shape: Shape, ms: float) -> float:
-        return shape.flops(self.problem) / (ms * 1e-3) / 1e12
+        return flops(self.problem, shape) / (ms * 1e-3) / 1e12
 
     def objective(self, medians_ms: Sequence[float]) -> float:
         """Geometric mean TFLOP/s over the shapes, from their median times (ms)."""
@@ -153,9 +126,9 @@ def make_workload(bucket: ProblemBucket, batch_heads: Sequence[BatchHeads] = (),
         seqlen = max(1, int(round(top * fraction)))
         pairs = list(batch_heads) or [sweep_batch_heads(problem, seqlen)]
         for bh in pairs:
-            shape = Shape(bh.batch, bh.heads, bh.heads, seqlen, seqlen)
+            shape = Shape.square(bh.batch, bh.heads, seqlen)
             if shape not in shapes:
                 shapes.append(shape)
     verify_len = max(1, min(top, verify_cap) - _VERIFY_ODD)
-    verify = Shape(1, 2, 2, verify_len, verify_len)
+    verify = Shape.square(1, 2, verify_len)
     return Workload(bucket, tuple(shapes), verify)

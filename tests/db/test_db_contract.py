@@ -244,3 +244,53 @@ def test_two_stores_on_one_database_see_each_other(new_db: Callable[[], str],
         a.record_trial(t)
         entry = b.best(H100.name, P128.key(), 1024)
         assert entry is not None and entry.trial == t
+
+
+def test_set_best_replaces_the_best_outright(db_url: str, rng: random.Random) -> None:
+    with _store(db_url) as store:
+        fast = trial(H100, P128, 4096, CONFIGS[0], median_ms=rng.uniform(0.5, 1.0), rng=rng)
+        chosen = trial(H100, P128, 4096, CONFIGS[1], median_ms=rng.uniform(1.5, 3.0), rng=rng)
+        assert store.record_trial(fast)
+        assert not store.record_trial(chosen)       # slower: the faster one stays best
+        entry = store.set_best(chosen.uid)
+        assert entry.trial == chosen and entry.arch == "sm_90"
+        assert entry.median_ms == chosen.median_ms
+        assert store.best(H100.name, P128.key(), 4096) == entry
+        assert store.counts()["best"] == 1
+        # Later trials compare against the new best as usual.
+        assert chosen.median_ms is not None
+        between = trial(H100, P128, 4096, CONFIGS[2], median_ms=chosen.median_ms * 0.9,
+                        rng=rng)
+        assert store.record_trial(between)
+        current = store.best(H100.name, P128.key(), 4096)
+        assert current is not None and current.trial.uid == between.uid
+
+
+def test_set_best_in_an_empty_bucket(db_url: str, rng: random.Random) -> None:
+    with _store(db_url) as store:
+        store.record_trial(trial(A100, P64, 1024, CONFIGS[3], rng=rng))
+        # Reaching into another bucket's trial leaves this one's best alone.
+        other = trial(A100, P64, 2048, CONFIGS[4], rng=rng)
+        store.record_trial(other)
+        before = store.best(A100.name, P64.key(), 1024)
+        entry = store.set_best(other.uid)
+        assert (entry.device, entry.problem, entry.seqlen) == (A100.name, P64.key(), 2048)
+        assert store.best(A100.name, P64.key(), 1024) == before
+        assert store.counts()["best"] == 2
+
+
+def test_set_best_refuses_failed_untimed_and_unknown_trials(db_url: str,
+                                                           rng: random.Random) -> None:
+    with _store(db_url) as store:
+        best = trial(H100, P128, 1024, CONFIGS[0], rng=rng)
+        store.record_trial(best)
+        for i, status in enumerate((*FAILURES, TrialStatus.VERIFIED_UNTIMED)):
+            bad = trial(H100, P128, 1024, CONFIGS[i + 1], status=status, rng=rng)
+            store.record_trial(bad)
+            with pytest.raises(DatabaseError, match=f"status '{status.value}'.*only an 'ok'"):
+                store.set_best(bad.uid)
+        with pytest.raises(DatabaseError, match="no trial with uid 'missing'"):
+            store.set_best("missing")
+        entry = store.best(H100.name, P128.key(), 1024)
+        assert entry is not None and entry.trial == best
+        assert store.counts()["best"] == 1

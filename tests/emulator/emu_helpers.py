@@ -73,7 +73,8 @@ def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: boo
     """float64 attention of (batch, seq, heads, dim) tensors, GQA by head groups.
 
     The causal diagonal is aligned to the bottom-right corner: row i sees key j iff
-    j <= i + seqlen_k - seqlen_q. Rows that see no key have output 0 and LSE -inf.
+    j <= i + seqlen_k - seqlen_q. Rows that see no key have output 0 and LSE +inf (the
+    kernel contract: exp(s - LSE) is then 0 in a backward pass).
     Returns O (batch, seq_q, heads_q, dim) and LSE (batch, heads_q, seq_q).
     """
     q, k, v = (x.astype(np.float64) for x in (q, k, v))
@@ -93,4 +94,5 @@ def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: boo
     o = np.einsum("bhqk,bkhd->bqhd", p / np.where(total > 0, total, 1.0), v)
     with np.errstate(divide="ignore"):
         lse = (np.log(total) + m_safe)[..., 0]
+    lse = np.where(total[..., 0] > 0, lse, np.inf)
     return o, lse

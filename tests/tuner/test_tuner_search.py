@@ -17,11 +17,12 @@ from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.db.records import TrialStatus
 from flashtune.db.store import TuningStore
 from flashtune.errors import TuningError
+from flashtune.perf.workload import Shape
 from flashtune.tuner.api import tune
 from flashtune.tuner.encoding import SearchEncoding
 from flashtune.tuner.measure import TimingPlan
 from flashtune.tuner.search import CONFIG_ATTR, DUPLICATE_ATTR
-from flashtune.tuner.workload import Shape, make_workload
+from flashtune.tuner.workload import make_workload
 
 PROBLEM = Problem(128, DType.BF16)
 ARCH = get_arch("sm_90")

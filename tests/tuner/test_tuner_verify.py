@@ -9,8 +9,8 @@ import torch
 
 from flashtune.codegen.spec import DType, Problem
 from flashtune.db.records import TrialStatus
+from flashtune.perf.workload import Shape
 from flashtune.tuner.verify import TOLERANCES, compare, random_inputs, reference
-from flashtune.tuner.workload import Shape
 
 
 @pytest.mark.parametrize("causal", [False, True])

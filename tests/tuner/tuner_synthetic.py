@@ -24,8 +24,8 @@ from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.db.records import DeviceRecord, TrialStatus
 from flashtune.errors import DeviceError
+from flashtune.perf.workload import Shape, flops
 from flashtune.tuner.measure import CompileOutcome, ShapeTiming, TimingPlan, VerifyOutcome
-from flashtune.tuner.workload import Shape
 
 DEVICE = DeviceRecord("synthetic-test-fixture", 9, 0, 132, 80 << 30, "0", "0", "0", "0")
 
@@ -151,7 +151,7 @@ class SyntheticBackend:
 
     def ms(self, problem: Problem, config: KernelConfig, shape: Shape) -> float:
         eff = efficiency(config, self.best) * self.speed.get(config.key(), 1.0)
-        return shape.flops(problem) / (self.peak_tflops * 1e12 * eff) * 1e3
+        return flops(problem, shape) / (self.peak_tflops * 1e12 * eff) * 1e3
 
     def time(self, problem: Problem, config: KernelConfig, shapes: Sequence[Shape],
              plan: TimingPlan) -> list[ShapeTiming]:

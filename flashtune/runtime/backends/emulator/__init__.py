@@ -34,11 +34,17 @@ What is detected (EmulatorError unless noted):
   error instead of the process; with ``FLASHTUNE_EMULATOR_ASAN=1`` (in a process started
   with ``toolchain.asan_environment()``) global and shared out-of-bounds accesses are
   reported by AddressSanitizer.
+
+Counters (``LaunchOptions(counters=True)``; the launch returns an ``EmulatorCounters``):
+cp.async global bytes and 32-byte sectors per warp request, shared-memory bank conflicts of
+ldmatrix and cp.async writes (overall and per call site), mma, shuffle and barrier counts and
+mma per block; see ``counters.py``. Plain loads and stores are not counted.
 """
 
 from __future__ import annotations
 
 from flashtune.runtime.backends.emulator.backend import EmulatorBackend, EmulatorLoadedKernel
+from flashtune.runtime.backends.emulator.counters import EmulatorCounters, SiteCounters
 from flashtune.runtime.backends.emulator.kernel import (
     Arg,
     EmulatedKernel,
@@ -57,10 +63,12 @@ __all__ = [
     "Arg",
     "EmulatedKernel",
     "EmulatedModule",
+    "EmulatorCounters",
     "EmulatorBackend",
     "EmulatorLoadedKernel",
     "LaunchOptions",
     "Schedule",
+    "SiteCounters",
     "build_module",
     "build_source",
     "f32",

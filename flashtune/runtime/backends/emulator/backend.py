@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from flashtune.codegen.render import templates_dir
 from flashtune.codegen.spec import KernelSource
+from flashtune.runtime.backends.emulator.counters import EmulatorCounters
 from flashtune.runtime.backends.emulator.kernel import (
     EmulatedKernel,
     LaunchOptions,
@@ -23,11 +24,13 @@ def source_defines(source: KernelSource) -> tuple[str, ...]:
 
 @dataclass
 class EmulatorLoadedKernel:
-    """A rendered kernel built for the emulator; launches run on the CPU."""
+    """A rendered kernel built for the emulator; launches run on the CPU. With
+    ``options.counters`` set, ``last_counters`` holds the counters of the latest launch."""
 
     source: KernelSource
     kernel: EmulatedKernel
     options: LaunchOptions = field(default_factory=LaunchOptions)
+    last_counters: EmulatorCounters | None = None
 
     def launch(
         self,
@@ -39,8 +42,9 @@ class EmulatorLoadedKernel:
         """Run over ``grid`` with ``source.threads`` threads and ``source.smem_bytes`` of
         dynamic shared memory; pointers must address host memory. ``stream`` is ignored."""
         del stream
-        self.kernel.launch(grid, (self.source.threads, 1, 1), args,
-                           smem_bytes=self.source.smem_bytes, options=self.options)
+        self.last_counters = self.kernel.launch(grid, (self.source.threads, 1, 1), args,
+                                                smem_bytes=self.source.smem_bytes,
+                                                options=self.options)
 
 
 class EmulatorBackend:

@@ -21,6 +21,7 @@ from typing import Any
 from flashtune import knobs
 from flashtune.errors import InvalidInput
 from flashtune.runtime.backends.emulator import build, native, toolchain
+from flashtune.runtime.backends.emulator.counters import EmulatorCounters, allocate, from_native
 from flashtune.runtime.cache import ArtifactCache
 from flashtune.runtime.kernel_args import ArgType
 
@@ -54,6 +55,8 @@ class LaunchOptions:
     check_barrier_site: all threads must reach the same __syncthreads call.
     hang_timeout_s: a thread running this long without reaching a barrier, collective or its
         end is reported as a hang (None: knob FLASHTUNE_EMULATOR_DEADLOCK_S; 0: never).
+    counters: count traffic, bank conflicts and instructions (counters.EmulatorCounters,
+        returned by the launch); off, each primitive pays one branch.
     """
 
     schedule: Schedule = Schedule.FORWARD
@@ -62,6 +65,7 @@ class LaunchOptions:
     check_poison_operands: bool = True
     check_barrier_site: bool = True
     hang_timeout_s: float | None = None
+    counters: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
@@ -148,8 +152,9 @@ class EmulatedKernel:
         *,
         smem_bytes: int = 0,
         options: LaunchOptions | None = None,
-    ) -> None:
-        """Run the kernel over ``grid`` with ``block`` threads per block.
+    ) -> EmulatorCounters | None:
+        """Run the kernel over ``grid`` with ``block`` threads per block; returns the
+        launch's counters when ``options.counters`` is set, else None.
 
         Raises EmulatorError for a fault in the kernel (bad address, race, poison operand),
         EmulatorDeadlock for a barrier or warp collective that cannot complete, InvalidInput
@@ -169,19 +174,26 @@ class EmulatedKernel:
         hang = opts.hang_timeout_s
         if hang is None:
             hang = knobs.EMULATOR_TIMEOUT_S.get()
+        grid_dims = _dims(grid, "grid")
+        blocks = grid_dims[0] * grid_dims[1] * grid_dims[2]
+        raw, per_block = allocate(blocks) if opts.counters else (None, None)
         checks = (native.CHECK_POISON_OPERANDS if opts.check_poison_operands else 0) | (
             native.CHECK_BARRIER_SITE if opts.check_barrier_site else 0)
         config = native.LaunchConfig(
-            (ctypes.c_uint * 3)(*_dims(grid, "grid")),
+            (ctypes.c_uint * 3)(*grid_dims),
             (ctypes.c_uint * 3)(*_dims(block, "block")),
             smem_bytes, opts.smem_limit_bytes, opts.stack_bytes,
             0 if opts.schedule is Schedule.FORWARD else 1, checks, float(hang),
+            ctypes.pointer(raw) if raw is not None else None,
         )
         message = ctypes.create_string_buffer(native.MESSAGE_BYTES)
         with native.LAUNCH_LOCK:
             status = self._launcher(ctypes.byref(config), pointers, message,
                                     native.MESSAGE_BYTES)
         native.raise_for_status(int(status), message.value.decode(errors="replace"))
+        if raw is None or per_block is None:
+            return None
+        return from_native(raw, per_block, blocks)
 
 
 class EmulatedModule:

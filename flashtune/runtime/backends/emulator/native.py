@@ -27,6 +27,49 @@ _LOADED: dict[Path, ctypes.CDLL] = {}
 _LOAD_LOCK = threading.Lock()
 
 
+MAX_SITES = 64
+SITE_CP_ASYNC = 0
+SITE_LDMATRIX = 1
+
+
+class SiteCounters(ctypes.Structure):
+    """Mirror of ``struct ftemu_site_counters``."""
+
+    _fields_ = [
+        ("file", ctypes.c_char_p),
+        ("line", ctypes.c_uint),
+        ("kind", ctypes.c_int),
+        ("requests", ctypes.c_ulonglong),
+        ("phases", ctypes.c_ulonglong),
+        ("wavefronts", ctypes.c_ulonglong),
+        ("global_bytes", ctypes.c_ulonglong),
+        ("sectors", ctypes.c_ulonglong),
+        ("min_sectors", ctypes.c_ulonglong),
+    ]
+
+
+#: The scalar fields of ``struct ftemu_counters``, in order.
+COUNTER_FIELDS = (
+    "cp_async_copies", "cp_async_requests", "cp_async_bytes", "cp_async_fill_bytes",
+    "cp_async_sectors", "cp_async_min_sectors", "cp_async_smem_phases",
+    "cp_async_smem_wavefronts", "ldmatrix_count", "ldmatrix_phases", "ldmatrix_wavefronts",
+    "mma_count", "shfl_count", "barrier_count",
+)
+
+
+class Counters(ctypes.Structure):
+    """Mirror of ``struct ftemu_counters``."""
+
+    _fields_ = [
+        *[(name, ctypes.c_ulonglong) for name in COUNTER_FIELDS],
+        ("block_mma", ctypes.POINTER(ctypes.c_ulonglong)),
+        ("block_mma_len", ctypes.c_ulonglong),
+        ("nsites", ctypes.c_uint),
+        ("sites_dropped", ctypes.c_uint),
+        ("sites", SiteCounters * MAX_SITES),
+    ]
+
+
 class LaunchConfig(ctypes.Structure):
     """Mirror of ``struct ftemu_launch_config``."""
 
@@ -39,6 +82,7 @@ class LaunchConfig(ctypes.Structure):
         ("schedule", ctypes.c_int),
         ("checks", ctypes.c_int),
         ("hang_timeout_s", ctypes.c_double),
+        ("counters", ctypes.POINTER(Counters)),
     ]
 
 

@@ -11,7 +11,7 @@
 #include <stddef.h>
 #include <vector_types.h>
 
-#define FTEMU_ABI_VERSION 1
+#define FTEMU_ABI_VERSION 2
 #define FTEMU_API __attribute__((visibility("default")))
 
 extern "C" {
@@ -31,6 +31,49 @@ struct ftemu_thread_ctx {
     unsigned char* dyn_smem;
 };
 
+// Counters of one launch (mirrored in native.py), filled when the caller passes one in
+// ftemu_launch_config.counters. The runtime zeroes every field except block_mma and
+// block_mma_len at launch start. A "warp request" of cp.async is the k-th cp.async of each
+// lane of a warp (what the hardware coalesces); shared-memory accesses are split into phases
+// of at most 128 bytes (ldmatrix: one 8x8 matrix, 8 rows of 16 bytes; cp.async: 8, 16 or 32
+// lanes for 16-, 8- or 4-byte copies) and a phase takes as many wavefronts as the largest
+// number of distinct 4-byte words that fall in one of the 32 banks (1: conflict-free).
+#define FTEMU_MAX_SITES 64
+#define FTEMU_SITE_CP_ASYNC 0
+#define FTEMU_SITE_LDMATRIX 1
+struct ftemu_site_counters {
+    const char* file;                      // call site (kernel source file and line)
+    unsigned line;
+    int kind;                              // FTEMU_SITE_*
+    unsigned long long requests;           // warp requests (cp.async) or instructions
+    unsigned long long phases;             // shared-memory phases (ideal wavefronts)
+    unsigned long long wavefronts;         // shared-memory wavefronts taken
+    unsigned long long global_bytes;       // cp.async: bytes read from global memory
+    unsigned long long sectors;            // cp.async: 32-byte sectors of the requests
+    unsigned long long min_sectors;        // cp.async: ceil(request bytes / 32), summed
+};
+struct ftemu_counters {
+    unsigned long long cp_async_copies;    // per-thread copies issued
+    unsigned long long cp_async_requests;  // warp requests
+    unsigned long long cp_async_bytes;     // bytes read from global memory (src_bytes)
+    unsigned long long cp_async_fill_bytes;  // bytes zero-filled (bytes - src_bytes)
+    unsigned long long cp_async_sectors;
+    unsigned long long cp_async_min_sectors;
+    unsigned long long cp_async_smem_phases;
+    unsigned long long cp_async_smem_wavefronts;
+    unsigned long long ldmatrix_count;     // warp instructions
+    unsigned long long ldmatrix_phases;
+    unsigned long long ldmatrix_wavefronts;
+    unsigned long long mma_count;          // warp instructions (m16n8k16)
+    unsigned long long shfl_count;         // warp shuffles
+    unsigned long long barrier_count;      // completed __syncthreads, all blocks
+    unsigned long long* block_mma;         // mma per block, x fastest (caller's; may be null)
+    unsigned long long block_mma_len;
+    unsigned nsites;
+    unsigned sites_dropped;                // call sites beyond FTEMU_MAX_SITES (not itemised)
+    ftemu_site_counters sites[FTEMU_MAX_SITES];
+};
+
 // Launch parameters chosen by the caller (mirrored by a ctypes Structure in native.py).
 struct ftemu_launch_config {
     unsigned grid[3];
@@ -41,6 +84,7 @@ struct ftemu_launch_config {
     int schedule;                          // FTEMU_SCHEDULE_*
     int checks;                            // FTEMU_CHECK_* bits
     double hang_timeout_s;                 // <= 0: no watchdog for threads that never yield
+    ftemu_counters* counters;              // null: nothing is counted
 };
 
 // Which runnable thread runs next: the lowest index (warps run as far ahead as they can,

@@ -10,6 +10,26 @@
 
 #include "internal.h"
 
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
+
+namespace ftemu {
+
+// A fiber that returns to the scheduler for good (thread exit, a fault) leaves its frames'
+// AddressSanitizer red zones poisoned: the frames are never returned from. The next block
+// reuses the stack, so its shadow must be cleared before anything is written there.
+static void reset_stack_shadow(unsigned char* stack_lo, size_t stack_size) {
+#if defined(__SANITIZE_ADDRESS__)
+    __asan_unpoison_memory_region(stack_lo, stack_size);
+#else
+    (void)stack_lo;
+    (void)stack_size;
+#endif
+}
+
+}  // namespace ftemu
+
 #if defined(__x86_64__)
 
 extern "C" void ftemu_ctx_switch(void** save_sp, void* load_sp);
@@ -49,6 +69,7 @@ ftemu_ctx_switch:
 namespace ftemu {
 
 void context_init(Context* ctx, unsigned char* stack_lo, size_t stack_size, void (*entry)()) {
+    reset_stack_shadow(stack_lo, stack_size);
     auto top = reinterpret_cast<uintptr_t>(stack_lo + stack_size) & ~uintptr_t{15};
     auto** sp = reinterpret_cast<void**>(top);
     *--sp = nullptr;                               // fake return address of `entry`
@@ -82,6 +103,7 @@ static ucontext_t* uc_of(Context* ctx) {
 }
 
 void context_init(Context* ctx, unsigned char* stack_lo, size_t stack_size, void (*entry)()) {
+    reset_stack_shadow(stack_lo, stack_size);
     ucontext_t* uc = uc_of(ctx);
     getcontext(uc);
     uc->uc_stack.ss_sp = stack_lo;

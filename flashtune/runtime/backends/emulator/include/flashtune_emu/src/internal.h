@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -103,6 +104,7 @@ struct Thread {
     std::deque<std::vector<Copy>> groups;  // committed, oldest first
     std::vector<Region> priv;              // landed copies not yet published
     bool hidden = false;
+    uint32_t cp_seq = 0;                   // cp.async calls so far in this block (counters)
 };
 
 enum class Op : uint8_t { Mma, Ldmatrix, Shfl, Vote, SyncWarp };
@@ -128,7 +130,18 @@ struct Collective {
     LaneArgs lanes[32];
 };
 
+// The k-th cp.async of the lanes of one warp (counters only).
+struct CpRequest {
+    unsigned lanes = 0;
+    ftemu_loc loc{};
+    uintptr_t src[32];
+    uintptr_t dst[32];
+    uint8_t bytes[32];
+    uint8_t src_bytes[32];
+};
+
 struct Warp {
+    std::map<uint32_t, CpRequest> cp_requests;  // by cp_seq, until every lane issued it
     unsigned present = 0;  // lanes that exist (the last warp of a block may be partial)
     unsigned exited = 0;
     std::vector<Collective> pool;
@@ -152,6 +165,8 @@ struct Launch {
     uint32_t epoch = 0;  // completed block barriers in this block
     uint64_t collective_serial = 0;
     uint64_t switches = 0;  // progress counter for the watchdog
+    ftemu_counters* counters = nullptr;  // null unless the caller asked for counters
+    uint64_t block_linear = 0;            // x + gx * (y + gy * z) of the running block
 
     SmemSpace dyn, stat;
     unsigned char* arena_map = nullptr;  // mmap of guard + arena + guard (non-ASan)
@@ -205,6 +220,13 @@ std::string describe_smem_address(const void* p);
 // Reads the 16-byte row of an ldmatrix (checked: bounds, alignment, cp.async visibility).
 void read_ldmatrix_row(const Thread& reader, const void* addr, const char* what, ftemu_loc loc,
                        uint16_t out[8]);
+
+// counters.cpp (called only while g_launch->counters is set)
+void counters_begin_launch(Launch& L);
+void count_cp_async(Thread& t, const void* dst, const void* src, int bytes, int src_bytes,
+                    ftemu_loc loc);
+void count_collective(Launch& L, const Collective& c, unsigned warp);
+void counters_end_block(Launch& L);
 
 // warp.cpp
 void on_lane_exit(Thread& t);

@@ -183,6 +183,7 @@ static bool same_loc(ftemu_loc a, ftemu_loc b) {
 }
 
 static void complete_barrier(Launch& L) {
+    if (L.counters) ++L.counters->barrier_count;
     publish_all(L);
     ++L.epoch;
     L.barrier_arrived = 0;
@@ -355,6 +356,7 @@ static void release(Launch& L) {
 static void run_block(Launch& L, unsigned bx, unsigned by, unsigned bz) {
     const ftemu_launch_config& c = *L.cfg;
     L.block_idx = uint3{bx, by, bz};
+    L.block_linear = bx + 1ull * c.grid[0] * (by + 1ull * c.grid[1] * bz);
     for (unsigned i = 0; i < L.nthreads; ++i) {
         Thread& t = L.threads[i];
         t.ctx.thread_idx = uint3{i % c.block[0], i / c.block[0] % c.block[1],
@@ -372,6 +374,7 @@ static void run_block(Launch& L, unsigned bx, unsigned by, unsigned bz) {
         t.priv.clear();
         t.hidden = false;
         t.asan_fake_stack = nullptr;
+        t.cp_seq = 0;
         context_init(&t.context, t.stack_lo, t.stack_size, fiber_main);
         make_runnable(t);
     }
@@ -402,6 +405,7 @@ static void run_block(Launch& L, unsigned bx, unsigned by, unsigned bz) {
         record_error(FTEMU_DEADLOCK, deadlock_report(L));
         return;
     }
+    if (L.counters) counters_end_block(L);
     smem_check_slack(L);
 }
 
@@ -422,7 +426,7 @@ static void sched_stack_bounds(Launch& L) {
 using namespace ftemu;
 
 extern "C" FTEMU_API const char* ftemu_runtime_version(void) {
-    return FTEMU_ASAN ? "flashtune-emulator abi " "1" " asan" : "flashtune-emulator abi 1";
+    return FTEMU_ASAN ? "flashtune-emulator abi " "2" " asan" : "flashtune-emulator abi 2";
 }
 
 static int run_launch(const ftemu_launch_config* config, const ftemu_kernel_desc* kernel,
@@ -449,6 +453,8 @@ static int run_launch(const ftemu_launch_config* config, const ftemu_kernel_desc
     L.cfg = config;
     L.kernel = kernel;
     L.asan = FTEMU_ASAN;
+    L.counters = config->counters;
+    if (L.counters) counters_begin_launch(L);
     L.nthreads = config->block[0] * config->block[1] * config->block[2];
     L.nwarps = (L.nthreads + 31) / 32;
     L.threads.resize(L.nthreads);

@@ -336,6 +336,7 @@ extern "C" FTEMU_API void ftemu_cp_async(void* dst, const void* src, int bytes, 
                 describe_smem_address(sp.base + 4 * w).c_str(), sp.reader_warp[w],
                 at(sp.reader_loc[w]).c_str()));
     }
+    if (L.counters) count_cp_async(me, dst, src, bytes, src_bytes, loc);
     for (uint32_t i = 0; i < c.nwords; ++i) {
         sp.state[c.word + i] = Word::Pending;
         sp.owner[c.word + i] = static_cast<uint16_t>(me.tid);

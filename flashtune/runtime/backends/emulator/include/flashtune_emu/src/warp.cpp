@@ -227,6 +227,7 @@ static void complete(Launch& L, unsigned warp, Collective& c) {
         case Op::Vote: compute_vote(c); break;
         case Op::SyncWarp: break;
     }
+    if (L.counters) count_collective(L, c, warp);
     c.active = false;
     for (unsigned lane = 0; lane < 32; ++lane) {
         if (!(c.arrived >> lane & 1u)) continue;

@@ -1,0 +1,104 @@
+"""Measured memory behaviour for the cost model, from the CPU emulator's launch counters.
+
+The kernel runs in the emulator on a small sample shape (at most 256 query and key rows, one
+head, batch 1, fresh random inputs); its cp.async global bytes, relative to what the algorithm
+needs on that shape (Q once, K and V once per query block they visit), scale the algorithm's
+figure for the predicted shape, and its shared-memory wavefronts per ideal wavefront become
+the bank-conflict factor. O and the LSE are written with plain stores, which the emulator
+does not count: the cost model keeps their analytic bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from flashtune.codegen.render import render
+from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.errors import InvalidInput
+from flashtune.perf.costmodel import TrafficCounters
+from flashtune.perf.workload import Shape, ShapeLike, tiles_per_query_block
+from flashtune.runtime.backends.emulator import EmulatorBackend, EmulatorCounters, LaunchOptions
+
+#: Largest sequence length of the sample shape (the emulator runs about 1 M mma per second).
+SAMPLE_SEQLEN = 256
+
+
+def algorithm_read_bytes(problem: Problem, config: KernelConfig, shape: ShapeLike) -> int:
+    """Global bytes the forward kernel must read: Q once, and the K and V rows of every
+    tile each query block visits (a partial last tile counts its rows only)."""
+    row = problem.head_dim * problem.dtype.itemsize
+    q = shape.batch * shape.heads_q * shape.seqlen_q * row
+    kv_rows = sum(min(t * config.block_n, shape.seqlen_k)
+                  for t in tiles_per_query_block(problem, config, shape))
+    return q + 2 * kv_rows * row * shape.batch * shape.heads_q
+
+
+def sample_shape(shape: ShapeLike) -> Shape:
+    """The emulated shape: batch 1, one head, at most SAMPLE_SEQLEN rows each side."""
+    return Shape(1, 1, 1, min(shape.seqlen_q, SAMPLE_SEQLEN),
+                 min(shape.seqlen_k, SAMPLE_SEQLEN))
+
+
+@dataclass(frozen=True)
+class EmulatedTraffic:
+    """Counters of one emulated launch on ``sample`` and the cost-model inputs they give for
+    the predicted shape."""
+
+    sample: Shape
+    counters: EmulatorCounters
+    read_ratio: float  # measured / algorithm's read bytes on the sample
+    traffic: TrafficCounters
+
+    def __post_init__(self) -> None:
+        if not self.read_ratio > 0:
+            raise InvalidInput(f"EmulatedTraffic.read_ratio={self.read_ratio} must be > 0")
+
+    def to_dict(self) -> dict[str, object]:
+        return {"sample_shape": asdict(self.sample), "read_ratio": self.read_ratio,
+                "global_read_bytes": self.traffic.global_read_bytes,
+                "smem_bank_conflict_factor": self.traffic.smem_bank_conflict_factor,
+                "counters": self.counters.to_dict()}
+
+
+def _run_sample(problem: Problem, config: KernelConfig, sample: Shape) -> EmulatorCounters:
+    import torch  # the emulator's tensors; imported here to keep `flashtune.perf` light
+
+    from flashtune.runtime.kernel_args import FwdArgs, TensorView
+
+    def view(t: torch.Tensor) -> TensorView:
+        s = t.stride()
+        return TensorView(t.data_ptr(), s[0], s[1], s[2])
+
+    source = render(problem, config)
+    kernel = EmulatorBackend(options=LaunchOptions(counters=True)).load(source)
+    dtype = torch.float16 if problem.dtype.value == "fp16" else torch.bfloat16
+    d = problem.head_dim
+    q = torch.randn(sample.batch, sample.seqlen_q, sample.heads_q, d).to(dtype)
+    k = torch.randn(sample.batch, sample.seqlen_k, sample.heads_kv, d).to(dtype)
+    v = torch.randn(sample.batch, sample.seqlen_k, sample.heads_kv, d).to(dtype)
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((sample.batch, sample.heads_q, sample.seqlen_q), float("nan"))
+    args = FwdArgs(view(q), view(k), view(v), view(o), lse.data_ptr(), sample.seqlen_q,
+                   sample.seqlen_k, sample.heads_q, sample.heads_kv, d ** -0.5)
+    kernel.launch(source.grid(sample.batch, sample.heads_q, sample.seqlen_q), args.packed())
+    counters = kernel.last_counters
+    assert counters is not None  # LaunchOptions(counters=True)
+    return counters
+
+
+def measure_traffic(problem: Problem, config: KernelConfig, shape: ShapeLike
+                    ) -> EmulatedTraffic:
+    """Run ``problem`` x ``config`` in the emulator on the sample of ``shape`` and turn its
+    counters into the cost model's TrafficCounters for ``shape``."""
+    sample = sample_shape(shape)
+    counters = _run_sample(problem, config, sample)
+    expected = algorithm_read_bytes(problem, config, sample)
+    if expected == 0 or counters.cp_async_bytes == 0:
+        raise InvalidInput(f"the emulated kernel read {counters.cp_async_bytes} bytes by "
+                           f"cp.async on {sample} (the algorithm needs {expected}); counters "
+                           "cannot scale to the predicted shape")
+    ratio = counters.cp_async_bytes / expected
+    read = round(algorithm_read_bytes(problem, config, shape) * ratio)
+    traffic = TrafficCounters(global_read_bytes=read,
+                              smem_bank_conflict_factor=counters.smem_bank_conflict_factor)
+    return EmulatedTraffic(sample, counters, ratio, traffic)
