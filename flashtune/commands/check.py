@@ -8,12 +8,10 @@ float64 reference. One table row per (config, arch); exits with status 1 if anyt
 
 from __future__ import annotations
 
-import math
 import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated
 
-import numpy as np
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -37,129 +35,26 @@ from flashtune.commands.codegen import (
     parse_problem,
 )
 from flashtune.errors import FlashtuneError, InvalidInput
+from flashtune.perf.workload import Shape
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
-from flashtune.runtime.kernel_args import FwdArgs, TensorView
 
 if TYPE_CHECKING:  # torch is imported when a check runs, not when the CLI starts
-    import torch
-
-#: Output tolerance relative to max |V|: P and O are rounded to the 16-bit type, so errors
-#: of a few units in the last place of the type are expected.
-OUTPUT_TOLERANCE = {DType.FP16: 2e-3, DType.BF16: 1.6e-2}
-#: LSE tolerance relative to max(1, |LSE|) (f32 arithmetic, exp2 instead of exp).
-LSE_TOLERANCE = 1e-4
-
-
-@dataclass(frozen=True)
-class Shape:
-    """Run-time sizes of one check."""
-
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seqlen_q: int
-    seqlen_k: int
-
-    def __post_init__(self) -> None:
-        for name in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k"):
-            value = getattr(self, name)
-            if value < 1:
-                raise InvalidInput(f"{name}={value} must be >= 1")
-        if self.heads_q % self.heads_kv:
-            raise InvalidInput(f"heads={self.heads_q} is not a multiple of heads_kv="
-                               f"{self.heads_kv}; GQA needs whole groups")
-
-
-@dataclass(frozen=True)
-class Numerics:
-    """How the emulated outputs compare with the reference (worst over schedules)."""
-
-    max_abs: float
-    rel: float
-    lse_err: float
-    tolerance: float
-
-    @property
-    def ok(self) -> bool:
-        return self.max_abs <= self.tolerance and self.lse_err <= LSE_TOLERANCE
-
-
-def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale: float
-              ) -> tuple[np.ndarray, np.ndarray]:
-    """float64 attention of (batch, seq, heads, dim) arrays; GQA by contiguous head groups.
-
-    The causal mask is aligned to the bottom-right corner (row i sees key j iff
-    j <= i + seqlen_k - seqlen_q); a row that sees no key has O = 0 and LSE = +inf.
-    """
-    q, k, v = (x.astype(np.float64) for x in (q, k, v))
-    group = q.shape[2] // k.shape[2]
-    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
-    s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    sq, sk = q.shape[1], k.shape[1]
-    if causal:
-        s = np.where(np.arange(sk)[None, :] <= np.arange(sq)[:, None] + sk - sq, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m)
-    total = p.sum(axis=-1, keepdims=True)
-    o = np.einsum("bhqk,bkhd->bqhd", p / np.where(total > 0, total, 1.0), v)
-    with np.errstate(divide="ignore"):
-        lse = (np.log(total) + m)[..., 0]
-    return o, np.where(np.isneginf(lse), np.inf, lse)
-
-
-def _view(t: torch.Tensor) -> TensorView:
-    s = t.stride()
-    return TensorView(t.data_ptr(), s[0], s[1], s[2])
-
-
-def _compare(o: torch.Tensor, lse: torch.Tensor, ref_o: np.ndarray, ref_lse: np.ndarray,
-             tolerance: float) -> Numerics:
-    got = o.double().numpy()
-    diff = np.abs(got - ref_o)
-    max_abs = float(np.nan_to_num(diff, nan=np.inf).max())
-    norm = float(np.linalg.norm(ref_o))
-    rel = float(np.linalg.norm(np.nan_to_num(got - ref_o, nan=np.inf))) / max(norm, 1e-30)
-    got_lse = lse.double().numpy()
-    finite = np.isfinite(ref_lse)
-    lse_err = float(np.nan_to_num(
-        np.abs(got_lse[finite] - ref_lse[finite]) / np.maximum(1.0, np.abs(ref_lse[finite])),
-        nan=np.inf).max(initial=0.0))
-    if (got_lse[~finite] != ref_lse[~finite]).any():
-        lse_err = math.inf
-    return Numerics(max_abs, rel, lse_err, tolerance)
+    from flashtune.runtime.verify import Verdict
 
 
 def run_in_emulator(source: KernelSource, shape: Shape, schedules: list[Schedule],
-                    seed: int) -> Numerics:
-    """Launch ``source`` on random inputs (outputs poisoned with NaN) once per schedule."""
-    import torch
+                    seed: int) -> Verdict:
+    """Launch ``source`` on random inputs (outputs poisoned with NaN) once per schedule and
+    return the worst verdict."""
+    from flashtune.runtime.verify import verify
 
-    problem = source.problem
-    gen = torch.Generator().manual_seed(seed)
-    dtype = torch.float16 if problem.dtype is DType.FP16 else torch.bfloat16
-    d = problem.head_dim
-
-    def randn(seq: int, heads: int) -> torch.Tensor:
-        return torch.randn(shape.batch, seq, heads, d, generator=gen).to(dtype)
-
-    q, k, v = (randn(shape.seqlen_q, shape.heads_q), randn(shape.seqlen_k, shape.heads_kv),
-               randn(shape.seqlen_k, shape.heads_kv))
-    scale = 1.0 / math.sqrt(d)
-    ref_o, ref_lse = reference(q.float().numpy(), k.float().numpy(), v.float().numpy(),
-                               problem.causal, scale)
-    tolerance = OUTPUT_TOLERANCE[problem.dtype] * max(float(v.abs().max()), 1e-30)
-    worst: Numerics | None = None
+    worst: Verdict | None = None
     for schedule in schedules:
         kernel = EmulatorBackend(options=LaunchOptions(schedule=schedule)).load(source)
-        o = torch.full_like(q, float("nan"))
-        lse = torch.full((shape.batch, shape.heads_q, shape.seqlen_q), float("nan"))
-        args = FwdArgs(_view(q), _view(k), _view(v), _view(o), lse.data_ptr(), shape.seqlen_q,
-                       shape.seqlen_k, shape.heads_q, shape.heads_kv, scale)
-        kernel.launch(source.grid(shape.batch, shape.heads_q, shape.seqlen_q), args.packed())
-        result = _compare(o, lse, ref_o, ref_lse, tolerance)
-        if worst is None or (result.max_abs, result.lse_err) > (worst.max_abs, worst.lse_err):
-            worst = result
+        verdict = verify(kernel, source.problem, source.config.block_m, shape, "cpu",
+                         seed=seed)
+        if worst is None or (not verdict.ok, verdict.max_abs) > (not worst.ok, worst.max_abs):
+            worst = verdict
     assert worst is not None
     return worst
 
@@ -239,7 +134,7 @@ def check_command(
     seed = secrets.randbelow(1 << 31) if seed is None else seed
 
     rows: list[_Row] = []
-    emulated: dict[str, Numerics | str] = {}
+    emulated: dict[str, Verdict | str] = {}
     for spec in specs:
         cfg = choice.resolve(problem, spec)
         row = _Row(cfg, spec.name)
@@ -260,12 +155,9 @@ def check_command(
             failures.append(outcome)
         else:
             row.max_abs = f"{outcome.max_abs:.3g}"
-            row.rel = f"{outcome.rel:.3g}"
+            row.rel = f"{outcome.rel_frobenius:.3g}"
             if not outcome.ok:
-                failures.append(
-                    f"{cfg.key()}: max abs error {outcome.max_abs:.3g} (tolerance "
-                    f"{outcome.tolerance:.3g}), LSE error {outcome.lse_err:.3g} (tolerance "
-                    f"{LSE_TOLERANCE:g})")
+                failures.append(f"{cfg.key()}: {outcome.message}")
         row.failures = tuple(failures)
 
     table = Table("config", "arch", "regs", "spill B st/ld", "smem B", "max abs err",

@@ -25,9 +25,10 @@ from flashtune.perf.workload import Shape
 from flashtune.runtime.backends.base import LoadedKernel
 from flashtune.runtime.device import DeviceInfo
 from flashtune.runtime.forward import pack_fwd_args
+from flashtune.runtime.verify import random_inputs
 from flashtune.tuner.backends import NvrtcCompiler, device_record
 from flashtune.tuner.measure import ShapeTiming, TimingPlan, VerifyOutcome
-from flashtune.tuner.verify import check_kernel, random_inputs
+from flashtune.tuner.verify import check_kernel
 
 NO_GPU = ("no CUDA GPU is available here, so `flashtune tune` cannot time kernels. Without a "
           "GPU, run `flashtune tune --dry-run --arch sm_90 ...` to compile and verify every "

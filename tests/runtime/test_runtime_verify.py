@@ -1,4 +1,4 @@
-"""The verification step: its float64 reference and what it rejects."""
+"""The shared verification step: its float64 reference and what it rejects."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from flashtune.codegen.spec import DType, Problem
-from flashtune.db.records import TrialStatus
 from flashtune.perf.workload import Shape
-from flashtune.tuner.verify import TOLERANCES, compare, random_inputs, reference
+from flashtune.runtime.verify import TOLERANCES, compare, random_inputs, reference
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -48,19 +47,34 @@ def test_compare_accepts_rounding_and_rejects_errors(dtype: DType) -> None:
     tdtype = q.dtype
     rounded = ref_out.to(tdtype)  # what a correct kernel writes: O rounded to its type
     lse = ref_lse.float()
-    assert compare(problem, rounded, lse, ref_out, ref_lse, shape).status is TrialStatus.OK
+    assert compare(problem, rounded, lse, ref_out, ref_lse, shape).ok
 
     wrong = rounded.clone()
     wrong[0, 5, 1, 3] += 20 * TOLERANCES[dtype].atol + 0.1
     verdict = compare(problem, wrong, lse, ref_out, ref_lse, shape)
-    assert verdict.status is TrialStatus.WRONG_RESULT and "outside" in (verdict.error or "")
+    assert not verdict.ok and "outside" in verdict.message
 
     unwritten = rounded.clone()
     unwritten[0, -1] = float("nan")  # the last row of a partial tile never stored
     verdict = compare(problem, unwritten, lse, ref_out, ref_lse, shape)
-    assert verdict.status is TrialStatus.WRONG_RESULT and "unwritten" in (verdict.error or "")
+    assert not verdict.ok and "unwritten" in verdict.message
 
     bad_lse = lse.clone()
     bad_lse[0, 1, 7] += 0.01
     verdict = compare(problem, rounded, bad_lse, ref_out, ref_lse, shape)
-    assert verdict.status is TrialStatus.WRONG_RESULT and "LSE" in (verdict.error or "")
+    assert not verdict.ok and "LSE" in verdict.message
+
+
+def test_rows_that_see_no_key_need_zero_output_and_infinite_lse() -> None:
+    problem = Problem(32, DType.FP16, causal=True)
+    shape = Shape(1, 1, 1, 9, 4)  # causal with Nq > Nk: the first 5 rows see no key
+    q, k, v = random_inputs(problem, shape, "cpu")
+    ref_out, ref_lse = reference(q, k, v, True, 0.2)
+    assert torch.isposinf(ref_lse[0, 0, :5]).all() and (ref_out[0, :5] == 0).all()
+    assert torch.isfinite(ref_lse[0, 0, 5:]).all()
+    good = compare(problem, ref_out.to(q.dtype), ref_lse.float(), ref_out, ref_lse, shape)
+    assert good.ok, good.message
+    wrong_lse = ref_lse.float().clone()
+    wrong_lse[0, 0, 2] = -math.inf
+    verdict = compare(problem, ref_out.to(q.dtype), wrong_lse, ref_out, ref_lse, shape)
+    assert not verdict.ok and "no key" in verdict.message
