@@ -8,6 +8,7 @@ from rich.table import Table
 
 from flashtune import __version__, knobs
 from flashtune.commands import codegen as codegen_commands
+from flashtune.commands import perf_correlate
 from flashtune.commands import profile as profile_commands
 from flashtune.commands import runtime as runtime_commands
 from flashtune.commands import tune as tune_commands
@@ -59,6 +60,7 @@ app.command("explain")(runtime_commands.explain_command)
 app.command("precompile")(runtime_commands.precompile_command)
 app.command("tune")(tune_commands.tune_command)
 app.command("report")(tune_commands.report_command)
+app.command("correlate")(perf_correlate.correlate_command)
 
 
 def main() -> None:

@@ -77,6 +77,14 @@ def tune_command(
     ] = False,
     arch: Annotated[str | None, typer.Option(
         "--arch", help="Arch of a dry run (default sm_90); a GPU run uses the GPU's.")] = None,
+    prune_predicted: Annotated[float | None, typer.Option(
+        "--prune-predicted", help="Skip configs the cost model predicts more than this factor "
+                                  "slower than its best prediction, e.g. 3.0 (default: off).")
+    ] = None,
+    cost_model_gpu: Annotated[str | None, typer.Option(
+        "--cost-model-gpu", help="GPU of the cost model's predictions, e.g. H100 (default: "
+                                 "this GPU when the model knows it; a dry run: the arch's "
+                                 "reference GPU).")] = None,
 ) -> None:
     """Tune the forward kernel on this GPU and store each bucket's winner."""
     from flashtune.tuner.workload import parse_batch_heads, parse_seqlens
@@ -90,7 +98,8 @@ def tune_command(
             sampler=sampler, seed=seed, study_prefix=study, resume=resume,
             compile_workers=(knobs.COMPILE_WORKERS.get() if compile_workers is None
                              else compile_workers),
-            max_spill_bytes=max_spill_bytes, tie_tolerance=tie_tolerance)
+            max_spill_bytes=max_spill_bytes, tie_tolerance=tie_tolerance,
+            prune_predicted=prune_predicted, cost_model_gpu=cost_model_gpu)
         if arch is not None and not dry_run:
             raise TuningError("--arch applies to --dry-run only: a run on the GPU tunes for "
                               "the GPU's own arch")
@@ -110,11 +119,14 @@ def tune_command(
         Console(stderr=True).print("interrupted: every finished trial is saved; rerun the same "
                                    "command with --resume to continue")
         raise typer.Exit(130) from None
-    from flashtune.tuner.progress import final_table
+    from flashtune.tuner.progress import final_table, predicted_tables
 
     console = Console()
     console.print()
     console.print(final_table(summaries))
+    if dry_run:
+        for table in predicted_tables(summaries):
+            console.print(table)
 
 
 def _run_local(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHeads, ...],

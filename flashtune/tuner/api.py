@@ -4,6 +4,14 @@ Per bucket: static pruning (space.static_check, recorded as ``invalid``), then t
 pipeline (compile ahead -> resource check -> verify -> time) driven by an Optuna study, or
 by a fixed enumeration for untimed (dry-run) backends; at the end the top candidates are
 re-measured and the winner crowned as the bucket's best in the database.
+
+The cost model (prediction.py) PREDICTS every legal candidate's time on the bucket when it
+knows the device's GPU: the default config is measured first, then the
+``predicted_seeds`` best-predicted ones, then whatever the search proposes; with
+``prune_predicted`` configs predicted that many times slower than the best prediction are
+skipped (never recorded as failures: see search.py). Every recorded trial (except the
+statically impossible configs, which never run) carries its prediction in
+``predicted_ms``; Optuna trials also keep the model version (``predicted_model``).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from flashtune.tuner.lock import ProposalLock
 from flashtune.tuner.measure import MeasurementBackend
 from flashtune.tuner.options import BucketSummary, TuneOptions
 from flashtune.tuner.pipeline import CompilePool, Limits, run_pipeline
+from flashtune.tuner.prediction import BucketPrediction, Predictor, resolve_gpu
 from flashtune.tuner.records import ResultLog
 from flashtune.tuner.search import (
     CONFIG_ATTR,
@@ -124,6 +133,13 @@ class Tuner:
                           if options.timeout_s is not None else None)
         self._untimed_memo: dict[tuple[Problem, KernelConfig], TrialResult] = {}
         store.record_device(backend.device)
+        gpu = resolve_gpu(backend.device, options.cost_model_gpu)
+        self.predictor = Predictor(gpu) if gpu is not None else None
+        if gpu is None:
+            log.warning("the cost model does not know the GPU of %s: no predictions are "
+                        "recorded, candidates are not ordered or pruned by prediction (pass "
+                        "a cost-model GPU to predict for one of its table)",
+                        backend.device.name)
 
     def workload(self, bucket: ProblemBucket) -> Workload:
         if self.verify_cap is None:
@@ -165,10 +181,23 @@ class Tuner:
         if not candidates:
             raise TuningError(f"no config of the search space fits {bucket.key()} on "
                               f"{arch.name}: every one fails the static check")
+        first = [summary.default] if summary.default is not None else []
+        pruned: dict[str, str] = {}
+        if self.predictor is not None:
+            summary.cost_model = self.predictor.label
+            first, pruned = self._plan_by_prediction(workload, candidates, first)
+            summary.pruned_by_model = len(pruned)
         self.observer.bucket_started(summary)
 
         def on_result(proposal: Proposal, result: TrialResult) -> None:
-            results.record(result)
+            prediction = self._prediction(workload, result.config)
+            results.record(result, prediction.time_ms if prediction else None)
+            if prediction is not None and proposal.trial is not None:
+                proposal.trial.set_user_attr("predicted_ms", prediction.time_ms)
+                proposal.trial.set_user_attr("predicted_model", prediction.model_version)
+            if prediction is not None and result.status in (TrialStatus.OK,
+                                                            TrialStatus.VERIFIED_UNTIMED):
+                summary.predicted.append(prediction)
             summary.measured += 1
             summary.statuses[result.status.value] += 1
             if result.tflops is not None and (summary.best_tflops is None
@@ -181,15 +210,38 @@ class Tuner:
             study = self.prepare_study(
                 bucket, make_sampler(opts.sampler, opts.seed, summary.candidates))
             if self.options.search:
-                self._search(study, workload, encoding, results, summary, pool, on_result)
+                self._search(study, workload, encoding, results, first, pruned, pool,
+                             on_result)
             if self.options.finalize:
                 self._finalize(study, workload, results, summary)
         else:
-            first = [summary.default] if summary.default is not None else []
-            self._dry_run(EnumerationSearch(candidates, skip=past, first=first), workload, pool,
+            kept = [c for c in candidates if c.key() not in pruned]
+            if self.predictor is not None:  # the rest in predicted order too
+                ranked = [p.config for p in self.predictor.rank(workload, kept)]
+                first = list(dict.fromkeys(first + ranked))
+            self._dry_run(EnumerationSearch(kept, skip=past, first=first), workload, pool,
                           on_result)
         self.observer.bucket_finished(summary)
         return summary
+
+    def _prediction(self, workload: Workload, config: KernelConfig) -> BucketPrediction | None:
+        return self.predictor.predict(workload, config) if self.predictor is not None else None
+
+    def _plan_by_prediction(self, workload: Workload, candidates: list[KernelConfig],
+                            first: list[KernelConfig]
+                            ) -> tuple[list[KernelConfig], dict[str, str]]:
+        """What to measure first (the default, then the best predicted) and what to skip
+        (with --prune-predicted; never the default)."""
+        assert self.predictor is not None
+        opts = self.options
+        default = first[0] if first else None
+        pruned = ({} if opts.prune_predicted is None else
+                  self.predictor.hopeless(workload, candidates, opts.prune_predicted, default))
+        for reason in list(pruned.values())[:3]:
+            log.info("bucket %s: %s", workload.bucket.key(), reason)
+        ranked = [p.config for p in self.predictor.rank(workload, candidates)
+                  if p.config not in first and p.config.key() not in pruned]
+        return first + ranked[:opts.predicted_seeds], pruned
 
     def _record_static_pruning(self, encoding: SearchEncoding, results: ResultLog,
                                past: dict[str, TrialStatus], summary: BucketSummary) -> None:
@@ -204,14 +256,13 @@ class Tuner:
             summary.statuses["invalid (static)"] += 1
 
     def _search(self, study: optuna.Study, workload: Workload, encoding: SearchEncoding,
-                results: ResultLog, summary: BucketSummary, pool: CompilePool,
-                on_result: _OnResult) -> None:
+                results: ResultLog, first: Sequence[KernelConfig], pruned: dict[str, str],
+                pool: CompilePool, on_result: _OnResult) -> None:
         opts = self.options
         lock = ProposalLock(self.store.url, study.study_name)
-        first = [summary.default] if summary.default is not None else []
         proposer = OptunaSearch(study, encoding, lock, known_failed=results.known_failures(),
                                 first=first, grid=opts.sampler == "grid", seed=opts.seed,
-                                budget=opts.trials)
+                                budget=opts.trials, model_pruned=pruned)
         try:
             self._drive(proposer, workload, pool, on_result)
         finally:
@@ -268,9 +319,13 @@ class Tuner:
         opts = self.options
         again = remeasure(self.backend, workload, configs, opts.final_plan, opts.final_rounds)
         scored = [Scored(r, r.config == default) for r in again if r.status is TrialStatus.OK]
+        def predicted_ms(config: KernelConfig) -> float | None:
+            prediction = self._prediction(workload, config)
+            return prediction.time_ms if prediction is not None else None
+
         for r in again:
             if r.status is not TrialStatus.OK:
-                results.record(r)
+                results.record(r, predicted_ms(r.config))
         if not scored:
             log.warning("bucket %s: every finalist failed when re-measured",
                         workload.bucket.key())
@@ -278,8 +333,8 @@ class Tuner:
         winner = choose(workload, scored, opts.tie_tolerance)
         for s in scored:
             if s is not winner:
-                results.record(s.result)
-        results.crown(winner.result)
+                results.record(s.result, predicted_ms(s.config))
+        results.crown(winner.result, predicted_ms(winner.config))
         summary.winner, summary.winner_tflops = winner.config, winner.tflops
         summary.default_tflops = next((s.tflops for s in scored if s.is_default), None)
         study.set_user_attr("winner", winner.config.key())

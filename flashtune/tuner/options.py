@@ -10,6 +10,7 @@ from flashtune.codegen.spec import KernelConfig, ProblemBucket
 from flashtune.errors import TuningError
 from flashtune.tuner.evaluate import DEFAULT_MAX_SPILL_BYTES
 from flashtune.tuner.measure import TimingPlan
+from flashtune.tuner.prediction import BucketPrediction
 from flashtune.tuner.selection import DEFAULT_TOLERANCE
 from flashtune.tuner.study import SAMPLERS, Heartbeat
 
@@ -31,6 +32,10 @@ class TuneOptions:
     ``final_top`` candidates (plus the default config) are re-measured ``final_rounds``
     times with ``final_plan`` and the winner chosen with ``tie_tolerance`` (selection.py).
     ``search``/``finalize`` switch the two phases (several workers search; one finalizes).
+    ``predicted_seeds``: after the default config, this many best-PREDICTED configs (cost
+    model) are measured first. ``prune_predicted``: skip configs predicted more than this
+    factor slower than the best prediction (None: prune nothing). ``cost_model_gpu``: the
+    GPU of the predictions (default: the device's own when the model's table knows it).
     """
 
     trials: int = 40
@@ -50,6 +55,9 @@ class TuneOptions:
     heartbeat: Heartbeat = Heartbeat()
     search: bool = True
     finalize: bool = True
+    predicted_seeds: int = 3
+    prune_predicted: float | None = None
+    cost_model_gpu: str | None = None
 
     def __post_init__(self) -> None:
         if self.trials < 0:
@@ -65,6 +73,12 @@ class TuneOptions:
             raise TuningError("final_top and final_rounds must be >= 1")
         if self.max_spill_bytes < 0:
             raise TuningError(f"max_spill_bytes={self.max_spill_bytes} must be >= 0")
+        if self.predicted_seeds < 0:
+            raise TuningError(f"predicted_seeds={self.predicted_seeds} must be >= 0")
+        if self.prune_predicted is not None and not self.prune_predicted > 1.0:
+            raise TuningError(f"--prune-predicted {self.prune_predicted} must be a factor "
+                              "above 1 (e.g. 3.0: skip configs predicted 3x slower than the "
+                              "best prediction)")
 
     @property
     def pipeline_depth(self) -> int:
@@ -88,6 +102,12 @@ class BucketSummary:
     default: KernelConfig | None = None
     default_tflops: float | None = None
     timed: bool = True
+    #: PREDICTED results of the configs that passed (verified or timed), and the model's
+    #: label ("cost model <version>, <GPU>"); empty/None without a prediction.
+    predicted: list[BucketPrediction] = field(default_factory=list)
+    cost_model: str | None = None
+    #: Configs skipped by --prune-predicted.
+    pruned_by_model: int = 0
 
     @property
     def speedup(self) -> float | None:

@@ -112,3 +112,24 @@ def summarize_records(summary: BucketSummary, records: Sequence[TrialRecord]) ->
 
         summary.best_config = KernelConfig.from_key(best.config.key)
     return summary
+
+
+def predicted_tables(rows: Sequence[BucketSummary]) -> list[Table]:
+    """Per bucket with predictions: the configs that passed, ranked by PREDICTED time.
+
+    The title says plainly that these are the cost model's predictions, not measurements.
+    """
+    tables = []
+    for s in rows:
+        if not s.predicted or s.cost_model is None:
+            continue
+        table = Table(title=f"{s.bucket.key()}: PREDICTED ranking ({s.cost_model}; "
+                            "not a measurement)", expand=False)
+        for column in ("#", "config", "predicted ms", "predicted TFLOP/s", "bound"):
+            table.add_column(column)
+        ranked = sorted({p.config: p for p in s.predicted}.values(), key=lambda p: p.time_ms)
+        for i, p in enumerate(ranked, 1):
+            table.add_row(str(i), p.config.key(), f"{p.time_ms:.4g}", f"{p.tflops:.1f}",
+                          p.bound)
+        tables.append(table)
+    return tables

@@ -61,7 +61,9 @@ class ResultLog:
     def known_failures(self) -> dict[str, TrialStatus]:
         return {k: s for k, s in self.past_outcomes().items() if s in FAILED_STATUSES}
 
-    def to_record(self, result: TrialResult) -> TrialRecord:
+    def to_record(self, result: TrialResult, predicted_ms: float | None = None) -> TrialRecord:
+        """The database row of ``result``; ``predicted_ms`` is the cost model's PREDICTED
+        time of the config on the bucket (prediction.py), stored beside the measurement."""
         problem = self.bucket.problem
         ok = result.status is TrialStatus.OK
         return TrialRecord(
@@ -77,21 +79,22 @@ class ResultLog:
             count=result.count if ok else 0,
             tflops=result.tflops if ok else None,
             error=truncate_error(result.error) if result.error else None,
+            predicted_ms=predicted_ms,
             study=self.study,
         )
 
-    def record(self, result: TrialResult) -> TrialRecord:
+    def record(self, result: TrialResult, predicted_ms: float | None = None) -> TrialRecord:
         """Store one result (an ``ok`` one becomes the bucket's best if strictly faster)."""
-        record = self.to_record(result)
+        record = self.to_record(result, predicted_ms)
         self.store.record_trial(record)
         return record
 
-    def crown(self, result: TrialResult) -> TrialRecord:
+    def crown(self, result: TrialResult, predicted_ms: float | None = None) -> TrialRecord:
         """Store the final, re-measured winner and make it the bucket's best outright.
 
         The winner is chosen by re-measurement with a tie tolerance, which may prefer a
         config that is not the single fastest raw measurement; it replaces the best.
         """
-        record = self.record(result)
+        record = self.record(result, predicted_ms)
         self.store.set_best(record.uid)
         return record

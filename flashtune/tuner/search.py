@@ -8,7 +8,11 @@ candidates) and filters each proposal before anything is compiled:
 - a config already measured in the study is told COMPLETE with that measurement, so the
   sampler sees consistent values and nothing is measured twice;
 - a config another worker (or this one, in its compile-ahead queue) is measuring is told
-  FAIL (no information) and skipped.
+  FAIL (no information) and skipped;
+- a config the cost model predicts hopeless (``--prune-predicted``) is told PRUNED and marked
+  ``model_pruned``. It is never written to the tuning database: a prediction is not a
+  failure of the config, and a failure there would be skipped for good; ``_settled``
+  ignores these trials, so a later run without pruning (or ``--resume``) can measure them.
 
 The budget (``--trials``) is the study's: configs measured by all workers and earlier runs
 count, so ``--resume`` after an interruption completes the original budget.
@@ -48,6 +52,7 @@ OWNER_ATTR = "flashtune_owner"
 CONFIG_ATTR = "config"
 STATUS_ATTR = "status"
 DUPLICATE_ATTR = "duplicate_of"
+MODEL_PRUNED_ATTR = "model_pruned"
 
 
 @dataclass(frozen=True)
@@ -128,7 +133,8 @@ class OptunaSearch:
                  lock: AbstractContextManager[object], *,
                  known_failed: Mapping[str, TrialStatus], first: Sequence[KernelConfig] = (),
                  grid: bool = False, seed: int | None = None, futile_limit: int = 4,
-                 budget: int | None = None) -> None:
+                 budget: int | None = None, model_pruned: Mapping[str, str] | None = None
+                 ) -> None:
         self.study = study
         self.budget = budget
         self.encoding = encoding
@@ -136,7 +142,9 @@ class OptunaSearch:
         self.known_failed = dict(known_failed)
         self.grid = grid
         self.futile_limit = futile_limit
-        self.candidates = encoding.candidates()
+        self.model_pruned = dict(model_pruned or {})
+        self.candidates = [c for c in encoding.candidates()
+                           if c.key() not in self.model_pruned]
         self._rng = random.Random(seed)
         self._owner = owner_id()
         self._first = [c for c in first if c in self.candidates]
@@ -198,7 +206,8 @@ class OptunaSearch:
         states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
         for t in self.study.get_trials(deepcopy=False, states=states):
             key = t.user_attrs.get(CONFIG_ATTR)
-            if key is not None and DUPLICATE_ATTR not in t.user_attrs:
+            if key is not None and DUPLICATE_ATTR not in t.user_attrs \
+                    and MODEL_PRUNED_ATTR not in t.user_attrs:
                 out.setdefault(key, t)
         return out
 
@@ -214,6 +223,10 @@ class OptunaSearch:
             return None
         key = decoded.key()
         trial.set_user_attr(CONFIG_ATTR, key)
+        if key in self.model_pruned:
+            trial.set_user_attr(MODEL_PRUNED_ATTR, self.model_pruned[key][:500])
+            self.study.tell(trial, state=TrialState.PRUNED)
+            return None
         first = settled.get(key)
         if isinstance(first, TrialStatus):
             trial.set_user_attr(DUPLICATE_ATTR, "database")

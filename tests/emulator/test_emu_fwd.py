@@ -11,7 +11,6 @@ import pytest
 import torch
 from emu_helpers import attention_reference
 
-from flashtune.codegen import space
 from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.runtime.backends.base import Backend, LoadedKernel
@@ -87,15 +86,3 @@ def test_forward_ragged_shapes(problem: Problem, config: KernelConfig,
     for schedule in Schedule:
         kernel.options = LaunchOptions(schedule=schedule)
         run_forward(kernel, problem, *shape)
-
-
-@pytest.mark.sweep
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_forward_every_config_of_the_space(dtype: str, causal: bool) -> None:
-    problem = Problem(64, DType(dtype), causal=causal)
-    for config in space.search_space(problem):
-        kernel = EmulatorBackend().load(render(problem, config))
-        for schedule in Schedule:
-            kernel.options = LaunchOptions(schedule=schedule)
-            run_forward(kernel, problem, 1, 200, 333, 2, 1)
