@@ -3,8 +3,9 @@
 The space is that of ``codegen.space.search_space`` for head dims 64 and 128, both dtypes,
 causal and not; a config is in scope when ``space.static_check`` admits it for sm_80 or
 sm_90 (configs it rejects are excluded by a rule that names why). ``pytest -m sweep`` runs
-all of them in both emulator thread orders; the default tier runs a sample that changes from run to run, seeded (the seed
-is printed in the report header and in failure messages; replay with FLASHTUNE_TEST_SEED).
+all of them in both emulator thread orders; the default tier runs a sample that changes from
+run to run, seeded (the seed is printed in the report header and in failure messages; replay
+with FLASHTUNE_TEST_SEED).
 """
 
 from __future__ import annotations
