@@ -47,8 +47,13 @@ def test_dry_run_end_to_end_compiles_and_verifies_untimed(db_url: str) -> None:
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "dry run (untimed" in result.output
+    assert "PREDICTED ranking" in result.output and "not a measurement" in result.output
     with TuningStore(db_url) as store:
         trials = store.trials(device="virtual-sm_90")
+    verified = [t for t in trials if t.status.value == "verified_untimed"]
+    assert verified and all(t.predicted_ms is not None and t.predicted_ms > 0
+                            for t in verified)
+    with TuningStore(db_url) as store:
         statuses = Counter(t.status.value for t in trials)
         assert store.all_best() == []  # nothing untimed is ever a performance result
     assert statuses["ok"] == 0 and all(t.tflops is None for t in trials)
