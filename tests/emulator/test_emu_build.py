@@ -3,7 +3,6 @@ defines), compile errors with the log and the saved source."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -34,10 +33,8 @@ def test_cache_follows_headers_and_defines(tmp_path: Path) -> None:
     (tmp_path / "value.h").write_text("#define VALUE 100\n")
     first, built, key = _value(tmp_path, ["EXTRA=1"])
     assert first == 106 and built > 0
-    start = time.perf_counter()
     again, rebuilt, same_key = _value(tmp_path, ["EXTRA=1"])
-    assert (again, rebuilt, same_key) == (106, 0.0, key)
-    assert time.perf_counter() - start < 1.0
+    assert (again, rebuilt, same_key) == (106, 0.0, key)  # served from the cache, no build
     (tmp_path / "value.h").write_text("#define VALUE 200\n")
     changed, _, header_key = _value(tmp_path, ["EXTRA=1"])
     assert changed == 206 and header_key != key
