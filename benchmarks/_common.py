@@ -94,7 +94,7 @@ def _version(*distributions: str) -> str:
 
 def _flashtune_version() -> str:
     try:
-        from flashtune import __version__
+        from flashtune._version import __version__
     except ImportError:
         return "not importable"
     return __version__

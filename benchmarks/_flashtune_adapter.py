@@ -42,10 +42,10 @@ def default_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     import torch
 
     import flashtune
-    from flashtune.codegen.render import render
+    from flashtune.families import render
+    from flashtune.families.fwd.args import grid, pack_args
     from flashtune.runtime.backends import get_backend
     from flashtune.runtime.dispatch import default_config
-    from flashtune.runtime.forward import pack_fwd_args
 
     decision = flashtune.explain(q, k, v, causal=causal, backend=backend)
     config = default_config(decision.problem, decision.arch)
@@ -56,14 +56,14 @@ def default_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     else:
         kernel = get_backend(backend).load(source)
     batch, seqlen_q, heads_q, head_dim = q.shape
-    grid = source.grid(batch, heads_q, seqlen_q)
+    launch_grid = grid(seqlen_q, heads_q, batch, source.config.block_m)
     scale = 1.0 / math.sqrt(head_dim)
 
     def fn() -> torch.Tensor:
         out = torch.empty_like(q)
         lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device)
         stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
-        kernel.launch(grid, pack_fwd_args(q, k, v, out, lse, scale), stream=stream)
+        kernel.launch(launch_grid, pack_args(q, k, v, out, lse, scale), stream=stream)
         return out
 
     return fn, f"{config.key()} (default)"

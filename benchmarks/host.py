@@ -167,8 +167,8 @@ def compile_rows(settings: Settings) -> list[HostRow]:
     arch or sm_90 (benchmarks/compile_time.py)."""
     import torch
 
-    from flashtune.codegen.render import render
     from flashtune.codegen.spec import DType, Problem
+    from flashtune.families import render
     from flashtune.runtime.dispatch import default_config
 
     (measure,) = _sibling("compile_time", "measure")

@@ -35,11 +35,12 @@ add_benchmarks_to_path()
 import torch  # noqa: E402
 
 import flashtune  # noqa: E402
+from flashtune.codegen.abi import ArgType  # noqa: E402
 from flashtune.codegen.spec import KernelSource  # noqa: E402
+from flashtune.families.fwd import args as fwd_args  # noqa: E402
 from flashtune.runtime import forward as fwd  # noqa: E402
 from flashtune.runtime import ops  # noqa: E402
 from flashtune.runtime.backends import register_backend, unregister_backend  # noqa: E402
-from flashtune.runtime.kernel_args import ArgType  # noqa: E402
 from flashtune.runtime.validate import check_attention_inputs  # noqa: E402
 
 SHAPE = (2, 1024, 16, 128)  # batch, seqlen, heads, head_dim (the values are never read)
@@ -107,7 +108,7 @@ def measure(repeats: int = 15, calls: int = 2000, device: str = "cpu"
             ("  validation", lambda: check_attention_inputs(q, k, v)),
             ("  plan lookup (dispatch)", lambda: fwd.plan_for(q, k, False, "stub")),
             ("  output allocation", lambda: fwd.empty_outputs(q)),
-            ("  argument packing", lambda: fwd.pack_fwd_args(q, k, v, out, lse, scale)),
+            ("  argument packing", lambda: fwd_args.pack_args(q, k, v, out, lse, scale)),
             ("  current stream", plan.stream),
         ]
         return [(name, _per_call(fn, calls, repeats)) for name, fn in parts]

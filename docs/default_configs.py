@@ -9,10 +9,10 @@ from __future__ import annotations
 import datetime
 
 from flashtune import __version__
-from flashtune.codegen import defaults, space
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, Problem
+from flashtune.families.fwd import defaults, space
 from flashtune.runtime import nvrtc
 from flashtune.runtime.compiler import compile_pairs
 from flashtune.runtime.toolchain import find_toolchain

@@ -10,7 +10,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from flashtune._version import __version__
 
 _EXPORTS: dict[str, str] = {
     "attention": "flashtune.runtime.ops",
@@ -23,7 +23,7 @@ _EXPORTS: dict[str, str] = {
     "ProblemBucket": "flashtune.codegen.spec",
     "KernelConfig": "flashtune.codegen.spec",
     "DType": "flashtune.codegen.spec",
-    "Op": "flashtune.codegen.spec",
+    "families": "flashtune.families",
     "DeviceInfo": "flashtune.runtime.device",
     "precompile": "flashtune.runtime.precompile",
 }
@@ -34,9 +34,9 @@ __all__ = [
     "Decision",
     "DeviceInfo",
     "KernelConfig",
-    "Op",
     "Problem",
     "ProblemBucket",
+    "families",
     "Tier",
     "__version__",
     "attention",
@@ -46,7 +46,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from flashtune.codegen.spec import DType, KernelConfig, Op, Problem, ProblemBucket
+    from flashtune import families
+    from flashtune.codegen.spec import DType, KernelConfig, Problem, ProblemBucket
     from flashtune.errors import BackwardNotAvailable
     from flashtune.runtime.device import DeviceInfo
     from flashtune.runtime.dispatch import Decision, Tier

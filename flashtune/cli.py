@@ -6,7 +6,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from flashtune import __version__, knobs
+from flashtune import knobs
+from flashtune._version import __version__
 from flashtune.commands import codegen as codegen_commands
 from flashtune.commands import perf_correlate
 from flashtune.commands import profile as profile_commands
@@ -52,6 +53,7 @@ def knobs_command() -> None:
 
 # Command modules register themselves below, one line each.
 app.add_typer(db_app, name="db")
+app.command("families")(codegen_commands.families_command)
 app.command("show")(codegen_commands.show)
 app.command("compile")(codegen_commands.compile_command)
 app.command("check")(check_command)

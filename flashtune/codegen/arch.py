@@ -7,7 +7,9 @@ per SM unless named per block.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 
 from flashtune.errors import InvalidConfig
 
@@ -25,10 +27,6 @@ class ArchSpec:
     max_threads_per_sm: int
     max_blocks_per_sm: int
     max_warps_per_sm: int
-
-    @property
-    def family(self) -> str:
-        return self.name
 
     @property
     def compute_capability(self) -> tuple[int, int]:
@@ -65,3 +63,39 @@ def get_arch(name: str) -> ArchSpec:
         )
     assert key is not None
     return ARCHS[key]
+
+
+class ArchClass(str, Enum):
+    """A group of archs that share one column of a family's default table, by shared memory
+    per SM (the resource that decides a tile most): ``sm80`` (164 KB: A100/A30, Orin),
+    ``sm86`` (100 KB: consumer Ampere, Ada, Blackwell) and ``sm90`` (228 KB: H100/H200,
+    B200)."""
+
+    SM80 = "sm80"
+    SM86 = "sm86"
+    SM90 = "sm90"
+
+
+#: The class of every arch flashtune knows (codegen.arch.ARCHS).
+ARCH_CLASS: Mapping[str, ArchClass] = {
+    "sm_80": ArchClass.SM80,
+    "sm_87": ArchClass.SM80,
+    "sm_86": ArchClass.SM86,
+    "sm_89": ArchClass.SM86,
+    "sm_120": ArchClass.SM86,
+    "sm_90": ArchClass.SM90,
+    "sm_100": ArchClass.SM90,
+}
+
+
+def arch_class(arch: ArchSpec) -> ArchClass:
+    """The default-table class of ``arch``; an arch not in ARCH_CLASS is classed by its
+    per-block shared memory limit (the property the classes stand for)."""
+    known = ARCH_CLASS.get(arch.name)
+    if known is not None:
+        return known
+    if arch.max_smem_per_block >= 227 * _KIB:
+        return ArchClass.SM90
+    if arch.max_smem_per_block >= 163 * _KIB:
+        return ArchClass.SM80
+    return ArchClass.SM86

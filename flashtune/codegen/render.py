@@ -1,4 +1,4 @@
-"""Render (Problem, KernelConfig) into a KernelSource through the one Jinja environment.
+"""Render a family's template into a KernelSource through the one Jinja environment.
 
 Templates only bind parameters (constexpr values, feature switches, the entry point); the
 kernel logic lives in the ``*.cuh`` headers beside them. Only ints, bools and enum-derived
@@ -10,20 +10,19 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 
 import jinja2
 
-from flashtune import __version__
-from flashtune.codegen import space
-from flashtune.codegen.spec import KernelConfig, KernelSource, Op, Problem
+from flashtune._version import __version__
+from flashtune.codegen.spec import KernelConfig, KernelSource, Problem
 
 #: Options that change the binary and are not arch-specific; the compiler adds the arch,
 #: include paths and verbosity flags.
 COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17", "-DNDEBUG")
 
-_TEMPLATE_FOR_OP = {Op.FWD: "flash_fwd.cu.jinja"}
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
@@ -63,7 +62,7 @@ def included_headers(code: str) -> dict[str, str]:
 
 
 def entry_name(problem: Problem, config: KernelConfig) -> str:
-    return f"flashtune_{problem.key()}_{config.key()}"
+    return f"flashtune_{problem.key()}_{config.key().replace('-', '_')}"
 
 
 def _digest(body: str, headers: dict[str, str], options: tuple[str, ...]) -> str:
@@ -76,40 +75,30 @@ def _digest(body: str, headers: dict[str, str], options: tuple[str, ...]) -> str
     return h.hexdigest()
 
 
-def render(problem: Problem, config: KernelConfig) -> KernelSource:
-    """Render the kernel for ``problem`` with ``config`` (both already validated)."""
+#: What a template may receive: ints, bools and words chosen by validated value types.
+TemplateValue = int | bool | str
+
+
+def render_template(template: str, problem: Problem, config: KernelConfig,
+                    params: Mapping[str, TemplateValue], *, smem_bytes: int,
+                    threads: int) -> KernelSource:
+    """Render ``template`` with ``params`` (plus ``entry``, ``smem_bytes`` and ``threads``)
+    into the KernelSource of ``problem`` x ``config``.
+
+    Families call this with parameters derived from validated Problem and KernelConfig
+    values only; no string from a user, a file or a database reaches a template.
+    """
     entry = entry_name(problem, config)
-    smem = space.smem_bytes(problem, config)
-    template = environment().get_template(_TEMPLATE_FOR_OP[problem.op])
-    body = template.render(
-        entry=entry,
-        head_dim=problem.head_dim,
-        head_dim_padded=problem.padded_head_dim,
-        is_bf16=problem.dtype.value == "bf16",
-        causal=problem.causal,
-        block_m=config.block_m,
-        block_n=config.block_n,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        smem_row_pad=space.SMEM_ROW_PAD,
-        smem_bytes=smem,
-    )
+    body = environment().get_template(template).render(
+        entry=entry, smem_bytes=smem_bytes, threads=threads, **params)
     headers = included_headers(body)
     digest = _digest(body, headers, COMPILE_OPTIONS)
     banner = (
         f"// flashtune {__version__} generated kernel\n"
         f"// problem: {problem.key()}  config: {config.key()}\n"
-        f"// entry: {entry}  dynamic smem: {smem} B  threads: {config.threads}\n"
+        f"// entry: {entry}  dynamic smem: {smem_bytes} B  threads: {threads}\n"
         f"// digest: {digest}\n"
     )
-    return KernelSource(
-        problem=problem,
-        config=config,
-        code=banner + body,
-        entry=entry,
-        headers=headers,
-        options=COMPILE_OPTIONS,
-        digest=digest,
-        smem_bytes=smem,
-        threads=config.threads,
-    )
+    return KernelSource(problem=problem, config=config, code=banner + body, entry=entry,
+                        headers=headers, options=COMPILE_OPTIONS, digest=digest,
+                        smem_bytes=smem_bytes, threads=threads)

@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
-from flashtune.errors import InvalidConfig, InvalidProblem
+from flashtune.errors import InvalidConfig, InvalidInput, InvalidProblem
 
 #: Head dims a kernel is compiled for; other multiples of 8 up to 256 are padded up.
 COMPILED_HEAD_DIMS: tuple[int, ...] = (32, 64, 96, 128, 160, 192, 224, 256)
@@ -24,12 +24,8 @@ MIN_SEQ_BUCKET = 64
 MAX_SEQ_BUCKET = 1 << 20
 
 
-class Op(str, Enum):
-    """Which kernel family a Problem asks for."""
-
-    FWD = "fwd"
-    BWD = "bwd"
-    DECODE = "decode"
+#: A kernel family's name as it appears in problem keys: lowercase letters and digits.
+_OP_RE = re.compile(r"^[a-z][a-z0-9]{0,15}$")
 
 
 class DType(str, Enum):
@@ -37,10 +33,6 @@ class DType(str, Enum):
 
     FP16 = "fp16"
     BF16 = "bf16"
-
-    @property
-    def cuda_type(self) -> str:
-        return "__half" if self is DType.FP16 else "__nv_bfloat16"
 
     @property
     def itemsize(self) -> int:
@@ -92,11 +84,13 @@ class Problem:
     head_dim: int
     dtype: DType
     causal: bool = False
-    op: Op = Op.FWD
+    op: str = "fwd"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _enum(DType, self.dtype, "dtype"))
-        object.__setattr__(self, "op", _enum(Op, self.op, "op"))
+        if not isinstance(self.op, str) or not _OP_RE.match(self.op):
+            raise InvalidProblem(f"op={self.op!r} is not a kernel family name; expected "
+                                 "lowercase letters and digits, e.g. 'fwd'")
         hd = _check_int(self.head_dim, "head_dim", InvalidProblem)
         if hd < 8 or hd > MAX_HEAD_DIM or hd % 8:
             raise InvalidProblem(
@@ -105,8 +99,6 @@ class Problem:
             )
         if not isinstance(self.causal, bool):
             raise InvalidProblem(f"causal must be a bool, got {self.causal!r}")
-        if self.op is not Op.FWD:
-            raise InvalidProblem(f"op={self.op.value!r} has no kernel yet; expected 'fwd'")
 
     @property
     def padded_head_dim(self) -> int:
@@ -115,9 +107,9 @@ class Problem:
     def key(self) -> str:
         """Canonical key, e.g. ``fwd_d128_bf16_causal``."""
         mask = "causal" if self.causal else "full"
-        return f"{self.op.value}_d{self.head_dim}_{self.dtype.value}_{mask}"
+        return f"{self.op}_d{self.head_dim}_{self.dtype.value}_{mask}"
 
-    _KEY_RE = re.compile(r"^(fwd|bwd|decode)_d(\d{1,3})_(fp16|bf16)_(causal|full)$")
+    _KEY_RE = re.compile(r"^([a-z][a-z0-9]{0,15})_d(\d{1,3})_(fp16|bf16)_(causal|full)$")
 
     @classmethod
     def from_key(cls, key: str) -> Problem:
@@ -127,10 +119,10 @@ class Problem:
                 f"problem key {key!r} is malformed; expected e.g. 'fwd_d128_bf16_causal'"
             )
         op, hd, dt, mask = match.groups()
-        return cls(head_dim=int(hd), dtype=DType(dt), causal=mask == "causal", op=Op(op))
+        return cls(head_dim=int(hd), dtype=DType(dt), causal=mask == "causal", op=op)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"op": self.op.value, "head_dim": self.head_dim, "dtype": self.dtype.value,
+        return {"op": self.op, "head_dim": self.head_dim, "dtype": self.dtype.value,
                 "causal": self.causal}
 
     @classmethod
@@ -176,25 +168,59 @@ LEGAL_WARPS = (1, 2, 4, 8, 16)
 LEGAL_STAGES = (1, 2, 3, 4)
 MAX_THREADS = 1024
 
+#: Name of a further template knob in a config (and its key): lowercase letters and digits.
+_EXTRA_NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,15}$")
+#: A further knob's value: an int (0/1 for a switch) or a lowercase word (a named mode).
+ExtraValue = int | str
+_EXTRA_WORD_RE = re.compile(r"^[a-z][a-z0-9]{0,15}$")
+_BASE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
+
+
+def _normalise_extras(extras: object) -> tuple[tuple[str, ExtraValue], ...]:
+    try:
+        items = list(extras.items()) if isinstance(extras, Mapping) else list(extras)  # type: ignore[call-overload]
+        pairs = sorted((str(k), v) for k, v in items)
+    except (TypeError, ValueError):
+        raise InvalidConfig(f"extras={extras!r} must be a mapping of knob name -> value") from None
+    for name, value in pairs:
+        if not _EXTRA_NAME_RE.match(name) or name in _BASE_FIELDS:
+            raise InvalidConfig(f"extra knob name {name!r} is illegal; expected lowercase "
+                                "letters and digits, not one of the base fields")
+        if isinstance(value, bool):
+            raise InvalidConfig(f"extra knob {name}={value!r}: write switches as 0 or 1")
+        if isinstance(value, int):
+            if not 0 <= value < 1 << 20:
+                raise InvalidConfig(f"extra knob {name}={value} is outside [0, 2**20)")
+        elif not (isinstance(value, str) and _EXTRA_WORD_RE.match(value)):
+            raise InvalidConfig(f"extra knob {name}={value!r} must be an int or a lowercase "
+                                "word")
+    if len({n for n, _ in pairs}) != len(pairs):
+        raise InvalidConfig(f"extra knob names repeat in {pairs}")
+    return tuple(pairs)
+
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """The tunables of the forward kernel.
+    """The tunables of a kernel: four every family has, and any further template knobs.
 
     block_m (B_r): query rows per thread block, split across warps in slabs of 16 rows.
     block_n (B_c): key/value rows per tile streamed through shared memory.
     num_warps: warps per block; each owns block_m / num_warps query rows.
     num_stages: K/V tiles in flight in the cp.async pipeline (1 = no prefetch).
+    extras: further knobs a family's template declares, as sorted (name, value) pairs
+        (a mapping is accepted); which names and values are legal is the family's rule.
     """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    extras: tuple[tuple[str, ExtraValue], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "num_warps", "num_stages"):
+        for name in _BASE_FIELDS:
             _check_int(getattr(self, name), name, InvalidConfig)
+        object.__setattr__(self, "extras", _normalise_extras(self.extras))
         if self.num_warps not in LEGAL_WARPS:
             raise InvalidConfig(f"num_warps={self.num_warps} is illegal; expected one of "
                                 f"{LEGAL_WARPS}")
@@ -224,32 +250,89 @@ class KernelConfig:
     def rows_per_warp(self) -> int:
         return self.block_m // self.num_warps
 
-    def key(self) -> str:
-        """Canonical key, e.g. ``m128_n64_w4_s2``."""
-        return f"m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
+    def extra(self, name: str, default: ExtraValue) -> ExtraValue:
+        """The value of further knob ``name``, or ``default`` when the config omits it."""
+        return dict(self.extras).get(name, default)
 
-    _KEY_RE = re.compile(r"^m(\d{1,3})_n(\d{1,3})_w(\d{1,2})_s(\d)$")
+    def key(self) -> str:
+        """Canonical key, e.g. ``m128_n64_w4_s2`` (``..._s2_swizzle-1`` with extras)."""
+        base = f"m{self.block_m}_n{self.block_n}_w{self.num_warps}_s{self.num_stages}"
+        return base + "".join(f"_{name}-{value}" for name, value in self.extras)
+
+    _KEY_RE = re.compile(
+        r"^m(\d{1,3})_n(\d{1,3})_w(\d{1,2})_s(\d)((?:_[a-z][a-z0-9]*-[a-z0-9]+)*)$")
 
     @classmethod
     def from_key(cls, key: str) -> KernelConfig:
         match = cls._KEY_RE.match(key)
         if not match:
             raise InvalidConfig(f"config key {key!r} is malformed; expected e.g. 'm128_n64_w4_s2'")
-        m, n, w, s = (int(g) for g in match.groups())
-        return cls(block_m=m, block_n=n, num_warps=w, num_stages=s)
+        m, n, w, s = (int(g) for g in match.groups()[:4])
+        extras: dict[str, ExtraValue] = {}
+        for part in match.group(5).split("_")[1:]:
+            name, _, value = part.partition("-")
+            extras[name] = int(value) if value.isdigit() else value
+        return cls(block_m=m, block_n=n, num_warps=w, num_stages=s, extras=tuple(extras.items()))
 
-    def to_dict(self) -> dict[str, int]:
-        return asdict(self)
+    def to_dict(self) -> dict[str, ExtraValue]:
+        """Flat fields: the four base ones and every extra knob by name."""
+        out: dict[str, ExtraValue] = {f: getattr(self, f) for f in _BASE_FIELDS}
+        out.update(self.extras)
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> KernelConfig:
-        fields = {"block_m", "block_n", "num_warps", "num_stages"}
-        unknown = set(data) - fields
-        missing = fields - set(data)
-        if unknown or missing:
-            raise InvalidConfig(f"config fields: unknown {sorted(unknown)}, missing "
-                                f"{sorted(missing)}; expected exactly {sorted(fields)}")
-        return cls(**{k: data[k] for k in fields})
+        """Inverse of ``to_dict``: the four base fields are required, others are extras."""
+        missing = set(_BASE_FIELDS) - set(data)
+        if missing:
+            raise InvalidConfig(f"config fields missing: {sorted(missing)}; expected "
+                                f"{list(_BASE_FIELDS)} plus any extra knobs")
+        extras = tuple((k, v) for k, v in data.items() if k not in _BASE_FIELDS)
+        return cls(**{k: data[k] for k in _BASE_FIELDS}, extras=extras)
+
+
+class ShapeLike(Protocol):
+    """Sizes of one attention-like call (``Shape`` satisfies this)."""
+
+    @property
+    def batch(self) -> int: ...
+    @property
+    def heads_q(self) -> int: ...
+    @property
+    def heads_kv(self) -> int: ...
+    @property
+    def seqlen_q(self) -> int: ...
+    @property
+    def seqlen_k(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Sizes of one attention-like call: batch, query and key/value heads, sequence lengths."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    seqlen_k: int
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidInput(f"shape {name}={value!r} is invalid; expected an int >= 1")
+        if self.heads_q % self.heads_kv:
+            raise InvalidInput(f"heads_q={self.heads_q} is not a multiple of heads_kv="
+                               f"{self.heads_kv}; GQA needs heads_q = group * heads_kv")
+
+    @classmethod
+    def square(cls, batch: int, heads: int, seqlen: int) -> Shape:
+        return cls(batch, heads, heads, seqlen, seqlen)
+
+    def key(self) -> str:
+        """A short, filename-safe name of the shape, e.g. ``b2_hq16_hkv16_q4096_k4096``."""
+        return (f"b{self.batch}_hq{self.heads_q}_hkv{self.heads_kv}_"
+                f"q{self.seqlen_q}_k{self.seqlen_k}")
 
 
 @dataclass(frozen=True)
@@ -270,13 +353,3 @@ class KernelSource:
     digest: str
     smem_bytes: int
     threads: int
-
-    @property
-    def name(self) -> str:
-        """Readable, filename-safe variant name (also the entry point)."""
-        return self.entry
-
-    def grid(self, batch: int, heads_q: int, seqlen_q: int) -> tuple[int, int, int]:
-        """Launch grid: (query blocks, heads, batch)."""
-        blocks = max(1, -(-seqlen_q // self.config.block_m))
-        return (blocks, heads_q, batch)

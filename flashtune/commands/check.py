@@ -2,8 +2,9 @@
 
 For each arch: render the kernel, compile it with NVRTC (registers, spills, shared memory),
 run it in the CPU emulator on fresh random inputs of the given shape (by default in both
-thread schedules, which expose races in either direction) and compare O and LSE with a
-float64 reference. One table row per (config, arch); exits with status 1 if anything fails.
+thread schedules, which expose races in either direction) and compare the outputs with the
+float64 reference of the kernel's family. One table row per (config, arch); exits with
+status 1 if anything fails.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flashtune.codegen import space
-from flashtune.codegen.render import render
-from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
+from flashtune import families
+from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem, Shape
 from flashtune.commands.codegen import (
     DEFAULT_ARCH,
     BlockM,
@@ -29,30 +29,30 @@ from flashtune.commands.codegen import (
     ConfigKey,
     DTypeOpt,
     HeadDim,
+    OpOpt,
     Stages,
     Warps,
     parse_arch,
     parse_problem,
 )
 from flashtune.errors import FlashtuneError, InvalidInput
-from flashtune.perf.workload import Shape
+from flashtune.families import render
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
 
 if TYPE_CHECKING:  # torch is imported when a check runs, not when the CLI starts
-    from flashtune.runtime.verify import Verdict
+    from flashtune.families.base import Verdict
 
 
 def run_in_emulator(source: KernelSource, shape: Shape, schedules: list[Schedule],
                     seed: int) -> Verdict:
     """Launch ``source`` on random inputs (outputs poisoned with NaN) once per schedule and
     return the worst verdict."""
-    from flashtune.runtime.verify import verify
+    from flashtune.runtime.launch import verify
 
     worst: Verdict | None = None
     for schedule in schedules:
         kernel = EmulatorBackend(options=LaunchOptions(schedule=schedule)).load(source)
-        verdict = verify(kernel, source.problem, source.config.block_m, shape, "cpu",
-                         seed=seed)
+        verdict = verify(kernel, shape, "cpu", seed=seed)
         if worst is None or (not verdict.ok, verdict.max_abs) > (not worst.ok, worst.max_abs):
             worst = verdict
     assert worst is not None
@@ -95,6 +95,7 @@ def check_command(
     head_dim: HeadDim = 128,
     dtype: DTypeOpt = DType.FP16,
     causal: Causal = False,
+    op: OpOpt = "fwd",
     config: ConfigKey = None,
     block_m: BlockM = None,
     block_n: BlockN = None,
@@ -116,11 +117,13 @@ def check_command(
 ) -> None:
     """Compile a kernel with NVRTC, run it in the CPU emulator and compare with float64.
 
+    Any kernel family (--op); the shape options give its batch, heads and lengths.
+
     Exits with status 1 if any kernel fails to compile, faults in the emulator (bad address,
     race, deadlock) or misses the tolerance. Register spills are shown, not failures.
     """
     console = Console(width=max(Console().width, 110))
-    problem: Problem = parse_problem(head_dim, dtype, causal)
+    problem: Problem = parse_problem(op, head_dim, dtype, causal)
     specs = list(dict.fromkeys(parse_arch(a) for a in (arch or [DEFAULT_ARCH])))
     choice = ConfigChoice(config, block_m, block_n, warps, stages)
     if schedule not in ("forward", "reverse", "both"):
@@ -139,7 +142,7 @@ def check_command(
         cfg = choice.resolve(problem, spec)
         row = _Row(cfg, spec.name)
         rows.append(row)
-        reason = space.static_check(problem, cfg, spec)
+        reason = families.of(problem).static_check(problem, cfg, spec)
         if reason is not None:
             row.failures = (f"{cfg.key()} cannot run on {spec.name}: {reason}",)
             continue

@@ -16,15 +16,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flashtune.codegen import space
+from flashtune import families
 from flashtune.codegen.arch import ArchSpec, get_arch
-from flashtune.codegen.defaults import default_config
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
 from flashtune.errors import FlashtuneError, InvalidConfig, InvalidProblem
+from flashtune.families import render
 
 DEFAULT_ARCH = "sm_90"
 
+OpOpt = Annotated[str, typer.Option(
+    "--op", help="Kernel family (`flashtune families` lists them).")]
 HeadDim = Annotated[int, typer.Option("--head-dim", help="Head dimension (multiple of 8, <= 256).")]
 DTypeOpt = Annotated[DType, typer.Option("--dtype", case_sensitive=False,
                                          help="Element type of q, k, v.")]
@@ -60,20 +61,25 @@ class ConfigChoice:
     def resolve(self, problem: Problem, spec: ArchSpec) -> KernelConfig:
         try:
             base = (KernelConfig.from_key(self.key) if self.key is not None
-                    else default_config(problem, spec))
+                    else families.of(problem).default_config(problem, spec))
         except InvalidConfig as exc:
             raise typer.BadParameter(str(exc), param_hint="--config") from exc
         try:
-            return KernelConfig(**{**base.to_dict(), **self.overrides})
+            return KernelConfig.from_dict({**base.to_dict(), **self.overrides})
         except InvalidConfig as exc:
             raise typer.BadParameter(
                 f"{exc} (from {base.key()} with {self.overrides})",
                 param_hint="--block-m/--block-n/--warps/--stages") from exc
 
 
-def parse_problem(head_dim: int, dtype: DType, causal: bool) -> Problem:
+def parse_problem(op: str, head_dim: int, dtype: DType, causal: bool) -> Problem:
+    """The Problem of the options, served by a registered family (else a usage error)."""
     try:
-        return Problem(head_dim=head_dim, dtype=dtype, causal=causal)
+        families.get(op)
+    except InvalidProblem as exc:
+        raise typer.BadParameter(str(exc), param_hint="--op") from exc
+    try:
+        return Problem(head_dim=head_dim, dtype=dtype, causal=causal, op=op)
     except InvalidProblem as exc:
         raise typer.BadParameter(str(exc), param_hint="--head-dim") from exc
 
@@ -92,6 +98,7 @@ def fail(message: str) -> typer.Exit:
 
 
 def show(
+    op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
     dtype: DTypeOpt = DType.FP16,
     causal: Causal = False,
@@ -105,11 +112,11 @@ def show(
     ] = DEFAULT_ARCH,
 ) -> None:
     """Print the generated CUDA source of one kernel."""
-    problem = parse_problem(head_dim, dtype, causal)
+    problem = parse_problem(op, head_dim, dtype, causal)
     spec = parse_arch(arch)
     choice = ConfigChoice(config, block_m, block_n, warps, stages)
     kernel_config = choice.resolve(problem, spec)
-    reason = space.static_check(problem, kernel_config, spec)
+    reason = families.of(problem).static_check(problem, kernel_config, spec)
     if reason is not None:
         Console(stderr=True).print(f"[yellow]note:[/] {kernel_config.key()} is excluded on "
                                    f"{spec.name}: {reason}", highlight=False)
@@ -127,17 +134,18 @@ class _Row:
 def _plan(problem: Problem, specs: list[ArchSpec], choice: ConfigChoice, all_configs: bool
           ) -> list[_Row]:
     rows: list[_Row] = []
+    family = families.of(problem)
     if all_configs:
-        configs = space.search_space(problem)
+        configs = family.search_space(problem)
         for cfg in configs:
             source = render(problem, cfg)
             for spec in specs:
-                reason = space.static_check(problem, cfg, spec)
+                reason = family.static_check(problem, cfg, spec)
                 rows.append(_Row(None if reason else source, cfg, spec.name, reason))
         return rows
     for spec in specs:
         cfg = choice.resolve(problem, spec)
-        reason = space.static_check(problem, cfg, spec)
+        reason = family.static_check(problem, cfg, spec)
         rows.append(_Row(None if reason else render(problem, cfg), cfg, spec.name, reason))
     return rows
 
@@ -145,6 +153,7 @@ def _plan(problem: Problem, specs: list[ArchSpec], choice: ConfigChoice, all_con
 def compile_command(
     arch: Annotated[list[str] | None, typer.Option(
         "--arch", help=f"Target arch, repeatable (default {DEFAULT_ARCH}).")] = None,
+    op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
     dtype: DTypeOpt = DType.FP16,
     causal: Causal = False,
@@ -172,7 +181,7 @@ def compile_command(
     from flashtune.runtime.sass import disassemble
     from flashtune.runtime.toolchain import find_toolchain, require_nvdisasm
 
-    problem = parse_problem(head_dim, dtype, causal)
+    problem = parse_problem(op, head_dim, dtype, causal)
     specs = list(dict.fromkeys(parse_arch(a) for a in (arch or [DEFAULT_ARCH])))
     choice = ConfigChoice(config, block_m, block_n, warps, stages)
     if all_configs and choice.given:
@@ -219,9 +228,36 @@ def compile_command(
                 (sass_dir / f"{row.source.entry}.{row.arch}.sass").write_text(
                     disassemble(result.kernel.cubin))
         console.print(table)
+        if all_configs:
+            _print_space_sizes(console, problem, specs, rows)
     except FlashtuneError as exc:
         raise fail(str(exc)) from exc
     if failures:
         for failure in failures:
             Console(stderr=True).print(str(failure.error()), highlight=False, markup=False)
         raise fail(f"{len(failures)} of {len(jobs)} kernels failed to compile")
+
+
+def _print_space_sizes(console: Console, problem: Problem, specs: list[ArchSpec],
+                       rows: list[_Row]) -> None:
+    """The space of ``problem``: declared points, structurally legal configs, and those
+    that pass each arch's static rules."""
+    family = families.of(problem)
+    declared = family.space(problem).size
+    legal = len(family.search_space(problem))
+    for spec in specs:
+        passing = sum(1 for r in rows if r.arch == spec.name and r.source is not None)
+        console.print(f"space of {problem.key()} on {spec.name}: {declared} declared points, "
+                      f"{legal} legal configs, {passing} pass the static rules")
+
+
+def families_command() -> None:
+    """List the kernel families: op, title, template and the size of the search space."""
+    table = Table(title="kernel families")
+    for column in ("op", "what it computes", "template", "space (points)"):
+        table.add_column(column)
+    for family in families.all_families():
+        problem = Problem(head_dim=128, dtype=DType.FP16, op=family.op)
+        table.add_row(family.op, family.title, family.template,
+                      str(family.space(problem).size))
+    Console().print(table)

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from flashtune.codegen.spec import DType
+from flashtune.codegen.spec import DType, Shape
 from flashtune.commands.codegen import (
     DEFAULT_ARCH,
     BlockM,
@@ -20,6 +20,7 @@ from flashtune.commands.codegen import (
     ConfigKey,
     DTypeOpt,
     HeadDim,
+    OpOpt,
     Stages,
     Warps,
     fail,
@@ -28,7 +29,6 @@ from flashtune.commands.codegen import (
 )
 from flashtune.errors import FlashtuneError
 from flashtune.perf.sass import InstructionMix
-from flashtune.perf.workload import Shape
 
 if TYPE_CHECKING:
     from flashtune.perf.profile import KernelProfile
@@ -126,6 +126,7 @@ def _print_counters(console: Console, profile: KernelProfile) -> None:
 
 
 def profile(
+    op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
     dtype: DTypeOpt = DType.FP16,
     causal: Causal = False,
@@ -156,7 +157,7 @@ def profile(
     PREDICTED time and TFLOP/s on a GPU (a cost-model prediction; no GPU is used)."""
     from flashtune.perf.profile import profile_kernel
 
-    problem = parse_problem(head_dim, dtype, causal)
+    problem = parse_problem(op, head_dim, dtype, causal)
     spec = parse_arch(arch)
     kernel_config = ConfigChoice(config, block_m, block_n, warps, stages).resolve(problem, spec)
     shape = _shape(batch, heads, heads_kv, seqlen, seqlen_k)

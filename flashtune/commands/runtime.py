@@ -12,11 +12,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from flashtune import families
 from flashtune.codegen.arch import get_arch
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import COMPILED_HEAD_DIMS, DType, Problem, seq_bucket
 from flashtune.db.records import BestEntry
 from flashtune.errors import FlashtuneError
+from flashtune.families import render
 from flashtune.runtime.cache import ArtifactCache
 from flashtune.runtime.dispatch import DeviceLike, Dispatcher
 
@@ -37,10 +38,6 @@ class NamedDevice:
 
     name: str
     arch: str
-
-    @property
-    def family(self) -> str:
-        return get_arch(self.arch).family
 
 
 def _fail(message: str) -> typer.Exit:
@@ -103,14 +100,17 @@ def explain_command(
         "--seqlen-k", help="Key sequence length (default: --seqlen).")] = None,
     dtype: Annotated[DType, typer.Option("--dtype", case_sensitive=False)] = DType.FP16,
     causal: Annotated[bool, typer.Option("--causal/--no-causal")] = False,
+    op: Annotated[str, typer.Option(
+        "--op", help="Kernel family (`flashtune families` lists them).")] = "fwd",
     arch: ArchOpt = None,
     device: DeviceOpt = None,
     db: DbOpt = None,
 ) -> None:
     """Print which config attention would run for a problem on a GPU, and which tier of the
-    lookup (exact, nearest, family, default) answered. Nothing is compiled or tuned."""
+    lookup (exact, nearest, same_arch, default) answered. Nothing is compiled or tuned."""
     try:
-        problem = Problem(head_dim=head_dim, dtype=dtype, causal=causal)
+        problem = Problem(head_dim=head_dim, dtype=dtype, causal=causal, op=op)
+        families.get(op)
         bucket = problem.bucket(seqlen, seqlen if seqlen_k is None else seqlen_k)
         target = resolve_device(arch, device, db)
         decision = _dispatcher(db).decide(bucket, target)

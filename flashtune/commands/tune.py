@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from flashtune import knobs
+from flashtune import families, knobs
 from flashtune.codegen.spec import Problem
 from flashtune.errors import FlashtuneError, TuningError
 from flashtune.tuner.evaluate import DEFAULT_MAX_SPILL_BYTES
@@ -40,6 +40,8 @@ def _fail(message: str) -> typer.Exit:
 
 def tune_command(
     head_dim: Annotated[int, typer.Option("--head-dim", help="Head dimension, e.g. 128.")],
+    op: Annotated[str, typer.Option(
+        "--op", help="Kernel family (`flashtune families` lists them).")] = "fwd",
     dtype: Annotated[str, typer.Option("--dtype", help="fp16 or bf16.")] = "bf16",
     causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Causal mask.")] = False,
     seqlens: Annotated[str, typer.Option(
@@ -86,11 +88,13 @@ def tune_command(
                                  "this GPU when the model knows it; a dry run: the arch's "
                                  "reference GPU).")] = None,
 ) -> None:
-    """Tune the forward kernel on this GPU and store each bucket's winner."""
+    """Tune a kernel family (default: the forward) on this GPU; store each bucket's winner."""
     from flashtune.tuner.workload import parse_batch_heads, parse_seqlens
 
     try:
-        problem = Problem.from_dict({"head_dim": head_dim, "dtype": dtype, "causal": causal})
+        problem = Problem.from_dict({"head_dim": head_dim, "dtype": dtype, "causal": causal,
+                                     "op": op})
+        families.get(op)
         lengths = parse_seqlens(seqlens)
         pairs = parse_batch_heads(batch_heads)
         options = TuneOptions(
@@ -138,7 +142,8 @@ def _run_local(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHea
 
     backend = dry_run_backend(dry_arch) if dry_arch else gpu_backend()
     with RichProgress(options.trials) as progress:
-        return tune(problem.head_dim, problem.dtype, problem.causal, lengths, backend=backend,
+        return tune(problem.head_dim, problem.dtype, problem.causal, lengths, op=problem.op,
+                    backend=backend,
                     dry_run=dry_arch is not None, db=db, options=options,
                     batch_heads=pairs, observer=progress)
 
@@ -162,7 +167,7 @@ def _run_workers(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchH
     info = DeviceInfo.current(0)
     spec = WorkerSpec(
         head_dim=problem.head_dim, dtype=problem.dtype.value, causal=problem.causal,
-        seqlens=lengths, db=db or "", backend="flashtune.tuner.backends:gpu_backend",
+        op=problem.op, seqlens=lengths, db=db or "", backend="flashtune.tuner.backends:gpu_backend",
         batch_heads=tuple((p.batch, p.heads) for p in pairs), options=options)
     with RichProgress(options.trials) as progress:
         return tune_parallel(spec, workers, device=info.name, arch=info.spec,

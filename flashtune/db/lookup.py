@@ -9,7 +9,7 @@ Order of preference:
 1. exact: this device, this problem, this seqlen bucket;
 2. nearest: this device and problem, the bucket nearest in log2(seqlen) (ties: the larger
    bucket, whose tiles were tuned for the longer sequences);
-3. family: another device of the same arch (e.g. another sm_90 GPU), nearest bucket, ties
+3. same_arch: another device of the same arch (e.g. another sm_90 GPU), nearest bucket, ties
    broken by the larger bucket, then the device name (so the choice is deterministic).
 """
 
@@ -23,7 +23,7 @@ from typing import Literal
 
 from flashtune.db.records import BestEntry
 
-How = Literal["exact", "nearest", "family"]
+How = Literal["exact", "nearest", "same_arch"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def resolve(entries: Iterable[BestEntry], *, device: str, arch: str, problem: st
             seqlen: int) -> Match | None:
     """The best entry for the bucket by the module's order of preference, or None."""
     own: list[BestEntry] = []
-    family: list[BestEntry] = []
+    same_arch: list[BestEntry] = []
     for entry in entries:
         if entry.problem != problem:
             continue
@@ -57,12 +57,12 @@ def resolve(entries: Iterable[BestEntry], *, device: str, arch: str, problem: st
                 return Match(entry, "exact")
             own.append(entry)
         elif entry.arch == arch:
-            family.append(entry)
+            same_arch.append(entry)
     found = nearest(own, seqlen)
     if found is not None:
         return Match(found, "nearest")
-    found = nearest(family, seqlen)
-    return Match(found, "family") if found is not None else None
+    found = nearest(same_arch, seqlen)
+    return Match(found, "same_arch") if found is not None else None
 
 
 class BestIndex:

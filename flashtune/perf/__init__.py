@@ -11,6 +11,7 @@ Every time this package returns is a PREDICTION, labelled as such; measurements 
 from a GPU.
 """
 
+from flashtune.codegen.spec import Shape
 from flashtune.perf.calibrate import Calibration, Trial, calibrate, spearman
 from flashtune.perf.costmodel import (
     DEFAULT_PARAMS,
@@ -23,7 +24,6 @@ from flashtune.perf.costmodel import (
 from flashtune.perf.gpus import GPUS, GpuSpec, get_gpu
 from flashtune.perf.occupancy import Occupancy, occupancy, waves
 from flashtune.perf.sass import InstructionMix, SassFunction, SassListing, parse_sass
-from flashtune.perf.workload import Shape
 
 __all__ = [
     "DEFAULT_PARAMS",

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flashtune.codegen.spec import DType, KernelConfig, Problem
+from flashtune import families
+from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.perf.calibrate import Trial
 from flashtune.perf.costmodel import DEFAULT_PARAMS, ModelParams, predict
-from flashtune.perf.workload import Shape, flops
 
 #: (batch, seqlen) of the standard sweep: 16k tokens per batch.
 SWEEP: tuple[tuple[int, int], ...] = ((32, 512), (16, 1024), (8, 2048), (4, 4096),
@@ -121,7 +121,7 @@ def h100_trials() -> list[Trial]:
         for (batch, seqlen), value in zip(SWEEP, published, strict=True):
             problem = Problem(head_dim=head_dim, dtype=DType.FP16, causal=causal)
             shape = Shape.square(batch, HIDDEN // head_dim, seqlen)
-            ms = flops(problem, shape) / (value * 1e12) * 1e3
+            ms = families.of(problem).flops(problem, shape) / (value * 1e12) * 1e3
             out.append(Trial(problem, fa2_config(head_dim), shape, "H100", ms,
                              resources=fa2_resources(head_dim)))
     return out

@@ -15,7 +15,7 @@ import numpy as np
 from scipy.optimize import least_squares
 from scipy.stats import spearmanr
 
-from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.codegen.spec import KernelConfig, Problem, ShapeLike
 from flashtune.errors import InvalidInput
 from flashtune.perf.costmodel import (
     DEFAULT_PARAMS,
@@ -26,7 +26,6 @@ from flashtune.perf.costmodel import (
 )
 from flashtune.perf.gpus import GpuSpec
 from flashtune.perf.sass import InstructionMix, SassFunction
-from flashtune.perf.workload import ShapeLike
 
 #: Parameters calibrate() fits by default, with the range each may take.
 FIT_BOUNDS: dict[str, tuple[float, float]] = {

@@ -34,21 +34,20 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Protocol
 
-from flashtune.codegen import space
-from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune import families
+from flashtune.codegen.spec import KernelConfig, Problem, ShapeLike
 from flashtune.errors import InvalidConfig, InvalidInput, OutOfResources
+from flashtune.families.fwd import space
 from flashtune.perf.gpus import MMA_M16N8K16_FLOPS, SUBPARTITIONS_PER_SM, GpuSpec, get_gpu
 from flashtune.perf.occupancy import Occupancy, occupancy
 from flashtune.perf.sass import InstructionMix, SassFunction
 from flashtune.perf.schedule import makespan
 from flashtune.perf.workload import (
-    ShapeLike,
     TileMix,
     Traffic,
     analytic_tile_mix,
     analytic_traffic,
     check_shape,
-    flops,
     mma_head_dim,
     sass_tile_mix,
     tiles_per_query_block,
@@ -333,7 +332,7 @@ def predict(
 
     memory_share = sum(q_o_s + (first_kv_s if t else 0.0) for t in tiles) / sum(durations)
     bound = _bound(sched.makespan, dram_s, l2_s, sched.utilisation, memory_share, cyc, notes)
-    work = flops(problem, shape)
+    work = families.of(problem).flops(problem, shape)
     return Prediction(
         time_ms=total_s * 1e3, tflops=work / total_s / 1e12, bound=bound,
         model_version=params.version, gpu=spec.name, occupancy=occ, cycles=cyc, mix=mix,

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from flashtune.codegen.render import render
-from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.errors import InvalidInput
+from flashtune.families import render
 from flashtune.perf.costmodel import TrafficCounters
-from flashtune.perf.workload import Shape, ShapeLike, tiles_per_query_block
+from flashtune.perf.workload import tiles_per_query_block
 from flashtune.runtime.backends.emulator import EmulatorBackend, EmulatorCounters, LaunchOptions
 
 #: Largest sequence length of the sample shape (the emulator runs about 1 M mma per second).
@@ -61,26 +61,10 @@ class EmulatedTraffic:
 
 
 def _run_sample(problem: Problem, config: KernelConfig, sample: Shape) -> EmulatorCounters:
-    import torch  # the emulator's tensors; imported here to keep `flashtune.perf` light
+    from flashtune.runtime.launch import prepare  # imports torch: keep `flashtune.perf` light
 
-    from flashtune.runtime.kernel_args import FwdArgs, TensorView
-
-    def view(t: torch.Tensor) -> TensorView:
-        s = t.stride()
-        return TensorView(t.data_ptr(), s[0], s[1], s[2])
-
-    source = render(problem, config)
-    kernel = EmulatorBackend(options=LaunchOptions(counters=True)).load(source)
-    dtype = torch.float16 if problem.dtype.value == "fp16" else torch.bfloat16
-    d = problem.head_dim
-    q = torch.randn(sample.batch, sample.seqlen_q, sample.heads_q, d).to(dtype)
-    k = torch.randn(sample.batch, sample.seqlen_k, sample.heads_kv, d).to(dtype)
-    v = torch.randn(sample.batch, sample.seqlen_k, sample.heads_kv, d).to(dtype)
-    o = torch.full_like(q, float("nan"))
-    lse = torch.full((sample.batch, sample.heads_q, sample.seqlen_q), float("nan"))
-    args = FwdArgs(view(q), view(k), view(v), view(o), lse.data_ptr(), sample.seqlen_q,
-                   sample.seqlen_k, sample.heads_q, sample.heads_kv, d ** -0.5)
-    kernel.launch(source.grid(sample.batch, sample.heads_q, sample.seqlen_q), args.packed())
+    kernel = EmulatorBackend(options=LaunchOptions(counters=True)).load(render(problem, config))
+    prepare(kernel, sample, "cpu", poison=True).run()
     counters = kernel.last_counters
     assert counters is not None  # LaunchOptions(counters=True)
     return counters

@@ -7,14 +7,13 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from flashtune.codegen.arch import get_arch
-from flashtune.codegen.render import render
-from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.errors import InvalidConfig
+from flashtune.families import render
 from flashtune.perf.costmodel import DEFAULT_PARAMS, ModelParams, Prediction, predict
 from flashtune.perf.disasm import disassemble
 from flashtune.perf.gpus import GpuSpec, default_gpu_for_arch, get_gpu
 from flashtune.perf.sass import InstructionMix, Loop
-from flashtune.perf.workload import Shape
 from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.resources import Resources
 

@@ -14,67 +14,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Protocol
 
-from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.errors import InvalidInput
 from flashtune.perf.sass import InstructionMix
-
-
-class ShapeLike(Protocol):
-    """Sizes of one forward call (``Shape`` below satisfies this)."""
-
-    @property
-    def batch(self) -> int: ...
-    @property
-    def heads_q(self) -> int: ...
-    @property
-    def heads_kv(self) -> int: ...
-    @property
-    def seqlen_q(self) -> int: ...
-    @property
-    def seqlen_k(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class Shape:
-    """Sizes of one forward call: batch, query and key/value heads, sequence lengths."""
-
-    batch: int
-    heads_q: int
-    heads_kv: int
-    seqlen_q: int
-    seqlen_k: int
-
-    def __post_init__(self) -> None:
-        for name in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidInput(f"shape {name}={value!r} is invalid; expected an int >= 1")
-        if self.heads_q % self.heads_kv:
-            raise InvalidInput(f"heads_q={self.heads_q} is not a multiple of heads_kv="
-                               f"{self.heads_kv}; GQA needs heads_q = group * heads_kv")
-
-    @classmethod
-    def square(cls, batch: int, heads: int, seqlen: int) -> Shape:
-        return cls(batch, heads, heads, seqlen, seqlen)
-
-    def key(self) -> str:
-        """A short, filename-safe name of the shape, e.g. ``b2_hq16_hkv16_q4096_k4096``."""
-        return (f"b{self.batch}_hq{self.heads_q}_hkv{self.heads_kv}_"
-                f"q{self.seqlen_q}_k{self.seqlen_k}")
 
 
 def check_shape(shape: ShapeLike) -> None:
     """Validate any ShapeLike (raises InvalidInput)."""
     Shape(shape.batch, shape.heads_q, shape.heads_kv, shape.seqlen_q, shape.seqlen_k)
-
-
-def flops(problem: Problem, shape: ShapeLike) -> float:
-    """Forward FLOPs by the field's convention: 4 B Nq Nk H D, halved when causal."""
-    total = (4.0 * shape.batch * shape.seqlen_q * shape.seqlen_k * shape.heads_q
-             * problem.head_dim)
-    return total / 2 if problem.causal else total
 
 
 def mma_head_dim(problem: Problem) -> int:

@@ -40,15 +40,14 @@ def _positive(value: object, what: str) -> None:
 class DeviceInfo:
     """What flashtune needs to know about a GPU.
 
-    ``arch`` is the canonical arch name (``sm_90``) and ``family`` the arch used for fallback
-    matching of tuning results. Memory sizes are bytes. Versions are ``"major.minor"``
+    ``arch`` is the canonical arch name (``sm_90``); tuning results of another device of the
+    same arch serve as a fallback. Memory sizes are bytes. Versions are ``"major.minor"``
     strings, None where unknown (a virtual device has no driver or runtime). ``sm_count`` and
     ``total_memory`` are None for a virtual device unless given.
     """
 
     name: str
     arch: str
-    family: str
     compute_capability: tuple[int, int]
     sm_count: int | None
     smem_per_block: int
@@ -101,7 +100,6 @@ class DeviceInfo:
         return cls(
             name=f"{_VIRTUAL_PREFIX}{spec.name}",
             arch=spec.name,
-            family=spec.family,
             compute_capability=spec.compute_capability,
             sm_count=sm_count,
             smem_per_block=48 * 1024,
@@ -148,7 +146,6 @@ class DeviceInfo:
         return cls(
             name=str(props.name),
             arch=spec.name,
-            family=spec.family,
             compute_capability=(major, minor),
             sm_count=int(props.multi_processor_count),
             smem_per_block=int(getattr(props, "shared_memory_per_block", 48 * 1024)),

@@ -4,8 +4,8 @@ Lookup order for a (device, problem, sequence bucket):
 
 1. ``exact``   -- the best tuned config of this problem and bucket on this device;
 2. ``nearest`` -- this device's best config of the problem at the nearest tuned bucket;
-3. ``family``  -- the same, from another GPU of the same arch family (e.g. any sm_90);
-4. ``default`` -- the built-in default table (``codegen.defaults``).
+3. ``same_arch`` -- the same, from another GPU of the same arch (e.g. any sm_90);
+4. ``default`` -- the family's built-in default table (``families.<op>``).
 
 The database is read lazily, once per process (per Dispatcher), and never written or
 created; if it cannot be read a warning is logged once and every decision falls back to the
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from flashtune.codegen import space
+from flashtune import families
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import KernelConfig, Problem, ProblemBucket
 from flashtune.db.lookup import BestIndex
@@ -43,9 +43,6 @@ class DeviceLike(Protocol):
     @property
     def arch(self) -> str: ...
 
-    @property
-    def family(self) -> str: ...
-
 
 class TunedSource(Protocol):
     """Where tuned results come from: every best entry at once (``db.TuningStore`` fits)."""
@@ -56,7 +53,7 @@ class TunedSource(Protocol):
 class Tier(str, Enum):
     EXACT = "exact"
     NEAREST = "nearest"
-    FAMILY = "family"
+    SAME_ARCH = "same_arch"
     DEFAULT = "default"
 
     @property
@@ -64,7 +61,7 @@ class Tier(str, Enum):
         return {
             Tier.EXACT: "tuned on this device for this bucket",
             Tier.NEAREST: "tuned on this device for the nearest bucket",
-            Tier.FAMILY: "tuned on another GPU of the same arch family",
+            Tier.SAME_ARCH: "tuned on another GPU of the same arch",
             Tier.DEFAULT: "built-in default (no tuned result applies)",
         }[self]
 
@@ -105,26 +102,9 @@ class Decision:
         return "\n".join(lines)
 
 
-def _fallback_default(problem: Problem, arch: str) -> KernelConfig:
-    """A conservative legal config, used only while codegen.defaults is unavailable."""
-    spec = get_arch(arch)
-    preferred = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
-    if space.static_check(problem, preferred, spec) is None:
-        return preferred
-    legal = space.candidates(problem, spec)
-    if not legal:
-        raise FlashtuneError(f"no config of the search space fits {problem.key()} on {arch}")
-    return min(legal, key=lambda c: space.smem_bytes(problem, c))
-
-
 def default_config(problem: Problem, arch: str) -> KernelConfig:
-    """The built-in default config of ``problem`` on ``arch``."""
-    try:
-        from flashtune.codegen.defaults import default_config as table
-    except ImportError:
-        return _fallback_default(problem, arch)
-    config: KernelConfig = table(problem, arch)
-    return config
+    """The built-in default config of ``problem`` on ``arch`` (its family's table)."""
+    return families.of(problem).default_config(problem, get_arch(arch))
 
 
 def usable_config(entry: BestEntry) -> KernelConfig | str:
@@ -136,7 +116,7 @@ def usable_config(entry: BestEntry) -> KernelConfig | str:
         ProblemBucket(problem, entry.seqlen)
     except FlashtuneError as exc:
         return str(exc)
-    reason = space.static_check(problem, config, spec)
+    reason = families.of(problem).static_check(problem, config, spec)
     if reason is not None:
         return f"config {config.key()} cannot run on {spec.name}: {reason}"
     return config
@@ -193,11 +173,12 @@ class Dispatcher:
     def _decide(self, bucket: ProblemBucket, device: DeviceLike) -> Decision:
         tuned = self._load()
         arch = get_arch(device.arch).name
-        match = tuned.index.lookup(device=device.name, arch=get_arch(device.family).name,
+        match = tuned.index.lookup(device=device.name, arch=arch,
                                    problem=bucket.problem.key(), seqlen=bucket.seqlen)
         if match is not None:
             config = tuned.configs[_entry_key(match.entry)]
-            reason = space.static_check(bucket.problem, config, get_arch(arch))
+            reason = families.of(bucket.problem).static_check(bucket.problem, config,
+                                                             get_arch(arch))
             if reason is None:
                 return Decision(bucket, device.name, arch, config, Tier(match.how), match.entry)
             log.warning("the tuned config %s (%s, %s) cannot run on %s (%s): %s; using the "

@@ -1,4 +1,5 @@
-"""Running the forward kernel on validated tensors: backend, plan, outputs, arguments, launch.
+"""Running the forward family's kernel on validated tensors: backend, plan, outputs,
+arguments, launch.
 
 A *plan* is everything a call needs that does not change between calls of one (backend,
 device, dtype, head dim, causal, sequence bucket): the dispatcher's decision and the loaded
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from flashtune import knobs
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import (
     MAX_SEQ_BUCKET,
     MIN_SEQ_BUCKET,
@@ -28,46 +28,19 @@ from flashtune.codegen.spec import (
     ProblemBucket,
 )
 from flashtune.errors import InvalidInput
+from flashtune.families import render
+from flashtune.families.fwd.args import grid, pack_args
 from flashtune.runtime.backends import BackendEntry, backend_entry, get_backend
 from flashtune.runtime.backends.base import LoadedKernel
 from flashtune.runtime.dispatch import Decision, DeviceLike, get_dispatcher
-from flashtune.runtime.kernel_args import ArgType, FwdArgs, TensorView
-
-#: The arch whose configs the CPU emulator runs (its "device" is a virtual GPU of this arch).
 
 _DTYPES = {torch.float16: DType.FP16, torch.bfloat16: DType.BF16}
-
-# The kernel's parameter types, in order, taken from the argument contract itself.
-_ZERO_VIEW = TensorView(0, 0, 0, 0)
-FWD_ARG_TYPES: tuple[ArgType, ...] = tuple(
-    kind for kind, _ in FwdArgs(_ZERO_VIEW, _ZERO_VIEW, _ZERO_VIEW, _ZERO_VIEW, 0, 0, 0, 0, 0,
-                                0.0).packed()
-)
 
 
 def seqlen_bucket(seqlen: int) -> int:
     """``codegen.spec.seq_bucket`` for seqlen >= 1, with integer arithmetic only."""
     bucket = 1 << (seqlen - 1).bit_length()
     return MIN_SEQ_BUCKET if bucket < MIN_SEQ_BUCKET else min(bucket, MAX_SEQ_BUCKET)
-
-
-def pack_fwd_args(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    softmax_scale: float,
-) -> tuple[tuple[ArgType, int | float], ...]:
-    """The kernel arguments, equal to ``FwdArgs(...).packed()`` for these tensors.
-
-    Built directly because it runs on every call: this costs about a third of building the
-    FwdArgs dataclasses; a test checks that the two agree.
-    """
-    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), o.stride()
-    _, seqlen_q, heads_q, _ = q.shape
-    _, seqlen_k, heads_kv, _ = k.shape
-    values = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
-              seqlen_q, seqlen_k, heads_q, heads_kv,
-              qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-              os_[0], os_[1], os_[2], softmax_scale)
-    return tuple(zip(FWD_ARG_TYPES, values, strict=False))  # lengths equal by construction
 
 
 def emulator_arch() -> str:
@@ -215,11 +188,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     name = backend or knobs.BACKEND.get()
     plan = plan_for(q, k, causal, name)
     out, lse = empty_outputs(q)
-    args = pack_fwd_args(q, k, v, out, lse, softmax_scale)
+    args = pack_args(q, k, v, out, lse, softmax_scale)
     if (args[0][1] | args[1][1] | args[2][1]) & 15:  # type: ignore[operator]  # pointers
         raise _misaligned(q, k, v)
     batch, seqlen_q, heads_q, _ = q.shape
-    block_m = plan.block_m
-    plan.kernel.launch(((seqlen_q + block_m - 1) // block_m, heads_q, batch), args,
+    plan.kernel.launch(grid(seqlen_q, heads_q, batch, plan.block_m), args,
                        stream=plan.stream())
     return out, lse

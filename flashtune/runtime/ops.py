@@ -204,7 +204,7 @@ def explain(
     """Which config flashtune would run for this call, and why (nothing is compiled).
 
     ``str(decision)`` or ``decision.describe()`` prints the problem, bucket, device, the tier
-    that answered (exact, nearest, family, default) and the config. ``arch`` asks about a
+    that answered (exact, nearest, same_arch, default) and the config. ``arch`` asks about a
     virtual GPU of that arch instead of the tensors' device (meta tensors work too).
     """
     check_attention_inputs(q, k, v)

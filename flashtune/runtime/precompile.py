@@ -21,9 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from flashtune import __version__
+from flashtune._version import __version__
 from flashtune.codegen.arch import get_arch
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import (
     COMPILED_HEAD_DIMS,
     MAX_SEQ_BUCKET,
@@ -35,6 +34,7 @@ from flashtune.codegen.spec import (
     ProblemBucket,
 )
 from flashtune.errors import CompileError
+from flashtune.families import render
 from flashtune.runtime.cache import ArtifactCache
 from flashtune.runtime.dispatch import DeviceLike, Dispatcher, default_config, get_dispatcher
 
@@ -167,7 +167,7 @@ def planned_kernels(device: DeviceLike, problems: Iterable[Problem],
                     dispatcher: Dispatcher | None = None
                     ) -> list[tuple[Problem, KernelConfig]]:
     """What the runtime would run on ``device`` for these problems and sequence buckets
-    (tuned results of the device or its arch family, else defaults), without duplicates."""
+    (tuned results of the device or its arch, else defaults), without duplicates."""
     chooser = dispatcher if dispatcher is not None else get_dispatcher()
     found: dict[tuple[str, str], tuple[Problem, KernelConfig]] = {}
     sizes = tuple(buckets)

@@ -24,8 +24,8 @@ from typing import Protocol
 import optuna
 from optuna.trial import TrialState
 
+from flashtune import families
 from flashtune.codegen.arch import ArchSpec
-from flashtune.codegen.defaults import default_config
 from flashtune.codegen.spec import DType, KernelConfig, Problem, ProblemBucket
 from flashtune.db.records import TrialStatus
 from flashtune.db.store import TuningStore
@@ -83,7 +83,7 @@ class _Silent:
 def _default(problem: Problem, arch: ArchSpec) -> KernelConfig | None:
     """The default config, measured first and the reference of the speed-up."""
     try:
-        return default_config(problem, arch)
+        return families.of(problem).default_config(problem, arch)
     except InvalidConfig as exc:
         log.warning("no default config for %s on %s (%s): the speed-up is not reported",
                     problem.key(), arch.name, exc)
@@ -353,8 +353,9 @@ def tune(head_dim: int, dtype: DType | str = "bf16", causal: bool = False,
          backend: MeasurementBackend | None = None, dry_run: bool = False,
          arch: str = "sm_90", db: str | None = None, options: TuneOptions | None = None,
          batch_heads: Sequence[BatchHeads] = (), observer: Observer | None = None,
-         verify_cap: int | None = None) -> list[BucketSummary]:
-    """Tune the forward kernel of (head_dim, dtype, causal) for each bucket of ``seqlens``.
+         verify_cap: int | None = None, op: str = "fwd") -> list[BucketSummary]:
+    """Tune the ``op`` family's kernel (default: the forward) of (head_dim, dtype, causal)
+    for each bucket of ``seqlens``.
 
     Measures on the current GPU (TuningError without one), or with ``dry_run`` compiles for
     ``arch`` and verifies in the CPU emulator, untimed; ``backend`` overrides both (see
@@ -363,7 +364,8 @@ def tune(head_dim: int, dtype: DType | str = "bf16", causal: bool = False,
     database, which the runtime dispatcher serves.
     """
     problem = Problem.from_dict({"head_dim": head_dim, "dtype": getattr(dtype, "value", dtype),
-                                 "causal": causal})
+                                 "causal": causal, "op": op})
+    families.of(problem)  # an unknown op fails here, before any study is opened
     if backend is None:
         from flashtune.tuner.backends import dry_run_backend, gpu_backend
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from flashtune.codegen.arch import get_arch
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.db.records import DeviceRecord, TrialStatus, truncate_error
+from flashtune.families import render
 from flashtune.runtime.device import DeviceInfo
 from flashtune.tuner.measure import CompileOutcome, MeasurementBackend
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from flashtune.codegen.arch import ArchSpec, get_arch
-from flashtune.codegen.render import render
-from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.db.records import DeviceRecord
 from flashtune.errors import TuningError
-from flashtune.perf.workload import Shape
+from flashtune.families import render
 from flashtune.runtime.device import DeviceInfo
 from flashtune.tuner.backends import NvrtcCompiler, device_record
 from flashtune.tuner.measure import ShapeTiming, TimingPlan, VerifyOutcome
@@ -50,7 +49,7 @@ class DryRunMeasurement:
 
     def verify(self, problem: Problem, config: KernelConfig, shape: Shape) -> VerifyOutcome:
         kernel = self._emulator.load(render(problem, config))
-        return check_kernel(kernel, problem, config.block_m, shape, "cpu")
+        return check_kernel(kernel, shape, "cpu")
 
     def time(self, problem: Problem, config: KernelConfig, shapes: Sequence[Shape],
              plan: TimingPlan) -> list[ShapeTiming]:

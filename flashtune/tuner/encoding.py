@@ -28,10 +28,10 @@ from typing import Any
 
 import optuna
 
-from flashtune.codegen import space
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.errors import InvalidConfig, TuningError
+from flashtune import families
 
 
 @dataclass(frozen=True)
@@ -87,22 +87,21 @@ class Knob:
         return 1 << raw if self._log2 else self.values[raw]
 
 
-DEFAULT_KNOBS: tuple[Knob, ...] = (
-    Knob("block_m", tuple(space.BLOCK_M)),
-    Knob("block_n", tuple(space.BLOCK_N)),
-    Knob("num_warps", tuple(space.NUM_WARPS)),
-    Knob("num_stages", tuple(space.NUM_STAGES)),
-)
+def family_knobs(problem: Problem) -> tuple[Knob, ...]:
+    """The knobs of ``problem``'s family: one per parameter of its declared space."""
+    return tuple(Knob(p.name, tuple(int(v) for v in p.values))
+                 for p in families.of(problem).space(problem).params)
 
 
 class SearchEncoding:
     """Maps between KernelConfigs and Optuna parameters for one problem on one arch."""
 
     def __init__(self, problem: Problem, arch: ArchSpec,
-                 knobs: Sequence[Knob] = DEFAULT_KNOBS) -> None:
+                 knobs: Sequence[Knob] | None = None) -> None:
         self.problem = problem
         self.arch = arch
-        self.knobs = tuple(knobs)
+        self.family = families.of(problem)
+        self.knobs = tuple(knobs) if knobs is not None else family_knobs(problem)
 
     def distributions(self) -> dict[str, optuna.distributions.BaseDistribution]:
         return {k.param: k.distribution() for k in self.knobs}
@@ -113,16 +112,16 @@ class SearchEncoding:
 
     def encode(self, config: KernelConfig) -> dict[str, int]:
         values = config.to_dict()
-        return {k.param: k.encode(values[k.field]) for k in self.knobs}
+        return {k.param: k.encode(int(values[k.field])) for k in self.knobs}
 
     def decode(self, params: Mapping[str, Any]) -> KernelConfig | str:
         """The config these parameters name, or why it is impossible (never compiled)."""
         try:
             fields = {k.field: k.decode(int(params[k.param])) for k in self.knobs}
-            config = KernelConfig(**fields)
+            config = KernelConfig.from_dict(fields)
         except (InvalidConfig, KeyError, IndexError, TypeError, ValueError) as exc:
             return f"illegal combination: {exc}"
-        reason = space.static_check(self.problem, config, self.arch)
+        reason = self.family.static_check(self.problem, config, self.arch)
         return config if reason is None else reason
 
     def space(self) -> list[KernelConfig]:
@@ -131,7 +130,7 @@ class SearchEncoding:
         for values in itertools.product(*(k.values for k in self.knobs)):
             fields = {k.field: v for k, v in zip(self.knobs, values, strict=True)}
             try:
-                out.append(KernelConfig(**fields))
+                out.append(KernelConfig.from_dict(fields))
             except InvalidConfig:
                 continue
         return out
@@ -139,5 +138,5 @@ class SearchEncoding:
     def candidates(self) -> list[KernelConfig]:
         """The legal configs that pass the static check for this problem and arch."""
         return [c for c in self.space()
-                if space.static_check(self.problem, c, self.arch) is None]
+                if self.family.static_check(self.problem, c, self.arch) is None]
 

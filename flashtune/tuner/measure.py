@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from flashtune.codegen.arch import ArchSpec
-from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.db.records import DeviceRecord, TrialStatus
 from flashtune.errors import TuningError
-from flashtune.perf.workload import Shape
 
 _COMPILE_STATUSES = (TrialStatus.OK, TrialStatus.COMPILE_FAILED, TrialStatus.INVALID)
 _VERIFY_STATUSES = (TrialStatus.OK, TrialStatus.WRONG_RESULT, TrialStatus.RUNTIME_FAILED)

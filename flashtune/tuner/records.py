@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import KernelConfig, Problem, ProblemBucket
 from flashtune.db.records import (
     FAILED_STATUSES,
@@ -20,6 +19,7 @@ from flashtune.db.records import (
     truncate_error,
 )
 from flashtune.db.store import TuningStore
+from flashtune.families import render
 from flashtune.tuner.evaluate import TrialResult
 
 

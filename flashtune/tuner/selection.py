@@ -16,10 +16,10 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flashtune.codegen import space
 from flashtune.codegen.spec import KernelConfig
 from flashtune.db.records import TrialStatus
 from flashtune.errors import TuningError
+from flashtune.families.fwd import space
 from flashtune.tuner.evaluate import KERNEL_FAILURES, TrialResult
 from flashtune.tuner.measure import MeasurementBackend, ShapeTiming, TimingPlan
 from flashtune.tuner.workload import Workload

@@ -23,7 +23,7 @@ import optuna
 import sqlalchemy
 from sqlalchemy.engine import URL
 
-from flashtune import __version__
+from flashtune._version import __version__
 from flashtune.codegen import render
 from flashtune.codegen.spec import ProblemBucket
 from flashtune.db.engine import resolve_url, sqlite_file

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from flashtune.codegen.spec import Problem
+from flashtune.codegen.spec import Shape
 from flashtune.db.records import TrialStatus
-from flashtune.perf.workload import Shape
+from flashtune.families.base import Verdict
 from flashtune.runtime.backends.base import LoadedKernel
-from flashtune.runtime.verify import Verdict, verify
+from flashtune.runtime.launch import verify
 from flashtune.tuner.measure import VerifyOutcome
 
 
@@ -22,7 +22,7 @@ def outcome(verdict: Verdict) -> VerifyOutcome:
     return VerifyOutcome(TrialStatus.WRONG_RESULT, max_abs_error=finite, error=verdict.message)
 
 
-def check_kernel(kernel: LoadedKernel, problem: Problem, block_m: int, shape: Shape,
-                 device: torch.device | str, *, stream: int = 0) -> VerifyOutcome:
-    """Launch ``kernel`` once on fresh inputs and compare O and LSE with the reference."""
-    return outcome(verify(kernel, problem, block_m, shape, device, stream=stream))
+def check_kernel(kernel: LoadedKernel, shape: Shape, device: torch.device | str, *,
+                 stream: int = 0) -> VerifyOutcome:
+    """Launch ``kernel`` once on fresh inputs and compare with its family's reference."""
+    return outcome(verify(kernel, shape, device, stream=stream))

@@ -55,6 +55,7 @@ class WorkerSpec:
     head_dim: int
     dtype: str
     causal: bool
+    op: str
     seqlens: tuple[int, ...]
     db: str
     backend: str
@@ -92,7 +93,7 @@ def run_spec(spec: WorkerSpec, observer: Observer | None = None) -> list[BucketS
     """Run one worker in this process."""
     from flashtune.tuner.api import tune
 
-    return tune(spec.head_dim, spec.dtype, spec.causal, spec.seqlens,
+    return tune(spec.head_dim, spec.dtype, spec.causal, spec.seqlens, op=spec.op,
                 backend=spec.make_backend(), db=spec.db, options=spec.options,
                 batch_heads=[BatchHeads(b, h) for b, h in spec.batch_heads],
                 observer=observer, verify_cap=spec.verify_cap)
@@ -174,7 +175,7 @@ def tune_parallel(spec: WorkerSpec, count: int, *, device: str, arch: ArchSpec,
     from flashtune.tuner.study import open_storage, study_name, template_digest
 
     problem = Problem.from_dict({"head_dim": spec.head_dim, "dtype": spec.dtype,
-                                 "causal": spec.causal})
+                                 "causal": spec.causal, "op": spec.op})
     with TuningStore(spec.db or None) as store:
         url = store.url.render_as_string(hide_password=False)
         buckets = buckets_of(problem, spec.seqlens)

@@ -16,9 +16,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flashtune.codegen.spec import Problem, ProblemBucket
+from flashtune import families
+from flashtune.codegen.spec import Problem, ProblemBucket, Shape
 from flashtune.errors import TuningError
-from flashtune.perf.workload import Shape, flops
 
 #: The standard sweep's hidden size (heads * head_dim) and tokens per batch.
 SWEEP_HIDDEN = 2048
@@ -100,7 +100,7 @@ class Workload:
         return self.bucket.problem
 
     def tflops(self, shape: Shape, ms: float) -> float:
-        return flops(self.problem, shape) / (ms * 1e-3) / 1e12
+        return families.of(self.problem).flops(self.problem, shape) / (ms * 1e-3) / 1e12
 
     def objective(self, medians_ms: Sequence[float]) -> float:
         """Geometric mean TFLOP/s over the shapes, from their median times (ms)."""

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelConfig, Problem
+from flashtune.families import render
 from flashtune.runtime import compiler
 from flashtune.runtime.cache import ArtifactCache
 from flashtune.runtime.compiler import compile_source
@@ -127,7 +127,7 @@ _RACE = textwrap.dedent("""
             tmp.write_bytes(b"payload")
         work = lambda: cache.get_or_build("race", "same-key", ".bin", build).read_bytes()
     else:
-        from flashtune.codegen.render import render
+        from flashtune.families import render
         from flashtune.codegen.spec import KernelConfig, Problem
         real = compiler._run_nvrtc
         def counting(lib, source, options):

@@ -11,12 +11,12 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from flashtune.cli import app
-from flashtune.codegen import space
 from flashtune.codegen.arch import get_arch
-from flashtune.codegen.defaults import default_config
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
 from flashtune.commands import codegen as codegen_cmd
+from flashtune.families import render
+from flashtune.families.fwd import FORWARD, space
+from flashtune.families.fwd.defaults import default_config
 from flashtune.runtime.compiler import compile_source
 
 WIDE = {"COLUMNS": "240"}
@@ -99,7 +99,7 @@ def test_compile_all_lists_every_config_and_exclusions() -> None:
     assert result.exit_code == 0, result.output
     rows = _rows(result.stdout)
     problem = Problem(128, DType.FP16)
-    configs = space.search_space(problem)
+    configs = FORWARD.search_space(problem)
     assert set(rows) == {(c.key(), a) for c in configs for a in ("sm_80", "sm_90")}
     excluded = 0
     for cfg in configs:

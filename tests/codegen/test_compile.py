@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
 from flashtune.errors import CompileError, InvalidConfig, ToolchainNotFound
+from flashtune.families import render
 from flashtune.runtime import compiler
 from flashtune.runtime.cache import ArtifactCache
 from flashtune.runtime.compiler import compile_source

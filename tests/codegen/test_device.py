@@ -20,7 +20,7 @@ def test_virtual_device_follows_the_arch_table(arch: str) -> None:
     info = DeviceInfo.virtual(arch)
     spec = ARCHS[arch]
     assert info.name == f"virtual-{arch}" and info.is_virtual
-    assert info.arch == arch and info.family == spec.family
+    assert info.arch == arch == spec.name
     assert info.compute_capability == (spec.major, spec.minor)
     assert info.smem_per_block_optin == spec.max_smem_per_block
     assert info.smem_per_sm == spec.smem_per_sm
@@ -78,7 +78,7 @@ def test_current_reads_torch_properties(monkeypatch: pytest.MonkeyPatch) -> None
     info = DeviceInfo.current()
     assert seen == [3]
     assert info.name == "NVIDIA H100 80GB HBM3" and not info.is_virtual
-    assert (info.arch, info.family, info.compute_capability) == ("sm_90", "sm_90", (9, 0))
+    assert (info.arch, info.compute_capability) == ("sm_90", (9, 0))
     assert info.sm_count == 132 and info.total_memory == 85_000_000_000
     assert info.smem_per_block_optin == 227 * 1024 and info.smem_per_sm == 228 * 1024
     assert (info.driver_version, info.runtime_version) == ("13.0", "12.8")

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from flashtune.codegen import render as render_mod
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelConfig, Problem
+from flashtune.families import render
 from flashtune.runtime import compiler, nvrtc
 from flashtune.runtime.compiler import compile_key
 from flashtune.runtime.toolchain import CUDA_HEADERS, Toolchain
@@ -26,7 +26,7 @@ CASES = [
 
 _CHILD = """
 import json, sys
-from flashtune.codegen.render import render
+from flashtune.families import render
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.runtime.compiler import compile_key
 out = []

@@ -8,11 +8,11 @@ import itertools
 
 import pytest
 
-from flashtune.codegen import space
 from flashtune.codegen.arch import get_arch
-from flashtune.codegen.defaults import default_config
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelSource, Problem
+from flashtune.families import render
+from flashtune.families.fwd import FORWARD, space
+from flashtune.families.fwd.defaults import default_config
 from flashtune.runtime.compiler import CompileResult, compile_pairs, compile_source
 
 ARCHS = ("sm_80", "sm_90")
@@ -23,7 +23,7 @@ PROBLEMS = [Problem(hd, dt, causal=c)
 def _jobs() -> list[tuple[KernelSource, str]]:
     jobs = []
     for problem in PROBLEMS:
-        for config in space.search_space(problem):
+        for config in FORWARD.search_space(problem):
             source = render(problem, config)
             for arch in ARCHS:
                 if space.static_check(problem, config, get_arch(arch)) is None:

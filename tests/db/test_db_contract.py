@@ -88,7 +88,7 @@ def test_trial_fields_round_trip_exactly(db_url: str, rng: random.Random) -> Non
                    for t in only)
 
 
-def test_lookup_exact_nearest_family(db_url: str, rng: random.Random) -> None:
+def test_lookup_exact_nearest_same_arch(db_url: str, rng: random.Random) -> None:
     placed = [(H100, 1024), (H100, 8192), (H200, 4096), (A100, 2048)]
     with _store(db_url) as store:
         for device, seqlen in placed:
@@ -105,13 +105,13 @@ def test_lookup_exact_nearest_family(db_url: str, rng: random.Random) -> None:
         assert found(H100, "sm_90", 65536) == ("nearest", H100.name, 8192)
         # H200 owns 4096 only: its own bucket wins over an H100 exact match.
         assert found(H200, "sm_90", 1024) == ("nearest", H200.name, 4096)
-        # A device with no results of its own borrows from its family, nearest bucket.
+        # A device with no results of its own borrows from its arch, nearest bucket.
         newcomer = DeviceRecord("NVIDIA H100 PCIe", 9, 0, 114, 80 << 30, "1", "1", "1", "1")
-        assert found(newcomer, "sm_90", 4096) == ("family", H200.name, 4096)
-        assert found(newcomer, "sm_90", 2048) == ("family", H200.name, 4096)  # tie -> larger
-        assert found(newcomer, "sm_90", 512) == ("family", H100.name, 1024)
+        assert found(newcomer, "sm_90", 4096) == ("same_arch", H200.name, 4096)
+        assert found(newcomer, "sm_90", 2048) == ("same_arch", H200.name, 4096)  # tie -> larger
+        assert found(newcomer, "sm_90", 512) == ("same_arch", H100.name, 1024)
         assert found(L40, "sm_89", 2048) is None                             # no sm_89 result
-        assert found(newcomer, "sm_80", 64) == ("family", A100.name, 2048)
+        assert found(newcomer, "sm_80", 64) == ("same_arch", A100.name, 2048)
         assert store.nearest_best(H100.name, key, 3000) is not None
         fam = store.family_best("sm_90", key, 4096, exclude_device=H200.name)
         assert fam is not None and fam.device == H100.name

@@ -75,11 +75,11 @@ FORWARD_SCRIPT = textwrap.dedent(r'''
     import torch
     sys.path.insert(0, sys.argv[1])
     from emu_helpers import attention_reference
-    from flashtune.codegen.defaults import default_config
-    from flashtune.codegen.render import render
+    from flashtune.families.fwd.defaults import default_config
+    from flashtune.families import render
     from flashtune.codegen.spec import DType, Problem
     from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
-    from flashtune.runtime.kernel_args import FwdArgs, TensorView
+    from flashtune.families.fwd.args import grid, FwdArgs, TensorView
 
     def view(t):
         s = t.stride()
@@ -97,14 +97,14 @@ FORWARD_SCRIPT = textwrap.dedent(r'''
         lse = torch.full((b, h, sq), float("nan"))
         args = FwdArgs(view(q), view(k), view(v), view(o), lse.data_ptr(), sq, sk, h, h,
                        128 ** -0.5)
-        kernel.launch(source.grid(b, h, sq), args.packed())
+        kernel.launch(grid(sq, h, b, source.config.block_m), args.packed())
         ref_o, ref_lse = attention_reference(q.float().numpy(), k.float().numpy(),
                                              v.float().numpy(), True, 128 ** -0.5)
         tol = 2e-3 * float(v.abs().max())
         np.testing.assert_allclose(o.float().numpy(), ref_o, rtol=0, atol=tol)
         np.testing.assert_allclose(lse.numpy(), ref_lse, rtol=0, atol=1e-4)
         assert np.isposinf(lse.numpy()).sum() == h * (sq - sk)
-        print(schedule.value, "PASSED", source.grid(b, h, sq))
+        print(schedule.value, "PASSED", grid(sq, h, b, source.config.block_m))
 ''')
 
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 from emu_helpers import attention_reference, ldmatrix_expected
 
-from flashtune.codegen.defaults import default_config
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, Problem
+from flashtune.families import render
+from flashtune.families.fwd.args import FwdArgs, TensorView, grid
+from flashtune.families.fwd.defaults import default_config
 from flashtune.runtime.backends.emulator import (
     EmulatedModule,
     EmulatorBackend,
@@ -23,7 +24,6 @@ from flashtune.runtime.backends.emulator import (
     i32,
     ptr,
 )
-from flashtune.runtime.kernel_args import FwdArgs, TensorView
 
 pytestmark = pytest.mark.emulator
 
@@ -227,8 +227,8 @@ def test_forward_default_configs(head_dim: int) -> None:
     lse = torch.full((b, h, n), float("nan"))
     scale = head_dim ** -0.5
     args = FwdArgs(_view(q), _view(k), _view(v), _view(o), lse.data_ptr(), n, n, h, h, scale)
-    grid = source.grid(b, h, n)
-    kernel.launch(grid, args.packed())
+    launch_grid = grid(n, h, b, source.config.block_m)
+    kernel.launch(launch_grid, args.packed())
     ref_o, ref_lse = attention_reference(q.float().numpy(), k.float().numpy(),
                                          v.float().numpy(), False, scale)
     np.testing.assert_allclose(o.float().numpy(), ref_o, rtol=0,

@@ -11,11 +11,11 @@ import pytest
 import torch
 from emu_helpers import attention_reference
 
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelConfig, Problem
+from flashtune.families import render
+from flashtune.families.fwd.args import FwdArgs, TensorView, grid
 from flashtune.runtime.backends.base import Backend, LoadedKernel
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
-from flashtune.runtime.kernel_args import FwdArgs, TensorView
 
 pytestmark = pytest.mark.emulator
 
@@ -42,7 +42,7 @@ def run_forward(kernel: LoadedKernel, problem: Problem, batch: int, seqlen_q: in
     args = FwdArgs(_view(q), _view(k), _view(v), _view(o), lse.data_ptr(), seqlen_q, seqlen_k,
                    heads_q, heads_kv, scale)
     start = time.perf_counter()
-    kernel.launch(kernel.source.grid(batch, heads_q, seqlen_q), args.packed())
+    kernel.launch(grid(seqlen_q, heads_q, batch, kernel.source.config.block_m), args.packed())
     elapsed = time.perf_counter() - start
     ref_o, ref_lse = attention_reference(q.float().numpy(), k.float().numpy(),
                                          v.float().numpy(), problem.causal, scale)

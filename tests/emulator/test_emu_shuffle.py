@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from emu_helpers import shfl_expected
 
+from flashtune.codegen.abi import ArgType
 from flashtune.errors import EmulatorError
 from flashtune.runtime.backends.emulator import Arg, EmulatedModule, build_module, i32, ptr
-from flashtune.runtime.kernel_args import ArgType
 
 pytestmark = pytest.mark.emulator
 

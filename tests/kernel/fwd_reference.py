@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 from flashtune.codegen.spec import Problem
+from flashtune.families.fwd.args import FwdArgs, TensorView, grid
 from flashtune.runtime.backends.base import LoadedKernel
-from flashtune.runtime.kernel_args import FwdArgs, TensorView
 
 TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 #: Relative Frobenius error of O allowed per dtype (P and O are rounded to 16 bits).
@@ -95,7 +95,7 @@ def run_and_check(kernel: LoadedKernel, problem: Problem, case: Case, seed: int)
     lse = torch.full((b, hq, nq), float("nan"), dtype=torch.float32)
     scale = case.scale if case.scale is not None else d ** -0.5
     args = FwdArgs(view(q), view(k), view(v), view(o), lse.data_ptr(), nq, nk, hq, hkv, scale)
-    kernel.launch(kernel.source.grid(b, hq, nq), args.packed())
+    kernel.launch(grid(nq, hq, b, kernel.source.config.block_m), args.packed())
 
     where = f"{kernel.source.entry} {case.label()} seed={seed}"
     ref_o, ref_lse = reference(q.double().numpy(), k.double().numpy(), v.double().numpy(),

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from flashtune.codegen import defaults
 from flashtune.codegen.arch import get_arch
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelSource, Problem
+from flashtune.families import render
+from flashtune.families.fwd import defaults
 from flashtune.runtime.compiler import CompileResult, compile_pairs
 
 REPRESENTATIVE = {defaults.ArchClass.SM80: "sm_80", defaults.ArchClass.SM86: "sm_86",

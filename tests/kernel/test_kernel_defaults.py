@@ -7,10 +7,10 @@ import itertools
 
 import pytest
 
-from flashtune.codegen import defaults, space
 from flashtune.codegen.arch import ARCHS, ArchSpec, get_arch
 from flashtune.codegen.spec import COMPILED_HEAD_DIMS, MAX_HEAD_DIM, DType, Problem
 from flashtune.errors import InvalidConfig
+from flashtune.families.fwd import FORWARD, defaults, space
 
 #: Every head dim a Problem accepts (multiples of 8 up to 256), both dtypes and masks.
 ALL_PROBLEMS = [Problem(hd, dt, causal=c) for hd, dt, c in
@@ -56,7 +56,7 @@ def test_every_arch_has_a_class_and_every_class_an_arch() -> None:
 def test_entries_are_in_the_search_space_with_reasons() -> None:
     for entry in defaults.DEFAULT_TABLE:
         problem = Problem(entry.head_dim, DType.FP16, causal=entry.causal)
-        assert entry.config in space.search_space(problem), entry
+        assert entry.config in FORWARD.search_space(problem), entry
         assert len(entry.reason) > 20, entry
         row = entry.to_dict()
         assert row["config"] == entry.config.key()

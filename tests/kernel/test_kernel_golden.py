@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from flashtune import __version__
-from flashtune.codegen.render import render
+from flashtune._version import __version__
 from flashtune.codegen.spec import DType, KernelConfig, Problem
+from flashtune.families import render
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("FLASHTUNE_UPDATE_GOLDEN", "") == "1"

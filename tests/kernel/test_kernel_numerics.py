@@ -17,10 +17,10 @@ import os
 import pytest
 from fwd_reference import Case, run_and_check
 
-from flashtune.codegen import defaults
 from flashtune.codegen.arch import get_arch
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelConfig, Problem
+from flashtune.families import render
+from flashtune.families.fwd import defaults
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
 
 pytestmark = pytest.mark.emulator

@@ -17,10 +17,10 @@ import pytest
 from fwd_reference import Case, run_and_check
 from kernel_space_seed import SEED_VARIABLE, SPACE_SEED
 
-from flashtune.codegen import space
 from flashtune.codegen.arch import get_arch
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelConfig, Problem
+from flashtune.families import render
+from flashtune.families.fwd import FORWARD, space
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
 
 pytestmark = pytest.mark.emulator
@@ -37,7 +37,7 @@ def in_scope(problem: Problem, config: KernelConfig) -> bool:
     return any(space.static_check(problem, config, arch) is None for arch in ARCHS)
 
 
-SPACE = [(p, c) for p in PROBLEMS for c in space.search_space(p) if in_scope(p, c)]
+SPACE = [(p, c) for p in PROBLEMS for c in FORWARD.search_space(p) if in_scope(p, c)]
 
 
 def _check(problem: Problem, config: KernelConfig, seed: int,
@@ -50,7 +50,7 @@ def _check(problem: Problem, config: KernelConfig, seed: int,
 
 def test_every_excluded_config_names_its_rule() -> None:
     for problem in PROBLEMS:
-        for config in space.search_space(problem):
+        for config in FORWARD.search_space(problem):
             if not in_scope(problem, config):
                 reasons = [space.static_check(problem, config, arch) for arch in ARCHS]
                 assert all(reasons), (problem.key(), config.key())

@@ -8,7 +8,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from flashtune.codegen.spec import DType, KernelConfig, Problem
+from flashtune import families
+from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.errors import InvalidConfig, InvalidInput
 from flashtune.perf.baselines import Fa2Resources
 from flashtune.perf.costmodel import (
@@ -21,7 +22,7 @@ from flashtune.perf.costmodel import (
 )
 from flashtune.perf.gpus import GPUS, get_gpu
 from flashtune.perf.sass import InstructionMix
-from flashtune.perf.workload import Shape, analytic_traffic, flops, tiles_per_query_block
+from flashtune.perf.workload import analytic_traffic, tiles_per_query_block
 
 D128 = Problem(128, DType.FP16, False)
 D128_CAUSAL = Problem(128, DType.FP16, True)
@@ -36,7 +37,7 @@ def test_predictions_are_labelled_and_versioned() -> None:
     assert data["kind"] == "PREDICTED" and data["model_version"] == pred.model_version
     assert pred.model_version.startswith(MODEL_NAME + "/")
     assert pred.bound in ("compute", "memory", "latency")
-    assert pred.tflops == pytest.approx(flops(D128, Shape.square(4, 16, 4096))
+    assert pred.tflops == pytest.approx(families.of(D128).flops(D128, Shape.square(4, 16, 4096))
                                         / (pred.time_ms * 1e-3) / 1e12)
     other = replace(DEFAULT_PARAMS, overlap=0.1)
     assert other.version != DEFAULT_PARAMS.version

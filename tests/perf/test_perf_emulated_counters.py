@@ -10,10 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from flashtune.cli import app
-from flashtune.codegen.spec import DType, KernelConfig, Problem
+from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.perf.costmodel import TrafficCounters, predict
 from flashtune.perf.emulated import algorithm_read_bytes
-from flashtune.perf.workload import Shape
 
 pytestmark = pytest.mark.emulator
 

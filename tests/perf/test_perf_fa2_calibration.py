@@ -15,12 +15,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from flashtune.codegen.spec import DType, KernelConfig, Problem
+from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.errors import InvalidInput
 from flashtune.perf.baselines import fa2_comparison, h100_trials
 from flashtune.perf.calibrate import Trial, calibrate, log_residuals, spearman
 from flashtune.perf.costmodel import DEFAULT_PARAMS, ModelParams, predict
-from flashtune.perf.workload import Shape
 
 H100_FACTOR = 1.15
 A100_FACTOR = 1.10

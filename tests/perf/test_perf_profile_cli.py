@@ -9,10 +9,10 @@ import pytest
 from typer.testing import CliRunner
 
 from flashtune.cli import app
-from flashtune.codegen.spec import DType, KernelConfig, Problem
+from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.perf.costmodel import predict
 from flashtune.perf.occupancy import occupancy
-from flashtune.perf.workload import Shape, analytic_tile_mix
+from flashtune.perf.workload import analytic_tile_mix
 
 runner = CliRunner()
 

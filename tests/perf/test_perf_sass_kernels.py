@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelConfig, Problem
+from flashtune.families import render
 from flashtune.perf.sass import SassListing
 from flashtune.perf.workload import analytic_tile_mix, mma_head_dim
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flashtune.codegen.abi import ArgType
 from flashtune.codegen.spec import DType, KernelSource
 from flashtune.db.records import BestEntry, Keyed, TrialRecord, TrialStatus
-from flashtune.runtime.kernel_args import ArgType
 
 TORCH_DTYPES = {DType.FP16: torch.float16, DType.BF16: torch.bfloat16}
 

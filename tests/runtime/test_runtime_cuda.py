@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from flashtune.codegen.render import render
+from flashtune.codegen.abi import ArgType
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.errors import OutOfResources
+from flashtune.families import render
 from flashtune.runtime import device
 from flashtune.runtime.backends import cuda
-from flashtune.runtime.kernel_args import ArgType
 
 
 @dataclass

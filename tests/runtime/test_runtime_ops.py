@@ -15,10 +15,10 @@ from runtime_helpers import TOL, PyRefBackend, check_outputs, qkv, reference_att
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashtune
+from flashtune.families.fwd.args import FwdArgs, TensorView, pack_args
 from flashtune.runtime import forward, ops
 from flashtune.runtime.cache import ArtifactCache
 from flashtune.runtime.dispatch import Dispatcher, Tier
-from flashtune.runtime.kernel_args import FwdArgs, TensorView
 
 
 @pytest.fixture(autouse=True)
@@ -79,7 +79,7 @@ def test_sdpa_matches_torch(pyref: PyRefBackend, causal: bool) -> None:
     assert rel_fro(view, ref) <= TOL[torch.bfloat16]
 
 
-def test_pack_fwd_args_equals_the_contract() -> None:
+def test_pack_args_equals_the_contract() -> None:
     q, k, v = qkv(2, 19, 23, 4, 2, 16)
     kt = k.transpose(1, 2).contiguous().transpose(1, 2)
     out, lse = torch.empty_like(q), torch.empty(2, 4, 19)
@@ -89,7 +89,7 @@ def test_pack_fwd_args_equals_the_contract() -> None:
 
     expected = FwdArgs(view(q), view(kt), view(v), view(out), lse.data_ptr(), 19, 23, 4, 2,
                        0.25).packed()
-    assert forward.pack_fwd_args(q, kt, v, out, lse, 0.25) == expected
+    assert pack_args(q, kt, v, out, lse, 0.25) == expected
 
 
 def test_seqlen_bucket_matches_spec() -> None:

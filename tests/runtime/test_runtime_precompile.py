@@ -14,11 +14,11 @@ import pytest
 from typer.testing import CliRunner
 
 from flashtune.cli import app
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.db.records import DeviceRecord, Keyed, TrialRecord, TrialStatus
 from flashtune.db.store import TuningStore
 from flashtune.errors import ToolchainNotFound
+from flashtune.families import render
 from flashtune.runtime import compiler, device, toolchain
 from flashtune.runtime.backends import cuda
 from flashtune.runtime.cache import ArtifactCache
@@ -104,9 +104,9 @@ def test_damaged_or_foreign_artifacts_are_ignored(tmp_path: Path,
 
 
 def test_default_kernels_cover_every_compiled_problem() -> None:
-    from flashtune.codegen import space
     from flashtune.codegen.arch import get_arch
     from flashtune.codegen.spec import COMPILED_HEAD_DIMS
+    from flashtune.families.fwd import space
 
     for arch in ("sm_80", "sm_86", "sm_90"):
         kernels = default_kernels(arch)
@@ -144,7 +144,7 @@ def test_cli_explain(tmp_path: Path) -> None:
                  OTHER.key(), "precompiled cubin absent"):
         assert text in result.output, result.output
     result = runner.invoke(app, [*base, "--arch", "sm_90"])
-    assert "tier:     family" in result.output and "virtual-sm_90" in result.output
+    assert "tier:     same_arch" in result.output and "virtual-sm_90" in result.output
     result = runner.invoke(app, [*base, "--arch", "sm_80"])
     assert "tier:     default" in result.output
     result = runner.invoke(app, [*base, "--device", "Unknown GPU"])

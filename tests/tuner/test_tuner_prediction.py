@@ -14,13 +14,14 @@ from tuner_synthetic import DEVICE, SyntheticBackend, read_log
 from tuner_testlib import FAST
 from typer.testing import CliRunner
 
+from flashtune import families
 from flashtune.cli import app
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.db.records import DeviceRecord, Keyed, TrialRecord, TrialStatus
 from flashtune.db.store import TuningStore
+from flashtune.families.fwd import FORWARD
 from flashtune.perf import predict
-from flashtune.perf.workload import flops
 from flashtune.tuner.api import tune
 from flashtune.tuner.encoding import SearchEncoding
 from flashtune.tuner.prediction import resolve_gpu
@@ -36,7 +37,7 @@ runner = CliRunner()
 
 @pytest.fixture(autouse=True)
 def fixed_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("flashtune.tuner.api.default_config", lambda problem, arch: DEFAULT)
+    monkeypatch.setattr(FORWARD, "default_config", lambda problem, arch: DEFAULT)
 
 
 def reference_ms(config: KernelConfig, seqlen: int = 1024) -> float | None:
@@ -155,8 +156,9 @@ def _seed(store: TuningStore, seqlen: int, predicted: list[float], measured: lis
             device=DEVICE.name, problem=Keyed.of(PROBLEM), seqlen=seqlen, config=Keyed.of(config),
             status=TrialStatus.OK, template_digest=source_digest(PROBLEM, config),
             median_ms=m, min_ms=m, max_ms=m, count=1,
-            tflops=flops(PROBLEM, make_workload(PROBLEM.bucket(seqlen, seqlen)).shapes[0]) / m
-            / 1e9, predicted_ms=p))
+            tflops=families.of(PROBLEM).flops(
+                PROBLEM, make_workload(PROBLEM.bucket(seqlen, seqlen)).shapes[0]) / m / 1e9,
+            predicted_ms=p))
 
 
 def test_correlate_reports_rho_per_bucket_and_overall(db_url: str) -> None:

@@ -11,13 +11,12 @@ import pytest
 from tuner_synthetic import DEVICE, SyntheticBackend, read_log
 from tuner_testlib import FAST
 
-from flashtune.codegen import space
 from flashtune.codegen.arch import get_arch
-from flashtune.codegen.spec import DType, KernelConfig, Problem
+from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.db.records import TrialStatus
 from flashtune.db.store import TuningStore
 from flashtune.errors import TuningError
-from flashtune.perf.workload import Shape
+from flashtune.families.fwd import FORWARD, space
 from flashtune.tuner.api import tune
 from flashtune.tuner.encoding import SearchEncoding
 from flashtune.tuner.measure import TimingPlan
@@ -45,7 +44,7 @@ def trials_by_status(db_url: str, seqlen: int = 1024) -> Counter[str]:
 def fixed_default(monkeypatch: pytest.MonkeyPatch) -> KernelConfig:
     """A default config independent of the built-in default table."""
     default = KernelConfig(64, 64, 4, 2)
-    monkeypatch.setattr("flashtune.tuner.api.default_config", lambda problem, arch: default)
+    monkeypatch.setattr(FORWARD, "default_config", lambda problem, arch: default)
     return default
 
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import optuna
 import pytest
 
-from flashtune.codegen import space
+from flashtune import families
 from flashtune.codegen.arch import get_arch
-from flashtune.codegen.spec import DType, KernelConfig, Problem
+from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.commands.tune import parse_duration
 from flashtune.db.records import TrialStatus
 from flashtune.errors import TuningError
-from flashtune.perf.workload import Shape, flops
+from flashtune.families.fwd import FORWARD, space
 from flashtune.tuner.encoding import Knob, SearchEncoding
 from flashtune.tuner.evaluate import TrialResult
 from flashtune.tuner.measure import ShapeTiming
@@ -35,15 +35,16 @@ ARCH = get_arch("sm_90")
 
 def test_flops_follow_the_fields_formula_halved_when_causal() -> None:
     shape = Shape(2, 16, 16, 4096, 4096)
-    assert flops(P, shape) == 4 * 2 * 4096 * 4096 * 16 * 128
-    assert flops(Problem(128, DType.BF16, causal=True), shape) == flops(P, shape) / 2
+    assert families.of(P).flops(P, shape) == 4 * 2 * 4096 * 4096 * 16 * 128
+    causal = Problem(128, DType.BF16, causal=True)
+    assert families.of(causal).flops(causal, shape) == families.of(P).flops(P, shape) / 2
 
 
 def test_objective_is_the_geometric_mean_of_tflops() -> None:
     workload = make_workload(P.bucket(4096, 4096))
     times = [random.uniform(0.5, 5.0) for _ in workload.shapes]
-    per_shape = [flops(P, s) / (t * 1e-3) / 1e12 for s, t in zip(workload.shapes, times,
-                                                                 strict=True)]
+    per_shape = [families.of(P).flops(P, s) / (t * 1e-3) / 1e12
+                 for s, t in zip(workload.shapes, times, strict=True)]
     expected = math.prod(per_shape) ** (1 / len(per_shape))
     assert workload.objective(times) == pytest.approx(expected, rel=1e-12)
     with pytest.raises(TuningError):
@@ -96,7 +97,7 @@ def test_knob_encodings_keep_order_and_scale() -> None:
 def test_encoding_round_trips_every_candidate_and_rejects_the_rest() -> None:
     encoding = SearchEncoding(P, ARCH)
     candidates = encoding.candidates()
-    assert candidates == space.candidates(P, ARCH)
+    assert candidates == FORWARD.candidates(P, ARCH)
     for config in candidates:
         assert encoding.decode(encoding.encode(config)) == config
     impossible = [c for c in encoding.space() if c not in candidates]

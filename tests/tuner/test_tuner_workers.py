@@ -36,7 +36,7 @@ PG_URL = os.environ.get("FLASHTUNE_TEST_PG_URL")
 
 def spec_for(db: str, log: str, **backend: object) -> WorkerSpec:
     opts = dataclasses.replace(FAST, trials=len(CANDIDATES), sampler="tpe")
-    return WorkerSpec(head_dim=128, dtype="bf16", causal=False, seqlens=(1024,), db=db,
+    return WorkerSpec(head_dim=128, dtype="bf16", causal=False, op="fwd", seqlens=(1024,), db=db,
                       backend="tuner_synthetic:make_backend",
                       backend_kwargs={"log_path": log, **backend}, options=opts)
 

@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from flashtune import families
 from flashtune.codegen.arch import ArchSpec, get_arch
-from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.db.records import DeviceRecord, TrialStatus
 from flashtune.errors import DeviceError
-from flashtune.perf.workload import Shape, flops
 from flashtune.tuner.measure import CompileOutcome, ShapeTiming, TimingPlan, VerifyOutcome
 
 DEVICE = DeviceRecord("synthetic-test-fixture", 9, 0, 132, 80 << 30, "0", "0", "0", "0")
@@ -151,7 +151,7 @@ class SyntheticBackend:
 
     def ms(self, problem: Problem, config: KernelConfig, shape: Shape) -> float:
         eff = efficiency(config, self.best) * self.speed.get(config.key(), 1.0)
-        return flops(problem, shape) / (self.peak_tflops * 1e12 * eff) * 1e3
+        return families.of(problem).flops(problem, shape) / (self.peak_tflops * 1e12 * eff) * 1e3
 
     def time(self, problem: Problem, config: KernelConfig, shapes: Sequence[Shape],
              plan: TimingPlan) -> list[ShapeTiming]:

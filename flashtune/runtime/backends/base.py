@@ -7,11 +7,11 @@ GPU wherever no GPU exists.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
+from flashtune.codegen.abi import ArgType
 from flashtune.codegen.spec import KernelSource
-from flashtune.runtime.kernel_args import ArgType
 
 
 @runtime_checkable
@@ -31,6 +31,17 @@ class LoadedKernel(Protocol):
         ``source.smem_bytes`` bytes of dynamic shared memory. Pointers in ``args`` must
         address memory this backend can reach (device memory for CUDA, host memory for the
         emulator). ``stream`` is a raw CUDA stream handle (ignored by the emulator)."""
+        ...
+
+    def bind(
+        self,
+        grid: tuple[int, int, int],
+        args: Sequence[tuple[ArgType, int | float]],
+        *,
+        stream: int = 0,
+    ) -> Callable[[], None]:
+        """``launch`` with every argument converted once: calling the result enqueues the
+        kernel again with nothing converted (what a timing loop repeats)."""
         ...
 
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from flashtune.codegen.abi import ArgType
 from flashtune.codegen.spec import KernelSource
 from flashtune.errors import DeviceError, OutOfResources
-from flashtune.runtime.kernel_args import ArgType
 from flashtune.runtime.precompile import load_shipped
 
 log = logging.getLogger("flashtune.cuda")
@@ -111,6 +111,25 @@ class CudaKernel:
                                stream=wrapped)
             return
         self._function(grid, self._block, values, shared_mem=self._smem, stream=wrapped)
+
+    def bind(
+        self,
+        grid: tuple[int, int, int],
+        args: Sequence[tuple[ArgType, int | float]],
+        *,
+        stream: int = 0,
+    ) -> Callable[[], None]:
+        """A launch with its arguments converted once; the caller keeps this kernel's
+        device current while it calls the result (the tuner's timing loop does)."""
+        values = tuple([_CONVERT[kind](value) for kind, value in args])
+        wrapped = cupy_stream(stream, self.device_index)
+        function, block, smem = self._function, self._block, self._smem
+        grid = tuple(int(g) for g in grid)  # type: ignore[assignment]
+
+        def run() -> None:
+            function(grid, block, values, shared_mem=smem, stream=wrapped)
+
+        return run
 
 
 class CudaBackend:

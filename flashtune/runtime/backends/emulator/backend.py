@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from flashtune.codegen.abi import ArgType
 from flashtune.codegen.render import templates_dir
 from flashtune.codegen.spec import KernelSource
 from flashtune.runtime.backends.emulator.counters import EmulatorCounters
@@ -14,7 +15,6 @@ from flashtune.runtime.backends.emulator.kernel import (
     build_module,
 )
 from flashtune.runtime.cache import ArtifactCache
-from flashtune.runtime.kernel_args import ArgType
 
 
 def source_defines(source: KernelSource) -> tuple[str, ...]:
@@ -45,6 +45,17 @@ class EmulatorLoadedKernel:
         self.last_counters = self.kernel.launch(grid, (self.source.threads, 1, 1), args,
                                                 smem_bytes=self.source.smem_bytes,
                                                 options=self.options)
+
+    def bind(
+        self,
+        grid: tuple[int, int, int],
+        args: Sequence[tuple[ArgType, int | float]],
+        *,
+        stream: int = 0,
+    ) -> Callable[[], None]:
+        """``launch`` as a callable (the emulator converts arguments per launch anyway)."""
+        frozen = tuple(args)
+        return lambda: self.launch(grid, frozen, stream=stream)
 
 
 class EmulatorBackend:

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from flashtune import knobs
+from flashtune.codegen.abi import ArgType
 from flashtune.errors import InvalidInput
 from flashtune.runtime.backends.emulator import build, native, toolchain
 from flashtune.runtime.backends.emulator.counters import EmulatorCounters, allocate, from_native
 from flashtune.runtime.cache import ArtifactCache
-from flashtune.runtime.kernel_args import ArgType
 
 Arg = tuple[ArgType, "int | float"]
 

@@ -1,22 +1,22 @@
 """The search space of the forward kernel: legal values and static constraints.
 
-``search_space`` is the full default space; ``static_check`` says, for one arch, why a
-config can never work (or None); ``candidates`` is the space minus those. Every rule that
-removes a config returns a reason a person can read.
+``SPACE`` declares the tunables; ``static_check`` says, for one arch, why a config can never
+work (or None). Every rule that removes a config returns a reason a person can read.
 """
 
 from __future__ import annotations
 
-import itertools
-
 from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.spec import KernelConfig, Problem
-from flashtune.errors import InvalidConfig
 
 BLOCK_M = (64, 128)
 BLOCK_N = (32, 64, 128)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (1, 2, 3)
+
+SPACE = ParamSpace((Param("block_m", BLOCK_M), Param("block_n", BLOCK_N),
+                    Param("num_warps", NUM_WARPS), Param("num_stages", NUM_STAGES)))
 
 #: Shared-memory rows are padded by this many 16-bit elements (16 bytes), which makes the
 #: eight 16-byte row addresses of an ldmatrix phase fall in distinct banks.
@@ -47,17 +47,6 @@ def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
     return config.rows_per_warp * (mma_head_dim(problem) + config.block_n) // 32
 
 
-def search_space(problem: Problem) -> list[KernelConfig]:
-    """Every structurally legal config of the default space, in a stable order."""
-    out: list[KernelConfig] = []
-    for m, n, w, s in itertools.product(BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES):
-        try:
-            out.append(KernelConfig(block_m=m, block_n=n, num_warps=w, num_stages=s))
-        except InvalidConfig:
-            continue
-    return out
-
-
 def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
     """Why ``config`` cannot run ``problem`` on ``arch``, or None when it may."""
     smem = smem_bytes(problem, config)
@@ -69,8 +58,3 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec) -> str 
         return (f"accumulators need {regs} registers per thread, over the "
                 f"{MAX_ACCUMULATOR_REGISTERS} that leave room below {arch.max_regs_per_thread}")
     return None
-
-
-def candidates(problem: Problem, arch: ArchSpec) -> list[KernelConfig]:
-    """The search space minus every config that static_check rules out for ``arch``."""
-    return [c for c in search_space(problem) if static_check(problem, c, arch) is None]

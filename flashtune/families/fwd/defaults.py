@@ -1,7 +1,6 @@
 """Default forward-kernel configs: what the dispatcher runs when nothing is tuned.
 
-One entry per (arch class, compiled head dim, causal). Arch classes group GPUs by shared
-memory per SM, the resource that decides the tile most:
+One entry per (arch class, compiled head dim, causal); the classes (codegen.arch.ArchClass):
 
 - ``sm80``: A100/A30 and Orin (sm_80, sm_87), 164 KB per SM;
 - ``sm86``: consumer Ampere, Ada and Blackwell (sm_86, sm_89, sm_120), 100 KB per SM;
@@ -17,50 +16,13 @@ pass those two tests; each entry's reason says what it is and why.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
-from flashtune.codegen.arch import ArchSpec, get_arch
-from flashtune.codegen.space import static_check
+from flashtune.codegen.arch import ARCH_CLASS, ArchClass, ArchSpec, arch_class, get_arch
 from flashtune.codegen.spec import COMPILED_HEAD_DIMS, KernelConfig, Problem
 from flashtune.errors import InvalidConfig
-
-_KIB = 1024
-
-
-class ArchClass(str, Enum):
-    """A group of archs that share one column of the default table."""
-
-    SM80 = "sm80"
-    SM86 = "sm86"
-    SM90 = "sm90"
-
-
-#: The class of every arch flashtune knows (codegen.arch.ARCHS).
-ARCH_CLASS: Mapping[str, ArchClass] = {
-    "sm_80": ArchClass.SM80,
-    "sm_87": ArchClass.SM80,
-    "sm_86": ArchClass.SM86,
-    "sm_89": ArchClass.SM86,
-    "sm_120": ArchClass.SM86,
-    "sm_90": ArchClass.SM90,
-    "sm_100": ArchClass.SM90,
-}
-
-
-def arch_class(arch: ArchSpec) -> ArchClass:
-    """The default-table class of ``arch``; an arch not in ARCH_CLASS is classed by its
-    per-block shared memory limit (the property the classes stand for)."""
-    known = ARCH_CLASS.get(arch.name)
-    if known is not None:
-        return known
-    if arch.max_smem_per_block >= 227 * _KIB:
-        return ArchClass.SM90
-    if arch.max_smem_per_block >= 163 * _KIB:
-        return ArchClass.SM80
-    return ArchClass.SM86
+from flashtune.families.fwd.space import static_check
 
 
 @dataclass(frozen=True)

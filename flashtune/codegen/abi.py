@@ -1,0 +1,21 @@
+"""The launch ABI of generated kernels: how each kernel parameter is passed.
+
+A family's launch plan packs its arguments as (ArgType, value) pairs in the kernel's
+parameter order; every backend converts them the same way (a 64-bit pointer, a 32-bit or
+64-bit integer, a 32-bit float).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class ArgType(str, Enum):
+    PTR = "ptr"
+    I32 = "i32"
+    I64 = "i64"
+    F32 = "f32"
+
+
+#: A packed argument list: (type, value) in the kernel's parameter order.
+PackedArgs = tuple[tuple[ArgType, int | float], ...]

@@ -1,0 +1,76 @@
+"""The registry of kernel families: the one place that lists them.
+
+``get(op)`` returns the family that serves ``Problem.op == op``; ``render(problem, config)``
+renders any problem through its family. ``register`` adds a family (an extension, or a
+test's); every consumer (runtime, verification, tuner, cost model, benchmarks, CLI) reaches
+kernels through these functions, so a new family needs no change anywhere else.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
+from flashtune.errors import InvalidProblem
+from flashtune.families.base import KernelFamily
+
+_lock = threading.Lock()
+_families: dict[str, KernelFamily] = {}
+
+
+def _builtins() -> None:
+    from flashtune.families.fwd import FORWARD
+    from flashtune.families.lse import LSE
+
+    for family in (FORWARD, LSE):
+        _families.setdefault(family.op, family)
+
+
+def register(family: KernelFamily, *, replace: bool = False) -> None:
+    """Add ``family`` under its ``op``; an existing op needs ``replace=True``."""
+    with _lock:
+        if not _families:
+            _builtins()
+        if family.op in _families and not replace:
+            raise InvalidProblem(f"a kernel family for op {family.op!r} is already registered "
+                                 "(pass replace=True to replace it)")
+        Problem(head_dim=64, dtype=DType.FP16, op=family.op)  # the op must be a legal key part
+        _families[family.op] = family
+
+
+def unregister(op: str) -> None:
+    """Remove a family added with ``register`` (tests)."""
+    with _lock:
+        _families.pop(op, None)
+
+
+def all_families() -> tuple[KernelFamily, ...]:
+    """Every registered family, by op."""
+    with _lock:
+        if not _families:
+            _builtins()
+        return tuple(_families[op] for op in sorted(_families))
+
+
+def get(op: str) -> KernelFamily:
+    """The family of ``op``; InvalidProblem naming the known ones if there is none."""
+    family = _families.get(op)
+    if family is None:
+        known = [f.op for f in all_families()]
+        family = _families.get(op)
+        if family is None:
+            raise InvalidProblem(f"no kernel family serves op={op!r}; expected one of {known}")
+    return family
+
+
+def of(problem: Problem) -> KernelFamily:
+    """The family that serves ``problem``."""
+    return get(problem.op)
+
+
+def render(problem: Problem, config: KernelConfig) -> KernelSource:
+    """The KernelSource of ``problem`` x ``config``, rendered by the problem's family."""
+    return of(problem).render(problem, config)
+
+
+__all__ = ["KernelFamily", "all_families", "get", "of", "register", "render", "unregister"]

@@ -1,0 +1,231 @@
+"""The kernel-family interface: everything flashtune knows about one kind of kernel.
+
+A family (the forward, the backward, decoding, a row-wise LSE, ...) declares in one place:
+the problems it serves, its search space and the static rules that remove impossible
+configs (each naming its reason), its template and the parameters the template binds, its
+launch plan (grid, outputs, argument packing), its float64 reference and tolerances, its
+FLOP and byte counts, and its default configs. The runtime, verification, tuner, cost model,
+benchmarks and the command line reach kernels only through this interface, so adding a
+family touches nothing else (``flashtune.families.register`` is the one hook).
+
+Families sit above codegen (value types, rendering) and below runtime and tuner; they may
+use torch, since inputs, outputs and references are tensors.
+"""
+
+from __future__ import annotations
+
+import secrets
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from flashtune.codegen.abi import PackedArgs
+from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.params import ParamSpace, Point, Value
+from flashtune.codegen.render import TemplateValue, render_template
+from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem, Shape, ShapeLike
+from flashtune.errors import InvalidConfig, InvalidProblem
+
+#: Tensors of one launch by name (inputs or outputs), and the scalars a launch needs.
+Tensors = Mapping[str, torch.Tensor]
+
+TORCH_DTYPES: Mapping[DType, torch.dtype] = {DType.FP16: torch.float16,
+                                             DType.BF16: torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One launch: the grid and the packed arguments (threads and shared memory are the
+    KernelSource's)."""
+
+    grid: tuple[int, int, int]
+    args: PackedArgs
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How one launch's outputs compare with the float64 reference."""
+
+    ok: bool
+    max_abs: float           # max |out - ref| over the outputs (inf where NaN was left)
+    rel_frobenius: float     # ||out - ref||_F / ||ref||_F of the main output
+    message: str             # what was wrong, or "" when ok
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """|out - ref| <= atol + rtol * |ref| per element."""
+
+    atol: float
+    rtol: float
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Random inputs of one verification or timing launch: tensors and scalars."""
+
+    tensors: Tensors
+    scalars: Mapping[str, float]
+
+
+def generator(device: torch.device | str, seed: int | None) -> torch.Generator:
+    """A torch generator on ``device`` seeded with ``seed`` (a fresh random one if None)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(secrets.randbits(63) if seed is None else seed)
+    return gen
+
+
+def close_enough(name: str, out: torch.Tensor, ref: torch.Tensor, tol: Tolerance
+                 ) -> tuple[float, float, str]:
+    """(max |err|, relative Frobenius error, what was wrong or "") of one output.
+
+    NaN left in ``out`` (an element never written over the poison) is an infinite error;
+    an infinite reference element must be matched exactly."""
+    out64 = out.to(torch.float64)
+    infinite = torch.isinf(ref)
+    err = (out64 - ref).abs().nan_to_num(float("inf"))
+    err = torch.where(infinite & (out64 == ref), torch.zeros_like(err), err)
+    finite_ref = ref.masked_fill(infinite, 0.0)
+    max_err = float(err.max()) if err.numel() else 0.0
+    rel = float(torch.linalg.vector_norm(err)) / max(
+        float(torch.linalg.vector_norm(finite_ref)), 1e-30)
+    unwritten = int(torch.isnan(out64).sum())
+    bad = int((err > tol.atol + tol.rtol * finite_ref.abs()).sum())
+    if unwritten or bad:
+        return max_err, rel, (f"{name}: {unwritten} elements left unwritten (NaN), {bad} "
+                              f"outside |err| <= {tol.atol} + {tol.rtol}*|ref| (max |err| "
+                              f"{max_err:.3g})")
+    return max_err, rel, ""
+
+
+class KernelFamily(ABC):
+    """One kind of kernel. Subclasses set the class attributes and implement the methods."""
+
+    #: The Problem.op this family serves (lowercase letters and digits), e.g. "fwd".
+    op: ClassVar[str]
+    #: One line for listings (``flashtune families``).
+    title: ClassVar[str]
+    #: The template entry point in flashtune/templates, e.g. "flash_fwd.cu.jinja".
+    template: ClassVar[str]
+
+    # ---------------------------------------------------------------- problems
+
+    def check_problem(self, problem: Problem) -> None:
+        """InvalidProblem unless this family serves ``problem`` (its op and features)."""
+        if problem.op != self.op:
+            raise InvalidProblem(f"problem {problem.key()} is for family {problem.op!r}, "
+                                 f"not {self.op!r}")
+
+    # ---------------------------------------------------------------- search space
+
+    @abstractmethod
+    def space(self, problem: Problem) -> ParamSpace:
+        """The declared tunables of ``problem`` and their values in search order."""
+
+    def config(self, point: Point) -> KernelConfig:
+        """The config a point of ``space`` names (InvalidConfig if none can exist)."""
+        return KernelConfig.from_dict(point)
+
+    def point(self, config: KernelConfig) -> dict[str, Value]:
+        """The point of ``space`` that names ``config`` (inverse of ``config``)."""
+        return dict(config.to_dict())
+
+    def static_check(self, problem: Problem, config: KernelConfig, arch: ArchSpec
+                     ) -> str | None:
+        """Why ``config`` can never run ``problem`` on ``arch``, or None when it may: a
+        knob the family's space does not declare, else the family's own ``rules``."""
+        declared = self.space(problem).names
+        unknown = [name for name, _ in config.extras if name not in declared]
+        if unknown:
+            return (f"knob(s) {unknown} are not knobs of the {self.op!r} family; its knobs "
+                    f"are {list(declared)}")
+        return self.rules(problem, config, arch)
+
+    @abstractmethod
+    def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
+        """The family's static rules: why ``config`` cannot run, each naming its reason."""
+
+    def search_space(self, problem: Problem) -> list[KernelConfig]:
+        """Every structurally legal config of ``space(problem)``, in a stable order."""
+        out: list[KernelConfig] = []
+        for point in self.space(problem).points():
+            try:
+                out.append(self.config(point))
+            except InvalidConfig:
+                continue
+        return out
+
+    def candidates(self, problem: Problem, arch: ArchSpec) -> list[KernelConfig]:
+        """The search space minus every config that ``static_check`` rules out on ``arch``."""
+        return [c for c in self.search_space(problem)
+                if self.static_check(problem, c, arch) is None]
+
+    @abstractmethod
+    def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
+        """What runs ``problem`` on ``arch`` when nothing is tuned; passes static_check."""
+
+    def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
+        """Why ``default_config`` was chosen (one line, for ``explain`` and docs)."""
+        return "the family's default"
+
+    # ---------------------------------------------------------------- code
+
+    @abstractmethod
+    def template_params(self, problem: Problem, config: KernelConfig
+                        ) -> dict[str, TemplateValue]:
+        """The values the template binds (ints, bools and fixed words only)."""
+
+    @abstractmethod
+    def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
+        """Dynamic shared memory of one block."""
+
+    def render(self, problem: Problem, config: KernelConfig) -> KernelSource:
+        """The KernelSource of ``problem`` x ``config``."""
+        self.check_problem(problem)
+        return render_template(self.template, problem, config,
+                               self.template_params(problem, config),
+                               smem_bytes=self.smem_bytes(problem, config),
+                               threads=config.threads)
+
+    # ---------------------------------------------------------------- launch plan
+
+    @abstractmethod
+    def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
+                      seed: int | None = None) -> Inputs:
+        """Fresh random inputs of ``shape`` (never zeros), from ``seed`` or a fresh one."""
+
+    @abstractmethod
+    def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
+                      poison: bool) -> dict[str, torch.Tensor]:
+        """The outputs a launch writes; filled with NaN when ``poison`` (so an element the
+        kernel never writes is caught), uninitialised otherwise."""
+
+    @abstractmethod
+    def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
+                    inputs: Inputs, outputs: Tensors) -> LaunchPlan:
+        """Grid and packed arguments of one launch over these tensors."""
+
+    # ---------------------------------------------------------------- verification
+
+    @abstractmethod
+    def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
+        """The outputs computed independently in float64 from the same (rounded) inputs."""
+
+    @abstractmethod
+    def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
+                reference: Tensors) -> Verdict:
+        """Whether the outputs match the reference within the family's tolerances."""
+
+    # ---------------------------------------------------------------- counts
+
+    @abstractmethod
+    def flops(self, problem: Problem, shape: ShapeLike) -> float:
+        """FLOPs of one call by the field's convention for this kind of kernel."""
+
+    @abstractmethod
+    def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
+        """Global-memory bytes one call must move at least (each input read once, each
+        output written once)."""

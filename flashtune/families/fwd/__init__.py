@@ -1,0 +1,131 @@
+"""The FlashAttention-2 forward family: O and the LSE of softmax(scale * Q K^T) V.
+
+Each block owns block_m query rows of one (batch, head); K/V tiles of block_n rows stream
+through shared memory in a cp.async pipeline of num_stages buffers; S = Q K^T and O += P V
+on mma.sync m16n8k16; the online softmax stays in registers (templates/flash_fwd.cuh).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.params import ParamSpace
+from flashtune.codegen.render import TemplateValue
+from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
+from flashtune.families.base import (
+    TORCH_DTYPES,
+    Inputs,
+    KernelFamily,
+    LaunchPlan,
+    Tensors,
+    Verdict,
+    close_enough,
+    generator,
+)
+from flashtune.families.fwd import args, defaults, space
+from flashtune.families.fwd.reference import LSE_TOLERANCE, O_TOLERANCE, attention_reference
+
+
+class ForwardFamily(KernelFamily):
+    """The attention forward pass (``flashtune.attention``)."""
+
+    op = "fwd"
+    title = "attention forward (FlashAttention-2: O and LSE)"
+    template = "flash_fwd.cu.jinja"
+
+    def space(self, problem: Problem) -> ParamSpace:
+        return space.SPACE
+
+    def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
+        return space.static_check(problem, config, arch)
+
+    def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
+        return defaults.default_config(problem, arch)
+
+    def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
+        return defaults.default_entry(problem, arch).reason
+
+    def template_params(self, problem: Problem, config: KernelConfig
+                        ) -> dict[str, TemplateValue]:
+        return {
+            "head_dim": problem.head_dim,
+            "head_dim_padded": problem.padded_head_dim,
+            "is_bf16": problem.dtype.value == "bf16",
+            "causal": problem.causal,
+            "block_m": config.block_m,
+            "block_n": config.block_n,
+            "num_warps": config.num_warps,
+            "num_stages": config.num_stages,
+            "smem_row_pad": space.SMEM_ROW_PAD,
+        }
+
+    def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
+        return space.smem_bytes(problem, config)
+
+    def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
+                      seed: int | None = None) -> Inputs:
+        gen = generator(device, seed)
+        dt = TORCH_DTYPES[problem.dtype]
+
+        def draw(seqlen: int, heads: int) -> torch.Tensor:
+            return torch.randn(shape.batch, seqlen, heads, problem.head_dim, generator=gen,
+                               device=device).to(dt)
+
+        tensors = {"q": draw(shape.seqlen_q, shape.heads_q),
+                   "k": draw(shape.seqlen_k, shape.heads_kv),
+                   "v": draw(shape.seqlen_k, shape.heads_kv)}
+        return Inputs(tensors, {"softmax_scale": problem.head_dim ** -0.5})
+
+    def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
+                      poison: bool) -> dict[str, torch.Tensor]:
+        q = inputs.tensors["q"]
+        o = torch.empty_like(q)
+        lse = torch.empty(shape.batch, shape.heads_q, shape.seqlen_q, dtype=torch.float32,
+                          device=q.device)
+        if poison:
+            o.fill_(float("nan"))
+            lse.fill_(float("nan"))
+        return {"o": o, "lse": lse}
+
+    def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
+                    inputs: Inputs, outputs: Tensors) -> LaunchPlan:
+        t = inputs.tensors
+        packed = args.pack_args(t["q"], t["k"], t["v"], outputs["o"], outputs["lse"],
+                                inputs.scalars["softmax_scale"])
+        return LaunchPlan(args.grid(shape.seqlen_q, shape.heads_q, shape.batch,
+                                    config.block_m), packed)
+
+    def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
+        t = inputs.tensors
+        o, lse = attention_reference(t["q"], t["k"], t["v"], problem.causal,
+                                     inputs.scalars["softmax_scale"])
+        return {"o": o, "lse": lse}
+
+    def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
+                reference: Tensors) -> Verdict:
+        max_o, rel, o_msg = close_enough("O", outputs["o"], reference["o"],
+                                         O_TOLERANCE[problem.dtype])
+        max_lse, _, lse_msg = close_enough("LSE", outputs["lse"], reference["lse"],
+                                           LSE_TOLERANCE)
+        wrong = "; ".join(m for m in (o_msg, lse_msg) if m)
+        if wrong:
+            return Verdict(False, max(max_o, max_lse), rel,
+                           f"wrong result on {shape.key()} ({problem.key()}): {wrong}")
+        return Verdict(True, max(max_o, max_lse), rel, "")
+
+    def flops(self, problem: Problem, shape: ShapeLike) -> float:
+        """4 B Nq Nk H D (two matmuls), halved when causal: the field's convention."""
+        total = (4.0 * shape.batch * shape.seqlen_q * shape.seqlen_k * shape.heads_q
+                 * problem.head_dim)
+        return total / 2 if problem.causal else total
+
+    def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
+        """Q, K, V read once, O written once (the input type) and the float32 LSE."""
+        e, d = problem.dtype.itemsize, problem.head_dim
+        q_rows = shape.batch * shape.heads_q * shape.seqlen_q
+        kv_rows = shape.batch * shape.heads_kv * shape.seqlen_k
+        return float(2 * q_rows * d * e + 2 * kv_rows * d * e + 4 * q_rows)
+
+
+FORWARD = ForwardFamily()

@@ -1,0 +1,94 @@
+"""The forward kernel's argument list: the contract with ``templates/flash_fwd.cu.jinja``.
+
+    q, k, v (const T*), o (T*), lse (float*),
+    seqlen_q, seqlen_k, heads_q, heads_kv (int32),
+    q, k, v, o strides in elements: batch, row (sequence), head (int64 each, 12 in all),
+    softmax_scale (float32)
+
+Q/O are (batch, seqlen_q, heads_q, head_dim), K/V are (batch, seqlen_k, heads_kv,
+head_dim), each with a contiguous last dim and otherwise arbitrary strides; LSE is a
+contiguous float32 (batch, heads_q, seqlen_q) tensor. The grid is (ceil(seqlen_q / block_m),
+heads_q, batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from flashtune.codegen.abi import ArgType, PackedArgs
+
+
+@dataclass(frozen=True)
+class TensorView:
+    """A pointer with its (batch, seq, head) element strides."""
+
+    ptr: int
+    batch_stride: int
+    row_stride: int
+    head_stride: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorView:
+        s = t.stride()
+        return cls(t.data_ptr(), s[0], s[1], s[2])
+
+
+@dataclass(frozen=True)
+class FwdArgs:
+    """The forward kernel's arguments by name; ``packed()`` is the launch order."""
+
+    q: TensorView
+    k: TensorView
+    v: TensorView
+    o: TensorView
+    lse_ptr: int
+    seqlen_q: int
+    seqlen_k: int
+    heads_q: int
+    heads_kv: int
+    softmax_scale: float
+
+    def packed(self) -> PackedArgs:
+        """(type, value) pairs in the kernel's parameter order."""
+        out: list[tuple[ArgType, int | float]] = [
+            (ArgType.PTR, t.ptr) for t in (self.q, self.k, self.v, self.o)
+        ]
+        out.append((ArgType.PTR, self.lse_ptr))
+        out += [(ArgType.I32, n) for n in (self.seqlen_q, self.seqlen_k, self.heads_q,
+                                            self.heads_kv)]
+        for t in (self.q, self.k, self.v, self.o):
+            out += [(ArgType.I64, s) for s in (t.batch_stride, t.row_stride, t.head_stride)]
+        out.append((ArgType.F32, self.softmax_scale))
+        return tuple(out)
+
+
+# The kernel's parameter types, in order, taken from the argument contract itself.
+_ZERO_VIEW = TensorView(0, 0, 0, 0)
+FWD_ARG_TYPES: tuple[ArgType, ...] = tuple(
+    kind for kind, _ in FwdArgs(_ZERO_VIEW, _ZERO_VIEW, _ZERO_VIEW, _ZERO_VIEW, 0, 0, 0, 0, 0,
+                                0.0).packed()
+)
+
+
+def pack_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+              lse: torch.Tensor, softmax_scale: float) -> PackedArgs:
+    """The kernel arguments, equal to ``FwdArgs(...).packed()`` for these tensors.
+
+    Built directly because it runs on every call: this costs about a third of building the
+    FwdArgs dataclasses; a test checks that the two agree.
+    """
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), o.stride()
+    _, seqlen_q, heads_q, _ = q.shape
+    _, seqlen_k, heads_kv, _ = k.shape
+    values = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+              seqlen_q, seqlen_k, heads_q, heads_kv,
+              qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+              os_[0], os_[1], os_[2], softmax_scale)
+    return tuple(zip(FWD_ARG_TYPES, values, strict=False))  # lengths equal by construction
+
+
+def grid(seqlen_q: int, heads_q: int, batch: int, block_m: int) -> tuple[int, int, int]:
+    """Launch grid: (query blocks, heads, batch)."""
+    return ((seqlen_q + block_m - 1) // block_m, heads_q, batch)

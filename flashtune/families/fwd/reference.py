@@ -1,0 +1,45 @@
+"""The float64 reference of attention and the forward's tolerances: the one reference that
+verification, tests and benchmarks compare against.
+
+Written from the definition, independently of any kernel's tiling: S = scale * Q K^T,
+masked (causal: query row i sees key j iff j <= i + Nk - Nq, bottom-right aligned), softmax
+over keys, O = P V, LSE = log(sum(exp(S))) in natural log. GQA: query head h reads key/value
+head h // (Hq / Hkv). A row that sees no key has O = 0 and LSE = +inf.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtune.codegen.spec import DType
+from flashtune.families.base import Tolerance
+
+#: O is rounded to the output type and P to the input type before P @ V: a few ulps.
+O_TOLERANCE = {DType.FP16: Tolerance(4e-3, 4e-3), DType.BF16: Tolerance(2.5e-2, 2.5e-2)}
+#: LSE is float32: an absolute error plus a float32-resolution share for large scores.
+LSE_TOLERANCE = Tolerance(1e-3, 2e-6)
+
+
+def causal_visible(seqlen_q: int, seqlen_k: int, device: torch.device | str = "cpu"
+                   ) -> torch.Tensor:
+    """(Nq, Nk) bool: query row i sees key j iff j <= i + Nk - Nq."""
+    rows = torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
+    return torch.arange(seqlen_k, device=device)[None, :] <= rows
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 O (B, Nq, Hq, D) and LSE (B, Hq, Nq) from (B, N, H, D) tensors."""
+    qd, kd, vd = (t.to(torch.float64) for t in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    kd = kd.repeat_interleave(group, dim=2)
+    vd = vd.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * scale
+    if causal:
+        visible = causal_visible(q.shape[1], k.shape[1], q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    empty = torch.isneginf(lse)
+    probs = torch.exp(scores - lse.masked_fill(empty, 0.0)[..., None])
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, vd)
+    return out, lse.masked_fill(empty, float("inf"))
