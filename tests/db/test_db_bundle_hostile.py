@@ -151,7 +151,7 @@ MUTATIONS: dict[str, tuple[Mutation, str]] = {
     "unknown device field": (_set("devices.0.pci_id", "0000:01"), "unknown fields"),
     "unknown trial field": (_set("trials.0.sql", "SELECT 1"), "unknown fields"),
     "unknown problem field": (_set("problems.0.fields.window", 5), "unknown problem field"),
-    "illegal config field": (_set("configs.0.fields.Swizzle Mode", 2), "is illegal"),
+    "illegal config field": (_set("configs.0.fields.swizzle", -2), "outside"),
     "missing trial field": (_delete("trials.0.host"), "lacks fields ['host']"),
     "devices not a list": (_set("devices", {"a": 1}), "must be a JSON list"),
     "nested field value": (_set("problems.0.fields.dtype", ["bf16"]), "JSON scalar"),
