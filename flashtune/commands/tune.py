@@ -14,10 +14,10 @@ from rich.markup import escape
 from flashtune import families, knobs
 from flashtune.codegen.spec import Problem
 from flashtune.errors import FlashtuneError, TuningError
-from flashtune.tuner.evaluate import DEFAULT_MAX_SPILL_BYTES
+from flashtune.tuner.measure.evaluate import DEFAULT_MAX_SPILL_BYTES
+from flashtune.tuner.measure.workload import BatchHeads
 from flashtune.tuner.options import BucketSummary, TuneOptions
-from flashtune.tuner.study import SAMPLERS
-from flashtune.tuner.workload import BatchHeads
+from flashtune.tuner.search.study import SAMPLERS
 
 
 def parse_duration(text: str) -> float:
@@ -89,7 +89,7 @@ def tune_command(
                                  "reference GPU).")] = None,
 ) -> None:
     """Tune a kernel family (default: the forward) on this GPU; store each bucket's winner."""
-    from flashtune.tuner.workload import parse_batch_heads, parse_seqlens
+    from flashtune.tuner.measure.workload import parse_batch_heads, parse_seqlens
 
     try:
         problem = Problem.from_dict({"head_dim": head_dim, "dtype": dtype, "causal": causal,
@@ -123,7 +123,7 @@ def tune_command(
         Console(stderr=True).print("interrupted: every finished trial is saved; rerun the same "
                                    "command with --resume to continue")
         raise typer.Exit(130) from None
-    from flashtune.tuner.progress import final_table, predicted_tables
+    from flashtune.commands.tune_progress import final_table, predicted_tables
 
     console = Console()
     console.print()
@@ -136,11 +136,19 @@ def tune_command(
 def _run_local(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHeads, ...],
                options: TuneOptions, db: str | None, *, dry_arch: str | None
                ) -> list[BucketSummary]:
+    from flashtune.commands.tune_progress import RichProgress
     from flashtune.tuner.api import tune
-    from flashtune.tuner.backends import dry_run_backend, gpu_backend
-    from flashtune.tuner.progress import RichProgress
+    from flashtune.tuner.measure.base import MeasurementBackend
 
-    backend = dry_run_backend(dry_arch) if dry_arch else gpu_backend()
+    backend: MeasurementBackend
+    if dry_arch:
+        from flashtune.tuner.measure.dry import dry_run_backend
+
+        backend = dry_run_backend(dry_arch)
+    else:
+        from flashtune.tuner.measure.cuda import gpu_backend
+
+        backend = gpu_backend()
     with RichProgress(options.trials) as progress:
         return tune(problem.head_dim, problem.dtype, problem.causal, lengths, op=problem.op,
                     backend=backend,
@@ -153,9 +161,9 @@ def _run_workers(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchH
     """One worker process per GPU; the live table follows the database."""
     import torch
 
+    from flashtune.commands.tune_progress import RichProgress
     from flashtune.runtime.device import DeviceInfo
-    from flashtune.tuner.cuda_backend import NO_GPU
-    from flashtune.tuner.progress import RichProgress
+    from flashtune.tuner.measure.cuda import NO_GPU
     from flashtune.tuner.workers import WorkerSpec, tune_parallel
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -167,7 +175,8 @@ def _run_workers(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchH
     info = DeviceInfo.current(0)
     spec = WorkerSpec(
         head_dim=problem.head_dim, dtype=problem.dtype.value, causal=problem.causal,
-        op=problem.op, seqlens=lengths, db=db or "", backend="flashtune.tuner.backends:gpu_backend",
+        op=problem.op, seqlens=lengths, db=db or "",
+        backend="flashtune.tuner.measure.cuda:gpu_backend",
         batch_heads=tuple((p.batch, p.heads) for p in pairs), options=options)
     with RichProgress(options.trials) as progress:
         return tune_parallel(spec, workers, device=info.name, arch=info.spec,
@@ -185,7 +194,7 @@ def report_command(
 ) -> None:
     """Plot the tuning studies in a database: best-so-far per trial, the B_r x B_c landscape
     per (warps, stages), and the winners per bucket."""
-    from flashtune.tuner.report import write_report
+    from flashtune.commands.report import write_report
 
     try:
         written = write_report(db, out, fmt, study_filter=study)

@@ -1,7 +1,9 @@
 """The tuner: an Optuna search per (device, problem bucket, template digest).
 
-``tune(...)`` is the Python form of ``flashtune tune``; see flashtune.tuner.api. Names are
-imported on first use, so ``import flashtune.tuner`` stays cheap.
+``tune(...)`` is the Python form of ``flashtune tune``; see flashtune.tuner.api. The driver
+(api, options, pipeline, workers, records) lives here; ``search`` decides what to measure
+and which config wins, ``measure`` measures. Names are imported on first use, so
+``import flashtune.tuner`` stays cheap.
 """
 
 from __future__ import annotations
@@ -14,11 +16,11 @@ _EXPORTS = {
     "Tuner": "flashtune.tuner.api",
     "TuneOptions": "flashtune.tuner.options",
     "BucketSummary": "flashtune.tuner.options",
-    "TimingPlan": "flashtune.tuner.measure",
-    "MeasurementBackend": "flashtune.tuner.measure",
-    "BatchHeads": "flashtune.tuner.workload",
-    "gpu_backend": "flashtune.tuner.backends",
-    "dry_run_backend": "flashtune.tuner.backends",
+    "TimingPlan": "flashtune.tuner.measure.base",
+    "MeasurementBackend": "flashtune.tuner.measure.base",
+    "BatchHeads": "flashtune.tuner.measure.workload",
+    "gpu_backend": "flashtune.tuner.measure.cuda",
+    "dry_run_backend": "flashtune.tuner.measure.dry",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -30,15 +30,16 @@ from flashtune.codegen.spec import DType, KernelConfig, Problem, ProblemBucket
 from flashtune.db.records import TrialStatus
 from flashtune.db.store import TuningStore
 from flashtune.errors import InvalidConfig, TuningError
-from flashtune.tuner.encoding import SearchEncoding
-from flashtune.tuner.evaluate import TrialResult
-from flashtune.tuner.lock import ProposalLock
-from flashtune.tuner.measure import MeasurementBackend
+from flashtune.tuner.measure.base import MeasurementBackend
+from flashtune.tuner.measure.evaluate import TrialResult
+from flashtune.tuner.measure.workload import BatchHeads, Workload, make_workload
 from flashtune.tuner.options import BucketSummary, TuneOptions
 from flashtune.tuner.pipeline import CompilePool, Limits, run_pipeline
-from flashtune.tuner.prediction import BucketPrediction, Predictor, resolve_gpu
 from flashtune.tuner.records import ResultLog
-from flashtune.tuner.search import (
+from flashtune.tuner.search.encoding import SearchEncoding
+from flashtune.tuner.search.lock import ProposalLock
+from flashtune.tuner.search.prediction import BucketPrediction, Predictor, resolve_gpu
+from flashtune.tuner.search.proposers import (
     CONFIG_ATTR,
     DUPLICATE_ATTR,
     EnumerationSearch,
@@ -46,9 +47,8 @@ from flashtune.tuner.search import (
     Proposal,
     Proposer,
 )
-from flashtune.tuner.selection import Scored, choose, remeasure
-from flashtune.tuner.study import make_sampler, open_storage, study_name, template_digest
-from flashtune.tuner.workload import BatchHeads, Workload, make_workload
+from flashtune.tuner.search.selection import Scored, choose, remeasure
+from flashtune.tuner.search.study import make_sampler, open_storage, study_name, template_digest
 
 log = logging.getLogger("flashtune.tuner")
 
@@ -359,7 +359,7 @@ def tune(head_dim: int, dtype: DType | str = "bf16", causal: bool = False,
 
     Measures on the current GPU (TuningError without one), or with ``dry_run`` compiles for
     ``arch`` and verifies in the CPU emulator, untimed; ``backend`` overrides both (see
-    flashtune.tuner.measure). ``db`` is the database URL or path (default: the FLASHTUNE_DB
+    flashtune.tuner.measure.base). ``db`` is the database URL or path (default: the FLASHTUNE_DB
     knob). Returns one summary per bucket; timed winners become the buckets' best in the
     database, which the runtime dispatcher serves.
     """
@@ -367,9 +367,14 @@ def tune(head_dim: int, dtype: DType | str = "bf16", causal: bool = False,
                                  "causal": causal, "op": op})
     families.of(problem)  # an unknown op fails here, before any study is opened
     if backend is None:
-        from flashtune.tuner.backends import dry_run_backend, gpu_backend
+        if dry_run:
+            from flashtune.tuner.measure.dry import dry_run_backend
 
-        backend = dry_run_backend(arch) if dry_run else gpu_backend()
+            backend = dry_run_backend(arch)
+        else:
+            from flashtune.tuner.measure.cuda import gpu_backend
+
+            backend = gpu_backend()
     if verify_cap is None and not backend.timed:  # the emulator: keep verification small
         verify_cap = DRY_RUN_VERIFY_CAP
     with TuningStore(db) as store:

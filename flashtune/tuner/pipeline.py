@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from flashtune.codegen.spec import KernelConfig, Problem
-from flashtune.tuner.evaluate import TrialResult, evaluate
-from flashtune.tuner.measure import CompileOutcome, Compiler, MeasurementBackend, TimingPlan
-from flashtune.tuner.search import Proposal, Proposer
-from flashtune.tuner.workload import Workload
+from flashtune.tuner.measure.base import CompileOutcome, Compiler, MeasurementBackend, TimingPlan
+from flashtune.tuner.measure.evaluate import TrialResult, evaluate
+from flashtune.tuner.measure.workload import Workload
+from flashtune.tuner.search.proposers import Proposal, Proposer
 
 
 class CompilePool:

@@ -1,4 +1,5 @@
-"""Writing results to the tuning database, and reading back what must not be retried.
+"""Writing results to the tuning database, and reading back what must not be retried (and
+a bucket's progress summarised from its rows, for workers in other processes).
 
 Every trial is recorded with the digest of the exact kernel source it measured
 (``KernelSource.digest``), so a failure is skipped in later runs only while the kernel
@@ -8,6 +9,8 @@ source is unchanged; editing a template makes the config worth trying again.
 from __future__ import annotations
 
 import functools
+from collections import Counter
+from collections.abc import Sequence
 
 from flashtune.codegen.spec import KernelConfig, Problem, ProblemBucket
 from flashtune.db.records import (
@@ -20,7 +23,8 @@ from flashtune.db.records import (
 )
 from flashtune.db.store import TuningStore
 from flashtune.families import render
-from flashtune.tuner.evaluate import TrialResult
+from flashtune.tuner.measure.evaluate import SPILL_ERROR_PREFIX, TrialResult
+from flashtune.tuner.options import BucketSummary
 
 
 @functools.lru_cache(maxsize=4096)
@@ -98,3 +102,17 @@ class ResultLog:
         record = self.record(result, predicted_ms)
         self.store.set_best(record.uid)
         return record
+
+
+def summarize_records(summary: BucketSummary, records: Sequence[TrialRecord]) -> BucketSummary:
+    """Fill a summary's counts from database rows (progress of workers in other processes)."""
+    summary.statuses = Counter(r.status.value for r in records)
+    # configs measured (a finalist re-measured at the end has several records)
+    summary.measured = len({r.config.key for r in records if r.status is not TrialStatus.INVALID
+                            or (r.error or "").startswith(SPILL_ERROR_PREFIX)})
+    timed = [r for r in records if r.tflops is not None]
+    if timed:
+        best = max(timed, key=lambda r: r.tflops or 0.0)
+        summary.best_tflops = best.tflops
+        summary.best_config = KernelConfig.from_key(best.config.key)
+    return summary

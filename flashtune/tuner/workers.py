@@ -27,10 +27,10 @@ import optuna
 
 from flashtune.codegen.arch import ArchSpec
 from flashtune.errors import TuningError
-from flashtune.tuner.measure import MeasurementBackend, TimingPlan
+from flashtune.tuner.measure.base import MeasurementBackend, TimingPlan
+from flashtune.tuner.measure.workload import BatchHeads
 from flashtune.tuner.options import BucketSummary, TuneOptions
-from flashtune.tuner.study import Heartbeat
-from flashtune.tuner.workload import BatchHeads
+from flashtune.tuner.search.study import Heartbeat
 
 if TYPE_CHECKING:
     from flashtune.tuner.api import Observer
@@ -117,7 +117,7 @@ def run_workers(spec: WorkerSpec, count: int, *, gpus: Sequence[int] | None = No
     if count < 1:
         raise TuningError(f"workers={count} must be >= 1")
     from flashtune.db.store import TuningStore
-    from flashtune.tuner.study import open_storage
+    from flashtune.tuner.search.study import open_storage
 
     # create the database and Optuna's tables once, before the workers race to
     with TuningStore(spec.db):
@@ -170,9 +170,9 @@ def tune_parallel(spec: WorkerSpec, count: int, *, device: str, arch: ArchSpec,
     from flashtune.codegen.spec import KernelConfig, Problem
     from flashtune.db.store import TuningStore
     from flashtune.tuner.api import buckets_of, prepare_study
-    from flashtune.tuner.encoding import SearchEncoding
-    from flashtune.tuner.progress import summarize_records
-    from flashtune.tuner.study import open_storage, study_name, template_digest
+    from flashtune.tuner.records import summarize_records
+    from flashtune.tuner.search.encoding import SearchEncoding
+    from flashtune.tuner.search.study import open_storage, study_name, template_digest
 
     problem = Problem.from_dict({"head_dim": spec.head_dim, "dtype": spec.dtype,
                                  "causal": spec.causal, "op": spec.op})

@@ -14,9 +14,9 @@ from tuner_testlib import FAST
 from typer.testing import CliRunner
 
 from flashtune.cli import app
+from flashtune.commands.report import write_report
 from flashtune.db.store import TuningStore
 from flashtune.tuner.api import tune
-from flashtune.tuner.report import write_report
 
 runner = CliRunner()
 

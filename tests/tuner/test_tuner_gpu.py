@@ -12,8 +12,8 @@ from flashtune.db.store import TuningStore
 from flashtune.runtime.device import DeviceInfo
 from flashtune.runtime.dispatch import Dispatcher, Tier
 from flashtune.tuner.api import tune
-from flashtune.tuner.backends import gpu_backend
-from flashtune.tuner.measure import TimingPlan
+from flashtune.tuner.measure.base import TimingPlan
+from flashtune.tuner.measure.cuda import gpu_backend
 from flashtune.tuner.options import TuneOptions
 
 pytestmark = pytest.mark.gpu

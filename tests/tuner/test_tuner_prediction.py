@@ -18,16 +18,16 @@ from flashtune import families
 from flashtune.cli import app
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem
+from flashtune.commands.tune_progress import predicted_tables
 from flashtune.db.records import DeviceRecord, Keyed, TrialRecord, TrialStatus
 from flashtune.db.store import TuningStore
 from flashtune.families.fwd import FORWARD
 from flashtune.perf import predict
 from flashtune.tuner.api import tune
-from flashtune.tuner.encoding import SearchEncoding
-from flashtune.tuner.prediction import resolve_gpu
-from flashtune.tuner.progress import predicted_tables
+from flashtune.tuner.measure.workload import make_workload
 from flashtune.tuner.records import source_digest
-from flashtune.tuner.workload import make_workload
+from flashtune.tuner.search.encoding import SearchEncoding
+from flashtune.tuner.search.prediction import resolve_gpu
 
 PROBLEM = Problem(128, DType.BF16)
 CANDIDATES = SearchEncoding(PROBLEM, get_arch("sm_90")).candidates()

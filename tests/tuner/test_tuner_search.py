@@ -18,10 +18,10 @@ from flashtune.db.store import TuningStore
 from flashtune.errors import TuningError
 from flashtune.families.fwd import FORWARD, space
 from flashtune.tuner.api import tune
-from flashtune.tuner.encoding import SearchEncoding
-from flashtune.tuner.measure import TimingPlan
-from flashtune.tuner.search import CONFIG_ATTR, DUPLICATE_ATTR
-from flashtune.tuner.workload import make_workload
+from flashtune.tuner.measure.base import TimingPlan
+from flashtune.tuner.measure.workload import make_workload
+from flashtune.tuner.search.encoding import SearchEncoding
+from flashtune.tuner.search.proposers import CONFIG_ATTR, DUPLICATE_ATTR
 
 PROBLEM = Problem(128, DType.BF16)
 ARCH = get_arch("sm_90")

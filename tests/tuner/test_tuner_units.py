@@ -16,18 +16,18 @@ from flashtune.commands.tune import parse_duration
 from flashtune.db.records import TrialStatus
 from flashtune.errors import TuningError
 from flashtune.families.fwd import FORWARD, space
-from flashtune.tuner.encoding import Knob, SearchEncoding
-from flashtune.tuner.evaluate import TrialResult
-from flashtune.tuner.measure import ShapeTiming
-from flashtune.tuner.selection import Scored, choose
-from flashtune.tuner.study import study_name, template_digest
-from flashtune.tuner.workload import (
+from flashtune.tuner.measure.base import ShapeTiming
+from flashtune.tuner.measure.evaluate import TrialResult
+from flashtune.tuner.measure.workload import (
     BatchHeads,
     geomean,
     make_workload,
     parse_batch_heads,
     parse_seqlens,
 )
+from flashtune.tuner.search.encoding import Knob, SearchEncoding
+from flashtune.tuner.search.selection import Scored, choose
+from flashtune.tuner.search.study import study_name, template_digest
 
 P = Problem(128, DType.BF16)
 ARCH = get_arch("sm_90")
@@ -154,9 +154,10 @@ def test_progress_tables_and_database_summaries(tmp_path: Path) -> None:
 
     from rich.console import Console
 
+    from flashtune.commands.tune_progress import final_table, live_table
     from flashtune.db.records import Keyed, TrialRecord
     from flashtune.tuner.options import BucketSummary
-    from flashtune.tuner.progress import final_table, live_table, summarize_records
+    from flashtune.tuner.records import summarize_records
 
     bucket = P.bucket(1024, 1024)
     best, default = KernelConfig(128, 64, 4, 2), KernelConfig(64, 64, 4, 2)

@@ -20,8 +20,8 @@ from tuner_testlib import FAST, subprocess_env
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, Problem
 from flashtune.db.store import TuningStore
-from flashtune.tuner.encoding import SearchEncoding
-from flashtune.tuner.search import CONFIG_ATTR, DUPLICATE_ATTR
+from flashtune.tuner.search.encoding import SearchEncoding
+from flashtune.tuner.search.proposers import CONFIG_ATTR, DUPLICATE_ATTR
 from flashtune.tuner.workers import (
     WorkerSpec,
     run_spec,

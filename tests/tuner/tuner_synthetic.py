@@ -25,7 +25,7 @@ from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.db.records import DeviceRecord, TrialStatus
 from flashtune.errors import DeviceError
-from flashtune.tuner.measure import CompileOutcome, ShapeTiming, TimingPlan, VerifyOutcome
+from flashtune.tuner.measure.base import CompileOutcome, ShapeTiming, TimingPlan, VerifyOutcome
 
 DEVICE = DeviceRecord("synthetic-test-fixture", 9, 0, 132, 80 << 30, "0", "0", "0", "0")
 

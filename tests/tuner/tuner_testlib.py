@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from flashtune.tuner.measure import TimingPlan
+from flashtune.tuner.measure.base import TimingPlan
 from flashtune.tuner.options import TuneOptions
-from flashtune.tuner.study import Heartbeat
+from flashtune.tuner.search.study import Heartbeat
 
 HERE = Path(__file__).parent
 

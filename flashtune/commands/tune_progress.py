@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from flashtune.db.records import TrialRecord, TrialStatus
-from flashtune.tuner.evaluate import SPILL_ERROR_PREFIX, TrialResult
+from flashtune.db.records import TrialStatus
+from flashtune.tuner.measure.evaluate import TrialResult
 from flashtune.tuner.options import BucketSummary
 
 _FAILURES = ("invalid", "compile_failed", "runtime_failed", "wrong_result")
@@ -96,22 +96,6 @@ class RichProgress:
 
     def bucket_finished(self, summary: BucketSummary) -> None:
         self._refresh()
-
-
-def summarize_records(summary: BucketSummary, records: Sequence[TrialRecord]) -> BucketSummary:
-    """Fill a summary's counts from database rows (progress of workers in other processes)."""
-    summary.statuses = Counter(r.status.value for r in records)
-    # configs measured (a finalist re-measured at the end has several records)
-    summary.measured = len({r.config.key for r in records if r.status is not TrialStatus.INVALID
-                            or (r.error or "").startswith(SPILL_ERROR_PREFIX)})
-    timed = [r for r in records if r.tflops is not None]
-    if timed:
-        best = max(timed, key=lambda r: r.tflops or 0.0)
-        summary.best_tflops = best.tflops
-        from flashtune.codegen.spec import KernelConfig
-
-        summary.best_config = KernelConfig.from_key(best.config.key)
-    return summary
 
 
 def predicted_tables(rows: Sequence[BucketSummary]) -> list[Table]:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from flashtune.codegen.spec import KernelConfig
 from flashtune.db.records import TrialStatus, truncate_error
 from flashtune.errors import CompileError, DeviceError, EmulatorError, OutOfResources, TuningError
-from flashtune.tuner.measure import CompileOutcome, MeasurementBackend, ShapeTiming, TimingPlan
-from flashtune.tuner.workload import Workload, geomean
+from flashtune.tuner.measure.base import CompileOutcome, MeasurementBackend, ShapeTiming, TimingPlan
+from flashtune.tuner.measure.workload import Workload, geomean
 
 log = logging.getLogger("flashtune.tuner")
 

@@ -1,8 +1,8 @@
 """The measurement backend interface: compile, verify and time one config for a problem.
 
 The tuner drives everything through this small interface, so the same search runs against
-a GPU (``flashtune.tuner.cuda_backend``), against NVRTC plus the CPU emulator for dry runs
-(``flashtune.tuner.dry_backend``, untimed), and against synthetic backends in tests.
+a GPU (``flashtune.tuner.measure.cuda``), against NVRTC plus the CPU emulator for dry runs
+(``flashtune.tuner.measure.dry``, untimed), and against synthetic backends in tests.
 
 Compilation runs in a process pool while the device measures another candidate, so the
 compiler is a separate, picklable callable that must be importable in a fresh process.

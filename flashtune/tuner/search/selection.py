@@ -20,9 +20,9 @@ from flashtune.codegen.spec import KernelConfig
 from flashtune.db.records import TrialStatus
 from flashtune.errors import TuningError
 from flashtune.families.fwd import space
-from flashtune.tuner.evaluate import KERNEL_FAILURES, TrialResult
-from flashtune.tuner.measure import MeasurementBackend, ShapeTiming, TimingPlan
-from flashtune.tuner.workload import Workload
+from flashtune.tuner.measure.base import MeasurementBackend, ShapeTiming, TimingPlan
+from flashtune.tuner.measure.evaluate import KERNEL_FAILURES, TrialResult
+from flashtune.tuner.measure.workload import Workload
 
 DEFAULT_TOLERANCE = 0.02
 

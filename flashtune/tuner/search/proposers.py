@@ -42,9 +42,9 @@ from optuna.trial import FrozenTrial, TrialState
 
 from flashtune.codegen.spec import KernelConfig
 from flashtune.db.records import TrialStatus, this_host
-from flashtune.tuner.encoding import SearchEncoding
-from flashtune.tuner.evaluate import TrialResult
-from flashtune.tuner.study import quiet_optuna
+from flashtune.tuner.measure.evaluate import TrialResult
+from flashtune.tuner.search.encoding import SearchEncoding
+from flashtune.tuner.search.study import quiet_optuna
 
 log = logging.getLogger("flashtune.tuner")
 

@@ -28,7 +28,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from flashtune.db.engine import resolve_url
 from flashtune.errors import TuningError
-from flashtune.tuner.search import CONFIG_ATTR, DUPLICATE_ATTR, STATUS_ATTR
+from flashtune.tuner.search.proposers import CONFIG_ATTR, DUPLICATE_ATTR, STATUS_ATTR
 
 FORMATS = ("png", "html")
 _SHORT = {"compile_failed": "CF", "runtime_failed": "RF", "wrong_result": "WR",

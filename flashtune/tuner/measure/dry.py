@@ -14,9 +14,8 @@ from flashtune.db.records import DeviceRecord
 from flashtune.errors import TuningError
 from flashtune.families import render
 from flashtune.runtime.device import DeviceInfo
-from flashtune.tuner.backends import NvrtcCompiler, device_record
-from flashtune.tuner.measure import ShapeTiming, TimingPlan, VerifyOutcome
-from flashtune.tuner.verify import check_kernel
+from flashtune.tuner.measure.base import MeasurementBackend, ShapeTiming, TimingPlan, VerifyOutcome
+from flashtune.tuner.measure.common import NvrtcCompiler, check_kernel, device_record
 
 
 class DryRunMeasurement:
@@ -54,3 +53,8 @@ class DryRunMeasurement:
     def time(self, problem: Problem, config: KernelConfig, shapes: Sequence[Shape],
              plan: TimingPlan) -> list[ShapeTiming]:
         raise TuningError("a dry run never times kernels: emulator timings mean nothing")
+
+
+def dry_run_backend(arch: str = "sm_90") -> MeasurementBackend:
+    """NVRTC for ``arch`` plus emulator verification; never timed."""
+    return DryRunMeasurement(get_arch(arch).name)

@@ -24,7 +24,7 @@ from flashtune.db.records import DeviceRecord
 from flashtune.errors import FlashtuneError, InvalidConfig, TuningError
 from flashtune.perf.costmodel import DEFAULT_PARAMS, ModelParams, predict
 from flashtune.perf.gpus import GPUS, GpuSpec, default_gpu_for_arch, get_gpu
-from flashtune.tuner.workload import Workload, geomean
+from flashtune.tuner.measure.workload import Workload, geomean
 
 log = logging.getLogger("flashtune.tuner")
 

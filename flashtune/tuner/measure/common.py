@@ -1,22 +1,30 @@
-"""The measurement backends that ship: the GPU and the dry run (NVRTC + CPU emulator).
+"""What the backends that ship (the GPU and the dry run) share: compile, identity, verify.
 
-``gpu_backend()`` measures on the current CUDA device (TuningError without one, saying
-how to do a dry run instead); ``dry_run_backend("sm_90")`` compiles for the named arch and
-verifies in the emulator, untimed. Both compile with ``NvrtcCompiler``, which runs in the
-tuner's process pool and fills the kernel cache the launch path reads.
+Both compile with ``NvrtcCompiler``, which runs in the tuner's process pool and fills the
+kernel cache the launch path reads; ``device_record`` is a device's identity in the
+database; ``check_kernel`` is the verification step, runtime.launch.verify's verdict as a typed
+trial outcome (a wrong result is recorded as wrong_result and can never become a bucket's
+best). The backends themselves: ``flashtune.tuner.measure.cuda.gpu_backend`` and
+``flashtune.tuner.measure.dry.dry_run_backend``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib import metadata
+from typing import TYPE_CHECKING
 
-from flashtune.codegen.arch import get_arch
-from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.db.records import DeviceRecord, TrialStatus, truncate_error
 from flashtune.families import render
+from flashtune.runtime.backends.base import LoadedKernel
 from flashtune.runtime.device import DeviceInfo
-from flashtune.tuner.measure import CompileOutcome, MeasurementBackend
+from flashtune.tuner.measure.base import CompileOutcome, VerifyOutcome
+
+if TYPE_CHECKING:  # torch stays out of the compile pool's processes, which import this
+    import torch
+
+    from flashtune.families.base import Verdict
 
 
 @dataclass(frozen=True)
@@ -61,15 +69,16 @@ def device_record(info: DeviceInfo) -> DeviceRecord:
         nvrtc_version=_version(info.nvrtc_version), cupy_version=_cupy_version())
 
 
-def gpu_backend(device_index: int | None = None) -> MeasurementBackend:
-    """The CUDA device ``device_index`` (default: current) as a measurement backend."""
-    from flashtune.tuner.cuda_backend import CudaMeasurement
+def outcome(verdict: Verdict) -> VerifyOutcome:
+    if verdict.ok:
+        return VerifyOutcome(TrialStatus.OK, max_abs_error=verdict.max_abs)
+    finite = verdict.max_abs if verdict.max_abs != float("inf") else None
+    return VerifyOutcome(TrialStatus.WRONG_RESULT, max_abs_error=finite, error=verdict.message)
 
-    return CudaMeasurement(device_index)
 
+def check_kernel(kernel: LoadedKernel, shape: Shape, device: torch.device | str, *,
+                 stream: int = 0) -> VerifyOutcome:
+    """Launch ``kernel`` once on fresh inputs and compare with its family's reference."""
+    from flashtune.runtime.launch import verify
 
-def dry_run_backend(arch: str = "sm_90") -> MeasurementBackend:
-    """NVRTC for ``arch`` plus emulator verification; never timed."""
-    from flashtune.tuner.dry_backend import DryRunMeasurement
-
-    return DryRunMeasurement(get_arch(arch).name)
+    return outcome(verify(kernel, shape, device, stream=stream))

@@ -26,9 +26,8 @@ from flashtune.families.base import Inputs
 from flashtune.runtime.backends.base import LoadedKernel
 from flashtune.runtime.device import DeviceInfo
 from flashtune.runtime.launch import prepare
-from flashtune.tuner.backends import NvrtcCompiler, device_record
-from flashtune.tuner.measure import ShapeTiming, TimingPlan, VerifyOutcome
-from flashtune.tuner.verify import check_kernel
+from flashtune.tuner.measure.base import MeasurementBackend, ShapeTiming, TimingPlan, VerifyOutcome
+from flashtune.tuner.measure.common import NvrtcCompiler, check_kernel, device_record
 
 NO_GPU = ("no CUDA GPU is available here, so `flashtune tune` cannot time kernels. Without a "
           "GPU, run `flashtune tune --dry-run --arch sm_90 ...` to compile and verify every "
@@ -138,3 +137,8 @@ class CudaMeasurement:
         torch.cuda.synchronize(self.torch_device)
         times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
         return ShapeTiming(shape, statistics.median(times), times[0], times[-1], len(times))
+
+
+def gpu_backend(device_index: int | None = None) -> MeasurementBackend:
+    """The CUDA device ``device_index`` (default: current) as a measurement backend."""
+    return CudaMeasurement(device_index)

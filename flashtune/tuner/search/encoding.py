@@ -28,10 +28,10 @@ from typing import Any
 
 import optuna
 
+from flashtune import families
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.errors import InvalidConfig, TuningError
-from flashtune import families
 
 
 @dataclass(frozen=True)
