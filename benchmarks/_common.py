@@ -170,8 +170,8 @@ def environment_info(probe_gpu: bool = True) -> dict[str, Any]:
     except Exception as exc:  # provenance must never stop a benchmark
         info["torch_error"] = repr(exc)
     try:  # the NVRTC flashtune compiles with
-        from flashtune.runtime import nvrtc
-        from flashtune.runtime.toolchain import find_toolchain
+        from flashtune.toolchain import nvrtc
+        from flashtune.toolchain.cuda import find_toolchain
 
         major, minor = nvrtc.load(find_toolchain().nvrtc_path).version
         info["nvrtc"] = f"{major}.{minor}"

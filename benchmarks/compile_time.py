@@ -37,7 +37,7 @@ from flashtune.families.fwd.defaults import default_config  # noqa: E402
 from flashtune.runtime import compiler, nvrtc  # noqa: E402
 from flashtune.runtime.cache import ArtifactCache  # noqa: E402
 from flashtune.runtime.compiled import CompiledKernel  # noqa: E402
-from flashtune.runtime.toolchain import find_toolchain  # noqa: E402
+from flashtune.toolchain.cuda import find_toolchain  # noqa: E402
 
 _T_IMPORT = time.perf_counter() - _T_IMPORT
 

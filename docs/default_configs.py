@@ -13,9 +13,9 @@ from flashtune.codegen.arch import get_arch
 from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, Problem
 from flashtune.families.fwd import defaults, space
-from flashtune.runtime import nvrtc
 from flashtune.runtime.compiler import compile_pairs
-from flashtune.runtime.toolchain import find_toolchain
+from flashtune.toolchain import nvrtc
+from flashtune.toolchain.cuda import find_toolchain
 
 #: One arch per class of the default table.
 ARCH_OF_CLASS = {defaults.ArchClass.SM80: "sm_80", defaults.ArchClass.SM86: "sm_86",

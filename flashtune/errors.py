@@ -33,6 +33,10 @@ class ToolchainNotFound(FlashtuneError, RuntimeError):
     """NVRTC, the CUDA headers, a host compiler or a disassembler could not be located."""
 
 
+class ToolError(FlashtuneError, RuntimeError):
+    """A located tool (NVRTC's API, nvdisasm, cuobjdump) failed; the message has its output."""
+
+
 class CompileError(FlashtuneError, RuntimeError):
     """NVRTC (or the emulator's host compiler) rejected a kernel.
 

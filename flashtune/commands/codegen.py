@@ -178,8 +178,8 @@ def compile_command(
     Exits with status 1 if any kernel fails to compile.
     """
     from flashtune.runtime.compiler import compile_pairs, compile_source
-    from flashtune.runtime.sass import disassemble
-    from flashtune.runtime.toolchain import find_toolchain, require_nvdisasm
+    from flashtune.toolchain.cuda import find_toolchain, require_nvdisasm
+    from flashtune.toolchain.disasm import disassemble
 
     problem = parse_problem(op, head_dim, dtype, causal)
     specs = list(dict.fromkeys(parse_arch(a) for a in (arch or [DEFAULT_ARCH])))

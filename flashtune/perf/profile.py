@@ -11,7 +11,7 @@ from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.errors import InvalidConfig
 from flashtune.families import render
 from flashtune.perf.costmodel import DEFAULT_PARAMS, ModelParams, Prediction, predict
-from flashtune.perf.disasm import disassemble
+from flashtune.perf.disasm import sass_listing
 from flashtune.perf.gpus import GpuSpec, default_gpu_for_arch, get_gpu
 from flashtune.perf.sass import InstructionMix, Loop
 from flashtune.runtime.compiler import compile_source
@@ -86,7 +86,7 @@ def profile_kernel(problem: Problem, config: KernelConfig, shape: Shape, arch: s
     target = resolve_gpu(spec.name, gpu)
     source = render(problem, config)
     kernel = compile_source(source, spec.name)
-    function = disassemble(kernel.cubin, spec.name).function(source.entry)
+    function = sass_listing(kernel.cubin, spec.name).function(source.entry)
     loop = function.hot_loop()
     emulated = None
     if counters:

@@ -35,11 +35,11 @@ from flashtune import knobs
 from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.spec import KernelSource
 from flashtune.errors import CompileError, ToolchainNotFound
-from flashtune.runtime import nvrtc
 from flashtune.runtime.cache import ArtifactCache
 from flashtune.runtime.compiled import ARTIFACT_FORMAT, CompiledKernel, CompileFailure, pack, unpack
 from flashtune.runtime.resources import Resources, parse_ptxas_log
-from flashtune.runtime.toolchain import CUDA_HEADERS, INSTALL_HINT, Toolchain, find_toolchain
+from flashtune.toolchain import nvrtc
+from flashtune.toolchain.cuda import CUDA_HEADERS, INSTALL_HINT, Toolchain, find_toolchain
 
 __all__ = [
     "CompiledKernel",

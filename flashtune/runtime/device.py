@@ -179,8 +179,8 @@ def _driver_version() -> str | None:
 
 def _nvrtc_version() -> str | None:
     """The version of the NVRTC flashtune compiles with, None when it is not installed."""
-    from flashtune.runtime import nvrtc
-    from flashtune.runtime.toolchain import find_toolchain
+    from flashtune.toolchain import nvrtc
+    from flashtune.toolchain.cuda import find_toolchain
 
     try:
         major, minor = nvrtc.load(find_toolchain().nvrtc_path).version

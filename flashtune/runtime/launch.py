@@ -27,7 +27,11 @@ from flashtune.runtime.backends.base import LoadedKernel
 
 @dataclass(frozen=True)
 class PreparedLaunch:
-    """One kernel over fixed inputs and outputs; ``run()`` enqueues it (again)."""
+    """One kernel over fixed inputs and outputs; ``run()`` enqueues it (again).
+
+    The launch owns its tensors: keep the PreparedLaunch (or its bound ``run``) alive while
+    the kernel may still be running, since the packed arguments are raw pointers into them.
+    """
 
     family: KernelFamily
     problem: Problem
@@ -36,7 +40,11 @@ class PreparedLaunch:
     inputs: Inputs
     outputs: dict[str, torch.Tensor]
     plan: LaunchPlan
-    run: Callable[[], None]
+    bound: Callable[[], None]
+
+    def run(self) -> None:
+        """Enqueue the kernel (a method, so that a held ``run`` keeps the tensors alive)."""
+        self.bound()
 
     def verdict(self) -> Verdict:
         """Compare the outputs of the launches so far with the float64 reference."""
@@ -56,8 +64,8 @@ def prepare(kernel: LoadedKernel, shape: Shape, device: torch.device | str, *,
         inputs = family.random_inputs(problem, shape, device, seed)
     outputs = family.empty_outputs(problem, shape, inputs, poison=poison)
     plan = family.launch_plan(problem, config, shape, inputs, outputs)
-    run = kernel.bind(plan.grid, plan.args, stream=stream)
-    return PreparedLaunch(family, problem, config, shape, inputs, outputs, plan, run)
+    bound = kernel.bind(plan.grid, plan.args, stream=stream)
+    return PreparedLaunch(family, problem, config, shape, inputs, outputs, plan, bound)
 
 
 def verify(kernel: LoadedKernel, shape: Shape, device: torch.device | str, *,

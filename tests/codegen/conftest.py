@@ -12,8 +12,8 @@ import pytest
 from flashtune.codegen import render
 from flashtune.runtime import compiler
 from flashtune.runtime.cache import ArtifactCache
-from flashtune.runtime.nvrtc import Nvrtc, NvrtcResult
-from flashtune.runtime.toolchain import Toolchain, find_toolchain
+from flashtune.toolchain.cuda import Toolchain, find_toolchain
+from flashtune.toolchain.nvrtc import Nvrtc, NvrtcResult
 
 
 @pytest.fixture(autouse=True)

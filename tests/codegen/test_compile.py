@@ -15,8 +15,8 @@ from flashtune.families import render
 from flashtune.runtime import compiler
 from flashtune.runtime.cache import ArtifactCache
 from flashtune.runtime.compiler import compile_source
-from flashtune.runtime.sass import disassemble
-from flashtune.runtime.toolchain import Toolchain
+from flashtune.toolchain.cuda import Toolchain
+from flashtune.toolchain.disasm import disassemble
 
 PROBLEM = Problem(head_dim=64, dtype=DType.BF16, causal=True)
 CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
@@ -180,7 +180,7 @@ def test_unknown_arch_lists_the_supported_ones(source: KernelSource,
 
 def test_arch_this_nvrtc_cannot_target(source: KernelSource, cache: ArtifactCache,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from flashtune.runtime import nvrtc
+    from flashtune.toolchain import nvrtc
 
     lib = nvrtc.load(compiler.find_toolchain().nvrtc_path)
     monkeypatch.setitem(lib.__dict__, "supported_archs", (75, 80, 86))

@@ -14,9 +14,10 @@ import pytest
 from flashtune.codegen import render as render_mod
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.families import render
-from flashtune.runtime import compiler, nvrtc
+from flashtune.runtime import compiler
 from flashtune.runtime.compiler import compile_key
-from flashtune.runtime.toolchain import CUDA_HEADERS, Toolchain
+from flashtune.toolchain import nvrtc
+from flashtune.toolchain.cuda import CUDA_HEADERS, Toolchain
 
 CASES = [
     (Problem(128, DType.FP16, causal=False), KernelConfig(128, 64, 4, 2), "sm_90"),

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from flashtune.errors import ToolchainNotFound
-from flashtune.runtime import toolchain as tc_mod
-from flashtune.runtime.toolchain import (
+from flashtune.toolchain import cuda as tc_mod
+from flashtune.toolchain.cuda import (
     CUDA_HEADERS,
     find_toolchain,
     locate,

@@ -12,7 +12,7 @@ import pytest
 
 from flashtune.errors import ToolchainNotFound
 from flashtune.runtime.backends.emulator import build_source
-from flashtune.runtime.backends.emulator.toolchain import asan_environment, asan_loaded
+from flashtune.toolchain.host import asan_environment, asan_loaded
 
 pytestmark = pytest.mark.emulator
 

@@ -19,8 +19,8 @@ CompileSass = Callable[..., SassListing]
 def compile_cubin() -> CompileCubin:
     """Compile a CUDA source (with in-memory headers) for an arch; skip without NVRTC or
     nvdisasm."""
-    from flashtune.runtime import nvrtc
-    from flashtune.runtime.toolchain import find_toolchain, require_nvdisasm
+    from flashtune.toolchain import nvrtc
+    from flashtune.toolchain.cuda import find_toolchain, require_nvdisasm
 
     try:
         toolchain = find_toolchain()
@@ -43,10 +43,10 @@ def compile_cubin() -> CompileCubin:
 @pytest.fixture(scope="session")
 def compile_sass(compile_cubin: CompileCubin) -> CompileSass:
     """Compile, disassemble and parse a CUDA source for an arch."""
-    from flashtune.perf.disasm import disassemble
+    from flashtune.perf.disasm import sass_listing
 
     def run(code: str, arch: str, headers: Mapping[str, str] | None = None,
             options: tuple[str, ...] = ()) -> SassListing:
-        return disassemble(compile_cubin(code, arch, headers, options), arch)
+        return sass_listing(compile_cubin(code, arch, headers, options), arch)
 
     return run

@@ -19,7 +19,7 @@ from flashtune.db.records import DeviceRecord, Keyed, TrialRecord, TrialStatus
 from flashtune.db.store import TuningStore
 from flashtune.errors import ToolchainNotFound
 from flashtune.families import render
-from flashtune.runtime import compiler, device, toolchain
+from flashtune.runtime import compiler, device
 from flashtune.runtime.backends import cuda
 from flashtune.runtime.cache import ArtifactCache
 from flashtune.runtime.precompile import (
@@ -29,6 +29,7 @@ from flashtune.runtime.precompile import (
     load_shipped,
     precompile,
 )
+from flashtune.toolchain import cuda as toolchain
 
 PROBLEM = Problem(head_dim=64, dtype=DType.FP16)
 CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)

@@ -20,8 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashtune.errors import CompileError
-from flashtune.runtime.backends.emulator import toolchain
 from flashtune.runtime.cache import ArtifactCache
+from flashtune.toolchain import host as toolchain
+
+#: The emulator's own headers (runtime.h, primitives.h, abi.h) and runtime sources.
+INCLUDE_DIR = Path(__file__).resolve().parent / "include"
+RUNTIME_SOURCE_DIR = INCLUDE_DIR / "flashtune_emu" / "src"
 
 NAMESPACE = "emulator"
 _ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,200}$")
@@ -79,7 +83,7 @@ def _hash_files(h: hashlib._Hash, files: Iterable[Path], root: Path) -> None:
 
 
 def _emulator_files() -> list[Path]:
-    return [p for p in toolchain.INCLUDE_DIR.rglob("*") if p.is_file()]
+    return [p for p in INCLUDE_DIR.rglob("*") if p.is_file()]
 
 
 def _header_files(directory: Path) -> list[Path]:
@@ -91,7 +95,7 @@ def _flags(asan: bool, opt: Sequence[str]) -> list[str]:
 
 
 def _include_flags(extra: Sequence[Path]) -> list[str]:
-    dirs = [toolchain.INCLUDE_DIR, *extra, *toolchain.cuda_include_dirs()]
+    dirs = [INCLUDE_DIR, *extra, *toolchain.cuda_include_dirs()]
     return [f"-I{d}" for d in dirs]
 
 
@@ -116,9 +120,9 @@ def runtime_library(cache: ArtifactCache | None = None, *, asan: bool = False,
     h = hashlib.sha256(b"flashtune-emulator-runtime\0")
     h.update("\0".join([toolchain.compiler_identity(cxx), toolchain.cuda_headers_identity(),
                         *flags]).encode())
-    _hash_files(h, _emulator_files(), toolchain.INCLUDE_DIR)
+    _hash_files(h, _emulator_files(), INCLUDE_DIR)
     key = "rt-" + h.hexdigest()[:40]
-    sources = sorted(toolchain.RUNTIME_SOURCE_DIR.glob("*.cpp"))
+    sources = sorted(RUNTIME_SOURCE_DIR.glob("*.cpp"))
 
     def build(tmp: Path) -> None:
         # Kernel libraries name the runtime by this soname; the loader matches it against the

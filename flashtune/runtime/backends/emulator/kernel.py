@@ -21,9 +21,10 @@ from typing import Any
 from flashtune import knobs
 from flashtune.codegen.abi import ArgType
 from flashtune.errors import InvalidInput
-from flashtune.runtime.backends.emulator import build, native, toolchain
+from flashtune.runtime.backends.emulator import build, native
 from flashtune.runtime.backends.emulator.counters import EmulatorCounters, allocate, from_native
 from flashtune.runtime.cache import ArtifactCache
+from flashtune.toolchain import host as toolchain
 
 Arg = tuple[ArgType, "int | float"]
 

@@ -1,52 +1,39 @@
-"""The emulator's host toolchain: C++ compiler, include directories, AddressSanitizer.
+"""The CPU emulator's host toolchain: C++ compiler, CUDA include directories, ASan.
 
-Nothing here builds anything; ``build.py`` turns these facts into compiler command lines and
-cache keys.
+Nothing here builds anything; the emulator's ``build.py`` turns these facts into compiler
+command lines and cache keys. The CUDA headers are found by the same search rule as NVRTC's
+(``toolchain.cuda.search_layouts``).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.metadata
-import importlib.util
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from flashtune import knobs
 from flashtune.errors import ToolchainNotFound
-
-#: The emulator's own headers (runtime.h, primitives.h, abi.h) and runtime sources.
-INCLUDE_DIR = Path(__file__).resolve().parent / "include"
-RUNTIME_SOURCE_DIR = INCLUDE_DIR / "flashtune_emu" / "src"
+from flashtune.toolchain.cuda import search_layouts
 
 #: Wheels whose headers the emulator compiles against (host-side half/bfloat16 types).
 _CUDA_WHEELS = ("nvidia-cuda-runtime", "nvidia-cuda-crt", "nvidia-cuda-cccl",
                 "nvidia-cuda-runtime-cu12")
 
 
-def _wheel_include_candidates() -> list[Path]:
-    spec = importlib.util.find_spec("nvidia")
-    if spec is None or spec.submodule_search_locations is None:
-        return []
-    out: list[Path] = []
-    for loc in spec.submodule_search_locations:
-        root = Path(loc)
-        out += sorted(root.glob("cu*/include"))       # CUDA 13 wheels: nvidia/cu13/include
-        out.append(root / "cuda_runtime" / "include")  # CUDA 12 wheels
-    return out
-
-
 @functools.lru_cache(maxsize=1)
 def cuda_include_dirs() -> tuple[Path, ...]:
-    """Include directories that provide cuda_fp16.h, cuda_bf16.h and vector_types.h.
+    """Include directories that provide cuda_fp16.h, cuda_bf16.h and the host-side CUDA
+    headers (crt/host_defines.h), plus their ``cccl`` subdirectory where present.
 
-    Searched: the nvidia pip wheels, then ``FLASHTUNE_CUDA_HOME``/include.
+    Searched in the order of ``toolchain.cuda.search_layouts``: the nvidia pip wheels, then
+    ``FLASHTUNE_CUDA_HOME``, then /usr/local/cuda.
     """
-    candidates = _wheel_include_candidates()
-    home = knobs.CUDA_HOME.get()
-    if home is not None:
-        candidates.append(home / "include")
+    layouts = search_layouts([Path(p) for p in sys.path if p and Path(p).is_dir()],
+                             knobs.CUDA_HOME.get())
+    candidates = [inc for layout in layouts for inc in layout.include_dirs]
     for inc in candidates:
         if (inc / "cuda_fp16.h").is_file() and (inc / "crt" / "host_defines.h").is_file():
             dirs = [inc]
@@ -55,9 +42,9 @@ def cuda_include_dirs() -> tuple[Path, ...]:
             return tuple(dirs)
     raise ToolchainNotFound(
         "the CPU emulator needs the CUDA headers cuda_fp16.h and crt/host_defines.h; searched "
-        f"{[str(c) for c in candidates] or 'no nvidia wheel'}. Install them with "
-        "`pip install flashtune[cu13]` (wheels nvidia-cuda-runtime, nvidia-cuda-crt, "
-        "nvidia-cuda-cccl) or set FLASHTUNE_CUDA_HOME to a CUDA toolkit"
+        f"{[str(c) for c in candidates]}. Install them with `pip install flashtune[cu13]` "
+        "(wheels nvidia-cuda-runtime, nvidia-cuda-crt, nvidia-cuda-cccl) or set "
+        "FLASHTUNE_CUDA_HOME to a CUDA toolkit"
     )
 
 

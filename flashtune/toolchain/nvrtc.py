@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from flashtune.errors import ToolchainNotFound
+from flashtune.errors import ToolchainNotFound, ToolError
 
 NVRTC_SUCCESS = 0
 NVRTC_ERROR_COMPILATION = 6
@@ -48,7 +48,7 @@ class Nvrtc:
 
     def _check(self, status: int, what: str) -> None:
         if status != NVRTC_SUCCESS:
-            raise RuntimeError(f"{what} failed: {self.error_string(status)}")
+            raise ToolError(f"{what} failed: {self.error_string(status)}")
 
     def error_string(self, status: int) -> str:
         raw = self._lib.nvrtcGetErrorString(status)
