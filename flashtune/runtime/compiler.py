@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
+import os
 import re
 import sys
 import threading
@@ -371,9 +372,7 @@ def compile_pairs(
                                           toolchain=tc))
                 bar.advance(task)
         else:
-            # spawn: workers must not inherit locks held by threads of this process.
-            with ProcessPoolExecutor(max_workers=min(n_workers, len(pending)),
-                                     mp_context=multiprocessing.get_context("spawn")) as pool:
+            with compile_process_pool(min(n_workers, len(pending))) as pool:
                 futures = {
                     pool.submit(_compile_in_worker, pairs[i][0], specs[i].name,
                                 str(store.base)): i
@@ -383,6 +382,31 @@ def compile_pairs(
                     record(futures[future], future.result())
                     bar.advance(task)
     return [r for r in results if r is not None]
+
+
+def _die_with_parent() -> None:
+    """Worker initializer: on Linux, ask the kernel to kill this process when its parent
+    dies, so that a killed `flashtune tune` or `compile --all` leaves no compile workers."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() == 1:  # the parent died before the request took effect
+            os._exit(1)
+
+
+def compile_process_pool(workers: int) -> ProcessPoolExecutor:
+    """The one kind of compile worker pool (``compile --all``, precompile, the tuner).
+
+    Spawned, not forked: workers inherit neither the locks held by this process's threads
+    nor a CUDA context; and they die with their parent.
+    """
+    return ProcessPoolExecutor(max_workers=workers,
+                               mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_die_with_parent)
 
 
 def compile_many(

@@ -10,13 +10,13 @@ those are abandoned (told FAIL) on a clean stop and reaped as stale after a SIGK
 from __future__ import annotations
 
 import concurrent.futures as cf
-import multiprocessing
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.runtime.compiler import compile_process_pool
 from flashtune.tuner.measure.base import CompileOutcome, Compiler, MeasurementBackend, TimingPlan
 from flashtune.tuner.measure.evaluate import TrialResult, evaluate
 from flashtune.tuner.measure.workload import Workload
@@ -27,8 +27,9 @@ class CompilePool:
     """Runs a Compiler in worker processes (``workers`` >= 1) or inline (0).
 
     Outcomes are memoised per (problem, config): buckets of one problem share binaries, so
-    each config is compiled once per run. Worker processes come from a fork server: they do
-    not inherit the parent's threads or CUDA context.
+    each config is compiled once per run. Worker processes come from
+    ``runtime.compiler.compile_process_pool``: spawned (no inherited threads or CUDA context)
+    and killed with their parent.
     """
 
     def __init__(self, compiler: Compiler, workers: int) -> None:
@@ -37,8 +38,7 @@ class CompilePool:
         self._memo: dict[tuple[Problem, KernelConfig], cf.Future[CompileOutcome]] = {}
         self._executor: cf.Executor | None = None
         if workers > 0:
-            context = multiprocessing.get_context("forkserver")
-            self._executor = cf.ProcessPoolExecutor(max_workers=workers, mp_context=context)
+            self._executor = compile_process_pool(workers)
 
     def submit(self, problem: Problem, config: KernelConfig) -> cf.Future[CompileOutcome]:
         key = (problem, config)

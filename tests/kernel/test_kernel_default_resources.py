@@ -1,6 +1,6 @@
 """Every default config compiles through NVRTC without register spills and within the
 arch's shared memory. The default tier compiles each table entry once (fp16, on one arch per
-class); ``-m slow`` covers every arch of each class and both dtypes."""
+class); ``-m sweep`` covers every arch of each class and both dtypes."""
 
 from __future__ import annotations
 
@@ -48,6 +48,6 @@ def test_default_table_compiles_without_spills() -> None:
     _check(compile_pairs(_jobs(every_arch=False)))
 
 
-@pytest.mark.slow
+@pytest.mark.sweep
 def test_default_table_compiles_without_spills_on_every_arch() -> None:
     _check(compile_pairs(_jobs(every_arch=True)))

@@ -5,14 +5,16 @@ outputs. The default tier covers every feature once: both dtypes, causal with Nq
 Nq > Nk (rows that see no key), GQA and MQA, batch > 1, lengths that are not multiples of
 the tiles, a padded head dim, strided inputs sliced from a packed qkv tensor, a custom
 scale, scores of magnitude ~1e4, one to eight warps and one to four stages, in both
-emulator schedules. ``-m slow`` runs every head dim with the default configs of each arch
-class; ``-m sweep`` adds more lengths.
+emulator schedules. Every entry of the default table runs in every default run (one dtype
+and shape chosen by FLASHTUNE_TEST_SEED); ``-m sweep`` runs every head dim (padded ones too)
+with both dtypes on the default configs of each arch class, and more lengths.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import random
 
 import pytest
 from fwd_reference import Case, run_and_check
@@ -90,9 +92,23 @@ def _slow_case(index: int) -> Case:
 
 SLOW = [(Problem(hd, dt, causal=c), arch)
         for arch in CLASS_ARCHS for hd, dt, c in itertools.product(HEAD_DIMS, DType, (False, True))]
+_REPRESENTATIVE = {defaults.ArchClass.SM80: "sm_80", defaults.ArchClass.SM86: "sm_86",
+                   defaults.ArchClass.SM90: "sm_90"}
+_RNG = random.Random(int(os.environ["FLASHTUNE_TEST_SEED"]))
+#: One case per default-table entry: its head dim, a seeded dtype, a seeded slow-tier shape.
+DEFAULTS = [(Problem(e.head_dim, _RNG.choice(list(DType)), causal=e.causal),
+             _REPRESENTATIVE[e.arch_class], _RNG.randrange(len(SLOW)))
+            for e in defaults.DEFAULT_TABLE]
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize(("problem", "arch", "index"), DEFAULTS,
+                         ids=[f"{p.key()}-{a}" for p, a, _ in DEFAULTS])
+def test_every_default_config(problem: Problem, arch: str, index: int) -> None:
+    config = defaults.default_config(problem, get_arch(arch))
+    _check(problem, config, _slow_case(index), FWD)
+
+
+@pytest.mark.sweep
 @pytest.mark.parametrize(("problem", "arch"), SLOW, ids=[f"{p.key()}-{a}" for p, a in SLOW])
 def test_default_configs_every_head_dim(problem: Problem, arch: str) -> None:
     config = defaults.default_config(problem, get_arch(arch))
