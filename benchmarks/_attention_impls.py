@@ -5,7 +5,7 @@ contiguous last dim (flash-attn's and flashtune's layout), and returns its outpu
 layout, so outputs compare element for element. SDPA gets transposed views of the very same
 storage.
 
-Checking (``reference``, ``relative_error``): each output is compared with a float32
+Checking (``reference``, ``relative_error``): each output is compared with the float64
 reference of its first, middle and last (batch, head) and must be finite everywhere; the
 checked call writes onto NaN-poisoned memory (``poison_next_output``).
 
@@ -27,9 +27,8 @@ if TYPE_CHECKING:
     import torch
 
 #: Bytes written between repeats to evict the inputs from L2 (H100/H200 L2 is 50-60 MB).
-L2_FLUSH_BYTES = 256 * 2**20
 #: ||out - ref|| / ||ref|| above which an output is reported wrong (bf16 inputs land
-#: around 3e-3 against a float32 reference; a broken kernel lands near 1).
+#: around 3e-3 against the float64 reference; a broken kernel lands near 1).
 REL_ERR_TOLERANCE = 1e-2
 
 
@@ -66,10 +65,13 @@ class Impl:
 class L2Flusher:
     """Evicts the L2 cache by writing a buffer larger than it."""
 
-    def __init__(self, device: torch.device, nbytes: int = L2_FLUSH_BYTES) -> None:
+    def __init__(self, device: torch.device, nbytes: int | None = None) -> None:
         import torch
 
-        self._buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        from flashtune.runtime.launch import l2_flush_bytes
+
+        size = l2_flush_bytes(device) if nbytes is None else nbytes
+        self._buf = torch.empty(size, dtype=torch.uint8, device=device)
         self._tick = 0
 
     def __call__(self) -> None:
@@ -148,7 +150,7 @@ def time_cuda(fn: Callable[[], object], *, warmup: int, repeats: int,
 
 @dataclass(frozen=True)
 class Reference:
-    """float32 attention of a few (batch, head) pairs: ``values[i]`` is (seqlen_q, head_dim)
+    """float64 attention of a few (batch, head) pairs: ``values[i]`` is (seqlen_q, head_dim)
     of ``picks[i]``."""
 
     picks: tuple[tuple[int, int], ...]
@@ -163,28 +165,25 @@ def default_picks(batch: int, heads: int) -> tuple[tuple[int, int], ...]:
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
               picks: tuple[tuple[int, int], ...] | None = None) -> Reference:
-    """The float32 reference of ``picks`` (default: ``default_picks``).
-
-    Computed head by head with plain matmul and softmax (no fused kernel), so it is
-    independent of every implementation under test; one head at a time bounds the memory
-    of the score matrix. The causal mask is aligned to the bottom-right corner (flash-attn's
-    and flashtune's convention; the same as torch's when Nq == Nk).
+    """The reference of ``picks`` (default: ``default_picks``): flashtune's one float64
+    attention reference (``families.fwd.reference``, independent of every implementation
+    under test), one (batch, head) at a time to bound the memory of the score matrix. The
+    causal mask is aligned to the bottom-right corner (flash-attn's and flashtune's
+    convention; the same as torch's when Nq == Nk); GQA heads map as h // (Hq / Hkv).
     """
     import torch
 
+    from flashtune.families.fwd.reference import attention_reference
+
     chosen = picks if picks is not None else default_picks(q.shape[0], q.shape[2])
-    n_q, n_k, d = q.shape[1], k.shape[1], q.shape[3]
-    out = torch.empty(len(chosen), n_q, d, dtype=torch.float32, device=q.device)
-    mask = None
-    if causal:
-        mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).triu_(n_k - n_q + 1)
+    n_q, d = q.shape[1], q.shape[3]
+    group = q.shape[2] // k.shape[2]
+    out = torch.empty(len(chosen), n_q, d, dtype=torch.float64, device=q.device)
     for i, (b, h) in enumerate(chosen):
-        qh, kh, vh = (t[b, :, h, :].float() for t in (q, k, v))
-        scores = (qh @ kh.T) * (1.0 / math.sqrt(d))
-        if mask is not None:
-            scores.masked_fill_(mask, -math.inf)
-        out[i] = torch.softmax(scores, dim=-1) @ vh
-        del scores
+        kv = h // group
+        o, _ = attention_reference(q[b:b + 1, :, h:h + 1], k[b:b + 1, :, kv:kv + 1],
+                                   v[b:b + 1, :, kv:kv + 1], causal, 1.0 / math.sqrt(d))
+        out[i] = o[0, :, 0]
     return Reference(chosen, out)
 
 

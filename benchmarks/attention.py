@@ -3,7 +3,7 @@
 
 Sweep (FlashAttention's benchmark): hidden size 2048, so H = 2048 / D heads; (batch, seqlen)
 from (32, 512) to (1, 16k); causal and not; fp16 and bf16. FLOPs = 4*B*N*N*H*D, halved when
-causal. Each implementation is checked against a float32 reference, then timed with CUDA
+causal. Each implementation is checked against the float64 reference, then timed with CUDA
 events after warm-up: median of the repeats, L2 flushed before each.
 
     python benchmarks/attention.py --out .bench/attention             # the full sweep

@@ -22,18 +22,20 @@ from flashtune import families
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem, Shape
 from flashtune.commands.codegen import (
     DEFAULT_ARCH,
+    ConfigChoice,
+    parse_arch,
+    parse_problem,
+)
+from flashtune.commands.options import (
     BlockM,
     BlockN,
     Causal,
-    ConfigChoice,
     ConfigKey,
     DTypeOpt,
     HeadDim,
     OpOpt,
     Stages,
     Warps,
-    parse_arch,
-    parse_problem,
 )
 from flashtune.errors import FlashtuneError, InvalidInput
 from flashtune.families import render

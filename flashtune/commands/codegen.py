@@ -19,23 +19,23 @@ from rich.table import Table
 from flashtune import families
 from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
+from flashtune.commands.options import (
+    BlockM,
+    BlockN,
+    Causal,
+    ConfigKey,
+    DTypeOpt,
+    HeadDim,
+    OpOpt,
+    Stages,
+    Warps,
+    fail,
+)
 from flashtune.errors import FlashtuneError, InvalidConfig, InvalidProblem
 from flashtune.families import render
 
 DEFAULT_ARCH = "sm_90"
 
-OpOpt = Annotated[str, typer.Option(
-    "--op", help="Kernel family (`flashtune families` lists them).")]
-HeadDim = Annotated[int, typer.Option("--head-dim", help="Head dimension (multiple of 8, <= 256).")]
-DTypeOpt = Annotated[DType, typer.Option("--dtype", case_sensitive=False,
-                                         help="Element type of q, k, v.")]
-Causal = Annotated[bool, typer.Option("--causal/--no-causal", help="Causal masking.")]
-ConfigKey = Annotated[str | None, typer.Option(
-    "--config", help="Config key, e.g. m128_n64_w4_s2 (fields below override it).")]
-BlockM = Annotated[int | None, typer.Option("--block-m", help="Query rows per block (B_r).")]
-BlockN = Annotated[int | None, typer.Option("--block-n", help="Key rows per tile (B_c).")]
-Warps = Annotated[int | None, typer.Option("--warps", help="Warps per block.")]
-Stages = Annotated[int | None, typer.Option("--stages", help="K/V pipeline stages.")]
 
 
 @dataclass(frozen=True)
@@ -89,12 +89,6 @@ def parse_arch(value: str) -> ArchSpec:
         return get_arch(value)
     except InvalidConfig as exc:
         raise typer.BadParameter(str(exc), param_hint="--arch") from exc
-
-
-def fail(message: str) -> typer.Exit:
-    """Print ``message`` as an error on stderr; the caller raises the returned Exit(1)."""
-    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
-    return typer.Exit(1)
 
 
 def show(

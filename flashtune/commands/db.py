@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from flashtune.codegen.spec import KernelConfig, Problem, ProblemBucket
+from flashtune.commands.options import DbOpt, fail
 from flashtune.db import (
     BestEntry,
     RecordValidator,
@@ -59,9 +60,6 @@ def _out() -> Console:
     # Made per call, so that the terminal width (COLUMNS) is read when printing.
     return Console()
 
-DbOption = Annotated[str | None, typer.Option(
-    "--db", metavar="URL",
-    help="Database URL or SQLite file path (default: FLASHTUNE_DB, else the user data dir).")]
 PreferOpt = Annotated[str, typer.Option(
     "--prefer", help="Per bucket keep the faster result, ours, or theirs: "
     + "|".join(PREFER_CHOICES))]
@@ -73,14 +71,9 @@ DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Report what would ch
 
 
 @db_app.callback()
-def _db(ctx: typer.Context, db: DbOption = None) -> None:
+def _db(ctx: typer.Context, db: DbOpt = None) -> None:
     """The tuning database (devices, trials, best config per device and bucket)."""
     ctx.obj = db
-
-
-def _fail(exc: Exception) -> typer.Exit:
-    Console(stderr=True).print(Text(f"error: {exc}", style="red"))
-    return typer.Exit(1)
 
 
 def _open(ctx: typer.Context, db: str | None, *, create: bool = True) -> TuningStore:
@@ -88,7 +81,7 @@ def _open(ctx: typer.Context, db: str | None, *, create: bool = True) -> TuningS
     try:
         return TuningStore(db or ctx.obj, create=create)
     except FlashtuneError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
 
 
 def _prefer(value: str) -> Prefer:
@@ -128,14 +121,14 @@ def _best_table(entries: list[BestEntry], title: str) -> Table:
 
 
 @db_app.command("info")
-def info_command(ctx: typer.Context, db: DbOption = None) -> None:
+def info_command(ctx: typer.Context, db: DbOpt = None) -> None:
     """Print the database URL, its schema version and how many rows each table holds."""
     store = _open(ctx, db, create=False)
     with store:
         try:
             counts = store.counts()
         except FlashtuneError as exc:
-            raise _fail(exc) from None
+            raise fail(exc) from None
         _out().print(Text(f"database: {store.where}\nschema revision: {store.schema.current}"))
         table = _table("table", "rows")
         for name, count in counts.items():
@@ -144,7 +137,7 @@ def info_command(ctx: typer.Context, db: DbOption = None) -> None:
 
 
 @db_app.command("upgrade")
-def upgrade_command(ctx: typer.Context, db: DbOption = None) -> None:
+def upgrade_command(ctx: typer.Context, db: DbOpt = None) -> None:
     """Migrate the database to this flashtune's schema (back it up first)."""
     try:
         url = resolve_url(db or ctx.obj)
@@ -155,7 +148,7 @@ def upgrade_command(ctx: typer.Context, db: DbOption = None) -> None:
         finally:
             engine.dispose()
     except FlashtuneError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
     if before == after:
         _out().print(Text(f"schema revision {after}: already up to date"))
     else:
@@ -165,7 +158,7 @@ def upgrade_command(ctx: typer.Context, db: DbOption = None) -> None:
 @db_app.command("list")
 def list_command(
     ctx: typer.Context,
-    db: DbOption = None,
+    db: DbOpt = None,
     device: Annotated[str | None, typer.Option("--device", help="Only this device.")] = None,
     problem: Annotated[str | None, typer.Option(
         "--problem", help="Only this problem key, e.g. fwd_d128_bf16_causal.")] = None,
@@ -176,7 +169,7 @@ def list_command(
             devices = store.devices([device] if device else [])
             entries = store.best_entries(device=device, problem=problem)
         except FlashtuneError as exc:
-            raise _fail(exc) from None
+            raise fail(exc) from None
     table = _table("device", "arch", "SMs", "memory GiB", "driver", "CUDA", "NVRTC", "CuPy",
                    title="devices")
     for d in devices:
@@ -190,7 +183,7 @@ def list_command(
 def show_command(
     ctx: typer.Context,
     bucket: Annotated[str, typer.Argument(help="Bucket key, e.g. fwd_d128_bf16_causal_n4096.")],
-    db: DbOption = None,
+    db: DbOpt = None,
     device: Annotated[str | None, typer.Option("--device", help="Only this device.")] = None,
     status: Annotated[TrialStatus | None, typer.Option("--status",
                                                        help="Only this status.")] = None,
@@ -207,7 +200,7 @@ def show_command(
             best = store.best_entries(device=device, problem=problem, seqlen=seqlen)
             trials = store.trials(device=device, problem=problem, seqlen=seqlen, status=status)
         except FlashtuneError as exc:
-            raise _fail(exc) from None
+            raise fail(exc) from None
     _out().print(_best_table(best, f"best for {bucket}"))
     trials.sort(key=_speed_order)
     table = _table("device", "config", "status", "median ms", "min", "max", "n", "TFLOP/s",
@@ -243,7 +236,7 @@ def _print_report(report: ShareReport, what: str) -> None:
 def export_command(
     ctx: typer.Context,
     output: Annotated[Path, typer.Option("-o", "--output", help="Bundle file to write.")],
-    db: DbOption = None,
+    db: DbOpt = None,
     device: Annotated[list[str] | None, typer.Option(
         "--device", help="Only this device (repeatable).")] = None,
     problem: Annotated[list[str] | None, typer.Option(
@@ -263,7 +256,7 @@ def export_command(
                                    best_only=best_only)
             write_bundle(bundle, output)
         except (FlashtuneError, OSError) as exc:
-            raise _fail(exc) from None
+            raise fail(exc) from None
     _out().print(Text(f"wrote {output}: {len(bundle.devices)} devices, {len(bundle.trials)} "
                     f"trials, {len(bundle.best)} best entries"))
 
@@ -272,7 +265,7 @@ def export_command(
 def import_command(
     ctx: typer.Context,
     bundle_path: Annotated[Path, typer.Argument(metavar="BUNDLE", help="Bundle file to read.")],
-    db: DbOption = None,
+    db: DbOpt = None,
     prefer: PreferOpt = "faster",
     allow_mixed_digests: MixedOpt = False,
     dry_run: DryRunOpt = False,
@@ -282,13 +275,13 @@ def import_command(
     try:
         bundle = read_bundle(bundle_path, VALIDATOR)
     except FlashtuneError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
     with _open(ctx, db) as store:
         try:
             report = import_bundle(store, bundle, prefer=choice,
                                    allow_mixed_digests=allow_mixed_digests, dry_run=dry_run)
         except FlashtuneError as exc:
-            raise _fail(exc) from None
+            raise fail(exc) from None
     _print_report(report, f"import of {bundle_path}")
 
 
@@ -296,7 +289,7 @@ def import_command(
 def merge_command(
     ctx: typer.Context,
     other: Annotated[str, typer.Argument(help="The other database: URL or SQLite file path.")],
-    db: DbOption = None,
+    db: DbOpt = None,
     prefer: PreferOpt = "faster",
     allow_mixed_digests: MixedOpt = False,
     dry_run: DryRunOpt = False,
@@ -306,11 +299,11 @@ def merge_command(
     try:
         source = TuningStore(other, create=False)
     except FlashtuneError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
     with source, _open(ctx, db) as store:
         try:
             report = merge_databases(store, source, VALIDATOR, prefer=choice,
                                      allow_mixed_digests=allow_mixed_digests, dry_run=dry_run)
         except FlashtuneError as exc:
-            raise _fail(exc) from None
+            raise fail(exc) from None
     _print_report(report, f"merge of {source.where}")

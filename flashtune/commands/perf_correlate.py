@@ -11,12 +11,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from flashtune.commands.options import DbOpt, fail
 from flashtune.errors import FlashtuneError
 
 
 def correlate_command(
-    db: Annotated[str | None, typer.Option(
-        "--db", help="Tuning database URL or path (default: FLASHTUNE_DB).")] = None,
+    db: DbOpt = None,
     device: Annotated[str | None, typer.Option(
         "--device", help="Only this device's trials.")] = None,
 ) -> None:
@@ -31,8 +31,7 @@ def correlate_command(
             report = correlate(store, device)
             where = store.where
     except (FlashtuneError, ValueError) as exc:
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
-        raise typer.Exit(1) from None
+        raise fail(exc) from None
     if report.measured == 0:
         console.print(f"no GPU measurements in this database yet ({escape(where)}): run "
                       "'flashtune tune' on a GPU first", highlight=False)

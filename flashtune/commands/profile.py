@@ -13,10 +13,14 @@ from rich.table import Table
 from flashtune.codegen.spec import DType, Shape
 from flashtune.commands.codegen import (
     DEFAULT_ARCH,
+    ConfigChoice,
+    parse_arch,
+    parse_problem,
+)
+from flashtune.commands.options import (
     BlockM,
     BlockN,
     Causal,
-    ConfigChoice,
     ConfigKey,
     DTypeOpt,
     HeadDim,
@@ -24,8 +28,6 @@ from flashtune.commands.codegen import (
     Stages,
     Warps,
     fail,
-    parse_arch,
-    parse_problem,
 )
 from flashtune.errors import FlashtuneError
 from flashtune.perf.sass import InstructionMix

@@ -15,6 +15,7 @@ from rich.table import Table
 from flashtune import families
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import COMPILED_HEAD_DIMS, DType, Problem, seq_bucket
+from flashtune.commands.options import DbOpt, fail
 from flashtune.db.records import BestEntry
 from flashtune.errors import FlashtuneError
 from flashtune.families import render
@@ -28,8 +29,6 @@ ArchOpt = Annotated[str | None, typer.Option(
 DeviceOpt = Annotated[str | None, typer.Option(
     "--device", help="GPU name as stored in the tuning database, e.g. 'NVIDIA H100 80GB "
                      "HBM3' (its arch comes from the database unless --arch is given).")]
-DbOpt = Annotated[str | None, typer.Option(
-    "--db", help="Tuning database URL or path (default: FLASHTUNE_DB).")]
 
 
 @dataclass(frozen=True)
@@ -38,11 +37,6 @@ class NamedDevice:
 
     name: str
     arch: str
-
-
-def _fail(message: str) -> typer.Exit:
-    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
-    return typer.Exit(1)
 
 
 @dataclass(frozen=True)
@@ -116,7 +110,7 @@ def explain_command(
         decision = _dispatcher(db).decide(bucket, target)
         source = render(problem, decision.config)
     except FlashtuneError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     from flashtune.runtime.precompile import load_shipped
 
     shipped = load_shipped(source, decision.arch) is not None
@@ -174,7 +168,7 @@ def precompile_command(
     )
 
     if head_dim is None and not all_defaults:
-        raise _fail("nothing to compile: give --head-dim (repeatable) or --all-defaults")
+        raise fail("nothing to compile: give --head-dim (repeatable) or --all-defaults")
     try:
         spec = get_arch(arch)
         problems = _problems(head_dim, dtype, causal)
@@ -187,7 +181,7 @@ def precompile_command(
         cache = ArtifactCache(cache_dir) if cache_dir is not None else ArtifactCache()
         done = precompile(kernels, spec.name, cache=cache, progress=None)
     except FlashtuneError as exc:
-        raise _fail(str(exc)) from exc
+        raise fail(str(exc)) from exc
     table = Table("kernel", "registers", "spill bytes", title=f"precompiled for {spec.name}")
     for item in done:
         table.add_row(item.entry, str(item.registers), str(item.spill_bytes))

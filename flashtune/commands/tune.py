@@ -9,10 +9,10 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
 from flashtune import families, knobs
 from flashtune.codegen.spec import Problem
+from flashtune.commands.options import DbOpt, fail
 from flashtune.errors import FlashtuneError, TuningError
 from flashtune.tuner.measure.evaluate import DEFAULT_MAX_SPILL_BYTES
 from flashtune.tuner.measure.workload import BatchHeads
@@ -31,11 +31,6 @@ def parse_duration(text: str) -> float:
                           "'90s' or seconds")
     hours, minutes, seconds = (int(g) if g else 0 for g in match.groups())
     return float(hours * 3600 + minutes * 60 + seconds)
-
-
-def _fail(message: str) -> typer.Exit:
-    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
-    return typer.Exit(1)
 
 
 def tune_command(
@@ -57,8 +52,7 @@ def tune_command(
     sampler: Annotated[str, typer.Option(
         "--sampler", help=f"Optuna sampler: {', '.join(SAMPLERS)}.")] = "tpe",
     seed: Annotated[int | None, typer.Option("--seed", help="Sampler seed.")] = 0,
-    db: Annotated[str | None, typer.Option(
-        "--db", help="Tuning database URL or path (default: FLASHTUNE_DB).")] = None,
+    db: DbOpt = None,
     study: Annotated[str | None, typer.Option(
         "--study", help="Study name prefix (default: flashtune/<device>/<bucket>/<digest>).")
     ] = None,
@@ -118,7 +112,7 @@ def tune_command(
         else:
             summaries = _run_local(problem, lengths, pairs, options, db, dry_arch=None)
     except (FlashtuneError, ValueError) as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     except KeyboardInterrupt:
         Console(stderr=True).print("interrupted: every finished trial is saved; rerun the same "
                                    "command with --resume to continue")
@@ -184,8 +178,7 @@ def _run_workers(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchH
 
 
 def report_command(
-    db: Annotated[str | None, typer.Option(
-        "--db", help="Tuning database URL or path (default: FLASHTUNE_DB).")] = None,
+    db: DbOpt = None,
     out: Annotated[Path, typer.Option("--out", help="Output directory.")] = Path(
         "flashtune-report"),
     fmt: Annotated[str, typer.Option("--format", help="png or html.")] = "png",
@@ -199,6 +192,6 @@ def report_command(
     try:
         written = write_report(db, out, fmt, study_filter=study)
     except (FlashtuneError, ValueError) as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     for path in written:
         Console().print(f"wrote {path}")

@@ -117,11 +117,6 @@ class GpuSpec:
                             / SUBPARTITIONS_PER_SM)
         return MMA_M16N8K16_FLOPS / per_subpartition
 
-    @property
-    def mma_sync_tflops(self) -> float:
-        """The ceiling of an mma.sync kernel: datasheet rate times mma_sync_fraction."""
-        return self.tensor_tflops * self.mma_sync_fraction
-
     def to_dict(self) -> dict[str, object]:
         return {
             "name": self.name, "full_name": self.full_name, "arch": self.arch,

@@ -76,3 +76,11 @@ def verify(kernel: LoadedKernel, shape: Shape, device: torch.device | str, *,
     if str(device).startswith("cuda"):
         torch.cuda.synchronize(device)
     return launch.verdict()
+
+
+def l2_flush_bytes(device: torch.device) -> int:
+    """Bytes to overwrite between timed launches so that none of their data stays in L2:
+    twice the device's L2 size, at least 64 MiB (the one rule of the tuner and benchmarks)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    l2 = int(getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0))
+    return max(2 * l2, 64 << 20)

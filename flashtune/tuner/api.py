@@ -48,7 +48,7 @@ from flashtune.tuner.search.proposers import (
     Proposer,
 )
 from flashtune.tuner.search.selection import Scored, choose, remeasure
-from flashtune.tuner.search.study import make_sampler, open_storage, study_name, template_digest
+from flashtune.tuner.search.study import make_sampler, open_storage, study_name, templates_digest
 
 log = logging.getLogger("flashtune.tuner")
 
@@ -128,7 +128,7 @@ class Tuner:
         self.observer: Observer = observer or _Silent()
         self.batch_heads = tuple(batch_heads)
         self.verify_cap = verify_cap
-        self.digest = template_digest()
+        self.digest = templates_digest()
         self._deadline = (time.monotonic() + options.timeout_s
                           if options.timeout_s is not None else None)
         self._untimed_memo: dict[tuple[Problem, KernelConfig], TrialResult] = {}

@@ -172,7 +172,7 @@ def tune_parallel(spec: WorkerSpec, count: int, *, device: str, arch: ArchSpec,
     from flashtune.tuner.api import buckets_of, prepare_study
     from flashtune.tuner.records import summarize_records
     from flashtune.tuner.search.encoding import SearchEncoding
-    from flashtune.tuner.search.study import open_storage, study_name, template_digest
+    from flashtune.tuner.search.study import open_storage, study_name, templates_digest
 
     problem = Problem.from_dict({"head_dim": spec.head_dim, "dtype": spec.dtype,
                                  "causal": spec.causal, "op": spec.op})
@@ -180,7 +180,7 @@ def tune_parallel(spec: WorkerSpec, count: int, *, device: str, arch: ArchSpec,
         url = store.url.render_as_string(hide_password=False)
         buckets = buckets_of(problem, spec.seqlens)
         options = spec.options
-        names = [study_name(device, b, template_digest(), options.study_prefix)
+        names = [study_name(device, b, templates_digest(), options.study_prefix)
                  for b in buckets]
         for name in names:  # create or check the studies once, before the workers start
             prepare_study(store, name, options)

@@ -27,7 +27,7 @@ from flashtune.tuner.measure.workload import (
 )
 from flashtune.tuner.search.encoding import Knob, SearchEncoding
 from flashtune.tuner.search.selection import Scored, choose
-from flashtune.tuner.search.study import study_name, template_digest
+from flashtune.tuner.search.study import study_name, templates_digest
 
 P = Problem(128, DType.BF16)
 ARCH = get_arch("sm_90")
@@ -138,8 +138,8 @@ def test_choose_prefers_default_then_simplest_within_tolerance() -> None:
 
 
 def test_study_names_separate_devices_buckets_and_template_digests() -> None:
-    digest = template_digest()
-    assert len(digest) == 64 and digest == template_digest()
+    digest = templates_digest()
+    assert len(digest) == 64 and digest == templates_digest()
     a = study_name("NVIDIA H200", P.bucket(1024, 1024), digest)
     assert a == f"flashtune/NVIDIA-H200/fwd_d128_bf16_full_n1024/{digest[:12]}"
     assert a != study_name("NVIDIA H200", P.bucket(4096, 4096), digest)

@@ -25,7 +25,7 @@ from flashtune.families import render
 from flashtune.families.base import Inputs
 from flashtune.runtime.backends.base import LoadedKernel
 from flashtune.runtime.device import DeviceInfo
-from flashtune.runtime.launch import prepare
+from flashtune.runtime.launch import l2_flush_bytes, prepare
 from flashtune.tuner.measure.base import MeasurementBackend, ShapeTiming, TimingPlan, VerifyOutcome
 from flashtune.tuner.measure.common import NvrtcCompiler, check_kernel, device_record
 
@@ -52,8 +52,7 @@ class CudaMeasurement:
         self._device = device_record(self._info)
         self._loader = CudaBackend()
         self._compiler = NvrtcCompiler(self._info.arch)
-        l2 = int(getattr(torch.cuda.get_device_properties(self.index), "L2_cache_size", 0))
-        self._flush = torch.empty(max(2 * l2, 64 << 20), dtype=torch.uint8,
+        self._flush = torch.empty(l2_flush_bytes(self.torch_device), dtype=torch.uint8,
                                   device=self.torch_device)
         self._context_lost: str | None = None
         self._inputs: dict[tuple[Problem, Shape], Inputs] = {}

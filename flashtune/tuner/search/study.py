@@ -45,7 +45,7 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._:=+-]+")
 
 
 @functools.lru_cache(maxsize=1)
-def template_digest() -> str:
+def templates_digest() -> str:
     """Digest over every template and header file, the compile options and the version.
 
     Any byte changed in ``flashtune/templates`` gives a new digest, hence new studies: a
