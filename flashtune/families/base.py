@@ -101,6 +101,14 @@ def close_enough(name: str, out: torch.Tensor, ref: torch.Tensor, tol: Tolerance
     return max_err, rel, ""
 
 
+def attention_matmul_flops(problem: Problem, shape: ShapeLike, matmuls: int) -> float:
+    """``matmuls`` products of (Nq x D) by (D x Nk) size per head: 2 B Nq Nk H D each,
+    halved when causal (the field's convention for attention FLOPs)."""
+    total = (2.0 * matmuls * shape.batch * shape.seqlen_q * shape.seqlen_k * shape.heads_q
+             * problem.head_dim)
+    return total / 2 if problem.causal else total
+
+
 class KernelFamily(ABC):
     """One kind of kernel. Subclasses set the class attributes and implement the methods."""
 

@@ -23,6 +23,7 @@ from flashtune.families.base import (
     Tensors,
     Tolerance,
     Verdict,
+    attention_matmul_flops,
     close_enough,
     generator,
 )
@@ -127,9 +128,7 @@ class RowLseFamily(KernelFamily):
 
     def flops(self, problem: Problem, shape: ShapeLike) -> float:
         """2 B Nq Nk H D (one matmul), halved when causal."""
-        total = (2.0 * shape.batch * shape.seqlen_q * shape.seqlen_k * shape.heads_q
-                 * problem.head_dim)
-        return total / 2 if problem.causal else total
+        return attention_matmul_flops(problem, shape, 1)
 
     def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
         e, d = problem.dtype.itemsize, problem.head_dim

@@ -20,6 +20,7 @@ from flashtune.families.base import (
     LaunchPlan,
     Tensors,
     Verdict,
+    attention_matmul_flops,
     close_enough,
     generator,
 )
@@ -116,9 +117,7 @@ class ForwardFamily(KernelFamily):
 
     def flops(self, problem: Problem, shape: ShapeLike) -> float:
         """4 B Nq Nk H D (two matmuls), halved when causal: the field's convention."""
-        total = (4.0 * shape.batch * shape.seqlen_q * shape.seqlen_k * shape.heads_q
-                 * problem.head_dim)
-        return total / 2 if problem.causal else total
+        return attention_matmul_flops(problem, shape, 2)
 
     def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
         """Q, K, V read once, O written once (the input type) and the float32 LSE."""
