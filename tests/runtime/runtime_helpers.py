@@ -73,9 +73,10 @@ def check_outputs(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torc
 
 
 def rel_fro(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """Relative Frobenius error ||a - e|| / ||e||."""
+    """Relative Frobenius error ||a - e|| / ||e||, computed in float64 on the CPU whatever
+    device either tensor is on (a GPU output against a GPU reference, or a CPU one)."""
     a = actual.detach().to("cpu", torch.float64)
-    e = expected.to(torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
     return float(torch.linalg.vector_norm(a - e) / torch.linalg.vector_norm(e).clamp_min(1e-30))
 
 
