@@ -45,6 +45,27 @@ class Nvrtc:
         lib = self._lib
         lib.nvrtcGetErrorString.restype = ctypes.c_char_p
         lib.nvrtcGetErrorString.argtypes = [ctypes.c_int]
+        self._builtins = self._load_builtins()
+
+    def _load_builtins(self) -> ctypes.CDLL | None:
+        """Load ``libnvrtc-builtins.so.X.Y`` from NVRTC's own directory, if it is there.
+
+        NVRTC opens its builtins library by bare name at the first compile, and some
+        releases (the 13.0 wheel) do not look next to themselves: the compile then fails
+        with NVRTC_ERROR_BUILTIN_OPERATION_FAILURE unless LD_LIBRARY_PATH names the wheel's
+        directory. A library already loaded under that name satisfies NVRTC's own lookup.
+        """
+        major, minor = self.version
+        builtins = self.path.parent / f"libnvrtc-builtins.so.{major}.{minor}"
+        if not builtins.is_file():
+            return None  # a system install: the loader's search path has it
+        try:
+            return ctypes.CDLL(str(builtins))
+        except OSError as exc:
+            raise ToolchainNotFound(
+                f"cannot load NVRTC's builtins {builtins}: {exc}. Reinstall it: "
+                "pip install 'flashtune[cu13]'"
+            ) from exc
 
     def _check(self, status: int, what: str) -> None:
         if status != NVRTC_SUCCESS:

@@ -142,3 +142,28 @@ def test_importing_flashtune_needs_no_cupy() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_loading_nvrtc_loads_its_builtins_from_its_own_directory(
+        toolchain: tc_mod.Toolchain) -> None:
+    """NVRTC 13.0 (the GPU image's wheel) opens libnvrtc-builtins by bare name and fails to
+    compile anything unless that library is already loaded: loading NVRTC must load it, from
+    NVRTC's own directory, before any compile."""
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from flashtune.runtime import nvrtc\n"
+        "lib = nvrtc.load(Path(sys.argv[1]))\n"
+        "major, minor = lib.version\n"
+        "maps = Path('/proc/self/maps').read_text()\n"
+        "print(f'{major}.{minor}')\n"
+        "print(sorted({line.split()[-1] for line in maps.splitlines()\n"
+        "              if 'libnvrtc-builtins' in line}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(toolchain.nvrtc_path)],
+                         capture_output=True, text=True, check=True, timeout=120)
+    version, loaded = out.stdout.splitlines()
+    expected = toolchain.nvrtc_path.parent / f"libnvrtc-builtins.so.{version}"
+    if not expected.is_file():
+        pytest.skip(f"{expected.name} is not next to NVRTC here (a system install)")
+    assert loaded == repr([str(expected)])
