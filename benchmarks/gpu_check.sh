@@ -1,29 +1,44 @@
 #!/usr/bin/env bash
-# One command for a lent GPU, with no network: the GPU test tier, a short real tune of one
-# problem, a subset of the attention sweep and the host-side figures. Every stage is
-# time-boxed and logged on its own, a failed or timed-out stage never loses the others'
-# results, and the whole run stays inside a global budget (default 420 s).
+# One command for a lent GPU, with no network: install the carried wheels, a smoke run first
+# (one kernel per family compiled, launched, checked against torch and timed against SDPA's
+# flash backend), then the GPU test tier, a short real tune, a subset of the attention sweep
+# and the host-side figures. Every stage and every external command is time-limited, a
+# failed or timed-out stage never loses the others' results, and the whole run stays inside
+# a global budget (default 480 s, the install included). The stage plan with its caps is
+# printed first (--plan prints only that).
 #
 #   bash benchmarks/gpu_check.sh [--dry] [--budget SECONDS] [--tar FILE] OUTDIR
-#   bash benchmarks/gpu_check.sh --fetch-wheels     # here, with network: fill .whl/ (py3.12)
+#   bash benchmarks/gpu_check.sh --plan [--budget SECONDS]
+#   bash benchmarks/gpu_check.sh --fetch-wheels      # here, with network: fill .whl/
+#
+# --fetch-wheels works from a fresh clone (python3 with pip, nothing installed): it runs
+# benchmarks/gpu_wheels.py fetch, which computes the wheels the GPU image lacks from
+# pyproject.toml and benchmarks/gpu_image_packages.txt, fetches them for the image's Python
+# 3.12 into .whl/ (or $GC_WHEEL_DIR), replacing what was there, and refuses to go over
+# 40 MiB (about 5.4 MiB today: optuna, sqlalchemy, alembic, platformdirs, colorlog, mako).
 #
 # Writes OUTDIR/summary.tsv (stage, status, seconds, note), OUTDIR/logs/<stage>.log,
-# OUTDIR/env.json, OUTDIR/gpu-tests.xml, OUTDIR/tuning.db, OUTDIR/sweep/attention.csv (+ png,
-# env), OUTDIR/host.json, then packs OUTDIR into one tarball (--tar, default OUTDIR.tar.gz)
-# and prints the stage summary and the sweep table last. Exit status: 0 when no stage
-# failed or timed out, else 1.
+# OUTDIR/env.json, OUTDIR/smoke.json, OUTDIR/gpu-tests.xml, OUTDIR/gpu-tests-tuner.xml,
+# OUTDIR/tuning.db, OUTDIR/sweep/attention.csv (+ png, env), OUTDIR/host.json, then packs
+# OUTDIR into one tarball (--tar, default OUTDIR.tar.gz) and prints the smoke lines, the
+# stage summary and the sweep table last. Exit status: 0 when no stage failed or timed out,
+# else 1 (2 for bad arguments).
 #
-# --dry (or FLASHTUNE_GPU_CHECK_DRY=1) skips the stages that need a GPU and runs only their
-# plumbing: the tune command's options are checked, the sweep is planned (--plan-only).
+# --dry (or FLASHTUNE_GPU_CHECK_DRY=1) runs, in place of each GPU stage, the part that needs
+# no GPU: the smoke kernels are compiled for sm_90, the GPU tests are collected, the options
+# given to `flashtune precompile` and `flashtune tune` are checked, the sweep is planned.
 # Without --dry, a machine where torch sees no GPU gets the same treatment, with 'skipped: no
 # GPU' in the summary, plus a failed 'gpu' stage (exit status 1).
 #
-# Python: $FLASHTUNE_PYTHON if set, else ./.venv/bin/python if it imports torch, else python3.
-# When .whl/ (or $GC_WHEEL_DIR) holds wheels, those made for this Python are installed (no
-# index, no deps) into a private target dir first; the repository itself is put on
-# PYTHONPATH, so nothing needs to be installed.
+# Kernel families: each adds its smoke line as one SmokeCase in benchmarks/gpu_smoke.py
+# (SMOKE_CASES, the forward first); the smoke stage runs them all, one printed line each.
 #
-# On the lent H200 (carry .whl; results come back as one file):
+# Python: $FLASHTUNE_PYTHON if set, else ./.venv/bin/python if it imports torch, else python3.
+# The wheels of .whl/ (or $GC_WHEEL_DIR) made for that Python are installed (no index, no
+# deps) into a private target dir first; the repository itself is put on PYTHONPATH, so
+# nothing needs to be installed.
+#
+# On the lent H200 (carry .whl; the results come back as one file):
 #   PYTHONUNBUFFERED=1 bash benchmarks/gpu_check.sh --tar "$OUT/gpu_check.tar.gz" /tmp/gpu_check
 #
 # Sourcing this file defines the functions without running anything (used by the tests).
@@ -31,16 +46,64 @@
 set -uo pipefail
 
 GC_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+GC_DEFAULT_BUDGET=480
+# The stage plan: name|cap in seconds|what it does. The caps add up, with GC_RESERVE_S, to at
+# most GC_DEFAULT_BUDGET, so every stage gets its whole cap in a full-length run.
+GC_PLAN=(
+  "install|30|install the carried wheels for this Python, check every requirement"
+  "env|20|versions, the GPU and the NVRTC flashtune finds (env.json)"
+  "nvidia-smi|10|the driver's view of the GPU"
+  "smoke|30|each family: one kernel compiled, launched, checked, timed vs SDPA flash"
+  "precompile|35|every default kernel for the GPU's arch, compiled in parallel"
+  "gpu-tests|140|pytest -m gpu, all but the tuner (junit: gpu-tests.xml)"
+  "gpu-tests-tuner|60|pytest -m gpu tests/tuner: a real tune the dispatcher serves"
+  "tune|60|flashtune tune of one problem (the results' tuning.db)"
+  "sweep|50|a subset of the attention sweep against the baselines"
+  "host|25|host-side figures (host.json)"
+)
 # The problem tuned for real, and the sweep subset that shows it next to the baselines.
-GC_TUNE_ARGS=(--head-dim 128 --dtype bf16 --seqlens 4096 --trials 20)
+GC_TUNE_ARGS=(--head-dim 128 --dtype bf16 --seqlens 4096 --trials 12)
 GC_SWEEP_ARGS=(--subset --dtypes bf16 --head-dims 128 --repeats 20)
 # Seconds kept back at the end for the summary and the tarball; shortest stage worth running.
 GC_RESERVE_S=15
 GC_MIN_STAGE_S=5
-# The packages flashtune needs that the lent machine's image lacks (see --fetch-wheels).
-GC_WHEELS=(optuna sqlalchemy alembic platformdirs colorlog mako)
+# The arch the dry run compiles for (the lent GPU's).
+GC_DRY_ARCH=sm_90
 
 gc_log() { printf '[gpu_check %s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
+
+gc_cap() {  # NAME: the stage's cap from GC_PLAN
+  local entry
+  for entry in "${GC_PLAN[@]}"; do
+    [[ "${entry%%|*}" == "$1" ]] && { entry="${entry#*|}"; echo "${entry%%|*}"; return 0; }
+  done
+  echo "error: no stage $1 in GC_PLAN" >&2
+  return 1
+}
+
+gc_plan_total() {  # the caps plus the reserve
+  local entry total=$GC_RESERVE_S rest
+  for entry in "${GC_PLAN[@]}"; do
+    rest="${entry#*|}"
+    total=$((total + ${rest%%|*}))
+  done
+  echo "$total"
+}
+
+gc_print_plan() {  # BUDGET_S
+  local entry name rest
+  echo "stage plan (caps in seconds; budget $1 s):"
+  for entry in "${GC_PLAN[@]}"; do
+    name="${entry%%|*}"
+    rest="${entry#*|}"
+    printf '  %-16s %4s  %s\n' "$name" "${rest%%|*}" "${rest#*|}"
+  done
+  printf '  %-16s %4s  %s\n' "(reserve)" "$GC_RESERVE_S" "summary and tarball"
+  printf '  %-16s %4s\n' "total" "$(gc_plan_total)"
+  if (($(gc_plan_total) > $1)); then
+    echo "  note: the caps add up to more than the budget: the last stages get less or none"
+  fi
+}
 
 # gc_init OUTDIR BUDGET_S: start the clock and the summary.
 gc_init() {
@@ -81,7 +144,9 @@ gc_last_line() {  # the last non-blank line of FILE, ASCII only, at most 160 cha
 }
 
 # gc_stage NAME CAP_S CMD...: run CMD with a timeout of min(CAP_S, time left), output to
-# logs/NAME.log; record passed, failed (exit N) or timed out. Never fails itself.
+# logs/NAME.log; record passed, failed (exit N) or timed out. Never fails itself. At the
+# limit CMD gets $GC_STAGE_SIGNAL (default TERM; INT lets pytest write its report), then
+# KILL 10 s later.
 gc_stage() {
   local name="$1" cap="$2"
   shift 2
@@ -95,7 +160,7 @@ gc_stage() {
   local log="$GC_OUT/logs/$name.log" t0 rc
   gc_log "stage $name: up to ${limit}s: $*"
   t0=$(date +%s)
-  timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$log" 2>&1 </dev/null
+  timeout --signal="${GC_STAGE_SIGNAL:-TERM}" --kill-after=10 "$limit" "$@" >"$log" 2>&1 </dev/null
   rc=$?
   local took=$(($(date +%s) - t0))
   case $rc in
@@ -106,14 +171,21 @@ gc_stage() {
   return 0
 }
 
+gc_planned() {  # NAME CMD...: gc_stage with NAME's cap from GC_PLAN
+  local name="$1" cap
+  shift
+  cap=$(gc_cap "$name") || return 1
+  gc_stage "$name" "$cap" "$@"
+}
+
 # Choose the interpreter and make flashtune (and carried wheels) importable.
 gc_python() {
   if [[ -n "${GC_PY:-}" ]]; then
     :  # chosen by the parent run
   elif [[ -n "${FLASHTUNE_PYTHON:-}" ]]; then
     GC_PY="$FLASHTUNE_PYTHON"
-  elif [[ -x "$GC_REPO/.venv/bin/python" ]] && "$GC_REPO/.venv/bin/python" -c 'import torch' \
-      2>/dev/null; then
+  elif [[ -x "$GC_REPO/.venv/bin/python" ]] &&
+      timeout 60 "$GC_REPO/.venv/bin/python" -c 'import torch' 2>/dev/null; then
     GC_PY="$GC_REPO/.venv/bin/python"
   else
     GC_PY="python3"
@@ -124,68 +196,64 @@ gc_python() {
   esac
 }
 
-gc_install_wheels() {  # TARGET_DIR: install the usable .whl/*.whl there, check the imports
-  local target="$1" wheels=()
-  mapfile -t wheels < <("$GC_PY" - "${GC_WHEEL_DIR:-$GC_REPO/.whl}"/*.whl <<'PY'
-import sys
-from pathlib import Path
-try:
-    from packaging.tags import sys_tags
-    from packaging.utils import parse_wheel_filename
-except ImportError:  # no way to check: offer them all
-    print("\n".join(p for p in sys.argv[1:] if Path(p).is_file()))
-    sys.exit(0)
-supported = set(sys_tags())
-for path in sys.argv[1:]:
-    if not Path(path).is_file():
-        continue
-    name, version, _, tags = parse_wheel_filename(Path(path).name)
-    if tags & supported:
-        print(path)
-    else:
-        print(f"skipping {Path(path).name}: not for this Python", file=sys.stderr)
-PY
-  )
-  if ((${#wheels[@]} == 0)); then
-    echo "no usable wheels in ${GC_WHEEL_DIR:-.whl/}: using the interpreter's own packages"
-  else
-    "$GC_PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target "$target" "${wheels[@]}" || return 1
-    echo "installed ${#wheels[@]} wheel(s) into $target"
-    export PYTHONPATH="$target:$PYTHONPATH"
-  fi
-  "$GC_PY" -c 'import torch, optuna, sqlalchemy, alembic, platformdirs, jinja2, typer, rich
+gc_install_wheels() {  # TARGET_DIR: install the usable wheels there, check the requirements
+  local target="$1"
+  "$GC_PY" "$GC_REPO/benchmarks/gpu_wheels.py" install --site "$target" \
+    --wheels "${GC_WHEEL_DIR:-$GC_REPO/.whl}" || return 1
+  PYTHONPATH="$target:$PYTHONPATH" "$GC_PY" -c '
+import torch, optuna, sqlalchemy, alembic, platformdirs, jinja2, typer, rich
 import flashtune.cli
 print("imports ok: torch", torch.__version__, "optuna", optuna.__version__,
       "sqlalchemy", sqlalchemy.__version__)'
 }
 
-gc_check_tune_options() {  # the options the GPU run gives `flashtune tune` must exist
-  local help opt missing=()
-  help=$(COLUMNS=200 TERM=dumb NO_COLOR=1 "$GC_PY" -m flashtune.cli tune --help 2>&1) || {
-    echo "error: \`flashtune tune --help\` failed:"; echo "$help"; return 1; }
-  for opt in "${GC_TUNE_ARGS[@]}" --timeout; do
+gc_check_options() {  # SUBCOMMAND ARGS...: the options the GPU run gives `flashtune SUB`
+  local sub="$1" help opt missing=()
+  shift
+  help=$(COLUMNS=200 TERM=dumb NO_COLOR=1 "$GC_PY" -m flashtune.cli "$sub" --help 2>&1) || {
+    echo "error: \`flashtune $sub --help\` failed:"; echo "$help"; return 1; }
+  for opt in "$@"; do
     [[ "$opt" == --* ]] || continue
     grep -q -- "$opt" <<<"$help" || missing+=("$opt")
   done
   if ((${#missing[@]})); then
-    echo "error: flashtune tune lacks option(s) ${missing[*]} that gpu_check.sh passes:"
+    echo "error: flashtune $sub lacks option(s) ${missing[*]} that gpu_check.sh passes:"
     echo "$help"
     return 1
   fi
-  echo "flashtune tune accepts: ${GC_TUNE_ARGS[*]} --timeout"
+  echo "flashtune $sub accepts: $*"
 }
 
-gc_has_gpu() {
-  "$GC_PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' \
-    >/dev/null 2>&1
+gc_gpu_arch() {  # the GPU's arch (sm_XY) from env.json, else a time-limited probe; "" if none
+  local env="$GC_OUT/env.json"
+  if [[ -f "$env" ]]; then
+    timeout 20 "$GC_PY" - "$env" <<'PY' 2>/dev/null
+import json, sys
+cap = json.load(open(sys.argv[1])).get("gpu_capability")
+print("sm_" + cap.replace(".", "") if cap else "")
+PY
+  else
+    timeout 60 "$GC_PY" -c 'import torch
+if torch.cuda.is_available():
+    print("sm_%d%d" % torch.cuda.get_device_capability())' 2>/dev/null
+  fi
 }
 
-gc_finish() {  # print the summary and the sweep table, pack OUTDIR; exit status
-  local tarball="$1"
+gc_show_smoke() {  # the smoke lines so far, as soon as the stage is over
+  local log="$GC_OUT/logs/$1.log"
+  [[ -f "$log" ]] && grep -E '^(smoke |error)' "$log" | sed 's/^/  /'
+  return 0
+}
+
+gc_finish() {  # print the smoke lines, the summary and the sweep table, pack OUTDIR
+  local tarball="$1" name
   echo
-  echo "================ gpu_check summary ($(($(date +%s) - GC_START))s of ${GC_BUDGET_S}s) ================"
-  column -t -s $'\t' "$GC_SUMMARY" 2>/dev/null || cat "$GC_SUMMARY"
+  for name in smoke smoke-compile; do
+    if [[ -f "$GC_OUT/logs/$name.log" ]]; then
+      echo "---- $name ----"
+      gc_show_smoke "$name"
+    fi
+  done
   if [[ -f "$GC_OUT/logs/tune.log" ]]; then
     echo "---- tune (last lines) ----"
     tail -n 12 "$GC_OUT/logs/tune.log"
@@ -198,9 +266,11 @@ gc_finish() {  # print the summary and the sweep table, pack OUTDIR; exit status
     echo "---- host ----"
     tail -n 14 "$GC_OUT/logs/host.log"
   fi
+  echo "================ gpu_check summary ($(($(date +%s) - GC_START))s of ${GC_BUDGET_S}s) ================"
+  timeout 10 column -t -s $'\t' "$GC_SUMMARY" 2>/dev/null || cat "$GC_SUMMARY"
   if [[ -n "$tarball" ]]; then
     mkdir -p "$(dirname "$tarball")"
-    tar -czf "$tarball" -C "$(dirname "$GC_OUT")" "$(basename "$GC_OUT")" &&
+    timeout 60 tar -czf "$tarball" -C "$(dirname "$GC_OUT")" "$(basename "$GC_OUT")" &&
       echo "packed $GC_OUT -> $tarball ($(du -h "$tarball" | cut -f1))"
   fi
   if awk -F'\t' 'NR > 1 && ($2 == "failed" || $2 == "timed out") {bad = 1} END {exit !bad}' \
@@ -210,30 +280,29 @@ gc_finish() {  # print the summary and the sweep table, pack OUTDIR; exit status
   return 0
 }
 
-gc_fetch_wheels() {
-  local py="${FLASHTUNE_PYTHON:-$GC_REPO/.venv/bin/python}" pins=() name version
-  for name in "${GC_WHEELS[@]}"; do
-    version=$("$py" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" \
-      "$name") || { echo "error: $name is not installed in $py; install flashtune first" >&2; return 1; }
-    pins+=("$name==$version")
-  done
-  local dir="${GC_WHEEL_DIR:-$GC_REPO/.whl}"
-  mkdir -p "$dir"
-  "$py" -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform any -d "$dir" "${pins[@]}"
+gc_fetch_wheels() {  # with network, from a fresh clone: python3 and pip are enough
+  "${FLASHTUNE_PYTHON:-python3}" "$GC_REPO/benchmarks/gpu_wheels.py" fetch \
+    --dest "${GC_WHEEL_DIR:-$GC_REPO/.whl}"
 }
 
+# The GPU tests: each outcome in the log as it ends; a hung test or a module that fails to
+# import fails alone. At a stage's cap they get SIGINT (GC_STAGE_SIGNAL=INT; timeout hands
+# it on even to a run started with SIGINT ignored), so pytest stops and writes its report.
+GC_GPU_TEST_OPTS=(-m gpu -v -p no:cacheprovider -o timeout=60 --durations=10
+  --continue-on-collection-errors)
+
 gc_main() {
-  local dry="${FLASHTUNE_GPU_CHECK_DRY:-0}" budget=420 tarball="" out=""
+  local dry="${FLASHTUNE_GPU_CHECK_DRY:-0}" budget=$GC_DEFAULT_BUDGET tarball="" out=""
+  local plan_only=0
   while (($#)); do
     case "$1" in
       --dry) dry=1 ;;
-      --budget) budget="$2"; shift ;;
-      --tar) tarball="$2"; shift ;;
+      --plan) plan_only=1 ;;
+      --budget) budget="${2:-}"; shift ;;
+      --tar) tarball="${2:-}"; shift ;;
       --fetch-wheels) gc_fetch_wheels; return $? ;;
       --internal-install-wheels) gc_python; gc_install_wheels "$2"; return $? ;;
-      --internal-check-tune-options) gc_python; gc_check_tune_options; return $? ;;
+      --internal-check-options) shift; gc_python; gc_check_options "$@"; return $? ;;
       -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
         return 0 ;;
       -*) echo "error: unknown option $1 (see --help)" >&2; return 2 ;;
@@ -241,18 +310,23 @@ gc_main() {
     esac
     shift
   done
-  if [[ -z "$out" ]]; then
-    echo "error: OUTDIR is missing; usage: gpu_check.sh [--dry] [--budget S] [--tar FILE] OUTDIR" >&2
-    return 2
-  fi
   if ! [[ "$budget" =~ ^[0-9]+$ ]] || ((budget < 30)); then
     echo "error: --budget $budget must be a whole number of seconds >= 30" >&2
+    return 2
+  fi
+  if ((plan_only)); then
+    gc_print_plan "$budget"
+    return 0
+  fi
+  if [[ -z "$out" ]]; then
+    echo "error: OUTDIR is missing; usage: gpu_check.sh [--dry] [--budget S] [--tar FILE] OUTDIR" >&2
     return 2
   fi
   [[ "$dry" == 1 || "$dry" == true ]] && dry=1 || dry=0
   export PYTHONUNBUFFERED=1
   gc_init "$out" "$budget" || { echo "error: cannot create $out" >&2; return 2; }
   [[ -z "$tarball" ]] && tarball="$GC_OUT.tar.gz"
+  gc_print_plan "$budget"
   gc_python
 
   # Private state: the tuning DB is a result (kept); compiled kernels are not (kept out).
@@ -261,46 +335,66 @@ gc_main() {
   GC_TMP="$(mktemp -d /tmp/flashtune-gpu-check.XXXXXX)"
   trap 'rm -rf "$GC_TMP"' EXIT
   export FLASHTUNE_CACHE_DIR="${FLASHTUNE_CACHE_DIR:-$GC_TMP/cache}"
-  if [[ -z "${FLASHTUNE_CUDA_HOME:-}" && -d /usr/local/cuda/include ]]; then
-    export FLASHTUNE_CUDA_HOME=/usr/local/cuda
-  fi
 
   local site="$GC_TMP/site" self
   mkdir -p "$site"
   self=(bash "$GC_REPO/benchmarks/gpu_check.sh")
   export GC_PY
-  gc_stage install 90 "${self[@]}" --internal-install-wheels "$site"
+  gc_planned install "${self[@]}" --internal-install-wheels "$site"
   [[ -n "$(ls -A "$site")" ]] && export PYTHONPATH="$site:$PYTHONPATH"
-  gc_stage env 45 "$GC_PY" "$GC_REPO/benchmarks/_common.py" --env-json "$GC_OUT/env.json"
-  command -v nvidia-smi >/dev/null && nvidia-smi >"$GC_OUT/logs/nvidia-smi.log" 2>&1
+  gc_planned env "$GC_PY" "$GC_REPO/benchmarks/_common.py" --env-json "$GC_OUT/env.json"
+  if command -v nvidia-smi >/dev/null; then
+    gc_planned nvidia-smi nvidia-smi
+  else
+    gc_skip nvidia-smi "nvidia-smi is not on the PATH"
+  fi
 
-  local gpu=0
-  if ((dry == 0)) && gc_has_gpu; then gpu=1; fi
+  local arch=""
+  ((dry == 0)) && arch=$(gc_gpu_arch)
   local why="skipped: no GPU"
   ((dry)) && why="skipped: dry run"
+  local tune_opts=("${GC_TUNE_ARGS[@]}" --timeout)
+  local smoke=(--json "$GC_OUT/smoke.json" --budget "$(($(gc_cap smoke) - 5))")
 
-  if ((gpu)); then
-    # The tests keep their own database (never the results'); a hung test or a module that
-    # fails to import fails alone.
-    gc_stage gpu-tests 150 env -u FLASHTUNE_DB "$GC_PY" -m pytest -m gpu -q -p no:cacheprovider \
-      -o timeout=60 --continue-on-collection-errors --junitxml="$GC_OUT/gpu-tests.xml" \
-      "$GC_REPO/tests"
+  if [[ -n "$arch" ]]; then
+    gc_planned smoke "$GC_PY" "$GC_REPO/benchmarks/gpu_smoke.py" "${smoke[@]}"
+    gc_show_smoke smoke
+    gc_planned precompile "$GC_PY" -m flashtune.cli precompile --arch "$arch" --all-defaults
+    # The tests keep their own database (never the results'); the tuner's test runs in a
+    # stage of its own, so the others' cap cannot take it.
+    GC_STAGE_SIGNAL=INT gc_planned gpu-tests env -u FLASHTUNE_DB "$GC_PY" -m pytest \
+      "${GC_GPU_TEST_OPTS[@]}" --junitxml="$GC_OUT/gpu-tests.xml" "$GC_REPO/tests" \
+      --ignore="$GC_REPO/tests/tuner"
+    GC_STAGE_SIGNAL=INT gc_planned gpu-tests-tuner env -u FLASHTUNE_DB "$GC_PY" -m pytest \
+      "${GC_GPU_TEST_OPTS[@]}" --junitxml="$GC_OUT/gpu-tests-tuner.xml" "$GC_REPO/tests/tuner"
     # Each tool gets its own budget inside its stage's, so it stops cleanly and reports.
-    gc_stage tune 120 "$GC_PY" -m flashtune.cli tune "${GC_TUNE_ARGS[@]}" \
-      --timeout "$(gc_inner 120 30)"
-    gc_stage sweep 150 "$GC_PY" "$GC_REPO/benchmarks/attention.py" "${GC_SWEEP_ARGS[@]}" \
-      --out "$GC_OUT/sweep" --time-budget "$(gc_inner 150 40)"
-    gc_stage host 60 "$GC_PY" "$GC_REPO/benchmarks/host.py" --short --json "$GC_OUT/host.json"
+    gc_planned tune "$GC_PY" -m flashtune.cli tune "${GC_TUNE_ARGS[@]}" \
+      --timeout "$(gc_inner "$(gc_cap tune)" 15)"
+    gc_planned sweep "$GC_PY" "$GC_REPO/benchmarks/attention.py" "${GC_SWEEP_ARGS[@]}" \
+      --out "$GC_OUT/sweep" --time-budget "$(gc_inner "$(gc_cap sweep)" 15)"
+    gc_planned host "$GC_PY" "$GC_REPO/benchmarks/host.py" --short --json "$GC_OUT/host.json"
   else
     if ((dry == 0)); then
       gc_record gpu "failed" 0 "torch sees no CUDA GPU (see logs/env.log); use --dry for a plumbing check"
     fi
+    # Plumbing, under the caps of the stages they stand for: the smoke kernels compile, the
+    # GPU tests collect, the options the GPU run passes exist, the sweep plans.
+    gc_stage smoke-compile "$(gc_cap smoke)" "$GC_PY" "$GC_REPO/benchmarks/gpu_smoke.py" \
+      --dry --arch "$GC_DRY_ARCH"
+    gc_show_smoke smoke-compile
+    gc_skip smoke "$why"
+    gc_stage precompile-options "$(gc_cap precompile)" "${self[@]}" --internal-check-options \
+      precompile --arch --all-defaults
+    gc_skip precompile "$why"
+    gc_stage gpu-tests-collect "$(gc_cap gpu-tests)" env -u FLASHTUNE_DB "$GC_PY" -m pytest \
+      -m gpu --collect-only -q -p no:cacheprovider "$GC_REPO/tests"
     gc_skip gpu-tests "$why"
-    # Plumbing: the options the GPU run passes must exist; the sweep must plan.
-    gc_stage tune-options 60 "${self[@]}" --internal-check-tune-options
-    gc_stage sweep-plan 60 "$GC_PY" "$GC_REPO/benchmarks/attention.py" "${GC_SWEEP_ARGS[@]}" \
-      --out "$GC_OUT/sweep" --plan-only
+    gc_skip gpu-tests-tuner "$why"
+    gc_stage tune-options "$(gc_cap tune)" "${self[@]}" --internal-check-options tune \
+      "${tune_opts[@]}"
     gc_skip tune "$why"
+    gc_stage sweep-plan "$(gc_cap sweep)" "$GC_PY" "$GC_REPO/benchmarks/attention.py" \
+      "${GC_SWEEP_ARGS[@]}" --out "$GC_OUT/sweep" --plan-only
     gc_skip sweep "$why"
     gc_skip host "$why (host.py runs in CI)"
   fi

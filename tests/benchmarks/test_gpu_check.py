@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -43,21 +44,34 @@ def _summary(out: Path) -> dict[str, dict[str, str]]:
         return {row["stage"]: row for row in csv.DictReader(f, delimiter="\t")}
 
 
+DRY_STAGES = ["install", "env", "nvidia-smi", "smoke-compile", "smoke", "precompile-options",
+              "precompile", "gpu-tests-collect", "gpu-tests", "gpu-tests-tuner",
+              "tune-options", "tune", "sweep-plan", "sweep", "host"]
+
+
 def test_dry_run_writes_every_file(tmp_path: Path) -> None:
     out = tmp_path / "check"
     tarball = tmp_path / "back" / "check.tar.gz"
-    proc = _run(["bash", str(SCRIPT), "--dry", "--tar", str(tarball), str(out)], tmp_path, 150)
+    proc = _run(["bash", str(SCRIPT), "--dry", "--tar", str(tarball), str(out)], tmp_path, 300)
     stages = _summary(out)
-    assert list(stages) == ["install", "env", "gpu-tests", "tune-options", "sweep-plan",
-                            "tune", "sweep", "host"], proc.stdout
-    for name in ("install", "env", "tune-options", "sweep-plan"):
+    assert list(stages) == DRY_STAGES, proc.stdout
+    for name in ("install", "env", "smoke-compile", "precompile-options", "gpu-tests-collect",
+                 "tune-options", "sweep-plan"):
         assert stages[name]["status"] == "passed", (name, stages[name], proc.stdout)
-    for name in ("gpu-tests", "tune", "sweep", "host"):
+    for name in ("smoke", "precompile", "gpu-tests", "gpu-tests-tuner", "tune", "sweep",
+                 "host"):
         assert stages[name]["status"] == "skipped"
         assert "dry run" in stages[name]["note"]
+    assert stages["nvidia-smi"]["status"] in ("passed", "skipped")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # The summary is the last thing printed, then the tarball line.
-    assert "gpu_check summary" in proc.stdout and "packed" in proc.stdout.splitlines()[-1]
+    # The plan with its caps comes first; the smoke lines, then the summary, then the tarball.
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("stage plan (caps in seconds; budget 480 s)")
+    assert any(line.split() == ["smoke", "30", *line.split()[2:]] for line in lines[:15])
+    smoke = [i for i, line in enumerate(lines)
+             if line.startswith("  smoke forward") and "compiled for sm_90" in line]
+    summary = lines.index(next(line for line in lines if "gpu_check summary" in line))
+    assert smoke and smoke[-1] < summary and "packed" in lines[-1]
     with (out / "sweep" / "attention.csv").open() as f:
         plan = list(csv.DictReader(f))
     assert plan and {r["status"] for r in plan} == {"planned"}
@@ -65,16 +79,77 @@ def test_dry_run_writes_every_file(tmp_path: Path) -> None:
     assert '"date_utc"' in (out / "env.json").read_text()
     install = (out / "logs" / "install.log").read_text()
     assert "skipping otherplatform-1.0" in install and "imports ok" in install
+    assert "requirements of a GPU run:" in install and "  optuna " in install
+    collected = (out / "logs" / "gpu-tests-collect.log").read_text()
+    assert "tests/tuner/test_tuner_gpu.py::" in collected
+    assert "tests/runtime/test_runtime_gpu.py::" in collected
     with tarfile.open(tarball) as tar:
         names = set(tar.getnames())
     for rel in ("summary.tsv", "env.json", "sweep/attention.csv", "logs/sweep-plan.log",
-                "logs/tune-options.log"):
+                "logs/tune-options.log", "logs/smoke-compile.log"):
         assert f"check/{rel}" in names
 
 
+def _source(script: str) -> str:
+    return f'source "{SCRIPT}"\n{script}\n'
+
+
+def test_the_plan_fits_the_default_budget(tmp_path: Path) -> None:
+    proc = _run(["bash", "-c", _source('echo "$(gc_plan_total) $GC_DEFAULT_BUDGET"\n'
+                                       'printf "%s\\n" "${GC_PLAN[@]}"')], tmp_path, 30)
+    first, *plan = proc.stdout.splitlines()
+    total, budget = map(int, first.split())
+    caps = {line.split("|")[0]: int(line.split("|")[1]) for line in plan}
+    assert budget == 480 and total <= budget  # 8 minutes, the install included
+    assert total == sum(caps.values()) + 15
+    assert list(caps)[:4] == ["install", "env", "nvidia-smi", "smoke"]  # smoke first on GPU
+    assert caps["smoke"] <= 30 and caps["gpu-tests-tuner"] >= 60
+    shown = _run(["bash", str(SCRIPT), "--plan"], tmp_path, 30).stdout
+    for name, cap in caps.items():
+        assert re.search(rf"^  {re.escape(name)} +{cap} ", shown, re.M), shown
+    assert re.search(rf"^  total +{total}$", shown, re.M)
+
+
+def test_gpu_arch_comes_from_env_json(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    proc = _run(["bash", "-c", _source(f"""
+        gc_init "{out}" 60; GC_PY="{sys.executable}"
+        echo '{{"gpu": "NVIDIA H200", "gpu_capability": "9.0"}}' > "{out}/env.json"
+        echo "arch=$(gc_gpu_arch)"
+        echo '{{"gpu": null}}' > "{out}/env.json"
+        echo "none=$(gc_gpu_arch)"
+    """)], tmp_path, 60)
+    assert "arch=sm_90" in proc.stdout and "none=\n" in proc.stdout + "\n"
+
+
+def test_pytest_stage_reports_at_its_cap_even_with_sigint_ignored(tmp_path: Path) -> None:
+    """At the cap pytest gets SIGINT and still writes its junit report, also when the run
+    was started with SIGINT ignored (a background job)."""
+    tests = tmp_path / "t"
+    tests.mkdir()
+    (tests / "test_slow.py").write_text(
+        "import time\n\ndef test_fast():\n    pass\n\n"
+        "def test_slow():\n    time.sleep(60)\n")
+    out = tmp_path / "o"
+    junit = out / "r.xml"
+    proc = _run(["bash", "-c", "trap '' INT\n" + _source(f"""
+        GC_RESERVE_S=0 GC_MIN_STAGE_S=1 GC_PY="{sys.executable}"
+        gc_init "{out}" 60
+        GC_STAGE_SIGNAL=INT gc_stage t 4 "$GC_PY" -m pytest -q -p no:cacheprovider \
+          -o timeout=0 --junitxml="{junit}" "{tests}"
+        gc_finish ""
+    """)], tmp_path, 60)
+    stages = _summary(out)
+    assert stages["t"]["status"] == "timed out", proc.stdout
+    assert int(stages["t"]["seconds"]) < 10  # stopped by SIGINT, not by the KILL after it
+    report = junit.read_text()
+    assert 'name="test_fast"' in report
+    log = (out / "logs" / "t.log").read_text()
+    assert "KeyboardInterrupt" in log
+
+
 def _run_stages(tmp_path: Path, script: str) -> subprocess.CompletedProcess[str]:
-    body = f'source "{SCRIPT}"\n{script}\n'
-    return _run(["bash", "-c", body], tmp_path, 60)
+    return _run(["bash", "-c", _source(script)], tmp_path, 60)
 
 
 def test_stage_runner_keeps_going_and_reports(tmp_path: Path) -> None:
