@@ -14,8 +14,11 @@ for ``--arch`` with ``flashtune compile`` (NVRTC only).
 Exit status: 0 when every case passed, 1 when one failed, errored or was not reached within
 the budget, 2 when there is no GPU (without --dry).
 
-A kernel family adds its smoke line as one SmokeCase: what it checks, the ``flashtune
-compile`` options of its kernel (for --dry) and the function that runs it on the GPU.
+Kernel families: the forward's line goes through ``flashtune.attention`` and is timed
+against SDPA; every other family registered in ``flashtune.families`` gets a line of its own
+(its default kernel verified against its float64 reference through the launch seam, and
+timed), so a family that lands is covered without a change here. A family that needs more
+(a baseline, another problem) replaces its entry in SMOKE_CASES.
 """
 
 from __future__ import annotations
@@ -117,15 +120,83 @@ def forward_smoke(timer: Timer, shape: Shape = FORWARD_SHAPE) -> SmokeOutcome:
 
 
 def _forward_args(shape: Shape) -> tuple[str, ...]:
-    return ("--head-dim", str(shape.head_dim), "--dtype", shape.dtype,
+    return ("--op", "fwd", "--head-dim", str(shape.head_dim), "--dtype", shape.dtype,
             "--causal" if shape.causal else "--no-causal")
 
 
+# --- any other family, through the launch seam -------------------------------------------
+
+#: The problem size of the other families' smoke lines (small: their float64 reference runs
+#: on the GPU too): batch 1, 8 heads, 1024 queries and keys, head dim 128, bf16, no mask.
+FAMILY_SHAPE = (1, 8, 1024, 128)
+
+
+def family_smoke(op: str, size: tuple[int, int, int, int] = FAMILY_SHAPE,
+                 backend: str = "cuda") -> SmokeRun:
+    """The smoke run of family ``op`` on (batch, heads, seqlen, head dim) ``size``: its
+    default kernel for this GPU compiled and loaded (timed), launched once on NaN-poisoned
+    outputs and compared with the family's float64 reference, then timed (no baseline).
+    ``backend="emulator"`` with a CPU timer runs the same steps on the CPU (tests)."""
+
+    def run(timer: Timer) -> SmokeOutcome:
+        import torch
+
+        from flashtune import families
+        from flashtune.codegen.arch import get_arch
+        from flashtune.codegen.spec import DType, Problem
+        from flashtune.codegen.spec import Shape as LaunchShape
+        from flashtune.runtime import launch
+        from flashtune.runtime.backends import get_backend
+        from flashtune.runtime.device import DeviceInfo
+
+        batch, heads, seqlen, head_dim = size
+        family = families.get(op)
+        problem = Problem(head_dim=head_dim, dtype=DType.BF16, causal=False, op=op)
+        shape = LaunchShape(batch, heads, heads, seqlen, seqlen)
+        on_gpu = timer.device == "cuda"
+        arch = DeviceInfo.current().spec if on_gpu else get_arch("sm_90")
+        config = family.default_config(problem, arch)
+        t0 = time.perf_counter()
+        kernel = get_backend(backend).load(family.render(problem, config))
+        first_s = time.perf_counter() - t0
+        stream = torch.cuda.current_stream().cuda_stream if on_gpu else 0
+        prepared = launch.prepare(kernel, shape, timer.device, seed=SEED, poison=True,
+                                  stream=stream)
+        prepared.run()
+        timer.sync()
+        verdict = prepared.verdict()
+        times = timer.time(prepared.run, timer.flusher())
+        median = sorted(times)[len(times) // 2]
+        tflops = family.flops(problem, shape) / (median * 1e-3) / 1e12
+        summary = (f"{'PASS' if verdict.ok else 'FAIL'} error {verdict.rel_frobenius:.1e} "
+                   f"vs float64{'' if verdict.ok else f' ({verdict.message})'}; "
+                   f"{median:.3f} ms {tflops:.1f} TFLOP/s [{config.key()}]; "
+                   f"compile and load {first_s:.2f} s")
+        return SmokeOutcome(verdict.ok, summary, {
+            "first_call_s": first_s, "rel_err": verdict.rel_frobenius, "max_abs":
+            verdict.max_abs, "median_ms": median, "tflops": tflops, "config": config.key()})
+
+    return run
+
+
+def _smoke_cases() -> tuple[SmokeCase, ...]:
+    """The forward first (through flashtune.attention, against SDPA), then every other
+    registered family through the launch seam: a family that lands gets its line here."""
+    from flashtune import families
+
+    batch, heads, seqlen, head_dim = FAMILY_SHAPE
+    others = tuple(
+        SmokeCase(f.op, f"bf16 d{head_dim} full b{batch} n{seqlen} h{heads}",
+                  ("--op", f.op, "--head-dim", str(head_dim), "--dtype", "bf16",
+                   "--no-causal"), family_smoke(f.op))
+        for f in families.all_families() if f.op != "fwd")
+    forward = SmokeCase("forward", f"{FORWARD_SHAPE.label()} h{FORWARD_SHAPE.heads}",
+                        _forward_args(FORWARD_SHAPE), forward_smoke)
+    return (forward, *others)
+
+
 #: Every family's smoke line, the forward first.
-SMOKE_CASES: tuple[SmokeCase, ...] = (
-    SmokeCase("forward", f"{FORWARD_SHAPE.label()} h{FORWARD_SHAPE.heads}",
-              _forward_args(FORWARD_SHAPE), forward_smoke),
-)
+SMOKE_CASES: tuple[SmokeCase, ...] = _smoke_cases()
 
 
 # --- running --------------------------------------------------------------------------------
@@ -181,8 +252,8 @@ def dry_run(cases: Sequence[SmokeCase], arch: str, python: str = sys.executable)
 
 def _toolchain_line() -> str:
     try:
-        from flashtune.runtime import nvrtc
-        from flashtune.runtime.toolchain import find_toolchain
+        from flashtune.toolchain import nvrtc
+        from flashtune.toolchain.cuda import find_toolchain
 
         tc = find_toolchain()
         major, minor = nvrtc.load(tc.nvrtc_path).version

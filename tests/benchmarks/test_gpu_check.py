@@ -68,10 +68,12 @@ def test_dry_run_writes_every_file(tmp_path: Path) -> None:
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("stage plan (caps in seconds; budget 480 s)")
     assert any(line.split() == ["smoke", "30", *line.split()[2:]] for line in lines[:15])
-    smoke = [i for i, line in enumerate(lines)
-             if line.startswith("  smoke forward") and "compiled for sm_90" in line]
     summary = lines.index(next(line for line in lines if "gpu_check summary" in line))
-    assert smoke and smoke[-1] < summary and "packed" in lines[-1]
+    for family in ("forward", "lse"):  # one smoke line per kernel family
+        smoke = [i for i, line in enumerate(lines)
+                 if line.startswith(f"  smoke {family} ") and "compiled for sm_90" in line]
+        assert smoke and smoke[-1] < summary, proc.stdout
+    assert "packed" in lines[-1]
     with (out / "sweep" / "attention.csv").open() as f:
         plan = list(csv.DictReader(f))
     assert plan and {r["status"] for r in plan} == {"planned"}

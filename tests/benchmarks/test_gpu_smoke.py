@@ -10,12 +10,27 @@ from _attention_impls import Timer
 from _common import Deadline
 from attention import Shape
 
+from flashtune import families
 
-def test_the_forward_is_the_first_case() -> None:
+
+def test_the_forward_is_first_and_every_family_has_a_line() -> None:
     first = gpu_smoke.SMOKE_CASES[0]
     assert first.family == "forward" and first.run is gpu_smoke.forward_smoke
-    assert first.compile_args == ("--head-dim", "128", "--dtype", "bf16", "--no-causal")
-    assert len({c.family for c in gpu_smoke.SMOKE_CASES}) == len(gpu_smoke.SMOKE_CASES)
+    assert first.compile_args == ("--op", "fwd", "--head-dim", "128", "--dtype", "bf16",
+                                  "--no-causal")
+    others = [c.family for c in gpu_smoke.SMOKE_CASES[1:]]
+    assert others == [f.op for f in families.all_families() if f.op != "fwd"]
+    assert "lse" in others  # the second family has its own line
+
+
+def test_a_family_line_verifies_and_times_its_default_kernel() -> None:
+    """The steps of a family's line, on the CPU emulator: verified against the float64
+    reference on poisoned outputs, then timed (CPU time: plumbing, not performance)."""
+    run = gpu_smoke.family_smoke("lse", (1, 2, 40, 32), backend="emulator")
+    outcome = run(Timer("cpu", 1, 2))
+    assert outcome.passed, outcome.summary
+    assert outcome.summary.startswith("PASS error ") and "vs float64" in outcome.summary
+    assert 0 <= outcome.details["rel_err"] < 1e-3 and outcome.details["median_ms"] > 0
 
 
 def _case(family: str, run: gpu_smoke.SmokeRun) -> gpu_smoke.SmokeCase:
@@ -77,3 +92,10 @@ def test_forward_smoke_passes_on_the_gpu() -> None:
     assert outcome.passed, outcome.summary
     assert outcome.details["rel_err_vs_sdpa"] < 1e-2
     assert [r["status"] for r in outcome.details["results"]] == ["ok", "ok"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", [f.op for f in families.all_families() if f.op != "fwd"])
+def test_family_smoke_passes_on_the_gpu(op: str) -> None:
+    outcome = gpu_smoke.family_smoke(op)(Timer("cuda", 1, 3))
+    assert outcome.passed, outcome.summary

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import toolchain_compat as tcc
 
-from flashtune.codegen.render import render
+from flashtune import families
 from flashtune.codegen.spec import COMPILED_HEAD_DIMS, DType, KernelConfig, Problem
+from flashtune.families import render
 from flashtune.runtime.precompile import default_kernels
-from flashtune.runtime.toolchain import Toolchain
+from flashtune.toolchain.cuda import Toolchain
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,12 +33,19 @@ def test_check_toolchain_names_what_differs(tmp_path: Path) -> None:
                         f"{inside.resolve()}"]
 
 
-def test_forward_family_is_every_default_kernel() -> None:
-    sources = tcc.FAMILIES["forward"]("sm_90")
+def test_forward_defaults_are_the_runtime_defaults() -> None:
+    sources = tcc.default_sources(families.get("fwd"), "sm_90")
     assert len(sources) == len(COMPILED_HEAD_DIMS) * len(DType) * 2
     assert len({s.entry for s in sources}) == len(sources)
     assert [s.digest for s in sources] == [render(p, c).digest
                                            for p, c in default_kernels("sm_90")]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_registered_family_has_default_kernels(arch: str) -> None:
+    for family in families.all_families():
+        sources = tcc.default_sources(family, arch)
+        assert sources and {s.problem.op for s in sources} == {family.op}
 
 
 SMALL = render(Problem(head_dim=32, dtype=DType.FP16),
@@ -46,10 +54,10 @@ SMALL = render(Problem(head_dim=32, dtype=DType.FP16),
 
 def test_main_compiles_and_reports(monkeypatch: pytest.MonkeyPatch,
                                    capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(tcc, "FAMILIES", {"tiny": lambda arch: [SMALL]})
-    assert tcc.main(["--arch", "sm_90", "--workers", "1"]) == 0
+    monkeypatch.setattr(tcc, "default_sources", lambda family, arch: [SMALL])
+    assert tcc.main(["--arch", "sm_90", "--family", "fwd", "--workers", "1"]) == 0
     out = capsys.readouterr().out
-    assert "tiny     sm_90  1/1 compiled" in out and "0 kernel(s) spill" in out
+    assert "fwd      sm_90  1/1 compiled" in out and "0 kernel(s) spill" in out
     assert "every default kernel compiled" in out
 
 
@@ -57,10 +65,10 @@ def test_main_fails_on_a_kernel_that_does_not_compile(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     broken = dataclasses.replace(SMALL, code=SMALL.code + "\nthis is not C++;\n",
                                  digest="0" * 64)
-    monkeypatch.setattr(tcc, "FAMILIES", {"tiny": lambda arch: [SMALL, broken]})
-    assert tcc.main(["--arch", "sm_80", "--workers", "1"]) == 1
+    monkeypatch.setattr(tcc, "default_sources", lambda family, arch: [SMALL, broken])
+    assert tcc.main(["--arch", "sm_80", "--family", "fwd", "--workers", "1"]) == 1
     captured = capsys.readouterr()
-    assert "tiny     sm_80  1/2 compiled" in captured.out
+    assert "fwd      sm_80  1/2 compiled" in captured.out
     assert f"FAILED {broken.entry} for sm_80" in captured.err
     assert "NVRTC could not compile" in captured.err and "error" in captured.err
     assert "1 kernel(s) failed to compile" in captured.err

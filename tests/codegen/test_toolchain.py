@@ -152,7 +152,7 @@ def test_loading_nvrtc_loads_its_builtins_from_its_own_directory(
     code = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from flashtune.runtime import nvrtc\n"
+        "from flashtune.toolchain import nvrtc\n"
         "lib = nvrtc.load(Path(sys.argv[1]))\n"
         "major, minor = lib.version\n"
         "maps = Path('/proc/self/maps').read_text()\n"
