@@ -290,10 +290,11 @@ gc_fetch_wheels() {  # with network, from a fresh clone: python3 and pip are eno
     --dest "${GC_WHEEL_DIR:-$GC_REPO/.whl}"
 }
 
-# The GPU tests: each outcome in the log as it ends; a hung test or a module that fails to
+# The GPU tests: one process (-n 0: the default run's xdist workers would share the GPU and
+# its timings), each outcome in the log as it ends; a hung test or a module that fails to
 # import fails alone. At a stage's cap they get SIGINT (GC_STAGE_SIGNAL=INT; timeout hands
 # it on even to a run started with SIGINT ignored), so pytest stops and writes its report.
-GC_GPU_TEST_OPTS=(-m gpu -v -p no:cacheprovider -o timeout=60 --durations=10
+GC_GPU_TEST_OPTS=(-m gpu -n 0 -v -p no:cacheprovider -o timeout=60 --durations=10
   --continue-on-collection-errors)
 
 gc_main() {
@@ -392,7 +393,7 @@ gc_main() {
     gc_stage precompile-options "$cap" "${self[@]}" --internal-check-options precompile \
       --arch --all-defaults
     gc_skip precompile "$why"
-    gc_stage gpu-tests-collect "$cap" env -u FLASHTUNE_DB "$GC_PY" -m pytest -m gpu \
+    gc_stage gpu-tests-collect "$cap" env -u FLASHTUNE_DB "$GC_PY" -m pytest -m gpu -n 0 \
       --collect-only -q -p no:cacheprovider "$GC_REPO/tests"
     gc_skip gpu-tests "$why"
     gc_skip gpu-tests-tuner "$why"

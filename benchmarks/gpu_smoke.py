@@ -78,7 +78,7 @@ def _timing(r: Result) -> str:
 
 def forward_smoke(timer: Timer, shape: Shape = FORWARD_SHAPE) -> SmokeOutcome:
     """flashtune.attention on ``shape``: its first call timed (compile and load), its output
-    checked against torch (a float32 reference of three heads, and SDPA's flash backend over
+    checked (the benchmarks' float64 reference of three heads, and SDPA's flash backend over
     the whole output), then timed against SDPA's flash backend."""
     import torch
 
@@ -110,7 +110,7 @@ def forward_smoke(timer: Timer, shape: Shape = FORWARD_SHAPE) -> SmokeOutcome:
     if ours.stats is not None and base.stats is not None and ours.status == base.status == "ok":
         ratio = f", {base.stats.median / ours.stats.median:.2f}x {BASELINE}'s speed"
     err = f"{ours.rel_err:.1e}" if ours.rel_err is not None else "n/a"
-    summary = (f"{'PASS' if passed else 'FAIL'} error {err} vs float32, {vs_sdpa:.1e} vs "
+    summary = (f"{'PASS' if passed else 'FAIL'} error {err} vs float64, {vs_sdpa:.1e} vs "
                f"{BASELINE} (limit {REL_ERR_TOLERANCE:g}); {_timing(ours)} [{ours.config}], "
                f"{_timing(base)}{ratio}; first call {first_s:.2f} s")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
