@@ -1,4 +1,4 @@
-"""The dispatcher's tiers (exact, nearest, family, default), its memo, its lazy one-time read
+"""The dispatcher's tiers (exact, nearest, same_arch, default), its memo, its lazy one-time read
 of the database and its behaviour when the database cannot be read."""
 
 from __future__ import annotations
@@ -28,10 +28,6 @@ class Dev:
     name: str
     arch: str
 
-    @property
-    def family(self) -> str:
-        return self.arch
-
 
 DEV_A = Dev(A, "sm_90")
 
@@ -60,13 +56,13 @@ def test_nearest_bucket_on_this_device() -> None:
     assert _decide(entries, 1 << 20) == (Tier.NEAREST, "m128_n64_w4_s3", 4096)
 
 
-def test_same_arch_family_from_another_gpu() -> None:
+def test_same_arch_from_another_gpu() -> None:
     entries = [best_entry(B, "sm_90", PKEY, 2048, "m128_n128_w8_s1"),
                best_entry(C, "sm_80", PKEY, 1024, "m64_n64_w4_s1"),
                best_entry(A, "sm_90", "fwd_d128_fp16_full", 1024, "m64_n64_w4_s1")]
-    assert _decide(entries, 1024) == (Tier.FAMILY, "m128_n128_w8_s1", 2048)
+    assert _decide(entries, 1024) == (Tier.SAME_ARCH, "m128_n128_w8_s1", 2048)
     # an sm_80 device sees only the sm_80 result
-    assert _decide(entries, 1024, Dev("GPU-D", "sm_80")) == (Tier.FAMILY, "m64_n64_w4_s1",
+    assert _decide(entries, 1024, Dev("GPU-D", "sm_80")) == (Tier.SAME_ARCH, "m64_n64_w4_s1",
                                                              1024)
 
 
@@ -127,7 +123,7 @@ def test_unreadable_database_warns_once_and_uses_defaults(
 def test_describe_names_tier_config_and_source() -> None:
     source = ListSource([best_entry(B, "sm_90", PKEY, 2048, "m128_n128_w8_s1", 0.25)])
     text = str(Dispatcher(lambda: source).decide(ProblemBucket(PROBLEM, 1024), DEV_A))
-    for fragment in ("fwd_d64_fp16_full_n1024", "GPU-A (sm_90)", "family",
+    for fragment in ("fwd_d64_fp16_full_n1024", "GPU-A (sm_90)", "same_arch",
                      "m128_n128_w8_s1", "GPU-B (sm_90), bucket n2048", "0.25 ms"):
         assert fragment in text, (fragment, text)
 
@@ -159,7 +155,7 @@ def test_reads_the_tuning_database_without_writing(tmp_path: Path,
     before = _digest(db)
     device = DeviceInfo.virtual("sm_90")
     decision = Dispatcher().decide(ProblemBucket(PROBLEM, 4096), device)
-    assert (decision.tier, decision.config) == (Tier.FAMILY, config)
+    assert (decision.tier, decision.config) == (Tier.SAME_ARCH, config)
     named = Dev("NVIDIA H200", "sm_90")
     assert Dispatcher().decide(ProblemBucket(PROBLEM, 4096), named).tier is Tier.EXACT
     assert _digest(db) == before
