@@ -29,6 +29,11 @@ class KnobError(FlashtuneError, ValueError):
     """An environment variable holds a value that cannot be parsed."""
 
 
+class CacheError(FlashtuneError, RuntimeError):
+    """The on-disk kernel cache (or a precompiled directory) cannot be used safely: it is
+    writable by another user, owned by someone else, damaged, unwritable or on a full disk."""
+
+
 class ToolchainNotFound(FlashtuneError, RuntimeError):
     """NVRTC, the CUDA headers, a host compiler or a disassembler could not be located."""
 

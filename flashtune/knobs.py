@@ -1,13 +1,17 @@
-"""Every environment variable flashtune reads, declared once and typed.
+"""Every environment variable flashtune reads, declared once, typed and validated.
 
 Read a knob with ``knobs.CACHE_DIR.get()``; values are parsed on each call so tests and
-users can change the environment at run time. ``flashtune knobs`` (CLI) and the README list
+users can change the environment at run time. A value that does not parse or lies outside
+its legal range raises ``KnobError`` naming the variable, the value and what is legal; no
+value is ever silently replaced by a default. ``flashtune knobs`` (CLI) and the README list
 them all from ``ALL``.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +25,8 @@ T = TypeVar("T")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
+#: Kernel pseudo-file systems: nothing of flashtune's can live there.
+_PSEUDO_FS = (Path("/proc"), Path("/sys"), Path("/dev"))
 
 
 def _parse_bool(raw: str) -> bool:
@@ -42,6 +48,109 @@ def _choice(*options: str) -> Callable[[str], str]:
     return parse
 
 
+def _int_in(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        text = raw.strip()
+        if not re.fullmatch(r"[+-]?\d{1,19}", text):
+            raise ValueError(f"expected an integer in [{lo}, {hi}]")
+        value = int(text)
+        if not lo <= value <= hi:
+            raise ValueError(f"{value} is outside the legal range [{lo}, {hi}]")
+        return value
+
+    return parse
+
+
+def _seconds_in(lo_exclusive: float, hi: float) -> Callable[[str], float]:
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw.strip())
+        except ValueError:
+            raise ValueError(f"expected a number of seconds in ({lo_exclusive:g}, "
+                             f"{hi:g}]") from None
+        if not math.isfinite(value) or not lo_exclusive < value <= hi:
+            raise ValueError(f"{value} is outside the legal range ({lo_exclusive:g}, {hi:g}] "
+                             "seconds (a finite number)")
+        return value
+
+    return parse
+
+
+def _absolute_path(raw: str) -> Path:
+    """An absolute path, with ``~`` expanded; relative and unresolvable paths are refused."""
+    text = raw.strip()
+    if "\0" in text:
+        raise ValueError("a path cannot contain a NUL character")
+    path = Path(text).expanduser()
+    if text.startswith("~") and str(path).startswith("~"):
+        raise ValueError(f"{text.split('/', 1)[0]!r} names no user's home directory; expected "
+                         "an absolute path")
+    if not path.is_absolute():
+        raise ValueError("relative paths are refused (their meaning would change with the "
+                         "working directory); expected an absolute path")
+    for pseudo in _PSEUDO_FS:
+        if path == pseudo or pseudo in path.parents:
+            raise ValueError(f"{path} is inside {pseudo}, a kernel pseudo-file system; expected "
+                             "a directory on a real file system")
+    return path
+
+
+def _directory_to_create(raw: str) -> Path:
+    """An absolute path that is a directory or can become one (no file in the way)."""
+    path = _absolute_path(raw)
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"{probe} is not a directory; expected a directory path")
+    return path
+
+
+def _existing_directory(raw: str) -> Path:
+    path = _absolute_path(raw)
+    if not path.is_dir():
+        raise ValueError(f"{path} is not an existing directory")
+    return path
+
+
+def _directory_list(raw: str) -> tuple[Path, ...]:
+    parts = [p for p in raw.split(os.pathsep) if p.strip()]
+    return tuple(_existing_directory(p) for p in parts)
+
+
+def _command(raw: str) -> str:
+    text = raw.strip()
+    if not text or re.search(r"[\s\x00-\x1f]", text):
+        raise ValueError("expected one command name or path, without spaces or control "
+                         "characters (e.g. g++-12 or /usr/bin/g++)")
+    if "/" in text and not Path(text).expanduser().is_file():
+        raise ValueError(f"{text} is not an existing file")
+    return text
+
+
+def _database_url(raw: str) -> str:
+    text = raw.strip()
+    if "\0" in text:
+        raise ValueError("a database URL cannot contain a NUL character")
+    return text
+
+
+#: Tokens of FLASHTUNE_TRUSTED_SOURCES besides bundle digest prefixes and host names.
+TRUST_LOCAL = "local"
+TRUST_ALL = "all"
+_TRUST_TOKEN = re.compile(r"local|all|[0-9a-f]{8,64}|host:[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+
+
+def _trusted_sources(raw: str) -> frozenset[str]:
+    tokens = [t.strip() for t in raw.split(",") if t.strip()]
+    for token in tokens:
+        if not _TRUST_TOKEN.fullmatch(token):
+            raise ValueError(f"{token!r} is not a source; expected a comma-separated list of "
+                             "'local', 'all', bundle digest prefixes (8 to 64 lowercase hex "
+                             "digits) or 'host:NAME'")
+    return frozenset(tokens)
+
+
 @dataclass(frozen=True)
 class Knob(Generic[T]):
     """One environment variable: its name, parser, default and documentation."""
@@ -61,7 +170,7 @@ class Knob(Generic[T]):
             raise KnobError(
                 f"environment variable {self.name}={raw!r} is invalid: {exc}. "
                 f"Fix or unset it ({self.doc})"
-            ) from exc
+            ) from None
 
     def is_set(self) -> bool:
         return bool(os.environ.get(self.name))
@@ -78,16 +187,38 @@ def _default_db() -> str:
 
 CACHE_DIR: Knob[Path] = Knob(
     "FLASHTUNE_CACHE_DIR",
-    lambda raw: Path(raw).expanduser(),
+    _directory_to_create,
     _user_cache,
-    "directory for compiled kernels and emulator builds (default: the user cache directory)",
+    "absolute path of the private directory for compiled kernels and emulator builds "
+    "(default: the user cache directory)",
+)
+PRECOMPILED_DIRS: Knob[tuple[Path, ...]] = Knob(
+    "FLASHTUNE_PRECOMPILED_DIR",
+    _directory_list,
+    tuple,
+    f"read-only directories written by `flashtune precompile` (separated by {os.pathsep!r}), "
+    "searched for kernels before the cache; each is verified against its manifest",
 )
 DB_URL: Knob[str] = Knob(
     "FLASHTUNE_DB",
-    str,
+    _database_url,
     _default_db,
     "SQLAlchemy URL or file path of the tuning database (default: tuning.db in the user "
     "data directory)",
+)
+DB_BUSY_TIMEOUT_S: Knob[float] = Knob(
+    "FLASHTUNE_DB_BUSY_TIMEOUT_S",
+    _seconds_in(0.0, 3600.0),
+    lambda: 60.0,
+    "seconds a SQLite writer waits for another writer before failing, in (0, 3600]",
+)
+TRUSTED_SOURCES: Knob[frozenset[str]] = Knob(
+    "FLASHTUNE_TRUSTED_SOURCES",
+    _trusted_sources,
+    lambda: frozenset({TRUST_LOCAL}),
+    "whose results of OTHER devices may serve this one through the fallback tiers: "
+    "'local' (tuned into this database), 'all', bundle digest prefixes or 'host:NAME', "
+    "comma-separated (default: local)",
 )
 BACKEND: Knob[str] = Knob(
     "FLASHTUNE_BACKEND",
@@ -103,15 +234,16 @@ LOG_LEVEL: Knob[str] = Knob(
 )
 CUDA_HOME: Knob[Path | None] = Knob(
     "FLASHTUNE_CUDA_HOME",
-    lambda raw: Path(raw).expanduser(),
+    _existing_directory,
     lambda: None,
-    "optional CUDA toolkit root, searched after the nvidia pip wheels for headers and tools",
+    "optional CUDA toolkit root (an existing directory), searched after the nvidia pip "
+    "wheels for headers and tools",
 )
 HOST_CXX: Knob[str] = Knob(
     "FLASHTUNE_CXX",
-    str,
+    _command,
     lambda: "g++",
-    "host C++20 compiler used to build the CPU emulator",
+    "host C++20 compiler used to build the CPU emulator (a command name or path)",
 )
 EMULATOR_ARCH: Knob[str] = Knob(
     "FLASHTUNE_EMULATOR_ARCH",
@@ -127,20 +259,24 @@ EMULATOR_ASAN: Knob[bool] = Knob(
 )
 EMULATOR_TIMEOUT_S: Knob[float] = Knob(
     "FLASHTUNE_EMULATOR_DEADLOCK_S",
-    float,
+    _seconds_in(0.0, 86400.0),
     lambda: 10.0,
-    "seconds without progress after which the emulator reports a hang",
+    "seconds without progress after which the emulator reports a hang, in (0, 86400]",
 )
+MAX_COMPILE_WORKERS = 1024
 COMPILE_WORKERS: Knob[int] = Knob(
     "FLASHTUNE_COMPILE_WORKERS",
-    int,
+    _int_in(1, MAX_COMPILE_WORKERS),
     lambda: max(1, (os.cpu_count() or 2)),
-    "processes used to compile kernels in parallel",
+    f"processes used to compile kernels in parallel, in [1, {MAX_COMPILE_WORKERS}]",
 )
 
 ALL: tuple[Knob[object], ...] = (  # type: ignore[assignment]
     CACHE_DIR,
+    PRECOMPILED_DIRS,
     DB_URL,
+    DB_BUSY_TIMEOUT_S,
+    TRUSTED_SOURCES,
     BACKEND,
     LOG_LEVEL,
     CUDA_HOME,
