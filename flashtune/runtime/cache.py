@@ -1,52 +1,138 @@
-"""The only owner of flashtune's on-disk artifacts (compiled kernels, emulator builds).
+"""The only owner of flashtune's private on-disk artifacts (compiled kernels, emulator builds).
 
-Layout: ``<root>/v<FORMAT>/<namespace>/<key[:2]>/<key><suffix>``. An artifact is written to
+Layout: ``<base>/v<FORMAT>/<namespace>/<key[:2]>/<key><suffix>``. An artifact is written to
 a temporary file in the same directory and renamed into place (atomic on POSIX), next to a
-``.sha256`` sidecar holding its digest; a reader that finds a missing, truncated or
-corrupted artifact (digest mismatch) rebuilds it. Builds follow the pattern
-try cache -> take the per-artifact file lock -> check again -> build -> publish, so
-concurrent processes build each artifact once. A published file is never rewritten in
-place: a rebuild publishes a fresh inode, so a process that has the old one loaded keeps it.
+``.sha256`` sidecar. Builds follow the pattern try cache -> take the per-artifact file
+lock -> check again -> build -> publish, so concurrent processes build each artifact once.
+A published file is never rewritten in place: a rebuild publishes a fresh inode, so a
+process that has the old one loaded keeps it.
+
+Security model (the README's "Security model" states it for users):
+
+- The cache is private to its user. Directories flashtune creates are mode 0700. The base
+  directory and everything below it must be owned by the effective user and writable by
+  no one else; the directories above the base must be owned by root or the user and not be
+  writable by every user without the sticky bit (as ssh checks ``~/.ssh``). Anything else
+  is refused with a ``CacheError`` naming the path, the owner and mode found and the fix:
+  flashtune loads native code from here, so whoever can write the cache could run code
+  as its user.
+- Each artifact is bound to its name: the sidecar holds the sha256 of the namespace, the
+  artifact's name (compile key and suffix) and its bytes. An artifact copied over another
+  key, truncated, or next to a stale or plain-sha256 sidecar fails the check and is
+  rebuilt. The sidecar detects accidents and mix-ups; the permission checks keep out other
+  users. Loaders add their own check of the key embedded in the artifact (cubin metadata,
+  the emulator library's key symbol).
+- Broken layouts are errors with a fix, never tracebacks: the cache path or an artifact
+  that is not what it should be (a file for a directory, a directory for a file), a cache
+  that cannot be written when an artifact must be built, a full disk.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import filelock
 
 from flashtune import knobs
+from flashtune.errors import CacheError
 
-#: Bump when the layout or the meaning of stored artifacts changes.
-CACHE_FORMAT = 1
+#: Bump when the layout or the meaning of stored artifacts changes (2: bound sidecars).
+CACHE_FORMAT = 2
 _SAFE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+_SIDECAR = ".sha256"
+_LOCK = ".lock"
+#: Seconds to wait for another process's build of the same artifact.
+LOCK_TIMEOUT_S = 3600.0
+#: errno values that mean "this file system will not take the write" (not a build bug).
+_NO_WRITE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 log = logging.getLogger("flashtune.cache")
 
+_trusted: set[str] = set()
+_trusted_lock = threading.Lock()
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+
+def bound_digest(namespace: str, name: str, data: bytes) -> str:
+    """The sidecar digest of artifact ``name`` in ``namespace``: sha256 over both names and
+    the bytes, so the same bytes under another name (another compile key) do not verify."""
+    h = hashlib.sha256(b"flashtune-artifact\0")
+    h.update(f"{namespace}/{name}".encode() + b"\0")
+    h.update(data)
     return h.hexdigest()
 
 
+def describe_owner(st: os.stat_result) -> str:
+    """'owned by alice (uid 1000), mode 0o755' for messages."""
+    try:
+        import pwd
+
+        who = pwd.getpwuid(st.st_uid).pw_name
+    except (ImportError, KeyError):
+        who = "an unknown user"
+    return f"owned by {who} (uid {st.st_uid}), mode {oct(stat.S_IMODE(st.st_mode))}"
+
+
+def _you() -> str:
+    return f"you (uid {os.geteuid()})"
+
+
+def unsafe_reason(st: os.stat_result) -> str | None:
+    """Why an entry of the private cache with this stat must not be trusted, or None."""
+    if st.st_uid != os.geteuid():
+        return f"is {describe_owner(st)}, not by {_you()}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by other users ({describe_owner(st)})"
+    return None
+
+
+def _kind(st: os.stat_result) -> str:
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory"
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if stat.S_ISREG(st.st_mode):
+        return "a file"
+    return "a special file"
+
+
+def write_error(exc: OSError, path: Path, what: str) -> CacheError:
+    """A CacheError for a failed write of ``what`` at ``path``, with the fix for its cause."""
+    code = exc.errno
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        fix = ("the disk (or your quota) is full: free space, or point FLASHTUNE_CACHE_DIR "
+               "at a directory on another disk")
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = ("the cache is not writable: make it writable by you, or point "
+               "FLASHTUNE_CACHE_DIR at a directory you own (kernels shipped read-only with an "
+               "application belong in FLASHTUNE_PRECOMPILED_DIR)")
+    elif code == errno.EISDIR:
+        fix = f"{exc.filename or path} is a directory where a file belongs: remove it"
+    else:
+        fix = "check the directory, or point FLASHTUNE_CACHE_DIR at another one"
+    return CacheError(f"cannot write {what} at {path}: {exc.strerror or exc}; {fix}")
+
+
 class ArtifactCache:
-    """A versioned directory of immutable, digest-checked artifacts."""
+    """A versioned, private directory of immutable, digest-checked artifacts."""
 
     def __init__(self, root: Path | None = None) -> None:
         base = root if root is not None else knobs.CACHE_DIR.get()
         #: The directory handed in (or the knob's); ``ArtifactCache(cache.base)`` is the
         #: same cache, e.g. in another process.
-        self.base = Path(base)
+        self.base = Path(base).expanduser().absolute()
         self.root = self.base / f"v{CACHE_FORMAT}"
+
+    # ------------------------------------------------------------ names and paths
 
     def path_for(self, namespace: str, key: str, suffix: str = "") -> Path:
         """Where the artifact (namespace, key) lives; names are checked to be filename-safe."""
@@ -55,10 +141,155 @@ class ArtifactCache:
                 raise ValueError(f"cache name {part!r} must match {_SAFE.pattern}")
         return self.root / namespace / key[:2] / f"{key}{suffix}"
 
+    # ------------------------------------------------------------ directory trust
+
+    def _chain(self, directory: Path) -> list[Path]:
+        """The directories from the base down to ``directory`` (inside the cache)."""
+        rel = directory.relative_to(self.base)
+        chain = [self.base]
+        for part in rel.parts:
+            chain.append(chain[-1] / part)
+        return chain
+
+    def _check_ancestors(self) -> None:
+        """The directories above the base must not let another user replace the cache."""
+        try:
+            real = self.base.resolve()
+        except OSError as exc:
+            raise CacheError(f"cannot resolve the cache path {self.base}: {exc}") from None
+        me = os.geteuid()
+        for parent in real.parents:
+            try:
+                st = os.stat(parent)
+            except OSError:
+                continue
+            shared = st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX
+            if st.st_uid not in (0, me) or shared:
+                why = ("is writable by every user without the sticky bit" if shared else
+                       f"belongs to another user ({describe_owner(st)})")
+                raise CacheError(
+                    f"the kernel cache {self.base} is refused: its parent directory {parent} "
+                    f"{why}, so another user could replace the cache and make flashtune run "
+                    "their code. Point FLASHTUNE_CACHE_DIR at a directory under one you own")
+
+    def _check_dir(self, path: Path, *, create: bool) -> bool:
+        """True if ``path`` is a trusted directory of the cache; False if it is absent and
+        ``create`` is off. Raises CacheError for anything unsafe or in the way."""
+        key = str(path)
+        if key in _trusted:
+            return True
+        is_base = path == self.base
+        try:
+            st = os.stat(path) if is_base else os.lstat(path)
+        except FileNotFoundError:
+            if not create:
+                return False
+            try:
+                os.mkdir(path, 0o700)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise CacheError(
+                    f"cannot create the kernel cache directory {path}: {exc.strerror or exc}; "
+                    "point FLASHTUNE_CACHE_DIR at a directory you can write") from None
+            st = os.stat(path) if is_base else os.lstat(path)
+        except OSError as exc:
+            raise CacheError(f"cannot inspect the kernel cache directory {path}: "
+                             f"{exc.strerror or exc}") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise CacheError(
+                f"the kernel cache path {path} is {_kind(st)}, not a directory; remove it or "
+                "point FLASHTUNE_CACHE_DIR at a directory")
+        reason = unsafe_reason(st)
+        if reason is not None:
+            hint = (f"chmod 700 {path}" if st.st_uid == os.geteuid() else
+                    "point FLASHTUNE_CACHE_DIR at a directory you own (kernels shipped with an "
+                    "application belong in FLASHTUNE_PRECOMPILED_DIR)")
+            raise CacheError(f"the kernel cache directory {path} {reason}; flashtune loads "
+                             f"native code from it and refuses it. Fix: {hint}")
+        if is_base:
+            self._check_ancestors()
+        with _trusted_lock:
+            _trusted.add(key)
+        return True
+
+    def _dirs(self, directory: Path, *, create: bool) -> bool:
+        """Check (and with ``create`` make) every directory from the base to ``directory``."""
+        return all(self._check_dir(d, create=create) for d in self._chain(directory))
+
+    # ------------------------------------------------------------ reading
+
+    def _read(self, namespace: str, path: Path) -> bytes | None:
+        """The artifact's bytes if it exists, is trusted and its bound digest checks out."""
+        if not self._dirs(path.parent, create=False):
+            return None
+        data = self._read_file(path)
+        if data is None:
+            return None
+        side = self._read_file(Path(str(path) + _SIDECAR))
+        expected = side.decode("ascii", "replace").strip() if side is not None else ""
+        if expected != bound_digest(namespace, path.name, data):
+            log.warning("cache artifact %s failed its digest check (damaged, or an artifact "
+                        "of another key); rebuilding it", path)
+            return None
+        return data
+
+    @staticmethod
+    def _read_file(path: Path) -> bytes | None:
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symbolic link: never followed, rebuilt over
+                log.warning("cache entry %s is a symbolic link; ignoring it", path)
+                return None
+            raise CacheError(f"cannot read the cache entry {path}: {exc.strerror or exc}; "
+                             "check its permissions or remove it") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CacheError(f"the cache entry {path} is {_kind(st)}, not a file; remove "
+                                 "it (flashtune rebuilds what it needs)")
+            reason = unsafe_reason(st)
+            if reason is not None:
+                raise CacheError(f"the cache entry {path} {reason}; flashtune refuses it. "
+                                 f"Fix: remove it (or chmod go-w it if it is yours)")
+            with os.fdopen(fd, "rb", closefd=False) as handle:
+                return handle.read()
+        finally:
+            os.close(fd)
+
     def lookup(self, namespace: str, key: str, suffix: str = "") -> Path | None:
         """The artifact's path if it exists and its digest checks out, else None."""
         path = self.path_for(namespace, key, suffix)
-        return path if self._valid(path) else None
+        return path if self._read(namespace, path) is not None else None
+
+    def load_bytes(self, namespace: str, key: str, suffix: str = "") -> bytes | None:
+        """The artifact's contents if it exists and its digest checks out, else None.
+
+        The digest is checked on the very bytes returned, so a concurrent rebuild can never
+        hand back a mix of two versions.
+        """
+        return self._read(namespace, self.path_for(namespace, key, suffix))
+
+    # ------------------------------------------------------------ writing
+
+    @contextmanager
+    def _locked(self, path: Path) -> Iterator[None]:
+        lock = filelock.FileLock(str(path) + _LOCK, timeout=LOCK_TIMEOUT_S)
+        try:
+            lock.acquire()
+        except filelock.Timeout:
+            raise CacheError(f"waited {LOCK_TIMEOUT_S:.0f} s for another process building "
+                             f"{path}; if none runs, remove {path}{_LOCK}") from None
+        except OSError as exc:
+            raise write_error(exc, Path(str(path) + _LOCK), "the lock file") from None
+        try:
+            yield
+        finally:
+            lock.release()
 
     def get_or_build(
         self, namespace: str, key: str, suffix: str, build: Callable[[Path], None]
@@ -66,23 +297,31 @@ class ArtifactCache:
         """Return the artifact, building it once (across processes) if it is absent or bad.
 
         ``build(tmp_path)`` must write the artifact to ``tmp_path``; it is published only if
-        ``build`` returns normally, so a failed build leaves nothing behind.
+        ``build`` returns normally, so a failed build leaves nothing behind. Raises
+        CacheError when the cache is unsafe or cannot take the artifact (read-only, full).
         """
         path = self.path_for(namespace, key, suffix)
-        if self._valid(path):
+        if self._read(namespace, path) is not None:
             return path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with filelock.FileLock(str(path) + ".lock"):
-            if self._valid(path):  # another process built it while we waited
+        self._dirs(path.parent, create=True)
+        with self._locked(path):
+            if self._read(namespace, path) is not None:  # built while we waited
                 return path
-            if path.exists():
-                log.warning("cache artifact %s failed its digest check; rebuilding", path)
-            fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{key}.", suffix=".tmp")
-            os.close(fd)
+            try:
+                fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{key}.",
+                                                suffix=".tmp")
+                os.close(fd)
+            except OSError as exc:
+                raise write_error(exc, path, "an artifact") from None
             tmp = Path(tmp_name)
             try:
-                build(tmp)
-                self._publish(tmp, path)
+                try:
+                    build(tmp)
+                except OSError as exc:
+                    if exc.errno in _NO_WRITE:
+                        raise write_error(exc, path, "an artifact") from None
+                    raise
+                self._publish(namespace, tmp, path)
             finally:
                 tmp.unlink(missing_ok=True)
         return path
@@ -108,10 +347,13 @@ class ArtifactCache:
         for name in files:
             if not _SAFE.match(name):
                 raise ValueError(f"file name {name!r} must match {_SAFE.pattern}")
+        self._dirs(path.parent, create=True)
         if path.is_dir():
             return path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{key}.", suffix=".tmp"))
+        try:
+            tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{key}.", suffix=".tmp"))
+        except OSError as exc:
+            raise write_error(exc, path, "a folder") from None
         try:
             for name, data in files.items():
                 (tmp / name).write_bytes(data)
@@ -120,54 +362,47 @@ class ArtifactCache:
             except OSError:
                 if not path.is_dir():  # not a lost race with an identical writer
                     raise
+        except OSError as exc:
+            raise write_error(exc, path, "a folder") from None
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         return path
 
-    def load_bytes(self, namespace: str, key: str, suffix: str = "") -> bytes | None:
-        """The artifact's contents if it exists and its digest checks out, else None.
-
-        The digest is checked on the very bytes returned, so a concurrent rebuild can never
-        hand back a mix of two versions.
-        """
-        path = self.path_for(namespace, key, suffix)
-        try:
-            expected = Path(str(path) + ".sha256").read_text().strip()
-            data = path.read_bytes()
-        except OSError:
-            return None
-        if not expected or hashlib.sha256(data).hexdigest() != expected:
-            if path.exists():
-                log.warning("cache artifact %s failed its digest check; ignoring it", path)
-            return None
-        return data
-
     def discard(self, namespace: str, key: str, suffix: str = "") -> None:
         """Invalidate an artifact whose contents turned out unusable, so the next
         get_or_build rebuilds it. Processes that already read it are unaffected."""
         path = self.path_for(namespace, key, suffix)
-        if not path.parent.is_dir():
+        if not self._dirs(path.parent, create=False):
             return
-        with filelock.FileLock(str(path) + ".lock"):
-            Path(str(path) + ".sha256").unlink(missing_ok=True)
-            path.unlink(missing_ok=True)
+        with self._locked(path):
+            try:
+                Path(str(path) + _SIDECAR).unlink(missing_ok=True)
+                path.unlink(missing_ok=True)
+            except OSError as exc:
+                raise write_error(exc, path, "(removing) an artifact") from None
 
-    def _publish(self, tmp: Path, path: Path) -> None:
-        digest = _sha256(tmp)
-        side_fd, side_tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(side_fd, "w") as f:
-            f.write(digest)
-        # Sidecar first: a reader that sees the new artifact sees a matching digest; a crash
-        # between the renames leaves a mismatch, which readers treat as absent.
-        os.replace(side_tmp, str(path) + ".sha256")
-        os.replace(tmp, path)
-
-    @staticmethod
-    def _valid(path: Path) -> bool:
-        side = Path(str(path) + ".sha256")
+    def _publish(self, namespace: str, tmp: Path, path: Path) -> None:
+        side_tmp: str | None = None
         try:
-            expected = side.read_text().strip()
-            return bool(expected) and _sha256(path) == expected
-        except OSError:
-            return False
+            digest = bound_digest(namespace, path.name, tmp.read_bytes())
+            side_fd, side_tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(side_fd, "w") as f:
+                f.write(digest)
+            # Sidecar first: a reader that sees the new artifact sees a matching digest; a
+            # crash between the renames leaves a mismatch, which readers treat as absent.
+            os.replace(side_tmp, str(path) + _SIDECAR)
+            side_tmp = None
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise write_error(exc, path, "an artifact") from None
+        finally:
+            if side_tmp is not None:
+                Path(side_tmp).unlink(missing_ok=True)
+
+
+def forget_trusted_directories() -> None:
+    """Drop the memo of directories already checked in this process (for tests that change
+    permissions under a running process)."""
+    with _trusted_lock:
+        _trusted.clear()

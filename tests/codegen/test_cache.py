@@ -15,7 +15,7 @@ import pytest
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.families import render
 from flashtune.runtime import compiler
-from flashtune.runtime.cache import ArtifactCache
+from flashtune.runtime.cache import ArtifactCache, bound_digest
 from flashtune.runtime.compiler import compile_source
 
 
@@ -33,7 +33,9 @@ def test_put_lookup_load(cache: ArtifactCache) -> None:
     assert path.parent.name == "ab"
     assert cache.lookup("ns", "abcdef", ".bin") == path
     assert cache.load_bytes("ns", "abcdef", ".bin") == data
-    assert Path(str(path) + ".sha256").read_text() == hashlib.sha256(data).hexdigest()
+    # The sidecar binds the bytes to their namespace and name, not just to their content.
+    assert Path(str(path) + ".sha256").read_text() == bound_digest("ns", "abcdef.bin", data)
+    assert bound_digest("ns", "abcdef.bin", data) != hashlib.sha256(data).hexdigest()
     assert cache.load_bytes("ns", "missing", ".bin") is None
     assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
 
@@ -114,7 +116,7 @@ _RACE = textwrap.dedent("""
     from pathlib import Path
     start, counter, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     cache_base = Path(sys.argv[4])
-    from flashtune.runtime.cache import ArtifactCache
+    from flashtune.runtime.cache import ArtifactCache, bound_digest
     from flashtune.runtime import compiler
     cache = ArtifactCache(cache_base)
     def note():

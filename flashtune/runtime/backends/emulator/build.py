@@ -6,20 +6,26 @@ kernel-side headers, and links against the cached runtime by its absolute path. 
 cached through ArtifactCache, keyed by everything that changes the binary: sources, the
 contents of the emulator headers and of the kernel's include directories, compiler flags,
 compiler identity and CUDA header versions.
+
+Each library carries its own cache key as the exported string ``ftemu_build_key``
+(``flashtune-emulator-key:<key>``); ``bound_library`` checks the file for it before the
+library is handed out, so a library of another kernel (or another runtime) that lands under
+a key is discarded and rebuilt instead of loaded.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flashtune.errors import CompileError
+from flashtune.errors import CacheError, CompileError
 from flashtune.runtime.cache import ArtifactCache
 from flashtune.toolchain import host as toolchain
 
@@ -31,6 +37,10 @@ NAMESPACE = "emulator"
 _ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,200}$")
 _DEFINE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(=[A-Za-z0-9_.+-]*)?$")
 _HEADER_SUFFIXES = (".h", ".hpp", ".cuh", ".inc")
+_KEY_PREFIX = "flashtune-emulator-key:"
+#: What a host compiler prints when the disk is full (GNU as/ld, g++ and clang).
+_DISK_FULL = re.compile(r"No space left on device|Disk quota exceeded", re.IGNORECASE)
+log = logging.getLogger("flashtune.emulator")
 
 #: Flags of every emulator compilation (kernel and runtime).
 BASE_FLAGS: tuple[str, ...] = (
@@ -99,16 +109,60 @@ def _include_flags(extra: Sequence[Path]) -> list[str]:
     return [f"-I{d}" for d in dirs]
 
 
+def key_marker(key: str) -> bytes:
+    """The bytes every library built under ``key`` contains (its ``ftemu_build_key``)."""
+    return (_KEY_PREFIX + key).encode() + b"\0"
+
+
+def key_source(key: str) -> str:
+    """C++ that defines the exported ``ftemu_build_key`` string of a library."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", key):
+        raise ValueError(f"build key {key!r} is malformed")
+    return (f'\nextern "C" __attribute__((visibility("default"), used)) const char '
+            f'ftemu_build_key[] = "{_KEY_PREFIX}{key}";\n')
+
+
 def _compile(cmd: list[str], what: str, source_text: str, cache: ArtifactCache, key: str) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
+        output = proc.stderr or proc.stdout
+        full = _DISK_FULL.search(output)
+        if full is not None:
+            raise CacheError(
+                f"the host compiler could not write {what} for the CPU emulator: the disk (or "
+                f"your quota) is full ({full.group(0)}). Free space in "
+                f"{cache.base} and the temporary directory, or point FLASHTUNE_CACHE_DIR and "
+                "TMPDIR at another disk")
         saved = cache.put_bytes(NAMESPACE + "-failed", key, ".cu", source_text.encode())
         raise CompileError(
             f"the host compiler failed to build {what} for the CPU emulator (exit code "
             f"{proc.returncode}); fix the source or the toolchain",
-            log=(proc.stderr or proc.stdout)[-20000:],
+            log=output[-20000:],
             source_path=saved,
         )
+
+
+def bound_library(cache: ArtifactCache, key: str, build: Callable[[Path], None]) -> Path:
+    """The library cached under ``key``, built if needed, checked to carry ``key``.
+
+    A library without its key (another kernel's, copied or renamed into place) is never
+    loaded: it is discarded and rebuilt once; a rebuild that still lacks it is a CacheError.
+    """
+    marker = key_marker(key)
+    for _attempt in range(2):
+        path = cache.get_or_build(NAMESPACE, key, ".so", build)
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            raise CacheError(f"cannot read the emulator library {path}: {exc}") from None
+        if marker in data:
+            return path
+        log.warning("the emulator library %s is not the build of key %s (another library "
+                    "was put in its place); discarding and rebuilding it", path, key)
+        cache.discard(NAMESPACE, key, ".so")
+    raise CacheError(f"the emulator library {path} still lacks its build key {key} after a "
+                     "rebuild; check FLASHTUNE_CXX and remove the cache directory "
+                     f"{cache.root / NAMESPACE}")
 
 
 def runtime_library(cache: ArtifactCache | None = None, *, asan: bool = False,
@@ -128,12 +182,15 @@ def runtime_library(cache: ArtifactCache | None = None, *, asan: bool = False,
         # Kernel libraries name the runtime by this soname; the loader matches it against the
         # runtime already loaded from the cache (kernel.py loads it first), wherever the
         # cache directory lives.
-        cmd = [cxx, *flags, *_include_flags(()), *map(str, sources), "-o", str(tmp),
-               f"-Wl,-soname,libftemu-{key}.so", "-ldl", "-lpthread"]
-        _compile(cmd, "the emulator runtime", "\n".join(s.read_text() for s in sources),
-                 cache, key)
+        with tempfile.TemporaryDirectory(prefix="flashtune-emu-rt-") as work:
+            marker = Path(work) / "build_key.cpp"
+            marker.write_text(key_source(key))
+            cmd = [cxx, *flags, *_include_flags(()), *map(str, sources), str(marker), "-o",
+                   str(tmp), f"-Wl,-soname,libftemu-{key}.so", "-ldl", "-lpthread"]
+            _compile(cmd, "the emulator runtime", "\n".join(s.read_text() for s in sources),
+                     cache, key)
 
-    return cache.get_or_build(NAMESPACE, key, ".so", build)
+    return bound_library(cache, key, build)
 
 
 def launcher_source(entries: Sequence[str]) -> str:
@@ -170,13 +227,13 @@ def kernel_library(code: str, entries: Sequence[str], options: BuildOptions,
         start = time.perf_counter()
         with tempfile.TemporaryDirectory(prefix="flashtune-emu-") as work:
             src = Path(work) / f"{file_stem}.cu"
-            src.write_text(source)
+            src.write_text(source + key_source(key))
             cmd = [options.cxx, *flags, *_include_flags(options.include_dirs),
                    "-include", "flashtune_emu/runtime.h", "-x", "c++", str(src), "-x", "none",
                    str(runtime), "-o", str(tmp)]
             _compile(cmd, f"kernel {', '.join(entries)}", source, cache, key)
         elapsed = time.perf_counter() - start
 
-    path = cache.get_or_build(NAMESPACE, key, ".so", build)
+    path = bound_library(cache, key, build)
     return BuiltLibrary(path=path, runtime=runtime, entries=tuple(entries), key=key,
                         build_seconds=elapsed)

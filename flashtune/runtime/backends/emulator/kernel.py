@@ -20,7 +20,7 @@ from typing import Any
 
 from flashtune import knobs
 from flashtune.codegen.abi import ArgType
-from flashtune.errors import InvalidInput
+from flashtune.errors import EmulatorError, InvalidInput
 from flashtune.runtime.backends.emulator import build, native
 from flashtune.runtime.backends.emulator.counters import EmulatorCounters, allocate, from_native
 from flashtune.runtime.cache import ArtifactCache
@@ -233,7 +233,14 @@ def build_module(
         toolchain.check_asan_process()
     options = build.BuildOptions(include_dirs=tuple(Path(d) for d in include_dirs),
                                  defines=tuple(defines), asan=use_asan, opt=tuple(opt))
-    return EmulatedModule(build.kernel_library(code, list(entries), options, cache))
+    store = cache if cache is not None else ArtifactCache()
+    built = build.kernel_library(code, list(entries), options, store)
+    try:
+        return EmulatedModule(built)
+    except EmulatorError:
+        # Not this kernel's library after all: the next build must not find it again.
+        store.discard(build.NAMESPACE, built.key, ".so")
+        raise
 
 
 def build_source(code: str, entry: str, **kwargs: Any) -> EmulatedKernel:

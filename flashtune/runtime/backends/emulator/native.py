@@ -97,12 +97,22 @@ def load(path: Path) -> ctypes.CDLL:
 
 
 def entry_functions(lib: ctypes.CDLL, entry: str) -> tuple[Callable[..., int], str]:
-    """The launcher of ``entry`` and its parameter type codes (see runtime.h type_code)."""
-    launch = getattr(lib, f"ftemu_launch__{entry}")
+    """The launcher of ``entry`` and its parameter type codes (see runtime.h type_code).
+
+    Raises EmulatorError when the library has no launcher for ``entry`` (it is not the
+    library that was built for this kernel).
+    """
+    try:
+        launch = getattr(lib, f"ftemu_launch__{entry}")
+        signature = getattr(lib, f"ftemu_signature__{entry}")
+    except AttributeError:
+        raise EmulatorError(
+            f"the emulator library {lib._name} has no launcher for the kernel {entry}: it is "
+            "not the library built for this kernel. It was discarded from the cache; run "
+            "again to rebuild it") from None
     launch.restype = ctypes.c_int
     launch.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.POINTER(ctypes.c_void_p),
                        ctypes.c_char_p, ctypes.c_ulonglong]
-    signature = getattr(lib, f"ftemu_signature__{entry}")
     signature.restype = ctypes.c_char_p
     signature.argtypes = []
     codes: bytes = signature()
