@@ -40,6 +40,7 @@ from flashtune.commands.options import (
 from flashtune.errors import FlashtuneError, InvalidInput
 from flashtune.families import render
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
+from flashtune.runtime.limits import check_host_memory
 
 if TYPE_CHECKING:  # torch is imported when a check runs, not when the CLI starts
     from flashtune.families.base import Verdict
@@ -136,6 +137,11 @@ def check_command(
         shape = Shape(batch, heads, heads_kv or heads, seqlen_q, seqlen_k or seqlen_q)
     except InvalidInput as exc:
         raise typer.BadParameter(str(exc), param_hint="--heads/--heads-kv") from exc
+    try:  # before anything is allocated
+        check_host_memory(shape.batch, shape.heads_q, shape.heads_kv, shape.seqlen_q,
+                          shape.seqlen_k, problem.head_dim, "flashtune check")
+    except InvalidInput as exc:
+        raise typer.BadParameter(str(exc), param_hint="--seqlen-q/--seqlen-k") from exc
     seed = secrets.randbelow(1 << 31) if seed is None else seed
 
     rows: list[_Row] = []

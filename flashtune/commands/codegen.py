@@ -31,6 +31,7 @@ from flashtune.commands.options import (
     Warps,
     fail,
 )
+from flashtune.commands.safety import output_dir
 from flashtune.errors import FlashtuneError, InvalidConfig, InvalidProblem
 from flashtune.families import render
 
@@ -181,6 +182,9 @@ def compile_command(
     if all_configs and choice.given:
         raise typer.BadParameter("--all compiles every config; drop --config/--block-m/"
                                  "--block-n/--warps/--stages, or drop --all", param_hint="--all")
+    for directory, option in ((ptx_dir, "--ptx-dir"), (sass_dir, "--sass-dir")):
+        if directory is not None:
+            output_dir(directory, option)
     try:
         if sass_dir is not None:
             require_nvdisasm(find_toolchain())
@@ -226,6 +230,8 @@ def compile_command(
             _print_space_sizes(console, problem, specs, rows)
     except FlashtuneError as exc:
         raise fail(str(exc)) from exc
+    except OSError as exc:  # writing --ptx-dir/--sass-dir files (e.g. a full disk)
+        raise fail(f"cannot write {exc.filename}: {exc.strerror or exc}") from exc
     if failures:
         for failure in failures:
             Console(stderr=True).print(str(failure.error()), highlight=False, markup=False)

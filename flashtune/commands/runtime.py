@@ -12,15 +12,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flashtune import families
+from flashtune import families, knobs
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import COMPILED_HEAD_DIMS, DType, Problem, seq_bucket
 from flashtune.commands.options import DbOpt, fail
-from flashtune.db.records import BestEntry
+from flashtune.db.records import BestEntry, printable
 from flashtune.errors import FlashtuneError
 from flashtune.families import render
-from flashtune.runtime.cache import ArtifactCache
 from flashtune.runtime.dispatch import DeviceLike, Dispatcher
+from flashtune.runtime.limits import check_seqlens
 
 DEFAULT_ARCH = "sm_90"
 
@@ -67,7 +67,7 @@ def _device_arch_from_db(name: str, db: str | None) -> str:
     if record is None:
         raise FlashtuneError(f"device {name!r} is not in the tuning database; give its arch "
                              "with --arch (e.g. --arch sm_90) or check the name with "
-                             "`flashtune db devices`")
+                             "`flashtune db list`")
     return record.arch
 
 
@@ -105,6 +105,7 @@ def explain_command(
     try:
         problem = Problem(head_dim=head_dim, dtype=dtype, causal=causal, op=op)
         families.get(op)
+        check_seqlens(seqlen, seqlen if seqlen_k is None else seqlen_k)
         bucket = problem.bucket(seqlen, seqlen if seqlen_k is None else seqlen_k)
         target = resolve_device(arch, device, db)
         decision = _dispatcher(db).decide(bucket, target)
@@ -113,13 +114,19 @@ def explain_command(
         raise fail(str(exc)) from exc
     from flashtune.runtime.precompile import load_shipped
 
-    shipped = load_shipped(source, decision.arch) is not None
+    try:
+        shipped = load_shipped(source, decision.arch) is not None
+        where = ", ".join(map(str, knobs.PRECOMPILED_DIRS.get())) or "no FLASHTUNE_PRECOMPILED_DIR"
+    except FlashtuneError as exc:
+        raise fail(str(exc)) from exc
     console = Console(highlight=False, soft_wrap=True)
-    console.print(escape(decision.describe()))
+    console.print(escape(printable(decision.describe())))
+    if decision.entry is not None:
+        console.print(escape(printable(f"origin:   {decision.entry.origin}")))
     console.print(f"kernel:   {source.entry} ({source.threads} threads, "
                   f"{source.smem_bytes} B dynamic shared memory)")
     console.print(f"cache:    precompiled cubin {'present' if shipped else 'absent'} in "
-                  f"{ArtifactCache().root}")
+                  f"{escape(where)}")
 
 
 def _problems(head_dims: list[int] | None, dtypes: list[DType] | None,
@@ -148,13 +155,14 @@ def precompile_command(
         "--all-defaults", help="Compile the built-in default config of every selected "
                                "problem instead of asking the dispatcher.")] = False,
     device: DeviceOpt = None,
-    cache_dir: Annotated[Path | None, typer.Option(
-        "--cache-dir", help="Cache directory to fill (default: FLASHTUNE_CACHE_DIR).")
+    out: Annotated[Path | None, typer.Option(
+        "--out", "--cache-dir", help="Directory to fill (read-only artifacts and their "
+                                     "manifest; serve it with FLASHTUNE_PRECOMPILED_DIR).")
     ] = None,
     db: DbOpt = None,
 ) -> None:
-    """Compile kernels for an arch into a cache directory that the runtime then serves
-    without NVRTC (ship it with an application and point FLASHTUNE_CACHE_DIR at it).
+    """Compile kernels for an arch into a directory that the runtime then serves without
+    NVRTC (ship it with an application and point FLASHTUNE_PRECOMPILED_DIR at it).
 
     Without --all-defaults, the kernels are the ones the runtime would choose on the arch
     (or the named --device) for the selected problems and sequence lengths: tuned results
@@ -169,6 +177,8 @@ def precompile_command(
 
     if head_dim is None and not all_defaults:
         raise fail("nothing to compile: give --head-dim (repeatable) or --all-defaults")
+    if out is None:
+        raise fail("no output directory: give --out DIR (the directory to ship)")
     try:
         spec = get_arch(arch)
         problems = _problems(head_dim, dtype, causal)
@@ -176,10 +186,11 @@ def precompile_command(
             kernels = default_kernels(spec.name, problems)
         else:
             target = resolve_device(spec.name, device, db)
+            for n in seqlen or ():
+                check_seqlens(n, n)
             buckets = sorted({seq_bucket(n) for n in seqlen}) if seqlen else ALL_BUCKETS
             kernels = planned_kernels(target, problems, buckets, dispatcher=_dispatcher(db))
-        cache = ArtifactCache(cache_dir) if cache_dir is not None else ArtifactCache()
-        done = precompile(kernels, spec.name, cache=cache, progress=None)
+        done = precompile(kernels, spec.name, out, progress=None)
     except FlashtuneError as exc:
         raise fail(str(exc)) from exc
     table = Table("kernel", "registers", "spill bytes", title=f"precompiled for {spec.name}")
@@ -187,6 +198,6 @@ def precompile_command(
         table.add_row(item.entry, str(item.registers), str(item.spill_bytes))
     console = Console(highlight=False, soft_wrap=True)
     console.print(table)
-    root = cache.root.parent
+    root = out.expanduser().absolute()
     console.print(f"{len(done)} kernel(s) in {escape(str(root))}; serve them with "
-                  f"FLASHTUNE_CACHE_DIR={escape(str(root))}")
+                  f"FLASHTUNE_PRECOMPILED_DIR={escape(str(root))}")

@@ -67,7 +67,8 @@ def tune_command(
         "--max-spill-bytes", help="Register spill stores per thread tolerated.")
     ] = DEFAULT_MAX_SPILL_BYTES,
     tie_tolerance: Annotated[float, typer.Option(
-        "--tie-tolerance", help="Finalists within this fraction of the best tie.")] = 0.02,
+        "--tie-tolerance", min=0.0, max=1.0,
+        help="Finalists within this fraction of the best tie (0 to 1).")] = 0.02,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="No GPU: compile for --arch and verify in the emulator, untimed.")
     ] = False,

@@ -22,7 +22,8 @@ import torch
 from flashtune.errors import BackwardNotAvailable, InvalidInput
 from flashtune.runtime import forward as _fwd
 from flashtune.runtime.dispatch import Decision
-from flashtune.runtime.validate import check_attention_inputs, check_softmax_scale
+from flashtune.runtime.limits import check_softmax_scale
+from flashtune.runtime.validate import check_attention_inputs
 
 OP_NAME = "flashtune::attention_fwd"
 

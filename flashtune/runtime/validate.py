@@ -10,22 +10,20 @@ fix it.
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
 from flashtune.codegen.spec import MAX_HEAD_DIM
 from flashtune.errors import InvalidInput
+from flashtune.runtime.limits import MAX_GRID_YZ, MAX_SEQLEN, seqlen_error
+from flashtune.runtime.limits import check_softmax_scale as check_softmax_scale
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 _DTYPES = frozenset(SUPPORTED_DTYPES)
+_STRIDED = torch.strided
 #: Device types whose tensors reach a kernel (cuda, cpu for the emulator) or only the fake
 #: implementation (meta, for shape inference and tracing).
 SUPPORTED_DEVICES = ("cuda", "cpu", "meta")
-#: CUDA limits the y and z grid dimensions (heads and batch) to 65535.
-MAX_GRID_YZ = 65535
-#: Sequence lengths and head counts are int32 kernel arguments.
-MAX_INT32 = 2**31 - 1
 
 _LAYOUT = "(batch, seqlen, heads, head_dim)"
 
@@ -39,6 +37,19 @@ def _check_types(q: object, k: object, v: object) -> None:
         if not isinstance(t, torch.Tensor):
             raise InvalidInput(f"{name} must be a torch.Tensor {_LAYOUT}, got "
                                f"{type(t).__name__}; convert it with torch.as_tensor")
+
+
+def _check_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.is_nested:
+            raise InvalidInput(
+                f"{name} is a nested tensor; expected a dense (strided) tensor {_LAYOUT}. Pad "
+                "the sequences to one length (torch.nested.to_padded_tensor) or make one call "
+                "per sequence")
+        if t.layout != torch.strided:
+            raise InvalidInput(
+                f"{name} has layout {t.layout}; expected a dense (strided) tensor {_LAYOUT}. "
+                f"Convert it with {name}.to_dense()")
 
 
 def _check_rank(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -101,9 +112,9 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if batch > MAX_GRID_YZ or heads_q > MAX_GRID_YZ:
         raise InvalidInput(f"batch={batch}, heads={heads_q}; expected both <= {MAX_GRID_YZ} "
                            "(CUDA grid limit). Split the call along batch or heads")
-    if seqlen_q > MAX_INT32 or seqlen_k > MAX_INT32:
-        raise InvalidInput(f"sequence lengths {seqlen_q}, {seqlen_k} exceed {MAX_INT32}; "
-                           "split the call along the sequence")
+    error = seqlen_error(seqlen_q, seqlen_k)
+    if error is not None:
+        raise error
 
 
 def _check_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -127,6 +138,8 @@ def _valid(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
             and isinstance(v, torch.Tensor)):
         return False
+    if q.layout != _STRIDED or k.layout != _STRIDED or v.layout != _STRIDED:
+        return False
     dtype = q.dtype
     if dtype not in _DTYPES or k.dtype != dtype or v.dtype != dtype:
         return False
@@ -137,7 +150,7 @@ def _valid(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     _, nk, hkv, _ = ks
     if (ks[0] != b or ks[3] != d or d % 8 or d > MAX_HEAD_DIM or b < 1 or nq < 1 or hq < 1
             or d < 1 or nk < 1 or hkv < 1 or hq % hkv or b > MAX_GRID_YZ or hq > MAX_GRID_YZ
-            or nq > MAX_INT32 or nk > MAX_INT32):
+            or nq > MAX_SEQLEN or nk > MAX_SEQLEN):
         return False
     # Strides: unit in the last dim, multiples of 8 elsewhere (size-1 dims are never
     # stepped over, so their strides do not matter).
@@ -152,35 +165,24 @@ def _valid(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise InvalidInput unless q (B, Nq, Hq, D) and k, v (B, Nk, Hkv, D) can be served.
 
-    Checks, in order: types, rank, dtype (fp16/bf16, all equal), devices (one device, of a
-    supported type), shapes (batch, head dim and k/v agreement, no empty tensor, head dim a
-    multiple of 8 up to 256, Hq a multiple of Hkv, grid limits) and strides (the last dim
-    contiguous, the others multiples of 8 elements). Base-pointer alignment (16 bytes) is
+    Checks, in order: types, layout (dense, not nested), rank, dtype (fp16/bf16, all
+    equal), devices (one device, of a supported type), shapes (batch, head dim and k/v
+    agreement, no empty tensor, head dim a multiple of 8 up to 256, Hq a multiple of Hkv,
+    grid limits, lengths up to ``limits.MAX_SEQLEN``) and strides (the last dim contiguous,
+    the others multiples of 8 elements). Base-pointer alignment (16 bytes) is
     checked at launch, where data pointers are available. Whether the device suits the
     chosen backend is checked when the backend is resolved.
     """
-    if _valid(q, k, v):
-        return
+    try:
+        if _valid(q, k, v):
+            return
+    except (RuntimeError, TypeError, ValueError, AttributeError):
+        pass  # e.g. sparse or nested tensors, which have no strides: explained below
     _check_types(q, k, v)
+    _check_layout(q, k, v)
     _check_rank(q, k, v)
     _check_dtypes(q, k, v)
     _check_devices(q, k, v)
     _check_shapes(q, k, v)
     _check_strides(q, k, v)
     raise AssertionError("check_attention_inputs: fast and detailed checks disagree")
-
-
-def check_softmax_scale(scale: object, head_dim: int) -> float:
-    """The softmax scale to use: 1/sqrt(head_dim) for None, else ``scale`` as a finite,
-    positive float (the kernel's exp2-based softmax assumes a positive scale)."""
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise InvalidInput(f"softmax_scale={scale!r} must be a float (or None for "
-                           f"1/sqrt(head_dim) = {1.0 / math.sqrt(head_dim):.6g})")
-    value = float(scale)
-    if not math.isfinite(value) or value <= 0.0:
-        what = "is not finite" if not math.isfinite(value) else "is not positive"
-        raise InvalidInput(f"softmax_scale={value} {what}; expected a finite, positive float "
-                           f"such as 1/sqrt(head_dim) = {1.0 / math.sqrt(head_dim):.6g}")
-    return value
