@@ -6,7 +6,6 @@ the default is the knob FLASHTUNE_DB. Failures print one message and exit with s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated
@@ -16,11 +15,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from flashtune.codegen.spec import KernelConfig, Problem, ProblemBucket
+from flashtune.codegen.spec import Problem, ProblemBucket
 from flashtune.commands.options import DbOpt, fail
 from flashtune.db import (
     BestEntry,
-    RecordValidator,
     ShareReport,
     TrialRecord,
     TrialStatus,
@@ -32,25 +30,10 @@ from flashtune.db import (
     write_bundle,
 )
 from flashtune.db.engine import make_engine, resolve_url
+from flashtune.db.records import Provenance, printable
 from flashtune.db.schema import ensure_schema, schema_state
 from flashtune.db.sharing import PREFER_CHOICES, Prefer
-from flashtune.errors import FlashtuneError
-
-
-class SpecValidator:
-    """The RecordValidator of the code generator's own rules (Problem, KernelConfig)."""
-
-    def problem(self, fields: Mapping[str, object]) -> str:
-        return Problem.from_dict(fields).key()
-
-    def config(self, fields: Mapping[str, object]) -> str:
-        return KernelConfig.from_dict(fields).key()
-
-    def bucket(self, problem_key: str, seqlen: int) -> str:
-        return ProblemBucket(Problem.from_key(problem_key), seqlen).key()
-
-
-VALIDATOR: RecordValidator = SpecValidator()
+from flashtune.errors import DatabaseError, FlashtuneError
 
 db_app = typer.Typer(name="db", no_args_is_help=True,
                      help="Inspect, upgrade, export, import and merge the tuning database.")
@@ -68,6 +51,10 @@ MixedOpt = Annotated[bool, typer.Option(
     help="Merge even where results were measured on different kernel sources.")]
 DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Report what would change; write "
                                                            "nothing.")]
+TrustOpt = Annotated[bool, typer.Option(
+    "--trust", help="Trust this source: its results of other devices may then serve this "
+                    "one through the fallback (family) tier. Without it they serve only "
+                    "their own device (or what FLASHTUNE_TRUSTED_SOURCES names).")]
 
 
 @db_app.callback()
@@ -77,9 +64,12 @@ def _db(ctx: typer.Context, db: DbOpt = None) -> None:
 
 
 def _open(ctx: typer.Context, db: str | None, *, create: bool = True) -> TuningStore:
-    """The store named by the command's --db, else the group's --db, else the knob."""
+    """The store named by the command's --db, else the group's --db, else the knob.
+
+    ``create=False`` (the read commands) refuses a missing file and opens read-only.
+    """
     try:
-        return TuningStore(db or ctx.obj, create=create)
+        return TuningStore(db if db is not None else ctx.obj, create=create)
     except FlashtuneError as exc:
         raise fail(exc) from None
 
@@ -105,18 +95,33 @@ def _table(*columns: str, title: str | None = None) -> Table:
 
 
 def _row(table: Table, *cells: object) -> None:
-    # Text cells: names and error messages from a database are never read as rich markup.
-    table.add_row(*(Text(str(cell)) for cell in cells))
+    # Text cells: names and error messages from a database are never read as rich markup,
+    # and bidi or line-separator characters in them are shown escaped.
+    table.add_row(*(Text(printable(str(cell))) for cell in cells))
+
+
+def _source(provenance: Provenance | None) -> str:
+    if provenance is None:
+        return "local"
+    trust = "trusted" if provenance.trusted else "untrusted"
+    return f"import {provenance.bundle_sha256[:12]} ({trust})"
+
+
+def _state(entry: BestEntry) -> str:
+    if entry.failed_verification:
+        return "FAILED verify"
+    return "served" if entry.current else "stale"
 
 
 def _best_table(entries: list[BestEntry], title: str) -> Table:
     table = _table("device", "arch", "bucket", "config", "median ms", "TFLOP/s", "digest",
-                   "host", "measured", title=title)
+                   "state", "source", "host", "measured", title=title)
     for entry in entries:
         trial = entry.trial
         _row(table, entry.device, entry.arch, trial.bucket, entry.config.key,
              _ms(trial.median_ms), "-" if trial.tflops is None else f"{trial.tflops:.1f}",
-             trial.template_digest[:12], trial.host, _when(trial.created_at))
+             trial.template_digest[:12], _state(entry), _source(entry.provenance), trial.host,
+             _when(trial.created_at))
     return table
 
 
@@ -125,11 +130,18 @@ def info_command(ctx: typer.Context, db: DbOpt = None) -> None:
     """Print the database URL, its schema version and how many rows each table holds."""
     store = _open(ctx, db, create=False)
     with store:
+        problems = store.integrity_problems()
+        if problems:
+            shown = "\n  ".join(printable(p) for p in problems[:10])
+            raise fail(DatabaseError(
+                f"{store.where} failed SQLite's integrity check:\n  {shown}\nRestore it from "
+                "a backup (or export what still reads and import it into a new database)"))
         try:
             counts = store.counts()
         except FlashtuneError as exc:
             raise fail(exc) from None
-        _out().print(Text(f"database: {store.where}\nschema revision: {store.schema.current}"))
+        _out().print(Text(printable(f"database: {store.where}\nschema revision: "
+                                    f"{store.schema.current}\nintegrity: ok")))
         table = _table("table", "rows")
         for name, count in counts.items():
             _row(table, name, count)
@@ -140,7 +152,7 @@ def info_command(ctx: typer.Context, db: DbOpt = None) -> None:
 def upgrade_command(ctx: typer.Context, db: DbOpt = None) -> None:
     """Migrate the database to this flashtune's schema (back it up first)."""
     try:
-        url = resolve_url(db or ctx.obj)
+        url = resolve_url(db if db is not None else ctx.obj)
         engine = make_engine(url, create=True)
         try:
             before = schema_state(engine).current
@@ -164,7 +176,7 @@ def list_command(
         "--problem", help="Only this problem key, e.g. fwd_d128_bf16_causal.")] = None,
 ) -> None:
     """List the devices and the best config of every (device, bucket)."""
-    with _open(ctx, db) as store:
+    with _open(ctx, db, create=False) as store:
         try:
             devices = store.devices([device] if device else [])
             entries = store.best_entries(device=device, problem=problem)
@@ -195,23 +207,26 @@ def show_command(
     except FlashtuneError as exc:
         raise typer.BadParameter(str(exc), param_hint="BUCKET") from None
     problem, seqlen = parsed.problem.key(), parsed.seqlen
-    with _open(ctx, db) as store:
+    with _open(ctx, db, create=False) as store:
         try:
             best = store.best_entries(device=device, problem=problem, seqlen=seqlen)
             trials = store.trials(device=device, problem=problem, seqlen=seqlen, status=status)
+            trials.sort(key=_speed_order)
+            origins = store.provenance([t.uid for t in trials[:limit]])
         except FlashtuneError as exc:
             raise fail(exc) from None
     _out().print(_best_table(best, f"best for {bucket}"))
-    trials.sort(key=_speed_order)
+    for entry in best:
+        _out().print(Text(printable(f"{entry.device}: {entry.origin}")))
     table = _table("device", "config", "status", "median ms", "min", "max", "n", "TFLOP/s",
-                   "predicted", "digest", "study", "measured", "error",
+                   "predicted", "digest", "source", "host", "study", "measured", "error",
                    title=f"trials ({min(limit, len(trials))} of {len(trials)})")
     for t in trials[:limit]:
         error = (t.error or "").strip().splitlines()
         _row(table, t.device, t.config.key, t.status.value, _ms(t.median_ms), _ms(t.min_ms),
              _ms(t.max_ms), t.count, "-" if t.tflops is None else f"{t.tflops:.1f}",
-             _ms(t.predicted_ms), t.template_digest[:12], t.study or "-", _when(t.created_at),
-             error[0][:80] if error else "")
+             _ms(t.predicted_ms), t.template_digest[:12], _source(origins.get(t.uid)), t.host,
+             t.study or "-", _when(t.created_at), error[0][:80] if error else "")
     _out().print(table)
 
 
@@ -225,6 +240,12 @@ def _print_report(report: ShareReport, what: str) -> None:
     for kind, added, updated, skipped in report.rows():
         _row(table, kind, added, updated, skipped)
     _out().print(table)
+    if report.provenance is not None:
+        _out().print(Text(printable(f"provenance: {report.provenance.describe()}")))
+    if report.stale:
+        _out().print(Text(f"{report.stale} trial(s) were measured on other kernel sources than "
+                          "this flashtune's: kept, but stale (never served until re-measured "
+                          "or re-verified with `flashtune db verify`)", style="yellow"))
     if report.digest_conflicts:
         _out().print(Text(f"merged despite {len(report.digest_conflicts)} template digest "
                         "differences:", style="yellow"))
@@ -257,8 +278,9 @@ def export_command(
             write_bundle(bundle, output)
         except (FlashtuneError, OSError) as exc:
             raise fail(exc) from None
-    _out().print(Text(f"wrote {output}: {len(bundle.devices)} devices, {len(bundle.trials)} "
-                    f"trials, {len(bundle.best)} best entries"))
+    _out().print(Text(printable(f"wrote {output}: {len(bundle.devices)} devices, "
+                                f"{len(bundle.trials)} trials, {len(bundle.best)} best "
+                                "entries")))
 
 
 @db_app.command("import")
@@ -269,17 +291,20 @@ def import_command(
     prefer: PreferOpt = "faster",
     allow_mixed_digests: MixedOpt = False,
     dry_run: DryRunOpt = False,
+    trust: TrustOpt = False,
 ) -> None:
-    """Validate a bundle completely, then add its results in one transaction."""
+    """Validate a bundle completely, then add its results in one transaction, with their
+    provenance (bundle digest, time of import, claimed origin)."""
     choice = _prefer(prefer)
     try:
-        bundle = read_bundle(bundle_path, VALIDATOR)
+        bundle = read_bundle(bundle_path)
     except FlashtuneError as exc:
         raise fail(exc) from None
     with _open(ctx, db) as store:
         try:
             report = import_bundle(store, bundle, prefer=choice,
-                                   allow_mixed_digests=allow_mixed_digests, dry_run=dry_run)
+                                   allow_mixed_digests=allow_mixed_digests, dry_run=dry_run,
+                                   source=str(bundle_path), trusted=trust)
         except FlashtuneError as exc:
             raise fail(exc) from None
     _print_report(report, f"import of {bundle_path}")
@@ -293,6 +318,7 @@ def merge_command(
     prefer: PreferOpt = "faster",
     allow_mixed_digests: MixedOpt = False,
     dry_run: DryRunOpt = False,
+    trust: TrustOpt = False,
 ) -> None:
     """Merge another database's results into this one, keeping provenance."""
     choice = _prefer(prefer)
@@ -302,8 +328,9 @@ def merge_command(
         raise fail(exc) from None
     with source, _open(ctx, db) as store:
         try:
-            report = merge_databases(store, source, VALIDATOR, prefer=choice,
-                                     allow_mixed_digests=allow_mixed_digests, dry_run=dry_run)
+            report = merge_databases(store, source, prefer=choice,
+                                     allow_mixed_digests=allow_mixed_digests, dry_run=dry_run,
+                                     trusted=trust)
         except FlashtuneError as exc:
             raise fail(exc) from None
     _print_report(report, f"merge of {source.where}")

@@ -7,7 +7,7 @@ Layout (``schema_version`` 1)::
       "schema_version": 1,
       "flashtune_version": "0.1.0",          # the exporter's version
       "created_at": "2026-01-01T00:00:00+00:00",
-      "content_sha256": "...",               # optional; over everything but created_at
+      "content_sha256": "...",               # required; over everything but created_at
       "devices":  [{"name", "cc_major", "cc_minor", "sm_count", "memory_bytes",
                     "driver_version", "cuda_version", "nvrtc_version", "cupy_version"}],
       "problems": [{"key", "fields": {...}}],
@@ -22,10 +22,12 @@ Layout (``schema_version`` 1)::
 
 Everything but ``created_at`` is a pure function of the content (lists sorted, keys
 sorted), so exporting the same data twice differs only in ``created_at``, and
-``content_sha256`` identifies the content. Reading is strict: the file is size-capped before
-parsing, unknown or missing fields, wrong types, out-of-range values, illegal names,
-dangling references and a newer schema version are all rejected with ``BundleError`` naming
-the offending field.
+``content_sha256`` identifies the content (it is required, and checked). Reading is strict:
+the file is size-capped and its structure counted before parsing (so a hostile file cannot
+make the parser use more than a small multiple of its size), and unknown or missing fields,
+wrong types, out-of-range values, illegal names, lone surrogates, problems, configs and
+buckets that codegen refuses, timings that physics refuses, dangling references and a newer
+schema version are all rejected with ``BundleError`` naming the offending field.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -40,6 +43,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+from flashtune.db.checks import physics_problem, semantic_problem
 from flashtune.db.records import (
     DeviceRecord,
     Keyed,
@@ -51,7 +55,6 @@ from flashtune.db.records import (
     check_uid,
     check_version,
 )
-from flashtune.db.validation import RecordValidator
 from flashtune.errors import BundleError
 
 T = TypeVar("T")
@@ -61,10 +64,16 @@ SCHEMA_VERSION = 1
 #: Bundles larger than this are refused before parsing.
 MAX_BUNDLE_BYTES = 64 * 1024 * 1024
 MAX_ITEMS = 1_000_000
+#: Structure a bundle may have per byte, counted before parsing (see ``_check_structure``):
+#: flashtune's own bundles have about one object or list per 600 bytes and one value per
+#: 20; the limits leave room for hand-written compact JSON and bound the parser's memory.
+BYTES_PER_CONTAINER = 32
+BYTES_PER_VALUE = 8
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
 
 _TOP = ("format", "schema_version", "flashtune_version", "created_at", "content_sha256",
         "devices", "problems", "configs", "trials", "best", "template_digests")
-_OPTIONAL_TOP = {"content_sha256"}
+_OPTIONAL_TOP: frozenset[str] = frozenset()
 _DEVICE_FIELDS = tuple(f.name for f in fields(DeviceRecord))
 _TRIAL_FIELDS = ("uid", "device", "problem", "seqlen", "config", "status", "median_ms",
                  "min_ms", "max_ms", "count", "tflops", "predicted_ms", "error",
@@ -92,6 +101,11 @@ class Bundle:
     @property
     def template_digests(self) -> list[str]:
         return sorted({t.template_digest for t in self.trials})
+
+    @property
+    def content_sha256(self) -> str:
+        """The digest that identifies the content (what ``content_sha256`` holds)."""
+        return content_digest(_content(self))
 
 
 # ------------------------------------------------------------------------- writing
@@ -164,8 +178,7 @@ def write_bundle(bundle: Bundle, path: Path) -> None:
 # ------------------------------------------------------------------------- reading
 
 
-def read_bundle(path: Path, validator: RecordValidator, *,
-                max_bytes: int = MAX_BUNDLE_BYTES) -> Bundle:
+def read_bundle(path: Path, *, max_bytes: int = MAX_BUNDLE_BYTES) -> Bundle:
     """Read and fully validate the bundle at ``path`` (size-capped before parsing)."""
     try:
         size = path.stat().st_size
@@ -176,7 +189,7 @@ def read_bundle(path: Path, validator: RecordValidator, *,
             raw = handle.read(max_bytes + 1)
     except OSError as exc:
         raise BundleError(f"cannot read bundle {path}: {exc}") from exc
-    return parse_bundle(raw, validator, max_bytes=max_bytes, source=str(path))
+    return parse_bundle(raw, max_bytes=max_bytes, source=str(path))
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -192,11 +205,29 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def parse_bundle(raw: bytes, validator: RecordValidator, *,
-                 max_bytes: int = MAX_BUNDLE_BYTES, source: str = "bundle") -> Bundle:
+def _check_structure(raw: bytes, source: str) -> None:
+    """Refuse, before parsing, a file with far more objects, lists or values per byte than
+    a bundle has: parsed, each costs tens of bytes, so e.g. 63 MB of ``{}`` would take
+    gigabytes. Strings are blanked first, so their contents do not count."""
+    skeleton = _JSON_STRING.sub(b'""', raw)
+    containers = skeleton.count(b"{") + skeleton.count(b"[")
+    values = containers + skeleton.count(b",")
+    del skeleton
+    if (containers > len(raw) // BYTES_PER_CONTAINER + 1024
+            or values > len(raw) // BYTES_PER_VALUE + 4096):
+        raise BundleError(
+            f"{source} has {containers} JSON objects/lists and about {values} values in "
+            f"{len(raw)} bytes, far more than a tuning bundle has (at most one object or list "
+            f"per {BYTES_PER_CONTAINER} bytes and one value per {BYTES_PER_VALUE}); it is not "
+            "a flashtune bundle")
+
+
+def parse_bundle(raw: bytes, *, max_bytes: int = MAX_BUNDLE_BYTES,
+                 source: str = "bundle") -> Bundle:
     """Parse and fully validate bundle bytes; raises BundleError naming the bad field."""
     if len(raw) > max_bytes:
         raise BundleError(f"{source} is larger than the limit of {max_bytes} bytes")
+    _check_structure(raw, source)
     try:
         data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates,
                           parse_constant=_no_constant)
@@ -205,7 +236,12 @@ def parse_bundle(raw: bytes, validator: RecordValidator, *,
                           "edited by hand? Export it again") from None
     try:
         bundle = _from_json(data)
-        check_bundle(bundle, validator)
+        check_bundle(bundle)
+        # Last, so that a malformed field is named as such rather than as a changed bundle.
+        if data["content_sha256"] != bundle.content_sha256:
+            raise BundleError("content_sha256 does not match the content: the bundle was "
+                              "changed or damaged after export; export it again from its "
+                              "database")
     except BundleError as exc:
         raise BundleError(f"{source}: {exc}") from None
     return bundle
@@ -292,11 +328,7 @@ def _from_json(data: object) -> Bundle:
     if sorted(digests) != bundle.template_digests:
         raise BundleError(f"template_digests {sorted(digests)} differ from the digests of the "
                           f"trials {bundle.template_digests}")
-    claimed = top.get("content_sha256")
-    if claimed is not None and claimed != content_digest(_content(bundle)):
-        raise BundleError("content_sha256 does not match the content: the bundle was changed "
-                          "or damaged after export; export it again (or, for a bundle edited "
-                          "on purpose, delete the content_sha256 field)")
+    _at("content_sha256", check_digest, top["content_sha256"], "content_sha256")
     return bundle
 
 
@@ -327,23 +359,17 @@ def _trial(obj: dict[str, Any], problems: Mapping[str, Keyed],
     return TrialRecord(**values)
 
 
-def check_bundle(bundle: Bundle, validator: RecordValidator) -> None:
-    """Semantic and cross-reference checks of a bundle (also used for merges).
+def check_bundle(bundle: Bundle) -> None:
+    """Semantic, physical and cross-reference checks of a bundle (also used for merges).
 
-    Problems and configs must be legal for the code generator (through ``validator``) and
-    their keys canonical; every trial's device must be listed and its bucket legal; trial
+    Problems, configs and buckets must be legal by codegen's rules with canonical keys;
+    every trial's device must be listed and its timing physically possible on it; trial
     uids unique; every best uid must name an ``ok`` trial, at most one per bucket.
     """
     names = [d.name for d in bundle.devices]
     if len(set(names)) != len(names):
         raise BundleError("a device name is listed twice")
-    for kind, items, check in (("problem", bundle.problems, validator.problem),
-                               ("config", bundle.configs, validator.config)):
-        for keyed in items:
-            canonical = _at(f"{kind} {keyed.key!r}", check, keyed.as_dict())
-            if canonical != keyed.key:
-                raise BundleError(f"{kind} key {keyed.key!r} does not match its fields, whose "
-                                  f"canonical key is {canonical!r}")
+    devices = {d.name: d for d in bundle.devices}
     uids: dict[str, TrialRecord] = {}
     for trial in bundle.trials:
         if trial.device not in names:
@@ -351,11 +377,9 @@ def check_bundle(bundle: Bundle, validator: RecordValidator) -> None:
         if trial.uid in uids:
             raise BundleError(f"trial uid {trial.uid} appears twice")
         uids[trial.uid] = trial
-        canonical = _at(f"trial {trial.uid}", validator.bucket, trial.problem.key,
-                        trial.seqlen)
-        if canonical != trial.bucket:
-            raise BundleError(f"trial {trial.uid}: bucket {trial.bucket!r} is not canonical "
-                              f"({canonical!r})")
+        reason = semantic_problem(trial) or physics_problem(trial, devices[trial.device])
+        if reason is not None:
+            raise BundleError(reason)
     buckets: set[tuple[str, str, int]] = set()
     for uid in sorted(bundle.best):
         best = uids.get(uid)

@@ -5,15 +5,23 @@ SQLAlchemy URL or a plain file path, which means SQLite. Supported backends are 
 PostgreSQL (``postgresql://`` is read as ``postgresql+psycopg://``, the driver flashtune
 ships with).
 
-SQLite runs in WAL mode with a busy timeout, so readers never block the writer and writers
-wait for each other instead of failing. SQLAlchemy, not the sqlite3 module, emits BEGIN: write
-transactions start with ``BEGIN IMMEDIATE`` and take the write lock up front, because a
-deferred transaction that reads first and writes later can fail at once with "database is
-locked" when another writer got there in between (SQLite cannot wait in that case).
+SQLite runs in WAL mode with a busy timeout (knob FLASHTUNE_DB_BUSY_TIMEOUT_S), so readers
+never block the writer and writers wait for each other instead of failing. Read-only opens
+(``make_engine(..., read_only=True)``, what every read command and the runtime use) never
+write: no WAL switch, ``query_only``, and a file in a read-only directory still reads.
+SQLAlchemy, not the sqlite3 module, emits BEGIN: write transactions start with ``BEGIN
+IMMEDIATE`` and take the write lock up front, because a deferred transaction that reads
+first and writes later can fail at once with "database is locked" when another writer got
+there in between (SQLite cannot wait in that case).
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import re
+import sqlite3
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,33 +32,76 @@ from sqlalchemy import event
 from sqlalchemy.engine import URL, Connection, Engine
 from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
 
 from flashtune import knobs
 from flashtune.errors import DatabaseError
 
-#: How long a SQLite writer waits for another writer before giving up.
-BUSY_TIMEOUT_MS = 60_000
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")
 _WRITE = "flashtune_write"
+#: Query parameters a SQLite URL may carry, and their legal values.
+_SQLITE_QUERY = {"mode": ("ro", "rw", "rwc"), "timeout": None, "immutable": ("0", "1"),
+                 "uri": ("true", "false")}
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def busy_timeout_s() -> float:
+    """How long a SQLite writer waits for another writer (knob FLASHTUNE_DB_BUSY_TIMEOUT_S)."""
+    return knobs.DB_BUSY_TIMEOUT_S.get()
+
+
+def _bad_url(raw: str, why: str) -> DatabaseError:
+    shown = raw if len(raw) <= 200 else raw[:197] + "..."
+    return DatabaseError(
+        f"database URL {shown!r} {why}; expected e.g. 'sqlite:////path/to/tuning.db', "
+        "'postgresql://user@host/dbname' or a plain file path")
+
+
+def _check_sqlite_query(raw: str, url: URL) -> None:
+    for name, value in url.query.items():
+        values = (value,) if isinstance(value, str) else tuple(value)
+        legal = _SQLITE_QUERY.get(name, ())
+        if name not in _SQLITE_QUERY:
+            raise _bad_url(raw, f"has the unknown SQLite parameter {name!r} (known: "
+                           f"{sorted(_SQLITE_QUERY)})")
+        for item in values:
+            if legal is None:
+                try:
+                    seconds = float(item)
+                except ValueError:
+                    seconds = math.nan
+                if not (math.isfinite(seconds) and 0 < seconds <= 3600):
+                    raise _bad_url(raw, f"has timeout={item!r}; expected seconds in (0, 3600]")
+            elif item not in legal:
+                raise _bad_url(raw, f"has {name}={item!r}; expected one of {list(legal)}")
 
 
 def resolve_url(url: str | Path | URL | None = None) -> URL:
-    """The SQLAlchemy URL for ``url``, a plain path (SQLite) or, if None, the knob's value."""
+    """The SQLAlchemy URL for ``url``, a plain path (SQLite) or, if None, the knob's value.
+
+    Refused with DatabaseError: an empty URL, a scheme without ``//`` (``sqlite:``), a SQLite
+    URL without a file (``sqlite:///``), unknown or malformed SQLite parameters.
+    """
     if isinstance(url, URL):
         return url
     raw = knobs.DB_URL.get() if url is None else str(url)
+    if not raw.strip():
+        raise _bad_url(raw, "is empty")
     if "://" not in raw:
+        if _SCHEME.match(raw) and not Path(raw).exists():
+            raise _bad_url(raw, "looks like a URL without '//' after the scheme")
         path = Path(raw).expanduser().absolute()
         return URL.create("sqlite", database=str(path))
     try:
         parsed = sa.make_url(raw)
     except ArgumentError as exc:
-        raise DatabaseError(
-            f"database URL {raw!r} is malformed ({exc}); expected e.g. 'sqlite:////path/to/"
-            "tuning.db', 'postgresql://user@host/dbname' or a plain file path"
-        ) from None
+        raise _bad_url(raw, f"is malformed ({exc})") from None
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database == "":
+            raise _bad_url(raw, "names no database file")
+        _check_sqlite_query(raw, parsed)
     return parsed
 
 
@@ -69,10 +120,29 @@ def sqlite_file(url: URL) -> Path | None:
     return Path(database)
 
 
-def make_engine(url: URL, *, create: bool) -> Engine:
+def is_read_only(url: URL) -> bool:
+    """True for a SQLite URL that asks for a read-only connection (``?mode=ro``)."""
+    return url.get_backend_name() == "sqlite" and (
+        url.query.get("mode") == "ro" or url.query.get("immutable") == "1")
+
+
+def require_existing(url: str | Path | URL | None) -> URL:
+    """The resolved URL, after checking that a SQLite file exists (read commands must not
+    create a database on a mistyped path)."""
+    resolved = resolve_url(url)
+    path = sqlite_file(resolved)
+    if path is not None and not path.is_file():
+        raise DatabaseError(f"no database file at {path}; check the path or URL (read "
+                            "commands never create a database)")
+    return resolved
+
+
+def make_engine(url: URL, *, create: bool, read_only: bool = False) -> Engine:
     """An engine for ``url``; with ``create``, the parent directory of a SQLite file is made.
 
     Without ``create`` a missing SQLite file is an error instead of a new empty database.
+    ``read_only`` (or ``?mode=ro`` in the URL) opens a SQLite file without ever writing to it
+    (no WAL switch), so a database in a read-only directory can be read.
     """
     backend = url.get_backend_name()
     if backend not in SUPPORTED_BACKENDS:
@@ -80,9 +150,10 @@ def make_engine(url: URL, *, create: bool) -> Engine:
             f"database backend {backend!r} of {describe(url)} is not supported; use SQLite "
             "(a file path or sqlite:///...) or PostgreSQL (postgresql://...)"
         )
+    read_only = read_only or is_read_only(url)
     path = sqlite_file(url)
     if path is not None:
-        if create:
+        if create and not read_only:
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
@@ -91,36 +162,97 @@ def make_engine(url: URL, *, create: bool) -> Engine:
                     "another path with --db or FLASHTUNE_DB") from exc
         elif not path.is_file():
             raise DatabaseError(f"no database file at {path}; check the path or URL")
-    if backend == "sqlite":
-        engine = sa.create_engine(url)
-        event.listen(engine, "connect", _sqlite_on_connect)
-        event.listen(engine, "begin", _sqlite_on_begin)
+    if backend != "sqlite":
+        return sa.create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 10})
+    given = url.query.get("timeout")
+    timeout = float(given) if isinstance(given, str) else busy_timeout_s()
+    plain = url if path is None else url.difference_update_query(list(_SQLITE_QUERY))
+    if read_only and path is not None:
+        engine = _read_only_engine(plain, path, timeout)
     else:
-        engine = sa.create_engine(url, pool_pre_ping=True,
-                                  connect_args={"connect_timeout": 10})
+        engine = sa.create_engine(plain, connect_args={"timeout": timeout})
+        event.listen(engine, "connect", functools.partial(_sqlite_on_connect, timeout=timeout))
+    event.listen(engine, "begin", _sqlite_on_begin)
     return engine
 
 
-def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
-    # Let SQLAlchemy emit BEGIN (see _sqlite_on_begin) instead of the sqlite3 module, which
-    # would skip it before SELECT and DDL statements.
+def _read_only_engine(url: URL, path: Path, timeout: float) -> Engine:
+    """A SQLite engine that never writes: ``mode=ro``, or, where even that needs a write
+    (a WAL database in a read-only directory has no shared-memory file to create),
+    ``immutable=1``, which reads the file as it is."""
+    quoted = urllib.parse.quote(str(path))
+    for query in ("mode=ro", "mode=ro&immutable=1"):
+        def connect(target: str = f"file:{quoted}?{query}") -> sqlite3.Connection:
+            return sqlite3.connect(target, uri=True, timeout=timeout,
+                                   check_same_thread=False)
+
+        try:
+            probe = connect()
+            try:
+                probe.execute("SELECT count(*) FROM sqlite_master").fetchone()
+            finally:
+                probe.close()
+        except sqlite3.Error:
+            continue
+        engine = sa.create_engine(url, creator=connect, poolclass=NullPool)
+        event.listen(engine, "connect", functools.partial(_sqlite_read_only_connect,
+                                                          timeout=timeout))
+        return engine
+    raise DatabaseError(f"cannot open the database {path} for reading; check that the file "
+                        "is readable and is a SQLite database")
+
+
+def _sqlite_read_only_connect(dbapi_connection: Any, _record: Any, *, timeout: float) -> None:
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
     try:
+        cursor.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+        cursor.execute("PRAGMA query_only = ON")
+    finally:
+        cursor.close()
+
+
+def sqlite_pragmas(dbapi_connection: Any, _record: Any = None, *, timeout: float) -> None:
+    """The pragmas of every writing SQLite connection (flashtune's and Optuna's): the busy
+    timeout, WAL and ``synchronous = NORMAL``. Usable as a "connect" event listener with
+    ``functools.partial(sqlite_pragmas, timeout=...)``."""
+    cursor = dbapi_connection.cursor()
+    try:
         # The busy timeout first: switching to WAL itself may have to wait for a lock.
-        cursor.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        cursor.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
         cursor.execute("PRAGMA journal_mode = WAL")
         # NORMAL is safe with WAL against process crashes; only a power loss may drop the
         # last commits, never corrupt the file.
         cursor.execute("PRAGMA synchronous = NORMAL")
-        cursor.execute("PRAGMA foreign_keys = ON")
     finally:
         cursor.close()
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any, *, timeout: float) -> None:
+    # Let SQLAlchemy emit BEGIN (see _sqlite_on_begin) instead of the sqlite3 module, which
+    # would skip it before SELECT and DDL statements.
+    dbapi_connection.isolation_level = None
+    sqlite_pragmas(dbapi_connection, timeout=timeout)
+    dbapi_connection.execute("PRAGMA foreign_keys = ON")
 
 
 def _sqlite_on_begin(connection: Connection) -> None:
     write = connection.get_execution_options().get(_WRITE, False)
     connection.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+def integrity_problems(engine: Engine) -> list[str]:
+    """What SQLite's integrity check finds wrong with the database ([] when sound; always []
+    on PostgreSQL, which checks its pages itself)."""
+    if engine.url.get_backend_name() != "sqlite":
+        return []
+    try:
+        with engine.connect() as connection:
+            rows = connection.exec_driver_sql("PRAGMA integrity_check").fetchall()
+    except SQLAlchemyError as exc:
+        return [str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]]
+    found = [str(row[0]) for row in rows]
+    return [] if found == ["ok"] else found
 
 
 @contextmanager
@@ -149,9 +281,10 @@ def database_error(exc: SQLAlchemyError, action: str, url: URL) -> DatabaseError
         lowered = detail.lower()
         if "locked" in lowered or "busy" in lowered:
             return DatabaseError(
-                f"{action} failed: {where} stayed locked by another writer for more than "
-                f"{BUSY_TIMEOUT_MS // 1000} s ({detail}); retry, or stop the process holding "
-                "it (for many concurrent writers, use a PostgreSQL server)"
+                f"{action} failed: {where} stayed locked by another writer for longer than "
+                f"the busy timeout ({detail}); retry, raise FLASHTUNE_DB_BUSY_TIMEOUT_S, or "
+                "stop the process holding it (for many concurrent writers, use a PostgreSQL "
+                "server)"
             )
         if "no such table" in lowered or "does not exist" in lowered:
             return DatabaseError(

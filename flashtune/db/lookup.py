@@ -10,7 +10,10 @@ Order of preference:
 2. nearest: this device and problem, the bucket nearest in log2(seqlen) (ties: the larger
    bucket, whose tiles were tuned for the longer sequences);
 3. same_arch: another device of the same arch (e.g. another sm_90 GPU), nearest bucket, ties
-   broken by the larger bucket, then the device name (so the choice is deterministic).
+   broken by the larger bucket, then the device name (so the choice is deterministic) --
+   only from trusted sources (``trust.trusted``).
+
+Stale results and results that failed re-verification are never served (``trust.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from flashtune.db.records import BestEntry
+from flashtune.db.trust import trusted
 
 How = Literal["exact", "nearest", "same_arch"]
 
@@ -45,18 +49,22 @@ def nearest(entries: Iterable[BestEntry], seqlen: int) -> BestEntry | None:
 
 
 def resolve(entries: Iterable[BestEntry], *, device: str, arch: str, problem: str,
-            seqlen: int) -> Match | None:
-    """The best entry for the bucket by the module's order of preference, or None."""
+            seqlen: int, trusted_sources: frozenset[str] | None = None) -> Match | None:
+    """The best entry for the bucket by the module's order of preference, or None.
+
+    ``trusted_sources``: whose results of other devices may serve (default: the knob
+    FLASHTUNE_TRUSTED_SOURCES).
+    """
     own: list[BestEntry] = []
     same_arch: list[BestEntry] = []
     for entry in entries:
-        if entry.problem != problem:
+        if entry.problem != problem or not entry.servable:
             continue
         if entry.device == device:
             if entry.seqlen == seqlen:
                 return Match(entry, "exact")
             own.append(entry)
-        elif entry.arch == arch:
+        elif entry.arch == arch and trusted(entry, trusted_sources):
             same_arch.append(entry)
     found = nearest(own, seqlen)
     if found is not None:

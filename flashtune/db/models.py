@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Double,
@@ -101,6 +102,40 @@ class TrialRow(Base):
     host: Mapped[str] = mapped_column(String(253))
     study: Mapped[str | None] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    #: The import this trial came with; NULL for trials tuned into this database.
+    import_id: Mapped[int | None] = mapped_column(ForeignKey("ft_imports.id"))
+
+
+class ImportRow(Base):
+    """One import of a bundle or merge of another database: the provenance of its rows."""
+
+    __tablename__ = "ft_imports"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bundle_sha256: Mapped[str] = mapped_column(String(64))
+    source: Mapped[str] = mapped_column(String(255))
+    exported_by: Mapped[str] = mapped_column(String(64))
+    exported_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    imported_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    imported_by: Mapped[str] = mapped_column(String(253))
+    trusted: Mapped[bool] = mapped_column(Boolean)
+
+
+class VerificationRow(Base):
+    """A re-check of a stored trial's config on the kernel sources of ``template_digest``
+    (``flashtune db verify``): passed or not, where, when and how."""
+
+    __tablename__ = "ft_verifications"
+    __table_args__ = (Index("ix_ft_verifications_trial", "trial_id", "template_digest"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    trial_id: Mapped[int] = mapped_column(ForeignKey("ft_trials.id"))
+    template_digest: Mapped[str] = mapped_column(String(128))
+    passed: Mapped[bool] = mapped_column(Boolean)
+    backend: Mapped[str] = mapped_column(String(32))
+    host: Mapped[str] = mapped_column(String(253))
+    checked_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    detail: Mapped[str | None] = mapped_column(Text)
 
 
 class BestRow(Base):

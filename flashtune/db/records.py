@@ -4,8 +4,8 @@ Every record is a frozen dataclass that checks its own fields on construction (t
 ranges, string lengths and character sets), so a record that exists is safe to store, to
 print and to share. Bundle import builds these records from untrusted JSON, which makes this
 module the single place where field-level rules live; the semantic rules of problems and
-configs (legal head dims, block sizes, ...) are checked by a ``RecordValidator``
-(see ``flashtune.db.validation``).
+configs (legal head dims, block sizes, ...) are codegen's own: ``Problem``,
+``KernelConfig``, ``ProblemBucket`` and ``get_arch`` (db may import codegen, nothing above).
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ from datetime import datetime, timezone
 from enum import Enum
 from importlib import metadata
 from typing import Protocol
+
+from flashtune.codegen.arch import ArchSpec, get_arch
+from flashtune.codegen.spec import KernelConfig, Problem, ProblemBucket
+from flashtune.errors import InvalidConfig
 
 #: JSON scalars allowed as values of problem/config fields.
 FieldValue = str | int | float | bool | None
@@ -71,6 +75,12 @@ _STUDY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/=+-]*")
 _DIGEST_RE = re.compile(r"[0-9a-f]{8,128}")
 _UID_RE = re.compile(r"[0-9a-f]{32}")
 _CONTROL_RE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_SURROGATE_RE = re.compile(r"[\ud800-\udfff]")
+#: Characters that reorder or break the text around them when printed: bidi embeddings,
+#: overrides and isolates, marks, line and paragraph separators (and control characters).
+_UNPRINTABLE_RE = re.compile(
+    r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028\u2029\u202a-\u202e"
+    r"\u2066-\u2069\ud800-\udfff\ufeff]")
 
 
 def check_int(value: object, what: str, lo: int, hi: int) -> int:
@@ -141,7 +151,18 @@ def check_error_text(value: object, what: str = "error") -> str:
     if bad:
         raise ValueError(f"{what} contains the control character {bad.group()!r} at "
                          f"{bad.start()}; only printable text, tabs and newlines are allowed")
+    lone = _SURROGATE_RE.search(value)
+    if lone:
+        raise ValueError(f"{what} contains the lone surrogate \\u{ord(lone.group()):04x} at "
+                         f"{lone.start()}, which is not text (it cannot be stored or printed)")
     return value
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print to a terminal: control, bidi-reordering and line-separator
+    characters (and lone surrogates) are shown as ``\\uXXXX`` escapes, so stored text can
+    neither hide nor reorder what is printed around it. Newlines and tabs are kept."""
+    return _UNPRINTABLE_RE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 def check_datetime(value: object, what: str) -> datetime:
@@ -157,7 +178,7 @@ def check_datetime(value: object, what: str) -> datetime:
 
 def truncate_error(text: str) -> str:
     """Make arbitrary compiler or runtime output storable: strip control characters, cap it."""
-    clean = _CONTROL_RE.sub("?", text)
+    clean = _SURROGATE_RE.sub("?", _CONTROL_RE.sub("?", text))
     if len(clean) <= MAX_ERROR_LEN:
         return clean
     note = "\n[... truncated ...]\n"
@@ -280,17 +301,17 @@ class DeviceRecord:
         return f"sm_{self.cc_major}{self.cc_minor}"
 
     @property
+    def arch_spec(self) -> ArchSpec | None:
+        """codegen's description of this device's arch, or None if flashtune has none."""
+        try:
+            return get_arch(self.arch)
+        except InvalidConfig:
+            return None
+
+    @property
     def hardware(self) -> tuple[int, int, int, int]:
         """The fields that must not change for a given device name."""
         return (self.cc_major, self.cc_minor, self.sm_count, self.memory_bytes)
-
-
-def parse_arch(arch: str) -> tuple[int, int]:
-    """``'sm_90'`` -> (9, 0); ``'sm_120'`` -> (12, 0)."""
-    match = re.fullmatch(r"sm_(\d{1,2})(\d)", arch)
-    if not match:
-        raise ValueError(f"arch {arch!r} is malformed; expected e.g. 'sm_90'")
-    return int(match.group(1)), int(match.group(2))
 
 
 @dataclass(frozen=True)
@@ -369,17 +390,90 @@ class TrialRecord:
     def bucket(self) -> str:
         return f"{self.problem.key}_n{self.seqlen}"
 
+    def problem_bucket(self) -> ProblemBucket:
+        """The trial's bucket as codegen's value (raises InvalidProblem when illegal)."""
+        return ProblemBucket(Problem.from_key(self.problem.key), self.seqlen)
+
+    def kernel_config(self) -> KernelConfig:
+        """The trial's config as codegen's value (raises InvalidConfig when illegal)."""
+        return KernelConfig.from_key(self.config.key)
+
     @property
     def can_be_best(self) -> bool:
         return self.status is TrialStatus.OK and self.median_ms is not None
 
 
 @dataclass(frozen=True)
+class Provenance:
+    """Where imported rows came from: one import (of a bundle or another database).
+
+    ``bundle_sha256`` is the content digest of what was imported; ``source`` the file or
+    database it was read from; ``exported_by``/``exported_at`` what the bundle claims about
+    its export; ``trusted`` whether the user marked the import as a trusted source.
+    """
+
+    bundle_sha256: str
+    source: str
+    exported_by: str
+    exported_at: datetime
+    imported_at: datetime
+    imported_by: str
+    trusted: bool
+
+    def __post_init__(self) -> None:
+        check_text(self.bundle_sha256, "bundle_sha256", _DIGEST_RE, 64, "64 lowercase hex")
+        check_error_text(self.source, "source")
+        if not 1 <= len(self.source) <= 255:
+            raise ValueError("source must have 1 to 255 characters")
+        check_version(self.exported_by, "exported_by")
+        check_text(self.imported_by, "imported_by", _HOST_RE, MAX_HOST_LEN, "gpu-node-01")
+        for name in ("exported_at", "imported_at"):
+            object.__setattr__(self, name, check_datetime(getattr(self, name), name))
+        if not isinstance(self.trusted, bool):
+            raise ValueError(f"trusted must be a bool, got {self.trusted!r}")
+
+    def describe(self) -> str:
+        trust = "trusted" if self.trusted else "not marked trusted"
+        return (f"imported {self.imported_at:%Y-%m-%d %H:%M} UTC on {self.imported_by} from "
+                f"{self.source} (bundle {self.bundle_sha256[:12]}, exported by flashtune "
+                f"{self.exported_by} at {self.exported_at:%Y-%m-%d %H:%M} UTC; {trust})")
+
+
+@dataclass(frozen=True)
 class BestEntry:
-    """The best trial of one (device, problem, seqlen bucket), with the device's arch."""
+    """The best trial of one (device, problem, seqlen bucket), with the device's arch.
+
+    ``provenance`` is None for results tuned into this database, else the import they came
+    from. ``current`` is False for a stale result: measured on other kernel sources (another
+    template digest) than the installed flashtune renders, and not re-verified since.
+    ``failed_verification``: ``flashtune db verify`` found the config wrong on the
+    installed kernel sources. Only current results that did not fail are ever served.
+    """
 
     trial: TrialRecord
     arch: str
+    provenance: Provenance | None = None
+    current: bool = True
+    failed_verification: bool = False
+
+    @property
+    def servable(self) -> bool:
+        return self.current and not self.failed_verification
+
+    @property
+    def origin(self) -> str:
+        """Which source this result came from, for people (``explain``, ``db show``)."""
+        t = self.trial
+        if self.provenance is None:
+            where = (f"tuned into this database on host {t.host} at "
+                     f"{t.created_at:%Y-%m-%d %H:%M} UTC by flashtune {t.flashtune_version}")
+        else:
+            where = f"{self.provenance.describe()}; claimed host {t.host}"
+        if self.failed_verification:
+            where += "; FAILED re-verification on the installed kernels"
+        elif not self.current:
+            where += "; STALE (other kernel sources), not served"
+        return where
 
     @property
     def device(self) -> str:

@@ -2,6 +2,9 @@
 
 Shared by the store (one trial at a time) and by bundle import/merge (many at once). Every
 function here runs inside a transaction opened by ``engine.session_scope``; none commits.
+Every trial written is held to codegen's rules (its problem, config and bucket must be
+legal, with fields matching their keys) and to physics (``physics.implausible``); a bucket's
+best prefers results on the installed kernel sources over stale ones (``trust.py``).
 Inserts that may race with another writer use the backend's ``INSERT ... ON CONFLICT``, so
 concurrent writers on PostgreSQL never fail on a duplicate key and SQLite (whose writers are
 serialised by ``BEGIN IMMEDIATE``) takes the same path.
@@ -17,8 +20,28 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from flashtune.db.models import BestRow, ConfigRow, DeviceRow, KeyedRow, ProblemRow, TrialRow
-from flashtune.db.records import BestEntry, DeviceRecord, Keyed, TrialRecord, TrialStatus
+from flashtune.db.checks import physics_problem, semantic_problem
+from flashtune.db.models import (
+    BestRow,
+    ConfigRow,
+    DeviceRow,
+    ImportRow,
+    KeyedRow,
+    ProblemRow,
+    TrialRow,
+    VerificationRow,
+)
+from flashtune.db.records import (
+    BestEntry,
+    DeviceRecord,
+    Keyed,
+    Provenance,
+    TrialRecord,
+    TrialStatus,
+    now_utc,
+    this_host,
+)
+from flashtune.db.trust import current_digest
 from flashtune.errors import DatabaseError
 
 _SOFTWARE = ("driver_version", "cuda_version", "nvrtc_version", "cupy_version")
@@ -62,6 +85,7 @@ class Writer:
     def __init__(self, session: Session) -> None:
         self.session = session
         self._devices: dict[str, int] = {}
+        self._records: dict[str, DeviceRecord] = {}
         self._keyed: dict[tuple[str, str], int] = {}
 
     def device(self, device: DeviceRecord, *, update_software: bool) -> int:
@@ -111,12 +135,41 @@ class Writer:
         self._keyed[cache_key] = row.id
         return row.id
 
-    def trial(self, trial: TrialRecord) -> TrialRow:
-        """Insert ``trial`` (its device must exist) and return its row."""
+    def device_record(self, name: str) -> DeviceRecord | None:
+        if name not in self._records:
+            row = self.session.execute(sa.select(DeviceRow).where(DeviceRow.name == name)
+                                       ).scalar_one_or_none()
+            if row is None:
+                return None
+            self._records[name] = device_to_record(row)
+        return self._records[name]
+
+    def import_row(self, provenance: Provenance) -> int:
+        """Record one import and return its id (its trials point to it)."""
+        row = ImportRow(
+            bundle_sha256=provenance.bundle_sha256, source=provenance.source,
+            exported_by=provenance.exported_by, exported_at=provenance.exported_at,
+            imported_at=provenance.imported_at, imported_by=provenance.imported_by,
+            trusted=provenance.trusted)
+        self.session.add(row)
+        self.session.flush()
+        return row.id
+
+    def trial(self, trial: TrialRecord, *, import_id: int | None = None) -> TrialRow:
+        """Insert ``trial`` (its device must exist) and return its row.
+
+        Raises DatabaseError, writing nothing, for a trial that breaks codegen's rules or
+        whose timing is physically impossible on its device.
+        """
         dev = self.device_id(trial.device)
         if dev is None:
             raise DatabaseError(f"device {trial.device!r} is not recorded; record the device "
                                 "(TuningStore.record_device) before its trials")
+        device = self.device_record(trial.device)
+        assert device is not None
+        reason = semantic_problem(trial) or physics_problem(trial, device)
+        if reason is not None:
+            raise DatabaseError(reason)
         row = TrialRow(
             uid=trial.uid, device_id=dev, problem_id=self.keyed(ProblemRow, trial.problem),
             seqlen=trial.seqlen, config_id=self.keyed(ConfigRow, trial.config),
@@ -125,6 +178,7 @@ class Writer:
             predicted_ms=trial.predicted_ms, error=trial.error,
             template_digest=trial.template_digest, flashtune_version=trial.flashtune_version,
             host=trial.host, study=trial.study, created_at=trial.created_at,
+            import_id=import_id,
         )
         self.session.add(row)
         self.session.flush()
@@ -140,6 +194,17 @@ class Writer:
         if row.status != TrialStatus.OK.value or row.median_ms is None:
             return False
         key = {"device_id": row.device_id, "problem_id": row.problem_id, "seqlen": row.seqlen}
+        if replace != "always":
+            old = self.session.execute(
+                sa.select(TrialRow).join(BestRow, BestRow.trial_id == TrialRow.id)
+                .where(BestRow.device_id == row.device_id, BestRow.problem_id == row.problem_id,
+                       BestRow.seqlen == row.seqlen)).scalar_one_or_none()
+            if old is not None:
+                new_current, old_current = self._current(row), self._current(old)
+                if new_current and not old_current:
+                    replace = "always"  # a result on the installed sources beats a stale one
+                elif old_current and not new_current:
+                    return False  # a stale result never displaces a current one
         stmt = _insert(self.session, BestRow).values(**key, trial_id=row.id,
                                                      median_ms=row.median_ms)
         if replace == "never":
@@ -154,6 +219,45 @@ class Writer:
             )
         # A row comes back only if the insert or the update happened.
         return self.session.execute(stmt.returning(BestRow.trial_id)).first() is not None
+
+
+    def _current(self, row: TrialRow) -> bool:
+        problem = self.session.get(ProblemRow, row.problem_id)
+        config = self.session.get(ConfigRow, row.config_id)
+        if problem is None or config is None:
+            return False
+        digest = current_digest(problem.key, config.key)
+        if digest is None:
+            return False
+        if row.template_digest == digest:
+            return True
+        return _verdicts(self.session, [row.id], {row.id: digest}).get(row.id) is True
+
+    def verification(self, row: TrialRow, template_digest: str, passed: bool, backend: str,
+                     detail: str | None) -> None:
+        """Record a re-check of ``row``'s config on the sources of ``template_digest``."""
+        self.session.add(VerificationRow(
+            trial_id=row.id, template_digest=template_digest, passed=passed, backend=backend,
+            host=this_host(), checked_at=now_utc(), detail=detail))
+        self.session.flush()
+
+
+def _verdicts(session: Session, trial_ids: Sequence[int],
+              digests: dict[int, str]) -> dict[int, bool]:
+    """The latest verification verdict of each trial on its digest in ``digests``."""
+    found: dict[int, bool] = {}
+    if not trial_ids:
+        return found
+    for start in range(0, len(trial_ids), 500):
+        chunk = list(trial_ids[start:start + 500])
+        stmt = (sa.select(VerificationRow.trial_id, VerificationRow.template_digest,
+                          VerificationRow.passed)
+                .where(VerificationRow.trial_id.in_(chunk))
+                .order_by(VerificationRow.checked_at, VerificationRow.id))
+        for trial_id, digest, passed in session.execute(stmt):
+            if digests.get(trial_id) == digest:
+                found[trial_id] = bool(passed)
+    return found
 
 
 def find_trial(session: Session, uid: str) -> TrialRow | None:
@@ -231,12 +335,45 @@ def select_best(session: Session, *, devices: Sequence[str] = (),
             .where(*_filters(devices, problems, seqlen, uids)))
     if cc is not None:
         stmt = stmt.where(DeviceRow.cc_major == cc[0], DeviceRow.cc_minor == cc[1])
-    stmt = stmt.order_by(DeviceRow.name, ProblemRow.key, TrialRow.seqlen)
+    stmt = (stmt.add_columns(ImportRow).outerjoin(ImportRow, TrialRow.import_id == ImportRow.id)
+            .order_by(DeviceRow.name, ProblemRow.key, TrialRow.seqlen))
+    found = [(row, _to_trial(row, dev, prob, conf), f"sm_{dev.cc_major}{dev.cc_minor}", imp)
+             for row, dev, prob, conf, _, imp in session.execute(stmt)]
+    digests = {row.id: digest for row, trial, _, _ in found
+               if (digest := current_digest(trial.problem.key, trial.config.key)) is not None}
+    verdicts = _verdicts(session, list(digests), digests)
     entries = []
-    for row, dev, prob, conf, _ in session.execute(stmt):
-        entries.append(BestEntry(_to_trial(row, dev, prob, conf),
-                                 f"sm_{dev.cc_major}{dev.cc_minor}"))
+    for row, trial, arch, imp in found:
+        digest = digests.get(row.id)
+        verdict = verdicts.get(row.id)
+        current = digest is not None and (trial.template_digest == digest or verdict is True)
+        entries.append(BestEntry(trial, arch, _provenance(imp), current=current,
+                                 failed_verification=verdict is False))
     return entries
+
+
+def provenances(session: Session, uids: Sequence[str]) -> dict[str, Provenance]:
+    """The provenance of each imported trial among ``uids`` (local trials have none)."""
+    found: dict[str, Provenance] = {}
+    for start in range(0, len(uids), 500):
+        stmt = (sa.select(TrialRow.uid, ImportRow)
+                .join(ImportRow, TrialRow.import_id == ImportRow.id)
+                .where(TrialRow.uid.in_(list(uids[start:start + 500]))))
+        for uid, imp in session.execute(stmt):
+            provenance = _provenance(imp)
+            if provenance is not None:
+                found[uid] = provenance
+    return found
+
+
+def _provenance(row: ImportRow | None) -> Provenance | None:
+    if row is None:
+        return None
+    try:
+        return Provenance(row.bundle_sha256, row.source, row.exported_by, _utc(row.exported_at),
+                          _utc(row.imported_at), row.imported_by, bool(row.trusted))
+    except ValueError as exc:
+        raise _invalid_row("ft_imports", row.id, exc) from None
 
 
 def select_devices(session: Session, names: Sequence[str] = ()) -> list[DeviceRecord]:
@@ -264,4 +401,5 @@ def counts(session: Session) -> dict[str, int]:
     return {name: session.execute(sa.select(sa.func.count()).select_from(table)).scalar_one()
             for name, table in (("devices", DeviceRow), ("problems", ProblemRow),
                                 ("configs", ConfigRow), ("trials", TrialRow),
-                                ("best", BestRow))}
+                                ("best", BestRow), ("imports", ImportRow),
+                                ("verifications", VerificationRow))}

@@ -11,7 +11,13 @@
 Results measured on different kernel sources are never mixed silently: if a (problem,
 config) pair was measured with one template digest here and another there, the import is
 refused with the list of differing digests, unless ``allow_mixed_digests`` is given (the
-report then lists them).
+report then lists them). Imported results from other kernel sources than the installed
+ones are kept but stale (never served until re-measured or re-verified; see ``trust.py``),
+and the report counts them.
+
+Every import records its provenance (``ft_imports``: the bundle's content digest, the
+source, the claimed exporter and export time, when and on which host it was imported, and
+whether it was marked trusted); its trials point to it.
 """
 
 from __future__ import annotations
@@ -29,9 +35,9 @@ from flashtune.db import rows
 from flashtune.db.bundle import Bundle, check_bundle
 from flashtune.db.engine import session_scope
 from flashtune.db.models import BestRow, ConfigRow, ProblemRow, TrialRow
-from flashtune.db.records import now_utc, this_version
+from flashtune.db.records import Provenance, now_utc, this_host, this_version
 from flashtune.db.store import TuningStore
-from flashtune.db.validation import RecordValidator
+from flashtune.db.trust import is_current
 from flashtune.errors import BundleError, DatabaseError
 
 Prefer = Literal["ours", "theirs", "faster"]
@@ -63,6 +69,9 @@ class ShareReport:
     skipped: Counter[str] = field(default_factory=Counter)
     digest_conflicts: list[DigestConflict] = field(default_factory=list)
     dry_run: bool = False
+    #: Trials of the source measured on other kernel sources than the installed ones.
+    stale: int = 0
+    provenance: Provenance | None = None
 
     def rows(self) -> list[tuple[str, int, int, int]]:
         return [(kind, self.added[kind], self.updated[kind], self.skipped[kind])
@@ -92,29 +101,40 @@ def export_bundle(store: TuningStore, *, devices: Sequence[str] = (),
                   this_version(), created_at or now_utc())
 
 
-def merge_databases(store: TuningStore, other: TuningStore, validator: RecordValidator, *,
-                    prefer: Prefer = "faster", allow_mixed_digests: bool = False,
-                    dry_run: bool = False) -> ShareReport:
+def merge_databases(store: TuningStore, other: TuningStore, *, prefer: Prefer = "faster",
+                    allow_mixed_digests: bool = False, dry_run: bool = False,
+                    trusted: bool = False) -> ShareReport:
     """Merge every result of ``other`` into ``store`` (see the module doc for the rules)."""
     bundle = export_bundle(other)
     try:
-        check_bundle(bundle, validator)
+        check_bundle(bundle)
     except BundleError as exc:
         raise BundleError(f"{other.where}: {exc}") from None
     return import_bundle(store, bundle, prefer=prefer, allow_mixed_digests=allow_mixed_digests,
-                         dry_run=dry_run)
+                         dry_run=dry_run, source=other.where, trusted=trusted)
 
 
 def import_bundle(store: TuningStore, bundle: Bundle, *, prefer: Prefer = "faster",
-                  allow_mixed_digests: bool = False, dry_run: bool = False) -> ShareReport:
-    """Write an already validated ``bundle`` into ``store``, all or nothing."""
+                  allow_mixed_digests: bool = False, dry_run: bool = False,
+                  source: str = "bundle", trusted: bool = False) -> ShareReport:
+    """Write an already validated ``bundle`` into ``store``, all or nothing.
+
+    ``source`` (the file or database it came from) and ``trusted`` (the user vouches for
+    it: its results may serve other devices) are recorded as the import's provenance.
+    """
     if prefer not in _REPLACE:
         raise ValueError(f"prefer={prefer!r}; expected one of {PREFER_CHOICES}")
-    report = ShareReport(dry_run=dry_run)
+    shown = source if len(source) <= 255 else "..." + source[-252:]
+    provenance = Provenance(bundle.content_sha256, shown or "bundle",
+                            bundle.flashtune_version, bundle.created_at, now_utc(),
+                            this_host(), trusted)
+    report = ShareReport(dry_run=dry_run, provenance=provenance)
+    report.stale = sum(not is_current(t.problem.key, t.config.key, t.template_digest)
+                       for t in bundle.trials)
     try:
         with session_scope(store.engine, write=True, action="importing a bundle") as session:
             _check_conflicts(session, bundle, report, allow_mixed_digests)
-            _write(session, bundle, report, _REPLACE[prefer])
+            _write(session, bundle, report, _REPLACE[prefer], provenance)
             if dry_run:
                 raise _DryRun
     except _DryRun:
@@ -175,8 +195,10 @@ def _check_conflicts(session: Session, bundle: Bundle, report: ShareReport,
         )
 
 
-def _write(session: Session, bundle: Bundle, report: ShareReport, replace: str) -> None:
+def _write(session: Session, bundle: Bundle, report: ShareReport, replace: str,
+           provenance: Provenance) -> None:
     writer = rows.Writer(session)
+    import_id = writer.import_row(provenance)
     for device in bundle.devices:
         new = writer.device_id(device.name) is None
         writer.device(device, update_software=False)
@@ -189,7 +211,7 @@ def _write(session: Session, bundle: Bundle, report: ShareReport, replace: str) 
         report.skipped["trials"] += len(trial_rows)
     for trial in sorted(bundle.trials, key=lambda t: (t.created_at, t.uid)):
         if trial.uid not in trial_rows:
-            trial_rows[trial.uid] = writer.trial(trial)
+            trial_rows[trial.uid] = writer.trial(trial, import_id=import_id)
             report.added["trials"] += 1
     for uid in sorted(bundle.best):
         row = trial_rows[uid]

@@ -1,9 +1,10 @@
 """TuningStore: the tuning database as the tuner and the dispatcher see it.
 
 Open one with ``TuningStore(url)`` (default: the knob ``FLASHTUNE_DB``). Opening checks the
-schema version (see ``flashtune.db.schema``) and creates a new database on first use. Every
-method is one transaction; writes are atomic and safe with concurrent writers (several
-processes on one SQLite file, or several machines on one PostgreSQL server).
+schema version (see ``flashtune.db.schema``) and creates a new database on first use;
+``TuningStore(url, create=False)`` opens an existing database read-only and never writes to
+it. Every method is one transaction; writes are atomic and safe with concurrent writers
+(several processes on one SQLite file, or several machines on one PostgreSQL server).
 """
 
 from __future__ import annotations
@@ -14,16 +15,23 @@ from types import TracebackType
 
 from sqlalchemy.engine import URL
 
+from flashtune.codegen.arch import get_arch
 from flashtune.db import rows
-from flashtune.db.engine import describe, make_engine, resolve_url, session_scope
+from flashtune.db.engine import (
+    describe,
+    integrity_problems,
+    make_engine,
+    resolve_url,
+    session_scope,
+)
 from flashtune.db.lookup import Match, nearest, resolve
 from flashtune.db.records import (
     FAILED_STATUSES,
     BestEntry,
     DeviceRecord,
+    Provenance,
     TrialRecord,
     TrialStatus,
-    parse_arch,
 )
 from flashtune.db.schema import MIGRATIONS_DIR, SchemaState, ensure_schema
 from flashtune.errors import DatabaseError
@@ -32,14 +40,18 @@ from flashtune.errors import DatabaseError
 class TuningStore:
     """Devices, trials and the best trial per (device, problem, seqlen bucket).
 
-    ``create=False`` refuses to create a new database (e.g. the source of a merge);
-    ``upgrade=True`` migrates an older schema instead of raising ``SchemaVersionError``.
+    ``create=False`` refuses to create a new database (e.g. the source of a merge) and,
+    unless ``read_only=False`` is given, opens it read-only (nothing is ever written, so a
+    database in a read-only directory can be read); ``upgrade=True`` migrates an older
+    schema instead of raising ``SchemaVersionError``.
     """
 
     def __init__(self, url: str | Path | URL | None = None, *, create: bool = True,
-                 upgrade: bool = False, migrations: Path = MIGRATIONS_DIR) -> None:
+                 upgrade: bool = False, migrations: Path = MIGRATIONS_DIR,
+                 read_only: bool | None = None) -> None:
         self.url = resolve_url(url)
-        self.engine = make_engine(self.url, create=create)
+        self.read_only = (not create) if read_only is None else read_only
+        self.engine = make_engine(self.url, create=create, read_only=self.read_only)
         try:
             self.schema: SchemaState = ensure_schema(self.engine, create=create,
                                                      upgrade=upgrade, migrations=migrations)
@@ -138,7 +150,7 @@ class TuningStore:
         with session_scope(self.engine, write=False, action="reading best results") as session:
             return rows.select_best(
                 session, devices=[device] if device else [], problems=[problem] if problem else [],
-                seqlen=seqlen, cc=parse_arch(arch) if arch else None)
+                seqlen=seqlen, cc=get_arch(arch).compute_capability if arch else None)
 
     def all_best(self) -> list[BestEntry]:
         """Every best entry at once (the dispatcher reads this once per process)."""
@@ -163,7 +175,8 @@ class TuningStore:
     def lookup(self, *, device: str, arch: str, problem: str, seqlen: int) -> Match | None:
         """Exact, else nearest bucket on this device, else same arch family (lookup.py)."""
         with session_scope(self.engine, write=False, action="looking up a config") as session:
-            entries = rows.select_best(session, problems=[problem], cc=parse_arch(arch))
+            entries = rows.select_best(session, problems=[problem],
+                                       cc=get_arch(arch).compute_capability)
             entries += rows.select_best(session, devices=[device], problems=[problem])
         return resolve(entries, device=device, arch=arch, problem=problem, seqlen=seqlen)
 
@@ -192,6 +205,26 @@ class TuningStore:
             key for key, by_digest in self.outcomes(device, problem, seqlen).items()
             if any(statuses & FAILED_STATUSES for digest, statuses in by_digest.items()
                    if template_digest is None or digest == template_digest))
+
+    def record_verification(self, trial_uid: str, template_digest: str, passed: bool,
+                            backend: str, detail: str | None = None) -> None:
+        """Record a re-check of trial ``trial_uid``'s config on the kernel sources of
+        ``template_digest`` (``flashtune db verify``): a pass on the installed sources makes
+        a stale best servable again, a failure keeps it from being served."""
+        with session_scope(self.engine, write=True, action="recording a verification") as session:
+            row = rows.find_trial(session, trial_uid)
+            if row is None:
+                raise DatabaseError(f"no trial with uid {trial_uid!r} is recorded")
+            rows.Writer(session).verification(row, template_digest, passed, backend, detail)
+
+    def provenance(self, uids: Sequence[str]) -> dict[str, Provenance]:
+        """The provenance of each imported trial among ``uids`` (local ones have none)."""
+        with session_scope(self.engine, write=False, action="reading provenance") as session:
+            return rows.provenances(session, list(uids))
+
+    def integrity_problems(self) -> list[str]:
+        """What SQLite's integrity check finds wrong with the file ([] when sound)."""
+        return integrity_problems(self.engine)
 
     def counts(self) -> dict[str, int]:
         """Row counts: devices, problems, configs, trials, best."""

@@ -6,6 +6,7 @@ import hashlib
 import random
 from datetime import datetime, timedelta, timezone
 
+from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.db import DeviceRecord, Keyed, TrialRecord, TrialStatus
 
@@ -30,14 +31,21 @@ FAILURES = (TrialStatus.INVALID, TrialStatus.COMPILE_FAILED, TrialStatus.RUNTIME
 BASE_TIME = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
-def digest(problem: Problem, config: KernelConfig, template: str = "v1") -> str:
-    """A stand-in for KernelSource.digest: one per (template version, problem, config)."""
+#: The template version whose digests are the installed kernel sources' (served results).
+CURRENT = "v1"
+
+
+def digest(problem: Problem, config: KernelConfig, template: str = CURRENT) -> str:
+    """KernelSource.digest for ``CURRENT`` (what this flashtune renders), else a stand-in
+    digest of another template version: one per (version, problem, config)."""
+    if template == CURRENT:
+        return render(problem, config).digest
     return hashlib.sha256(f"{template}:{problem.key()}:{config.key()}".encode()).hexdigest()
 
 
 def trial(device: DeviceRecord, problem: Problem, seqlen: int, config: KernelConfig, *,
           status: TrialStatus = TrialStatus.OK, median_ms: float | None = None,
-          rng: random.Random | None = None, template: str = "v1",
+          rng: random.Random | None = None, template: str = CURRENT,
           minutes: int = 0, **extra: object) -> TrialRecord:
     """A trial; an ok trial without ``median_ms`` gets a random time from ``rng``."""
     rng = rng or random.Random()
@@ -46,7 +54,7 @@ def trial(device: DeviceRecord, problem: Problem, seqlen: int, config: KernelCon
         median = median_ms if median_ms is not None else rng.uniform(0.05, 20.0)
         timing = {"median_ms": median, "min_ms": median * rng.uniform(0.9, 1.0),
                   "max_ms": median * rng.uniform(1.0, 1.2), "count": rng.randint(5, 100),
-                  "tflops": rng.uniform(10, 900)}
+                  "tflops": rng.uniform(10, 300)}  # below every test device's peak
     elif status in (TrialStatus.COMPILE_FAILED, TrialStatus.RUNTIME_FAILED):
         timing = {"error": f"error: {status.value} at line {rng.randint(1, 999)}\n  detail"}
     values: dict[str, object] = {
@@ -61,7 +69,7 @@ def trial(device: DeviceRecord, problem: Problem, seqlen: int, config: KernelCon
 
 
 def random_trials(rng: random.Random, n: int, devices: tuple[DeviceRecord, ...] = DEVICES,
-                  template: str = "v1") -> list[TrialRecord]:
+                  template: str = CURRENT) -> list[TrialRecord]:
     """``n`` trials over random buckets and configs, about a third of them failures."""
     result = []
     for i in range(n):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import re
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -13,7 +14,6 @@ from typing import Any
 import pytest
 from dbfactories import A100, CONFIGS, DEVICES, H100, PROBLEMS, random_trials, trial
 
-from flashtune.commands.db import VALIDATOR
 from flashtune.db import (
     TrialStatus,
     TuningStore,
@@ -193,11 +193,10 @@ def test_hostile_field_is_rejected_and_nothing_changes(
     source, target = stores
     mutate, expected = MUTATIONS[name]
     data = _valid(source)
-    mutate(data)
-    data.pop("content_sha256", None)  # so that the field check, not the checksum, speaks
+    mutate(data)  # content_sha256 no longer matches: the field check must speak first
     before = dumps(export_bundle(target, created_at=FIXED))
     with pytest.raises(BundleError) as info:
-        import_bundle(target, parse_bundle(json.dumps(data).encode(), VALIDATOR))
+        import_bundle(target, parse_bundle(json.dumps(data).encode()))
     assert expected in str(info.value), str(info.value)
     assert dumps(export_bundle(target, created_at=FIXED)) == before
 
@@ -210,7 +209,7 @@ RAW: dict[str, tuple[Callable[[bytes], bytes], str]] = {
     "duplicate key": (lambda raw: raw.replace(b'"schema_version": 1',
                                               b'"schema_version": 1, "schema_version": 1'),
                       "duplicate key"),
-    "deep nesting": (lambda raw: b"[" * 200_000 + b"]" * 200_000, "not valid JSON"),
+    "deep nesting": (lambda raw: b"[" * 200_000 + b"]" * 200_000, "not a flashtune bundle"),
     "huge integer": (lambda raw: raw.replace(b'"schema_version": 1',
                                              b'"schema_version": 1' + b"0" * 5000),
                      "not valid JSON"),
@@ -231,19 +230,26 @@ def test_broken_file_is_rejected(name: str, stores: tuple[TuningStore, TuningSto
     path.write_bytes(transform(raw))
     before = dumps(export_bundle(target, created_at=FIXED))
     with pytest.raises(BundleError, match=expected):
-        import_bundle(target, read_bundle(path, VALIDATOR))
+        import_bundle(target, read_bundle(path))
     assert dumps(export_bundle(target, created_at=FIXED)) == before
 
 
-def test_edited_bundle_without_checksum_is_accepted(
-        stores: tuple[TuningStore, TuningStore], tmp_path: Path) -> None:
+@pytest.mark.parametrize("checksum", ["deleted", "null", "stale"])
+def test_bundle_without_a_matching_checksum_is_refused(
+        stores: tuple[TuningStore, TuningStore], tmp_path: Path, checksum: str) -> None:
+    """The content hash is required: an edited bundle cannot pass by dropping it."""
     data = _valid(stores[0])
     next(t for t in data["trials"] if t["median_ms"] == 1.5)["host"] = "edited-by-hand"
-    del data["content_sha256"]
+    if checksum == "deleted":
+        del data["content_sha256"]
+    elif checksum == "null":
+        data["content_sha256"] = None
+    expected = {"deleted": "lacks fields ['content_sha256']", "null": "content_sha256",
+                "stale": "content_sha256 does not match"}[checksum]
     with TuningStore(tmp_path / "fresh.db") as target:
-        report = import_bundle(target, parse_bundle(json.dumps(data).encode(), VALIDATOR))
-        assert report.added["trials"] == 4
-        assert "edited-by-hand" in {t.host for t in target.trials()}
+        with pytest.raises(BundleError, match=re.escape(expected)):
+            parse_bundle(json.dumps(data).encode())
+        assert target.trials() == []
 
 
 def test_oversized_file_is_rejected_before_reading(
@@ -258,11 +264,11 @@ def test_oversized_file_is_rejected_before_reading(
     monkeypatch.setattr(bundle_module, "parse_bundle", no_parsing)
     monkeypatch.setattr(json, "loads", no_parsing)
     with pytest.raises(BundleError, match="more than the limit"):
-        read_bundle(path, VALIDATOR)
+        read_bundle(path)
 
 
 def test_size_cap_also_bounds_in_memory_input(stores: tuple[TuningStore, TuningStore]) -> None:
     raw = dumps(export_bundle(stores[0])).encode()
     with pytest.raises(BundleError, match="larger than the limit"):
-        parse_bundle(raw, VALIDATOR, max_bytes=len(raw) - 1)
-    assert parse_bundle(raw, VALIDATOR, max_bytes=len(raw)).trials
+        parse_bundle(raw, max_bytes=len(raw) - 1)
+    assert parse_bundle(raw, max_bytes=len(raw)).trials

@@ -188,7 +188,7 @@ def test_unknown_device_is_refused_without_partial_write(db_url: str,
         with pytest.raises(DatabaseError, match="record the device"):
             store.record_trials(batch)
         assert store.counts() == {"devices": 1, "problems": 0, "configs": 0, "trials": 0,
-                                  "best": 0}
+                                  "best": 0, "imports": 0, "verifications": 0}
 
 
 def test_session_scope_rolls_back_and_translates_errors(db_url: str,

@@ -18,12 +18,12 @@ from flashtune.db.models import Base
 from flashtune.db.schema import MIGRATIONS_DIR, VERSION_TABLE, head_revision
 from flashtune.errors import DatabaseError, SchemaVersionError
 
-_EXTRA_REVISION = '''"""test-only second revision"""
+_EXTRA_REVISION_TEMPLATE = '''"""test-only second revision"""
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0002"
-down_revision = "0001"
+revision = "0099"
+down_revision = HEAD
 branch_labels = None
 depends_on = None
 
@@ -39,10 +39,11 @@ def downgrade() -> None:
 
 @pytest.fixture
 def newer_migrations(tmp_path: Path) -> Path:
-    """The shipped migrations plus a revision 0002: what a future flashtune would ship."""
+    """The shipped migrations plus a revision 0099: what a future flashtune would ship."""
     target = tmp_path / "migrations"
     shutil.copytree(MIGRATIONS_DIR, target, ignore=shutil.ignore_patterns("__pycache__"))
-    (target / "versions" / "0002_extra.py").write_text(_EXTRA_REVISION)
+    (target / "versions" / "0099_extra.py").write_text(
+        _EXTRA_REVISION_TEMPLATE.replace("HEAD", repr(head_revision())))
     return target
 
 
@@ -56,12 +57,12 @@ def _tables(url: str) -> set[str]:
 
 def test_migrations_create_exactly_the_models(db_url: str) -> None:
     with TuningStore(db_url) as store:
-        assert store.schema.current == head_revision() == "0001"
+        assert store.schema.current == head_revision() == "0002"
         with store.engine.connect() as conn:
             context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
             assert compare_metadata(context, Base.metadata) == []
     assert _tables(db_url) == {"ft_alembic_version", "ft_devices", "ft_problems", "ft_configs",
-                               "ft_trials", "ft_best"}
+                               "ft_trials", "ft_best", "ft_imports", "ft_verifications"}
 
 
 def test_older_database_needs_an_explicit_upgrade(db_url: str, newer_migrations: Path) -> None:
@@ -71,10 +72,10 @@ def test_older_database_needs_an_explicit_upgrade(db_url: str, newer_migrations:
         store.record_trial(original)
     with pytest.raises(SchemaVersionError, match="flashtune db upgrade") as info:
         TuningStore(db_url, migrations=newer_migrations)
-    assert "'0001'" in str(info.value) and "'0002'" in str(info.value)
+    assert f"'{head_revision()}'" in str(info.value) and "'0099'" in str(info.value)
     assert "ft_extra" not in _tables(db_url)           # refusing changed nothing
     with TuningStore(db_url, migrations=newer_migrations, upgrade=True) as store:
-        assert store.schema.current == "0002"
+        assert store.schema.current == "0099"
         assert store.trials() == [original]
     assert "ft_extra" in _tables(db_url)
     # The upgraded database is now newer than the shipped code.

@@ -24,7 +24,6 @@ from dbfactories import (
     trial,
 )
 
-from flashtune.commands.db import VALIDATOR
 from flashtune.db import (
     DeviceRecord,
     TrialRecord,
@@ -36,7 +35,7 @@ from flashtune.db import (
     read_bundle,
     write_bundle,
 )
-from flashtune.db.bundle import to_dict
+from flashtune.db.bundle import content_digest, to_dict
 from flashtune.db.models import ProblemRow, TrialRow
 from flashtune.errors import BundleError, DatabaseError
 
@@ -72,7 +71,7 @@ def test_round_trip_export_import_export(new_db: Callable[[], str], tmp_path: Pa
         assert len(first["trials"]) == len(trials)
         assert sorted(first["best"]) == sorted(expected_best(trials).values())
 
-        report = import_bundle(target, read_bundle(path, VALIDATOR))
+        report = import_bundle(target, read_bundle(path))
         assert report.added == {"devices": len(DEVICES), "trials": len(trials),
                                 "best": len(first["best"])}
         assert not report.updated and not report.skipped
@@ -80,7 +79,7 @@ def test_round_trip_export_import_export(new_db: Callable[[], str], tmp_path: Pa
         assert _without_time(second) == _without_time(first)
         assert second["content_sha256"] == first["content_sha256"]
 
-        again = import_bundle(target, read_bundle(path, VALIDATOR))
+        again = import_bundle(target, read_bundle(path))
         assert not again.added and not again.updated
         assert again.skipped == {"devices": len(DEVICES), "trials": len(trials),
                                  "best": len(first["best"])}
@@ -120,7 +119,7 @@ def _policy_stores(new_db: Callable[[], str], rng: random.Random
 def test_merge_policies(new_db: Callable[[], str], rng: random.Random, prefer: str) -> None:
     ours_store, theirs_store, ours, theirs = _policy_stores(new_db, rng)
     with ours_store, theirs_store:
-        report = merge_databases(ours_store, theirs_store, VALIDATOR,
+        report = merge_databases(ours_store, theirs_store,
                                  prefer=prefer)  # type: ignore[arg-type]
         by_bucket: dict[int, dict[str, TrialRecord]] = {}
         for side, trials in (("ours", ours), ("theirs", theirs)):
@@ -152,7 +151,7 @@ def test_merge_across_backends(new_db: Callable[[], str], tmp_path: Path, backen
     trials = random_trials(rng, 40)
     with _filled(str(tmp_path / "local.db"), trials) as local, \
             TuningStore(new_db()) as shared:
-        report = merge_databases(shared, local, VALIDATOR)
+        report = merge_databases(shared, local)
         assert report.added["trials"] == len(trials)
         assert _snapshot(shared) == _snapshot(local)
 
@@ -165,13 +164,13 @@ def test_mixed_template_digests_are_refused_unless_allowed(new_db: Callable[[], 
     with _filled(new_db(), old) as ours, _filled(new_db(), new) as theirs:
         before = _snapshot(ours)
         with pytest.raises(BundleError, match="different kernel sources") as info:
-            merge_databases(ours, theirs, VALIDATOR)
+            merge_databases(ours, theirs)
         message = str(info.value)
         assert f"{P128.key()} {CONFIGS[0].key()}" in message
         assert old[0].template_digest[:12] in message and new[0].template_digest[:12] in message
         assert CONFIGS[1].key() not in message            # never measured here: no conflict
         assert _snapshot(ours) == before
-        report = merge_databases(ours, theirs, VALIDATOR, allow_mixed_digests=True)
+        report = merge_databases(ours, theirs, allow_mixed_digests=True)
         assert [(c.problem, c.config) for c in report.digest_conflicts] == [
             (P128.key(), CONFIGS[0].key())]
         assert report.added["trials"] == 2
@@ -194,7 +193,7 @@ def test_conflicting_device_hardware_is_refused(new_db: Callable[[], str],
                     devices=(fake,)) as theirs:
         before = _snapshot(ours)
         with pytest.raises(BundleError, match="114 SMs"):
-            merge_databases(ours, theirs, VALIDATOR)
+            merge_databases(ours, theirs)
         assert _snapshot(ours) == before
 
 
@@ -204,12 +203,12 @@ def test_altered_trial_with_a_known_uid_is_refused(db_url: str, tmp_path: Path,
     with _filled(db_url, [original]) as store:
         data = to_dict(export_bundle(store))
         data["trials"][0]["host"] = "someone-else"
-        del data["content_sha256"]
+        data["content_sha256"] = content_digest(data)  # a consistent, re-hashed bundle
         path = tmp_path / "altered.json"
         path.write_text(json.dumps(data))
         before = _snapshot(store)
         with pytest.raises(BundleError, match="different content"):
-            import_bundle(store, read_bundle(path, VALIDATOR))
+            import_bundle(store, read_bundle(path))
         assert _snapshot(store) == before
 
 
@@ -221,11 +220,11 @@ def test_merge_from_a_tampered_database_is_refused(new_db: Callable[[], str],
         with theirs.engine.begin() as conn:
             conn.execute(sa.update(TrialRow).values(host="x'; DROP TABLE ft_best; --"))
         with pytest.raises(DatabaseError, match="invalid value"):
-            merge_databases(ours, theirs, VALIDATOR)
+            merge_databases(ours, theirs)
         with theirs.engine.begin() as conn:
             conn.execute(sa.update(TrialRow).values(host="fine"))
             conn.execute(sa.update(ProblemRow).values(fields={"op": "fwd", "head_dim": 100,
                                                               "dtype": "bf16", "causal": True}))
         with pytest.raises(BundleError, match="head_dim=100"):
-            merge_databases(ours, theirs, VALIDATOR)
+            merge_databases(ours, theirs)
         assert _snapshot(ours) == before
