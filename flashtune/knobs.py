@@ -81,7 +81,10 @@ def _absolute_path(raw: str) -> Path:
     text = raw.strip()
     if "\0" in text:
         raise ValueError("a path cannot contain a NUL character")
-    path = Path(text).expanduser()
+    try:
+        path = Path(text).expanduser()
+    except RuntimeError:  # an unknown ~user (or no home directory at all)
+        path = Path(text)
     if text.startswith("~") and str(path).startswith("~"):
         raise ValueError(f"{text.split('/', 1)[0]!r} names no user's home directory; expected "
                          "an absolute path")

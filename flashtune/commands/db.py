@@ -334,3 +334,12 @@ def merge_command(
         except FlashtuneError as exc:
             raise fail(exc) from None
     _print_report(report, f"merge of {source.where}")
+
+
+def _register_verify() -> None:
+    from flashtune.commands.db_verify import verify_command
+
+    db_app.command("verify")(verify_command)
+
+
+_register_verify()

@@ -189,8 +189,10 @@ def report_command(
     """Plot the tuning studies in a database: best-so-far per trial, the B_r x B_c landscape
     per (warps, stages), and the winners per bucket."""
     from flashtune.commands.report import write_report
+    from flashtune.db.engine import require_existing
 
     try:
+        require_existing(db)  # a read command: never create a database on a mistyped path
         written = write_report(db, out, fmt, study_filter=study)
     except (FlashtuneError, ValueError) as exc:
         raise fail(str(exc)) from None

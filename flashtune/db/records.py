@@ -455,6 +455,8 @@ class BestEntry:
     provenance: Provenance | None = None
     current: bool = True
     failed_verification: bool = False
+    #: Current only because ``flashtune db verify`` passed on the installed sources.
+    reverified: bool = False
 
     @property
     def servable(self) -> bool:
@@ -473,6 +475,8 @@ class BestEntry:
             where += "; FAILED re-verification on the installed kernels"
         elif not self.current:
             where += "; STALE (other kernel sources), not served"
+        elif self.reverified:
+            where += "; measured on other kernel sources, re-verified on the installed ones"
         return where
 
     @property

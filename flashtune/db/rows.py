@@ -346,9 +346,11 @@ def select_best(session: Session, *, devices: Sequence[str] = (),
     for row, trial, arch, imp in found:
         digest = digests.get(row.id)
         verdict = verdicts.get(row.id)
-        current = digest is not None and (trial.template_digest == digest or verdict is True)
+        same = digest is not None and trial.template_digest == digest
+        current = same or (digest is not None and verdict is True)
         entries.append(BestEntry(trial, arch, _provenance(imp), current=current,
-                                 failed_verification=verdict is False))
+                                 failed_verification=verdict is False,
+                                 reverified=current and not same))
     return entries
 
 

@@ -117,7 +117,7 @@ class _Manifest:
     digests: Mapping[str, str]
 
 
-_manifests: dict[tuple[str, int, int], _Manifest] = {}
+_manifests: dict[tuple[str, int, int, int], _Manifest] = {}
 _manifests_lock = threading.Lock()
 
 
@@ -187,7 +187,8 @@ def _manifest(directory: Path) -> _Manifest:
     except FileNotFoundError:
         raise CacheError(f"{directory} (FLASHTUNE_PRECOMPILED_DIR) has no {MANIFEST_NAME}; "
                          "it was not written by `flashtune precompile`") from None
-    memo_key = (str(path), st.st_mtime_ns, st.st_size)
+    _check_shipped(path, st, "manifest")
+    memo_key = (str(path), st.st_ino, st.st_mtime_ns, st.st_size)
     found = _manifests.get(memo_key)
     if found is None:
         raw, _ = _read_regular(path, "manifest")

@@ -13,6 +13,7 @@ from conftest import ListSource
 from runtime_helpers import best_entry
 
 from flashtune.codegen.spec import DType, KernelConfig, Problem, ProblemBucket
+from flashtune.codegen.render import render
 from flashtune.db.records import BestEntry, DeviceRecord, Keyed, TrialRecord, TrialStatus
 from flashtune.db.store import TuningStore
 from flashtune.runtime.device import DeviceInfo
@@ -137,8 +138,8 @@ def _record(store: TuningStore, device: str, cc: tuple[int, int], seqlen: int,
                                      "13.0", "14.0"))
     store.record_trial(TrialRecord(
         device=device, problem=Keyed.of(PROBLEM), seqlen=seqlen, config=Keyed.of(config),
-        status=TrialStatus.OK, template_digest="0123456789abcdef", median_ms=ms, min_ms=ms,
-        max_ms=ms, count=3))
+        status=TrialStatus.OK, template_digest=render(PROBLEM, config).digest, median_ms=ms,
+        min_ms=ms, max_ms=ms, count=3))
 
 
 def _digest(path: Path) -> str:

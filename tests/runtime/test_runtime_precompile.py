@@ -7,6 +7,8 @@ module load (which records the cubin it was given).
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +19,13 @@ from flashtune.cli import app
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.db.records import DeviceRecord, Keyed, TrialRecord, TrialStatus
 from flashtune.db.store import TuningStore
-from flashtune.errors import ToolchainNotFound
+from flashtune.errors import CacheError, ToolchainNotFound
 from flashtune.families import render
 from flashtune.runtime import compiler, device
 from flashtune.runtime.backends import cuda
-from flashtune.runtime.cache import ArtifactCache
 from flashtune.runtime.precompile import (
-    NAMESPACE,
+    KERNELS_DIR,
+    MANIFEST_NAME,
     artifact_name,
     default_kernels,
     load_shipped,
@@ -59,16 +61,24 @@ def _fake_gpu(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bytes]]:
     return loaded
 
 
+def _artifact(ship: Path, source: Any, arch: str = "sm_90") -> Path:
+    return ship / KERNELS_DIR / f"{artifact_name(source, arch)}.zip"
+
+
 def test_precompiled_kernels_load_without_nvrtc(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    shipped = ArtifactCache(tmp_path / "ship")
-    (item,) = precompile([(PROBLEM, CONFIG), (PROBLEM, CONFIG)], "sm_90", cache=shipped)
+    ship = tmp_path / "ship"
+    (item,) = precompile([(PROBLEM, CONFIG), (PROBLEM, CONFIG)], "sm_90", ship)
     assert item.path.is_file() and item.registers > 0
     source = render(PROBLEM, CONFIG)
     expected = compiler.compile_source(source, "sm_90").cubin
-    assert not list((tmp_path / "ship").rglob("cubin"))  # only what is shipped
+    assert sorted(p.name for p in ship.iterdir()) == [MANIFEST_NAME, KERNELS_DIR]
+    # read-only for everyone, readable by everyone
+    assert stat.S_IMODE(item.path.stat().st_mode) == 0o444
+    assert stat.S_IMODE((ship / MANIFEST_NAME).stat().st_mode) == 0o444
+    assert stat.S_IMODE(ship.stat().st_mode) == 0o755
 
-    monkeypatch.setenv("FLASHTUNE_CACHE_DIR", str(tmp_path / "ship"))
+    monkeypatch.setenv("FLASHTUNE_PRECOMPILED_DIR", str(ship))
     _no_nvrtc(monkeypatch)
     loaded = _fake_gpu(monkeypatch)
     with pytest.raises(ToolchainNotFound):
@@ -80,28 +90,73 @@ def test_precompiled_kernels_load_without_nvrtc(tmp_path: Path,
         cuda.CudaBackend()._load_on_current(render(PROBLEM, OTHER), 0)
 
 
-def test_damaged_or_foreign_artifacts_are_ignored(tmp_path: Path,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
-    cache = ArtifactCache(tmp_path)
-    source = render(PROBLEM, CONFIG)
-    other = render(PROBLEM, OTHER)
-    precompile([(PROBLEM, CONFIG)], "sm_90", cache=cache)
-    assert load_shipped(source, "sm_90", cache) is not None
-    assert load_shipped(source, "sm_80", cache) is None
-    # the right file name holding another kernel's artifact (digest sidecar intact)
-    data = cache.load_bytes(NAMESPACE, artifact_name(source, "sm_90"), ".zip")
-    assert data is not None
-    cache.put_bytes(NAMESPACE, artifact_name(other, "sm_90"), ".zip", data)
-    assert load_shipped(other, "sm_90", cache) is None
-    assert "describes another kernel" in caplog.text
-    # flipped bytes: the digest check rejects it, and precompile writes it again
-    path = cache.path_for(NAMESPACE, artifact_name(source, "sm_90"), ".zip")
-    raw = bytearray(path.read_bytes())
+def test_tampered_shipped_directory_is_refused(tmp_path: Path) -> None:
+    """A shipped file that differs from the manifest is an error naming it, never a silent
+    rebuild (regression: a tampered precompile directory was served as-is)."""
+    ship = tmp_path / "ship"
+    source, other = render(PROBLEM, CONFIG), render(PROBLEM, OTHER)
+    precompile([(PROBLEM, CONFIG), (PROBLEM, OTHER)], "sm_90", ship)
+    assert load_shipped(source, "sm_90", [ship]) is not None
+    assert load_shipped(source, "sm_80", [ship]) is None  # not shipped for sm_80
+    path = _artifact(ship, source)
+    original = path.read_bytes()
+    path.chmod(0o644)
+    # flipped bytes
+    raw = bytearray(original)
     raw[len(raw) // 2] ^= 0xFF
     path.write_bytes(bytes(raw))
-    assert load_shipped(source, "sm_90", cache) is None
-    precompile([(PROBLEM, CONFIG)], "sm_90", cache=cache)
-    assert load_shipped(source, "sm_90", cache) is not None
+    with pytest.raises(CacheError, match="does not match the digest"):
+        load_shipped(source, "sm_90", [ship])
+    # another kernel's (valid) artifact copied over it
+    path.write_bytes(_artifact(ship, other).read_bytes())
+    with pytest.raises(CacheError, match="does not match the digest"):
+        load_shipped(source, "sm_90", [ship])
+    # listed but missing
+    path.unlink()
+    with pytest.raises(CacheError, match="listed in the manifest but missing"):
+        load_shipped(source, "sm_90", [ship])
+    # the build step writes it again
+    precompile([(PROBLEM, CONFIG)], "sm_90", ship)
+    assert load_shipped(source, "sm_90", [ship]) is not None
+    assert load_shipped(other, "sm_90", [ship]) is not None  # kept from the first run
+
+
+def test_shipped_directory_writable_by_others_is_refused(tmp_path: Path) -> None:
+    ship = tmp_path / "ship"
+    source = render(PROBLEM, CONFIG)
+    precompile([(PROBLEM, CONFIG)], "sm_90", ship)
+    for target in (ship, ship / KERNELS_DIR, ship / MANIFEST_NAME, _artifact(ship, source)):
+        mode = stat.S_IMODE(target.stat().st_mode)
+        target.chmod(mode | 0o002)
+        with pytest.raises(CacheError, match="writable by other users"):
+            load_shipped(source, "sm_90", [ship])
+        target.chmod(mode)
+    assert load_shipped(source, "sm_90", [ship]) is not None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the directory away")
+def test_shipped_directory_owned_by_another_user_is_served(tmp_path: Path) -> None:
+    """The documented use: an application ships the directory, installed by another user
+    (regression: it was silently 'absent' and the rebuild failed on a .lock)."""
+    ship = tmp_path / "ship"
+    source = render(PROBLEM, CONFIG)
+    precompile([(PROBLEM, CONFIG)], "sm_90", ship)
+    for path in (ship, *ship.rglob("*")):
+        os.chown(path, 65534, 65534)
+    assert load_shipped(source, "sm_90", [ship]) is not None
+
+
+def test_damaged_manifest_is_an_error(tmp_path: Path) -> None:
+    ship = tmp_path / "ship"
+    precompile([(PROBLEM, CONFIG)], "sm_90", ship)
+    manifest = ship / MANIFEST_NAME
+    manifest.chmod(0o644)
+    manifest.write_text("{not json")
+    with pytest.raises(CacheError, match="manifest .* is damaged"):
+        load_shipped(render(PROBLEM, CONFIG), "sm_90", [ship])
+    manifest.unlink()
+    with pytest.raises(CacheError, match="has no flashtune-precompiled.json"):
+        load_shipped(render(PROBLEM, CONFIG), "sm_90", [ship])
 
 
 def test_default_kernels_cover_every_compiled_problem() -> None:
@@ -130,8 +185,8 @@ def _db_with_result(path: Path) -> str:
         store.record_trial(TrialRecord(
             device="NVIDIA H200", problem=Keyed.of(PROBLEM), seqlen=2048,
             config=Keyed.of(OTHER), status=TrialStatus.OK,
-            template_digest="0123456789abcdef", median_ms=0.2, min_ms=0.2, max_ms=0.2,
-            count=5))
+            template_digest=render(PROBLEM, OTHER).digest, median_ms=0.2, min_ms=0.2,
+            max_ms=0.2, count=5))
     return url
 
 
@@ -142,7 +197,8 @@ def test_cli_explain(tmp_path: Path) -> None:
     result = runner.invoke(app, [*base, "--device", "NVIDIA H200"])
     assert result.exit_code == 0, result.output
     for text in ("fwd_d64_fp16_full_n2048", "NVIDIA H200 (sm_90)", "tier:     exact",
-                 OTHER.key(), "precompiled cubin absent"):
+                 OTHER.key(), "precompiled cubin absent",
+                 "origin:   tuned into this database on host"):
         assert text in result.output, result.output
     result = runner.invoke(app, [*base, "--arch", "sm_90"])
     assert "tier:     same_arch" in result.output and "virtual-sm_90" in result.output
@@ -150,6 +206,14 @@ def test_cli_explain(tmp_path: Path) -> None:
     assert "tier:     default" in result.output
     result = runner.invoke(app, [*base, "--device", "Unknown GPU"])
     assert result.exit_code == 1 and "not in the tuning database" in result.output
+    # it suggests a command that exists (regression: `flashtune db devices`)
+    assert "`flashtune db list`" in result.output
+    assert runner.invoke(app, ["db", "list", "--db", db]).exit_code == 0
+    # a length that attention refuses is refused here too (regression: 10**12 ran)
+    result = runner.invoke(app, ["explain", "--head-dim", "64", "--seqlen", str(10**12),
+                                 "--db", db, "--arch", "sm_90"])
+    assert result.exit_code == 1
+    assert "exceed the limit 1073741312" in " ".join(result.output.split())
     result = runner.invoke(app, [*base[:-1], str(tmp_path / "missing.db"), "--arch", "sm_90"])
     assert result.exit_code == 1 and "no database file" in result.output
 
@@ -159,13 +223,21 @@ def test_cli_precompile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     ship = tmp_path / "ship"
     db = _db_with_result(tmp_path / "t.db")
     args = ["precompile", "--arch", "sm_90", "--head-dim", "64", "--dtype", "fp16",
-            "--no-causal", "--cache-dir", str(ship), "--db", db]
+            "--no-causal", "--out", str(ship), "--db", db]
     result = runner.invoke(app, [*args, "--seqlen", "2000", "--seqlen", "100"])
     assert result.exit_code == 0, result.output
     # a virtual sm_90 gets the family's tuned config for every bucket
-    assert OTHER.key() in result.output and f"FLASHTUNE_CACHE_DIR={ship}" in result.output
-    monkeypatch.setenv("FLASHTUNE_CACHE_DIR", str(ship))
+    assert OTHER.key() in result.output
+    assert f"FLASHTUNE_PRECOMPILED_DIR={ship}" in result.output
+    monkeypatch.setenv("FLASHTUNE_PRECOMPILED_DIR", str(ship))
     assert load_shipped(render(PROBLEM, OTHER), "sm_90") is not None
+    # an output directory that cannot exist is a message, not a traceback
+    bad = runner.invoke(app, [*args[:-4], "--out", "/proc/flashtune-x", "--db", db])
+    assert bad.exit_code == 1
+    assert "cannot write the precompiled directory" in " ".join(bad.output.split())
+    assert bad.exception is None or isinstance(bad.exception, SystemExit)
+    huge = runner.invoke(app, [*args, "--seqlen", str(1 << 40)])
+    assert huge.exit_code == 1 and "exceed the limit" in " ".join(huge.output.split())
     result = runner.invoke(app, ["precompile", "--arch", "sm_90"])
     assert result.exit_code == 1 and "nothing to compile" in result.output
     result = runner.invoke(app, ["explain", "--head-dim", "64", "--seqlen", "2048",

@@ -1,0 +1,186 @@
+"""``flashtune db verify``: re-check the configs a database serves, on the installed kernels.
+
+Each best entry (optionally only some devices or problems) is rendered from the installed
+templates and checked through the tuner's measurement backends, so this is exactly the
+verification a tuning run does:
+
+- without a GPU (or with ``--backend emulator``): NVRTC compiles for the entry's arch and the
+  CPU emulator runs the kernel on fresh random inputs against the float64 reference;
+- on a GPU: the same numerics on the device, and the entry's bucket is timed again (only for
+  entries of this very device): the report shows the new median next to the stored one.
+
+Every check is recorded (``ft_verifications``): a pass on the installed sources makes a
+stale entry servable again, a failure keeps an entry from being served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from flashtune.db.records import BestEntry, TrialStatus, printable, truncate_error
+from flashtune.db.trust import current_digest
+from flashtune.errors import FlashtuneError
+
+if TYPE_CHECKING:
+    from flashtune.db.store import TuningStore
+    from flashtune.tuner.measure import MeasurementBackend
+
+#: Measured / stored median outside this range is flagged in the report.
+TIMING_RATIO_WARN = 2.0
+#: Verification lengths in the emulator stay small (it runs every thread on the CPU).
+EMULATOR_VERIFY_CAP = 72
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The outcome of re-checking one best entry."""
+
+    entry: BestEntry
+    digest: str | None
+    passed: bool
+    detail: str
+    measured_ms: float | None = None
+
+
+def _time(backend: MeasurementBackend, entry: BestEntry, verify_cap: int | None
+          ) -> tuple[float, str]:
+    """The geometric-mean median of the entry's bucket shapes on ``backend``, and a note."""
+    from flashtune.tuner.measure import TimingPlan
+    from flashtune.tuner.workload import geomean, make_workload
+
+    bucket, config = entry.trial.problem_bucket(), entry.trial.kernel_config()
+    shapes = make_workload(bucket, verify_cap=verify_cap or 1024).shapes
+    timings = backend.time(bucket.problem, config, shapes, TimingPlan())
+    measured = geomean([t.median_ms for t in timings])
+    ratio = measured / entry.median_ms
+    flag = ("" if 1 / TIMING_RATIO_WARN <= ratio <= TIMING_RATIO_WARN
+            else f"; differs from the stored time by more than {TIMING_RATIO_WARN:g}x")
+    return measured, (f"measured {measured:.4g} ms, stored {entry.median_ms:.4g} ms "
+                      f"(x{ratio:.3g}){flag}")
+
+
+def check_entry(backend: MeasurementBackend, entry: BestEntry, *,
+                verify_cap: int | None = None, time_it: bool = False) -> Checked:
+    """Re-check one entry's config on the installed kernel sources with ``backend``."""
+    from flashtune.tuner.workload import make_workload
+
+    digest = current_digest(entry.problem, entry.config.key)
+    try:
+        bucket, config = entry.trial.problem_bucket(), entry.trial.kernel_config()
+        workload = make_workload(bucket, verify_cap=verify_cap or 1024)
+        outcome = backend.verify(bucket.problem, config, workload.verify_shape)
+    except FlashtuneError as exc:
+        return Checked(entry, digest, False, truncate_error(f"{type(exc).__name__}: {exc}"))
+    if outcome.status is not TrialStatus.OK:
+        return Checked(entry, digest, False,
+                       truncate_error(f"{outcome.status.value}: {outcome.error or ''}"))
+    detail = f"numerics ok (max abs error {outcome.max_abs_error:.3g})"
+    if not time_it:
+        return Checked(entry, digest, True, detail)
+    try:
+        measured, note = _time(backend, entry, verify_cap)
+    except FlashtuneError as exc:
+        return Checked(entry, digest, False, truncate_error(f"timing failed: {exc}"))
+    return Checked(entry, digest, True, f"{detail}; {note}", measured)
+
+
+def verify_store(store: TuningStore, entries: Sequence[BestEntry],
+                 backend_for: Callable[[str], MeasurementBackend], *,
+                 verify_cap: int | None = None,
+                 on_result: Callable[[Checked], None] | None = None) -> list[Checked]:
+    """Check every entry (``backend_for(arch)`` gives the backend of an arch) and record
+    each verdict in ``store``. Timing happens only on a timed backend, for entries of the
+    backend's own device."""
+    results: list[Checked] = []
+    backends: dict[str, MeasurementBackend] = {}
+    for entry in entries:
+        if entry.arch not in backends:
+            backends[entry.arch] = backend_for(entry.arch)
+        backend = backends[entry.arch]
+        time_it = backend.timed and backend.device.name == entry.device
+        checked = check_entry(backend, entry, verify_cap=verify_cap, time_it=time_it)
+        if checked.digest is not None:
+            name = "gpu" if backend.timed else "emulator"
+            store.record_verification(entry.trial.uid, checked.digest, checked.passed, name,
+                                      checked.detail)
+        results.append(checked)
+        if on_result is not None:
+            on_result(checked)
+    return results
+
+
+def _backend_factory(kind: str) -> tuple[Callable[[str], MeasurementBackend], int | None]:
+    import torch
+
+    from flashtune.tuner.backends import dry_run_backend, gpu_backend
+
+    use_gpu = kind == "gpu" or (kind == "auto" and torch.cuda.is_available())
+    if use_gpu:
+        gpu = gpu_backend()
+        return (lambda arch: gpu), None
+    return dry_run_backend, EMULATOR_VERIFY_CAP
+
+
+def verify_command(
+    ctx: typer.Context,
+    db: Annotated[str | None, typer.Option(
+        "--db", metavar="URL", help="Database URL or SQLite file path.")] = None,
+    device: Annotated[list[str] | None, typer.Option(
+        "--device", help="Only this device (repeatable).")] = None,
+    problem: Annotated[list[str] | None, typer.Option(
+        "--problem", help="Only this problem key (repeatable).")] = None,
+    backend: Annotated[str, typer.Option(
+        "--backend", help="auto (the GPU if there is one, else the emulator), gpu or "
+                          "emulator.")] = "auto",
+) -> None:
+    """Re-check the configs this database serves on the installed kernels: numerics in the
+    CPU emulator without a GPU, numerics and timing on a GPU. Records each verdict (a pass
+    makes a stale entry servable again, a failure stops it being served); exits with
+    status 1 if any check fails."""
+    from flashtune.commands.db import _fail, _open
+
+    if backend not in ("auto", "gpu", "emulator"):
+        raise typer.BadParameter(f"{backend!r}; expected auto, gpu or emulator",
+                                 param_hint="--backend")
+    console = Console(highlight=False, soft_wrap=True)
+    with _open(ctx, db, create=False) as reader:
+        where = reader.url
+        try:
+            entries = [e for e in reader.best_entries()
+                       if (not device or e.device in device)
+                       and (not problem or e.problem in problem)]
+        except FlashtuneError as exc:
+            raise _fail(exc) from None
+    if not entries:
+        console.print("no best entries to verify")
+        return
+    from flashtune.db.store import TuningStore
+
+    table = Table("device", "bucket", "config", "sources", "result", "detail",
+                  title=f"verification of {len(entries)} served config(s)")
+
+    def show(checked: Checked) -> None:
+        entry = checked.entry
+        sources = "current" if entry.trial.template_digest == checked.digest else "stale"
+        table.add_row(*(Text(printable(str(cell))) for cell in (
+            entry.device, entry.trial.bucket, entry.config.key, sources,
+            "pass" if checked.passed else "FAIL", checked.detail.splitlines()[0][:160])))
+
+    try:
+        factory, cap = _backend_factory(backend)
+        with TuningStore(where) as store:
+            results = verify_store(store, entries, factory, verify_cap=cap, on_result=show)
+    except FlashtuneError as exc:
+        raise _fail(exc) from None
+    console.print(table)
+    failed = sum(not r.passed for r in results)
+    console.print(Text(f"{len(results) - failed} passed, {failed} failed"))
+    if failed:
+        raise typer.Exit(1)
