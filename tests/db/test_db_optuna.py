@@ -5,10 +5,12 @@ from __future__ import annotations
 import random
 
 import optuna
+import pytest
 import sqlalchemy as sa
 from dbfactories import CONFIGS, H100, PROBLEMS, trial
 
-from flashtune.db import TuningStore, optuna_storage, resolve_url
+from flashtune.db import TuningStore, open_optuna_storage, optuna_storage, resolve_url
+from flashtune.errors import DatabaseError
 
 
 def test_optuna_and_flashtune_share_one_database(db_url: str, rng: random.Random) -> None:
@@ -41,3 +43,26 @@ def test_optuna_and_flashtune_share_one_database(db_url: str, rng: random.Random
     assert {"ft_trials", "ft_best", "ft_alembic_version"} <= tables
     ours_tables = {t for t in tables if t.startswith("ft_")}
     assert ours_tables.isdisjoint({"studies", "trials", "alembic_version"})
+
+
+def test_open_optuna_storage_sets_the_pragmas_and_busy_timeout(db_url: str,
+                                                              backend: str) -> None:
+    storage = open_optuna_storage(db_url, busy_timeout_s=7.5)
+    optuna.create_study(study_name="pragmas", storage=storage)
+    if backend != "sqlite":
+        return
+    with storage.engine.connect() as connection:
+        assert connection.exec_driver_sql("PRAGMA busy_timeout").scalar() == 7500
+        assert connection.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert connection.exec_driver_sql("PRAGMA synchronous").scalar() == 1  # NORMAL
+
+
+def test_open_optuna_storage_default_timeout_is_the_knob(
+        db_url: str, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLASHTUNE_DB_BUSY_TIMEOUT_S", "12")
+    storage = open_optuna_storage(db_url)
+    if backend == "sqlite":
+        with storage.engine.connect() as connection:
+            assert connection.exec_driver_sql("PRAGMA busy_timeout").scalar() == 12000
+    with pytest.raises(DatabaseError, match="busy_timeout_s"):
+        open_optuna_storage(db_url, busy_timeout_s=0)
