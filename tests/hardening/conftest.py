@@ -3,7 +3,6 @@ database, the knobs and the API. Each test names the finding it guards against."
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +16,6 @@ for helper_dir in ("db", "runtime"):
 from flashtune.runtime import cache as cache_module  # noqa: E402
 from flashtune.runtime.cache import ArtifactCache  # noqa: E402
 
-#: The run's seed (tests/conftest.py prints it in the report header).
-RUN_SEED = int(os.environ.get("FLASHTUNE_TEST_SEED", "0"))
-
 
 @pytest.fixture
 def cache(tmp_path: Path) -> Iterator[ArtifactCache]:
@@ -27,7 +23,3 @@ def cache(tmp_path: Path) -> Iterator[ArtifactCache]:
     cache_module.forget_trusted_directories()
     yield ArtifactCache(tmp_path / "cache")
     cache_module.forget_trusted_directories()
-
-
-def is_root() -> bool:
-    return os.geteuid() == 0

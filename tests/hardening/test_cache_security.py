@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import is_root
+from hardening_helpers import is_root
 
 from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelConfig, Problem

@@ -33,8 +33,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import RUN_SEED
 from dbfactories import A100, H100, random_trials
+from hardening_helpers import RUN_SEED
 from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from dbfactories import A100, CONFIGS, DEVICES, H100, PROBLEMS, random_trials, trial
+from hardening_helpers import is_root
 from typer.testing import CliRunner
 
 from flashtune.cli import app
@@ -272,19 +273,13 @@ def test_read_only_open_never_writes(filled: Path) -> None:
         with store.engine.connect() as connection, pytest.raises(sa.exc.OperationalError,
                                                                  match="readonly|query_only"):
             connection.exec_driver_sql("CREATE TABLE intruder (x INTEGER)")
-    if not _root():  # a real read-only directory (root writes anywhere)
+    if not is_root():  # a real read-only directory (root writes anywhere)
         filled.parent.chmod(0o555)
         try:
             with TuningStore(filled, create=False) as store:
                 assert len(store.all_best()) > 0
         finally:
             filled.parent.chmod(0o755)
-
-
-def _root() -> bool:
-    import os
-
-    return os.geteuid() == 0
 
 
 def test_mode_ro_is_honoured(filled: Path, tmp_path: Path) -> None:
