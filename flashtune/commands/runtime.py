@@ -1,5 +1,5 @@
 """``flashtune explain`` (which config the runtime would run, and why) and ``flashtune
-precompile`` (fill a kernel cache that serves without NVRTC)."""
+precompile`` (fill a read-only directory of kernels that serves without NVRTC)."""
 
 from __future__ import annotations
 
