@@ -34,6 +34,7 @@ from flashtune.db.records import Provenance, printable
 from flashtune.db.schema import ensure_schema, schema_state
 from flashtune.db.sharing import PREFER_CHOICES, Prefer
 from flashtune.errors import DatabaseError, FlashtuneError
+from flashtune.runtime.trust import installed_digest, serving_state
 
 db_app = typer.Typer(name="db", no_args_is_help=True,
                      help="Inspect, upgrade, export, import and merge the tuning database.")
@@ -53,7 +54,7 @@ DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Report what would ch
                                                            "nothing.")]
 TrustOpt = Annotated[bool, typer.Option(
     "--trust", help="Trust this source: its results of other devices may then serve this "
-                    "one through the fallback (family) tier. Without it they serve only "
+                    "one through the fallback (same_arch) tier. Without it they serve only "
                     "their own device (or what FLASHTUNE_TRUSTED_SOURCES names).")]
 
 
@@ -69,7 +70,8 @@ def _open(ctx: typer.Context, db: str | None, *, create: bool = True) -> TuningS
     ``create=False`` (the read commands) refuses a missing file and opens read-only.
     """
     try:
-        return TuningStore(db if db is not None else ctx.obj, create=create)
+        return TuningStore(db if db is not None else ctx.obj, create=create,
+                           installed=installed_digest)
     except FlashtuneError as exc:
         raise fail(exc) from None
 
@@ -108,9 +110,9 @@ def _source(provenance: Provenance | None) -> str:
 
 
 def _state(entry: BestEntry) -> str:
-    if entry.failed_verification:
-        return "FAILED verify"
-    return "served" if entry.current else "stale"
+    """How the entry stands on the installed kernel sources (only the first two serve)."""
+    return {"current": "served", "reverified": "served (re-verified)", "stale": "stale",
+            "failed": "FAILED verify"}[serving_state(entry)]
 
 
 def _best_table(entries: list[BestEntry], title: str) -> Table:
@@ -217,7 +219,7 @@ def show_command(
             raise fail(exc) from None
     _out().print(_best_table(best, f"best for {bucket}"))
     for entry in best:
-        _out().print(Text(printable(f"{entry.device}: {entry.origin}")))
+        _out().print(Text(printable(f"{entry.device}: {entry.origin} ({_state(entry)})")))
     table = _table("device", "config", "status", "median ms", "min", "max", "n", "TFLOP/s",
                    "predicted", "digest", "source", "host", "study", "measured", "error",
                    title=f"trials ({min(limit, len(trials))} of {len(trials)})")
@@ -336,10 +338,47 @@ def merge_command(
     _print_report(report, f"merge of {source.where}")
 
 
-def _register_verify() -> None:
-    from flashtune.commands.db_verify import verify_command
+@db_app.command("verify")
+def verify_command(
+    ctx: typer.Context,
+    db: DbOption = None,
+    device: Annotated[list[str] | None, typer.Option(
+        "--device", help="Only this device (repeatable).")] = None,
+    problem: Annotated[list[str] | None, typer.Option(
+        "--problem", help="Only this problem key (repeatable).")] = None,
+    backend: Annotated[str, typer.Option(
+        "--backend", help="auto (the GPU if there is one, else the emulator), gpu or "
+                          "emulator.")] = "auto",
+) -> None:
+    """Re-check the configs this database serves on the installed kernels: numerics in the
+    CPU emulator without a GPU, numerics and timing on a GPU. Records each verdict (a pass
+    makes a stale entry servable again, a failure stops it being served); exits with
+    status 1 if any check fails."""
+    from flashtune.commands.db_verify import backend_factory, results_table, verify_store
 
-    db_app.command("verify")(verify_command)
-
-
-_register_verify()
+    if backend not in ("auto", "gpu", "emulator"):
+        raise typer.BadParameter(f"{backend!r}; expected auto, gpu or emulator",
+                                 param_hint="--backend")
+    with _open(ctx, db, create=False) as reader:
+        where = reader.url
+        try:
+            entries = [e for e in reader.best_entries()
+                       if (not device or e.device in device)
+                       and (not problem or e.problem in problem)]
+        except FlashtuneError as exc:
+            raise _fail(exc) from None
+    if not entries:
+        _out().print("no best entries to verify")
+        return
+    table, add_row = results_table(f"verification of {len(entries)} served config(s)")
+    try:
+        factory, cap = backend_factory(backend)
+        with TuningStore(where) as store:
+            results = verify_store(store, entries, factory, verify_cap=cap, on_result=add_row)
+    except FlashtuneError as exc:
+        raise _fail(exc) from None
+    _out().print(table)
+    failed = sum(not r.passed for r in results)
+    _out().print(Text(f"{len(results) - failed} passed, {failed} failed"))
+    if failed:
+        raise typer.Exit(1)

@@ -17,20 +17,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING
 
-import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from flashtune.db.records import BestEntry, TrialStatus, printable, truncate_error
-from flashtune.db.trust import current_digest
 from flashtune.errors import FlashtuneError
+from flashtune.runtime.trust import installed_digest
 
 if TYPE_CHECKING:
     from flashtune.db.store import TuningStore
-    from flashtune.tuner.measure import MeasurementBackend
+    from flashtune.tuner.measure.base import MeasurementBackend
 
 #: Measured / stored median outside this range is flagged in the report.
 TIMING_RATIO_WARN = 2.0
@@ -52,8 +50,8 @@ class Checked:
 def _time(backend: MeasurementBackend, entry: BestEntry, verify_cap: int | None
           ) -> tuple[float, str]:
     """The geometric-mean median of the entry's bucket shapes on ``backend``, and a note."""
-    from flashtune.tuner.measure import TimingPlan
-    from flashtune.tuner.workload import geomean, make_workload
+    from flashtune.tuner.measure.base import TimingPlan
+    from flashtune.tuner.measure.workload import geomean, make_workload
 
     bucket, config = entry.trial.problem_bucket(), entry.trial.kernel_config()
     shapes = make_workload(bucket, verify_cap=verify_cap or 1024).shapes
@@ -69,9 +67,9 @@ def _time(backend: MeasurementBackend, entry: BestEntry, verify_cap: int | None
 def check_entry(backend: MeasurementBackend, entry: BestEntry, *,
                 verify_cap: int | None = None, time_it: bool = False) -> Checked:
     """Re-check one entry's config on the installed kernel sources with ``backend``."""
-    from flashtune.tuner.workload import make_workload
+    from flashtune.tuner.measure.workload import make_workload
 
-    digest = current_digest(entry.problem, entry.config.key)
+    digest = installed_digest(entry.problem, entry.config.key)
     try:
         bucket, config = entry.trial.problem_bucket(), entry.trial.kernel_config()
         workload = make_workload(bucket, verify_cap=verify_cap or 1024)
@@ -116,10 +114,13 @@ def verify_store(store: TuningStore, entries: Sequence[BestEntry],
     return results
 
 
-def _backend_factory(kind: str) -> tuple[Callable[[str], MeasurementBackend], int | None]:
+def backend_factory(kind: str) -> tuple[Callable[[str], MeasurementBackend], int | None]:
+    """``backend_for(arch)`` and the verification length cap for ``--backend`` (auto: the
+    GPU if there is one, else the emulator)."""
     import torch
 
-    from flashtune.tuner.backends import dry_run_backend, gpu_backend
+    from flashtune.tuner.measure.cuda import gpu_backend
+    from flashtune.tuner.measure.dry import dry_run_backend
 
     use_gpu = kind == "gpu" or (kind == "auto" and torch.cuda.is_available())
     if use_gpu:
@@ -128,59 +129,15 @@ def _backend_factory(kind: str) -> tuple[Callable[[str], MeasurementBackend], in
     return dry_run_backend, EMULATOR_VERIFY_CAP
 
 
-def verify_command(
-    ctx: typer.Context,
-    db: Annotated[str | None, typer.Option(
-        "--db", metavar="URL", help="Database URL or SQLite file path.")] = None,
-    device: Annotated[list[str] | None, typer.Option(
-        "--device", help="Only this device (repeatable).")] = None,
-    problem: Annotated[list[str] | None, typer.Option(
-        "--problem", help="Only this problem key (repeatable).")] = None,
-    backend: Annotated[str, typer.Option(
-        "--backend", help="auto (the GPU if there is one, else the emulator), gpu or "
-                          "emulator.")] = "auto",
-) -> None:
-    """Re-check the configs this database serves on the installed kernels: numerics in the
-    CPU emulator without a GPU, numerics and timing on a GPU. Records each verdict (a pass
-    makes a stale entry servable again, a failure stops it being served); exits with
-    status 1 if any check fails."""
-    from flashtune.commands.db import _fail, _open
+def results_table(title: str) -> tuple[Table, Callable[[Checked], None]]:
+    """A table of verification results and the function that adds one row to it."""
+    table = Table("device", "bucket", "config", "sources", "result", "detail", title=title)
 
-    if backend not in ("auto", "gpu", "emulator"):
-        raise typer.BadParameter(f"{backend!r}; expected auto, gpu or emulator",
-                                 param_hint="--backend")
-    console = Console(highlight=False, soft_wrap=True)
-    with _open(ctx, db, create=False) as reader:
-        where = reader.url
-        try:
-            entries = [e for e in reader.best_entries()
-                       if (not device or e.device in device)
-                       and (not problem or e.problem in problem)]
-        except FlashtuneError as exc:
-            raise _fail(exc) from None
-    if not entries:
-        console.print("no best entries to verify")
-        return
-    from flashtune.db.store import TuningStore
-
-    table = Table("device", "bucket", "config", "sources", "result", "detail",
-                  title=f"verification of {len(entries)} served config(s)")
-
-    def show(checked: Checked) -> None:
+    def add(checked: Checked) -> None:
         entry = checked.entry
-        sources = "current" if entry.trial.template_digest == checked.digest else "stale"
+        sources = "installed" if entry.trial.template_digest == checked.digest else "other"
         table.add_row(*(Text(printable(str(cell))) for cell in (
             entry.device, entry.trial.bucket, entry.config.key, sources,
             "pass" if checked.passed else "FAIL", checked.detail.splitlines()[0][:160])))
 
-    try:
-        factory, cap = _backend_factory(backend)
-        with TuningStore(where) as store:
-            results = verify_store(store, entries, factory, verify_cap=cap, on_result=show)
-    except FlashtuneError as exc:
-        raise _fail(exc) from None
-    console.print(table)
-    failed = sum(not r.passed for r in results)
-    console.print(Text(f"{len(results) - failed} passed, {failed} failed"))
-    if failed:
-        raise typer.Exit(1)
+    return table, add

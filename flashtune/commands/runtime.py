@@ -21,6 +21,7 @@ from flashtune.errors import FlashtuneError
 from flashtune.families import render
 from flashtune.runtime.dispatch import DeviceLike, Dispatcher
 from flashtune.runtime.limits import check_seqlens
+from flashtune.runtime.trust import serving_state
 
 DEFAULT_ARCH = "sm_90"
 
@@ -122,7 +123,8 @@ def explain_command(
     console = Console(highlight=False, soft_wrap=True)
     console.print(escape(printable(decision.describe())))
     if decision.entry is not None:
-        console.print(escape(printable(f"origin:   {decision.entry.origin}")))
+        state = serving_state(decision.entry)
+        console.print(escape(printable(f"origin:   {decision.entry.origin} ({state})")))
     console.print(f"kernel:   {source.entry} ({source.threads} threads, "
                   f"{source.smem_bytes} B dynamic shared memory)")
     console.print(f"cache:    precompiled cubin {'present' if shipped else 'absent'} in "

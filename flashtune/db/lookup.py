@@ -13,7 +13,9 @@ Order of preference:
    broken by the larger bucket, then the device name (so the choice is deterministic) --
    only from trusted sources (``trust.trusted``).
 
-Stale results and results that failed re-verification are never served (``trust.py``).
+Given the installed kernel sources (``installed``), stale results and results that failed
+re-verification are skipped (``BestEntry.state``); the runtime's dispatcher drops them before
+it builds its index.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-from flashtune.db.records import BestEntry
+from flashtune.db.records import BestEntry, DigestOf
 from flashtune.db.trust import trusted
 
 How = Literal["exact", "nearest", "same_arch"]
@@ -49,16 +51,21 @@ def nearest(entries: Iterable[BestEntry], seqlen: int) -> BestEntry | None:
 
 
 def resolve(entries: Iterable[BestEntry], *, device: str, arch: str, problem: str,
-            seqlen: int, trusted_sources: frozenset[str] | None = None) -> Match | None:
+            seqlen: int, trusted_sources: frozenset[str] | None = None,
+            installed: DigestOf | None = None) -> Match | None:
     """The best entry for the bucket by the module's order of preference, or None.
 
     ``trusted_sources``: whose results of other devices may serve (default: the knob
-    FLASHTUNE_TRUSTED_SOURCES).
+    FLASHTUNE_TRUSTED_SOURCES); ``installed``: with it, entries not servable on the
+    installed kernel sources are skipped.
     """
     own: list[BestEntry] = []
     same_arch: list[BestEntry] = []
     for entry in entries:
-        if entry.problem != problem or not entry.servable:
+        if entry.problem != problem:
+            continue
+        if installed is not None and not entry.servable(installed(entry.problem,
+                                                                  entry.config.key)):
             continue
         if entry.device == device:
             if entry.seqlen == seqlen:

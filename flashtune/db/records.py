@@ -15,12 +15,12 @@ import math
 import re
 import socket
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from enum import Enum
 from importlib import metadata
-from typing import Protocol
+from typing import Literal, Protocol
 
 from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.spec import KernelConfig, Problem, ProblemBucket
@@ -439,45 +439,55 @@ class Provenance:
                 f"{self.exported_by} at {self.exported_at:%Y-%m-%d %H:%M} UTC; {trust})")
 
 
+#: A function giving the template digest the installed flashtune renders for a (problem
+#: key, config key), or None for keys it cannot render. The database cannot render kernels
+#: (it sits below the kernel families), so the layers above hand it one (see
+#: ``flashtune.runtime.trust.installed_digest``).
+DigestOf = Callable[[str, str], "str | None"]
+State = Literal["current", "reverified", "stale", "failed"]
+
+
 @dataclass(frozen=True)
 class BestEntry:
     """The best trial of one (device, problem, seqlen bucket), with the device's arch.
 
     ``provenance`` is None for results tuned into this database, else the import they came
-    from. ``current`` is False for a stale result: measured on other kernel sources (another
-    template digest) than the installed flashtune renders, and not re-verified since.
-    ``failed_verification``: ``flashtune db verify`` found the config wrong on the
-    installed kernel sources. Only current results that did not fail are ever served.
+    from. ``verified`` / ``refuted``: the template digests on which ``flashtune db verify``
+    last found this entry's config right / wrong. Whether the entry may be served depends on
+    the installed kernel sources: see ``state``.
     """
 
     trial: TrialRecord
     arch: str
     provenance: Provenance | None = None
-    current: bool = True
-    failed_verification: bool = False
-    #: Current only because ``flashtune db verify`` passed on the installed sources.
-    reverified: bool = False
+    verified: frozenset[str] = frozenset()
+    refuted: frozenset[str] = frozenset()
 
-    @property
-    def servable(self) -> bool:
-        return self.current and not self.failed_verification
+    def state(self, installed_digest: str | None) -> State:
+        """``current``: measured on the installed kernel sources (``installed_digest``);
+        ``reverified``: measured on other sources, re-verified on the installed ones;
+        ``failed``: re-verification on the installed sources found it wrong; ``stale``:
+        measured on other sources (or keys the installed flashtune cannot render), not
+        re-verified. Only current and reverified entries are ever served."""
+        if installed_digest is None:
+            return "stale"
+        if installed_digest in self.refuted:
+            return "failed"
+        if self.trial.template_digest == installed_digest:
+            return "current"
+        return "reverified" if installed_digest in self.verified else "stale"
+
+    def servable(self, installed_digest: str | None) -> bool:
+        return self.state(installed_digest) in ("current", "reverified")
 
     @property
     def origin(self) -> str:
         """Which source this result came from, for people (``explain``, ``db show``)."""
         t = self.trial
         if self.provenance is None:
-            where = (f"tuned into this database on host {t.host} at "
-                     f"{t.created_at:%Y-%m-%d %H:%M} UTC by flashtune {t.flashtune_version}")
-        else:
-            where = f"{self.provenance.describe()}; claimed host {t.host}"
-        if self.failed_verification:
-            where += "; FAILED re-verification on the installed kernels"
-        elif not self.current:
-            where += "; STALE (other kernel sources), not served"
-        elif self.reverified:
-            where += "; measured on other kernel sources, re-verified on the installed ones"
-        return where
+            return (f"tuned into this database on host {t.host} at "
+                    f"{t.created_at:%Y-%m-%d %H:%M} UTC by flashtune {t.flashtune_version}")
+        return f"{self.provenance.describe()}; claimed host {t.host}"
 
     @property
     def device(self) -> str:

@@ -34,6 +34,7 @@ from flashtune.db.models import (
 from flashtune.db.records import (
     BestEntry,
     DeviceRecord,
+    DigestOf,
     Keyed,
     Provenance,
     TrialRecord,
@@ -41,7 +42,6 @@ from flashtune.db.records import (
     now_utc,
     this_host,
 )
-from flashtune.db.trust import current_digest
 from flashtune.errors import DatabaseError
 
 _SOFTWARE = ("driver_version", "cuda_version", "nvrtc_version", "cupy_version")
@@ -82,8 +82,11 @@ class Writer:
     """Writes within one session, remembering row ids so that a batch of trials costs few
     round trips (one INSERT per trial, plus one upsert for an ok trial)."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, installed: DigestOf | None = None) -> None:
         self.session = session
+        #: The installed kernel sources' digests: with it, a best measured on them is never
+        #: displaced by a stale result, and always displaces one.
+        self.installed = installed
         self._devices: dict[str, int] = {}
         self._records: dict[str, DeviceRecord] = {}
         self._keyed: dict[tuple[str, str], int] = {}
@@ -194,7 +197,7 @@ class Writer:
         if row.status != TrialStatus.OK.value or row.median_ms is None:
             return False
         key = {"device_id": row.device_id, "problem_id": row.problem_id, "seqlen": row.seqlen}
-        if replace != "always":
+        if replace != "always" and self.installed is not None:
             old = self.session.execute(
                 sa.select(TrialRow).join(BestRow, BestRow.trial_id == TrialRow.id)
                 .where(BestRow.device_id == row.device_id, BestRow.problem_id == row.problem_id,
@@ -222,16 +225,18 @@ class Writer:
 
 
     def _current(self, row: TrialRow) -> bool:
+        """Whether ``row`` may be served on the installed kernel sources."""
+        assert self.installed is not None
         problem = self.session.get(ProblemRow, row.problem_id)
         config = self.session.get(ConfigRow, row.config_id)
         if problem is None or config is None:
             return False
-        digest = current_digest(problem.key, config.key)
+        digest = self.installed(problem.key, config.key)
         if digest is None:
             return False
         if row.template_digest == digest:
             return True
-        return _verdicts(self.session, [row.id], {row.id: digest}).get(row.id) is True
+        return _verdicts(self.session, [row.id]).get(row.id, {}).get(digest) is True
 
     def verification(self, row: TrialRow, template_digest: str, passed: bool, backend: str,
                      detail: str | None) -> None:
@@ -242,12 +247,9 @@ class Writer:
         self.session.flush()
 
 
-def _verdicts(session: Session, trial_ids: Sequence[int],
-              digests: dict[int, str]) -> dict[int, bool]:
-    """The latest verification verdict of each trial on its digest in ``digests``."""
-    found: dict[int, bool] = {}
-    if not trial_ids:
-        return found
+def _verdicts(session: Session, trial_ids: Sequence[int]) -> dict[int, dict[str, bool]]:
+    """Per trial, per template digest, the verdict of its latest verification."""
+    found: dict[int, dict[str, bool]] = {}
     for start in range(0, len(trial_ids), 500):
         chunk = list(trial_ids[start:start + 500])
         stmt = (sa.select(VerificationRow.trial_id, VerificationRow.template_digest,
@@ -255,8 +257,7 @@ def _verdicts(session: Session, trial_ids: Sequence[int],
                 .where(VerificationRow.trial_id.in_(chunk))
                 .order_by(VerificationRow.checked_at, VerificationRow.id))
         for trial_id, digest, passed in session.execute(stmt):
-            if digests.get(trial_id) == digest:
-                found[trial_id] = bool(passed)
+            found.setdefault(trial_id, {})[digest] = bool(passed)
     return found
 
 
@@ -339,18 +340,14 @@ def select_best(session: Session, *, devices: Sequence[str] = (),
             .order_by(DeviceRow.name, ProblemRow.key, TrialRow.seqlen))
     found = [(row, _to_trial(row, dev, prob, conf), f"sm_{dev.cc_major}{dev.cc_minor}", imp)
              for row, dev, prob, conf, _, imp in session.execute(stmt)]
-    digests = {row.id: digest for row, trial, _, _ in found
-               if (digest := current_digest(trial.problem.key, trial.config.key)) is not None}
-    verdicts = _verdicts(session, list(digests), digests)
+    verdicts = _verdicts(session, [row.id for row, _, _, _ in found])
     entries = []
     for row, trial, arch, imp in found:
-        digest = digests.get(row.id)
-        verdict = verdicts.get(row.id)
-        same = digest is not None and trial.template_digest == digest
-        current = same or (digest is not None and verdict is True)
-        entries.append(BestEntry(trial, arch, _provenance(imp), current=current,
-                                 failed_verification=verdict is False,
-                                 reverified=current and not same))
+        verdict = verdicts.get(row.id, {})
+        entries.append(BestEntry(
+            trial, arch, _provenance(imp),
+            verified=frozenset(d for d, ok in verdict.items() if ok),
+            refuted=frozenset(d for d, ok in verdict.items() if not ok)))
     return entries
 
 

@@ -12,8 +12,8 @@ Results measured on different kernel sources are never mixed silently: if a (pro
 config) pair was measured with one template digest here and another there, the import is
 refused with the list of differing digests, unless ``allow_mixed_digests`` is given (the
 report then lists them). Imported results from other kernel sources than the installed
-ones are kept but stale (never served until re-measured or re-verified; see ``trust.py``),
-and the report counts them.
+ones are kept but stale (never served until re-measured or re-verified; see
+``BestEntry.state``), and the report counts them.
 
 Every import records its provenance (``ft_imports``: the bundle's content digest, the
 source, the claimed exporter and export time, when and on which host it was imported, and
@@ -35,9 +35,8 @@ from flashtune.db import rows
 from flashtune.db.bundle import Bundle, check_bundle
 from flashtune.db.engine import session_scope
 from flashtune.db.models import BestRow, ConfigRow, ProblemRow, TrialRow
-from flashtune.db.records import Provenance, now_utc, this_host, this_version
+from flashtune.db.records import DigestOf, Provenance, now_utc, this_host, this_version
 from flashtune.db.store import TuningStore
-from flashtune.db.trust import is_current
 from flashtune.errors import BundleError, DatabaseError
 
 Prefer = Literal["ours", "theirs", "faster"]
@@ -69,7 +68,8 @@ class ShareReport:
     skipped: Counter[str] = field(default_factory=Counter)
     digest_conflicts: list[DigestConflict] = field(default_factory=list)
     dry_run: bool = False
-    #: Trials of the source measured on other kernel sources than the installed ones.
+    #: Trials of the source measured on other kernel sources than the installed ones
+    #: (counted when the installed digests are known).
     stale: int = 0
     provenance: Provenance | None = None
 
@@ -103,7 +103,7 @@ def export_bundle(store: TuningStore, *, devices: Sequence[str] = (),
 
 def merge_databases(store: TuningStore, other: TuningStore, *, prefer: Prefer = "faster",
                     allow_mixed_digests: bool = False, dry_run: bool = False,
-                    trusted: bool = False) -> ShareReport:
+                    trusted: bool = False, installed: DigestOf | None = None) -> ShareReport:
     """Merge every result of ``other`` into ``store`` (see the module doc for the rules)."""
     bundle = export_bundle(other)
     try:
@@ -111,17 +111,22 @@ def merge_databases(store: TuningStore, other: TuningStore, *, prefer: Prefer = 
     except BundleError as exc:
         raise BundleError(f"{other.where}: {exc}") from None
     return import_bundle(store, bundle, prefer=prefer, allow_mixed_digests=allow_mixed_digests,
-                         dry_run=dry_run, source=other.where, trusted=trusted)
+                         dry_run=dry_run, source=other.where, trusted=trusted,
+                         installed=installed)
 
 
 def import_bundle(store: TuningStore, bundle: Bundle, *, prefer: Prefer = "faster",
                   allow_mixed_digests: bool = False, dry_run: bool = False,
-                  source: str = "bundle", trusted: bool = False) -> ShareReport:
+                  source: str = "bundle", trusted: bool = False,
+                  installed: DigestOf | None = None) -> ShareReport:
     """Write an already validated ``bundle`` into ``store``, all or nothing.
 
     ``source`` (the file or database it came from) and ``trusted`` (the user vouches for
     it: its results may serve other devices) are recorded as the import's provenance.
+    ``installed`` (the installed kernel sources' digests, default the store's) counts the
+    stale trials and keeps a stale result from displacing a current best.
     """
+    installed = installed if installed is not None else store.installed
     if prefer not in _REPLACE:
         raise ValueError(f"prefer={prefer!r}; expected one of {PREFER_CHOICES}")
     shown = source if len(source) <= 255 else "..." + source[-252:]
@@ -129,12 +134,13 @@ def import_bundle(store: TuningStore, bundle: Bundle, *, prefer: Prefer = "faste
                             bundle.flashtune_version, bundle.created_at, now_utc(),
                             this_host(), trusted)
     report = ShareReport(dry_run=dry_run, provenance=provenance)
-    report.stale = sum(not is_current(t.problem.key, t.config.key, t.template_digest)
-                       for t in bundle.trials)
+    if installed is not None:
+        report.stale = sum(installed(t.problem.key, t.config.key) != t.template_digest
+                           for t in bundle.trials)
     try:
         with session_scope(store.engine, write=True, action="importing a bundle") as session:
             _check_conflicts(session, bundle, report, allow_mixed_digests)
-            _write(session, bundle, report, _REPLACE[prefer], provenance)
+            _write(session, bundle, report, _REPLACE[prefer], provenance, installed)
             if dry_run:
                 raise _DryRun
     except _DryRun:
@@ -196,8 +202,8 @@ def _check_conflicts(session: Session, bundle: Bundle, report: ShareReport,
 
 
 def _write(session: Session, bundle: Bundle, report: ShareReport, replace: str,
-           provenance: Provenance) -> None:
-    writer = rows.Writer(session)
+           provenance: Provenance, installed: DigestOf | None) -> None:
+    writer = rows.Writer(session, installed)
     import_id = writer.import_row(provenance)
     for device in bundle.devices:
         new = writer.device_id(device.name) is None

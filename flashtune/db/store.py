@@ -29,6 +29,7 @@ from flashtune.db.records import (
     FAILED_STATUSES,
     BestEntry,
     DeviceRecord,
+    DigestOf,
     Provenance,
     TrialRecord,
     TrialStatus,
@@ -48,8 +49,12 @@ class TuningStore:
 
     def __init__(self, url: str | Path | URL | None = None, *, create: bool = True,
                  upgrade: bool = False, migrations: Path = MIGRATIONS_DIR,
-                 read_only: bool | None = None) -> None:
+                 read_only: bool | None = None, installed: DigestOf | None = None) -> None:
         self.url = resolve_url(url)
+        #: The installed kernel sources' digests (``flashtune.runtime.trust``), when the
+        #: caller knows them: lookups then skip stale results, and a stale result never
+        #: displaces a current best.
+        self.installed = installed
         self.read_only = (not create) if read_only is None else read_only
         self.engine = make_engine(self.url, create=create, read_only=self.read_only)
         try:
@@ -96,7 +101,7 @@ class TuningStore:
         """
         became_best = 0
         with session_scope(self.engine, write=True, action="recording trials") as session:
-            writer = rows.Writer(session)
+            writer = rows.Writer(session, self.installed)
             for trial in trials:
                 became_best += writer.offer_best(writer.trial(trial), replace="faster")
         return became_best
@@ -173,12 +178,13 @@ class TuningStore:
         return nearest(entries, seqlen)
 
     def lookup(self, *, device: str, arch: str, problem: str, seqlen: int) -> Match | None:
-        """Exact, else nearest bucket on this device, else same arch family (lookup.py)."""
+        """Exact, else nearest bucket on this device, else the same arch (lookup.py)."""
         with session_scope(self.engine, write=False, action="looking up a config") as session:
             entries = rows.select_best(session, problems=[problem],
                                        cc=get_arch(arch).compute_capability)
             entries += rows.select_best(session, devices=[device], problems=[problem])
-        return resolve(entries, device=device, arch=arch, problem=problem, seqlen=seqlen)
+        return resolve(entries, device=device, arch=arch, problem=problem, seqlen=seqlen,
+                       installed=self.installed)
 
     def outcomes(self, device: str, problem: str,
                  seqlen: int) -> dict[str, dict[str, frozenset[TrialStatus]]]:

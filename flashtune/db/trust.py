@@ -1,43 +1,21 @@
-"""What the database may serve: current kernel sources and trusted sources.
+"""Which tuned results may serve which device: trusted sources.
 
 Imported tuning data is data, not authority:
 
-- A result measured on other kernel sources (a template digest that the installed
-  flashtune does not render for that problem and config) is stale: it is kept, shown and
-  exported, but never served until it is re-measured (a new trial) or re-verified
-  (``flashtune db verify`` records a passing check on the current sources).
-- Results of OTHER devices serve this one (the ``family`` tier) only from trusted sources:
-  by default, results tuned into this database (``local``); imports marked trusted
+- Results of OTHER devices serve this one (the ``same_arch`` tier) only from trusted
+  sources: by default, results tuned into this database (``local``); imports marked trusted
   (``flashtune db import --trust``); or what the knob FLASHTUNE_TRUSTED_SOURCES names
   (``all``, bundle digest prefixes, ``host:NAME`` of the claimed origin).
 - A device's own results serve it whatever their source: importing them was the user's
   choice, and physics checks bound what a timing can claim.
+- Whatever the source, a result is served only on the kernel sources it was measured or
+  re-verified on (``BestEntry.state``, given the installed digest by the layers above).
 """
 
 from __future__ import annotations
 
-import functools
-
 from flashtune import knobs
-from flashtune.codegen.render import render
-from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.db.records import BestEntry
-from flashtune.errors import FlashtuneError
-
-
-@functools.lru_cache(maxsize=4096)
-def current_digest(problem_key: str, config_key: str) -> str | None:
-    """The template digest the installed flashtune renders for (problem, config), or None
-    when the keys are not legal (such a result can never be served)."""
-    try:
-        return render(Problem.from_key(problem_key), KernelConfig.from_key(config_key)).digest
-    except FlashtuneError:
-        return None
-
-
-def is_current(problem_key: str, config_key: str, template_digest: str) -> bool:
-    """True when ``template_digest`` is what the installed flashtune renders."""
-    return current_digest(problem_key, config_key) == template_digest
 
 
 def trusted(entry: BestEntry, sources: frozenset[str] | None = None) -> bool:

@@ -30,6 +30,7 @@ from flashtune.codegen.spec import KernelConfig, Problem, ProblemBucket
 from flashtune.db.lookup import BestIndex
 from flashtune.db.records import BestEntry
 from flashtune.errors import FlashtuneError
+from flashtune.runtime.trust import unservable_reason
 
 log = logging.getLogger("flashtune.dispatch")
 
@@ -108,7 +109,8 @@ def default_config(problem: Problem, arch: str) -> KernelConfig:
 
 
 def usable_config(entry: BestEntry) -> KernelConfig | str:
-    """The config of a tuned entry, or why it cannot serve (malformed, illegal on its arch)."""
+    """The config of a tuned entry, or why it cannot serve (malformed, illegal on its arch,
+    measured on other kernel sources than the installed ones)."""
     try:
         problem = Problem.from_key(entry.problem)
         config = KernelConfig.from_key(entry.config.key)
@@ -119,7 +121,8 @@ def usable_config(entry: BestEntry) -> KernelConfig | str:
     reason = families.of(problem).static_check(problem, config, spec)
     if reason is not None:
         return f"config {config.key()} cannot run on {spec.name}: {reason}"
-    return config
+    stale = unservable_reason(entry)  # imported data is data: see runtime/trust.py
+    return config if stale is None else stale
 
 
 def _entry_key(entry: BestEntry) -> tuple[str, str, int]:

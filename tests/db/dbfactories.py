@@ -6,9 +6,9 @@ import hashlib
 import random
 from datetime import datetime, timedelta, timezone
 
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.db import DeviceRecord, Keyed, TrialRecord, TrialStatus
+from flashtune.families import render
 
 GIB = 1 << 30
 H100 = DeviceRecord("NVIDIA H100 80GB HBM3", 9, 0, 132, 80 * GIB, "580.65.06", "13.0",

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from flashtune.cli import app
 from flashtune.db import TrialStatus, TuningStore, dumps, export_bundle
 from flashtune.db.schema import head_revision
+from flashtune.runtime.trust import serving_state
 
 P128, P64 = PROBLEMS
 ENV = {"COLUMNS": "300", "NO_COLOR": "1"}
@@ -122,7 +123,8 @@ def test_merge_and_digest_refusal(filled: Path, tmp_path: Path, rng: random.Rand
     with TuningStore(filled) as store:
         # Faster, but measured on other kernel sources: kept, never the served best.
         entry = store.best(H100.name, P128.key(), 4096)
-        assert entry is not None and entry.median_ms == 0.0123 and entry.current
+        assert entry is not None and entry.median_ms == 0.0123
+        assert serving_state(entry) == "current"
         assert 0.001 in {t.median_ms for t in store.trials(device=H100.name)}
     missing = _run("db", "--db", str(filled), "merge", str(tmp_path / "nope.db"), ok=False)
     assert "no database file" in missing

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from hardening_helpers import is_root
 
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.errors import CacheError, CompileError
+from flashtune.families import render
 from flashtune.runtime import cache as cache_module
 from flashtune.runtime import compiler
 from flashtune.runtime.backends.emulator import build, build_module, i32, ptr

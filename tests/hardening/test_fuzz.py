@@ -39,15 +39,14 @@ from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
 
 import flashtune
-from flashtune import knobs
-from flashtune.codegen.spec import DType, Problem
+from flashtune import families, knobs
+from flashtune.codegen.spec import DType, Problem, Shape
 from flashtune.db import TuningStore, dumps, export_bundle, import_bundle, parse_bundle
 from flashtune.db.bundle import content_digest, structure_counts, to_dict
 from flashtune.errors import BundleError, KnobError
-from flashtune.perf.workload import Shape
+from flashtune.families.base import Inputs
 from flashtune.runtime import forward
 from flashtune.runtime.dispatch import Dispatcher, set_dispatcher
-from flashtune.runtime.verify import compare, reference
 
 FIXED = datetime(2026, 6, 1, tzinfo=timezone.utc)
 COMMON = settings(database=None, deadline=None, derandomize=False, print_blob=True,
@@ -147,10 +146,12 @@ def test_api_inputs_match_the_float64_reference(call: Call, extra: int, data_see
         out, lse = flashtune.attention(q, k, v, causal=call.causal, softmax_scale=call.scale,
                                        return_lse=True, backend="emulator")
     scale = call.scale if call.scale is not None else call.head_dim ** -0.5
-    ref_out, ref_lse = reference(q, k, v, call.causal, scale)
     problem = Problem(call.head_dim, DType.FP16 if call.dtype == torch.float16 else DType.BF16,
                       call.causal)
-    verdict = compare(problem, out, lse, ref_out, ref_lse, shape)
+    family = families.of(problem)  # its float64 reference and tolerances
+    expected = family.reference(problem, Inputs({"q": q, "k": k, "v": v},
+                                                {"softmax_scale": scale}))
+    verdict = family.compare(problem, shape, {"o": out, "lse": lse}, expected)
     assert verdict.ok, f"{call} (data seed {data_seed}): {verdict.message}"
 
 

@@ -36,7 +36,8 @@ from flashtune.db import (
 from flashtune.errors import BundleError, DatabaseError
 from flashtune.runtime.device import DeviceInfo
 from flashtune.runtime.dispatch import Dispatcher, Tier
-from flashtune.tuner.measure import VerifyOutcome
+from flashtune.runtime.trust import installed_digest, serving_state
+from flashtune.tuner.measure.base import VerifyOutcome
 
 P, N = PROBLEMS[0], 4096
 FAST, SLOW = CONFIGS[1], CONFIGS[2]
@@ -98,12 +99,12 @@ def test_other_devices_results_serve_only_from_trusted_sources(
     digest = report.provenance.bundle_sha256 if report.provenance else ""
     for tokens in (digest[:12], "host:gpu-node-01", "all", f"local,{digest[:8]}"):
         monkeypatch.setenv("FLASHTUNE_TRUSTED_SOURCES", tokens)
-        assert _decide(url, other) is Tier.FAMILY, tokens
+        assert _decide(url, other) is Tier.SAME_ARCH, tokens
     monkeypatch.setenv("FLASHTUNE_TRUSTED_SOURCES", "local")
     assert _decide(url, other) is Tier.DEFAULT
     trusted_url = str(tmp_path / "trusted.db")
     _run("db", "--db", trusted_url, "import", str(invented_bundle), "--trust")
-    assert _decide(trusted_url, other) is Tier.FAMILY
+    assert _decide(trusted_url, other) is Tier.SAME_ARCH
 
 
 def test_provenance_is_shown_by_show_and_explain(invented_bundle: Path, tmp_path: Path) -> None:
@@ -181,27 +182,27 @@ def test_results_of_other_kernel_sources_are_stale_until_verified(tmp_path: Path
     old = trial(H100, P, N, FAST, median_ms=0.2, rng=rng, template="v0")
     path = _bundle_of(tmp_path / "old.json", H100, [old])
     url = str(tmp_path / "target.db")
-    with TuningStore(url) as store:
+    with TuningStore(url, installed=installed_digest) as store:
         report = import_bundle(store, read_bundle(path))
         assert report.stale == 1
         (entry,) = store.all_best()
-        assert not entry.current and "STALE" in entry.origin
+        assert serving_state(entry) == "stale"
     assert _decide(url, _Named(H100.name)) is Tier.DEFAULT  # kept, never served
     with TuningStore(url) as store:
         verify_store(store, store.all_best(), lambda arch: _Backend(ok=True))  # type: ignore[arg-type, return-value]
         (entry,) = store.all_best()
-        assert entry.current and entry.reverified
+        assert serving_state(entry) == "reverified"
     assert _decide(url, _Named(H100.name)) is Tier.EXACT
     with TuningStore(url) as store:  # a later failing check stops it being served again
         verify_store(store, store.all_best(), lambda arch: _Backend(ok=False))  # type: ignore[arg-type, return-value]
         (entry,) = store.all_best()
-        assert entry.failed_verification and not entry.servable
+        assert serving_state(entry) == "failed"
     assert _decide(url, _Named(H100.name)) is Tier.DEFAULT
 
 
 def test_a_stale_best_never_blocks_a_fresh_measurement(tmp_path: Path) -> None:
     rng = random.Random(4)
-    with TuningStore(tmp_path / "t.db") as store:
+    with TuningStore(tmp_path / "t.db", installed=installed_digest) as store:
         store.record_device(H100)
         store.record_trial(trial(H100, P, N, FAST, median_ms=0.1, rng=rng, template="v0"))
         fresh = trial(H100, P, N, SLOW, median_ms=0.9, rng=rng)

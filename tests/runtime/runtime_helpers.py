@@ -20,6 +20,7 @@ import torch
 from flashtune.codegen.abi import ArgType
 from flashtune.codegen.spec import DType, KernelSource
 from flashtune.db.records import BestEntry, Keyed, TrialRecord, TrialStatus
+from flashtune.runtime.trust import installed_digest
 
 TORCH_DTYPES = {DType.FP16: torch.float16, DType.BF16: torch.bfloat16}
 
@@ -160,10 +161,12 @@ def qkv(batch: int, seqlen_q: int, seqlen_k: int, heads_q: int, heads_kv: int, h
 def best_entry(device: str, arch: str, problem: str, seqlen: int, config: str,
                median_ms: float = 1.0) -> BestEntry:
     """A best-of-bucket entry as the tuning database returns it (keys are not checked
-    against Problem/KernelConfig here: the dispatcher must cope with bad ones)."""
+    against Problem/KernelConfig here: the dispatcher must cope with bad ones), measured on
+    the installed kernel sources where the keys are legal."""
     trial = TrialRecord(
         device=device, problem=Keyed(problem, ()), seqlen=seqlen, config=Keyed(config, ()),
-        status=TrialStatus.OK, template_digest="0123456789abcdef",
+        status=TrialStatus.OK,
+        template_digest=installed_digest(problem, config) or "0123456789abcdef",
         median_ms=median_ms, min_ms=median_ms, max_ms=median_ms, count=1, tflops=100.0,
     )
     return BestEntry(trial, arch)

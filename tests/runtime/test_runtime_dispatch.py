@@ -12,10 +12,10 @@ import pytest
 from conftest import ListSource
 from runtime_helpers import best_entry
 
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, KernelConfig, Problem, ProblemBucket
 from flashtune.db.records import BestEntry, DeviceRecord, Keyed, TrialRecord, TrialStatus
 from flashtune.db.store import TuningStore
+from flashtune.families import render
 from flashtune.runtime.device import DeviceInfo
 from flashtune.runtime.dispatch import Dispatcher, Tier, default_config
 

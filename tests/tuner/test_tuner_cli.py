@@ -85,4 +85,6 @@ def test_report_writes_png_and_html(db_url: str, tmp_path: Path) -> None:
     assert page.count("data:image/png;base64,") == 4
     missing = runner.invoke(app, ["report", "--db", f"sqlite:///{tmp_path / 'none.db'}",
                                   "--out", str(tmp_path / "x")])
-    assert missing.exit_code == 1 and "no tuning study" in " ".join(missing.output.split())
+    # a read command: a mistyped path is refused, not created
+    assert missing.exit_code == 1 and "no database file" in " ".join(missing.output.split())
+    assert not (tmp_path / "none.db").exists()
