@@ -166,9 +166,10 @@ def test_correlate_reports_rho_per_bucket_and_overall(db_url: str) -> None:
     n = 6
     predicted = [rng.uniform(0.1, 5.0) for _ in range(n)]
     with TuningStore(db_url) as store:
-        _seed(store, 1024, predicted, [2.0 * p ** 1.7 + 0.01 for p in predicted])  # rho = 1
-        _seed(store, 4096, predicted, [10.0 / p for p in predicted])               # rho = -1
-        _seed(store, 16384, predicted[:2], predicted[:2])  # too few configs: left out
+        # Times a GPU can reach (the database refuses faster than physics allows).
+        _seed(store, 1024, predicted, [2.0 * p ** 1.7 + 0.2 for p in predicted])  # rho = 1
+        _seed(store, 4096, predicted, [10.0 / p for p in predicted])              # rho = -1
+        _seed(store, 16384, predicted[:2], [20.0 + p for p in predicted[:2]])  # too few: left out
     result = runner.invoke(app, ["correlate", "--db", db_url])
     assert result.exit_code == 0, result.output
     lines = {line.split("│")[3].strip(): line for line in result.output.splitlines()
