@@ -341,7 +341,7 @@ def merge_command(
 @db_app.command("verify")
 def verify_command(
     ctx: typer.Context,
-    db: DbOption = None,
+    db: DbOpt = None,
     device: Annotated[list[str] | None, typer.Option(
         "--device", help="Only this device (repeatable).")] = None,
     problem: Annotated[list[str] | None, typer.Option(
@@ -366,7 +366,7 @@ def verify_command(
                        if (not device or e.device in device)
                        and (not problem or e.problem in problem)]
         except FlashtuneError as exc:
-            raise _fail(exc) from None
+            raise fail(exc) from None
     if not entries:
         _out().print("no best entries to verify")
         return
@@ -376,7 +376,7 @@ def verify_command(
         with TuningStore(where) as store:
             results = verify_store(store, entries, factory, verify_cap=cap, on_result=add_row)
     except FlashtuneError as exc:
-        raise _fail(exc) from None
+        raise fail(exc) from None
     _out().print(table)
     failed = sum(not r.passed for r in results)
     _out().print(Text(f"{len(results) - failed} passed, {failed} failed"))
