@@ -31,12 +31,13 @@ from rich.table import Table
 
 _T_IMPORT = time.perf_counter()
 from flashtune.codegen.arch import get_arch  # noqa: E402  (import time is reported)
-from flashtune.codegen.render import render  # noqa: E402
 from flashtune.codegen.spec import KernelConfig, KernelSource, Problem  # noqa: E402
+from flashtune.families import render  # noqa: E402
 from flashtune.families.fwd.defaults import default_config  # noqa: E402
-from flashtune.runtime import compiler, nvrtc  # noqa: E402
+from flashtune.runtime import compiler  # noqa: E402
 from flashtune.runtime.cache import ArtifactCache  # noqa: E402
 from flashtune.runtime.compiled import CompiledKernel  # noqa: E402
+from flashtune.toolchain import nvrtc  # noqa: E402
 from flashtune.toolchain.cuda import find_toolchain  # noqa: E402
 
 _T_IMPORT = time.perf_counter() - _T_IMPORT

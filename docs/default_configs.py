@@ -10,8 +10,8 @@ import datetime
 
 from flashtune import __version__
 from flashtune.codegen.arch import get_arch
-from flashtune.codegen.render import render
 from flashtune.codegen.spec import DType, Problem
+from flashtune.families import render
 from flashtune.families.fwd import defaults, space
 from flashtune.runtime.compiler import compile_pairs
 from flashtune.toolchain import nvrtc
