@@ -16,6 +16,8 @@ _EXPORTS: dict[str, str] = {
     "attention": "flashtune.runtime.ops",
     "scaled_dot_product_attention": "flashtune.runtime.ops",
     "explain": "flashtune.runtime.ops",
+    "attention_with_kvcache": "flashtune.runtime.kvcache_ops",
+    "explain_kvcache": "flashtune.runtime.kvcache_ops",
     "BackwardNotAvailable": "flashtune.errors",
     "Decision": "flashtune.runtime.dispatch",
     "Tier": "flashtune.runtime.dispatch",
@@ -40,7 +42,9 @@ __all__ = [
     "Tier",
     "__version__",
     "attention",
+    "attention_with_kvcache",
     "explain",
+    "explain_kvcache",
     "precompile",
     "scaled_dot_product_attention",
 ]
@@ -51,6 +55,7 @@ if TYPE_CHECKING:
     from flashtune.errors import BackwardNotAvailable
     from flashtune.runtime.device import DeviceInfo
     from flashtune.runtime.dispatch import Decision, Tier
+    from flashtune.runtime.kvcache_ops import attention_with_kvcache, explain_kvcache
     from flashtune.runtime.ops import (
         attention,
         explain,

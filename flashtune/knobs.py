@@ -274,6 +274,15 @@ COMPILE_WORKERS: Knob[int] = Knob(
     f"processes used to compile kernels in parallel, in [1, {MAX_COMPILE_WORKERS}]",
 )
 
+CHECK_INPUTS: Knob[bool] = Knob(
+    "FLASHTUNE_CHECK_INPUTS",
+    _parse_bool,
+    lambda: False,
+    "GPU: synchronise after attention_with_kvcache and raise a clear error for a bad cache "
+    "length or block-table entry (costs a synchronisation; off, the kernel stops with a trap "
+    "and the error surfaces at the next synchronisation). The emulator always checks",
+)
+
 ALL: tuple[Knob[object], ...] = (  # type: ignore[assignment]
     CACHE_DIR,
     PRECOMPILED_DIRS,
@@ -288,4 +297,5 @@ ALL: tuple[Knob[object], ...] = (  # type: ignore[assignment]
     EMULATOR_ASAN,
     EMULATOR_TIMEOUT_S,
     COMPILE_WORKERS,
+    CHECK_INPUTS,
 )

@@ -19,10 +19,12 @@ _families: dict[str, KernelFamily] = {}
 
 
 def _builtins() -> None:
+    from flashtune.families.combine import COMBINE
+    from flashtune.families.decode import DECODE
     from flashtune.families.fwd import FORWARD
     from flashtune.families.lse import LSE
 
-    for family in (FORWARD, LSE):
+    for family in (FORWARD, LSE, DECODE, COMBINE):
         _families.setdefault(family.op, family)
 
 

@@ -69,21 +69,25 @@ def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor) -> tuple
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_no_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+def check_no_grad(*tensors: torch.Tensor | None) -> None:
+    """BackwardNotAvailable when grad mode is on and an input requires grad."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise BackwardNotAvailable(_NO_BACKWARD)
 
 
 _C: Any = torch._C
 
 
-def _direct_call_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """True when calling the implementation directly is indistinguishable from the op."""
+def direct_call_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   *others: torch.Tensor | None) -> bool:
+    """True when calling the implementation directly is indistinguishable from the op (plain
+    tensors, nothing observing operators); ``others``: further inputs, None when absent."""
     if torch.compiler.is_compiling():
         return False
     return not (
         type(q) is not torch.Tensor or type(k) is not torch.Tensor
         or type(v) is not torch.Tensor or q.is_meta
+        or (others and any(t is not None and type(t) is not torch.Tensor for t in others))
         or _C._len_torch_dispatch_stack() or _C._is_torch_function_mode_enabled()
         or _C._are_functorch_transforms_active() or _C._autograd._profiler_enabled()
         or _C._get_tracing_state() is not None
@@ -131,12 +135,12 @@ def attention(
     GPU), ``"cuda"`` or ``"emulator"`` (CPU tensors, slow; for verification).
     """
     check_attention_inputs(q, k, v)
-    _check_no_grad(q, k, v)
+    check_no_grad(q, k, v)
     if not isinstance(causal, bool):
         raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
     scale = check_softmax_scale(softmax_scale, q.shape[3])
     name = "" if backend is None else backend
-    if _direct_call_ok(q, k, v):
+    if direct_call_ok(q, k, v):
         out, lse = _fwd.forward(q, k, v, causal, scale, name)
     else:
         out, lse = attention_fwd(q, k, v, causal, scale, name)

@@ -147,6 +147,12 @@ __device__ __forceinline__ void warp_sync() { __syncwarp(); }
 __device__ __forceinline__ int lane_id() { return static_cast<int>(threadIdx.x & 31u); }
 __device__ __forceinline__ int warp_id() { return static_cast<int>(threadIdx.x >> 5); }
 
+// ---- stopping the kernel ---------------------------------------------------------------
+
+// Stop the whole kernel with an error that the host sees at its next synchronisation (the
+// CUDA context is unusable afterwards): for inputs that must never be followed.
+__device__ __forceinline__ void trap() { __trap(); }
+
 // ---- conversions -----------------------------------------------------------------------
 
 // Two floats -> one register of two 16-bit values, round to nearest even; lo = first arg.

@@ -83,6 +83,12 @@ __device__ inline void warp_sync(loc_t l = loc_t::current()) { __syncwarp(0xffff
 __device__ inline int lane_id() { return static_cast<int>(threadIdx.x & 31u); }
 __device__ inline int warp_id() { return static_cast<int>(threadIdx.x >> 5); }
 
+// --- stopping the kernel: the launch ends with an error naming the caller ---
+[[noreturn]] __device__ inline void trap(loc_t l = loc_t::current()) {
+    ftemu_fail("trap: the kernel stopped itself (an input it must not follow)",
+               ::ftemu::to_loc(l));
+}
+
 // --- packing two floats into 16-bit pairs (lo = first argument), round to nearest even ---
 __device__ inline unsigned pack_half2(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);

@@ -1,0 +1,177 @@
+"""The combine family of split-KV decoding: merges the float32 partial O and LSE of the
+splits into O (the input type) and the LSE, each split weighted by exp(LSE_s - LSE)
+(templates/combine_splits.cuh).
+
+It serves ``Problem(op="combine", ...)`` (causal is irrelevant and kept False). Verified on
+its own: random partial results with empty splits (LSE -inf), rows whose splits are all
+empty (O = 0, LSE = +inf) and split counts up to MAX_SPLITS, against a float64 merge.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtune.codegen.abi import ArgType, PackedArgs
+from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.params import Param, ParamSpace
+from flashtune.codegen.render import TemplateValue
+from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
+from flashtune.errors import InvalidConfig, InvalidProblem
+from flashtune.families.base import (
+    TORCH_DTYPES,
+    Inputs,
+    KernelFamily,
+    LaunchPlan,
+    Tensors,
+    Tolerance,
+    Verdict,
+    close_enough,
+    generator,
+)
+from flashtune.families.decode.splits import MAX_SPLITS
+from flashtune.families.fwd.reference import O_TOLERANCE
+
+#: block_m: rows per block (warps take every num_warps-th row); block_n and num_stages have
+#: no meaning here and keep one value.
+SPACE = ParamSpace((Param("block_m", (16, 32, 64, 128)), Param("block_n", (16,)),
+                    Param("num_warps", (1, 2, 4)), Param("num_stages", (1,))))
+_DEFAULT = KernelConfig(block_m=64, block_n=16, num_warps=4, num_stages=1)
+#: The merge is float32 arithmetic in another order than float64: float32 resolution.
+LSE_TOLERANCE = Tolerance(1e-5, 1e-6)
+#: Split counts a generic verification draws from.
+_VERIFY_SPLITS = (1, 3, 8, 33, MAX_SPLITS)
+
+
+def pack_combine_args(o_part: torch.Tensor, lse_part: torch.Tensor, o: torch.Tensor,
+                      lse: torch.Tensor) -> PackedArgs:
+    """The combine kernel's arguments: o_part (splits, batch, heads_q, seqlen_q, dim),
+    lse_part (splits, batch, heads_q, seqlen_q), O (batch, seqlen_q, heads_q, dim) with any
+    strides of a contiguous last dim, LSE contiguous (batch, heads_q, seqlen_q)."""
+    splits, batch, heads_q, seqlen_q, _ = o_part.shape
+    s = o.stride()
+    return ((ArgType.PTR, o_part.data_ptr()), (ArgType.PTR, lse_part.data_ptr()),
+            (ArgType.PTR, o.data_ptr()), (ArgType.PTR, lse.data_ptr()),
+            (ArgType.I32, splits), (ArgType.I32, batch * heads_q * seqlen_q),
+            (ArgType.I32, heads_q), (ArgType.I32, seqlen_q),
+            (ArgType.I64, s[0]), (ArgType.I64, s[1]), (ArgType.I64, s[2]))
+
+
+def combine_grid(rows: int, block_m: int) -> tuple[int, int, int]:
+    """One block per block_m rows of (batch, head, query position)."""
+    return (-(-rows // block_m), 1, 1)
+
+
+def combine_reference(o_part: torch.Tensor, lse_part: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 O (batch, seqlen_q, heads_q, dim) and LSE (batch, heads_q, seqlen_q)."""
+    lse_s = lse_part.to(torch.float64)
+    lse = torch.logsumexp(lse_s, dim=0)
+    empty = torch.isneginf(lse)
+    weights = torch.exp(lse_s - lse.masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
+    o = torch.einsum("sbhq,sbhqd->bqhd", weights, o_part.to(torch.float64))
+    return o, lse.masked_fill(empty, float("inf"))
+
+
+class CombineFamily(KernelFamily):
+    """Merge of split-KV partial results."""
+
+    op = "combine"
+    title = "merge of split-KV partial O and LSE, weighted by LSE"
+    template = "combine_splits.cu.jinja"
+
+    def check_problem(self, problem: Problem) -> None:
+        super().check_problem(problem)
+        if problem.causal:
+            raise InvalidProblem("the combine kernel has no mask; use causal=False")
+
+    def space(self, problem: Problem) -> ParamSpace:
+        return SPACE
+
+    def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
+        if config.block_n != 16 or config.num_stages != 1:
+            return "the combine kernel has no key tiles: block_n=16 and num_stages=1 only"
+        return None
+
+    def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
+        why = self.static_check(problem, _DEFAULT, arch)
+        if why is not None:
+            raise InvalidConfig(f"the default {_DEFAULT.key()} does not fit {problem.key()}: "
+                                f"{why}")
+        return _DEFAULT
+
+    def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
+        return "64 rows per block on 4 warps: one row per warp at a time, any arch"
+
+    def template_params(self, problem: Problem, config: KernelConfig
+                        ) -> dict[str, TemplateValue]:
+        return {"head_dim": problem.head_dim, "is_bf16": problem.dtype.value == "bf16",
+                "block_m": config.block_m, "num_warps": config.num_warps}
+
+    def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
+        return 0
+
+    def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
+                      seed: int | None = None, num_splits: int | None = None) -> Inputs:
+        """Partial results of ``num_splits`` splits (drawn when None): a third of the
+        splits empty at random, the second half of the splits empty for the last query
+        position, and the first (batch, head) with every split empty."""
+        gen = generator(device, seed)
+        if num_splits is None:
+            pick = torch.randint(len(_VERIFY_SPLITS), (1,), generator=gen, device=gen.device)
+            num_splits = _VERIFY_SPLITS[int(pick)]
+        size = (num_splits, shape.batch, shape.heads_q, shape.seqlen_q)
+        lse = torch.randn(*size, generator=gen, device=device) * 3
+        empty = torch.rand(*size, generator=gen, device=device) < 1 / 3
+        empty[num_splits // 2:, :, :, -1] = True
+        empty[:, 0, 0] = True
+        o_part = torch.randn(*size, problem.head_dim, generator=gen, device=device)
+        o_part = o_part.masked_fill(empty[..., None], 0.0)
+        return Inputs({"o_part": o_part, "lse_part": lse.masked_fill(empty, float("-inf"))},
+                      {})
+
+    def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
+                      poison: bool) -> dict[str, torch.Tensor]:
+        _, batch, heads_q, seqlen_q, dim = inputs.tensors["o_part"].shape
+        device = inputs.tensors["o_part"].device
+        o = torch.empty(batch, seqlen_q, heads_q, dim, dtype=TORCH_DTYPES[problem.dtype],
+                        device=device)
+        lse = torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=device)
+        if poison:
+            o.fill_(float("nan"))
+            lse.fill_(float("nan"))
+        return {"o": o, "lse": lse}
+
+    def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
+                    inputs: Inputs, outputs: Tensors) -> LaunchPlan:
+        o_part, lse_part = inputs.tensors["o_part"], inputs.tensors["lse_part"]
+        args = pack_combine_args(o_part, lse_part, outputs["o"], outputs["lse"])
+        return LaunchPlan(combine_grid(lse_part[0].numel(), config.block_m), args)
+
+    def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
+        o, lse = combine_reference(inputs.tensors["o_part"], inputs.tensors["lse_part"])
+        return {"o": o, "lse": lse}
+
+    def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
+                reference: Tensors) -> Verdict:
+        max_o, rel, o_msg = close_enough("O", outputs["o"], reference["o"],
+                                         O_TOLERANCE[problem.dtype])
+        max_lse, _, lse_msg = close_enough("LSE", outputs["lse"], reference["lse"],
+                                           LSE_TOLERANCE)
+        wrong = "; ".join(m for m in (o_msg, lse_msg) if m)
+        if wrong:
+            return Verdict(False, max(max_o, max_lse), rel,
+                           f"wrong result on {shape.key()} ({problem.key()}): {wrong}")
+        return Verdict(True, max(max_o, max_lse), rel, "")
+
+    def flops(self, problem: Problem, shape: ShapeLike) -> float:
+        """Two FLOPs per partial element (a multiply-add), one split assumed."""
+        return 2.0 * shape.batch * shape.heads_q * shape.seqlen_q * problem.head_dim
+
+    def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
+        """One split's partial O and LSE read, O and LSE written."""
+        rows = shape.batch * shape.heads_q * shape.seqlen_q
+        d = problem.head_dim
+        return float(rows * (4 * d + 4) + rows * (problem.dtype.itemsize * d + 4))
+
+
+COMBINE = CombineFamily()

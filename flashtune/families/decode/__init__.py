@@ -1,0 +1,171 @@
+"""The split-KV decoding family (FlashDecoding): partial attention of a few query rows per
+sequence over one split of a (paged) KV cache, written as float32 partial O and LSE per
+split, with the query heads of a GQA group packed into the rows of one block
+(templates/decode_split.cuh). The ``combine`` family merges the splits.
+
+It serves ``Problem(op="decode", ...)``. A call's sizes beyond its Shape (page size,
+per-sequence cache lengths, appended rows, split count) are a ``DecodeCase`` carried by the
+Inputs; ``Shape.seqlen_k`` is the cache capacity per sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.params import ParamSpace
+from flashtune.codegen.render import TemplateValue
+from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
+from flashtune.families.base import (
+    Inputs,
+    KernelFamily,
+    LaunchPlan,
+    Tensors,
+    Verdict,
+    close_enough,
+    generator,
+)
+from flashtune.families.decode import space
+from flashtune.families.decode.args import decode_grid, pack_decode_args
+from flashtune.families.decode.inputs import DecodeCase, draw_case, make_inputs
+from flashtune.families.decode.reference import decode_reference
+from flashtune.families.decode.splits import heuristic_splits
+from flashtune.families.decode.status import STATUS_WORDS, describe
+from flashtune.families.fwd.reference import LSE_TOLERANCE, O_TOLERANCE
+
+#: Page sizes a generic verification draws from (None: an unpaged cache).
+VERIFY_PAGE_SIZES: tuple[int | None, ...] = (None, 1, 16, 64, 256)
+#: The SM count a generic verification sizes its split count for (an H100 SXM's).
+NOMINAL_SMS = 132
+#: The key tile the generic split count assumes.
+_NOMINAL_BLOCK_N = 64
+
+
+def nominal_splits(shape: Shape, block_m: int = 64) -> int:
+    """The heuristic split count of ``shape`` on a GPU of NOMINAL_SMS SMs."""
+    group_rows = shape.heads_q // shape.heads_kv * shape.seqlen_q
+    blocks = shape.batch * shape.heads_kv * -(-group_rows // block_m)
+    return heuristic_splits(blocks, NOMINAL_SMS, -(-shape.seqlen_k // _NOMINAL_BLOCK_N))
+
+
+class DecodeFamily(KernelFamily):
+    """Split-KV partial attention over a (paged) KV cache."""
+
+    op = "decode"
+    title = "split-KV decoding over a paged KV cache (partial O and LSE per split)"
+    template = "decode_split.cu.jinja"
+
+    def space(self, problem: Problem) -> ParamSpace:
+        return space.SPACE
+
+    def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
+        return space.static_check(problem, config, arch)
+
+    def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
+        return space.default_entry(problem, arch)[0]
+
+    def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
+        return space.default_entry(problem, arch)[1]
+
+    def template_params(self, problem: Problem, config: KernelConfig
+                        ) -> dict[str, TemplateValue]:
+        return {"head_dim": problem.head_dim, "head_dim_padded": problem.padded_head_dim,
+                "is_bf16": problem.dtype.value == "bf16", "causal": problem.causal,
+                "block_m": config.block_m, "block_n": config.block_n,
+                "num_warps": config.num_warps, "num_stages": config.num_stages,
+                "smem_row_pad": space.SMEM_ROW_PAD}
+
+    def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
+        return space.smem_bytes(problem, config)
+
+    def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
+                      seed: int | None = None, case: DecodeCase | None = None) -> Inputs:
+        """Inputs of ``case``; without one, a case drawn from the same seed: a page size of
+        VERIFY_PAGE_SIZES, per-sequence lengths (ending anywhere in a page), seqlen_q
+        appended rows, and the nominal heuristic split count."""
+        gen = generator(device, seed)
+        if case is None:
+            case = draw_case(shape, gen, page_sizes=VERIFY_PAGE_SIZES, append=True,
+                             num_splits=nominal_splits(shape))
+        return make_inputs(problem, shape, case, device, gen)
+
+    def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
+                      poison: bool) -> dict[str, torch.Tensor]:
+        """Partial O and LSE (NaN when poisoned), a zeroed status, and the caches the kernel
+        appends to in place (the inputs' own tensors)."""
+        q = inputs.tensors["q"]
+        batch, seqlen_q, heads_q, dim = q.shape
+        splits = int(inputs.scalars["num_splits"])
+        o_part = torch.empty(splits, batch, heads_q, seqlen_q, dim, dtype=torch.float32,
+                             device=q.device)
+        lse_part = torch.empty(splits, batch, heads_q, seqlen_q, dtype=torch.float32,
+                               device=q.device)
+        if poison:
+            o_part.fill_(float("nan"))
+            lse_part.fill_(float("nan"))
+        status = torch.zeros(STATUS_WORDS, dtype=torch.int32, device=q.device)
+        return {"o_part": o_part, "lse_part": lse_part, "status": status,
+                "k_cache": inputs.tensors["k_cache"], "v_cache": inputs.tensors["v_cache"]}
+
+    def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
+                    inputs: Inputs, outputs: Tensors) -> LaunchPlan:
+        t = inputs.tensors
+        splits = int(inputs.scalars["num_splits"])
+        args = pack_decode_args(t["q"], t["k_cache"], t["v_cache"], t.get("k_new"),
+                                t.get("v_new"), t.get("block_table"), t["cache_seqlens"],
+                                outputs["o_part"], outputs["lse_part"], outputs["status"],
+                                num_splits=splits,
+                                softmax_scale=inputs.scalars["softmax_scale"],
+                                trap_on_error=False)
+        batch, seqlen_q, heads_q, _ = t["q"].shape
+        grid = decode_grid(batch, heads_q, t["k_cache"].shape[2], seqlen_q, config.block_m,
+                           splits)
+        return LaunchPlan(grid, args)
+
+    def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
+        return decode_reference(inputs, problem.causal)
+
+    def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
+                reference: Tensors) -> Verdict:
+        status = [int(w) for w in outputs["status"].tolist()]
+        if any(status):
+            k_cache = outputs["k_cache"]
+            message = describe(status, seqlen_new=0, capacity=k_cache.shape[1],
+                               num_pages=k_cache.shape[0])
+            return Verdict(False, float("inf"), float("inf"),
+                           f"the kernel refused its inputs on {shape.key()}: {message}")
+        max_o, rel, o_msg = close_enough("partial O", outputs["o_part"], reference["o_part"],
+                                         O_TOLERANCE[problem.dtype])
+        max_lse, _, lse_msg = close_enough("partial LSE", outputs["lse_part"],
+                                           reference["lse_part"], LSE_TOLERANCE)
+        wrong = [m for m in (o_msg, lse_msg) if m]
+        for name in ("k_cache", "v_cache"):
+            got, want = outputs[name], reference[name]
+            same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+            if not bool(same.all()):
+                wrong.append(f"{name}: {int((~same).sum())} elements differ from the cache "
+                             "with the new rows appended")
+        if wrong:
+            return Verdict(False, max(max_o, max_lse), rel,
+                           f"wrong result on {shape.key()} ({problem.key()}): "
+                           + "; ".join(wrong))
+        return Verdict(True, max(max_o, max_lse), rel, "")
+
+    def flops(self, problem: Problem, shape: ShapeLike) -> float:
+        """4 B Nq Nk Hq D over the full cache capacity (halved when causal with Nq = Nk)."""
+        total = (4.0 * shape.batch * shape.seqlen_q * shape.seqlen_k * shape.heads_q
+                 * problem.head_dim)
+        return total / 2 if problem.causal and shape.seqlen_q == shape.seqlen_k else total
+
+    def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
+        """K and V of the cache read once per kv head, Q read, partial O and LSE written
+        (one split), all at the full capacity."""
+        e, d = problem.dtype.itemsize, problem.head_dim
+        q_rows = shape.batch * shape.heads_q * shape.seqlen_q
+        kv_rows = shape.batch * shape.heads_kv * shape.seqlen_k
+        return float(q_rows * d * e + 2 * kv_rows * d * e + q_rows * (4 * d + 4))
+
+
+DECODE = DecodeFamily()
+
+__all__ = ["DECODE", "DecodeCase", "DecodeFamily", "nominal_splits"]

@@ -1,0 +1,119 @@
+"""The float64 reference of split-KV decoding, written from the definition.
+
+Sequence b's keys are its first cache_seqlens[b] cache rows (through the block table when
+paged: position j is row j % page_size of page block_table[b, j // page_size]) followed by
+the appended rows; the expected caches afterwards hold the appended rows at positions
+cache_seqlens[b] + n. Split s covers keys ``splits.split_range``; query position i sees key
+j iff j <= i + total - seqlen_q when causal; query head h reads kv head h // group. Partial
+O is normalised within its split; a row that sees no key of a split has O = 0 and LSE =
+-inf there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtune.families.base import Inputs
+from flashtune.families.decode.splits import split_range
+
+
+def _positions(t: dict[str, torch.Tensor], b: int, positions: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page, row) of cache positions of sequence b."""
+    table = t.get("block_table")
+    if table is None:
+        return torch.full_like(positions, b), positions
+    page_size = t["k_cache"].shape[1]
+    return table[b, positions // page_size].long(), positions % page_size
+
+
+def sequence_keys(inputs: Inputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per sequence, its keys and values (total, heads_kv, dim) in float64, from the caches
+    as drawn (``*_before``) and the new rows."""
+    t = dict(inputs.tensors)
+    out = []
+    for b, length in enumerate(t["cache_seqlens"].tolist()):
+        pages, rows = _positions(t, b, torch.arange(length, device=t["q"].device))
+        kv = []
+        for name in ("k", "v"):
+            cached = t[f"{name}_cache_before"][pages, rows].to(torch.float64)
+            if f"{name}_new" in t:
+                cached = torch.cat([cached, t[f"{name}_new"][b].to(torch.float64)])
+            kv.append(cached)
+        out.append((kv[0], kv[1]))
+    return out
+
+
+def expected_caches(inputs: Inputs) -> dict[str, torch.Tensor]:
+    """The caches after the call: as drawn, with the new rows written at their positions."""
+    t = dict(inputs.tensors)
+    out = {name: t[f"{name}_before"].clone() for name in ("k_cache", "v_cache")}
+    if "k_new" not in t:
+        return out
+    seqlen_new = t["k_new"].shape[1]
+    for b, length in enumerate(t["cache_seqlens"].tolist()):
+        positions = torch.arange(length, length + seqlen_new, device=t["q"].device)
+        pages, rows = _positions(t, b, positions)
+        for name in ("k", "v"):
+            out[f"{name}_cache"][pages, rows] = t[f"{name}_new"][b]
+    return out
+
+
+def partial_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, begin: int,
+                      end: int, total: int, causal: bool, scale: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (seqlen_q, heads_q, dim) normalised over keys [begin, end) and LSE (heads_q,
+    seqlen_q) of one sequence in float64; rows that see none of them: O = 0, LSE = -inf."""
+    seqlen_q, heads_q, dim = q.shape
+    group = heads_q // keys.shape[1]
+    k = keys[begin:end].repeat_interleave(group, dim=1)
+    v = values[begin:end].repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.to(torch.float64), k) * scale
+    if causal:
+        key_pos = torch.arange(begin, end, device=q.device)[None, :]
+        last = torch.arange(seqlen_q, device=q.device)[:, None] + total - seqlen_q
+        scores = scores.masked_fill(~(key_pos <= last), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1) if end > begin else torch.full(
+        (heads_q, seqlen_q), float("-inf"), dtype=torch.float64, device=q.device)
+    empty = torch.isneginf(lse)
+    probs = torch.exp(scores - lse.masked_fill(empty, 0.0)[..., None])
+    o = torch.einsum("hqk,khd->qhd", probs, v)
+    return o, lse
+
+
+def decode_reference(inputs: Inputs, causal: bool) -> dict[str, torch.Tensor]:
+    """Partial O (splits, batch, heads_q, seqlen_q, dim) and LSE (splits, batch, heads_q,
+    seqlen_q) in float64, and the expected caches."""
+    q = inputs.tensors["q"]
+    batch, seqlen_q, heads_q, dim = q.shape
+    splits = int(inputs.scalars["num_splits"])
+    scale = float(inputs.scalars["softmax_scale"])
+    o_part = torch.zeros(splits, batch, heads_q, seqlen_q, dim, dtype=torch.float64,
+                         device=q.device)
+    lse_part = torch.full((splits, batch, heads_q, seqlen_q), float("-inf"),
+                          dtype=torch.float64, device=q.device)
+    for b, (keys, values) in enumerate(sequence_keys(inputs)):
+        total = keys.shape[0]
+        for s in range(splits):
+            begin, end = split_range(total, splits, s)
+            if begin == end:
+                break  # this split and all later ones are empty
+            o, lse = partial_attention(q[b], keys, values, begin, end, total, causal, scale)
+            o_part[s, b] = o.permute(1, 0, 2)
+            lse_part[s, b] = lse
+    return {"o_part": o_part, "lse_part": lse_part, **expected_caches(inputs)}
+
+
+def attention_with_kvcache_reference(inputs: Inputs, causal: bool
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (batch, seqlen_q, heads_q, dim) and LSE (batch, heads_q, seqlen_q) over all keys in
+    float64, as the API returns them: a row that sees no key has O = 0 and LSE = +inf."""
+    q = inputs.tensors["q"]
+    scale = float(inputs.scalars["softmax_scale"])
+    outs, lses = [], []
+    for b, (keys, values) in enumerate(sequence_keys(inputs)):
+        total = keys.shape[0]
+        o, lse = partial_attention(q[b], keys, values, 0, total, total, causal, scale)
+        outs.append(o)
+        lses.append(lse.masked_fill(torch.isneginf(lse), float("inf")))
+    return torch.stack(outs), torch.stack(lses)

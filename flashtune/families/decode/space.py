@@ -1,0 +1,69 @@
+"""The decode kernel's search space, static rules and default configs.
+
+block_m: packed query rows (group x seqlen_q) per block; a group whose rows fit one block
+reads each K/V element once. block_n: keys per tile; num_warps split the block's rows in
+m16 slabs (KernelConfig requires block_m to be a multiple of 16 x num_warps);
+num_stages: K/V tiles in flight.
+"""
+
+from __future__ import annotations
+
+from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.params import Param, ParamSpace
+from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.errors import InvalidConfig
+
+SPACE = ParamSpace((Param("block_m", (16, 32, 64, 128)), Param("block_n", (32, 64, 128)),
+                    Param("num_warps", (1, 2, 4, 8)), Param("num_stages", (1, 2, 3))))
+
+#: Shared-memory rows are padded by 8 elements (16 bytes): the eight rows of an ldmatrix
+#: phase then fall in distinct banks.
+SMEM_ROW_PAD = 8
+#: The block's flag word (16 bytes) after the tiles.
+_FLAGS_BYTES = 16
+#: Accumulator registers per thread beyond which a config cannot avoid spilling.
+MAX_ACCUMULATOR_REGISTERS = 192
+
+#: Defaults in order of preference; the first that passes the static rules on an arch wins.
+#: FlashAttention-2's split-KV tile (64 packed rows on 4 warps, 2 K/V buffers) first, then
+#: smaller tiles for head dims whose rows do not fit the arch's shared memory.
+DEFAULTS: tuple[tuple[KernelConfig, str], ...] = (
+    (KernelConfig(64, 64, 4, 2), "FA2's split-KV tile: 64 packed rows on 4 warps, 64-key "
+                                 "tiles in two buffers"),
+    (KernelConfig(64, 32, 4, 2), "64 packed rows on 4 warps; 32-key tiles in two buffers fit "
+                                 "the shared memory of large head dims"),
+    (KernelConfig(16, 32, 1, 1), "the smallest tile: one warp, one 32-key buffer"),
+)
+
+
+def smem_bytes(problem: Problem, config: KernelConfig) -> int:
+    """Q tile, num_stages K and V tiles (padded rows), and the flag word."""
+    row = (problem.padded_head_dim + SMEM_ROW_PAD) * problem.dtype.itemsize
+    return row * (config.block_m + 2 * config.num_stages * config.block_n) + _FLAGS_BYTES
+
+
+def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
+    """32-bit registers per thread of the O and S fragments."""
+    mma_dim = -(-problem.head_dim // 16) * 16
+    return config.rows_per_warp * (mma_dim + config.block_n) // 32
+
+
+def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
+    """Why ``config`` cannot run ``problem`` on ``arch``, or None."""
+    smem = smem_bytes(problem, config)
+    if smem > arch.max_smem_per_block:
+        return (f"shared memory {smem} B exceeds the {arch.name} per-block limit "
+                f"{arch.max_smem_per_block} B")
+    regs = accumulator_registers(problem, config)
+    if regs > MAX_ACCUMULATOR_REGISTERS:
+        return (f"accumulators need {regs} registers per thread, over the "
+                f"{MAX_ACCUMULATOR_REGISTERS} that leave room below {arch.max_regs_per_thread}")
+    return None
+
+
+def default_entry(problem: Problem, arch: ArchSpec) -> tuple[KernelConfig, str]:
+    """The first default that ``problem`` fits on ``arch``, and why it is the default."""
+    for config, reason in DEFAULTS:
+        if static_check(problem, config, arch) is None:
+            return config, reason
+    raise InvalidConfig(f"no default decode config fits {problem.key()} on {arch.name}")

@@ -1,0 +1,147 @@
+"""The PyTorch-facing decoding API: ``attention_with_kvcache`` and ``explain_kvcache``.
+
+The call is the custom op ``flashtune::attention_with_kvcache`` (torch.library, with a fake
+implementation, so torch.compile traces it as one node; it mutates k_cache and v_cache when
+new rows are appended). A plain eager call with nothing observing operators calls the same
+implementation directly, as ``attention`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, overload
+
+import torch
+
+from flashtune.errors import InvalidInput
+from flashtune.families.decode.splits import check_num_splits
+from flashtune.runtime import decode as _decode
+from flashtune.runtime.dispatch import Decision
+from flashtune.runtime.ops import check_no_grad, direct_call_ok
+from flashtune.runtime.validate import check_softmax_scale
+from flashtune.runtime.validate_kvcache import check_kvcache_inputs
+
+OP_NAME = "flashtune::attention_with_kvcache"
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=("k_cache", "v_cache"))
+def attention_with_kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                              k: torch.Tensor | None, v: torch.Tensor | None, causal: bool,
+                              softmax_scale: float, num_splits: int, backend: str
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (B, Nq, Hq, D) and LSE (B, Hq, Nq, float32) of validated inputs; num_splits 0:
+    the heuristic."""
+    layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
+    return _decode.run_decode(q, k_cache, v_cache, cache_seqlens, block_table, k, v, layout,
+                              causal, softmax_scale, num_splits, backend)
+
+
+@attention_with_kvcache_op.register_fake
+def _fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+          cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+          k: torch.Tensor | None, v: torch.Tensor | None, causal: bool, softmax_scale: float,
+          num_splits: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, seqlen_q, heads_q, _ = q.shape
+    return (torch.empty_like(q),
+            q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
+
+
+@overload
+def attention_with_kvcache(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = ...,
+    k: torch.Tensor | None = ..., v: torch.Tensor | None = ..., causal: bool = ...,
+    softmax_scale: float | None = ..., num_splits: int | None = ...,
+    return_lse: Literal[False] = ..., backend: str | None = ...) -> torch.Tensor: ...
+
+
+@overload
+def attention_with_kvcache(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = ...,
+    k: torch.Tensor | None = ..., v: torch.Tensor | None = ..., causal: bool = ...,
+    softmax_scale: float | None = ..., num_splits: int | None = ...,
+    return_lse: Literal[True], backend: str | None = ...
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention_with_kvcache(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = ...,
+    k: torch.Tensor | None = ..., v: torch.Tensor | None = ..., causal: bool = ...,
+    softmax_scale: float | None = ..., num_splits: int | None = ..., return_lse: bool,
+    backend: str | None = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    block_table: torch.Tensor | None = None,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    num_splits: int | None = None,
+    return_lse: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a few new query rows per sequence over a KV cache, in flash-attn's layout.
+
+    q is (B, Nq, Hq, D) with a small Nq (decoding; speculative decoding), fp16 or bf16. The
+    cache is k_cache, v_cache (B, max_len, Hkv, D), or paged (num_pages, page_size, Hkv, D)
+    with ``block_table`` (B, max_pages) int32: position j of sequence b is row
+    j % page_size of page block_table[b, j // page_size] (any page size >= 1; slots past a
+    sequence's pages are never read). ``cache_seqlens`` (B,) int32, on q's device, holds each
+    sequence's cache length; it is never read back to the host (no synchronisation: the call
+    can be captured in a CUDA graph). With ``k`` and ``v`` (B, Nnew, Hkv, D) the new rows are
+    written into the cache at positions cache_seqlens[b] ... + Nnew - 1 (in place, as
+    flash-attn does; cache_seqlens itself is not changed) and attended to after the cached
+    ones. Hq must be a multiple of Hkv (GQA/MQA: the group's query heads share one read of
+    each K/V element).
+
+    ``causal``: query row i sees key j iff j <= i + total - Nq (bottom-right aligned, total =
+    cache_seqlens[b] + Nnew); a row that sees no key gets O = 0 and LSE = +inf.
+    ``softmax_scale`` defaults to 1/sqrt(D). ``num_splits`` (1 to 128) splits each sequence's
+    keys across that many blocks whose partial results are merged by their LSE; None picks
+    FlashAttention-2's wave-efficiency heuristic for this GPU. Returns O (B, Nq, Hq, D), and
+    with ``return_lse`` also the float32 natural-log LSE (B, Hq, Nq). ``backend`` as in
+    ``attention``.
+
+    A cache length below 0 or beyond the capacity (max_len, or page_size x max_pages) and a
+    block-table entry outside [0, num_pages) for a page a sequence uses are never followed:
+    they raise InvalidInput at once on the emulator and on the GPU with
+    FLASHTUNE_CHECK_INPUTS=1 (one synchronisation per call); otherwise the kernel stops with a
+    trap and the error surfaces at the next synchronisation.
+    """
+    layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
+    check_no_grad(q, k_cache, v_cache, k, v)
+    if not isinstance(causal, bool):
+        raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
+    scale = check_softmax_scale(softmax_scale, q.shape[3])
+    splits = 0 if num_splits is None else check_num_splits(num_splits)
+    name = "" if backend is None else backend
+    if direct_call_ok(q, k_cache, v_cache, cache_seqlens, block_table, k, v):
+        out, lse = _decode.run_decode(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
+                                      layout, causal, scale, splits, name)
+    else:
+        out, lse = attention_with_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table,
+                                             k, v, causal, scale, splits, name)
+    return (out, lse) if return_lse else out
+
+
+def explain_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = None,
+                    causal: bool = False, backend: str | None = None, arch: str | None = None
+                    ) -> tuple[Decision, Decision]:
+    """The decode and combine configs flashtune would run for this call, and why (nothing is
+    compiled); ``arch`` asks about a virtual GPU of that arch."""
+    layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
+    if q.device.type == "meta" and arch is None:
+        from flashtune.runtime.forward import emulator_arch
+
+        arch = emulator_arch()
+    return _decode.decide(q, causal, layout.capacity, backend, arch)

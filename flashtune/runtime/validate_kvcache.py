@@ -1,0 +1,206 @@
+"""Validation of the tensors handed to ``attention_with_kvcache``.
+
+Everything that tensor metadata can tell is checked here, before a launch, with an
+InvalidInput that says what was wrong, what was expected and how to fix it. What only the
+data can tell (cache lengths, block-table entries, which live on the device and are never
+copied to the host) is checked by the decode kernel itself, which never follows a bad
+value (see ``flashtune.families.decode.status``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flashtune.codegen.spec import MAX_HEAD_DIM
+from flashtune.errors import InvalidInput
+from flashtune.runtime.validate import MAX_GRID_YZ, MAX_INT32, SUPPORTED_DEVICES, SUPPORTED_DTYPES
+
+_Q = "(batch, seqlen_q, heads_q, head_dim)"
+_CACHE = "(batch, max_len, heads_kv, head_dim)"
+_PAGED = "(num_pages, page_size, heads_kv, head_dim)"
+_NEW = "(batch, seqlen_new, heads_kv, head_dim)"
+
+
+@dataclass(frozen=True)
+class KvCacheLayout:
+    """The sizes of one validated call.
+
+    An unpaged cache is described as ``batch`` pages of ``max_len`` rows (sequence b is page
+    b), so ``capacity = page_size * max_pages`` holds for both layouts."""
+
+    batch: int
+    seqlen_q: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    paged: bool
+    page_size: int
+    max_pages: int
+    num_pages: int
+    seqlen_new: int
+
+    @property
+    def capacity(self) -> int:
+        return self.page_size * self.max_pages
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def _named(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+           k: torch.Tensor | None, v: torch.Tensor | None) -> list[tuple[str, torch.Tensor]]:
+    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+             ("cache_seqlens", cache_seqlens), ("block_table", block_table), ("k", k), ("v", v)]
+    return [(n, t) for n, t in named if t is not None]
+
+
+def _check_types_and_ranks(named: Sequence[tuple[str, object]]) -> None:
+    ranks = {"cache_seqlens": 1, "block_table": 2}
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise InvalidInput(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        want = ranks.get(name, 4)
+        if t.dim() != want:
+            layout = {"q": _Q, "k_cache": f"{_CACHE} or paged {_PAGED}",
+                      "v_cache": f"{_CACHE} or paged {_PAGED}", "k": _NEW, "v": _NEW,
+                      "cache_seqlens": "(batch,)", "block_table": "(batch, max_pages)"}[name]
+            raise InvalidInput(f"{name} has {t.dim()} dims (shape {_shape(t)}); expected "
+                               f"{want} dims {layout}")
+
+
+def _check_dtypes_and_devices(q: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise InvalidInput(f"q has dtype {q.dtype}; expected torch.float16 or torch.bfloat16. "
+                           "Convert with q.half() or q.bfloat16()")
+    for name, t in named:
+        want = torch.int32 if name in ("cache_seqlens", "block_table") else q.dtype
+        if t.dtype != want:
+            fix = f"{name}.to(torch.int32)" if want == torch.int32 else f"{name}.to(q.dtype)"
+            raise InvalidInput(f"{name} has dtype {t.dtype}; expected {want} (the dtype of "
+                               f"q for the cache and new rows, int32 for lengths and pages). "
+                               f"Convert with {fix}")
+        if t.device != q.device:
+            raise InvalidInput(f"{name} is on {t.device} but q is on {q.device}; every "
+                               f"tensor must be on one device (cache_seqlens and block_table "
+                               f"too: they are read by the kernel). Move it with "
+                               f"{name}.to(q.device)")
+    if q.device.type not in SUPPORTED_DEVICES:
+        raise InvalidInput(f"tensors are on {q.device}; expected CUDA tensors (or CPU tensors "
+                           "with backend='emulator'). Move them with .cuda()")
+
+
+def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                  k: torch.Tensor | None, v: torch.Tensor | None) -> KvCacheLayout:
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    if q.numel() == 0:
+        raise InvalidInput(f"q is empty (shape {_shape(q)}); expected every dim of {_Q} >= 1")
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise InvalidInput(f"k_cache has shape {_shape(k_cache)} but v_cache has "
+                           f"{_shape(v_cache)}; expected equal shapes")
+    n0, n1, heads_kv, head_dim_kv = k_cache.shape
+    layout = _PAGED if block_table is not None else _CACHE
+    if head_dim_kv != head_dim:
+        raise InvalidInput(f"q has head_dim {head_dim} but the cache has {head_dim_kv}; "
+                           "expected equal head dims")
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        raise InvalidInput(f"head_dim={head_dim} is not supported; expected a multiple of 8 "
+                           f"<= {MAX_HEAD_DIM} (pad q and the cache with zeros)")
+    if min(n0, n1, heads_kv) < 1:
+        raise InvalidInput(f"the cache is empty (shape {_shape(k_cache)}); expected every "
+                           f"dim of {layout} >= 1")
+    if heads_q % heads_kv:
+        raise InvalidInput(f"q has {heads_q} heads but the cache has {heads_kv}; expected the "
+                           "q heads to be a multiple of the kv heads (grouped-query attention)")
+    if tuple(cache_seqlens.shape) != (batch,):
+        raise InvalidInput(f"cache_seqlens has shape {_shape(cache_seqlens)}; expected "
+                           f"({batch},): one length per sequence of q")
+    if block_table is None:
+        if n0 != batch:
+            raise InvalidInput(f"the cache has {n0} sequences but q has batch {batch}; "
+                               f"expected an unpaged cache {_CACHE}, or pass block_table for a "
+                               f"paged cache {_PAGED}")
+        page_size, max_pages, num_pages = n1, 1, batch
+    else:
+        if block_table.shape[0] != batch or block_table.shape[1] < 1:
+            raise InvalidInput(f"block_table has shape {_shape(block_table)}; expected "
+                               f"({batch}, max_pages) with max_pages >= 1")
+        page_size, max_pages, num_pages = n1, block_table.shape[1], n0
+    seqlen_new = 0
+    if (k is None) != (v is None):
+        raise InvalidInput("pass both k and v (the new rows to append) or neither")
+    if k is not None and v is not None:
+        want = (batch, k.shape[1], heads_kv, head_dim)
+        if tuple(k.shape) != want or tuple(v.shape) != want or k.shape[1] < 1:
+            raise InvalidInput(f"k has shape {_shape(k)} and v {_shape(v)}; expected both "
+                               f"{_NEW} = (batch {batch}, seqlen_new >= 1, heads_kv "
+                               f"{heads_kv}, head_dim {head_dim})")
+        seqlen_new = k.shape[1]
+    if page_size * max_pages > MAX_INT32 or seqlen_q > MAX_INT32 or num_pages > MAX_INT32:
+        raise InvalidInput(f"the cache capacity {page_size * max_pages} rows per sequence or "
+                           f"{num_pages} pages exceed {MAX_INT32}; split the cache")
+    group_rows = heads_q // heads_kv * seqlen_q  # one block per 16 of them at the most
+    if batch > MAX_GRID_YZ or heads_kv * -(-group_rows // 16) > MAX_GRID_YZ:
+        raise InvalidInput(f"batch={batch}, heads_q={heads_q}, seqlen_q={seqlen_q} exceed the "
+                           f"CUDA grid limit {MAX_GRID_YZ}; split the call along batch or "
+                           "queries")
+    return KvCacheLayout(batch, seqlen_q, heads_q, heads_kv, head_dim, block_table is not None,
+                         page_size, max_pages, num_pages, seqlen_new)
+
+
+def overlapping(t: torch.Tensor) -> bool:
+    """True when two different indices of ``t`` address the same element."""
+    extent = 1
+    for stride, size in sorted((abs(s), n) for s, n in zip(t.stride(), t.shape, strict=True)
+                               if n > 1):
+        if stride < extent:
+            return True
+        extent = stride * (size - 1) + extent
+    return False
+
+
+def _check_strides(named: list[tuple[str, torch.Tensor]]) -> None:
+    for name, t in named:
+        if name in ("cache_seqlens", "block_table"):
+            if t.shape[-1] > 1 and t.stride(-1) != 1:
+                raise InvalidInput(f"{name} has stride {t.stride(-1)} in its last dim; "
+                                   f"expected 1. Call {name}.contiguous() first")
+            continue
+        if t.stride(-1) != 1:
+            raise InvalidInput(f"{name} has stride {t.stride(-1)} in its last (head_dim) dim "
+                               f"(strides {tuple(t.stride())}); expected 1. Call "
+                               f"{name}.contiguous() first")
+        for dim in range(3):
+            if t.shape[dim] > 1 and t.stride(dim) % 8:
+                raise InvalidInput(f"{name} has stride {t.stride(dim)} in dim {dim} (strides "
+                                   f"{tuple(t.stride())}); expected multiples of 8 elements "
+                                   f"(the kernel moves 16-byte chunks). Call "
+                                   f"{name}.contiguous() first")
+        if name in ("k_cache", "v_cache") and overlapping(t):
+            raise InvalidInput(f"{name} (shape {_shape(t)}, strides {tuple(t.stride())}) has "
+                               "pages or rows that share memory (an expanded or overlapping "
+                               "view); appending would write one row for several. Pass a "
+                               f"cache whose pages are distinct memory, e.g. "
+                               f"{name}.contiguous()")
+
+
+def check_kvcache_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         cache_seqlens: torch.Tensor, block_table: torch.Tensor | None = None,
+                         k: torch.Tensor | None = None, v: torch.Tensor | None = None
+                         ) -> KvCacheLayout:
+    """The layout of a call, or InvalidInput: types and ranks, dtypes (fp16/bf16 for q, the
+    cache and the new rows, all equal; int32 lengths and pages), one device, shapes
+    (unpaged or paged cache, GQA, one length per sequence, new rows of both k and v), grid
+    and int32 limits, and strides (contiguous last dims, multiples of 8 elsewhere, caches
+    whose rows do not share memory)."""
+    named = _named(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
+    _check_types_and_ranks(named)
+    _check_dtypes_and_devices(q, named)
+    layout = _check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
+    _check_strides(named)
+    return layout

@@ -1,0 +1,534 @@
+// Split-KV decoding (FlashDecoding): partial attention of a few query rows per sequence over
+// one split of a (paged) KV cache, written as float32 partial O and LSE per split; the
+// combine kernel (combine_splits.cuh) merges the splits weighted by their LSE.
+//
+// Grid: (num_splits, heads_kv * m_blocks, batch). A block serves one (batch, kv head) and
+// BlockM *packed* rows, r = g * seqlen_q + i (query head kv_head * group + g, query
+// position i), so one K/V tile in shared memory serves every query head of the group: each
+// K/V element of a split is read from global memory once per group (m_blocks = 1 when the
+// group's rows fit one block). The block's keys are split `split` of the sequence
+// (decode_traits.cuh kSplitAlign); K/V tiles of BlockN keys stream through rings of
+// NumStages shared buffers fed by cp.async, S = Q K^T and O += P V run on mma.sync m16n8k16
+// with the online softmax in registers, as in the forward kernel.
+//
+// Keys: positions [0, cache_len) are cache rows, found through the block table (paged:
+// position j is row j % page_size of page block_table[b, j / page_size]; unpaged: row j of
+// the batch's own sequence, passed as page b of page_size = max_len); positions
+// [cache_len, cache_len + seqlen_new) are the new rows k_new / v_new, which the blocks of
+// m-block 0 also store into the cache at those positions (each key is in one split, so one
+// block writes it). cache_len = cache_seqlens[b] is read on the device.
+//
+// Safety: a cache length below 0 or past the capacity (page_size * max_pages), or a block
+// table entry outside [0, num_pages) for a page the split uses, is never followed: the
+// kernel records the first such error in status[0..3] = (code, batch, index, value), fills
+// the block's partial O and LSE with NaN, and (trap_on_error) stops the kernel with a trap
+// so that the error surfaces at the next synchronisation.
+//
+// Causal: query position i sees key j iff j <= i + total - seqlen_q (bottom-right aligned,
+// total = cache_len + seqlen_new). Partial outputs (contiguous float32):
+//   o_part   (num_splits, batch, heads_q, seqlen_q, HeadDim), normalised within the split;
+//   lse_part (num_splits, batch, heads_q, seqlen_q), natural log; -inf (and O = 0) for a row
+//            that sees no key of the split, so that its weight in the combine is 0.
+#pragma once
+
+#include "decode_traits.cuh"
+
+namespace ft {
+
+// Records the first bad input of the launch: status = (code, batch, index, value). With
+// trap_on_error the kernel stops (the error surfaces at the next synchronisation).
+__device__ __forceinline__ void record_bad_input(int* status, int code, int batch, int index,
+                                                 int value, int trap_on_error) {
+  if (atomicCAS(status, 0, code) == 0) {
+    status[1] = batch;
+    status[2] = index;
+    status[3] = value;
+  }
+  if (trap_on_error) trap();
+}
+
+// Where the keys of one (batch, kv head) live.
+template <class Tr>
+struct KvRows {
+  using Element = typename Tr::Element;
+  Element* cache;              // the kv head's row 0 of page 0
+  const Element* fresh;        // the new rows of (batch, kv head); read only past cache_len
+  const int* pages;            // the batch's block-table row; null: unpaged (page `own_page`)
+  long long page_stride;
+  long long row_stride;
+  long long fresh_row_stride;
+  int page_size;
+  int own_page;
+  int cache_len;
+
+  // Element offset of cache position j (pages already validated).
+  __device__ __forceinline__ long long cache_offset(int j) const {
+    const int slot = j / page_size;
+    const int page = pages != nullptr ? pages[slot] : own_page;
+    return page * page_stride + static_cast<long long>(j - slot * page_size) * row_stride;
+  }
+
+  // The row of key j: a cache row before cache_len, a new row after.
+  __device__ __forceinline__ const Element* row(int j) const {
+    return j < cache_len ? cache + cache_offset(j)
+                         : fresh + static_cast<long long>(j - cache_len) * fresh_row_stride;
+  }
+};
+
+// Issue (without committing) the cp.async copies of keys [key0, key0 + BlockN) into a
+// shared tile; keys at or past key_end and head-dim columns past HeadDim read nothing and
+// are zero-filled.
+template <class Tr>
+__device__ __forceinline__ void load_key_tile(typename Tr::Element* tile, const KvRows<Tr>& kv,
+                                              int key0, int key_end, int tid) {
+  constexpr int kRowsPerIter = Tr::kThreads / Tr::kLoadChunks;
+  constexpr int kIters = (Tr::kBlockN + kRowsPerIter - 1) / kRowsPerIter;
+  static_assert(kRowsPerIter >= 1, "a block copies at least one row per step");
+  const int c = tid % Tr::kLoadChunks;
+  const int r0 = tid / Tr::kLoadChunks;
+  if (r0 >= kRowsPerIter) return;
+  const bool real_col = c < Tr::kRealChunks;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int r = r0 + it * kRowsPerIter;
+    if (Tr::kBlockN % kRowsPerIter == 0 || r < Tr::kBlockN) {
+      const bool real = real_col && key0 + r < key_end;
+      const typename Tr::Element* src = real ? kv.row(key0 + r) + c * Tr::kChunkElems : kv.cache;
+      cp_async<16>(tile + r * Tr::kRowStride + c * Tr::kChunkElems, src, real ? 16 : 0);
+    }
+  }
+}
+
+// Issue the cp.async copies of the block's packed Q rows [m0, m0 + BlockM): row r is query
+// position r % seqlen_q of head offset r / seqlen_q; rows past `rows` are zero-filled.
+// q_group: query head kv_head * group, position 0, of the batch.
+template <class Tr>
+__device__ __forceinline__ void load_packed_q(typename Tr::Element* sq,
+                                              const typename Tr::Element* q_group,
+                                              long long row_stride, long long head_stride,
+                                              int m0, int rows, int seqlen_q, int tid) {
+  constexpr int kRowsPerIter = Tr::kThreads / Tr::kLoadChunks;
+  constexpr int kIters = (Tr::kBlockM + kRowsPerIter - 1) / kRowsPerIter;
+  const int c = tid % Tr::kLoadChunks;
+  const int r0 = tid / Tr::kLoadChunks;
+  if (r0 >= kRowsPerIter) return;
+  const bool real_col = c < Tr::kRealChunks;
+#pragma unroll
+  for (int it = 0; it < kIters; ++it) {
+    const int r = r0 + it * kRowsPerIter;
+    if (Tr::kBlockM % kRowsPerIter == 0 || r < Tr::kBlockM) {
+      const int packed = m0 + r;
+      const bool real = real_col && packed < rows;
+      const int g = packed / seqlen_q;
+      const typename Tr::Element* src =
+          q_group + static_cast<long long>(packed - g * seqlen_q) * row_stride +
+          g * head_stride + c * Tr::kChunkElems;
+      cp_async<16>(sq + r * Tr::kRowStride + c * Tr::kChunkElems, real ? src : q_group,
+                   real ? 16 : 0);
+    }
+  }
+}
+
+// Store the new keys of a landed shared tile (positions [cache_len, key_end) within
+// [key0, key0 + BlockN)) into their cache rows, 128 bits per store.
+template <class Tr>
+__device__ __forceinline__ void store_new_keys(const KvRows<Tr>& kv,
+                                               const typename Tr::Element* tile, int key0,
+                                               int key_end, int tid) {
+  const int lo = kv.cache_len > key0 ? kv.cache_len : key0;
+  const int hi = key_end < key0 + Tr::kBlockN ? key_end : key0 + Tr::kBlockN;
+  for (int idx = tid; idx < (hi - lo) * Tr::kRealChunks; idx += Tr::kThreads) {
+    const int r = lo - key0 + idx / Tr::kRealChunks;
+    const int c = idx % Tr::kRealChunks;
+    *reinterpret_cast<uint4*>(kv.cache + kv.cache_offset(key0 + r) + c * Tr::kChunkElems) =
+        *reinterpret_cast<const uint4*>(tile + r * Tr::kRowStride + c * Tr::kChunkElems);
+  }
+}
+
+// The whole block writes partial O = o_value and LSE = lse_value for its packed rows.
+template <class Tr>
+__device__ __forceinline__ void fill_partial_rows(float* o_rows, float* lse_rows, int m0,
+                                                  int rows, float o_value, float lse_value,
+                                                  int tid) {
+  const int end = rows < m0 + Tr::kBlockM ? rows : m0 + Tr::kBlockM;
+  for (int idx = m0 * Tr::kHeadDim + tid; idx < end * Tr::kHeadDim; idx += Tr::kThreads) {
+    o_rows[idx] = o_value;
+  }
+  for (int r = m0 + tid; r < end; r += Tr::kThreads) lse_rows[r] = lse_value;
+}
+
+// S = Q_w K^T over the warp's rows and the tile's BlockN keys; s[mt][nt] is the C fragment
+// of rows 16 mt + {g, g + 8}, keys 8 nt + {2t, 2t + 1}.
+template <class Tr>
+__device__ __forceinline__ void split_scores(float (&s)[Tr::kMTiles][Tr::kSTiles][4],
+                                             const typename Tr::Element* sq_warp,
+                                             const typename Tr::Element* sk, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+    for (int nt = 0; nt < Tr::kSTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.0f;
+    }
+  }
+  // A (Q) x4: row lane % 16, column half lane / 16. B (K rows) x4 over two key tiles: key
+  // 8 (lane / 16) + lane % 8, column half (lane / 8) % 2.
+  const typename Tr::Element* a_row = sq_warp + (lane % 16) * Tr::kRowStride + (lane / 16) * 8;
+  const typename Tr::Element* b_row =
+      sk + ((lane / 16) * 8 + lane % 8) * Tr::kRowStride + ((lane / 8) % 2) * 8;
+#pragma unroll
+  for (int kk = 0; kk < Tr::kQkSteps; ++kk) {
+    unsigned a[Tr::kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+      ldmatrix_x4(a[mt], a_row + mt * 16 * Tr::kRowStride + kk * 16);
+    }
+#pragma unroll
+    for (int pair = 0; pair < Tr::kSTiles / 2; ++pair) {
+      unsigned b[4];
+      ldmatrix_x4(b, b_row + pair * 16 * Tr::kRowStride + kk * 16);
+      const unsigned first[2] = {b[0], b[1]};
+      const unsigned second[2] = {b[2], b[3]};
+#pragma unroll
+      for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+        Tr::Ops::mma(s[mt][2 * pair], a[mt], first, s[mt][2 * pair]);
+        Tr::Ops::mma(s[mt][2 * pair + 1], a[mt], second, s[mt][2 * pair + 1]);
+      }
+    }
+  }
+}
+
+// O += P V with P in the S fragments (two key tiles packed to 16-bit pairs form the A
+// fragment of one k16 step); V is read transposed as the B operand.
+template <class Tr>
+__device__ __forceinline__ void split_accumulate(float (&o)[Tr::kMTiles][Tr::kOTiles][4],
+                                                 const float (&p)[Tr::kMTiles][Tr::kSTiles][4],
+                                                 const typename Tr::Element* sv, int lane) {
+  const typename Tr::Element* b_row = sv + (lane % 16) * Tr::kRowStride + (lane / 16) * 8;
+#pragma unroll
+  for (int kk = 0; kk < Tr::kPvSteps; ++kk) {
+    unsigned a[Tr::kMTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        a[mt][2 * half] = Tr::Ops::pack(p[mt][2 * kk + half][0], p[mt][2 * kk + half][1]);
+        a[mt][2 * half + 1] = Tr::Ops::pack(p[mt][2 * kk + half][2], p[mt][2 * kk + half][3]);
+      }
+    }
+#pragma unroll
+    for (int pair = 0; pair < Tr::kOTiles / 2; ++pair) {
+      unsigned b[4];
+      ldmatrix_x4_trans(b, b_row + kk * 16 * Tr::kRowStride + pair * 16);
+      const unsigned first[2] = {b[0], b[1]};
+      const unsigned second[2] = {b[2], b[3]};
+#pragma unroll
+      for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+        Tr::Ops::mma(o[mt][2 * pair], a[mt], first, o[mt][2 * pair]);
+        Tr::Ops::mma(o[mt][2 * pair + 1], a[mt], second, o[mt][2 * pair + 1]);
+      }
+    }
+  }
+}
+
+// The online softmax of the warp's rows in the log2 domain (scale_log2 = scale * log2 e),
+// and the per-row key limits of the split: key j is visible to row (mt, h) iff
+// j < limit[mt][h].
+template <class Tr>
+struct SplitRows {
+  float row_max[Tr::kMTiles][2];  // running max of scale_log2 * score; -inf before any key
+  float row_sum[Tr::kMTiles][2];  // the lane's share of sum exp2(scaled score - row_max)
+  int limit[Tr::kMTiles][2];
+
+  __device__ __forceinline__ void init(int row0, int seqlen_q, int total, int key_end,
+                                       int lane) {
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        row_max[mt][h] = -INFINITY;
+        row_sum[mt][h] = 0.0f;
+        int end = key_end;
+        if constexpr (Tr::kCausal) {
+          const int i = (row0 + mt * 16 + lane / 4 + 8 * h) % seqlen_q;
+          const int diag = i + 1 + total - seqlen_q;
+          end = diag < end ? diag : end;
+        }
+        limit[mt][h] = end;
+      }
+    }
+  }
+
+  // Scores of keys a row may not see become -inf.
+  __device__ __forceinline__ void mask(float (&s)[Tr::kMTiles][Tr::kSTiles][4], int key0,
+                                       int lane) const {
+    const int col = key0 + 2 * (lane % 4);
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int nt = 0; nt < Tr::kSTiles; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            if (col + 8 * nt + e >= limit[mt][h]) s[mt][nt][2 * h + e] = -INFINITY;
+          }
+        }
+      }
+    }
+  }
+
+  // Fold a tile into the statistics, rescale O by exp2(old max - new max) and turn s into
+  // probabilities in place. A row with only masked keys so far keeps max -inf and takes its
+  // probabilities against 0 (exp2(-inf) = 0, never exp2(-inf + inf) = NaN).
+  __device__ __forceinline__ void update(float (&s)[Tr::kMTiles][Tr::kSTiles][4],
+                                         float (&o)[Tr::kMTiles][Tr::kOTiles][4],
+                                         float scale_log2) {
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float m = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < Tr::kSTiles; ++nt) {
+          m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+        }
+        m = fmaxf(m, shfl_xor(m, 1));
+        m = fmaxf(m, shfl_xor(m, 2));
+        const float m_new = fmaxf(row_max[mt][h], m == -INFINITY ? -INFINITY : m * scale_log2);
+        const float base = m_new == -INFINITY ? 0.0f : m_new;
+        const float alpha = exp2f_fast(row_max[mt][h] - base);
+        row_max[mt][h] = m_new;
+        float tile_sum = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < Tr::kSTiles; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = exp2f_fast(s[mt][nt][2 * h + e] * scale_log2 - base);
+            s[mt][nt][2 * h + e] = p;
+            tile_sum += p;
+          }
+        }
+        row_sum[mt][h] = row_sum[mt][h] * alpha + tile_sum;
+#pragma unroll
+        for (int dt = 0; dt < Tr::kOTiles; ++dt) {
+          o[mt][dt][2 * h] *= alpha;
+          o[mt][dt][2 * h + 1] *= alpha;
+        }
+      }
+    }
+  }
+
+  // Write the warp's normalised partial O rows and their LSE (-inf, O = 0 for a row that
+  // saw no key of the split), straight from the fragments; rows at or past `rows` are not
+  // written.
+  __device__ __forceinline__ void store(const float (&o)[Tr::kMTiles][Tr::kOTiles][4],
+                                        float* o_rows, float* lse_rows, int row0, int rows,
+                                        int lane) const {
+    constexpr float kLn2 = 0.693147180559945309f;
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float l = row_sum[mt][h];
+        l += shfl_xor(l, 1);
+        l += shfl_xor(l, 2);
+        const int row = row0 + mt * 16 + lane / 4 + 8 * h;
+        if (row >= rows) continue;
+        const float inv = l == 0.0f ? 0.0f : 1.0f / l;
+        float* o_row = o_rows + static_cast<long long>(row) * Tr::kHeadDim + 2 * (lane % 4);
+#pragma unroll
+        for (int dt = 0; dt < Tr::kRealChunks; ++dt) {
+          float2 pair;
+          pair.x = o[mt][dt][2 * h] * inv;
+          pair.y = o[mt][dt][2 * h + 1] * inv;
+          *reinterpret_cast<float2*>(o_row + 8 * dt) = pair;
+        }
+        if (lane % 4 == 0) {
+          lse_rows[row] = l == 0.0f ? -INFINITY : row_max[mt][h] * kLn2 + logf(l);
+        }
+      }
+    }
+  }
+};
+
+template <class Tr>
+__device__ __forceinline__ void decode_split(
+    const typename Tr::Element* __restrict__ q, typename Tr::Element* k_cache,
+    typename Tr::Element* v_cache, const typename Tr::Element* k_new,
+    const typename Tr::Element* v_new, const int* __restrict__ block_table,
+    const int* __restrict__ cache_seqlens, float* __restrict__ o_part,
+    float* __restrict__ lse_part, int* status, int seqlen_q, int seqlen_new, int heads_q,
+    int heads_kv, int num_splits, int page_size, int max_pages, int num_pages,
+    int trap_on_error, long long q_batch_stride, long long q_row_stride,
+    long long q_head_stride, long long k_page_stride, long long k_row_stride,
+    long long k_head_stride, long long v_page_stride, long long v_row_stride,
+    long long v_head_stride, long long kn_batch_stride, long long kn_row_stride,
+    long long kn_head_stride, long long vn_batch_stride, long long vn_row_stride,
+    long long vn_head_stride, long long bt_batch_stride, float softmax_scale) {
+  using Element = typename Tr::Element;
+  constexpr int kBlockM = Tr::kBlockM;
+  constexpr int kBlockN = Tr::kBlockN;
+  constexpr int kStages = Tr::kNumStages;
+
+  const int split = static_cast<int>(blockIdx.x);
+  const int batch = static_cast<int>(blockIdx.z);
+  const int group = heads_q / heads_kv;
+  const int rows = group * seqlen_q;  // packed rows of the (batch, kv head)
+  const int m_blocks = (rows + kBlockM - 1) / kBlockM;
+  const int kv_head = static_cast<int>(blockIdx.y) / m_blocks;
+  const int m_block = static_cast<int>(blockIdx.y) - kv_head * m_blocks;
+  const int m0 = m_block * kBlockM;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = lane_id();
+  const int warp = warp_id();
+
+  // Packed row r of this (split, batch, kv head) is row r of the partial outputs from here.
+  const long long out_row0 =
+      ((static_cast<long long>(split) * gridDim.z + batch) * heads_q +
+       static_cast<long long>(kv_head) * group) * seqlen_q;
+  float* const o_rows = o_part + out_row0 * Tr::kHeadDim;
+  float* const lse_rows = lse_part + out_row0;
+
+  const int cache_len = cache_seqlens[batch];
+  if (cache_len < 0 || cache_len > page_size * max_pages - seqlen_new) {
+    if (tid == 0) {
+      record_bad_input(status, cache_len < 0 ? kErrNegativeLength : kErrBeyondCapacity, batch,
+                       batch, cache_len, trap_on_error);
+    }
+    fill_partial_rows<Tr>(o_rows, lse_rows, m0, rows, quiet_nan(), quiet_nan(), tid);
+    return;
+  }
+  const int total = cache_len + seqlen_new;
+  const int per_split =
+      ((total + num_splits - 1) / num_splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
+  const int key_begin = split * per_split;
+  const int key_end = total < key_begin + per_split ? total : key_begin + per_split;
+  if (key_begin >= key_end) {  // an empty split: weight 0 in the combine
+    fill_partial_rows<Tr>(o_rows, lse_rows, m0, rows, 0.0f, -INFINITY, tid);
+    return;
+  }
+
+  FT_DYNAMIC_SMEM(unsigned char, smem);
+  const int* pages = block_table != nullptr ? block_table + batch * bt_batch_stride : nullptr;
+  if (pages != nullptr) {  // every page the split reads or writes must exist
+    int* const flags = reinterpret_cast<int*>(smem + Tr::kFlagsOffsetBytes);
+    if (tid == 0) flags[0] = 0;
+    block_sync();
+    const int last = (key_end - 1) / page_size;
+    for (int slot = key_begin / page_size + tid; slot <= last; slot += Tr::kThreads) {
+      const int page = pages[slot];
+      if (page < 0 || page >= num_pages) {
+        record_bad_input(status, kErrPageIndex, batch, slot, page, trap_on_error);
+        flags[0] = 1;
+      }
+    }
+    block_sync();
+    if (flags[0] != 0) {
+      fill_partial_rows<Tr>(o_rows, lse_rows, m0, rows, quiet_nan(), quiet_nan(), tid);
+      return;
+    }
+  }
+
+  // The new rows are read only when seqlen_new > 0, and then k_new and v_new are given.
+  const KvRows<Tr> k_rows{k_cache + kv_head * k_head_stride,
+                          k_new == nullptr ? k_new
+                                           : k_new + batch * kn_batch_stride +
+                                                 kv_head * kn_head_stride,
+                          pages, k_page_stride, k_row_stride, kn_row_stride, page_size, batch,
+                          cache_len};
+  const KvRows<Tr> v_rows{v_cache + kv_head * v_head_stride,
+                          v_new == nullptr ? v_new
+                                           : v_new + batch * vn_batch_stride +
+                                                 kv_head * vn_head_stride,
+                          pages, v_page_stride, v_row_stride, vn_row_stride, page_size, batch,
+                          cache_len};
+  // The blocks of m-block 0 append the new keys of their split to the cache.
+  const bool appends = m_block == 0 && key_end > cache_len;
+  const int n_tiles = (key_end - key_begin + kBlockN - 1) / kBlockN;
+
+  Element* const sq = reinterpret_cast<Element*>(smem);
+  Element* const sk = sq + Tr::kKOffset;
+  Element* const sv = sq + Tr::kVOffset;
+
+  // One cp.async group per copy, committed as K_0 (with Q), V_0, K_1, V_1, ...; a step past
+  // the last tile commits an empty group, which keeps the wait counts uniform.
+  auto load_k = [&](int step) {
+    if (step < n_tiles) {
+      load_key_tile<Tr>(sk + (step % kStages) * Tr::kKvElems, k_rows,
+                        key_begin + step * kBlockN, key_end, tid);
+    }
+    cp_async_commit();
+  };
+  auto load_v = [&](int step) {
+    if (step < n_tiles) {
+      load_key_tile<Tr>(sv + (step % kStages) * Tr::kKvElems, v_rows,
+                        key_begin + step * kBlockN, key_end, tid);
+    }
+    cp_async_commit();
+  };
+
+  load_packed_q<Tr>(sq, q + batch * q_batch_stride + kv_head * group * q_head_stride,
+                    q_row_stride, q_head_stride, m0, rows, seqlen_q, tid);
+  load_k(0);
+#pragma unroll
+  for (int step = 0; step + 1 < kStages; ++step) {
+    load_v(step);
+    load_k(step + 1);
+  }
+
+  float acc_o[Tr::kMTiles][Tr::kOTiles][4];
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+    for (int dt = 0; dt < Tr::kOTiles; ++dt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mt][dt][e] = 0.0f;
+    }
+  }
+  const int warp_row0 = m0 + warp * Tr::kWarpRows;
+  SplitRows<Tr> state;
+  state.init(warp_row0, seqlen_q, total, key_end, lane);
+  // Keys below `unmasked` are visible to every row: tiles that end there need no mask.
+  int unmasked = key_end;
+  if constexpr (Tr::kCausal) {
+    const int first_diag = 1 + total - seqlen_q;
+    unmasked = first_diag < unmasked ? first_diag : unmasked;
+  }
+  const float scale_log2 = softmax_scale * 1.44269504088896340736f;
+  const Element* const sq_warp = sq + warp * Tr::kWarpRows * Tr::kRowStride;
+
+  for (int j = 0; j < n_tiles; ++j) {
+    const int key0 = key_begin + j * kBlockN;
+    const int buf = j % kStages;
+
+    // K_j has landed for every thread; every warp is done with step j-1 (its V buffer is
+    // the one refilled next).
+    cp_async_wait<Tr::kPipelineWait>();
+    block_sync();
+    load_v(j + kStages - 1);
+    if (appends && key0 + kBlockN > cache_len) {
+      store_new_keys<Tr>(k_rows, sk + buf * Tr::kKvElems, key0, key_end, tid);
+    }
+
+    float s[Tr::kMTiles][Tr::kSTiles][4];
+    split_scores<Tr>(s, sq_warp, sk + buf * Tr::kKvElems, lane);
+    if (key0 + kBlockN > unmasked) state.mask(s, key0, lane);
+
+    // V_j has landed for every thread; every warp is done reading K_j's buffer.
+    cp_async_wait<Tr::kPipelineWait>();
+    block_sync();
+    load_k(j + kStages);
+    if (appends && key0 + kBlockN > cache_len) {
+      store_new_keys<Tr>(v_rows, sv + buf * Tr::kKvElems, key0, key_end, tid);
+    }
+
+    state.update(s, acc_o, scale_log2);
+    split_accumulate<Tr>(acc_o, s, sv + buf * Tr::kKvElems, lane);
+  }
+  cp_async_wait_all();  // only empty groups remain; leave none behind
+
+  state.store(acc_o, o_rows, lse_rows, warp_row0, rows, lane);
+}
+
+}  // namespace ft

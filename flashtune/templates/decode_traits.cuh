@@ -1,0 +1,118 @@
+// Compile-time shape of one split-KV decoding kernel variant (decode_split.cuh): tile sizes,
+// warp split, shared-memory layout and the element type's tensor-core operations.
+#pragma once
+
+#include "primitives.cuh"
+
+namespace ft {
+
+// The tensor-core mma and the 16-bit packing of one element type.
+template <typename T>
+struct DecodeOps;
+
+template <>
+struct DecodeOps<__half> {
+  static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4],
+                                             const unsigned (&b)[2], const float (&c)[4]) {
+    mma_m16n8k16_f16(d, a, b, c);
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    return pack_half2(lo, hi);
+  }
+};
+
+template <>
+struct DecodeOps<__nv_bfloat16> {
+  static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4],
+                                             const unsigned (&b)[2], const float (&c)[4]) {
+    mma_m16n8k16_bf16(d, a, b, c);
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    return pack_bf162(lo, hi);
+  }
+};
+
+// Splits cover whole multiples of this many keys (the contract with
+// flashtune.families.decode.splits.SPLIT_ALIGN): split s of a sequence of L keys covers
+// [s * P, min((s + 1) * P, L)) with P = ceil(ceil(L / num_splits) / kSplitAlign) *
+// kSplitAlign, so a split past the end is empty.
+constexpr int kSplitAlign = 16;
+
+// The most splits the combine kernel merges (flashtune.families.decode.splits.MAX_SPLITS).
+constexpr int kMaxSplits = 128;
+
+// Error codes the kernels record in status[0] (flashtune.families.decode.status).
+constexpr int kErrNegativeLength = 1;   // cache_seqlens[b] < 0
+constexpr int kErrBeyondCapacity = 2;   // cache_seqlens[b] + seqlen_new > capacity
+constexpr int kErrPageIndex = 3;        // block_table[b, slot] outside [0, num_pages)
+
+// A quiet NaN (NVRTC has no <math.h> NAN): what a block writes where its input was bad.
+__device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
+
+// One variant of the split-KV decoding kernel.
+//
+// Rows are *packed*: a block serves one (batch, kv head) and its rows are the query rows of
+// every query head of the group, r = g * seqlen_q + i for head offset g and query position
+// i, so one K/V tile in shared memory serves the whole group. Warp w owns packed rows
+// [w * kWarpRows, (w + 1) * kWarpRows) of the block, in m16 tiles.
+//
+// HeadDim is the real head dim (a multiple of 8); HeadDimPadded the compiled tile dim that
+// sizes the shared-memory rows; the tensor cores work on HeadDim rounded up to 16.
+//
+// Shared memory (elements of Element, rows of kRowStride = HeadDimPadded + RowPad), then one
+// 16-byte word of block flags:
+//   [ Q: BlockM rows | K: NumStages x BlockN rows | V: NumStages x BlockN rows | flags ]
+// The total must equal flashtune.families.decode.space.smem_bytes (the template asserts it).
+template <typename Element_, int HeadDim, int HeadDimPadded, int BlockM, int BlockN,
+          int NumWarps, int NumStages, bool Causal, int RowPad>
+struct DecodeTraits {
+  using Element = Element_;
+  using Ops = DecodeOps<Element>;
+
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kHeadDimMma = (HeadDim + 15) / 16 * 16;
+  static constexpr int kBlockM = BlockM;
+  static constexpr int kBlockN = BlockN;
+  static constexpr int kNumWarps = NumWarps;
+  static constexpr int kNumStages = NumStages;
+  static constexpr bool kCausal = Causal;
+  static constexpr int kThreads = 32 * NumWarps;
+
+  static constexpr int kWarpRows = BlockM / NumWarps;
+  static constexpr int kMTiles = kWarpRows / 16;     // m16 tiles per warp
+  static constexpr int kSTiles = BlockN / 8;         // n8 tiles of S (keys)
+  static constexpr int kOTiles = kHeadDimMma / 8;    // n8 tiles of O (head dim)
+  static constexpr int kQkSteps = kHeadDimMma / 16;  // k16 steps of Q K^T
+  static constexpr int kPvSteps = BlockN / 16;       // k16 steps of P V
+
+  static constexpr int kRowStride = HeadDimPadded + RowPad;
+  static constexpr int kQElems = BlockM * kRowStride;
+  static constexpr int kKvElems = BlockN * kRowStride;
+  static constexpr int kKOffset = kQElems;
+  static constexpr int kVOffset = kQElems + NumStages * kKvElems;
+  static constexpr int kFlagsOffsetBytes =
+      (kQElems + 2 * NumStages * kKvElems) * static_cast<int>(sizeof(Element));
+  static constexpr int kSmemBytes = kFlagsOffsetBytes + 16;
+
+  // 16-byte chunks per row: copied by cp.async, and real (present in global memory).
+  static constexpr int kChunkElems = 8;
+  static constexpr int kLoadChunks = kHeadDimMma / kChunkElems;
+  static constexpr int kRealChunks = HeadDim / kChunkElems;
+
+  // cp.async groups are committed as K_0 (with Q), V_0, K_1, V_1, ...; before K_j or V_j is
+  // used, the 2 * (NumStages - 1) groups committed after it may still be in flight.
+  static constexpr int kPipelineWait = 2 * (NumStages - 1);
+
+  static_assert(sizeof(Element) == 2, "elements are 16-bit (fp16 or bf16)");
+  static_assert(HeadDim % 8 == 0 && HeadDim >= 8, "head dim must be a multiple of 8");
+  static_assert(HeadDim <= HeadDimPadded && HeadDimPadded % 16 == 0,
+                "padded head dim must cover the head dim in k16 steps");
+  static_assert(RowPad % 8 == 0, "row pad must keep rows 16-byte aligned");
+  static_assert(BlockM % (16 * NumWarps) == 0, "each warp owns whole m16 tiles");
+  static_assert(BlockN % 16 == 0, "keys come in k16 steps of P V");
+  static_assert(kOTiles % 2 == 0 && kSTiles % 2 == 0, "B operands load two n8 tiles at once");
+  static_assert(NumStages >= 1 && NumStages <= 4, "1 to 4 pipeline stages");
+  static_assert(kFlagsOffsetBytes % 16 == 0, "the flags word is 16-byte aligned");
+};
+
+}  // namespace ft
