@@ -24,15 +24,21 @@ _FLAGS_BYTES = 16
 #: Accumulator registers per thread beyond which a config cannot avoid spilling.
 MAX_ACCUMULATOR_REGISTERS = 192
 
-#: Defaults in order of preference; the first that passes the static rules on an arch wins.
-#: FlashAttention-2's split-KV tile (64 packed rows on 4 warps, 2 K/V buffers) first, then
-#: smaller tiles for head dims whose rows do not fit the arch's shared memory.
-DEFAULTS: tuple[tuple[KernelConfig, str], ...] = (
-    (KernelConfig(64, 64, 4, 2), "FA2's split-KV tile: 64 packed rows on 4 warps, 64-key "
-                                 "tiles in two buffers"),
-    (KernelConfig(64, 32, 4, 2), "64 packed rows on 4 warps; 32-key tiles in two buffers fit "
-                                 "the shared memory of large head dims"),
-    (KernelConfig(16, 32, 1, 1), "the smallest tile: one warp, one 32-key buffer"),
+#: Defaults in order of preference, each for head dims up to its bound; the first that
+#: serves the head dim and passes the static rules on an arch wins. 64 packed rows on 4
+#: warps (FlashAttention-2's split-KV tile: a group of up to 64 query rows reads each K/V
+#: element once), key tiles as large as the accumulators and shared memory allow, two K/V
+#: buffers; then smaller tiles for archs with less shared memory.
+DEFAULTS: tuple[tuple[int, KernelConfig, str], ...] = (
+    (64, KernelConfig(64, 128, 4, 2), "64 packed rows on 4 warps, 128-key tiles in two "
+                                      "buffers (83 KB: 2 blocks per SM on sm_80/sm_90)"),
+    (128, KernelConfig(64, 64, 4, 2), "64 packed rows on 4 warps, 64-key tiles in two "
+                                      "buffers (87 KB: 2 blocks per SM on sm_80/sm_90)"),
+    (256, KernelConfig(64, 32, 4, 2), "64 packed rows on 4 warps, 32-key tiles in two "
+                                      "buffers (the accumulators of large head dims)"),
+    (256, KernelConfig(64, 32, 4, 1), "64 packed rows on 4 warps, one 32-key buffer: fits "
+                                      "100 KB of shared memory at head dim 256"),
+    (256, KernelConfig(16, 32, 1, 1), "the smallest tile: one warp, one 32-key buffer"),
 )
 
 
@@ -62,8 +68,8 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec) -> str 
 
 
 def default_entry(problem: Problem, arch: ArchSpec) -> tuple[KernelConfig, str]:
-    """The first default that ``problem`` fits on ``arch``, and why it is the default."""
-    for config, reason in DEFAULTS:
-        if static_check(problem, config, arch) is None:
+    """The first default that serves ``problem`` on ``arch``, and why it is the default."""
+    for bound, config, reason in DEFAULTS:
+        if problem.padded_head_dim <= bound and static_check(problem, config, arch) is None:
             return config, reason
     raise InvalidConfig(f"no default decode config fits {problem.key()} on {arch.name}")

@@ -1,0 +1,8 @@
+"""Decoding tests: the grid helpers of this folder are importable by its test modules."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
