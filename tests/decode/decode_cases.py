@@ -14,9 +14,9 @@ from __future__ import annotations
 import itertools
 import random
 from dataclasses import dataclass
+from typing import Any
 
-import torch
-
+import flashtune
 from flashtune.codegen.spec import DType, Problem, Shape
 from flashtune.families.base import Inputs
 from flashtune.families.decode import DECODE, DecodeCase
@@ -96,7 +96,9 @@ def problem_of(case: GridCase, head_dim: int = 64, dtype: DType = DType.FP16) ->
     return Problem(head_dim, dtype, causal=case.causal, op="decode")
 
 
-def api_args(inputs: Inputs) -> dict[str, torch.Tensor | None]:
-    """The keyword arguments of attention_with_kvcache for these inputs (tensors only)."""
+def call_api(inputs: Inputs, **kwargs: Any) -> Any:
+    """flashtune.attention_with_kvcache on these inputs, with ``kwargs`` (causal, ...)."""
     t = inputs.tensors
-    return {"block_table": t.get("block_table"), "k": t.get("k_new"), "v": t.get("v_new")}
+    return flashtune.attention_with_kvcache(
+        t["q"], t["k_cache"], t["v_cache"], t["cache_seqlens"], block_table=t.get("block_table"),
+        k=t.get("k_new"), v=t.get("v_new"), **kwargs)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from decode_cases import GRID, GridCase, api_args, inputs_of, problem_of, sample
+from decode_cases import GRID, GridCase, call_api, inputs_of, problem_of, sample
 
 import flashtune
 from flashtune.errors import BackwardNotAvailable, InvalidInput
@@ -29,10 +29,7 @@ SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
 
 
 def _call(inputs: Inputs, causal: bool, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    t = inputs.tensors
-    out, lse = flashtune.attention_with_kvcache(
-        t["q"], t["k_cache"], t["v_cache"], t["cache_seqlens"], **api_args(inputs),
-        causal=causal, return_lse=True, backend="emulator", **kwargs)
+    out, lse = call_api(inputs, causal=causal, return_lse=True, backend="emulator", **kwargs)
     return out, lse
 
 
@@ -121,11 +118,11 @@ def _tensors() -> tuple[Inputs, dict[str, Any]]:
     return inputs, kwargs
 
 
-def _api(kwargs: dict[str, Any], **extra: Any) -> torch.Tensor:
+def _api(kwargs: dict[str, Any], **extra: Any) -> Any:
     args = dict(kwargs)
     positional = [args.pop(n) for n in ("q", "k_cache", "v_cache", "cache_seqlens")]
-    return flashtune.attention_with_kvcache(*positional, **args, causal=True,
-                                            backend="emulator", **extra)
+    call: Any = flashtune.attention_with_kvcache
+    return call(*positional, **args, causal=True, backend="emulator", **extra)
 
 
 _META_CASES: list[tuple[str, Any, str]] = [

@@ -18,7 +18,7 @@ from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.families.base import Inputs
 from flashtune.families.combine import COMBINE
-from flashtune.families.decode import DECODE, DecodeCase
+from flashtune.families.decode import DECODE
 from flashtune.families.decode.splits import (
     MAX_SPLITS,
     SPLIT_ALIGN,
