@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import secrets
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -204,6 +204,19 @@ class KernelFamily(ABC):
     def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       seed: int | None = None) -> Inputs:
         """Fresh random inputs of ``shape`` (never zeros), from ``seed`` or a fresh one."""
+
+    def bind(self, problem: Problem, config: KernelConfig, inputs: Inputs) -> Inputs:
+        """``inputs`` as a launch of ``config`` uses them (default: unchanged). A family
+        whose config names a run-time value the outputs and the reference depend on (the
+        decode family's split count) sets it here, before outputs are made."""
+        return inputs
+
+    def tuning_shapes(self, problem: Problem, seqlen: int,
+                      batch_heads: Sequence[tuple[int, int]]) -> tuple[list[Shape], Shape] | None:
+        """The shapes a tuning bucket of ``seqlen`` is timed on and the shape it is verified
+        on, or None for the forward's (square shapes of the standard sweep).
+        ``batch_heads``: the (batch, heads) pairs asked for, () for the family's own."""
+        return None
 
     @abstractmethod
     def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,

@@ -6,7 +6,8 @@ one block, the new rows appended to the cache in place), and the ``combine`` fam
 merges the splits. The split count comes from the caller, else from FlashAttention-2's
 wave-efficiency rule over the SM count, batch x kv heads x row blocks and the cache
 capacity in key blocks (the lengths live on the device and are never read back, so a call
-never synchronises and can be captured in a CUDA graph).
+never synchronises and can be captured in a CUDA graph), unless the tuned config of the
+bucket fixes it (the decode family's ``splits`` knob).
 
 Bad cache lengths and block-table entries are never followed by the kernel; they are
 reported as InvalidInput immediately on the emulator, after a synchronisation on the GPU
@@ -26,12 +27,13 @@ from dataclasses import dataclass
 import torch
 
 from flashtune import knobs
-from flashtune.codegen.spec import DType, Problem, ProblemBucket
+from flashtune.codegen.spec import DType, KernelConfig, Problem, ProblemBucket
 from flashtune.errors import InvalidInput
 from flashtune.families import render
 from flashtune.families.combine import combine_grid, pack_combine_args
 from flashtune.families.decode import NOMINAL_SMS
 from flashtune.families.decode.args import decode_grid, m_blocks, pack_decode_args
+from flashtune.families.decode.space import config_splits
 from flashtune.families.decode.splits import heuristic_splits
 from flashtune.families.decode.status import STATUS_WORDS, describe
 from flashtune.runtime.backends import get_backend
@@ -130,6 +132,14 @@ def default_num_splits(layout: KvCacheLayout, block_m: int, block_n: int,
     return heuristic_splits(blocks, sm_count, -(-layout.capacity // block_n))
 
 
+def choose_splits(num_splits: int, config: KernelConfig, layout: KvCacheLayout,
+                  sm_count: int) -> int:
+    """The split count of a call: the caller's (``num_splits`` > 0), else the one the
+    bucket's config fixes (a tuned ``splits`` knob), else the heuristic."""
+    return num_splits or config_splits(config) or default_num_splits(
+        layout, config.block_m, config.block_n, sm_count)
+
+
 def _status_buffer(q: torch.Tensor, trap: bool) -> torch.Tensor:
     """Where the kernel reports a bad input. A trapping kernel never leaves a report behind
     in a usable context, so one zeroed buffer per GPU serves every call; a checked call gets
@@ -163,9 +173,8 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     means the FLASHTUNE_BACKEND knob."""
     name = backend or knobs.BACKEND.get()
     plan = plan_for(q, causal, layout.capacity, name)
+    splits = choose_splits(num_splits, plan.decode.config, layout, plan.sm_count)
     config = plan.decode.config
-    splits = num_splits or default_num_splits(layout, config.block_m, config.block_n,
-                                              plan.sm_count)
     wrong = _misaligned({"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v})
     if wrong is not None:
         raise wrong

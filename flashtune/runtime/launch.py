@@ -62,6 +62,7 @@ def prepare(kernel: LoadedKernel, shape: Shape, device: torch.device | str, *,
     problem, config = source.problem, source.config
     if inputs is None:
         inputs = family.random_inputs(problem, shape, device, seed)
+    inputs = family.bind(problem, config, inputs)
     outputs = family.empty_outputs(problem, shape, inputs, poison=poison)
     plan = family.launch_plan(problem, config, shape, inputs, outputs)
     bound = kernel.bind(plan.grid, plan.args, stream=stream)

@@ -10,10 +10,12 @@ Inputs; ``Shape.seqlen_k`` is the cache capacity per sequence.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from flashtune.codegen.arch import ArchSpec
-from flashtune.codegen.params import ParamSpace
+from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.families.base import (
@@ -39,13 +41,29 @@ VERIFY_PAGE_SIZES: tuple[int | None, ...] = (None, 1, 16, 64, 256)
 NOMINAL_SMS = 132
 #: The key tile the generic split count assumes.
 _NOMINAL_BLOCK_N = 64
+#: What a tuning bucket is timed on by default: (batch, query heads), GQA group 4.
+TUNING_BATCH_HEADS = ((1, 32), (16, 32), (64, 32))
+TUNING_GROUP = 4
+#: Cached rows (sequences x length) a timed shape holds at most: a few GB of cache.
+TUNING_TOKENS = 1 << 20
+#: The cache length a tuning candidate is verified on (at most).
+VERIFY_CACHE = 300
 
 
-def nominal_splits(shape: Shape, block_m: int = 64) -> int:
-    """The heuristic split count of ``shape`` on a GPU of NOMINAL_SMS SMs."""
+def device_sms(device: torch.device | str) -> int:
+    """The SM count of a CUDA device, NOMINAL_SMS for any other (the emulator's)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return NOMINAL_SMS
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def nominal_splits(shape: Shape, sm_count: int = NOMINAL_SMS, block_m: int = 64) -> int:
+    """The heuristic split count of ``shape`` on a GPU of ``sm_count`` SMs, for the default
+    tile (64 packed rows, 64-key blocks)."""
     group_rows = shape.heads_q // shape.heads_kv * shape.seqlen_q
     blocks = shape.batch * shape.heads_kv * -(-group_rows // block_m)
-    return heuristic_splits(blocks, NOMINAL_SMS, -(-shape.seqlen_k // _NOMINAL_BLOCK_N))
+    return heuristic_splits(blocks, sm_count, -(-shape.seqlen_k // _NOMINAL_BLOCK_N))
 
 
 class DecodeFamily(KernelFamily):
@@ -57,6 +75,40 @@ class DecodeFamily(KernelFamily):
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.SPACE
+
+    def config(self, point: Point) -> KernelConfig:
+        """The config of a point; splits 0 (the heuristic) is the config without the knob."""
+        values = dict(point)
+        if values.get(space.SPLITS) == 0:
+            del values[space.SPLITS]
+        return KernelConfig.from_dict(values)
+
+    def point(self, config: KernelConfig) -> dict[str, Value]:
+        return {**config.to_dict(), space.SPLITS: space.config_splits(config)}
+
+    def bind(self, problem: Problem, config: KernelConfig, inputs: Inputs) -> Inputs:
+        """A config with a split count launches that many splits; without one the inputs'
+        own count (the heuristic's, when they were drawn) stays."""
+        splits = space.config_splits(config)
+        if splits <= 0 or splits == inputs.scalars["num_splits"]:
+            return inputs
+        return Inputs(inputs.tensors, {**inputs.scalars, "num_splits": splits})
+
+    def tuning_shapes(self, problem: Problem, seqlen: int,
+                      batch_heads: Sequence[tuple[int, int]]) -> tuple[list[Shape], Shape]:
+        """One new query row per sequence over caches of ``seqlen`` and 3/4 of it, at each
+        (batch, heads_q) pair (default TUNING_BATCH_HEADS; batches cut to TUNING_TOKENS
+        cached rows in all), GQA group TUNING_GROUP; verified on a small cache that spans
+        several key tiles."""
+        shapes: list[Shape] = []
+        for batch, heads in batch_heads or TUNING_BATCH_HEADS:
+            group = TUNING_GROUP if heads % TUNING_GROUP == 0 else 1
+            for length in (seqlen, max(1, seqlen * 3 // 4)):
+                fitting = max(1, min(batch, TUNING_TOKENS // length))
+                shape = Shape(fitting, heads, heads // group, 1, length)
+                if shape not in shapes:
+                    shapes.append(shape)
+        return shapes, Shape(2, 8, 2, 2, min(seqlen, VERIFY_CACHE))
 
     def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
         return space.static_check(problem, config, arch)
@@ -82,11 +134,11 @@ class DecodeFamily(KernelFamily):
                       seed: int | None = None, case: DecodeCase | None = None) -> Inputs:
         """Inputs of ``case``; without one, a case drawn from the same seed: a page size of
         VERIFY_PAGE_SIZES, per-sequence lengths (ending anywhere in a page), seqlen_q
-        appended rows, and the nominal heuristic split count."""
+        appended rows, and the heuristic split count for ``device``."""
         gen = generator(device, seed)
         if case is None:
             case = draw_case(shape, gen, page_sizes=VERIFY_PAGE_SIZES, append=True,
-                             num_splits=nominal_splits(shape))
+                             num_splits=nominal_splits(shape, device_sms(device)))
         return make_inputs(problem, shape, case, device, gen)
 
     def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,

@@ -3,7 +3,9 @@
 block_m: packed query rows (group x seqlen_q) per block; a group whose rows fit one block
 reads each K/V element once. block_n: keys per tile; num_warps split the block's rows in
 m16 slabs (KernelConfig requires block_m to be a multiple of 16 x num_warps);
-num_stages: K/V tiles in flight.
+num_stages: K/V tiles in flight; splits: the number of splits of each sequence's keys
+(0, the default, leaves it to FlashAttention-2's heuristic at run time; a tuned bucket may
+fix it). An explicit ``num_splits`` of the caller wins over both.
 """
 
 from __future__ import annotations
@@ -13,8 +15,13 @@ from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.errors import InvalidConfig
 
+#: The split-count knob: 0 is the run-time heuristic (the default), else a fixed count.
+SPLITS = "splits"
+SPLIT_VALUES = (0, 1, 2, 4, 8, 16, 32, 64, 128)
+
 SPACE = ParamSpace((Param("block_m", (16, 32, 64, 128)), Param("block_n", (32, 64, 128)),
-                    Param("num_warps", (1, 2, 4, 8)), Param("num_stages", (1, 2, 3))))
+                    Param("num_warps", (1, 2, 4, 8)), Param("num_stages", (1, 2, 3)),
+                    Param(SPLITS, SPLIT_VALUES)))
 
 #: Shared-memory rows are padded by 8 elements (16 bytes): the eight rows of an ldmatrix
 #: phase then fall in distinct banks.
@@ -54,8 +61,17 @@ def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
     return config.rows_per_warp * (mma_dim + config.block_n) // 32
 
 
+def config_splits(config: KernelConfig) -> int:
+    """The config's split count, 0 for the heuristic."""
+    value = config.extra(SPLITS, 0)
+    return value if isinstance(value, int) else -1
+
+
 def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
     """Why ``config`` cannot run ``problem`` on ``arch``, or None."""
+    if config_splits(config) not in SPLIT_VALUES[1:] and config.extras:
+        return (f"{SPLITS}={config.extra(SPLITS, 0)!r} is not a split count of "
+                f"{list(SPLIT_VALUES[1:])} (leave the knob out for the heuristic)")
     smem = smem_bytes(problem, config)
     if smem > arch.max_smem_per_block:
         return (f"shared memory {smem} B exceeds the {arch.name} per-block limit "

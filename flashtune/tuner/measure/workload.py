@@ -121,6 +121,10 @@ def make_workload(bucket: ProblemBucket, batch_heads: Sequence[BatchHeads] = (),
                   verify_cap: int = VERIFY_SEQ_CAP) -> Workload:
     """Representative shapes of ``bucket``: each fraction of N, at each batch-heads pair."""
     problem, top = bucket.problem, bucket.seqlen
+    own = families.of(problem).tuning_shapes(
+        problem, top, [(bh.batch, bh.heads) for bh in batch_heads])
+    if own is not None:
+        return Workload(bucket, tuple(own[0]), own[1])
     shapes: list[Shape] = []
     for fraction in fractions:
         seqlen = max(1, int(round(top * fraction)))
