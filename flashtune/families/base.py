@@ -109,6 +109,41 @@ def attention_matmul_flops(problem: Problem, shape: ShapeLike, matmuls: int) -> 
     return total / 2 if problem.causal else total
 
 
+def compare_outputs(problem: Problem, shape: Shape, outputs: Tensors, reference: Tensors,
+                    checks: Sequence[tuple[str, str, Tolerance]],
+                    also_wrong: Sequence[str] = ()) -> Verdict:
+    """The verdict of ``close_enough`` over outputs: ``checks`` are (label, output name,
+    tolerance), the first one the main output (its relative error is reported);
+    ``also_wrong``: further failures the family found itself."""
+    max_err, rel = 0.0, 0.0
+    wrong = []
+    for i, (label, name, tol) in enumerate(checks):
+        err, rel_i, message = close_enough(label, outputs[name], reference[name], tol)
+        max_err = max(max_err, err)
+        rel = rel_i if i == 0 else rel
+        if message:
+            wrong.append(message)
+    wrong += [m for m in also_wrong if m]
+    if wrong:
+        return Verdict(False, max_err, rel, f"wrong result on {shape.key()} ({problem.key()}): "
+                       + "; ".join(wrong))
+    return Verdict(True, max_err, rel, "")
+
+
+def resource_reason(smem: int, accumulators: int, arch: ArchSpec,
+                    max_accumulators: int) -> str | None:
+    """Why a tile cannot run on ``arch``: its shared memory per block, or accumulator
+    registers per thread beyond ``max_accumulators`` (past which it cannot avoid spilling);
+    None when it may."""
+    if smem > arch.max_smem_per_block:
+        return (f"shared memory {smem} B exceeds the {arch.name} per-block limit "
+                f"{arch.max_smem_per_block} B")
+    if accumulators > max_accumulators:
+        return (f"accumulators need {accumulators} registers per thread, over the "
+                f"{max_accumulators} that leave room below {arch.max_regs_per_thread}")
+    return None
+
+
 class KernelFamily(ABC):
     """One kind of kernel. Subclasses set the class attributes and implement the methods."""
 
@@ -174,6 +209,15 @@ class KernelFamily(ABC):
     @abstractmethod
     def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
         """What runs ``problem`` on ``arch`` when nothing is tuned; passes static_check."""
+
+    def fitting(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> KernelConfig:
+        """``config``, the family's default, when it passes static_check on ``arch``;
+        InvalidConfig naming why otherwise."""
+        why = self.static_check(problem, config, arch)
+        if why is not None:
+            raise InvalidConfig(f"the default {config.key()} does not fit {problem.key()} on "
+                                f"{arch.name}: {why}")
+        return config
 
     def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
         """Why ``default_config`` was chosen (one line, for ``explain`` and docs)."""

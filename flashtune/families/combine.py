@@ -16,7 +16,7 @@ from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
-from flashtune.errors import InvalidConfig, InvalidProblem
+from flashtune.errors import InvalidProblem
 from flashtune.families.base import (
     TORCH_DTYPES,
     Inputs,
@@ -25,7 +25,7 @@ from flashtune.families.base import (
     Tensors,
     Tolerance,
     Verdict,
-    close_enough,
+    compare_outputs,
     generator,
 )
 from flashtune.families.decode.splits import MAX_SPLITS
@@ -93,11 +93,7 @@ class CombineFamily(KernelFamily):
         return None
 
     def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
-        why = self.static_check(problem, _DEFAULT, arch)
-        if why is not None:
-            raise InvalidConfig(f"the default {_DEFAULT.key()} does not fit {problem.key()}: "
-                                f"{why}")
-        return _DEFAULT
+        return self.fitting(problem, _DEFAULT, arch)
 
     def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
         return "64 rows per block on 4 warps: one row per warp at a time, any arch"
@@ -153,15 +149,9 @@ class CombineFamily(KernelFamily):
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
                 reference: Tensors) -> Verdict:
-        max_o, rel, o_msg = close_enough("O", outputs["o"], reference["o"],
-                                         O_TOLERANCE[problem.dtype])
-        max_lse, _, lse_msg = close_enough("LSE", outputs["lse"], reference["lse"],
-                                           LSE_TOLERANCE)
-        wrong = "; ".join(m for m in (o_msg, lse_msg) if m)
-        if wrong:
-            return Verdict(False, max(max_o, max_lse), rel,
-                           f"wrong result on {shape.key()} ({problem.key()}): {wrong}")
-        return Verdict(True, max(max_o, max_lse), rel, "")
+        return compare_outputs(problem, shape, outputs, reference,
+                               [("O", "o", O_TOLERANCE[problem.dtype]),
+                                ("LSE", "lse", LSE_TOLERANCE)])
 
     def flops(self, problem: Problem, shape: ShapeLike) -> float:
         """Two FLOPs per partial element (a multiply-add), one split assumed."""

@@ -14,7 +14,6 @@ from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
-from flashtune.errors import InvalidConfig
 from flashtune.families.base import (
     TORCH_DTYPES,
     Inputs,
@@ -24,7 +23,7 @@ from flashtune.families.base import (
     Tolerance,
     Verdict,
     attention_matmul_flops,
-    close_enough,
+    compare_outputs,
     generator,
 )
 from flashtune.families.fwd.args import TensorView, grid
@@ -57,11 +56,7 @@ class RowLseFamily(KernelFamily):
         return None
 
     def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
-        why = self.static_check(problem, _DEFAULT, arch)
-        if why is not None:
-            raise InvalidConfig(f"the default {_DEFAULT.key()} does not fit {problem.key()} on "
-                                f"{arch.name}: {why}")
-        return _DEFAULT
+        return self.fitting(problem, _DEFAULT, arch)
 
     def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
         return "one mid-sized tile for every arch (at most 48 KB of shared memory at d256)"
@@ -120,11 +115,7 @@ class RowLseFamily(KernelFamily):
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
                 reference: Tensors) -> Verdict:
-        max_err, rel, wrong = close_enough("LSE", outputs["lse"], reference["lse"], TOLERANCE)
-        if wrong:
-            return Verdict(False, max_err, rel,
-                           f"wrong result on {shape.key()} ({problem.key()}): {wrong}")
-        return Verdict(True, max_err, rel, "")
+        return compare_outputs(problem, shape, outputs, reference, [("LSE", "lse", TOLERANCE)])
 
     def flops(self, problem: Problem, shape: ShapeLike) -> float:
         """2 B Nq Nk H D (one matmul), halved when causal."""

@@ -24,7 +24,7 @@ from flashtune.families.base import (
     LaunchPlan,
     Tensors,
     Verdict,
-    close_enough,
+    compare_outputs,
     generator,
 )
 from flashtune.families.decode import space
@@ -33,7 +33,7 @@ from flashtune.families.decode.inputs import DecodeCase, draw_case, make_inputs
 from flashtune.families.decode.reference import decode_reference
 from flashtune.families.decode.splits import heuristic_splits
 from flashtune.families.decode.status import STATUS_WORDS, describe
-from flashtune.families.fwd.reference import LSE_TOLERANCE, O_TOLERANCE
+from flashtune.families.fwd.reference import o_and_lse_checks
 
 #: Page sizes a generic verification draws from (None: an unpaged cache).
 VERIFY_PAGE_SIZES: tuple[int | None, ...] = (None, 1, 16, 64, 256)
@@ -186,22 +186,16 @@ class DecodeFamily(KernelFamily):
                                num_pages=k_cache.shape[0])
             return Verdict(False, float("inf"), float("inf"),
                            f"the kernel refused its inputs on {shape.key()}: {message}")
-        max_o, rel, o_msg = close_enough("partial O", outputs["o_part"], reference["o_part"],
-                                         O_TOLERANCE[problem.dtype])
-        max_lse, _, lse_msg = close_enough("partial LSE", outputs["lse_part"],
-                                           reference["lse_part"], LSE_TOLERANCE)
-        wrong = [m for m in (o_msg, lse_msg) if m]
+        caches = []
         for name in ("k_cache", "v_cache"):
             got, want = outputs[name], reference[name]
             same = (got == want) | (torch.isnan(got) & torch.isnan(want))
             if not bool(same.all()):
-                wrong.append(f"{name}: {int((~same).sum())} elements differ from the cache "
-                             "with the new rows appended")
-        if wrong:
-            return Verdict(False, max(max_o, max_lse), rel,
-                           f"wrong result on {shape.key()} ({problem.key()}): "
-                           + "; ".join(wrong))
-        return Verdict(True, max(max_o, max_lse), rel, "")
+                caches.append(f"{name}: {int((~same).sum())} elements differ from the cache "
+                              "with the new rows appended")
+        return compare_outputs(problem, shape, outputs, reference,
+                               o_and_lse_checks(problem.dtype, "o_part", "lse_part",
+                                                "partial "), caches)
 
     def flops(self, problem: Problem, shape: ShapeLike) -> float:
         """4 B Nq Nk Hq D over the full cache capacity (halved when causal with Nq = Nk)."""

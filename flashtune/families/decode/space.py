@@ -14,6 +14,8 @@ from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.errors import InvalidConfig
+from flashtune.families.base import resource_reason
+from flashtune.families.fwd.space import MAX_ACCUMULATOR_REGISTERS, accumulator_registers
 
 #: The split-count knob: 0 is the run-time heuristic (the default), else a fixed count.
 SPLITS = "splits"
@@ -28,8 +30,6 @@ SPACE = ParamSpace((Param("block_m", (16, 32, 64, 128)), Param("block_n", (32, 6
 SMEM_ROW_PAD = 8
 #: The block's flag word (16 bytes) after the tiles.
 _FLAGS_BYTES = 16
-#: Accumulator registers per thread beyond which a config cannot avoid spilling.
-MAX_ACCUMULATOR_REGISTERS = 192
 
 #: Defaults in order of preference, each for head dims up to its bound; the first that
 #: serves the head dim and passes the static rules on an arch wins. 64 packed rows on 4
@@ -55,12 +55,6 @@ def smem_bytes(problem: Problem, config: KernelConfig) -> int:
     return row * (config.block_m + 2 * config.num_stages * config.block_n) + _FLAGS_BYTES
 
 
-def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
-    """32-bit registers per thread of the O and S fragments."""
-    mma_dim = -(-problem.head_dim // 16) * 16
-    return config.rows_per_warp * (mma_dim + config.block_n) // 32
-
-
 def config_splits(config: KernelConfig) -> int:
     """The config's split count, 0 for the heuristic."""
     value = config.extra(SPLITS, 0)
@@ -72,15 +66,8 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec) -> str 
     if config_splits(config) not in SPLIT_VALUES[1:] and config.extras:
         return (f"{SPLITS}={config.extra(SPLITS, 0)!r} is not a split count of "
                 f"{list(SPLIT_VALUES[1:])} (leave the knob out for the heuristic)")
-    smem = smem_bytes(problem, config)
-    if smem > arch.max_smem_per_block:
-        return (f"shared memory {smem} B exceeds the {arch.name} per-block limit "
-                f"{arch.max_smem_per_block} B")
-    regs = accumulator_registers(problem, config)
-    if regs > MAX_ACCUMULATOR_REGISTERS:
-        return (f"accumulators need {regs} registers per thread, over the "
-                f"{MAX_ACCUMULATOR_REGISTERS} that leave room below {arch.max_regs_per_thread}")
-    return None
+    return resource_reason(smem_bytes(problem, config), accumulator_registers(problem, config),
+                           arch, MAX_ACCUMULATOR_REGISTERS)
 
 
 def default_entry(problem: Problem, arch: ArchSpec) -> tuple[KernelConfig, str]:

@@ -22,10 +22,11 @@ from flashtune.families.base import (
     Verdict,
     attention_matmul_flops,
     close_enough,
+    compare_outputs,
     generator,
 )
 from flashtune.families.fwd import args, defaults, space
-from flashtune.families.fwd.reference import LSE_TOLERANCE, O_TOLERANCE, attention_reference
+from flashtune.families.fwd.reference import attention_reference, o_and_lse_checks
 
 
 class ForwardFamily(KernelFamily):
@@ -105,15 +106,8 @@ class ForwardFamily(KernelFamily):
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
                 reference: Tensors) -> Verdict:
-        max_o, rel, o_msg = close_enough("O", outputs["o"], reference["o"],
-                                         O_TOLERANCE[problem.dtype])
-        max_lse, _, lse_msg = close_enough("LSE", outputs["lse"], reference["lse"],
-                                           LSE_TOLERANCE)
-        wrong = "; ".join(m for m in (o_msg, lse_msg) if m)
-        if wrong:
-            return Verdict(False, max(max_o, max_lse), rel,
-                           f"wrong result on {shape.key()} ({problem.key()}): {wrong}")
-        return Verdict(True, max(max_o, max_lse), rel, "")
+        return compare_outputs(problem, shape, outputs, reference,
+                               o_and_lse_checks(problem.dtype))
 
     def flops(self, problem: Problem, shape: ShapeLike) -> float:
         """4 B Nq Nk H D (two matmuls), halved when causal: the field's convention."""

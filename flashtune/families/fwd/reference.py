@@ -20,6 +20,13 @@ O_TOLERANCE = {DType.FP16: Tolerance(4e-3, 4e-3), DType.BF16: Tolerance(2.5e-2, 
 LSE_TOLERANCE = Tolerance(1e-3, 2e-6)
 
 
+def o_and_lse_checks(dtype: DType, o: str = "o", lse: str = "lse", label: str = ""
+                     ) -> list[tuple[str, str, Tolerance]]:
+    """``compare_outputs`` checks of an attention output O and its LSE (by output name;
+    ``label`` prefixes their names in messages)."""
+    return [(f"{label}O", o, O_TOLERANCE[dtype]), (f"{label}LSE", lse, LSE_TOLERANCE)]
+
+
 def causal_visible(seqlen_q: int, seqlen_k: int, device: torch.device | str = "cpu"
                    ) -> torch.Tensor:
     """(Nq, Nk) bool: query row i sees key j iff j <= i + Nk - Nq."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.families.base import resource_reason
 
 BLOCK_M = (64, 128)
 BLOCK_N = (32, 64, 128)
@@ -49,12 +50,5 @@ def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
 
 def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
     """Why ``config`` cannot run ``problem`` on ``arch``, or None when it may."""
-    smem = smem_bytes(problem, config)
-    if smem > arch.max_smem_per_block:
-        return (f"shared memory {smem} B exceeds the {arch.name} per-block limit "
-                f"{arch.max_smem_per_block} B")
-    regs = accumulator_registers(problem, config)
-    if regs > MAX_ACCUMULATOR_REGISTERS:
-        return (f"accumulators need {regs} registers per thread, over the "
-                f"{MAX_ACCUMULATOR_REGISTERS} that leave room below {arch.max_regs_per_thread}")
-    return None
+    return resource_reason(smem_bytes(problem, config), accumulator_registers(problem, config),
+                           arch, MAX_ACCUMULATOR_REGISTERS)
