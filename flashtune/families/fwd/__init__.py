@@ -21,7 +21,6 @@ from flashtune.families.base import (
     Tensors,
     Verdict,
     attention_matmul_flops,
-    close_enough,
     compare_outputs,
     generator,
 )
