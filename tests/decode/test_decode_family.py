@@ -214,7 +214,8 @@ def _hostile(edit: str) -> tuple[PreparedLaunch, Inputs]:
     t = dict(inputs.tensors)
     if edit == "page":
         table = t["block_table"].clone()
-        table[1, 2] = table.max() + 1  # sequence 1 (full room) uses slot 2
+        table[1, 2] = t["k_cache"].shape[0]  # one past the last page; sequence 1 (full
+        # room) uses slot 2
         t["block_table"] = table
     elif edit == "negative_page":
         table = t["block_table"].clone()
