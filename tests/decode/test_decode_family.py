@@ -6,6 +6,7 @@ read once per group). The whole grid and both spaces run behind the sweep marker
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 
@@ -112,6 +113,37 @@ def test_defaults_compile_with_nvrtc_without_spills(arch: str, op: str) -> None:
     problem = Problem(128, DType.BF16, causal=op == "decode", op=op)
     kernel = compile_source(families.render(problem, _default(problem)), arch)
     assert kernel.resources.spill_bytes == 0 and kernel.resources.registers > 0
+
+
+def _tile_jobs() -> list[tuple[Problem, KernelConfig, str]]:
+    """Every tile of the decode space (the split-count knob changes no code) that passes the
+    static rules, for head dims 64 and 128, both dtypes and masks, on sm_80 and sm_90."""
+    jobs = []
+    for head_dim, dtype, causal in itertools.product((64, 128), DType, (False, True)):
+        problem = Problem(head_dim, dtype, causal=causal, op="decode")
+        for arch in ("sm_80", "sm_90"):
+            jobs += [(problem, c, arch) for c in DECODE.candidates(problem, get_arch(arch))
+                     if not c.extras]
+    return jobs
+
+
+def _compile(jobs: list[tuple[Problem, KernelConfig, str]]) -> None:
+    from flashtune.runtime.compiler import compile_pairs
+
+    results = compile_pairs([(families.render(p, c), arch) for p, c, arch in jobs])
+    failed = [f"{r.source.entry} {r.arch}: {r.failure.message}" for r in results
+              if r.failure is not None]
+    assert not failed, f"FLASHTUNE_TEST_SEED={SEED}\n" + "\n".join(failed)
+    assert all(r.unwrap().resources.registers > 0 for r in results)
+
+
+def test_a_sample_of_the_decode_tiles_compiles_with_nvrtc() -> None:
+    _compile(random.Random(SEED).sample(_tile_jobs(), 2))
+
+
+@pytest.mark.sweep
+def test_every_decode_tile_compiles_with_nvrtc() -> None:
+    _compile(_tile_jobs())
 
 
 # ------------------------------------------------------------------------- numerics
