@@ -16,7 +16,8 @@ import torch
 
 from flashtune.codegen.spec import MAX_HEAD_DIM
 from flashtune.errors import InvalidInput
-from flashtune.runtime.validate import MAX_GRID_YZ, MAX_INT32, SUPPORTED_DEVICES, SUPPORTED_DTYPES
+from flashtune.runtime.limits import MAX_GRID_YZ, MAX_INT32, MAX_SEQLEN
+from flashtune.runtime.validate import SUPPORTED_DEVICES, SUPPORTED_DTYPES
 
 _Q = "(batch, seqlen_q, heads_q, head_dim)"
 _CACHE = "(batch, max_len, heads_kv, head_dim)"
@@ -141,9 +142,11 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                f"{_NEW} = (batch {batch}, seqlen_new >= 1, heads_kv "
                                f"{heads_kv}, head_dim {head_dim})")
         seqlen_new = k.shape[1]
-    if page_size * max_pages > MAX_INT32 or seqlen_q > MAX_INT32 or num_pages > MAX_INT32:
-        raise InvalidInput(f"the cache capacity {page_size * max_pages} rows per sequence or "
-                           f"{num_pages} pages exceed {MAX_INT32}; split the cache")
+    if page_size * max_pages > MAX_SEQLEN or seqlen_q > MAX_SEQLEN or num_pages > MAX_INT32:
+        raise InvalidInput(f"the cache capacity of {page_size * max_pages} rows per sequence, "
+                           f"seqlen_q={seqlen_q} or {num_pages} pages exceed the limits "
+                           f"({MAX_SEQLEN} rows: the kernel's 32-bit index arithmetic adds "
+                           f"two lengths and a tile; {MAX_INT32} pages); split the call")
     group_rows = heads_q // heads_kv * seqlen_q  # one block per 16 of them at the most
     if batch > MAX_GRID_YZ or heads_kv * -(-group_rows // 16) > MAX_GRID_YZ:
         raise InvalidInput(f"batch={batch}, heads_q={heads_q}, seqlen_q={seqlen_q} exceed the "
