@@ -1,4 +1,5 @@
-// Warp-level primitives of flashtune kernels: mma, ldmatrix, cp.async, shuffles, barriers.
+// Warp-level primitives of flashtune kernels: mma, ldmatrix, cp.async, shuffles, barriers,
+// and the global fp32 reduction.
 //
 // Kernels call only these functions (namespace ft) and never inline asm, so the CPU
 // emulator can run the same source: under FLASHTUNE_EMULATOR the C++ implementation from the
@@ -138,6 +139,16 @@ __device__ __forceinline__ float shfl_xor(float v, int lane_mask, int width = 32
 __device__ __forceinline__ float shfl_sync(unsigned mask, float v, int src_lane,
                                            int width = 32) {
   return __shfl_sync(mask, v, src_lane, width);
+}
+
+// ---- global-memory reduction -----------------------------------------------------------
+
+// *gmem += v as one atomic fp32 reduction (red.global.add.f32: no value returned). Rounds to
+// nearest even; subnormal inputs and results are flushed to zero of the same sign (what the
+// PTX ISA states for atom/red .add.f32 on global memory). The order in which concurrent
+// reductions land is unspecified, so sums of more than two terms are not reproducible.
+__device__ __forceinline__ void atomic_add_f32(float* gmem, float v) {
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem), "f"(v) : "memory");
 }
 
 // ---- barriers and ids ------------------------------------------------------------------

@@ -6,8 +6,9 @@ A kernel source is compiled by the host C++ compiler (C++20) together with
 (``include/flashtune_emu/src``: fibers, scheduler, warp collectives, shared-memory checks),
 which is built once per toolchain. Both are cached by content in ArtifactCache.
 
-Execution: blocks run one after another on the calling thread, each thread of a block is a
-fiber. A fiber runs until it blocks at ``__syncthreads`` (a rendezvous of the block's
+Execution: blocks run one after another on the calling thread (in linear order, or in a
+seeded shuffled order with ``LaunchOptions(block_order_seed=...)`` so that results that
+depend on the order of blocks show it), each thread of a block is a fiber. A fiber runs until it blocks at ``__syncthreads`` (a rendezvous of the block's
 threads that have not returned) or in a warp collective (a rendezvous of the lanes named
 in its mask; mma and ldmatrix need all 32; the last lane to arrive computes the result
 with the PTX register layouts). ``Schedule.FORWARD`` runs the lowest runnable thread next,

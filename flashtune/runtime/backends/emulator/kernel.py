@@ -58,6 +58,11 @@ class LaunchOptions:
         end is reported as a hang (None: knob FLASHTUNE_EMULATOR_DEADLOCK_S; 0: never).
     counters: count traffic, bank conflicts and instructions (counters.EmulatorCounters,
         returned by the launch); off, each primitive pays one branch.
+    block_order_seed: None runs the blocks of the grid one after another in linear order
+        (x fastest, then y, then z); an int runs them in the order of a shuffle seeded by it
+        (the same order for the same seed and grid on every platform), so a result that
+        depends on the order of blocks (floating-point atomics, cross-block races) changes
+        from seed to seed.
     """
 
     schedule: Schedule = Schedule.FORWARD
@@ -67,6 +72,7 @@ class LaunchOptions:
     check_barrier_site: bool = True
     hang_timeout_s: float | None = None
     counters: bool = False
+    block_order_seed: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", Schedule(self.schedule))
@@ -78,6 +84,11 @@ class LaunchOptions:
             math.isfinite(self.hang_timeout_s) and self.hang_timeout_s >= 0
         ):
             raise InvalidInput(f"hang_timeout_s={self.hang_timeout_s} must be finite and >= 0")
+        seed = self.block_order_seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not 0 <= seed < 1 << 64):
+            raise InvalidInput(f"block_order_seed={seed!r} must be None (linear order) or an "
+                               "int in [0, 2**64)")
 
 
 def ptr(array: Any) -> Arg:
@@ -186,6 +197,9 @@ class EmulatedKernel:
             smem_bytes, opts.smem_limit_bytes, opts.stack_bytes,
             0 if opts.schedule is Schedule.FORWARD else 1, checks, float(hang),
             ctypes.pointer(raw) if raw is not None else None,
+            native.BLOCK_ORDER_LINEAR if opts.block_order_seed is None
+            else native.BLOCK_ORDER_SHUFFLED,
+            opts.block_order_seed or 0,
         )
         message = ctypes.create_string_buffer(native.MESSAGE_BYTES)
         with native.LAUNCH_LOCK:

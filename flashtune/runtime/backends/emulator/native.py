@@ -19,6 +19,9 @@ BAD_LAUNCH = 3
 CHECK_POISON_OPERANDS = 1
 CHECK_BARRIER_SITE = 2
 
+BLOCK_ORDER_LINEAR = 0
+BLOCK_ORDER_SHUFFLED = 1
+
 MESSAGE_BYTES = 1 << 16
 
 #: One launch at a time per process: the runtime keeps global fiber state.
@@ -83,6 +86,8 @@ class LaunchConfig(ctypes.Structure):
         ("checks", ctypes.c_int),
         ("hang_timeout_s", ctypes.c_double),
         ("counters", ctypes.POINTER(Counters)),
+        ("block_order", ctypes.c_int),
+        ("block_order_seed", ctypes.c_ulonglong),
     ]
 
 

@@ -11,7 +11,7 @@
 #include <stddef.h>
 #include <vector_types.h>
 
-#define FTEMU_ABI_VERSION 2
+#define FTEMU_ABI_VERSION 3
 #define FTEMU_API __attribute__((visibility("default")))
 
 extern "C" {
@@ -85,12 +85,21 @@ struct ftemu_launch_config {
     int checks;                            // FTEMU_CHECK_* bits
     double hang_timeout_s;                 // <= 0: no watchdog for threads that never yield
     ftemu_counters* counters;              // null: nothing is counted
+    int block_order;                       // FTEMU_BLOCK_ORDER_*
+    unsigned long long block_order_seed;   // seed of FTEMU_BLOCK_ORDER_SHUFFLED
 };
 
 // Which runnable thread runs next: the lowest index (warps run as far ahead as they can,
 // in order) or the highest. Running both exposes races in either direction.
 #define FTEMU_SCHEDULE_FORWARD 0
 #define FTEMU_SCHEDULE_REVERSE 1
+
+// Order in which the blocks of the grid run (one after another): x fastest, then y, then z;
+// or a permutation of that order drawn from block_order_seed (a Fisher-Yates shuffle driven
+// by splitmix64, so one seed gives the same order on every platform). A kernel whose result
+// depends on the order of its blocks (atomics, cross-block races) shows it under shuffling.
+#define FTEMU_BLOCK_ORDER_LINEAR 0
+#define FTEMU_BLOCK_ORDER_SHUFFLED 1
 
 // Optional checks (all on by default in Python).
 #define FTEMU_CHECK_POISON_OPERANDS 1  // mma operands equal to the shared-memory poison

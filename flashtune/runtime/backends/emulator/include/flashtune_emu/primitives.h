@@ -77,6 +77,19 @@ __device__ inline float shfl_sync(unsigned mask, float v, int src_lane, int widt
     return ::ftemu::shfl(FTEMU_SHFL_IDX, mask, v, src_lane, width, l);
 }
 
+// --- red.global.add.f32: round to nearest even, subnormals flushed to signed zero ---
+// One emulated thread runs at a time, so the read-modify-write is atomic; what differs
+// between launches is only the order of the additions (see LaunchOptions.block_order_seed).
+namespace detail {
+inline float flush_subnormal(float x) {
+    return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.0f, x) : x;
+}
+}  // namespace detail
+__device__ inline void atomic_add_f32(float* gmem, float v) {
+    *gmem = detail::flush_subnormal(detail::flush_subnormal(*gmem) +
+                                    detail::flush_subnormal(v));
+}
+
 // --- barriers and ids ---
 __device__ inline void block_sync(loc_t l = loc_t::current()) { __syncthreads(l); }
 __device__ inline void warp_sync(loc_t l = loc_t::current()) { __syncwarp(0xffffffffu, l); }

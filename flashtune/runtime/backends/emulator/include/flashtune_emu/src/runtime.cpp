@@ -305,6 +305,9 @@ static std::string validate(const ftemu_launch_config& c, const ftemu_kernel_des
         return format("stack_bytes=%llu is invalid; expected 16 KiB .. 64 MiB", c.stack_bytes);
     if (c.schedule != FTEMU_SCHEDULE_FORWARD && c.schedule != FTEMU_SCHEDULE_REVERSE)
         return format("schedule=%d is invalid; expected 0 (forward) or 1 (reverse)", c.schedule);
+    if (c.block_order != FTEMU_BLOCK_ORDER_LINEAR && c.block_order != FTEMU_BLOCK_ORDER_SHUFFLED)
+        return format("block_order=%d is invalid; expected 0 (linear) or 1 (shuffled)",
+                      c.block_order);
     return "";
 }
 
@@ -351,6 +354,31 @@ static void release(Launch& L) {
     else if (L.asan) std::free(L.dyn.base);
     for (Thread& t : L.threads) context_release(&t.context);
     context_release(&L.sched);
+}
+
+// splitmix64: a small, fully specified generator, so a seed names the same block order on
+// every platform and standard library (std::shuffle's algorithm is unspecified).
+static unsigned long long splitmix64(unsigned long long& state) {
+    unsigned long long z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// The linear block indices 0 .. n-1 in the order of a Fisher-Yates shuffle seeded by `seed`.
+static std::vector<unsigned long long> shuffled_order(unsigned long long n,
+                                                      unsigned long long seed) {
+    std::vector<unsigned long long> order(n);
+    for (unsigned long long i = 0; i < n; ++i) order[i] = i;
+    unsigned long long state = seed;
+    for (unsigned long long i = n; i > 1; --i) {
+        // Uniform in [0, i) by rejection (no modulo bias).
+        const unsigned long long limit = ~0ull - (~0ull % i);
+        unsigned long long r;
+        do r = splitmix64(state); while (r >= limit);
+        std::swap(order[i - 1], order[r % i]);
+    }
+    return order;
 }
 
 static void run_block(Launch& L, unsigned bx, unsigned by, unsigned bz) {
@@ -426,7 +454,7 @@ static void sched_stack_bounds(Launch& L) {
 using namespace ftemu;
 
 extern "C" FTEMU_API const char* ftemu_runtime_version(void) {
-    return FTEMU_ASAN ? "flashtune-emulator abi " "2" " asan" : "flashtune-emulator abi 2";
+    return FTEMU_ASAN ? "flashtune-emulator abi 3 asan" : "flashtune-emulator abi 3";
 }
 
 static int run_launch(const ftemu_launch_config* config, const ftemu_kernel_desc* kernel,
@@ -471,10 +499,19 @@ static int run_launch(const ftemu_launch_config* config, const ftemu_kernel_desc
     g_launch = &L;
     install_handlers(L);
     cleanup.installed = true;
-    for (unsigned z = 0; z < config->grid[2] && L.status == FTEMU_OK; ++z)
-        for (unsigned y = 0; y < config->grid[1] && L.status == FTEMU_OK; ++y)
-            for (unsigned x = 0; x < config->grid[0] && L.status == FTEMU_OK; ++x)
-                run_block(L, x, y, z);
+    const unsigned long long gx = config->grid[0], gy = config->grid[1];
+    const unsigned long long nblocks = gx * gy * config->grid[2];
+    if (config->block_order == FTEMU_BLOCK_ORDER_LINEAR) {
+        for (unsigned long long b = 0; b < nblocks && L.status == FTEMU_OK; ++b)
+            run_block(L, b % gx, b / gx % gy, b / (gx * gy));
+    } else {
+        std::vector<unsigned long long> order = shuffled_order(nblocks,
+                                                               config->block_order_seed);
+        for (unsigned long long i = 0; i < nblocks && L.status == FTEMU_OK; ++i) {
+            const unsigned long long b = order[i];
+            run_block(L, b % gx, b / gx % gy, b / (gx * gy));
+        }
+    }
     if (L.status == FTEMU_OK && !L.asan_report.empty())
         record_error(FTEMU_ERROR, "AddressSanitizer reported a bad memory access:\n" +
                                       trim_report(L.asan_report));
