@@ -19,12 +19,15 @@ _families: dict[str, KernelFamily] = {}
 
 
 def _builtins() -> None:
+    from flashtune.families.bwd import BACKWARD, BACKWARD_DETERMINISTIC
+    from flashtune.families.bwd.rows import CONVERT, PREPROCESS
     from flashtune.families.combine import COMBINE
     from flashtune.families.decode import DECODE
     from flashtune.families.fwd import FORWARD
     from flashtune.families.lse import LSE
 
-    for family in (FORWARD, LSE, DECODE, COMBINE):
+    for family in (FORWARD, BACKWARD, BACKWARD_DETERMINISTIC, PREPROCESS, CONVERT, LSE,
+                   DECODE, COMBINE):
         _families.setdefault(family.op, family)
 
 

@@ -78,12 +78,14 @@ def generator(device: torch.device | str, seed: int | None) -> torch.Generator:
     return gen
 
 
-def close_enough(name: str, out: torch.Tensor, ref: torch.Tensor, tol: Tolerance
-                 ) -> tuple[float, float, str]:
+def close_enough(name: str, out: torch.Tensor, ref: torch.Tensor, tol: Tolerance,
+                 bound: torch.Tensor | None = None) -> tuple[float, float, str]:
     """(max |err|, relative Frobenius error, what was wrong or "") of one output.
 
-    NaN left in ``out`` (an element never written over the poison) is an infinite error;
-    an infinite reference element must be matched exactly."""
+    ``bound`` (optional, shaped like ``ref``) adds a per-element allowance to ``tol``: e.g.
+    a multiple of the same sums computed over absolute values, the classic bound of the
+    rounding error of a dot product. NaN left in ``out`` (an element never written over the
+    poison) is an infinite error; an infinite reference element must be matched exactly."""
     out64 = out.to(torch.float64)
     infinite = torch.isinf(ref)
     err = (out64 - ref).abs().nan_to_num(float("inf"))
@@ -93,11 +95,14 @@ def close_enough(name: str, out: torch.Tensor, ref: torch.Tensor, tol: Tolerance
     rel = float(torch.linalg.vector_norm(err)) / max(
         float(torch.linalg.vector_norm(finite_ref)), 1e-30)
     unwritten = int(torch.isnan(out64).sum())
-    bad = int((err > tol.atol + tol.rtol * finite_ref.abs()).sum())
+    allowed = tol.atol + tol.rtol * finite_ref.abs()
+    if bound is not None:
+        allowed = allowed + bound
+    bad = int((err > allowed).sum())
     if unwritten or bad:
+        rule = f"{tol.atol} + {tol.rtol}*|ref|" + (" + bound" if bound is not None else "")
         return max_err, rel, (f"{name}: {unwritten} elements left unwritten (NaN), {bad} "
-                              f"outside |err| <= {tol.atol} + {tol.rtol}*|ref| (max |err| "
-                              f"{max_err:.3g})")
+                              f"outside |err| <= {rule} (max |err| {max_err:.3g})")
     return max_err, rel, ""
 
 

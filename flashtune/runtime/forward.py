@@ -84,14 +84,17 @@ def device_info(entry: BackendEntry, device: torch.device) -> DeviceLike:
     return virtual
 
 
-def problem_bucket(q: torch.Tensor, k: torch.Tensor, causal: bool) -> ProblemBucket:
-    problem = Problem(head_dim=q.shape[3], dtype=_DTYPES[q.dtype], causal=causal)
+def problem_bucket(q: torch.Tensor, k: torch.Tensor, causal: bool, op: str = "fwd"
+                   ) -> ProblemBucket:
+    """The tuning bucket of a call of kernel family ``op`` on these tensors."""
+    problem = Problem(head_dim=q.shape[3], dtype=_DTYPES[q.dtype], causal=causal, op=op)
     return ProblemBucket(problem, seqlen_bucket(max(q.shape[1], k.shape[1])))
 
 
 def decide(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str | None,
-           arch: str | None = None) -> tuple[Decision, BackendEntry]:
-    """The dispatcher's decision for these tensors (no kernel is loaded or compiled).
+           arch: str | None = None, op: str = "fwd") -> tuple[Decision, BackendEntry]:
+    """The dispatcher's decision for these tensors (no kernel is loaded or compiled), for
+    kernel family ``op`` (the forward unless named).
 
     ``arch`` overrides the device with a virtual GPU of that arch.
     """
@@ -99,7 +102,7 @@ def decide(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str | None,
 
     entry = resolve_backend(backend, q.device)
     device = DeviceInfo.virtual(arch) if arch else device_info(entry, q.device)
-    return get_dispatcher().decide(problem_bucket(q, k, causal), device), entry
+    return get_dispatcher().decide(problem_bucket(q, k, causal, op), device), entry
 
 
 @dataclass(frozen=True)
@@ -128,8 +131,9 @@ def _no_stream() -> int:
     return 0
 
 
-def _make_plan(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str) -> Plan:
-    decision, entry = decide(q, k, causal, backend)
+def _make_plan(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str, op: str
+               ) -> Plan:
+    decision, entry = decide(q, k, causal, backend, op=op)
     source = render(decision.problem, decision.config)
     loader = get_backend(entry.name)
     if entry.device_type == "cuda":
@@ -143,19 +147,21 @@ _plans: dict[tuple[object, ...], Plan] = {}
 _plans_lock = threading.Lock()
 
 
-def plan_for(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str) -> Plan:
-    """The memoised plan of this call (made, and its kernel loaded, on first use)."""
+def plan_for(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str, op: str = "fwd"
+             ) -> Plan:
+    """The memoised plan of this call of kernel family ``op`` (made, and its kernel loaded,
+    on first use)."""
     _, seqlen_q, _, head_dim = q.shape
     seqlen_k = k.shape[1]
     bucket = seqlen_bucket(seqlen_q if seqlen_q > seqlen_k else seqlen_k)
     # get_device(): the CUDA index, -1 for CPU tensors (the only other kind that gets here).
-    key = (backend, q.get_device(), q.dtype, head_dim, causal, bucket)
+    key = (backend, q.get_device(), q.dtype, head_dim, causal, bucket, op)
     plan = _plans.get(key)
     if plan is None:
         with _plans_lock:
             plan = _plans.get(key)
             if plan is None:
-                plan = _make_plan(q, k, causal, backend)
+                plan = _make_plan(q, k, causal, backend, op)
                 _plans[key] = plan
     return plan
 

@@ -4,13 +4,14 @@ The forward pass is the custom op ``flashtune::attention_fwd`` (torch.library) w
 implementation, so torch.compile traces through it as one graph node and CUDA graphs capture
 it (it synchronises nothing and allocates only its outputs). A plain eager call with nothing
 that observes operators (no compile, tracing, dispatch or function modes, functorch
-transforms or profiler) calls the same implementation directly, which saves the operator
-dispatch (several microseconds of host time per call).
+transforms or profiler) and no input that needs a gradient calls the same implementation
+directly, which saves the operator dispatch (several microseconds of host time per call).
 
-Gradients: there is no backward kernel yet, so a call whose inputs require grad (with grad
-mode on) raises ``BackwardNotAvailable`` instead of returning an output without a gradient.
-The op's autograd formula is registered and raises the same error; a backward kernel plugs
-in at ``_backward``.
+Gradients: the op's autograd formula runs the backward kernels through a second custom op,
+``flashtune::attention_bwd`` (also with a fake implementation, so torch.compile traces the
+backward graph too). ``deterministic=True`` promises bitwise-reproducible gradients (dQ is
+summed in a fixed order); the default follows ``torch.use_deterministic_algorithms``. A
+gradient flowing into the LSE output (``return_lse=True``) is included.
 """
 
 from __future__ import annotations
@@ -20,59 +21,103 @@ from typing import Any, Literal, overload
 import torch
 
 from flashtune.errors import BackwardNotAvailable, InvalidInput
+from flashtune.runtime import backward as _bwd
 from flashtune.runtime import forward as _fwd
 from flashtune.runtime.dispatch import Decision
 from flashtune.runtime.limits import check_softmax_scale
 from flashtune.runtime.validate import check_attention_inputs
 
 OP_NAME = "flashtune::attention_fwd"
-
-
-_NO_BACKWARD = (
-    "flashtune has no attention backward kernel yet (op flashtune::attention_bwd), so it "
-    "cannot compute gradients; expected inputs that do not require grad. Call it under "
-    "torch.no_grad() / torch.inference_mode(), pass detached tensors, or use "
-    "torch.nn.functional.scaled_dot_product_attention for training"
-)
+BWD_OP_NAME = "flashtune::attention_bwd"
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  softmax_scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """O (B, Nq, Hq, D) and LSE (B, Hq, Nq, float32) of validated inputs."""
+                  softmax_scale: float, backend: str, deterministic: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (B, Nq, Hq, D) and LSE (B, Hq, Nq, float32) of validated inputs. ``deterministic``
+    only matters to the backward (it is an argument here so the autograd formula sees it)."""
     return _fwd.forward(q, k, v, causal, softmax_scale, backend)
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                        softmax_scale: float, backend: str
+                        softmax_scale: float, backend: str, deterministic: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seqlen_q, heads_q, _ = q.shape
     return (torch.empty_like(q),
             q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
 
 
+@torch.library.custom_op(BWD_OP_NAME, mutates_args=())
+def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
+                  causal: bool, softmax_scale: float, deterministic: bool, backend: str
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of the forward that produced ``out`` and ``lse``."""
+    return _bwd.backward(grad_out, q, k, v, out, lse, grad_lse, causal, softmax_scale,
+                         deterministic, backend)
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                        grad_lse: torch.Tensor | None, causal: bool, softmax_scale: float,
+                        deterministic: bool, backend: str
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    q, k, v, causal, softmax_scale, backend = inputs
+    q, k, v, causal, softmax_scale, backend, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
     ctx.backend = backend
+    ctx.deterministic = deterministic
 
 
-def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor) -> tuple[Any, ...]:
-    """Gradients of (q, k, v, causal, softmax_scale, backend)."""
-    raise BackwardNotAvailable(_NO_BACKWARD)
+def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
+              ) -> tuple[Any, ...]:
+    """Gradients of (q, k, v, causal, softmax_scale, backend, deterministic)."""
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attention_bwd(grad_out, q, k, v, out, lse, grad_lse, ctx.causal,
+                               ctx.softmax_scale, ctx.deterministic, ctx.backend)
+    return dq, dk, dv, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+#: Said by the operations that have no backward pass (decoding with a KV cache).
+_NO_BACKWARD = (
+    "this flashtune operation (decoding with a KV cache) has no backward pass, so it cannot "
+    "compute gradients; expected inputs that do not require grad. Call it under "
+    "torch.no_grad() / torch.inference_mode() or pass detached tensors; flashtune.attention "
+    "and flashtune.scaled_dot_product_attention support training"
+)
+
+
 def check_no_grad(*tensors: torch.Tensor | None) -> None:
-    """BackwardNotAvailable when grad mode is on and an input requires grad."""
+    """BackwardNotAvailable when grad mode is on and an input requires grad (for operations
+    without a backward pass)."""
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise BackwardNotAvailable(_NO_BACKWARD)
+
+
+def _needs_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def _deterministic(value: object) -> bool:
+    """``deterministic`` as a bool: None follows torch.are_deterministic_algorithms_enabled()."""
+    if value is None:
+        return bool(torch.are_deterministic_algorithms_enabled())
+    if not isinstance(value, bool):
+        raise InvalidInput(f"deterministic={value!r} must be True, False or None (None follows "
+                           "torch.use_deterministic_algorithms)")
+    return value
 
 
 _C: Any = torch._C
@@ -97,20 +142,21 @@ def direct_call_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               softmax_scale: float | None = ..., return_lse: Literal[False] = ...,
-              backend: str | None = ...) -> torch.Tensor: ...
+              backend: str | None = ..., deterministic: bool | None = ...) -> torch.Tensor: ...
 
 
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               softmax_scale: float | None = ..., return_lse: Literal[True],
-              backend: str | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+              backend: str | None = ..., deterministic: bool | None = ...
+              ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               softmax_scale: float | None = ..., return_lse: bool,
-              backend: str | None = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    ...
+              backend: str | None = ..., deterministic: bool | None = ...
+              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention(
@@ -122,6 +168,7 @@ def attention(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     backend: str | None = None,
+    deterministic: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention in flash-attn's layout.
 
@@ -133,17 +180,22 @@ def attention(
     query row that sees no key gets O = 0 and LSE = +inf. ``softmax_scale`` defaults to
     1/sqrt(D). ``backend``: None (FLASHTUNE_BACKEND, default ``auto``: CUDA tensors on the
     GPU), ``"cuda"`` or ``"emulator"`` (CPU tensors, slow; for verification).
+
+    Gradients flow to q, k and v (and through the LSE when it is returned and used).
+    ``deterministic=True`` makes them bitwise reproducible run to run on one device (dQ is
+    summed over key tiles in a fixed order, somewhat slower); False allows float32 atomics,
+    whose order varies; None (default) follows ``torch.use_deterministic_algorithms``.
     """
     check_attention_inputs(q, k, v)
-    check_no_grad(q, k, v)
     if not isinstance(causal, bool):
         raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
     scale = check_softmax_scale(softmax_scale, q.shape[3])
+    ordered = _deterministic(deterministic)
     name = "" if backend is None else backend
-    if direct_call_ok(q, k, v):
+    if not _needs_grad(q, k, v) and direct_call_ok(q, k, v):
         out, lse = _fwd.forward(q, k, v, causal, scale, name)
     else:
-        out, lse = attention_fwd(q, k, v, causal, scale, name)
+        out, lse = attention_fwd(q, k, v, causal, scale, name, ordered)
     return (out, lse) if return_lse else out
 
 
@@ -171,13 +223,15 @@ def scaled_dot_product_attention(
     than 0, Hq != Hkv without ``enable_gqa``, and ``is_causal`` with L != S (torch aligns that
     mask to the top-left corner, flashtune to the bottom-right). The inputs are passed as
     transposed views and the result is a transposed view: nothing is copied. ``backend`` is
-    as in ``attention``.
+    as in ``attention``; gradients flow as there (deterministic when
+    ``torch.use_deterministic_algorithms(True)`` is set).
     """
     if attn_mask is not None:
         raise _sdpa_unsupported("attn_mask", "use is_causal=True for a causal mask, or "
                                 "torch.nn.functional.scaled_dot_product_attention for others")
     if dropout_p != 0.0:
-        raise _sdpa_unsupported(f"dropout_p={dropout_p}", "expected dropout_p=0.0 (inference)")
+        raise _sdpa_unsupported(f"dropout_p={dropout_p}", "flashtune has no attention "
+                                "dropout; expected dropout_p=0.0")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__

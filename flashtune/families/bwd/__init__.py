@@ -1,0 +1,182 @@
+"""The FlashAttention-2 backward family: dK, dV and the float32 dQ accumulator.
+
+Each block owns block_n keys of one kv head and steps over the query tiles (block_m rows,
+of every query head of the group) that see them, recomputing P from the forward's LSE;
+dK and dV stay in float32 registers, dQ is added to a float32 accumulator in global memory
+(templates/flash_bwd.cuh). Two kernels surround it (families/bwd/rows.py): the preprocess
+(D = rowsum(dO O), the accumulator zeroed) and the convert (the accumulator's slices summed
+in a fixed order, scaled, rounded). ``bwd`` tunes the dQ mode too (float32 atomics or
+per-block slices); ``bwddet`` serves ``deterministic=True`` and only has the slices.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.params import ParamSpace
+from flashtune.codegen.render import TemplateValue
+from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
+from flashtune.families.base import (
+    TORCH_DTYPES,
+    Inputs,
+    KernelFamily,
+    LaunchPlan,
+    Tensors,
+    Tolerance,
+    Verdict,
+    close_enough,
+    generator,
+)
+from flashtune.families.bwd import args, defaults, space
+from flashtune.families.bwd.reference import (
+    BOUND_FACTOR,
+    UNIT_ROUNDOFF,
+    backward_reference,
+    softmax_stats,
+)
+
+
+def sm_count(device: torch.device | str) -> int | None:
+    """SMs of a CUDA device (None elsewhere: the split mode then assumes a default)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(dev).multi_processor_count)
+
+
+class BackwardFamily(KernelFamily):
+    """The attention backward main kernel (``loss.backward()`` through flashtune.attention)."""
+
+    op = "bwd"
+    title = "attention backward (FlashAttention-2: dK, dV and the float32 dQ accumulator)"
+    template = "flash_bwd.cu.jinja"
+    #: True for the family whose every config is deterministic.
+    deterministic = False
+
+    def space(self, problem: Problem) -> ParamSpace:
+        return space.DETERMINISTIC_SPACE if self.deterministic else space.SPACE
+
+    def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
+        return space.static_check(problem, config, arch, deterministic=self.deterministic)
+
+    def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
+        return defaults.default_config(problem, arch, deterministic=self.deterministic)
+
+    def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
+        return defaults.default_entry(problem, arch).reason
+
+    def template_params(self, problem: Problem, config: KernelConfig
+                        ) -> dict[str, TemplateValue]:
+        return {
+            "head_dim": problem.head_dim,
+            "is_bf16": problem.dtype.value == "bf16",
+            "causal": problem.causal,
+            "block_m": config.block_m,
+            "block_n": config.block_n,
+            "num_warps": config.num_warps,
+            "num_stages": config.num_stages,
+            "dq_split": space.dq_mode(config) == space.DQ_SPLIT,
+            "smem_row_pad": space.SMEM_ROW_PAD,
+        }
+
+    def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
+        return space.smem_bytes(problem, config)
+
+    def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
+                      seed: int | None = None) -> Inputs:
+        gen = generator(device, seed)
+        dt = TORCH_DTYPES[problem.dtype]
+
+        def draw(seqlen: int, heads: int) -> torch.Tensor:
+            return torch.randn(shape.batch, seqlen, heads, problem.head_dim, generator=gen,
+                               device=device).to(dt)
+
+        q, dout = draw(shape.seqlen_q, shape.heads_q), draw(shape.seqlen_q, shape.heads_q)
+        k, v = draw(shape.seqlen_k, shape.heads_kv), draw(shape.seqlen_k, shape.heads_kv)
+        scale = problem.head_dim ** -0.5
+        lse, dsum = softmax_stats(q, k, v, dout, problem.causal, scale)
+        return Inputs({"q": q, "k": k, "v": v, "do": dout, "lse": lse, "dsum": dsum},
+                      {"softmax_scale": scale})
+
+    def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
+                      poison: bool) -> dict[str, torch.Tensor]:
+        """dK and dV (NaN when poisoned) and the dQ accumulator, zeroed as the kernel's
+        contract requires, with as many slices as the split mode can use on this device
+        (atomic configs add into slice 0 only)."""
+        t = inputs.tensors
+        slices = space.dq_slices(sm_count(t["q"].device), shape.batch, shape.heads_kv,
+                                 shape.seqlen_k, min(space.BLOCK_N))
+        dk, dv = torch.empty_like(t["k"]), torch.empty_like(t["v"])
+        if poison:
+            dk.fill_(float("nan"))
+            dv.fill_(float("nan"))
+        accum = torch.zeros(slices, shape.batch, shape.heads_q, shape.seqlen_q,
+                            problem.head_dim, dtype=torch.float32, device=t["q"].device)
+        return {"dk": dk, "dv": dv, "dq_accum": accum}
+
+    def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
+                    inputs: Inputs, outputs: Tensors) -> LaunchPlan:
+        t = inputs.tensors
+        packed = args.main_args(t["q"], t["k"], t["v"], t["do"], t["lse"], t["dsum"],
+                                outputs["dk"], outputs["dv"], outputs["dq_accum"],
+                                inputs.scalars["softmax_scale"])
+        split = space.dq_mode(config) == space.DQ_SPLIT
+        grid = args.main_grid(shape.seqlen_k, shape.heads_kv, shape.batch, config.block_n,
+                              outputs["dq_accum"].shape[0] if split else None)
+        return LaunchPlan(grid, packed)
+
+    def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
+        t = inputs.tensors
+        return backward_reference(t["q"], t["k"], t["v"], t["do"], t["lse"], t["dsum"],
+                                  problem.causal, inputs.scalars["softmax_scale"])
+
+    def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
+                reference: Tensors) -> Verdict:
+        """dK, dV and the accumulator's sum over slices, each element within BOUND_FACTOR
+        times the reference's sum of absolute terms (a few roundings of the input type);
+        dK and dV, stored in the input type, also one unit roundoff of their value."""
+        got = {"dk": outputs["dk"], "dv": outputs["dv"],
+               "dq_accum": outputs["dq_accum"].to(torch.float64).sum(0)}
+        factor, u = BOUND_FACTOR[problem.dtype], UNIT_ROUNDOFF[problem.dtype]
+        worst, main_rel, wrong = 0.0, 0.0, []
+        for name, value in got.items():
+            stored = Tolerance(1e-7, 0.0 if name == "dq_accum" else u)
+            err, fro, msg = close_enough(name, value, reference[name], stored,
+                                         factor * reference[f"{name}_bound"])
+            worst = max(worst, err)
+            main_rel = max(main_rel, fro)
+            if msg:
+                wrong.append(msg)
+        if wrong:
+            return Verdict(False, worst, main_rel,
+                           f"wrong result on {shape.key()} ({problem.key()}): "
+                           + "; ".join(wrong))
+        return Verdict(True, worst, main_rel, "")
+
+    def flops(self, problem: Problem, shape: ShapeLike) -> float:
+        """2.5 x the forward's 4 B Nq Nk H D (five matmuls against two), halved when causal:
+        the field's convention."""
+        total = (10.0 * shape.batch * shape.seqlen_q * shape.seqlen_k * shape.heads_q
+                 * problem.head_dim)
+        return total / 2 if problem.causal else total
+
+    def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
+        """Q, dO, K, V read and dK, dV written once (the input type), LSE and D read and the
+        float32 dQ accumulator written once."""
+        e, d = problem.dtype.itemsize, problem.head_dim
+        q_rows = shape.batch * shape.heads_q * shape.seqlen_q
+        kv_rows = shape.batch * shape.heads_kv * shape.seqlen_k
+        return float(2 * q_rows * d * e + 4 * kv_rows * d * e + 8 * q_rows + 4 * q_rows * d)
+
+
+class DeterministicBackwardFamily(BackwardFamily):
+    """The backward main kernel of ``deterministic=True``: dQ in per-block slices only."""
+
+    op = "bwddet"
+    title = "attention backward, deterministic (dQ slices summed in a fixed order)"
+    deterministic = True
+
+
+BACKWARD = BackwardFamily()
+BACKWARD_DETERMINISTIC = DeterministicBackwardFamily()

@@ -1,0 +1,97 @@
+"""Inputs and the float64 reference of the backward main kernel, and its tolerances.
+
+The main kernel's contract, written from the definition and independently of its tiling:
+with S = scale Q K^T (masked as in the forward: causal rows see keys j <= i + Nk - Nq),
+P = exp(S - LSE) (0 where masked), dP = dO V^T and dS = P (dP - D),
+
+    dV = P^T dO,   dK = scale dS^T Q,   dQ accumulator += dS K  (scaled by the convert),
+
+with GQA's query heads summed into their kv head. LSE and D are inputs here (the forward's
+LSE and the preprocess's D = rowsum(dO O)), so the reference uses the very same values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtune.codegen.spec import DType
+from flashtune.families.fwd.reference import causal_visible
+
+#: Error allowed per element, as a multiple of the same sums over absolute values
+#: (``*_bound`` of the reference): P and dS are rounded to the input type before their
+#: products (as in FlashAttention-2), which costs at most one unit roundoff u of the input
+#: type (fp16 2^-11, bf16 2^-8) per term; four u leave room for the float32 sums and the
+#: approximate exp2 (measured worst cases: about 1.6 u). dK and dV are also rounded to the
+#: input type once when stored: OUTPUT_ROUNDING (u) times |reference| more.
+UNIT_ROUNDOFF = {DType.FP16: 2.0 ** -11, DType.BF16: 2.0 ** -8}
+BOUND_FACTOR = {dtype: 4 * u for dtype, u in UNIT_ROUNDOFF.items()}
+
+
+def _expand(t: torch.Tensor, group: int) -> torch.Tensor:
+    return t.repeat_interleave(group, dim=2) if group > 1 else t
+
+
+def softmax_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                  causal: bool, scale: float, *, budget_bytes: int = 1 << 28
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's LSE and D = rowsum(dO O), float32 (B, Hq, Nq), computed in float32 on
+    the inputs' device a block of query rows at a time (no more than ``budget_bytes`` of
+    scores at once), for inputs of any size. Rows that see no key: LSE = +inf, D = 0."""
+    batch, seqlen_q, heads_q, _ = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    kf = _expand(k.float(), heads_q // heads_kv)
+    vf = _expand(v.float(), heads_q // heads_kv)
+    rows = max(1, budget_bytes // (4 * batch * heads_q * seqlen_k))
+    lse = torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=q.device)
+    dsum = torch.empty_like(lse)
+    for r0 in range(0, seqlen_q, rows):
+        r1 = min(seqlen_q, r0 + rows)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q[:, r0:r1].float(), kf) * scale
+        if causal:
+            visible = causal_visible(seqlen_q, seqlen_k, q.device)[r0:r1]
+            scores = scores.masked_fill(~visible, float("-inf"))
+        part = torch.logsumexp(scores, dim=-1)
+        empty = torch.isneginf(part)
+        probs = torch.exp(scores - part.masked_fill(empty, 0.0)[..., None])
+        out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
+        lse[:, :, r0:r1] = part.masked_fill(empty, float("inf"))
+        dsum[:, :, r0:r1] = (out * dout[:, r0:r1].float()).sum(-1).transpose(1, 2)
+    return lse, dsum
+
+
+def backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       dout: torch.Tensor, lse: torch.Tensor, dsum: torch.Tensor,
+                       causal: bool, scale: float) -> dict[str, torch.Tensor]:
+    """float64 dK, dV (B, Nk, Hkv, D) and the unscaled dQ sum dS K (B, Hq, Nq, D), and
+    for each the same sums over absolute values (``dk_bound``, ...): P |dO| for dV, and for
+    dK and dQ the products with |dS|'s own bound P (|dO| |V|^T + |D|), which also covers
+    the cancellation in dP - D (when it is exact, as with a single visible key, dK and dQ
+    are rounding noise and only the bound gives them a scale)."""
+    qd, kd, vd, dod = (t.to(torch.float64) for t in (q, k, v, dout))
+    batch, seqlen_q, heads_q, dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    ke, ve = _expand(kd, group), _expand(vd, group)
+    scores = torch.einsum("bqhd,bkhd->bhqk", qd, ke) * scale
+    lse64 = lse.to(torch.float64)[..., None]
+    probs = torch.exp(scores - lse64.masked_fill(torch.isinf(lse64), 0.0))
+    visible = torch.isfinite(lse64).expand_as(probs)
+    if causal:
+        visible = visible & causal_visible(seqlen_q, seqlen_k, q.device)
+    probs = probs.masked_fill(~visible, 0.0)
+    dprobs = torch.einsum("bqhd,bkhd->bhqk", dod, ve)
+    dscores = probs * (dprobs - dsum.to(torch.float64)[..., None])
+
+    def per_kv_head(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(batch, seqlen_k, heads_kv, group, dim).sum(3)
+
+    ds_bound = probs * (torch.einsum("bqhd,bkhd->bhqk", dod.abs(), ve.abs())
+                        + dsum.to(torch.float64).abs()[..., None])
+    return {
+        "dk": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", dscores, qd)) * scale,
+        "dv": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", probs, dod)),
+        "dq_accum": torch.einsum("bhqk,bkhd->bhqd", dscores, ke),
+        "dk_bound": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", ds_bound, qd.abs())) * scale,
+        "dv_bound": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", probs, dod.abs())),
+        "dq_accum_bound": torch.einsum("bhqk,bkhd->bhqd", ds_bound, ke.abs()),
+    }

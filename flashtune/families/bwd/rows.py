@@ -1,0 +1,212 @@
+"""The two row-wise kernels around the backward main kernel (templates/bwd_rows.cuh).
+
+``bwdpre`` (preprocess): D = rowsum(dO * O) in float32 from the 16-bit O and dO, and every
+slice of the float32 dQ accumulator zeroed. ``bwdsum`` (convert): dQ = softmax_scale times
+the sum of the accumulator's slices, added in slice order (so the deterministic mode is
+bitwise reproducible), rounded to the input type.
+
+Both are memory-bound, one block per block_m query rows of one (batch, head); their
+``block_n`` is not used by the kernels (the space holds the one value 16). The number of
+accumulator slices a verification launch uses is the scalar input ``dq_slices``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.params import Param, ParamSpace
+from flashtune.codegen.render import TemplateValue
+from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape, ShapeLike
+from flashtune.errors import InvalidConfig, InvalidProblem
+from flashtune.families.base import (
+    TORCH_DTYPES,
+    Inputs,
+    KernelFamily,
+    LaunchPlan,
+    Tensors,
+    Tolerance,
+    Verdict,
+    close_enough,
+    generator,
+)
+from flashtune.families.bwd import args
+
+SPACE = ParamSpace((Param("block_m", (32, 64, 128)), Param("block_n", (16,)),
+                    Param("num_warps", (1, 2, 4, 8)), Param("num_stages", (1,))))
+DEFAULT = KernelConfig(block_m=64, block_n=16, num_warps=4, num_stages=1)
+#: Accumulator slices of a verification launch: more than one, so that summing (and
+#: zeroing) every slice is what gets checked.
+VERIFY_SLICES = 3
+
+#: D: float32 sums of exact products, against float64.
+DSUM_TOLERANCE = Tolerance(1e-4, 1e-5)
+#: dQ: one rounding to the input type after a float32 sum.
+DQ_TOLERANCE = {DType.FP16: Tolerance(1e-6, 1e-3), DType.BF16: Tolerance(1e-6, 8e-3)}
+
+
+class _RowFamily(KernelFamily):
+    """What the two row kernels share: space, default, rules, parameters, grid."""
+
+    def check_problem(self, problem: Problem) -> None:
+        super().check_problem(problem)
+        if problem.causal:
+            raise InvalidProblem(f"{problem.key()}: the {self.op} kernel has no mask; use "
+                                 "causal=False")
+
+    def space(self, problem: Problem) -> ParamSpace:
+        return SPACE
+
+    def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
+        if config.num_stages != 1:
+            return f"num_stages={config.num_stages}: the {self.op} kernel does not pipeline"
+        if config.block_n != 16:
+            return f"block_n={config.block_n}: the {self.op} kernel has no key tile (use 16)"
+        return None
+
+    def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
+        why = self.static_check(problem, DEFAULT, arch)
+        if why is not None:
+            raise InvalidConfig(f"the default {DEFAULT.key()} does not fit {problem.key()} "
+                                f"on {arch.name}: {why}")
+        return DEFAULT
+
+    def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
+        return "memory-bound rows: 64 rows per block over 4 warps on every arch"
+
+    def template_params(self, problem: Problem, config: KernelConfig
+                        ) -> dict[str, TemplateValue]:
+        return {"head_dim": problem.head_dim, "is_bf16": problem.dtype.value == "bf16",
+                "block_m": config.block_m, "num_warps": config.num_warps}
+
+    def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
+        return 0
+
+    def _grid(self, config: KernelConfig, shape: Shape) -> tuple[int, int, int]:
+        return args.row_grid(shape.seqlen_q, shape.heads_q, shape.batch, config.block_m)
+
+
+def _rows(problem: Problem, shape: Shape, gen: torch.Generator, device: torch.device | str
+          ) -> torch.Tensor:
+    return torch.randn(shape.batch, shape.seqlen_q, shape.heads_q, problem.head_dim,
+                       generator=gen, device=device).to(TORCH_DTYPES[problem.dtype])
+
+
+def _verdict(problem: Problem, shape: Shape, checks: list[tuple[float, float, str]]
+             ) -> Verdict:
+    worst = max(c[0] for c in checks)
+    rel = checks[0][1]
+    wrong = "; ".join(c[2] for c in checks if c[2])
+    if wrong:
+        return Verdict(False, worst, rel, f"wrong result on {shape.key()} ({problem.key()}): "
+                                          f"{wrong}")
+    return Verdict(True, worst, rel, "")
+
+
+class PreprocessFamily(_RowFamily):
+    """D = rowsum(dO * O) and the zeroed dQ accumulator."""
+
+    op = "bwdpre"
+    title = "attention backward preprocess (D = rowsum(dO * O), dQ accumulator zeroed)"
+    template = "bwd_pre.cu.jinja"
+
+    def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
+                      seed: int | None = None) -> Inputs:
+        gen = generator(device, seed)
+        return Inputs({"o": _rows(problem, shape, gen, device),
+                       "do": _rows(problem, shape, gen, device)},
+                      {"dq_slices": float(VERIFY_SLICES)})
+
+    def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
+                      poison: bool) -> dict[str, torch.Tensor]:
+        device = inputs.tensors["o"].device
+        slices = int(inputs.scalars["dq_slices"])
+        dsum = torch.empty(shape.batch, shape.heads_q, shape.seqlen_q, dtype=torch.float32,
+                           device=device)
+        accum = torch.empty(slices, shape.batch, shape.heads_q, shape.seqlen_q,
+                            problem.head_dim, dtype=torch.float32, device=device)
+        if poison:
+            dsum.fill_(float("nan"))
+            accum.fill_(float("nan"))
+        return {"dsum": dsum, "dq_accum": accum}
+
+    def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
+                    inputs: Inputs, outputs: Tensors) -> LaunchPlan:
+        t = inputs.tensors
+        return LaunchPlan(self._grid(config, shape),
+                          args.pre_args(t["o"], t["do"], outputs["dsum"], outputs["dq_accum"]))
+
+    def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
+        o, dout = (inputs.tensors[n].to(torch.float64) for n in ("o", "do"))
+        batch, seqlen_q, heads_q, dim = o.shape
+        slices = int(inputs.scalars["dq_slices"])
+        return {"dsum": (o * dout).sum(-1).transpose(1, 2),
+                "dq_accum": torch.zeros(slices, batch, heads_q, seqlen_q, dim,
+                                        dtype=torch.float64, device=o.device)}
+
+    def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
+                reference: Tensors) -> Verdict:
+        return _verdict(problem, shape, [
+            close_enough("D", outputs["dsum"], reference["dsum"], DSUM_TOLERANCE),
+            close_enough("dQ accumulator", outputs["dq_accum"], reference["dq_accum"],
+                         Tolerance(0.0, 0.0))])
+
+    def flops(self, problem: Problem, shape: ShapeLike) -> float:
+        return 2.0 * shape.batch * shape.seqlen_q * shape.heads_q * problem.head_dim
+
+    def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
+        """O and dO read, D written; the accumulator zeroed (one slice at least)."""
+        rows = shape.batch * shape.heads_q * shape.seqlen_q
+        return float(rows * (2 * problem.dtype.itemsize * problem.head_dim + 4
+                             + 4 * problem.head_dim))
+
+
+class ConvertFamily(_RowFamily):
+    """dQ = softmax_scale * (sum of the accumulator's slices, in slice order)."""
+
+    op = "bwdsum"
+    title = "attention backward dQ convert (slices summed in a fixed order, scaled, rounded)"
+    template = "bwd_sum.cu.jinja"
+
+    def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
+                      seed: int | None = None) -> Inputs:
+        gen = generator(device, seed)
+        accum = torch.randn(VERIFY_SLICES, shape.batch, shape.heads_q, shape.seqlen_q,
+                            problem.head_dim, generator=gen, device=device)
+        return Inputs({"dq_accum": accum}, {"softmax_scale": problem.head_dim ** -0.5})
+
+    def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
+                      poison: bool) -> dict[str, torch.Tensor]:
+        accum = inputs.tensors["dq_accum"]
+        dq = torch.empty(shape.batch, shape.seqlen_q, shape.heads_q, problem.head_dim,
+                         dtype=TORCH_DTYPES[problem.dtype], device=accum.device)
+        return {"dq": dq.fill_(float("nan")) if poison else dq}
+
+    def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
+                    inputs: Inputs, outputs: Tensors) -> LaunchPlan:
+        return LaunchPlan(self._grid(config, shape),
+                          args.sum_args(inputs.tensors["dq_accum"], outputs["dq"],
+                                        inputs.scalars["softmax_scale"]))
+
+    def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
+        accum = inputs.tensors["dq_accum"].to(torch.float64)
+        return {"dq": (accum.sum(0) * inputs.scalars["softmax_scale"]).transpose(1, 2)}
+
+    def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
+                reference: Tensors) -> Verdict:
+        return _verdict(problem, shape, [close_enough("dQ", outputs["dq"], reference["dq"],
+                                                      DQ_TOLERANCE[problem.dtype])])
+
+    def flops(self, problem: Problem, shape: ShapeLike) -> float:
+        """One multiply (the scale) and one add of the first slice per element; each further
+        slice adds one more."""
+        return 2.0 * shape.batch * shape.seqlen_q * shape.heads_q * problem.head_dim
+
+    def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
+        """One accumulator slice read and dQ written."""
+        rows = shape.batch * shape.heads_q * shape.seqlen_q
+        return float(rows * problem.head_dim * (4 + problem.dtype.itemsize))
+
+
+PREPROCESS = PreprocessFamily()
+CONVERT = ConvertFamily()

@@ -1,0 +1,120 @@
+"""The search space of the backward main kernel: legal values, static rules, resources.
+
+``SPACE`` declares the tunables (the base four and ``dqmode``); ``static_check`` says, for
+one arch, why a config can never work (or None), each rule with a reason a person can read.
+The shared-memory formula must equal ``BwdTraits::kSmemBytes`` (the template asserts it).
+"""
+
+from __future__ import annotations
+
+import math
+
+from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.params import Param, ParamSpace
+from flashtune.codegen.spec import KernelConfig, Problem
+
+BLOCK_M = (32, 64, 128)
+BLOCK_N = (32, 64, 128)
+NUM_WARPS = (2, 4, 8)
+NUM_STAGES = (1, 2)
+#: How dQ is summed over key tiles: float32 atomics into one accumulator, or one float32
+#: slice per block summed in a fixed order by the convert kernel (deterministic).
+DQ_ATOMIC = "atomic"
+DQ_SPLIT = "split"
+DQ_MODES = (DQ_ATOMIC, DQ_SPLIT)
+
+SPACE = ParamSpace((Param("block_m", BLOCK_M), Param("block_n", BLOCK_N),
+                    Param("num_warps", NUM_WARPS), Param("num_stages", NUM_STAGES),
+                    Param("dqmode", DQ_MODES)))
+#: The deterministic family's space: the split mode only.
+DETERMINISTIC_SPACE = ParamSpace((*SPACE.params[:4], Param("dqmode", (DQ_SPLIT,))))
+
+#: Shared-memory rows are padded by this many 16-bit elements (16 bytes), which makes the
+#: eight 16-byte row addresses of an ldmatrix phase fall in distinct banks.
+SMEM_ROW_PAD = 8
+
+#: A config whose accumulators (dK and dV for the whole key tile, plus the larger of S and
+#: dP or one dQ chunk) need more 32-bit registers per thread than this cannot avoid spilling
+#: within the 255-register limit (measured with NVRTC; see defaults.py).
+MAX_ACCUMULATOR_REGISTERS = 192
+
+#: Head-dim columns of dQ computed at once (the kernel's kDqChunk, in n8 tiles).
+DQ_CHUNK_COLUMNS = 64
+
+
+def dq_mode(config: KernelConfig) -> str:
+    """The config's dQ mode (atomic when the config does not name one)."""
+    return str(config.extra("dqmode", DQ_ATOMIC))
+
+
+def mma_head_dim(problem: Problem) -> int:
+    """The head dim the tensor cores work on: the real one rounded up to 16."""
+    return -(-problem.head_dim // 16) * 16
+
+
+def smem_bytes(problem: Problem, config: KernelConfig) -> int:
+    """K and V tiles, num_stages Q and dO tiles (and LSE and D), and the P and dS tiles."""
+    row = mma_head_dim(problem) + SMEM_ROW_PAD
+    elems = (2 * config.block_n * row + 2 * config.num_stages * config.block_m * row
+             + 2 * config.block_m * (config.block_n + SMEM_ROW_PAD))
+    return 2 * elems + 2 * config.num_stages * config.block_m * 4
+
+
+def warp_split(config: KernelConfig) -> tuple[int, int]:
+    """(warps over keys, warps over the head dim) of the dK / dV products."""
+    over_keys = min(config.num_warps, config.block_n // 16)
+    return over_keys, config.num_warps // over_keys
+
+
+def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
+    """32-bit registers per thread held by accumulator fragments at the busiest point."""
+    d = mma_head_dim(problem)
+    threads = config.threads
+    dk_dv = 2 * config.block_n * d // threads
+    s_dp = 2 * config.block_m * config.block_n // threads
+    dq = config.block_m * min(d, DQ_CHUNK_COLUMNS) // threads
+    return dk_dv + max(s_dp, dq)
+
+
+def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
+                 deterministic: bool = False) -> str | None:
+    """Why ``config`` cannot run ``problem`` on ``arch``, or None when it may."""
+    mode = dq_mode(config)
+    if mode not in DQ_MODES:
+        return f"dqmode={mode!r} is not a dQ mode; expected one of {list(DQ_MODES)}"
+    if deterministic and mode != DQ_SPLIT:
+        return (f"dqmode={mode!r} sums dQ with float32 atomics in an unspecified order; the "
+                f"deterministic backward needs dqmode={DQ_SPLIT!r}")
+    if config.num_stages not in NUM_STAGES:
+        return f"num_stages={config.num_stages}: the kernel keeps one or two Q/dO buffers"
+    over_keys, over_dim = warp_split(config)
+    tiles = mma_head_dim(problem) // 8
+    if tiles % over_dim:
+        return (f"{config.num_warps} warps over {config.block_n} keys leave {over_dim} warps "
+                f"to split the head dim's {tiles} n8 tiles (head dim {problem.head_dim}); "
+                "use fewer warps or more keys per tile")
+    smem = smem_bytes(problem, config)
+    if smem > arch.max_smem_per_block:
+        return (f"shared memory {smem} B exceeds the {arch.name} per-block limit "
+                f"{arch.max_smem_per_block} B")
+    regs = accumulator_registers(problem, config)
+    if regs > MAX_ACCUMULATOR_REGISTERS:
+        return (f"accumulators need {regs} registers per thread, over the "
+                f"{MAX_ACCUMULATOR_REGISTERS} that leave room below {arch.max_regs_per_thread}")
+    return None
+
+
+#: The emulator's virtual device (and any device whose SM count is unknown) is taken to
+#: have this many SMs when the deterministic mode sizes its dQ slices.
+DEFAULT_SM_COUNT = 4
+
+
+def dq_slices(sm_count: int | None, batch: int, heads_kv: int, seqlen_k: int,
+              block_n: int) -> int:
+    """dQ slices (blocks per kv head) of the deterministic mode: about one block per SM
+    over the batch and kv heads, never more than there are key tiles. The slices make the
+    accumulator that many times the size of dQ in float32, a constant factor (memory stays
+    linear in the sequence length)."""
+    sms = sm_count or DEFAULT_SM_COUNT
+    key_tiles = -(-seqlen_k // block_n)
+    return max(1, min(key_tiles, math.ceil(sms / (batch * heads_kv))))

@@ -1,0 +1,85 @@
+"""Running the backward kernels on the forward's tensors: preprocess, main kernel, convert.
+
+``backward`` is the implementation of the ``flashtune::attention_bwd`` op. Three launches
+on the current stream:
+
+1. ``bwdpre``: D = rowsum(dO * O) in float32 and the float32 dQ accumulator zeroed;
+2. ``bwd`` (or ``bwddet`` when deterministic): dK, dV and the accumulator;
+3. ``bwdsum``: dQ = softmax_scale * (the accumulator's slices summed in slice order).
+
+Each kernel comes from its own family's dispatcher decision (tuned or default), memoised per
+(backend, device, dtype, head dim, mask, sequence bucket) like the forward's plans. The
+only buffers besides the gradients are D (B, Hq, Nq) and the accumulator: one float32 copy
+of dQ in the atomic mode, ``dq_slices`` copies in the deterministic mode (a constant factor:
+about one slice per SM over the batch and kv heads), so memory stays linear in the sequence
+length. A gradient of the LSE output (``return_lse=True``) enters as D - dLSE: the
+derivative of LSE with respect to the scores is P, so dS = P (dP - D + dLSE).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from flashtune import knobs
+from flashtune.codegen.abi import PackedArgs
+from flashtune.families.bwd import args, sm_count, space
+from flashtune.runtime.forward import Plan, plan_for
+
+
+def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` if the kernels can read it in place (last dim contiguous, other strides
+    multiples of 8 elements, 16-byte aligned base), else a contiguous copy. Gradients that
+    autograd hands over may be expanded (stride 0) or transposed views."""
+    st = t.stride()
+    if st[3] == 1 and not (st[0] % 8 or st[1] % 8 or st[2] % 8 or t.data_ptr() % 16):
+        return t
+    return t.contiguous()
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int | None:
+    return sm_count(device)
+
+
+def _launch(plan: Plan, grid: tuple[int, int, int], packed: PackedArgs) -> None:
+    plan.kernel.launch(grid, packed, stream=plan.stream())
+
+
+def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
+             causal: bool, softmax_scale: float, deterministic: bool, backend: str
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV (like q, k, v) of the forward that produced ``out`` and ``lse`` from
+    validated q, k, v, given dO (and optionally the gradient of the LSE). ``backend`` ""
+    means the FLASHTUNE_BACKEND knob."""
+    name = backend or knobs.BACKEND.get()
+    dout, out = _kernel_ready(dout), _kernel_ready(out)
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    main = plan_for(q, k, causal, name, op="bwddet" if deterministic else "bwd")
+    pre = plan_for(q, k, False, name, op="bwdpre")
+    convert = plan_for(q, k, False, name, op="bwdsum")
+    config = main.source.config
+    split = space.dq_mode(config) == space.DQ_SPLIT
+    slices = (space.dq_slices(_sm_count(q.device), batch, heads_kv, seqlen_k, config.block_n)
+              if split else 1)
+
+    dsum = torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=q.device)
+    accum = torch.empty(slices, batch, heads_q, seqlen_q, head_dim, dtype=torch.float32,
+                        device=q.device)
+    row_grid = args.row_grid(seqlen_q, heads_q, batch, pre.block_m)
+    _launch(pre, row_grid, args.pre_args(out, dout, dsum, accum))
+    if grad_lse is not None:
+        dsum.sub_(grad_lse)
+
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    _launch(main, args.main_grid(seqlen_k, heads_kv, batch, config.block_n,
+                                 slices if split else None),
+            args.main_args(q, k, v, dout, lse, dsum, dk, dv, accum, softmax_scale))
+
+    dq = torch.empty_like(q)
+    _launch(convert, args.row_grid(seqlen_q, heads_q, batch, convert.block_m),
+            args.sum_args(accum, dq, softmax_scale))
+    return dq, dk, dv

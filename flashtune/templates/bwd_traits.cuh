@@ -1,0 +1,124 @@
+// Compile-time shape of one attention backward kernel variant (flash_bwd.cuh): tile sizes,
+// the three warp layouts of its products, the shared-memory layout and the element type's
+// tensor-core operations.
+#pragma once
+
+#include "primitives.cuh"
+
+namespace ft {
+
+// The m16n8k16 mma and the round-to-nearest 16-bit packing of one element type.
+template <typename T>
+struct TensorOps;
+
+template <>
+struct TensorOps<__half> {
+  static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4],
+                                             const unsigned (&b)[2], const float (&c)[4]) {
+    mma_m16n8k16_f16(d, a, b, c);
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    return pack_half2(lo, hi);
+  }
+};
+
+template <>
+struct TensorOps<__nv_bfloat16> {
+  static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4],
+                                             const unsigned (&b)[2], const float (&c)[4]) {
+    mma_m16n8k16_bf16(d, a, b, c);
+  }
+  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
+    return pack_bf162(lo, hi);
+  }
+};
+
+__host__ __device__ constexpr int const_min(int a, int b) { return a < b ? a : b; }
+
+// One variant of the backward kernel.
+//
+// Each block owns BlockN keys (of one kv head) at a time and steps over query tiles of
+// BlockM rows (of every query head of the kv head's group). Per step:
+//   1. S = Q K^T and dP = dO V^T: warp w owns query rows [w kWarpRows, (w+1) kWarpRows) and
+//      every key of the tile; P = exp(S scale - LSE) and dS = P (dP - D) are rounded to
+//      16 bits into shared memory (sP, sdS, [query][key]).
+//   2. dV += P^T dO and dK += dS^T Q: warps split the keys (kWarpsN) and the head dim
+//      (kWarpsD); the accumulators live in registers for the whole key tile.
+//   3. dQ = dS K for the warp's own query rows, kDqChunk head-dim columns at a time, added
+//      to a float32 accumulator in global memory.
+//
+// HeadDim is the real head dim (a multiple of 8); the tensor cores work on it rounded up to
+// 16 (kHeadDimMma), the extra columns zero-filled on load and never stored.
+//
+// Shared memory, in 16-bit elements then floats:
+//   [ K | V : BlockN rows each | Q | dO : NumStages x BlockM rows each | P | dS : BlockM rows
+//     of kPRowStride | LSE | D : NumStages x BlockM floats each ]
+// Row strides are padded by RowPad elements (16 bytes) so that the eight rows of an ldmatrix
+// phase fall in distinct bank groups. The total must equal the family's smem_bytes (the
+// template asserts it).
+template <typename Element_, int HeadDim, int BlockM, int BlockN, int NumWarps,
+          int NumStages, bool Causal, bool DqSplit, int RowPad>
+struct BwdTraits {
+  using Element = Element_;
+  using Ops = TensorOps<Element>;
+
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kHeadDimMma = (HeadDim + 15) / 16 * 16;
+  static constexpr int kBlockM = BlockM;
+  static constexpr int kBlockN = BlockN;
+  static constexpr int kNumWarps = NumWarps;
+  static constexpr int kThreads = 32 * NumWarps;
+  static constexpr int kNumStages = NumStages;
+  static constexpr bool kCausal = Causal;
+  // dQ: true = each block adds into its own float32 slice in a fixed order (deterministic),
+  // false = float32 atomics into one accumulator.
+  static constexpr bool kDqSplit = DqSplit;
+
+  // Steps 1 and 3: warp w owns kWarpRows query rows.
+  static constexpr int kWarpRows = BlockM / NumWarps;
+  static constexpr int kMTiles = kWarpRows / 16;
+  static constexpr int kKeyTiles = BlockN / 8;          // n8 tiles of S over the keys
+  static constexpr int kDimTiles = kHeadDimMma / 8;     // n8 tiles over the head dim
+  // Step 3 works on at most 8 head-dim tiles (64 columns) at a time.
+  static constexpr int kDqChunk = const_min(kDimTiles, 8);
+  // Step 2: warps split keys first (16 rows each at least), then the head dim.
+  static constexpr int kWarpsN = const_min(NumWarps, BlockN / 16);
+  static constexpr int kWarpsD = NumWarps / kWarpsN;
+  static constexpr int kWarpKeys = BlockN / kWarpsN;
+  static constexpr int kKvTiles = kWarpKeys / 16;       // m16 tiles of dK, dV per warp
+  static constexpr int kKvDimTiles = kDimTiles / kWarpsD;  // n8 tiles of dK, dV per warp
+
+  // Shared-memory layout (elements of Element, then floats).
+  static constexpr int kRowStride = kHeadDimMma + RowPad;
+  static constexpr int kPRowStride = BlockN + RowPad;
+  static constexpr int kKvElems = BlockN * kRowStride;
+  static constexpr int kQElems = BlockM * kRowStride;
+  static constexpr int kPElems = BlockM * kPRowStride;
+  static constexpr int kKOffset = 0;
+  static constexpr int kVOffset = kKvElems;
+  static constexpr int kQOffset = 2 * kKvElems;
+  static constexpr int kDoOffset = kQOffset + NumStages * kQElems;
+  static constexpr int kPOffset = kDoOffset + NumStages * kQElems;
+  static constexpr int kDsOffset = kPOffset + kPElems;
+  static constexpr int kElems = kDsOffset + kPElems;
+  static constexpr int kStatsBytes = 2 * NumStages * BlockM * 4;
+  static constexpr int kSmemBytes = kElems * 2 + kStatsBytes;
+
+  // 16-byte chunks of a row: loaded (zero-filled up to kHeadDimMma) and real.
+  static constexpr int kChunkElems = 8;
+  static constexpr int kLoadChunks = kHeadDimMma / kChunkElems;
+  static constexpr int kRealChunks = HeadDim / kChunkElems;
+
+  static_assert(sizeof(Element) == 2, "elements are 16-bit (fp16 or bf16)");
+  static_assert(HeadDim % 8 == 0 && HeadDim >= 8 && HeadDim <= 256,
+                "head dim must be a multiple of 8 up to 256");
+  static_assert(RowPad % 8 == 0, "row pad must keep rows 16-byte aligned");
+  static_assert(BlockM % (16 * NumWarps) == 0, "each warp owns whole m16 tiles of queries");
+  static_assert(BlockN % 16 == 0 && BlockN >= 16, "keys come in k16 steps");
+  static_assert(kWarpsN * kWarpsD == NumWarps && BlockN % (16 * kWarpsN) == 0,
+                "warps split the keys in m16 tiles");
+  static_assert(kDimTiles % kWarpsD == 0, "warps split the head dim in whole n8 tiles");
+  static_assert(NumStages == 1 || NumStages == 2, "one or two Q/dO buffers");
+};
+
+}  // namespace ft

@@ -1,0 +1,286 @@
+// FlashAttention-2 backward pass, main kernel (sm_80 and newer): dK, dV and the float32 dQ
+// accumulator from Q, K, V, dO, the forward's LSE and D = rowsum(dO * O).
+//
+// Grid (x, kv head, batch). Block x handles key tiles x, x + gridDim.x, ... of BlockN keys
+// (atomic mode launches one block per key tile; the deterministic mode launches fewer, each
+// adding into its own dQ slice in a fixed order). For one key tile the block loads K and V
+// once, then steps over every query head of the kv head's group and, within it, over the
+// query tiles that can see the keys (causal: from the tile holding the first row at or below
+// the diagonal, which is aligned to the bottom-right corner). Q, dO, LSE and D of each step
+// stream through NumStages shared buffers (cp.async; with two, the next step's copies overlap
+// this step's math). P is recomputed from the LSE: P = exp2(S scale log2(e) - LSE log2(e)),
+// zero where masked (so a row that sees no key, LSE = +inf, gives P = 0, never NaN).
+// dV += P^T dO with P rounded to the input type; dP = dO V^T; dS = P (dP - D);
+// dK += dS^T Q; dQ += dS K. dK is scaled by softmax_scale once at the end; dQ is scaled by
+// the convert kernel. dK and dV of a kv head sum every query head of its group in float32
+// registers, so GQA needs no expanded copies.
+//
+// Tensors: Q, dO (batch, seqlen_q, heads_q, dim); K, V, dK, dV (batch, seqlen_k, heads_kv,
+// dim); strides in elements, last dim contiguous, base pointers 16-byte aligned and row
+// strides multiples of 8 elements. LSE, D: contiguous float32 (batch, heads_q, seqlen_q).
+// dQ accumulator: contiguous float32 (slices, batch, heads_q, seqlen_q, dim), zeroed before
+// the launch (the preprocess kernel does it); atomic mode adds into slice 0, the
+// deterministic mode block x into slice x.
+#pragma once
+
+#include "bwd_gemm.cuh"
+#include "bwd_tile.cuh"
+#include "bwd_traits.cuh"
+
+namespace ft {
+
+// Step 1 for one warp: P and dS of its query rows over the key tile, into sP and sdS.
+template <class Tr>
+__device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
+                                           const typename Tr::Element* sdo,
+                                           const typename Tr::Element* sk,
+                                           const typename Tr::Element* sv,
+                                           const float* slse, const float* sdsum,
+                                           typename Tr::Element* sp, typename Tr::Element* sds,
+                                           int row0, int col0, bool masked, int seqlen_q,
+                                           int seqlen_k, float scale_log2, int lane) {
+  constexpr float kLog2e = 1.44269504088896340736f;
+  constexpr int kSteps = Tr::kHeadDimMma / 16;
+  float s[Tr::kMTiles][Tr::kKeyTiles][4];
+  float dp[Tr::kMTiles][Tr::kKeyTiles][4];
+  zero_fragments(s);
+  zero_fragments(dp);
+  warp_mma<typename Tr::Ops, Tr::kMTiles, Tr::kKeyTiles, kSteps, false, false>(
+      s, sq, Tr::kRowStride, sk, Tr::kRowStride, lane);
+  warp_mma<typename Tr::Ops, Tr::kMTiles, Tr::kKeyTiles, kSteps, false, false>(
+      dp, sdo, Tr::kRowStride, sv, Tr::kRowStride, lane);
+  const int g = lane / 4;
+  const int t = lane % 4;
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = mt * 16 + g + 8 * h;  // row within the warp's rows
+      const float lse_log2 = slse[r] * kLog2e;
+      const float dsum = sdsum[r];
+      // Keys [0, visible) of the tile are visible to this row (all of them unless masked):
+      // key j < seqlen_k and, causal, j <= row + seqlen_k - seqlen_q.
+      int visible = Tr::kBlockN;
+      if (masked) {
+        const int row = row0 + r;
+        int limit = row < seqlen_q ? seqlen_k : 0;
+        if constexpr (Tr::kCausal) {
+          const int diag = row + 1 + seqlen_k - seqlen_q;
+          limit = diag < limit ? diag : limit;
+        }
+        visible = limit - col0;
+      }
+#pragma unroll
+      for (int nt = 0; nt < Tr::kKeyTiles; ++nt) {
+        float p[2];
+        float ds[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = nt * 8 + 2 * t + e;
+          p[e] = col < visible ? exp2f_fast(s[mt][nt][2 * h + e] * scale_log2 - lse_log2)
+                               : 0.0f;
+          ds[e] = p[e] * (dp[mt][nt][2 * h + e] - dsum);
+        }
+        const int at = r * Tr::kPRowStride + nt * 8 + 2 * t;
+        *reinterpret_cast<unsigned*>(sp + at) = Tr::Ops::pack(p[0], p[1]);
+        *reinterpret_cast<unsigned*>(sds + at) = Tr::Ops::pack(ds[0], ds[1]);
+      }
+    }
+  }
+}
+
+// Step 3 for one warp: dQ of its query rows (dS K), added to the float32 accumulator `acc`
+// (row 0 of this (slice, batch, head)), kDqChunk head-dim tiles at a time.
+template <class Tr, int CHUNK0, int TILES>
+__device__ __forceinline__ void bwd_dq_chunk(float* acc, const typename Tr::Element* sds,
+                                             const typename Tr::Element* sk, int row0,
+                                             int seqlen_q, int lane) {
+  float dq[Tr::kMTiles][TILES][4];
+  zero_fragments(dq);
+  warp_mma<typename Tr::Ops, Tr::kMTiles, TILES, Tr::kBlockN / 16, false, true>(
+      dq, sds, Tr::kPRowStride, sk + CHUNK0 * 8, Tr::kRowStride, lane);
+  const int g = lane / 4;
+  const int t = lane % 4;
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + mt * 16 + g + 8 * h;
+      if (row >= seqlen_q) continue;
+      float* out = acc + static_cast<long long>(row) * Tr::kHeadDim;
+#pragma unroll
+      for (int nt = 0; nt < TILES; ++nt) {
+        const int col = (CHUNK0 + nt) * 8 + 2 * t;
+        if (col >= Tr::kHeadDim) continue;
+        if constexpr (Tr::kDqSplit) {
+          // This block owns its slice and adds its key tiles one after another.
+          float2 v = *reinterpret_cast<float2*>(out + col);
+          v.x += dq[mt][nt][2 * h];
+          v.y += dq[mt][nt][2 * h + 1];
+          *reinterpret_cast<float2*>(out + col) = v;
+        } else {
+          atomic_add_f32(out + col, dq[mt][nt][2 * h]);
+          atomic_add_f32(out + col + 1, dq[mt][nt][2 * h + 1]);
+        }
+      }
+    }
+  }
+}
+
+template <class Tr, int CHUNK0>
+__device__ __forceinline__ void bwd_dq(float* acc, const typename Tr::Element* sds,
+                                       const typename Tr::Element* sk, int row0, int seqlen_q,
+                                       int lane) {
+  constexpr int kTiles = const_min(Tr::kDqChunk, Tr::kDimTiles - CHUNK0);
+  bwd_dq_chunk<Tr, CHUNK0, kTiles>(acc, sds, sk, row0, seqlen_q, lane);
+  if constexpr (CHUNK0 + kTiles < Tr::kDimTiles) {
+    bwd_dq<Tr, CHUNK0 + kTiles>(acc, sds, sk, row0, seqlen_q, lane);
+  }
+}
+
+template <class Tr>
+__device__ __forceinline__ void flash_bwd(
+    const typename Tr::Element* __restrict__ q, const typename Tr::Element* __restrict__ k,
+    const typename Tr::Element* __restrict__ v, const typename Tr::Element* __restrict__ dout,
+    const float* __restrict__ lse, const float* __restrict__ dsum,
+    typename Tr::Element* __restrict__ dk, typename Tr::Element* __restrict__ dv,
+    float* __restrict__ dq_accum, int seqlen_q, int seqlen_k, int heads_q, int heads_kv,
+    long long q_batch_stride, long long q_row_stride, long long q_head_stride,
+    long long k_batch_stride, long long k_row_stride, long long k_head_stride,
+    long long v_batch_stride, long long v_row_stride, long long v_head_stride,
+    long long do_batch_stride, long long do_row_stride, long long do_head_stride,
+    long long dk_batch_stride, long long dk_row_stride, long long dk_head_stride,
+    long long dv_batch_stride, long long dv_row_stride, long long dv_head_stride,
+    float softmax_scale) {
+  using Element = typename Tr::Element;
+  constexpr int kBlockM = Tr::kBlockM;
+  constexpr int kBlockN = Tr::kBlockN;
+  constexpr int kStages = Tr::kNumStages;
+  constexpr float kLog2e = 1.44269504088896340736f;
+
+  const int kv_head = static_cast<int>(blockIdx.y);
+  const int batch = static_cast<int>(blockIdx.z);
+  const int group = heads_q / heads_kv;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = lane_id();
+  const int warp = warp_id();
+  const float scale_log2 = softmax_scale * kLog2e;
+
+  const Element* k_bh = k + batch * k_batch_stride + kv_head * k_head_stride;
+  const Element* v_bh = v + batch * v_batch_stride + kv_head * v_head_stride;
+  Element* dk_bh = dk + batch * dk_batch_stride + kv_head * dk_head_stride;
+  Element* dv_bh = dv + batch * dv_batch_stride + kv_head * dv_head_stride;
+  // Slice of the dQ accumulator this block adds into.
+  const long long slice = Tr::kDqSplit ? static_cast<long long>(blockIdx.x) : 0;
+  float* dq_slice =
+      dq_accum + slice * batch_rows(static_cast<int>(gridDim.z), heads_q, seqlen_q) * Tr::kHeadDim;
+
+  FT_DYNAMIC_SMEM(unsigned char, smem);
+  Element* const base = reinterpret_cast<Element*>(smem);
+  Element* const sk = base + Tr::kKOffset;
+  Element* const sv = base + Tr::kVOffset;
+  Element* const sq = base + Tr::kQOffset;
+  Element* const sdo = base + Tr::kDoOffset;
+  Element* const sp = base + Tr::kPOffset;
+  Element* const sds = base + Tr::kDsOffset;
+  float* const slse = reinterpret_cast<float*>(base + Tr::kElems);
+  float* const sdsum = slse + kStages * kBlockM;
+
+  // Warp layouts: step 1 and 3 rows; step 2 keys x head-dim columns.
+  const int warp_row0 = warp * Tr::kWarpRows;
+  const int warp_key0 = (warp % Tr::kWarpsN) * Tr::kWarpKeys;
+  const int warp_col0 = (warp / Tr::kWarpsN) * Tr::kKvDimTiles * 8;
+
+  const int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
+  const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
+  for (int n_block = static_cast<int>(blockIdx.x); n_block < n_blocks;
+       n_block += static_cast<int>(gridDim.x)) {
+    const int n0 = n_block * kBlockN;
+    // The first query tile with a row that sees a key of this tile.
+    int m_first = 0;
+    if constexpr (Tr::kCausal) {
+      const int first_row = n0 - (seqlen_k - seqlen_q);
+      m_first = first_row > 0 ? first_row / kBlockM : 0;
+    }
+    const int m_count = m_blocks > m_first ? m_blocks - m_first : 0;
+    const int steps = group * m_count;
+
+    // Step s: query head kv_head * group + s / m_count, query tile m_first + s % m_count.
+    auto load_step = [&](int s) {
+      const int head = kv_head * group + s / m_count;
+      const int m0 = (m_first + s % m_count) * kBlockM;
+      const int buf = s % kStages;
+      copy_tile_async<Tr, kBlockM>(sq + buf * Tr::kQElems,
+                                   q + batch * q_batch_stride + head * q_head_stride,
+                                   q_row_stride, m0, seqlen_q, tid);
+      copy_tile_async<Tr, kBlockM>(sdo + buf * Tr::kQElems,
+                                   dout + batch * do_batch_stride + head * do_head_stride,
+                                   do_row_stride, m0, seqlen_q, tid);
+      const long long stats = batch_rows(batch, heads_q, seqlen_q) +
+                              static_cast<long long>(head) * seqlen_q;
+      copy_stats_async<Tr, kBlockM>(slse + buf * kBlockM, lse + stats, m0, seqlen_q, tid);
+      copy_stats_async<Tr, kBlockM>(sdsum + buf * kBlockM, dsum + stats, m0, seqlen_q, tid);
+    };
+
+    // Every warp is done with the previous key tile's shared memory.
+    block_sync();
+    copy_tile_async<Tr, kBlockN>(sk, k_bh, k_row_stride, n0, seqlen_k, tid);
+    copy_tile_async<Tr, kBlockN>(sv, v_bh, v_row_stride, n0, seqlen_k, tid);
+    if (steps > 0) load_step(0);
+    cp_async_commit();
+
+    float acc_dk[Tr::kKvTiles][Tr::kKvDimTiles][4];
+    float acc_dv[Tr::kKvTiles][Tr::kKvDimTiles][4];
+    zero_fragments(acc_dk);
+    zero_fragments(acc_dv);
+
+    for (int s = 0; s < steps; ++s) {
+      const int head = kv_head * group + s / m_count;
+      const int m0 = (m_first + s % m_count) * kBlockM;
+      const int buf = s % kStages;
+      // Step s's copies have landed for every thread; every warp is done with step s - 1
+      // (so the other buffer, and sP / sdS, may be overwritten).
+      cp_async_wait<0>();
+      block_sync();
+      if (kStages == 2 && s + 1 < steps) {
+        load_step(s + 1);
+        cp_async_commit();
+      }
+      const Element* sq_buf = sq + buf * Tr::kQElems;
+      const Element* sdo_buf = sdo + buf * Tr::kQElems;
+      const bool masked = m0 + kBlockM > seqlen_q || n0 + kBlockN > seqlen_k ||
+                          (Tr::kCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q);
+      bwd_scores<Tr>(sq_buf + warp_row0 * Tr::kRowStride, sdo_buf + warp_row0 * Tr::kRowStride,
+                     sk, sv, slse + buf * kBlockM + warp_row0,
+                     sdsum + buf * kBlockM + warp_row0, sp + warp_row0 * Tr::kPRowStride,
+                     sds + warp_row0 * Tr::kPRowStride, m0 + warp_row0, n0, masked, seqlen_q,
+                     seqlen_k, scale_log2, lane);
+      block_sync();  // sP and sdS are complete
+
+      // dV += P^T dO and dK += dS^T Q over this step's query rows.
+      warp_mma<typename Tr::Ops, Tr::kKvTiles, Tr::kKvDimTiles, kBlockM / 16, true, true>(
+          acc_dv, sp + warp_key0, Tr::kPRowStride, sdo_buf + warp_col0, Tr::kRowStride, lane);
+      warp_mma<typename Tr::Ops, Tr::kKvTiles, Tr::kKvDimTiles, kBlockM / 16, true, true>(
+          acc_dk, sds + warp_key0, Tr::kPRowStride, sq_buf + warp_col0, Tr::kRowStride, lane);
+      // dQ += dS K for the warp's own rows.
+      float* dq_head = dq_slice + (batch_rows(batch, heads_q, seqlen_q) +
+                                   static_cast<long long>(head) * seqlen_q) * Tr::kHeadDim;
+      bwd_dq<Tr, 0>(dq_head, sds + warp_row0 * Tr::kPRowStride, sk, m0 + warp_row0,
+                    seqlen_q, lane);
+
+      if (kStages == 1 && s + 1 < steps) {
+        block_sync();  // every warp is done with the only buffer
+        load_step(s + 1);
+        cp_async_commit();
+      }
+    }
+    cp_async_wait_all();  // nothing is left in flight (also when there were no steps)
+
+    store_fragments<Tr>(dk_bh, dk_row_stride, acc_dk, softmax_scale, n0 + warp_key0, seqlen_k,
+                        warp_col0, lane);
+    store_fragments<Tr>(dv_bh, dv_row_stride, acc_dv, 1.0f, n0 + warp_key0, seqlen_k,
+                        warp_col0, lane);
+  }
+}
+
+}  // namespace ft
