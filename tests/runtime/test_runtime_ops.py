@@ -15,6 +15,7 @@ from runtime_helpers import TOL, PyRefBackend, check_outputs, qkv, reference_att
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashtune
+from flashtune.errors import InvalidInput
 from flashtune.families.fwd.args import FwdArgs, TensorView, pack_args
 from flashtune.runtime import forward, ops
 from flashtune.runtime.cache import ArtifactCache
@@ -154,25 +155,19 @@ def test_opcheck(pyref: PyRefBackend) -> None:
     torch.library.opcheck(ops.attention_fwd, (qt, k, v, False, 0.2, "pyref"))
 
 
-def test_inputs_requiring_grad_raise(pyref: PyRefBackend) -> None:
+def test_inputs_requiring_grad_go_through_the_op_with_autograd(pyref: PyRefBackend) -> None:
+    """A call that needs a gradient takes the custom op (whose autograd formula runs the
+    backward kernels), never the direct call that would leave the output without one."""
     q, k, v = qkv(1, 16, 16, 2, 2, 16)
     q.requires_grad_(True)
-    with pytest.raises(flashtune.BackwardNotAvailable, match="no attention backward kernel"):
-        flashtune.attention(q, k, v, backend="pyref")
+    out = flashtune.attention(q, k, v, backend="pyref")
+    assert out.requires_grad and out.grad_fn is not None
     with torch.no_grad():
-        flashtune.attention(q, k, v, backend="pyref")
+        assert not flashtune.attention(q, k, v, backend="pyref").requires_grad
     with torch.inference_mode():
         flashtune.attention(q, k, v, backend="pyref")
-    assert issubclass(flashtune.BackwardNotAvailable, NotImplementedError)
-
-
-def test_op_backward_raises(pyref: PyRefBackend) -> None:
-    q, k, v = qkv(1, 16, 16, 2, 2, 16)
-    q.requires_grad_(True)
-    out, _ = ops.attention_fwd(q, k, v, False, 0.25, "pyref")
-    assert out.requires_grad
-    with pytest.raises(flashtune.BackwardNotAvailable, match="attention_bwd"):
-        out.float().sum().backward()
+    with pytest.raises(InvalidInput, match="deterministic"):
+        flashtune.attention(q, k, v, backend="pyref", deterministic="yes")  # type: ignore[call-overload]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
