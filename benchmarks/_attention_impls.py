@@ -40,7 +40,8 @@ class Unavailable(Exception):
 class Prepared:
     """One implementation bound to one set of inputs.
 
-    ``fn`` runs the forward pass and returns (batch, seqlen, heads, head_dim) output;
+    ``fn`` runs the forward pass and returns (batch, seqlen, heads, head_dim) output (with
+    an autograd graph when the inputs require grad: the fwd+bwd pass differentiates it);
     ``context`` is entered once around warm-up, check and timing (e.g. an SDPA backend
     selection); ``config`` names what ran (kernel config or backend).
     """
@@ -194,9 +195,55 @@ def relative_error(out: torch.Tensor, ref: Reference) -> float:
 
     if not bool(out.isfinite().all()):
         return math.nan
-    got = torch.stack([out[b, :, h, :] for b, h in ref.picks]).double()
+    got = torch.stack([out[b, :, h, :] for b, h in ref.picks]).detach().double()
     want = ref.values.double()
     return float((got - want).norm() / want.norm())
+
+
+@dataclass(frozen=True)
+class GradReference:
+    """float64 gradients dq, dk, dv of a few (batch, head) pairs for one dO:
+    ``values[name][i]`` is (seqlen, head_dim) of ``picks[i]`` (dk and dv: of its kv head,
+    for that query head's share only when heads are grouped)."""
+
+    picks: tuple[tuple[int, int], ...]
+    values: dict[str, torch.Tensor]
+
+
+def grad_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                   causal: bool) -> GradReference:
+    """Autograd of flashtune's float64 attention reference, one (batch, head) of the default
+    picks at a time; q, k and v must have equal head counts (the sweep's)."""
+    import torch
+
+    from flashtune.families.fwd.reference import attention_reference
+
+    picks = default_picks(q.shape[0], q.shape[2])
+    grads: dict[str, list[torch.Tensor]] = {"dq": [], "dk": [], "dv": []}
+    for b, h in picks:
+        leaves = [t[b:b + 1, :, h:h + 1].detach().double().requires_grad_(True)
+                  for t in (q, k, v)]
+        out, _ = attention_reference(*leaves, causal, 1.0 / math.sqrt(q.shape[3]))
+        found = torch.autograd.grad(out, leaves, dout[b:b + 1, :, h:h + 1].double())
+        for name, g in zip(("dq", "dk", "dv"), found, strict=True):
+            grads[name].append(g[0, :, 0].detach())
+        del out, found
+    return GradReference(picks, {n: torch.stack(g) for n, g in grads.items()})
+
+
+def grad_error(grads: tuple[torch.Tensor, ...], ref: GradReference) -> float:
+    """The largest ||g - ref|| / ||ref|| of dq, dk and dv over the picks; NaN when any
+    element of a gradient is NaN or infinite."""
+    import torch
+
+    worst = 0.0
+    for name, g in zip(("dq", "dk", "dv"), grads, strict=True):
+        if not bool(g.isfinite().all()):
+            return math.nan
+        got = torch.stack([g[b, :, h, :] for b, h in ref.picks]).double()
+        want = ref.values[name].double()
+        worst = max(worst, float((got - want).norm() / want.norm()))
+    return worst
 
 
 def poison_next_output(like: torch.Tensor) -> None:
@@ -274,8 +321,10 @@ def _flashtune_tuned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _flashtune_default(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        causal: bool) -> Prepared:
     with _flashtune_errors():
-        from _flashtune_adapter import default_call
+        from _flashtune_adapter import default_call, defaults_only
     fn, config = default_call(q, k, v, causal)
+    if q.requires_grad:
+        return Prepared(fn=fn, config=config, context=defaults_only)
     return Prepared(fn=fn, config=config)
 
 

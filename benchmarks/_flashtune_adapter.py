@@ -10,8 +10,9 @@ path (``runtime.forward``).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -33,12 +34,45 @@ def tuned_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     return fn, f"{decision.config.key()} ({decision.tier.value})"
 
 
+class _NothingTuned:
+    """A tuning source without entries: every decision falls back to the defaults."""
+
+    def all_best(self) -> list[object]:
+        return []
+
+
+@contextlib.contextmanager
+def defaults_only() -> Iterator[None]:
+    """Within: every family's dispatcher decision is its built-in default (the process-wide
+    dispatcher is swapped, and the memoised plans dropped on the way in and out)."""
+    from flashtune.runtime import forward
+    from flashtune.runtime.dispatch import Dispatcher, get_dispatcher, set_dispatcher
+
+    previous = get_dispatcher()
+    set_dispatcher(Dispatcher(_NothingTuned))  # type: ignore[arg-type]
+    forward.clear_caches()
+    try:
+        yield
+    finally:
+        set_dispatcher(previous)
+        forward.clear_caches()
+
+
 def default_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                  backend: str = "cuda") -> tuple[Callable[[], torch.Tensor], str]:
     """The built-in default config of this problem on this device, bypassing the dispatcher.
 
-    The kernel is compiled (or read from the caches) and loaded here, not in ``fn``.
+    The kernel is compiled (or read from the caches) and loaded here, not in ``fn``. Inputs
+    that require grad (the fwd+bwd pass) go through ``flashtune.attention`` instead, to be
+    called within ``defaults_only()`` (the default configs of every backward kernel too).
     """
+    if q.requires_grad:
+        fn, _ = tuned_call(q, k, v, causal, backend)
+        with defaults_only():
+            import flashtune
+
+            config = flashtune.explain(q, k, v, causal=causal, backend=backend).config
+        return fn, f"{config.key()} (default, fwd+bwd)"
     import torch
 
     import flashtune

@@ -1,14 +1,18 @@
-"""Forward attention throughput: flashtune (tuned and default config) against torch SDPA
-(flash and cuDNN backends) and flash-attn, over the field's standard sweep.
+"""Attention throughput, forward and forward+backward: flashtune (tuned and default config)
+against torch SDPA (flash and cuDNN backends) and flash-attn, over the field's standard sweep.
 
 Sweep (FlashAttention's benchmark): hidden size 2048, so H = 2048 / D heads; (batch, seqlen)
-from (32, 512) to (1, 16k); causal and not; fp16 and bf16. FLOPs = 4*B*N*N*H*D, halved when
-causal. Each implementation is checked against the float64 reference, then timed with CUDA
-events after warm-up: median of the repeats, L2 flushed before each.
+from (32, 512) to (1, 16k); causal and not; fp16 and bf16; ``--passes fwd`` (default),
+``fwdbwd`` or ``both``. FLOPs = 4*B*N*N*H*D for the forward, 3.5 times that for forward +
+backward (backward = 2.5 x forward), halved when causal. Each implementation is checked
+against the float64 reference (output, and for fwd+bwd the gradients of dO), then timed
+with CUDA events after warm-up: median of the repeats, L2 flushed before each; a fwd+bwd
+repeat is one forward and one backward (torch.autograd.grad).
 
     python benchmarks/attention.py --out .bench/attention             # the full sweep
     python benchmarks/attention.py --subset --dtypes bf16 --head-dims 128 --time-budget 120
     python benchmarks/attention.py --seqlens 4096 --head-dims 128 --causal full
+    python benchmarks/attention.py --subset --passes fwdbwd --head-dims 128
     python benchmarks/attention.py --plan-only --out DIR              # list the sweep, no GPU
 
 Writes DIR/attention.csv (one row per shape and implementation, rewritten after every
@@ -36,10 +40,13 @@ from _attention_impls import (  # noqa: E402
     BASELINE,
     IMPLS,
     REL_ERR_TOLERANCE,
+    GradReference,
     Impl,
     Reference,
     Timer,
     Unavailable,
+    grad_error,
+    grad_reference,
     poison_next_output,
     reference,
     relative_error,
@@ -59,8 +66,11 @@ FULL_POINTS = ((32, 512), (16, 1024), (8, 2048), (4, 4096), (2, 8192), (1, 16384
 SUBSET_POINTS = ((16, 1024), (4, 4096), (1, 16384))
 DTYPES = ("fp16", "bf16")
 HEAD_DIMS = (64, 128)
-CSV_FIELDS = ("date_utc", "gpu", "dtype", "head_dim", "heads", "batch", "seqlen", "causal",
-              "impl", "config", "status", "median_ms", "min_ms", "max_ms", "repeats",
+PASSES = ("fwd", "fwdbwd")
+#: FLOPs of forward + backward over the forward's (backward = 2.5 x forward).
+FWD_BWD_FLOPS = 3.5
+CSV_FIELDS = ("date_utc", "gpu", "pass", "dtype", "head_dim", "heads", "batch", "seqlen",
+              "causal", "impl", "config", "status", "median_ms", "min_ms", "max_ms", "repeats",
               "tflops", "ratio_vs_sdpa", "rel_err", "note")
 
 
@@ -73,8 +83,11 @@ class Shape:
     causal: bool
     batch: int
     seqlen: int
+    passes: str = "fwd"
 
     def __post_init__(self) -> None:
+        if self.passes not in PASSES:
+            raise ValueError(f"passes {self.passes!r} is not one of {PASSES}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {DTYPES}")
         if self.head_dim < 8 or HIDDEN % self.head_dim:
@@ -87,13 +100,18 @@ class Shape:
         return HIDDEN // self.head_dim
 
     @property
+    def backward(self) -> bool:
+        return self.passes == "fwdbwd"
+
+    @property
     def flops(self) -> float:
-        return attention_flops(self.batch, self.seqlen, self.seqlen, self.heads,
-                               self.head_dim, self.causal)
+        fwd = attention_flops(self.batch, self.seqlen, self.seqlen, self.heads, self.head_dim,
+                              self.causal)
+        return fwd * FWD_BWD_FLOPS if self.backward else fwd
 
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
-        return f"{self.dtype} d{self.head_dim} {mask} b{self.batch} n{self.seqlen}"
+        return f"{self.passes} {self.dtype} d{self.head_dim} {mask} b{self.batch} n{self.seqlen}"
 
 
 @dataclass(frozen=True)
@@ -119,7 +137,7 @@ class Result:
     def row(self, gpu: str) -> dict[str, Any]:
         s = self.shape
         return {
-            "gpu": gpu, "dtype": s.dtype, "head_dim": s.head_dim, "heads": s.heads,
+            "gpu": gpu, "pass": s.passes, "dtype": s.dtype, "head_dim": s.head_dim, "heads": s.heads,
             "batch": s.batch, "seqlen": s.seqlen, "causal": s.causal, "impl": self.impl,
             "config": self.config, "status": self.status,
             "median_ms": self.stats.median if self.stats else None,
@@ -132,13 +150,14 @@ class Result:
 
 
 def plan_sweep(dtypes: Sequence[str], head_dims: Sequence[int], causal: Sequence[bool],
-               subset: bool, seqlens: Sequence[int] | None = None) -> list[Shape]:
-    """The shapes to run, grouped by (dtype, head dim, causal), short sequences first;
+               subset: bool, seqlens: Sequence[int] | None = None,
+               passes: Sequence[str] = ("fwd",)) -> list[Shape]:
+    """The shapes to run, grouped by (pass, dtype, head dim, causal), short sequences first;
     ``seqlens`` keeps only the (batch, seqlen) points of those sequence lengths."""
     points = [(b, n) for b, n in (SUBSET_POINTS if subset else FULL_POINTS)
               if seqlens is None or n in seqlens]
-    return [Shape(dt, d, c, b, n) for dt in dtypes for d in head_dims for c in causal
-            for b, n in points]
+    return [Shape(dt, d, c, b, n, p) for p in passes for dt in dtypes for d in head_dims
+            for c in causal for b, n in points]
 
 
 def with_ratios(results: Sequence[Result]) -> list[Result]:
@@ -152,26 +171,39 @@ def with_ratios(results: Sequence[Result]) -> list[Result]:
 
 
 def measure(impl: Impl, shape: Shape, q: Any, k: Any, v: Any, ref: Reference, *,
-            timer: Timer, flush: Callable[[], None]) -> Result:
+            timer: Timer, flush: Callable[[], None], dout: Any = None,
+            grad_ref: GradReference | None = None) -> Result:
     """Check ``impl`` on the inputs against ``ref`` (its output lands on NaN-poisoned
-    memory), then time it."""
+    memory; for fwd+bwd, its gradients of ``dout`` against ``grad_ref`` too), then time it
+    (forward, or forward and backward)."""
+    import torch
+
     try:
         prepared = impl.prepare(q, k, v, shape.causal)
     except Unavailable as exc:
         return Result(shape, impl.name, "unavailable", note=str(exc))
     except Exception as exc:  # a failure of one implementation must not end the sweep
         return Result(shape, impl.name, "error", note=_short(exc))
+
+    def fwd_bwd() -> tuple[Any, ...]:
+        return torch.autograd.grad(prepared.fn(), (q, k, v), dout)
+
+    timed = fwd_bwd if shape.backward else prepared.fn
     try:
         with prepared.context():
             poison_next_output(q)
             out = prepared.fn()
             timer.sync()
             err = relative_error(out, ref)
+            if shape.backward and grad_ref is not None and err <= REL_ERR_TOLERANCE:
+                poison_next_output(q)
+                err = max(err, grad_error(torch.autograd.grad(out, (q, k, v), dout),
+                                          grad_ref))
             del out
             if not err <= REL_ERR_TOLERANCE:  # also catches NaN
                 return Result(shape, impl.name, "wrong", prepared.config, rel_err=err,
                               note=f"relative error {err:.3g} > {REL_ERR_TOLERANCE}")
-            times = timer.time(prepared.fn, flush)
+            times = timer.time(timed, flush)
     except Exception as exc:
         return Result(shape, impl.name, "error", prepared.config, note=_short(exc))
     return Result(shape, impl.name, "ok", prepared.config, Stats.of(times), rel_err=err)
@@ -205,10 +237,17 @@ def run_sweep(shapes: Sequence[Shape], impls: Sequence[Impl], *, timer: Timer,
         q, k, v = (torch.randn(size, dtype=dtype, device=device, generator=gen)
                    for _ in range(3))
         ref = reference(q, k, v, shape.causal)
+        dout, grad_ref = None, None
+        if shape.backward:
+            dout = torch.randn(size, dtype=dtype, device=device, generator=gen)
+            grad_ref = grad_reference(q, k, v, dout, shape.causal)
+            for t in (q, k, v):
+                t.requires_grad_(True)
         for impl in impls:
-            results.append(measure(impl, shape, q, k, v, ref, timer=timer, flush=flush))
+            results.append(measure(impl, shape, q, k, v, ref, timer=timer, flush=flush,
+                                   dout=dout, grad_ref=grad_ref))
             on_result(with_ratios(results))
-        del q, k, v, ref
+        del q, k, v, ref, dout, grad_ref
     return with_ratios(results)
 
 
@@ -220,8 +259,8 @@ def print_table(results: Sequence[Result], impl_names: Sequence[str], gpu: str) 
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"attention forward, TFLOP/s ({gpu})")
-    for col in ("dtype", "D", "mask", "B", "N"):
+    table = Table(title=f"attention, TFLOP/s ({gpu})")
+    for col in ("pass", "dtype", "D", "mask", "B", "N"):
         table.add_column(col)
     for name in impl_names:
         table.add_column(name, justify="right")
@@ -232,7 +271,8 @@ def print_table(results: Sequence[Result], impl_names: Sequence[str], gpu: str) 
     for r in results:
         by_shape.setdefault(r.shape, {})[r.impl] = r
     for shape, row in by_shape.items():
-        cells = [shape.dtype, str(shape.head_dim), "causal" if shape.causal else "full",
+        cells = [shape.passes, shape.dtype, str(shape.head_dim),
+                 "causal" if shape.causal else "full",
                  str(shape.batch), str(shape.seqlen)]
         for name in impl_names:
             found = row.get(name)
@@ -253,20 +293,21 @@ def plot(results: Sequence[Result], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in results if r.tflops is not None]
-    panels = sorted({(r.shape.dtype, r.shape.head_dim, r.shape.causal) for r in ok})
+    panels = sorted({(r.shape.passes, r.shape.dtype, r.shape.head_dim, r.shape.causal)
+                     for r in ok})
     if not panels:
         return
     cols = min(len(panels), 4)
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.6 * rows), squeeze=False)
-    for ax, (dt, d, c) in zip(axes.flat, panels, strict=False):
+    for ax, (ps, dt, d, c) in zip(axes.flat, panels, strict=False):
         for impl in dict.fromkeys(r.impl for r in ok):
-            pts = sorted((r.shape.seqlen, r.tflops) for r in ok if r.impl == impl and
-                         (r.shape.dtype, r.shape.head_dim, r.shape.causal) == (dt, d, c))
+            pts = sorted((r.shape.seqlen, r.tflops) for r in ok if r.impl == impl and (
+                r.shape.passes, r.shape.dtype, r.shape.head_dim, r.shape.causal) == (ps, dt, d, c))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{dt} d{d} {'causal' if c else 'non-causal'}")
+        ax.set_title(f"{ps} {dt} d{d} {'causal' if c else 'non-causal'}")
         ax.set_xlabel("sequence length")
         ax.set_ylabel("TFLOP/s")
         ax.grid(True, alpha=0.3)
@@ -299,6 +340,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--head-dims", type=_csv_list(int), default=list(HEAD_DIMS),
                    help="comma list of head dims dividing 2048 (default 64,128)")
     p.add_argument("--causal", choices=("both", "causal", "full"), default="both")
+    p.add_argument("--passes", choices=("fwd", "fwdbwd", "both"), default="fwd",
+                   help="forward only (default), forward + backward, or both")
     p.add_argument("--seqlens", type=_csv_list(int), default=None,
                    help=f"only these sequence lengths of {[n for _, n in FULL_POINTS]}")
     p.add_argument("--impls", type=_csv_list(str), default=list(IMPLS),
@@ -344,7 +387,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     add_benchmarks_to_path()
     causal = {"both": [False, True], "causal": [True], "full": [False]}[args.causal]
-    shapes = plan_sweep(args.dtypes, args.head_dims, causal, args.subset, args.seqlens)
+    passes = list(PASSES) if args.passes == "both" else [args.passes]
+    shapes = plan_sweep(args.dtypes, args.head_dims, causal, args.subset, args.seqlens,
+                        passes)
     impls = [IMPLS[name] for name in args.impls]
     env = environment_info(probe_gpu=not args.plan_only)
     env["command"] = " ".join(["python", *sys.argv]) if argv is None else " ".join(argv)

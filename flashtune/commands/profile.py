@@ -91,10 +91,15 @@ def _print(profile: KernelProfile) -> None:
                                            strict=True):
         table.add_row(name, whole, in_loop)
     console.print(table)
-    occ = pred.occupancy
+    occ = profile.occupancy
+    waves = f"; {pred.waves:.2f} waves on {profile.gpu.sm_count} SMs" if pred else ""
     console.print(f"occupancy on {profile.arch}: {occ.blocks_per_sm} blocks/SM, "
-                  f"{occ.warps_per_sm} warps/SM ({occ.ratio:.0%}), limited by {occ.limiter}; "
-                  f"{pred.waves:.2f} waves on {profile.gpu.sm_count} SMs", highlight=False)
+                  f"{occ.warps_per_sm} warps/SM ({occ.ratio:.0%}), limited by {occ.limiter}"
+                  f"{waves}", highlight=False)
+    if pred is None:
+        console.print(f"no PREDICTED time: the cost model describes the forward kernel, not "
+                      f"the {profile.problem.op!r} family", highlight=False)
+        return
     console.print(f"[bold]PREDICTED[/] on {profile.gpu.full_name}: time {pred.time_ms:.4g} ms, "
                   f"{pred.tflops:.1f} TFLOP/s, {pred.bound}-bound "
                   f"(model {pred.model_version}; a prediction, not a measurement)",
@@ -155,8 +160,9 @@ def profile(
         "--counters", help="Also run the kernel in the CPU emulator on a small shape and feed "
         "its measured global bytes and bank conflicts to the prediction.")] = False,
 ) -> None:
-    """Compile one kernel and print its SASS statistics, resources, occupancy and its
-    PREDICTED time and TFLOP/s on a GPU (a cost-model prediction; no GPU is used)."""
+    """Compile one kernel and print its SASS statistics (whole kernel and main loop: the
+    instruction budget per tile), resources, occupancy and, for the forward, its PREDICTED
+    time and TFLOP/s on a GPU (a cost-model prediction; no GPU is used)."""
     from flashtune.perf.profile import profile_kernel
 
     problem = parse_problem(op, head_dim, dtype, causal)

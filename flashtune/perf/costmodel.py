@@ -36,7 +36,7 @@ from typing import Protocol
 
 from flashtune import families
 from flashtune.codegen.spec import KernelConfig, Problem, ShapeLike
-from flashtune.errors import InvalidConfig, InvalidInput, OutOfResources
+from flashtune.errors import InvalidConfig, InvalidInput, InvalidProblem, OutOfResources
 from flashtune.families.fwd import space
 from flashtune.perf.gpus import MMA_M16N8K16_FLOPS, SUBPARTITIONS_PER_SM, GpuSpec, get_gpu
 from flashtune.perf.occupancy import Occupancy, occupancy
@@ -294,8 +294,12 @@ def predict(
     ``resources`` (registers, spills, shared memory of the compiled kernel) make occupancy
     exact; ``sass`` (the kernel's parsed SASS function, or the main loop's mix) replaces the
     analytic instruction counts; ``counters`` replace the analytic traffic. Raises
-    OutOfResources when no block of the kernel fits on an SM.
+    OutOfResources when no block of the kernel fits on an SM, InvalidProblem for a problem
+    of another family than the forward (the model describes the forward's main loop).
     """
+    if problem.op != "fwd":
+        raise InvalidProblem(f"the cost model describes the forward kernel; it has no model "
+                             f"of the {problem.op!r} family ({problem.key()})")
     check_shape(shape)
     spec = _gpu(gpu)
     notes: list[str] = []

@@ -1,5 +1,9 @@
 """Profile one kernel without a GPU: compile it, read its SASS, resources and occupancy, and
-PREDICT its time on a named GPU. What ``flashtune profile`` prints."""
+PREDICT its time on a named GPU. What ``flashtune profile`` prints.
+
+The SASS statistics (the whole kernel and its main loop: the innermost loop with the most
+tensor-core work) and the occupancy are read for a kernel of any family; the time is only
+predicted for the forward, the one kernel the cost model describes."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from flashtune.families import render
 from flashtune.perf.costmodel import DEFAULT_PARAMS, ModelParams, Prediction, predict
 from flashtune.perf.disasm import sass_listing
 from flashtune.perf.gpus import GpuSpec, default_gpu_for_arch, get_gpu
+from flashtune.perf.occupancy import Occupancy, occupancy
 from flashtune.perf.sass import InstructionMix, Loop
 from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.resources import Resources
@@ -35,7 +40,8 @@ class KernelProfile:
     kernel_mix: InstructionMix
     loop: Loop | None
     loop_mix: InstructionMix | None
-    prediction: Prediction
+    occupancy: Occupancy
+    prediction: Prediction | None  # None: the cost model has no model of this family
     emulated: EmulatedTraffic | None = None  # emulator counters fed to the prediction
 
     def to_dict(self) -> dict[str, object]:
@@ -56,8 +62,8 @@ class KernelProfile:
                     **self.loop_mix.to_dict(),
                 },
             },
-            "occupancy": self.prediction.occupancy.to_dict(),
-            "prediction": self.prediction.to_dict(),
+            "occupancy": self.occupancy.to_dict(),
+            "prediction": None if self.prediction is None else self.prediction.to_dict(),
             "emulator_counters": None if self.emulated is None else self.emulated.to_dict(),
         }
 
@@ -88,17 +94,26 @@ def profile_kernel(problem: Problem, config: KernelConfig, shape: Shape, arch: s
     kernel = compile_source(source, spec.name)
     function = sass_listing(kernel.cubin, spec.name).function(source.entry)
     loop = function.hot_loop()
+    if counters and problem.op != "fwd":
+        raise InvalidConfig(f"emulator counters feed the cost model's prediction, which only "
+                            f"describes the forward; profile the {problem.op!r} family "
+                            "without --counters")
     emulated = None
-    if counters:
-        from flashtune.perf.emulated import measure_traffic
+    prediction = None
+    if problem.op == "fwd":
+        if counters:
+            from flashtune.perf.emulated import measure_traffic
 
-        emulated = measure_traffic(problem, config, shape)
-    prediction = predict(problem, config, shape, target, resources=kernel.resources,
-                         sass=function, params=params,
-                         counters=emulated.traffic if emulated is not None else None)
+            emulated = measure_traffic(problem, config, shape)
+        prediction = predict(problem, config, shape, target, resources=kernel.resources,
+                             sass=function, params=params,
+                             counters=emulated.traffic if emulated is not None else None)
+    res = kernel.resources
+    occ = occupancy(spec, threads=config.threads, registers=res.registers,
+                    smem_bytes=res.static_smem + res.dynamic_smem)
     return KernelProfile(
         problem=problem, config=config, arch=spec.name, gpu=target, shape=shape,
         entry=source.entry, resources=kernel.resources, kernel_mix=function.mix(),
         loop=loop, loop_mix=function.mix(loop) if loop is not None else None,
-        prediction=prediction, emulated=emulated,
+        occupancy=occ, prediction=prediction, emulated=emulated,
     )

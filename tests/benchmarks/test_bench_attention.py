@@ -228,3 +228,53 @@ def test_flashtune_adapters_compute_attention() -> None:
         out = fn()
         assert out.shape == q.shape
         assert relative_error(out, ref) < 1e-2, adapter.__name__
+
+
+def test_forward_backward_pass_is_planned_checked_and_timed() -> None:
+    """fwd+bwd shapes count 3.5x the forward's FLOPs; an implementation's gradients are
+    checked against float32 autograd (a wrong backward is caught), then timed."""
+    fwd, both = attention.plan_sweep(["bf16"], [128], [True], subset=True, seqlens=[1024],
+                                     passes=["fwd", "fwdbwd"])
+    assert (fwd.passes, both.passes) == ("fwd", "fwdbwd") and both.backward
+    assert both.flops == pytest.approx(3.5 * fwd.flops)
+
+    class WrongBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return x
+
+        @staticmethod
+        def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return 2 * g
+
+    sdpa = IMPLS["sdpa-flash"]
+
+    def wrong(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> Prepared:
+        inner = sdpa.prepare(q, k, v, causal)
+        return Prepared(fn=lambda: WrongBackward.apply(inner.fn()), config="x2 grads")
+
+    shapes = [attention.Shape("bf16", 128, c, 1, 64, "fwdbwd") for c in (False, True)]
+    results = attention.run_sweep(shapes, [sdpa, Impl("wrong-bwd", wrong)],
+                                  timer=Timer("cpu", 1, 2), deadline=Deadline(None), seed=3,
+                                  on_result=lambda r: None)
+    status = {(r.shape.causal, r.impl): r for r in results}
+    for causal in (False, True):
+        good = status[(causal, "sdpa-flash")]
+        assert good.status == "ok" and good.rel_err is not None and good.rel_err < 1e-2
+        bad = status[(causal, "wrong-bwd")]
+        assert bad.status == "wrong" and bad.rel_err is not None and bad.rel_err > 0.5
+
+
+@pytest.mark.gpu
+def test_gpu_forward_backward_sweep(tmp_path: Path) -> None:
+    """On a GPU: forward + backward of one shape, flashtune's gradients checked too."""
+    rc = attention.main(["--dtypes", "bf16", "--head-dims", "64", "--causal", "causal",
+                         "--seqlens", "1024", "--passes", "fwdbwd", "--repeats", "3",
+                         "--impls", "flashtune,flashtune-default,sdpa-flash",
+                         "--time-budget", "120", "--out", str(tmp_path)])
+    with (tmp_path / "attention.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert rc == 0, rows
+    for row in rows:
+        assert row["pass"] == "fwdbwd" and row["status"] == "ok", row
+        assert float(row["rel_err"]) < 1e-2 and float(row["tflops"]) > 1.0

@@ -61,3 +61,23 @@ def test_decode_family_tunes_its_split_count_and_the_runtime_uses_it(db_url: str
         assert heuristic > 1  # 4 sequences x 2 kv heads on 132 SMs: split by the rule
     finally:
         set_dispatcher(None)
+
+
+def test_backward_family_is_tuned_with_its_own_buckets_and_default(db_url: str) -> None:
+    """``tune --op bwd`` searches the backward space (dQ mode included) and stores the winner
+    under the backward problem's own bucket, apart from the forward's."""
+    from flashtune.codegen.arch import get_arch
+    from flashtune.codegen.spec import Problem
+    from flashtune.db.store import TuningStore
+    from flashtune.families.bwd import BACKWARD
+
+    problem = Problem(64, "fp16", True, op="bwd")
+    best = BACKWARD.default_config(problem, get_arch("sm_90"))
+    backend = SyntheticBackend(best=best)
+    opts = dataclasses.replace(FAST, trials=6, sampler="random")
+    [summary] = tune(64, "fp16", True, [2048], op="bwd", backend=backend, db=db_url,
+                     options=opts)
+    assert summary.winner == best and summary.default == best
+    assert summary.bucket.key() == "bwd_d64_fp16_causal_n2048"
+    stored = {(e.problem, e.config.key) for e in TuningStore(db_url).all_best()}
+    assert ("bwd_d64_fp16_causal", best.key()) in stored

@@ -14,7 +14,7 @@ from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.commands.tune import parse_duration
 from flashtune.db.records import TrialStatus
-from flashtune.errors import TuningError
+from flashtune.errors import InvalidConfig, TuningError
 from flashtune.families.fwd import FORWARD, space
 from flashtune.tuner.measure.base import ShapeTiming
 from flashtune.tuner.measure.evaluate import TrialResult
@@ -92,6 +92,17 @@ def test_knob_encodings_keep_order_and_scale() -> None:
         assert [knob.decode(e) for e in encoded] == list(knob.values)
         dist = knob.distribution()
         assert all(dist.low <= e <= dist.high for e in encoded)
+
+
+def test_knobs_of_named_modes_are_ranked_in_declared_order() -> None:
+    modes = Knob("dqmode", ("atomic", "split"))
+    assert modes.param == "dqmode_rank"
+    assert [modes.encode(v) for v in modes.values] == [0, 1]
+    assert modes.decode(1) == "split"
+    with pytest.raises(InvalidConfig):
+        modes.encode("ordered")
+    with pytest.raises(TuningError):
+        Knob("dqmode", ("split", "split"))
 
 
 def test_encoding_round_trips_every_candidate_and_rejects_the_rest() -> None:

@@ -5,7 +5,9 @@ scale) of its values, rather than one categorical over whole config keys:
 
 - an evenly spaced value set (num_stages 1, 2, 3) is ``suggest_int(name, lo, hi, step)``;
 - a doubling set (block_n 32, 64, 128) is ``suggest_int("log2_" + name, lo, hi)``;
-- any other set (e.g. 80, 96, 144) is ``suggest_int(name + "_rank", 0, len - 1)``.
+- any other set (e.g. 80, 96, 144), and named modes or switches (a family's declared str
+  or bool values, e.g. dqmode atomic, split), is ``suggest_int(name + "_rank", 0, len - 1)``
+  over the declared order.
 
 Why: kernel speed changes smoothly along each knob (a bigger tile amortises more loads until
 it runs out of registers or shared memory), so TPE's Parzen estimators and the GP's kernel
@@ -30,33 +32,50 @@ import optuna
 
 from flashtune import families
 from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.params import Value
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.errors import InvalidConfig, TuningError
 
 
+def _is_int(value: Value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class Knob:
-    """One tunable: its KernelConfig field, Optuna parameter name and legal values."""
+    """One tunable: its KernelConfig field, Optuna parameter name and legal values (ints
+    sorted; words or switches in their declared order)."""
 
     field: str
-    values: tuple[int, ...]
+    values: tuple[Value, ...]
 
     def __post_init__(self) -> None:
-        if not self.values or list(self.values) != sorted(set(self.values)):
-            raise TuningError(f"values of {self.field} must be distinct and sorted, got "
-                              f"{self.values}")
+        if not self.values or len(set(self.values)) != len(self.values):
+            raise TuningError(f"values of {self.field} must be distinct, got {self.values}")
+        if self._ints is not None and list(self._ints) != sorted(self._ints):
+            raise TuningError(f"values of {self.field} must be sorted, got {self.values}")
+
+    @property
+    def _ints(self) -> tuple[int, ...] | None:
+        """The values as ints when every one is an int, else None (ranked by position)."""
+        ints = tuple(v for v in self.values if isinstance(v, int) and not isinstance(v, bool))
+        return ints if len(ints) == len(self.values) else None
 
     @property
     def _step(self) -> int | None:
-        if len(self.values) == 1:
+        ints = self._ints
+        if ints is None:
+            return None
+        if len(ints) == 1:
             return 1
-        steps = {b - a for a, b in zip(self.values, self.values[1:], strict=False)}
+        steps = {b - a for a, b in zip(ints, ints[1:], strict=False)}
         return steps.pop() if len(steps) == 1 else None
 
     @property
     def _log2(self) -> bool:
-        return all(v > 0 and v & (v - 1) == 0 for v in self.values) and all(
-            b == 2 * a for a, b in zip(self.values, self.values[1:], strict=False))
+        ints = self._ints
+        return ints is not None and all(v > 0 and v & (v - 1) == 0 for v in ints) and all(
+            b == 2 * a for a, b in zip(ints, ints[1:], strict=False))
 
     @property
     def param(self) -> str:
@@ -65,23 +84,27 @@ class Knob:
         return f"log2_{self.field}" if self._log2 else f"{self.field}_rank"
 
     def distribution(self) -> optuna.distributions.IntDistribution:
-        step = self._step
-        if step is not None:
-            return optuna.distributions.IntDistribution(self.values[0], self.values[-1], step=step)
-        if self._log2:
-            lo, hi = self.values[0].bit_length() - 1, self.values[-1].bit_length() - 1
+        ints, step = self._ints, self._step
+        if ints is not None and step is not None:
+            return optuna.distributions.IntDistribution(ints[0], ints[-1], step=step)
+        if ints is not None and self._log2:
+            lo, hi = ints[0].bit_length() - 1, ints[-1].bit_length() - 1
             return optuna.distributions.IntDistribution(lo, hi)
         return optuna.distributions.IntDistribution(0, len(self.values) - 1)
 
-    def encode(self, value: int) -> int:
-        if value not in self.values:
-            raise InvalidConfig(f"{self.field}={value} is outside the search space "
+    def encode(self, value: Value) -> int:
+        position = next((i for i, v in enumerate(self.values)
+                         if v == value and type(v) is type(value)), None)
+        if position is None:
+            raise InvalidConfig(f"{self.field}={value!r} is outside the search space "
                                 f"{self.values}")
-        if self._step is not None:
-            return value
-        return value.bit_length() - 1 if self._log2 else self.values.index(value)
+        if _is_int(value) and self._step is not None:
+            return int(value)
+        if _is_int(value) and self._log2:
+            return int(value).bit_length() - 1
+        return position
 
-    def decode(self, raw: int) -> int:
+    def decode(self, raw: int) -> Value:
         if self._step is not None:
             return raw
         return 1 << raw if self._log2 else self.values[raw]
@@ -89,8 +112,7 @@ class Knob:
 
 def family_knobs(problem: Problem) -> tuple[Knob, ...]:
     """The knobs of ``problem``'s family: one per parameter of its declared space."""
-    return tuple(Knob(p.name, tuple(int(v) for v in p.values))
-                 for p in families.of(problem).space(problem).params)
+    return tuple(Knob(p.name, p.values) for p in families.of(problem).space(problem).params)
 
 
 class SearchEncoding:
@@ -112,7 +134,7 @@ class SearchEncoding:
 
     def encode(self, config: KernelConfig) -> dict[str, int]:
         values = config.to_dict()
-        return {k.param: k.encode(int(values[k.field])) for k in self.knobs}
+        return {k.param: k.encode(values[k.field]) for k in self.knobs}
 
     def decode(self, params: Mapping[str, Any]) -> KernelConfig | str:
         """The config these parameters name, or why it is impossible (never compiled)."""

@@ -16,10 +16,10 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from flashtune import families
 from flashtune.codegen.spec import KernelConfig
 from flashtune.db.records import TrialStatus
 from flashtune.errors import TuningError
-from flashtune.families.fwd import space
 from flashtune.tuner.measure.base import MeasurementBackend, ShapeTiming, TimingPlan
 from flashtune.tuner.measure.evaluate import KERNEL_FAILURES, TrialResult
 from flashtune.tuner.measure.workload import Workload
@@ -45,8 +45,9 @@ class Scored:
 
 
 def simplicity(workload: Workload, config: KernelConfig) -> tuple[int, int, int, int, int, str]:
-    return (space.smem_bytes(workload.problem, config), config.num_warps, config.num_stages,
-            config.block_m, config.block_n, config.key())
+    problem = workload.problem
+    return (families.of(problem).smem_bytes(problem, config), config.num_warps,
+            config.num_stages, config.block_m, config.block_n, config.key())
 
 
 def choose(workload: Workload, scored: Sequence[Scored],
