@@ -137,8 +137,9 @@ class Result:
     def row(self, gpu: str) -> dict[str, Any]:
         s = self.shape
         return {
-            "gpu": gpu, "pass": s.passes, "dtype": s.dtype, "head_dim": s.head_dim, "heads": s.heads,
-            "batch": s.batch, "seqlen": s.seqlen, "causal": s.causal, "impl": self.impl,
+            "gpu": gpu, "pass": s.passes, "dtype": s.dtype, "head_dim": s.head_dim,
+            "heads": s.heads, "batch": s.batch, "seqlen": s.seqlen, "causal": s.causal,
+            "impl": self.impl,
             "config": self.config, "status": self.status,
             "median_ms": self.stats.median if self.stats else None,
             "min_ms": self.stats.minimum if self.stats else None,

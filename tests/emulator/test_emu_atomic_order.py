@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 
 from flashtune.errors import InvalidInput
-from flashtune.runtime.backends.emulator import EmulatedModule, LaunchOptions, build_module, i32, ptr
+from flashtune.runtime.backends.emulator import (
+    EmulatedModule,
+    LaunchOptions,
+    build_module,
+    i32,
+    ptr,
+)
 
 pytestmark = pytest.mark.emulator
 

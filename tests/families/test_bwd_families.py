@@ -19,7 +19,14 @@ import torch
 
 from flashtune import families
 from flashtune.codegen.arch import ARCHS, ArchClass, get_arch
-from flashtune.codegen.spec import COMPILED_HEAD_DIMS, MAX_HEAD_DIM, DType, KernelConfig, Problem, Shape
+from flashtune.codegen.spec import (
+    COMPILED_HEAD_DIMS,
+    MAX_HEAD_DIM,
+    DType,
+    KernelConfig,
+    Problem,
+    Shape,
+)
 from flashtune.families.bwd import BACKWARD, BACKWARD_DETERMINISTIC, defaults, space
 from flashtune.families.bwd.rows import CONVERT, PREPROCESS
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
@@ -121,7 +128,7 @@ def test_flops_follow_the_field_convention() -> None:
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 256])
 def test_main_default_compiles_without_spills(arch: str, head_dim: int) -> None:
     from flashtune.runtime.compiler import compile_source
 
@@ -183,9 +190,9 @@ def _cases() -> list[tuple[Problem, KernelConfig, Shape]]:
     for config, head_dims in _distinct_defaults():
         problem = _problem(rng.choice(head_dims), rng.choice(list(DType)), rng.random() < 0.5)
         cases.append((problem, config, rng.choice(SHAPES)))
-    # A sample of the space: padded head dims, both dQ modes, one or two stages.
+    # A sample of the space: a padded head dim or not, either dQ mode, one or two stages.
     problem = _problem(64, DType.FP16, True)
-    sample = rng.sample(BACKWARD.candidates(problem, get_arch("sm_90")), 2)
+    sample = rng.sample(BACKWARD.candidates(problem, get_arch("sm_90")), 1)
     for config in sample:
         head_dim = rng.choice([hd for hd in (40, 64, 72) if BACKWARD.static_check(
             _problem(hd, DType.FP16, True), config, get_arch("sm_90")) is None])
@@ -238,7 +245,7 @@ def test_split_mode_is_bitwise_equal_over_shuffled_block_orders() -> None:
 def test_atomic_mode_depends_on_block_order_within_tolerance() -> None:
     """Float32 atomics land in block order: the shuffles change dQ's last bits (which shows
     that the shuffle reaches the sum), every order within tolerance (checked in _run)."""
-    problem = _problem(32, DType.FP16, False)
+    problem = _problem(32, DType.FP16, True)
     config = KernelConfig(32, 32, 2, 1, extras=ATOMIC)
     shape = Shape(1, 2, 1, 64, 256)
     runs = [_run(problem, config, shape, seed) for seed in (None, 1, 2)]
@@ -249,7 +256,7 @@ def test_atomic_mode_depends_on_block_order_within_tolerance() -> None:
 
 @pytest.mark.emulator
 def test_rows_without_keys_and_a_wrong_result_are_caught() -> None:
-    problem = _problem(64, DType.FP16, True)
+    problem = _problem(32, DType.FP16, True)  # the kernel of the block-order test
     kernel = EmulatorBackend().load(families.render(problem, KernelConfig(32, 32, 2, 1,
                                                                           extras=ATOMIC)))
     shape = Shape(1, 1, 1, 9, 4)  # causal: rows 0..4 see no key

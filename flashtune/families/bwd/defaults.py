@@ -1,8 +1,17 @@
 """Default backward main-kernel configs: what the dispatcher runs when nothing is tuned.
 
-One entry per (arch class, compiled head dim), the same for both masks; the atomic dQ mode
-for ``bwd``, the split mode (same tile) for ``bwddet``. See ``_ROWS`` for how the entries
-were chosen.
+One entry per (arch class, compiled head dim), the same for both masks; ``bwd`` runs it with
+float32 dQ atomics, ``bwddet`` (deterministic) with the same tile and dQ slices.
+
+How the entries were chosen (NVRTC 13.0 ``--ptxas-options=-v``, no GPU): walk the search
+space from the largest key tile down (block_n, then block_m, more warps first, two Q/dO
+buffers before one) and take the first config that fits the class's shared memory and
+compiles without register spills on every arch of the class, fp16 causal and bf16 full
+(FlashAttention-2 also favours wide key tiles in its backward: they amortise the streaming
+of Q and dO and the dQ additions over more keys). Every entry runs one block of 4 or 8
+warps per SM; the reason names the most registers per thread over the class and the
+shared memory per block. These are compile-time choices: tuning on the GPU
+(``flashtune tune --op bwd``) replaces them where it finds faster ones.
 """
 
 from __future__ import annotations
@@ -14,33 +23,45 @@ from flashtune.families.bwd.space import DQ_ATOMIC, DQ_SPLIT, static_check
 from flashtune.families.fwd.defaults import DefaultEntry
 
 _A, _C, _H = ArchClass.SM80, ArchClass.SM86, ArchClass.SM90
+_FIRST = "largest key tile without spills"
 
 # (class, compiled head dim, tile key without the dQ mode, reason).
 _ROWS: tuple[tuple[ArchClass, int, str, str], ...] = (
-    (_A, 32, "m128_n128_w8_s2", "provisional"),
-    (_A, 64, "m128_n64_w8_s2", "provisional"),
-    (_A, 96, "m128_n64_w8_s1", "provisional"),
-    (_A, 128, "m128_n64_w8_s1", "provisional"),
-    (_A, 160, "m128_n32_w8_s1", "provisional"),
-    (_A, 192, "m128_n32_w8_s1", "provisional"),
-    (_A, 224, "m64_n32_w4_s1", "provisional"),
-    (_A, 256, "m64_n32_w4_s1", "provisional"),
-    (_C, 32, "m128_n64_w8_s1", "provisional"),
-    (_C, 64, "m64_n64_w4_s1", "provisional"),
-    (_C, 96, "m64_n64_w4_s1", "provisional"),
-    (_C, 128, "m64_n32_w4_s1", "provisional"),
-    (_C, 160, "m64_n32_w4_s1", "provisional"),
-    (_C, 192, "m64_n32_w4_s1", "provisional"),
-    (_C, 224, "m64_n32_w4_s1", "provisional"),
-    (_C, 256, "m32_n32_w2_s1", "provisional"),
-    (_H, 32, "m128_n128_w8_s2", "provisional"),
-    (_H, 64, "m128_n64_w8_s2", "provisional"),
-    (_H, 96, "m128_n64_w8_s2", "provisional"),
-    (_H, 128, "m128_n64_w8_s2", "provisional"),
-    (_H, 160, "m128_n32_w8_s2", "provisional"),
-    (_H, 192, "m128_n32_w8_s1", "provisional"),
-    (_H, 224, "m64_n32_w4_s1", "provisional"),
-    (_H, 256, "m64_n32_w4_s1", "provisional"),
+    # -- sm80: A100-class, 163 KB of shared memory per block ------------------------------
+    (_A, 32, "m128_n128_w8_s2", f"FA2's 128x128 tile; {_FIRST}, 255 regs, 130 KB"),
+    (_A, 64, "m128_n64_w8_s2", "128x128 spills (bf16); 128x64 with two Q/dO buffers, "
+                               "166 regs, 128 KB"),
+    (_A, 96, "m128_n64_w8_s1", "128x128 spills; two buffers exceed 163 KB; 128x64, "
+                               "179 regs, 115 KB"),
+    (_A, 128, "m128_n64_w8_s1", f"{_FIRST} (128 keys spill); one buffer, 227 regs, 139 KB"),
+    (_A, 160, "m128_n64_w8_s1", f"{_FIRST}; one buffer, 239 regs, 163 KB"),
+    (_A, 192, "m128_n32_w4_s1", "64-key tiles exceed 163 KB and 128x32 over 8 warps spills "
+                                "(bf16); 4 warps, 255 regs, 146 KB"),
+    (_A, 224, "m64_n32_w4_s2", "128-row tiles exceed 163 KB or spill; 64x32 with two "
+                               "buffers, 246 regs, 156 KB"),
+    (_A, 256, "m64_n32_w4_s1", f"{_FIRST} within 163 KB; 254 regs, 110 KB"),
+    # -- sm86: consumer Ampere, Ada, Blackwell: 99 KB of shared memory per block ------------
+    (_C, 32, "m128_n64_w8_s2", "64x128 over 4 warps spills; 128x64 with two buffers, "
+                               "128 regs, 88 KB"),
+    (_C, 64, "m128_n64_w8_s1", f"{_FIRST} within 99 KB; 171 regs, 91 KB"),
+    (_C, 96, "m64_n64_w4_s2", f"{_FIRST} within 99 KB; 246 regs, 97 KB"),
+    (_C, 128, "m64_n32_w4_s1", "64-key tiles exceed 99 KB or spill; 64x32, 168 regs, 62 KB"),
+    (_C, 160, "m64_n16_w4_s1", "32-key tiles spill (bf16) or exceed 99 KB; 64x16, 129 regs, "
+                               "59 KB"),
+    (_C, 192, "m64_n32_w4_s1", f"{_FIRST} within 99 KB; 218 regs, 86 KB"),
+    (_C, 224, "m64_n32_w4_s1", f"{_FIRST} within 99 KB; 245 regs, 98 KB"),
+    (_C, 256, "m64_n16_w4_s1", "32-key tiles exceed 99 KB or need 256 accumulator regs; "
+                               "64x16, 231 regs, 89 KB"),
+    # -- sm90: H100/H200 and B200, 227 KB of shared memory per block -----------------------
+    (_H, 32, "m128_n128_w8_s2", f"FA2's 128x128 tile; {_FIRST}, 254 regs, 130 KB"),
+    (_H, 64, "m128_n64_w8_s2", "128x128 spills (bf16); 128x64 with two buffers, 232 regs "
+                               "(sm_100), 128 KB"),
+    (_H, 96, "m128_n64_w8_s2", f"{_FIRST}; two buffers, 235 regs, 168 KB"),
+    (_H, 128, "m128_n64_w8_s2", f"{_FIRST} (128 keys spill); two buffers, 237 regs, 208 KB"),
+    (_H, 160, "m128_n64_w8_s1", "two buffers exceed 227 KB; one, 239 regs, 163 KB"),
+    (_H, 192, "m128_n64_w8_s1", f"{_FIRST}; one buffer, 248 regs, 187 KB"),
+    (_H, 224, "m128_n64_w8_s1", f"{_FIRST}; one buffer, 254 regs, 211 KB"),
+    (_H, 256, "m128_n32_w8_s1", "64-key tiles exceed 227 KB; 128x32, 171 regs, 186 KB"),
 )
 
 
@@ -54,8 +75,12 @@ DEFAULT_TABLE: tuple[DefaultEntry, ...] = tuple(
 )
 _BY_KEY = {e.key: e for e in DEFAULT_TABLE}
 
-#: Used only when an entry does not fit an arch or a head dim (the smallest tile).
-FALLBACK = KernelConfig(32, 32, 2, 1, extras={"dqmode": DQ_ATOMIC})
+#: Used only when an entry does not fit an arch or a real head dim (a padded one whose
+#: head-dim tiles do not split over the entry's warps, e.g. 232 -> 240 columns over 4):
+#: two small tiles whose warps split the head dim in two at most, the last fitting every
+#: arch and head dim.
+FALLBACKS = (KernelConfig(64, 32, 4, 1, extras=(("dqmode", DQ_ATOMIC),)),
+             KernelConfig(32, 16, 2, 1, extras=(("dqmode", DQ_ATOMIC),)))
 
 
 def _spec(arch: ArchSpec | str) -> ArchSpec:
@@ -75,7 +100,7 @@ def _mode(config: KernelConfig, deterministic: bool) -> KernelConfig:
     if not deterministic:
         return config
     return KernelConfig(config.block_m, config.block_n, config.num_warps, config.num_stages,
-                        extras={"dqmode": DQ_SPLIT})
+                        extras=(("dqmode", DQ_SPLIT),))
 
 
 def default_config(problem: Problem, arch: ArchSpec | str, *, deterministic: bool = False
@@ -85,10 +110,10 @@ def default_config(problem: Problem, arch: ArchSpec | str, *, deterministic: boo
     config could)."""
     arch = _spec(arch)
     entry = default_entry(problem, arch)
-    for config in (entry.config, FALLBACK):
+    for config in (entry.config, *FALLBACKS):
         config = _mode(config, deterministic)
         if static_check(problem, config, arch, deterministic=deterministic) is None:
             return config
     raise InvalidConfig(f"no default backward config fits {problem.key()} on {arch.name}: "
-                        f"the table's {entry.config.key()} and the fallback {FALLBACK.key()} "
-                        "are both ruled out; tune this problem")
+                        f"the table's {entry.config.key()} and the fallbacks are all ruled "
+                        "out; tune this problem")

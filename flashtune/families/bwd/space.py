@@ -14,7 +14,7 @@ from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.spec import KernelConfig, Problem
 
 BLOCK_M = (32, 64, 128)
-BLOCK_N = (32, 64, 128)
+BLOCK_N = (16, 32, 64, 128)
 NUM_WARPS = (2, 4, 8)
 NUM_STAGES = (1, 2)
 #: How dQ is summed over key tiles: float32 atomics into one accumulator, or one float32

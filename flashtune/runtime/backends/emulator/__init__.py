@@ -8,8 +8,9 @@ which is built once per toolchain. Both are cached by content in ArtifactCache.
 
 Execution: blocks run one after another on the calling thread (in linear order, or in a
 seeded shuffled order with ``LaunchOptions(block_order_seed=...)`` so that results that
-depend on the order of blocks show it), each thread of a block is a fiber. A fiber runs until it blocks at ``__syncthreads`` (a rendezvous of the block's
-threads that have not returned) or in a warp collective (a rendezvous of the lanes named
+depend on the order of blocks show it), each thread of a block is a fiber. A fiber runs
+until it blocks at ``__syncthreads`` (a rendezvous of the block's threads that have not
+returned) or in a warp collective (a rendezvous of the lanes named
 in its mask; mma and ldmatrix need all 32; the last lane to arrive computes the result
 with the PTX register layouts). ``Schedule.FORWARD`` runs the lowest runnable thread next,
 ``REVERSE`` the highest, so races between warps show in one order or the other.
