@@ -18,10 +18,10 @@ import math
 import os
 import random
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
-from conftest import ListSource
 from runtime_helpers import best_entry
 
 import flashtune
@@ -163,8 +163,9 @@ TUNED = {"fwd": "m64_n32_w4_s1", "bwd": "m32_n32_w2_s2_dqmode-atomic",
 
 
 @pytest.fixture
-def small(source: ListSource, dispatcher: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tuned entries (the emulator's virtual sm_90) for every family at head dim 32."""
+def small(source: Any, dispatcher: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tuned entries (the emulator's virtual sm_90) for every family at head dim 32, in the
+    test tuning source of the runtime tests' ``source`` fixture (conftest.ListSource)."""
     monkeypatch.setenv("FLASHTUNE_EMULATOR_ARCH", ARCH)
     for (op, config), dtype, mask in itertools.product(TUNED.items(), ("fp16", "bf16"),
                                                        ("full", "causal")):
