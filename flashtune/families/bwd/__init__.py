@@ -25,6 +25,7 @@ from flashtune.families.base import (
     Tensors,
     Tolerance,
     Verdict,
+    attention_matmul_flops,
     close_enough,
     generator,
 )
@@ -157,9 +158,7 @@ class BackwardFamily(KernelFamily):
     def flops(self, problem: Problem, shape: ShapeLike) -> float:
         """2.5 x the forward's 4 B Nq Nk H D (five matmuls against two), halved when causal:
         the field's convention."""
-        total = (10.0 * shape.batch * shape.seqlen_q * shape.seqlen_k * shape.heads_q
-                 * problem.head_dim)
-        return total / 2 if problem.causal else total
+        return attention_matmul_flops(problem, shape, 5)
 
     def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
         """Q, dO, K, V read and dK, dV written once (the input type), LSE and D read and the
