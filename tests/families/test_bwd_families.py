@@ -295,3 +295,25 @@ def test_full_space_in_the_emulator(config: KernelConfig) -> None:
     for causal in (False, True):
         _check(_problem(64, DType.BF16, causal), config, Shape(2, 2, 1, 150, 200),
                (Schedule.FORWARD,))
+
+
+# ------------------------------------------------------------------ command line
+
+
+@pytest.mark.emulator
+def test_cli_shows_profiles_and_checks_the_backward() -> None:
+    from typer.testing import CliRunner
+
+    from flashtune.cli import app
+
+    runner = CliRunner()
+    listed = runner.invoke(app, ["families"])
+    assert listed.exit_code == 0
+    assert all(op in listed.output for op in ("bwd", "bwddet", "bwdpre", "bwdsum"))
+    shown = runner.invoke(app, ["show", "--op", "bwddet", "--head-dim", "64", "--causal"])
+    assert shown.exit_code == 0, shown.output
+    assert "ft::flash_bwd" in shown.output and "kDqSplit = true" in shown.output
+    checked = runner.invoke(app, ["check", "--op", "bwd", "--head-dim", "32", "--causal",
+                                  "--config", "m32_n32_w2_s1_dqmode-atomic", "--seqlen-q", "40",
+                                  "--seqlen-k", "70", "--no-compile"])
+    assert checked.exit_code == 0, checked.output

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import math
 import os
 import random
 from collections.abc import Callable, Iterator
@@ -22,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from grad_helpers import Grads, attention_reference, error_ratios, gradients, make_inputs
 from runtime_helpers import best_entry
 
 import flashtune
@@ -33,81 +33,6 @@ from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
 pytestmark = pytest.mark.emulator
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
-Grads = dict[str, torch.Tensor]
-
-
-# ------------------------------------------------------------------ references
-
-
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """O and LSE of (B, N, H, D) tensors in their own dtype, differentiable. Causal rows see
-    keys j <= i + Nk - Nq; a row that sees no key has O = 0 (and a finite gradient)."""
-    group = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    nq, nk = q.shape[1], k.shape[1]
-    visible = torch.ones(nq, nk, dtype=torch.bool)
-    if causal:
-        visible = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
-    seen = visible.any(-1)[:, None]
-    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~seen, 0.0)
-    probs = torch.softmax(scores, dim=-1).masked_fill(~seen, 0.0)
-    lse = torch.logsumexp(scores, dim=-1).masked_fill(~seen[:, 0], float("inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", probs, v), lse
-
-
-def _grads(fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
-           dout: torch.Tensor) -> Grads:
-    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
-    out = fn(*leaves)
-    out.backward(dout.to(out.dtype))
-    assert all(t.grad is not None for t in leaves)
-    return {"out": out.detach(), **{n: t.grad for n, t in zip(("dq", "dk", "dv"), leaves,
-                                                                strict=True)}}  # type: ignore[misc]
-
-
-def _inputs(shape: tuple[int, int, int, int, int], head_dim: int, dtype: torch.dtype,
-            seed: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    batch, nq, nk, hq, hkv = shape
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, nq, hq, head_dim, generator=gen).to(dtype)
-    k = torch.randn(batch, nk, hkv, head_dim, generator=gen).to(dtype)
-    v = torch.randn(batch, nk, hkv, head_dim, generator=gen).to(dtype)
-    dout = torch.randn(batch, nq, hq, head_dim, generator=gen).to(dtype)
-    return (q, k, v), dout
-
-
-def error_ratios(shape: tuple[int, int, int, int, int], head_dim: int, dtype: torch.dtype,
-                 causal: bool, seed: int, deterministic: bool | None = None
-                 ) -> dict[str, float]:
-    """max|flashtune - float64| / max|plain PyTorch in dtype - float64| per output."""
-    inputs, dout = _inputs(shape, head_dim, dtype, seed)
-    scale = head_dim ** -0.5
-
-    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = flashtune.attention(q, k, v, causal=causal, backend="emulator",
-                                  deterministic=deterministic)
-        assert isinstance(out, torch.Tensor)
-        return out
-
-    def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return attention_reference(q, k, v, causal, scale)[0]
-
-    got = _grads(ours, inputs, dout)
-    low = _grads(plain, inputs, dout)
-    exact = _grads(plain, tuple(t.double() for t in inputs), dout)
-    ratios = {}
-    where = f"shape {shape} d{head_dim} {dtype} causal={causal} seed={seed}"
-    for name in ("out", "dq", "dk", "dv"):
-        assert torch.isfinite(got[name]).all(), f"{where}: {name} is not finite"
-        ours_err = float((got[name].double() - exact[name]).abs().max())
-        plain_err = float((low[name].double() - exact[name]).abs().max())
-        ratios[name] = ours_err / plain_err if plain_err > 0 else 0.0 if ours_err == 0 else math.inf
-    print(f"{where}: error / plain-PyTorch error", {n: round(r, 3) for n, r in ratios.items()})
-    for name, ratio in ratios.items():
-        assert ratio <= 3.0, f"{where}: {name} error is {ratio:.2f}x plain PyTorch's (> 3x)"
-    return ratios
 
 
 # ------------------------------------------------------------------ numerics grid
@@ -189,7 +114,7 @@ def shuffled() -> Iterator[list[str]]:
 
 def _run(shape: tuple[int, int, int, int, int], causal: bool, backend: str,
          deterministic: bool) -> Grads:
-    inputs, dout = _inputs(shape, D, torch.float16, SEED)
+    inputs, dout = make_inputs(shape, D, torch.float16, SEED)
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = flashtune.attention(q, k, v, causal=causal, backend=backend,
@@ -197,7 +122,7 @@ def _run(shape: tuple[int, int, int, int, int], causal: bool, backend: str,
         assert isinstance(out, torch.Tensor)
         return out
 
-    return _grads(fn, inputs, dout)
+    return gradients(fn, inputs, dout)
 
 
 @pytest.mark.usefixtures("small")
@@ -232,8 +157,8 @@ def test_torch_deterministic_algorithms_select_the_deterministic_kernel() -> Non
     forward.clear_caches()
     torch.use_deterministic_algorithms(True)
     try:
-        inputs, dout = _inputs((1, 20, 20, 2, 2), D, torch.float16, SEED)
-        _grads(lambda q, k, v: flashtune.attention(q, k, v, backend="emulator"), inputs, dout)
+        inputs, dout = make_inputs((1, 20, 20, 2, 2), D, torch.float16, SEED)
+        gradients(lambda q, k, v: flashtune.attention(q, k, v, backend="emulator"), inputs, dout)
     finally:
         torch.use_deterministic_algorithms(previous)
     assert {key[-1] for key in forward._plans} >= {"bwddet"}
@@ -250,7 +175,7 @@ def test_error_ratios_with_the_deterministic_mode() -> None:
 @pytest.mark.usefixtures("small")
 def test_gradient_through_the_lse() -> None:
     """loss = <O, W> + <LSE, U>: the LSE's gradient enters as D - dLSE."""
-    inputs, dout = _inputs((2, 33, 47, 2, 1), D, torch.float16, SEED)
+    inputs, dout = make_inputs((2, 33, 47, 2, 1), D, torch.float16, SEED)
     weight = torch.randn(2, 2, 33, generator=torch.Generator().manual_seed(SEED))
 
     def loss(fn: Callable[..., tuple[torch.Tensor, torch.Tensor]],
@@ -272,7 +197,7 @@ def test_gradient_through_the_lse() -> None:
 
 @pytest.mark.usefixtures("small")
 def test_sdpa_drop_in_gets_gradients() -> None:
-    inputs, dout = _inputs((2, 40, 40, 4, 2), D, torch.float16, SEED)
+    inputs, dout = make_inputs((2, 40, 40, 4, 2), D, torch.float16, SEED)
     bhnd = tuple(t.transpose(1, 2).contiguous() for t in inputs)
 
     def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -283,8 +208,8 @@ def test_sdpa_drop_in_gets_gradients() -> None:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                 enable_gqa=True)
 
-    got = _grads(ours, bhnd, dout.transpose(1, 2))
-    ref = _grads(theirs, tuple(t.double() for t in bhnd), dout.transpose(1, 2))
+    got = gradients(ours, bhnd, dout.transpose(1, 2))
+    ref = gradients(theirs, tuple(t.double() for t in bhnd), dout.transpose(1, 2))
     for name in ("out", "dq", "dk", "dv"):
         err = float((got[name].double() - ref[name]).abs().max())
         assert err <= 1e-2 * float(ref[name].abs().max()), name
@@ -296,7 +221,7 @@ def test_compiled_backward_equals_eager() -> None:
     backward through the custom ops' fake implementations without graph breaks."""
     import torch._dynamo
 
-    inputs, dout = _inputs((1, 50, 70, 2, 1), D, torch.float16, SEED)
+    inputs, dout = make_inputs((1, 50, 70, 2, 1), D, torch.float16, SEED)
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = flashtune.attention(q, k, v, causal=True, backend="emulator",
@@ -305,8 +230,8 @@ def test_compiled_backward_equals_eager() -> None:
         return out * 2
 
     torch._dynamo.reset()
-    eager = _grads(fn, inputs, dout)
-    compiled = _grads(torch.compile(fn, fullgraph=True, backend="aot_eager"), inputs, dout)
+    eager = gradients(fn, inputs, dout)
+    compiled = gradients(torch.compile(fn, fullgraph=True, backend="aot_eager"), inputs, dout)
     for name in ("out", "dq", "dk", "dv"):
         assert torch.equal(compiled[name], eager[name]), name
 
@@ -315,7 +240,7 @@ def test_compiled_backward_equals_eager() -> None:
 def test_the_backward_op_passes_opcheck() -> None:
     from flashtune.runtime import ops
 
-    (q, k, v), dout = _inputs((1, 20, 24, 2, 1), D, torch.float16, SEED)
+    (q, k, v), dout = make_inputs((1, 20, 24, 2, 1), D, torch.float16, SEED)
     out, lse = ops.attention_fwd(q, k, v, True, 0.2, "emulator", True)
     torch.library.opcheck(ops.attention_bwd, (dout, q, k, v, out, lse, None, True, 0.2, True,
                                               "emulator"))
@@ -329,7 +254,7 @@ def test_forward_and_backward_allocate_no_n_by_n_buffer() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     n = 512
-    inputs, dout = _inputs((1, n, n, 1, 1), D, torch.float16, SEED)
+    inputs, dout = make_inputs((1, n, n, 1, 1), D, torch.float16, SEED)
     leaves = [t.clone().requires_grad_(True) for t in inputs]
     for deterministic in (False, True):
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

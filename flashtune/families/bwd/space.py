@@ -107,14 +107,18 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
 #: The emulator's virtual device (and any device whose SM count is unknown) is taken to
 #: have this many SMs when the deterministic mode sizes its dQ slices.
 DEFAULT_SM_COUNT = 4
+#: At most this many dQ slices: the accumulator is then at most 16 float32 copies of dQ
+#: (a small batch x heads gets fewer blocks than SMs rather than a larger buffer).
+MAX_DQ_SLICES = 16
 
 
 def dq_slices(sm_count: int | None, batch: int, heads_kv: int, seqlen_k: int,
               block_n: int) -> int:
     """dQ slices (blocks per kv head) of the deterministic mode: about one block per SM
-    over the batch and kv heads, never more than there are key tiles. The slices make the
-    accumulator that many times the size of dQ in float32, a constant factor (memory stays
-    linear in the sequence length)."""
+    over the batch and kv heads, never more than there are key tiles or MAX_DQ_SLICES. The
+    accumulator is that many float32 copies of dQ, a constant factor: memory stays linear
+    in the sequence length. Fixed by the shape and the device, so results repeat bitwise
+    on one device."""
     sms = sm_count or DEFAULT_SM_COUNT
     key_tiles = -(-seqlen_k // block_n)
-    return max(1, min(key_tiles, math.ceil(sms / (batch * heads_kv))))
+    return max(1, min(key_tiles, MAX_DQ_SLICES, math.ceil(sms / (batch * heads_kv))))

@@ -1,0 +1,95 @@
+"""Test helpers of the backward pass: a differentiable attention written in plain PyTorch
+(float64 reference, or the input dtype for flash-attn's error rule), gradients of a
+function, seeded inputs, and the error-ratio check."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+import flashtune
+
+Grads = dict[str, torch.Tensor]
+#: (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+ShapeTuple = tuple[int, int, int, int, int]
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """O and LSE of (B, N, H, D) tensors in their own dtype, differentiable. Causal rows see
+    keys j <= i + Nk - Nq; a row that sees no key has O = 0 (and a finite gradient)."""
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    nq, nk = q.shape[1], k.shape[1]
+    visible = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
+    if causal:
+        rows = torch.arange(nq, device=q.device)[:, None] + (nk - nq)
+        visible = torch.arange(nk, device=q.device)[None, :] <= rows
+    seen = visible.any(-1)[:, None]
+    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~seen, 0.0)
+    probs = torch.softmax(scores, dim=-1).masked_fill(~seen, 0.0)
+    lse = torch.logsumexp(scores, dim=-1).masked_fill(~seen[:, 0], float("inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v), lse
+
+
+def gradients(fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
+              dout: torch.Tensor) -> Grads:
+    """Output and dq, dk, dv of ``fn`` on fresh leaf copies of ``inputs`` for ``dout``."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    out.backward(dout.to(out.dtype))
+    grads: Grads = {"out": out.detach()}
+    for name, leaf in zip(("dq", "dk", "dv"), leaves, strict=True):
+        assert leaf.grad is not None, name
+        grads[name] = leaf.grad
+    return grads
+
+
+def make_inputs(shape: ShapeTuple, head_dim: int, dtype: torch.dtype, seed: int,
+                device: str = "cpu") -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Seeded standard-normal (q, k, v) and dO."""
+    batch, nq, nk, hq, hkv = shape
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(n: int, h: int) -> torch.Tensor:
+        return torch.randn(batch, n, h, head_dim, generator=gen).to(dtype).to(device)
+
+    q, k, v = draw(nq, hq), draw(nk, hkv), draw(nk, hkv)
+    return (q, k, v), draw(nq, hq)
+
+
+def error_ratios(shape: ShapeTuple, head_dim: int, dtype: torch.dtype, causal: bool,
+                 seed: int, *, backend: str = "emulator", device: str = "cpu",
+                 deterministic: bool | None = None) -> dict[str, float]:
+    """flash-attn's rule: per output (O, dQ, dK, dV), max|flashtune - float64| over
+    max|the same attention in plain PyTorch in ``dtype`` - float64|; asserts each <= 3."""
+    inputs, dout = make_inputs(shape, head_dim, dtype, seed, device)
+    scale = head_dim ** -0.5
+
+    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = flashtune.attention(q, k, v, causal=causal, backend=backend,
+                                  deterministic=deterministic)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attention_reference(q, k, v, causal, scale)[0]
+
+    got = gradients(ours, inputs, dout)
+    low = gradients(plain, inputs, dout)
+    exact = gradients(plain, tuple(t.double() for t in inputs), dout)
+    ratios = {}
+    where = f"shape {shape} d{head_dim} {dtype} causal={causal} seed={seed}"
+    for name in ("out", "dq", "dk", "dv"):
+        assert torch.isfinite(got[name]).all(), f"{where}: {name} is not finite"
+        ours_err = float((got[name].double() - exact[name]).abs().max())
+        plain_err = float((low[name].double() - exact[name]).abs().max())
+        ratios[name] = (ours_err / plain_err if plain_err > 0
+                        else 0.0 if ours_err == 0 else math.inf)
+    print(f"{where}: error / plain-PyTorch error", {n: round(r, 3) for n, r in ratios.items()})
+    for name, ratio in ratios.items():
+        assert ratio <= 3.0, f"{where}: {name} error is {ratio:.2f}x plain PyTorch's (> 3x)"
+    return ratios
