@@ -106,6 +106,13 @@ def close_enough(name: str, out: torch.Tensor, ref: torch.Tensor, tol: Tolerance
     return max_err, rel, ""
 
 
+def random_rows(problem: Problem, shape: ShapeLike, seqlen: int, heads: int,
+                gen: torch.Generator, device: torch.device | str) -> torch.Tensor:
+    """Standard normal (batch, seqlen, heads, head_dim) rows in the problem's dtype."""
+    return torch.randn(shape.batch, seqlen, heads, problem.head_dim, generator=gen,
+                       device=device).to(TORCH_DTYPES[problem.dtype])
+
+
 def attention_matmul_flops(problem: Problem, shape: ShapeLike, matmuls: int) -> float:
     """``matmuls`` products of (Nq x D) by (D x Nk) size per head: 2 B Nq Nk H D each,
     halved when causal (the field's convention for attention FLOPs)."""

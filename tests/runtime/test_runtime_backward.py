@@ -195,21 +195,23 @@ def test_gradient_through_the_lse() -> None:
         assert err <= 1e-2 * float(ref[name].abs().max()), name
 
 
+def flashtune_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return flashtune.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                                  backend="emulator")
+
+
+def torch_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                            enable_gqa=True)
+
+
 @pytest.mark.usefixtures("small")
 def test_sdpa_drop_in_gets_gradients() -> None:
     inputs, dout = make_inputs((2, 40, 40, 4, 2), D, torch.float16, SEED)
     bhnd = tuple(t.transpose(1, 2).contiguous() for t in inputs)
 
-    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return flashtune.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                      enable_gqa=True, backend="emulator")
-
-    def theirs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                enable_gqa=True)
-
-    got = gradients(ours, bhnd, dout.transpose(1, 2))
-    ref = gradients(theirs, tuple(t.double() for t in bhnd), dout.transpose(1, 2))
+    got = gradients(flashtune_sdpa, bhnd, dout.transpose(1, 2))
+    ref = gradients(torch_sdpa, tuple(t.double() for t in bhnd), dout.transpose(1, 2))
     for name in ("out", "dq", "dk", "dv"):
         err = float((got[name].double() - ref[name]).abs().max())
         assert err <= 1e-2 * float(ref[name].abs().max()), name
@@ -294,18 +296,10 @@ def test_a_short_training_loop_follows_torch_sdpa() -> None:
     x = torch.randn(2, 24, 48, generator=gen)
     target = torch.randn(2, 24, 48, generator=gen)
 
-    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return flashtune.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                      enable_gqa=True, backend="emulator")
-
-    def theirs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                enable_gqa=True)
-
     torch.manual_seed(SEED)
-    model = TinyAttentionModel(ours)
+    model = TinyAttentionModel(flashtune_sdpa)
     twin = copy.deepcopy(model)
-    twin.attend = theirs
+    twin.attend = torch_sdpa
     curves = []
     for net in (model, twin):
         opt = torch.optim.SGD(net.parameters(), lr=0.5)

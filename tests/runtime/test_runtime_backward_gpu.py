@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+import torch._dynamo
 from grad_helpers import error_ratios, gradients, make_inputs
 
 import flashtune
@@ -83,8 +84,6 @@ def test_gpu_compiled_training_step_equals_eager() -> None:
         out = flashtune.attention(q, k, v, causal=True, deterministic=True)
         assert isinstance(out, torch.Tensor)
         return out.float().sin().to(q.dtype)
-
-    import torch._dynamo
 
     torch._dynamo.reset()
     eager = gradients(fn, inputs, dout)

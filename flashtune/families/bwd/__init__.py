@@ -18,7 +18,6 @@ from flashtune.codegen.params import ParamSpace
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.families.base import (
-    TORCH_DTYPES,
     Inputs,
     KernelFamily,
     LaunchPlan,
@@ -28,6 +27,7 @@ from flashtune.families.base import (
     attention_matmul_flops,
     close_enough,
     generator,
+    random_rows,
 )
 from flashtune.families.bwd import args, defaults, space
 from flashtune.families.bwd.reference import (
@@ -87,14 +87,9 @@ class BackwardFamily(KernelFamily):
     def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       seed: int | None = None) -> Inputs:
         gen = generator(device, seed)
-        dt = TORCH_DTYPES[problem.dtype]
-
-        def draw(seqlen: int, heads: int) -> torch.Tensor:
-            return torch.randn(shape.batch, seqlen, heads, problem.head_dim, generator=gen,
-                               device=device).to(dt)
-
-        q, dout = draw(shape.seqlen_q, shape.heads_q), draw(shape.seqlen_q, shape.heads_q)
-        k, v = draw(shape.seqlen_k, shape.heads_kv), draw(shape.seqlen_k, shape.heads_kv)
+        q, dout, k, v = (random_rows(problem, shape, n, h, gen, device) for n, h in (
+            (shape.seqlen_q, shape.heads_q), (shape.seqlen_q, shape.heads_q),
+            (shape.seqlen_k, shape.heads_kv), (shape.seqlen_k, shape.heads_kv)))
         scale = problem.head_dim ** -0.5
         lse, dsum = softmax_stats(q, k, v, dout, problem.causal, scale)
         return Inputs({"q": q, "k": k, "v": v, "do": dout, "lse": lse, "dsum": dsum},

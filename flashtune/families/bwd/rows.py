@@ -18,7 +18,7 @@ from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape, ShapeLike
-from flashtune.errors import InvalidConfig, InvalidProblem
+from flashtune.errors import InvalidProblem
 from flashtune.families.base import (
     TORCH_DTYPES,
     Inputs,
@@ -27,8 +27,9 @@ from flashtune.families.base import (
     Tensors,
     Tolerance,
     Verdict,
-    close_enough,
+    compare_outputs,
     generator,
+    random_rows,
 )
 from flashtune.families.bwd import args
 
@@ -65,11 +66,7 @@ class _RowFamily(KernelFamily):
         return None
 
     def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
-        why = self.static_check(problem, DEFAULT, arch)
-        if why is not None:
-            raise InvalidConfig(f"the default {DEFAULT.key()} does not fit {problem.key()} "
-                                f"on {arch.name}: {why}")
-        return DEFAULT
+        return self.fitting(problem, DEFAULT, arch)
 
     def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
         return "memory-bound rows: 64 rows per block over 4 warps on every arch"
@@ -86,23 +83,6 @@ class _RowFamily(KernelFamily):
         return args.row_grid(shape.seqlen_q, shape.heads_q, shape.batch, config.block_m)
 
 
-def _rows(problem: Problem, shape: Shape, gen: torch.Generator, device: torch.device | str
-          ) -> torch.Tensor:
-    return torch.randn(shape.batch, shape.seqlen_q, shape.heads_q, problem.head_dim,
-                       generator=gen, device=device).to(TORCH_DTYPES[problem.dtype])
-
-
-def _verdict(problem: Problem, shape: Shape, checks: list[tuple[float, float, str]]
-             ) -> Verdict:
-    worst = max(c[0] for c in checks)
-    rel = checks[0][1]
-    wrong = "; ".join(c[2] for c in checks if c[2])
-    if wrong:
-        return Verdict(False, worst, rel, f"wrong result on {shape.key()} ({problem.key()}): "
-                                          f"{wrong}")
-    return Verdict(True, worst, rel, "")
-
-
 class PreprocessFamily(_RowFamily):
     """D = rowsum(dO * O) and the zeroed dQ accumulator."""
 
@@ -113,8 +93,9 @@ class PreprocessFamily(_RowFamily):
     def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       seed: int | None = None) -> Inputs:
         gen = generator(device, seed)
-        return Inputs({"o": _rows(problem, shape, gen, device),
-                       "do": _rows(problem, shape, gen, device)},
+        o, dout = (random_rows(problem, shape, shape.seqlen_q, shape.heads_q, gen, device)
+                   for _ in range(2))
+        return Inputs({"o": o, "do": dout},
                       {"dq_slices": float(VERIFY_SLICES)})
 
     def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
@@ -146,10 +127,8 @@ class PreprocessFamily(_RowFamily):
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
                 reference: Tensors) -> Verdict:
-        return _verdict(problem, shape, [
-            close_enough("D", outputs["dsum"], reference["dsum"], DSUM_TOLERANCE),
-            close_enough("dQ accumulator", outputs["dq_accum"], reference["dq_accum"],
-                         Tolerance(0.0, 0.0))])
+        return compare_outputs(problem, shape, outputs, reference, [
+            ("D", "dsum", DSUM_TOLERANCE), ("dQ accumulator", "dq_accum", Tolerance(0.0, 0.0))])
 
     def flops(self, problem: Problem, shape: ShapeLike) -> float:
         return 2.0 * shape.batch * shape.seqlen_q * shape.heads_q * problem.head_dim
@@ -194,8 +173,8 @@ class ConvertFamily(_RowFamily):
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
                 reference: Tensors) -> Verdict:
-        return _verdict(problem, shape, [close_enough("dQ", outputs["dq"], reference["dq"],
-                                                      DQ_TOLERANCE[problem.dtype])])
+        return compare_outputs(problem, shape, outputs, reference,
+                               [("dQ", "dq", DQ_TOLERANCE[problem.dtype])])
 
     def flops(self, problem: Problem, shape: ShapeLike) -> float:
         """One multiply (the scale) and one add of the first slice per element; each further

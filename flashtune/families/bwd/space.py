@@ -12,6 +12,7 @@ import math
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.families.base import resource_reason
 
 BLOCK_M = (32, 64, 128)
 BLOCK_N = (16, 32, 64, 128)
@@ -93,15 +94,8 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
         return (f"{config.num_warps} warps over {config.block_n} keys leave {over_dim} warps "
                 f"to split the head dim's {tiles} n8 tiles (head dim {problem.head_dim}); "
                 "use fewer warps or more keys per tile")
-    smem = smem_bytes(problem, config)
-    if smem > arch.max_smem_per_block:
-        return (f"shared memory {smem} B exceeds the {arch.name} per-block limit "
-                f"{arch.max_smem_per_block} B")
-    regs = accumulator_registers(problem, config)
-    if regs > MAX_ACCUMULATOR_REGISTERS:
-        return (f"accumulators need {regs} registers per thread, over the "
-                f"{MAX_ACCUMULATOR_REGISTERS} that leave room below {arch.max_regs_per_thread}")
-    return None
+    return resource_reason(smem_bytes(problem, config), accumulator_registers(problem, config),
+                           arch, MAX_ACCUMULATOR_REGISTERS)
 
 
 #: The emulator's virtual device (and any device whose SM count is unknown) is taken to

@@ -14,7 +14,6 @@ from flashtune.codegen.params import ParamSpace
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.families.base import (
-    TORCH_DTYPES,
     Inputs,
     KernelFamily,
     LaunchPlan,
@@ -23,6 +22,7 @@ from flashtune.families.base import (
     attention_matmul_flops,
     compare_outputs,
     generator,
+    random_rows,
 )
 from flashtune.families.fwd import args, defaults, space
 from flashtune.families.fwd.reference import attention_reference, o_and_lse_checks
@@ -67,15 +67,9 @@ class ForwardFamily(KernelFamily):
     def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       seed: int | None = None) -> Inputs:
         gen = generator(device, seed)
-        dt = TORCH_DTYPES[problem.dtype]
-
-        def draw(seqlen: int, heads: int) -> torch.Tensor:
-            return torch.randn(shape.batch, seqlen, heads, problem.head_dim, generator=gen,
-                               device=device).to(dt)
-
-        tensors = {"q": draw(shape.seqlen_q, shape.heads_q),
-                   "k": draw(shape.seqlen_k, shape.heads_kv),
-                   "v": draw(shape.seqlen_k, shape.heads_kv)}
+        tensors = {"q": random_rows(problem, shape, shape.seqlen_q, shape.heads_q, gen, device),
+                   "k": random_rows(problem, shape, shape.seqlen_k, shape.heads_kv, gen, device),
+                   "v": random_rows(problem, shape, shape.seqlen_k, shape.heads_kv, gen, device)}
         return Inputs(tensors, {"softmax_scale": problem.head_dim ** -0.5})
 
     def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
