@@ -73,3 +73,23 @@ def test_profile_rejects_a_gpu_of_another_arch(toolchain: None) -> None:
                                  "--gpu", "H100"])
     assert result.exit_code == 1
     assert "sm_90" in result.output and "--arch" in result.output
+
+
+def test_profile_of_the_backward_main_loop(toolchain: None) -> None:
+    """The backward's SASS report: its main loop (one query tile per key tile) holds the
+    five products, 10 * block_m * block_n * head_dim FLOPs over the block's warps, and no
+    prediction (the cost model describes the forward only)."""
+    config = "m64_n64_w4_s2_dqmode-atomic"
+    result = runner.invoke(app, ["profile", "--op", "bwd", "--head-dim", "64", "--causal",
+                                 "--config", config, "--arch", "sm_80", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["prediction"] is None and data["occupancy"]["blocks_per_sm"] >= 1
+    loop = data["sass"]["main_loop"]
+    assert loop["mma_flops"] * 4 == 10 * 64 * 64 * 64  # per warp, times 4 warps
+    table = runner.invoke(app, ["profile", "--op", "bwd", "--head-dim", "64", "--config",
+                                config, "--arch", "sm_80"])
+    assert table.exit_code == 0 and "no PREDICTED time" in " ".join(table.output.split())
+    counters = runner.invoke(app, ["profile", "--op", "bwd", "--head-dim", "64", "--config",
+                                   config, "--arch", "sm_80", "--counters"])
+    assert counters.exit_code == 1 and "forward" in counters.output

@@ -20,17 +20,16 @@ pytestmark = pytest.mark.gpu
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256, 40, 72)
-SHAPES = ((2, 1, 7, 4, 2), (2, 77, 300, 4, 1), (1, 300, 77, 6, 2), (2, 1000, 1000, 4, 4),
-          (1, 1024, 2048, 8, 1))
+#: Length 1, Nq != Nk both ways (causal rows without keys), GQA and MQA, 1000-long rows.
+SHAPES = ((2, 1, 7, 4, 2), (2, 77, 300, 4, 1), (1, 300, 77, 6, 2), (2, 1000, 1000, 4, 4))
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_gpu_gradients_within_3x_of_plain_pytorch(head_dim: int, dtype: torch.dtype) -> None:
-    for causal, shape, deterministic in itertools.product((False, True), SHAPES,
-                                                          (False, True)):
+    for causal, shape in itertools.product((False, True), SHAPES):
         error_ratios(shape, head_dim, dtype, causal, SEED, backend="cuda", device="cuda",
-                     deterministic=deterministic)
+                     deterministic=shape == SHAPES[1])
 
 
 def _grads(deterministic: bool) -> dict[str, torch.Tensor]:
