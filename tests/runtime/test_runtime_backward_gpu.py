@@ -19,7 +19,8 @@ import flashtune
 pytestmark = pytest.mark.gpu
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
-HEAD_DIMS = (32, 64, 96, 128, 160, 192, 224, 256, 40, 72)
+#: Compiled sizes at both ends and the middle, and a padded one (the emulator covers all).
+HEAD_DIMS = (64, 128, 256, 72)
 #: Length 1, Nq != Nk both ways (causal rows without keys), GQA and MQA, 1000-long rows.
 SHAPES = ((2, 1, 7, 4, 2), (2, 77, 300, 4, 1), (1, 300, 77, 6, 2), (2, 1000, 1000, 4, 4))
 
