@@ -219,10 +219,7 @@ def test_sdpa_drop_in_gets_gradients() -> None:
         assert err <= 1e-2 * float(ref[name].abs().max()), name
 
 
-@pytest.mark.usefixtures("small")
-def test_compiled_backward_equals_eager() -> None:
-    """torch.compile (Dynamo and AOTAutograd, aot_eager backend) traces the forward and the
-    backward through the custom ops' fake implementations without graph breaks."""
+def _compiled_equals_eager(compile_backend: str) -> None:
     import torch._dynamo
 
     inputs, dout = make_inputs((1, 50, 70, 2, 1), D, torch.float16, SEED)
@@ -235,9 +232,25 @@ def test_compiled_backward_equals_eager() -> None:
 
     torch._dynamo.reset()
     eager = gradients(fn, inputs, dout)
-    compiled = gradients(torch.compile(fn, fullgraph=True, backend="aot_eager"), inputs, dout)
+    compiled = gradients(torch.compile(fn, fullgraph=True, backend=compile_backend), inputs,
+                         dout)
     for name in ("out", "dq", "dk", "dv"):
         assert torch.equal(compiled[name], eager[name]), name
+
+
+@pytest.mark.usefixtures("small")
+def test_compiled_backward_equals_eager() -> None:
+    """torch.compile (Dynamo and AOTAutograd, aot_eager backend) traces the forward and the
+    backward through the custom ops' fake implementations without graph breaks."""
+    _compiled_equals_eager("aot_eager")
+
+
+@pytest.mark.sweep
+@pytest.mark.usefixtures("small")
+def test_inductor_compiled_backward_equals_eager() -> None:
+    """The same with inductor, which generates and compiles C++ for the surrounding ops (about
+    a minute of g++ on a small CPU, hence behind -m sweep)."""
+    _compiled_equals_eager("inductor")
 
 
 @pytest.mark.usefixtures("small")
