@@ -132,11 +132,12 @@ def explain_command(
 
 
 def _problems(head_dims: list[int] | None, dtypes: list[DType] | None,
-              causal: bool | None) -> list[Problem]:
-    from flashtune.runtime.precompile import all_problems
+              causal: bool | None, backward: bool = False) -> list[Problem]:
+    from flashtune.runtime.precompile import BACKWARD_OPS, all_problems
 
     masks = (False, True) if causal is None else (causal,)
-    return all_problems(head_dims or COMPILED_HEAD_DIMS, dtypes or tuple(DType), masks)
+    ops = ("fwd", *BACKWARD_OPS) if backward else ("fwd",)
+    return all_problems(head_dims or COMPILED_HEAD_DIMS, dtypes or tuple(DType), masks, ops)
 
 
 def precompile_command(
@@ -156,6 +157,10 @@ def precompile_command(
     all_defaults: Annotated[bool, typer.Option(
         "--all-defaults", help="Compile the built-in default config of every selected "
                                "problem instead of asking the dispatcher.")] = False,
+    backward: Annotated[bool, typer.Option(
+        "--backward/--no-backward", help="Also the backward pass's kernels (bwd, bwddet, "
+                                         "bwdpre, bwdsum) of the selected problems.")
+    ] = False,
     device: DeviceOpt = None,
     out: Annotated[Path | None, typer.Option(
         "--out", "--cache-dir", help="Directory to fill (read-only artifacts and their "
@@ -183,7 +188,7 @@ def precompile_command(
         raise fail("no output directory: give --out DIR (the directory to ship)")
     try:
         spec = get_arch(arch)
-        problems = _problems(head_dim, dtype, causal)
+        problems = _problems(head_dim, dtype, causal, backward)
         if all_defaults:
             kernels = default_kernels(spec.name, problems)
         else:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import logging
 import os
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flashtune import knobs
+from flashtune import families, knobs
 from flashtune._version import __version__
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import (
@@ -50,7 +51,7 @@ from flashtune.codegen.spec import (
     Problem,
     ProblemBucket,
 )
-from flashtune.errors import CacheError, CompileError
+from flashtune.errors import CacheError, CompileError, InvalidProblem
 from flashtune.families import render
 from flashtune.runtime.cache import describe_owner, write_error
 from flashtune.runtime.dispatch import DeviceLike, Dispatcher, default_config, get_dispatcher
@@ -346,14 +347,32 @@ def precompile(kernels: Iterable[tuple[Problem, KernelConfig]], arch: str, out: 
     return done
 
 
+#: The kernel families a backward pass runs (``runtime.backward``).
+BACKWARD_OPS: tuple[str, ...] = ("bwd", "bwddet", "bwdpre", "bwdsum")
+
+
 def all_problems(head_dims: Iterable[int] = COMPILED_HEAD_DIMS,
                  dtypes: Iterable[DType] = tuple(DType),
-                 causal: Iterable[bool] = (False, True)) -> list[Problem]:
-    """Every forward Problem of the given head dims, dtypes and masks."""
+                 causal: Iterable[bool] = (False, True),
+                 ops: Iterable[str] = ("fwd",)) -> list[Problem]:
+    """Every Problem of the given families (default: the forward), head dims, dtypes and
+    masks; a family without a mask (the backward's row kernels) serves a causal call with
+    its causal=False problem."""
     masks = tuple(causal)
     kinds = tuple(dtypes)
-    return [Problem(head_dim=d, dtype=t, causal=c) for d in head_dims for t in kinds
-            for c in masks]
+    found: dict[str, Problem] = {}
+    for op in ops:
+        family = families.get(op)
+        for d, t, c in itertools.product(head_dims, kinds, masks):
+            for problem in (Problem(head_dim=d, dtype=t, causal=c, op=op),
+                            Problem(head_dim=d, dtype=t, causal=False, op=op)):
+                try:
+                    family.check_problem(problem)
+                except InvalidProblem:
+                    continue
+                found.setdefault(problem.key(), problem)
+                break
+    return list(found.values())
 
 
 def default_kernels(arch: str, problems: Iterable[Problem] | None = None

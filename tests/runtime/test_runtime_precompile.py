@@ -243,3 +243,16 @@ def test_cli_precompile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     result = runner.invoke(app, ["explain", "--head-dim", "64", "--seqlen", "2048",
                                  "--arch", "sm_90", "--db", db])
     assert "precompiled cubin present" in result.output
+
+
+def test_backward_problems_for_precompiling() -> None:
+    """--backward adds the backward's four families; its row kernels have no mask."""
+    from flashtune.commands.runtime import _problems
+
+    fwd = _problems([64], [DType.BF16], True)
+    assert [p.key() for p in fwd] == ["fwd_d64_bf16_causal"]
+    both = {p.key() for p in _problems([64], [DType.BF16], True, backward=True)}
+    assert both == {"fwd_d64_bf16_causal", "bwd_d64_bf16_causal", "bwddet_d64_bf16_causal",
+                    "bwdpre_d64_bf16_full", "bwdsum_d64_bf16_full"}
+    full = {p.key() for p in _problems([64], [DType.BF16], None, backward=True)}
+    assert len(full) == 2 * 3 + 2
