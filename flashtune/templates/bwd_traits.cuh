@@ -3,35 +3,9 @@
 // tensor-core operations.
 #pragma once
 
-#include "primitives.cuh"
+#include "tensor_ops.cuh"
 
 namespace ft {
-
-// The m16n8k16 mma and the round-to-nearest 16-bit packing of one element type.
-template <typename T>
-struct TensorOps;
-
-template <>
-struct TensorOps<__half> {
-  static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4],
-                                             const unsigned (&b)[2], const float (&c)[4]) {
-    mma_m16n8k16_f16(d, a, b, c);
-  }
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    return pack_half2(lo, hi);
-  }
-};
-
-template <>
-struct TensorOps<__nv_bfloat16> {
-  static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4],
-                                             const unsigned (&b)[2], const float (&c)[4]) {
-    mma_m16n8k16_bf16(d, a, b, c);
-  }
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    return pack_bf162(lo, hi);
-  }
-};
 
 __host__ __device__ constexpr int const_min(int a, int b) { return a < b ? a : b; }
 

@@ -2,35 +2,9 @@
 // warp split, shared-memory layout and the element type's tensor-core operations.
 #pragma once
 
-#include "primitives.cuh"
+#include "tensor_ops.cuh"
 
 namespace ft {
-
-// The tensor-core mma and the 16-bit packing of one element type.
-template <typename T>
-struct DecodeOps;
-
-template <>
-struct DecodeOps<__half> {
-  static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4],
-                                             const unsigned (&b)[2], const float (&c)[4]) {
-    mma_m16n8k16_f16(d, a, b, c);
-  }
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    return pack_half2(lo, hi);
-  }
-};
-
-template <>
-struct DecodeOps<__nv_bfloat16> {
-  static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4],
-                                             const unsigned (&b)[2], const float (&c)[4]) {
-    mma_m16n8k16_bf16(d, a, b, c);
-  }
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    return pack_bf162(lo, hi);
-  }
-};
 
 // Splits cover whole multiples of this many keys (the contract with
 // flashtune.families.decode.splits.SPLIT_ALIGN): split s of a sequence of L keys covers
@@ -67,7 +41,7 @@ template <typename Element_, int HeadDim, int HeadDimPadded, int BlockM, int Blo
           int NumWarps, int NumStages, bool Causal, int RowPad>
 struct DecodeTraits {
   using Element = Element_;
-  using Ops = DecodeOps<Element>;
+  using Ops = TensorOps<Element>;
 
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kHeadDimMma = (HeadDim + 15) / 16 * 16;
