@@ -6,6 +6,15 @@
 
 namespace ft {
 
+namespace detail {
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+__host__ __device__ constexpr int ceil_pow2(int x) {
+  return x <= 1 ? 1 : 2 * ceil_pow2((x + 1) / 2);
+}
+__host__ __device__ constexpr int min_int(int a, int b) { return a < b ? a : b; }
+__host__ __device__ constexpr int max_int(int a, int b) { return a > b ? a : b; }
+}  // namespace detail
+
 // The tensor-core mma and the 16-bit packing for one element type.
 template <typename T>
 struct ElementOps;
@@ -67,6 +76,8 @@ struct FwdTraits {
   static constexpr int kOTiles = kHeadDimMma / 8;       // n8 tiles of O (head dim)
   static constexpr int kQkSteps = kHeadDimMma / 16;     // k16 steps of Q K^T
   static constexpr int kPvSteps = BlockN / 16;          // k16 steps of P V
+  // 32-bit registers per thread held by the S and O accumulator fragments.
+  static constexpr int kAccumulatorRegisters = kMTiles * (kSTiles + kOTiles) * 4;
 
   // Shared-memory layout, in elements.
   static constexpr int kRowStride = HeadDimPadded + RowPad;
@@ -74,17 +85,37 @@ struct FwdTraits {
   static constexpr int kKvElems = BlockN * kRowStride;
   static constexpr int kKOffset = kQElems;
   static constexpr int kVOffset = kQElems + NumStages * kKvElems;
-  static constexpr int kSmemBytes =
-      (kQElems + 2 * NumStages * kKvElems) * static_cast<int>(sizeof(Element));
+  static constexpr int kSmemRows = BlockM + 2 * NumStages * BlockN;
+  static constexpr int kSmemBytes = kSmemRows * kRowStride * static_cast<int>(sizeof(Element));
+
+  // Where 16-byte chunk c of row r of a shared tile lives (element offset from the tile).
+  // step(dr, dc): the offset from chunk (r, c) to chunk (r + dr, c + dc) for the strides
+  // used with it (here any: the layout is linear).
+  struct Smem {
+    static __device__ __forceinline__ int offset(int r, int c) {
+      return r * kRowStride + c * 8;
+    }
+    static __host__ __device__ constexpr int step(int dr, int dc) {
+      return dr * kRowStride + dc * 8;
+    }
+  };
 
   // 16-byte chunks per row: copied by cp.async, and real (stored / read from global).
   static constexpr int kChunkElems = 8;
   static constexpr int kLoadChunks = kHeadDimMma / kChunkElems;
   static constexpr int kRealChunks = HeadDim / kChunkElems;
 
-  // cp.async groups are committed as K_0 (with Q), V_0, K_1, V_1, ...; before K_j or V_j is
-  // used, the 2 * (NumStages - 1) groups committed after it may still be in flight.
-  static constexpr int kPipelineWait = 2 * (NumStages - 1);
+  // The cp.async pipeline. With two or more stages, one group per K/V tile (K_0 with Q) and
+  // one block barrier per tile: before tile j is used, the groups of the kNumStages - 2
+  // tiles committed after it may still be in flight. With one stage, K and V are separate
+  // groups and separate barriers (the single K buffer is refilled while V is read).
+  static constexpr bool kOneBarrier = NumStages >= 2;
+  static constexpr int kPipelineWait = kOneBarrier ? NumStages - 2 : 0;
+  // One stage with the accumulators filling 192 registers: the next K tile is copied after
+  // P V rather than before it. Copying it in the middle of the step keeps the softmax
+  // statistics live across that barrier, and ptxas then spills them (measured with NVRTC
+  // 13 on head dim 160, 128 x 32, sm_80).
+  static constexpr bool kLateKLoad = NumStages == 1 && kAccumulatorRegisters >= 192;
 
   static_assert(sizeof(Element) == 2, "elements are 16-bit (fp16 or bf16)");
   static_assert(HeadDim % 8 == 0 && HeadDim >= 8, "head dim must be a multiple of 8");

@@ -1,5 +1,5 @@
-// Warp-level primitives of flashtune kernels: mma, ldmatrix, cp.async, shuffles, barriers,
-// and the global fp32 reduction.
+// Warp-level primitives of flashtune kernels: mma, ldmatrix, cp.async, shuffles, votes,
+// barriers, and the global fp32 reduction.
 //
 // Kernels call only these functions (namespace ft) and never inline asm, so the CPU
 // emulator can run the same source: under FLASHTUNE_EMULATOR the C++ implementation from the
@@ -149,6 +149,22 @@ __device__ __forceinline__ float shfl_sync(unsigned mask, float v, int src_lane,
 // reductions land is unspecified, so sums of more than two terms are not reproducible.
 __device__ __forceinline__ void atomic_add_f32(float* gmem, float v) {
   asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(gmem), "f"(v) : "memory");
+}
+
+// ---- warp votes -------------------------------------------------------------------------
+
+// True on every lane when the predicate is true on at least one lane of the warp. All 32
+// lanes must execute it (vote.sync.any.pred with a full mask).
+__device__ __forceinline__ bool vote_any(bool p) { return __any_sync(0xffffffffu, p) != 0; }
+
+// ---- register hints -------------------------------------------------------------------
+
+// x, as a value the compiler cannot recompute: under register pressure it keeps it in a
+// register instead of re-deriving it from the thread index inside a hot loop.
+__device__ __forceinline__ int keep_in_register(int x) {
+  int y;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
 }
 
 // ---- barriers and ids ------------------------------------------------------------------

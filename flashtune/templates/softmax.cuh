@@ -9,96 +9,141 @@
 
 namespace ft {
 
-// Set to -inf every score of key `col` that query row `row` may not see: col >= seqlen_k,
-// or (causal) col > row + seqlen_k - seqlen_q, i.e. the mask is aligned to the bottom-right
-// corner when the lengths differ. row0: global query row of the warp's first row;
-// col0: global key of the tile's first column.
+// Which keys the lane's rows may see. Keys [0, end) are visible to query row `row`, with
+// end = min(seqlen_k, row + 1 + seqlen_k - seqlen_q) when causal (the mask is aligned to
+// the bottom-right corner) and seqlen_k otherwise. Stored relative to the lane's first
+// column (2 (lane % 4)) and to the warp's first row, so that a row (mt, h) adds only the
+// constant 16 mt + 8 h: one register per thread.
 template <class Tr>
-__device__ __forceinline__ void apply_mask(float (&s)[Tr::kMTiles][Tr::kSTiles][4], int row0,
-                                           int col0, int seqlen_q, int seqlen_k, int lane) {
-  const int g = lane / 4;
-  const int col_lane = col0 + 2 * (lane % 4);
+struct RowLimits {
+  int diag;      // causal end of the warp's first row, minus the lane's column
+  int key_end;   // seqlen_k minus the lane's column
+
+  __device__ __forceinline__ void init(int row0, int seqlen_q, int seqlen_k, int lane) {
+    const int g = lane / 4;
+    const int col_lane = 2 * (lane % 4);
+    diag = row0 + g + 1 + seqlen_k - seqlen_q - col_lane;
+    key_end = seqlen_k - col_lane;
+  }
+};
+
+// The mask of one tile starting at key col0: row by row, sets to -inf every score its row
+// may not see. kBound: the tile may reach past seqlen_k; kCausal: it may cross the
+// diagonal. Applied row by row inside the softmax, which keeps few values live at once.
+template <class Tr, bool kBound, bool kCausal>
+struct TileMask {
+  int diag;     // RowLimits::diag relative to the tile
+  int key_end;  // RowLimits::key_end relative to the tile
+
+  __device__ __forceinline__ TileMask(const RowLimits<Tr>& rows, int col0)
+      : diag(rows.diag - col0), key_end(rows.key_end - col0) {}
+
+  __device__ __forceinline__ void row(float (&s)[Tr::kMTiles][Tr::kSTiles][4], int mt,
+                                      int h) const {
 #pragma unroll
-  for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+    for (int nt = 0; nt < Tr::kSTiles; ++nt) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      int limit = seqlen_k;  // keys [0, limit) are visible to this row
-      if constexpr (Tr::kCausal) {
-        const int row = row0 + mt * 16 + g + 8 * h;
-        const int diag = row + 1 + seqlen_k - seqlen_q;
-        limit = diag < limit ? diag : limit;
-      }
-#pragma unroll
-      for (int nt = 0; nt < Tr::kSTiles; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          if (col_lane + nt * 8 + e >= limit) s[mt][nt][2 * h + e] = -INFINITY;
-        }
+      for (int e = 0; e < 2; ++e) {
+        const int c = nt * 8 + e;  // the key's column relative to the lane's first one
+        // Row (mt, h) ends at diag + 16 mt + 8 h; the constants stay on the left, so each
+        // compare is one instruction against one register.
+        const bool hidden = (kBound && c >= key_end) || (kCausal && c - mt * 16 - 8 * h >= diag);
+        if (hidden) s[mt][nt][2 * h + e] = -INFINITY;
       }
     }
   }
-}
+};
+
+// The mask of a tile every row sees whole.
+struct NoMask {
+  template <class S>
+  __device__ __forceinline__ void row(S&, int, int) const {}
+};
 
 // Running softmax statistics of the lane's rows, in the log2 domain: scores are multiplied
 // by scale_log2 = softmax_scale * log2(e) so that exp(scale * x) = exp2(scale_log2 * x).
 template <class Tr>
 struct OnlineSoftmax {
-  // Running max of the raw scores seen so far, times scale_log2; -inf before any key.
+  // The running max of a row that has seen no visible key yet: finite and below every
+  // finite score, so that masked (-inf) scores give exp2(-inf - kNoMax) = 0 and no
+  // guard against exp2(-inf + inf) = NaN is needed anywhere.
+  static constexpr float kNoMax = -3.40282346638528859812e+38f;  // -FLT_MAX
+
+  // Running max of the raw scores seen so far, times scale_log2 (kNoMax before any key).
   float max_scaled[Tr::kMTiles][2];
   // This lane's share of the row sum of exp2(scaled score - max_scaled); the quad's four
   // shares are added in finalize (the rescaling is the same for all four, so it commutes).
   float sum[Tr::kMTiles][2];
 
-  __device__ __forceinline__ void init() {
-#pragma unroll
-    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-      max_scaled[mt][0] = max_scaled[mt][1] = -INFINITY;
-      sum[mt][0] = sum[mt][1] = 0.0f;
-    }
-  }
-
-  // Fold one tile of scores into the statistics: rescale the O accumulator and the sums by
-  // exp2(old max - new max), and turn s into probabilities exp2(scale_log2 * s - new max)
-  // in place (ready to be packed as the A operand of P V).
+  // Fold one tile of scores, masked by `mask`, into the statistics and write its
+  // probabilities exp2(scale_log2 * s - new max), packed to 16-bit pairs, as the A operand
+  // of P V: p[mt][kk] is the A fragment of k16 step kk (the C fragments of key tiles 2 kk
+  // and 2 kk + 1).
   //
-  // A row whose keys so far are all masked keeps max -inf; its probabilities use a max of 0
-  // instead, so exp2(-inf - 0) = 0 rather than exp2(-inf + inf) = NaN.
+  // kFirst: the first tile of the block; the statistics start here and O (all zero) is not
+  // rescaled. Otherwise the sums are rescaled by exp2(old max - new max), and O too when the
+  // max of some row of the warp changed (one warp vote; the factor of every other row is
+  // exp2(0) = 1). O is rescaled last, when the scores are packed and fewer registers are
+  // live.
+  template <bool kFirst, class Mask>
   __device__ __forceinline__ void update(float (&s)[Tr::kMTiles][Tr::kSTiles][4],
+                                         unsigned (&p)[Tr::kMTiles][Tr::kPvSteps][4],
                                          float (&o)[Tr::kMTiles][Tr::kOTiles][4],
-                                         float scale_log2) {
+                                         float scale_log2, const Mask& mask) {
+    float alpha[Tr::kMTiles][2];
+    bool changed = false;
+    // The new maxima and the rescale factors.
 #pragma unroll
     for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float m = -INFINITY;
+        mask.row(s, mt, h);
+        float m = fmaxf(s[mt][0][2 * h], s[mt][0][2 * h + 1]);
 #pragma unroll
-        for (int nt = 0; nt < Tr::kSTiles; ++nt) {
+        for (int nt = 1; nt < Tr::kSTiles; ++nt) {
           m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
         }
         m = fmaxf(m, shfl_xor(m, 1));
         m = fmaxf(m, shfl_xor(m, 2));
-        // The new running max; the product is rounded the same way in every tile, so the
-        // rescale factors telescope exactly.
-        const float m_tile = m == -INFINITY ? -INFINITY : m * scale_log2;
-        const float m_new = fmaxf(max_scaled[mt][h], m_tile);
-        const float m_use = m_new == -INFINITY ? 0.0f : m_new;
-        const float alpha = exp2f_fast(max_scaled[mt][h] - m_use);
+        // The product is rounded the same way in every tile, so the rescale factors
+        // telescope exactly; -inf stays -inf (scale_log2 > 0) and loses to the old max.
+        const float m_tile = m * scale_log2;
+        const float m_new = fmaxf(kFirst ? kNoMax : max_scaled[mt][h], m_tile);
+        if constexpr (!kFirst) {
+          alpha[mt][h] = exp2f_fast(max_scaled[mt][h] - m_new);
+          changed = changed || m_new != max_scaled[mt][h];
+        }
         max_scaled[mt][h] = m_new;
+      }
+    }
+    // The probabilities, their sums, packed.
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
         float tile_sum = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < Tr::kSTiles; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float p = exp2f_fast(s[mt][nt][2 * h + e] * scale_log2 - m_use);
-            s[mt][nt][2 * h + e] = p;
-            tile_sum += p;
-          }
+          const float p0 = exp2f_fast(s[mt][nt][2 * h] * scale_log2 - max_scaled[mt][h]);
+          const float p1 = exp2f_fast(s[mt][nt][2 * h + 1] * scale_log2 - max_scaled[mt][h]);
+          tile_sum += p0 + p1;
+          // Key tile nt is half nt % 2 of k16 step nt / 2; row h is register h of a half.
+          p[mt][nt / 2][2 * (nt % 2) + h] = Tr::Ops::pack(p0, p1);
         }
-        sum[mt][h] = sum[mt][h] * alpha + tile_sum;
+        sum[mt][h] = kFirst ? tile_sum : sum[mt][h] * alpha[mt][h] + tile_sum;
+      }
+    }
+    if constexpr (!kFirst) {
+      if (vote_any(changed)) {
 #pragma unroll
-        for (int dt = 0; dt < Tr::kOTiles; ++dt) {
-          o[mt][dt][2 * h] *= alpha;
-          o[mt][dt][2 * h + 1] *= alpha;
+        for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+          for (int dt = 0; dt < Tr::kOTiles; ++dt) {
+            o[mt][dt][0] *= alpha[mt][0];
+            o[mt][dt][1] *= alpha[mt][0];
+            o[mt][dt][2] *= alpha[mt][1];
+            o[mt][dt][3] *= alpha[mt][1];
+          }
         }
       }
     }

@@ -60,12 +60,24 @@ extern "C" __global__ void vote(const int* pred, unsigned* out, unsigned mask) {
   out[lane * 3 + 1] = __any_sync(mask, pred[lane]);
   out[lane * 3 + 2] = __all_sync(mask, pred[lane]);
 }
+
+// ft::vote_any over the full warp: once from one call site, once from two sites that split
+// the warp by its own predicate (vote.sync is not .aligned: the sites meet in one vote).
+extern "C" __global__ void ft_vote(const int* pred, unsigned* out) {
+  int t = threadIdx.x;
+  bool p = pred[t] != 0;
+  out[2 * t] = ft::vote_any(p) ? 1u : 0u;
+  bool r;
+  if (p) r = ft::vote_any(true);
+  else r = ft::vote_any(false);
+  out[2 * t + 1] = r ? 1u : 0u;
+}
 """
 
 
 @pytest.fixture(scope="module")
 def module() -> EmulatedModule:
-    return build_module(SOURCE, ["shfl", "mixed", "vote"])
+    return build_module(SOURCE, ["shfl", "mixed", "vote", "ft_vote"])
 
 
 def _shfl(module: EmulatedModule, mode: str, mask: int, width: int, args: np.ndarray,
@@ -147,3 +159,20 @@ def test_votes(module: EmulatedModule, mask: int) -> None:
     for lane in lanes:
         assert list(out[lane]) == [ballot, int(ballot != 0),
                                    int(all(pred[x] for x in lanes))]
+
+
+@pytest.mark.parametrize("pattern", ["random", "none", "one", "all"])
+def test_ft_vote_any(module: EmulatedModule, pattern: str) -> None:
+    rng = np.random.default_rng()
+    pred = np.zeros(64, dtype=np.int32)
+    if pattern == "random":
+        pred = rng.integers(0, 2, size=64).astype(np.int32)
+    elif pattern == "one":
+        pred[int(rng.integers(32, 64))] = 1  # only one lane of the second warp
+    elif pattern == "all":
+        pred[:] = 1
+    out = np.full((64, 2), 7, dtype=np.uint32)
+    module["ft_vote"].launch(1, 64, [ptr(pred), ptr(out)])
+    for warp in range(2):
+        want = int(pred[32 * warp:32 * warp + 32].any())
+        assert (out[32 * warp:32 * warp + 32] == want).all(), (pattern, warp, out[32 * warp:])

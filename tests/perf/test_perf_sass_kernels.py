@@ -10,6 +10,7 @@ import pytest
 
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.families import render
+from flashtune.perf.loops import main_loops
 from flashtune.perf.sass import SassListing
 from flashtune.perf.workload import analytic_tile_mix, mma_head_dim
 
@@ -120,6 +121,18 @@ def _forward_sass(compile_sass: CompileSass, problem: Problem, config: KernelCon
     return compile_sass(source.code, arch, source.headers, source.options)
 
 
+def _copies_per_thread(rows: int, chunks: int, threads: int) -> int:
+    """cp.async instructions one thread issues for a tile, by the copy plan of tile_io.cuh
+    (RowCopy): t threads share a row, t the power of two in [2, 4] that keeps every thread
+    busy, capped by the largest power of two dividing the row's chunks."""
+    pow2 = chunks & -chunks
+    want = 1
+    while want < max(2, math.ceil(threads / rows)):
+        want *= 2
+    t = min(4, pow2, want)
+    return math.ceil(rows / (threads // t)) * (chunks // t)
+
+
 @pytest.mark.parametrize(("problem", "config", "arch"), [
     (Problem(64, DType.FP16, False), KernelConfig(128, 128, 4, 2), "sm_80"),
     (Problem(128, DType.BF16, True), KernelConfig(64, 64, 4, 3), "sm_90"),
@@ -128,24 +141,32 @@ def _forward_sass(compile_sass: CompileSass, problem: Problem, config: KernelCon
 def test_forward_kernel_main_loop_matches_the_algorithm(
         compile_sass: CompileSass, problem: Problem, config: KernelConfig, arch: str) -> None:
     fn = _forward_sass(compile_sass, problem, config, arch).function()
-    hot = fn.hot_loop()
-    assert hot is not None
-    body = fn.mix(hot)
+    loops = main_loops(fn)
+    assert loops.unmasked is not None
+    # Steps that cross the causal diagonal are unrolled for these tiles: no masked loop.
+    assert loops.masked is None
+    body = loops.unmasked.mix
     expected = analytic_tile_mix(problem, config)
     d = mma_head_dim(problem)
     slabs = config.rows_per_warp // 16
-    # Every MMA of the kernel is in the main loop: Q K^T and P V for one K/V tile.
+    # One iteration holds Q K^T and P V for one K/V tile; the steps outside the loop (the
+    # peeled first one, unrolled masked ones) hold whole tiles too.
     mmas = slabs * config.block_n * d // 64
-    assert body["mma"] == fn.mix()["mma"] == mmas
+    assert body["mma"] == mmas and fn.mix()["mma"] % mmas == 0
     assert body.mma_flops == expected.mma_flops
     want_hmma = "HMMA.16816.F32" + (".BF16" if problem.dtype is DType.BF16 else "")
     assert body.by_opcode.get(want_hmma) == mmas
     # One exp2 per score plus one rescale per row a thread holds.
     assert body.by_opcode.get("MUFU.EX2") == expected.mufu
     assert body["ldsm"] * 512 == body.ldsm_bytes == expected.ldsm_bytes
-    # K and V tiles of block_n rows x d/8 16-byte chunks, spread over the block's threads.
-    assert body["ldgsts"] == 2 * math.ceil(config.block_n * (d // 8) / config.threads)
-    assert body["bar"] == 2
+    # K and V tiles of block_n rows x d/8 16-byte chunks, by the copy plan.
+    assert body["ldgsts"] == 2 * _copies_per_thread(config.block_n, problem.head_dim // 8,
+                                                    config.threads)
+    # One barrier per tile with two or more stages, two with one.
+    assert body["bar"] == (1 if config.num_stages >= 2 else 2)
+    # No mask and no guard in the unmasked loop: nothing selects -inf.
+    assert not any("INF" in i.operands for i in fn.instructions
+                   if loops.unmasked.loop.start <= i.offset <= loops.unmasked.loop.end)
     # cp.async moves 16 bytes per instruction; the epilogue's global stores are 128-bit.
     assert all(op.endswith(".128") for op in body.by_opcode if op.startswith("LDGSTS"))
     assert fn.mix().store_widths.get(128, 0) > 0

@@ -90,6 +90,14 @@ __device__ inline void atomic_add_f32(float* gmem, float v) {
                                     detail::flush_subnormal(v));
 }
 
+// --- warp vote: true on every lane when p is true on at least one lane (full warp) ---
+__device__ inline bool vote_any(bool p, loc_t l = loc_t::current()) {
+    return ftemu_vote(FTEMU_VOTE_ANY, 0xffffffffu, p ? 1 : 0, ::ftemu::to_loc(l)) != 0u;
+}
+
+// --- register hint (a compiler hint on the GPU; the identity here) ---
+__device__ inline int keep_in_register(int x) { return x; }
+
 // --- barriers and ids ---
 __device__ inline void block_sync(loc_t l = loc_t::current()) { __syncthreads(l); }
 __device__ inline void warp_sync(loc_t l = loc_t::current()) { __syncwarp(0xffffffffu, l); }

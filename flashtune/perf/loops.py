@@ -1,0 +1,262 @@
+"""The main loops of a compiled attention kernel, found in its SASS, and what one iteration
+of each costs.
+
+How the loops are found (the contract the forward kernel's structure is written to):
+
+- A loop is a backward branch (``SassFunction.loops``). The *main* loops are the innermost
+  loops whose body holds the most tensor-core FLOPs: one iteration is one K/V tile.
+- A main loop that writes the constant ``-INF`` (an ``FSEL ..., -INF, P`` that hides a
+  score) applies a mask: it is the *masked* loop. The main loop without one is the
+  *unmasked* loop. The forward kernel walks its masked tiles first in one loop (or as
+  straight-line steps, then there is no masked loop) and its unmasked tiles in another,
+  with no mask code and no -inf guard; a kernel that masks inside its only loop has a
+  masked loop and no unmasked one.
+- Inside a loop, a conditional forward branch whose predicate comes from a warp vote
+  (``VOTE``) skips the block that rescales O when no row maximum of the warp changed. The
+  instructions executed per iteration then range from the static count less those blocks
+  to the static count.
+
+Local memory: an ``LDL`` whose register an MMA reads before anything rewrites it, or an
+``STL`` of a register an MMA last wrote, sits in a tensor-core chain (the MMA waits on
+local memory). Other local accesses in a loop only take issue slots.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum
+
+from flashtune.perf.sass import Instruction, InstructionMix, Loop, SassFunction
+
+
+class LoopKind(str, Enum):
+    MASKED = "masked"
+    UNMASKED = "unmasked"
+
+
+_REG = re.compile(r"(?<![\w.])R(\d+)\b")
+_PRED = re.compile(r"@(!?)(U?P\d+)")
+_MASK_CONSTANT = re.compile(r"(?<![\w.])-INF\b")
+_PREDICATE_WRITERS = {"VOTE", "VOTEU", "ISETP", "FSETP", "DSETP", "HSETP2", "PLOP3", "R2P",
+                      "UISETP"}
+
+
+@dataclass(frozen=True)
+class SkippedBlock:
+    """Instructions [start, end] a vote-guarded forward branch of the loop jumps over."""
+
+    start: int
+    end: int
+    mix: InstructionMix
+
+
+@dataclass(frozen=True)
+class LocalMemoryUse:
+    """LDL / STL of one loop iteration and how many of them sit in a tensor-core chain."""
+
+    loads: int
+    stores: int
+    in_mma_chain: int
+
+    @property
+    def accesses(self) -> int:
+        return self.loads + self.stores
+
+    def to_dict(self) -> dict[str, int]:
+        return {"loads": self.loads, "stores": self.stores, "in_mma_chain": self.in_mma_chain}
+
+
+@dataclass(frozen=True)
+class MainLoop:
+    """One main loop: its kind, range, static mix per iteration (per warp), the blocks a
+    warp vote can skip, and its local-memory accesses."""
+
+    kind: LoopKind
+    loop: Loop
+    mix: InstructionMix
+    skipped: tuple[SkippedBlock, ...]
+    local: LocalMemoryUse
+
+    @property
+    def static(self) -> int:
+        """Static instructions per iteration (what the listing holds)."""
+        return self.mix.total
+
+    @property
+    def executed_min(self) -> int:
+        """Instructions an iteration executes when every vote-guarded block is skipped."""
+        return self.mix.total - sum(b.mix.total for b in self.skipped)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "kind": self.kind.value,
+            "start": self.loop.start,
+            "end": self.loop.end,
+            "static": self.static,
+            "executed_min": self.executed_min,
+            "skipped_blocks": [{"start": b.start, "end": b.end, "instructions": b.mix.total}
+                               for b in self.skipped],
+            "local_memory": self.local.to_dict(),
+            **self.mix.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class MainLoops:
+    """The masked and unmasked main loops of a kernel (either may be absent)."""
+
+    masked: MainLoop | None
+    unmasked: MainLoop | None
+
+    def __iter__(self) -> Iterator[MainLoop]:
+        return iter([lp for lp in (self.masked, self.unmasked) if lp is not None])
+
+    def to_dict(self) -> dict[str, object]:
+        return {"masked": None if self.masked is None else self.masked.to_dict(),
+                "unmasked": None if self.unmasked is None else self.unmasked.to_dict()}
+
+
+def _body(fn: SassFunction, loop: Loop) -> list[Instruction]:
+    return [i for i in fn.instructions if loop.start <= i.offset <= loop.end]
+
+
+def _innermost(loops: tuple[Loop, ...]) -> list[Loop]:
+    return [lp for lp in loops
+            if not any(o != lp and lp.start <= o.start and o.end <= lp.end for o in loops)]
+
+
+def _is_masked(body: list[Instruction]) -> bool:
+    return any(_MASK_CONSTANT.search(i.operands) for i in body if not i.never_executes)
+
+
+def _predicate_source(body: list[Instruction], index: int, pred: str) -> Instruction | None:
+    """The last instruction before body[index] that writes predicate `pred`."""
+    for ins in reversed(body[:index]):
+        dests = ins.operands.split(",")
+        if ins.base in _PREDICATE_WRITERS and dests and dests[0].strip() == pred:
+            return ins
+    return None
+
+
+def _skipped_blocks(fn: SassFunction, loop: Loop, body: list[Instruction]
+                    ) -> tuple[SkippedBlock, ...]:
+    out = []
+    for index, ins in enumerate(body):
+        target = fn.branch_target(ins)
+        if ins.base != "BRA" or target is None or not (ins.offset < target <= loop.end):
+            continue
+        m = _PRED.search(ins.predicate)
+        if m is None:
+            continue
+        source = _predicate_source(body, index, m.group(2))
+        if source is None or not source.base.startswith("VOTE"):
+            continue
+        inside = [i for i in body if ins.offset < i.offset < target]
+        if inside:
+            out.append(SkippedBlock(inside[0].offset, inside[-1].offset,
+                                    InstructionMix.of(inside)))
+    return tuple(out)
+
+
+def _regs(token: str, width: int) -> set[int]:
+    m = _REG.search(token)
+    if m is None:
+        return set()
+    base = int(m.group(1))
+    return set(range(base, base + width))
+
+
+def _mma_operands(ins: Instruction) -> tuple[set[int], set[int]]:
+    """(registers an MMA reads, registers it writes)."""
+    mods = ins.modifiers
+    small = "1688" in mods or "884" in mods
+    acc = 2 if "F16" in mods[1:2] else 4
+    widths = (acc, 2 if small else 4, 1 if small else 2, acc)
+    parts = [p.strip() for p in ins.operands.split(",")]
+    if len(parts) < 4:
+        return set(), set()
+    reads = _regs(parts[1], widths[1]) | _regs(parts[2], widths[2]) | _regs(parts[3], widths[3])
+    return reads, _regs(parts[0], widths[0])
+
+
+def _width(ins: Instruction) -> int:
+    bits = ins.width_bits or 32
+    return max(1, bits // 32)
+
+
+_NO_REGISTER_DEST = {"STS", "STG", "STL", "ST", "LDGSTS", "BAR", "BRA", "EXIT", "DEPBAR",
+                     "LDGDEPBAR", "BSSY", "BSYNC", "WARPSYNC", "CALL", "RET", "RED", "ATOMS"}
+
+
+def _written(ins: Instruction, parts: list[str]) -> set[int]:
+    """The general registers a non-MMA instruction writes (as far as its text says)."""
+    if ins.base in _NO_REGISTER_DEST or not parts:
+        return set()
+    dest = parts[0]
+    if re.fullmatch(r"!?U?P(\d+|T)", dest) and ins.base == "SHFL" and len(parts) > 1:
+        dest = parts[1]  # SHFL writes a predicate, then the register
+    if ins.base == "LDSM":
+        count = next((int(m) for m in reversed(ins.modifiers) if m in ("1", "2", "4")), 4)
+        return _regs(dest, count)
+    if ins.category in ("lds", "ldg", "ldl"):
+        return _regs(dest, _width(ins))
+    wide = "WIDE" in ins.modifiers or "64" in ins.modifiers
+    return _regs(dest, 2 if wide else 1)
+
+
+def _local_memory(body: list[Instruction]) -> LocalMemoryUse:
+    loads = stores = in_chain = 0
+    last_writer: dict[int, str] = {}  # register -> "mma" / "other"
+    pending: dict[int, int] = {}      # register -> index of the LDL that loaded it
+    chained_loads: set[int] = set()
+    for index, ins in enumerate(body):
+        if ins.never_executes or ins.base == "NOP":
+            continue
+        parts = [p.strip() for p in ins.operands.split(",")]
+        if ins.base == "LDL":
+            loads += 1
+            for r in _regs(parts[0], _width(ins)):
+                pending[r] = index
+                last_writer[r] = "other"
+            continue
+        if ins.base == "STL":
+            stores += 1
+            src = parts[-1] if parts else ""
+            if any(last_writer.get(r) == "mma" for r in _regs(src, _width(ins))):
+                in_chain += 1
+            continue
+        if ins.category in ("mma", "wgmma"):
+            reads, writes = _mma_operands(ins)
+            for r in reads:
+                if r in pending:
+                    chained_loads.add(pending.pop(r))
+            for r in writes:
+                last_writer[r] = "mma"
+                pending.pop(r, None)
+            continue
+        for r in _written(ins, parts):
+            last_writer[r] = "other"
+            pending.pop(r, None)
+    return LocalMemoryUse(loads, stores, in_chain + len(chained_loads))
+
+
+def main_loops(fn: SassFunction) -> MainLoops:
+    """The masked and unmasked main loops of ``fn`` (see the module docstring)."""
+    candidates = [lp for lp in _innermost(fn.loops()) if fn.mix(lp).mma_flops > 0]
+    if not candidates:
+        return MainLoops(None, None)
+    best = max(fn.mix(lp).mma_flops for lp in candidates)
+    found: dict[LoopKind, MainLoop] = {}
+    for lp in sorted(candidates, key=lambda x: x.start):
+        mix = fn.mix(lp)
+        if mix.mma_flops != best:
+            continue
+        body = _body(fn, lp)
+        kind = LoopKind.MASKED if _is_masked(body) else LoopKind.UNMASKED
+        if kind in found:
+            continue  # a second loop of the same kind: keep the first
+        found[kind] = MainLoop(kind, lp, mix, _skipped_blocks(fn, lp, body),
+                               _local_memory(body))
+    return MainLoops(found.get(LoopKind.MASKED), found.get(LoopKind.UNMASKED))
