@@ -91,6 +91,7 @@ def _print(profile: KernelProfile) -> None:
                                            strict=True):
         table.add_row(name, whole, in_loop)
     console.print(table)
+    _print_loop_budget(console, profile)
     occ = profile.occupancy
     waves = f"; {pred.waves:.2f} waves on {profile.gpu.sm_count} SMs" if pred else ""
     console.print(f"occupancy on {profile.arch}: {occ.blocks_per_sm} blocks/SM, "
@@ -108,6 +109,27 @@ def _print(profile: KernelProfile) -> None:
         console.print(f"  note: {note}", highlight=False)
     if profile.emulated is not None:
         _print_counters(console, profile)
+
+
+def _print_loop_budget(console: Console, profile: KernelProfile) -> None:
+    """Instructions per main-loop iteration per warp, by class, masked and unmasked loop."""
+    from flashtune.perf.budget import class_table
+
+    loops = {f"{lp.kind.value} loop [{lp.loop.start:#x}-{lp.loop.end:#x}]": lp
+             for lp in profile.loops}
+    if not loops:
+        return
+    table = Table(title="per main-loop iteration per warp (static)")
+    table.add_column("class")
+    for name in loops:
+        table.add_column(name, justify="right")
+    for row in class_table({name: lp.mix for name, lp in loops.items()}):
+        table.add_row(*row)
+    table.add_row("local memory (LDL+STL, in MMA chains)",
+                  *(f"{lp.local.accesses} ({lp.local.in_mma_chain})" for lp in loops.values()))
+    table.add_row("executed when no row max changed",
+                  *(str(lp.executed_min) for lp in loops.values()))
+    console.print(table)
 
 
 def _print_counters(console: Console, profile: KernelProfile) -> None:

@@ -17,6 +17,7 @@ from flashtune.families import render
 from flashtune.perf.costmodel import DEFAULT_PARAMS, ModelParams, Prediction, predict
 from flashtune.perf.disasm import sass_listing
 from flashtune.perf.gpus import GpuSpec, default_gpu_for_arch, get_gpu
+from flashtune.perf.loops import MainLoops, main_loops
 from flashtune.perf.occupancy import Occupancy, occupancy
 from flashtune.perf.sass import InstructionMix, Loop
 from flashtune.runtime.compiler import compile_source
@@ -40,6 +41,7 @@ class KernelProfile:
     kernel_mix: InstructionMix
     loop: Loop | None
     loop_mix: InstructionMix | None
+    loops: MainLoops
     occupancy: Occupancy
     prediction: Prediction | None  # None: the cost model has no model of this family
     emulated: EmulatedTraffic | None = None  # emulator counters fed to the prediction
@@ -61,6 +63,7 @@ class KernelProfile:
                     "end": self.loop.end if self.loop else None,
                     **self.loop_mix.to_dict(),
                 },
+                **{f"{kind}_loop": value for kind, value in self.loops.to_dict().items()},
             },
             "occupancy": self.occupancy.to_dict(),
             "prediction": None if self.prediction is None else self.prediction.to_dict(),
@@ -93,7 +96,10 @@ def profile_kernel(problem: Problem, config: KernelConfig, shape: Shape, arch: s
     source = render(problem, config)
     kernel = compile_source(source, spec.name)
     function = sass_listing(kernel.cubin, spec.name).function(source.entry)
-    loop = function.hot_loop()
+    loops = main_loops(function)
+    # The main loop: the unmasked one, where most tiles of a long sequence run.
+    main = loops.unmasked or loops.masked
+    loop = main.loop if main is not None else function.hot_loop()
     if counters and problem.op != "fwd":
         raise InvalidConfig(f"emulator counters feed the cost model's prediction, which only "
                             f"describes the forward; profile the {problem.op!r} family "
@@ -114,6 +120,6 @@ def profile_kernel(problem: Problem, config: KernelConfig, shape: Shape, arch: s
     return KernelProfile(
         problem=problem, config=config, arch=spec.name, gpu=target, shape=shape,
         entry=source.entry, resources=kernel.resources, kernel_mix=function.mix(),
-        loop=loop, loop_mix=function.mix(loop) if loop is not None else None,
+        loop=loop, loop_mix=function.mix(loop) if loop is not None else None, loops=loops,
         occupancy=occ, prediction=prediction, emulated=emulated,
     )

@@ -41,6 +41,12 @@ def test_profile_json(toolchain: None) -> None:
     assert loop["mma_flops"] == expected.mma_flops
     assert loop["mma_ops"] == {"HMMA.16816.F32.BF16": expected.mma_flops // 4096}
     assert loop["mufu_ops"]["MUFU.EX2"] == expected.mufu
+    # Non-causal 64x64: the only main loop is the unmasked one, reported as the main loop.
+    unmasked = data["sass"]["unmasked_loop"]
+    assert data["sass"]["masked_loop"] is None
+    assert (unmasked["start"], unmasked["static"]) == (loop["start"], loop["total"])
+    assert unmasked["executed_min"] < unmasked["static"]
+    assert unmasked["local_memory"] == {"loads": 0, "stores": 0, "in_mma_chain": 0}
     res = data["resources"]
     occ = occupancy("sm_80", threads=128, registers=res["registers"],
                     smem_bytes=res["static_smem"] + res["dynamic_smem"])
@@ -66,6 +72,8 @@ def test_profile_table(toolchain: None) -> None:
     assert "PREDICTED" in result.output
     assert "HMMA.16816.F32.BF16" in result.output
     assert "blocks/SM" in result.output
+    assert "per main-loop iteration per warp" in result.output
+    assert "unmasked loop" in result.output and "int/addr/pred" in result.output
 
 
 def test_profile_rejects_a_gpu_of_another_arch(toolchain: None) -> None:
