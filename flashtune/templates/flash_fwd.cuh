@@ -1,5 +1,5 @@
 // FlashAttention-2 forward pass (sm_80 and newer): one thread block per kBlockM query rows
-// of one (batch, head).
+// of one (batch, head) at a time (the main loop is in fwd_mainloop.cuh).
 //
 // Per block: Q is copied to shared memory once; K and V tiles of kBlockN keys stream through
 // rings of kNumStages shared buffers fed by cp.async; each warp computes S = Q K^T for its
@@ -17,6 +17,17 @@
 // No step needs a guard against rows that have seen only masked keys: their running max
 // starts at a finite value below every score (OnlineSoftmax::kNoMax).
 //
+// Block order (kOrder) maps the launch grid (query blocks, heads_q, batch) to the tiles:
+//   kPlain: blockIdx as is; the query blocks of one head are adjacent in launch order, so
+//     the blocks running together share that head's K and V in L2 (heads outermost);
+//   kHeadsInner: the heads vary fastest; the query heads of a GQA group, which read the
+//     same K and V tiles, run side by side on the same query block;
+//   kLongestFirst: the query blocks in reverse; under a causal mask the last blocks see
+//     the most keys, and starting them first shortens the tail of the launch.
+// kPersistent: a block walks the query blocks blockIdx.x, blockIdx.x + gridDim.x, ... of
+// its (head, batch) (a static round-robin tile scheduler), so the grid may have fewer
+// blocks in x than there are query blocks; with the full grid each block does one.
+//
 // Tensors: Q, O (batch, seqlen_q, heads_q, dim); K, V (batch, seqlen_k, heads_kv, dim);
 // strides in elements, the last dim contiguous; base pointers 16-byte aligned and strides
 // multiples of 8 elements. LSE: contiguous float32 (batch, heads_q, seqlen_q). GQA/MQA:
@@ -25,150 +36,50 @@
 // unscaled scores).
 #pragma once
 
-#include "fwd_traits.cuh"
-#include "softmax.cuh"
-#include "tile_io.cuh"
-#include "warp_gemm.cuh"
+#include "fwd_mainloop.cuh"
 
 namespace ft {
 
-// The per-thread state of one block's main loop and its steps. Steps are named by their key
-// tile, counted down from the last one to 0.
-template <class Tr>
-struct FwdMainloop {
-  using Element = typename Tr::Element;
-  static constexpr int kStages = Tr::kNumStages;
+enum class BlockOrder { kPlain, kHeadsInner, kLongestFirst };
 
-  Element* sk;                 // K stage buffers
-  Element* sv;                 // V stage buffers
-  const Element* q_lane;       // this warp's Q rows plus the lane's ldmatrix offset
-  LaneOffsets<Tr> lanes;
-  TileStream<Tr> k_in;
-  TileStream<Tr> v_in;
-  int tid;
-  int stage;                   // element offset of the stage buffer of the previous step
-  float scale_log2;
-  RowLimits<Tr> limits;        // the keys the lane's rows may see
-  OnlineSoftmax<Tr> softmax;
-  float acc_o[Tr::kMTiles][Tr::kOTiles][4];
-
-  // Stage buffer offsets rotate through 0, kKvElems, ..., (kStages - 1) * kKvElems.
-  static __device__ __forceinline__ int next_stage(int off) {
-    if constexpr (kStages == 1) {
-      return 0;
-    } else if constexpr (kStages == 2) {
-      return Tr::kKvElems - off;
-    } else {
-      return off == (kStages - 1) * Tr::kKvElems ? 0 : off + Tr::kKvElems;
-    }
-  }
-
-  // Copies before the loop: Q and the first tile walked (bounds-checked: first_rows of its
-  // rows exist), then the next (whole) tiles up to kStages - 1 ahead; one commit group per
-  // K and per V of a tile (one stage) or per tile (more stages). first_tile: its index.
-  __device__ __forceinline__ void prologue(Element* sq, const Element* q_bh,
-                                           long long q_row_stride, int m0, int seqlen_q,
-                                           int first_tile, int first_rows) {
-    load_rows_checked<Tr, Tr::kBlockM>(sq, q_bh, q_row_stride, m0, seqlen_q, tid);
-    k_in.template load<true>(sk, first_rows, tid);
-    if constexpr (Tr::kOneBarrier) {
-      v_in.template load<true>(sv, first_rows, tid);
-      cp_async_commit();
-#pragma unroll
-      for (int t = 1; t + 1 < kStages; ++t) {
-        if (first_tile - t >= 0) {
-          k_in.template load<false>(sk + t * Tr::kKvElems, Tr::kBlockN, tid);
-          v_in.template load<false>(sv + t * Tr::kKvElems, Tr::kBlockN, tid);
-        }
-        cp_async_commit();
-      }
-    } else {
-      cp_async_commit();
-    }
-    stage = (kStages - 1) * Tr::kKvElems;
-  }
-
-  // The step of key tile `tile`. kFirst: the first step, whose tile alone can be partial
-  // (first_rows of its rows exist); kMasked: the tile may hold keys some row may not see.
-  template <bool kFirst, bool kMasked>
-  __device__ __forceinline__ void step(int tile, int first_rows = Tr::kBlockN) {
-    const int prev = stage;
-    const int cur = next_stage(prev);
-    stage = cur;
-    float s[Tr::kMTiles][Tr::kSTiles][4];
-    if constexpr (Tr::kOneBarrier) {
-      // This tile has landed for every thread, and every warp is done with the previous
-      // step, whose buffers take the tile kStages - 1 steps ahead.
-      cp_async_wait<Tr::kPipelineWait>();
-      block_sync();
-      if (tile >= kStages - 1) {
-        k_in.template load<false>(sk + prev, Tr::kBlockN, tid);
-        v_in.template load<false>(sv + prev, Tr::kBlockN, tid);
-      }
-      cp_async_commit();
-    } else {
-      // One buffer each: V is copied while Q K^T and the softmax run, the next K while
-      // P V runs (or, under Tr::kLateKLoad, after it).
-      cp_async_wait<0>();
-      block_sync();  // K landed; every warp is done reading the previous V
-      v_in.template load<kFirst>(sv, first_rows, tid);
-      cp_async_commit();
-    }
-    gemm_qk<Tr>(s, q_lane, sk + cur + lanes.k);
-    unsigned p[Tr::kMTiles][Tr::kPvSteps][4];
-    if constexpr (kMasked) {
-      const TileMask<Tr, kFirst, Tr::kCausal> mask(limits, tile * Tr::kBlockN);
-      softmax.template update<kFirst>(s, p, acc_o, scale_log2, mask);
-    } else {
-      softmax.template update<kFirst>(s, p, acc_o, scale_log2, NoMask());
-    }
-    if constexpr (!Tr::kOneBarrier) {
-      cp_async_wait<0>();
-      block_sync();  // V landed; every warp is done reading K
-      if constexpr (!Tr::kLateKLoad) load_next_k(tile);
-    }
-    gemm_pv<Tr>(acc_o, p, sv + cur + lanes.v);
-    if constexpr (!Tr::kOneBarrier && Tr::kLateKLoad) load_next_k(tile);
-  }
-
-  // One stage: the K tile after `tile`, into the one K buffer (free: every warp has passed
-  // the barrier after its Q K^T).
-  __device__ __forceinline__ void load_next_k(int tile) {
-    if (tile >= 1) k_in.template load<false>(sk, Tr::kBlockN, tid);
-    cp_async_commit();
-  }
+// The kernel's arguments (see the entry point in flash_fwd.cu.jinja).
+template <class Element>
+struct FwdParams {
+  const Element* __restrict__ q;
+  const Element* __restrict__ k;
+  const Element* __restrict__ v;
+  Element* __restrict__ o;
+  float* __restrict__ lse;
+  int seqlen_q, seqlen_k, heads_q, heads_kv;
+  long long q_batch_stride, q_row_stride, q_head_stride;
+  long long k_batch_stride, k_row_stride, k_head_stride;
+  long long v_batch_stride, v_row_stride, v_head_stride;
+  long long o_batch_stride, o_row_stride, o_head_stride;
+  float softmax_scale;
 };
 
+// One block's work: kBlockM query rows from m_block * kBlockM of one (batch, head).
 template <class Tr>
-__device__ __forceinline__ void flash_fwd(
-    const typename Tr::Element* __restrict__ q, const typename Tr::Element* __restrict__ k,
-    const typename Tr::Element* __restrict__ v, typename Tr::Element* __restrict__ o,
-    float* __restrict__ lse, int seqlen_q, int seqlen_k, int heads_q, int heads_kv,
-    long long q_batch_stride, long long q_row_stride, long long q_head_stride,
-    long long k_batch_stride, long long k_row_stride, long long k_head_stride,
-    long long v_batch_stride, long long v_row_stride, long long v_head_stride,
-    long long o_batch_stride, long long o_row_stride, long long o_head_stride,
-    float softmax_scale) {
+__device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element>& a, int m_block,
+                                         int head, int batch, unsigned char* smem) {
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
-
-  const int m_block = static_cast<int>(blockIdx.x);
-  const int head = static_cast<int>(blockIdx.y);
-  const int batch = static_cast<int>(blockIdx.z);
-  const int kv_head = head / (heads_q / heads_kv);
+  const int seqlen_q = a.seqlen_q;
+  const int seqlen_k = a.seqlen_k;
+  const int kv_head = head / (a.heads_q / a.heads_kv);
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = lane_id();
   const int warp = warp_id();
 
   // Row 0 of this (batch, head) in each tensor (64-bit offsets). The outputs' are formed
   // where they are written, so that they hold no registers across the main loop.
-  const Element* q_bh = q + batch * q_batch_stride + head * q_head_stride;
-  const Element* k_bh = k + batch * k_batch_stride + kv_head * k_head_stride;
-  const Element* v_bh = v + batch * v_batch_stride + kv_head * v_head_stride;
-  auto o_rows = [&]() { return o + batch * o_batch_stride + head * o_head_stride; };
+  const Element* q_bh = a.q + batch * a.q_batch_stride + head * a.q_head_stride;
+  const Element* k_bh = a.k + batch * a.k_batch_stride + kv_head * a.k_head_stride;
+  const Element* v_bh = a.v + batch * a.v_batch_stride + kv_head * a.v_head_stride;
+  auto o_rows = [&]() { return a.o + batch * a.o_batch_stride + head * a.o_head_stride; };
   auto lse_rows = [&]() {
-    return lse + (static_cast<long long>(batch) * heads_q + head) * seqlen_q;
+    return a.lse + (static_cast<long long>(batch) * a.heads_q + head) * seqlen_q;
   };
 
   // Keys [0, n_end) are visible to some row of the block; the causal diagonal is aligned to
@@ -185,34 +96,32 @@ __device__ __forceinline__ void flash_fwd(
     n_full = first_row_end < n_full ? first_row_end : n_full;
   }
   if (n_end <= 0) {  // no row of the block sees any key
-    store_empty_rows<Tr>(o_rows(), o_row_stride, lse_rows(), m0, seqlen_q, tid);
+    store_empty_rows<Tr>(o_rows(), a.o_row_stride, lse_rows(), m0, seqlen_q, tid);
     return;
   }
   const int n_tiles = (n_end + kBlockN - 1) / kBlockN;
   // Tiles from first_masked_tile up reach past n_full.
   const int first_masked_tile = n_full <= 0 ? 0 : n_full / kBlockN;
 
-  FT_DYNAMIC_SMEM(unsigned char, smem);
   Element* const sq = reinterpret_cast<Element*>(smem);
-  zero_pad_columns<Tr>(sq, tid);
-
   const int warp_row0 = warp * Tr::kWarpRows;
   int tile = n_tiles - 1;
   FwdMainloop<Tr> loop{sq + Tr::kKOffset,
                        sq + Tr::kVOffset,
-                       nullptr,
+                       {},
                        LaneOffsets<Tr>(lane),
-                       TileStream<Tr>(k_bh, k_row_stride, tile, tid),
-                       TileStream<Tr>(v_bh, v_row_stride, tile, tid),
+                       TileStream<Tr>(k_bh, a.k_row_stride, tile, tid),
+                       TileStream<Tr>(v_bh, a.v_row_stride, tile, tid),
                        tid,
                        0,
-                       softmax_scale * 1.44269504088896340736f,
+                       a.softmax_scale * 1.44269504088896340736f,
+                       {},
                        {},
                        {},
                        {}};
-  loop.q_lane = sq + Tr::Smem::offset(warp_row0, 0) + loop.lanes.q;
+  loop.q.rows = sq + Tr::Smem::offset(warp_row0, 0);
   const int first_rows = seqlen_k - tile * kBlockN;
-  loop.prologue(sq, q_bh, q_row_stride, m0, seqlen_q, tile, first_rows);
+  loop.prologue(sq, q_bh, a.q_row_stride, m0, seqlen_q, tile, first_rows);
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
@@ -241,7 +150,12 @@ __device__ __forceinline__ void flash_fwd(
       for (; tile >= first_masked_tile; --tile) loop.template step<false, true>(tile);
     }
   }
-  for (; tile >= 0; --tile) loop.template step<false, false>(tile);
+  if constexpr (Tr::kPipelined) {
+    for (; tile >= 1; --tile) loop.template step<false, false, Next::kAlways>(tile);
+    if (tile == 0) loop.template step<false, false, Next::kNever>(0);
+  } else {
+    for (; tile >= 0; --tile) loop.template step<false, false>(tile);
+  }
   cp_async_wait_all();  // only empty groups remain; leave none behind
 
   // Epilogue. Every warp passed the last barrier after its last read of Q, and only this
@@ -268,7 +182,43 @@ __device__ __forceinline__ void flash_fwd(
     }
   }
   warp_sync();
-  store_warp_rows<Tr>(o_rows(), o_row_stride, sq, warp_row0, m0, seqlen_q, lane);
+  store_warp_rows<Tr>(o_rows(), a.o_row_stride, sq, warp_row0, m0, seqlen_q, lane);
+}
+
+// The kernel: maps the launch grid to tiles (kOrder, kPersistent) and runs fwd_tile.
+template <class Tr, BlockOrder kOrder = BlockOrder::kPlain, bool kPersistent = false>
+__device__ __forceinline__ void flash_fwd(const FwdParams<typename Tr::Element>& a) {
+  static_assert(!(kPersistent && kOrder == BlockOrder::kHeadsInner),
+                "a persistent block walks the query blocks of one head: plain or "
+                "longest-first order");
+  FT_DYNAMIC_SMEM(unsigned char, smem);
+  zero_pad_columns<Tr>(reinterpret_cast<typename Tr::Element*>(smem),
+                       static_cast<int>(threadIdx.x));
+  const int m_blocks = (a.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
+  if constexpr (kPersistent) {
+    const int head = static_cast<int>(blockIdx.y);
+    const int batch = static_cast<int>(blockIdx.z);
+    for (int i = static_cast<int>(blockIdx.x); i < m_blocks;
+         i += static_cast<int>(gridDim.x)) {
+      const int m_block = kOrder == BlockOrder::kLongestFirst ? m_blocks - 1 - i : i;
+      fwd_tile<Tr>(a, m_block, head, batch, smem);
+      block_sync();  // every warp is done with shared memory before the next tile's copies
+    }
+  } else if constexpr (kOrder == BlockOrder::kHeadsInner) {
+    // The grid has m_blocks x heads_q x batch blocks; re-split its linear index.
+    const int heads = static_cast<int>(gridDim.y);
+    const long long linear =
+        blockIdx.x + static_cast<long long>(gridDim.x) *
+                         (blockIdx.y + static_cast<long long>(gridDim.y) * blockIdx.z);
+    const int head = static_cast<int>(linear % heads);
+    const long long rest = linear / heads;
+    fwd_tile<Tr>(a, static_cast<int>(rest % m_blocks), head,
+                 static_cast<int>(rest / m_blocks), smem);
+  } else {
+    const int x = static_cast<int>(blockIdx.x);
+    fwd_tile<Tr>(a, kOrder == BlockOrder::kLongestFirst ? m_blocks - 1 - x : x,
+                 static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.z), smem);
+  }
 }
 
 }  // namespace ft

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "primitives.cuh"
+#include "smem_layout.cuh"
 
 namespace ft {
 
@@ -13,6 +14,24 @@ __host__ __device__ constexpr int ceil_pow2(int x) {
 }
 __host__ __device__ constexpr int min_int(int a, int b) { return a < b ? a : b; }
 __host__ __device__ constexpr int max_int(int a, int b) { return a > b ? a : b; }
+
+template <bool kCond, class A, class B>
+struct Select {
+  using type = A;
+};
+template <class A, class B>
+struct Select<false, A, B> {
+  using type = B;
+};
+
+template <int RowChunks, bool Swizzle>
+struct Layout {
+  using type = PaddedRows<RowChunks>;
+};
+template <int RowChunks>
+struct Layout<RowChunks, true> {
+  using type = SwizzledRows<RowChunks>;
+};
 }  // namespace detail
 
 // The tensor-core mma and the 16-bit packing for one element type.
@@ -45,19 +64,31 @@ struct ElementOps<__nv_bfloat16> {
 //
 // HeadDim is the real head dim (a multiple of 8); HeadDimPadded the compiled tile dim that
 // sizes the shared-memory rows. The tensor cores work on HeadDim rounded up to 16
-// (kHeadDimMma): the columns [HeadDim, kHeadDimMma) are zero-filled on load, and the columns
+// (kHeadDimMma): the columns [HeadDim, kHeadDimMma) are zero-filled once, and the columns
 // beyond kHeadDimMma are never touched.
 //
-// Shared memory (elements of Element, rows of kRowStride = HeadDimPadded + RowPad):
+// Shared memory (elements of Element, rows of Smem::kRowStride):
 //   [ Q: BlockM rows | K: NumStages x BlockN rows | V: NumStages x BlockN rows ]
-// The RowPad elements (16 bytes) at the end of each row shift consecutive rows by one
-// 16-byte bank group, so the eight rows of an ldmatrix phase hit distinct banks. The
-// total must equal flashtune.codegen.space.smem_bytes (the template asserts it).
+// in the layout Smem (smem_layout.cuh): rows padded by RowPad elements (one 16-byte chunk),
+// or, with Swizzle, unpadded rows whose chunks are XOR-swizzled (RowPad is then unused).
+// The total must equal the smem_bytes the template is given (it asserts it).
+//
+// Structure switches (the template binds them; all default to the plain kernel):
+//   QInRegs: Q's ldmatrix fragments are loaded once into registers (kMTiles * kQkSteps * 4
+//     of them) instead of being re-read from shared memory every tile.
+//   Pipelined: the Q K^T of the next tile is issued before the softmax of this one, so the
+//     tensor cores run under the softmax; two S tiles are live (kMTiles * kSTiles * 4 more
+//     registers). Needs two or more stages.
 template <typename Element_, int HeadDim, int HeadDimPadded, int BlockM, int BlockN,
-          int NumWarps, int NumStages, bool Causal, int RowPad>
+          int NumWarps, int NumStages, bool Causal, int RowPad, bool Swizzle = false,
+          bool QInRegs = false, bool Pipelined = false>
 struct FwdTraits {
   using Element = Element_;
   using Ops = ElementOps<Element>;
+  using Smem = typename detail::Layout<HeadDimPadded / 8, Swizzle>::type;
+  static constexpr bool kSwizzle = Swizzle;
+  static constexpr bool kQInRegs = QInRegs;
+  static constexpr bool kPipelined = Pipelined;
 
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kHeadDimPadded = HeadDimPadded;
@@ -80,7 +111,7 @@ struct FwdTraits {
   static constexpr int kAccumulatorRegisters = kMTiles * (kSTiles + kOTiles) * 4;
 
   // Shared-memory layout, in elements.
-  static constexpr int kRowStride = HeadDimPadded + RowPad;
+  static constexpr int kRowStride = Smem::kRowStride;
   static constexpr int kQElems = BlockM * kRowStride;
   static constexpr int kKvElems = BlockN * kRowStride;
   static constexpr int kKOffset = kQElems;
@@ -88,29 +119,21 @@ struct FwdTraits {
   static constexpr int kSmemRows = BlockM + 2 * NumStages * BlockN;
   static constexpr int kSmemBytes = kSmemRows * kRowStride * static_cast<int>(sizeof(Element));
 
-  // Where 16-byte chunk c of row r of a shared tile lives (element offset from the tile).
-  // step(dr, dc): the offset from chunk (r, c) to chunk (r + dr, c + dc) for the strides
-  // used with it (here any: the layout is linear).
-  struct Smem {
-    static __device__ __forceinline__ int offset(int r, int c) {
-      return r * kRowStride + c * 8;
-    }
-    static __host__ __device__ constexpr int step(int dr, int dc) {
-      return dr * kRowStride + dc * 8;
-    }
-  };
-
   // 16-byte chunks per row: copied by cp.async, and real (stored / read from global).
   static constexpr int kChunkElems = 8;
   static constexpr int kLoadChunks = kHeadDimMma / kChunkElems;
   static constexpr int kRealChunks = HeadDim / kChunkElems;
 
-  // The cp.async pipeline. With two or more stages, one group per K/V tile (K_0 with Q) and
-  // one block barrier per tile: before tile j is used, the groups of the kNumStages - 2
-  // tiles committed after it may still be in flight. With one stage, K and V are separate
-  // groups and separate barriers (the single K buffer is refilled while V is read).
+  // The cp.async pipeline. With two or more stages, one block barrier per tile. Plain:
+  // one commit group per K/V tile (K_0 with Q); before tile j is used, the groups of the
+  // kNumStages - 2 tiles committed after it may still be in flight. Pipelined: one group
+  // per K and per V, committed K_0 (with Q), V_0, K_1, V_1, ...; a step needs K of the next
+  // tile, after which 2 (kNumStages - 2) groups may be in flight. With one stage, K and V
+  // are separate groups and separate barriers (the single K buffer is refilled while V is
+  // read).
   static constexpr bool kOneBarrier = NumStages >= 2;
-  static constexpr int kPipelineWait = kOneBarrier ? NumStages - 2 : 0;
+  static constexpr int kPipelineWait =
+      !kOneBarrier ? 0 : (Pipelined ? 2 * (NumStages - 2) : NumStages - 2);
   // One stage with the accumulators filling 192 registers: the next K tile is copied after
   // P V rather than before it. Copying it in the middle of the step keeps the softmax
   // statistics live across that barrier, and ptxas then spills them (measured with NVRTC
@@ -121,7 +144,8 @@ struct FwdTraits {
   static_assert(HeadDim % 8 == 0 && HeadDim >= 8, "head dim must be a multiple of 8");
   static_assert(HeadDim <= HeadDimPadded && HeadDimPadded % 16 == 0,
                 "padded head dim must cover the head dim in k16 steps");
-  static_assert(RowPad % 8 == 0, "row pad must keep rows 16-byte aligned");
+  static_assert(Swizzle || RowPad == 8, "padded rows carry one 16-byte chunk of padding");
+  static_assert(!Pipelined || NumStages >= 2, "pipelining Q K^T needs two or more stages");
   static_assert(BlockM % (16 * NumWarps) == 0, "each warp owns whole m16 tiles");
   static_assert(BlockN % 16 == 0, "keys come in k16 steps of P V");
   static_assert(kOTiles % 2 == 0 && kSTiles % 2 == 0, "B operands load two n8 tiles at once");

@@ -21,9 +21,8 @@ namespace ft {
 // the chunks of a row (1 for an odd count).
 //
 // Bank conflicts: a 16-byte cp.async writes shared memory in phases of 8 lanes, which cover
-// 8 / kT rows. Rows come in blocks of 8 and the rows of one phase are kT apart, so with
-// rows of an odd number of 16-byte units (the padded layout) or a swizzled layout their
-// chunks fall in 8 distinct bank groups.
+// 8 / kT rows of a block of 8; Smem::phase_row picks those rows so that the layout puts
+// their chunks in 8 distinct bank groups.
 template <class Tr, int ROWS>
 struct RowCopy {
   static constexpr int kChunks = Tr::kRealChunks;
@@ -36,28 +35,31 @@ struct RowCopy {
   static constexpr int kRowChunks = kChunks / kT;  // chunks of a row one thread copies
   static_assert(kRowsPerPass % 8 == 0, "rows are assigned in blocks of 8");
 
-  // First row of this thread: q = tid / kT, its block of 8 rows q - q % 8, and within the
-  // block the phase-spreading order (8 / kT rows a phase, kT apart).
+  // This thread's shared-memory offsets of its chunks in its rows of a tile.
+  using Run = ChunkRun<typename Tr::Smem, kT, kRowChunks>;
+
+  // First row of this thread: q = tid / kT, its block of 8 rows q - q % 8, and its row in
+  // the block by the layout's phase order.
   static __device__ __forceinline__ int row(int tid) {
-    constexpr int kPhaseRows = 8 / kT;
     const int q = tid / kT;
     const int p = q % 8;
-    return (q - p) + (p % kPhaseRows) * kT + p / kPhaseRows;
+    return (q - p) + Tr::Smem::phase_row(p, kT);
   }
   static __device__ __forceinline__ int col(int tid) { return tid % kT; }
 
-  // Element offset of this thread's first chunk in a shared tile.
-  static __device__ __forceinline__ int smem_offset(int tid) {
-    return Tr::Smem::offset(row(tid), col(tid));
+  static __device__ __forceinline__ Run run(int tid) {
+    Run r;
+    r.init(row(tid), col(tid));
+    return r;
   }
 
-  // Issue (without committing) this thread's copies. `src`: its chunk c0 of its first row r
-  // of the tile (global); `dst`: that chunk in the shared tile (tile + smem_offset).
-  // kChecked: rows at or past rows_valid (counted from the tile's first row) read nothing
-  // and are zero-filled from `safe`, an address that is always readable (it is not read);
-  // unchecked copies assume every row exists.
+  // Issue (without committing) this thread's copies into the shared tile `tile`, whose
+  // offsets for this thread are `run`. `src`: the thread's chunk c0 of its first row r of
+  // the tile (global). kChecked: rows at or past rows_valid (counted from the tile's first
+  // row) read nothing and are zero-filled from `safe`, an address that is always readable
+  // (it is not read); unchecked copies assume every row exists.
   template <bool kChecked>
-  static __device__ __forceinline__ void issue(typename Tr::Element* dst,
+  static __device__ __forceinline__ void issue(typename Tr::Element* tile, const Run& run,
                                                const typename Tr::Element* src,
                                                long long row_stride, int rows_valid,
                                                const typename Tr::Element* safe, int tid) {
@@ -70,7 +72,7 @@ struct RowCopy {
         const bool real = !kChecked || ri < rows_valid;
 #pragma unroll
         for (int j = 0; j < kRowChunks; ++j) {
-          typename Tr::Element* to = dst + Tr::Smem::step(i * kRowsPerPass, j * kT);
+          typename Tr::Element* to = tile + run.at(j, i * kRowsPerPass);
           if constexpr (kChecked) {
             cp_async<16>(to, real ? src + j * kT * Tr::kChunkElems : safe, real ? 16 : 0);
           } else {
@@ -94,8 +96,8 @@ __device__ __forceinline__ void load_rows_checked(typename Tr::Element* dst,
   const typename Tr::Element* safe = base + Copy::col(tid) * Tr::kChunkElems;
   const typename Tr::Element* src =
       safe + static_cast<long long>(row0 + Copy::row(tid)) * row_stride;
-  Copy::template issue<true>(dst + Copy::smem_offset(tid), src, row_stride, row_limit - row0,
-                             safe, tid);
+  Copy::template issue<true>(dst, Copy::run(tid), src, row_stride, row_limit - row0, safe,
+                             tid);
 }
 
 // One stream of key (or value) tiles, walked from the last tile down: this thread's source
@@ -110,18 +112,18 @@ struct TileStream {
   const Element* safe;    // this thread's chunk of row 0 (readable; zero-fill stand-in)
   long long row_stride;
   long long tile_step;    // -kBlockN rows
-  int smem_off;           // this thread's first chunk in a shared tile
+  typename Copy::Run run;  // this thread's chunks in a shared tile
 
   // A stream whose next tile is `tile` (src starts one tile above it and is never read
   // there).
   __device__ __forceinline__ TileStream(const Element* base, long long row_stride_, int tile,
                                         int tid)
-      : row_stride(row_stride_),
-        tile_step(-Tr::kBlockN * row_stride_),
-        smem_off(keep_in_register(Copy::smem_offset(tid))) {
+      : row_stride(row_stride_), tile_step(-Tr::kBlockN * row_stride_), run(Copy::run(tid)) {
     safe = base + Copy::col(tid) * Tr::kChunkElems;
     src = safe + ((static_cast<long long>(tile) + 1) * Tr::kBlockN + Copy::row(tid)) *
                      row_stride_;
+#pragma unroll
+    for (int v = 0; v < Copy::Run::kVariants; ++v) run.base[v] = keep_in_register(run.base[v]);
   }
 
   // Step to the next tile and issue its copies into `dst`. kChecked: the tile may be
@@ -129,7 +131,7 @@ struct TileStream {
   template <bool kChecked>
   __device__ __forceinline__ void load(Element* dst, int rows_valid, int tid) {
     src += tile_step;
-    Copy::template issue<kChecked>(dst + smem_off, src, row_stride, rows_valid, safe, tid);
+    Copy::template issue<kChecked>(dst, run, src, row_stride, rows_valid, safe, tid);
   }
 };
 

@@ -8,35 +8,85 @@
 
 namespace ft {
 
-// The row each lane addresses in the ldmatrix loads of one warp, as element offsets from
-// the start of a tile; computed once per thread and kept in registers, so a tile's loads
-// cost no index math.
+// The shared-memory offsets each lane addresses in the ldmatrix loads of one warp, from the
+// start of a tile; computed once per thread and kept in registers, so a tile's loads cost
+// no index math (one offset for padded rows, a few for swizzled ones: ChunkRun).
 template <class Tr>
 struct LaneOffsets {
-  int q;  // A (Q, x4): row lane % 16, column half lane / 16
-  int k;  // B (K, x4 = two n8 tiles): key 8 (lane / 16) + lane % 8, column half (lane / 8) % 2
-  int v;  // B (V, x4.trans = two n8 tiles): key lane % 16, dim half lane / 16
+  // A (Q, x4): row lane % 16, column half lane / 16, k16 step kk: q.at(kk, 16 mt).
+  ChunkRun<typename Tr::Smem, 2, Tr::kQkSteps> q;
+  // B (K, x4 = two n8 tiles): key 8 (lane / 16) + lane % 8, column half (lane / 8) % 2;
+  // k.at(kk, 16 np) addresses key tiles 2 np and 2 np + 1.
+  ChunkRun<typename Tr::Smem, 2, Tr::kQkSteps> k;
+  // B (V, x4.trans = two n8 tiles): key lane % 16, dim half lane / 16; v.at(dp, 16 kk).
+  ChunkRun<typename Tr::Smem, 2, Tr::kOTiles / 2> v;
 
-  __device__ __forceinline__ explicit LaneOffsets(int lane)
-      : q(pin(Tr::Smem::offset(lane % 16, lane / 16))),
-        k(pin(Tr::Smem::offset((lane / 16) * 8 + lane % 8, (lane / 8) % 2))),
-        v(q) {}
+  __device__ __forceinline__ explicit LaneOffsets(int lane) {
+    q.init(lane % 16, lane / 16);
+    k.init((lane / 16) * 8 + lane % 8, (lane / 8) % 2);
+    v.init(lane % 16, lane / 16);
+    pin(q);
+    pin(k);
+    pin(v);
+  }
 
-  // Pinned to registers unless the accumulators already fill them (then the compiler may
+  // Kept in registers unless the accumulators already fill them (then the compiler may
   // recompute the offsets rather than spill).
-  static __device__ __forceinline__ int pin(int x) {
-    return Tr::kAccumulatorRegisters < 192 ? keep_in_register(x) : x;
+  template <class Run>
+  static __device__ __forceinline__ void pin(Run& run) {
+    if constexpr (Tr::kAccumulatorRegisters < 192) {
+#pragma unroll
+      for (int i = 0; i < Run::kVariants; ++i) run.base[i] = keep_in_register(run.base[i]);
+    }
   }
 };
 
+// Q as the A operand of Q K^T, re-read from shared memory every tile.
+template <class Tr>
+struct QFromSmem {
+  const typename Tr::Element* rows;  // this warp's first Q row in shared memory
+
+  __device__ __forceinline__ void prepare(const LaneOffsets<Tr>&) {}
+  __device__ __forceinline__ void fragment(unsigned (&a)[4], int mt, int kk,
+                                           const LaneOffsets<Tr>& lanes) const {
+    ldmatrix_x4(a, rows + lanes.q.at(kk, 16 * mt));
+  }
+};
+
+// Q as the A operand of Q K^T, loaded from shared memory once (prepare, after Q landed) and
+// held in registers.
+template <class Tr>
+struct QInRegisters {
+  const typename Tr::Element* rows;
+  unsigned frag[Tr::kMTiles][Tr::kQkSteps][4];
+
+  __device__ __forceinline__ void prepare(const LaneOffsets<Tr>& lanes) {
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+      for (int kk = 0; kk < Tr::kQkSteps; ++kk) {
+        ldmatrix_x4(frag[mt][kk], rows + lanes.q.at(kk, 16 * mt));
+      }
+    }
+  }
+  __device__ __forceinline__ void fragment(unsigned (&a)[4], int mt, int kk,
+                                           const LaneOffsets<Tr>&) const {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = frag[mt][kk][i];
+  }
+};
+
+template <class Tr>
+using QOperand = typename detail::Select<Tr::kQInRegs, QInRegisters<Tr>, QFromSmem<Tr>>::type;
+
 // S = Q_w K^T for the warp's kWarpRows query rows and the tile's kBlockN keys.
-// q_lane / k_lane: the warp's Q tile and the K tile, each plus its lane offset.
-// s[mt][nt] is the C fragment of rows 16 mt.., keys 8 nt.. (c0,c1: row g; c2,c3: row g+8;
-// columns 2t, 2t+1).
+// sk: the K tile. s[mt][nt] is the C fragment of rows 16 mt.., keys 8 nt.. (c0,c1: row g;
+// c2,c3: row g+8; columns 2t, 2t+1).
 template <class Tr>
 __device__ __forceinline__ void gemm_qk(float (&s)[Tr::kMTiles][Tr::kSTiles][4],
-                                        const typename Tr::Element* q_lane,
-                                        const typename Tr::Element* k_lane) {
+                                        const QOperand<Tr>& q,
+                                        const typename Tr::Element* sk,
+                                        const LaneOffsets<Tr>& lanes) {
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
@@ -49,13 +99,11 @@ __device__ __forceinline__ void gemm_qk(float (&s)[Tr::kMTiles][Tr::kSTiles][4],
   for (int kk = 0; kk < Tr::kQkSteps; ++kk) {
     unsigned a[Tr::kMTiles][4];
 #pragma unroll
-    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-      ldmatrix_x4(a[mt], q_lane + Tr::Smem::offset(mt * 16, 2 * kk));
-    }
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) q.fragment(a[mt], mt, kk, lanes);
 #pragma unroll
     for (int np = 0; np < Tr::kSTiles / 2; ++np) {
       unsigned b[4];
-      ldmatrix_x4(b, k_lane + Tr::Smem::offset(np * 16, 2 * kk));
+      ldmatrix_x4(b, sk + lanes.k.at(kk, 16 * np));
       const unsigned b_lo[2] = {b[0], b[1]};
       const unsigned b_hi[2] = {b[2], b[3]};
 #pragma unroll
@@ -68,18 +116,19 @@ __device__ __forceinline__ void gemm_qk(float (&s)[Tr::kMTiles][Tr::kSTiles][4],
 }
 
 // O += P V. p[mt][kk]: the A fragment of P for m16 tile mt and k16 step kk (probabilities
-// packed to 16-bit pairs by OnlineSoftmax::update). v_lane: the V tile ([key][dim]) plus its
-// lane offset, read transposed as the B operand.
+// packed to 16-bit pairs by OnlineSoftmax::update). sv: the V tile ([key][dim]), read
+// transposed as the B operand.
 template <class Tr>
 __device__ __forceinline__ void gemm_pv(float (&o)[Tr::kMTiles][Tr::kOTiles][4],
                                         const unsigned (&p)[Tr::kMTiles][Tr::kPvSteps][4],
-                                        const typename Tr::Element* v_lane) {
+                                        const typename Tr::Element* sv,
+                                        const LaneOffsets<Tr>& lanes) {
 #pragma unroll
   for (int kk = 0; kk < Tr::kPvSteps; ++kk) {
 #pragma unroll
     for (int dp = 0; dp < Tr::kOTiles / 2; ++dp) {
       unsigned b[4];
-      ldmatrix_x4_trans(b, v_lane + Tr::Smem::offset(kk * 16, 2 * dp));
+      ldmatrix_x4_trans(b, sv + lanes.v.at(dp, 16 * kk));
       const unsigned b_lo[2] = {b[0], b[1]};
       const unsigned b_hi[2] = {b[2], b[3]};
 #pragma unroll

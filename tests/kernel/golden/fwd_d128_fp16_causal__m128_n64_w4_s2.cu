@@ -3,7 +3,17 @@
 // entry: flashtune_fwd_d128_fp16_causal_m128_n64_w4_s2  dynamic smem: 104448 B  threads: 128
 // digest: <digest>
 // FlashAttention-2 forward kernel: parameter bindings and entry point only; the kernel
-// logic is in flash_fwd.cuh.
+// logic is in flash_fwd.cuh and fwd_mainloop.cuh.
+//
+// Structure knobs, each optional (unset: the plain kernel); names and values are valid
+// KernelConfig extras (switches 0 or 1):
+//   swizzle: XOR-swizzled shared-memory rows instead of padded ones;
+//   qregs: Q's fragments held in registers instead of re-read from shared memory;
+//   pipeline: Q K^T of the next tile issued before the softmax of this one;
+//   minblocks: __launch_bounds__ minimum resident blocks per SM (caps registers at
+//     65536 / (minblocks * threads)); 0: none;
+//   order: "plain", "headsinner" or "longest" (block order, see flash_fwd.cuh);
+//   persistent: blocks walk the query blocks of their head (the grid may be smaller).
 #include "flash_fwd.cuh"
 
 namespace {
@@ -17,11 +27,17 @@ constexpr int kNumWarps = 4;
 constexpr int kNumStages = 2;
 constexpr bool kCausal = true;
 constexpr int kSmemRowPad = 8;
+constexpr bool kSwizzle = false;
+constexpr bool kQInRegs = false;
+constexpr bool kPipelineQk = false;
+constexpr ft::BlockOrder kBlockOrder = ft::BlockOrder::kPlain;
+constexpr bool kPersistent = false;
 
 using Traits = ft::FwdTraits<Element, kHeadDim, kHeadDimPadded, kBlockM, kBlockN, kNumWarps,
-                             kNumStages, kCausal, kSmemRowPad>;
+                             kNumStages, kCausal, kSmemRowPad, kSwizzle, kQInRegs,
+                             kPipelineQk>;
 static_assert(Traits::kSmemBytes == 104448,
-              "shared-memory layout differs from flashtune.codegen.space.smem_bytes");
+              "shared-memory layout differs from the smem_bytes the kernel is launched with");
 
 }  // namespace
 
@@ -35,9 +51,11 @@ flashtune_fwd_d128_fp16_causal_m128_n64_w4_s2(
     long long v_batch_stride, long long v_row_stride, long long v_head_stride,
     long long o_batch_stride, long long o_row_stride, long long o_head_stride,
     float softmax_scale) {
-  ft::flash_fwd<Traits>(q, k, v, o, lse, seqlen_q, seqlen_k, heads_q, heads_kv,
-                        q_batch_stride, q_row_stride, q_head_stride,
-                        k_batch_stride, k_row_stride, k_head_stride,
-                        v_batch_stride, v_row_stride, v_head_stride,
-                        o_batch_stride, o_row_stride, o_head_stride, softmax_scale);
+  const ft::FwdParams<Element> params{
+      q, k, v, o, lse, seqlen_q, seqlen_k, heads_q, heads_kv,
+      q_batch_stride, q_row_stride, q_head_stride,
+      k_batch_stride, k_row_stride, k_head_stride,
+      v_batch_stride, v_row_stride, v_head_stride,
+      o_batch_stride, o_row_stride, o_head_stride, softmax_scale};
+  ft::flash_fwd<Traits, kBlockOrder, kPersistent>(params);
 }
