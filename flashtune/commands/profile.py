@@ -107,6 +107,7 @@ def _print(profile: KernelProfile) -> None:
                   highlight=False)
     for note in pred.notes:
         console.print(f"  note: {note}", highlight=False)
+    console.print(f"  model: {pred.fitted_summary()}", highlight=False)
     if profile.emulated is not None:
         _print_counters(console, profile)
 

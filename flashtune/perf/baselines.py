@@ -10,7 +10,11 @@ published throughput on its own tile choices is the model's reference point
 
 FA2's tiles: D64 128x128 4 warps; D128 128x64 4 warps; D256 128x64 8 warps, with one
 shared buffer each for Q, K and V (flashtune's ``num_stages=1`` footprint) and 255
-registers per thread.
+registers per thread. Built with CUDA 13 its D128 tile SPILLS (reference/fa2-sass-facts.md):
+176 / 180 bytes per thread on sm_90 and 156 / 156 on sm_80 (non-causal; causal 196 / 216
+and 224 / 244), about 12 local-memory accesses per K/V tile (8 LDL, 4 STL), outside its
+tensor-core chains; the model charges those 12 (measured on sm_90, assumed on sm_80). Its
+D64 and D256 tiles were not measured; they are modelled without spills.
 """
 
 from __future__ import annotations
@@ -40,13 +44,25 @@ A100_FA2_FWD_BAND: tuple[float, float] = (0.50 * 312, 0.73 * 312)
 
 @dataclass(frozen=True)
 class Fa2Resources:
-    """FA2's footprint: 255 registers, Q, K and V tiles in shared memory, no spills."""
+    """FA2's footprint: 255 registers, Q, K and V tiles in shared memory, and the spills
+    measured with CUDA 13 (reference/fa2-sass-facts.md; 0 where not measured)."""
 
     registers: int
     dynamic_smem: int
     static_smem: int = 0
     spill_stores: int = 0
     spill_loads: int = 0
+
+
+#: FA2's D128 128x64 spills (stores, loads) in bytes per thread by (arch, causal), CUDA 13.
+FA2_D128_SPILLS: dict[tuple[str, bool], tuple[int, int]] = {
+    ("sm_90", False): (176, 180), ("sm_90", True): (196, 216),
+    ("sm_80", False): (156, 156), ("sm_80", True): (224, 244),
+}
+#: Local-memory accesses per K/V tile of FA2's D128 128x64 main loop (sm_90, about 8 LDL
+#: and 4 STL).
+FA2_D128_LOCAL_PER_TILE = 12.0
+_GPU_ARCH = {"H100": "sm_90", "A100": "sm_80"}
 
 
 def fa2_config(head_dim: int) -> KernelConfig:
@@ -56,10 +72,17 @@ def fa2_config(head_dim: int) -> KernelConfig:
     return KernelConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=1)
 
 
-def fa2_resources(head_dim: int) -> Fa2Resources:
+def fa2_resources(head_dim: int, arch: str = "sm_90", causal: bool = False) -> Fa2Resources:
     config = fa2_config(head_dim)
     smem = (config.block_m + 2 * config.block_n) * head_dim * 2
-    return Fa2Resources(registers=255, dynamic_smem=smem)
+    stores, loads = FA2_D128_SPILLS.get((arch, causal), (0, 0)) if head_dim == 128 else (0, 0)
+    return Fa2Resources(registers=255, dynamic_smem=smem, spill_stores=stores,
+                        spill_loads=loads)
+
+
+def fa2_local_per_tile(head_dim: int) -> float:
+    """Local-memory accesses per K/V tile of FA2's main loop (0 where not measured)."""
+    return FA2_D128_LOCAL_PER_TILE if head_dim == 128 else 0.0
 
 
 @dataclass(frozen=True)
@@ -94,8 +117,9 @@ def _point(gpu: str, head_dim: int, causal: bool, batch: int, seqlen: int,
     problem = Problem(head_dim=head_dim, dtype=DType.FP16, causal=causal)
     config = fa2_config(head_dim)
     shape = Shape.square(batch, HIDDEN // head_dim, seqlen)
-    pred = predict(problem, config, shape, gpu, resources=fa2_resources(head_dim),
-                   params=params)
+    pred = predict(problem, config, shape, gpu,
+                   resources=fa2_resources(head_dim, _GPU_ARCH[gpu], causal), params=params,
+                   local_per_tile=fa2_local_per_tile(head_dim))
     return problem, config, shape, pred.tflops
 
 
@@ -123,5 +147,6 @@ def h100_trials() -> list[Trial]:
             shape = Shape.square(batch, HIDDEN // head_dim, seqlen)
             ms = families.of(problem).flops(problem, shape) / (value * 1e12) * 1e3
             out.append(Trial(problem, fa2_config(head_dim), shape, "H100", ms,
-                             resources=fa2_resources(head_dim)))
+                             resources=fa2_resources(head_dim, "sm_90", causal),
+                             local_per_tile=fa2_local_per_tile(head_dim)))
     return out

@@ -69,6 +69,7 @@ class Trial:
     resources: ResourcesLike | None = None
     sass: SassFunction | InstructionMix | None = None
     counters: TrafficCounters | None = None
+    local_per_tile: float | None = None
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.measured_ms) and self.measured_ms > 0):
@@ -78,7 +79,7 @@ class Trial:
     def predict_ms(self, params: ModelParams) -> float:
         return predict(self.problem, self.config, self.shape, self.gpu,
                        resources=self.resources, sass=self.sass, counters=self.counters,
-                       params=params).time_ms
+                       params=params, local_per_tile=self.local_per_tile).time_ms
 
 
 @dataclass(frozen=True)

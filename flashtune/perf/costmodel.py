@@ -20,9 +20,17 @@ The model, per K/V tile (one iteration of the kernel's main loop):
 4. The call takes the longest of that schedule, its DRAM traffic and its L2 traffic at the
    achievable bandwidth, plus a fixed launch overhead.
 
-Free parameters (ModelParams) are few and physical; their defaults are least-squares fits
-(log time) to the published FlashAttention-2 H100 forward table for FA2's own tiles
-(reference/attention-baselines.md), and ``calibrate`` refits them from measurements.
+Free parameters (ModelParams) are few and physical. ``overlap`` and
+``exposed_latency_ns`` are least-squares fits (log time) to the published FlashAttention-2
+H100 forward table for FA2's own tiles (reference/attention-baselines.md), so the model's
+agreement with that table is by construction; the others come from datasheets or are
+assumed (PARAM_SOURCES; every prediction lists them). ``calibrate`` refits them from
+measurements.
+
+With the kernel's SASS the model charges, per tile, the instructions each main loop
+EXECUTES (loopcost.py): the masked and unmasked loops by how many tiles of each a query
+block has, the O rescale a warp vote can skip by its chance of running. Every instruction
+also takes an issue slot: a sub-partition issues one per cycle.
 """
 
 from __future__ import annotations
@@ -39,6 +47,12 @@ from flashtune.codegen.spec import KernelConfig, Problem, ShapeLike
 from flashtune.errors import InvalidConfig, InvalidInput, InvalidProblem, OutOfResources
 from flashtune.families.fwd import space
 from flashtune.perf.gpus import MMA_M16N8K16_FLOPS, SUBPARTITIONS_PER_SM, GpuSpec, get_gpu
+from flashtune.perf.loopcost import (
+    KernelLoops,
+    block_tile_mixes,
+    kernel_loops,
+    mean_rescale_probability,
+)
 from flashtune.perf.occupancy import Occupancy, occupancy
 from flashtune.perf.sass import InstructionMix, SassFunction
 from flashtune.perf.schedule import makespan
@@ -53,7 +67,7 @@ from flashtune.perf.workload import (
     tiles_per_query_block,
 )
 
-MODEL_NAME = "fa2-pipes-1"
+MODEL_NAME = "fa2-pipes-2"
 BOUNDS = ("compute", "memory", "latency")
 #: Registers the kernel needs beyond its O and S accumulators (Q/K/V fragments,
 #: addresses, softmax state): used only when no compiled resource usage is given.
@@ -66,9 +80,9 @@ class ModelParams:
 
     #: Share of a warp's non-tensor pipe cycles hidden behind the tensor work of other
     #: warps on its sub-partition (applies with two or more warps per sub-partition).
-    overlap: float = 0.33
+    overlap: float = 0.43
     #: Memory latency a K/V pipeline wait exposes per tile when nothing else can run, ns.
-    exposed_latency_ns: float = 600.0
+    exposed_latency_ns: float = 716.0
     #: Multiplier on the GPU's mma.sync rate.
     tensor_efficiency: float = 1.0
     #: Achievable share of datasheet DRAM and L2 bandwidth (an H200 copies at about 4.3 of
@@ -110,12 +124,34 @@ class ModelParams:
 
     @property
     def version(self) -> str:
-        """Model name plus a digest of the parameter values, e.g. 'fa2-pipes-1/3f2a9c01'."""
+        """Model name plus a digest of the parameter values, e.g. 'fa2-pipes-2/3f2a9c01'."""
         blob = json.dumps(self.to_dict(), sort_keys=True).encode()
         return f"{MODEL_NAME}/{hashlib.sha256(blob).hexdigest()[:8]}"
 
 
 DEFAULT_PARAMS = ModelParams()
+
+_FA2_TABLE = ("least-squares fit (log time) to the published FlashAttention-2 H100 SXM5 "
+              "forward fp16 table (FlashAttention-3 paper; reference/attention-baselines.md) "
+              "on FA2's own tiles: agreement with that table is by construction")
+#: Where each default parameter value comes from; every prediction says it.
+PARAM_SOURCES: dict[str, str] = {
+    "overlap": _FA2_TABLE,
+    "exposed_latency_ns": _FA2_TABLE,
+    "tensor_efficiency": "1: the datasheet mma.sync rate (calibrate() refits it)",
+    "bandwidth_efficiency": "an H200 copy measurement, 4.3 of 4.8 TB/s "
+                            "(reference/attention-baselines.md)",
+    "local_access_cycles": "assumed: an L1 hit's issue-to-use latency",
+    "launch_overhead_us": "assumed",
+}
+
+
+def parameter_sources(params: ModelParams) -> tuple[tuple[str, float, str], ...]:
+    """(name, value, where the value comes from) for every model parameter."""
+    defaults = DEFAULT_PARAMS.to_dict()
+    return tuple((name, value, PARAM_SOURCES[name] if value == defaults[name]
+                  else "set by the caller (e.g. calibrate() on measurements)")
+                 for name, value in params.to_dict().items())
 
 
 class ResourcesLike(Protocol):
@@ -161,9 +197,10 @@ class TileCycles:
     other: float           # one warp's non-tensor pipe cycles (before overlap)
     warp: float            # one warp's total after overlap
     compute_round: float   # busiest sub-partition, all resident blocks
+    issue_round: float     # its issue slots: one instruction per cycle per sub-partition
     latency_round: float   # one block's compute plus its exposed memory latency
     smem_round: float      # shared-memory bandwidth, all resident blocks
-    per_tile: float        # the longest of the three: each resident block's time per tile
+    per_tile: float        # the longest of the four: each resident block's time per tile
 
     def to_dict(self) -> dict[str, float]:
         return {k: round(v, 1) for k, v in asdict(self).items()}
@@ -188,6 +225,7 @@ class Prediction:
     dram_ms: float
     l2_ms: float
     notes: tuple[str, ...] = field(default=())
+    parameters: tuple[tuple[str, float, str], ...] = field(default=())
 
     kind = "PREDICTED"
 
@@ -204,7 +242,15 @@ class Prediction:
             "waves": round(self.waves, 3), "utilisation": round(self.utilisation, 4),
             "schedule_ms": self.schedule_ms, "dram_ms": self.dram_ms, "l2_ms": self.l2_ms,
             "notes": list(self.notes),
+            "parameters": [{"name": n, "value": v, "source": src}
+                           for n, v, src in self.parameters],
         }
+
+    def fitted_summary(self) -> str:
+        """Which parameters were fitted to which published table."""
+        fitted = [n for n, _, src in self.parameters if src == _FA2_TABLE]
+        return (f"parameters {', '.join(fitted)} are a {_FA2_TABLE}" if fitted
+                else "no parameter is at its published-table fit")
 
 
 def _gpu(gpu: GpuSpec | str) -> GpuSpec:
@@ -212,8 +258,14 @@ def _gpu(gpu: GpuSpec | str) -> GpuSpec:
 
 
 def _tile_mix(problem: Problem, config: KernelConfig, sass: SassFunction | InstructionMix | None,
-              resources: ResourcesLike | None, notes: list[str]) -> TileMix:
+              resources: ResourcesLike | None, local_per_tile: float | None,
+              notes: list[str]) -> TileMix:
     analytic = analytic_tile_mix(problem, config)
+    if sass is None and local_per_tile is not None:
+        notes.append(f"{local_per_tile:g} local-memory accesses per K/V tile (measured)")
+        return TileMix(analytic.mma_flops, analytic.mufu, analytic.fp32, analytic.shfl,
+                       local_per_tile, analytic.issue_only, analytic.ldsm_bytes,
+                       analytic.source)
     if sass is not None:
         loop_mix = sass
         if isinstance(sass, SassFunction):
@@ -266,6 +318,10 @@ def _cycles(mix: TileMix, problem: Problem, config: KernelConfig, gpu: GpuSpec,
     warp = tensor + (1.0 - hidden) * other
     per_block = math.ceil(config.num_warps / SUBPARTITIONS_PER_SM) * warp
     compute_round = warps_per_partition * warp
+    # A sub-partition issues one warp instruction per cycle, whatever pipe it goes to.
+    instructions = (mix.mma_flops / MMA_M16N8K16_FLOPS + mix.mufu + mix.fp32 + mix.shfl
+                    + mix.local + mix.issue_only)
+    issue_round = warps_per_partition * instructions
     latency = params.exposed_latency_ns * 1e-9 * gpu.clock_hz
     exposed = max(0.0, latency - (config.num_stages - 1) * per_block)
     latency_round = per_block + exposed
@@ -274,8 +330,8 @@ def _cycles(mix: TileMix, problem: Problem, config: KernelConfig, gpu: GpuSpec,
     smem_bytes = occ.blocks_per_sm * (config.num_warps * mix.ldsm_bytes * conflict
                                       + kv_tile_bytes * conflict)
     smem_round = smem_bytes / thr.smem_bytes_per_clk
-    return TileCycles(tensor, other, warp, compute_round, latency_round, smem_round,
-                      max(compute_round, latency_round, smem_round))
+    return TileCycles(tensor, other, warp, compute_round, issue_round, latency_round,
+                      smem_round, max(compute_round, issue_round, latency_round, smem_round))
 
 
 def predict(
@@ -288,12 +344,15 @@ def predict(
     sass: SassFunction | InstructionMix | None = None,
     counters: TrafficCounters | None = None,
     params: ModelParams = DEFAULT_PARAMS,
+    local_per_tile: float | None = None,
 ) -> Prediction:
     """PREDICTED time of ``problem`` with ``config`` on ``shape`` on ``gpu``.
 
     ``resources`` (registers, spills, shared memory of the compiled kernel) make occupancy
     exact; ``sass`` (the kernel's parsed SASS function, or the main loop's mix) replaces the
-    analytic instruction counts; ``counters`` replace the analytic traffic. Raises
+    analytic instruction counts; ``counters`` replace the analytic traffic;
+    ``local_per_tile``, without ``sass``, is the measured local-memory accesses per K/V tile
+    of a kernel that spills (else spill bytes are assumed accessed once per tile). Raises
     OutOfResources when no block of the kernel fits on an SM, InvalidProblem for a problem
     of another family than the forward (the model describes the forward's main loop).
     """
@@ -303,7 +362,14 @@ def predict(
     check_shape(shape)
     spec = _gpu(gpu)
     notes: list[str] = []
-    mix = _tile_mix(problem, config, sass, resources, notes)
+    tiles = tiles_per_query_block(problem, config, shape)
+    loops = (kernel_loops(sass, problem, config, analytic_tile_mix(problem, config))
+             if isinstance(sass, SassFunction) else None)
+    if loops is not None:
+        mix = loops.tile_mix(False, mean_rescale_probability(config, tiles))
+        notes.append(_loop_note(loops, config, tiles))
+    else:
+        mix = _tile_mix(problem, config, sass, resources, local_per_tile, notes)
     occ = _occupancy(problem, config, spec, resources, notes)
     conflict = counters.smem_bank_conflict_factor if counters is not None else 1.0
     cyc = _cycles(mix, problem, config, spec, occ, params, conflict)
@@ -318,9 +384,21 @@ def predict(
     # mostly hit L2 (other query blocks of the head fetched them).
     q_o_s = 2 * config.block_m * problem.head_dim * e / (bandwidth / slots)
     first_kv_s = 2 * config.block_n * problem.head_dim * e / (l2_bandwidth / slots)
-    tile_s = cyc.per_tile / clock
-    tiles = tiles_per_query_block(problem, config, shape)
-    durations = [q_o_s + (first_kv_s if t else 0.0) + t * tile_s for t in tiles]
+    if loops is not None:
+        # Each query block: its masked tiles at the masked loop's executed cost, the rest at
+        # the unmasked loop's, both at the block's chance of a rescale.
+        durations = []
+        for t, (masked, masked_mix, unmasked_mix) in zip(
+                tiles, block_tile_mixes(loops, problem, config, shape, tiles), strict=True):
+            masked_s = _cycles(masked_mix, problem, config, spec, occ, params,
+                               conflict).per_tile / clock
+            unmasked_s = _cycles(unmasked_mix, problem, config, spec, occ, params,
+                                 conflict).per_tile / clock
+            durations.append(q_o_s + (first_kv_s if t else 0.0) + masked * masked_s
+                             + (t - masked) * unmasked_s)
+    else:
+        tile_s = cyc.per_tile / clock
+        durations = [q_o_s + (first_kv_s if t else 0.0) + t * tile_s for t in tiles]
     sched = makespan(durations, shape.batch * shape.heads_q, slots)
 
     traffic = analytic_traffic(problem, config, shape, l2_bytes=spec.l2_bytes,
@@ -342,8 +420,20 @@ def predict(
         model_version=params.version, gpu=spec.name, occupancy=occ, cycles=cyc, mix=mix,
         traffic=traffic, waves=sched.waves, utilisation=sched.utilisation,
         schedule_ms=sched.makespan * 1e3, dram_ms=dram_s * 1e3, l2_ms=l2_s * 1e3,
-        notes=tuple(notes),
+        notes=tuple(notes), parameters=parameter_sources(params),
     )
+
+
+def _loop_note(loops: KernelLoops, config: KernelConfig, tiles: list[int]) -> str:
+    p = mean_rescale_probability(config, tiles)
+    u = loops.unmasked
+    text = (f"charged executed instructions: unmasked loop {u.loop.static} static, "
+            f"{u.loop.executed_min} without the O rescale, which runs on {p:.0%} of tiles")
+    if loops.masked is not None:
+        text += f"; masked loop {loops.masked.loop.static} static"
+    else:
+        text += "; masked steps as the unmasked loop plus a compare and select per score"
+    return text
 
 
 def _bound(schedule_s: float, dram_s: float, l2_s: float, utilisation: float,
@@ -358,6 +448,8 @@ def _bound(schedule_s: float, dram_s: float, l2_s: float, utilisation: float,
         return "memory"
     if cyc.per_tile == cyc.latency_round and cyc.latency_round > cyc.compute_round:
         return "latency"
+    if cyc.per_tile == cyc.issue_round and cyc.issue_round > cyc.compute_round:
+        notes.append("instruction issue limits each tile (one per cycle per sub-partition)")
     return "compute"
 
 
