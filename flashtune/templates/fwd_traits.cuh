@@ -4,6 +4,7 @@
 
 #include "primitives.cuh"
 #include "smem_layout.cuh"
+#include "tensor_ops.cuh"
 
 namespace ft {
 
@@ -34,32 +35,6 @@ struct Layout<RowChunks, true> {
 };
 }  // namespace detail
 
-// The tensor-core mma and the 16-bit packing for one element type.
-template <typename T>
-struct ElementOps;
-
-template <>
-struct ElementOps<__half> {
-  static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4],
-                                             const unsigned (&b)[2], const float (&c)[4]) {
-    mma_m16n8k16_f16(d, a, b, c);
-  }
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    return pack_half2(lo, hi);
-  }
-};
-
-template <>
-struct ElementOps<__nv_bfloat16> {
-  static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4],
-                                             const unsigned (&b)[2], const float (&c)[4]) {
-    mma_m16n8k16_bf16(d, a, b, c);
-  }
-  static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    return pack_bf162(lo, hi);
-  }
-};
-
 // One variant of the FlashAttention-2 forward kernel.
 //
 // HeadDim is the real head dim (a multiple of 8); HeadDimPadded the compiled tile dim that
@@ -84,7 +59,7 @@ template <typename Element_, int HeadDim, int HeadDimPadded, int BlockM, int Blo
           bool QInRegs = false, bool Pipelined = false>
 struct FwdTraits {
   using Element = Element_;
-  using Ops = ElementOps<Element>;
+  using Ops = TensorOps<Element>;
   using Smem = typename detail::Layout<HeadDimPadded / 8, Swizzle>::type;
   static constexpr bool kSwizzle = Swizzle;
   static constexpr bool kQInRegs = QInRegs;

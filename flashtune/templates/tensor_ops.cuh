@@ -1,5 +1,5 @@
 // The m16n8k16 tensor-core mma and the round-to-nearest 16-bit packing of one element type,
-// shared by the kernels that are templated on it (backward, decoding).
+// shared by the kernels that are templated on it (forward, backward, decoding).
 #pragma once
 
 #include "primitives.cuh"
