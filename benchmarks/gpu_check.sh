@@ -72,7 +72,7 @@ GC_MIN_STAGE_S=5
 # The arch the dry run compiles for (the lent GPU's), and the cap of each stage of a dry run
 # (plumbing on a CPU machine, which may be slow and busy: not bound by the GPU plan).
 GC_DRY_ARCH=sm_90
-GC_DRY_CAP_S=120
+GC_DRY_CAP_S=600
 
 gc_log() { printf '[gpu_check %s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
 
