@@ -2,6 +2,11 @@
 
 Used by static pruning (shared memory per block), occupancy and the cost model. Values are
 per SM unless named per block.
+
+An arch-specific target (``sm_90a``) is a name of its own: its binaries use instructions
+(wgmma, setmaxnreg) that exist on exactly one compute capability, so they run only on
+devices of that compute capability, never on later ones as ``sm_90`` code would. Its limits
+are those of the generic arch of the same compute capability.
 """
 
 from __future__ import annotations
@@ -27,10 +32,20 @@ class ArchSpec:
     max_threads_per_sm: int
     max_blocks_per_sm: int
     max_warps_per_sm: int
+    #: True for an arch-specific target (sm_90a): its code runs on this compute capability only.
+    arch_specific: bool = False
 
     @property
     def compute_capability(self) -> tuple[int, int]:
         return (self.major, self.minor)
+
+    def runs_on(self, device: ArchSpec) -> bool:
+        """Whether a binary built for this target runs on a device of arch ``device``: an
+        arch-specific target only on its own compute capability, any other on devices of
+        its own arch (flashtune compiles for the device's exact arch)."""
+        if self.arch_specific:
+            return device.compute_capability == self.compute_capability
+        return device.name == self.name
 
 
 _KIB = 1024
@@ -42,6 +57,8 @@ ARCHS: dict[str, ArchSpec] = {
         ArchSpec("sm_87", 8, 7, 163 * _KIB, 164 * _KIB, _KIB, 65536, 255, 2048, 32, 64),
         ArchSpec("sm_89", 8, 9, 99 * _KIB, 100 * _KIB, _KIB, 65536, 255, 1536, 24, 48),
         ArchSpec("sm_90", 9, 0, 227 * _KIB, 228 * _KIB, _KIB, 65536, 255, 2048, 32, 64),
+        ArchSpec("sm_90a", 9, 0, 227 * _KIB, 228 * _KIB, _KIB, 65536, 255, 2048, 32, 64,
+                 arch_specific=True),
         ArchSpec("sm_100", 10, 0, 227 * _KIB, 228 * _KIB, _KIB, 65536, 255, 2048, 32, 64),
         ArchSpec("sm_120", 12, 0, 99 * _KIB, 100 * _KIB, _KIB, 65536, 255, 1536, 32, 48),
     )
@@ -49,20 +66,42 @@ ARCHS: dict[str, ArchSpec] = {
 
 
 def get_arch(name: str) -> ArchSpec:
-    """Look up an arch by name ('sm_90', 'sm90', '90', 'compute_90' or '9.0')."""
+    """Look up an arch by name ('sm_90', 'sm90', '90', 'compute_90' or '9.0'); an ``a``
+    suffix names the arch-specific target ('sm_90a', '90a', '9.0a'), a different arch."""
     text = name.strip().lower()
-    match = re.fullmatch(r"(?:sm_?|compute_)?(\d+)(?:\.(\d))?a?", text)
+    match = re.fullmatch(r"(?:sm_?|compute_)?(\d+)(?:\.(\d))?(a?)", text)
     key = None
     if match:
         digits = match.group(1) + (match.group(2) or "")
-        key = f"sm_{digits}"
+        key = f"sm_{digits}{match.group(3)}"
     if key not in ARCHS:
         raise InvalidConfig(
             f"arch {name!r} is not supported; expected one of {sorted(ARCHS)} "
-            "(flashtune kernels need mma.sync m16n8k16, i.e. sm_80 or newer)"
+            "(flashtune kernels need mma.sync m16n8k16, i.e. sm_80 or newer; the only "
+            "arch-specific target is sm_90a)"
         )
     assert key is not None
     return ARCHS[key]
+
+
+def compile_target(required: str | None, arch: str) -> ArchSpec:
+    """The arch a source is built for when it is asked for on ``arch``: ``arch`` itself, or
+    the arch-specific target ``required`` by the source (``KernelSource.target``) when a
+    device of ``arch`` runs it (sm_90a code asked for on sm_90 or sm_90a). InvalidConfig
+    when it cannot run there (sm_90a code on sm_80 or sm_100)."""
+    spec = get_arch(arch)
+    if required is None:
+        return spec
+    target = get_arch(required)
+    if not target.runs_on(spec):
+        major, minor = target.compute_capability
+        raise InvalidConfig(
+            f"this kernel is built for {target.name}, which runs only on compute capability "
+            f"{major}.{minor} devices; {spec.name} (compute capability {spec.major}."
+            f"{spec.minor}) cannot run it. Compile it for {target.name} or a "
+            f"compute-capability {major}.{minor} arch, or use a kernel family that is not "
+            "arch-specific on this device")
+    return target
 
 
 class ArchClass(str, Enum):
@@ -84,6 +123,7 @@ ARCH_CLASS: Mapping[str, ArchClass] = {
     "sm_89": ArchClass.SM86,
     "sm_120": ArchClass.SM86,
     "sm_90": ArchClass.SM90,
+    "sm_90a": ArchClass.SM90,
     "sm_100": ArchClass.SM90,
 }
 

@@ -81,9 +81,10 @@ TemplateValue = int | bool | str
 
 def render_template(template: str, problem: Problem, config: KernelConfig,
                     params: Mapping[str, TemplateValue], *, smem_bytes: int,
-                    threads: int) -> KernelSource:
+                    threads: int, target: str | None = None) -> KernelSource:
     """Render ``template`` with ``params`` (plus ``entry``, ``smem_bytes`` and ``threads``)
-    into the KernelSource of ``problem`` x ``config``.
+    into the KernelSource of ``problem`` x ``config``; ``target``: the arch-specific target
+    the code needs (``KernelSource.target``).
 
     Families call this with parameters derived from validated Problem and KernelConfig
     values only; no string from a user, a file or a database reaches a template.
@@ -92,13 +93,15 @@ def render_template(template: str, problem: Problem, config: KernelConfig,
     body = environment().get_template(template).render(
         entry=entry, smem_bytes=smem_bytes, threads=threads, **params)
     headers = included_headers(body)
-    digest = _digest(body, headers, COMPILE_OPTIONS)
+    digest = _digest(body if target is None else f"target {target}\n{body}", headers,
+                     COMPILE_OPTIONS)
     banner = (
         f"// flashtune {__version__} generated kernel\n"
         f"// problem: {problem.key()}  config: {config.key()}\n"
         f"// entry: {entry}  dynamic smem: {smem_bytes} B  threads: {threads}\n"
         f"// digest: {digest}\n"
+        + ("" if target is None else f"// target: {target} only\n")
     )
     return KernelSource(problem=problem, config=config, code=banner + body, entry=entry,
                         headers=headers, options=COMPILE_OPTIONS, digest=digest,
-                        smem_bytes=smem_bytes, threads=threads)
+                        smem_bytes=smem_bytes, threads=threads, target=target)

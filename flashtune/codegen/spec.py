@@ -337,11 +337,13 @@ class Shape:
 
 @dataclass(frozen=True)
 class KernelSource:
-    """A rendered kernel, ready to compile for any arch.
+    """A rendered kernel, ready to compile for any arch (or for its one ``target``).
 
     ``digest`` covers everything that changes the binary apart from the target arch and the
     compiler: the rendered code, the contents of every header it includes, the compile
-    options and the flashtune version.
+    options and the flashtune version. ``target`` names the arch-specific target the code
+    needs (``"sm_90a"`` for wgmma), None when it compiles for any arch
+    (``codegen.arch.compile_target`` applies it).
     """
 
     problem: Problem
@@ -353,3 +355,4 @@ class KernelSource:
     digest: str
     smem_bytes: int
     threads: int
+    target: str | None = None

@@ -8,8 +8,10 @@ kernels through these functions, so a new family needs no change anywhere else.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
+from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
 from flashtune.errors import InvalidProblem
 from flashtune.families.base import KernelFamily
@@ -73,9 +75,29 @@ def of(problem: Problem) -> KernelFamily:
     return get(problem.op)
 
 
+def serving(problem: Problem, arch: ArchSpec) -> Problem:
+    """The problem a call of ``problem`` runs on a device of ``arch``: ``problem`` itself, or
+    the same problem for a registered family that ``serves`` its op with an arch-specific
+    target this device runs (e.g. the Hopper forward on compute capability 9.0) and that
+    accepts it (its head dim, mask, ...)."""
+    for family in all_families():
+        if family.serves != problem.op or family.target_arch is None:
+            continue
+        if not get_arch(family.target_arch).runs_on(arch):
+            continue
+        variant = dataclasses.replace(problem, op=family.op)
+        try:
+            family.check_problem(variant)
+        except InvalidProblem:
+            continue
+        return variant
+    return problem
+
+
 def render(problem: Problem, config: KernelConfig) -> KernelSource:
     """The KernelSource of ``problem`` x ``config``, rendered by the problem's family."""
     return of(problem).render(problem, config)
 
 
-__all__ = ["KernelFamily", "all_families", "get", "of", "register", "render", "unregister"]
+__all__ = ["KernelFamily", "all_families", "get", "of", "register", "render", "serving",
+           "unregister"]

@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 
 from flashtune.codegen.abi import PackedArgs
-from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue, render_template
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem, Shape, ShapeLike
@@ -165,6 +165,12 @@ class KernelFamily(ABC):
     title: ClassVar[str]
     #: The template entry point in flashtune/templates, e.g. "flash_fwd.cu.jinja".
     template: ClassVar[str]
+    #: The arch-specific target its code needs (e.g. "sm_90a" for wgmma), None for any arch.
+    target_arch: ClassVar[str | None] = None
+    #: The op whose calls this family serves instead of that op's own family, on devices
+    #: that run ``target_arch`` (the dispatcher's choice; same arguments and outputs), or
+    #: None. E.g. a Hopper forward serves "fwd" calls on compute capability 9.0 devices.
+    serves: ClassVar[str | None] = None
 
     # ---------------------------------------------------------------- problems
 
@@ -192,6 +198,11 @@ class KernelFamily(ABC):
                      ) -> str | None:
         """Why ``config`` can never run ``problem`` on ``arch``, or None when it may: a
         knob the family's space does not declare, else the family's own ``rules``."""
+        if self.target_arch is not None and not get_arch(self.target_arch).runs_on(arch):
+            target = get_arch(self.target_arch)
+            return (f"the {self.op!r} family is built for {target.name}, which runs only on "
+                    f"compute capability {target.major}.{target.minor} devices, not on "
+                    f"{arch.name}")
         declared = self.space(problem).names
         unknown = [name for name, _ in config.extras if name not in declared]
         if unknown:
@@ -252,7 +263,7 @@ class KernelFamily(ABC):
         return render_template(self.template, problem, config,
                                self.template_params(problem, config),
                                smem_bytes=self.smem_bytes(problem, config),
-                               threads=config.threads)
+                               threads=config.threads, target=self.target_arch)
 
     # ---------------------------------------------------------------- launch plan
 

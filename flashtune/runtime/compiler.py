@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from flashtune import knobs
-from flashtune.codegen.arch import ArchSpec, get_arch
+from flashtune.codegen.arch import ArchSpec, compile_target, get_arch
 from flashtune.codegen.spec import KernelSource
 from flashtune.errors import CompileError, ToolchainNotFound
 from flashtune.runtime.cache import ArtifactCache
@@ -146,7 +146,7 @@ def compile_key(source: KernelSource, arch: str, toolchain: Toolchain | None = N
     The include directory enters through the contents of the headers used, not its path,
     so moving an environment keeps its cache valid.
     """
-    spec = get_arch(arch)
+    spec = compile_target(source.target, arch)
     tc = toolchain if toolchain is not None else find_toolchain()
     lib = nvrtc.load(tc.nvrtc_path)
     major, minor = lib.version
@@ -212,8 +212,10 @@ def compile_or_fail(
     """compile_source, returning a compilation failure as data instead of raising it.
 
     Errors that are not about this source (unknown arch, missing toolchain) still raise.
+    A source with an arch-specific ``target`` is built for that target (codegen.arch.
+    compile_target; InvalidConfig when ``arch`` cannot run it).
     """
-    spec = get_arch(arch)
+    spec = compile_target(source.target, arch)
     tc = toolchain if toolchain is not None else find_toolchain()
     lib = nvrtc.load(tc.nvrtc_path)
     check_arch_supported(lib, spec)
@@ -340,7 +342,7 @@ def compile_pairs(
     store = cache if cache is not None else ArtifactCache()
     tc = find_toolchain()
     lib = nvrtc.load(tc.nvrtc_path)
-    specs = [get_arch(arch) for _, arch in pairs]
+    specs = [compile_target(source.target, arch) for source, arch in pairs]
     for spec in set(specs):
         check_arch_supported(lib, spec)
     results: list[CompileResult | None] = [None] * len(pairs)

@@ -7,6 +7,11 @@ Lookup order for a (device, problem, sequence bucket):
 3. ``same_arch`` -- the same, from another GPU of the same arch (e.g. any sm_90);
 4. ``default`` -- the family's built-in default table (``families.<op>``).
 
+The family is the problem's own, unless a registered family with an arch-specific target
+this device runs ``serves`` its op (``families.serving``): on compute capability 9.0 devices
+an sm_90a family answers the calls of the op it serves, with its own problem key (tuned
+results and defaults are that family's); every other device gets the op's own family.
+
 The database is read lazily, once per process (per Dispatcher), and never written or
 created; if it cannot be read a warning is logged once and every decision falls back to the
 defaults, so attention never fails because of the database (a default database that does not
@@ -176,6 +181,9 @@ class Dispatcher:
     def _decide(self, bucket: ProblemBucket, device: DeviceLike) -> Decision:
         tuned = self._load()
         arch = get_arch(device.arch).name
+        served = families.serving(bucket.problem, get_arch(arch))
+        if served != bucket.problem:  # an arch-specific family (sm_90a) serves this device
+            bucket = ProblemBucket(served, bucket.seqlen)
         match = tuned.index.lookup(device=device.name, arch=arch,
                                    problem=bucket.problem.key(), seqlen=bucket.seqlen)
         if match is not None:

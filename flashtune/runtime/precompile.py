@@ -40,7 +40,7 @@ from typing import Any
 
 from flashtune import families, knobs
 from flashtune._version import __version__
-from flashtune.codegen.arch import get_arch
+from flashtune.codegen.arch import compile_target, get_arch
 from flashtune.codegen.spec import (
     COMPILED_HEAD_DIMS,
     MAX_SEQ_BUCKET,
@@ -72,8 +72,9 @@ log = logging.getLogger("flashtune.precompile")
 
 
 def artifact_name(source: KernelSource, arch: str) -> str:
-    """File stem of a shipped cubin: source digest prefix, arch and entry (readable)."""
-    return f"{source.digest[:32]}_{get_arch(arch).name}_{source.entry}"
+    """File stem of a shipped cubin: source digest prefix, the arch it is built for (an
+    arch-specific source's own target, e.g. sm_90a) and entry (readable)."""
+    return f"{source.digest[:32]}_{compile_target(source.target, arch).name}_{source.entry}"
 
 
 def _relative(source: KernelSource, arch: str) -> str:
@@ -210,7 +211,7 @@ def load_shipped(source: KernelSource, arch: str,
     Raises CacheError when a directory is writable by other users, its manifest is damaged,
     or the listed artifact is missing or differs from its manifest digest.
     """
-    spec = get_arch(arch)
+    spec = compile_target(source.target, arch)
     rel = _relative(source, spec.name)
     for directory in (knobs.PRECOMPILED_DIRS.get() if directories is None else directories):
         manifest = _manifest(Path(directory))
@@ -328,13 +329,14 @@ def precompile(kernels: Iterable[tuple[Problem, KernelConfig]], arch: str, out: 
                 message = result.failure.message if result.failure else ""
                 failed.append(f"{source.entry}: {message}")
                 continue
-            rel = _relative(source, spec.name)
-            data = _pack(source, spec.name, result.kernel.cubin)
+            target = result.kernel.arch  # the source's own arch-specific target, if any
+            rel = _relative(source, target)
+            data = _pack(source, target, result.kernel.cubin)
             if digests.get(rel) != hashlib.sha256(data).hexdigest():
                 _write_readonly(folder / rel, data)
                 digests[rel] = hashlib.sha256(data).hexdigest()
             resources = result.kernel.resources
-            done.append(Precompiled(problem, config, spec.name, source.entry, folder / rel,
+            done.append(Precompiled(problem, config, target, source.entry, folder / rel,
                                     resources.registers, resources.spill_bytes))
             log.info("precompiled %s for %s -> %s", source.entry, spec.name, folder / rel)
         write_manifest(folder, digests)
