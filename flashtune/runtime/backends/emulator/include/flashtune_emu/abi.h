@@ -158,6 +158,25 @@ FTEMU_API void ftemu_syncthreads(ftemu_loc loc);
 FTEMU_API void ftemu_syncwarp(unsigned mask, ftemu_loc loc);
 FTEMU_API unsigned ftemu_cvta_shared(const void* ptr, ftemu_loc loc);
 
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}.{f16,bf16} (sm_90a). kind: bit 0
+// bf16, bit 1 A from registers, bit 2 imm-trans-a, bit 3 imm-trans-b, bits 8.. N.
+#define FTEMU_WGMMA_BF16 1
+#define FTEMU_WGMMA_RS 2
+#define FTEMU_WGMMA_TRANS_A 4
+#define FTEMU_WGMMA_TRANS_B 8
+struct ftemu_wgmma_args {
+    float* d;                   // N/2 accumulators of this thread
+    const unsigned* a;          // RS: the 4 A registers of this thread; SS: null
+    unsigned long long a_desc;  // SS: the A matrix descriptor
+    unsigned long long b_desc;
+    int scale_d;                // 0: D = A*B, else D = A*B + D
+};
+FTEMU_API void ftemu_wgmma(int kind, void* args, ftemu_loc loc);
+FTEMU_API void ftemu_wgmma_fence(ftemu_loc loc);
+FTEMU_API void ftemu_wgmma_commit(ftemu_loc loc);
+FTEMU_API void ftemu_wgmma_wait(int pending, ftemu_loc loc);
+FTEMU_API void ftemu_fence_proxy_async(ftemu_loc loc);
+
 // Records a fault of the current thread and ends the launch (never returns).
 [[noreturn]] FTEMU_API void ftemu_fail(const char* message, ftemu_loc loc);
 

@@ -161,7 +161,8 @@ void count_collective(Launch& L, const Collective& c, unsigned) {
         case Op::Ldmatrix: count_ldmatrix(L, c); break;
         case Op::Shfl: C.shfl_count += 1; break;
         case Op::Vote:
-        case Op::SyncWarp: break;
+        case Op::SyncWarp:
+        case Op::Wgmma: break;
     }
 }
 

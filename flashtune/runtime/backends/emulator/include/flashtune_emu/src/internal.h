@@ -105,9 +105,20 @@ struct Thread {
     std::vector<Region> priv;              // landed copies not yet published
     bool hidden = false;
     uint32_t cp_seq = 0;                   // cp.async calls so far in this block (counters)
+
+    // wgmma.mma_async results in flight (wgmma.cpp): written to the accumulator registers
+    // only at the wgmma_wait that covers their group; the registers hold poison until then.
+    struct WgmmaResult {
+        float* d;
+        std::vector<float> values;
+        ftemu_loc loc;
+    };
+    std::vector<WgmmaResult> wg_uncommitted;
+    std::deque<std::vector<WgmmaResult>> wg_groups;  // committed, oldest first
+    bool wg_fenced = false;  // a wgmma_fence since the accumulators were last handed back
 };
 
-enum class Op : uint8_t { Mma, Ldmatrix, Shfl, Vote, SyncWarp };
+enum class Op : uint8_t { Mma, Ldmatrix, Shfl, Vote, SyncWarp, Wgmma };
 
 struct LaneArgs {
     void* out;
@@ -227,6 +238,14 @@ void count_cp_async(Thread& t, const void* dst, const void* src, int bytes, int 
                     ftemu_loc loc);
 void count_collective(Launch& L, const Collective& c, unsigned warp);
 void counters_end_block(Launch& L);
+
+// warp.cpp: exact 16-bit float decoding (fp16 through a 65536-entry table)
+const float* half_table();
+float bf16_to_float(uint16_t h);
+
+// wgmma.cpp
+void compute_wgmma(const Collective& c, unsigned warp);
+void wgmma_on_exit(Thread& t);
 
 // warp.cpp
 void on_lane_exit(Thread& t);

@@ -30,6 +30,7 @@ static const char* op_name(Op op, int kind) {
             return names[kind % 3];
         }
         case Op::SyncWarp: return "__syncwarp";
+        case Op::Wgmma: return "wgmma_mma_async";
     }
     return "?";
 }
@@ -39,7 +40,9 @@ std::string describe_collective(const Collective& c) {
                   lane_list(c.arrived).c_str(), at(c.loc).c_str());
 }
 
-static bool is_aligned_op(Op op) { return op == Op::Mma || op == Op::Ldmatrix; }
+static bool is_aligned_op(Op op) {
+    return op == Op::Mma || op == Op::Ldmatrix || op == Op::Wgmma;
+}
 
 // ---------------------------------------------------------------------------------------
 // 16-bit floating point to float (exact)
@@ -62,14 +65,14 @@ static float half_to_float(uint16_t h) {
     return f;
 }
 
-static float bf16_to_float(uint16_t h) {
+float bf16_to_float(uint16_t h) {
     uint32_t bits = static_cast<uint32_t>(h) << 16;
     float f;
     std::memcpy(&f, &bits, 4);
     return f;
 }
 
-static const float* half_table() {
+const float* half_table() {
     static float* table = [] {
         auto* t = new float[65536];
         for (uint32_t i = 0; i < 65536; ++i) t[i] = half_to_float(static_cast<uint16_t>(i));
@@ -226,6 +229,7 @@ static void complete(Launch& L, unsigned warp, Collective& c) {
         case Op::Shfl: compute_shfl(c, warp); break;
         case Op::Vote: compute_vote(c); break;
         case Op::SyncWarp: break;
+        case Op::Wgmma: compute_wgmma(c, warp); break;
     }
     if (L.counters) count_collective(L, c, warp);
     c.active = false;
@@ -324,6 +328,7 @@ static void join(Op op, int kind, int width, unsigned mask, ftemu_loc loc, const
 }
 
 void on_lane_exit(Thread& t) {
+    wgmma_on_exit(t);
     Launch& L = *g_launch;
     Warp& W = L.warps[t.warp];
     unsigned bit = 1u << t.lane;
@@ -379,4 +384,8 @@ extern "C" FTEMU_API unsigned ftemu_vote(int mode, unsigned mask, int predicate,
 
 extern "C" FTEMU_API void ftemu_syncwarp(unsigned mask, ftemu_loc loc) {
     join(Op::SyncWarp, 0, 32, mask, loc, LaneArgs{nullptr, nullptr, nullptr, nullptr, 0, 0});
+}
+
+extern "C" FTEMU_API void ftemu_wgmma(int kind, void* args, ftemu_loc loc) {
+    join(Op::Wgmma, kind, 32, 0xffffffffu, loc, LaneArgs{nullptr, args, nullptr, nullptr, 0, 0});
 }

@@ -1,0 +1,55 @@
+// The emulator's implementation of the sm_90a primitives (flashtune/templates/wgmma.cuh):
+// wgmma.mma_async with shared-memory matrix descriptors, its fence / commit / wait, and
+// fence.proxy.async. Semantics and checks: src/wgmma.cpp.
+#pragma once
+
+#include "flashtune_emu/runtime.h"
+
+namespace ft {
+
+template <int N, bool BF16, bool TRANS_A, bool TRANS_B>
+__device__ inline void wgmma_ss(float (&d)[N / 2], unsigned long long a_desc,
+                                unsigned long long b_desc, int scale_d,
+                                ::ftemu::loc_t l = ::ftemu::loc_t::current()) {
+    static_assert(N % 8 == 0 && N >= 8 && N <= 256, "wgmma m64nNk16: N in 8..256, step 8");
+    ftemu_wgmma_args args{d, nullptr, a_desc, b_desc, scale_d};
+    ftemu_wgmma(N << 8 | (BF16 ? FTEMU_WGMMA_BF16 : 0) | (TRANS_A ? FTEMU_WGMMA_TRANS_A : 0) |
+                    (TRANS_B ? FTEMU_WGMMA_TRANS_B : 0),
+                &args, ::ftemu::to_loc(l));
+}
+
+template <int N, bool BF16, bool TRANS_B>
+__device__ inline void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[4],
+                                unsigned long long b_desc, int scale_d,
+                                ::ftemu::loc_t l = ::ftemu::loc_t::current()) {
+    static_assert(N % 8 == 0 && N >= 8 && N <= 256, "wgmma m64nNk16: N in 8..256, step 8");
+    ftemu_wgmma_args args{d, a, 0, b_desc, scale_d};
+    ftemu_wgmma(N << 8 | FTEMU_WGMMA_RS | (BF16 ? FTEMU_WGMMA_BF16 : 0) |
+                    (TRANS_B ? FTEMU_WGMMA_TRANS_B : 0),
+                &args, ::ftemu::to_loc(l));
+}
+
+__device__ inline void wgmma_fence(::ftemu::loc_t l = ::ftemu::loc_t::current()) {
+    ftemu_wgmma_fence(::ftemu::to_loc(l));
+}
+__device__ inline void wgmma_commit(::ftemu::loc_t l = ::ftemu::loc_t::current()) {
+    ftemu_wgmma_commit(::ftemu::to_loc(l));
+}
+template <int N>
+__device__ inline void wgmma_wait(::ftemu::loc_t l = ::ftemu::loc_t::current()) {
+    static_assert(N >= 0 && N <= 7, "wgmma.wait_group N: 0..7");
+    ftemu_wgmma_wait(N, ::ftemu::to_loc(l));
+}
+// The accumulators as the compiler must see them around wgmma (a no-op here: the emulator's
+// calls take the arrays by address).
+template <int R>
+__device__ inline void wgmma_fence_operands(float (&)[R]) {}
+__device__ inline void fence_proxy_async(::ftemu::loc_t l = ::ftemu::loc_t::current()) {
+    ftemu_fence_proxy_async(::ftemu::to_loc(l));
+}
+__device__ inline unsigned smem_address(const void* p,
+                                        ::ftemu::loc_t l = ::ftemu::loc_t::current()) {
+    return ftemu_cvta_shared(p, ::ftemu::to_loc(l));
+}
+
+}  // namespace ft

@@ -1,0 +1,243 @@
+// wgmma.mma_async (sm_90a): the warpgroup matrix multiply-accumulate, its matrix descriptors
+// and its asynchronous completion (reference: the Hopper notes, section 6.1-6.2).
+//
+// m64nNk16 over a warpgroup (4 consecutive warps) splits into 4 independent warp parts: warp
+// w of the group owns rows 16w..16w+15 of A and of D, and reads all of B. Each warp is a
+// collective of its 32 lanes (the same rendezvous as mma.sync); the result is computed at
+// issue from shared memory as it is then, and held per thread until the wgmma_wait that
+// covers its commit group writes it into the accumulator registers. Until then those
+// registers hold the poison NaN, so reading an accumulator before its wait shows up as NaN,
+// as reading cp.async data too early does; a thread that returns with results never waited
+// for, a wgmma without a wgmma_fence since the accumulators were last handed back, reserved
+// descriptor bits and lanes that disagree on a descriptor are errors.
+#include <cstring>
+
+#include "internal.h"
+
+namespace ftemu {
+
+namespace {
+
+constexpr uint32_t kPoisonF32 = 0x7FF0A5A5u;  // a NaN no arithmetic produces
+
+struct Desc {
+    uint32_t start, lbo, sbo;  // byte addresses / offsets in the shared window
+    unsigned base_offset;
+    unsigned layout;           // 0 none, 1 = 128B, 2 = 64B, 3 = 32B swizzle
+};
+
+Desc decode(unsigned long long d, const char* operand, ftemu_loc loc) {
+    // Fields: [13:0] start >> 4, [29:16] LBO >> 4, [45:32] SBO >> 4, [51:49] base offset,
+    // [63:62] layout type; every other bit is reserved and must be zero.
+    constexpr unsigned long long kUsed = 0x3FFFull | 0x3FFFull << 16 | 0x3FFFull << 32 |
+                                         7ull << 49 | 3ull << 62;
+    if (d & ~kUsed)
+        fail(FTEMU_ERROR, format(
+            "wgmma at %s: the %s descriptor 0x%016llx sets reserved bits 0x%016llx (fields: "
+            "start [13:0], LBO [29:16], SBO [45:32], base offset [51:49], swizzle [63:62])",
+            at(loc).c_str(), operand, d, d & ~kUsed));
+    Desc out{static_cast<uint32_t>(d & 0x3FFF) << 4, static_cast<uint32_t>(d >> 16 & 0x3FFF) << 4,
+             static_cast<uint32_t>(d >> 32 & 0x3FFF) << 4, static_cast<unsigned>(d >> 49 & 7),
+             static_cast<unsigned>(d >> 62 & 3)};
+    if (out.base_offset != 0)
+        fail(FTEMU_ERROR, format(
+            "wgmma at %s: the %s descriptor 0x%016llx has base offset %u; the emulator models "
+            "swizzle patterns that start on their repeat boundary (base offset 0) only",
+            at(loc).c_str(), operand, d, out.base_offset));
+    return out;
+}
+
+// Bytes of one swizzled row (the pitch between consecutive rows of an 8-row core group).
+unsigned row_bytes(unsigned layout) {
+    static const unsigned bytes[4] = {16, 128, 64, 32};
+    return bytes[layout];
+}
+
+// The 128/64/32-byte swizzle on an absolute shared-window address: the 16-byte chunk bits
+// [6:4] (fewer for 64B/32B) are XORed with bits [9:7].
+uint32_t swizzle(uint32_t addr, unsigned layout) {
+    static const uint32_t mask[4] = {0, 7, 3, 1};
+    return addr ^ (((addr >> 7) & mask[layout]) << 4);
+}
+
+// The window address of the 16-byte chunk holding elements (mn, 8c..8c+7) of a K-major
+// operand, or (8c..8c+7, k) of an MN-major one (c: the chunk index along the contiguous dim).
+uint32_t chunk_address(const Desc& d, bool mn_major, unsigned mn, unsigned k) {
+    unsigned w = row_bytes(d.layout);
+    uint32_t a;
+    if (!mn_major) {  // element (mn, k): rows of K; k-chunks 16 B apart within a swizzled row
+        a = d.start + (mn % 8) * w + (mn / 8) * d.sbo + (k / 8) * (d.layout ? 16 : d.lbo);
+    } else {          // element (k, mn): rows of MN; w/2 elements per row, panels LBO apart
+        unsigned per_row = w / 2;
+        a = d.start + (k % 8) * w + (k / 8) * d.sbo + (mn % per_row) * 2 + (mn / per_row) * d.lbo;
+    }
+    return swizzle(a, d.layout);
+}
+
+const void* window_pointer(uint32_t addr, const char* operand, ftemu_loc loc) {
+    Launch& L = *g_launch;
+    size_t dyn_start = (L.stat.size + 127) / 128 * 128;
+    if (addr < L.stat.size) return L.stat.base + addr;
+    if (addr >= dyn_start && addr - dyn_start < L.dyn.size) return L.dyn.base + (addr - dyn_start);
+    fail(FTEMU_ERROR, format(
+        "wgmma at %s: the %s descriptor addresses shared-window byte 0x%x, outside the block's "
+        "shared memory (static 0..0x%zx, dynamic 0x%zx..0x%zx)", at(loc).c_str(), operand, addr,
+        L.stat.size, dyn_start, dyn_start + L.dyn.size));
+}
+
+// operand[mn][k] (rows x 16) as floats, read chunk by chunk with the shared-memory checks.
+void read_operand(const Thread& reader, const Desc& d, bool mn_major, unsigned mn0, unsigned rows,
+                  bool bf16, const char* operand, ftemu_loc loc, std::vector<float>& out) {
+    const float* h = half_table();
+    out.assign(static_cast<size_t>(rows) * 16, 0.0f);
+    uint16_t chunk[8];
+    char what[64];
+    std::snprintf(what, sizeof what, "wgmma_mma_async (%s operand)", operand);
+    if (!mn_major) {
+        for (unsigned r = 0; r < rows; ++r)
+            for (unsigned c = 0; c < 2; ++c) {
+                read_ldmatrix_row(reader, window_pointer(chunk_address(d, false, mn0 + r, 8 * c),
+                                                         operand, loc), what, loc, chunk);
+                for (unsigned e = 0; e < 8; ++e)
+                    out[r * 16 + 8 * c + e] = bf16 ? bf16_to_float(chunk[e]) : h[chunk[e]];
+            }
+    } else {
+        for (unsigned k = 0; k < 16; ++k)
+            for (unsigned c = 0; c < rows / 8; ++c) {
+                read_ldmatrix_row(reader, window_pointer(chunk_address(d, true, mn0 + 8 * c, k),
+                                                         operand, loc), what, loc, chunk);
+                for (unsigned e = 0; e < 8; ++e)
+                    out[(8 * c + e) * 16 + k] = bf16 ? bf16_to_float(chunk[e]) : h[chunk[e]];
+            }
+    }
+}
+
+// Accumulator element v of lane L (rows of this warp's 16-row slice): the m16n8 C pattern
+// repeated over N/8 column blocks.
+unsigned acc_row(unsigned lane, unsigned v) { return lane / 4 + 8 * ((v >> 1) & 1); }
+unsigned acc_col(unsigned lane, unsigned v) { return 8 * (v >> 2) + 2 * (lane % 4) + (v & 1); }
+
+// The newest in-flight value of accumulator array `d`, or null.
+const Thread::WgmmaResult* in_flight(const Thread& t, const float* d) {
+    for (auto it = t.wg_uncommitted.rbegin(); it != t.wg_uncommitted.rend(); ++it)
+        if (it->d == d) return &*it;
+    for (auto g = t.wg_groups.rbegin(); g != t.wg_groups.rend(); ++g)
+        for (auto it = g->rbegin(); it != g->rend(); ++it)
+            if (it->d == d) return &*it;
+    return nullptr;
+}
+
+void poison(float* d, unsigned count) {
+    for (unsigned i = 0; i < count; ++i) std::memcpy(&d[i], &kPoisonF32, 4);
+}
+
+}  // namespace
+
+void compute_wgmma(const Collective& c, unsigned warp) {
+    Launch& L = *g_launch;
+    const unsigned n = static_cast<unsigned>(c.kind) >> 8;
+    const bool bf16 = c.kind & FTEMU_WGMMA_BF16, rs = c.kind & FTEMU_WGMMA_RS;
+    const bool trans_a = c.kind & FTEMU_WGMMA_TRANS_A, trans_b = c.kind & FTEMU_WGMMA_TRANS_B;
+    if (L.nthreads % 128 != 0)
+        fail(FTEMU_ERROR, format("wgmma at %s needs whole warpgroups of 128 threads, but the block "
+                                 "has %u threads", at(c.loc).c_str(), L.nthreads));
+    const auto* first = static_cast<const ftemu_wgmma_args*>(c.lanes[0].in0);
+    for (unsigned lane = 1; lane < 32; ++lane) {
+        const auto* a = static_cast<const ftemu_wgmma_args*>(c.lanes[lane].in0);
+        if (a->b_desc != first->b_desc || (!rs && a->a_desc != first->a_desc) ||
+            (a->scale_d != 0) != (first->scale_d != 0))
+            fail(FTEMU_ERROR, format(
+                "wgmma at %s: lane %u of warp %u passes descriptors A 0x%016llx B 0x%016llx "
+                "scale-d %d, lane 0 passes A 0x%016llx B 0x%016llx scale-d %d; they must be the "
+                "same in every thread of the warpgroup", at(c.loc).c_str(), lane, warp,
+                a->a_desc, a->b_desc, a->scale_d, first->a_desc, first->b_desc, first->scale_d));
+    }
+    const unsigned part = warp % 4;  // this warp's 16-row slice of the 64 rows
+    const Thread& reader = L.threads[warp * 32];
+    std::vector<float> A, B;
+    Desc bd = decode(first->b_desc, "B", c.loc);
+    read_operand(reader, bd, trans_b, 0, n, bf16, "B", c.loc, B);  // B as [n][k]
+    if (rs) {
+        A.assign(16 * 16, 0.0f);
+        const float* h = half_table();
+        for (unsigned lane = 0; lane < 32; ++lane) {
+            const auto* a = static_cast<const ftemu_wgmma_args*>(c.lanes[lane].in0);
+            for (unsigned v = 0; v < 8; ++v) {
+                auto bits = static_cast<uint16_t>(a->a[v / 2] >> (16 * (v & 1)));
+                A[acc_row(lane, v) * 16 + acc_col(lane, v)] = bf16 ? bf16_to_float(bits) : h[bits];
+            }
+        }
+    } else {
+        read_operand(reader, decode(first->a_desc, "A", c.loc), trans_a, 16 * part, 16, bf16, "A",
+                     c.loc, A);
+    }
+    for (unsigned lane = 0; lane < 32; ++lane) {
+        Thread& t = L.threads[warp * 32 + lane];
+        const auto* a = static_cast<const ftemu_wgmma_args*>(c.lanes[lane].in0);
+        if (!t.wg_fenced)
+            fail(FTEMU_ERROR, format(
+                "wgmma at %s: thread %u issues a wgmma without a wgmma_fence since the "
+                "accumulators were last handed back (the start of the kernel or a wgmma_wait); "
+                "wgmma.fence must order earlier register accesses before the wgmma",
+                at(c.loc).c_str(), t.tid));
+        Thread::WgmmaResult r{a->d, std::vector<float>(n / 2), c.loc};
+        const Thread::WgmmaResult* prev = a->scale_d ? in_flight(t, a->d) : nullptr;
+        for (unsigned v = 0; v < n / 2; ++v) {
+            unsigned row = acc_row(lane, v), col = acc_col(lane, v);
+            // Products of 16-bit floats are exact; the sum is formed in double, rounded once.
+            double acc = 0.0;
+            for (unsigned k = 0; k < 16; ++k)
+                acc += static_cast<double>(A[row * 16 + k]) * static_cast<double>(B[col * 16 + k]);
+            if (a->scale_d) acc += static_cast<double>(prev ? prev->values[v] : a->d[v]);
+            r.values[v] = static_cast<float>(acc);
+        }
+        poison(a->d, n / 2);
+        t.wg_uncommitted.push_back(std::move(r));
+    }
+}
+
+void wgmma_on_exit(Thread& t) {
+    if (t.wg_uncommitted.empty() && t.wg_groups.empty()) return;
+    const auto& r = t.wg_uncommitted.empty() ? t.wg_groups.front().front() : t.wg_uncommitted.front();
+    fail(FTEMU_ERROR, format(
+        "thread %u returned with wgmma results never waited for (the wgmma at %s): every "
+        "wgmma must be committed and covered by a wgmma_wait before its accumulators are used "
+        "or the thread exits", t.tid, at(r.loc).c_str()));
+}
+
+}  // namespace ftemu
+
+using namespace ftemu;
+
+extern "C" FTEMU_API void ftemu_wgmma_fence(ftemu_loc) {
+    check_async_errors();
+    g_launch->cur->wg_fenced = true;
+}
+
+extern "C" FTEMU_API void ftemu_wgmma_commit(ftemu_loc) {
+    Thread& me = *g_launch->cur;
+    check_async_errors();
+    me.wg_groups.push_back(std::move(me.wg_uncommitted));
+    me.wg_uncommitted.clear();
+}
+
+extern "C" FTEMU_API void ftemu_wgmma_wait(int pending, ftemu_loc loc) {
+    Thread& me = *g_launch->cur;
+    check_async_errors();
+    if (pending < 0 || pending > 7)
+        fail(FTEMU_ERROR, format("wgmma_wait<%d> at %s: N must be in 0..7", pending,
+                                 at(loc).c_str()));
+    while (me.wg_groups.size() > static_cast<size_t>(pending)) {
+        std::vector<Thread::WgmmaResult> done = std::move(me.wg_groups.front());
+        me.wg_groups.pop_front();
+        for (const auto& r : done) {
+            std::memcpy(r.d, r.values.data(), r.values.size() * sizeof(float));
+            if (in_flight(me, r.d)) poison(r.d, static_cast<unsigned>(r.values.size()));
+        }
+    }
+    me.wg_fenced = false;
+}
+
+// fence.proxy.async: the emulator has one proxy (wgmma reads shared memory at issue through
+// the same checks as ldmatrix), so the fence orders nothing more here.
+extern "C" FTEMU_API void ftemu_fence_proxy_async(ftemu_loc) { check_async_errors(); }
