@@ -177,6 +177,14 @@ FTEMU_API void ftemu_wgmma_commit(ftemu_loc loc);
 FTEMU_API void ftemu_wgmma_wait(int pending, ftemu_loc loc);
 FTEMU_API void ftemu_fence_proxy_async(ftemu_loc loc);
 
+// mbarrier objects in shared memory (8 bytes, 8-byte aligned): init, arrive (with an
+// optional expect-tx), complete-tx, cp.async.mbarrier.arrive.noinc and try_wait.parity.
+FTEMU_API void ftemu_mbarrier_init(void* bar, unsigned count, ftemu_loc loc);
+FTEMU_API void ftemu_mbarrier_arrive(void* bar, unsigned expect_tx, ftemu_loc loc);
+FTEMU_API void ftemu_mbarrier_complete_tx(void* bar, unsigned tx, ftemu_loc loc);
+FTEMU_API void ftemu_mbarrier_cp_async_arrive(void* bar, ftemu_loc loc);
+FTEMU_API int ftemu_mbarrier_try_wait_parity(void* bar, unsigned parity, ftemu_loc loc);
+
 // Records a fault of the current thread and ends the launch (never returns).
 [[noreturn]] FTEMU_API void ftemu_fail(const char* message, ftemu_loc loc);
 

@@ -87,7 +87,7 @@ struct Region {
 // ---------------------------------------------------------------------------------------
 // Threads, warps, collectives
 
-enum class TState : uint8_t { Runnable, AtBarrier, InCollective, Exited };
+enum class TState : uint8_t { Runnable, AtBarrier, InCollective, Exited, AtMbarrier };
 
 struct Thread {
     ftemu_thread_ctx ctx{};
@@ -116,6 +116,25 @@ struct Thread {
     std::vector<WgmmaResult> wg_uncommitted;
     std::deque<std::vector<WgmmaResult>> wg_groups;  // committed, oldest first
     bool wg_fenced = false;  // a wgmma_fence since the accumulators were last handed back
+
+    // While AtMbarrier (mbarrier.cpp): the barrier and the phase this thread waits to complete.
+    const void* wait_bar = nullptr;
+    uint64_t wait_phase = 0;
+};
+
+// An mbarrier object (mbarrier.cpp), keyed by its shared-memory address.
+struct MBarrier {
+    uint32_t expected = 0;     // arrivals per phase (the init count)
+    uint32_t pending = 0;      // arrivals still missing in the current phase
+    int64_t tx = 0;            // transaction count of the current phase
+    uint64_t phase = 0;        // phases completed so far (parity: phase & 1)
+    uint64_t image = 0;        // what its 8 bytes of shared memory hold (plain stores show)
+    unsigned init_tid = 0;
+    uint32_t init_epoch = 0;   // block-barrier epoch of the init
+    ftemu_loc init_loc{};
+    uint32_t arrived_warps = 0;  // warps with an arrival in the current phase
+    std::vector<Copy> copies;    // cp.async tracked by cp.async.mbarrier.arrive: land at completion
+    std::vector<std::pair<unsigned, Region>> released;  // private copies released by arrivals
 };
 
 enum class Op : uint8_t { Mma, Ldmatrix, Shfl, Vote, SyncWarp, Wgmma };
@@ -178,6 +197,7 @@ struct Launch {
     uint64_t switches = 0;  // progress counter for the watchdog
     ftemu_counters* counters = nullptr;  // null unless the caller asked for counters
     uint64_t block_linear = 0;            // x + gx * (y + gy * z) of the running block
+    std::map<uintptr_t, MBarrier> mbarriers;  // initialised in the running block
 
     SmemSpace dyn, stat;
     unsigned char* arena_map = nullptr;  // mmap of guard + arena + guard (non-ASan)
@@ -226,6 +246,10 @@ void hide(Thread& t);
 void unhide(Thread& t);
 void publish_all(Launch& L);
 void land_all(Thread& t);
+// Lands copies of thread `tid` whose completion an mbarrier phase reports, published at once.
+void land_published(unsigned tid, const std::vector<Copy>& copies);
+// Publishes the words of `r` that thread `tid` holds privately (landed cp.async data).
+void publish_region(unsigned tid, const Region& r);
 SmemSpace* locate_shared(const void* p);
 std::string describe_smem_address(const void* p);
 // Reads the 16-byte row of an ldmatrix (checked: bounds, alignment, cp.async visibility).
@@ -246,6 +270,9 @@ float bf16_to_float(uint16_t h);
 // wgmma.cpp
 void compute_wgmma(const Collective& c, unsigned warp);
 void wgmma_on_exit(Thread& t);
+
+// mbarrier.cpp
+std::string describe_mbarrier_wait(const Thread& t);
 
 // warp.cpp
 void on_lane_exit(Thread& t);

@@ -250,6 +250,7 @@ static std::string lane_status(const Launch& L, const Thread& t) {
         case TState::AtBarrier: return "wait at __syncthreads (" + at(t.wait_loc) + ")";
         case TState::InCollective:
             return "wait in " + describe_collective(L.warps[t.warp].pool[t.collective]);
+        case TState::AtMbarrier: return describe_mbarrier_wait(t);
         case TState::Runnable: break;
     }
     return "runnable";
@@ -277,7 +278,8 @@ static std::string deadlock_report(const Launch& L) {
         out.pop_back();
     }
     out += "\n  (a warp collective needs every lane named in its mask, mma and ldmatrix all 32; "
-           "__syncthreads needs every thread that has not returned)";
+           "__syncthreads needs every thread that has not returned; an mbarrier phase needs its "
+           "init count of arrivals and a zero transaction count)";
     return out;
 }
 
@@ -414,6 +416,7 @@ static void run_block(Launch& L, unsigned bx, unsigned by, unsigned bz) {
         for (Collective& col : W.pool) col.active = false;
     }
     L.live = L.nthreads;
+    L.mbarriers.clear();
     L.barrier_arrived = 0;
     L.epoch = 0;
     smem_setup_block(L);

@@ -194,17 +194,19 @@ void unhide(Thread& t) {
     }
 }
 
+void publish_region(unsigned tid, const Region& r) {
+    SmemSpace& sp = *r.space;
+    for (size_t w = r.word; w < r.word + r.nwords; ++w) {
+        if (sp.owner[w] != tid) continue;
+        if (sp.state[w] == Word::PrivateHidden) restore(sp, w, tid);
+        if (sp.state[w] == Word::PrivateHidden || sp.state[w] == Word::PrivateVisible)
+            sp.state[w] = Word::Clean;
+    }
+}
+
 void publish_all(Launch& L) {
     for (Thread& t : L.threads) {
-        for (const Region& r : t.priv) {
-            SmemSpace& sp = *r.space;
-            for (size_t w = r.word; w < r.word + r.nwords; ++w) {
-                if (sp.owner[w] != t.tid) continue;
-                if (sp.state[w] == Word::PrivateHidden) restore(sp, w, t.tid);
-                if (sp.state[w] == Word::PrivateHidden || sp.state[w] == Word::PrivateVisible)
-                    sp.state[w] = Word::Clean;
-            }
-        }
+        for (const Region& r : t.priv) publish_region(t.tid, r);
         t.priv.clear();
         t.hidden = false;
     }
@@ -231,6 +233,15 @@ static void land(Thread& t, const std::vector<Copy>& group) {
         else
             t.priv.push_back(Region{c.space, c.word, c.nwords});
     }
+}
+
+void land_published(unsigned tid, const std::vector<Copy>& copies) {
+    Thread& t = g_launch->threads[tid];
+    std::vector<Region> held;  // the thread's own private regions stay as they are
+    held.swap(t.priv);
+    land(t, copies);
+    for (const Region& r : t.priv) publish_region(tid, r);
+    t.priv.swap(held);
 }
 
 void land_all(Thread& t) {
