@@ -26,10 +26,11 @@ def _builtins() -> None:
     from flashtune.families.combine import COMBINE
     from flashtune.families.decode import DECODE
     from flashtune.families.fwd import FORWARD
+    from flashtune.families.hopper import HOPPER_FORWARD
     from flashtune.families.lse import LSE
 
     for family in (FORWARD, BACKWARD, BACKWARD_DETERMINISTIC, PREPROCESS, CONVERT, LSE,
-                   DECODE, COMBINE):
+                   DECODE, COMBINE, HOPPER_FORWARD):
         _families.setdefault(family.op, family)
 
 

@@ -1,0 +1,79 @@
+"""The sm_90a forward family: FlashAttention's forward on wgmma for compute capability 9.0.
+
+Same arguments, outputs, reference and tolerances as the mma.sync forward (it serves "fwd"
+calls on cc 9.0 devices through ``families.serving``); S = Q K^T by wgmma with Q and K in
+128-byte-swizzled shared memory, P V by wgmma with P in registers and V MN-major in shared
+memory, K/V tiles by cp.async into a stage ring guarded by full/empty mbarriers
+(templates/hopper_fwd.cuh). Head dims 64, 128 and 256.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.params import ParamSpace, Point, Value
+from flashtune.codegen.render import TemplateValue
+from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.errors import InvalidConfig, InvalidProblem
+from flashtune.families.fwd import ForwardFamily
+from flashtune.families.hopper import space
+
+
+class HopperForwardFamily(ForwardFamily):
+    """The attention forward on wgmma (sm_90a), serving ``fwd`` on cc 9.0 devices."""
+
+    op = "fwd90a"
+    title = "attention forward on wgmma for sm_90a (O and LSE)"
+    template = "hopper_fwd.cu.jinja"
+    target_arch: ClassVar[str | None] = "sm_90a"
+    serves: ClassVar[str | None] = "fwd"
+
+    def check_problem(self, problem: Problem) -> None:
+        super().check_problem(problem)
+        if problem.head_dim not in space.HEAD_DIMS:
+            raise InvalidProblem(
+                f"head_dim={problem.head_dim}: the sm_90a forward takes head dims "
+                f"{space.HEAD_DIMS} (whole 128-byte swizzle panels); the mma.sync forward "
+                "serves the others")
+
+    def space(self, problem: Problem) -> ParamSpace:
+        return space.SPACE
+
+    def config(self, point: Point) -> KernelConfig:
+        block_m = point["block_m"]
+        if not isinstance(block_m, int):
+            raise InvalidConfig(f"block_m={block_m!r} must be an int")
+        return KernelConfig.from_dict({**point, "num_warps": space.warps(block_m)})
+
+    def point(self, config: KernelConfig) -> dict[str, Value]:
+        return {"block_m": config.block_m, "block_n": config.block_n,
+                "num_stages": config.num_stages}
+
+    def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
+        return space.static_check(problem, config, arch)
+
+    def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
+        """Two warpgroups (block_m 128), two stages as FA3 uses on sm90; the widest block_n
+        whose accumulators stay within the register rule (128; 64 at head dim 256)."""
+        block_n = 64 if problem.head_dim > 128 else 128
+        config = KernelConfig(block_m=128, block_n=block_n, num_warps=space.warps(128),
+                              num_stages=2)
+        return self.fitting(problem, config, arch)
+
+    def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
+        return ("two consumer warpgroups (block_m 128) and two stages (FA3's sm90 choice); the "
+                "widest key tile whose S, O and P accumulators fit the register rule")
+
+    def template_params(self, problem: Problem, config: KernelConfig
+                        ) -> dict[str, TemplateValue]:
+        return {"head_dim": problem.head_dim, "is_bf16": problem.dtype.value == "bf16",
+                "causal": problem.causal, "block_m": config.block_m,
+                "block_n": config.block_n, "num_warps": config.num_warps,
+                "num_stages": config.num_stages}
+
+    def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
+        return space.smem_bytes(problem, config)
+
+
+HOPPER_FORWARD = HopperForwardFamily()
