@@ -250,9 +250,11 @@ HOST_CXX: Knob[str] = Knob(
 )
 EMULATOR_ARCH: Knob[str] = Knob(
     "FLASHTUNE_EMULATOR_ARCH",
-    _choice("sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_100", "sm_120"),
+    _choice("sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120"),
     lambda: "sm_90",
-    "arch of the emulator's virtual device: configs are chosen as for a GPU of this arch",
+    "arch of the emulator's virtual device: configs are chosen as for a GPU of this arch. "
+    "sm_90 (the default) keeps the mma.sync kernels; sm_90a runs the sm_90a families (wgmma) "
+    "wherever a compute capability 9.0 GPU would (real cc 9.0 GPUs always get them)",
 )
 EMULATOR_ASAN: Knob[bool] = Knob(
     "FLASHTUNE_EMULATOR_ASAN",

@@ -110,7 +110,8 @@ def explain_command(
         bucket = problem.bucket(seqlen, seqlen if seqlen_k is None else seqlen_k)
         target = resolve_device(arch, device, db)
         decision = _dispatcher(db).decide(bucket, target)
-        source = render(problem, decision.config)
+        # the family that serves the call (an sm_90a one on a cc 9.0 GPU), as attention runs it
+        source = render(decision.problem, decision.config)
     except FlashtuneError as exc:
         raise fail(str(exc)) from exc
     from flashtune.runtime.precompile import load_shipped

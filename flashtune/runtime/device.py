@@ -57,6 +57,12 @@ class DeviceInfo:
     driver_version: str | None
     runtime_version: str | None
     nvrtc_version: str | None
+    #: Whether the dispatcher serves calls with arch-specific families (sm_90a, wgmma) where
+    #: the compute capability allows: True for a GPU; a virtual device only when its arch is
+    #: the arch-specific target itself (``virtual("sm_90a")``), so a virtual sm_90 (the
+    #: emulator's default, ``--arch sm_90`` listings and precompiles) keeps the mma.sync
+    #: kernels.
+    arch_specific_kernels: bool = True
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.isprintable():
@@ -95,7 +101,8 @@ class DeviceInfo:
     @classmethod
     def virtual(cls, arch: str, *, sm_count: int | None = None,
                 total_memory: int | None = None) -> DeviceInfo:
-        """A GPU-less description of ``arch`` (InvalidConfig for an unknown arch)."""
+        """A GPU-less description of ``arch`` (InvalidConfig for an unknown arch); it runs the
+        arch-specific families only when ``arch`` is their target (sm_90a)."""
         spec = get_arch(arch)
         return cls(
             name=f"{_VIRTUAL_PREFIX}{spec.name}",
@@ -109,6 +116,7 @@ class DeviceInfo:
             driver_version=None,
             runtime_version=None,
             nvrtc_version=_nvrtc_version(),
+            arch_specific_kernels=spec.arch_specific,
         )
 
     @classmethod

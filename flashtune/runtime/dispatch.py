@@ -169,7 +169,7 @@ class Dispatcher:
 
     def decide(self, bucket: ProblemBucket, device: DeviceLike) -> Decision:
         """The config for ``bucket`` on ``device`` (memoised; never tunes or writes)."""
-        memo_key = (device.name, device.arch, bucket)
+        memo_key = (device.name, device.arch, _arch_specific_kernels(device), bucket)
         decision = self._memo.get(memo_key)
         if decision is None:
             decision = self._decide(bucket, device)
@@ -181,7 +181,8 @@ class Dispatcher:
     def _decide(self, bucket: ProblemBucket, device: DeviceLike) -> Decision:
         tuned = self._load()
         arch = get_arch(device.arch).name
-        served = families.serving(bucket.problem, get_arch(arch))
+        served = (families.serving(bucket.problem, get_arch(arch))
+                  if _arch_specific_kernels(device) else bucket.problem)
         if served != bucket.problem:  # an arch-specific family (sm_90a) serves this device
             bucket = ProblemBucket(served, bucket.seqlen)
         match = tuned.index.lookup(device=device.name, arch=arch,
@@ -197,6 +198,13 @@ class Dispatcher:
                         device.name, arch, reason)
         return Decision(bucket, device.name, arch, default_config(bucket.problem, arch),
                         Tier.DEFAULT, None)
+
+
+def _arch_specific_kernels(device: DeviceLike) -> bool:
+    """Whether arch-specific families (sm_90a) may serve calls on ``device``: its
+    ``arch_specific_kernels`` (``runtime.device.DeviceInfo``), True for a device that does not
+    say (a GPU)."""
+    return bool(getattr(device, "arch_specific_kernels", True))
 
 
 def _read_entries(open_source: Callable[[], TunedSource]) -> list[BestEntry]:

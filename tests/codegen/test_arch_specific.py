@@ -19,6 +19,7 @@ from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem, P
 from flashtune.db.records import BestEntry
 from flashtune.errors import CompileError, InvalidConfig, InvalidProblem
 from flashtune.families.fwd import ForwardFamily
+from flashtune.families.hopper import HOPPER_FORWARD
 from flashtune.runtime import compiler
 from flashtune.runtime.cache import ArtifactCache
 from flashtune.runtime.compiler import compile_key, compile_source
@@ -47,7 +48,16 @@ class HopperStandIn(ForwardFamily):
 
 
 @pytest.fixture
-def hopper() -> Iterator[HopperStandIn]:
+def no_hopper() -> Iterator[None]:
+    """The registry without the built-in sm_90a forward (restored afterwards)."""
+    builtin = families.get(HOPPER_FORWARD.op)
+    families.unregister(builtin.op)
+    yield
+    families.register(builtin)
+
+
+@pytest.fixture
+def hopper(no_hopper: None) -> Iterator[HopperStandIn]:
     family = HopperStandIn()
     families.register(family)
     yield family
@@ -138,10 +148,30 @@ def test_dispatcher_keeps_the_mma_sync_family_where_no_sm90a_one_applies(
     assert _decide(lse, "sm_90") == lse  # it serves "fwd" only
 
 
-def test_without_an_sm90a_family_cc90_gets_the_forward() -> None:
+def test_without_an_sm90a_family_cc90_gets_the_forward(no_hopper: None) -> None:
     assert all(f.target_arch is None for f in families.all_families())
     assert _decide(PROBLEM, "sm_90") == PROBLEM
     assert families.render(PROBLEM, CONFIG).target is None
+
+
+def test_the_builtin_sm90a_forward_serves_cc90_gpus_only() -> None:
+    served = replace(PROBLEM, op=HOPPER_FORWARD.op)
+    for arch in ("sm_90", "sm_90a"):
+        assert _decide(PROBLEM, arch) == served, arch
+    for arch in ("sm_80", "sm_89", "sm_100"):
+        assert _decide(PROBLEM, arch) == PROBLEM, arch
+    odd = Problem(head_dim=96, dtype=DType.BF16)  # not a whole number of 128-byte panels
+    assert _decide(odd, "sm_90") == odd
+
+
+def test_virtual_devices_run_sm90a_families_only_when_named_sm90a() -> None:
+    """A virtual sm_90 (the emulator's default device, --arch sm_90 listings and
+    precompiles) keeps the mma.sync forward; a virtual sm_90a runs the sm_90a family."""
+    bucket = ProblemBucket(PROBLEM, 1024)
+    generic = Dispatcher(_NoTuned).decide(bucket, DeviceInfo.virtual("sm_90"))
+    assert generic.problem == PROBLEM
+    specific = Dispatcher(_NoTuned).decide(bucket, DeviceInfo.virtual("sm_90a"))
+    assert specific.problem == replace(PROBLEM, op=HOPPER_FORWARD.op)
 
 
 def test_sm90a_family_configs_are_ruled_out_elsewhere(hopper: HopperStandIn) -> None:

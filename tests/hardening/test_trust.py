@@ -8,7 +8,7 @@ import random
 import sqlite3
 import tracemalloc
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -62,9 +62,12 @@ def _bundle_of(path: Path, device: DeviceRecord, trials: list[Any]) -> Path:
 
 @pytest.fixture
 def invented_bundle(tmp_path: Path) -> Path:
-    """A bundle of an invented sm_90 device with a result for P (current kernel sources)."""
+    """A bundle of an invented sm_90 device with a result for P (current kernel sources),
+    and one for P as the sm_90a family that serves it there (what explain shows)."""
     return _bundle_of(tmp_path / "invented.json", INVENTED,
-                      [trial(INVENTED, P, N, SLOW, median_ms=0.9, rng=random.Random(1))])
+                      [trial(INVENTED, P, N, SLOW, median_ms=0.9, rng=random.Random(1)),
+                       trial(INVENTED, replace(P, op="fwd90a"), N, KernelConfig(128, 64, 8, 2),
+                             median_ms=0.5, rng=random.Random(2))])
 
 
 def _decide(url: str, device: Any) -> Tier:
@@ -76,6 +79,9 @@ def _decide(url: str, device: Any) -> Tier:
 class _Named:
     name: str
     arch: str = "sm_90"
+    # The forward's own results are what these tests serve; the sm_90a family that serves
+    # "fwd" on cc 9.0 GPUs is tested in tests/codegen/test_arch_specific.py.
+    arch_specific_kernels: bool = False
 
     @property
     def family(self) -> str:

@@ -36,6 +36,8 @@ from flashtune.toolchain import cuda as toolchain
 PROBLEM = Problem(head_dim=64, dtype=DType.FP16)
 CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 OTHER = KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+HOPPER = Problem(head_dim=64, dtype=DType.FP16, op="fwd90a")
+HOPPER_TUNED = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 
 
 def _no_nvrtc(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,6 +189,12 @@ def _db_with_result(path: Path) -> str:
             config=Keyed.of(OTHER), status=TrialStatus.OK,
             template_digest=render(PROBLEM, OTHER).digest, median_ms=0.2, min_ms=0.2,
             max_ms=0.2, count=5))
+        # what the sm_90a family (serving "fwd" on this cc 9.0 GPU) was tuned to
+        store.record_trial(TrialRecord(
+            device="NVIDIA H200", problem=Keyed.of(HOPPER), seqlen=2048,
+            config=Keyed.of(HOPPER_TUNED), status=TrialStatus.OK,
+            template_digest=render(HOPPER, HOPPER_TUNED).digest, median_ms=0.1, min_ms=0.1,
+            max_ms=0.1, count=5))
     return url
 
 
@@ -196,12 +204,14 @@ def test_cli_explain(tmp_path: Path) -> None:
     base = ["explain", "--head-dim", "64", "--seqlen", "1500", "--db", db]
     result = runner.invoke(app, [*base, "--device", "NVIDIA H200"])
     assert result.exit_code == 0, result.output
-    for text in ("fwd_d64_fp16_full_n2048", "NVIDIA H200 (sm_90)", "tier:     exact",
-                 OTHER.key(), "precompiled cubin absent",
+    for text in ("fwd90a_d64_fp16_full_n2048", "NVIDIA H200 (sm_90)", "tier:     exact",
+                 HOPPER_TUNED.key(), "kernel:   flashtune_fwd90a_d64_fp16_full_m64_n64_w4_s2",
+                 "precompiled cubin absent",
                  "origin:   tuned into this database on host"):
         assert text in result.output, result.output
-    result = runner.invoke(app, [*base, "--arch", "sm_90"])
+    result = runner.invoke(app, [*base, "--arch", "sm_90"])  # a virtual sm_90: mma.sync
     assert "tier:     same_arch" in result.output and "virtual-sm_90" in result.output
+    assert "fwd_d64_fp16_full_n2048" in result.output and OTHER.key() in result.output
     result = runner.invoke(app, [*base, "--arch", "sm_80"])
     assert "tier:     default" in result.output
     result = runner.invoke(app, [*base, "--device", "Unknown GPU"])
