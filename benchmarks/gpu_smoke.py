@@ -155,6 +155,9 @@ def family_smoke(op: str, size: tuple[int, int, int, int] = FAMILY_SHAPE,
         shape = LaunchShape(batch, heads, heads, seqlen, seqlen)
         on_gpu = timer.device == "cuda"
         arch = DeviceInfo.current().spec if on_gpu else get_arch("sm_90")
+        if family.target_arch is not None and not get_arch(family.target_arch).runs_on(arch):
+            return SmokeOutcome(True, f"SKIP: built for {family.target_arch}, which "
+                                f"{arch.name} does not run", {})
         config = family.default_config(problem, arch)
         t0 = time.perf_counter()
         kernel = get_backend(backend).load(family.render(problem, config))

@@ -42,8 +42,12 @@ from flashtune.toolchain.cuda import Toolchain, find_toolchain  # noqa: E402
 
 
 def default_sources(family: KernelFamily, arch: str) -> list[KernelSource]:
-    """The family's default config of every compiled head dim, dtype and mask it serves."""
+    """The family's default config of every compiled head dim, dtype and mask it serves;
+    none for a family built for an arch-specific target that ``arch`` cannot run (sm_90a
+    code on sm_80)."""
     spec = get_arch(arch)
+    if family.target_arch is not None and not get_arch(family.target_arch).runs_on(spec):
+        return []
     sources = []
     for head_dim in COMPILED_HEAD_DIMS:
         for dtype in DType:

@@ -120,28 +120,32 @@ def show(
 
 @dataclass(frozen=True)
 class _Row:
+    problem: Problem
     source: KernelSource | None
     config: KernelConfig
     arch: str
     excluded: str | None
 
 
+def _served(problem: Problem, spec: ArchSpec) -> Problem:
+    """What attention runs for ``problem`` on ``spec`` as a virtual device of it decides: the
+    arch-specific family that serves it when ``spec`` is its target (sm_90a), else
+    ``problem`` itself."""
+    return families.serving(problem, spec) if spec.arch_specific else problem
+
+
 def _plan(problem: Problem, specs: list[ArchSpec], choice: ConfigChoice, all_configs: bool
           ) -> list[_Row]:
     rows: list[_Row] = []
-    family = families.of(problem)
-    if all_configs:
-        configs = family.search_space(problem)
-        for cfg in configs:
-            source = render(problem, cfg)
-            for spec in specs:
-                reason = family.static_check(problem, cfg, spec)
-                rows.append(_Row(None if reason else source, cfg, spec.name, reason))
-        return rows
     for spec in specs:
-        cfg = choice.resolve(problem, spec)
-        reason = family.static_check(problem, cfg, spec)
-        rows.append(_Row(None if reason else render(problem, cfg), cfg, spec.name, reason))
+        served = _served(problem, spec)
+        family = families.of(served)
+        configs = (family.search_space(served) if all_configs
+                   else [choice.resolve(served, spec)])
+        for cfg in configs:
+            reason = family.static_check(served, cfg, spec)
+            rows.append(_Row(served, None if reason else render(served, cfg), cfg, spec.name,
+                             reason))
     return rows
 
 
@@ -192,7 +196,8 @@ def compile_command(
         jobs = [(r.source, r.arch) for r in rows if r.source is not None]
         results = iter(compile_pairs(jobs, workers))
         console = Console()
-        table = Table(title=f"{problem.key()}: NVRTC resource usage")
+        keys = ", ".join(dict.fromkeys(r.problem.key() for r in rows))
+        table = Table(title=f"{keys}: NVRTC resource usage")
         table.add_column("config", no_wrap=True)
         table.add_column("arch", no_wrap=True)
         table.add_column("registers", justify="right")
@@ -227,7 +232,7 @@ def compile_command(
                     disassemble(result.kernel.cubin))
         console.print(table)
         if all_configs:
-            _print_space_sizes(console, problem, specs, rows)
+            _print_space_sizes(console, specs, rows)
     except FlashtuneError as exc:
         raise fail(str(exc)) from exc
     except OSError as exc:  # writing --ptx-dir/--sass-dir files (e.g. a full disk)
@@ -238,17 +243,17 @@ def compile_command(
         raise fail(f"{len(failures)} of {len(jobs)} kernels failed to compile")
 
 
-def _print_space_sizes(console: Console, problem: Problem, specs: list[ArchSpec],
-                       rows: list[_Row]) -> None:
-    """The space of ``problem``: declared points, structurally legal configs, and those
-    that pass each arch's static rules."""
-    family = families.of(problem)
-    declared = family.space(problem).size
-    legal = len(family.search_space(problem))
+def _print_space_sizes(console: Console, specs: list[ArchSpec], rows: list[_Row]) -> None:
+    """The space compiled for each arch: declared points, structurally legal configs, and
+    those that pass the arch's static rules."""
     for spec in specs:
-        passing = sum(1 for r in rows if r.arch == spec.name and r.source is not None)
+        mine = [r for r in rows if r.arch == spec.name]
+        problem = mine[0].problem
+        family = families.of(problem)
+        declared = family.space(problem).size
+        passing = sum(1 for r in mine if r.source is not None)
         console.print(f"space of {problem.key()} on {spec.name}: {declared} declared points, "
-                      f"{legal} legal configs, {passing} pass the static rules")
+                      f"{len(mine)} legal configs, {passing} pass the static rules")
 
 
 def families_command() -> None:
