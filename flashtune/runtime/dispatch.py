@@ -158,7 +158,7 @@ class Dispatcher:
     def __init__(self, source: Callable[[], TunedSource] | None = None) -> None:
         self._open_source = source if source is not None else open_database
         self._tuned: _Tuned | None = None
-        self._memo: dict[tuple[str, str, ProblemBucket], Decision] = {}
+        self._memo: dict[tuple[str, str, bool, ProblemBucket], Decision] = {}
         self._lock = threading.Lock()
 
     def _load(self) -> _Tuned:

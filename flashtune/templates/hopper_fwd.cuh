@@ -25,8 +25,8 @@
 // the causal diagonal aligned to the bottom-right corner.
 #pragma once
 
+#include "flash_fwd.cuh"  // FwdParams (the same arguments) and softmax.cuh
 #include "mbarrier.cuh"
-#include "softmax.cuh"
 #include "wgmma.cuh"
 
 namespace ft {
@@ -111,24 +111,9 @@ struct FirstTile {
   static constexpr bool value = kFirst;
 };
 
-template <class Element>
-struct HopperFwdParams {
-  const Element* __restrict__ q;
-  const Element* __restrict__ k;
-  const Element* __restrict__ v;
-  Element* __restrict__ o;
-  float* __restrict__ lse;
-  int seqlen_q, seqlen_k, heads_q, heads_kv;
-  long long q_batch_stride, q_row_stride, q_head_stride;
-  long long k_batch_stride, k_row_stride, k_head_stride;
-  long long v_batch_stride, v_row_stride, v_head_stride;
-  long long o_batch_stride, o_row_stride, o_head_stride;
-  float softmax_scale;
-};
-
 // The block of query rows blockIdx.x * kBlockM.. of head blockIdx.y, batch blockIdx.z.
 template <class Tr>
-__device__ __forceinline__ void hopper_fwd(const HopperFwdParams<typename Tr::Element>& a) {
+__device__ __forceinline__ void hopper_fwd(const FwdParams<typename Tr::Element>& a) {
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;

@@ -35,11 +35,6 @@ __device__ __forceinline__ void mbarrier_init(unsigned long long* bar, unsigned 
 __device__ __forceinline__ void mbarrier_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
-__device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
-  asm volatile("{\n.reg .b64 state;\nmbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(
-                   detail::smem_u32(bar))
-               : "memory");
-}
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned long long* bar,
                                                           unsigned bytes) {
   asm volatile(
@@ -47,6 +42,10 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(unsigned long long* ba
           detail::smem_u32(bar)),
       "r"(bytes)
       : "memory");
+}
+// A plain arrival: expect-tx of zero bytes changes nothing.
+__device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
+  mbarrier_arrive_expect_tx(bar, 0);
 }
 __device__ __forceinline__ void mbarrier_complete_tx(unsigned long long* bar, unsigned bytes) {
   asm volatile("mbarrier.complete_tx.shared::cta.b64 [%0], %1;\n" ::"r"(detail::smem_u32(bar)),

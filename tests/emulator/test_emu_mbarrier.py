@@ -16,7 +16,13 @@ import pytest
 from flashtune.codegen.render import included_headers, templates_dir
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
 from flashtune.errors import EmulatorDeadlock, EmulatorError
-from flashtune.runtime.backends.emulator import EmulatedModule, LaunchOptions, build_module, i32, ptr
+from flashtune.runtime.backends.emulator import (
+    EmulatedModule,
+    LaunchOptions,
+    build_module,
+    i32,
+    ptr,
+)
 from flashtune.runtime.backends.emulator.kernel import Schedule
 from flashtune.runtime.compiler import compile_source
 

@@ -1,0 +1,216 @@
+"""The sm_90a forward family (wgmma, cp.async + mbarrier ring): registry, space and rules
+with reasons, NVRTC for sm_90a (no spills; HGMMA in the SASS), and numerics in the emulator
+against float64 over head dims 64/128/256, causal (bottom-right), GQA, odd lengths, fp16 and
+bf16, in both thread orders, on NaN-poisoned outputs. The default run takes the defaults and
+a seeded sample; ``-m sweep`` the full matrix."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import random
+import re
+
+import pytest
+import torch
+
+import flashtune
+from flashtune import families
+from flashtune.codegen.arch import get_arch
+from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
+from flashtune.errors import InvalidConfig, InvalidProblem
+from flashtune.families.fwd.reference import attention_reference
+from flashtune.families.hopper import HOPPER_FORWARD, space
+from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
+from flashtune.runtime.compiler import compile_source
+from flashtune.runtime.launch import verify
+from flashtune.toolchain.cuda import find_toolchain
+from flashtune.toolchain.disasm import disassemble
+
+SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
+SM90A = get_arch("sm_90a")
+HEAD_DIMS = (64, 128, 256)
+#: GQA with lengths off the tile grid; causal Nq > Nk (rows that see no key); MQA with one
+#: query row; Nq > Nk over several key tiles; two query blocks of equal lengths.
+SHAPES = (Shape(1, 2, 1, 77, 150), Shape(2, 2, 2, 9, 4), Shape(1, 4, 1, 1, 100),
+          Shape(1, 1, 1, 150, 33), Shape(1, 2, 2, 130, 130))
+
+
+def _problem(head_dim: int, dtype: DType, causal: bool) -> Problem:
+    return Problem(head_dim, dtype, causal=causal, op=HOPPER_FORWARD.op)
+
+
+def _config(block_m: int, block_n: int, stages: int) -> KernelConfig:
+    return HOPPER_FORWARD.config({"block_m": block_m, "block_n": block_n,
+                                  "num_stages": stages})
+
+
+# ------------------------------------------------------------------ registry and rules
+
+
+def test_registered_as_the_sm90a_family_serving_the_forward() -> None:
+    assert families.get("fwd90a") is HOPPER_FORWARD
+    assert HOPPER_FORWARD.target_arch == "sm_90a" and HOPPER_FORWARD.serves == "fwd"
+    source = families.render(_problem(128, DType.BF16, True), _config(128, 128, 2))
+    assert source.target == "sm_90a" and source.threads == 256
+    with pytest.raises(InvalidProblem, match="head dims"):
+        families.render(_problem(96, DType.FP16, False), _config(64, 64, 2))
+
+
+def test_space_rules_name_their_reasons() -> None:
+    problem = _problem(128, DType.FP16, False)
+    assert space.SPACE.names == ("block_m", "block_n", "num_stages")
+    assert all(c.num_warps == c.block_m // 16 for c in HOPPER_FORWARD.search_space(problem))
+    cases = {
+        _config(64, 256, 1): "accumulators need 256 registers",
+        _config(128, 128, 3): None,
+        KernelConfig(128, 128, 4, 2): "one warpgroup per 64",
+        KernelConfig(64, 32, 4, 2): "block_n in (64, 128, 256)",
+    }
+    for config, reason in cases.items():
+        found = HOPPER_FORWARD.static_check(problem, config, SM90A)
+        assert (found is None) if reason is None else (found is not None and reason in found)
+    wide = HOPPER_FORWARD.static_check(_problem(256, DType.FP16, False), _config(64, 128, 3),
+                                       SM90A)
+    assert wide is not None and "shared memory" in wide
+    single = HOPPER_FORWARD.static_check(_problem(256, DType.BF16, True), _config(64, 64, 1),
+                                         SM90A)
+    assert single is not None and "spills" in single
+    assert HOPPER_FORWARD.candidates(problem, get_arch("sm_80")) == []
+    with pytest.raises(InvalidConfig, match="sm_90a"):
+        HOPPER_FORWARD.default_config(problem, get_arch("sm_89"))
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_defaults_pass_the_rules(head_dim: int) -> None:
+    for dtype, causal in itertools.product(DType, (False, True)):
+        problem = _problem(head_dim, dtype, causal)
+        config = HOPPER_FORWARD.default_config(problem, SM90A)
+        assert config in HOPPER_FORWARD.candidates(problem, SM90A)
+        assert HOPPER_FORWARD.smem_bytes(problem, config) <= SM90A.max_smem_per_block
+
+
+# ------------------------------------------------------------------ NVRTC for sm_90a
+
+
+def _compiled(head_dim: int, dtype: DType, causal: bool,
+              config: KernelConfig | None = None) -> None:
+    problem = _problem(head_dim, dtype, causal)
+    config = config or HOPPER_FORWARD.default_config(problem, SM90A)
+    source = families.render(problem, config)
+    kernel = compile_source(source, "sm_90")  # what a cc 9.0 GPU asks for
+    res = kernel.resources
+    assert kernel.arch == "sm_90a" and res.spill_bytes == 0, res
+    assert 0 < res.registers <= 255 and res.dynamic_smem == source.smem_bytes
+    if find_toolchain().nvdisasm is None:
+        return
+    found = collections.Counter(re.findall(r"\bHGMMA\.64x(\d+)x16\.F32(?:\.BF16)?\b",
+                                           disassemble(kernel.cubin)))
+    # Q K^T: N = block_n, at least head_dim / 16 k-steps; P V: N = head_dim, block_n / 16.
+    assert found[str(config.block_n)] >= head_dim // 16, found
+    assert found[str(head_dim)] >= config.block_n // 16, found
+
+
+@pytest.mark.parametrize("case", [(64, DType.BF16, True), (256, DType.FP16, False)],
+                         ids=lambda c: f"d{c[0]}-{c[1].value}-{'causal' if c[2] else 'full'}")
+def test_nvrtc_compiles_defaults_for_sm90a_without_spills(
+        case: tuple[int, DType, bool]) -> None:
+    _compiled(*case)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_nvrtc_compiles_every_passing_config_without_spills(head_dim: int) -> None:
+    for dtype, causal in itertools.product(DType, (False, True)):
+        problem = _problem(head_dim, dtype, causal)
+        for config in HOPPER_FORWARD.candidates(problem, SM90A):
+            _compiled(head_dim, dtype, causal, config)
+
+
+# ------------------------------------------------------------------ emulator vs float64
+
+
+def _check(head_dim: int, dtype: DType, causal: bool, shape: Shape,
+           config: KernelConfig) -> None:
+    source = families.render(_problem(head_dim, dtype, causal), config)
+    for schedule in Schedule:
+        kernel = EmulatorBackend(options=LaunchOptions(schedule=schedule)).load(source)
+        seed = random.Random(f"{SEED}{source.entry}{shape.key()}{schedule}").randrange(2**31)
+        verdict = verify(kernel, shape, "cpu", seed=seed)
+        assert verdict.ok, f"seed {seed}, {schedule}: {verdict.message}"
+
+
+def _default_cases() -> list[tuple[int, DType, bool, Shape, KernelConfig]]:
+    """One default per head dim (dtype, mask and shape drawn from the seed), and two seeded
+    configs of the space."""
+    rng = random.Random(SEED)
+    cases = []
+    for head_dim in HEAD_DIMS:
+        dtype, causal = rng.choice(list(DType)), rng.random() < 0.5
+        problem = _problem(head_dim, dtype, causal)
+        cases.append((head_dim, dtype, causal, rng.choice(SHAPES),
+                      HOPPER_FORWARD.default_config(problem, SM90A)))
+    for _ in range(2):
+        head_dim, dtype, causal = rng.choice(HEAD_DIMS), rng.choice(list(DType)), True
+        problem = _problem(head_dim, dtype, causal)
+        cases.append((head_dim, dtype, causal, rng.choice(SHAPES),
+                      rng.choice(HOPPER_FORWARD.candidates(problem, SM90A))))
+    return cases
+
+
+def _case_id(c: tuple[int, DType, bool, Shape, KernelConfig]) -> str:
+    return f"d{c[0]}-{c[1].value}-{'causal' if c[2] else 'full'}-{c[3].key()}-{c[4].key()}"
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("case", _default_cases(), ids=_case_id)
+def test_kernel_matches_float64_in_the_emulator(
+        case: tuple[int, DType, bool, Shape, KernelConfig]) -> None:
+    _check(*case)
+
+
+def _sweep_cases() -> list[tuple[int, DType, bool, Shape, KernelConfig]]:
+    """Every head dim, dtype, mask and shape with the default; every passing config of each
+    head dim on one drawn shape."""
+    rng = random.Random(SEED)
+    cases = []
+    for head_dim, dtype, causal in itertools.product(HEAD_DIMS, DType, (False, True)):
+        problem = _problem(head_dim, dtype, causal)
+        default = HOPPER_FORWARD.default_config(problem, SM90A)
+        cases += [(head_dim, dtype, causal, shape, default) for shape in SHAPES]
+    for head_dim in HEAD_DIMS:
+        problem = _problem(head_dim, DType.FP16, True)
+        for config in HOPPER_FORWARD.candidates(problem, SM90A):
+            cases.append((head_dim, rng.choice(list(DType)), rng.random() < 0.5,
+                          rng.choice(SHAPES), config))
+    return cases
+
+
+@pytest.mark.sweep
+@pytest.mark.emulator
+@pytest.mark.parametrize("case", _sweep_cases(), ids=_case_id)
+def test_full_matrix_in_the_emulator(case: tuple[int, DType, bool, Shape, KernelConfig]) -> None:
+    _check(*case)
+
+
+# ------------------------------------------------------------------ through the public API
+
+
+@pytest.mark.emulator
+def test_attention_on_the_emulator_runs_it_only_as_sm90a(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    q = torch.randn(1, 70, 4, 64, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, 90, 2, 64, generator=gen).to(torch.bfloat16)
+    v = torch.randn(1, 90, 2, 64, generator=gen).to(torch.bfloat16)
+    monkeypatch.setenv("FLASHTUNE_BACKEND", "emulator")
+    monkeypatch.delenv("FLASHTUNE_EMULATOR_ARCH", raising=False)
+    assert flashtune.explain(q, k, v, causal=True).problem.op == "fwd"  # the default sm_90
+    monkeypatch.setenv("FLASHTUNE_EMULATOR_ARCH", "sm_90a")
+    decision = flashtune.explain(q, k, v, causal=True)
+    assert decision.problem.op == "fwd90a" and decision.arch == "sm_90a"
+    out, lse = flashtune.attention(q, k, v, causal=True, return_lse=True)
+    ref_o, ref_lse = attention_reference(q, k, v, True, 64 ** -0.5)
+    assert torch.allclose(out.double(), ref_o, atol=2.5e-2, rtol=2.5e-2)
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-3, rtol=2e-6)
