@@ -127,18 +127,11 @@ class _Row:
     excluded: str | None
 
 
-def _served(problem: Problem, spec: ArchSpec) -> Problem:
-    """What attention runs for ``problem`` on ``spec`` as a virtual device of it decides: the
-    arch-specific family that serves it when ``spec`` is its target (sm_90a), else
-    ``problem`` itself."""
-    return families.serving(problem, spec) if spec.arch_specific else problem
-
-
 def _plan(problem: Problem, specs: list[ArchSpec], choice: ConfigChoice, all_configs: bool
           ) -> list[_Row]:
     rows: list[_Row] = []
     for spec in specs:
-        served = _served(problem, spec)
+        served = families.served_on_virtual(problem, spec)
         family = families.of(served)
         configs = (family.search_space(served) if all_configs
                    else [choice.resolve(served, spec)])

@@ -95,10 +95,17 @@ def serving(problem: Problem, arch: ArchSpec) -> Problem:
     return problem
 
 
+def served_on_virtual(problem: Problem, arch: ArchSpec) -> Problem:
+    """What a virtual device of ``arch`` runs for ``problem`` (``DeviceInfo.virtual``): the
+    arch-specific family's problem (``serving``) only when ``arch`` is that target itself
+    (sm_90a), else ``problem``: a virtual sm_90 keeps the op's own family."""
+    return serving(problem, arch) if arch.arch_specific else problem
+
+
 def render(problem: Problem, config: KernelConfig) -> KernelSource:
     """The KernelSource of ``problem`` x ``config``, rendered by the problem's family."""
     return of(problem).render(problem, config)
 
 
-__all__ = ["KernelFamily", "all_families", "get", "of", "register", "render", "serving",
-           "unregister"]
+__all__ = ["KernelFamily", "all_families", "get", "of", "register", "render",
+           "served_on_virtual", "serving", "unregister"]

@@ -379,9 +379,12 @@ def all_problems(head_dims: Iterable[int] = COMPILED_HEAD_DIMS,
 
 def default_kernels(arch: str, problems: Iterable[Problem] | None = None
                     ) -> list[tuple[Problem, KernelConfig]]:
-    """The built-in default config of each problem (default: every compiled head dim)."""
+    """The built-in default config of each problem (default: every compiled head dim), as
+    a virtual device of ``arch`` runs it (sm_90a: the sm_90a family where it serves)."""
+    spec = get_arch(arch)
     chosen = all_problems() if problems is None else list(problems)
-    return [(p, default_config(p, get_arch(arch).name)) for p in chosen]
+    served = [families.served_on_virtual(p, spec) for p in chosen]
+    return [(p, default_config(p, spec.name)) for p in served]
 
 
 def planned_kernels(device: DeviceLike, problems: Iterable[Problem],
@@ -396,5 +399,6 @@ def planned_kernels(device: DeviceLike, problems: Iterable[Problem],
     for problem in problems:
         for seqlen in sizes:
             decision = chooser.decide(ProblemBucket(problem, seqlen), device)
-            found[(problem.key(), decision.config.key())] = (problem, decision.config)
+            served = decision.problem  # the family that serves it there (sm_90a on cc 9.0)
+            found[(served.key(), decision.config.key())] = (served, decision.config)
     return [found[k] for k in sorted(found)]

@@ -14,17 +14,23 @@ import re
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 import flashtune
 from flashtune import families
+from flashtune.cli import app
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
+from flashtune.db.records import BestEntry
 from flashtune.errors import InvalidConfig, InvalidProblem
 from flashtune.families.fwd.reference import attention_reference
 from flashtune.families.hopper import HOPPER_FORWARD, space
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
 from flashtune.runtime.compiler import compile_source
+from flashtune.runtime.device import DeviceInfo
+from flashtune.runtime.dispatch import Dispatcher
 from flashtune.runtime.launch import verify
+from flashtune.runtime.precompile import default_kernels, planned_kernels
 from flashtune.toolchain.cuda import find_toolchain
 from flashtune.toolchain.disasm import disassemble
 
@@ -214,3 +220,46 @@ def test_attention_on_the_emulator_runs_it_only_as_sm90a(monkeypatch: pytest.Mon
     ref_o, ref_lse = attention_reference(q, k, v, True, 64 ** -0.5)
     assert torch.allclose(out.double(), ref_o, atol=2.5e-2, rtol=2.5e-2)
     assert torch.allclose(lse.double(), ref_lse, atol=1e-3, rtol=2e-6)
+
+
+# ------------------------------------------------------------------ command line and shipping
+
+
+def test_precompile_plans_name_the_serving_family_for_sm90a() -> None:
+    generic = Problem(64, DType.FP16)
+    odd = Problem(96, DType.FP16)
+    served = _problem(64, DType.FP16, False)
+    planned = default_kernels("sm_90a", [generic, odd])
+    assert [p for p, _ in planned] == [served, odd]
+    assert planned[0][1] == HOPPER_FORWARD.default_config(served, SM90A)
+    assert [p for p, _ in default_kernels("sm_90", [generic])] == [generic]
+    device = DeviceInfo.virtual("sm_90a")
+    pairs = planned_kernels(device, [generic], [1024], dispatcher=Dispatcher(lambda: _NoTuned()))
+    assert pairs == [(served, HOPPER_FORWARD.default_config(served, SM90A))]
+
+
+class _NoTuned:
+    def all_best(self) -> list[BestEntry]:
+        return []
+
+
+def _compile_cli(*args: str) -> str:
+    result = CliRunner(env={"COLUMNS": "250"}).invoke(
+        app, ["compile", "--arch", "sm_90a", "--head-dim", "64", "--causal", *args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_cli_compile_for_sm90a_compiles_the_serving_family() -> None:
+    out = _compile_cli()
+    assert "fwd90a_d64_fp16_causal: NVRTC resource usage" in out
+    assert "m128_n128_w8_s2" in out and " ok " in out
+
+
+@pytest.mark.sweep
+def test_cli_compile_all_for_sm90a_lists_the_space() -> None:
+    out = _compile_cli("--all")
+    assert "space of fwd90a_d64_fp16_causal on sm_90a: 18 declared points" in out
+    assert out.count(" ok ") == len(HOPPER_FORWARD.candidates(_problem(64, DType.FP16, True),
+                                                              SM90A))
+    assert "excluded: shared memory" in out
