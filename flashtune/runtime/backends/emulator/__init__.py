@@ -30,6 +30,12 @@ What is detected (EmulatorError unless noted):
   mma operands that hold the poison are errors; overwriting a buffer another warp read
   since the last barrier (write-after-read), copies into memory in flight, and stores that
   race with copies are errors;
+* mbarriers (sm_90 phases, arrivals and transaction counts; src/mbarrier.cpp): copies
+  tracked by ``cp.async.mbarrier.arrive`` land, visible to every thread, when the phase
+  completes; a wait that can never complete is a deadlock naming the barrier, its phase and
+  the arrivals or transaction bytes it lacks; a waiter that falls a phase behind, arrivals
+  beyond the init count, an init no ``__syncthreads`` published and plain stores over a
+  barrier are errors;
 * misaligned or out-of-bounds ldmatrix rows and cp.async destinations; plain accesses past
   the dynamic shared memory (guard pages, and a check of the alignment slack at block end);
 * faults of kernel code (SIGSEGV, SIGBUS, SIGFPE, stack overflow) end the launch with an
