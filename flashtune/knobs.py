@@ -254,7 +254,16 @@ EMULATOR_ARCH: Knob[str] = Knob(
     lambda: "sm_90",
     "arch of the emulator's virtual device: configs are chosen as for a GPU of this arch. "
     "sm_90 (the default) keeps the mma.sync kernels; sm_90a runs the sm_90a families (wgmma) "
-    "wherever a compute capability 9.0 GPU would (real cc 9.0 GPUs always get them)",
+    "as a compute capability 9.0 GPU with FLASHTUNE_ARCH_SPECIFIC=1 would",
+)
+ARCH_SPECIFIC: Knob[bool] = Knob(
+    "FLASHTUNE_ARCH_SPECIFIC",
+    _parse_bool,
+    lambda: False,
+    "serve calls on a GPU with the arch-specific kernel families it runs (the sm_90a wgmma "
+    "forward on compute capability 9.0). Off by default until those kernels have been "
+    "checked on hardware (benchmarks/gpu_check.sh runs them either way): the mma.sync "
+    "kernels serve every GPU meanwhile",
 )
 EMULATOR_ASAN: Knob[bool] = Knob(
     "FLASHTUNE_EMULATOR_ASAN",
@@ -296,6 +305,7 @@ ALL: tuple[Knob[object], ...] = (  # type: ignore[assignment]
     CUDA_HOME,
     HOST_CXX,
     EMULATOR_ARCH,
+    ARCH_SPECIFIC,
     EMULATOR_ASAN,
     EMULATOR_TIMEOUT_S,
     COMPILE_WORKERS,

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
+from flashtune import knobs
 from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.errors import DeviceError, FlashtuneError
 
@@ -58,8 +59,9 @@ class DeviceInfo:
     runtime_version: str | None
     nvrtc_version: str | None
     #: Whether the dispatcher serves calls with arch-specific families (sm_90a, wgmma) where
-    #: the compute capability allows: True for a GPU; a virtual device only when its arch is
-    #: the arch-specific target itself (``virtual("sm_90a")``), so a virtual sm_90 (the
+    #: the compute capability allows: for a GPU, the knob FLASHTUNE_ARCH_SPECIFIC (off until
+    #: those kernels are checked on hardware); a virtual device only when its arch is the
+    #: arch-specific target itself (``virtual("sm_90a")``), so a virtual sm_90 (the
     #: emulator's default, ``--arch sm_90`` listings and precompiles) keeps the mma.sync
     #: kernels.
     arch_specific_kernels: bool = True
@@ -165,6 +167,7 @@ class DeviceInfo:
             driver_version=driver_version,
             runtime_version=runtime_version,
             nvrtc_version=_nvrtc_version(),
+            arch_specific_kernels=knobs.ARCH_SPECIFIC.get(),
         )
 
 

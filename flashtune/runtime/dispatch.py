@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from flashtune import families
+from flashtune import families, knobs
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import KernelConfig, Problem, ProblemBucket
 from flashtune.db.lookup import BestIndex
@@ -202,9 +202,10 @@ class Dispatcher:
 
 def _arch_specific_kernels(device: DeviceLike) -> bool:
     """Whether arch-specific families (sm_90a) may serve calls on ``device``: its
-    ``arch_specific_kernels`` (``runtime.device.DeviceInfo``), True for a device that does not
-    say (a GPU)."""
-    return bool(getattr(device, "arch_specific_kernels", True))
+    ``arch_specific_kernels`` (``runtime.device.DeviceInfo``); for a device that does not
+    say, the knob FLASHTUNE_ARCH_SPECIFIC, as for a GPU."""
+    said = getattr(device, "arch_specific_kernels", None)
+    return knobs.ARCH_SPECIFIC.get() if said is None else bool(said)
 
 
 def _read_entries(open_source: Callable[[], TunedSource]) -> list[BestEntry]:

@@ -66,8 +66,16 @@ def hopper(no_hopper: None) -> Iterator[HopperStandIn]:
 
 @dataclass(frozen=True)
 class Dev:
+    """A GPU as the dispatcher sees it (whether it runs sm_90a kernels: the knob)."""
+
     name: str
     arch: str
+
+
+@pytest.fixture(autouse=True)
+def arch_specific_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPUs here opt in to the arch-specific families (FLASHTUNE_ARCH_SPECIFIC=1)."""
+    monkeypatch.setenv("FLASHTUNE_ARCH_SPECIFIC", "1")
 
 
 class _NoTuned:
@@ -162,6 +170,15 @@ def test_the_builtin_sm90a_forward_serves_cc90_gpus_only() -> None:
         assert _decide(PROBLEM, arch) == PROBLEM, arch
     odd = Problem(head_dim=96, dtype=DType.BF16)  # not a whole number of 128-byte panels
     assert _decide(odd, "sm_90") == odd
+
+
+def test_gpus_keep_the_mma_sync_forward_unless_they_opt_in(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sm_90a forward is checked in the emulator only: without FLASHTUNE_ARCH_SPECIFIC
+    a cc 9.0 GPU keeps the mma.sync forward."""
+    monkeypatch.delenv("FLASHTUNE_ARCH_SPECIFIC")
+    for arch in ("sm_90", "sm_90a", "sm_80"):
+        assert _decide(PROBLEM, arch) == PROBLEM, arch
 
 
 def test_virtual_devices_run_sm90a_families_only_when_named_sm90a() -> None:

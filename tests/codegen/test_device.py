@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from flashtune.codegen.arch import ARCHS
-from flashtune.errors import DeviceError, InvalidConfig
+from flashtune.errors import DeviceError, InvalidConfig, KnobError
 from flashtune.runtime import device as device_mod
 from flashtune.runtime.device import DeviceInfo
 
@@ -116,3 +116,21 @@ def test_inconsistent_fields_are_rejected() -> None:
 def test_driver_version_text() -> None:
     assert device_mod._version_text(12040) == "12.4"
     assert device_mod._version_text(13000) == "13.0"
+
+
+def test_gpus_run_arch_specific_kernels_only_when_the_knob_says_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sm_90a kernels are checked in the emulator only: a cc 9.0 GPU keeps the mma.sync
+    kernels unless FLASHTUNE_ARCH_SPECIFIC opts in."""
+    def h100() -> DeviceInfo:
+        return DeviceInfo.from_properties(_props(name="NVIDIA H100 80GB HBM3", major=9,
+                                                 minor=0),
+                                          driver_version=None, runtime_version=None)
+
+    monkeypatch.delenv("FLASHTUNE_ARCH_SPECIFIC", raising=False)
+    assert not h100().arch_specific_kernels
+    monkeypatch.setenv("FLASHTUNE_ARCH_SPECIFIC", "1")
+    assert h100().arch_specific_kernels
+    monkeypatch.setenv("FLASHTUNE_ARCH_SPECIFIC", "maybe")
+    with pytest.raises(KnobError, match="FLASHTUNE_ARCH_SPECIFIC"):
+        h100()
