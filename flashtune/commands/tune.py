@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated
 
@@ -20,21 +19,9 @@ from flashtune.tuner.options import BucketSummary, TuneOptions
 from flashtune.tuner.search.study import SAMPLERS
 
 
-def parse_duration(text: str) -> float:
-    """``'20m'``, ``'90s'``, ``'1h30m'`` or plain seconds -> seconds."""
-    raw = text.strip().lower()
-    if re.fullmatch(r"\d+(\.\d+)?", raw):
-        return float(raw)
-    match = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", raw)
-    if not raw or not match:
-        raise TuningError(f"duration {text!r} is malformed; expected e.g. '20m', '1h30m', "
-                          "'90s' or seconds")
-    hours, minutes, seconds = (int(g) if g else 0 for g in match.groups())
-    return float(hours * 3600 + minutes * 60 + seconds)
-
-
 def tune_command(
-    head_dim: Annotated[int, typer.Option("--head-dim", help="Head dimension, e.g. 128.")],
+    head_dim: Annotated[int | None, typer.Option(
+        "--head-dim", help="Head dimension, e.g. 128 (not with --replay).")] = None,
     op: Annotated[str, typer.Option(
         "--op", help="Kernel family (`flashtune families` lists them).")] = "fwd",
     dtype: Annotated[str, typer.Option("--dtype", help="fp16 or bf16.")] = "bf16",
@@ -45,12 +32,16 @@ def tune_command(
     batch_heads: Annotated[str | None, typer.Option(
         "--batch-heads", help="BATCHxHEADS pairs timed per bucket, e.g. 4x16,1x32 (default: "
                               "the standard sweep, hidden 2048 and ~16k tokens).")] = None,
-    trials: Annotated[int, typer.Option(
-        "--trials", help="Candidates measured per bucket.")] = 40,
-    timeout: Annotated[str | None, typer.Option(
-        "--timeout", help="Wall-clock budget of the whole run, e.g. 20m.")] = None,
+    trials: Annotated[int | None, typer.Option(
+        "--trials", help="Candidates measured per bucket (default 40; with --replay: no "
+                         "limit but the budget).")] = None,
+    budget: Annotated[str | None, typer.Option(
+        "--budget", help="Time budget of the whole run, compiles included, e.g. 10m; with "
+                         "--replay simulated time, or a share of the landscape's brute-force "
+                         "time such as 5%.")] = None,
     sampler: Annotated[str, typer.Option(
-        "--sampler", help=f"Optuna sampler: {', '.join(SAMPLERS)}.")] = "tpe",
+        "--sampler", help=f"Search strategy: {', '.join(SAMPLERS)} (guided: flashtune's "
+                          "default).")] = "guided",
     seed: Annotated[int | None, typer.Option("--seed", help="Sampler seed.")] = 0,
     db: DbOpt = None,
     study: Annotated[str | None, typer.Option(
@@ -82,23 +73,43 @@ def tune_command(
         "--cost-model-gpu", help="GPU of the cost model's predictions, e.g. H100 (default: "
                                  "this GPU when the model knows it; a dry run: the arch's "
                                  "reference GPU).")] = None,
+    warm_start_from: Annotated[str | None, typer.Option(
+        "--warm-start-from", metavar="DEVICE",
+        help="Start from DEVICE's results of the same buckets in the database (with "
+             "--replay: the same kernel's landscape of DEVICE next to FILE), e.g. A100.")
+    ] = None,
+    replay: Annotated[Path | None, typer.Option(
+        "--replay", metavar="FILE", help="Replay a recorded landscape (T4 JSON, see the "
+                                         "README) on a simulated clock instead of tuning.")
+    ] = None,
 ) -> None:
-    """Tune a kernel family (default: the forward) on this GPU; store each bucket's winner."""
+    """Tune a kernel family (default: the forward) on this GPU; store each bucket's winner.
+
+    With --replay FILE the same search runs against a recorded landscape of any kernel."""
+    from flashtune.tuner.measure.replay import parse_budget
     from flashtune.tuner.measure.workload import parse_batch_heads, parse_seqlens
 
+    if replay is not None:
+        _replay(replay, budget, trials, sampler, seed, warm_start_from)
+        return
     try:
+        if head_dim is None:
+            raise TuningError("--head-dim is required (e.g. --head-dim 128), unless the "
+                              "run is a --replay of a landscape")
         problem = Problem.from_dict({"head_dim": head_dim, "dtype": dtype, "causal": causal,
                                      "op": op})
         families.get(op)
         lengths = parse_seqlens(seqlens)
         pairs = parse_batch_heads(batch_heads)
         options = TuneOptions(
-            trials=trials, timeout_s=parse_duration(timeout) if timeout else None,
+            trials=40 if trials is None else trials,
+            budget_s=parse_budget(budget) if budget else None,
             sampler=sampler, seed=seed, study_prefix=study, resume=resume,
             compile_workers=(knobs.COMPILE_WORKERS.get() if compile_workers is None
                              else compile_workers),
             max_spill_bytes=max_spill_bytes, tie_tolerance=tie_tolerance,
-            prune_predicted=prune_predicted, cost_model_gpu=cost_model_gpu)
+            prune_predicted=prune_predicted, cost_model_gpu=cost_model_gpu,
+            warm_start_from=warm_start_from)
         if arch is not None and not dry_run:
             raise TuningError("--arch applies to --dry-run only: a run on the GPU tunes for "
                               "the GPU's own arch")
@@ -123,9 +134,54 @@ def tune_command(
     console = Console()
     console.print()
     console.print(final_table(summaries))
+    for s in summaries:
+        if s.warm_start:
+            console.print(f"{s.bucket.key()}: {s.warm_start}", highlight=False)
     if dry_run:
         for table in predicted_tables(summaries):
             console.print(table)
+
+
+def _replay(path: Path, budget: str | None, trials: int | None, sampler: str,
+            seed: int | None, warm_start_from: str | None) -> None:
+    """``--replay``: the tuner's search against a recorded landscape, with a live table."""
+    from flashtune.commands.tune_progress import ReplayProgress
+    from flashtune.tuner.measure.replay import Landscape, parse_budget
+    from flashtune.tuner.replay import replay, warm_start_prior
+    from flashtune.tuner.search.sampler import Prior
+
+    console = Console()
+    try:
+        landscape = Landscape.load(path)
+        budget_s = parse_budget(budget, landscape) if budget else None
+        if budget_s is None and trials is None:
+            raise TuningError("a replay needs a budget: --budget 5% (of the brute-force "
+                              "time), --budget 10m (simulated) or --trials N")
+        if sampler not in SAMPLERS:
+            raise TuningError(f"sampler {sampler!r} is unknown; expected one of "
+                              f"{list(SAMPLERS)}")
+        prior: Prior | None = None
+        note = None
+        if warm_start_from is not None:
+            prior, note = warm_start_prior(landscape, Landscape.load(
+                landscape.sibling(warm_start_from)))
+        console.print(note or "no warm start (pass --warm-start-from DEVICE to use another "
+                              "device's results)", highlight=False)
+        progress = ReplayProgress(console)
+        try:
+            summary = replay(landscape, sampler=sampler, seed=seed, budget_s=budget_s,
+                             trials=trials, prior=prior, warm_start=note, observer=progress)
+        finally:
+            progress.close()
+    except (FlashtuneError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    best = "-" if summary.best is None else f"{summary.best:.6g}"
+    share = 100 * summary.clock_s / landscape.brute_force_s
+    console.print(f"{len(summary.trace)} evaluations ({summary.failures} failed) in "
+                  f"{summary.clock_s / 60:.1f} simulated minutes ({share:.2f}% of the "
+                  f"brute-force {landscape.brute_force_s / 3600:.2f} h); best {best} "
+                  f"{landscape.objective}, optimum {landscape.optimum:.6g}: "
+                  f"{landscape.quality(summary.best):.3f} of it", highlight=False)
 
 
 def _run_local(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHeads, ...],

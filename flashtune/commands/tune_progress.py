@@ -1,4 +1,5 @@
-"""Progress of a tuning run on the terminal (rich): live per-bucket counts and final tables."""
+"""Progress of a tuning run on the terminal (rich): live per-bucket counts and final tables,
+and the live table of a replayed run (``--replay``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from rich.table import Table
 from flashtune.db.records import TrialStatus
 from flashtune.tuner.measure.evaluate import TrialResult
 from flashtune.tuner.options import BucketSummary
+from flashtune.tuner.replay import ReplayObserver, ReplaySummary, TracePoint
 
 _FAILURES = ("invalid", "compile_failed", "runtime_failed", "wrong_result")
 
@@ -117,3 +119,60 @@ def predicted_tables(rows: Sequence[BucketSummary]) -> list[Table]:
                           p.bound)
         tables.append(table)
     return tables
+
+
+def replay_table(summary: ReplaySummary) -> Table:
+    """A replayed run so far: simulated time against the budget, evaluations, failures,
+    the best found and how close it is to the landscape's optimum."""
+    land = summary.landscape
+    table = Table(title=f"flashtune tune --replay {land.path.name} (recorded {land.device} "
+                        "times on a simulated clock)", expand=False)
+    for column in ("sampler", "simulated time", "evaluations", "failures", "best so far",
+                   "best / optimum"):
+        table.add_column(column)
+    budget = (f" / {_duration(summary.budget_s)} "
+              f"({100 * summary.budget_s / land.brute_force_s:.3g}% of brute force)"
+              if summary.budget_s is not None else "")
+    evaluations = str(len(summary.trace))
+    if summary.trials is not None:
+        evaluations += f" / {summary.trials}"
+    best, config = summary.best, summary.best_config
+    shown = "-"
+    if best is not None and config is not None:
+        point = dict(zip(land.space.names, config, strict=True))
+        shown = f"{best:.4g} {land.objective} ({land.space.key(point)})"
+    table.add_row(summary.sampler, _duration(summary.clock_s) + budget, evaluations,
+                  str(summary.failures), shown,
+                  f"{land.quality(best):.3f}" if best is not None else "-")
+    return table
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.2f} h"
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.1f} s"
+
+
+class ReplayProgress(ReplayObserver):
+    """A ReplayObserver that keeps a live table of a replayed run up to date."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console()
+        self._live: Live | None = None
+        self._summary: ReplaySummary | None = None
+
+    def started(self, summary: ReplaySummary) -> None:
+        self._summary = summary
+        self._live = Live(replay_table(summary), console=self.console, refresh_per_second=4,
+                          transient=False)
+        self._live.__enter__()
+
+    def evaluated(self, summary: ReplaySummary, point: TracePoint) -> None:
+        if self._live is not None:
+            self._live.update(replay_table(summary))
+
+    def close(self) -> None:
+        if self._live is not None and self._summary is not None:
+            self._live.update(replay_table(self._summary))
+            self._live.__exit__(None, None, None)
+            self._live = None

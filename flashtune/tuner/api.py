@@ -32,10 +32,11 @@ from flashtune.db.store import TuningStore
 from flashtune.errors import InvalidConfig, TuningError
 from flashtune.tuner.measure.base import MeasurementBackend
 from flashtune.tuner.measure.evaluate import TrialResult
+from flashtune.tuner.measure.kernels import CompilePool, KernelMeasurement
 from flashtune.tuner.measure.workload import BatchHeads, Workload, make_workload
 from flashtune.tuner.options import BucketSummary, TuneOptions
-from flashtune.tuner.pipeline import CompilePool, Limits, run_pipeline
-from flashtune.tuner.records import ResultLog
+from flashtune.tuner.pipeline import Limits, run_pipeline
+from flashtune.tuner.records import ResultLog, warm_start_scores
 from flashtune.tuner.search.encoding import SearchEncoding
 from flashtune.tuner.search.lock import ProposalLock
 from flashtune.tuner.search.prediction import BucketPrediction, Predictor, resolve_gpu
@@ -47,8 +48,9 @@ from flashtune.tuner.search.proposers import (
     Proposal,
     Proposer,
 )
+from flashtune.tuner.search.sampler import Prior, make_sampler, prior_of
 from flashtune.tuner.search.selection import Scored, choose, remeasure
-from flashtune.tuner.search.study import make_sampler, open_storage, study_name, templates_digest
+from flashtune.tuner.search.study import open_storage, study_name, templates_digest
 
 log = logging.getLogger("flashtune.tuner")
 
@@ -129,8 +131,8 @@ class Tuner:
         self.batch_heads = tuple(batch_heads)
         self.verify_cap = verify_cap
         self.digest = templates_digest()
-        self._deadline = (time.monotonic() + options.timeout_s
-                          if options.timeout_s is not None else None)
+        self._deadline = (time.monotonic() + options.budget_s
+                          if options.budget_s is not None else None)
         self._untimed_memo: dict[tuple[Problem, KernelConfig], TrialResult] = {}
         store.record_device(backend.device)
         gpu = resolve_gpu(backend.device, options.cost_model_gpu)
@@ -189,7 +191,7 @@ class Tuner:
             summary.pruned_by_model = len(pruned)
         self.observer.bucket_started(summary)
 
-        def on_result(proposal: Proposal, result: TrialResult) -> None:
+        def on_result(proposal: Proposal[KernelConfig], result: TrialResult) -> None:
             prediction = self._prediction(workload, result.config)
             results.record(result, prediction.time_ms if prediction else None)
             if prediction is not None and proposal.trial is not None:
@@ -207,8 +209,9 @@ class Tuner:
 
         if timed:
             opts = self.options
+            prior = self._prior(encoding, workload, summary)
             study = self.prepare_study(
-                bucket, make_sampler(opts.sampler, opts.seed, summary.candidates))
+                bucket, make_sampler(opts.sampler, opts.seed, encoding.search_space, prior))
             if self.options.search:
                 self._search(study, workload, encoding, results, first, pruned, pool,
                              on_result)
@@ -219,10 +222,26 @@ class Tuner:
             if self.predictor is not None:  # the rest in predicted order too
                 ranked = [p.config for p in self.predictor.rank(workload, kept)]
                 first = list(dict.fromkeys(first + ranked))
-            self._dry_run(EnumerationSearch(kept, skip=past, first=first), workload, pool,
-                          on_result)
+            self._dry_run(EnumerationSearch(kept, KernelConfig.key, skip=past, first=first),
+                          workload, pool, on_result)
         self.observer.bucket_finished(summary)
         return summary
+
+    def _prior(self, encoding: SearchEncoding, workload: Workload, summary: BucketSummary
+               ) -> Prior | None:
+        """What guides the sampler before any measurement: another device's results of
+        this bucket (--warm-start-from), else the cost model's predicted times."""
+        source = self.options.warm_start_from
+        if source is not None:
+            scores, note = warm_start_scores(self.store, source, workload.bucket)
+            summary.warm_start = note
+            log.info("bucket %s: %s", workload.bucket.key(), note)
+            return prior_of(encoding, scores) if scores else None
+        if self.predictor is None:
+            return None
+        predicted = {p.config.key(): p.time_ms
+                     for p in self.predictor.rank(workload, encoding.candidates())}
+        return prior_of(encoding, predicted)
 
     def _prediction(self, workload: Workload, config: KernelConfig) -> BucketPrediction | None:
         return self.predictor.predict(workload, config) if self.predictor is not None else None
@@ -269,15 +288,17 @@ class Tuner:
             proposer.close()
             lock.close()
 
-    def _drive(self, proposer: Proposer, workload: Workload, pool: CompilePool,
-               on_result: _OnResult, budget: int | None = None) -> int:
+    def _drive(self, proposer: Proposer[KernelConfig, TrialResult], workload: Workload,
+               pool: CompilePool, on_result: _OnResult, budget: int | None = None) -> int:
         opts = self.options
         trials = opts.trials if budget is None else budget
-        return run_pipeline(self.backend, workload, proposer, pool, opts.plan,
-                            Limits(trials, self._deadline), depth=opts.pipeline_depth,
-                            max_spill_bytes=opts.max_spill_bytes, on_result=on_result)
+        measurement = KernelMeasurement(self.backend, workload, pool, opts.plan,
+                                        opts.max_spill_bytes)
+        return run_pipeline(measurement, proposer, Limits(trials, self._deadline),
+                            depth=opts.pipeline_depth, on_result=on_result)
 
-    def _dry_run(self, proposer: EnumerationSearch, workload: Workload, pool: CompilePool,
+    def _dry_run(self, proposer: EnumerationSearch[KernelConfig], workload: Workload,
+                 pool: CompilePool,
                  on_result: _OnResult) -> int:
         """A config's verdict does not depend on the bucket, so a dry run verifies each
         config once (on the first bucket's verify shape), records the verdict for every
@@ -292,7 +313,7 @@ class Tuner:
             on_result(Proposal(config), known)
             replayed += 1
 
-        def remember(proposal: Proposal, result: TrialResult) -> None:
+        def remember(proposal: Proposal[KernelConfig], result: TrialResult) -> None:
             memo[(workload.problem, proposal.config)] = result
             on_result(proposal, result)
 
@@ -345,7 +366,7 @@ class Tuner:
 
 
 class _OnResult(Protocol):
-    def __call__(self, proposal: Proposal, result: TrialResult) -> None: ...
+    def __call__(self, proposal: Proposal[KernelConfig], result: TrialResult) -> None: ...
 
 
 def tune(head_dim: int, dtype: DType | str = "bf16", causal: bool = False,

@@ -23,7 +23,11 @@ class TuneOptions:
     (compiled, verified and timed, or failed); proposals rejected before compiling
     (impossible, known to fail, already measured) do not count. Dry runs: candidates
     verified per run.
-    ``timeout_s``: wall-clock budget of the whole run; the trial in progress finishes.
+    ``budget_s``: wall-clock budget of the whole run in seconds (compiles included); the
+    trial in progress finishes.
+    ``sampler``: the search strategy (``guided``, flashtune's default: see
+    search/sampler.py). ``warm_start_from``: a device whose results of the same bucket in
+    the database guide the search (instead of the cost model's predictions).
     ``resume``: continue existing studies (without it an existing study with trials is an
     error).
     ``compile_workers``: NVRTC processes (0 compiles inline; default: the
@@ -39,8 +43,8 @@ class TuneOptions:
     """
 
     trials: int = 40
-    timeout_s: float | None = None
-    sampler: str = "tpe"
+    budget_s: float | None = None
+    sampler: str = "guided"
     seed: int | None = 0
     study_prefix: str | None = None
     resume: bool = False
@@ -58,12 +62,13 @@ class TuneOptions:
     predicted_seeds: int = 3
     prune_predicted: float | None = None
     cost_model_gpu: str | None = None
+    warm_start_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.trials < 0:
             raise TuningError(f"trials={self.trials} must be >= 0")
-        if self.timeout_s is not None and self.timeout_s <= 0:
-            raise TuningError(f"timeout {self.timeout_s} s must be positive")
+        if self.budget_s is not None and self.budget_s <= 0:
+            raise TuningError(f"time budget {self.budget_s} s must be positive")
         if self.sampler not in SAMPLERS:
             raise TuningError(f"sampler {self.sampler!r} is unknown; expected one of "
                               f"{list(SAMPLERS)}")
@@ -108,6 +113,8 @@ class BucketSummary:
     cost_model: str | None = None
     #: Configs skipped by --prune-predicted.
     pruned_by_model: int = 0
+    #: What the search was warm-started from (--warm-start-from), said in the output.
+    warm_start: str | None = None
 
     @property
     def speedup(self) -> float | None:

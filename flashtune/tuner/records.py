@@ -9,6 +9,7 @@ source is unchanged; editing a template makes the config worth trying again.
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -116,3 +117,26 @@ def summarize_records(summary: BucketSummary, records: Sequence[TrialRecord]) ->
         summary.best_tflops = best.tflops
         summary.best_config = KernelConfig.from_key(best.config.key)
     return summary
+
+
+def warm_start_scores(store: TuningStore, device: str, bucket: ProblemBucket
+                      ) -> tuple[dict[str, float], str]:
+    """Another device's measured results of ``bucket`` as prior scores (config key ->
+    -log TFLOP/s, lower is better), and a line that says what was used.
+
+    The bucket's own sequence length when the device has it, else its nearest (in log
+    scale) of the same problem: a config's rank carries over between nearby buckets."""
+    rows = store.trials(device=device, problem=bucket.problem.key(), status=TrialStatus.OK)
+    timed = [r for r in rows if r.tflops is not None and r.tflops > 0]
+    if not timed:
+        return {}, (f"warm start from {device}: no timed results of {bucket.problem.key()} "
+                    "in the database; searching without it")
+    lengths = {r.seqlen for r in timed}
+    seqlen = min(lengths, key=lambda n: (abs(math.log2(n / bucket.seqlen)), n))
+    scores: dict[str, float] = {}
+    for r in timed:
+        if r.seqlen == seqlen:
+            score = -math.log(r.tflops or 1.0)
+            scores[r.config.key] = min(score, scores.get(r.config.key, score))
+    return scores, (f"warm start from {device}: {len(scores)} measured configs of "
+                    f"{bucket.problem.key()}_n{seqlen}")

@@ -31,7 +31,8 @@ def test_tune_without_a_gpu_says_so_and_points_to_the_dry_run(db_url: str) -> No
 
 def test_tune_rejects_bad_arguments_with_the_expected_form(db_url: str) -> None:
     for args, expected in ((["--seqlens", "10x"], "expected e.g."),
-                           (["--timeout", "soon"], "expected e.g. '20m'"),
+                           (["--budget", "soon"], "expected e.g. '10m'"),
+                           (["--budget", "5%"], "needs --replay"),
                            (["--sampler", "annealing"], "expected one of"),
                            (["--dtype", "fp8"], "expected one of")):
         result = runner.invoke(app, ["tune", "--head-dim", "128", "--db", db_url, "--dry-run",

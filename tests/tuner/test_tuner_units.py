@@ -12,12 +12,12 @@ import pytest
 from flashtune import families
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
-from flashtune.commands.tune import parse_duration
 from flashtune.db.records import TrialStatus
 from flashtune.errors import InvalidConfig, TuningError
 from flashtune.families.fwd import FORWARD, space
 from flashtune.tuner.measure.base import ShapeTiming
 from flashtune.tuner.measure.evaluate import TrialResult
+from flashtune.tuner.measure.replay import parse_budget
 from flashtune.tuner.measure.workload import (
     BatchHeads,
     geomean,
@@ -25,7 +25,7 @@ from flashtune.tuner.measure.workload import (
     parse_batch_heads,
     parse_seqlens,
 )
-from flashtune.tuner.search.encoding import Knob, SearchEncoding
+from flashtune.tuner.search.encoding import SearchEncoding
 from flashtune.tuner.search.selection import Scored, choose
 from flashtune.tuner.search.study import study_name, templates_digest
 
@@ -68,30 +68,29 @@ def test_representative_shapes_cover_the_bucket() -> None:
 def test_parsers() -> None:
     assert parse_seqlens("1024, 4k,16384") == (1024, 4096, 16384)
     assert parse_batch_heads("2x16") == (BatchHeads(2, 16),)
-    assert parse_duration("20m") == 1200 and parse_duration("1h30m") == 5400
-    assert parse_duration("90") == 90
+    assert parse_budget("20m") == 1200 and parse_budget("1h30m") == 5400
+    assert parse_budget("90") == 90
     for bad in ("abc", "1024,x", "0"):
         with pytest.raises(TuningError):
             parse_seqlens(bad)
-    for bad in ("", "20x", "m20"):
+    for bad in ("", "20x", "m20", "5%"):  # a share needs a landscape (--replay)
         with pytest.raises(TuningError):
-            parse_duration(bad)
+            parse_budget(bad)
     with pytest.raises(TuningError):
         BatchHeads.parse("4*")
 
 
-def test_knob_encodings_keep_order_and_scale() -> None:
-    evenly = Knob("num_stages", (1, 2, 3))
-    doubling = Knob("block_n", (32, 64, 128))
-    other = Knob("block_n", (80, 96, 144))
-    assert (evenly.param, doubling.param, other.param) == ("num_stages", "log2_block_n",
-                                                           "block_n_rank")
-    for knob in (evenly, doubling, other):
-        encoded = [knob.encode(v) for v in knob.values]
-        assert encoded == sorted(encoded)  # order is preserved
-        assert [knob.decode(e) for e in encoded] == list(knob.values)
-        dist = knob.distribution()
-        assert all(dist.low <= e <= dist.high for e in encoded)
+def test_encoding_presents_each_parameter_as_the_index_of_its_value() -> None:
+    encoding = SearchEncoding(P, ARCH)
+    dists = encoding.distributions()
+    for param in FORWARD.space(P).params:
+        dist = dists[param.name]
+        assert isinstance(dist, optuna.distributions.IntDistribution)
+        assert (dist.low, dist.high, dist.step) == (0, len(param.values) - 1, 1)
+    config = encoding.candidates()[0]
+    encoded = encoding.encode(config)
+    assert {n: FORWARD.space(P)[n].values[i] for n, i in encoded.items()} == \
+        FORWARD.point(config)
 
 
 def test_knobs_of_named_modes_are_ranked_in_declared_order() -> None:
@@ -116,8 +115,9 @@ def test_encoding_round_trips_every_candidate_and_rejects_the_rest() -> None:
         reason = encoding.decode(encoding.encode(config))
         assert isinstance(reason, str) and reason == space.static_check(P, config, ARCH)
     # combinations KernelConfig itself refuses (64 rows over 8 warps) decode to a reason
-    raw = {"block_m": 64, "log2_block_n": 6, "num_warps": 8, "num_stages": 2}
+    raw = {"block_m": 0, "block_n": 1, "num_warps": 1, "num_stages": 1}  # m64 over 8 warps
     assert isinstance(encoding.decode(raw), str)
+    assert "outside" in str(encoding.decode({**raw, "block_n": 7}))
     dists = encoding.distributions()
     assert all(isinstance(d, optuna.distributions.IntDistribution) for d in dists.values())
 

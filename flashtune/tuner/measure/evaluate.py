@@ -59,6 +59,24 @@ class TrialResult:
         return geomean([t.min_ms for t in self.timings]) if self.timings else None
 
     @property
+    def objective(self) -> float | None:
+        """What the search maximises: TFLOP/s (None unless ``ok``)."""
+        return self.tflops
+
+    def attrs(self) -> dict[str, float | int | str]:
+        """What a study records about the trial besides its status and objective."""
+        out: dict[str, float | int | str] = {}
+        if self.error:
+            out["error"] = self.error[:2000]
+        if self.registers is not None:
+            out["registers"] = self.registers
+        if self.spill_bytes is not None:
+            out["spill_bytes"] = self.spill_bytes
+        if self.median_ms is not None:
+            out["median_ms"] = self.median_ms
+        return out
+
+    @property
     def max_ms(self) -> float | None:
         return geomean([t.max_ms for t in self.timings]) if self.timings else None
 

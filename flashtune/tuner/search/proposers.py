@@ -1,7 +1,9 @@
 """Proposers: which config to measure next.
 
-``OptunaSearch`` asks an Optuna study (TPE, GP, random, or an exhaustive grid over the legal
-candidates) and filters each proposal before anything is compiled:
+``OptunaSearch`` asks an Optuna study (the guided sampler by default, or TPE, GP, random,
+or an exhaustive grid over the legal candidates) and filters each proposal before anything
+is compiled. It is generic over the configs a space's points name (a kernel family's
+``KernelConfig``, a landscape's rows) through a ``Candidates`` view of the space:
 
 - an impossible combination (static check) is told PRUNED: free, and TPE learns from it;
 - a config that failed before with the same kernel source (database) is told PRUNED;
@@ -21,6 +23,9 @@ These checks run under the study's ``ProposalLock``, so two workers can never bo
 config. When the sampler keeps proposing configs that are settled, the search enqueues an
 untried legal candidate instead (and stops once none is left).
 
+The study's trials are read incrementally (``TrialScan``): a proposal costs O(new trials),
+not O(all trials), so a long replayed study stays cheap.
+
 ``EnumerationSearch`` (dry runs) walks the legal candidates in a fixed order, default first.
 """
 
@@ -31,46 +36,68 @@ import os
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import optuna
 from optuna.storages._heartbeat import BaseHeartbeat
 from optuna.trial import FrozenTrial, TrialState
 
-from flashtune.codegen.spec import KernelConfig
 from flashtune.db.records import TrialStatus, this_host
-from flashtune.tuner.measure.evaluate import TrialResult
-from flashtune.tuner.search.encoding import SearchEncoding
-from flashtune.tuner.search.study import quiet_optuna
+from flashtune.tuner.search.space import Candidates
+from flashtune.tuner.search.study import (
+    CONFIG_ATTR,
+    DUPLICATE_ATTR,
+    MODEL_PRUNED_ATTR,
+    OWNER_ATTR,
+    STATUS_ATTR,
+    TrialScan,
+    quiet_optuna,
+)
 
 log = logging.getLogger("flashtune.tuner")
 
-OWNER_ATTR = "flashtune_owner"
-CONFIG_ATTR = "config"
-STATUS_ATTR = "status"
-DUPLICATE_ATTR = "duplicate_of"
-MODEL_PRUNED_ATTR = "model_pruned"
+__all__ = ["CONFIG_ATTR", "DUPLICATE_ATTR", "MODEL_PRUNED_ATTR", "OWNER_ATTR", "STATUS_ATTR",
+           "EnumerationSearch", "OptunaSearch", "Outcome", "Proposal", "Proposer", "owner_id"]
+
+C = TypeVar("C")
+R_contra = TypeVar("R_contra", contravariant=True)
 
 
 @dataclass(frozen=True)
-class Proposal:
+class Proposal(Generic[C]):
     """A config accepted for measurement, with its Optuna trial (None for enumerations)."""
 
-    config: KernelConfig
+    config: C
     trial: optuna.Trial | None = None
 
 
-class Proposer(Protocol):
-    def propose(self) -> Proposal | None:
+class Outcome(Protocol):
+    """What a search is told about a measured config."""
+
+    @property
+    def status(self) -> TrialStatus: ...
+
+    @property
+    def objective(self) -> float | None:
+        """The value told to the study (None unless the status is ok)."""
+        ...
+
+    def attrs(self) -> Mapping[str, float | int | str]:
+        """Further facts recorded on the trial (errors, resources, timings)."""
+        ...
+
+
+class Proposer(Protocol[C, R_contra]):
+    def propose(self) -> Proposal[C] | None:
         """The next config to measure, or None when the space is exhausted."""
         ...
 
-    def tell(self, proposal: Proposal, result: TrialResult) -> None: ...
+    def tell(self, proposal: Proposal[C], result: R_contra) -> None: ...
 
-    def abandon(self, proposal: Proposal) -> None:
+    def abandon(self, proposal: Proposal[C]) -> None:
         """The proposal will not be measured (interrupted); free it for others."""
         ...
 
@@ -126,29 +153,85 @@ class HeartbeatThread:
         self._thread.join(timeout=5)
 
 
-class OptunaSearch:
+class _Settled:
+    """Config key -> its first trial in the study (measured, failed or running), or the
+    status it failed with in the database; kept up to date incrementally."""
+
+    def __init__(self, keys: Sequence[str], known_failed: Mapping[str, TrialStatus]) -> None:
+        self.known_failed = dict(known_failed)
+        self.finished: dict[str, FrozenTrial] = {}
+        self.running: dict[str, FrozenTrial] = {}
+        self._untried = dict.fromkeys(k for k in keys if k not in self.known_failed)
+        self._scan = TrialScan()
+
+    def refresh(self, study: optuna.Study) -> None:
+        finished, unfinished = self._scan.update(study)
+        for t in finished:
+            key = self._counted_key(t)
+            if key is not None and t.state in (TrialState.COMPLETE, TrialState.PRUNED):
+                first = self.finished.get(key)
+                if first is None or t.number < first.number:
+                    self.finished[key] = t
+                self._untried.pop(key, None)
+        self.running = {}
+        for t in unfinished:
+            key = self._counted_key(t)
+            if key is not None and t.state is TrialState.RUNNING:
+                self.running.setdefault(key, t)
+
+    @staticmethod
+    def _counted_key(t: FrozenTrial) -> str | None:
+        key = t.user_attrs.get(CONFIG_ATTR)
+        if key is None or DUPLICATE_ATTR in t.user_attrs or MODEL_PRUNED_ATTR in t.user_attrs:
+            return None
+        return str(key)
+
+    def get(self, key: str) -> FrozenTrial | TrialStatus | None:
+        failed = self.known_failed.get(key)
+        if failed is not None:
+            return failed
+        return self.finished.get(key) or self.running.get(key)
+
+    def fail(self, key: str, status: TrialStatus) -> None:
+        self.known_failed[key] = status
+        self._untried.pop(key, None)
+
+    def any_untried(self) -> bool:
+        return len(self._untried) > sum(k in self._untried for k in self.running)
+
+    def untried(self) -> list[str]:
+        return [k for k in self._untried if k not in self.running]
+
+    def measured(self) -> int:
+        """Configs measured or being measured in the study (failures included)."""
+        return len(self.finished) + sum(k not in self.finished for k in self.running)
+
+
+class OptunaSearch(Generic[C]):
     """Proposals from an Optuna study, filtered as the module docstring says."""
 
-    def __init__(self, study: optuna.Study, encoding: SearchEncoding,
+    def __init__(self, study: optuna.Study, candidates: Candidates[C],
                  lock: AbstractContextManager[object], *,
-                 known_failed: Mapping[str, TrialStatus], first: Sequence[KernelConfig] = (),
+                 known_failed: Mapping[str, TrialStatus], first: Sequence[C] = (),
                  grid: bool = False, seed: int | None = None, futile_limit: int = 4,
-                 budget: int | None = None, model_pruned: Mapping[str, str] | None = None
-                 ) -> None:
+                 budget: int | None = None, model_pruned: Mapping[str, str] | None = None,
+                 record_values: bool = True) -> None:
         self.study = study
         self.budget = budget
-        self.encoding = encoding
+        self.encoding = candidates
         self.lock = lock
-        self.known_failed = dict(known_failed)
         self.grid = grid
         self.futile_limit = futile_limit
         self.model_pruned = dict(model_pruned or {})
-        self.candidates = [c for c in encoding.candidates()
-                           if c.key() not in self.model_pruned]
+        self.record_values = record_values
+        self.by_key: dict[str, C] = {candidates.key(c): c for c in candidates.configs
+                                     if candidates.key(c) not in self.model_pruned}
+        self.candidates = list(self.by_key.values())
+        self._settled = _Settled(list(self.by_key), known_failed)
         self._rng = random.Random(seed)
         self._owner = owner_id()
-        self._first = [c for c in first if c in self.candidates]
-        self._dists = encoding.distributions()
+        self._first = [candidates.key(c) for c in first if candidates.key(c) in self.by_key]
+        self._dists = candidates.distributions()
         # Study wraps its RDBStorage in a cache that passes heartbeats through.
         storage = study._storage
         self._storage = storage if isinstance(storage, BaseHeartbeat) else None
@@ -157,77 +240,67 @@ class OptunaSearch:
         self._heartbeat = (HeartbeatThread(self._storage, interval)
                            if self._storage is not None and interval else None)
 
+    @property
+    def known_failed(self) -> dict[str, TrialStatus]:
+        return self._settled.known_failed
+
     def close(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.close()
 
     # ------------------------------------------------------------ proposing
 
-    def propose(self) -> Proposal | None:
+    def propose(self) -> Proposal[C] | None:
         futile = 0
         while True:
             with self.lock:
                 self._reap_dead_trials()
-                settled = self._settled()
-                untried = [c for c in self.candidates if c.key() not in settled]
-                if not untried or self._budget_spent(settled):
+                self._settled.refresh(self.study)
+                if not self._settled.any_untried() or self._budget_spent():
                     return None
-                forced = self._pop_first(untried)
+                forced = self._pop_first()
                 if forced is None and (self.grid or futile >= self.futile_limit):
+                    untried = self._settled.untried()
                     forced = untried[0] if self.grid else self._rng.choice(untried)
                 if forced is not None:
-                    self.study.enqueue_trial(self.encoding.encode(forced))
+                    self.study.enqueue_trial(self.encoding.encode(self.by_key[forced]))
                     futile = 0
                 with quiet_optuna():
                     trial = self.study.ask(self._dists)
-                proposal = self._screen(trial, settled)
+                proposal = self._screen(trial)
             if proposal is not None:
                 return proposal
             futile += 1
 
-    def _budget_spent(self, settled: Mapping[str, FrozenTrial | TrialStatus]) -> bool:
+    def _budget_spent(self) -> bool:
         """The budget counts every config measured (or being measured) in the study, by
         any worker and any earlier run of it."""
-        if self.budget is None:
-            return False
-        return sum(isinstance(v, FrozenTrial) for v in settled.values()) >= self.budget
+        return self.budget is not None and self._settled.measured() >= self.budget
 
-    def _pop_first(self, untried: list[KernelConfig]) -> KernelConfig | None:
+    def _pop_first(self) -> str | None:
         while self._first:
             head = self._first.pop(0)
-            if head in untried:
+            if self._settled.get(head) is None:
                 return head
         return None
 
-    def _settled(self) -> dict[str, FrozenTrial | TrialStatus]:
-        """Config key -> its first trial in the study (measured, failed or running), or the
-        status it failed with in the database."""
-        out: dict[str, FrozenTrial | TrialStatus] = dict(self.known_failed)
-        states = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)
-        for t in self.study.get_trials(deepcopy=False, states=states):
-            key = t.user_attrs.get(CONFIG_ATTR)
-            if key is not None and DUPLICATE_ATTR not in t.user_attrs \
-                    and MODEL_PRUNED_ATTR not in t.user_attrs:
-                out.setdefault(key, t)
-        return out
-
-    def _screen(self, trial: optuna.Trial, settled: Mapping[str, FrozenTrial | TrialStatus]
-                ) -> Proposal | None:
+    def _screen(self, trial: optuna.Trial) -> Proposal[C] | None:
         """Accept the trial's config, or tell Optuna why it is not measured (see module)."""
-        trial.storage.set_trial_system_attr(trial._trial_id, OWNER_ATTR, self._owner)
+        if self._storage is not None:  # who holds it, for reaping a dead worker's trials
+            trial.storage.set_trial_system_attr(trial._trial_id, OWNER_ATTR, self._owner)
         decoded = self.encoding.decode(trial.params)
         if isinstance(decoded, str):
             trial.set_user_attr(STATUS_ATTR, TrialStatus.INVALID.value)
             trial.set_user_attr("reason", decoded[:500])
             self.study.tell(trial, state=TrialState.PRUNED)
             return None
-        key = decoded.key()
+        key = self.encoding.key(decoded)
         trial.set_user_attr(CONFIG_ATTR, key)
         if key in self.model_pruned:
             trial.set_user_attr(MODEL_PRUNED_ATTR, self.model_pruned[key][:500])
             self.study.tell(trial, state=TrialState.PRUNED)
             return None
-        first = settled.get(key)
+        first = self._settled.get(key)
         if isinstance(first, TrialStatus):
             trial.set_user_attr(DUPLICATE_ATTR, "database")
             trial.set_user_attr(STATUS_ATTR, first.value)
@@ -242,8 +315,9 @@ class OptunaSearch:
             else:  # running elsewhere: no information yet
                 self.study.tell(trial, state=TrialState.FAIL)
             return None
-        for name, value in decoded.to_dict().items():
-            trial.set_user_attr(name, value)
+        if self.record_values:  # readable values beside Optuna's indices (report, dashboard)
+            for name, value in self.encoding.domain.point(decoded).items():
+                trial.set_user_attr(name, value)
         if self._heartbeat is not None:
             self._heartbeat.add(trial._trial_id)
         return Proposal(decoded, trial)
@@ -271,27 +345,22 @@ class OptunaSearch:
 
     # ------------------------------------------------------------ results
 
-    def tell(self, proposal: Proposal, result: TrialResult) -> None:
+    def tell(self, proposal: Proposal[C], result: Outcome) -> None:
         trial = proposal.trial
         assert trial is not None
         trial.set_user_attr(STATUS_ATTR, result.status.value)
-        if result.error:
-            trial.set_user_attr("error", result.error[:2000])
-        if result.registers is not None:
-            trial.set_user_attr("registers", result.registers)
-        if result.spill_bytes is not None:
-            trial.set_user_attr("spill_bytes", result.spill_bytes)
+        for name, value in result.attrs().items():
+            trial.set_user_attr(name, value)
         if result.status is TrialStatus.OK:
-            assert result.tflops is not None and result.median_ms is not None
-            trial.set_user_attr("median_ms", result.median_ms)
-            self.study.tell(trial, result.tflops)
+            assert result.objective is not None
+            self.study.tell(trial, result.objective)
         else:
             self.study.tell(trial, state=TrialState.PRUNED)
         if result.status.failed:
-            self.known_failed[proposal.config.key()] = result.status
+            self._settled.fail(self.encoding.key(proposal.config), result.status)
         self._release(trial)
 
-    def abandon(self, proposal: Proposal) -> None:
+    def abandon(self, proposal: Proposal[C]) -> None:
         trial = proposal.trial
         assert trial is not None
         trial.set_user_attr(STATUS_ATTR, "interrupted")
@@ -303,27 +372,27 @@ class OptunaSearch:
             self._heartbeat.discard(trial._trial_id)
 
 
-class EnumerationSearch:
+class EnumerationSearch(Generic[C]):
     """Legal candidates in a fixed order (``first`` ones first), skipping settled ones."""
 
-    def __init__(self, candidates: Sequence[KernelConfig], *, skip: Mapping[str, TrialStatus],
-                 first: Sequence[KernelConfig] = ()) -> None:
+    def __init__(self, candidates: Sequence[C], key: Callable[[C], str], *,
+                 skip: Mapping[str, TrialStatus], first: Sequence[C] = ()) -> None:
         ordered = [c for c in first if c in candidates]
         ordered += [c for c in candidates if c not in ordered]
-        self._queue = [c for c in ordered if c.key() not in skip]
+        self._queue = [c for c in ordered if key(c) not in skip]
 
-    def pending(self) -> list[KernelConfig]:
+    def pending(self) -> list[C]:
         """The configs still to propose, in order."""
         return list(self._queue)
 
-    def discard(self, config: KernelConfig) -> None:
+    def discard(self, config: C) -> None:
         self._queue.remove(config)
 
-    def propose(self) -> Proposal | None:
+    def propose(self) -> Proposal[C] | None:
         return Proposal(self._queue.pop(0)) if self._queue else None
 
-    def tell(self, proposal: Proposal, result: TrialResult) -> None:
+    def tell(self, proposal: Proposal[C], result: Outcome) -> None:
         pass
 
-    def abandon(self, proposal: Proposal) -> None:
+    def abandon(self, proposal: Proposal[C]) -> None:
         pass

@@ -30,7 +30,18 @@ from flashtune.db.engine import resolve_url, sqlite_file
 from flashtune.db.records import check_study
 from flashtune.errors import TuningError
 
-SAMPLERS = ("tpe", "gp", "random", "grid")
+SAMPLERS = ("guided", "tpe", "gp", "random", "grid")
+
+# What the tuner records on a trial (user attributes), read by the search, its samplers,
+# the final pick and the report.
+OWNER_ATTR = "flashtune_owner"
+CONFIG_ATTR = "config"
+STATUS_ATTR = "status"
+DUPLICATE_ATTR = "duplicate_of"
+MODEL_PRUNED_ATTR = "model_pruned"
+#: What measuring a trial cost in seconds (compile included), where the measurement knows
+#: it better than the trial's wall-clock duration (a replay's simulated clock).
+COST_ATTR = "cost_s"
 
 @contextlib.contextmanager
 def quiet_optuna() -> Iterator[None]:
@@ -135,21 +146,25 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
         cursor.close()
 
 
-def make_sampler(kind: str, seed: int | None, n_candidates: int) -> optuna.samplers.BaseSampler:
-    """The sampler for ``--sampler``. ``grid`` is handled by the search (see search.py)."""
-    if kind not in SAMPLERS:
-        raise TuningError(f"sampler {kind!r} is unknown; expected one of {list(SAMPLERS)}")
-    startup = max(4, min(10, n_candidates // 4))
-    if kind == "tpe":
-        # multivariate: the knobs interact (tile sizes vs warps vs stages); constant_liar:
-        # trials still compiling or measuring (ours or other workers') repel new proposals.
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True, constant_liar=True,
-                                          n_startup_trials=startup)
-    if kind == "gp":
-        try:
-            import scipy  # noqa: F401  (optuna's GPSampler needs it)
-        except ImportError as exc:
-            raise TuningError("--sampler gp needs scipy; install it with 'pip install scipy' "
-                              "or use --sampler tpe") from exc
-        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=startup)
-    return optuna.samplers.RandomSampler(seed=seed)
+class TrialScan:
+    """Reads a study's trials incrementally: each finished trial once, the unfinished ones
+    (running, waiting) on every update, so a long study costs O(new trials) per look."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._open: list[int] = []
+
+    def update(self, study: optuna.Study) -> tuple[list[optuna.trial.FrozenTrial],
+                                                   list[optuna.trial.FrozenTrial]]:
+        """(trials finished since the last update, trials unfinished now), by number."""
+        trials = study.get_trials(deepcopy=False)
+        if trials and trials[-1].number != len(trials) - 1:  # storages list them by number
+            trials = sorted(trials, key=lambda t: t.number)
+        by_number = trials
+        look = [by_number[i] for i in self._open] + list(by_number[self._next:])
+        finished = [t for t in look if t.state.is_finished()]
+        unfinished = [t for t in look if not t.state.is_finished()]
+        finished.sort(key=lambda t: t.number)
+        self._open = [t.number for t in unfinished]
+        self._next = len(by_number)
+        return finished, unfinished

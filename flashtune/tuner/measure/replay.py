@@ -1,0 +1,237 @@
+"""Replaying a recorded tuning landscape on a simulated clock.
+
+A landscape is a brute-forced search space of one kernel on one GPU: every configuration
+compiled and timed on the device, in the "T4" auto-tuning output format (gzip JSON:
+``results[]`` with ``configuration``, ``times`` in ms - ``compilation``, ``framework``,
+``runtimes`` - the objective in ``measurements`` and ``invalidity``: ``correct``, or
+``compile`` / ``runtime`` for a failure there).
+
+``Landscape.load`` turns one into a ``SearchSpace`` (each parameter's recorded values in
+ascending order; legal = recorded) plus the record of every point. ``ReplayMeasurement``
+is the measurement the tuner's pipeline drives: each evaluation advances a simulated clock
+by the recorded compile, framework and run times and returns the recorded objective, or
+the recorded failure as data; a configuration measured before is returned again for free
+(nothing is compiled twice). The clock is what a time budget of a replayed run counts.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import gzip
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flashtune.codegen.params import Param, ParamSpace, Point, Value
+from flashtune.db.records import TrialStatus
+from flashtune.errors import TuningError
+from flashtune.tuner.search.space import SearchSpace
+from flashtune.tuner.search.study import COST_ATTR
+
+_FAILURES = {"compile": TrialStatus.COMPILE_FAILED, "runtime": TrialStatus.RUNTIME_FAILED,
+             "correctness": TrialStatus.WRONG_RESULT}
+#: Objectives whose name says higher is better; every other one (time) is minimised.
+_HIGHER_IS_BETTER = re.compile(r"flop|throughput|bandwidth|/s\b", re.IGNORECASE)
+
+Config = tuple[Value, ...]
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """One brute-forced configuration: its outcome and what measuring it cost."""
+
+    status: TrialStatus
+    objective: float | None  # the recorded objective (None unless ok)
+    seconds: float           # compile + framework + kernel runs
+
+
+def _value(raw: Any) -> Value:
+    if isinstance(raw, bool | int | str):
+        return raw
+    if isinstance(raw, float) and raw.is_integer():
+        return int(raw)
+    return repr(raw)
+
+
+def _order(values: set[Value]) -> tuple[Value, ...]:
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return tuple(sorted(values, key=int))
+    return tuple(sorted(values, key=str))
+
+
+@dataclass(frozen=True)
+class Landscape:
+    """A recorded landscape (see the module docstring)."""
+
+    path: Path
+    kernel: str
+    device: str
+    objective: str
+    minimize: bool
+    space: SearchSpace
+    records: Mapping[Config, Recorded] = field(repr=False)
+
+    @staticmethod
+    def load(path: str | Path) -> Landscape:
+        """Read a T4 landscape; TuningError saying what is wrong with a malformed file."""
+        path = Path(path)
+        try:
+            with gzip.open(path, "rt") if path.suffix == ".gz" else open(path) as f:
+                data = json.load(f)
+            results = data["results"]
+            configs = [r["configuration"] for r in results]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise TuningError(f"cannot read the landscape {path}: {exc}; expected a T4 file "
+                              "(gzip JSON with results[].configuration, times, "
+                              "measurements, invalidity)") from exc
+        if not results:
+            raise TuningError(f"the landscape {path} has no results")
+        names = list(configs[0])
+        values: dict[str, set[Value]] = {n: set() for n in names}
+        for c in configs:
+            for n in names:
+                values[n].add(_value(c[n]))
+        params = ParamSpace(tuple(Param(n, _order(values[n])) for n in names))
+        objective = str((results[0].get("objectives") or ["time"])[0])
+        records: dict[Config, Recorded] = {}
+        for r in results:
+            key = tuple(_value(r["configuration"][n]) for n in names)
+            records[key] = _record(r, objective, path)
+        stem = path.name.split(".")[0]
+        kernel, _, device = stem.rpartition("_")
+        recorded = frozenset(records)
+
+        def legality(point: Point) -> str | None:
+            if tuple(point[n] for n in names) in recorded:
+                return None
+            return f"not in the recorded space of {path.name} (a restriction of the kernel)"
+
+        return Landscape(path, kernel or stem, device or "unknown", objective,
+                         not _HIGHER_IS_BETTER.search(objective),
+                         SearchSpace(params, legality), records)
+
+    @property
+    def brute_force_s(self) -> float:
+        """What measuring every configuration cost (the 100% of a relative budget)."""
+        return sum(r.seconds for r in self.records.values())
+
+    @property
+    def optimum(self) -> float:
+        """The best recorded objective."""
+        ok = [r.objective for r in self.records.values() if r.objective is not None]
+        if not ok:
+            raise TuningError(f"no configuration of {self.path.name} succeeded")
+        return min(ok) if self.minimize else max(ok)
+
+    def quality(self, objective: float | None) -> float:
+        """``objective`` relative to the optimum, in (0, 1]: 1 is the best (0: none)."""
+        if objective is None:
+            return 0.0
+        return self.optimum / objective if self.minimize else objective / self.optimum
+
+    def sibling(self, device: str) -> Path:
+        """The landscape of the same kernel on ``device`` in the same directory."""
+        for suffix in (".json.gz", ".json"):
+            candidate = self.path.with_name(f"{self.kernel}_{device}{suffix}")
+            if candidate.exists():
+                return candidate
+        others = sorted(p.name for p in self.path.parent.glob(f"{self.kernel}_*.json*"))
+        raise TuningError(f"no landscape of {self.kernel} on {device} next to {self.path}; "
+                          f"found {others}")
+
+
+def _record(r: Mapping[str, Any], objective: str, path: Path) -> Recorded:
+    times = r.get("times", {})
+    ms = (float(times.get("compilation", 0.0)) + float(times.get("framework", 0.0))
+          + sum(float(t) for t in times.get("runtimes", [])))
+    invalidity = str(r.get("invalidity", "correct"))
+    if invalidity != "correct":
+        return Recorded(_FAILURES.get(invalidity, TrialStatus.RUNTIME_FAILED), None, ms / 1e3)
+    value = next((m.get("value") for m in r.get("measurements", [])
+                  if m.get("name") == objective), None)
+    if not isinstance(value, int | float) or not math.isfinite(value):
+        raise TuningError(f"{path.name}: a correct result has no numeric {objective!r} "
+                          f"measurement ({value!r})")
+    return Recorded(TrialStatus.OK, float(value), ms / 1e3)
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """One replayed evaluation (an ``Outcome`` for the search)."""
+
+    config: Config
+    status: TrialStatus
+    objective: float | None
+    charged_s: float  # simulated seconds this evaluation cost (0 for a re-proposal)
+    clock_s: float    # the simulated clock after it
+
+    def attrs(self) -> dict[str, float | int | str]:
+        out: dict[str, float | int | str] = {COST_ATTR: self.charged_s,
+                                             "clock_s": self.clock_s}
+        if self.status.failed:
+            out["error"] = f"recorded {self.status.value}"
+        return out
+
+
+def _done() -> cf.Future[None]:
+    future: cf.Future[None] = cf.Future()
+    future.set_result(None)
+    return future
+
+
+class ReplayMeasurement:
+    """The pipeline's Measurement of a landscape on a simulated clock (module docstring)."""
+
+    def __init__(self, landscape: Landscape) -> None:
+        self.landscape = landscape
+        self.clock_s = 0.0
+        self.evaluations = 0
+        self._seen: set[Config] = set()
+
+    def now(self) -> float:
+        """The simulated clock in seconds (a Limits clock)."""
+        return self.clock_s
+
+    def start(self, config: Config) -> cf.Future[None]:
+        return _done()  # nothing runs ahead: the clock charges the compile in finish()
+
+    def finish(self, config: Config, started: cf.Future[Any]) -> ReplayResult:
+        record = self.landscape.records.get(config)
+        if record is None:
+            raise TuningError(f"{config} is not a recorded configuration of "
+                              f"{self.landscape.path.name}; the search proposed an illegal "
+                              "point")
+        charged = 0.0 if config in self._seen else record.seconds
+        self._seen.add(config)
+        self.clock_s += charged
+        self.evaluations += 1
+        return ReplayResult(config, record.status, record.objective, charged, self.clock_s)
+
+
+def parse_budget(text: str, landscape: Landscape | None = None) -> float:
+    """Seconds of a budget: ``'5%'`` of a landscape's brute-force time (replay only), or a
+    duration such as ``'10m'``, ``'1h30m'``, ``'90s'`` or plain seconds."""
+    raw = text.strip().lower()
+    if raw.endswith("%"):
+        if landscape is None:
+            raise TuningError(f"budget {text!r}: a percentage is of a landscape's brute-force "
+                              "time, so it needs --replay; give a duration such as '10m'")
+        try:
+            share = float(raw[:-1])
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 100:
+            raise TuningError(f"budget {text!r} must be a percentage in (0, 100], e.g. '5%'")
+        return landscape.brute_force_s * share / 100
+    if re.fullmatch(r"\d+(\.\d+)?", raw):
+        return float(raw)
+    match = re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", raw)
+    if not raw or not match or not any(match.groups()):
+        raise TuningError(f"budget {text!r} is malformed; expected e.g. '10m', '1h30m', "
+                          "'90s', seconds, or with --replay a percentage such as '5%'")
+    hours, minutes, seconds = (int(g) if g else 0 for g in match.groups())
+    return float(hours * 3600 + minutes * 60 + seconds)
