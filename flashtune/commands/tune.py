@@ -177,11 +177,16 @@ def _replay(path: Path, budget: str | None, trials: int | None, sampler: str,
         raise fail(str(exc)) from None
     best = "-" if summary.best is None else f"{summary.best:.6g}"
     share = 100 * summary.clock_s / landscape.brute_force_s
+    console.print()
     console.print(f"{len(summary.trace)} evaluations ({summary.failures} failed) in "
                   f"{summary.clock_s / 60:.1f} simulated minutes ({share:.2f}% of the "
                   f"brute-force {landscape.brute_force_s / 3600:.2f} h); best {best} "
                   f"{landscape.objective}, optimum {landscape.optimum:.6g}: "
                   f"{landscape.quality(summary.best):.3f} of it", highlight=False)
+    config = summary.best_config
+    if config is not None:
+        point = dict(zip(landscape.space.names, config, strict=True))
+        console.print(f"best config: {landscape.space.key(point)}", highlight=False)
 
 
 def _run_local(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHeads, ...],

@@ -125,25 +125,22 @@ def replay_table(summary: ReplaySummary) -> Table:
     """A replayed run so far: simulated time against the budget, evaluations, failures,
     the best found and how close it is to the landscape's optimum."""
     land = summary.landscape
-    table = Table(title=f"flashtune tune --replay {land.path.name} (recorded {land.device} "
-                        "times on a simulated clock)", expand=False)
-    for column in ("sampler", "simulated time", "evaluations", "failures", "best so far",
-                   "best / optimum"):
+    table = Table(title=f"replay of {land.path.name} (recorded {land.device} times, "
+                        "simulated clock)", expand=False)
+    for column in ("sampler", "simulated", "budget", "evaluated", "failed", "best",
+                   "of optimum"):
         table.add_column(column)
-    budget = (f" / {_duration(summary.budget_s)} "
-              f"({100 * summary.budget_s / land.brute_force_s:.3g}% of brute force)"
-              if summary.budget_s is not None else "")
+    budget = "-"
+    if summary.budget_s is not None:
+        budget = (f"{_duration(summary.budget_s)} "
+                  f"({100 * summary.budget_s / land.brute_force_s:.3g}%)")
     evaluations = str(len(summary.trace))
     if summary.trials is not None:
-        evaluations += f" / {summary.trials}"
-    best, config = summary.best, summary.best_config
-    shown = "-"
-    if best is not None and config is not None:
-        point = dict(zip(land.space.names, config, strict=True))
-        shown = f"{best:.4g} {land.objective} ({land.space.key(point)})"
-    table.add_row(summary.sampler, _duration(summary.clock_s) + budget, evaluations,
-                  str(summary.failures), shown,
-                  f"{land.quality(best):.3f}" if best is not None else "-")
+        evaluations += f"/{summary.trials}"
+    best = summary.best
+    table.add_row(summary.sampler, _duration(summary.clock_s), budget, evaluations,
+                  str(summary.failures), "-" if best is None else f"{best:.4g}",
+                  "-" if best is None else f"{land.quality(best):.3f}")
     return table
 
 

@@ -30,6 +30,8 @@ from flashtune.tuner.search.sampler import Prior, make_sampler
 from flashtune.tuner.search.space import Candidates, PointDomain, SearchSpace
 from flashtune.tuner.search.study import quiet_optuna
 
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
 #: Builds a run's sampler: (space, seed, prior) -> sampler.
 SamplerFactory = Callable[[SearchSpace, "int | None", "Prior | None"],
                           optuna.samplers.BaseSampler]

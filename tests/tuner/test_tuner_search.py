@@ -13,7 +13,7 @@ from tuner_testlib import FAST
 
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
-from flashtune.db.records import TrialStatus
+from flashtune.db.records import DeviceRecord, TrialStatus
 from flashtune.db.store import TuningStore
 from flashtune.errors import TuningError
 from flashtune.families.fwd import FORWARD, space
@@ -176,7 +176,7 @@ def _only_study(db_url: str) -> optuna.Study:
     return optuna.load_study(study_name=summary.study_name, storage=db_url)
 
 
-@pytest.mark.parametrize("sampler", ["tpe", "random"])
+@pytest.mark.parametrize("sampler", ["guided", "tpe", "random"])
 def test_samplers_converge_without_duplicates(db_url: str, call_log: str, sampler: str) -> None:
     backend = SyntheticBackend(best=BEST, log_path=call_log)
     opts = dataclasses.replace(FAST, trials=len(CANDIDATES), sampler=sampler, final_top=2,
@@ -280,3 +280,31 @@ def test_timeout_stops_after_the_trial_in_progress(db_url: str, call_log: str) -
     assert 1 <= summary.measured <= 4
     study = _only_study(db_url)
     assert not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+
+
+@dataclasses.dataclass
+class _OtherDevice(SyntheticBackend):
+    """The synthetic backend under another device name (a second GPU of a database)."""
+
+    @property
+    def device(self) -> DeviceRecord:
+        return dataclasses.replace(DEVICE, name="synthetic-other-device")
+
+
+def test_warm_start_from_another_device_measures_its_best_first(
+        db_url: str, call_log: str, fixed_default: KernelConfig) -> None:
+    opts = dataclasses.replace(FAST, trials=len(CANDIDATES), sampler="guided")
+    tune(128, "bf16", False, [1024], backend=SyntheticBackend(best=BEST), db=db_url,
+         options=opts)
+    other = _OtherDevice(best=BEST, log_path=call_log)
+    warm = dataclasses.replace(FAST, trials=3, warm_start_from=DEVICE.name, finalize=False)
+    [summary] = tune(128, "bf16", False, [1024], backend=other, db=db_url, options=warm)
+    assert summary.warm_start is not None
+    assert f"warm start from {DEVICE.name}: {len(CANDIDATES)} measured configs" in \
+        summary.warm_start
+    timed = keys_of(read_log(call_log), "time")
+    assert timed[:2] == [fixed_default.key(), BEST.key()]  # the default, then A's best
+    [nothing] = tune(128, "bf16", False, [1024], backend=_OtherDevice(best=BEST), db=db_url,
+                     options=dataclasses.replace(warm, warm_start_from="no-such-gpu",
+                                                 study_prefix="fresh"))
+    assert nothing.warm_start is not None and "no timed results" in nothing.warm_start

@@ -11,6 +11,7 @@ import pytest
 
 from flashtune import families
 from flashtune.codegen.arch import get_arch
+from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.db.records import TrialStatus
 from flashtune.errors import InvalidConfig, TuningError
@@ -27,6 +28,7 @@ from flashtune.tuner.measure.workload import (
 )
 from flashtune.tuner.search.encoding import SearchEncoding
 from flashtune.tuner.search.selection import Scored, choose
+from flashtune.tuner.search.space import SearchSpace
 from flashtune.tuner.search.study import study_name, templates_digest
 
 P = Problem(128, DType.BF16)
@@ -93,15 +95,15 @@ def test_encoding_presents_each_parameter_as_the_index_of_its_value() -> None:
         FORWARD.point(config)
 
 
-def test_knobs_of_named_modes_are_ranked_in_declared_order() -> None:
-    modes = Knob("dqmode", ("atomic", "split"))
-    assert modes.param == "dqmode_rank"
-    assert [modes.encode(v) for v in modes.values] == [0, 1]
-    assert modes.decode(1) == "split"
+def test_named_modes_are_ranked_in_declared_order() -> None:
+    modes = SearchSpace(ParamSpace((Param("dqmode", ("atomic", "split")),
+                                    Param("block_n", (32, 64)))), lambda point: None)
+    assert modes.encode({"dqmode": "split", "block_n": 32}) == {"dqmode": 1, "block_n": 0}
+    assert modes.decode({"dqmode": 0, "block_n": 1}) == {"dqmode": "atomic", "block_n": 64}
     with pytest.raises(InvalidConfig):
-        modes.encode("ordered")
-    with pytest.raises(TuningError):
-        Knob("dqmode", ("split", "split"))
+        modes.encode({"dqmode": "ordered", "block_n": 32})
+    with pytest.raises(InvalidConfig):
+        ParamSpace((Param("dqmode", ("split", "split")),))
 
 
 def test_encoding_round_trips_every_candidate_and_rejects_the_rest() -> None:
