@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import optuna
@@ -27,7 +27,7 @@ from optuna.trial import TrialState
 from flashtune import families
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.spec import DType, KernelConfig, Problem, ProblemBucket
-from flashtune.db.records import TrialStatus
+from flashtune.db.records import TrialStatus, check_study
 from flashtune.db.store import TuningStore
 from flashtune.errors import InvalidConfig, TuningError
 from flashtune.tuner.measure.base import MeasurementBackend
@@ -43,7 +43,6 @@ from flashtune.tuner.search.prediction import BucketPrediction, Predictor, resol
 from flashtune.tuner.search.proposers import (
     CONFIG_ATTR,
     DUPLICATE_ATTR,
-    EnumerationSearch,
     OptunaSearch,
     Proposal,
     Proposer,
@@ -222,8 +221,7 @@ class Tuner:
             if self.predictor is not None:  # the rest in predicted order too
                 ranked = [p.config for p in self.predictor.rank(workload, kept)]
                 first = list(dict.fromkeys(first + ranked))
-            self._dry_run(EnumerationSearch(kept, KernelConfig.key, skip=past, first=first),
-                          workload, pool, on_result)
+            self._dry_run(bucket, encoding, workload, past, first, pruned, pool, on_result)
         self.observer.bucket_finished(summary)
         return summary
 
@@ -297,19 +295,27 @@ class Tuner:
         return run_pipeline(measurement, proposer, Limits(trials, self._deadline),
                             depth=opts.pipeline_depth, on_result=on_result)
 
-    def _dry_run(self, proposer: EnumerationSearch[KernelConfig], workload: Workload,
-                 pool: CompilePool,
-                 on_result: _OnResult) -> int:
-        """A config's verdict does not depend on the bucket, so a dry run verifies each
-        config once (on the first bucket's verify shape), records the verdict for every
-        bucket, and spends what is left of the budget on configs not yet verified."""
+    def _dry_run(self, bucket: ProblemBucket, encoding: SearchEncoding, workload: Workload,
+                 past: Mapping[str, TrialStatus], first: Sequence[KernelConfig],
+                 pruned: dict[str, str], pool: CompilePool, on_result: _OnResult) -> int:
+        """Verify untimed configs in ``first``-then-space order, skipping settled ones.
+
+        A config's verdict does not depend on the bucket, so each is verified once (on the
+        first bucket's verify shape), its verdict recorded for every bucket, and what is
+        left of the budget goes to configs not yet verified. The walk is an exhaustive
+        grid over a study of its own (``dry-run/<study name>``): like timed workers, dry
+        runs sharing a database claim each config under the proposal lock, so two of them
+        never verify the same config twice.
+        """
         memo = self._untimed_memo
+        settled = dict(past)
         replayed = 0
-        for config in proposer.pending():
+        for config in [*first, *encoding.candidates()]:
             known = memo.get((workload.problem, config))
-            if known is None or replayed >= self.options.trials:
+            if known is None or config.key() in settled or config.key() in pruned \
+                    or replayed >= self.options.trials:
                 continue
-            proposer.discard(config)
+            settled[config.key()] = known.status
             on_result(Proposal(config), known)
             replayed += 1
 
@@ -317,8 +323,20 @@ class Tuner:
             memo[(workload.problem, proposal.config)] = result
             on_result(proposal, result)
 
-        return replayed + self._drive(proposer, workload, pool, remember,
-                                      budget=self.options.trials - replayed)
+        name = check_study(f"dry-run/{self.study_name(bucket)}", "study name")
+        study = optuna.create_study(study_name=name, direction="maximize",
+                                    storage=open_storage(self.store.url, self.options.heartbeat),
+                                    sampler=optuna.samplers.RandomSampler(seed=0),
+                                    load_if_exists=True)
+        lock = ProposalLock(self.store.url, name)
+        proposer = OptunaSearch(study, encoding, lock, known_failed=settled, first=first,
+                                grid=True, model_pruned=pruned)
+        try:
+            return replayed + self._drive(proposer, workload, pool, remember,
+                                          budget=self.options.trials - replayed)
+        finally:
+            proposer.close()
+            lock.close()
 
     # ------------------------------------------------------------------ the final pick
 

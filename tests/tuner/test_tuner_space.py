@@ -71,7 +71,7 @@ def test_guided_search_never_returns_observed_or_pending_points() -> None:
     observed: dict[int, float] = {}
     pending = {0, 1}
     seen = []
-    for step in range(len(rows) - len(pending)):
+    for _step in range(len(rows) - len(pending)):
         row = search.suggest(observed, pending, {r: 1.0 + r % 3 for r in observed})
         assert row is not None and row not in observed and row not in pending
         seen.append(row)

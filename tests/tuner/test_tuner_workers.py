@@ -68,6 +68,18 @@ def check_shared_study(db: str, log: str, workers: int) -> None:
     assert sorted(t.config.key for t in invalid) == sorted(impossible)
 
 
+def test_concurrent_dry_runs_verify_each_config_once(db_url: str, call_log: str) -> None:
+    spec = spec_for(db_url, call_log, is_timed=False, verify_delay_s=0.05)
+    run_workers(spec, 2, env=subprocess_env(), poll_interval_s=0.2)
+    verified = [(pid, key) for pid, phase, key in read_log(call_log) if phase == "verify"]
+    assert len({pid for pid, _ in verified}) == 2, "both dry runs must have verified configs"
+    counts = Counter(key for _, key in verified)
+    assert set(counts) == CANDIDATES and max(counts.values()) == 1, counts
+    with TuningStore(db_url) as store:
+        rows = [t for t in store.trials(device=DEVICE.name) if t.status.value != "invalid"]
+    assert sorted(t.config.key for t in rows) == sorted(CANDIDATES)
+
+
 def test_several_workers_share_one_study_on_sqlite(db_url: str, call_log: str) -> None:
     run_workers(spec_for(db_url, call_log, time_delay_s=0.05, min_workers=3), 3,
                 env=subprocess_env(),

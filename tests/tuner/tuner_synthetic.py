@@ -96,6 +96,7 @@ class SyntheticBackend:
     noise: float = 0.0
     seed: int = 0
     time_delay_s: float = 0.0
+    verify_delay_s: float = 0.0
     compile_delay_s: float = 0.0
     #: Hold the first timing until this many processes have started timing (so that several
     #: workers really share the study, however slowly they start).
@@ -129,6 +130,8 @@ class SyntheticBackend:
 
     def verify(self, problem: Problem, config: KernelConfig, shape: Shape) -> VerifyOutcome:
         _log(self.log_path, "verify", config)
+        if self.verify_delay_s:
+            time.sleep(self.verify_delay_s)
         key = config.key()
         if key in self.launch_fail:
             raise DeviceError(f"synthetic launch failure of {key}")

@@ -26,7 +26,8 @@ untried legal candidate instead (and stops once none is left).
 The study's trials are read incrementally (``TrialScan``): a proposal costs O(new trials),
 not O(all trials), so a long replayed study stays cheap.
 
-``EnumerationSearch`` (dry runs) walks the legal candidates in a fixed order, default first.
+Dry runs use the same search as an exhaustive grid in a fixed order (default first) over a
+study of their own, so concurrent dry runs share claims too.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -60,7 +61,7 @@ from flashtune.tuner.search.study import (
 log = logging.getLogger("flashtune.tuner")
 
 __all__ = ["CONFIG_ATTR", "DUPLICATE_ATTR", "MODEL_PRUNED_ATTR", "OWNER_ATTR", "STATUS_ATTR",
-           "EnumerationSearch", "OptunaSearch", "Outcome", "Proposal", "Proposer", "owner_id"]
+           "OptunaSearch", "Outcome", "Proposal", "Proposer", "owner_id"]
 
 C = TypeVar("C")
 R_contra = TypeVar("R_contra", contravariant=True)
@@ -370,29 +371,3 @@ class OptunaSearch(Generic[C]):
     def _release(self, trial: optuna.Trial) -> None:
         if self._heartbeat is not None:
             self._heartbeat.discard(trial._trial_id)
-
-
-class EnumerationSearch(Generic[C]):
-    """Legal candidates in a fixed order (``first`` ones first), skipping settled ones."""
-
-    def __init__(self, candidates: Sequence[C], key: Callable[[C], str], *,
-                 skip: Mapping[str, TrialStatus], first: Sequence[C] = ()) -> None:
-        ordered = [c for c in first if c in candidates]
-        ordered += [c for c in candidates if c not in ordered]
-        self._queue = [c for c in ordered if key(c) not in skip]
-
-    def pending(self) -> list[C]:
-        """The configs still to propose, in order."""
-        return list(self._queue)
-
-    def discard(self, config: C) -> None:
-        self._queue.remove(config)
-
-    def propose(self) -> Proposal[C] | None:
-        return Proposal(self._queue.pop(0)) if self._queue else None
-
-    def tell(self, proposal: Proposal[C], result: Outcome) -> None:
-        pass
-
-    def abandon(self, proposal: Proposal[C]) -> None:
-        pass

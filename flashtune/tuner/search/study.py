@@ -13,20 +13,17 @@ import contextlib
 import functools
 import hashlib
 import re
-import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import optuna
-import sqlalchemy
 from sqlalchemy.engine import URL
 
 from flashtune._version import __version__
 from flashtune.codegen import render
 from flashtune.codegen.spec import ProblemBucket
-from flashtune.db.engine import resolve_url, sqlite_file
+from flashtune.db.optuna_storage import open_optuna_storage
 from flashtune.db.records import check_study
 from flashtune.errors import TuningError
 
@@ -101,49 +98,11 @@ class Heartbeat:
 
 def open_storage(url: str | URL | None, heartbeat: Heartbeat = Heartbeat()
                  ) -> optuna.storages.RDBStorage:
-    """Optuna's RDB storage on the tuning database (SQLite: waits for the write lock)."""
-    resolved = resolve_url(url)
-    kwargs: dict[str, object] = {}
-    if resolved.get_backend_name() == "sqlite":
-        path = sqlite_file(resolved)
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        kwargs = {"connect_args": {"timeout": 60}}
-    else:
-        kwargs = {"pool_pre_ping": True}
-    text = resolved.render_as_string(hide_password=False)
-    for attempt in range(3):
-        try:
-            with quiet_optuna():
-                storage = optuna.storages.RDBStorage(
-                    text, engine_kwargs=kwargs, heartbeat_interval=heartbeat.interval,
-                    grace_period=heartbeat.grace_period)
-            break
-        except Exception as exc:  # optuna wraps driver errors in several types
-            # Workers starting together race to create Optuna's tables; the loser retries
-            # and finds them.
-            if attempt < 2:
-                time.sleep(0.5 * (attempt + 1))
-                continue
-            raise TuningError(f"cannot open the Optuna study storage at "
-                              f"{resolved.render_as_string(hide_password=True)}: {exc}"
-                              ) from exc
-    if resolved.get_backend_name() == "sqlite":
-        # Optuna commits several times per trial; WAL without a sync per commit keeps that
-        # cheap and is safe against crashes of the process (as the tuning store's engine).
-        sqlalchemy.event.listen(storage.engine, "connect", _sqlite_pragmas)
-        storage.engine.dispose()
-    return storage
-
-
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
-    cursor = dbapi_connection.cursor()
-    try:
-        cursor.execute("PRAGMA busy_timeout = 60000")
-        cursor.execute("PRAGMA journal_mode = WAL")
-        cursor.execute("PRAGMA synchronous = NORMAL")
-    finally:
-        cursor.close()
+    """Optuna's RDB storage on the tuning database, with the tuner's heartbeats (the one
+    opener of ``flashtune.db.optuna_storage``: pragmas, busy timeout, racing creators)."""
+    with quiet_optuna():
+        return open_optuna_storage(url, heartbeat_interval=heartbeat.interval,
+                                   grace_period=heartbeat.grace_period)
 
 
 class TrialScan:
