@@ -386,9 +386,9 @@ def compile_pairs(
     return [r for r in results if r is not None]
 
 
-def _die_with_parent() -> None:
-    """Worker initializer: on Linux, ask the kernel to kill this process when its parent
-    dies, so that a killed `flashtune tune` or `compile --all` leaves no compile workers."""
+def die_with_parent() -> None:
+    """On Linux, ask the kernel to kill this process when its parent dies, so that a killed
+    `flashtune tune` or `compile --all` leaves no compile or tuning workers behind."""
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
@@ -408,7 +408,7 @@ def compile_process_pool(workers: int) -> ProcessPoolExecutor:
     """
     return ProcessPoolExecutor(max_workers=workers,
                                mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_die_with_parent)
+                               initializer=die_with_parent)
 
 
 def compile_many(

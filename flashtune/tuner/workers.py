@@ -35,6 +35,9 @@ from flashtune.tuner.search.study import Heartbeat
 if TYPE_CHECKING:
     from flashtune.tuner.api import Observer
 
+#: The worker flag that ties a worker's life to its parent's (``start_worker`` passes it).
+_TIED = "--die-with-parent"
+
 
 def options_to_json(options: TuneOptions) -> dict[str, Any]:
     return dataclasses.asdict(options)
@@ -101,9 +104,10 @@ def run_spec(spec: WorkerSpec, observer: Observer | None = None) -> list[BucketS
 
 def start_worker(spec: WorkerSpec, env: Mapping[str, str] | None = None
                  ) -> subprocess.Popen[bytes]:
-    """Start ``python -m flashtune.tuner.workers SPEC`` (stdout/stderr inherited)."""
-    return subprocess.Popen([sys.executable, "-m", "flashtune.tuner.workers", spec.to_json()],
-                            env={**os.environ, **(env or {})})
+    """Start ``python -m flashtune.tuner.workers --die-with-parent SPEC`` (stdout/stderr
+    inherited): the worker is killed when this process dies."""
+    return subprocess.Popen([sys.executable, "-m", "flashtune.tuner.workers", _TIED,
+                             spec.to_json()], env={**os.environ, **(env or {})})
 
 
 def run_workers(spec: WorkerSpec, count: int, *, gpus: Sequence[int] | None = None,
@@ -219,9 +223,18 @@ def tune_parallel(spec: WorkerSpec, count: int, *, device: str, arch: ArchSpec,
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    tied = args[:1] == [_TIED]
+    if tied:
+        args = args[1:]
     if len(args) != 1:
-        print("usage: python -m flashtune.tuner.workers SPEC_JSON", file=sys.stderr)
+        print(f"usage: python -m flashtune.tuner.workers [{_TIED}] SPEC_JSON", file=sys.stderr)
         return 2
+    if tied:
+        from flashtune.runtime.compiler import die_with_parent
+
+        # A killed `flashtune tune --workers N` leaves no workers measuring on: the trial
+        # in flight is reaped (dead pid) and measured again by --resume.
+        die_with_parent()
     run_spec(WorkerSpec.from_json(args[0]))
     return 0
 

@@ -1,10 +1,13 @@
-"""Several processes on one study, and a worker killed with SIGKILL then resumed."""
+"""Several processes on one study, a worker killed with SIGKILL then resumed, concurrent
+dry runs, and workers that die with their parent."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
@@ -140,3 +143,43 @@ def test_sigkill_mid_study_then_resume(db_url: str, call_log: str, tmp_path: Pat
     killed = {k for pid, phase, k in read_log(call_log) if pid == proc.pid and phase == "time"}
     assert len(killed - set(before)) <= 1
     assert summary.winner is not None
+
+
+def _gone(pid: int) -> bool:
+    """The process is gone or a zombie (a dead worker nobody has reaped yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return state in ("Z", "X")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_workers_die_with_the_process_that_started_them(db_url: str, call_log: str,
+                                                        tmp_path: Path) -> None:
+    spec = spec_for(db_url, call_log, time_delay_s=60.0)
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        "import sys, time\n"
+        "from flashtune.tuner.workers import WorkerSpec, start_worker\n"
+        "worker = start_worker(WorkerSpec.from_json(sys.argv[1]))\n"
+        "print(worker.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    env = {**os.environ, **subprocess_env()}
+    proc = subprocess.Popen([sys.executable, str(parent), spec.to_json()], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        worker = int(proc.stdout.readline())
+        deadline = time.monotonic() + 120
+        while not any(phase == "time" for _, phase, _ in read_log(call_log)):
+            assert not _gone(worker), "the worker ended before its parent was killed"
+            assert time.monotonic() < deadline, "the worker measured nothing in 120 s"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    deadline = time.monotonic() + 30
+    while not _gone(worker):
+        assert time.monotonic() < deadline, f"worker {worker} outlived its killed parent"
+        time.sleep(0.05)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import flashtune
 from flashtune.tuner.measure.base import TimingPlan
 from flashtune.tuner.options import TuneOptions
 from flashtune.tuner.search.study import Heartbeat
@@ -18,6 +19,9 @@ FAST = TuneOptions(trials=12, compile_workers=0, depth=2, plan=TimingPlan(0, 5),
 
 
 def subprocess_env() -> dict[str, str]:
-    """Environment for worker subprocesses: the synthetic fixture importable."""
-    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    """Environment for worker subprocesses: the synthetic fixture and the flashtune under
+    test importable (not another checkout's installed in the same environment)."""
+    source = str(Path(flashtune.__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (str(HERE), source, os.environ.get("PYTHONPATH", ""))
+                           if p)
     return {"PYTHONPATH": path}
