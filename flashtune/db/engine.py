@@ -8,7 +8,8 @@ ships with).
 SQLite runs in WAL mode with a busy timeout (knob FLASHTUNE_DB_BUSY_TIMEOUT_S), so readers
 never block the writer and writers wait for each other instead of failing. Read-only opens
 (``make_engine(..., read_only=True)``, what every read command and the runtime use) never
-write: no WAL switch, ``query_only``, and a file in a read-only directory still reads.
+write: SQLite gets no WAL switch and ``query_only`` (a file in a read-only directory still
+reads); PostgreSQL sessions are READ ONLY.
 SQLAlchemy, not the sqlite3 module, emits BEGIN: write transactions start with ``BEGIN
 IMMEDIATE`` and take the write lock up front, because a deferred transaction that reads
 first and writes later can fail at once with "database is locked" when another writer got
@@ -163,7 +164,11 @@ def make_engine(url: URL, *, create: bool, read_only: bool = False) -> Engine:
         elif not path.is_file():
             raise DatabaseError(f"no database file at {path}; check the path or URL")
     if backend != "sqlite":
-        return sa.create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 10})
+        engine = sa.create_engine(url, pool_pre_ping=True,
+                                  connect_args={"connect_timeout": 10})
+        if read_only:
+            event.listen(engine, "connect", _postgres_read_only_connect)
+        return engine
     given = url.query.get("timeout")
     timeout = float(given) if isinstance(given, str) else busy_timeout_s()
     plain = url if path is None else url.difference_update_query(list(_SQLITE_QUERY))
@@ -200,6 +205,14 @@ def _read_only_engine(url: URL, path: Path, timeout: float) -> Engine:
         return engine
     raise DatabaseError(f"cannot open the database {path} for reading; check that the file "
                         "is readable and is a SQLite database")
+
+
+def _postgres_read_only_connect(dbapi_connection: Any, _record: Any) -> None:
+    """Every transaction of a read-only PostgreSQL engine is READ ONLY: the server refuses
+    any write, as SQLite's ``query_only`` does."""
+    with dbapi_connection.cursor() as cursor:
+        cursor.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+    dbapi_connection.commit()  # the SET opened a transaction; make it the session's
 
 
 def _sqlite_read_only_connect(dbapi_connection: Any, _record: Any, *, timeout: float) -> None:

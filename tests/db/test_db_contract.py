@@ -294,3 +294,19 @@ def test_set_best_refuses_failed_untimed_and_unknown_trials(db_url: str,
         entry = store.best(H100.name, P128.key(), 1024)
         assert entry is not None and entry.trial == best
         assert store.counts()["best"] == 1
+
+
+def test_a_read_only_store_never_writes(new_db: Callable[[], str], rng: random.Random) -> None:
+    """Read commands and the runtime open stores read-only: the database refuses writes,
+    on every backend."""
+    url = new_db()
+    with _store(url) as store:
+        store.record_trials(random_trials(rng, 4))
+    with TuningStore(url, create=False) as store:
+        assert store.read_only and len(store.trials()) == 4
+        with pytest.raises(DatabaseError):
+            store.record_device(DEVICES[0])
+        with store.engine.connect() as connection, pytest.raises(sa.exc.DBAPIError):
+            connection.exec_driver_sql("CREATE TABLE intruder (x INTEGER)")
+    with TuningStore(url) as store:
+        assert len(store.trials()) == 4
