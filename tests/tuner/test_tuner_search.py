@@ -274,8 +274,10 @@ def test_compiles_run_in_a_process_pool_ahead_of_the_measurements(db_url: str,
 
 
 def test_timeout_stops_after_the_trial_in_progress(db_url: str, call_log: str) -> None:
-    backend = SyntheticBackend(log_path=call_log, time_delay_s=0.4)
-    opts = dataclasses.replace(FAST, trials=len(CANDIDATES), budget_s=1.0, finalize=False)
+    # a budget for about three measurements, with seconds to spare for the set-up on a
+    # busy machine: at least one trial is measured, the one in flight at the deadline ends
+    backend = SyntheticBackend(log_path=call_log, time_delay_s=1.5)
+    opts = dataclasses.replace(FAST, trials=len(CANDIDATES), budget_s=5.0, finalize=False)
     [summary] = tune(128, "bf16", False, [1024], backend=backend, db=db_url, options=opts)
     assert 1 <= summary.measured <= 4
     study = _only_study(db_url)
