@@ -14,10 +14,11 @@ optimum over the budget curve from 0.5 % to 10 % in steps of 0.5 %). A run stops
 it has found the optimum (nothing after it can change its curve).
 
 Strategies: ``flashtune`` (the default of ``flashtune tune``: the guided sampler),
-``random``, ``tpe`` (Optuna's TPE with default settings), ``tpe-multivariate`` (flashtune's
-previous default: multivariate TPE with a constant liar), ``nsga2`` (Optuna's genetic
-sampler with default settings), and, opt-in because each decision takes seconds, ``gp``
-(Optuna's Gaussian-process sampler).
+``random``, ``tpe`` (Optuna's TPE with default settings: since Optuna 5 these are
+multivariate with a constant liar), ``nsga2`` (Optuna's genetic sampler with default
+settings), and, opt-in, ``tpe-multivariate`` (flashtune's previous default, spelled out:
+the same sampler as ``tpe`` under Optuna 5) and ``gp`` (Optuna's Gaussian-process sampler;
+each decision takes seconds).
 
 Besides, on each landscape: ``flashtune`` warm-started from every other device's landscape
 of the same kernel (transfer), and ``flashtune`` with a deliberately noisy prior ranking
@@ -102,7 +103,7 @@ STRATEGIES: dict[str, SamplerFactory] = {
     "flashtune": _flashtune, "random": _random, "tpe": _tpe,
     "tpe-multivariate": _tpe_multivariate, "nsga2": _nsga2, "gp": _gp,
 }
-DEFAULT_STRATEGIES = ("flashtune", "random", "tpe", "tpe-multivariate", "nsga2")
+DEFAULT_STRATEGIES = ("flashtune", "random", "tpe", "nsga2")
 
 
 _LOADED: dict[str, Landscape] = {}
