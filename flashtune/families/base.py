@@ -142,6 +142,19 @@ def compare_outputs(problem: Problem, shape: Shape, outputs: Tensors, reference:
     return Verdict(True, max_err, rel, "")
 
 
+#: SMs assumed for a device whose count is unknown (the emulator's virtual device), where a
+#: launch sizes its grid by the SM count.
+DEFAULT_SM_COUNT = 4
+
+
+def sm_count(device: torch.device | str) -> int | None:
+    """SMs of a CUDA device (None elsewhere: callers then assume DEFAULT_SM_COUNT)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(dev).multi_processor_count)
+
+
 def resource_reason(smem: int, accumulators: int, arch: ArchSpec,
                     max_accumulators: int) -> str | None:
     """Why a tile cannot run on ``arch``: its shared memory per block, or accumulator

@@ -24,7 +24,8 @@ import torch
 
 from flashtune import knobs
 from flashtune.codegen.abi import PackedArgs
-from flashtune.families.bwd import args, sm_count, space
+from flashtune.families.base import sm_count
+from flashtune.families.bwd import args, space
 from flashtune.runtime.forward import Plan, plan_for
 
 

@@ -28,6 +28,7 @@ from flashtune.families.base import (
     close_enough,
     generator,
     random_rows,
+    sm_count,
 )
 from flashtune.families.bwd import args, defaults, space
 from flashtune.families.bwd.reference import (
@@ -36,14 +37,6 @@ from flashtune.families.bwd.reference import (
     backward_reference,
     softmax_stats,
 )
-
-
-def sm_count(device: torch.device | str) -> int | None:
-    """SMs of a CUDA device (None elsewhere: the split mode then assumes a default)."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return None
-    return int(torch.cuda.get_device_properties(dev).multi_processor_count)
 
 
 class BackwardFamily(KernelFamily):

@@ -12,7 +12,7 @@ import math
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.spec import KernelConfig, Problem
-from flashtune.families.base import resource_reason
+from flashtune.families.base import DEFAULT_SM_COUNT, resource_reason
 
 BLOCK_M = (32, 64, 128)
 BLOCK_N = (16, 32, 64, 128)
@@ -98,9 +98,6 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
                            arch, MAX_ACCUMULATOR_REGISTERS)
 
 
-#: The emulator's virtual device (and any device whose SM count is unknown) is taken to
-#: have this many SMs when the deterministic mode sizes its dQ slices.
-DEFAULT_SM_COUNT = 4
 #: At most this many dQ slices: the accumulator is then at most 16 float32 copies of dQ
 #: (a small batch x heads gets fewer blocks than SMs rather than a larger buffer).
 MAX_DQ_SLICES = 16

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from flashtune.codegen.arch import ArchSpec
-from flashtune.codegen.params import ParamSpace
+from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.families.base import (
@@ -23,8 +23,9 @@ from flashtune.families.base import (
     compare_outputs,
     generator,
     random_rows,
+    sm_count,
 )
-from flashtune.families.fwd import args, defaults, space
+from flashtune.families.fwd import args, defaults, knobs, space
 from flashtune.families.fwd.reference import attention_reference, o_and_lse_checks
 
 
@@ -37,6 +38,17 @@ class ForwardFamily(KernelFamily):
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.SPACE
+
+    def config(self, point: Point) -> KernelConfig:
+        """The config of a point; knobs at their defaults are left out of it, so a default
+        kernel's config (and key) carries no knob."""
+        return KernelConfig.from_dict(knobs.without_defaults(point))
+
+    def search_space(self, problem: Problem) -> list[KernelConfig]:
+        return list(space.legal_configs())
+
+    def point(self, config: KernelConfig) -> dict[str, Value]:
+        return {**config.to_dict(), **knobs.knob_values(config)}
 
     def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
         return space.static_check(problem, config, arch)
@@ -59,6 +71,7 @@ class ForwardFamily(KernelFamily):
             "num_warps": config.num_warps,
             "num_stages": config.num_stages,
             "smem_row_pad": space.SMEM_ROW_PAD,
+            **knobs.knob_values(config),
         }
 
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
@@ -88,8 +101,12 @@ class ForwardFamily(KernelFamily):
         t = inputs.tensors
         packed = args.pack_args(t["q"], t["k"], t["v"], outputs["o"], outputs["lse"],
                                 inputs.scalars["softmax_scale"])
-        return LaunchPlan(args.grid(shape.seqlen_q, shape.heads_q, shape.batch,
-                                    config.block_m), packed)
+        grid = args.grid(shape.seqlen_q, shape.heads_q, shape.batch, config.block_m)
+        if knobs.knob(config, knobs.PERSISTENT):
+            blocks_per_sm = max(args.PERSISTENT_BLOCKS_PER_SM,
+                                int(knobs.knob(config, knobs.MINBLOCKS)))
+            grid = args.persistent_grid(grid, sm_count(t["q"].device), blocks_per_sm)
+        return LaunchPlan(grid, packed)
 
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
         t = inputs.tensors

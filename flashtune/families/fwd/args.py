@@ -8,7 +8,7 @@
 Q/O are (batch, seqlen_q, heads_q, head_dim), K/V are (batch, seqlen_k, heads_kv,
 head_dim), each with a contiguous last dim and otherwise arbitrary strides; LSE is a
 contiguous float32 (batch, heads_q, seqlen_q) tensor. The grid is (ceil(seqlen_q / block_m),
-heads_q, batch).
+heads_q, batch); a persistent kernel's has fewer blocks in x (``persistent_grid``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from flashtune.codegen.abi import ArgType, PackedArgs
+from flashtune.families.base import DEFAULT_SM_COUNT
 
 
 @dataclass(frozen=True)
@@ -92,3 +93,20 @@ def pack_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor
 def grid(seqlen_q: int, heads_q: int, batch: int, block_m: int) -> tuple[int, int, int]:
     """Launch grid: (query blocks, heads, batch)."""
     return ((seqlen_q + block_m - 1) // block_m, heads_q, batch)
+
+
+#: A persistent launch fills each SM with at least this many blocks (the residency the
+#: default tiles aim for), or with the config's ``minblocks`` where that is larger.
+PERSISTENT_BLOCKS_PER_SM = 2
+
+
+def persistent_grid(grid: tuple[int, int, int], sm_count: int | None,
+                    blocks_per_sm: int) -> tuple[int, int, int]:
+    """The grid of a persistent kernel: about ``sm_count`` x ``blocks_per_sm`` blocks over
+    all (head, batch) pairs, each pair's query blocks shared round-robin by its blocks in
+    x (the kernel's tile scheduler walks x, x + gridDim.x, ...). Never more blocks in x than
+    query blocks, never fewer than one; an unknown SM count is DEFAULT_SM_COUNT (the
+    emulator's virtual device, where most shapes then loop)."""
+    m_blocks, heads, batch = grid
+    slots = (sm_count or DEFAULT_SM_COUNT) * blocks_per_sm
+    return (max(1, min(m_blocks, -(-slots // (heads * batch)))), heads, batch)
