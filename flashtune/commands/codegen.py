@@ -1,4 +1,5 @@
-"""``flashtune show`` (print a generated kernel) and ``flashtune compile`` (NVRTC resources).
+"""``flashtune show`` (print a generated kernel), ``flashtune compile`` (NVRTC resources) and
+``flashtune space`` (the size of a search space).
 
 Both take a problem (--head-dim, --dtype, --causal) and a config: --config KEY and/or
 --block-m/--block-n/--warps/--stages, each given field overriding the base config (the
@@ -137,6 +138,8 @@ def _plan(problem: Problem, specs: list[ArchSpec], choice: ConfigChoice, all_con
                    else [choice.resolve(served, spec)])
         for cfg in configs:
             reason = family.static_check(served, cfg, spec)
+            if all_configs and reason is not None:
+                continue  # counted by _print_space_sizes, not listed (10^5 for the forward)
             rows.append(_Row(served, None if reason else render(served, cfg), cfg, spec.name,
                              reason))
     return rows
@@ -155,7 +158,9 @@ def compile_command(
     warps: Warps = None,
     stages: Stages = None,
     all_configs: Annotated[bool, typer.Option(
-        "--all", help="Every config of the search space (excluded ones are listed).")] = False,
+        "--all", help="Every config of the search space that passes each arch's static rules "
+        "(the rest are counted); prints the space's size.")
+    ] = False,
     ptx_dir: Annotated[Path | None, typer.Option(
         "--ptx-dir", file_okay=False, help="Write <entry>.<arch>.ptx files here.")] = None,
     sass_dir: Annotated[Path | None, typer.Option(
@@ -225,7 +230,7 @@ def compile_command(
                     disassemble(result.kernel.cubin))
         console.print(table)
         if all_configs:
-            _print_space_sizes(console, specs, rows)
+            _print_space_sizes(console, specs, problem)
     except FlashtuneError as exc:
         raise fail(str(exc)) from exc
     except OSError as exc:  # writing --ptx-dir/--sass-dir files (e.g. a full disk)
@@ -236,17 +241,31 @@ def compile_command(
         raise fail(f"{len(failures)} of {len(jobs)} kernels failed to compile")
 
 
-def _print_space_sizes(console: Console, specs: list[ArchSpec], rows: list[_Row]) -> None:
-    """The space compiled for each arch: declared points, structurally legal configs, and
-    those that pass the arch's static rules."""
+def _print_space_sizes(console: Console, specs: list[ArchSpec], problem: Problem) -> None:
+    """The space of ``problem`` as each arch serves it: declared points, structurally legal
+    configs, and those that pass the arch's static rules."""
     for spec in specs:
-        mine = [r for r in rows if r.arch == spec.name]
-        problem = mine[0].problem
-        family = families.of(problem)
-        declared = family.space(problem).size
-        passing = sum(1 for r in mine if r.source is not None)
-        console.print(f"space of {problem.key()} on {spec.name}: {declared} declared points, "
-                      f"{len(mine)} legal configs, {passing} pass the static rules")
+        served = families.served_on_virtual(problem, spec)
+        family = families.of(served)
+        declared = family.space(served).size
+        legal = len(family.search_space(served))
+        passing = len(family.candidates(served, spec))
+        console.print(f"space of {served.key()} on {spec.name}: {declared} declared points, "
+                      f"{legal} legal configs, {passing} pass the static rules")
+
+
+def space_command(
+    arch: Annotated[list[str] | None, typer.Option(
+        "--arch", help=f"Target arch, repeatable (default {DEFAULT_ARCH}).")] = None,
+    op: OpOpt = "fwd",
+    head_dim: HeadDim = 128,
+    dtype: DTypeOpt = DType.FP16,
+    causal: Causal = False,
+) -> None:
+    """Print the size of a problem's search space per arch (nothing is compiled)."""
+    problem = parse_problem(op, head_dim, dtype, causal)
+    specs = list(dict.fromkeys(parse_arch(a) for a in (arch or [DEFAULT_ARCH])))
+    _print_space_sizes(Console(), specs, problem)
 
 
 def families_command() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner, Result
 
+from flashtune import families
 from flashtune.cli import app
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
@@ -31,7 +32,7 @@ def _rows(output: str) -> dict[tuple[str, str], list[str]]:
     rows = {}
     for line in output.splitlines():
         cells = [c.strip() for c in line.strip().strip("│").split("│")]
-        if len(cells) == 6 and re.fullmatch(r"m\d+_n\d+_w\d+_s\d", cells[0]):
+        if len(cells) == 6 and re.fullmatch(r"m\d+_n\d+_w\d+_s\d(_[a-z0-9-]+)*", cells[0]):
             rows[(cells[0], cells[1])] = cells[2:]
     return rows
 
@@ -95,23 +96,33 @@ def test_compile_one_config_for_two_archs() -> None:
 
 
 def test_compile_all_lists_every_config_and_exclusions() -> None:
-    result = run("compile", "--all", "--arch", "sm_80", "--arch", "sm_90", "--head-dim", "128")
+    # The backward family: the forward's space (10^5 configs) is too large to compile here.
+    result = run("compile", "--all", "--arch", "sm_80", "--arch", "sm_90", "--head-dim", "128",
+                 "--op", "bwd")
     assert result.exit_code == 0, result.output
     rows = _rows(result.stdout)
-    problem = Problem(128, DType.FP16)
-    configs = FORWARD.search_space(problem)
-    assert set(rows) == {(c.key(), a) for c in configs for a in ("sm_80", "sm_90")}
-    excluded = 0
-    for cfg in configs:
-        for arch in ("sm_80", "sm_90"):
-            reason = space.static_check(problem, cfg, get_arch(arch))
-            status = rows[(cfg.key(), arch)][-1]
-            if reason is None:
-                assert status == "ok"
-            else:
-                excluded += 1
-                assert status == f"excluded: {reason}"
-    assert excluded > 0  # d128 has configs over the shared-memory or register budget
+    problem = Problem(128, DType.FP16, op="bwd")
+    family = families.get("bwd")
+    configs = family.search_space(problem)
+    passing = {a: family.candidates(problem, get_arch(a)) for a in ("sm_80", "sm_90")}
+    assert set(rows) == {(c.key(), a) for a, cs in passing.items() for c in cs}
+    assert all(status[-1] == "ok" for status in rows.values())
+    assert len(passing["sm_80"]) < len(configs)  # some are excluded, counted not listed
+    text = " ".join(result.stdout.split())
+    for arch, cs in passing.items():
+        assert (f"space of {problem.key()} on {arch}: {family.space(problem).size} declared "
+                f"points, {len(configs)} legal configs, {len(cs)} pass") in text
+
+
+def test_space_prints_the_forward_space_with_its_knobs() -> None:
+    result = run("space", "--arch", "sm_90", "--head-dim", "128", "--dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    problem = Problem(128, DType.BF16)
+    passing = len(FORWARD.candidates(problem, get_arch("sm_90")))
+    assert passing >= 1000
+    assert (f"space of fwd_d128_bf16_full on sm_90: {FORWARD.space(problem).size} declared "
+            f"points, {len(FORWARD.search_space(problem))} legal configs, {passing} pass"
+            ) in " ".join(result.stdout.split())
 
 
 def test_compile_writes_ptx_and_sass(tmp_path: Path) -> None:

@@ -1,70 +1,60 @@
-"""Render the forward template with its structure knobs (the optional variables of
-flash_fwd.cu.jinja: swizzle, qregs, pipeline, minblocks, order, persistent) and run it in
-the emulator against the forward family's float64 reference (runtime.launch).
-
-The knobs are not part of the forward family's config space yet, so they are passed to the
-template here, beside the family's own parameters; the shared-memory size follows the
-layout: rows of the padded head dim plus one 16-byte chunk of padding, or unpadded when
-swizzled (knob_smem_bytes).
+"""The forward family's structure knobs in tests: settings by name, tiles that cover every
+knob value, and a run in the emulator against the family's float64 reference
+(runtime.launch: NaN-poisoned outputs, the family's launch plan, so a persistent kernel gets
+its smaller grid and walks several query blocks per block).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 from collections.abc import Mapping
 
-from flashtune.codegen.render import environment, included_headers
-from flashtune.codegen.spec import KernelConfig, KernelSource, Problem, Shape
+from flashtune.codegen.arch import get_arch
+from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.families import render
-from flashtune.families.fwd import FORWARD, space
+from flashtune.families.fwd import FORWARD, knobs
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
 from flashtune.runtime.launch import prepare
 
 Knobs = Mapping[str, int | str]
+ARCHS = tuple(get_arch(name) for name in ("sm_80", "sm_90"))
+
+#: Every knob's declared values; the first is the default (the kernel without the knob).
+KNOBS: dict[str, tuple[int | str, ...]] = {
+    p.name: tuple(int(v) if isinstance(v, bool) else v for v in p.values)
+    for p in knobs.KNOB_PARAMS}
+
+#: Off the tile grid in both lengths, GQA, batch 2; Nq > Nk (causal rows that see no key)
+#: and Nq < Nk. With the emulator's assumed SM count a persistent grid is narrower than the
+#: query blocks on the first and last shape, so its blocks walk several.
+SHAPES = [Shape(2, 2, 1, 150, 200), Shape(1, 3, 1, 77, 300), Shape(1, 2, 2, 300, 77)]
 
 
-def knob_smem_bytes(problem: Problem, config: KernelConfig, knobs: Knobs) -> int:
-    """Dynamic shared memory of the kernel with ``knobs``: (block_m + 2 stages x block_n)
-    rows of the padded head dim, plus one 16-byte chunk a row unless swizzled."""
-    pad = 0 if knobs.get("swizzle", 0) else space.SMEM_ROW_PAD
-    row_bytes = (problem.padded_head_dim + pad) * problem.dtype.itemsize
-    return row_bytes * (config.block_m + 2 * config.num_stages * config.block_n)
+def with_knobs(config: KernelConfig, settings: Knobs) -> KernelConfig:
+    """``config`` with ``settings`` as its knobs, defaults left out (the family's config)."""
+    return FORWARD.config({**FORWARD.point(config), **settings})
 
 
-def knob_label(knobs: Knobs) -> str:
+def knob_label(settings: Knobs) -> str:
     """An identifier-safe label of the knob settings."""
-    return "_".join(f"{k}{v}" for k, v in sorted(knobs.items())) or "default"
+    return "_".join(f"{k}{v}" for k, v in sorted(settings.items())) or "default"
 
 
-def render_knobs(problem: Problem, config: KernelConfig, knobs: Knobs) -> KernelSource:
-    """The kernel of ``problem`` x ``config`` with the template variables ``knobs``."""
-    base = render(problem, config)
-    smem = knob_smem_bytes(problem, config, knobs)
-    entry = f"{base.entry}__{knob_label(knobs)}"
-    body = environment().get_template(FORWARD.template).render(
-        entry=entry, smem_bytes=smem, threads=config.threads,
-        **FORWARD.template_params(problem, config), **knobs)
-    headers = included_headers(body)
-    digest = hashlib.sha256("\0".join([body, *headers.values()]).encode()).hexdigest()
-    return dataclasses.replace(base, code=body, entry=entry, headers=headers, digest=digest,
-                               smem_bytes=smem)
+def legal(problem: Problem, config: KernelConfig) -> bool:
+    """Whether the family's static rules admit ``config`` on sm_80 or sm_90."""
+    return any(FORWARD.static_check(problem, config, arch) is None for arch in ARCHS)
 
 
-def check_in_emulator(source: KernelSource, shapes: list[Shape], seed: int,
-                      schedules: tuple[Schedule, ...] = tuple(Schedule),
-                      grid_blocks_per_x: int = 1) -> None:
-    """Run ``source`` in the emulator on each shape in each thread order, on fresh inputs
-    (seed + index) with NaN-poisoned outputs, and compare with the float64 reference.
-    grid_blocks_per_x > 1 launches ceil(query blocks / grid_blocks_per_x) blocks in x (a
-    persistent kernel's smaller grid)."""
+def check_in_emulator(problem: Problem, config: KernelConfig, shapes: list[Shape], seed: int,
+                      schedules: tuple[Schedule, ...] = tuple(Schedule)) -> None:
+    """Run the kernel of ``problem`` x ``config`` in the emulator on each shape in each
+    thread order, on fresh inputs (seed + index) with NaN-poisoned outputs, and compare with
+    the float64 reference."""
+    source = render(problem, config)
     for schedule in schedules:
         kernel = EmulatorBackend(options=LaunchOptions(schedule=schedule)).load(source)
         for index, shape in enumerate(shapes):
             launch = prepare(kernel, shape, "cpu", seed=seed + index, poison=True)
-            x, y, z = launch.plan.grid
-            grid = (-(-x // grid_blocks_per_x), y, z)
-            kernel.bind(grid, launch.plan.args)()
+            launch.run()
             verdict = launch.verdict()
-            assert verdict.ok, (f"{source.entry} ({schedule.value}, grid {grid}, seed "
-                                f"{seed + index}): {verdict.message}")
+            assert verdict.ok, (f"{source.entry} ({schedule.value}, grid {launch.plan.grid}, "
+                                f"seed {seed + index}): {verdict.message}")

@@ -112,8 +112,9 @@ def test_encoding_round_trips_every_candidate_and_rejects_the_rest() -> None:
     assert candidates == FORWARD.candidates(P, ARCH)
     for config in candidates:
         assert encoding.decode(encoding.encode(config)) == config
-    impossible = [c for c in encoding.space() if c not in candidates]
-    for config in impossible:
+    legal = set(candidates)
+    impossible = [c for c in encoding.space() if c not in legal]
+    for config in impossible[::max(1, len(impossible) // 2000)]:  # ~2000 spread over them
         reason = encoding.decode(encoding.encode(config))
         assert isinstance(reason, str) and reason == space.static_check(P, config, ARCH)
     # combinations KernelConfig itself refuses (64 rows over 8 warps) decode to a reason
