@@ -260,3 +260,22 @@ def main_loops(fn: SassFunction) -> MainLoops:
         found[kind] = MainLoop(kind, lp, mix, _skipped_blocks(fn, lp, body),
                                _local_memory(body))
     return MainLoops(found.get(LoopKind.MASKED), found.get(LoopKind.UNMASKED))
+
+
+#: The spill rule of the default configs: at most this many local-memory accesses per
+#: iteration of each main loop, none of them in a tensor-core chain. FlashAttention-2's own
+#: d128 128 x 64 tile issues 12 per tile with CUDA 13 (reference/fa2-sass-facts.md); a
+#: default should stay clearly below that level, at about 8.
+MAX_LOCAL_ACCESSES = 8
+
+
+def spill_rule_breaches(loops: MainLoops) -> list[str]:
+    """How the main loops break the spill rule (empty when they keep it)."""
+    out = []
+    for loop in loops:
+        local = loop.local
+        if local.in_mma_chain or local.accesses > MAX_LOCAL_ACCESSES:
+            out.append(f"{loop.kind.value} loop: {local.accesses} local accesses per iteration "
+                       f"(at most {MAX_LOCAL_ACCESSES}), {local.in_mma_chain} in a "
+                       "tensor-core chain (none allowed)")
+    return out

@@ -1,8 +1,8 @@
 """Every default config compiles through NVRTC within the arch's shared memory, and spills
 registers only as the project's spill rule allows: no local-memory access in a tensor-core
 chain (an MMA reading a register just loaded from local memory, or one storing what an MMA
-wrote) and at most MAX_LOCAL_ACCESSES local accesses per iteration of each main loop. The
-default tier compiles each table entry once (fp16, on one arch per class); ``-m sweep``
+wrote) and at most perf.loops.MAX_LOCAL_ACCESSES (8) local accesses per iteration of each
+main loop. The default tier compiles each table entry once (fp16, on one arch per class); ``-m sweep``
 covers every arch of each class and both dtypes."""
 
 from __future__ import annotations
@@ -14,13 +14,8 @@ from flashtune.codegen.spec import DType, KernelSource, Problem
 from flashtune.families import render
 from flashtune.families.fwd import defaults
 from flashtune.perf.disasm import sass_listing
-from flashtune.perf.loops import main_loops
+from flashtune.perf.loops import main_loops, spill_rule_breaches
 from flashtune.runtime.compiler import CompileResult, compile_pairs
-
-#: Local-memory accesses allowed per main-loop iteration: FlashAttention-2's own d128
-#: 128 x 64 tile issues 12 per tile with CUDA 13 (reference/fa2-sass-facts.md), outside its
-#: tensor-core chains; a kernel at that level is not limited by them.
-MAX_LOCAL_ACCESSES = 12
 
 REPRESENTATIVE = {defaults.ArchClass.SM80: "sm_80", defaults.ArchClass.SM86: "sm_86",
                   defaults.ArchClass.SM90: "sm_90"}
@@ -42,14 +37,7 @@ def _spill_problems(r: CompileResult) -> list[str]:
     """Why the spills of one compiled kernel break the rule (empty when they do not)."""
     kernel = r.unwrap()
     function = sass_listing(kernel.cubin, r.arch).function(r.source.entry)
-    out = []
-    for loop in main_loops(function):
-        local = loop.local
-        if local.in_mma_chain or local.accesses > MAX_LOCAL_ACCESSES:
-            out.append(f"{loop.kind.value} loop: {local.accesses} local accesses per iteration "
-                       f"(at most {MAX_LOCAL_ACCESSES}), {local.in_mma_chain} in a "
-                       "tensor-core chain (none allowed)")
-    return out
+    return spill_rule_breaches(main_loops(function))
 
 
 def _check(results: list[CompileResult]) -> None:

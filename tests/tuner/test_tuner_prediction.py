@@ -11,7 +11,7 @@ import random
 import pytest
 from rich.console import Console
 from tuner_synthetic import DEVICE, SyntheticBackend, read_log
-from tuner_testlib import FAST
+from tuner_testlib import FAST, tile_space
 from typer.testing import CliRunner
 
 from flashtune import families
@@ -30,7 +30,8 @@ from flashtune.tuner.search.encoding import SearchEncoding
 from flashtune.tuner.search.prediction import resolve_gpu
 
 PROBLEM = Problem(128, DType.BF16)
-CANDIDATES = SearchEncoding(PROBLEM, get_arch("sm_90")).candidates()
+with tile_space():
+    CANDIDATES = SearchEncoding(PROBLEM, get_arch("sm_90")).candidates()
 DEFAULT = KernelConfig(64, 64, 4, 2)
 runner = CliRunner()
 

@@ -9,7 +9,7 @@ from collections import Counter
 import optuna
 import pytest
 from tuner_synthetic import DEVICE, SyntheticBackend, read_log
-from tuner_testlib import FAST
+from tuner_testlib import FAST, tile_space
 
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
@@ -25,7 +25,8 @@ from flashtune.tuner.search.proposers import CONFIG_ATTR, DUPLICATE_ATTR
 
 PROBLEM = Problem(128, DType.BF16)
 ARCH = get_arch("sm_90")
-CANDIDATES = SearchEncoding(PROBLEM, ARCH).candidates()
+with tile_space():
+    CANDIDATES = SearchEncoding(PROBLEM, ARCH).candidates()
 BEST = KernelConfig(128, 64, 4, 2)
 
 

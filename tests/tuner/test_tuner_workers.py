@@ -18,7 +18,7 @@ import optuna
 import pytest
 import sqlalchemy as sa
 from tuner_synthetic import DEVICE, read_log
-from tuner_testlib import FAST, subprocess_env
+from tuner_testlib import FAST, subprocess_env, tile_space
 
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, Problem
@@ -33,7 +33,8 @@ from flashtune.tuner.workers import (
 )
 
 PROBLEM = Problem(128, DType.BF16)
-CANDIDATES = {c.key() for c in SearchEncoding(PROBLEM, get_arch("sm_90")).candidates()}
+with tile_space():
+    CANDIDATES = {c.key() for c in SearchEncoding(PROBLEM, get_arch("sm_90")).candidates()}
 PG_URL = os.environ.get("FLASHTUNE_TEST_PG_URL")
 
 

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tuner_testlib import use_tile_space
+
 from flashtune import families
 from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.spec import KernelConfig, Problem, Shape
@@ -174,7 +176,9 @@ class SyntheticBackend:
 
 
 def make_backend(**kwargs: Any) -> SyntheticBackend:
-    """Factory for worker subprocesses (JSON-able keyword arguments)."""
+    """Factory for worker subprocesses (JSON-able keyword arguments). The process searches
+    the forward family's tile space, as the tests that start it do."""
+    use_tile_space()
     for name in ("compile_fail", "spill", "wrong", "launch_fail"):
         if name in kwargs:
             kwargs[name] = frozenset(kwargs[name])
