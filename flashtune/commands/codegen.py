@@ -37,6 +37,8 @@ from flashtune.errors import FlashtuneError, InvalidConfig, InvalidProblem
 from flashtune.families import render
 
 DEFAULT_ARCH = "sm_90"
+ArchList = Annotated[list[str] | None, typer.Option(
+    "--arch", help=f"Target arch, repeatable (default {DEFAULT_ARCH}).")]
 
 
 
@@ -93,6 +95,11 @@ def parse_arch(value: str) -> ArchSpec:
         raise typer.BadParameter(str(exc), param_hint="--arch") from exc
 
 
+def parse_archs(values: list[str] | None) -> list[ArchSpec]:
+    """The archs of a repeatable --arch option, each once (default DEFAULT_ARCH)."""
+    return list(dict.fromkeys(parse_arch(a) for a in (values or [DEFAULT_ARCH])))
+
+
 def show(
     op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
@@ -146,8 +153,7 @@ def _plan(problem: Problem, specs: list[ArchSpec], choice: ConfigChoice, all_con
 
 
 def compile_command(
-    arch: Annotated[list[str] | None, typer.Option(
-        "--arch", help=f"Target arch, repeatable (default {DEFAULT_ARCH}).")] = None,
+    arch: ArchList = None,
     op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
     dtype: DTypeOpt = DType.FP16,
@@ -179,7 +185,7 @@ def compile_command(
     from flashtune.toolchain.disasm import disassemble
 
     problem = parse_problem(op, head_dim, dtype, causal)
-    specs = list(dict.fromkeys(parse_arch(a) for a in (arch or [DEFAULT_ARCH])))
+    specs = parse_archs(arch)
     choice = ConfigChoice(config, block_m, block_n, warps, stages)
     if all_configs and choice.given:
         raise typer.BadParameter("--all compiles every config; drop --config/--block-m/"
@@ -255,8 +261,7 @@ def _print_space_sizes(console: Console, specs: list[ArchSpec], problem: Problem
 
 
 def space_command(
-    arch: Annotated[list[str] | None, typer.Option(
-        "--arch", help=f"Target arch, repeatable (default {DEFAULT_ARCH}).")] = None,
+    arch: ArchList = None,
     op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
     dtype: DTypeOpt = DType.FP16,
@@ -264,7 +269,7 @@ def space_command(
 ) -> None:
     """Print the size of a problem's search space per arch (nothing is compiled)."""
     problem = parse_problem(op, head_dim, dtype, causal)
-    specs = list(dict.fromkeys(parse_arch(a) for a in (arch or [DEFAULT_ARCH])))
+    specs = parse_archs(arch)
     _print_space_sizes(Console(), specs, problem)
 
 
