@@ -15,8 +15,7 @@ from flashtune.families import render
 from flashtune.families.fwd import defaults, space
 from flashtune.perf.disasm import sass_listing
 from flashtune.perf.loops import MAX_LOCAL_ACCESSES, main_loops
-from flashtune.runtime.compiler import CompileResult
-from flashtune.runtime.compiler import compile_pairs
+from flashtune.runtime.compiler import CompileResult, compile_pairs
 from flashtune.toolchain import nvrtc
 from flashtune.toolchain.cuda import find_toolchain
 

@@ -2,8 +2,8 @@
 registers only as the project's spill rule allows: no local-memory access in a tensor-core
 chain (an MMA reading a register just loaded from local memory, or one storing what an MMA
 wrote) and at most perf.loops.MAX_LOCAL_ACCESSES (8) local accesses per iteration of each
-main loop. The default tier compiles each table entry once (fp16, on one arch per class); ``-m sweep``
-covers every arch of each class and both dtypes."""
+main loop. The default tier compiles each table entry once (fp16, on one arch per class);
+``-m sweep`` covers every arch of each class and both dtypes."""
 
 from __future__ import annotations
 
