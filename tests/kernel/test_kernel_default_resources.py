@@ -1,7 +1,7 @@
 """Every default config compiles through NVRTC within the arch's shared memory, and spills
 registers only as the project's spill rule allows: no local-memory access in a tensor-core
 chain (an MMA reading a register just loaded from local memory, or one storing what an MMA
-wrote) and at most perf.loops.MAX_LOCAL_ACCESSES (8) local accesses per iteration of each
+wrote) and at most perf.loops.MAX_LOCAL_ACCESSES (10) local accesses per iteration of each
 main loop. The default tier compiles each table entry once (fp16, on one arch per class);
 ``-m sweep`` covers every arch of each class and both dtypes."""
 
