@@ -14,12 +14,12 @@ own tiles (reference/attention-baselines.md) come first wherever they pass those
 each entry's reason says what it is and why.
 
 The spill rule (``perf.loops.MAX_LOCAL_ACCESSES``): a config may spill as long as no
-local-memory access sits in a tensor-core chain and each main loop makes about 8 of them at most
-per iteration (FA2's own d128 tile makes 12; the limit is 10, see there). The entries were first chosen by "no spills
-at all" with the kernel before its lean main loop; the reasons that name a local-access
-count were re-measured since (NVRTC 13, bf16 and fp16). Where FA2's tile no longer spills
-and the cost model predicts it faster, the reason says so ("to re-choose"): those entries
-are still to be re-chosen by the cost model.
+local-memory access sits in a tensor-core chain and each main loop makes about 8 of them
+at most per iteration (FA2's own d128 tile makes 12; the limit is 10, see there). The
+entries were first chosen by "no spills at all" with the kernel before its lean main loop;
+the reasons that name a local-access count were re-measured since (NVRTC 13, bf16 and
+fp16). Where FA2's tile no longer spills and the cost model predicts it faster, the reason
+says so ("to re-choose"): those entries are still to be re-chosen by the cost model.
 """
 
 from __future__ import annotations
