@@ -45,6 +45,10 @@ class ForwardFamily(KernelFamily):
         return KernelConfig.from_dict(knobs.without_defaults(point))
 
     def search_space(self, problem: Problem) -> list[KernelConfig]:
+        """The forward space's configs from a cache (10^5 of them, the same for every
+        problem); a subclass that declares another space enumerates its own."""
+        if self.space(problem) is not space.SPACE:
+            return super().search_space(problem)
         return list(space.legal_configs())
 
     def point(self, config: KernelConfig) -> dict[str, Value]:
