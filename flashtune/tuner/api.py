@@ -171,14 +171,11 @@ class Tuner:
         results = ResultLog(self.store, self.backend.device, bucket, name)
         summary = BucketSummary(bucket, name, len(candidates), timed=timed)
         summary.default = _default(problem, arch)
-        # under the study's lock, so that workers starting together record each once
-        lock = ProposalLock(self.store.url, name or f"dry-run/{bucket.key()}")
-        try:
-            with lock:
-                past = results.past_outcomes()
-                self._record_static_pruning(encoding, results, past, summary)
-        finally:
-            lock.close()
+        past = results.past_outcomes()
+        # Static rejections are counted, never recorded: the rules are a pure function of
+        # (problem, config, arch), and a forward space of 10^5 points would put as many
+        # rows per bucket into the database.
+        summary.statuses["invalid (static)"] = len(encoding.space()) - len(candidates)
         if not candidates:
             raise TuningError(f"no config of the search space fits {bucket.key()} on "
                               f"{arch.name}: every one fails the static check")
@@ -259,18 +256,6 @@ class Tuner:
         ranked = [p.config for p in self.predictor.rank(workload, candidates)
                   if p.config not in first and p.config.key() not in pruned]
         return first + ranked[:opts.predicted_seeds], pruned
-
-    def _record_static_pruning(self, encoding: SearchEncoding, results: ResultLog,
-                               past: dict[str, TrialStatus], summary: BucketSummary) -> None:
-        """Record each statically impossible config once (as ``invalid``, never compiled)."""
-        legal = set(encoding.candidates())
-        for config in encoding.space():
-            if config in legal or config.key() in past:
-                continue
-            reason = encoding.decode(encoding.encode(config))
-            assert isinstance(reason, str)
-            results.record(TrialResult(config, TrialStatus.INVALID, error=reason))
-            summary.statuses["invalid (static)"] += 1
 
     def _search(self, study: optuna.Study, workload: Workload, encoding: SearchEncoding,
                 results: ResultLog, first: Sequence[KernelConfig], pruned: dict[str, str],
