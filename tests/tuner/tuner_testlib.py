@@ -47,12 +47,19 @@ def _tile_search_space(problem: Problem) -> list[KernelConfig]:
     return KernelFamily.search_space(FORWARD, problem)
 
 
+def _tile_point(config: KernelConfig) -> dict[str, int | str | bool]:
+    """A config's point in TILE_SPACE (the tuner tests' configs carry no knob)."""
+    assert not config.extras, config
+    return dict(config.to_dict())
+
+
 @contextlib.contextmanager
 def tile_space() -> Iterator[None]:
     """The forward family declares TILE_SPACE inside the block."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(FORWARD, "space", lambda problem: TILE_SPACE)
         patch.setattr(FORWARD, "search_space", _tile_search_space)
+        patch.setattr(FORWARD, "point", _tile_point)
         yield
 
 
@@ -61,3 +68,4 @@ def use_tile_space() -> None:
     subprocess of a test)."""
     setattr(FORWARD, "space", lambda problem: TILE_SPACE)  # noqa: B010
     setattr(FORWARD, "search_space", _tile_search_space)  # noqa: B010
+    setattr(FORWARD, "point", _tile_point)  # noqa: B010
