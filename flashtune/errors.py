@@ -21,6 +21,11 @@ class InvalidProblem(FlashtuneError, ValueError):
     """A Problem (head dim, dtype, op, ...) is outside what flashtune can compile."""
 
 
+class FeatureNotSupported(InvalidProblem, NotImplementedError):
+    """An attention feature (sliding window, softcap, ALiBi, ...) that a kernel family, or
+    the operation that runs it, does not implement: refused rather than computed without."""
+
+
 class InvalidInput(FlashtuneError, ValueError):
     """Tensors or arguments handed to the public API do not fit (shape, dtype, device...)."""
 

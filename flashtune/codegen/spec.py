@@ -73,18 +73,38 @@ def seq_bucket(seqlen: int) -> int:
     return min(max(bucket, MIN_SEQ_BUCKET), MAX_SEQ_BUCKET)
 
 
+#: The feature switches of a Problem beyond the mask, in key order (see ``Problem``).
+FEATURES: tuple[str, ...] = ("window", "softcap", "alibi")
+#: What each feature switch is called in messages (the API's keyword in parentheses).
+FEATURE_NAMES: dict[str, str] = {"window": "sliding-window attention (window_size)",
+                                 "softcap": "logit softcapping (softcap)",
+                                 "alibi": "ALiBi biases (alibi_slopes)"}
+
+
 @dataclass(frozen=True)
 class Problem:
     """What is compiled into a kernel: op, head dim, dtype and feature switches.
 
     Sizes that vary per call (batch, sequence lengths, head counts, strides) are run-time
     arguments and are not part of a Problem; ``bucket()`` maps them to a tuning bucket.
+
+    Feature switches (each compiled in or out; off, the kernel is the plain one):
+      causal: key j is hidden from query i unless j <= i + Nk - Nq (bottom-right aligned);
+      window: a sliding window (flash-attn's local attention): key j is visible to query i
+        iff i + Nk - Nq - left <= j <= i + Nk - Nq + right, with the run-time sizes
+        (left, right) and -1 meaning unbounded on that side. A causal window is the window
+        (left, 0), so ``causal`` and ``window`` are exclusive;
+      softcap: scores become cap * tanh(scale * q.k / cap) (a run-time cap > 0);
+      alibi: scores get the bias -slope * |i + Nk - Nq - j| (run-time per-head slopes).
     """
 
     head_dim: int
     dtype: DType
     causal: bool = False
     op: str = "fwd"
+    window: bool = False
+    softcap: bool = False
+    alibi: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _enum(DType, self.dtype, "dtype"))
@@ -97,41 +117,65 @@ class Problem:
                 f"head_dim={hd} is not supported; expected a multiple of 8 in [8, {MAX_HEAD_DIM}]"
                 " (other sizes: pad the head dim of q, k and v with zeros)"
             )
-        if not isinstance(self.causal, bool):
-            raise InvalidProblem(f"causal must be a bool, got {self.causal!r}")
+        for name in ("causal", *FEATURES):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidProblem(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.causal and self.window:
+            raise InvalidProblem("causal=True and window=True are exclusive: a causal sliding "
+                                 "window is the window (left, 0); use window=True alone")
 
     @property
     def padded_head_dim(self) -> int:
         return padded_head_dim(self.head_dim)
 
-    def key(self) -> str:
-        """Canonical key, e.g. ``fwd_d128_bf16_causal``."""
-        mask = "causal" if self.causal else "full"
-        return f"{self.op}_d{self.head_dim}_{self.dtype.value}_{mask}"
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The feature switches that are on, in key order (``FEATURES``)."""
+        return tuple(name for name in FEATURES if getattr(self, name))
 
-    _KEY_RE = re.compile(r"^([a-z][a-z0-9]{0,15})_d(\d{1,3})_(fp16|bf16)_(causal|full)$")
+    @property
+    def mask(self) -> str:
+        """The mask as a key word: ``causal``, ``local`` (a window) or ``full``."""
+        return "causal" if self.causal else "local" if self.window else "full"
+
+    def key(self) -> str:
+        """Canonical key, e.g. ``fwd_d128_bf16_causal`` or ``fwd_d64_fp16_local_softcap``
+        (a plain problem's key has no feature words)."""
+        extra = "".join(f"_{name}" for name in self.features if name != "window")
+        return f"{self.op}_d{self.head_dim}_{self.dtype.value}_{self.mask}{extra}"
+
+    _KEY_RE = re.compile(r"^([a-z][a-z0-9]{0,15})_d(\d{1,3})_(fp16|bf16)_(causal|full|local)"
+                         r"(_softcap)?(_alibi)?$")
 
     @classmethod
     def from_key(cls, key: str) -> Problem:
         match = cls._KEY_RE.match(key)
         if not match:
             raise InvalidProblem(
-                f"problem key {key!r} is malformed; expected e.g. 'fwd_d128_bf16_causal'"
+                f"problem key {key!r} is malformed; expected e.g. 'fwd_d128_bf16_causal' "
+                "(or with a feature: 'fwd_d64_fp16_local_softcap_alibi')"
             )
-        op, hd, dt, mask = match.groups()
-        return cls(head_dim=int(hd), dtype=DType(dt), causal=mask == "causal", op=op)
+        op, hd, dt, mask, softcap, alibi = match.groups()
+        return cls(head_dim=int(hd), dtype=DType(dt), causal=mask == "causal", op=op,
+                   window=mask == "local", softcap=softcap is not None,
+                   alibi=alibi is not None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"op": self.op, "head_dim": self.head_dim, "dtype": self.dtype.value,
-                "causal": self.causal}
+        """The fields; a feature switch appears only when it is on (so a plain problem's
+        dict is the same as before feature switches existed)."""
+        out: dict[str, Any] = {"op": self.op, "head_dim": self.head_dim,
+                               "dtype": self.dtype.value, "causal": self.causal}
+        out.update({name: True for name in self.features})
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Problem:
-        unknown = set(data) - {"op", "head_dim", "dtype", "causal"}
+        unknown = set(data) - {"op", "head_dim", "dtype", "causal", *FEATURES}
         if unknown:
             raise InvalidProblem(f"unknown problem field(s) {sorted(unknown)}")
         return cls(head_dim=data["head_dim"], dtype=data["dtype"],
-                   causal=data.get("causal", False), op=data.get("op", "fwd"))
+                   causal=data.get("causal", False), op=data.get("op", "fwd"),
+                   **{name: data.get(name, False) for name in FEATURES})
 
     def bucket(self, seqlen_q: int, seqlen_k: int) -> ProblemBucket:
         """The tuning bucket of a call with these sequence lengths."""

@@ -26,8 +26,16 @@ from flashtune.codegen.abi import PackedArgs
 from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue, render_template
-from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem, Shape, ShapeLike
-from flashtune.errors import InvalidConfig, InvalidProblem
+from flashtune.codegen.spec import (
+    FEATURE_NAMES,
+    DType,
+    KernelConfig,
+    KernelSource,
+    Problem,
+    Shape,
+    ShapeLike,
+)
+from flashtune.errors import FeatureNotSupported, InvalidConfig, InvalidProblem
 
 #: Tensors of one launch by name (inputs or outputs), and the scalars a launch needs.
 Tensors = Mapping[str, torch.Tensor]
@@ -184,14 +192,24 @@ class KernelFamily(ABC):
     #: that run ``target_arch`` (the dispatcher's choice; same arguments and outputs), or
     #: None. E.g. a Hopper forward serves "fwd" calls on compute capability 9.0 devices.
     serves: ClassVar[str | None] = None
+    #: The feature switches of a Problem (``codegen.spec.FEATURES``) the family implements;
+    #: a problem with any other is refused (FeatureNotSupported).
+    features: ClassVar[frozenset[str]] = frozenset()
 
     # ---------------------------------------------------------------- problems
 
     def check_problem(self, problem: Problem) -> None:
-        """InvalidProblem unless this family serves ``problem`` (its op and features)."""
+        """InvalidProblem unless this family serves ``problem`` (its op and features);
+        FeatureNotSupported for a feature switch not in ``features``."""
         if problem.op != self.op:
             raise InvalidProblem(f"problem {problem.key()} is for family {problem.op!r}, "
                                  f"not {self.op!r}")
+        missing = [name for name in problem.features if name not in self.features]
+        if missing:
+            raise FeatureNotSupported(
+                f"the {self.op!r} kernel family ({self.title}) does not implement "
+                f"{', '.join(FEATURE_NAMES[name] for name in missing)}; see the feature "
+                "table in the README for the families that do")
 
     # ---------------------------------------------------------------- search space
 

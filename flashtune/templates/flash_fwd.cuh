@@ -34,6 +34,11 @@
 // heads_q is a multiple of heads_kv and query head h reads kv head h / (heads_q / heads_kv).
 // seqlen_q, seqlen_k >= 1. softmax_scale must be positive (the running max is taken over
 // unscaled scores).
+//
+// Features (Tr::kLocal, kSoftcap, kAlibi; run-time values in FwdParams::var): a sliding
+// window walks only the key tiles [floor(n_begin / kBlockN), ceil(n_end / kBlockN)) that some
+// row of the block sees, masking those that cross an edge of a row's window; softcap and
+// ALiBi transform each tile's scores before its mask (ScoreTransform, softmax.cuh).
 #pragma once
 
 #include "fwd_mainloop.cuh"
@@ -41,6 +46,25 @@
 namespace ft {
 
 enum class BlockOrder { kPlain, kHeadsInner, kLongestFirst };
+
+// The run-time values of the features a kernel is compiled with (flash_fwd.cu.jinja passes
+// those of its Problem's switches; the others keep these values and are never read).
+struct VariantArgs {
+  int window_left = -1;   // keys visible before a row's diagonal; -1 (or > seqlen_k): all
+  int window_right = -1;  // keys visible after it; -1 (or > seqlen_q): all
+  float softcap = 0.0f;   // the cap (> 0)
+  const float* alibi_slopes = nullptr;  // float32 slopes of (batch, heads_q) or (heads_q)
+  long long alibi_batch_stride = 0;     // 0: one slope per head for every batch
+
+  // The window's sizes with "all" as the largest size that can matter (so that row and key
+  // arithmetic stays in 32 bits): left = seqlen_k, right = seqlen_q.
+  __device__ __forceinline__ int left(int seqlen_k) const {
+    return window_left < 0 || window_left > seqlen_k ? seqlen_k : window_left;
+  }
+  __device__ __forceinline__ int right(int seqlen_q) const {
+    return window_right < 0 || window_right > seqlen_q ? seqlen_q : window_right;
+  }
+};
 
 // The kernel's arguments (see the entry point in flash_fwd.cu.jinja).
 template <class Element>
@@ -56,6 +80,7 @@ struct FwdParams {
   long long v_batch_stride, v_row_stride, v_head_stride;
   long long o_batch_stride, o_row_stride, o_head_stride;
   float softmax_scale;
+  VariantArgs var;
 };
 
 // One block's work: kBlockM query rows from m_block * kBlockM of one (batch, head).
@@ -82,20 +107,36 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element>& 
     return a.lse + (static_cast<long long>(batch) * a.heads_q + head) * seqlen_q;
   };
 
-  // Keys [0, n_end) are visible to some row of the block; the causal diagonal is aligned to
-  // the bottom-right corner: row i sees key j iff j <= i + seqlen_k - seqlen_q.
+  // Keys [n_begin, n_end) are visible to some row of the block; the causal diagonal is
+  // aligned to the bottom-right corner: row i sees key j iff j <= i + seqlen_k - seqlen_q
+  // (local: iff i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right).
   const int m0 = m_block * kBlockM;
   const int m_end = seqlen_q < m0 + kBlockM ? seqlen_q : m0 + kBlockM;
   int n_end = seqlen_k;
-  // Keys [0, n_full) are visible to every row of the block: tiles inside need no mask.
+  // Keys [n_full_begin, n_full) are visible to every row of the block: tiles inside need no
+  // mask.
   int n_full = seqlen_k;
-  if constexpr (Tr::kCausal) {
-    const int last_row_end = m_end + seqlen_k - seqlen_q;
-    const int first_row_end = m0 + 1 + seqlen_k - seqlen_q;
+  int n_begin = 0;
+  int n_full_begin = 0;
+  int right = 0;
+  int left = 0;
+  if constexpr (Tr::kCausal || Tr::kLocal) {
+    if constexpr (Tr::kLocal) {
+      right = a.var.right(seqlen_q);
+      left = a.var.left(seqlen_k);
+    }
+    const int last_row_end = m_end + seqlen_k - seqlen_q + right;
+    const int first_row_end = m0 + 1 + seqlen_k - seqlen_q + right;
     n_end = last_row_end < n_end ? last_row_end : n_end;
     n_full = first_row_end < n_full ? first_row_end : n_full;
   }
-  if (n_end <= 0) {  // no row of the block sees any key
+  if constexpr (Tr::kLocal) {
+    const int first_row_begin = m0 + seqlen_k - seqlen_q - left;
+    const int last_row_begin = m_end - 1 + seqlen_k - seqlen_q - left;
+    n_begin = first_row_begin > 0 ? first_row_begin : 0;
+    n_full_begin = last_row_begin > 0 ? last_row_begin : 0;
+  }
+  if (n_end <= n_begin) {  // no row of the block sees any key
     store_empty_rows<Tr>(o_rows(), a.o_row_stride, lse_rows(), m0, seqlen_q, tid);
     return;
   }
@@ -114,11 +155,17 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element>& 
                        TileStream<Tr>(v_bh, a.v_row_stride, tile, tid),
                        tid,
                        0,
-                       a.softmax_scale * 1.44269504088896340736f,
+                       (Tr::kSoftcap ? a.var.softcap : a.softmax_scale) * 1.44269504088896340736f,
                        {},
                        {},
                        {},
                        {}};
+  if constexpr (Tr::kLocal) loop.low_tile = n_begin / kBlockN;
+  if constexpr (Tr::kSoftcap) loop.transform.tanh_scale = a.softmax_scale / a.var.softcap;
+  if constexpr (Tr::kAlibi) {
+    const float unit = Tr::kSoftcap ? a.var.softcap : a.softmax_scale;
+    loop.transform.neg_slope = -a.var.alibi_slopes[batch * a.var.alibi_batch_stride + head] / unit;
+  }
   loop.q.rows = sq + Tr::Smem::offset(warp_row0, 0);
   const int first_rows = seqlen_k - tile * kBlockN;
   loop.prologue(sq, q_bh, a.q_row_stride, m0, seqlen_q, tile, first_rows);
@@ -131,10 +178,19 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element>& 
     }
   }
 
-  loop.limits.init(m0 + warp_row0, seqlen_q, seqlen_k, lane);
+  loop.limits.init(m0 + warp_row0, seqlen_q, seqlen_k, lane, right, left);
   loop.template step<true, true>(tile, first_rows);
   --tile;
-  if constexpr (Tr::kCausal) {
+  if constexpr (Tr::kLocal) {
+    // Down from the top: tiles crossing the right edge of some row's window, tiles every
+    // row sees whole, tiles crossing the left edge (down to the lowest visible one). When
+    // the window is narrower than the block, the middle run is empty.
+    const int low = loop.low();
+    const int left_masked_end = (n_full_begin + kBlockN - 1) / kBlockN;
+    for (; tile >= low && tile >= first_masked_tile; --tile) loop.template step<false, true>(tile);
+    for (; tile >= low && tile >= left_masked_end; --tile) loop.template step<false, false>(tile);
+    for (; tile >= low; --tile) loop.template step<false, true>(tile);
+  } else if constexpr (Tr::kCausal) {
     // The masked tiles are those from floor(n_full / kBlockN) to the last, and
     // n_end - n_full <= kBlockM - 1, so after the first step at most
     // kMaxMasked = ceil((kBlockM - 2) / kBlockN) of them remain. Up to two are unrolled as
@@ -150,7 +206,9 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element>& 
       for (; tile >= first_masked_tile; --tile) loop.template step<false, true>(tile);
     }
   }
-  if constexpr (Tr::kPipelined) {
+  if constexpr (Tr::kLocal) {
+    // every tile was walked above
+  } else if constexpr (Tr::kPipelined) {
     for (; tile >= 1; --tile) loop.template step<false, false, Next::kAlways>(tile);
     if (tile == 0) loop.template step<false, false, Next::kNever>(0);
   } else {

@@ -45,6 +45,17 @@ struct FwdMainloop {
   OnlineSoftmax<Tr> softmax;
   float acc_o[Tr::kMTiles][Tr::kOTiles][4];
   float s_next[Tr::kMTiles][Tr::kSTiles][4];  // pipelined: scores of the next step's tile
+  ScoreTransform<Tr> transform;  // softcap, ALiBi (Tr::kTransformed)
+  int low_tile;                  // local: the lowest key tile walked (0 otherwise)
+
+  // The lowest key tile walked: no copy or Q K^T goes below it.
+  __device__ __forceinline__ int low() const {
+    if constexpr (Tr::kLocal) {
+      return low_tile;
+    } else {
+      return 0;
+    }
+  }
 
   // Stage buffer offsets rotate through 0, kKvElems, ..., (kStages - 1) * kKvElems.
   static __device__ __forceinline__ int next_stage(int off) {
@@ -72,10 +83,12 @@ struct FwdMainloop {
       cp_async_commit();
 #pragma unroll
       for (int t = 1; t < kStages; ++t) {
-        if (first_tile - t >= 0) k_in.template load<false>(sk + t * Tr::kKvElems, Tr::kBlockN, tid);
+        if (first_tile - t >= low()) {
+          k_in.template load<false>(sk + t * Tr::kKvElems, Tr::kBlockN, tid);
+        }
         cp_async_commit();
         if (t + 1 < kStages) {
-          if (first_tile - t >= 0) {
+          if (first_tile - t >= low()) {
             v_in.template load<false>(sv + t * Tr::kKvElems, Tr::kBlockN, tid);
           }
           cp_async_commit();
@@ -90,7 +103,7 @@ struct FwdMainloop {
       cp_async_commit();
 #pragma unroll
       for (int t = 1; t + 1 < kStages; ++t) {
-        if (first_tile - t >= 0) {
+        if (first_tile - t >= low()) {
           k_in.template load<false>(sk + t * Tr::kKvElems, Tr::kBlockN, tid);
           v_in.template load<false>(sv + t * Tr::kKvElems, Tr::kBlockN, tid);
         }
@@ -115,9 +128,9 @@ struct FwdMainloop {
       // with the previous step: its V buffer and this tile's K buffer are free.
       cp_async_wait<Tr::kPipelineWait>();
       block_sync();
-      if (tile >= kStages - 1) v_in.template load<false>(sv + prev, Tr::kBlockN, tid);
+      if (tile - low() >= kStages - 1) v_in.template load<false>(sv + prev, Tr::kBlockN, tid);
       cp_async_commit();
-      if (tile >= kStages) k_in.template load<false>(sk + cur, Tr::kBlockN, tid);
+      if (tile - low() >= kStages) k_in.template load<false>(sk + cur, Tr::kBlockN, tid);
       cp_async_commit();
 #pragma unroll
       for (int mt = 0; mt < Tr::kMTiles; ++mt) {
@@ -130,7 +143,7 @@ struct FwdMainloop {
       if constexpr (kNext == Next::kAlways) {
         gemm_qk<Tr>(s_next, q, sk + next_stage(cur), lanes);
       } else if constexpr (kNext == Next::kIfAny) {
-        if (tile >= 1) gemm_qk<Tr>(s_next, q, sk + next_stage(cur), lanes);
+        if (tile - low() >= 1) gemm_qk<Tr>(s_next, q, sk + next_stage(cur), lanes);
       }
     } else {
       if constexpr (Tr::kOneBarrier) {
@@ -138,7 +151,7 @@ struct FwdMainloop {
         // step, whose buffers take the tile kStages - 1 steps ahead.
         cp_async_wait<Tr::kPipelineWait>();
         block_sync();
-        if (tile >= kStages - 1) {
+        if (tile - low() >= kStages - 1) {
           k_in.template load<false>(sk + prev, Tr::kBlockN, tid);
           v_in.template load<false>(sv + prev, Tr::kBlockN, tid);
         }
@@ -152,9 +165,10 @@ struct FwdMainloop {
       if constexpr (kFirst) q.prepare(lanes);
       gemm_qk<Tr>(s, q, sk + cur, lanes);
     }
+    if constexpr (Tr::kTransformed) transform.apply(s, limits, tile * Tr::kBlockN);
     unsigned p[Tr::kMTiles][Tr::kPvSteps][4];
     if constexpr (kMasked) {
-      const TileMask<Tr, kFirst, Tr::kCausal> mask(limits, tile * Tr::kBlockN);
+      const TileMask<Tr, kFirst, Tr::kCausal || Tr::kLocal> mask(limits, tile * Tr::kBlockN);
       softmax.template update<kFirst>(s, p, acc_o, scale_log2, mask);
     } else {
       softmax.template update<kFirst>(s, p, acc_o, scale_log2, NoMask());
@@ -171,7 +185,7 @@ struct FwdMainloop {
   // One stage: the K tile after `tile`, into the one K buffer (free: every warp has passed
   // the barrier after its Q K^T).
   __device__ __forceinline__ void load_next_k(int tile) {
-    if (tile >= 1) k_in.template load<false>(sk, Tr::kBlockN, tid);
+    if (tile - low() >= 1) k_in.template load<false>(sk, Tr::kBlockN, tid);
     cp_async_commit();
   }
 };

@@ -54,9 +54,16 @@ struct Layout<RowChunks, true> {
 //   Pipelined: the Q K^T of the next tile is issued before the softmax of this one, so the
 //     tensor cores run under the softmax; two S tiles are live (kMTiles * kSTiles * 4 more
 //     registers). Needs two or more stages.
+//
+// Attention features (each compiled in or out; the Problem's switches of the same names):
+//   Local: a sliding window (run-time sizes left, right); key tiles outside the window of
+//     every row of a block are never visited, the ones crossing its edges are masked;
+//   Softcap: scores pass through cap * tanh(scale * s / cap) (run-time cap);
+//   Alibi: scores get the bias -slope * |i + Nk - Nq - j| (run-time per-head slopes).
 template <typename Element_, int HeadDim, int HeadDimPadded, int BlockM, int BlockN,
           int NumWarps, int NumStages, bool Causal, int RowPad, bool Swizzle = false,
-          bool QInRegs = false, bool Pipelined = false>
+          bool QInRegs = false, bool Pipelined = false, bool Local = false,
+          bool Softcap = false, bool Alibi = false>
 struct FwdTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
@@ -73,6 +80,11 @@ struct FwdTraits {
   static constexpr int kNumWarps = NumWarps;
   static constexpr int kNumStages = NumStages;
   static constexpr bool kCausal = Causal;
+  static constexpr bool kLocal = Local;
+  static constexpr bool kSoftcap = Softcap;
+  static constexpr bool kAlibi = Alibi;
+  // Whether scores are transformed before the softmax (softcap, ALiBi).
+  static constexpr bool kTransformed = Softcap || Alibi;
   static constexpr int kThreads = 32 * NumWarps;
 
   // Warp tiling: warp w owns query rows [w * kWarpRows, (w + 1) * kWarpRows) of the block.
@@ -125,6 +137,7 @@ struct FwdTraits {
   static_assert(BlockN % 16 == 0, "keys come in k16 steps of P V");
   static_assert(kOTiles % 2 == 0 && kSTiles % 2 == 0, "B operands load two n8 tiles at once");
   static_assert(NumStages >= 1 && NumStages <= 4, "1 to 4 pipeline stages");
+  static_assert(!(Causal && Local), "a causal sliding window is the window (left, 0)");
 };
 
 }  // namespace ft

@@ -10,33 +10,44 @@
 namespace ft {
 
 // Which keys the lane's rows may see. Keys [0, end) are visible to query row `row`, with
-// end = min(seqlen_k, row + 1 + seqlen_k - seqlen_q) when causal (the mask is aligned to
-// the bottom-right corner) and seqlen_k otherwise. Stored relative to the lane's first
-// column (2 (lane % 4)) and to the warp's first row, so that a row (mt, h) adds only the
-// constant 16 mt + 8 h: one register per thread.
+// end = min(seqlen_k, row + 1 + seqlen_k - seqlen_q + right) when causal (right = 0: the
+// mask is aligned to the bottom-right corner) or local (a sliding window), and seqlen_k
+// otherwise; local, keys before start = row + seqlen_k - seqlen_q - left are hidden too.
+// Stored relative to the lane's first column (2 (lane % 4)) and to the warp's first row, so
+// that a row (mt, h) adds only the constant 16 mt + 8 h: one register per bound.
 template <class Tr>
 struct RowLimits {
-  int diag;      // causal end of the warp's first row, minus the lane's column
+  int diag;      // end of the warp's first row (causal, local), minus the lane's column
   int key_end;   // seqlen_k minus the lane's column
+  int start;     // local: start of the warp's first row's window, minus the lane's column
+  int pos;       // ALiBi: i + seqlen_k - seqlen_q of the warp's first row, minus the column
 
-  __device__ __forceinline__ void init(int row0, int seqlen_q, int seqlen_k, int lane) {
+  // right, left: the window's clamped sizes (0, unused: causal; unused: full).
+  __device__ __forceinline__ void init(int row0, int seqlen_q, int seqlen_k, int lane,
+                                       int right = 0, int left = 0) {
     const int g = lane / 4;
     const int col_lane = 2 * (lane % 4);
-    diag = row0 + g + 1 + seqlen_k - seqlen_q - col_lane;
+    const int rel = row0 + g + seqlen_k - seqlen_q - col_lane;
+    diag = rel + 1 + right;
     key_end = seqlen_k - col_lane;
+    start = rel - left;
+    pos = rel;
   }
 };
 
 // The mask of one tile starting at key col0: row by row, sets to -inf every score its row
-// may not see. kBound: the tile may reach past seqlen_k; kCausal: it may cross the
-// diagonal. Applied row by row inside the softmax, which keeps few values live at once.
-template <class Tr, bool kBound, bool kCausal>
+// may not see. kBound: the tile may reach past seqlen_k; kDiag: it may reach past the end
+// of some row (causal, or the right edge of a window); with Tr::kLocal it may also start
+// before some row's window. Applied row by row inside the softmax, which keeps few values
+// live at once.
+template <class Tr, bool kBound, bool kDiag>
 struct TileMask {
   int diag;     // RowLimits::diag relative to the tile
   int key_end;  // RowLimits::key_end relative to the tile
+  int start;    // RowLimits::start relative to the tile
 
   __device__ __forceinline__ TileMask(const RowLimits<Tr>& rows, int col0)
-      : diag(rows.diag - col0), key_end(rows.key_end - col0) {}
+      : diag(rows.diag - col0), key_end(rows.key_end - col0), start(rows.start - col0) {}
 
   __device__ __forceinline__ void row(float (&s)[Tr::kMTiles][Tr::kSTiles][4], int mt,
                                       int h) const {
@@ -47,8 +58,43 @@ struct TileMask {
         const int c = nt * 8 + e;  // the key's column relative to the lane's first one
         // Row (mt, h) ends at diag + 16 mt + 8 h; the constants stay on the left, so each
         // compare is one instruction against one register.
-        const bool hidden = (kBound && c >= key_end) || (kCausal && c - mt * 16 - 8 * h >= diag);
+        const bool hidden = (kBound && c >= key_end) || (kDiag && c - mt * 16 - 8 * h >= diag) ||
+                            (Tr::kLocal && c - mt * 16 - 8 * h < start);
         if (hidden) s[mt][nt][2 * h + e] = -INFINITY;
+      }
+    }
+  }
+};
+
+// The score transforms of the compiled-in features, on a tile of raw scores s = q.k before
+// its mask. The softmax multiplies what it is given by scale_log2 / log2(e) (a positive
+// `unit`: softmax_scale, or the cap with softcap), so each transform leaves its result in
+// that unit:
+//   softcap: s -> tanh(s * softmax_scale / cap), i.e. cap * tanh(scale s / cap) / cap;
+//   ALiBi: s += -(slope / unit) * |i + seqlen_k - seqlen_q - j| (the bias in that unit).
+template <class Tr>
+struct ScoreTransform {
+  float tanh_scale;  // softmax_scale / cap (softcap)
+  float neg_slope;   // -slope / unit (ALiBi)
+
+  __device__ __forceinline__ void apply(float (&s)[Tr::kMTiles][Tr::kSTiles][4],
+                                        const RowLimits<Tr>& rows, int col0) const {
+    const int pos = rows.pos - col0;  // i + Nk - Nq - j of row (0, 0), column 0 of the lane
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < Tr::kSTiles; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float x = s[mt][nt][i];
+          if constexpr (Tr::kSoftcap) x = tanhf(x * tanh_scale);
+          if constexpr (Tr::kAlibi) {
+            // Element i: row h = i / 2, column e = i % 2.
+            const int d = pos + mt * 16 + 8 * (i / 2) - nt * 8 - (i % 2);
+            x += neg_slope * static_cast<float>(d < 0 ? -d : d);
+          }
+          s[mt][nt][i] = x;
+        }
       }
     }
   }

@@ -20,6 +20,13 @@ from flashtune.families.fwd import FORWARD
 ALL_PROBLEMS = [
     Problem(head_dim=hd, dtype=dt, causal=causal)
     for hd, dt, causal in itertools.product(range(8, 257, 8), DType, (False, True))
+] + [
+    # Every combination of the feature switches (a window excludes causal).
+    Problem(head_dim=64, dtype=DType.BF16, causal=mask == "causal", window=mask == "local",
+            softcap=softcap, alibi=alibi)
+    for mask, softcap, alibi in itertools.product(("full", "causal", "local"), (False, True),
+                                                  (False, True))
+    if mask == "local" or softcap or alibi
 ]
 
 
@@ -57,6 +64,9 @@ def test_padded_head_dim_is_the_next_compiled_size() -> None:
         ({"head_dim": 64, "dtype": "fp16", "causal": 1}, "causal must be a bool"),
         ({"head_dim": 64, "dtype": "fp16", "op": "Bad-Op"}, "not a kernel family name"),
         ({"head_dim": 64, "dtype": "fp16", "op": 3}, "not a kernel family name"),
+        ({"head_dim": 64, "dtype": "fp16", "softcap": 30.0}, "softcap must be a bool"),
+        ({"head_dim": 64, "dtype": "fp16", "causal": True, "window": True},
+         "a causal sliding window is the window (left, 0)"),
     ],
 )
 def test_bad_problem_says_what_is_expected(kwargs: dict[str, object], needle: str) -> None:
@@ -66,7 +76,8 @@ def test_bad_problem_says_what_is_expected(kwargs: dict[str, object], needle: st
 
 
 @pytest.mark.parametrize("key", ["", "fwd_d128_bf16", "fwd_d128_fp32_full", "fwd_d12x_fp16_full",
-                                 "fwd_d128_bf16_causal_extra", "FWD_d128_bf16_full"])
+                                 "fwd_d128_bf16_causal_extra", "FWD_d128_bf16_full",
+                                 "fwd_d64_fp16_full_alibi_softcap", "fwd_d64_fp16_window"])
 def test_malformed_problem_key(key: str) -> None:
     with pytest.raises(InvalidProblem, match="expected e.g. 'fwd_d128_bf16_causal'"):
         Problem.from_key(key)
@@ -74,7 +85,18 @@ def test_malformed_problem_key(key: str) -> None:
 
 def test_problem_from_dict_rejects_unknown_fields() -> None:
     with pytest.raises(InvalidProblem, match="unknown problem field"):
-        Problem.from_dict({"head_dim": 64, "dtype": "fp16", "window": 3})
+        Problem.from_dict({"head_dim": 64, "dtype": "fp16", "sliding": 3})
+
+
+def test_plain_problem_keys_and_dicts_have_no_feature_words() -> None:
+    """Keys and dicts of problems without features are the ones stored before features
+    existed (tuned results and defaults stay addressable)."""
+    plain = Problem(128, DType.BF16, causal=True)
+    assert plain.key() == "fwd_d128_bf16_causal" and plain.features == ()
+    assert plain.to_dict() == {"op": "fwd", "head_dim": 128, "dtype": "bf16", "causal": True}
+    both = Problem(64, DType.FP16, window=True, softcap=True, alibi=True)
+    assert both.key() == "fwd_d64_fp16_local_softcap_alibi"
+    assert both.features == ("window", "softcap", "alibi")
 
 
 ALL_CONFIGS = [

@@ -92,3 +92,68 @@ def test_rows_that_see_no_key_need_zero_output_and_infinite_lse() -> None:
     finite_lse[0, 0, 1] = 3.0  # a row that sees no key must not get a finite LSE
     verdict = FORWARD.compare(problem, shape, {**good, "lse": finite_lse}, ref)
     assert not verdict.ok and "LSE" in verdict.message
+
+
+def _loop_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    window: tuple[int, int], softcap: float | None,
+                    slopes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The features written element by element from their definitions (one batch)."""
+    nq, hq, d = q.shape[1], q.shape[2], q.shape[3]
+    nk, group = k.shape[1], q.shape[2] // k.shape[2]
+    out = torch.zeros(1, nq, hq, d, dtype=torch.float64)
+    lse = torch.full((1, hq, nq), math.inf, dtype=torch.float64)
+    for h in range(hq):
+        for i in range(nq):
+            logits, values = [], []
+            for j in range(nk):
+                diag = i + nk - nq
+                if (window[0] >= 0 and j < diag - window[0]) or (
+                        window[1] >= 0 and j > diag + window[1]):
+                    continue
+                s = float(q[0, i, h].double() @ k[0, j, h // group].double()) * scale
+                if softcap is not None:
+                    s = softcap * math.tanh(s / softcap)
+                if slopes is not None:
+                    s -= float(slopes[h]) * abs(diag - j)
+                logits.append(s)
+                values.append(v[0, j, h // group].double())
+            if logits:
+                top = max(logits)
+                weights = torch.tensor([math.exp(x - top) for x in logits], dtype=torch.float64)
+                total = float(weights.sum())
+                out[0, i, h] = sum(w * val for w, val in zip(weights, values, strict=True)) / total
+                lse[0, h, i] = top + math.log(total)
+    return out, lse
+
+
+@pytest.mark.parametrize(("window", "softcap", "alibi"),
+                         [((3, 0), None, False), ((-1, 2), 5.0, False), ((4, -1), None, True),
+                          ((2, 5), 30.0, True), ((-1, -1), 5.0, True)])
+def test_features_match_their_definitions_element_by_element(
+        window: tuple[int, int], softcap: float | None, alibi: bool) -> None:
+    problem = Problem(16, DType.FP16, window=window != (-1, -1), softcap=softcap is not None,
+                      alibi=alibi)
+    inputs = FORWARD.random_inputs(problem, Shape(1, 2, 1, 9, 13), "cpu", seed=5)
+    q, k, v = (inputs.tensors[n] for n in ("q", "k", "v"))
+    slopes = inputs.tensors["alibi_slopes"][0] if alibi else None
+    scalars = dict(inputs.scalars) | {"window_left": window[0], "window_right": window[1]}
+    if softcap is not None:
+        scalars["softcap"] = softcap
+    ref = FORWARD.reference(problem, Inputs(dict(inputs.tensors), scalars))
+    o, lse = _loop_reference(q, k, v, scalars["softmax_scale"], window, softcap, slopes)
+    torch.testing.assert_close(ref["o"], o, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ref["lse"], lse, rtol=1e-12, atol=1e-12)
+    if window == (3, 0):  # Nq < Nk: every row sees its diagonal key and three before it
+        assert torch.isfinite(ref["lse"]).all()
+
+
+def test_random_feature_values_come_from_the_grids() -> None:
+    problem = Problem(32, DType.BF16, window=True, softcap=True, alibi=True)
+    inputs = FORWARD.random_inputs(problem, Shape(2, 3, 1, 8, 8), "cpu", seed=11)
+    from flashtune.families.fwd.variants import SOFTCAPS, WINDOW_SIZES
+
+    window = (inputs.scalars["window_left"], inputs.scalars["window_right"])
+    assert window != (-1, -1) and set(window) <= set(WINDOW_SIZES)
+    assert inputs.scalars["softcap"] in SOFTCAPS
+    slopes = inputs.tensors["alibi_slopes"]
+    assert slopes.shape == (2, 3) and slopes.dtype == torch.float32

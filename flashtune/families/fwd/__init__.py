@@ -25,7 +25,7 @@ from flashtune.families.base import (
     random_rows,
     sm_count,
 )
-from flashtune.families.fwd import args, defaults, knobs, space
+from flashtune.families.fwd import args, defaults, knobs, space, variants
 from flashtune.families.fwd.reference import attention_reference, o_and_lse_checks
 
 
@@ -35,6 +35,7 @@ class ForwardFamily(KernelFamily):
     op = "fwd"
     title = "attention forward (FlashAttention-2: O and LSE)"
     template = "flash_fwd.cu.jinja"
+    features = frozenset({"window", "softcap", "alibi"})
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.SPACE
@@ -76,6 +77,7 @@ class ForwardFamily(KernelFamily):
             "num_stages": config.num_stages,
             "smem_row_pad": space.SMEM_ROW_PAD,
             **knobs.knob_values(config),
+            **variants.template_params(problem),
         }
 
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
@@ -87,7 +89,8 @@ class ForwardFamily(KernelFamily):
         tensors = {"q": random_rows(problem, shape, shape.seqlen_q, shape.heads_q, gen, device),
                    "k": random_rows(problem, shape, shape.seqlen_k, shape.heads_kv, gen, device),
                    "v": random_rows(problem, shape, shape.seqlen_k, shape.heads_kv, gen, device)}
-        return Inputs(tensors, {"softmax_scale": problem.head_dim ** -0.5})
+        scalars, extra = variants.random_values(problem, shape, gen, device)
+        return Inputs(tensors | extra, {"softmax_scale": problem.head_dim ** -0.5} | scalars)
 
     def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
                       poison: bool) -> dict[str, torch.Tensor]:
@@ -103,8 +106,10 @@ class ForwardFamily(KernelFamily):
     def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
                     inputs: Inputs, outputs: Tensors) -> LaunchPlan:
         t = inputs.tensors
+        values = variants.VariantValues.of(inputs)
         packed = args.pack_args(t["q"], t["k"], t["v"], outputs["o"], outputs["lse"],
-                                inputs.scalars["softmax_scale"])
+                                inputs.scalars["softmax_scale"]) + args.variant_args(
+            problem, values.window, values.softcap, values.alibi_slopes)
         grid = args.grid(shape.seqlen_q, shape.heads_q, shape.batch, config.block_m)
         if knobs.knob(config, knobs.PERSISTENT):
             blocks_per_sm = max(args.PERSISTENT_BLOCKS_PER_SM,
@@ -114,8 +119,11 @@ class ForwardFamily(KernelFamily):
 
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
         t = inputs.tensors
+        values = variants.VariantValues.of(inputs).only(problem)
         o, lse = attention_reference(t["q"], t["k"], t["v"], problem.causal,
-                                     inputs.scalars["softmax_scale"])
+                                     inputs.scalars["softmax_scale"], window=values.window,
+                                     softcap=values.softcap or None,
+                                     alibi_slopes=values.alibi_slopes)
         return {"o": o, "lse": lse}
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,

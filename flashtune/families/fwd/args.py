@@ -4,6 +4,10 @@
     seqlen_q, seqlen_k, heads_q, heads_kv (int32),
     q, k, v, o strides in elements: batch, row (sequence), head (int64 each, 12 in all),
     softmax_scale (float32)
+    then the features' values, those of the Problem's switches only (``variant_args``):
+      window: window_left, window_right (int32; -1 unbounded);
+      softcap: softcap (float32, > 0);
+      alibi: alibi_slopes (const float*), alibi_batch_stride (int64; 0 for (heads_q,) slopes)
 
 Q/O are (batch, seqlen_q, heads_q, head_dim), K/V are (batch, seqlen_k, heads_kv,
 head_dim), each with a contiguous last dim and otherwise arbitrary strides; LSE is a
@@ -18,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from flashtune.codegen.abi import ArgType, PackedArgs
+from flashtune.codegen.spec import Problem
+from flashtune.errors import InvalidInput
 from flashtune.families.base import DEFAULT_SM_COUNT
 
 
@@ -88,6 +94,25 @@ def pack_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor
               qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
               os_[0], os_[1], os_[2], softmax_scale)
     return tuple(zip(FWD_ARG_TYPES, values, strict=False))  # lengths equal by construction
+
+
+def variant_args(problem: Problem, window: tuple[int, int], softcap: float,
+                 alibi_slopes: torch.Tensor | None) -> PackedArgs:
+    """The arguments after softmax_scale: the run-time values of ``problem``'s feature
+    switches, in the template's order. ``alibi_slopes``: float32 (heads_q,) or
+    (batch, heads_q) with a contiguous last dim (required when ``problem.alibi``)."""
+    out: list[tuple[ArgType, int | float]] = []
+    if problem.window:
+        out += [(ArgType.I32, window[0]), (ArgType.I32, window[1])]
+    if problem.softcap:
+        out.append((ArgType.F32, softcap))
+    if problem.alibi:
+        if alibi_slopes is None:
+            raise InvalidInput(f"{problem.key()} needs alibi_slopes: a float32 tensor (heads_q,) "
+                               "or (batch, heads_q)")
+        stride = alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0
+        out += [(ArgType.PTR, alibi_slopes.data_ptr()), (ArgType.I64, stride)]
+    return tuple(out)
 
 
 def grid(seqlen_q: int, heads_q: int, batch: int, block_m: int) -> tuple[int, int, int]:

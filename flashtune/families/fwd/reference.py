@@ -5,6 +5,10 @@ Written from the definition, independently of any kernel's tiling: S = scale * Q
 masked (causal: query row i sees key j iff j <= i + Nk - Nq, bottom-right aligned), softmax
 over keys, O = P V, LSE = log(sum(exp(S))) in natural log. GQA: query head h reads key/value
 head h // (Hq / Hkv). A row that sees no key has O = 0 and LSE = +inf.
+
+Features: a sliding window (left, right) hides key j from row i unless
+i + Nk - Nq - left <= j <= i + Nk - Nq + right (-1: that side unbounded); softcap replaces
+S by cap * tanh(S / cap); ALiBi adds -slope[b, h] * |i + Nk - Nq - j| (after the softcap).
 """
 
 from __future__ import annotations
@@ -34,16 +38,51 @@ def causal_visible(seqlen_q: int, seqlen_k: int, device: torch.device | str = "c
     return torch.arange(seqlen_k, device=device)[None, :] <= rows
 
 
+def window_visible(seqlen_q: int, seqlen_k: int, left: int, right: int,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """(Nq, Nk) bool: query row i sees key j iff i + Nk - Nq - left <= j <= i + Nk - Nq +
+    right, a bound of -1 being absent (flash-attn's sliding window)."""
+    rel = (torch.arange(seqlen_q, device=device)[:, None] + (seqlen_k - seqlen_q)
+           - torch.arange(seqlen_k, device=device)[None, :])  # i + Nk - Nq - j
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        visible &= rel <= left
+    if right >= 0:
+        visible &= rel >= -right
+    return visible
+
+
+def alibi_bias(slopes: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int
+               ) -> torch.Tensor:
+    """float64 (B, H, Nq, Nk) bias -slope * |i + Nk - Nq - j| of slopes (H,) or (B, H)."""
+    rel = (torch.arange(seqlen_q, device=slopes.device)[:, None] + (seqlen_k - seqlen_q)
+           - torch.arange(seqlen_k, device=slopes.device)[None, :])
+    per_head = slopes.to(torch.float64).expand(batch, slopes.shape[-1])
+    return -per_head[:, :, None, None] * rel.abs().to(torch.float64)
+
+
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 O (B, Nq, Hq, D) and LSE (B, Hq, Nq) from (B, N, H, D) tensors."""
+                        scale: float, *, window: tuple[int, int] = (-1, -1),
+                        softcap: float | None = None,
+                        alibi_slopes: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 O (B, Nq, Hq, D) and LSE (B, Hq, Nq) from (B, N, H, D) tensors, with the
+    features of the module doc (causal and a window combine: both masks apply)."""
     qd, kd, vd = (t.to(torch.float64) for t in (q, k, v))
     group = q.shape[2] // k.shape[2]
     kd = kd.repeat_interleave(group, dim=2)
     vd = vd.repeat_interleave(group, dim=2)
     scores = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes.to(q.device), q.shape[0], q.shape[1],
+                                     k.shape[1])
     if causal:
         visible = causal_visible(q.shape[1], k.shape[1], q.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if window != (-1, -1):
+        visible = window_visible(q.shape[1], k.shape[1], *window, device=q.device)
         scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     empty = torch.isneginf(lse)
