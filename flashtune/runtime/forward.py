@@ -2,8 +2,8 @@
 arguments, launch.
 
 A *plan* is everything a call needs that does not change between calls of one (backend,
-device, dtype, head dim, causal, sequence bucket): the dispatcher's decision and the loaded
-kernel. Plans are memoised in one dictionary, so a warm call costs one lookup, two output
+device, dtype, head dim, causal, features, sequence bucket): the dispatcher's decision and
+the loaded kernel. Plans are memoised in one dictionary, so a warm call costs one lookup, two output
 allocations, the argument tuple and the launch: no compile, no database, no file access.
 
 ``forward`` is the implementation of the ``flashtune::attention_fwd`` op; it expects inputs
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashtune import knobs
+from flashtune import families, knobs
 from flashtune.codegen.spec import (
     MAX_SEQ_BUCKET,
     MIN_SEQ_BUCKET,
@@ -29,10 +29,11 @@ from flashtune.codegen.spec import (
 )
 from flashtune.errors import InvalidInput
 from flashtune.families import render
-from flashtune.families.fwd.args import grid, pack_args
+from flashtune.families.fwd.args import grid, pack_args, variant_args
 from flashtune.runtime.backends import BackendEntry, backend_entry, get_backend
 from flashtune.runtime.backends.base import LoadedKernel
 from flashtune.runtime.dispatch import Decision, DeviceLike, get_dispatcher
+from flashtune.runtime.variants import Variant
 
 _DTYPES = {torch.float16: DType.FP16, torch.bfloat16: DType.BF16}
 
@@ -84,17 +85,23 @@ def device_info(entry: BackendEntry, device: torch.device) -> DeviceLike:
     return virtual
 
 
-def problem_bucket(q: torch.Tensor, k: torch.Tensor, causal: bool, op: str = "fwd"
-                   ) -> ProblemBucket:
-    """The tuning bucket of a call of kernel family ``op`` on these tensors."""
-    problem = Problem(head_dim=q.shape[3], dtype=_DTYPES[q.dtype], causal=causal, op=op)
+def problem_bucket(q: torch.Tensor, k: torch.Tensor, causal: bool, op: str = "fwd",
+                   features: tuple[str, ...] = ()) -> ProblemBucket:
+    """The tuning bucket of a call of kernel family ``op`` on these tensors, with the
+    Problem feature switches ``features`` on (FeatureNotSupported if the family has not
+    got one of them)."""
+    problem = Problem(head_dim=q.shape[3], dtype=_DTYPES[q.dtype], causal=causal, op=op,
+                      **{name: True for name in features})
+    if features:
+        families.get(op).check_problem(problem)
     return ProblemBucket(problem, seqlen_bucket(max(q.shape[1], k.shape[1])))
 
 
 def decide(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str | None,
-           arch: str | None = None, op: str = "fwd") -> tuple[Decision, BackendEntry]:
+           arch: str | None = None, op: str = "fwd", features: tuple[str, ...] = ()
+           ) -> tuple[Decision, BackendEntry]:
     """The dispatcher's decision for these tensors (no kernel is loaded or compiled), for
-    kernel family ``op`` (the forward unless named).
+    kernel family ``op`` (the forward unless named) with the feature switches ``features``.
 
     ``arch`` overrides the device with a virtual GPU of that arch.
     """
@@ -102,7 +109,7 @@ def decide(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str | None,
 
     entry = resolve_backend(backend, q.device)
     device = DeviceInfo.virtual(arch) if arch else device_info(entry, q.device)
-    return get_dispatcher().decide(problem_bucket(q, k, causal, op), device), entry
+    return get_dispatcher().decide(problem_bucket(q, k, causal, op, features), device), entry
 
 
 @dataclass(frozen=True)
@@ -131,9 +138,9 @@ def _no_stream() -> int:
     return 0
 
 
-def _make_plan(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str, op: str
-               ) -> Plan:
-    decision, entry = decide(q, k, causal, backend, op=op)
+def _make_plan(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str, op: str,
+               features: tuple[str, ...]) -> Plan:
+    decision, entry = decide(q, k, causal, backend, op=op, features=features)
     source = render(decision.problem, decision.config)
     loader = get_backend(entry.name)
     if entry.device_type == "cuda":
@@ -147,21 +154,21 @@ _plans: dict[tuple[object, ...], Plan] = {}
 _plans_lock = threading.Lock()
 
 
-def plan_for(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str, op: str = "fwd"
-             ) -> Plan:
-    """The memoised plan of this call of kernel family ``op`` (made, and its kernel loaded,
-    on first use)."""
+def plan_for(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str, op: str = "fwd",
+             features: tuple[str, ...] = ()) -> Plan:
+    """The memoised plan of this call of kernel family ``op`` with the Problem feature
+    switches ``features`` (made, and its kernel loaded, on first use)."""
     _, seqlen_q, _, head_dim = q.shape
     seqlen_k = k.shape[1]
     bucket = seqlen_bucket(seqlen_q if seqlen_q > seqlen_k else seqlen_k)
     # get_device(): the CUDA index, -1 for CPU tensors (the only other kind that gets here).
-    key = (backend, q.get_device(), q.dtype, head_dim, causal, bucket, op)
+    key = (backend, q.get_device(), q.dtype, head_dim, causal, bucket, features, op)
     plan = _plans.get(key)
     if plan is None:
         with _plans_lock:
             plan = _plans.get(key)
             if plan is None:
-                plan = _make_plan(q, k, causal, backend, op)
+                plan = _make_plan(q, k, causal, backend, op, features)
                 _plans[key] = plan
     return plan
 
@@ -188,13 +195,20 @@ def empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-            softmax_scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+            softmax_scale: float, backend: str, variant: Variant | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (like q) and the float32 LSE (B, Hq, Nq) of validated inputs, launched on the
-    current stream. ``backend`` "" means the FLASHTUNE_BACKEND knob."""
+    current stream. ``backend`` "" means the FLASHTUNE_BACKEND knob. ``variant``: the
+    call's validated features (``runtime.variants.resolve``; its ``causal`` is ignored in
+    favour of ``causal``), None for none."""
     name = backend or knobs.BACKEND.get()
-    plan = plan_for(q, k, causal, name)
+    features = variant.features if variant is not None else ()
+    plan = plan_for(q, k, causal, name, features=features)
     out, lse = empty_outputs(q)
     args = pack_args(q, k, v, out, lse, softmax_scale)
+    if variant is not None and features:
+        args += variant_args(plan.decision.problem, variant.window, variant.softcap,
+                             variant.alibi_slopes)
     if (args[0][1] | args[1][1] | args[2][1]) & 15:  # type: ignore[operator]  # pointers
         raise _misaligned(q, k, v)
     batch, seqlen_q, heads_q, _ = q.shape

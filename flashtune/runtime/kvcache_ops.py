@@ -19,6 +19,7 @@ from flashtune.runtime.dispatch import Decision
 from flashtune.runtime.ops import check_no_grad, direct_call_ok
 from flashtune.runtime.validate import check_softmax_scale
 from flashtune.runtime.validate_kvcache import check_kvcache_inputs
+from flashtune.runtime.variants import NO_WINDOW, refuse_unsupported, resolve
 
 OP_NAME = "flashtune::attention_with_kvcache"
 
@@ -52,7 +53,9 @@ def attention_with_kvcache(
     cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = ...,
     k: torch.Tensor | None = ..., v: torch.Tensor | None = ..., causal: bool = ...,
     softmax_scale: float | None = ..., num_splits: int | None = ...,
-    return_lse: Literal[False] = ..., backend: str | None = ...) -> torch.Tensor: ...
+    return_lse: Literal[False] = ..., backend: str | None = ...,
+    window_size: tuple[int, int] = ..., softcap: float | None = ...,
+    alibi_slopes: torch.Tensor | None = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -61,8 +64,9 @@ def attention_with_kvcache(
     cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = ...,
     k: torch.Tensor | None = ..., v: torch.Tensor | None = ..., causal: bool = ...,
     softmax_scale: float | None = ..., num_splits: int | None = ...,
-    return_lse: Literal[True], backend: str | None = ...
-) -> tuple[torch.Tensor, torch.Tensor]: ...
+    return_lse: Literal[True], backend: str | None = ...,
+    window_size: tuple[int, int] = ..., softcap: float | None = ...,
+    alibi_slopes: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @overload
@@ -71,7 +75,9 @@ def attention_with_kvcache(
     cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = ...,
     k: torch.Tensor | None = ..., v: torch.Tensor | None = ..., causal: bool = ...,
     softmax_scale: float | None = ..., num_splits: int | None = ..., return_lse: bool,
-    backend: str | None = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+    backend: str | None = ..., window_size: tuple[int, int] = ...,
+    softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention_with_kvcache(
@@ -88,6 +94,9 @@ def attention_with_kvcache(
     num_splits: int | None = None,
     return_lse: bool = False,
     backend: str | None = None,
+    window_size: tuple[int, int] = NO_WINDOW,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few new query rows per sequence over a KV cache, in flash-attn's layout.
 
@@ -116,11 +125,19 @@ def attention_with_kvcache(
     they raise InvalidInput at once on the emulator and on the GPU with
     FLASHTUNE_CHECK_INPUTS=1 (one synchronisation per call); otherwise the kernel stops with a
     trap and the error surfaces at the next synchronisation.
+
+    ``window_size``, ``softcap`` and ``alibi_slopes`` (as in ``attention``) are validated, but
+    the decode family implements none of them yet: any other than the defaults (or the
+    window (-1, 0), which is ``causal``) raises FeatureNotSupported.
     """
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
     check_no_grad(q, k_cache, v_cache, k, v)
     if not isinstance(causal, bool):
         raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
+    if window_size != NO_WINDOW or softcap is not None or alibi_slopes is not None:
+        variant = resolve(causal, window_size, softcap, alibi_slopes, q, None)
+        refuse_unsupported("decode", variant.features, q, "flashtune.attention_with_kvcache")
+        causal = variant.causal
     scale = check_softmax_scale(softmax_scale, q.shape[3])
     splits = 0 if num_splits is None else check_num_splits(num_splits)
     name = "" if backend is None else backend

@@ -12,6 +12,9 @@ Gradients: the op's autograd formula runs the backward kernels through a second 
 backward graph too). ``deterministic=True`` promises bitwise-reproducible gradients (dQ is
 summed in a fixed order); the default follows ``torch.use_deterministic_algorithms``. A
 gradient flowing into the LSE output (``return_lse=True``) is included.
+
+Attention features (``window_size``, ``softcap``, ``alibi_slopes``; runtime/variants.py) are
+forward-only: a backward through a call that used one raises FeatureNotSupported.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from flashtune.runtime import forward as _fwd
 from flashtune.runtime.dispatch import Decision
 from flashtune.runtime.limits import check_softmax_scale
 from flashtune.runtime.validate import check_attention_inputs
+from flashtune.runtime.variants import NO_WINDOW, Variant, refuse_unsupported, resolve
 
 OP_NAME = "flashtune::attention_fwd"
 BWD_OP_NAME = "flashtune::attention_bwd"
@@ -33,16 +37,22 @@ BWD_OP_NAME = "flashtune::attention_bwd"
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  softmax_scale: float, backend: str, deterministic: bool = False
+                  softmax_scale: float, backend: str, deterministic: bool = False,
+                  window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                  alibi_slopes: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (B, Nq, Hq, D) and LSE (B, Hq, Nq, float32) of validated inputs. ``deterministic``
-    only matters to the backward (it is an argument here so the autograd formula sees it)."""
-    return _fwd.forward(q, k, v, causal, softmax_scale, backend)
+    only matters to the backward (it is an argument here so the autograd formula sees it).
+    The features are those of a resolved ``variants.Variant`` (defaults: off)."""
+    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes)
+    return _fwd.forward(q, k, v, causal, softmax_scale, backend, variant)
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                        softmax_scale: float, backend: str, deterministic: bool = False
+                        softmax_scale: float, backend: str, deterministic: bool = False,
+                        window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                        alibi_slopes: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seqlen_q, heads_q, _ = q.shape
     return (torch.empty_like(q),
@@ -69,7 +79,9 @@ def _attention_bwd_fake(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    q, k, v, causal, softmax_scale, backend, deterministic = inputs
+    q, k, v, causal, softmax_scale, backend, deterministic = inputs[:7]
+    window_left, window_right, softcap, alibi_slopes = inputs[7:]
+    ctx.features = Variant(causal, (window_left, window_right), softcap, alibi_slopes).features
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal = causal
@@ -80,11 +92,15 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
               ) -> tuple[Any, ...]:
-    """Gradients of (q, k, v, causal, softmax_scale, backend, deterministic)."""
+    """Gradients of (q, k, v, causal, softmax_scale, backend, deterministic, window_left,
+    window_right, softcap, alibi_slopes); FeatureNotSupported for features the backward
+    families do not implement."""
     q, k, v, out, lse = ctx.saved_tensors
+    refuse_unsupported("bwddet" if ctx.deterministic else "bwd", ctx.features, q,
+                       "flashtune.attention's backward pass")
     dq, dk, dv = attention_bwd(grad_out, q, k, v, out, lse, grad_lse, ctx.causal,
                                ctx.softmax_scale, ctx.deterministic, ctx.backend)
-    return dq, dk, dv, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -142,20 +158,25 @@ def direct_call_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               softmax_scale: float | None = ..., return_lse: Literal[False] = ...,
-              backend: str | None = ..., deterministic: bool | None = ...) -> torch.Tensor: ...
+              backend: str | None = ..., deterministic: bool | None = ...,
+              window_size: tuple[int, int] = ..., softcap: float | None = ...,
+              alibi_slopes: torch.Tensor | None = ...) -> torch.Tensor: ...
 
 
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               softmax_scale: float | None = ..., return_lse: Literal[True],
-              backend: str | None = ..., deterministic: bool | None = ...
-              ) -> tuple[torch.Tensor, torch.Tensor]: ...
+              backend: str | None = ..., deterministic: bool | None = ...,
+              window_size: tuple[int, int] = ..., softcap: float | None = ...,
+              alibi_slopes: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
               softmax_scale: float | None = ..., return_lse: bool,
-              backend: str | None = ..., deterministic: bool | None = ...
+              backend: str | None = ..., deterministic: bool | None = ...,
+              window_size: tuple[int, int] = ..., softcap: float | None = ...,
+              alibi_slopes: torch.Tensor | None = ...
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -169,6 +190,9 @@ def attention(
     return_lse: bool = False,
     backend: str | None = None,
     deterministic: bool | None = None,
+    window_size: tuple[int, int] = NO_WINDOW,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention in flash-attn's layout.
 
@@ -185,6 +209,15 @@ def attention(
     ``deterministic=True`` makes them bitwise reproducible run to run on one device (dQ is
     summed over key tiles in a fixed order, somewhat slower); False allows float32 atomics,
     whose order varies; None (default) follows ``torch.use_deterministic_algorithms``.
+
+    Features (flash-attn's keywords; the forward only, a backward through them raises
+    FeatureNotSupported): ``window_size=(left, right)``: query i sees key j only if
+    i + Nk - Nq - left <= j <= i + Nk - Nq + right, -1 meaning unbounded on that side
+    (``causal=True`` sets right to 0); key tiles outside every row's window are skipped.
+    ``softcap``: scores s become softcap * tanh(s / softcap) (None: off; else > 0).
+    ``alibi_slopes``: float32 (Hq,) or (B, Hq) on q's device; scores get the bias
+    -slope * |i + Nk - Nq - j|. Each is a compile-time variant of the kernel (its own
+    tuning key), not a run-time branch.
     """
     check_attention_inputs(q, k, v)
     if not isinstance(causal, bool):
@@ -192,10 +225,18 @@ def attention(
     scale = check_softmax_scale(softmax_scale, q.shape[3])
     ordered = _deterministic(deterministic)
     name = "" if backend is None else backend
-    if not _needs_grad(q, k, v) and direct_call_ok(q, k, v):
-        out, lse = _fwd.forward(q, k, v, causal, scale, name)
+    if window_size == NO_WINDOW and softcap is None and alibi_slopes is None:
+        variant = None
     else:
+        variant = resolve(causal, window_size, softcap, alibi_slopes, q, k)
+        causal = variant.causal
+    if not _needs_grad(q, k, v) and direct_call_ok(q, k, v, alibi_slopes):
+        out, lse = _fwd.forward(q, k, v, causal, scale, name, variant)
+    elif variant is None:
         out, lse = attention_fwd(q, k, v, causal, scale, name, ordered)
+    else:
+        out, lse = attention_fwd(q, k, v, causal, scale, name, ordered, *variant.window,
+                                 variant.softcap, variant.alibi_slopes)
     return (out, lse) if return_lse else out
 
 
@@ -259,15 +300,20 @@ def explain(
     causal: bool = False,
     backend: str | None = None,
     arch: str | None = None,
+    window_size: tuple[int, int] = NO_WINDOW,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> Decision:
     """Which config flashtune would run for this call, and why (nothing is compiled).
 
     ``str(decision)`` or ``decision.describe()`` prints the problem, bucket, device, the tier
     that answered (exact, nearest, same_arch, default) and the config. ``arch`` asks about a
-    virtual GPU of that arch instead of the tensors' device (meta tensors work too).
+    virtual GPU of that arch instead of the tensors' device (meta tensors work too). The
+    features (``window_size``, ``softcap``, ``alibi_slopes``) are as in ``attention``.
     """
     check_attention_inputs(q, k, v)
     if q.device.type == "meta" and arch is None:
         arch = _fwd.emulator_arch()
-    decision, _ = _fwd.decide(q, k, causal, backend, arch)
+    variant = resolve(causal, window_size, softcap, alibi_slopes, q, k)
+    decision, _ = _fwd.decide(q, k, variant.causal, backend, arch, features=variant.features)
     return decision

@@ -1,0 +1,136 @@
+"""The attention features of one API call: validation, normalisation, and refusal where a
+kernel family does not implement them.
+
+The keyword arguments are flash-attn's: ``window_size=(left, right)`` (-1: unbounded on that
+side; ``causal=True`` is the window (-1, 0) and, with a window, sets its right side to 0),
+``softcap`` (None: off; else a cap > 0) and ``alibi_slopes`` (float32 (heads_q,) or
+(batch, heads_q) on the tensors' device). ``resolve`` turns them into a ``Variant``: the
+compile-time feature switches of the Problem and the run-time values of the launch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from flashtune import families
+from flashtune.codegen.spec import Problem
+from flashtune.errors import FeatureNotSupported, InvalidInput
+from flashtune.families.base import TORCH_DTYPES
+
+NO_WINDOW = (-1, -1)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The features of one call after validation: ``causal`` and a ``window`` exclude each
+    other (a causal window is (left, 0)); a window of (-1, -1), a softcap of 0.0 and no
+    slopes mean the feature is off."""
+
+    causal: bool
+    window: tuple[int, int] = NO_WINDOW
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """The Problem feature switches this call needs, in key order."""
+        on = (("window", self.window != NO_WINDOW), ("softcap", self.softcap > 0.0),
+              ("alibi", self.alibi_slopes is not None))
+        return tuple(name for name, flag in on if flag)
+
+
+def check_window_size(window_size: object) -> tuple[int, int]:
+    """(left, right) as ints >= -1; InvalidInput otherwise."""
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, numbers.Integral)
+                   for w in window_size)):
+        raise InvalidInput(f"window_size={window_size!r} must be a pair of ints (left, right), "
+                           "e.g. (256, 0) for a causal sliding window of 256 keys; -1 means "
+                           "unbounded on that side")
+    left, right = int(window_size[0]), int(window_size[1])
+    if left < -1 or right < -1:
+        raise InvalidInput(f"window_size={tuple(window_size)!r} has a size below -1; expected "
+                           "-1 (unbounded) or a number of keys >= 0 on each side")
+    return left, right
+
+
+def check_softcap(softcap: object) -> float:
+    """The cap as a float (0.0 for None: no softcapping); InvalidInput unless finite > 0."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise InvalidInput(f"softcap={softcap!r} must be a float > 0 (scores become "
+                           "softcap * tanh(scores / softcap)) or None for no softcapping")
+    cap = float(softcap)
+    if not (math.isfinite(cap) and cap > 0.0):
+        raise InvalidInput(f"softcap={softcap!r} is not a finite number > 0; expected e.g. "
+                           "softcap=30.0, or softcap=None (not 0.0) for no softcapping")
+    return cap
+
+
+def check_alibi_slopes(slopes: object, q: torch.Tensor) -> torch.Tensor | None:
+    """The slopes with a contiguous last dim, or None; InvalidInput unless float32 of shape
+    (heads_q,) or (batch, heads_q) on q's device."""
+    if slopes is None:
+        return None
+    batch, _, heads_q, _ = q.shape
+    if not isinstance(slopes, torch.Tensor):
+        raise InvalidInput(f"alibi_slopes must be a torch.Tensor, got {type(slopes).__name__}; "
+                           f"expected float32 of shape ({heads_q},) or ({batch}, {heads_q})")
+    if slopes.dtype != torch.float32:
+        raise InvalidInput(f"alibi_slopes has dtype {slopes.dtype}; expected torch.float32. "
+                           "Convert with alibi_slopes.float()")
+    if tuple(slopes.shape) not in ((heads_q,), (batch, heads_q)):
+        raise InvalidInput(f"alibi_slopes has shape {tuple(slopes.shape)}; expected "
+                           f"({heads_q},) (one slope per query head) or ({batch}, {heads_q}) "
+                           "(per batch and query head)")
+    if slopes.device != q.device:
+        raise InvalidInput(f"alibi_slopes is on {slopes.device} but q is on {q.device}; move "
+                           "it with alibi_slopes.to(q.device)")
+    if slopes.layout != torch.strided:
+        raise InvalidInput(f"alibi_slopes has layout {slopes.layout}; expected a dense tensor")
+    return slopes if slopes.stride(-1) == 1 else slopes.contiguous()
+
+
+def resolve(causal: bool, window_size: object, softcap: object, alibi_slopes: object,
+            q: torch.Tensor, k: torch.Tensor | None) -> Variant:
+    """The validated features of a call on q (B, Nq, Hq, D) and k (B, Nk, Hkv, D).
+
+    A window is normalised to the cheapest equal mask: the window (-1, 0) is ``causal``,
+    and, when ``k`` is given (None: the key count is not known on the host), a side that
+    reaches every key from every row becomes -1. Without a window the mask is ``causal`` as
+    given.
+    """
+    left, right = check_window_size(window_size)
+    cap = check_softcap(softcap)
+    slopes = check_alibi_slopes(alibi_slopes, q)
+    window = NO_WINDOW
+    if (left, right) != NO_WINDOW:
+        if causal:
+            right = 0
+        if k is not None:
+            if left >= k.shape[1] - 1:  # row Nq - 1 reaches key 0
+                left = -1
+            if right >= q.shape[1] - 1:  # row 0 reaches key Nk - 1
+                right = -1
+        causal = (left, right) == (-1, 0)
+        window = NO_WINDOW if causal else (left, right)
+    return Variant(causal, window, cap, slopes)
+
+
+def refuse_unsupported(op: str, features: tuple[str, ...], q: torch.Tensor, what: str
+                       ) -> None:
+    """FeatureNotSupported when kernel family ``op`` does not implement ``features`` (for a
+    call on validated ``q``); ``what`` names the operation for the message."""
+    if not features:
+        return
+    dtype = next(d for d, t in TORCH_DTYPES.items() if t == q.dtype)
+    problem = Problem(head_dim=q.shape[-1], dtype=dtype, op=op, **{f: True for f in features})
+    try:
+        families.get(op).check_problem(problem)
+    except FeatureNotSupported as exc:
+        raise FeatureNotSupported(f"{what}: {exc}") from None

@@ -1,0 +1,167 @@
+"""The attention features through the public API (``window_size``, ``softcap``,
+``alibi_slopes``): numerics on the emulator against the float64 reference, normalisation of
+windows to the cheapest mask, clear errors for bad values, and refusal (FeatureNotSupported)
+by the operations whose kernel families do not implement them (backward, decoding)."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+import torch
+from runtime_helpers import qkv
+
+import flashtune
+from flashtune import families
+from flashtune.codegen.arch import get_arch
+from flashtune.codegen.spec import FEATURES, DType, Problem
+from flashtune.errors import FeatureNotSupported, InvalidInput
+from flashtune.families.fwd.reference import attention_reference
+from flashtune.families.fwd.variants import SOFTCAPS, WINDOW_SIZES
+from flashtune.runtime import ops
+
+_RNG = random.Random(int(os.environ["FLASHTUNE_TEST_SEED"]))
+TOL = {torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+
+
+def _check(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+           v: torch.Tensor, causal: bool, where: str, **features: object) -> None:
+    ref_o, ref_lse = attention_reference(q, k, v, causal, q.shape[-1] ** -0.5,
+                                         **features)  # type: ignore[arg-type]
+    assert not out.isnan().any() and not lse.isnan().any(), where
+    err = float((out.double() - ref_o).abs().max())
+    assert err <= TOL[q.dtype] * max(1.0, float(v.abs().max())), f"{where}: max |err| {err}"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), where
+    if finite.any():
+        assert float((lse[finite].double() - ref_lse[finite]).abs().max()) < 2e-3, where
+
+
+@pytest.mark.emulator
+@pytest.mark.usefixtures("dispatcher", "poisoned_outputs")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_features_through_the_api_match_the_reference(dtype: torch.dtype) -> None:
+    """A seeded window, cap and ALiBi slopes, with causal and GQA, on both dtypes."""
+    seed = _RNG.randrange(2**31)
+    rng = random.Random(seed)
+    window = rng.choice([p for p in ((a, b) for a in WINDOW_SIZES for b in WINDOW_SIZES)
+                         if p != (-1, -1)])
+    cap = rng.choice(SOFTCAPS)
+    q, k, v = qkv(2, 90, 120, 4, 2, 64, dtype=dtype, seed=seed)
+    slopes = torch.rand(2, 4, generator=torch.Generator().manual_seed(seed))
+    causal = rng.random() < 0.5
+    out, lse = flashtune.attention(q, k, v, causal=causal, window_size=window, softcap=cap,
+                                   alibi_slopes=slopes, return_lse=True, backend="emulator")
+    ref_window = (window[0], 0) if causal else window
+    _check(out, lse, q, k, v, False, f"seed={seed} window={window} cap={cap} causal={causal}",
+           window=ref_window, softcap=cap, alibi_slopes=slopes)
+
+
+@pytest.mark.emulator
+@pytest.mark.usefixtures("dispatcher", "poisoned_outputs")
+def test_each_feature_alone_and_per_head_slopes() -> None:
+    seed = _RNG.randrange(2**31)
+    q, k, v = qkv(1, 70, 70, 2, 1, 32, seed=seed)
+    slopes = torch.tensor([0.5, 0.125])
+    out, lse = flashtune.attention(q, k, v, alibi_slopes=slopes, return_lse=True,
+                                   backend="emulator")
+    _check(out, lse, q, k, v, False, f"alibi seed={seed}", alibi_slopes=slopes)
+    out, lse = flashtune.attention(q, k, v, softcap=5.0, causal=True, return_lse=True,
+                                   backend="emulator")
+    _check(out, lse, q, k, v, True, f"softcap seed={seed}", softcap=5.0)
+    out, lse = flashtune.attention(q, k, v, window_size=(16, 3), return_lse=True,
+                                   backend="emulator")
+    _check(out, lse, q, k, v, False, f"window seed={seed}", window=(16, 3))
+
+
+@pytest.mark.emulator
+@pytest.mark.usefixtures("dispatcher")
+def test_the_op_path_takes_the_same_features() -> None:
+    """Inputs that need a gradient go through the custom op: same outputs as the direct
+    call; a backward through them is refused naming the feature and the family."""
+    q, k, v = qkv(1, 40, 40, 2, 2, 32, seed=3)
+    direct = flashtune.attention(q, k, v, window_size=(8, 8), softcap=30.0,
+                                 backend="emulator")
+    qg = q.clone().requires_grad_()
+    through_op = flashtune.attention(qg, k, v, window_size=(8, 8), softcap=30.0,
+                                     backend="emulator")
+    assert torch.equal(direct, through_op.detach())
+    with pytest.raises(FeatureNotSupported, match=r"sliding-window.*softcapping") as info:
+        through_op.sum().backward()
+    assert "'bwd' kernel family" in str(info.value)
+    assert isinstance(info.value, NotImplementedError)
+
+
+def test_windows_resolve_to_the_cheapest_equal_mask() -> None:
+    q, k, v = (t.to("meta") for t in qkv(1, 100, 300, 2, 2, 64))
+
+    def key(**kwargs: object) -> str:
+        return ops.explain(q, k, v, arch="sm_80", **kwargs).problem.key()  # type: ignore[arg-type]
+
+    assert key(window_size=(-1, 0)) == "fwd_d64_fp16_causal"
+    assert key(window_size=(299, 0)) == "fwd_d64_fp16_causal"  # reaches key 0 from every row
+    assert key(window_size=(298, 0)) == "fwd_d64_fp16_local"
+    assert key(window_size=(10, 99)) == key(window_size=(10, -1))  # row 0 sees the last key
+    assert key(window_size=(10, 500), causal=True) == "fwd_d64_fp16_local"
+    assert key(window_size=(500, 500)) == "fwd_d64_fp16_full"
+    assert key(softcap=30.0, alibi_slopes=torch.ones(2, device="meta")) == (
+        "fwd_d64_fp16_full_softcap_alibi")
+    assert key() == "fwd_d64_fp16_full" and key(causal=True) == "fwd_d64_fp16_causal"
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"window_size": (-2, 0)}, "has a size below -1"),
+    ({"window_size": (4,)}, "must be a pair of ints"),
+    ({"window_size": (True, 0)}, "must be a pair of ints"),
+    ({"window_size": (1.5, 0)}, "must be a pair of ints"),
+    ({"softcap": 0.0}, "not 0.0) for no softcapping"),
+    ({"softcap": -5.0}, "is not a finite number > 0"),
+    ({"softcap": math.nan}, "is not a finite number > 0"),
+    ({"softcap": "30"}, "must be a float > 0"),
+    ({"alibi_slopes": torch.ones(3)}, "expected (2,) (one slope per query head) or (1, 2)"),
+    ({"alibi_slopes": torch.ones(2, 2)}, "has shape (2, 2)"),
+    ({"alibi_slopes": torch.ones(2, dtype=torch.float16)}, "expected torch.float32"),
+    ({"alibi_slopes": [0.5, 0.25]}, "must be a torch.Tensor"),
+    ({"alibi_slopes": torch.ones(2, device="meta")}, "alibi_slopes.to(q.device)"),
+])
+def test_bad_feature_values_are_refused_with_the_fix(kwargs: dict[str, object],
+                                                     needle: str) -> None:
+    q, k, v = qkv(1, 8, 8, 2, 2, 32)
+    with pytest.raises(InvalidInput) as info:
+        flashtune.attention(q, k, v, backend="emulator", **kwargs)  # type: ignore[arg-type]
+    assert needle in str(info.value)
+
+
+def test_decoding_refuses_features_it_does_not_implement() -> None:
+    q = torch.randn(1, 1, 2, 64, dtype=torch.float16)
+    cache = torch.randn(1, 32, 2, 64, dtype=torch.float16)
+    lens = torch.tensor([20], dtype=torch.int32)
+    with pytest.raises(FeatureNotSupported, match="'decode' kernel family") as info:
+        flashtune.attention_with_kvcache(q, cache, cache, lens, softcap=30.0,
+                                         backend="emulator")
+    assert "logit softcapping (softcap)" in str(info.value)
+    with pytest.raises(FeatureNotSupported, match=r"ALiBi biases \(alibi_slopes\)"):
+        flashtune.attention_with_kvcache(q, cache, cache, lens, alibi_slopes=torch.ones(2),
+                                         backend="emulator")
+    with pytest.raises(InvalidInput, match="below -1"):  # still validated
+        flashtune.attention_with_kvcache(q, cache, cache, lens, window_size=(-3, 0),
+                                         backend="emulator")
+
+
+@pytest.mark.parametrize("family", [f.op for f in families.all_families()])
+def test_every_family_serves_or_refuses_each_feature(family: str) -> None:
+    """No family silently computes plain attention for a feature problem: it implements the
+    feature (renders with it) or refuses it naming the feature and itself."""
+    impl = families.get(family)
+    for name in FEATURES:
+        problem = Problem(64, DType.FP16, op=family, **{name: True})  # type: ignore[arg-type]
+        if name in impl.features:
+            impl.check_problem(problem)
+            continue
+        with pytest.raises(FeatureNotSupported, match=f"'{family}' kernel family") as info:
+            impl.render(problem, impl.default_config(Problem(64, DType.FP16, op=family),
+                                                     get_arch("sm_80")))
+        keyword = {"window": "window_size", "softcap": "softcap", "alibi": "alibi_slopes"}[name]
+        assert f"({keyword})" in str(info.value)
