@@ -74,11 +74,12 @@ def seq_bucket(seqlen: int) -> int:
 
 
 #: The feature switches of a Problem beyond the mask, in key order (see ``Problem``).
-FEATURES: tuple[str, ...] = ("window", "softcap", "alibi")
+FEATURES: tuple[str, ...] = ("window", "softcap", "alibi", "varlen")
 #: What each feature switch is called in messages (the API's keyword in parentheses).
 FEATURE_NAMES: dict[str, str] = {"window": "sliding-window attention (window_size)",
                                  "softcap": "logit softcapping (softcap)",
-                                 "alibi": "ALiBi biases (alibi_slopes)"}
+                                 "alibi": "ALiBi biases (alibi_slopes)",
+                                 "varlen": "variable-length batches (attention_varlen)"}
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,9 @@ class Problem:
         (left, right) and -1 meaning unbounded on that side. A causal window is the window
         (left, 0), so ``causal`` and ``window`` are exclusive;
       softcap: scores become cap * tanh(scale * q.k / cap) (a run-time cap > 0);
-      alibi: scores get the bias -slope * |i + Nk - Nq - j| (run-time per-head slopes).
+      alibi: scores get the bias -slope * |i + Nk - Nq - j| (run-time per-head slopes);
+      varlen: the batch is packed (total rows, heads, dim) with run-time cumulative lengths
+        per sequence (flash-attn's varlen layout); the masks apply per sequence.
     """
 
     head_dim: int
@@ -105,6 +108,7 @@ class Problem:
     window: bool = False
     softcap: bool = False
     alibi: bool = False
+    varlen: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _enum(DType, self.dtype, "dtype"))
@@ -145,7 +149,7 @@ class Problem:
         return f"{self.op}_d{self.head_dim}_{self.dtype.value}_{self.mask}{extra}"
 
     _KEY_RE = re.compile(r"^([a-z][a-z0-9]{0,15})_d(\d{1,3})_(fp16|bf16)_(causal|full|local)"
-                         r"(_softcap)?(_alibi)?$")
+                         r"(_softcap)?(_alibi)?(_varlen)?$")
 
     @classmethod
     def from_key(cls, key: str) -> Problem:
@@ -155,10 +159,10 @@ class Problem:
                 f"problem key {key!r} is malformed; expected e.g. 'fwd_d128_bf16_causal' "
                 "(or with a feature: 'fwd_d64_fp16_local_softcap_alibi')"
             )
-        op, hd, dt, mask, softcap, alibi = match.groups()
+        op, hd, dt, mask, softcap, alibi, varlen = match.groups()
         return cls(head_dim=int(hd), dtype=DType(dt), causal=mask == "causal", op=op,
                    window=mask == "local", softcap=softcap is not None,
-                   alibi=alibi is not None)
+                   alibi=alibi is not None, varlen=varlen is not None)
 
     def to_dict(self) -> dict[str, Any]:
         """The fields; a feature switch appears only when it is on (so a plain problem's

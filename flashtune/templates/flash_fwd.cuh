@@ -55,6 +55,12 @@ struct VariantArgs {
   float softcap = 0.0f;   // the cap (> 0)
   const float* alibi_slopes = nullptr;  // float32 slopes of (batch, heads_q) or (heads_q)
   long long alibi_batch_stride = 0;     // 0: one slope per head for every batch
+  // Varlen: sequence b is rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of the packed Q and O
+  // (and likewise for K, V); seqlen_q and seqlen_k of FwdParams are then the total rows of
+  // the packed tensors, and the LSE is (heads_q, total rows of Q).
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  int max_seqlen_q = 0;  // the longest query sequence (sizes the grid)
 
   // The window's sizes with "all" as the largest size that can matter (so that row and key
   // arithmetic stays in 32 bits): left = seqlen_k, right = seqlen_q.
@@ -90,8 +96,17 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element>& 
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
-  const int seqlen_q = a.seqlen_q;
-  const int seqlen_k = a.seqlen_k;
+  int seqlen_q = a.seqlen_q;
+  int seqlen_k = a.seqlen_k;
+  long long q_start = 0;  // varlen: the sequence's first row in the packed Q and O
+  long long k_start = 0;  // ... and in the packed K and V
+  if constexpr (Tr::kVarlen) {
+    q_start = a.var.cu_seqlens_q[batch];
+    k_start = a.var.cu_seqlens_k[batch];
+    seqlen_q = a.var.cu_seqlens_q[batch + 1] - static_cast<int>(q_start);
+    seqlen_k = a.var.cu_seqlens_k[batch + 1] - static_cast<int>(k_start);
+    if (m_block * kBlockM >= seqlen_q) return;  // the grid is sized by the longest sequence
+  }
   const int kv_head = head / (a.heads_q / a.heads_kv);
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = lane_id();
@@ -99,11 +114,18 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element>& 
 
   // Row 0 of this (batch, head) in each tensor (64-bit offsets). The outputs' are formed
   // where they are written, so that they hold no registers across the main loop.
-  const Element* q_bh = a.q + batch * a.q_batch_stride + head * a.q_head_stride;
-  const Element* k_bh = a.k + batch * a.k_batch_stride + kv_head * a.k_head_stride;
-  const Element* v_bh = a.v + batch * a.v_batch_stride + kv_head * a.v_head_stride;
-  auto o_rows = [&]() { return a.o + batch * a.o_batch_stride + head * a.o_head_stride; };
+  const Element* q_bh = a.q + (Tr::kVarlen ? q_start * a.q_row_stride : batch * a.q_batch_stride) +
+                        head * a.q_head_stride;
+  const Element* k_bh = a.k + (Tr::kVarlen ? k_start * a.k_row_stride : batch * a.k_batch_stride) +
+                        kv_head * a.k_head_stride;
+  const Element* v_bh = a.v + (Tr::kVarlen ? k_start * a.v_row_stride : batch * a.v_batch_stride) +
+                        kv_head * a.v_head_stride;
+  auto o_rows = [&]() {
+    return a.o + (Tr::kVarlen ? q_start * a.o_row_stride : batch * a.o_batch_stride) +
+           head * a.o_head_stride;
+  };
   auto lse_rows = [&]() {
+    if constexpr (Tr::kVarlen) return a.lse + static_cast<long long>(head) * a.seqlen_q + q_start;
     return a.lse + (static_cast<long long>(batch) * a.heads_q + head) * seqlen_q;
   };
 
@@ -252,7 +274,8 @@ __device__ __forceinline__ void flash_fwd(const FwdParams<typename Tr::Element>&
   FT_DYNAMIC_SMEM(unsigned char, smem);
   zero_pad_columns<Tr>(reinterpret_cast<typename Tr::Element*>(smem),
                        static_cast<int>(threadIdx.x));
-  const int m_blocks = (a.seqlen_q + Tr::kBlockM - 1) / Tr::kBlockM;
+  const int m_blocks = ((Tr::kVarlen ? a.var.max_seqlen_q : a.seqlen_q) + Tr::kBlockM - 1) /
+                       Tr::kBlockM;
   if constexpr (kPersistent) {
     const int head = static_cast<int>(blockIdx.y);
     const int batch = static_cast<int>(blockIdx.z);

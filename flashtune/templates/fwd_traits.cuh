@@ -59,11 +59,12 @@ struct Layout<RowChunks, true> {
 //   Local: a sliding window (run-time sizes left, right); key tiles outside the window of
 //     every row of a block are never visited, the ones crossing its edges are masked;
 //   Softcap: scores pass through cap * tanh(scale * s / cap) (run-time cap);
-//   Alibi: scores get the bias -slope * |i + Nk - Nq - j| (run-time per-head slopes).
+//   Alibi: scores get the bias -slope * |i + Nk - Nq - j| (run-time per-head slopes);
+//   Varlen: sequences of run-time lengths packed along the rows (cu_seqlens on the device).
 template <typename Element_, int HeadDim, int HeadDimPadded, int BlockM, int BlockN,
           int NumWarps, int NumStages, bool Causal, int RowPad, bool Swizzle = false,
           bool QInRegs = false, bool Pipelined = false, bool Local = false,
-          bool Softcap = false, bool Alibi = false>
+          bool Softcap = false, bool Alibi = false, bool Varlen = false>
 struct FwdTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
@@ -83,6 +84,7 @@ struct FwdTraits {
   static constexpr bool kLocal = Local;
   static constexpr bool kSoftcap = Softcap;
   static constexpr bool kAlibi = Alibi;
+  static constexpr bool kVarlen = Varlen;
   // Whether scores are transformed before the softmax (softcap, ALiBi).
   static constexpr bool kTransformed = Softcap || Alibi;
   static constexpr int kThreads = 32 * NumWarps;

@@ -23,10 +23,11 @@ ALL_PROBLEMS = [
 ] + [
     # Every combination of the feature switches (a window excludes causal).
     Problem(head_dim=64, dtype=DType.BF16, causal=mask == "causal", window=mask == "local",
-            softcap=softcap, alibi=alibi)
-    for mask, softcap, alibi in itertools.product(("full", "causal", "local"), (False, True),
-                                                  (False, True))
-    if mask == "local" or softcap or alibi
+            softcap=softcap, alibi=alibi, varlen=varlen)
+    for mask, softcap, alibi, varlen in itertools.product(("full", "causal", "local"),
+                                                          (False, True), (False, True),
+                                                          (False, True))
+    if mask == "local" or softcap or alibi or varlen
 ]
 
 

@@ -1,5 +1,6 @@
 """The forward kernel's attention features in the CPU emulator against the float64 reference:
-sliding windows, softcap, ALiBi, and their combinations with causal masks and GQA.
+sliding windows, softcap, ALiBi, varlen (packed sequences), and their combinations with
+causal masks and GQA.
 
 Every launch goes through the forward family (``random_inputs`` from a printed seed, the
 feature values set here, NaN-poisoned outputs, ``compare`` against ``reference``). Window
@@ -112,6 +113,14 @@ CASES: tuple[tuple[Problem, KernelConfig, Shape, Values], ...] = (
     # Window + softcap + GQA, bf16, one warp, tiles of 16.
     (Problem(64, DType.BF16, window=True, softcap=True), KernelConfig(16, 16, 1, 2),
      Shape(2, 2, 1, 60, 70), Values(_window(), _RNG.choice(SOFTCAPS))),
+    # Varlen self-attention: many short sequences, a few long, lengths drawn by the family.
+    (Problem(64, DType.FP16, varlen=True), _C, Shape(8, 2, 1, 200, 200), Values()),
+    # Varlen causal with other key lengths per sequence (bottom-right per sequence), bf16.
+    (Problem(32, DType.BF16, causal=True, varlen=True), KernelConfig(64, 32, 4, 3),
+     Shape(6, 2, 2, 130, 180), Values()),
+    # Varlen + window + softcap + ALiBi + GQA 4:2.
+    (Problem(64, DType.FP16, window=True, softcap=True, alibi=True, varlen=True), _C,
+     Shape(5, 4, 2, 160, 160), Values(_window(), _RNG.choice(SOFTCAPS))),
 )
 
 
@@ -157,9 +166,42 @@ def test_tiles_outside_the_window_are_skipped(window: tuple[int, int]) -> None:
     assert list(counters.block_mma) == expected
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_with_empty_sequences(causal: bool) -> None:
+    """Sequences with no queries (no rows written), no keys (O = 0, LSE = +inf), both, and
+    a long one, in a packed batch; the grid is sized by the longest query sequence."""
+    problem = Problem(64, DType.BF16, causal=causal, varlen=True)
+    lens_q, lens_k = [0, 70, 5, 0, 130, 9], [3, 0, 5, 0, 100, 200]
+    seed = _seed()
+    drawn = FORWARD.random_inputs(problem, Shape(len(lens_q), 2, 1, 130, 200), "cpu", seed)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {
+        "q": torch.randn(1, sum(lens_q), 2, 64, generator=gen).bfloat16(),
+        "k": torch.randn(1, sum(lens_k), 1, 64, generator=gen).bfloat16(),
+        "v": torch.randn(1, sum(lens_k), 1, 64, generator=gen).bfloat16(),
+        "cu_seqlens_q": torch.tensor([0, *itertools.accumulate(lens_q)], dtype=torch.int32),
+        "cu_seqlens_k": torch.tensor([0, *itertools.accumulate(lens_k)], dtype=torch.int32)}
+    inputs = Inputs(tensors, dict(drawn.scalars) | {"max_seqlen_q": 130})
+    shape = Shape(len(lens_q), 2, 1, 130, 200)
+    config = KernelConfig(64, 32, 4, 2)
+    kernel = EmulatorBackend().load(render(problem, config))
+    outputs = FORWARD.empty_outputs(problem, shape, inputs, poison=True)
+    plan = FORWARD.launch_plan(problem, config, shape, inputs, outputs)
+    assert plan.grid == (3, 2, 6)
+    kernel.launch(plan.grid, plan.args)
+    reference = FORWARD.reference(problem, inputs)
+    verdict = FORWARD.compare(problem, shape, outputs, reference)
+    assert verdict.ok, f"seed={seed}: {verdict.message}"
+    no_keys = slice(0, 70)  # rows of the second sequence (70 queries, no keys)
+    assert (outputs["o"][0, no_keys] == 0).all()
+    assert torch.isposinf(outputs["lse"][0, :, no_keys]).all()
+
+
 HEAD_DIMS = (32, 64, 72, 96, 128, 160, 192, 224, 256)
 _SWEEP_FEATURES = ({"window": True}, {"softcap": True}, {"alibi": True},
                    {"window": True, "softcap": True, "alibi": True},
+                   {"varlen": True, "causal": True},
+                   {"varlen": True, "window": True, "softcap": True},
                    {"causal": True, "softcap": True, "alibi": True})
 SWEEP = [(Problem(hd, dt, **flags), i)  # type: ignore[arg-type]
          for i, (hd, dt, flags) in enumerate(itertools.product(HEAD_DIMS, DType,
@@ -176,7 +218,8 @@ def test_feature_grid(problem: Problem, index: int) -> None:
                     SOFTCAPS[index % len(SOFTCAPS)] if problem.softcap else None,
                     slopes_per_batch=index % 2 == 0)
     lengths = ((128, 128), (77, 300), (300, 77), (1, 200), (200, 1))[index % 5]
-    run_case(problem, KernelConfig(64, 32, 4, 1), Shape(2, 2, 1, *lengths), values,
+    batch = 6 if problem.varlen else 2
+    run_case(problem, KernelConfig(64, 32, 4, 1), Shape(batch, 2, 1, *lengths), values,
              index * 7919 + 1)
 
 
@@ -192,6 +235,6 @@ def test_every_window_pair(window: tuple[int, int]) -> None:
 
 def test_cases_exercise_every_feature() -> None:
     seen = {name for p, _, _, _ in CASES for name in p.features}
-    assert seen == {"window", "softcap", "alibi"}
+    assert seen == {"window", "softcap", "alibi", "varlen"}
     assert any(p.window and p.softcap and s.heads_q > s.heads_kv for p, _, s, _ in CASES)
     assert torch.float32  # the slopes' dtype is the family's (checked in the API tests)

@@ -26,7 +26,11 @@ from flashtune.families.base import (
     sm_count,
 )
 from flashtune.families.fwd import args, defaults, knobs, space, variants
-from flashtune.families.fwd.reference import attention_reference, o_and_lse_checks
+from flashtune.families.fwd.reference import (
+    attention_reference,
+    o_and_lse_checks,
+    varlen_reference,
+)
 
 
 class ForwardFamily(KernelFamily):
@@ -35,7 +39,7 @@ class ForwardFamily(KernelFamily):
     op = "fwd"
     title = "attention forward (FlashAttention-2: O and LSE)"
     template = "flash_fwd.cu.jinja"
-    features = frozenset({"window", "softcap", "alibi"})
+    features = frozenset({"window", "softcap", "alibi", "varlen"})
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.SPACE
@@ -85,19 +89,26 @@ class ForwardFamily(KernelFamily):
 
     def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       seed: int | None = None) -> Inputs:
+        """Random q, k, v (packed, for varlen: ``variants.random_varlen``) and the values of
+        the problem's features."""
         gen = generator(device, seed)
-        tensors = {"q": random_rows(problem, shape, shape.seqlen_q, shape.heads_q, gen, device),
-                   "k": random_rows(problem, shape, shape.seqlen_k, shape.heads_kv, gen, device),
-                   "v": random_rows(problem, shape, shape.seqlen_k, shape.heads_kv, gen, device)}
         scalars, extra = variants.random_values(problem, shape, gen, device)
+        if problem.varlen:
+            tensors, scalars["max_seqlen_q"] = variants.random_varlen(problem, shape, gen, device)
+        else:
+            tensors = {name: random_rows(problem, shape, n, heads, gen, device)
+                       for name, n, heads in (("q", shape.seqlen_q, shape.heads_q),
+                                              ("k", shape.seqlen_k, shape.heads_kv),
+                                              ("v", shape.seqlen_k, shape.heads_kv))}
         return Inputs(tensors | extra, {"softmax_scale": problem.head_dim ** -0.5} | scalars)
 
     def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
                       poison: bool) -> dict[str, torch.Tensor]:
         q = inputs.tensors["q"]
         o = torch.empty_like(q)
-        lse = torch.empty(shape.batch, shape.heads_q, shape.seqlen_q, dtype=torch.float32,
-                          device=q.device)
+        rows = (1, shape.heads_q, q.shape[1]) if problem.varlen else (
+            shape.batch, shape.heads_q, shape.seqlen_q)
+        lse = torch.empty(rows, dtype=torch.float32, device=q.device)
         if poison:
             o.fill_(float("nan"))
             lse.fill_(float("nan"))
@@ -109,8 +120,12 @@ class ForwardFamily(KernelFamily):
         values = variants.VariantValues.of(inputs)
         packed = args.pack_args(t["q"], t["k"], t["v"], outputs["o"], outputs["lse"],
                                 inputs.scalars["softmax_scale"]) + args.variant_args(
-            problem, values.window, values.softcap, values.alibi_slopes)
-        grid = args.grid(shape.seqlen_q, shape.heads_q, shape.batch, config.block_m)
+            problem, values.window, values.softcap, values.alibi_slopes, values.varlen)
+        if values.varlen is not None:
+            grid = args.grid(values.varlen.max_seqlen_q, shape.heads_q, values.varlen.batch,
+                             config.block_m)
+        else:
+            grid = args.grid(shape.seqlen_q, shape.heads_q, shape.batch, config.block_m)
         if knobs.knob(config, knobs.PERSISTENT):
             blocks_per_sm = max(args.PERSISTENT_BLOCKS_PER_SM,
                                 int(knobs.knob(config, knobs.MINBLOCKS)))
@@ -120,6 +135,13 @@ class ForwardFamily(KernelFamily):
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
         t = inputs.tensors
         values = variants.VariantValues.of(inputs).only(problem)
+        if values.varlen is not None:
+            o, lse = varlen_reference(t["q"][0], t["k"][0], t["v"][0],
+                                      values.varlen.cu_seqlens_q, values.varlen.cu_seqlens_k,
+                                      problem.causal, inputs.scalars["softmax_scale"],
+                                      window=values.window, softcap=values.softcap or None,
+                                      alibi_slopes=values.alibi_slopes)
+            return {"o": o[None], "lse": lse[None]}
         o, lse = attention_reference(t["q"], t["k"], t["v"], problem.causal,
                                      inputs.scalars["softmax_scale"], window=values.window,
                                      softcap=values.softcap or None,

@@ -7,7 +7,12 @@
     then the features' values, those of the Problem's switches only (``variant_args``):
       window: window_left, window_right (int32; -1 unbounded);
       softcap: softcap (float32, > 0);
-      alibi: alibi_slopes (const float*), alibi_batch_stride (int64; 0 for (heads_q,) slopes)
+      alibi: alibi_slopes (const float*), alibi_batch_stride (int64; 0 for (heads_q,) slopes);
+      varlen: cu_seqlens_q, cu_seqlens_k (const int*), max_seqlen_q (int32); Q, K, V and O
+        are then (1, total rows, heads, head_dim) (flash-attn's packed (total, heads, dim)
+        with a batch dim of 1), seqlen_q and seqlen_k their total rows, the LSE
+        (heads_q, total rows of Q), and the grid (ceil(max_seqlen_q / block_m), heads_q,
+        number of sequences).
 
 Q/O are (batch, seqlen_q, heads_q, head_dim), K/V are (batch, seqlen_k, heads_kv,
 head_dim), each with a contiguous last dim and otherwise arbitrary strides; LSE is a
@@ -96,11 +101,27 @@ def pack_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor
     return tuple(zip(FWD_ARG_TYPES, values, strict=False))  # lengths equal by construction
 
 
+@dataclass(frozen=True)
+class VarlenArgs:
+    """The run-time values of a varlen launch: int32 cumulative lengths of the sequences
+    (on the launch's device) and the longest query sequence."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+
+    @property
+    def batch(self) -> int:
+        return int(self.cu_seqlens_q.shape[0]) - 1
+
+
 def variant_args(problem: Problem, window: tuple[int, int], softcap: float,
-                 alibi_slopes: torch.Tensor | None) -> PackedArgs:
+                 alibi_slopes: torch.Tensor | None, varlen: VarlenArgs | None = None
+                 ) -> PackedArgs:
     """The arguments after softmax_scale: the run-time values of ``problem``'s feature
     switches, in the template's order. ``alibi_slopes``: float32 (heads_q,) or
-    (batch, heads_q) with a contiguous last dim (required when ``problem.alibi``)."""
+    (batch, heads_q) with a contiguous last dim (required when ``problem.alibi``);
+    ``varlen`` is required when ``problem.varlen``."""
     out: list[tuple[ArgType, int | float]] = []
     if problem.window:
         out += [(ArgType.I32, window[0]), (ArgType.I32, window[1])]
@@ -112,6 +133,12 @@ def variant_args(problem: Problem, window: tuple[int, int], softcap: float,
                                "or (batch, heads_q)")
         stride = alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0
         out += [(ArgType.PTR, alibi_slopes.data_ptr()), (ArgType.I64, stride)]
+    if problem.varlen:
+        if varlen is None:
+            raise InvalidInput(f"{problem.key()} needs cu_seqlens_q, cu_seqlens_k and "
+                               "max_seqlen_q")
+        out += [(ArgType.PTR, varlen.cu_seqlens_q.data_ptr()),
+                (ArgType.PTR, varlen.cu_seqlens_k.data_ptr()), (ArgType.I32, varlen.max_seqlen_q)]
     return tuple(out)
 
 

@@ -9,6 +9,7 @@ head h // (Hq / Hkv). A row that sees no key has O = 0 and LSE = +inf.
 Features: a sliding window (left, right) hides key j from row i unless
 i + Nk - Nq - left <= j <= i + Nk - Nq + right (-1: that side unbounded); softcap replaces
 S by cap * tanh(S / cap); ALiBi adds -slope[b, h] * |i + Nk - Nq - j| (after the softcap).
+Varlen (``varlen_reference``): each sequence of a packed batch on its own.
 """
 
 from __future__ import annotations
@@ -89,3 +90,30 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     probs = torch.exp(scores - lse.masked_fill(empty, 0.0)[..., None])
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vd)
     return out, lse.masked_fill(empty, float("inf"))
+
+
+def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool,
+                     scale: float, *, window: tuple[int, int] = (-1, -1),
+                     softcap: float | None = None, alibi_slopes: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 O (total_q, Hq, D) and LSE (Hq, total_q) of packed (total, H, D) tensors:
+    sequence b is rows cu_seqlens[b] to cu_seqlens[b + 1] - 1, attended on its own (a
+    sequence with no keys has O = 0 and LSE = +inf; one with no queries has no rows)."""
+    total_q, heads_q, dim = q.shape
+    out = torch.zeros(total_q, heads_q, dim, dtype=torch.float64, device=q.device)
+    lse = torch.full((heads_q, total_q), float("inf"), dtype=torch.float64, device=q.device)
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if q1 == q0 or k1 == k0:
+            continue
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes[b] if alibi_slopes.dim() == 2 else alibi_slopes
+        o_b, lse_b = attention_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal,
+                                         scale, window=window, softcap=softcap,
+                                         alibi_slopes=slopes)
+        out[q0:q1] = o_b[0]
+        lse[:, q0:q1] = lse_b[0]
+    return out, lse

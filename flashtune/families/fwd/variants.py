@@ -3,8 +3,10 @@ run-time values a launch passes, and random values for verification.
 
 A Problem's feature switches (``window``, ``softcap``, ``alibi``) are compiled in; their
 values (window sizes, the cap, the slopes) are run-time arguments (``args.variant_args``).
-In an ``Inputs`` they are the scalars ``window_left``, ``window_right``, ``softcap`` and the
-tensor ``alibi_slopes``.
+In an ``Inputs`` they are the scalars ``window_left``, ``window_right``, ``softcap``,
+``max_seqlen_q`` and the tensors ``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``. A
+varlen launch's q, k, v are packed as (1, total rows, heads, head_dim); ``Shape`` then gives
+the number of sequences and the longest query and key sequences.
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ from dataclasses import dataclass
 import torch
 
 from flashtune.codegen.render import TemplateValue
-from flashtune.codegen.spec import Problem, ShapeLike
-from flashtune.families.base import Inputs
+from flashtune.codegen.spec import Problem, Shape, ShapeLike
+from flashtune.families.base import Inputs, random_rows
+from flashtune.families.fwd.args import VarlenArgs
 
 #: Window sizes flash-attn's tests draw from (plus -1, unbounded), and its softcap values.
 WINDOW_SIZES = (-1, 0, 1, 3, 16, 64, 100, 256)
 SOFTCAPS = (5.0, 30.0, 50.0)
 
 #: Template parameter of each feature switch.
-_TEMPLATE_NAMES = {"window": "local", "softcap": "softcap", "alibi": "alibi"}
+_TEMPLATE_NAMES = {"window": "local", "softcap": "softcap", "alibi": "alibi",
+                   "varlen": "varlen"}
 
 
 @dataclass(frozen=True)
@@ -32,19 +36,24 @@ class VariantValues:
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = None
+    varlen: VarlenArgs | None = None
 
     @classmethod
     def of(cls, inputs: Inputs) -> VariantValues:
         """The values an ``Inputs`` carries (absent ones: the defaults)."""
         s = inputs.scalars
+        t = inputs.tensors
+        varlen = (VarlenArgs(t["cu_seqlens_q"], t["cu_seqlens_k"], int(s["max_seqlen_q"]))
+                  if "cu_seqlens_q" in t else None)
         return cls((int(s.get("window_left", -1)), int(s.get("window_right", -1))),
-                   float(s.get("softcap", 0.0)), inputs.tensors.get("alibi_slopes"))
+                   float(s.get("softcap", 0.0)), t.get("alibi_slopes"), varlen)
 
     def only(self, problem: Problem) -> VariantValues:
         """These values with those of features ``problem`` does not switch on reset."""
         return VariantValues(self.window if problem.window else (-1, -1),
                              self.softcap if problem.softcap else 0.0,
-                             self.alibi_slopes if problem.alibi else None)
+                             self.alibi_slopes if problem.alibi else None,
+                             self.varlen if problem.varlen else None)
 
 
 def template_params(problem: Problem) -> dict[str, TemplateValue]:
@@ -75,3 +84,40 @@ def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
         tensors["alibi_slopes"] = torch.rand(shape.batch, shape.heads_q, generator=gen,
                                              device=device)
     return scalars, tensors
+
+
+def random_lengths(count: int, longest: int, gen: torch.Generator) -> list[int]:
+    """``count`` sequence lengths in [0, longest], the first one ``longest``: the rest
+    mostly short (up to longest // 8; zero-length ones included), a quarter of them long."""
+    lengths = [longest]
+    for _ in range(count - 1):
+        long = float(torch.rand((), generator=gen)) < 0.25
+        top = longest if long else max(1, longest // 8)
+        lengths.append(int(torch.randint(top + 1, (), generator=gen)))
+    return lengths
+
+
+def cumulative(lengths: list[int], device: torch.device | str) -> torch.Tensor:
+    """int32 cumulative lengths (0, l0, l0 + l1, ...)."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=device)
+
+
+def random_varlen(problem: Problem, shape: Shape, gen: torch.Generator,
+                  device: torch.device | str) -> tuple[dict[str, torch.Tensor], float]:
+    """Packed q, k, v (1, total, heads, head_dim) of ``shape.batch`` sequences of random
+    lengths up to the shape's (self-attention lengths when they are equal), their
+    cumulative lengths, and the longest query sequence."""
+    gen_cpu = torch.Generator().manual_seed(int(torch.randint(2**62, (), generator=gen)))
+    lens_q = random_lengths(shape.batch, shape.seqlen_q, gen_cpu)
+    lens_k = (lens_q if shape.seqlen_q == shape.seqlen_k
+              else random_lengths(shape.batch, shape.seqlen_k, gen_cpu))
+    packed = Shape(1, shape.heads_q, shape.heads_kv, max(1, sum(lens_q)), max(1, sum(lens_k)))
+    tensors = {"q": random_rows(problem, packed, sum(lens_q), shape.heads_q, gen, device),
+               "k": random_rows(problem, packed, sum(lens_k), shape.heads_kv, gen, device),
+               "v": random_rows(problem, packed, sum(lens_k), shape.heads_kv, gen, device),
+               "cu_seqlens_q": cumulative(lens_q, device),
+               "cu_seqlens_k": cumulative(lens_k, device)}
+    return tensors, float(max(lens_q))
