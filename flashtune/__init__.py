@@ -17,8 +17,10 @@ _EXPORTS: dict[str, str] = {
     "scaled_dot_product_attention": "flashtune.runtime.ops",
     "explain": "flashtune.runtime.ops",
     "attention_with_kvcache": "flashtune.runtime.kvcache_ops",
+    "attention_varlen": "flashtune.runtime.varlen_ops",
     "explain_kvcache": "flashtune.runtime.kvcache_ops",
     "BackwardNotAvailable": "flashtune.errors",
+    "FeatureNotSupported": "flashtune.errors",
     "Decision": "flashtune.runtime.dispatch",
     "Tier": "flashtune.runtime.dispatch",
     "Problem": "flashtune.codegen.spec",
@@ -33,6 +35,7 @@ _EXPORTS: dict[str, str] = {
 __all__ = [
     "BackwardNotAvailable",
     "DType",
+    "FeatureNotSupported",
     "Decision",
     "DeviceInfo",
     "KernelConfig",
@@ -42,6 +45,7 @@ __all__ = [
     "Tier",
     "__version__",
     "attention",
+    "attention_varlen",
     "attention_with_kvcache",
     "explain",
     "explain_kvcache",
@@ -52,7 +56,7 @@ __all__ = [
 if TYPE_CHECKING:
     from flashtune import families
     from flashtune.codegen.spec import DType, KernelConfig, Problem, ProblemBucket
-    from flashtune.errors import BackwardNotAvailable
+    from flashtune.errors import BackwardNotAvailable, FeatureNotSupported
     from flashtune.runtime.device import DeviceInfo
     from flashtune.runtime.dispatch import Decision, Tier
     from flashtune.runtime.kvcache_ops import attention_with_kvcache, explain_kvcache
@@ -62,6 +66,7 @@ if TYPE_CHECKING:
         scaled_dot_product_attention,
     )
     from flashtune.runtime.precompile import precompile
+    from flashtune.runtime.varlen_ops import attention_varlen
 
 
 def _configure_logging() -> None:

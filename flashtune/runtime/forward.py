@@ -86,20 +86,23 @@ def device_info(entry: BackendEntry, device: torch.device) -> DeviceLike:
 
 
 def problem_bucket(q: torch.Tensor, k: torch.Tensor, causal: bool, op: str = "fwd",
-                   features: tuple[str, ...] = ()) -> ProblemBucket:
+                   features: tuple[str, ...] = (), longest: tuple[int, int] | None = None
+                   ) -> ProblemBucket:
     """The tuning bucket of a call of kernel family ``op`` on these tensors, with the
     Problem feature switches ``features`` on (FeatureNotSupported if the family has not
-    got one of them)."""
+    got one of them). ``longest``: the longest query and key sequences when they are not
+    q's and k's second dims (varlen)."""
     problem = Problem(head_dim=q.shape[3], dtype=_DTYPES[q.dtype], causal=causal, op=op,
                       **{name: True for name in features})
     if features:
         families.get(op).check_problem(problem)
-    return ProblemBucket(problem, seqlen_bucket(max(q.shape[1], k.shape[1])))
+    lengths = longest if longest is not None else (q.shape[1], k.shape[1])
+    return ProblemBucket(problem, seqlen_bucket(max(1, *lengths)))
 
 
 def decide(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str | None,
-           arch: str | None = None, op: str = "fwd", features: tuple[str, ...] = ()
-           ) -> tuple[Decision, BackendEntry]:
+           arch: str | None = None, op: str = "fwd", features: tuple[str, ...] = (),
+           longest: tuple[int, int] | None = None) -> tuple[Decision, BackendEntry]:
     """The dispatcher's decision for these tensors (no kernel is loaded or compiled), for
     kernel family ``op`` (the forward unless named) with the feature switches ``features``.
 
@@ -109,7 +112,8 @@ def decide(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str | None,
 
     entry = resolve_backend(backend, q.device)
     device = DeviceInfo.virtual(arch) if arch else device_info(entry, q.device)
-    return get_dispatcher().decide(problem_bucket(q, k, causal, op, features), device), entry
+    bucket = problem_bucket(q, k, causal, op, features, longest)
+    return get_dispatcher().decide(bucket, device), entry
 
 
 @dataclass(frozen=True)
@@ -139,8 +143,8 @@ def _no_stream() -> int:
 
 
 def _make_plan(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str, op: str,
-               features: tuple[str, ...]) -> Plan:
-    decision, entry = decide(q, k, causal, backend, op=op, features=features)
+               features: tuple[str, ...], longest: tuple[int, int]) -> Plan:
+    decision, entry = decide(q, k, causal, backend, op=op, features=features, longest=longest)
     source = render(decision.problem, decision.config)
     loader = get_backend(entry.name)
     if entry.device_type == "cuda":
@@ -155,11 +159,14 @@ _plans_lock = threading.Lock()
 
 
 def plan_for(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str, op: str = "fwd",
-             features: tuple[str, ...] = ()) -> Plan:
+             features: tuple[str, ...] = (), longest: tuple[int, int] | None = None) -> Plan:
     """The memoised plan of this call of kernel family ``op`` with the Problem feature
-    switches ``features`` (made, and its kernel loaded, on first use)."""
+    switches ``features`` (made, and its kernel loaded, on first use); ``longest`` as in
+    ``problem_bucket``."""
     _, seqlen_q, _, head_dim = q.shape
     seqlen_k = k.shape[1]
+    if longest is not None:
+        seqlen_q, seqlen_k = longest
     bucket = seqlen_bucket(seqlen_q if seqlen_q > seqlen_k else seqlen_k)
     # get_device(): the CUDA index, -1 for CPU tensors (the only other kind that gets here).
     key = (backend, q.get_device(), q.dtype, head_dim, causal, bucket, features, op)
@@ -168,7 +175,7 @@ def plan_for(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str, op: s
         with _plans_lock:
             plan = _plans.get(key)
             if plan is None:
-                plan = _make_plan(q, k, causal, backend, op, features)
+                plan = _make_plan(q, k, causal, backend, op, features, (seqlen_q, seqlen_k))
                 _plans[key] = plan
     return plan
 
@@ -203,15 +210,19 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     favour of ``causal``), None for none."""
     name = backend or knobs.BACKEND.get()
     features = variant.features if variant is not None else ()
-    plan = plan_for(q, k, causal, name, features=features)
+    varlen = variant.varlen if variant is not None else None
+    longest = None if varlen is None else (varlen.max_seqlen_q, varlen.max_seqlen_k)
+    plan = plan_for(q, k, causal, name, features=features, longest=longest)
     out, lse = empty_outputs(q)
     args = pack_args(q, k, v, out, lse, softmax_scale)
     if variant is not None and features:
         args += variant_args(plan.decision.problem, variant.window, variant.softcap,
-                             variant.alibi_slopes)
+                             variant.alibi_slopes, varlen)
     if (args[0][1] | args[1][1] | args[2][1]) & 15:  # type: ignore[operator]  # pointers
         raise _misaligned(q, k, v)
     batch, seqlen_q, heads_q, _ = q.shape
+    if varlen is not None:
+        batch, seqlen_q = varlen.batch, varlen.max_seqlen_q
     plan.kernel.launch(grid(seqlen_q, heads_q, batch, plan.block_m), args,
                        stream=plan.stream())
     return out, lse

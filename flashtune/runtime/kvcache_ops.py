@@ -135,7 +135,7 @@ def attention_with_kvcache(
     if not isinstance(causal, bool):
         raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
     if window_size != NO_WINDOW or softcap is not None or alibi_slopes is not None:
-        variant = resolve(causal, window_size, softcap, alibi_slopes, q, None)
+        variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0], None)
         refuse_unsupported("decode", variant.features, q, "flashtune.attention_with_kvcache")
         causal = variant.causal
     scale = check_softmax_scale(softmax_scale, q.shape[3])

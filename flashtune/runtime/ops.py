@@ -228,7 +228,8 @@ def attention(
     if window_size == NO_WINDOW and softcap is None and alibi_slopes is None:
         variant = None
     else:
-        variant = resolve(causal, window_size, softcap, alibi_slopes, q, k)
+        variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
+                          (q.shape[1], k.shape[1]))
         causal = variant.causal
     if not _needs_grad(q, k, v) and direct_call_ok(q, k, v, alibi_slopes):
         out, lse = _fwd.forward(q, k, v, causal, scale, name, variant)
@@ -314,6 +315,7 @@ def explain(
     check_attention_inputs(q, k, v)
     if q.device.type == "meta" and arch is None:
         arch = _fwd.emulator_arch()
-    variant = resolve(causal, window_size, softcap, alibi_slopes, q, k)
+    variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
+                      (q.shape[1], k.shape[1]))
     decision, _ = _fwd.decide(q, k, variant.causal, backend, arch, features=variant.features)
     return decision

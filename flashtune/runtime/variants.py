@@ -20,6 +20,7 @@ from flashtune import families
 from flashtune.codegen.spec import Problem
 from flashtune.errors import FeatureNotSupported, InvalidInput
 from flashtune.families.base import TORCH_DTYPES
+from flashtune.families.fwd.args import VarlenArgs
 
 NO_WINDOW = (-1, -1)
 
@@ -34,12 +35,13 @@ class Variant:
     window: tuple[int, int] = NO_WINDOW
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = None
+    varlen: VarlenArgs | None = None
 
     @property
     def features(self) -> tuple[str, ...]:
         """The Problem feature switches this call needs, in key order."""
         on = (("window", self.window != NO_WINDOW), ("softcap", self.softcap > 0.0),
-              ("alibi", self.alibi_slopes is not None))
+              ("alibi", self.alibi_slopes is not None), ("varlen", self.varlen is not None))
         return tuple(name for name, flag in on if flag)
 
 
@@ -72,12 +74,12 @@ def check_softcap(softcap: object) -> float:
     return cap
 
 
-def check_alibi_slopes(slopes: object, q: torch.Tensor) -> torch.Tensor | None:
+def check_alibi_slopes(slopes: object, q: torch.Tensor, batch: int) -> torch.Tensor | None:
     """The slopes with a contiguous last dim, or None; InvalidInput unless float32 of shape
-    (heads_q,) or (batch, heads_q) on q's device."""
+    (heads_q,) or (batch, heads_q) on q's device (heads_q: q's second-to-last dim)."""
     if slopes is None:
         return None
-    batch, _, heads_q, _ = q.shape
+    heads_q = q.shape[-2]
     if not isinstance(slopes, torch.Tensor):
         raise InvalidInput(f"alibi_slopes must be a torch.Tensor, got {type(slopes).__name__}; "
                            f"expected float32 of shape ({heads_q},) or ({batch}, {heads_q})")
@@ -97,29 +99,30 @@ def check_alibi_slopes(slopes: object, q: torch.Tensor) -> torch.Tensor | None:
 
 
 def resolve(causal: bool, window_size: object, softcap: object, alibi_slopes: object,
-            q: torch.Tensor, k: torch.Tensor | None) -> Variant:
-    """The validated features of a call on q (B, Nq, Hq, D) and k (B, Nk, Hkv, D).
+            q: torch.Tensor, batch: int, longest: tuple[int, int] | None,
+            varlen: VarlenArgs | None = None) -> Variant:
+    """The validated features of a call on q (..., Hq, D) of ``batch`` sequences.
 
     A window is normalised to the cheapest equal mask: the window (-1, 0) is ``causal``,
-    and, when ``k`` is given (None: the key count is not known on the host), a side that
-    reaches every key from every row becomes -1. Without a window the mask is ``causal`` as
-    given.
+    and, given the longest query and key sequences ``longest`` (None: not known on the
+    host), a side that reaches every key from every row becomes -1. Without a window the
+    mask is ``causal`` as given.
     """
     left, right = check_window_size(window_size)
     cap = check_softcap(softcap)
-    slopes = check_alibi_slopes(alibi_slopes, q)
+    slopes = check_alibi_slopes(alibi_slopes, q, batch)
     window = NO_WINDOW
     if (left, right) != NO_WINDOW:
         if causal:
             right = 0
-        if k is not None:
-            if left >= k.shape[1] - 1:  # row Nq - 1 reaches key 0
+        if longest is not None:
+            if left >= longest[1] - 1:  # the last row reaches key 0
                 left = -1
-            if right >= q.shape[1] - 1:  # row 0 reaches key Nk - 1
+            if right >= longest[0] - 1:  # row 0 reaches the last key
                 right = -1
         causal = (left, right) == (-1, 0)
         window = NO_WINDOW if causal else (left, right)
-    return Variant(causal, window, cap, slopes)
+    return Variant(causal, window, cap, slopes, varlen)
 
 
 def refuse_unsupported(op: str, features: tuple[str, ...], q: torch.Tensor, what: str

@@ -109,6 +109,7 @@ class VarlenArgs:
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
+    max_seqlen_k: int = 0  # the longest key sequence (chooses the tuning bucket)
 
     @property
     def batch(self) -> int:

@@ -1,0 +1,144 @@
+"""``flashtune.attention_varlen``: attention over sequences of different lengths packed along
+the rows, in flash-attn's varlen layout.
+
+The call is the custom op ``flashtune::attention_varlen_fwd`` (with a fake implementation,
+so torch.compile traces it as one node); a plain eager call with nothing observing
+operators calls the implementation directly. The kernel reads the cumulative lengths on the
+device: nothing synchronises with the host. There is no varlen backward kernel yet: a
+backward through the call raises FeatureNotSupported.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, overload
+
+import torch
+
+from flashtune.errors import InvalidInput
+from flashtune.families.fwd.args import VarlenArgs
+from flashtune.runtime import forward as _fwd
+from flashtune.runtime.limits import check_softmax_scale
+from flashtune.runtime.ops import direct_call_ok
+from flashtune.runtime.validate_varlen import check_varlen_inputs
+from flashtune.runtime.variants import NO_WINDOW, Variant, refuse_unsupported, resolve
+
+OP_NAME = "flashtune::attention_varlen_fwd"
+
+
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
+         softmax_scale: float, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _fwd.forward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), variant.causal,
+                            softmax_scale, backend, variant)
+    return out[0], lse[0]
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                         max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                         softmax_scale: float, backend: str, window_left: int,
+                         window_right: int, softcap: float,
+                         alibi_slopes: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (total_q, Hq, D) and LSE (Hq, total_q) of validated, resolved inputs."""
+    varlen = VarlenArgs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes, varlen)
+    return _run(q, k, v, variant, softmax_scale, backend)
+
+
+@attention_varlen_fwd.register_fake
+def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+          cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+          softmax_scale: float, backend: str, window_left: int, window_right: int,
+          softcap: float, alibi_slopes: torch.Tensor | None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.features = Variant(inputs[7], (inputs[10], inputs[11]), inputs[12], inputs[13],
+                           VarlenArgs(inputs[3], inputs[4], inputs[5], inputs[6])).features
+    ctx.q_meta = inputs[0].new_empty((0, *inputs[0].shape[1:]), device="meta")
+
+
+def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
+              ) -> tuple[Any, ...]:
+    refuse_unsupported("bwd", ctx.features, ctx.q_meta, "flashtune.attention_varlen's "
+                       "backward pass")
+    raise AssertionError("unreachable: the backward family refuses varlen")
+
+
+attention_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+@overload
+def attention_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+    causal: bool = ..., softmax_scale: float | None = ...,
+    window_size: tuple[int, int] = ..., softcap: float | None = ...,
+    alibi_slopes: torch.Tensor | None = ..., return_lse: Literal[False] = ...,
+    backend: str | None = ...) -> torch.Tensor: ...
+
+
+@overload
+def attention_varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+    causal: bool = ..., softmax_scale: float | None = ...,
+    window_size: tuple[int, int] = ..., softcap: float | None = ...,
+    alibi_slopes: torch.Tensor | None = ..., return_lse: Literal[True],
+    backend: str | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window_size: tuple[int, int] = NO_WINDOW,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    return_lse: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over a batch of sequences of different lengths, packed (flash-attn's
+    ``flash_attn_varlen_func`` layout).
+
+    q is (total_q, Hq, D) and k, v (total_k, Hkv, D): sequence b is rows
+    cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q (and likewise of k and v, by
+    cu_seqlens_k). ``cu_seqlens_q``, ``cu_seqlens_k``: int32 (batch + 1,) on q's device,
+    starting at 0, non-decreasing, ending at total_q and total_k; zero-length sequences are
+    allowed (a query row with no keys gets O = 0 and LSE = +inf). ``max_seqlen_q``,
+    ``max_seqlen_k``: the longest sequences (the grid is sized by max_seqlen_q; they must be
+    at least every length). The lengths are read by the kernel on the device: nothing
+    synchronises (their values are checked on CPU tensors, and on CUDA tensors with
+    FLASHTUNE_CHECK_INPUTS=1). ``causal`` aligns each sequence's diagonal to its
+    bottom-right corner; ``softmax_scale``, ``window_size``, ``softcap`` and
+    ``alibi_slopes`` ((Hq,) or (batch, Hq) float32) are as in ``attention``, per sequence.
+    Returns O (total_q, Hq, D) and, with ``return_lse``, the float32 LSE (Hq, total_q).
+    Forward only: a backward raises FeatureNotSupported.
+    """
+    cu_q, cu_k, longest_q, longest_k = check_varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if not isinstance(causal, bool):
+        raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
+    scale = check_softmax_scale(softmax_scale, q.shape[2])
+    varlen = VarlenArgs(cu_q, cu_k, longest_q, longest_k)
+    variant = resolve(causal, window_size, softcap, alibi_slopes, q, varlen.batch,
+                      (longest_q, longest_k), varlen)
+    name = "" if backend is None else backend
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if not needs_grad and direct_call_ok(q, k, v, cu_q, cu_k, variant.alibi_slopes):
+        out, lse = _run(q, k, v, variant, scale, name)
+    else:
+        out, lse = attention_varlen_fwd(q, k, v, cu_q, cu_k, longest_q, longest_k,
+                                        variant.causal, scale, name, *variant.window,
+                                        variant.softcap, variant.alibi_slopes)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,139 @@
+"""``flashtune.attention_varlen`` on the emulator: packed sequences of many short and a few
+long lengths (zero-length ones included) against the float64 reference per sequence, with
+causal masks, windows, softcap, ALiBi and GQA; the validation of the cumulative lengths; and
+the refusal of a backward pass."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+
+import pytest
+import torch
+
+import flashtune
+from flashtune.errors import FeatureNotSupported, InvalidInput
+from flashtune.families.fwd.reference import varlen_reference
+from flashtune.families.fwd.variants import SOFTCAPS, WINDOW_SIZES
+from flashtune.runtime.validate_varlen import check_varlen_inputs
+
+_RNG = random.Random(int(os.environ["FLASHTUNE_TEST_SEED"]))
+TOL = {torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+
+
+def _packed(lens_q: list[int], lens_k: list[int], heads_q: int, heads_kv: int, dim: int,
+            dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(lens_q), heads_q, dim, generator=gen).to(dtype)
+    k = torch.randn(sum(lens_k), heads_kv, dim, generator=gen).to(dtype)
+    v = torch.randn(sum(lens_k), heads_kv, dim, generator=gen).to(dtype)
+    cu_q = torch.tensor([0, *itertools.accumulate(lens_q)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(lens_k)], dtype=torch.int32)
+    return q, k, v, cu_q, cu_k
+
+
+def _lengths(rng: random.Random, count: int, longest: int) -> list[int]:
+    """Many short (zero-length included), a few long, one of exactly ``longest``."""
+    out = [rng.randrange(0, 9) if rng.random() < 0.75 else rng.randrange(longest // 2, longest)
+           for _ in range(count - 1)]
+    out.insert(rng.randrange(count), longest)
+    return out
+
+
+@pytest.mark.emulator
+@pytest.mark.usefixtures("dispatcher", "poisoned_outputs")
+@pytest.mark.parametrize(("dtype", "causal"), [(torch.float16, True), (torch.bfloat16, False)])
+def test_varlen_matches_the_reference_per_sequence(dtype: torch.dtype, causal: bool) -> None:
+    seed = _RNG.randrange(2**31)
+    rng = random.Random(seed)
+    lens_q = _lengths(rng, 10, 150)
+    lens_k = lens_q if causal else _lengths(rng, 10, 120)
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, 4, 2, 64, dtype, seed)
+    out, lse = flashtune.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                          causal=causal, return_lse=True, backend="emulator")
+    ref_o, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, causal, 64 ** -0.5)
+    where = f"seed={seed} lens_q={lens_q} lens_k={lens_k}"
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0]), where
+    assert not out.isnan().any() and not lse.isnan().any(), where
+    assert float((out.double() - ref_o).abs().max()) <= TOL[dtype] * 4, where
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), where
+    assert float((lse[finite].double() - ref_lse[finite]).abs().max()) < 2e-3, where
+
+
+@pytest.mark.emulator
+@pytest.mark.usefixtures("dispatcher", "poisoned_outputs")
+def test_varlen_combines_with_window_softcap_alibi_and_gqa() -> None:
+    seed = _RNG.randrange(2**31)
+    rng = random.Random(seed)
+    window = rng.choice([p for p in itertools.product(WINDOW_SIZES, WINDOW_SIZES)
+                         if p != (-1, -1)])
+    cap = rng.choice(SOFTCAPS)
+    lens = _lengths(rng, 6, 130)
+    q, k, v, cu_q, cu_k = _packed(lens, lens, 4, 1, 32, torch.float16, seed)
+    slopes = torch.rand(6, 4, generator=torch.Generator().manual_seed(seed))
+    out = flashtune.attention_varlen(q, k, v, cu_q, cu_k, max(lens), max(lens),
+                                     window_size=window, softcap=cap, alibi_slopes=slopes,
+                                     backend="emulator")
+    ref_o, _ = varlen_reference(q, k, v, cu_q, cu_k, False, 32 ** -0.5, window=window,
+                                softcap=cap, alibi_slopes=slopes)
+    err = float((out.double() - ref_o).abs().max())
+    assert err <= 4 * TOL[torch.float16], f"seed={seed} window={window} cap={cap}: {err}"
+
+
+def _call(**overrides: object) -> None:
+    q, k, v, cu_q, cu_k = _packed([5, 0, 7], [3, 4, 0], 2, 2, 32, torch.float16, 0)
+    args: dict[str, object] = {"cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
+                               "max_seqlen_q": 7, "max_seqlen_k": 4, "q": q, "k": k, "v": v}
+    args.update(overrides)
+    flashtune.attention_varlen(backend="emulator", **args)  # type: ignore[call-overload]
+
+
+_I32 = torch.int32
+
+
+@pytest.mark.parametrize(("overrides", "needle"), [
+    ({"cu_seqlens_q": torch.tensor([1, 5, 5, 12], dtype=_I32)}, "starts at 1; expected 0"),
+    ({"cu_seqlens_q": torch.tensor([0, 6, 5, 12], dtype=_I32)}, "is not monotone"),
+    ({"cu_seqlens_q": torch.tensor([0, 5, 5, 11], dtype=_I32)}, "ends at 11 but the packed"),
+    ({"cu_seqlens_k": torch.tensor([0, 3, 7, 8], dtype=_I32)}, "ends at 8 but the packed"),
+    ({"cu_seqlens_q": torch.tensor([0, 5, 5, 12])}, "expected torch.int32"),
+    ({"cu_seqlens_q": torch.tensor([[0, 5, 5, 12]], dtype=_I32)}, "expected (batch + 1,)"),
+    ({"cu_seqlens_k": torch.tensor([0, 3, 7], dtype=_I32)}, "has 4 entries but cu_seqlens_k 3"),
+    ({"cu_seqlens_q": torch.tensor([0, 5, 5, 12], dtype=_I32, device="meta")},
+     "cu_seqlens_q.to(q.device)"),
+    ({"cu_seqlens_q": [0, 5, 5, 12]}, "must be a torch.Tensor"),
+    ({"max_seqlen_q": 6}, "max_seqlen_q=6 but sequence 2"),
+    ({"max_seqlen_k": 7.0}, "must be an int"),
+    ({"q": torch.zeros(1, 12, 2, 32, dtype=torch.float16)}, "expected 3 dims"),
+    ({"alibi_slopes": torch.ones(2, 2)}, "expected (2,) (one slope per query head) or (3, 2)"),
+    ({"window_size": (-5, 0)}, "below -1"),
+])
+def test_bad_varlen_inputs_are_refused_with_the_fix(overrides: dict[str, object],
+                                                    needle: str) -> None:
+    with pytest.raises(InvalidInput) as info:
+        _call(**overrides)
+    assert needle in str(info.value)
+
+
+def test_lengths_are_not_read_off_the_cpu() -> None:
+    """Only metadata is checked for tensors that are not on the CPU (on CUDA, reading the
+    values would synchronise): meta tensors, whose values cannot be read, pass."""
+    q, k, v, cu_q, cu_k = (t.to("meta") for t in _packed([5, 7], [3, 4], 2, 2, 32,
+                                                         torch.float16, 0))
+    bad = torch.tensor([3, 1, 99], dtype=torch.int32, device="meta")
+    assert check_varlen_inputs(q, k, v, bad, cu_k, 7, 4)[2:] == (7, 4)
+
+
+@pytest.mark.emulator
+@pytest.mark.usefixtures("dispatcher")
+def test_varlen_backward_is_refused_naming_the_feature() -> None:
+    q, k, v, cu_q, cu_k = _packed([9, 3], [9, 3], 2, 2, 32, torch.bfloat16, 1)
+    direct = flashtune.attention_varlen(q, k, v, cu_q, cu_k, 9, 9, backend="emulator")
+    out = flashtune.attention_varlen(q.clone().requires_grad_(), k, v, cu_q, cu_k, 9, 9,
+                                     backend="emulator")
+    assert torch.equal(out.detach(), direct)
+    with pytest.raises(FeatureNotSupported, match=r"variable-length batches") as info:
+        out.sum().backward()
+    assert "'bwd' kernel family" in str(info.value)
