@@ -29,7 +29,13 @@ from flashtune.runtime import forward as _fwd
 from flashtune.runtime.dispatch import Decision
 from flashtune.runtime.limits import check_softmax_scale
 from flashtune.runtime.validate import check_attention_inputs
-from flashtune.runtime.variants import NO_WINDOW, Variant, refuse_unsupported, resolve
+from flashtune.runtime.variants import (
+    NO_WINDOW,
+    Variant,
+    pad_head_dim,
+    refuse_unsupported,
+    resolve,
+)
 
 OP_NAME = "flashtune::attention_fwd"
 BWD_OP_NAME = "flashtune::attention_bwd"
@@ -197,7 +203,9 @@ def attention(
     """Scaled dot-product attention in flash-attn's layout.
 
     q is (B, Nq, Hq, D); k and v are (B, Nk, Hkv, D) with Hq a multiple of Hkv (grouped-query
-    attention); fp16 or bf16; D a multiple of 8 up to 256; the last dim contiguous. Returns
+    attention); fp16 or bf16; D up to 256 (a D that is not a multiple of 8 is zero-padded to
+    one: one copy of q, k and v, and O is a view of the padded output); the last dim
+    contiguous. Returns
     O (B, Nq, Hq, D), and with ``return_lse`` also the natural-log log-sum-exp of the scaled
     scores, float32 (B, Hq, Nq). ``causal`` masks key j from query i unless
     j <= i + Nk - Nq (the diagonal aligned to the bottom-right corner, as in flash-attn); a
@@ -219,10 +227,13 @@ def attention(
     -slope * |i + Nk - Nq - j|. Each is a compile-time variant of the kernel (its own
     tuning key), not a run-time branch.
     """
+    dim = None
+    if isinstance(q, torch.Tensor) and q.dim() and q.shape[-1] % 8:
+        q, k, v, dim = pad_head_dim(q, k, v)  # any head dim: one zero-padded copy each
     check_attention_inputs(q, k, v)
     if not isinstance(causal, bool):
         raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
-    scale = check_softmax_scale(softmax_scale, q.shape[3])
+    scale = check_softmax_scale(softmax_scale, dim or q.shape[3])
     ordered = _deterministic(deterministic)
     name = "" if backend is None else backend
     if window_size == NO_WINDOW and softcap is None and alibi_slopes is None:
@@ -238,6 +249,8 @@ def attention(
     else:
         out, lse = attention_fwd(q, k, v, causal, scale, name, ordered, *variant.window,
                                  variant.softcap, variant.alibi_slopes)
+    if dim is not None:
+        out = out[..., :dim]
     return (out, lse) if return_lse else out
 
 

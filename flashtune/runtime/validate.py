@@ -83,6 +83,13 @@ def _check_devices(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if tuple(k.shape[:3]) == tuple(v.shape[:3]) and k.shape[3] != v.shape[3]:
+        raise InvalidInput(
+            f"v has head dim {v.shape[3]} but q and k have {k.shape[3]}: a V head dim other "
+            "than the Q/K head dim is not supported (the kernels use one head dim for Q, K "
+            f"and V, at most {MAX_HEAD_DIM}). Pad the smaller one with zeros to the larger "
+            "(v padded: slice the output's last dim back; q and k padded: keep softmax_scale "
+            "at 1/sqrt of their original head dim)")
     if tuple(k.shape) != tuple(v.shape):
         raise InvalidInput(f"k has shape {_shape(k)} but v has {_shape(v)}; expected equal "
                            f"shapes {_LAYOUT} (one value per key, same head dim)")
@@ -98,13 +105,17 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if t.numel() == 0:
             raise InvalidInput(f"{name} is empty (shape {_shape(t)}); expected every dim of "
                                f"{_LAYOUT} >= 1. Skip the call for empty inputs")
-    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+    if head_dim > MAX_HEAD_DIM:
+        raise InvalidInput(f"head_dim={head_dim} is not supported; the limit is {MAX_HEAD_DIM} "
+                           "(the largest head dim whose O accumulators and K/V tiles fit the "
+                           "registers and shared memory of one block). Use another "
+                           "implementation for larger heads")
+    if head_dim % 8:
         hint = 8 * math.ceil(head_dim / 8)
-        fix = (f"pad q, k and v with zeros to head_dim {hint} (set softmax_scale to "
-               f"1/sqrt({head_dim}) to keep the original scaling)"
-               if hint <= MAX_HEAD_DIM else "split the heads or use another implementation")
-        raise InvalidInput(f"head_dim={head_dim} is not supported; expected a multiple of 8 "
-                           f"<= {MAX_HEAD_DIM}; {fix}")
+        raise InvalidInput(f"head_dim={head_dim} is not supported here; expected a multiple of "
+                           f"8: pad q, k and v with zeros to head_dim {hint} (set "
+                           f"softmax_scale to 1/sqrt({head_dim}) to keep the original "
+                           "scaling); flashtune.attention does this itself")
     if heads_q % heads_kv:
         raise InvalidInput(f"q has {heads_q} heads but k and v have {heads_kv}; expected the "
                            "number of q heads to be a multiple of the k/v heads (grouped-query "

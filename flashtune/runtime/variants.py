@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from flashtune import families
-from flashtune.codegen.spec import Problem
+from flashtune.codegen.spec import MAX_HEAD_DIM, Problem
 from flashtune.errors import FeatureNotSupported, InvalidInput
 from flashtune.families.base import TORCH_DTYPES
 from flashtune.families.fwd.args import VarlenArgs
@@ -137,3 +137,19 @@ def refuse_unsupported(op: str, features: tuple[str, ...], q: torch.Tensor, what
         families.get(op).check_problem(problem)
     except FeatureNotSupported as exc:
         raise FeatureNotSupported(f"{what}: {exc}") from None
+
+
+
+def pad_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]:
+    """(q, k, v, None) unchanged, or, when their common head dim (last dim) is not a multiple
+    of 8 but at most MAX_HEAD_DIM, copies zero-padded to the next multiple of 8 (one copy of
+    each; zero columns change neither Q K^T nor the kept columns of P V) and the original
+    head dim, to slice the output with. Anything else is left for validation to explain."""
+    dim = q.shape[-1] if q.dim() else 8
+    same = all(isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == dim for t in (k, v))
+    if dim % 8 == 0 or dim > MAX_HEAD_DIM or not same:
+        return q, k, v, None
+    pad = (0, -dim % 8)
+    return (torch.nn.functional.pad(q, pad), torch.nn.functional.pad(k, pad),
+            torch.nn.functional.pad(v, pad), dim)

@@ -20,7 +20,13 @@ from flashtune.runtime import forward as _fwd
 from flashtune.runtime.limits import check_softmax_scale
 from flashtune.runtime.ops import direct_call_ok
 from flashtune.runtime.validate_varlen import check_varlen_inputs
-from flashtune.runtime.variants import NO_WINDOW, Variant, refuse_unsupported, resolve
+from flashtune.runtime.variants import (
+    NO_WINDOW,
+    Variant,
+    pad_head_dim,
+    refuse_unsupported,
+    resolve,
+)
 
 OP_NAME = "flashtune::attention_varlen_fwd"
 
@@ -125,11 +131,14 @@ def attention_varlen(
     Returns O (total_q, Hq, D) and, with ``return_lse``, the float32 LSE (Hq, total_q).
     Forward only: a backward raises FeatureNotSupported.
     """
+    dim = None
+    if isinstance(q, torch.Tensor) and q.dim() and q.shape[-1] % 8:
+        q, k, v, dim = pad_head_dim(q, k, v)  # any head dim: one zero-padded copy each
     cu_q, cu_k, longest_q, longest_k = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if not isinstance(causal, bool):
         raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
-    scale = check_softmax_scale(softmax_scale, q.shape[2])
+    scale = check_softmax_scale(softmax_scale, dim or q.shape[2])
     varlen = VarlenArgs(cu_q, cu_k, longest_q, longest_k)
     variant = resolve(causal, window_size, softcap, alibi_slopes, q, varlen.batch,
                       (longest_q, longest_k), varlen)
@@ -141,4 +150,6 @@ def attention_varlen(
         out, lse = attention_varlen_fwd(q, k, v, cu_q, cu_k, longest_q, longest_k,
                                         variant.causal, scale, name, *variant.window,
                                         variant.softcap, variant.alibi_slopes)
+    if dim is not None:
+        out = out[..., :dim]
     return (out, lse) if return_lse else out

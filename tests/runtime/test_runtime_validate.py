@@ -89,10 +89,18 @@ def test_head_dim_mismatch() -> None:
 
 
 @pytest.mark.parametrize("head_dim,fix", [(60, "pad q, k and v with zeros to head_dim 64"),
-                                          (264, "split the heads")])
+                                          (264, "the limit is 256"),
+                                          (512, "the limit is 256")])
 def test_unsupported_head_dim(head_dim: int, fix: str) -> None:
-    _raises(*_good(head_dim=head_dim), f"head_dim={head_dim} is not supported",
-            "multiple of 8 <= 256", fix)
+    _raises(*_good(head_dim=head_dim), f"head_dim={head_dim} is not supported", fix)
+
+
+def test_split_qk_and_v_head_dims_are_refused_naming_the_fix() -> None:
+    q, k, _ = _good(head_dim=192)
+    _, _, v = _good(head_dim=128)
+    _raises(q, k, v, "v has head dim 128 but q and k have 192",
+            "a V head dim other than the Q/K head dim is not supported", "at most 256",
+            "Pad the smaller one with zeros")
 
 
 def test_heads_not_divisible() -> None:

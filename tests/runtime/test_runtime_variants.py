@@ -163,5 +163,65 @@ def test_every_family_serves_or_refuses_each_feature(family: str) -> None:
         with pytest.raises(FeatureNotSupported, match=f"'{family}' kernel family") as info:
             impl.render(problem, impl.default_config(Problem(64, DType.FP16, op=family),
                                                      get_arch("sm_80")))
-        keyword = {"window": "window_size", "softcap": "softcap", "alibi": "alibi_slopes"}[name]
+        keyword = {"window": "window_size", "softcap": "softcap", "alibi": "alibi_slopes",
+                   "varlen": "attention_varlen"}[name]
         assert f"({keyword})" in str(info.value)
+
+
+@pytest.mark.emulator
+@pytest.mark.usefixtures("dispatcher", "poisoned_outputs")
+@pytest.mark.parametrize(("head_dim", "dtype"), [(59, torch.float16), (111, torch.bfloat16)])
+def test_any_head_dim_is_padded_inside(head_dim: int, dtype: torch.dtype) -> None:
+    """Head dims that are not multiples of 8: the result (scaled by 1/sqrt of the real head
+    dim) matches the reference, the output has the caller's head dim, and the inputs are
+    copied once each (their padded copies are what the kernel reads)."""
+    seed = _RNG.randrange(2**31)
+    q, k, v = qkv(2, 50, 70, 4, 2, head_dim, dtype=dtype, seed=seed)
+    copies: list[tuple[int, ...]] = []
+    real_pad = torch.nn.functional.pad
+
+    def counting_pad(t: torch.Tensor, pad: tuple[int, ...], *args: object) -> torch.Tensor:
+        copies.append(tuple(t.shape))
+        return real_pad(t, pad, *args)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.nn.functional, "pad", counting_pad)
+        out, lse = flashtune.attention(q, k, v, causal=True, softcap=30.0, return_lse=True,
+                                       backend="emulator")
+    assert copies == [tuple(q.shape), tuple(k.shape), tuple(v.shape)]
+    assert out.shape == q.shape
+    _check(out, lse, q, k, v, True, f"d={head_dim} seed={seed}", softcap=30.0)
+    q3, k3, v3 = q[0], k[0], v[0]
+    cu_q = torch.tensor([0, 50], dtype=torch.int32)
+    cu_k = torch.tensor([0, 70], dtype=torch.int32)
+    out_v = flashtune.attention_varlen(q3, k3, v3, cu_q, cu_k, 50, 70, causal=True,
+                                       softcap=30.0, backend="emulator")
+    assert out_v.shape == q3.shape
+    torch.testing.assert_close(out_v, out[0], rtol=0, atol=0)
+
+
+def test_head_dims_past_the_limit_are_refused() -> None:
+    q, k, v = qkv(1, 4, 4, 1, 1, 512)
+    with pytest.raises(InvalidInput, match="head_dim=512 is not supported; the limit is 256"):
+        flashtune.attention(q, k, v, backend="emulator")
+    q, k, _ = qkv(1, 4, 4, 1, 1, 192)
+    _, _, v = qkv(1, 4, 4, 1, 1, 128)
+    with pytest.raises(InvalidInput, match="a V head dim other than the Q/K head dim"):
+        flashtune.attention(q, k, v, backend="emulator")
+
+
+@pytest.mark.emulator
+@pytest.mark.usefixtures("dispatcher")
+def test_gradients_flow_through_a_padded_head_dim() -> None:
+    """The padding is differentiable: dQ, dK, dV of head dim 59 match float64 autograd of
+    the reference."""
+    q, k, v = qkv(1, 24, 24, 2, 2, 59, seed=7)
+    inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+    flashtune.attention(*inputs, causal=True, backend="emulator").float().square().sum().backward()
+    ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_o, _ = attention_reference(*ref_inputs, True, 59 ** -0.5)
+    ref_o.square().sum().backward()
+    for got, ref in zip(inputs, ref_inputs, strict=True):
+        assert got.grad is not None and ref.grad is not None
+        scale = float(ref.grad.abs().max())
+        assert float((got.grad.double() - ref.grad).abs().max()) <= 2e-2 * scale
