@@ -91,10 +91,10 @@ def attention_varlen(
 def attention_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
-    causal: bool = ..., softmax_scale: float | None = ...,
-    window_size: tuple[int, int] = ..., softcap: float | None = ...,
-    alibi_slopes: torch.Tensor | None = ..., return_lse: Literal[True],
-    backend: str | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+    return_lse: Literal[True], causal: bool = ..., softmax_scale: float | None = ...,
+    backend: str | None = ..., window_size: tuple[int, int] = ...,
+    softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention_varlen(
