@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "explain": "flashtune.runtime.ops",
     "attention_with_kvcache": "flashtune.runtime.kvcache_ops",
     "attention_varlen": "flashtune.runtime.varlen_ops",
+    "register_transformers": "flashtune.runtime.hf_transformers",
     "explain_kvcache": "flashtune.runtime.kvcache_ops",
     "BackwardNotAvailable": "flashtune.errors",
     "FeatureNotSupported": "flashtune.errors",
@@ -50,6 +51,7 @@ __all__ = [
     "explain",
     "explain_kvcache",
     "precompile",
+    "register_transformers",
     "scaled_dot_product_attention",
 ]
 
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
     from flashtune.errors import BackwardNotAvailable, FeatureNotSupported
     from flashtune.runtime.device import DeviceInfo
     from flashtune.runtime.dispatch import Decision, Tier
+    from flashtune.runtime.hf_transformers import register_transformers
     from flashtune.runtime.kvcache_ops import attention_with_kvcache, explain_kvcache
     from flashtune.runtime.ops import (
         attention,

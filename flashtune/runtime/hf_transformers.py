@@ -1,0 +1,121 @@
+"""flashtune as an attention implementation of Hugging Face transformers (an optional extra:
+transformers is imported only by ``register_transformers``).
+
+After ``name = flashtune.register_transformers()``, ``AutoModelForCausalLM.from_config(cfg,
+attn_implementation=name)`` runs its attention layers on ``flashtune.attention_varlen``:
+a batch with padding is unpadded (each sequence's tokens packed, flash-attn's layout), a batch
+without padding is one packed sequence per row. The layers' sliding windows
+(``sliding_window``: the last W tokens including the current one, the window (W - 1, 0))
+and logit softcaps (``softcap``) become the kernel's features; GQA is native. The padding
+mask is transformers' flash-attention one (a 2-D mask, or None when nothing is padded).
+Forward only, as the varlen kernel: a backward raises FeatureNotSupported.
+
+The default name is ``"ftune"``, not ``"flashtune"``: transformers takes every implementation
+name that contains "flash" for a FlashAttention kernel package and tries to load one
+(``transformers.utils.generic.is_flash_attention_requested``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flashtune.errors import InvalidInput
+from flashtune.runtime.variants import NO_WINDOW
+from flashtune.runtime.varlen_ops import attention_varlen
+
+#: The dtype a float32 model's attention runs in (the kernels take fp16 or bf16).
+_HALF = torch.bfloat16
+
+
+def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     padding: torch.Tensor | None, *, causal: bool, scaling: float | None,
+                     window: tuple[int, int], softcap: float | None,
+                     backend: str | None) -> torch.Tensor:
+    """(B, Nq, Hq, D) attention output of transformers' (B, H, N, D) query, key and value,
+    with ``padding`` (B, Nk) True on real tokens (its last Nq columns are the queries'), or
+    None; padded query rows get zeros."""
+    batch, heads_q, seqlen_q, dim = query.shape
+    seqlen_k = key.shape[2]
+    q = query.transpose(1, 2).reshape(batch * seqlen_q, heads_q, dim)
+    k = key.transpose(1, 2).reshape(batch * seqlen_k, key.shape[1], dim)
+    v = value.transpose(1, 2).reshape(batch * seqlen_k, value.shape[1], value.shape[3])
+    if padding is None:
+        cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32,
+                            device=q.device)
+        cu_k = torch.arange(0, (batch + 1) * seqlen_k, seqlen_k, dtype=torch.int32,
+                            device=q.device)
+        out = attention_varlen(q, k, v, cu_q, cu_k, seqlen_q, seqlen_k, causal=causal,
+                               softmax_scale=scaling, window_size=window, softcap=softcap,
+                               backend=backend)
+        return out.reshape(batch, seqlen_q, heads_q, -1)
+    keep_k = padding.bool()
+    keep_q = keep_k[:, -seqlen_q:]
+    rows_q = keep_q.reshape(-1).nonzero().squeeze(1)
+    rows_k = keep_k.reshape(-1).nonzero().squeeze(1)
+    lens_q, lens_k = keep_q.sum(1, dtype=torch.int32), keep_k.sum(1, dtype=torch.int32)
+    packed = attention_varlen(q[rows_q].contiguous(), k[rows_k].contiguous(),
+                              v[rows_k].contiguous(), _cumulative(lens_q), _cumulative(lens_k),
+                              int(lens_q.max()), int(lens_k.max()), causal=causal,
+                              softmax_scale=scaling, window_size=window, softcap=softcap,
+                              backend=backend)
+    out = packed.new_zeros(batch * seqlen_q, heads_q, packed.shape[-1])
+    out[rows_q] = packed
+    return out.reshape(batch, seqlen_q, heads_q, -1)
+
+
+def make_attention_function(backend: str | None = None) -> Any:
+    """The function transformers calls for each attention layer (its AttentionInterface
+    signature), running on ``backend`` (None: as ``flashtune.attention``)."""
+
+    def flashtune_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            dropout: float = 0.0, scaling: float | None = None,
+                            sliding_window: int | None = None, softcap: float | None = None,
+                            is_causal: bool | None = None, **kwargs: Any
+                            ) -> tuple[torch.Tensor, None]:
+        if dropout:
+            raise InvalidInput(f"attention dropout {dropout} is not supported by flashtune; "
+                               "call model.eval() (or set the config's attention_dropout to 0)")
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        window = NO_WINDOW
+        if sliding_window is not None and sliding_window > 0:
+            window = (sliding_window - 1, 0 if causal else sliding_window - 1)
+        dtype = query.dtype
+        if dtype == torch.float32:
+            query, key, value = (t.to(_HALF) for t in (query, key, value))
+        out = varlen_attention(query, key, value, attention_mask, causal=causal,
+                               scaling=scaling, window=window, softcap=softcap or None,
+                               backend=backend)
+        return out.to(dtype), None
+
+    return flashtune_attention
+
+
+#: The implementation name ``register_transformers`` uses unless told otherwise.
+DEFAULT_NAME = "ftune"
+
+
+def register_transformers(name: str = DEFAULT_NAME, backend: str | None = None) -> str:
+    """Register flashtune with transformers under ``name`` (its attention function and the
+    flash-attention padding mask), so that models built with ``attn_implementation=name``
+    run on it; returns ``name``. ``backend`` as in ``flashtune.attention`` (``"emulator"``
+    for CPU tensors). Needs the transformers package (an optional extra)."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    except ImportError as exc:
+        raise ImportError("flashtune.register_transformers needs the transformers package "
+                          "(pip install transformers); it is an optional extra") from exc
+    if "flash" in name:
+        raise InvalidInput(f"name={name!r} contains 'flash', which transformers reserves for "
+                           "FlashAttention kernel packages (it would try to load one); choose "
+                           f"another name, e.g. the default {DEFAULT_NAME!r}")
+    AttentionInterface.register(name, make_attention_function(backend))
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    return name

@@ -1,0 +1,78 @@
+"""Hugging Face transformers models running their attention on flashtune (the emulator):
+tiny randomly initialised Llama (GQA), Mistral (sliding window) and Gemma 2 (softcap and
+sliding windows) built from configs, no download, on a batch with left padding (unpadded
+through ``attention_varlen``) and one without. Their logits are compared with the same
+weights under transformers' eager attention in float32; the same models without the feature
+(no window, no softcap) are far off, so the comparison sees whether the feature ran.
+
+Skipped without transformers (an optional extra: ``pip install flashtune[transformers]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import flashtune
+from flashtune.errors import InvalidInput
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.emulator, pytest.mark.usefixtures("dispatcher")]
+
+
+def _tiny(name: str, **overrides: Any) -> Any:
+    classes = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+               "gemma2": transformers.Gemma2Config}
+    features: dict[str, dict[str, Any]] = {
+        "llama": {},
+        "mistral": {"sliding_window": 5},
+        "gemma2": {"sliding_window": 6, "attn_logit_softcapping": 2.0,
+                   "final_logit_softcapping": None, "query_pre_attn_scalar": 16}}
+    # Large initial weights, so that attention moves the logits by much more than rounding.
+    settings = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    max_position_embeddings=64, initializer_range=0.3)
+    return classes[name](**(settings | features[name] | overrides))
+
+
+def _logits(cfg: Any, impl: str, state: dict[str, torch.Tensor], dtype: torch.dtype,
+            ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl)
+    model.load_state_dict(state)
+    model = model.to(dtype).eval()
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    return out.float()
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
+def test_tiny_models_match_eager_attention(name: str) -> None:
+    impl = flashtune.register_transformers(backend="emulator")
+    torch.manual_seed(0)
+    cfg = _tiny(name)
+    state = transformers.AutoModelForCausalLM.from_config(cfg).state_dict()
+    ids = torch.randint(0, 128, (2, 13))
+    padded = torch.ones(2, 13, dtype=torch.long)
+    padded[1, :4] = 0  # left padding: the second sequence has 9 tokens
+    without = {"sliding_window": 4096 if name == "gemma2" else None,
+               "attn_logit_softcapping": None}
+    for mask in (padded, None):
+        keep = padded.bool() if mask is not None else torch.ones(2, 13, dtype=torch.bool)
+        reference = _logits(cfg, "eager", state, torch.float32, ids, mask)[keep]
+        rounding = (_logits(cfg, "eager", state, torch.float16, ids, mask)[keep]
+                    - reference).abs().max()
+        got = _logits(cfg, impl, state, torch.float16, ids, mask)[keep]
+        err = float((got - reference).abs().max())
+        assert err <= 3 * float(rounding) + 1e-2, (
+            f"{name}: |flashtune - eager fp32| = {err:.3g}, eager fp16 rounding {rounding:.3g}")
+        if name != "llama":
+            plain = _logits(_tiny(name, **without), "eager", state, torch.float32, ids, mask)
+            assert float((plain[keep] - reference).abs().max()) > 20 * (err + 1e-2)
+
+
+def test_names_with_flash_are_refused() -> None:
+    with pytest.raises(InvalidInput, match="reserves for FlashAttention kernel packages"):
+        flashtune.register_transformers("flashtune")
