@@ -44,6 +44,8 @@ struct HopperFwdTraits {
   static constexpr int kBlockN = BlockN;
   static constexpr int kStages = Stages;
   static constexpr bool kCausal = Causal;
+  // No attention features (the mma.sync forward serves them); softmax.cuh's masks read it.
+  static constexpr bool kLocal = false;
   static constexpr int kWarpGroups = BlockM / 64;
   static constexpr int kThreads = 128 * kWarpGroups;
   static constexpr int kMTiles = 1;                 // 16 rows per warp

@@ -161,8 +161,8 @@ def test_every_family_serves_or_refuses_each_feature(family: str) -> None:
             impl.check_problem(problem)
             continue
         with pytest.raises(FeatureNotSupported, match=f"'{family}' kernel family") as info:
-            impl.render(problem, impl.default_config(Problem(64, DType.FP16, op=family),
-                                                     get_arch("sm_80")))
+            arch = get_arch(impl.target_arch or "sm_80")
+            impl.render(problem, impl.default_config(Problem(64, DType.FP16, op=family), arch))
         keyword = {"window": "window_size", "softcap": "softcap", "alibi": "alibi_slopes",
                    "varlen": "attention_varlen"}[name]
         assert f"({keyword})" in str(info.value)
@@ -225,3 +225,14 @@ def test_gradients_flow_through_a_padded_head_dim() -> None:
         assert got.grad is not None and ref.grad is not None
         scale = float(ref.grad.abs().max())
         assert float((got.grad.double() - ref.grad).abs().max()) <= 2e-2 * scale
+
+
+@pytest.mark.parametrize("name", FEATURES)
+def test_the_sm90a_forward_leaves_feature_problems_to_the_mma_forward(name: str) -> None:
+    """The wgmma forward implements no feature: a feature problem on an sm_90a device is
+    served by the mma.sync forward, a plain one by the wgmma forward."""
+    arch = get_arch("sm_90a")
+    plain = Problem(64, DType.FP16)
+    assert families.serving(plain, arch).op == "fwd90a"
+    featured = Problem(64, DType.FP16, **{name: True})  # type: ignore[arg-type]
+    assert families.serving(featured, arch) == featured

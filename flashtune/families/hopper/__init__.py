@@ -28,6 +28,9 @@ class HopperForwardFamily(ForwardFamily):
     template = "hopper_fwd.cu.jinja"
     target_arch: ClassVar[str | None] = "sm_90a"
     serves: ClassVar[str | None] = "fwd"
+    #: No attention features yet: problems with them are served by the mma.sync forward
+    #: (``families.serving`` skips a family that refuses a problem).
+    features: ClassVar[frozenset[str]] = frozenset()
 
     def check_problem(self, problem: Problem) -> None:
         super().check_problem(problem)
