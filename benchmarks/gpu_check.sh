@@ -359,7 +359,7 @@ gc_main() {
   ((dry == 0)) && arch=$(gc_gpu_arch)
   local why="skipped: no GPU"
   ((dry)) && why="skipped: dry run"
-  local tune_opts=("${GC_TUNE_ARGS[@]}" --timeout)
+  local tune_opts=("${GC_TUNE_ARGS[@]}" --budget)
   local smoke=(--json "$GC_OUT/smoke.json" --budget "$(($(gc_cap smoke) - 5))")
 
   if [[ -n "$arch" ]]; then
@@ -375,7 +375,7 @@ gc_main() {
       "${GC_GPU_TEST_OPTS[@]}" --junitxml="$GC_OUT/gpu-tests-tuner.xml" "$GC_REPO/tests/tuner"
     # Each tool gets its own budget inside its stage's, so it stops cleanly and reports.
     gc_planned tune "$GC_PY" -m flashtune.cli tune "${GC_TUNE_ARGS[@]}" \
-      --timeout "$(gc_inner "$(gc_cap tune)" 15)"
+      --budget "$(gc_inner "$(gc_cap tune)" 15)"
     gc_planned sweep "$GC_PY" "$GC_REPO/benchmarks/attention.py" "${GC_SWEEP_ARGS[@]}" \
       --out "$GC_OUT/sweep" --time-budget "$(gc_inner "$(gc_cap sweep)" 15)"
     gc_planned host "$GC_PY" "$GC_REPO/benchmarks/host.py" --short --json "$GC_OUT/host.json"

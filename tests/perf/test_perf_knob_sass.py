@@ -16,7 +16,9 @@ from flashtune.perf.loops import MainLoops, main_loops
 from flashtune.runtime.compiler import CompiledKernel, compile_source
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernel"))
-from knob_render import render_knobs  # noqa: E402
+from knob_render import with_knobs  # noqa: E402
+
+from flashtune.families import render  # noqa: E402
 
 D128 = Problem(128, DType.BF16)
 TILE = KernelConfig(128, 32, 4, 2)
@@ -24,7 +26,7 @@ TILE = KernelConfig(128, 32, 4, 2)
 
 def _compile(knobs: dict[str, int | str], arch: str = "sm_90", problem: Problem = D128,
              config: KernelConfig = TILE) -> tuple[CompiledKernel, MainLoops]:
-    source = render_knobs(problem, config, knobs)
+    source = render(problem, with_knobs(config, knobs))
     kernel = compile_source(source, arch)
     return kernel, main_loops(sass_listing(kernel.cubin, arch).function(source.entry))
 
@@ -57,7 +59,7 @@ def test_swizzle_costs_only_lane_offsets(compile_cubin: object) -> None:
 @pytest.mark.parametrize("knobs", [
     {"swizzle": 1, "qregs": 1},
     {"pipeline": 1, "order": "headsinner"},
-    {"persistent": 1, "order": "longest", "minblocks": 1},
+    {"persistent": 1, "order": "longest", "minblocks": 2},
 ], ids=["swizzle-qregs", "pipeline-headsinner", "persistent-longest"])
 def test_knobs_compile(compile_cubin: object, arch: str,
                        knobs: dict[str, int | str]) -> None:
