@@ -27,6 +27,7 @@ from flashtune.families.base import (
     Verdict,
     compare_outputs,
     generator,
+    row_kernel_params,
 )
 from flashtune.families.decode.splits import MAX_SPLITS
 from flashtune.families.fwd.reference import O_TOLERANCE
@@ -100,8 +101,7 @@ class CombineFamily(KernelFamily):
 
     def template_params(self, problem: Problem, config: KernelConfig
                         ) -> dict[str, TemplateValue]:
-        return {"head_dim": problem.head_dim, "is_bf16": problem.dtype.value == "bf16",
-                "block_m": config.block_m, "num_warps": config.num_warps}
+        return row_kernel_params(problem, config)
 
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
         return 0

@@ -30,6 +30,7 @@ from flashtune.families.base import (
     compare_outputs,
     generator,
     random_rows,
+    row_kernel_params,
 )
 from flashtune.families.bwd import args
 
@@ -73,8 +74,7 @@ class _RowFamily(KernelFamily):
 
     def template_params(self, problem: Problem, config: KernelConfig
                         ) -> dict[str, TemplateValue]:
-        return {"head_dim": problem.head_dim, "is_bf16": problem.dtype.value == "bf16",
-                "block_m": config.block_m, "num_warps": config.num_warps}
+        return row_kernel_params(problem, config)
 
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
         return 0
