@@ -19,6 +19,7 @@ _EXPORTS: dict[str, str] = {
     "attention_with_kvcache": "flashtune.runtime.kvcache_ops",
     "attention_varlen": "flashtune.runtime.varlen_ops",
     "register_transformers": "flashtune.runtime.hf_transformers",
+    "register_sdpa": "flashtune.runtime.sdpa_routing",
     "explain_kvcache": "flashtune.runtime.kvcache_ops",
     "BackwardNotAvailable": "flashtune.errors",
     "FeatureNotSupported": "flashtune.errors",
@@ -51,6 +52,7 @@ __all__ = [
     "explain",
     "explain_kvcache",
     "precompile",
+    "register_sdpa",
     "register_transformers",
     "scaled_dot_product_attention",
 ]
@@ -69,6 +71,7 @@ if TYPE_CHECKING:
         scaled_dot_product_attention,
     )
     from flashtune.runtime.precompile import precompile
+    from flashtune.runtime.sdpa_routing import register_sdpa
     from flashtune.runtime.varlen_ops import attention_varlen
 
 

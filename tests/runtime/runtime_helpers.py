@@ -73,6 +73,18 @@ def check_outputs(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torc
         assert lse_error <= LSE_TOL, f"LSE error {lse_error:.3g} > {LSE_TOL}"
 
 
+def check_varlen_outputs(out: torch.Tensor, lse: torch.Tensor, ref_o: torch.Tensor,
+                         ref_lse: torch.Tensor, tol: float, where: str) -> None:
+    """Packed O and LSE against float64 ``ref_o``/``ref_lse``: written everywhere, O within
+    ``tol``, LSE infinite exactly where the reference's is (rows without keys), close
+    elsewhere."""
+    assert not out.isnan().any() and not lse.isnan().any(), where
+    assert float((out.double() - ref_o).abs().max()) <= tol, where
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), where
+    assert float((lse[finite].double() - ref_lse[finite]).abs().max()) < 2e-3, where
+
+
 def rel_fro(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Relative Frobenius error ||a - e|| / ||e||, computed in float64 on the CPU whatever
     device either tensor is on (a GPU output against a GPU reference, or a CPU one)."""

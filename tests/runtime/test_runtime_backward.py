@@ -115,8 +115,8 @@ def shuffled() -> Iterator[list[str]]:
 
 
 def _run(shape: tuple[int, int, int, int, int], causal: bool, backend: str,
-         deterministic: bool) -> Grads:
-    inputs, dout = make_inputs(shape, D, torch.float16, SEED)
+         deterministic: bool, seed: int = SEED) -> Grads:
+    inputs, dout = make_inputs(shape, D, torch.float16, seed)
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = flashtune.attention(q, k, v, causal=causal, backend=backend,
@@ -146,10 +146,18 @@ def test_deterministic_gradients_are_bitwise_equal_over_block_orders(
 @pytest.mark.usefixtures("small")
 def test_atomic_gradients_vary_with_block_order_within_tolerance(
         shuffled: list[str]) -> None:
-    shape = (1, 64, 256, 2, 1)
-    runs = [_run(shape, False, name, False) for name in ["emulator", *shuffled]]
-    assert any(not torch.equal(r["dq"], runs[0]["dq"]) for r in runs[1:]), (
-        "float32 atomics in shuffled block orders should change dQ's last bits")
+    # The float32 sums differ in their last bits, but dQ is fp16: a difference survives the
+    # rounding only where a sum lies near an fp16 rounding boundary (a few elements in
+    # 10^4), so a fixed input may show none. Fresh inputs are drawn until one does.
+    shape = (1, 64, 256, 4, 1)
+    for attempt in range(6):
+        seed = SEED + attempt
+        runs = [_run(shape, False, name, False, seed) for name in ["emulator", *shuffled]]
+        if any(not torch.equal(r["dq"], runs[0]["dq"]) for r in runs[1:]):
+            break
+    else:
+        raise AssertionError("float32 atomics in shuffled block orders never changed dQ's "
+                             f"last bits over 6 inputs (seeds {SEED}..{seed})")
     for r in runs[1:]:
         scale = float(runs[0]["dq"].abs().max())
         assert float((r["dq"] - runs[0]["dq"]).abs().max()) <= 2e-3 * scale
