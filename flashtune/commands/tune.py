@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from flashtune import families, knobs
-from flashtune.codegen.spec import Problem
+from flashtune.codegen.spec import FEATURES, Problem
 from flashtune.commands.options import DbOpt, fail
 from flashtune.errors import FlashtuneError, TuningError
 from flashtune.tuner.measure.evaluate import DEFAULT_MAX_SPILL_BYTES
@@ -26,6 +26,10 @@ def tune_command(
         "--op", help="Kernel family (`flashtune families` lists them).")] = "fwd",
     dtype: Annotated[str, typer.Option("--dtype", help="fp16 or bf16.")] = "bf16",
     causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Causal mask.")] = False,
+    features: Annotated[str | None, typer.Option(
+        "--features", help="Attention features compiled in, comma-separated: window, "
+                           "softcap, alibi, varlen (each its own tuning key; default: "
+                           "none).")] = None,
     seqlens: Annotated[str, typer.Option(
         "--seqlens", help="Sequence lengths whose buckets to tune, e.g. 1024,4096,16k.")
     ] = "1024,4096,16384",
@@ -97,7 +101,7 @@ def tune_command(
             raise TuningError("--head-dim is required (e.g. --head-dim 128), unless the "
                               "run is a --replay of a landscape")
         problem = Problem.from_dict({"head_dim": head_dim, "dtype": dtype, "causal": causal,
-                                     "op": op})
+                                     "op": op, **parse_features(features)})
         families.get(op)
         lengths = parse_seqlens(seqlens)
         pairs = parse_batch_heads(batch_heads)
@@ -189,6 +193,18 @@ def _replay(path: Path, budget: str | None, trials: int | None, sampler: str,
         console.print(f"best config: {landscape.space.key(point)}", highlight=False)
 
 
+def parse_features(text: str | None) -> dict[str, bool]:
+    """``--features window,softcap`` as Problem switches; TuningError naming the choices."""
+    if not text:
+        return {}
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in FEATURES]
+    if unknown:
+        raise TuningError(f"--features {text!r}: unknown {', '.join(unknown)}; expected a "
+                          f"comma-separated subset of {', '.join(FEATURES)}")
+    return dict.fromkeys(names, True)
+
+
 def _run_local(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHeads, ...],
                options: TuneOptions, db: str | None, *, dry_arch: str | None
                ) -> list[BucketSummary]:
@@ -207,7 +223,7 @@ def _run_local(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHea
         backend = gpu_backend()
     with RichProgress(options.trials) as progress:
         return tune(problem.head_dim, problem.dtype, problem.causal, lengths, op=problem.op,
-                    backend=backend,
+                    features=problem.features, backend=backend,
                     dry_run=dry_arch is not None, db=db, options=options,
                     batch_heads=pairs, observer=progress)
 
@@ -231,7 +247,7 @@ def _run_workers(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchH
     info = DeviceInfo.current(0)
     spec = WorkerSpec(
         head_dim=problem.head_dim, dtype=problem.dtype.value, causal=problem.causal,
-        op=problem.op, seqlens=lengths, db=db or "",
+        op=problem.op, features=problem.features, seqlens=lengths, db=db or "",
         backend="flashtune.tuner.measure.cuda:gpu_backend",
         batch_heads=tuple((p.batch, p.heads) for p in pairs), options=options)
     with RichProgress(options.trials) as progress:

@@ -377,9 +377,11 @@ def tune(head_dim: int, dtype: DType | str = "bf16", causal: bool = False,
          backend: MeasurementBackend | None = None, dry_run: bool = False,
          arch: str = "sm_90", db: str | None = None, options: TuneOptions | None = None,
          batch_heads: Sequence[BatchHeads] = (), observer: Observer | None = None,
-         verify_cap: int | None = None, op: str = "fwd") -> list[BucketSummary]:
+         verify_cap: int | None = None, op: str = "fwd", features: Sequence[str] = ()
+         ) -> list[BucketSummary]:
     """Tune the ``op`` family's kernel (default: the forward) of (head_dim, dtype, causal)
-    for each bucket of ``seqlens``.
+    with the attention ``features`` compiled in (codegen.spec.FEATURES; their own tuning
+    keys) for each bucket of ``seqlens``.
 
     Measures on the current GPU (TuningError without one), or with ``dry_run`` compiles for
     ``arch`` and verifies in the CPU emulator, untimed; ``backend`` overrides both (see
@@ -388,7 +390,8 @@ def tune(head_dim: int, dtype: DType | str = "bf16", causal: bool = False,
     database, which the runtime dispatcher serves.
     """
     problem = Problem.from_dict({"head_dim": head_dim, "dtype": getattr(dtype, "value", dtype),
-                                 "causal": causal, "op": op})
+                                 "causal": causal, "op": op,
+                                 **dict.fromkeys(features, True)})
     families.of(problem)  # an unknown op fails here, before any study is opened
     if backend is None:
         if dry_run:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import optuna
 
 from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.spec import Problem
 from flashtune.errors import TuningError
 from flashtune.tuner.measure.base import MeasurementBackend, TimingPlan
 from flashtune.tuner.measure.workload import BatchHeads
@@ -66,6 +67,14 @@ class WorkerSpec:
     batch_heads: tuple[tuple[int, int], ...] = ()
     options: TuneOptions = TuneOptions()
     verify_cap: int | None = None
+    features: tuple[str, ...] = ()
+
+    @property
+    def problem(self) -> Problem:
+        """The problem the worker tunes (its buckets are this problem's)."""
+        return Problem.from_dict({"head_dim": self.head_dim, "dtype": self.dtype,
+                                  "causal": self.causal, "op": self.op,
+                                  **dict.fromkeys(self.features, True)})
 
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
@@ -78,6 +87,7 @@ class WorkerSpec:
         data["options"] = options_from_json(data["options"])
         data["seqlens"] = tuple(data["seqlens"])
         data["batch_heads"] = tuple(tuple(bh) for bh in data["batch_heads"])
+        data["features"] = tuple(data.get("features", ()))
         return cls(**data)
 
     def with_options(self, **changes: Any) -> WorkerSpec:
@@ -99,7 +109,7 @@ def run_spec(spec: WorkerSpec, observer: Observer | None = None) -> list[BucketS
     return tune(spec.head_dim, spec.dtype, spec.causal, spec.seqlens, op=spec.op,
                 backend=spec.make_backend(), db=spec.db, options=spec.options,
                 batch_heads=[BatchHeads(b, h) for b, h in spec.batch_heads],
-                observer=observer, verify_cap=spec.verify_cap)
+                observer=observer, verify_cap=spec.verify_cap, features=spec.features)
 
 
 def start_worker(spec: WorkerSpec, env: Mapping[str, str] | None = None
@@ -171,15 +181,14 @@ def tune_parallel(spec: WorkerSpec, count: int, *, device: str, arch: ArchSpec,
     """``run_workers`` for a problem on ``device``: creates (or, with resume, checks) the
     studies first, follows progress in the database for ``observer``, and returns each
     bucket's summary with the winner stored as its best."""
-    from flashtune.codegen.spec import KernelConfig, Problem
+    from flashtune.codegen.spec import KernelConfig
     from flashtune.db.store import TuningStore
     from flashtune.tuner.api import buckets_of, prepare_study
     from flashtune.tuner.records import summarize_records
     from flashtune.tuner.search.encoding import SearchEncoding
     from flashtune.tuner.search.study import open_storage, study_name, templates_digest
 
-    problem = Problem.from_dict({"head_dim": spec.head_dim, "dtype": spec.dtype,
-                                 "causal": spec.causal, "op": spec.op})
+    problem = spec.problem
     with TuningStore(spec.db or None) as store:
         url = store.url.render_as_string(hide_password=False)
         buckets = buckets_of(problem, spec.seqlens)

@@ -69,6 +69,30 @@ def test_dry_run_end_to_end_compiles_and_verifies_untimed(db_url: str) -> None:
     assert max(keys.values()) == 1
 
 
+@pytest.mark.emulator
+def test_dry_run_tunes_a_problem_with_attention_features(db_url: str) -> None:
+    """--features compiles the switches in: the bucket is the feature problem's own key, and
+    its candidates are verified in the emulator with the features' values drawn."""
+    args = ["tune", "--head-dim", "64", "--dtype", "fp16", "--features", "window,softcap",
+            "--seqlens", "128", "--dry-run", "--arch", "sm_90", "--trials", "2",
+            "--compile-workers", "1", "--db", db_url]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    with TuningStore(db_url) as store:
+        trials = store.trials(device="virtual-sm_90")
+    verified = [t for t in trials if t.status.value == "verified_untimed"]
+    assert verified, Counter(t.status.value for t in trials)
+    assert {t.problem.key for t in verified} == {"fwd_d64_fp16_local_softcap"}
+
+
+def test_unknown_features_are_refused_with_the_choices(db_url: str) -> None:
+    result = runner.invoke(app, ["tune", "--head-dim", "64", "--features", "window,rope",
+                                 "--dry-run", "--db", db_url])
+    assert result.exit_code == 1
+    assert "unknown rope; expected a comma-separated subset of window, softcap, alibi, " \
+        "varlen" in " ".join(result.output.split()), result.output
+
+
 def test_report_writes_png_and_html(db_url: str, tmp_path: Path) -> None:
     opts = dataclasses.replace(FAST, trials=8, final_top=2, final_rounds=1)
     backend = SyntheticBackend(compile_fail=frozenset({"m64_n128_w4_s1"}))

@@ -70,6 +70,13 @@ def check_shared_study(db: str, log: str, workers: int) -> None:
     assert invalid == []
 
 
+def test_a_worker_spec_carries_the_problem_features(db_url: str, call_log: str) -> None:
+    spec = dataclasses.replace(spec_for(db_url, call_log), features=("window", "alibi"))
+    again = WorkerSpec.from_json(spec.to_json())
+    assert again == spec
+    assert again.problem.key() == "fwd_d128_bf16_local_alibi"
+
+
 def test_concurrent_dry_runs_verify_each_config_once(db_url: str, call_log: str) -> None:
     spec = spec_for(db_url, call_log, is_timed=False, verify_delay_s=0.05)
     run_workers(spec, 2, env=subprocess_env(), poll_interval_s=0.2)
