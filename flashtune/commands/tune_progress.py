@@ -13,7 +13,7 @@ from rich.table import Table
 
 from flashtune.db.records import TrialStatus
 from flashtune.tuner.measure.evaluate import TrialResult
-from flashtune.tuner.options import BucketSummary
+from flashtune.tuner.options import STATIC_REJECTIONS, BucketSummary
 from flashtune.tuner.replay import ReplayObserver, ReplaySummary, TracePoint
 
 _FAILURES = ("invalid", "compile_failed", "runtime_failed", "wrong_result")
@@ -21,7 +21,7 @@ _FAILURES = ("invalid", "compile_failed", "runtime_failed", "wrong_result")
 
 def _failures(statuses: Counter[str]) -> str:
     parts = [f"{name.replace('invalid (static)', 'static')} {statuses[name]}"
-             for name in (*_FAILURES, "invalid (static)") if statuses.get(name)]
+             for name in (*_FAILURES, STATIC_REJECTIONS) if statuses.get(name)]
     return ", ".join(parts) or "-"
 
 

@@ -34,7 +34,7 @@ from flashtune.tuner.measure.base import MeasurementBackend
 from flashtune.tuner.measure.evaluate import TrialResult
 from flashtune.tuner.measure.kernels import CompilePool, KernelMeasurement
 from flashtune.tuner.measure.workload import BatchHeads, Workload, make_workload
-from flashtune.tuner.options import BucketSummary, TuneOptions
+from flashtune.tuner.options import STATIC_REJECTIONS, BucketSummary, TuneOptions
 from flashtune.tuner.pipeline import Limits, run_pipeline
 from flashtune.tuner.records import ResultLog, warm_start_scores
 from flashtune.tuner.search.encoding import SearchEncoding
@@ -175,7 +175,7 @@ class Tuner:
         # Static rejections are counted, never recorded: the rules are a pure function of
         # (problem, config, arch), and a forward space of 10^5 points would put as many
         # rows per bucket into the database.
-        summary.statuses["invalid (static)"] = len(encoding.space()) - len(candidates)
+        summary.statuses[STATIC_REJECTIONS] = encoding.static_rejections()
         if not candidates:
             raise TuningError(f"no config of the search space fits {bucket.key()} on "
                               f"{arch.name}: every one fails the static check")

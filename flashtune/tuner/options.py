@@ -90,6 +90,10 @@ class TuneOptions:
         return self.depth if self.depth is not None else self.compile_workers + 1
 
 
+#: The status under which a summary counts the configs the static rules excluded.
+STATIC_REJECTIONS = "invalid (static)"
+
+
 @dataclass
 class BucketSummary:
     """What tuning one bucket came to (``winner`` is None for dry runs and when nothing

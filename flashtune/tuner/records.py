@@ -25,7 +25,7 @@ from flashtune.db.records import (
 from flashtune.db.store import TuningStore
 from flashtune.families import render
 from flashtune.tuner.measure.evaluate import SPILL_ERROR_PREFIX, TrialResult
-from flashtune.tuner.options import BucketSummary
+from flashtune.tuner.options import STATIC_REJECTIONS, BucketSummary
 
 
 @functools.lru_cache(maxsize=4096)
@@ -105,9 +105,13 @@ class ResultLog:
         return record
 
 
-def summarize_records(summary: BucketSummary, records: Sequence[TrialRecord]) -> BucketSummary:
-    """Fill a summary's counts from database rows (progress of workers in other processes)."""
+def summarize_records(summary: BucketSummary, records: Sequence[TrialRecord],
+                      static_rejections: int = 0) -> BucketSummary:
+    """Fill a summary's counts from database rows (progress of workers in other processes);
+    ``static_rejections``: the configs the static rules excluded (counted, never rows)."""
     summary.statuses = Counter(r.status.value for r in records)
+    if static_rejections:
+        summary.statuses[STATIC_REJECTIONS] = static_rejections
     # configs measured (a finalist re-measured at the end has several records)
     summary.measured = len({r.config.key for r in records if r.status is not TrialStatus.INVALID
                             or (r.error or "").startswith(SPILL_ERROR_PREFIX)})

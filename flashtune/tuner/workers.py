@@ -197,7 +197,8 @@ def tune_parallel(spec: WorkerSpec, count: int, *, device: str, arch: ArchSpec,
                  for b in buckets]
         for name in names:  # create or check the studies once, before the workers start
             prepare_study(store, name, options)
-        candidates = len(SearchEncoding(problem, arch).candidates())
+        encoding = SearchEncoding(problem, arch)
+        candidates, static = len(encoding.candidates()), encoding.static_rejections()
         summaries = [BucketSummary(b, n, candidates) for b, n in zip(buckets, names,
                                                                      strict=True)]
         for s in summaries:
@@ -207,7 +208,7 @@ def tune_parallel(spec: WorkerSpec, count: int, *, device: str, arch: ArchSpec,
         def poll() -> None:
             for s in summaries:
                 summarize_records(s, store.trials(device=device, problem=problem.key(),
-                                                  seqlen=s.bucket.seqlen))
+                                                  seqlen=s.bucket.seqlen), static)
                 if observer is not None:
                     observer.bucket_finished(s)
 

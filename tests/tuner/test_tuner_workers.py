@@ -30,6 +30,7 @@ from flashtune.tuner.workers import (
     run_spec,
     run_workers,
     start_worker,
+    tune_parallel,
 )
 
 PROBLEM = Problem(128, DType.BF16)
@@ -90,10 +91,17 @@ def test_concurrent_dry_runs_verify_each_config_once(db_url: str, call_log: str)
 
 
 def test_several_workers_share_one_study_on_sqlite(db_url: str, call_log: str) -> None:
-    run_workers(spec_for(db_url, call_log, time_delay_s=0.05, min_workers=3), 3,
-                env=subprocess_env(),
-                poll_interval_s=0.2)
+    """Through tune_parallel (what `tune --workers` runs): the bucket's summary also counts
+    the configs the static rules excluded, which no worker writes."""
+    arch = get_arch("sm_90")
+    with tile_space():
+        static = SearchEncoding(PROBLEM, arch).static_rejections()
+        [summary] = tune_parallel(spec_for(db_url, call_log, time_delay_s=0.05, min_workers=3),
+                                  3, device=DEVICE.name, arch=arch, env=subprocess_env(),
+                                  poll_interval_s=0.2)
     check_shared_study(db_url, call_log, 3)
+    assert static > 0 and summary.statuses["invalid (static)"] == static, summary.statuses
+    assert summary.winner is not None
 
 
 @pytest.fixture

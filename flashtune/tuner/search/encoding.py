@@ -62,3 +62,8 @@ class SearchEncoding(Candidates[KernelConfig]):
     def space(self) -> list[KernelConfig]:
         """Every structurally legal config of the family's space, in a stable order."""
         return families.of(self.problem).search_space(self.problem)
+
+    def static_rejections(self) -> int:
+        """How many configs of the space the static rules exclude on this arch (counted,
+        never recorded: the rules are a pure function of problem, config and arch)."""
+        return len(self.space()) - len(self.configs)
