@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
-from flashtune.codegen.abi import ArgType
+from flashtune.codegen.abi import ArgType, ArgValue
 from flashtune.codegen.spec import KernelSource
 
 
@@ -23,7 +23,7 @@ class LoadedKernel(Protocol):
     def launch(
         self,
         grid: tuple[int, int, int],
-        args: Sequence[tuple[ArgType, int | float]],
+        args: Sequence[tuple[ArgType, ArgValue]],
         *,
         stream: int = 0,
     ) -> None:
@@ -36,7 +36,7 @@ class LoadedKernel(Protocol):
     def bind(
         self,
         grid: tuple[int, int, int],
-        args: Sequence[tuple[ArgType, int | float]],
+        args: Sequence[tuple[ArgType, ArgValue]],
         *,
         stream: int = 0,
     ) -> Callable[[], None]:

@@ -17,15 +17,29 @@ from typing import Any
 
 import numpy as np
 
-from flashtune.codegen.abi import ArgType
+from flashtune.codegen.abi import ArgType, ArgValue
 from flashtune.codegen.spec import KernelSource
+from flashtune.codegen.tensormap import TensorMap
 from flashtune.errors import DeviceError, OutOfResources
 from flashtune.runtime.precompile import load_shipped
+from flashtune.runtime.tma import encode_driver
 
 log = logging.getLogger("flashtune.cuda")
 
 #: Dynamic shared memory above this needs an explicit per-function opt-in.
 DEFAULT_SMEM_LIMIT = 48 * 1024
+
+#: A CUtensorMap by value: 128 bytes, 64-byte aligned (the parameter offset is the cubin's).
+_TENSOR_MAP_DTYPE = np.dtype({"names": ["opaque"], "formats": [("<u8", (16,))],
+                              "itemsize": 128})
+
+
+def _tensor_map(value: Any) -> Any:
+    """A driver-encoded tensor map as a NumPy structured scalar (CuPy passes its bytes)."""
+    if not isinstance(value, TensorMap):
+        raise TypeError(f"a tensor-map argument needs a TensorMap, got {type(value).__name__}")
+    return np.frombuffer(encode_driver(value), dtype=_TENSOR_MAP_DTYPE)[0]
+
 
 # CuPy passes a Python int as a 64-bit integer; 32-bit arguments need sized numpy scalars.
 _CONVERT: dict[ArgType, Callable[[Any], Any]] = {
@@ -33,6 +47,7 @@ _CONVERT: dict[ArgType, Callable[[Any], Any]] = {
     ArgType.I64: int,
     ArgType.I32: np.int32,
     ArgType.F32: np.float32,
+    ArgType.TMAP: _tensor_map,
 }
 
 
@@ -95,7 +110,7 @@ class CudaKernel:
     def launch(
         self,
         grid: tuple[int, int, int],
-        args: Sequence[tuple[ArgType, int | float]],
+        args: Sequence[tuple[ArgType, ArgValue]],
         *,
         stream: int = 0,
     ) -> None:
@@ -115,7 +130,7 @@ class CudaKernel:
     def bind(
         self,
         grid: tuple[int, int, int],
-        args: Sequence[tuple[ArgType, int | float]],
+        args: Sequence[tuple[ArgType, ArgValue]],
         *,
         stream: int = 0,
     ) -> Callable[[], None]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from flashtune.codegen.abi import ArgType
+from flashtune.codegen.abi import ArgType, ArgValue
 from flashtune.codegen.render import templates_dir
 from flashtune.codegen.spec import KernelSource
 from flashtune.runtime.backends.emulator.counters import EmulatorCounters
@@ -35,7 +35,7 @@ class EmulatorLoadedKernel:
     def launch(
         self,
         grid: tuple[int, int, int],
-        args: Sequence[tuple[ArgType, int | float]],
+        args: Sequence[tuple[ArgType, ArgValue]],
         *,
         stream: int = 0,
     ) -> None:
@@ -49,7 +49,7 @@ class EmulatorLoadedKernel:
     def bind(
         self,
         grid: tuple[int, int, int],
-        args: Sequence[tuple[ArgType, int | float]],
+        args: Sequence[tuple[ArgType, ArgValue]],
         *,
         stream: int = 0,
     ) -> Callable[[], None]:

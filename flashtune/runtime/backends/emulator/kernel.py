@@ -19,23 +19,26 @@ from pathlib import Path
 from typing import Any
 
 from flashtune import knobs
-from flashtune.codegen.abi import ArgType
+from flashtune.codegen.abi import ArgType, ArgValue
+from flashtune.codegen.tensormap import TensorMap
 from flashtune.errors import EmulatorError, InvalidInput
 from flashtune.runtime.backends.emulator import build, native
 from flashtune.runtime.backends.emulator.counters import EmulatorCounters, allocate, from_native
 from flashtune.runtime.cache import ArtifactCache
+from flashtune.runtime.tma import aligned_buffer, encode_emulator
 from flashtune.toolchain import host as toolchain
 
-Arg = tuple[ArgType, "int | float"]
+Arg = tuple[ArgType, ArgValue]
 
 #: Largest dynamic + static shared memory per block of any supported GPU (sm_90: 227 KiB).
 DEFAULT_SMEM_LIMIT = 227 * 1024
 DEFAULT_STACK_BYTES = 256 * 1024
 
 _CODES_FOR = {ArgType.PTR: ("p",), ArgType.I32: ("i", "u"), ArgType.I64: ("l", "L"),
-              ArgType.F32: ("f",)}
+              ArgType.F32: ("f",), ArgType.TMAP: ("T",)}
 _CODE_NAMES = {"p": "pointer", "i": "int32", "u": "uint32", "l": "int64", "L": "uint64",
-               "f": "float32", "d": "float64", "b": "bool", "?": "unsupported type"}
+               "f": "float32", "d": "float64", "T": "CUtensorMap", "b": "bool",
+               "?": "unsupported type"}
 
 
 class Schedule(str, Enum):
@@ -123,13 +126,20 @@ def _dims(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
     return dims[0], dims[1], dims[2]
 
 
-def _pack_one(index: int, code: str, arg: Arg) -> ctypes._SimpleCData[Any]:
+def _pack_one(index: int, code: str, arg: Arg) -> ctypes._CData:
     kind, value = ArgType(arg[0]), arg[1]
     if code not in _CODES_FOR[kind]:
         raise InvalidInput(
             f"argument {index}: the kernel parameter is {_CODE_NAMES.get(code, code)} but a "
             f"{kind.value} was passed"
         )
+    if kind is ArgType.TMAP:
+        if not isinstance(value, TensorMap):
+            raise InvalidInput(f"argument {index}: a tensor map needs a TensorMap, got "
+                               f"{type(value).__name__}")
+        return aligned_buffer(encode_emulator(value))
+    if isinstance(value, TensorMap):
+        raise InvalidInput(f"argument {index}: a TensorMap passed as {kind.value}")
     if kind is ArgType.F32:
         return ctypes.c_float(float(value))
     if not isinstance(value, int) or isinstance(value, bool):

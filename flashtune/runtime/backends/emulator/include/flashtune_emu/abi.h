@@ -11,7 +11,7 @@
 #include <stddef.h>
 #include <vector_types.h>
 
-#define FTEMU_ABI_VERSION 3
+#define FTEMU_ABI_VERSION 4
 #define FTEMU_API __attribute__((visibility("default")))
 
 extern "C" {
@@ -184,6 +184,38 @@ FTEMU_API void ftemu_mbarrier_arrive(void* bar, unsigned expect_tx, ftemu_loc lo
 FTEMU_API void ftemu_mbarrier_complete_tx(void* bar, unsigned tx, ftemu_loc loc);
 FTEMU_API void ftemu_mbarrier_cp_async_arrive(void* bar, ftemu_loc loc);
 FTEMU_API int ftemu_mbarrier_try_wait_parity(void* bar, unsigned parity, ftemu_loc loc);
+
+// The emulator's tensor map: what a kernel receives as its `const __grid_constant__
+// CUtensorMap` parameter under the emulator (128 bytes, 64-byte aligned, like the driver's
+// opaque object). flashtune.runtime.tma.encode_emulator writes it; the fields are those of
+// cuTensorMapEncodeTiled, with the driver's enum values (cuda.h), byte offsets in brackets.
+#define FTEMU_TMAP_MAGIC 0x70616d726f736e74ull  // "tnsormap", little-endian
+struct alignas(64) ftemu_tensor_map {
+    unsigned long long magic;          // [0]   FTEMU_TMAP_MAGIC
+    unsigned long long address;        // [8]   global address of element (0, ..., 0)
+    unsigned long long dims[5];        // [16]  elements per dim, innermost first
+    unsigned long long strides[4];     // [56]  bytes between consecutive indices of dims 1..
+    unsigned box[5];                   // [88]  box elements per dim
+    unsigned char rank;                // [108] 1..5
+    unsigned char elem_bytes;          // [109] 1, 2, 4 or 8
+    unsigned char swizzle;             // [110] CU_TENSOR_MAP_SWIZZLE_{NONE,32B,64B,128B}: 0..3
+    unsigned char oob_fill;            // [111] CU_TENSOR_MAP_FLOAT_OOB_FILL_{NONE,NAN_...}: 0, 1
+    unsigned char elem_strides[5];     // [112] 1..8 (the emulator models 1 only)
+    unsigned char data_type;           // [117] CUtensorMapDataType
+    unsigned char reserved[10];        // [118] zero
+};
+static_assert(sizeof(ftemu_tensor_map) == 128, "a tensor map is 128 bytes");
+
+// cp.async.bulk.tensor.<rank>d.shared::cluster.global.tile.mbarrier::complete_tx::bytes:
+// loads the box at `coords` (rank signed ints, innermost first) of the tensor `map` into
+// shared memory at `smem_dst` (swizzled as the map says; out-of-bounds elements filled) and
+// completes its bytes as transactions on the mbarrier `bar`.
+FTEMU_API void ftemu_tma_load(void* smem_dst, const void* map, int rank, const int* coords,
+                              void* bar, ftemu_loc loc);
+// prefetch.param.tensormap: checks the map (the emulator has no descriptor cache).
+FTEMU_API void ftemu_prefetch_tensormap(const void* map, ftemu_loc loc);
+// setmaxnreg.{inc,dec}.sync.aligned.u32 count (sm_90a): inc 1 or 0.
+FTEMU_API void ftemu_setmaxnreg(int inc, unsigned count, ftemu_loc loc);
 
 // Records a fault of the current thread and ends the launch (never returns).
 [[noreturn]] FTEMU_API void ftemu_fail(const char* message, ftemu_loc loc);

@@ -244,6 +244,7 @@ template <class T>
 constexpr char type_code() {
     using U = std::remove_cv_t<T>;
     if constexpr (std::is_pointer_v<U>) return 'p';
+    else if constexpr (std::is_same_v<U, ftemu_tensor_map>) return 'T';
     else if constexpr (std::is_same_v<U, bool>) return 'b';
     else if constexpr (std::is_same_v<U, float>) return 'f';
     else if constexpr (std::is_same_v<U, double>) return 'd';

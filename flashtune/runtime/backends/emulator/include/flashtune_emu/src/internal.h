@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -120,6 +121,16 @@ struct Thread {
     // While AtMbarrier (mbarrier.cpp): the barrier and the phase this thread waits to complete.
     const void* wait_bar = nullptr;
     uint64_t wait_phase = 0;
+
+    unsigned nreg_calls = 0;  // setmaxnreg executed so far in this block (setmaxnreg.cpp)
+};
+
+// One setmaxnreg of a warpgroup, as its first thread executed it (setmaxnreg.cpp).
+struct NregRequest {
+    int inc;
+    unsigned count;
+    unsigned tid;
+    ftemu_loc loc;
 };
 
 // An mbarrier object (mbarrier.cpp), keyed by its shared-memory address.
@@ -198,6 +209,7 @@ struct Launch {
     ftemu_counters* counters = nullptr;  // null unless the caller asked for counters
     uint64_t block_linear = 0;            // x + gx * (y + gy * z) of the running block
     std::map<uintptr_t, MBarrier> mbarriers;  // initialised in the running block
+    std::vector<std::vector<NregRequest>> nreg;  // setmaxnreg sequence per warpgroup
 
     SmemSpace dyn, stat;
     unsigned char* arena_map = nullptr;  // mmap of guard + arena + guard (non-ASan)
@@ -252,6 +264,13 @@ void land_published(unsigned tid, const std::vector<Copy>& copies);
 void publish_region(unsigned tid, const Region& r);
 SmemSpace* locate_shared(const void* p);
 std::string describe_smem_address(const void* p);
+// Checks that an asynchronous copy (cp.async or TMA, named by `kind`) may write the words of
+// `c` now (no copy in flight there, no unpublished data of another thread, no unreleased read
+// of another warp); `what()` names the call in messages.
+void check_async_destination(const Thread& me, const Copy& c, const char* kind,
+                             const std::function<std::string()>& what);
+// Marks the words of `c` in flight (poison, owned by `me`) until the copy lands.
+void start_async_write(const Thread& me, const Copy& c);
 // Reads the 16-byte row of an ldmatrix (checked: bounds, alignment, cp.async visibility).
 void read_ldmatrix_row(const Thread& reader, const void* addr, const char* what, ftemu_loc loc,
                        uint16_t out[8]);
@@ -273,6 +292,13 @@ void wgmma_on_exit(Thread& t);
 
 // mbarrier.cpp
 std::string describe_mbarrier_wait(const Thread& t);
+// A TMA load's copies tracked by the barrier at `bar` (they land when its phase completes)
+// and its complete-tx of `bytes` (checked: never more bytes than the phase expects).
+void mbarrier_track_tma(void* bar, std::vector<Copy>&& copies, int64_t bytes, ftemu_loc loc);
+
+// setmaxnreg.cpp
+void setmaxnreg_begin_block(Launch& L);
+void setmaxnreg_end_block(Launch& L);
 
 // warp.cpp
 void on_lane_exit(Thread& t);

@@ -137,6 +137,22 @@ void add_tx(const void* bar, MBarrier& b, int64_t delta, const char* op, ftemu_l
 
 }  // namespace
 
+void mbarrier_track_tma(void* bar, std::vector<Copy>&& copies, int64_t bytes, ftemu_loc loc) {
+    MBarrier& b = lookup(bar, "tma_load", loc);
+    for (Copy& c : copies) b.copies.push_back(c);
+    add_tx(bar, b, -bytes, "tma_load", loc);
+    if (b.pending == 0 && b.tx < 0)
+        fail(FTEMU_ERROR, format(
+            "tma_load at %s: the %lld bytes of the box complete %lld more transaction bytes "
+            "than phase %llu of %s expects (all %u arrivals made): the expect-tx count must "
+            "equal the bytes of the boxes loaded into the stage (out-of-bounds elements "
+            "included)", at(loc).c_str(), static_cast<long long>(bytes),
+            static_cast<long long>(-b.tx), static_cast<unsigned long long>(b.phase),
+            name_of(bar).c_str(), b.expected));
+    store_image(bar, b);
+    complete_if_ready(bar, b);
+}
+
 std::string describe_mbarrier_wait(const Thread& t) {
     const Launch& L = *g_launch;
     auto it = L.mbarriers.find(reinterpret_cast<uintptr_t>(t.wait_bar));
@@ -184,6 +200,13 @@ extern "C" FTEMU_API void ftemu_mbarrier_arrive(void* bar, unsigned expect_tx, f
     const char* op = expect_tx ? "mbarrier_arrive_expect_tx" : "mbarrier_arrive";
     MBarrier& b = lookup(bar, op, loc);
     add_tx(bar, b, expect_tx, op, loc);
+    if (b.pending == 1 && b.tx < 0)
+        fail(FTEMU_ERROR, format(
+            "%s at %s: the last arrival of phase %llu on %s leaves %lld transaction bytes "
+            "completed beyond those expected (expect-tx %u): the expect-tx count must equal "
+            "the bytes of the boxes loaded into the stage", op, at(loc).c_str(),
+            static_cast<unsigned long long>(b.phase), name_of(bar).c_str(),
+            static_cast<long long>(-b.tx), expect_tx));
     arrive(bar, b, op, loc);
 }
 

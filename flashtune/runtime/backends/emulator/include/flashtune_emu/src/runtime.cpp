@@ -405,6 +405,7 @@ static void run_block(Launch& L, unsigned bx, unsigned by, unsigned bz) {
         t.hidden = false;
         t.asan_fake_stack = nullptr;
         t.cp_seq = 0;
+        t.nreg_calls = 0;
         context_init(&t.context, t.stack_lo, t.stack_size, fiber_main);
         make_runnable(t);
     }
@@ -417,6 +418,7 @@ static void run_block(Launch& L, unsigned bx, unsigned by, unsigned bz) {
     }
     L.live = L.nthreads;
     L.mbarriers.clear();
+    setmaxnreg_begin_block(L);
     L.barrier_arrived = 0;
     L.epoch = 0;
     smem_setup_block(L);
@@ -436,6 +438,8 @@ static void run_block(Launch& L, unsigned bx, unsigned by, unsigned bz) {
         record_error(FTEMU_DEADLOCK, deadlock_report(L));
         return;
     }
+    setmaxnreg_end_block(L);
+    if (L.status != FTEMU_OK) return;
     if (L.counters) counters_end_block(L);
     smem_check_slack(L);
 }

@@ -19,6 +19,7 @@
 //    (caught as a fault) or, within the 128-byte alignment slack, are caught at block end
 //    (stores) or read poison (loads). With AddressSanitizer the allocation is exact.
 #include <cstring>
+#include <functional>
 
 #include "internal.h"
 
@@ -293,6 +294,47 @@ void read_ldmatrix_row(const Thread& reader, const void* addr, const char* what,
     std::memcpy(out, words, 16);
 }
 
+// ---------------------------------------------------------------------------------------
+// Destinations of asynchronous copies (cp.async and TMA)
+
+void check_async_destination(const Thread& me, const Copy& c, const char* kind,
+                             const std::function<std::string()>& what) {
+    Launch& L = *g_launch;
+    SmemSpace& sp = *c.space;
+    for (uint32_t i = 0; i < c.nwords; ++i) {
+        size_t w = c.word + i;
+        Word s = sp.state[w];
+        if (s == Word::Pending)
+            fail(FTEMU_ERROR, format(
+                "%s: destination %s is already the destination of a %s in flight (issued by %s "
+                "at %s)", what().c_str(), describe_smem_address(sp.base + 4 * w).c_str(), kind,
+                thread_name(sp.owner[w]).c_str(),
+                at(issue_loc(L.threads[sp.owner[w]], sp, w)).c_str()));
+        if ((s == Word::PrivateVisible || s == Word::PrivateHidden) && sp.owner[w] != me.tid)
+            fail(FTEMU_ERROR, format(
+                "%s: destination %s holds data that %s copied and no __syncthreads has "
+                "published yet (a write-write race)", what().c_str(),
+                describe_smem_address(sp.base + 4 * w).c_str(), thread_name(sp.owner[w]).c_str()));
+        if (sp.read_epoch[w] == L.epoch + 1 && sp.reader_warp[w] != me.warp)
+            fail(FTEMU_ERROR, format(
+                "%s: destination %s was read by warp %u (ldmatrix or wgmma at %s) since the "
+                "last __syncthreads and no barrier phase released that read; overwriting it now "
+                "races with it (a write-after-read race: order the reads before the next copy "
+                "into the buffer, e.g. with an mbarrier the readers arrive on)", what().c_str(),
+                describe_smem_address(sp.base + 4 * w).c_str(), sp.reader_warp[w],
+                at(sp.reader_loc[w]).c_str()));
+    }
+}
+
+void start_async_write(const Thread& me, const Copy& c) {
+    SmemSpace& sp = *c.space;
+    for (uint32_t i = 0; i < c.nwords; ++i) {
+        sp.state[c.word + i] = Word::Pending;
+        sp.owner[c.word + i] = static_cast<uint16_t>(me.tid);
+        sp.store(c.word + i, kPoisonWord);
+    }
+}
+
 }  // namespace ftemu
 
 using namespace ftemu;
@@ -324,35 +366,10 @@ extern "C" FTEMU_API void ftemu_cp_async(void* dst, const void* src, int bytes, 
         std::memcpy(c.data, src, static_cast<size_t>(src_bytes));
         set_current_op(nullptr);
     }
-    for (uint32_t i = 0; i < c.nwords; ++i) {
-        size_t w = c.word + i;
-        Word s = sp.state[w];
-        if (s == Word::Pending)
-            fail(FTEMU_ERROR, format(
-                "cp_async<%d> at %s: destination %s is already the destination of a cp.async in "
-                "flight (issued by %s at %s)", bytes, at(loc).c_str(),
-                describe_smem_address(sp.base + 4 * w).c_str(), thread_name(sp.owner[w]).c_str(),
-                at(issue_loc(L.threads[sp.owner[w]], sp, w)).c_str()));
-        if ((s == Word::PrivateVisible || s == Word::PrivateHidden) && sp.owner[w] != me.tid)
-            fail(FTEMU_ERROR, format(
-                "cp_async<%d> at %s: destination %s holds data that %s copied and no "
-                "__syncthreads has published yet (a write-write race)", bytes, at(loc).c_str(),
-                describe_smem_address(sp.base + 4 * w).c_str(), thread_name(sp.owner[w]).c_str()));
-        if (sp.read_epoch[w] == L.epoch + 1 && sp.reader_warp[w] != me.warp)
-            fail(FTEMU_ERROR, format(
-                "cp_async<%d> at %s: destination %s was read by warp %u (ldmatrix at %s) since "
-                "the last __syncthreads; overwriting it now races with that read (a "
-                "write-after-read race: put a __syncthreads between the reads and the next "
-                "copy into the buffer)", bytes, at(loc).c_str(),
-                describe_smem_address(sp.base + 4 * w).c_str(), sp.reader_warp[w],
-                at(sp.reader_loc[w]).c_str()));
-    }
+    check_async_destination(me, c, "cp.async", [&] { return format("cp_async<%d> at %s", bytes,
+                                                       at(loc).c_str()); });
     if (L.counters) count_cp_async(me, dst, src, bytes, src_bytes, loc);
-    for (uint32_t i = 0; i < c.nwords; ++i) {
-        sp.state[c.word + i] = Word::Pending;
-        sp.owner[c.word + i] = static_cast<uint16_t>(me.tid);
-        sp.store(c.word + i, kPoisonWord);
-    }
+    start_async_write(me, c);
     me.uncommitted.push_back(c);
 }
 

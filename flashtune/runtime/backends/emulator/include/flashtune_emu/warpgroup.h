@@ -1,0 +1,18 @@
+// The emulator's implementation of the warpgroup primitives (flashtune/templates/
+// warpgroup.cuh). Semantics and checks: src/setmaxnreg.cpp.
+#pragma once
+
+#include "flashtune_emu/runtime.h"
+
+namespace ft {
+
+template <int N>
+__device__ inline void setmaxnreg_inc(::ftemu::loc_t l = ::ftemu::loc_t::current()) {
+    ftemu_setmaxnreg(1, N, ::ftemu::to_loc(l));
+}
+template <int N>
+__device__ inline void setmaxnreg_dec(::ftemu::loc_t l = ::ftemu::loc_t::current()) {
+    ftemu_setmaxnreg(0, N, ::ftemu::to_loc(l));
+}
+
+}  // namespace ft
