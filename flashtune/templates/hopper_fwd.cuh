@@ -34,7 +34,7 @@ namespace ft {
 // Compile-time shape of one variant. The fields named like FwdTraits' are the ones
 // softmax.cuh reads (one 16-row m tile per warp).
 template <typename Element_, bool IsBf16, int HeadDim, int BlockM, int BlockN, int Stages,
-          bool Causal>
+          bool Causal, bool WarpSpecialized = false>
 struct HopperFwdTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
@@ -46,8 +46,10 @@ struct HopperFwdTraits {
   static constexpr bool kCausal = Causal;
   // No attention features (the mma.sync forward serves them); softmax.cuh's masks read it.
   static constexpr bool kLocal = false;
-  static constexpr int kWarpGroups = BlockM / 64;
-  static constexpr int kThreads = 128 * kWarpGroups;
+  static constexpr int kWarpGroups = BlockM / 64;  // consumer warpgroups (the math)
+  // hopper_fwd_ws.cuh adds a producer warpgroup (warps 0..3) in front of them.
+  static constexpr bool kWarpSpecialized = WarpSpecialized;
+  static constexpr int kThreads = 128 * (kWarpGroups + (WarpSpecialized ? 1 : 0));
   static constexpr int kMTiles = 1;                 // 16 rows per warp
   static constexpr int kSTiles = BlockN / 8;        // n8 column blocks of S
   static constexpr int kPvSteps = BlockN / 16;      // k16 steps of P V
@@ -61,8 +63,9 @@ struct HopperFwdTraits {
   static constexpr int kKOffset = kQBytes;
   static constexpr int kVOffset = kKOffset + Stages * kTileBytes;
   static constexpr int kBarOffset = kVOffset + Stages * kTileBytes;
-  // Tiles, the 2 x kStages barriers, and up to 1023 bytes to align the base.
-  static constexpr int kSmemBytes = kBarOffset + 16 * Stages + 1024;
+  // Tiles, the 2 x kStages barriers (a Q barrier more when warp-specialised), and up to 1023
+  // bytes to align the base.
+  static constexpr int kSmemBytes = kBarOffset + 16 * Stages + (WarpSpecialized ? 8 : 0) + 1024;
 
   static_assert(HeadDim % 64 == 0 && HeadDim <= 256, "head dim: 64, 128 or 256");
   static_assert(BlockM == 64 || BlockM == 128, "block_m: 64 or 128 (warpgroups of 64 rows)");
@@ -113,41 +116,18 @@ struct FirstTile {
   static constexpr bool value = kFirst;
 };
 
-// The block of query rows blockIdx.x * kBlockM.. of head blockIdx.y, batch blockIdx.z.
+// Keys [0, n_end) are visible to some row of the query block m0.., [0, n_full) to all of
+// them; the block walks n_tiles key tiles from the last one down, masking those from
+// first_masked_tile on (the diagonal and the tail).
+struct KeyRange {
+  int n_end;
+  int n_tiles;
+  int first_masked_tile;
+};
+
 template <class Tr>
-__device__ __forceinline__ void hopper_fwd(const FwdParams<typename Tr::Element>& a) {
-  using Element = typename Tr::Element;
-  constexpr int kBlockM = Tr::kBlockM;
-  constexpr int kBlockN = Tr::kBlockN;
-  constexpr int kStages = Tr::kStages;
-  FT_DYNAMIC_SMEM(unsigned char, raw);
-  // 128B swizzle patterns repeat every 1024 bytes of the shared window: align the base.
-  const unsigned window = smem_address(raw);
-  const unsigned pad = (1024u - (window & 1023u)) & 1023u;
-  unsigned char* const smem = raw + pad;
-  const unsigned base = window + pad;
-  auto* const full = reinterpret_cast<unsigned long long*>(smem + Tr::kBarOffset);
-  auto* const empty = full + kStages;
-
-  const int tid = static_cast<int>(threadIdx.x);
-  const int lane = lane_id();
-  const int warp = warp_id();
-  const int group = warp / 4;  // the warpgroup: query rows 64 group ..
-  const int m_block = static_cast<int>(blockIdx.x);
-  const int head = static_cast<int>(blockIdx.y);
-  const int batch = static_cast<int>(blockIdx.z);
-  const int seqlen_q = a.seqlen_q;
-  const int seqlen_k = a.seqlen_k;
-  const int kv_head = head / (a.heads_q / a.heads_kv);
-  const Element* q_bh = a.q + batch * a.q_batch_stride + head * a.q_head_stride;
-  const Element* k_bh = a.k + batch * a.k_batch_stride + kv_head * a.k_head_stride;
-  const Element* v_bh = a.v + batch * a.v_batch_stride + kv_head * a.v_head_stride;
-  Element* o_bh = a.o + batch * a.o_batch_stride + head * a.o_head_stride;
-  float* lse_bh = a.lse + (static_cast<long long>(batch) * a.heads_q + head) * seqlen_q;
-
-  // Keys [0, n_end) are visible to some row of the block, [0, n_full) to all of them.
-  const int m0 = m_block * kBlockM;
-  const int m_end = seqlen_q < m0 + kBlockM ? seqlen_q : m0 + kBlockM;
+__device__ __forceinline__ KeyRange key_range(int m0, int seqlen_q, int seqlen_k) {
+  const int m_end = seqlen_q < m0 + Tr::kBlockM ? seqlen_q : m0 + Tr::kBlockM;
   int n_end = seqlen_k;
   int n_full = seqlen_k;
   if constexpr (Tr::kCausal) {
@@ -156,17 +136,199 @@ __device__ __forceinline__ void hopper_fwd(const FwdParams<typename Tr::Element>
     n_end = last_row_end < n_end ? last_row_end : n_end;
     n_full = first_row_end < n_full ? first_row_end : n_full;
   }
-  if (n_end <= 0) {
-    store_unseen_rows<Tr>(o_bh, a.o_row_stride, lse_bh, m0, seqlen_q, tid);
-    return;
+  KeyRange r;
+  r.n_end = n_end;
+  r.n_tiles = (n_end + Tr::kBlockN - 1) / Tr::kBlockN;
+  r.first_masked_tile = n_full <= 0 ? 0 : n_full / Tr::kBlockN;
+  return r;
+}
+
+// Calls step(j, FirstTile, mask) for j = 0 .. n_tiles - 1 (key tile n_tiles - 1 - j) with the
+// mask each tile needs: the first one masked, then the causal diagonal, then none.
+template <class Tr, class Step>
+__device__ __forceinline__ void for_each_key_tile(const KeyRange& range,
+                                                  const RowLimits<Tr>& limits, Step&& step) {
+  const int n_tiles = range.n_tiles;
+  step(0, FirstTile<true>{}, TileMask<Tr, true, Tr::kCausal>(limits, (n_tiles - 1) * Tr::kBlockN));
+  int j = 1;
+  if constexpr (Tr::kCausal) {
+    for (; j < n_tiles && n_tiles - 1 - j >= range.first_masked_tile; ++j)
+      step(j, FirstTile<false>{}, TileMask<Tr, false, true>(limits, (n_tiles - 1 - j) * Tr::kBlockN));
   }
-  const int n_tiles = (n_end + kBlockN - 1) / kBlockN;
-  const int first_masked_tile = n_full <= 0 ? 0 : n_full / kBlockN;
+  for (; j < n_tiles; ++j) step(j, FirstTile<false>{}, NoMask{});
+}
+
+// One key tile for the calling warpgroup: S = Q K^T by wgmma (both operands in shared memory,
+// K-major), the online softmax, P from the S accumulators and O += P V by wgmma (V MN-major).
+// q_addr, k_addr, v_addr: shared-window addresses of this warpgroup's 64 Q rows and of the
+// stage's K and V tiles; every wgmma is waited for before it returns.
+template <class Tr, bool kFirst, class Mask>
+__device__ __forceinline__ void tile_math(unsigned q_addr, unsigned k_addr, unsigned v_addr,
+                                          OnlineSoftmax<Tr>& softmax,
+                                          float (&acc_o)[1][Tr::kOTiles][4], float scale_log2,
+                                          const Mask& mask) {
+  constexpr int kBlockM = Tr::kBlockM;
+  constexpr int kBlockN = Tr::kBlockN;
+  // wgmma views of the fragments: d[4 nt + e] is fragment element [nt][e].
+  auto& o_view = reinterpret_cast<float(&)[Tr::kHeadDim / 2]>(acc_o);
+  float acc_s[1][Tr::kSTiles][4];
+  auto& s_view = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < Tr::kQkSteps; ++ks) {
+    const unsigned off = (ks % 4) * 32;
+    wgmma_ss<kBlockN, Tr::kBf16, false, false>(
+        s_view, wgmma_desc(q_addr + (ks / 4) * kBlockM * 128 + off, 16, 1024, kSwizzle128B),
+        wgmma_desc(k_addr + (ks / 4) * kBlockN * 128 + off, 16, 1024, kSwizzle128B), ks > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_operands(s_view);
+
+  unsigned p[1][Tr::kPvSteps][4];
+  softmax.template update<kFirst>(acc_s, p, acc_o, scale_log2, mask);
+
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Tr::kPvSteps; ++kk) {
+    wgmma_rs<Tr::kHeadDim, Tr::kBf16, true>(
+        o_view, p[0][kk], wgmma_desc(v_addr + kk * 16 * 128, kBlockN * 128, 1024, kSwizzle128B),
+        1);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_operands(o_view);
+}
+
+// Epilogue of one warp (query rows row0 .. row0 + 15): O / row sum and the natural-log LSE,
+// straight from the accumulators.
+template <class Tr>
+__device__ __forceinline__ void store_rows(OnlineSoftmax<Tr>& softmax,
+                                           const float (&acc_o)[1][Tr::kOTiles][4],
+                                           typename Tr::Element* o_bh, long long o_row_stride,
+                                           float* lse_bh, int row0, int seqlen_q, int lane) {
+  float inv_sum[1][2];
+  float row_lse[1][2];
+  softmax.finalize(inv_sum, row_lse);
+  const int g = lane / 4;
+  const int t = lane % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + g + 8 * h;
+    if (row < seqlen_q) {
+      typename Tr::Element* o_row = o_bh + row * o_row_stride + 2 * t;
+#pragma unroll
+      for (int dt = 0; dt < Tr::kOTiles; ++dt) {
+        *reinterpret_cast<unsigned*>(o_row + 8 * dt) =
+            Tr::Ops::pack(acc_o[0][dt][2 * h] * inv_sum[0][h],
+                          acc_o[0][dt][2 * h + 1] * inv_sum[0][h]);
+      }
+      if (t == 0) lse_bh[row] = row_lse[0][h];
+    }
+  }
+}
+
+// The state of one block both sm_90a kernels share: the tiles from a 1024-byte boundary of
+// the shared window (128B swizzle patterns repeat every 1024 bytes), the stage barriers, the
+// block's (batch, head) and query rows m0.., and the key range they see.
+template <class Tr>
+struct HopperBlock {
+  unsigned char* smem;  // the tiles: Q, then kStages K and V tiles, then the barriers
+  unsigned base;        // the shared-window address of smem
+  unsigned long long* full;   // kStages full barriers, then kStages empty ones
+  unsigned long long* empty;
+  int tid, lane, warp, head, batch, kv_head, m0, seqlen_q, seqlen_k;
+  typename Tr::Element* o_bh;
+  float* lse_bh;
+  KeyRange range;
+
+  __device__ __forceinline__ HopperBlock(unsigned char* raw,
+                                         const FwdParams<typename Tr::Element>& a) {
+    const unsigned window = smem_address(raw);
+    const unsigned pad = (1024u - (window & 1023u)) & 1023u;
+    smem = raw + pad;
+    base = window + pad;
+    full = reinterpret_cast<unsigned long long*>(smem + Tr::kBarOffset);
+    empty = full + Tr::kStages;
+    tid = static_cast<int>(threadIdx.x);
+    lane = lane_id();
+    warp = warp_id();
+    head = static_cast<int>(blockIdx.y);
+    batch = static_cast<int>(blockIdx.z);
+    kv_head = head / (a.heads_q / a.heads_kv);
+    seqlen_q = a.seqlen_q;
+    seqlen_k = a.seqlen_k;
+    o_bh = a.o + batch * a.o_batch_stride + head * a.o_head_stride;
+    lse_bh = a.lse + (static_cast<long long>(batch) * a.heads_q + head) * seqlen_q;
+    m0 = static_cast<int>(blockIdx.x) * Tr::kBlockM;
+    range = key_range<Tr>(m0, seqlen_q, seqlen_k);
+  }
+
+  // Whether no row of the block sees a key; then O = 0 and LSE = +inf are written (by all
+  // threads) and the block is done.
+  __device__ __forceinline__ bool unseen(long long o_row_stride) const {
+    if (range.n_end > 0) return false;
+    store_unseen_rows<Tr>(o_bh, o_row_stride, lse_bh, m0, seqlen_q, tid);
+    return true;
+  }
+};
+
+// One warpgroup's side of the math: O, the online softmax state and the row limits of one
+// warp (query rows row0 .. row0 + 15 of the warpgroup starting at Q tile row 64 group).
+template <class Tr>
+struct WarpgroupMath {
+  float acc_o[1][Tr::kOTiles][4];
+  OnlineSoftmax<Tr> softmax;
+  RowLimits<Tr> limits;
+  float scale_log2;
+  unsigned q_addr;  // this warpgroup's Q rows: k-step ks is 32 bytes into panel ks / 4
+  int row0;
+
+  __device__ __forceinline__ WarpgroupMath(const HopperBlock<Tr>& b, float softmax_scale,
+                                           int group, int row0_) {
+#pragma unroll
+    for (int dt = 0; dt < Tr::kOTiles; ++dt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc_o[0][dt][i] = 0.0f;
+    }
+    row0 = row0_;
+    limits.init(row0, b.seqlen_q, b.seqlen_k, b.lane);
+    scale_log2 = softmax_scale * 1.44269504088896340736f;
+    q_addr = b.base + group * 64 * 128;
+  }
+
+  // Key tile of stage s (the tile_math of its K and V).
+  template <bool kFirst, class Mask>
+  __device__ __forceinline__ void tile(const HopperBlock<Tr>& b, int s, const Mask& mask) {
+    tile_math<Tr, kFirst>(q_addr, b.base + Tr::kKOffset + s * Tr::kTileBytes,
+                          b.base + Tr::kVOffset + s * Tr::kTileBytes, softmax, acc_o,
+                          scale_log2, mask);
+  }
+
+  __device__ __forceinline__ void store(const HopperBlock<Tr>& b, long long o_row_stride) {
+    store_rows<Tr>(softmax, acc_o, b.o_bh, o_row_stride, b.lse_bh, row0, b.seqlen_q, b.lane);
+  }
+};
+
+// The block of query rows blockIdx.x * kBlockM.. of head blockIdx.y, batch blockIdx.z.
+template <class Tr>
+__device__ __forceinline__ void hopper_fwd(const FwdParams<typename Tr::Element>& a) {
+  using Element = typename Tr::Element;
+  constexpr int kBlockN = Tr::kBlockN;
+  constexpr int kStages = Tr::kStages;
+  FT_DYNAMIC_SMEM(unsigned char, raw);
+  const HopperBlock<Tr> b(raw, a);
+  if (b.unseen(a.o_row_stride)) return;
+  const int n_tiles = b.range.n_tiles;
+  const int tid = b.tid;
+  const Element* q_bh = a.q + b.batch * a.q_batch_stride + b.head * a.q_head_stride;
+  const Element* k_bh = a.k + b.batch * a.k_batch_stride + b.kv_head * a.k_head_stride;
+  const Element* v_bh = a.v + b.batch * a.v_batch_stride + b.kv_head * a.v_head_stride;
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(&full[s], Tr::kThreads);
-      mbarrier_init(&empty[s], Tr::kThreads);
+      mbarrier_init(&b.full[s], Tr::kThreads);
+      mbarrier_init(&b.empty[s], Tr::kThreads);
     }
     mbarrier_init_fence();
   }
@@ -177,100 +339,31 @@ __device__ __forceinline__ void hopper_fwd(const FwdParams<typename Tr::Element>
     const int tile = n_tiles - 1 - j;
     const int s = j % kStages;
     const long long row0 = static_cast<long long>(tile) * kBlockN;
-    const int valid = seqlen_k - tile * kBlockN;
-    load_tile<Tr, kBlockN>(smem + Tr::kKOffset + s * Tr::kTileBytes, k_bh + row0 * a.k_row_stride,
-                           a.k_row_stride, valid, tid);
-    load_tile<Tr, kBlockN>(smem + Tr::kVOffset + s * Tr::kTileBytes, v_bh + row0 * a.v_row_stride,
-                           a.v_row_stride, valid, tid);
-    cp_async_mbarrier_arrive(&full[s]);
+    const int valid = b.seqlen_k - tile * kBlockN;
+    load_tile<Tr, kBlockN>(b.smem + Tr::kKOffset + s * Tr::kTileBytes,
+                           k_bh + row0 * a.k_row_stride, a.k_row_stride, valid, tid);
+    load_tile<Tr, kBlockN>(b.smem + Tr::kVOffset + s * Tr::kTileBytes,
+                           v_bh + row0 * a.v_row_stride, a.v_row_stride, valid, tid);
+    cp_async_mbarrier_arrive(&b.full[s]);
   };
-  load_tile<Tr, kBlockM>(smem, q_bh + m0 * a.q_row_stride, a.q_row_stride, seqlen_q - m0, tid);
+  load_tile<Tr, Tr::kBlockM>(b.smem, q_bh + b.m0 * a.q_row_stride, a.q_row_stride,
+                             b.seqlen_q - b.m0, tid);
   for (int j = 0; j < kStages && j < n_tiles; ++j) load(j);
 
-  float acc_o[1][Tr::kOTiles][4];
-#pragma unroll
-  for (int dt = 0; dt < Tr::kOTiles; ++dt) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc_o[0][dt][i] = 0.0f;
-  }
-  OnlineSoftmax<Tr> softmax;
-  RowLimits<Tr> limits;
-  limits.init(m0 + 16 * warp, seqlen_q, seqlen_k, lane);
-  const float scale_log2 = a.softmax_scale * 1.44269504088896340736f;
-  // wgmma views of the fragments: d[4 nt + e] is fragment element [nt][e].
-  auto& o_view = reinterpret_cast<float(&)[Tr::kHeadDim / 2]>(acc_o);
-  // Q of this warpgroup: k-step ks is 32 bytes into panel ks / 4.
-  const unsigned q_addr = base + group * 64 * 128;
-
-  auto step = [&](int j, auto first, auto mask) {
+  // Warp w of warpgroup w / 4 owns query rows m0 + 16 w ..
+  WarpgroupMath<Tr> math(b, a.softmax_scale, b.warp / 4, b.m0 + 16 * b.warp);
+  for_each_key_tile<Tr>(b.range, math.limits, [&](int j, auto first, auto mask) {
     const int s = j % kStages;
-    const unsigned k_addr = base + Tr::kKOffset + s * Tr::kTileBytes;
-    const unsigned v_addr = base + Tr::kVOffset + s * Tr::kTileBytes;
-    mbarrier_wait_parity(&full[s], static_cast<unsigned>(j / kStages) & 1u);
+    mbarrier_wait_parity(&b.full[s], static_cast<unsigned>(j / kStages) & 1u);
     fence_proxy_async();  // the cp.async writes (generic proxy) before wgmma's reads
-
-    float acc_s[1][Tr::kSTiles][4];
-    auto& s_view = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < Tr::kQkSteps; ++ks) {
-      const unsigned off = (ks % 4) * 32;
-      wgmma_ss<kBlockN, Tr::kBf16, false, false>(
-          s_view, wgmma_desc(q_addr + (ks / 4) * kBlockM * 128 + off, 16, 1024, kSwizzle128B),
-          wgmma_desc(k_addr + (ks / 4) * kBlockN * 128 + off, 16, 1024, kSwizzle128B), ks > 0);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(s_view);
-
-    unsigned p[1][Tr::kPvSteps][4];
-    softmax.template update<decltype(first)::value>(acc_s, p, acc_o, scale_log2, mask);
-
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Tr::kPvSteps; ++kk) {
-      wgmma_rs<Tr::kHeadDim, Tr::kBf16, true>(
-          o_view, p[0][kk], wgmma_desc(v_addr + kk * 16 * 128, kBlockN * 128, 1024, kSwizzle128B),
-          1);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(o_view);
-    mbarrier_arrive(&empty[s]);  // this thread's warpgroup has read the stage
+    math.template tile<decltype(first)::value>(b, s, mask);
+    mbarrier_arrive(&b.empty[s]);  // this thread's warpgroup has read the stage
     if (j + kStages < n_tiles) {
-      mbarrier_wait_parity(&empty[s], static_cast<unsigned>(j / kStages) & 1u);
+      mbarrier_wait_parity(&b.empty[s], static_cast<unsigned>(j / kStages) & 1u);
       load(j + kStages);
     }
-  };
-
-  step(0, FirstTile<true>{}, TileMask<Tr, true, Tr::kCausal>(limits, (n_tiles - 1) * kBlockN));
-  int j = 1;
-  if constexpr (Tr::kCausal) {
-    for (; j < n_tiles && n_tiles - 1 - j >= first_masked_tile; ++j)
-      step(j, FirstTile<false>{}, TileMask<Tr, false, true>(limits, (n_tiles - 1 - j) * kBlockN));
-  }
-  for (; j < n_tiles; ++j) step(j, FirstTile<false>{}, NoMask{});
-
-  // Epilogue: O / row sum and the natural-log LSE, straight from the accumulators.
-  float inv_sum[1][2];
-  float row_lse[1][2];
-  softmax.finalize(inv_sum, row_lse);
-  const int g = lane / 4;
-  const int t = lane % 4;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = m0 + 16 * warp + g + 8 * h;
-    if (row < seqlen_q) {
-      Element* o_row = o_bh + row * a.o_row_stride + 2 * t;
-#pragma unroll
-      for (int dt = 0; dt < Tr::kOTiles; ++dt) {
-        *reinterpret_cast<unsigned*>(o_row + 8 * dt) =
-            Tr::Ops::pack(acc_o[0][dt][2 * h] * inv_sum[0][h],
-                          acc_o[0][dt][2 * h + 1] * inv_sum[0][h]);
-      }
-      if (t == 0) lse_bh[row] = row_lse[0][h];
-    }
-  }
+  });
+  math.store(b, a.o_row_stride);
 }
 
 }  // namespace ft

@@ -49,11 +49,13 @@ class HopperStandIn(ForwardFamily):
 
 @pytest.fixture
 def no_hopper() -> Iterator[None]:
-    """The registry without the built-in sm_90a forward (restored afterwards)."""
-    builtin = families.get(HOPPER_FORWARD.op)
-    families.unregister(builtin.op)
+    """The registry without the built-in sm_90a families (restored afterwards)."""
+    builtins = [f for f in families.all_families() if f.target_arch is not None]
+    for family in builtins:
+        families.unregister(family.op)
     yield
-    families.register(builtin)
+    for family in builtins:
+        families.register(family)
 
 
 @pytest.fixture

@@ -1,8 +1,9 @@
 """The sm_90a forward family (wgmma, cp.async + mbarrier ring): registry, space and rules
 with reasons, NVRTC for sm_90a (no spills; HGMMA in the SASS), and numerics in the emulator
 against float64 over head dims 64/128/256, causal (bottom-right), GQA, odd lengths, fp16 and
-bf16, in both thread orders, on NaN-poisoned outputs. The default run takes the defaults and
-a seeded sample; ``-m sweep`` the full matrix."""
+bf16, in both thread orders, on NaN-poisoned outputs, for it and for its warp-specialised
+sibling (fwd90aws: TMA producer, setmaxnreg; its own tests in test_hopper_ws.py). The default
+run takes the defaults and a seeded sample; ``-m sweep`` the full matrix."""
 
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.db.records import BestEntry
 from flashtune.errors import InvalidConfig, InvalidProblem
+from flashtune.families.base import KernelFamily
 from flashtune.families.fwd.reference import attention_reference
 from flashtune.families.hopper import HOPPER_FORWARD, space
+from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
 from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.device import DeviceInfo
@@ -41,6 +44,8 @@ HEAD_DIMS = (64, 128, 256)
 #: query row; Nq > Nk over several key tiles; two query blocks of equal lengths.
 SHAPES = (Shape(1, 2, 1, 77, 150), Shape(2, 2, 2, 9, 4), Shape(1, 4, 1, 1, 100),
           Shape(1, 1, 1, 150, 33), Shape(1, 2, 2, 130, 130))
+#: The families whose numerics run over the grid: the cp.async one and the warp-specialised.
+NUMERICS_FAMILIES = (HOPPER_FORWARD, HOPPER_WS_FORWARD)
 
 
 def _problem(head_dim: int, dtype: DType, causal: bool) -> Problem:
@@ -137,9 +142,13 @@ def test_nvrtc_compiles_every_passing_config_without_spills(head_dim: int) -> No
 # ------------------------------------------------------------------ emulator vs float64
 
 
-def _check(head_dim: int, dtype: DType, causal: bool, shape: Shape,
+Case = tuple[KernelFamily, int, DType, bool, Shape, KernelConfig]
+
+
+def _check(family: KernelFamily, head_dim: int, dtype: DType, causal: bool, shape: Shape,
            config: KernelConfig) -> None:
-    source = families.render(_problem(head_dim, dtype, causal), config)
+    problem = Problem(head_dim, dtype, causal=causal, op=family.op)
+    source = families.render(problem, config)
     for schedule in Schedule:
         kernel = EmulatorBackend(options=LaunchOptions(schedule=schedule)).load(source)
         seed = random.Random(f"{SEED}{source.entry}{shape.key()}{schedule}").randrange(2**31)
@@ -147,56 +156,58 @@ def _check(head_dim: int, dtype: DType, causal: bool, shape: Shape,
         assert verdict.ok, f"seed {seed}, {schedule}: {verdict.message}"
 
 
-def _default_cases() -> list[tuple[int, DType, bool, Shape, KernelConfig]]:
-    """One default per head dim (dtype, mask and shape drawn from the seed), and two seeded
-    configs of the space."""
-    rng = random.Random(SEED)
-    cases = []
-    for head_dim in HEAD_DIMS:
-        dtype, causal = rng.choice(list(DType)), rng.random() < 0.5
-        problem = _problem(head_dim, dtype, causal)
-        cases.append((head_dim, dtype, causal, rng.choice(SHAPES),
-                      HOPPER_FORWARD.default_config(problem, SM90A)))
-    for _ in range(2):
-        head_dim, dtype, causal = rng.choice(HEAD_DIMS), rng.choice(list(DType)), True
-        problem = _problem(head_dim, dtype, causal)
-        cases.append((head_dim, dtype, causal, rng.choice(SHAPES),
-                      rng.choice(HOPPER_FORWARD.candidates(problem, SM90A))))
+def _default_cases() -> list[Case]:
+    """Per family: one default per head dim (dtype, mask and shape drawn from the seed), and
+    two seeded configs of the space."""
+    cases: list[Case] = []
+    for family in NUMERICS_FAMILIES:
+        rng = random.Random(f"{SEED}{family.op}")
+        for head_dim in HEAD_DIMS:
+            dtype, causal = rng.choice(list(DType)), rng.random() < 0.5
+            problem = Problem(head_dim, dtype, causal=causal, op=family.op)
+            cases.append((family, head_dim, dtype, causal, rng.choice(SHAPES),
+                          family.default_config(problem, SM90A)))
+        for _ in range(2):
+            head_dim, dtype, causal = rng.choice(HEAD_DIMS), rng.choice(list(DType)), True
+            problem = Problem(head_dim, dtype, causal=causal, op=family.op)
+            cases.append((family, head_dim, dtype, causal, rng.choice(SHAPES),
+                          rng.choice(family.candidates(problem, SM90A))))
     return cases
 
 
-def _case_id(c: tuple[int, DType, bool, Shape, KernelConfig]) -> str:
-    return f"d{c[0]}-{c[1].value}-{'causal' if c[2] else 'full'}-{c[3].key()}-{c[4].key()}"
+def _case_id(c: Case) -> str:
+    return (f"{c[0].op}-d{c[1]}-{c[2].value}-{'causal' if c[3] else 'full'}-{c[4].key()}-"
+            f"{c[5].key()}")
 
 
 @pytest.mark.emulator
 @pytest.mark.parametrize("case", _default_cases(), ids=_case_id)
-def test_kernel_matches_float64_in_the_emulator(
-        case: tuple[int, DType, bool, Shape, KernelConfig]) -> None:
+def test_kernel_matches_float64_in_the_emulator(case: Case) -> None:
     _check(*case)
 
 
-def _sweep_cases() -> list[tuple[int, DType, bool, Shape, KernelConfig]]:
-    """Every head dim, dtype, mask and shape with the default; every passing config of each
-    head dim on one drawn shape."""
-    rng = random.Random(SEED)
-    cases = []
-    for head_dim, dtype, causal in itertools.product(HEAD_DIMS, DType, (False, True)):
-        problem = _problem(head_dim, dtype, causal)
-        default = HOPPER_FORWARD.default_config(problem, SM90A)
-        cases += [(head_dim, dtype, causal, shape, default) for shape in SHAPES]
-    for head_dim in HEAD_DIMS:
-        problem = _problem(head_dim, DType.FP16, True)
-        for config in HOPPER_FORWARD.candidates(problem, SM90A):
-            cases.append((head_dim, rng.choice(list(DType)), rng.random() < 0.5,
-                          rng.choice(SHAPES), config))
+def _sweep_cases() -> list[Case]:
+    """Per family: every head dim, dtype, mask and shape with the default; every passing
+    config of each head dim on one drawn shape."""
+    cases: list[Case] = []
+    for family in NUMERICS_FAMILIES:
+        rng = random.Random(f"{SEED}{family.op}")
+        for head_dim, dtype, causal in itertools.product(HEAD_DIMS, DType, (False, True)):
+            problem = Problem(head_dim, dtype, causal=causal, op=family.op)
+            default = family.default_config(problem, SM90A)
+            cases += [(family, head_dim, dtype, causal, shape, default) for shape in SHAPES]
+        for head_dim in HEAD_DIMS:
+            problem = Problem(head_dim, DType.FP16, causal=True, op=family.op)
+            for config in family.candidates(problem, SM90A):
+                cases.append((family, head_dim, rng.choice(list(DType)), rng.random() < 0.5,
+                              rng.choice(SHAPES), config))
     return cases
 
 
 @pytest.mark.sweep
 @pytest.mark.emulator
 @pytest.mark.parametrize("case", _sweep_cases(), ids=_case_id)
-def test_full_matrix_in_the_emulator(case: tuple[int, DType, bool, Shape, KernelConfig]) -> None:
+def test_full_matrix_in_the_emulator(case: Case) -> None:
     _check(*case)
 
 
@@ -262,4 +273,5 @@ def test_cli_compile_all_for_sm90a_lists_the_space() -> None:
     assert "space of fwd90a_d64_fp16_causal on sm_90a: 18 declared points" in out
     assert out.count(" ok ") == len(HOPPER_FORWARD.candidates(_problem(64, DType.FP16, True),
                                                               SM90A))
-    assert "excluded: accumulators need 224 registers" in out  # block_n 256
+    # The configs the rules exclude (block_n 256: accumulator registers) are counted only.
+    assert "18 legal configs, 12 pass the static rules" in out

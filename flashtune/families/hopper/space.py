@@ -35,11 +35,12 @@ def warps(block_m: int) -> int:
     return block_m // 16
 
 
-def smem_bytes(problem: Problem, config: KernelConfig) -> int:
-    """Q, num_stages K and V tiles, a full and an empty mbarrier per stage, alignment slack."""
+def smem_bytes(problem: Problem, config: KernelConfig, *, warp_specialized: bool = False) -> int:
+    """Q, num_stages K and V tiles, a full and an empty mbarrier per stage (and Q's own when
+    ``warp_specialized``), alignment slack."""
     row = problem.head_dim * problem.dtype.itemsize
     return (row * (config.block_m + 2 * config.num_stages * config.block_n)
-            + 16 * config.num_stages + ALIGN_SLACK)
+            + 16 * config.num_stages + (8 if warp_specialized else 0) + ALIGN_SLACK)
 
 
 def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
@@ -47,7 +48,8 @@ def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
     return config.block_n // 2 + problem.head_dim // 2 + config.block_n // 4
 
 
-def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
+def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
+                 warp_specialized: bool = False) -> str | None:
     """Why ``config`` cannot run ``problem`` on ``arch``, or None when it may."""
     if config.block_m not in BLOCK_M or config.block_n not in BLOCK_N:
         return (f"block_m={config.block_m}, block_n={config.block_n}: the sm_90a forward "
@@ -63,5 +65,6 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec) -> str 
         # spills (with two stages the same tile needs 251 and does not spill).
         return ("head_dim 256 with one stage spills registers (255 + 12 bytes of spills with "
                 "NVRTC 13 for sm_90a); use two or more stages")
-    return resource_reason(smem_bytes(problem, config), accumulator_registers(problem, config),
-                           arch, MAX_ACCUMULATOR_REGISTERS)
+    return resource_reason(smem_bytes(problem, config, warp_specialized=warp_specialized),
+                           accumulator_registers(problem, config), arch,
+                           MAX_ACCUMULATOR_REGISTERS)

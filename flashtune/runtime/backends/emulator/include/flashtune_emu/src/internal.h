@@ -295,6 +295,11 @@ std::string describe_mbarrier_wait(const Thread& t);
 // A TMA load's copies tracked by the barrier at `bar` (they land when its phase completes)
 // and its complete-tx of `bytes` (checked: never more bytes than the phase expects).
 void mbarrier_track_tma(void* bar, std::vector<Copy>&& copies, int64_t bytes, ftemu_loc loc);
+// What a read of word `w` of `sp` hits when a TMA load tracked by an mbarrier is in flight
+// there (its issue site, barrier and phase), or "" when none is.
+std::string describe_tma_in_flight(const SmemSpace& sp, size_t w);
+// The copy in flight at word `w` of `sp` that an mbarrier tracks (its barrier in *bar), or null.
+const Copy* tracked_copy(const SmemSpace& sp, size_t w, const void** bar);
 
 // setmaxnreg.cpp
 void setmaxnreg_begin_block(Launch& L);

@@ -153,6 +153,30 @@ void mbarrier_track_tma(void* bar, std::vector<Copy>&& copies, int64_t bytes, ft
     complete_if_ready(bar, b);
 }
 
+const Copy* tracked_copy(const SmemSpace& sp, size_t w, const void** bar) {
+    for (const auto& [key, b] : g_launch->mbarriers)
+        for (const Copy& c : b.copies)
+            if (c.space == &sp && w >= c.word && w < c.word + c.nwords) {
+                *bar = reinterpret_cast<const void*>(key);
+                return &c;
+            }
+    return nullptr;
+}
+
+std::string describe_tma_in_flight(const SmemSpace& sp, size_t w) {
+    const void* bar = nullptr;
+    const Copy* c = tracked_copy(sp, w, &bar);
+    if (!c) return "";
+    const MBarrier& b = g_launch->mbarriers.at(reinterpret_cast<uintptr_t>(bar));
+    return format(
+                    "whose asynchronous copy (issued by thread %u at %s) lands only when phase "
+                    "%llu of %s completes, and it has not: the reader did not wait for that "
+                    "phase (a wait on the wrong parity, or a phase that completed before the "
+                    "copy's bytes were expected: a missing expect-tx)", sp.owner[w],
+                    at(c->loc).c_str(), static_cast<unsigned long long>(b.phase),
+                    name_of(bar).c_str());
+}
+
 std::string describe_mbarrier_wait(const Thread& t) {
     const Launch& L = *g_launch;
     auto it = L.mbarriers.find(reinterpret_cast<uintptr_t>(t.wait_bar));

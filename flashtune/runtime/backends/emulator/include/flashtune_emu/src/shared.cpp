@@ -153,6 +153,8 @@ static ftemu_loc issue_loc(const Thread& t, const SmemSpace& sp, size_t w) {
     for (const auto& g : t.groups)
         for (const Copy& c : g)
             if (covers(c)) return c.loc;
+    const void* bar = nullptr;  // a copy an mbarrier tracks (TMA, cp.async.mbarrier.arrive)
+    if (const Copy* c = tracked_copy(sp, w, &bar)) return c->loc;
     return ftemu_loc{};
 }
 
@@ -273,6 +275,12 @@ void read_ldmatrix_row(const Thread& reader, const void* addr, const char* what,
         Word s = sp.state[w];
         if (s == Word::Pending) {
             const Thread& issuer = L.threads[sp.owner[w]];
+            const std::string tma = describe_tma_in_flight(sp, w);
+            if (!tma.empty())
+                fail(FTEMU_ERROR, format(
+                    "%s at %s: lane %u (warp %u) reads %s, %s", what, at(loc).c_str(),
+                    reader.lane, reader.warp, describe_smem_address(sp.base + 4 * w).c_str(),
+                    tma.c_str()));
             fail(FTEMU_ERROR, format(
                 "%s at %s: lane %u (warp %u) reads %s, whose cp.async (issued by %s at %s) has "
                 "not completed: no cp_async_wait covering its group was executed (wait_group "

@@ -1,0 +1,92 @@
+"""The warp-specialised sm_90a forward family (``fwd90aws``): FlashAttention-3's structure.
+
+A producer warpgroup loads Q, K and V with TMA into a stage ring guarded by full/empty
+mbarriers; one consumer warpgroup per 64 query rows (block_m 64 or 128) runs the wgmma math of
+the cp.async family (``fwd90a``), with ``setmaxnreg`` moving registers from the producer to
+the consumers (templates/hopper_fwd_ws.cuh). Same space, arguments, outputs, reference and
+tolerances as ``fwd90a``; the kernel takes three tensor maps after the forward's arguments,
+built here from the launch's tensors and encoded by the backend (runtime.tma).
+
+The config's num_warps counts the consumer warps (block_m / 16, as in ``fwd90a``); the block
+has a producer warpgroup more (``threads``). It serves no op yet: ``fwd90a`` keeps serving the
+forward on cc 9.0 devices until this family is measured there.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from flashtune.codegen.abi import ArgType
+from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.render import render_template
+from flashtune.codegen.spec import KernelConfig, KernelSource, Problem, Shape
+from flashtune.codegen.tensormap import TensorMap, TmaDType, TmaSwizzle
+from flashtune.errors import InvalidInput
+from flashtune.families.base import Inputs, LaunchPlan, Tensors
+from flashtune.families.hopper import HopperForwardFamily, space
+
+#: Elements of one 128-byte swizzled panel row (16-bit types).
+PANEL = 64
+#: Threads of the producer warpgroup.
+PRODUCER_THREADS = 128
+
+
+def panel_map(t: torch.Tensor, rows: int) -> TensorMap:
+    """The tensor map of a (batch, seq, heads, head_dim) 16-bit tensor viewed as (64
+    elements, seq, head_dim / 64 panels, heads, batch), whose box (64, rows, head_dim / 64,
+    1, 1) is a tile of ``rows`` rows in 128-byte-swizzled panels."""
+    batch, seq, heads, dim = t.shape
+    size = t.element_size()
+    if t.dtype not in (torch.float16, torch.bfloat16) or t.stride(3) != 1:
+        raise InvalidInput(f"a TMA tensor map needs a float16/bfloat16 tensor with a contiguous "
+                           f"last dim; got {t.dtype} with strides {t.stride()}")
+    dtype = TmaDType.BFLOAT16 if t.dtype == torch.bfloat16 else TmaDType.FLOAT16
+    s = t.stride()
+    return TensorMap(dtype, t.data_ptr(), (PANEL, seq, dim // PANEL, heads, batch),
+                     (s[1] * size, PANEL * size, s[2] * size, s[0] * size),
+                     (PANEL, rows, dim // PANEL, 1, 1), TmaSwizzle.B128)
+
+
+class HopperWsForwardFamily(HopperForwardFamily):
+    """The warp-specialised attention forward on TMA and wgmma (sm_90a)."""
+
+    op = "fwd90aws"
+    title = "attention forward for sm_90a, warp-specialised: TMA producer, wgmma consumers"
+    template = "hopper_fwd_ws.cu.jinja"
+    serves: ClassVar[str | None] = None
+
+    def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
+        return space.static_check(problem, config, arch, warp_specialized=True)
+
+    def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
+        return space.smem_bytes(problem, config, warp_specialized=True)
+
+    def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
+        return ("a TMA producer warpgroup and two consumer warpgroups (block_m 128), two stages "
+                "(FA3's sm90 choice); the widest key tile whose accumulators fit the register "
+                "rule")
+
+    def render(self, problem: Problem, config: KernelConfig) -> KernelSource:
+        """The KernelSource; its threads are the consumers' plus the producer warpgroup."""
+        self.check_problem(problem)
+        return render_template(self.template, problem, config,
+                               self.template_params(problem, config),
+                               smem_bytes=self.smem_bytes(problem, config),
+                               threads=config.threads + PRODUCER_THREADS,
+                               target=self.target_arch)
+
+    def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
+                    inputs: Inputs, outputs: Tensors) -> LaunchPlan:
+        """The forward's plan with the tensor maps of Q (boxes of block_m rows), K and V
+        (block_n rows) appended."""
+        plan = super().launch_plan(problem, config, shape, inputs, outputs)
+        t = inputs.tensors
+        maps = ((ArgType.TMAP, panel_map(t["q"], config.block_m)),
+                (ArgType.TMAP, panel_map(t["k"], config.block_n)),
+                (ArgType.TMAP, panel_map(t["v"], config.block_n)))
+        return LaunchPlan(plan.grid, plan.args + maps)
+
+
+HOPPER_WS_FORWARD = HopperWsForwardFamily()

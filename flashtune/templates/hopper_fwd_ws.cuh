@@ -1,0 +1,117 @@
+// FlashAttention forward pass for sm_90a, warp-specialised (FlashAttention-3's structure, the
+// Hopper notes sections 1.1, 1.2 and 2.5): a producer warpgroup (warps 0..3) and one consumer
+// warpgroup per 64 query rows (kBlockM = 64 or 128) of one (batch, head).
+//
+// Producer: after setmaxnreg.dec, warps 1..3 return; lane 0 of warp 0 loads Q with TMA
+// (one box of kBlockM rows x D, all 128-byte panels) on the q_full mbarrier, then walks the
+// key tiles from the last one down, each into stage j % kStages of a ring of K and V tiles:
+// it waits until the stage's empty mbarrier completed the phase of the previous round (the
+// first round does not wait), declares the two boxes' bytes with arrive.expect_tx on the
+// stage's full mbarrier (count 1) and issues the K and V boxes, which complete on it.
+// Consumers: after setmaxnreg.inc, each warpgroup waits for Q, then per key tile waits on the
+// stage's full barrier, computes S = Q K^T, the online softmax and O += P V by wgmma
+// (tile_math of hopper_fwd.cuh, the same math as the cp.async kernel) and releases the stage:
+// lane 0 of each consumer warp arrives on the empty barrier (count: 4 per consumer
+// warpgroup) once its warp's wgmma reads are complete. The epilogue writes O and the LSE
+// from the accumulators.
+//
+// The tensor maps (built on the host, runtime/families: hopper) view Q (batch, seqlen_q,
+// heads_q, D), K and V (batch, seqlen_k, heads_kv, D) as rank-5 tensors (64 elements,
+// rows, D / 64 panels, heads, batch) with 128B swizzle, so one box (64, rows, D / 64, 1, 1)
+// lands as the panels of 128-byte rows the wgmma descriptors read; rows past the end of the
+// sequence are zero-filled and their bytes count as transactions (the full box).
+//
+// FT_WS_PLANTED_BUG (tests only; 0 in every rendered kernel) plants one bug for the
+// emulator's tests: 1 no expect-tx on the K/V stage (a plain arrive), 2 consumers release a
+// stage twice, 3 consumers never release a stage, 4 the consumers' setmaxnreg count not a
+// multiple of 8, 5 one consumer warp skips setmaxnreg.
+#pragma once
+
+#include "hopper_fwd.cuh"
+#include "tma.cuh"
+#include "warpgroup.cuh"
+
+#ifndef FT_WS_PLANTED_BUG
+#define FT_WS_PLANTED_BUG 0
+#endif
+
+namespace ft {
+
+// setmaxnreg split (FA3's table, K/V by TMA): producer / consumer registers per thread.
+template <int kWarpGroups>
+struct WsRegisters {
+  static constexpr int kProducer = kWarpGroups == 1 ? 56 : 24;
+  static constexpr int kConsumer = kWarpGroups == 1 ? 256 : 240;
+  static_assert(128 * (kProducer + kWarpGroups * kConsumer) <= 65536, "register file: 64 Ki");
+};
+
+template <class Tr>
+__device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Element>& a,
+                                              const CUtensorMap* tmap_q,
+                                              const CUtensorMap* tmap_k,
+                                              const CUtensorMap* tmap_v) {
+  using Regs = WsRegisters<Tr::kWarpGroups>;
+  constexpr int kBlockN = Tr::kBlockN;
+  constexpr int kStages = Tr::kStages;
+  static_assert(Tr::kWarpSpecialized, "traits of the warp-specialised kernel");
+  FT_DYNAMIC_SMEM(unsigned char, raw);
+  const HopperBlock<Tr> b(raw, a);
+  if (b.unseen(a.o_row_stride)) return;
+  const int n_tiles = b.range.n_tiles;
+  auto* const q_full = b.empty + kStages;
+
+  if (b.tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&b.full[s], 1);
+      mbarrier_init(&b.empty[s], 4 * Tr::kWarpGroups);
+    }
+    mbarrier_init(q_full, 1);
+    mbarrier_init_fence();
+  }
+  block_sync();
+
+  if (b.warp < 4) {  // the producer warpgroup
+    setmaxnreg_dec<Regs::kProducer>();
+    if (b.warp == 0 && b.lane == 0) {
+      prefetch_tensormap(tmap_q);
+      prefetch_tensormap(tmap_k);
+      prefetch_tensormap(tmap_v);
+      mbarrier_arrive_expect_tx(q_full, Tr::kQBytes);
+      tma_load_5d(b.smem, tmap_q, q_full, 0, b.m0, 0, b.head, b.batch);
+      for (int j = 0; j < n_tiles; ++j) {
+        const int s = j % kStages;
+        const int row0 = (n_tiles - 1 - j) * kBlockN;
+        if (j >= kStages)
+          mbarrier_wait_parity(&b.empty[s], static_cast<unsigned>(j / kStages - 1) & 1u);
+        if (FT_WS_PLANTED_BUG == 1) mbarrier_arrive(&b.full[s]);
+        else mbarrier_arrive_expect_tx(&b.full[s], 2 * Tr::kTileBytes);
+        tma_load_5d(b.smem + Tr::kKOffset + s * Tr::kTileBytes, tmap_k, &b.full[s], 0, row0, 0,
+                    b.kv_head, b.batch);
+        tma_load_5d(b.smem + Tr::kVOffset + s * Tr::kTileBytes, tmap_v, &b.full[s], 0, row0, 0,
+                    b.kv_head, b.batch);
+      }
+    }
+    return;
+  }
+
+  // A consumer warpgroup: warp cw of the consumers owns query rows m0 + 16 cw ..
+  if constexpr (FT_WS_PLANTED_BUG == 4) setmaxnreg_inc<Regs::kConsumer - 4>();
+  else if (FT_WS_PLANTED_BUG != 5 || b.warp != 5) setmaxnreg_inc<Regs::kConsumer>();
+  const int cw = b.warp - 4;
+  WarpgroupMath<Tr> math(b, a.softmax_scale, cw / 4, b.m0 + 16 * cw);
+  mbarrier_wait_parity(q_full, 0);
+  for_each_key_tile<Tr>(b.range, math.limits, [&](int j, auto first, auto mask) {
+    const int s = j % kStages;
+    mbarrier_wait_parity(&b.full[s], static_cast<unsigned>(j / kStages) & 1u);
+    math.template tile<decltype(first)::value>(b, s, mask);
+    // The warp's wgmma reads of the stage are complete (tile_math waited for them).
+    __syncwarp();
+    if (b.lane == 0 && !(FT_WS_PLANTED_BUG == 3 && j == 0)) {
+      mbarrier_arrive(&b.empty[s]);
+      if (FT_WS_PLANTED_BUG == 2) mbarrier_arrive(&b.empty[s]);
+    }
+  });
+  math.store(b, a.o_row_stride);
+}
+
+}  // namespace ft

@@ -1,0 +1,191 @@
+"""The warp-specialised sm_90a forward (``fwd90aws``: TMA producer warpgroup, wgmma consumer
+warpgroups, setmaxnreg): registry and rules, NVRTC for sm_90a (no spills; UTMALDG, USETMAXREG
+and HGMMA in the SASS), and planted bugs the emulator must catch with a clear message: a wrong
+tensor-map box, a missing expect-tx, a stage released twice or never, setmaxnreg rule
+violations. Its numerics over the coverage grid are in test_hopper_family.py (both families);
+on a GPU it is checked by the gpu-marked test at the end."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import re
+
+import pytest
+import torch
+
+from flashtune import families
+from flashtune.codegen.abi import ArgType
+from flashtune.codegen.arch import get_arch
+from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
+from flashtune.codegen.tensormap import TensorMap
+from flashtune.errors import EmulatorDeadlock, EmulatorError
+from flashtune.families.hopper import HOPPER_FORWARD
+from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
+from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
+from flashtune.runtime.compiler import compile_source
+from flashtune.runtime.launch import verify
+from flashtune.toolchain.cuda import find_toolchain
+from flashtune.toolchain.disasm import disassemble
+
+SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
+SM90A = get_arch("sm_90a")
+
+
+def _problem(head_dim: int, dtype: DType, causal: bool) -> Problem:
+    return Problem(head_dim, dtype, causal=causal, op=HOPPER_WS_FORWARD.op)
+
+
+def test_registered_beside_the_cp_async_family_serving_nothing_yet() -> None:
+    assert families.get("fwd90aws") is HOPPER_WS_FORWARD
+    assert HOPPER_WS_FORWARD.serves is None and HOPPER_WS_FORWARD.target_arch == "sm_90a"
+    generic = Problem(128, DType.BF16)
+    assert families.serving(generic, SM90A).op == HOPPER_FORWARD.op
+    problem = _problem(128, DType.BF16, True)
+    config = HOPPER_WS_FORWARD.default_config(problem, SM90A)
+    assert config == HOPPER_FORWARD.default_config(dataclasses.replace(problem, op="fwd90a"),
+                                                   SM90A)
+    source = families.render(problem, config)
+    assert source.threads == 384 and source.target == "sm_90a"  # producer + 2 consumers
+    assert source.smem_bytes == HOPPER_FORWARD.smem_bytes(problem, config) + 8  # Q's barrier
+    assert "CUtensorMap tmap_q" in source.code and "__launch_bounds__(384, 1)" in source.code
+
+
+def _compiled(head_dim: int, dtype: DType, causal: bool,
+              config: KernelConfig | None = None) -> None:
+    problem = _problem(head_dim, dtype, causal)
+    config = config or HOPPER_WS_FORWARD.default_config(problem, SM90A)
+    source = families.render(problem, config)
+    kernel = compile_source(source, "sm_90")
+    res = kernel.resources
+    assert kernel.arch == "sm_90a" and res.spill_bytes == 0, res
+    assert 0 < res.registers <= 65536 // source.threads and res.dynamic_smem == source.smem_bytes
+    if find_toolchain().nvdisasm is None:
+        return
+    sass = disassemble(kernel.cubin)
+    found = collections.Counter(re.findall(r"\b(UTMALDG\.5D|USETMAXREG\.\w+(?:\.\w+)?)\b", sass))
+    assert found["UTMALDG.5D"] == 3, found  # Q, K, V
+    assert found["USETMAXREG.DEALLOC.CTAPOOL"] == 1 and found["USETMAXREG.TRY_ALLOC.CTAPOOL"] == 1
+    hgmma = collections.Counter(re.findall(r"\bHGMMA\.64x(\d+)x16\.F32(?:\.BF16)?\b", sass))
+    assert hgmma[str(config.block_n)] >= head_dim // 16, hgmma
+    assert hgmma[str(head_dim)] >= config.block_n // 16, hgmma
+
+
+@pytest.mark.parametrize("case", [(64, DType.BF16, True), (256, DType.FP16, False)],
+                         ids=lambda c: f"d{c[0]}-{c[1].value}-{'causal' if c[2] else 'full'}")
+def test_nvrtc_compiles_defaults_for_sm90a_without_spills(case: tuple[int, DType, bool]) -> None:
+    _compiled(*case)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("head_dim", (64, 128, 256))
+def test_nvrtc_compiles_every_passing_config_without_spills(head_dim: int) -> None:
+    for dtype in DType:
+        problem = _problem(head_dim, dtype, True)
+        for config in HOPPER_WS_FORWARD.candidates(problem, SM90A):
+            _compiled(head_dim, dtype, True, config)
+
+
+# ------------------------------------------------------------------ planted bugs
+
+#: Five key tiles of 64 (two rounds of the two-stage ring and one more), GQA.
+BUG_SHAPE = Shape(1, 2, 1, 70, 300)
+BUG_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+
+
+def _run_planted(bug: int, *, box_rows: int | None = None,
+                 schedule: Schedule = Schedule.FORWARD) -> None:
+    problem = _problem(64, DType.FP16, False)
+    source = families.render(problem, BUG_CONFIG)
+    if bug:
+        source = dataclasses.replace(source, options=(*source.options,
+                                                      f"-DFT_WS_PLANTED_BUG={bug}"))
+    kernel = EmulatorBackend(options=LaunchOptions(schedule=schedule, hang_timeout_s=120)
+                             ).load(source)
+    inputs = HOPPER_WS_FORWARD.random_inputs(problem, BUG_SHAPE, "cpu", seed=SEED)
+    outputs = HOPPER_WS_FORWARD.empty_outputs(problem, BUG_SHAPE, inputs, poison=True)
+    plan = HOPPER_WS_FORWARD.launch_plan(problem, BUG_CONFIG, BUG_SHAPE, inputs, outputs)
+    args = list(plan.args)
+    if box_rows is not None:  # the K map with a box of box_rows rows instead of block_n
+        kind, value = args[-2]
+        assert kind is ArgType.TMAP and isinstance(value, TensorMap)
+        args[-2] = (kind, dataclasses.replace(value, box=(64, box_rows, 1, 1, 1)))
+    kernel.launch(plan.grid, args)
+    if not bug and box_rows is None:
+        ref = HOPPER_WS_FORWARD.reference(problem, inputs)
+        verdict = HOPPER_WS_FORWARD.compare(problem, BUG_SHAPE, outputs, ref)
+        assert verdict.ok, verdict.message
+
+
+def test_the_bug_harness_passes_without_a_bug() -> None:
+    _run_planted(0)
+
+
+def test_wrong_tensor_map_box_deadlocks_on_the_stage_barrier() -> None:
+    # K boxes of 32 rows: the stage receives fewer bytes than its expect-tx.
+    with pytest.raises(EmulatorDeadlock, match=r"mbarrier at dynamic shared memory offset \d+ .*"
+                       r"for phase 0 \(parity 0\) to complete: 0 of 1 arrivals missing, "
+                       r"transaction count 4096"):
+        _run_planted(0, box_rows=32)
+    # K boxes of 128 rows: twice the stage, into the next one's load in flight.
+    with pytest.raises(EmulatorError, match=r"tma_load at .*already the destination of a TMA "
+                       r"load in flight \(issued by thread 0 .* at .*hopper_fwd_ws.cuh:\d+\)"):
+        _run_planted(0, box_rows=128)
+
+
+def test_missing_expect_tx_is_caught_at_the_early_read() -> None:
+    with pytest.raises(EmulatorError, match=r"wgmma_mma_async \(B operand\) at .*whose "
+                       r"asynchronous copy \(issued by thread 0 at .*hopper_fwd_ws.cuh:\d+\) "
+                       r"lands only when phase 1 of the mbarrier .*missing expect-tx"):
+        _run_planted(1)
+
+
+def test_stage_released_twice_is_caught() -> None:
+    """The extra arrivals complete the empty barrier's next phase early, so the producer
+    refills a stage one consumer warpgroup has not read: in one thread order that warpgroup
+    then waits for a full-barrier phase that never comes, in the other the producer's wait
+    sees two phases complete."""
+    with pytest.raises(EmulatorDeadlock, match=r"warp 8: lanes 0-31 wait in mbarrier_try_wait "
+                       r".* for phase 2 \(parity 0\) to complete: 1 of 1 arrivals missing"):
+        _run_planted(2, schedule=Schedule.FORWARD)
+    with pytest.raises(EmulatorError, match=r"thread 0 waited for phase 0 of the mbarrier .*"
+                       r"completed phase 1 as well .* a stage is reused before every consumer "
+                       r"released it"):
+        _run_planted(2, schedule=Schedule.REVERSE)
+
+
+def test_stage_never_released_deadlocks_naming_the_empty_barrier() -> None:
+    with pytest.raises(EmulatorDeadlock, match=r"for phase 0 \(parity 0\) to complete: 8 of 8 "
+                       r"arrivals missing"):
+        _run_planted(3)
+
+
+def test_setmaxnreg_rules_are_checked() -> None:
+    with pytest.raises(EmulatorError, match=r"setmaxnreg.inc at .*count 236 must be a multiple "
+                       r"of 8 in 24..256"):
+        _run_planted(4)
+    with pytest.raises(EmulatorError, match=r"setmaxnreg: thread 160 \(warp 5\) of warpgroup 1 "
+                       r"executed 0 setmaxnreg but thread 128 executed 1"):
+        _run_planted(5)
+
+
+# ------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [(128, DType.BF16, True, Shape(2, 8, 2, 1000, 1000)),
+                                  (64, DType.FP16, False, Shape(1, 4, 4, 333, 777)),
+                                  (256, DType.BF16, False, Shape(1, 2, 1, 200, 130))],
+                         ids=lambda c: f"d{c[0]}-{c[1].value}-{c[2]}-{c[3].key()}")
+def test_matches_float64_on_a_gpu(case: tuple[int, DType, bool, Shape]) -> None:
+    """Driver-encoded tensor maps, real TMA, setmaxnreg and wgmma on a cc 9.0 device."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90a kernels run on compute capability 9.0 only")
+    from flashtune.runtime.backends.cuda import CudaBackend
+
+    head_dim, dtype, causal, shape = case
+    problem = _problem(head_dim, dtype, causal)
+    source = families.render(problem, HOPPER_WS_FORWARD.default_config(problem, SM90A))
+    verdict = verify(CudaBackend().load(source), shape, "cuda", seed=SEED)
+    assert verdict.ok, verdict.message
