@@ -34,7 +34,7 @@ namespace ft {
 // Compile-time shape of one variant. The fields named like FwdTraits' are the ones
 // softmax.cuh reads (one 16-row m tile per warp).
 template <typename Element_, bool IsBf16, int HeadDim, int BlockM, int BlockN, int Stages,
-          bool Causal, bool WarpSpecialized = false>
+          bool Causal, bool WarpSpecialized = false, bool PingPong = false>
 struct HopperFwdTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
@@ -49,6 +49,8 @@ struct HopperFwdTraits {
   static constexpr int kWarpGroups = BlockM / 64;  // consumer warpgroups (the math)
   // hopper_fwd_ws.cuh adds a producer warpgroup (warps 0..3) in front of them.
   static constexpr bool kWarpSpecialized = WarpSpecialized;
+  // Ping-pong: the two consumer warpgroups take turns to issue their Q K^T (named barriers).
+  static constexpr bool kPingPong = PingPong;
   static constexpr int kThreads = 128 * (kWarpGroups + (WarpSpecialized ? 1 : 0));
   static constexpr int kMTiles = 1;                 // 16 rows per warp
   static constexpr int kSTiles = BlockN / 8;        // n8 column blocks of S
@@ -158,21 +160,29 @@ __device__ __forceinline__ void for_each_key_tile(const KeyRange& range,
   for (; j < n_tiles; ++j) step(j, FirstTile<false>{}, NoMask{});
 }
 
+// The schedule of a warpgroup's GEMMs: whether it waits for its turn before issuing Q K^T
+// and hands the turn on once it is issued (the ping-pong schedule of hopper_fwd_ws.cuh).
+struct FreeSchedule {
+  __device__ __forceinline__ void before_qk() const {}
+  __device__ __forceinline__ void after_qk() const {}
+};
+
 // One key tile for the calling warpgroup: S = Q K^T by wgmma (both operands in shared memory,
 // K-major), the online softmax, P from the S accumulators and O += P V by wgmma (V MN-major).
 // q_addr, k_addr, v_addr: shared-window addresses of this warpgroup's 64 Q rows and of the
 // stage's K and V tiles; every wgmma is waited for before it returns.
-template <class Tr, bool kFirst, class Mask>
+template <class Tr, bool kFirst, class Mask, class Schedule = FreeSchedule>
 __device__ __forceinline__ void tile_math(unsigned q_addr, unsigned k_addr, unsigned v_addr,
                                           OnlineSoftmax<Tr>& softmax,
                                           float (&acc_o)[1][Tr::kOTiles][4], float scale_log2,
-                                          const Mask& mask) {
+                                          const Mask& mask, const Schedule& schedule = {}) {
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
   // wgmma views of the fragments: d[4 nt + e] is fragment element [nt][e].
   auto& o_view = reinterpret_cast<float(&)[Tr::kHeadDim / 2]>(acc_o);
   float acc_s[1][Tr::kSTiles][4];
   auto& s_view = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
+  schedule.before_qk();
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < Tr::kQkSteps; ++ks) {
@@ -182,6 +192,7 @@ __device__ __forceinline__ void tile_math(unsigned q_addr, unsigned k_addr, unsi
         wgmma_desc(k_addr + (ks / 4) * kBlockN * 128 + off, 16, 1024, kSwizzle128B), ks > 0);
   }
   wgmma_commit();
+  schedule.after_qk();
   wgmma_wait<0>();
   wgmma_fence_operands(s_view);
 
@@ -298,11 +309,12 @@ struct WarpgroupMath {
   }
 
   // Key tile of stage s (the tile_math of its K and V).
-  template <bool kFirst, class Mask>
-  __device__ __forceinline__ void tile(const HopperBlock<Tr>& b, int s, const Mask& mask) {
+  template <bool kFirst, class Mask, class Schedule = FreeSchedule>
+  __device__ __forceinline__ void tile(const HopperBlock<Tr>& b, int s, const Mask& mask,
+                                       const Schedule& schedule = {}) {
     tile_math<Tr, kFirst>(q_addr, b.base + Tr::kKOffset + s * Tr::kTileBytes,
                           b.base + Tr::kVOffset + s * Tr::kTileBytes, softmax, acc_o,
-                          scale_log2, mask);
+                          scale_log2, mask, schedule);
   }
 
   __device__ __forceinline__ void store(const HopperBlock<Tr>& b, long long o_row_stride) {

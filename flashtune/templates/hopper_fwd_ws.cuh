@@ -21,10 +21,17 @@
 // lands as the panels of 128-byte rows the wgmma descriptors read; rows past the end of the
 // sequence are zero-filled and their bytes count as transactions (the full box).
 //
+// Ping-pong (Tr::kPingPong, two consumer warpgroups): the consumers take turns to issue
+// their Q K^T, so one warpgroup's softmax runs while the other's GEMM does (FA3 section 3.1).
+// Warpgroup g waits on named barrier 1 + g (256 threads: its own 128 syncing, the other's 128
+// arriving) before it issues Q K^T and arrives on the other's right after; warpgroup 1 gives
+// warpgroup 0 the first turn.
+//
 // FT_WS_PLANTED_BUG (tests only; 0 in every rendered kernel) plants one bug for the
 // emulator's tests: 1 no expect-tx on the K/V stage (a plain arrive), 2 consumers release a
 // stage twice, 3 consumers never release a stage, 4 the consumers' setmaxnreg count not a
-// multiple of 8, 5 one consumer warp skips setmaxnreg.
+// multiple of 8, 5 one consumer warp skips setmaxnreg, 6 (ping-pong) no first turn, 7
+// (ping-pong) a hand-over that counts only the handing warpgroup's threads.
 #pragma once
 
 #include "hopper_fwd.cuh"
@@ -43,6 +50,17 @@ struct WsRegisters {
   static constexpr int kProducer = kWarpGroups == 1 ? 56 : 24;
   static constexpr int kConsumer = kWarpGroups == 1 ? 256 : 240;
   static_assert(128 * (kProducer + kWarpGroups * kConsumer) <= 65536, "register file: 64 Ki");
+};
+
+// The ping-pong turn of consumer warpgroup `group` (0 or 1) of two.
+struct PingPongSchedule {
+  unsigned mine, other;
+  __device__ __forceinline__ explicit PingPongSchedule(int group)
+      : mine(1u + static_cast<unsigned>(group)), other(2u - static_cast<unsigned>(group)) {}
+  __device__ __forceinline__ void before_qk() const { named_barrier_sync(mine, 256); }
+  __device__ __forceinline__ void after_qk() const {
+    named_barrier_arrive(other, FT_WS_PLANTED_BUG == 7 ? 128 : 256);
+  }
 };
 
 template <class Tr>
@@ -99,11 +117,19 @@ __device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Eleme
   else if (FT_WS_PLANTED_BUG != 5 || b.warp != 5) setmaxnreg_inc<Regs::kConsumer>();
   const int cw = b.warp - 4;
   WarpgroupMath<Tr> math(b, a.softmax_scale, cw / 4, b.m0 + 16 * cw);
+  static_assert(!Tr::kPingPong || Tr::kWarpGroups == 2, "ping-pong: two consumer warpgroups");
+  const auto schedule = [&] {
+    if constexpr (Tr::kPingPong) return PingPongSchedule(cw / 4);
+    else return FreeSchedule{};
+  }();
+  if constexpr (Tr::kPingPong && FT_WS_PLANTED_BUG != 6) {
+    if (cw >= 4) named_barrier_arrive(1, 256);  // warpgroup 0 has the first turn
+  }
   mbarrier_wait_parity(q_full, 0);
   for_each_key_tile<Tr>(b.range, math.limits, [&](int j, auto first, auto mask) {
     const int s = j % kStages;
     mbarrier_wait_parity(&b.full[s], static_cast<unsigned>(j / kStages) & 1u);
-    math.template tile<decltype(first)::value>(b, s, mask);
+    math.template tile<decltype(first)::value>(b, s, mask, schedule);
     // The warp's wgmma reads of the stage are complete (tile_math waited for them).
     __syncwarp();
     if (b.lane == 0 && !(FT_WS_PLANTED_BUG == 3 && j == 0)) {

@@ -2,7 +2,8 @@
 with reasons, NVRTC for sm_90a (no spills; HGMMA in the SASS), and numerics in the emulator
 against float64 over head dims 64/128/256, causal (bottom-right), GQA, odd lengths, fp16 and
 bf16, in both thread orders, on NaN-poisoned outputs, for it and for its warp-specialised
-sibling (fwd90aws: TMA producer, setmaxnreg; its own tests in test_hopper_ws.py). The default
+siblings (fwd90aws: TMA producer, setmaxnreg; fwd90awspp: with ping-pong consumers; their own
+tests in test_hopper_ws.py). The default
 run takes the defaults and a seeded sample; ``-m sweep`` the full matrix."""
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from flashtune.errors import InvalidConfig, InvalidProblem
 from flashtune.families.base import KernelFamily
 from flashtune.families.fwd.reference import attention_reference
 from flashtune.families.hopper import HOPPER_FORWARD, space
-from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
+from flashtune.families.hopper.ws import HOPPER_PINGPONG_FORWARD, HOPPER_WS_FORWARD
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
 from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.device import DeviceInfo
@@ -44,8 +45,9 @@ HEAD_DIMS = (64, 128, 256)
 #: query row; Nq > Nk over several key tiles; two query blocks of equal lengths.
 SHAPES = (Shape(1, 2, 1, 77, 150), Shape(2, 2, 2, 9, 4), Shape(1, 4, 1, 1, 100),
           Shape(1, 1, 1, 150, 33), Shape(1, 2, 2, 130, 130))
-#: The families whose numerics run over the grid: the cp.async one and the warp-specialised.
-NUMERICS_FAMILIES = (HOPPER_FORWARD, HOPPER_WS_FORWARD)
+#: The families whose numerics run over the grid: the cp.async one, the warp-specialised one
+#: and its ping-pong variant.
+NUMERICS_FAMILIES = (HOPPER_FORWARD, HOPPER_WS_FORWARD, HOPPER_PINGPONG_FORWARD)
 
 
 def _problem(head_dim: int, dtype: DType, causal: bool) -> Problem:

@@ -1,9 +1,11 @@
 """The warp-specialised sm_90a forward (``fwd90aws``: TMA producer warpgroup, wgmma consumer
-warpgroups, setmaxnreg): registry and rules, NVRTC for sm_90a (no spills; UTMALDG, USETMAXREG
-and HGMMA in the SASS), and planted bugs the emulator must catch with a clear message: a wrong
-tensor-map box, a missing expect-tx, a stage released twice or never, setmaxnreg rule
-violations. Its numerics over the coverage grid are in test_hopper_family.py (both families);
-on a GPU it is checked by the gpu-marked test at the end."""
+warpgroups, setmaxnreg) and its ping-pong variant (``fwd90awspp``: the consumers take turns
+through named barriers): registry and rules, NVRTC for sm_90a (no spills; UTMALDG,
+USETMAXREG, BAR.SYNC / BAR.ARV and HGMMA in the SASS), and planted bugs the emulator must
+catch with a clear message: a wrong tensor-map box, a missing expect-tx, a stage released
+twice or never, setmaxnreg rule violations, a ping-pong without its first turn or with a
+wrong hand-over count. Their numerics over the coverage grid are in test_hopper_family.py;
+on a GPU they are checked by the gpu-marked test at the end."""
 
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.codegen.tensormap import TensorMap
 from flashtune.errors import EmulatorDeadlock, EmulatorError
+from flashtune.families.base import KernelFamily
 from flashtune.families.hopper import HOPPER_FORWARD
-from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
+from flashtune.families.hopper.ws import HOPPER_PINGPONG_FORWARD, HOPPER_WS_FORWARD
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
 from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.launch import verify
@@ -33,8 +36,12 @@ SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
 SM90A = get_arch("sm_90a")
 
 
-def _problem(head_dim: int, dtype: DType, causal: bool) -> Problem:
-    return Problem(head_dim, dtype, causal=causal, op=HOPPER_WS_FORWARD.op)
+WS_FAMILIES = (HOPPER_WS_FORWARD, HOPPER_PINGPONG_FORWARD)
+
+
+def _problem(head_dim: int, dtype: DType, causal: bool,
+             family: KernelFamily = HOPPER_WS_FORWARD) -> Problem:
+    return Problem(head_dim, dtype, causal=causal, op=family.op)
 
 
 def test_registered_beside_the_cp_async_family_serving_nothing_yet() -> None:
@@ -50,12 +57,18 @@ def test_registered_beside_the_cp_async_family_serving_nothing_yet() -> None:
     assert source.threads == 384 and source.target == "sm_90a"  # producer + 2 consumers
     assert source.smem_bytes == HOPPER_FORWARD.smem_bytes(problem, config) + 8  # Q's barrier
     assert "CUtensorMap tmap_q" in source.code and "__launch_bounds__(384, 1)" in source.code
+    assert families.get("fwd90awspp") is HOPPER_PINGPONG_FORWARD
+    assert HOPPER_PINGPONG_FORWARD.serves is None
+    pp = _problem(128, DType.BF16, True, HOPPER_PINGPONG_FORWARD)
+    assert HOPPER_PINGPONG_FORWARD.default_config(pp, SM90A) == config
+    one = HOPPER_PINGPONG_FORWARD.static_check(pp, KernelConfig(64, 64, 4, 2), SM90A)
+    assert one is not None and "two consumer warpgroups" in one
 
 
-def _compiled(head_dim: int, dtype: DType, causal: bool,
-              config: KernelConfig | None = None) -> None:
-    problem = _problem(head_dim, dtype, causal)
-    config = config or HOPPER_WS_FORWARD.default_config(problem, SM90A)
+def _compiled(head_dim: int, dtype: DType, causal: bool, config: KernelConfig | None = None,
+              family: KernelFamily = HOPPER_WS_FORWARD) -> None:
+    problem = _problem(head_dim, dtype, causal, family)
+    config = config or family.default_config(problem, SM90A)
     source = families.render(problem, config)
     kernel = compile_source(source, "sm_90")
     res = kernel.resources
@@ -67,24 +80,34 @@ def _compiled(head_dim: int, dtype: DType, causal: bool,
     found = collections.Counter(re.findall(r"\b(UTMALDG\.5D|USETMAXREG\.\w+(?:\.\w+)?)\b", sass))
     assert found["UTMALDG.5D"] == 3, found  # Q, K, V
     assert found["USETMAXREG.DEALLOC.CTAPOOL"] == 1 and found["USETMAXREG.TRY_ALLOC.CTAPOOL"] == 1
+    bars = collections.Counter(re.findall(r"\b(BAR\.SYNC|BAR\.ARV)\b", sass))
+    if family is HOPPER_PINGPONG_FORWARD:  # the first turn, then one wait and hand-over a tile
+        assert bars["BAR.ARV"] >= 2 and bars["BAR.SYNC"] >= 2, bars
     hgmma = collections.Counter(re.findall(r"\bHGMMA\.64x(\d+)x16\.F32(?:\.BF16)?\b", sass))
     assert hgmma[str(config.block_n)] >= head_dim // 16, hgmma
     assert hgmma[str(head_dim)] >= config.block_n // 16, hgmma
 
 
-@pytest.mark.parametrize("case", [(64, DType.BF16, True), (256, DType.FP16, False)],
-                         ids=lambda c: f"d{c[0]}-{c[1].value}-{'causal' if c[2] else 'full'}")
-def test_nvrtc_compiles_defaults_for_sm90a_without_spills(case: tuple[int, DType, bool]) -> None:
-    _compiled(*case)
+@pytest.mark.parametrize("case", [(64, DType.BF16, True, HOPPER_WS_FORWARD),
+                                  (256, DType.FP16, False, HOPPER_WS_FORWARD),
+                                  (128, DType.BF16, True, HOPPER_PINGPONG_FORWARD)],
+                         ids=lambda c: f"{c[3].op}-d{c[0]}-{c[1].value}-"
+                                       f"{'causal' if c[2] else 'full'}")
+def test_nvrtc_compiles_defaults_for_sm90a_without_spills(
+        case: tuple[int, DType, bool, KernelFamily]) -> None:
+    head_dim, dtype, causal, family = case
+    _compiled(head_dim, dtype, causal, family=family)
 
 
 @pytest.mark.sweep
+@pytest.mark.parametrize("family", WS_FAMILIES, ids=lambda f: f.op)
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
-def test_nvrtc_compiles_every_passing_config_without_spills(head_dim: int) -> None:
+def test_nvrtc_compiles_every_passing_config_without_spills(head_dim: int,
+                                                            family: KernelFamily) -> None:
     for dtype in DType:
-        problem = _problem(head_dim, dtype, True)
-        for config in HOPPER_WS_FORWARD.candidates(problem, SM90A):
-            _compiled(head_dim, dtype, True, config)
+        problem = _problem(head_dim, dtype, True, family)
+        for config in family.candidates(problem, SM90A):
+            _compiled(head_dim, dtype, True, config, family)
 
 
 # ------------------------------------------------------------------ planted bugs
@@ -95,17 +118,18 @@ BUG_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 
 
 def _run_planted(bug: int, *, box_rows: int | None = None,
-                 schedule: Schedule = Schedule.FORWARD) -> None:
-    problem = _problem(64, DType.FP16, False)
+                 schedule: Schedule = Schedule.FORWARD,
+                 family: KernelFamily = HOPPER_WS_FORWARD) -> None:
+    problem = _problem(64, DType.FP16, False, family)
     source = families.render(problem, BUG_CONFIG)
     if bug:
         source = dataclasses.replace(source, options=(*source.options,
                                                       f"-DFT_WS_PLANTED_BUG={bug}"))
     kernel = EmulatorBackend(options=LaunchOptions(schedule=schedule, hang_timeout_s=120)
                              ).load(source)
-    inputs = HOPPER_WS_FORWARD.random_inputs(problem, BUG_SHAPE, "cpu", seed=SEED)
-    outputs = HOPPER_WS_FORWARD.empty_outputs(problem, BUG_SHAPE, inputs, poison=True)
-    plan = HOPPER_WS_FORWARD.launch_plan(problem, BUG_CONFIG, BUG_SHAPE, inputs, outputs)
+    inputs = family.random_inputs(problem, BUG_SHAPE, "cpu", seed=SEED)
+    outputs = family.empty_outputs(problem, BUG_SHAPE, inputs, poison=True)
+    plan = family.launch_plan(problem, BUG_CONFIG, BUG_SHAPE, inputs, outputs)
     args = list(plan.args)
     if box_rows is not None:  # the K map with a box of box_rows rows instead of block_n
         kind, value = args[-2]
@@ -113,13 +137,14 @@ def _run_planted(bug: int, *, box_rows: int | None = None,
         args[-2] = (kind, dataclasses.replace(value, box=(64, box_rows, 1, 1, 1)))
     kernel.launch(plan.grid, args)
     if not bug and box_rows is None:
-        ref = HOPPER_WS_FORWARD.reference(problem, inputs)
-        verdict = HOPPER_WS_FORWARD.compare(problem, BUG_SHAPE, outputs, ref)
+        ref = family.reference(problem, inputs)
+        verdict = family.compare(problem, BUG_SHAPE, outputs, ref)
         assert verdict.ok, verdict.message
 
 
-def test_the_bug_harness_passes_without_a_bug() -> None:
-    _run_planted(0)
+@pytest.mark.parametrize("family", WS_FAMILIES, ids=lambda f: f.op)
+def test_the_bug_harness_passes_without_a_bug(family: KernelFamily) -> None:
+    _run_planted(0, family=family)
 
 
 def test_wrong_tensor_map_box_deadlocks_on_the_stage_barrier() -> None:
@@ -170,22 +195,37 @@ def test_setmaxnreg_rules_are_checked() -> None:
         _run_planted(5)
 
 
+def test_pingpong_without_the_first_turn_deadlocks_naming_the_named_barrier() -> None:
+    with pytest.raises(EmulatorDeadlock, match=r"warp 4: lanes 0-31 wait in bar.sync at "
+                       r".*hopper_fwd_ws.cuh:\d+ on named barrier 1 for phase 0 to complete: "
+                       r"128 of 256 threads arrived"):
+        _run_planted(6, family=HOPPER_PINGPONG_FORWARD)
+
+
+def test_pingpong_hand_over_with_a_wrong_count_is_caught() -> None:
+    with pytest.raises(EmulatorError, match=r"bar.arrive 2, 128 at .*hopper_fwd_ws.cuh:\d+: "
+                       r"phase 0 of named barrier 2 was started with a count of 256 threads"):
+        _run_planted(7, family=HOPPER_PINGPONG_FORWARD)
+
+
 # ------------------------------------------------------------------ GPU
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", WS_FAMILIES, ids=lambda f: f.op)
 @pytest.mark.parametrize("case", [(128, DType.BF16, True, Shape(2, 8, 2, 1000, 1000)),
                                   (64, DType.FP16, False, Shape(1, 4, 4, 333, 777)),
                                   (256, DType.BF16, False, Shape(1, 2, 1, 200, 130))],
                          ids=lambda c: f"d{c[0]}-{c[1].value}-{c[2]}-{c[3].key()}")
-def test_matches_float64_on_a_gpu(case: tuple[int, DType, bool, Shape]) -> None:
+def test_matches_float64_on_a_gpu(case: tuple[int, DType, bool, Shape],
+                                  family: KernelFamily) -> None:
     """Driver-encoded tensor maps, real TMA, setmaxnreg and wgmma on a cc 9.0 device."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90a kernels run on compute capability 9.0 only")
     from flashtune.runtime.backends.cuda import CudaBackend
 
     head_dim, dtype, causal, shape = case
-    problem = _problem(head_dim, dtype, causal)
-    source = families.render(problem, HOPPER_WS_FORWARD.default_config(problem, SM90A))
+    problem = _problem(head_dim, dtype, causal, family)
+    source = families.render(problem, family.default_config(problem, SM90A))
     verdict = verify(CudaBackend().load(source), shape, "cuda", seed=SEED)
     assert verdict.ok, verdict.message

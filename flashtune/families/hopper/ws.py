@@ -1,4 +1,5 @@
-"""The warp-specialised sm_90a forward family (``fwd90aws``): FlashAttention-3's structure.
+"""The warp-specialised sm_90a forward families (``fwd90aws``, and ``fwd90awspp`` with
+ping-pong consumers): FlashAttention-3's structure.
 
 A producer warpgroup loads Q, K and V with TMA into a stage ring guarded by full/empty
 mbarriers; one consumer warpgroup per 64 query rows (block_m 64 or 128) runs the wgmma math of
@@ -20,7 +21,7 @@ import torch
 
 from flashtune.codegen.abi import ArgType
 from flashtune.codegen.arch import ArchSpec
-from flashtune.codegen.render import render_template
+from flashtune.codegen.render import TemplateValue, render_template
 from flashtune.codegen.spec import KernelConfig, KernelSource, Problem, Shape
 from flashtune.codegen.tensormap import TensorMap, TmaDType, TmaSwizzle
 from flashtune.errors import InvalidInput
@@ -68,6 +69,13 @@ class HopperWsForwardFamily(HopperForwardFamily):
                 "(FA3's sm90 choice); the widest key tile whose accumulators fit the register "
                 "rule")
 
+    #: Whether the consumer warpgroups issue their GEMMs in turns (named barriers).
+    pingpong: ClassVar[bool] = False
+
+    def template_params(self, problem: Problem, config: KernelConfig
+                        ) -> dict[str, TemplateValue]:
+        return {**super().template_params(problem, config), "pingpong": self.pingpong}
+
     def render(self, problem: Problem, config: KernelConfig) -> KernelSource:
         """The KernelSource; its threads are the consumers' plus the producer warpgroup."""
         self.check_problem(problem)
@@ -89,4 +97,25 @@ class HopperWsForwardFamily(HopperForwardFamily):
         return LaunchPlan(plan.grid, plan.args + maps)
 
 
+class HopperPingPongForwardFamily(HopperWsForwardFamily):
+    """The warp-specialised forward with ping-pong scheduling of its two consumer
+    warpgroups: each waits for its turn (a named barrier) before issuing Q K^T and hands the
+    turn to the other once issued, so one's softmax overlaps the other's GEMM."""
+
+    op = "fwd90awspp"
+    title = ("attention forward for sm_90a, warp-specialised with ping-pong consumer "
+             "warpgroups")
+    pingpong = True
+
+    def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
+        if config.block_m != 128:
+            return (f"block_m={config.block_m}: ping-pong takes turns between two consumer "
+                    "warpgroups, block_m 128")
+        return super().rules(problem, config, arch)
+
+    def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
+        return "the warp-specialised default (two consumer warpgroups take turns)"
+
+
 HOPPER_WS_FORWARD = HopperWsForwardFamily()
+HOPPER_PINGPONG_FORWARD = HopperPingPongForwardFamily()

@@ -216,6 +216,9 @@ FTEMU_API void ftemu_tma_load(void* smem_dst, const void* map, int rank, const i
 FTEMU_API void ftemu_prefetch_tensormap(const void* map, ftemu_loc loc);
 // setmaxnreg.{inc,dec}.sync.aligned.u32 count (sm_90a): inc 1 or 0.
 FTEMU_API void ftemu_setmaxnreg(int inc, unsigned count, ftemu_loc loc);
+// bar.sync id, count (sync 1: arrive and wait) / bar.arrive id, count (sync 0): named barriers
+// 1..15 of the block (0 is __syncthreads'), count threads per phase.
+FTEMU_API void ftemu_named_barrier(int sync, unsigned id, unsigned count, ftemu_loc loc);
 
 // Records a fault of the current thread and ends the launch (never returns).
 [[noreturn]] FTEMU_API void ftemu_fail(const char* message, ftemu_loc loc);

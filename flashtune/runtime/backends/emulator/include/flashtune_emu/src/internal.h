@@ -88,7 +88,7 @@ struct Region {
 // ---------------------------------------------------------------------------------------
 // Threads, warps, collectives
 
-enum class TState : uint8_t { Runnable, AtBarrier, InCollective, Exited, AtMbarrier };
+enum class TState : uint8_t { Runnable, AtBarrier, InCollective, Exited, AtMbarrier, AtNamedBarrier };
 
 struct Thread {
     ftemu_thread_ctx ctx{};
@@ -123,6 +123,18 @@ struct Thread {
     uint64_t wait_phase = 0;
 
     unsigned nreg_calls = 0;  // setmaxnreg executed so far in this block (setmaxnreg.cpp)
+    // While AtNamedBarrier (named_barrier.cpp): the barrier id and the phase waited for.
+    unsigned named_id = 0;
+    uint64_t named_phase = 0;
+};
+
+// A named barrier (bar.sync / bar.arrive with an id and a thread count).
+struct NamedBarrier {
+    unsigned count = 0;    // threads of the phase in progress (0: no arrival yet)
+    unsigned arrived = 0;
+    uint64_t phase = 0;    // phases completed
+    unsigned first_tid = 0;
+    ftemu_loc first_loc{};
 };
 
 // One setmaxnreg of a warpgroup, as its first thread executed it (setmaxnreg.cpp).
@@ -210,6 +222,7 @@ struct Launch {
     uint64_t block_linear = 0;            // x + gx * (y + gy * z) of the running block
     std::map<uintptr_t, MBarrier> mbarriers;  // initialised in the running block
     std::vector<std::vector<NregRequest>> nreg;  // setmaxnreg sequence per warpgroup
+    NamedBarrier named[16];                      // bar.sync / bar.arrive ids 1..15
 
     SmemSpace dyn, stat;
     unsigned char* arena_map = nullptr;  // mmap of guard + arena + guard (non-ASan)
@@ -300,6 +313,9 @@ void mbarrier_track_tma(void* bar, std::vector<Copy>&& copies, int64_t bytes, ft
 std::string describe_tma_in_flight(const SmemSpace& sp, size_t w);
 // The copy in flight at word `w` of `sp` that an mbarrier tracks (its barrier in *bar), or null.
 const Copy* tracked_copy(const SmemSpace& sp, size_t w, const void** bar);
+
+// named_barrier.cpp
+std::string describe_named_wait(const Thread& t);
 
 // setmaxnreg.cpp
 void setmaxnreg_begin_block(Launch& L);

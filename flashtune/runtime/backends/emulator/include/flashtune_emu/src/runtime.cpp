@@ -251,6 +251,7 @@ static std::string lane_status(const Launch& L, const Thread& t) {
         case TState::InCollective:
             return "wait in " + describe_collective(L.warps[t.warp].pool[t.collective]);
         case TState::AtMbarrier: return describe_mbarrier_wait(t);
+        case TState::AtNamedBarrier: return describe_named_wait(t);
         case TState::Runnable: break;
     }
     return "runnable";
@@ -279,7 +280,8 @@ static std::string deadlock_report(const Launch& L) {
     }
     out += "\n  (a warp collective needs every lane named in its mask, mma and ldmatrix all 32; "
            "__syncthreads needs every thread that has not returned; an mbarrier phase needs its "
-           "init count of arrivals and a zero transaction count)";
+           "init count of arrivals and a zero transaction count; a named barrier its count of "
+           "threads)";
     return out;
 }
 
@@ -419,6 +421,7 @@ static void run_block(Launch& L, unsigned bx, unsigned by, unsigned bz) {
     L.live = L.nthreads;
     L.mbarriers.clear();
     setmaxnreg_begin_block(L);
+    for (NamedBarrier& nb : L.named) nb = NamedBarrier{};
     L.barrier_arrived = 0;
     L.epoch = 0;
     smem_setup_block(L);
