@@ -258,3 +258,20 @@ def test_a_driver_encoded_map_loads_the_same_box_on_a_gpu(swizzle: TmaSwizzle) -
     torch.cuda.synchronize()
     np.testing.assert_array_equal(out.cpu().numpy(), reference(x, panel_map(x, 64, swizzle),
                                                                coords))
+
+
+def test_driver_encoding_without_a_driver_says_what_is_missing() -> None:
+    """Where no CUDA driver is installed, encoding for the GPU fails with the reason."""
+    import ctypes
+
+    from flashtune.errors import DeviceError
+    from flashtune.runtime.tma import encode_driver
+
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        x = qkv_like(8, 1, 64, seed=2)
+        with pytest.raises(DeviceError, match=r"libcuda.so.1, with cuTensorMapEncodeTiled"):
+            encode_driver(panel_map(x, 8, TmaSwizzle.B128))
+    else:
+        pytest.skip("a CUDA driver is installed (the gpu-marked test encodes with it)")

@@ -35,10 +35,11 @@ _TENSOR_MAP_DTYPE = np.dtype({"names": ["opaque"], "formats": [("<u8", (16,))],
 
 
 def _tensor_map(value: Any) -> Any:
-    """A driver-encoded tensor map as a NumPy structured scalar (CuPy passes its bytes)."""
+    """A driver-encoded tensor map as a one-element NumPy structured array, the form CuPy
+    passes by value as a struct argument (its custom-struct examples)."""
     if not isinstance(value, TensorMap):
         raise TypeError(f"a tensor-map argument needs a TensorMap, got {type(value).__name__}")
-    return np.frombuffer(encode_driver(value), dtype=_TENSOR_MAP_DTYPE)[0]
+    return np.frombuffer(encode_driver(value), dtype=_TENSOR_MAP_DTYPE).copy()
 
 
 # CuPy passes a Python int as a 64-bit integer; 32-bit arguments need sized numpy scalars.
