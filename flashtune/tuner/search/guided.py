@@ -4,9 +4,10 @@ The decision is made over a finite set of legal candidates (the search space fil
 its legality rule; a sample of it when the space is too large to list), so no proposal is
 ever spent on an impossible point or on one already measured:
 
-1. A short initial design: ``n_init`` points at random (about one per parameter that has a
-   choice), or, with a prior ranking (a cost model's prediction, another device's
-   results), half of them the prior's best.
+1. A short initial design: without a prior, ``UNGUIDED_INIT`` points at random (the model
+   explores from there: more blind points only spend a small budget); with a prior ranking
+   (a cost model's prediction, another device's results), about one point per parameter
+   that has a choice, half of them the prior's best.
 2. Then a Gaussian process (surrogate.py) over the measurements (log of the objective,
    failures counted as bad as the worst measurement) ranks the untried candidates by
    expected improvement over the best so far, divided by their predicted measuring time
@@ -54,8 +55,17 @@ COST_POWER = 1.0
 TOP_NEIGHBOURHOODS = 5
 
 
-def default_init(inputs: int) -> int:
-    """Size of the initial design: enough to see each parameter vary, little of a budget."""
+#: Initial random points without a prior. Measured on the landscapes (25 seeds each):
+#: 3 instead of one per parameter (9-10 there) raised the mean at 2 % of the brute-force
+#: time from 0.890 to 0.919 (conv A100) and from 0.868 to 0.919 (conv A6000).
+UNGUIDED_INIT = 3
+
+
+def default_init(inputs: int, guided: bool) -> int:
+    """Size of the initial design: with a prior, enough to see each parameter vary and
+    little of a budget; without one, UNGUIDED_INIT (at most the parameters plus one)."""
+    if not guided:
+        return min(UNGUIDED_INIT, inputs + 1)
     return int(min(10, max(5, inputs + 1)))
 
 
@@ -72,7 +82,8 @@ class GuidedSearch:
         self.rng = np.random.default_rng(seed)
         self.index = {tuple(int(v) for v in r): i for i, r in enumerate(candidates)}
         self.prior = _prior_ranks(prior, len(candidates)) if prior is not None else None
-        self.n_init = default_init(sum(c > 1 for c in self.cards)) if n_init is None else n_init
+        self.n_init = (default_init(sum(c > 1 for c in self.cards), prior is not None)
+                       if n_init is None else n_init)
         self.sequential = SEQUENTIAL
         self.cost_power = COST_POWER
         # the models see the parameters that vary (a constant tells them nothing)
