@@ -4,12 +4,14 @@ head dims 64 and 128, against FlashAttention-2's figure for the same tile.
     python benchmarks/sass_budget.py [--dtype bf16] [--arch sm_80 --arch sm_90]
                                      [--head-dim 64 --head-dim 128] [--json]
 
-For each default config (causal and not) it compiles the kernel with NVRTC (no GPU),
-finds the masked and unmasked main loops in the SASS (flashtune.perf.loops) and prints the
-static instructions per iteration per warp of the unmasked loop, what it executes when the
-warp vote skips the rescale of O, the masked loop's count ("-": masked steps are unrolled,
-or there is no mask), FA2's same-tile figure from reference/fa2-sass-facts.md where it has
-one, and the ratio. Exit status 1 when an unmasked loop is above FA2's figure.
+For each default config (causal and not), and each tile FA2's figures are for that is not
+the default (rows marked "reference", e.g. 128 x 32 at head dim 128 on sm_90), it compiles
+the kernel with NVRTC (no GPU), finds the masked and unmasked main loops in the SASS
+(flashtune.perf.loops) and prints the static instructions per iteration per warp of the
+unmasked loop, what it executes when the warp vote skips the rescale of O, the masked
+loop's count ("-": masked steps are unrolled, or there is no mask), FA2's same-tile figure
+from reference/fa2-sass-facts.md where it has one, and the ratio. Exit status 1 when an
+unmasked loop of a printed row is above FA2's figure.
 """
 
 from __future__ import annotations
@@ -23,34 +25,39 @@ from rich.table import Table
 
 from flashtune.codegen.spec import DType
 from flashtune.families import render
-from flashtune.perf.budget import BudgetRow, budget_row, default_problems
+from flashtune.perf.budget import (
+    BudgetRow,
+    budget_row,
+    default_problems,
+    reference_problems,
+)
 from flashtune.perf.disasm import sass_listing
 from flashtune.perf.loops import main_loops
 from flashtune.runtime.compiler import compile_pairs
 
 
 def budget(head_dims: list[int], dtypes: list[DType], archs: list[str]) -> list[BudgetRow]:
-    """One row per (arch, head dim, dtype, mask) default config."""
-    jobs = [(problem, config, arch)
-            for problem, config, arch in default_problems(head_dims, dtypes, archs)]
-    results = compile_pairs([(render(p, c), a) for p, c, a in jobs])
+    """One row per (arch, head dim, dtype, mask) default config, then the reference tiles."""
+    jobs = [(*job, "default") for job in default_problems(head_dims, dtypes, archs)]
+    jobs += [(*job, "reference") for job in reference_problems(head_dims, dtypes, archs)]
+    results = compile_pairs([(render(p, c), a) for p, c, a, _ in jobs])
     rows = []
-    for (problem, config, arch), result in zip(jobs, results, strict=True):
+    for (problem, config, arch, role), result in zip(jobs, results, strict=True):
         kernel = result.unwrap()
         function = sass_listing(kernel.cubin, arch).function(result.source.entry)
-        rows.append(budget_row(problem, config, arch, main_loops(function)))
+        rows.append(budget_row(problem, config, arch, main_loops(function), role))
     return rows
 
 
 def _print(rows: list[BudgetRow]) -> None:
     table = Table(title="forward main loop: instructions per iteration per warp (static)")
-    for name in ("arch", "problem", "config", "unmasked", "no rescale", "masked", "FA2",
+    for name in ("arch", "problem", "config", "role", "unmasked", "no rescale", "masked", "FA2",
                  "ratio"):
-        table.add_column(name, justify="left" if name in ("arch", "problem", "config")
+        table.add_column(name, justify="left" if name in ("arch", "problem", "config", "role")
                          else "right")
     for r in rows:
         table.add_row(
-            r.arch, r.problem.key(), r.config.key(),
+            r.arch, r.problem.key(), r.config.key(), r.role,
             "-" if r.unmasked is None else str(r.unmasked.static),
             "-" if r.unmasked is None else str(r.unmasked.executed_min),
             "-" if r.masked is None else str(r.masked.static),

@@ -1,27 +1,30 @@
 """Regenerate docs/default-configs.md: the default config of every (arch class, head dim,
-causal) with its resources on one arch of the class, compiled with NVRTC (no GPU needed).
+causal) with its resources on one arch of the class, compiled with NVRTC (no GPU needed);
+or re-derive the default table by its rule (flashtune/perf/default_rule.py).
 
     python docs/default_configs.py > docs/default-configs.md
+    python docs/default_configs.py --check    # exit 1 when the table is not the rule's
+    python docs/default_configs.py --derive   # print the rule's rows (config, reason)
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import sys
 
 from flashtune import __version__
-from flashtune.codegen.arch import get_arch
-from flashtune.codegen.spec import DType, Problem
+from flashtune.codegen.arch import ArchClass, arch_class, get_arch
+from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.families import render
 from flashtune.families.fwd import defaults, space
+from flashtune.perf import default_rule
+from flashtune.perf.costmodel import predict
 from flashtune.perf.disasm import sass_listing
 from flashtune.perf.loops import MAX_LOCAL_ACCESSES, main_loops
 from flashtune.runtime.compiler import CompileResult, compile_pairs
 from flashtune.toolchain import nvrtc
 from flashtune.toolchain.cuda import find_toolchain
-
-#: One arch per class of the default table.
-ARCH_OF_CLASS = {defaults.ArchClass.SM80: "sm_80", defaults.ArchClass.SM86: "sm_86",
-                 defaults.ArchClass.SM90: "sm_90"}
 
 
 def local_cell(result: CompileResult) -> str:
@@ -34,10 +37,57 @@ def local_cell(result: CompileResult) -> str:
     return f"{accesses} ({chained})"
 
 
-def main() -> None:
+def predicted_cell(entry: defaults.DefaultEntry, problem: Problem,
+                   result: CompileResult) -> str:
+    """The model's PREDICTED TFLOP/s of the entry at the rule's workload, on the class's GPU."""
+    kernel = result.unwrap()
+    function = sass_listing(kernel.cubin, result.arch).function(result.source.entry)
+    pred = predict(problem, entry.config, default_rule.workload(entry.head_dim),
+                   default_rule.class_gpu(entry.arch_class), resources=kernel.resources,
+                   sass=function)
+    return f"{pred.tflops:.0f}"
+
+
+def _entries() -> list[tuple[ArchClass, int, bool, KernelConfig | None]]:
+    return [(e.arch_class, e.head_dim, e.causal, e.config) for e in defaults.DEFAULT_TABLE]
+
+
+def check() -> int:
+    """Re-derive every entry by the rule (the table's configs as the current defaults);
+    1 when a config differs or a reason does not start with the rule's facts."""
+    bad = 0
+    for entry, choice in zip(defaults.DEFAULT_TABLE, default_rule.derive(_entries()),
+                             strict=True):
+        where = f"{entry.arch_class.value} d{entry.head_dim} causal={entry.causal}"
+        if choice.config != entry.config:
+            bad += 1
+            print(f"{where}: the table has {entry.config.key()}, the rule chooses "
+                  f"{choice.config.key()} ({choice.reason()})")
+        elif not entry.reason.startswith(choice.reason()):
+            bad += 1
+            print(f"{where}: the reason of {entry.config.key()} should start with "
+                  f"{choice.reason()!r}")
+    print(f"{len(defaults.DEFAULT_TABLE) - bad} of {len(defaults.DEFAULT_TABLE)} entries are "
+          "the rule's", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def derive() -> None:
+    """The rule's rows, in the form of defaults._ROWS, each with the gain over the table's."""
+    for entry, choice in zip(defaults.DEFAULT_TABLE, default_rule.derive(_entries()),
+                             strict=True):
+        reason = choice.reason()
+        old = choice.incumbent
+        if old is not None and choice.config != entry.config:
+            reason += f"; previous default {entry.config.key()}: {choice.gain_over(old)}"
+        print(f"({entry.arch_class.name}, {entry.head_dim}, {entry.causal}, "
+              f"{choice.config.key()!r}, {reason!r}),")
+
+
+def document() -> None:
     pairs = []
     for entry in defaults.DEFAULT_TABLE:
-        arch = ARCH_OF_CLASS[entry.arch_class]
+        arch = defaults.REFERENCE_ARCH[entry.arch_class]
         for dtype in DType:
             problem = Problem(entry.head_dim, dtype, causal=entry.causal)
             pairs.append((entry, problem, arch, render(problem, entry.config)))
@@ -54,9 +104,21 @@ def main() -> None:
           f"long as no local access sits in a tensor-core chain and each main loop makes at "
           f"most {MAX_LOCAL_ACCESSES} per iteration. The dispatcher falls back to these "
           "configs when nothing is tuned; `flashtune explain` shows which one a call uses.\n")
+    print("How the table is chosen (flashtune/perf/default_rule.py; `python "
+          "docs/default_configs.py --check` re-derives it): among the tiles of the forward "
+          "space with the structure knobs at their defaults, keep those that compile for "
+          "every arch of the class in fp16 and bf16, keep the spill rule, keep two resident "
+          "blocks and eight warps per SM (eight warps in one block where no tile can keep "
+          "two), and whose unmasked loop is at most FlashAttention-2's same-tile count where "
+          "one is known; then take the cost model's best PREDICTION (a current default "
+          f"within {default_rule.KEEP_MARGIN:.0%} of it stays). The model is asked about "
+          f"batch {default_rule.BATCH}, seqlen {default_rule.SEQLEN}, hidden size "
+          f"{default_rule.HIDDEN} (2048 // head dim heads), bf16, on the class's reference "
+          "GPU (sm80: A100, sm86: RTX 3090, sm90: H100); 'predicted' is that model's "
+          "TFLOP/s, not a measurement.\n")
     print("| arch (class) | head dim | causal | config | registers fp16/bf16 | spills | "
-          "local/iter | smem (B) | reason |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "local/iter | smem (B) | predicted TFLOP/s | reason |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rows: dict[tuple[str, int, bool], list[str]] = {}
     for entry, problem, arch, source in pairs:
         result = by_key[(source.digest, arch)]
@@ -65,15 +127,34 @@ def main() -> None:
                  local_cell(result)) if res else ("failed", "-", "-"))
         key = (arch, entry.head_dim, entry.causal)
         row = rows.setdefault(key, [entry.config.key(), "", "", "",
-                                    str(space.smem_bytes(problem, entry.config)), entry.reason])
+                                    str(space.smem_bytes(problem, entry.config)), "-",
+                                    entry.reason])
+        if problem.dtype is default_rule.RANK_DTYPE and result.kernel is not None:
+            row[5] = predicted_cell(entry, problem, result)
         row[1] = f"{row[1]}/{cell[0]}" if row[1] else cell[0]
         row[2] = f"{row[2]} {cell[1]}".strip()
         row[3] = f"{row[3]} / {cell[2]}" if row[3] else cell[2]
     for (arch, hd, causal), row in rows.items():
-        cls = defaults.arch_class(get_arch(arch)).value
+        cls = arch_class(get_arch(arch)).value
         print(f"| {arch} ({cls}) | {hd} | {'yes' if causal else 'no'} | `{row[0]}` | {row[1]} | "
-              f"{row[2]} | {row[3]} | {row[4]} | {row[5]} |")
+              f"{row[2]} | {row[3]} | {row[4]} | {row[5]} | {row[6]} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true",
+                      help="re-derive the table by its rule; exit 1 on a difference")
+    mode.add_argument("--derive", action="store_true", help="print the rule's rows")
+    args = parser.parse_args(argv)
+    if args.check:
+        return check()
+    if args.derive:
+        derive()
+    else:
+        document()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

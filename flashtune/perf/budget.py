@@ -87,6 +87,8 @@ class BudgetRow:
     unmasked: MainLoop | None
     masked: MainLoop | None
     fa2: Fa2LoopFigure | None
+    #: "default" (the problem's default config) or "reference" (a tile FA2's figure is for)
+    role: str = "default"
 
     @property
     def ratio(self) -> float | None:
@@ -103,15 +105,15 @@ class BudgetRow:
                     "classes": budget_classes(lp.mix), "local_memory": lp.local.to_dict()}
 
         return {"problem": self.problem.key(), "config": self.config.key(), "arch": self.arch,
-                "unmasked": loop(self.unmasked), "masked": loop(self.masked),
+                "role": self.role, "unmasked": loop(self.unmasked), "masked": loop(self.masked),
                 "fa2": None if self.fa2 is None else self.fa2.instructions,
                 "ratio": self.ratio}
 
 
 def budget_row(problem: Problem, config: KernelConfig, arch: str,
-               loops: MainLoops) -> BudgetRow:
+               loops: MainLoops, role: str = "default") -> BudgetRow:
     return BudgetRow(problem, config, arch, loops.unmasked, loops.masked,
-                     fa2_figure(problem, config, arch))
+                     fa2_figure(problem, config, arch), role)
 
 
 def default_problems(head_dims: Iterable[int] = (64, 128),
@@ -129,6 +131,35 @@ def default_problems(head_dims: Iterable[int] = (64, 128),
                     config = families.of(problem).default_config(problem, get_arch(arch))
                     out.append((problem, config, arch))
     return out
+
+
+def reference_problems(head_dims: Iterable[int] = (64, 128),
+                       dtypes: Iterable[DType] = (DType.BF16,),
+                       archs: Iterable[str] = ("sm_80", "sm_90")
+                       ) -> list[tuple[Problem, KernelConfig, str]]:
+    """(problem, tile, arch) for every tile FA2's figures are for (FA2_LOOP_FIGURES), in
+    the head dims, dtypes and archs asked, both masks, unless it is the problem's default
+    (``default_problems`` has those): the tiles a default is measured against, such as
+    128 x 32 at head dim 128 on sm_90."""
+    head_dims, dtypes, archs = tuple(head_dims), tuple(dtypes), tuple(archs)
+    defaults = default_problems(head_dims, dtypes, archs)
+    out = []
+    for arch in archs:
+        for f in FA2_LOOP_FIGURES:
+            if f.arch != get_arch(arch).name or f.head_dim not in head_dims:
+                continue
+            for dtype in dtypes:
+                for causal in (False, True):
+                    row = (Problem(f.head_dim, dtype, causal=causal),
+                           KernelConfig(f.block_m, f.block_n, f.num_warps, 2), arch)
+                    if not any(d[0] == row[0] and d[2] == arch and _same_tile(d[1], row[1])
+                               for d in defaults):
+                        out.append(row)
+    return out
+
+
+def _same_tile(a: KernelConfig, b: KernelConfig) -> bool:
+    return (a.block_m, a.block_n, a.num_warps) == (b.block_m, b.block_n, b.num_warps)
 
 
 def class_table(rows: Mapping[str, InstructionMix]) -> list[tuple[str, ...]]:

@@ -11,12 +11,18 @@ import sass_budget
 def test_budget_json_rows_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
     status = sass_budget.main(["--head-dim", "128", "--arch", "sm_90", "--json"])
     rows = json.loads(capsys.readouterr().out)
-    assert [(r["problem"], r["arch"]) for r in rows] == [
+    assert [(r["problem"], r["arch"]) for r in rows if r["role"] == "default"] == [
         ("fwd_d128_bf16_full", "sm_90"), ("fwd_d128_bf16_causal", "sm_90")]
+    # FA2's 128 x 32 tile, the issue's reference, has a row whatever the defaults are
+    reference = {r["problem"]: r for r in rows if r["config"] == "m128_n32_w4_s2"}
+    assert set(reference) == {"fwd_d128_bf16_full", "fwd_d128_bf16_causal"}
+    assert reference["fwd_d128_bf16_causal"]["masked"] is not None
+    assert reference["fwd_d128_bf16_full"]["masked"] is None
     for row in rows:
-        assert row["fa2"] == 536 and row["ratio"] <= 1.0
+        if row["fa2"] is not None:
+            assert row["ratio"] <= 1.0, row
         assert row["unmasked"]["static"] == sum(row["unmasked"]["classes"].values())
-    assert rows[1]["masked"] is not None and rows[0]["masked"] is None
+    assert {r["fa2"] for r in reference.values()} == {536}
     assert status == 0
 
 

@@ -1,7 +1,7 @@
 """Every default config compiles through NVRTC within the arch's shared memory, and spills
 registers only as the project's spill rule allows: no local-memory access in a tensor-core
 chain (an MMA reading a register just loaded from local memory, or one storing what an MMA
-wrote) and at most perf.loops.MAX_LOCAL_ACCESSES (10) local accesses per iteration of each
+wrote) and at most perf.loops.MAX_LOCAL_ACCESSES (8) local accesses per iteration of each
 main loop. The default tier compiles each table entry once (fp16, on one arch per class);
 ``-m sweep`` covers every arch of each class and both dtypes."""
 
@@ -17,15 +17,12 @@ from flashtune.perf.disasm import sass_listing
 from flashtune.perf.loops import main_loops, spill_rule_breaches
 from flashtune.runtime.compiler import CompileResult, compile_pairs
 
-REPRESENTATIVE = {defaults.ArchClass.SM80: "sm_80", defaults.ArchClass.SM86: "sm_86",
-                  defaults.ArchClass.SM90: "sm_90"}
-
 
 def _jobs(every_arch: bool) -> list[tuple[KernelSource, str]]:
     jobs = []
     for entry in defaults.DEFAULT_TABLE:
-        archs = ([a for a, c in defaults.ARCH_CLASS.items() if c is entry.arch_class]
-                 if every_arch else [REPRESENTATIVE[entry.arch_class]])
+        archs = (defaults.archs_of(entry.arch_class) if every_arch
+                 else [defaults.REFERENCE_ARCH[entry.arch_class]])
         dtypes = list(DType) if every_arch else [DType.FP16]
         for dtype in dtypes:
             source = render(Problem(entry.head_dim, dtype, causal=entry.causal), entry.config)

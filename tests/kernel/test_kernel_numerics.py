@@ -78,7 +78,7 @@ def test_forward_matches_reference(problem: Problem, config: KernelConfig, case:
 HEAD_DIMS = (32, 64, 72, 80, 96, 128, 160, 192, 224, 256)
 LENGTHS = (1, 7, 64, 77, 128, 300, 1000)
 #: One representative arch per default-table class.
-CLASS_ARCHS = ("sm_80", "sm_86", "sm_90")
+CLASS_ARCHS = tuple(defaults.REFERENCE_ARCH.values())
 
 
 def _slow_case(index: int) -> Case:
@@ -92,12 +92,10 @@ def _slow_case(index: int) -> Case:
 
 SLOW = [(Problem(hd, dt, causal=c), arch)
         for arch in CLASS_ARCHS for hd, dt, c in itertools.product(HEAD_DIMS, DType, (False, True))]
-_REPRESENTATIVE = {defaults.ArchClass.SM80: "sm_80", defaults.ArchClass.SM86: "sm_86",
-                   defaults.ArchClass.SM90: "sm_90"}
 _RNG = random.Random(int(os.environ["FLASHTUNE_TEST_SEED"]))
 #: One case per default-table entry: its head dim, a seeded dtype, a seeded slow-tier shape.
 DEFAULTS = [(Problem(e.head_dim, _RNG.choice(list(DType)), causal=e.causal),
-             _REPRESENTATIVE[e.arch_class], _RNG.randrange(len(SLOW)))
+             defaults.REFERENCE_ARCH[e.arch_class], _RNG.randrange(len(SLOW)))
             for e in defaults.DEFAULT_TABLE]
 
 

@@ -1,6 +1,7 @@
 """The forward kernel's loop budget (perf.budget): classes, FA2's same-tile figures, and the
-budget the issue sets: the unmasked loop of the default d128 tile on sm_90 at or below
-FA2's 536 instructions per iteration per warp."""
+budget the issue sets: the unmasked loop of the 128 x 32 d128 tile on sm_90 at or below
+FA2's 536 instructions per iteration per warp, and every default with a same-tile figure at
+or below it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from flashtune.perf.budget import (
     budget_row,
     default_problems,
     fa2_figure,
+    reference_problems,
 )
 from flashtune.perf.disasm import sass_listing
 from flashtune.perf.loops import main_loops
@@ -53,8 +55,31 @@ def test_default_problems_cover_both_masks_and_archs() -> None:
         (d, c, a) for d in (64, 128) for c in (False, True) for a in ("sm_80", "sm_90")}
 
 
+def test_reference_problems_are_fa2_tiles_that_are_not_the_default() -> None:
+    rows = reference_problems((64, 128), (DType.BF16,), ("sm_80", "sm_90"))
+    assert rows and all(a == "sm_90" and p.head_dim == 128 for p, _, a in rows)
+    defaults = default_problems((128,), (DType.BF16,), ("sm_90",))
+    for problem, config, arch in rows:
+        assert fa2_figure(problem, config, arch) is not None
+        assert (problem, config, arch) not in defaults
+    # 128 x 32 is the issue's reference tile: listed unless it is the default
+    tiles = {(p.causal, c.block_n) for p, c, _ in rows + defaults if c.block_m == 128
+             and c.num_warps == 4}
+    assert {(False, 32), (True, 32)} <= tiles
+
+
+def test_every_d128_default_on_sm_90_with_a_fa2_figure_is_within_it(
+        compile_cubin: object) -> None:
+    for problem, config, arch in default_problems((128,), (DType.BF16,), ("sm_90",)):
+        source = render(problem, config)
+        kernel = compile_source(source, arch)
+        loops = main_loops(sass_listing(kernel.cubin, arch).function(source.entry))
+        row = budget_row(problem, config, arch, loops)
+        assert row.ratio is None or row.ratio <= 1.0, row.to_dict()
+
+
 @pytest.mark.parametrize("causal", [False, True])
-def test_default_d128_tile_on_sm_90_is_within_fa2_budget(compile_cubin: object,
+def test_reference_d128_tile_on_sm_90_is_within_fa2_budget(compile_cubin: object,
                                                          causal: bool) -> None:
     problem = Problem(128, DType.BF16, causal=causal)
     config = KernelConfig(128, 32, 4, 2)

@@ -6,20 +6,29 @@ One entry per (arch class, compiled head dim, causal); the classes (codegen.arch
 - ``sm86``: consumer Ampere, Ada and Blackwell (sm_86, sm_89, sm_120), 100 KB per SM;
 - ``sm90``: H100/H200 and B200 (sm_90, sm_100), 228 KB per SM.
 
-How the entries were chosen (NVRTC 13.0 ``--ptxas-options=-v`` on every arch of the class,
-fp16 and bf16): walk the tile space from the largest tile down (block_m, then block_n,
-fewer warps first, two stages before one, one before three) and take the first config that
-keeps the spill rule and still fits two blocks (eight warps) on an SM. FlashAttention-2's
-own tiles (reference/attention-baselines.md) come first wherever they pass those two tests;
-each entry's reason says what it is and why.
+How the entries are chosen: by the rule of ``flashtune.perf.default_rule``, which compiles
+(NVRTC 13, every arch of the class, fp16 and bf16) and asks the cost model; this table is
+its result, checked in so that nothing compiles at import, and ``python
+docs/default_configs.py --check`` re-derives it. Among the tiles of the forward space with
+the structure knobs (knobs.py) at their defaults, keep those that compile for every arch of
+the class in both dtypes, keep the spill rule, keep two resident blocks and eight warps per
+SM (eight warps in one block where no tile can keep two), and whose unmasked loop is at
+most FlashAttention-2's same-tile count where reference/fa2-sass-facts.md gives one; then
+take the cost model's best PREDICTION (the model ranks every candidate without compiling,
+then the 12 best of that ranking again with their SASS and compiled registers; a current
+default within 1% of the best stays). The model
+is asked about FlashAttention's benchmark point at 4k tokens: batch 4, seqlen 4096, hidden
+size 2048 (2048 // head dim heads), bf16, on the class's reference GPU (sm80: A100, sm86:
+RTX 3090, sm90: H100). Predictions are the model's, not measurements.
 
 The spill rule (``perf.loops.MAX_LOCAL_ACCESSES``): a config may spill as long as no
-local-memory access sits in a tensor-core chain and each main loop makes about 8 of them
-at most per iteration (FA2's own d128 tile makes 12; the limit is 10, see there). The
-entries were first chosen by "no spills at all" with the kernel before its lean main loop;
-the reasons that name a local-access count were re-measured since (NVRTC 13, bf16 and
-fp16). Where FA2's tile no longer spills and the cost model predicts it faster, the reason
-says so ("to re-choose"): those entries are still to be re-chosen by the cost model.
+local-memory access sits in a tensor-core chain and each main loop makes at most 8 of them
+per iteration (FA2's own d128 tile makes 12).
+
+Each reason starts with the rule's facts (``default_rule.Choice.reason``): registers (the
+most over the class's archs and dtypes), resident blocks per SM (the fewest), local-memory
+accesses per main-loop iteration (the most), and the best-predicted tile the filters ruled
+out with why; where the rule changed an entry, the previous default's predicted time.
 """
 
 from __future__ import annotations
@@ -58,7 +67,7 @@ class DefaultEntry:
         """A flat row for docs and ``flashtune`` listings."""
         return {
             "arch_class": self.arch_class.value,
-            "archs": [name for name, cls in ARCH_CLASS.items() if cls is self.arch_class],
+            "archs": archs_of(self.arch_class),
             "head_dim": self.head_dim,
             "causal": self.causal,
             "config": self.config.key(),
@@ -68,8 +77,16 @@ class DefaultEntry:
 
 _A, _C, _H = ArchClass.SM80, ArchClass.SM86, ArchClass.SM90
 
-# (class, compiled head dim, causal, config key, reason). "regs" are the most registers
-# per thread over the class's archs and both dtypes; "blocks/SM" the fewest resident blocks.
+#: The arch of each class whose kernels the cost model ranks (and the docs show).
+REFERENCE_ARCH: dict[ArchClass, str] = {_A: "sm_80", _C: "sm_86", _H: "sm_90"}
+
+
+def archs_of(cls: ArchClass) -> list[str]:
+    """Every arch flashtune knows in class ``cls``."""
+    return [name for name, c in ARCH_CLASS.items() if c is cls]
+
+
+# (class, compiled head dim, causal, config key, reason): the rule's output (see above).
 _ROWS: tuple[tuple[ArchClass, int, bool, str, str], ...] = (
     # -- sm80: A100-class, 164 KB shared memory per SM -----------------------------------
     (_A, 32, False, "m128_n128_w4_s2", "FA2's 128x128 tile; 239 regs, 2 blocks/SM, so a "
