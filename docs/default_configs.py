@@ -77,9 +77,8 @@ def derive() -> None:
     for entry, choice in zip(defaults.DEFAULT_TABLE, default_rule.derive(_entries()),
                              strict=True):
         reason = choice.reason()
-        old = choice.incumbent
-        if old is not None and choice.config != entry.config:
-            reason += f"; previous default {entry.config.key()}: {choice.gain_over(old)}"
+        if choice.change():
+            reason += f"; {choice.change()}"
         print(f"({entry.arch_class.name}, {entry.head_dim}, {entry.causal}, "
               f"{choice.config.key()!r}, {reason!r}),")
 

@@ -68,9 +68,13 @@ class Floor:
     def shortfall(self, occ: Occupancy) -> str | None:
         """Why ``occ`` is below the floor, or None."""
         if occ.blocks_per_sm < self.blocks or occ.warps_per_sm < self.warps:
-            return (f"{occ.blocks_per_sm} block(s), {occ.warps_per_sm} warps/SM on {occ.arch} "
-                    f"(under {self.blocks} and {self.warps}; limit: {occ.limiter})")
+            return (f"{blocks_text(occ.blocks_per_sm)} on {occ.arch}, {occ.limiter} the limit "
+                    f"(the floor: {self.blocks} blocks, {self.warps} warps)")
         return None
+
+
+def blocks_text(blocks: int) -> str:
+    return f"{blocks} block/SM" if blocks == 1 else f"{blocks} blocks/SM"
 
 
 #: The occupancy floor in order of preference (step 1).
@@ -208,7 +212,7 @@ class Evaluated:
 
 
 def _less(better: Evaluated, worse: Evaluated) -> str:
-    """'N% less time' of ``better`` against ``worse``, as the model predicts."""
+    """'N% less predicted time' of ``better`` against ``worse``."""
     gain = (worse.predicted_ms - better.predicted_ms) / worse.predicted_ms
     return f"{gain:.1%} less predicted time"
 
@@ -236,21 +240,33 @@ class Choice:
         c = self.chosen
         gpu = class_gpu(self.arch_class).name
         if c is self.best:
-            lead = f"best predicted of {self.candidates} tiles ({gpu}, 4k)"
+            lead = (f"best predicted of {self.candidates} tiles ({gpu}, 4k)"
+                    if self.candidates > 1 else f"the one candidate tile ({gpu}, 4k)")
         else:
             lead = (f"kept: {self.best.config.key()}, the best predicted ({gpu}, 4k), "
                     f"gives only {_less(self.best, c)}")
         local = (f"{c.local_accesses} local accesses a tile" if c.local_accesses
                  else "no local memory in the loop")
-        text = f"{lead}; {c.registers} regs, {c.blocks_per_sm} blocks/SM, {local}"
-        if self.passed_over:
-            first = self.passed_over[0]
+        text = f"{lead}; {c.registers} regs, {blocks_text(c.blocks_per_sm)}, {local}"
+        old = self.incumbent.config if self.incumbent is not None else None
+        shown = [e for e in self.passed_over if e.config != old]  # change() names it
+        if shown:
+            first = shown[0]
             text += (f"; {first.config.key()} ({_less(first, c)}) is out: "
                      f"{first.problems[0]}")
         return text
 
-    def gain_over(self, other: Evaluated) -> str:
-        return _less(self.chosen, other)
+    def change(self) -> str:
+        """How the choice compares with the current default it replaces ('' when kept)."""
+        old = self.incumbent
+        if old is None or old.config == self.config:
+            return ""
+        diff = (self.chosen.predicted_ms - old.predicted_ms) / old.predicted_ms
+        text = (f"previous default {old.config.key()}: this tile's predicted time is "
+                f"{abs(diff):.1%} {'higher' if diff > 0 else 'lower'}")
+        if old.problems:
+            text += f"; {old.config.key()} is out: {old.problems[0]}"
+        return text
 
 
 @dataclass
@@ -338,7 +354,8 @@ class _Search:
         chosen = best
         if inc is not None and not inc.problems and self._may_keep(inc, best):
             chosen = inc
-        incumbent = inc or (self.ref.get(self.incumbent) if self.incumbent else None)
+        incumbent = inc or (self.ref.get(self.incumbent) if self.incumbent is not None
+                            else None)
         passed = tuple(self.full.get(e.config, e) for e in self.ref.values()
                        if e.predicted_ms < chosen.predicted_ms
                        and (e.problems or self.full.get(e.config, e).problems))

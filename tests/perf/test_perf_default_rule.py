@@ -47,7 +47,7 @@ def test_the_floor_drops_to_one_block_only_where_no_tile_keeps_two() -> None:
 def test_floor_shortfall_names_the_limit() -> None:
     occ = occupancy("sm_90", threads=128, registers=255, smem_bytes=120 * 1024)
     why = default_rule.Floor(2, 8).shortfall(occ)
-    assert why is not None and "1 block(s)" in why and "sm_90" in why
+    assert why == "1 block/SM on sm_90, shared memory the limit (the floor: 2 blocks, 8 warps)"
     assert default_rule.Floor(1, 4).shortfall(occ) is None
 
 
@@ -79,6 +79,7 @@ def test_rule_takes_the_best_prediction_that_passes_every_build(
     assert chosen.predicted_ms <= choice.incumbent.predicted_ms
     assert choice.reason().startswith("best predicted of ")
     assert f"{chosen.registers} regs, {chosen.blocks_per_sm} blocks/SM" in choice.reason()
+    assert choice.change().startswith("previous default m128_n32_w4_s2: ")
 
 
 def test_a_current_default_within_the_margin_stays(
@@ -87,3 +88,4 @@ def test_a_current_default_within_the_margin_stays(
     assert kept.config == KernelConfig(128, 32, 4, 2)
     assert kept.best.config == plain.config
     assert kept.reason().startswith(f"kept: {plain.config.key()}, the best predicted")
+    assert kept.change() == ""

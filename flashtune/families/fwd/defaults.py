@@ -88,112 +88,173 @@ def archs_of(cls: ArchClass) -> list[str]:
 
 # (class, compiled head dim, causal, config key, reason): the rule's output (see above).
 _ROWS: tuple[tuple[ArchClass, int, bool, str, str], ...] = (
-    # -- sm80: A100-class, 164 KB shared memory per SM -----------------------------------
-    (_A, 32, False, "m128_n128_w4_s2", "FA2's 128x128 tile; 239 regs, 2 blocks/SM, so a "
-                                       "second K/V buffer costs no occupancy"),
-    (_A, 32, True, "m128_n128_w4_s2", "FA2's 128x128 tile; 255 regs without spills, "
-                                      "2 blocks/SM with two K/V buffers"),
-    (_A, 64, False, "m128_n128_w4_s1", "FA2's 128x128 tile; one buffer keeps 2 blocks/SM "
-                                       "(two, 92 KB, fit only 1)"),
-    (_A, 64, True, "m128_n128_w4_s1", "FA2's 128x128 tile; one buffer keeps 2 blocks/SM "
-                                      "(two, 92 KB, fit only 1)"),
-    (_A, 96, False, "m128_n64_w4_s2", "FA2's 128x64 tile; 244 regs, two K/V buffers at "
-                                      "2 blocks/SM (78 KB each)"),
-    (_A, 96, True, "m128_n64_w4_s2", "FA2's 128x64 tile; 243 regs, two K/V buffers at "
-                                     "2 blocks/SM (78 KB each)"),
-    (_A, 128, False, "m128_n32_w4_s2", "FA2's 128x64 makes 10 local accesses a tile with "
-                                       "one buffer (over 8) and fits 1 block/SM with two; "
-                                       "128x32 keeps 2 blocks"),
-    (_A, 128, True, "m128_n32_w4_s2", "FA2's 128x64 makes 14 local accesses a tile with "
-                                      "one buffer (over 8) and fits 1 block/SM with two; "
-                                      "128x32 keeps 2 blocks"),
-    (_A, 160, False, "m128_n32_w4_s1", "largest tile with 2 blocks/SM and no spills; a "
-                                       "second buffer (86 KB) fits only 1 block"),
-    (_A, 160, True, "m128_n32_w4_s1", "largest tile with 2 blocks/SM; 10 local accesses a "
-                                      "tile, none in a tensor-core chain; a second buffer "
-                                      "(86 KB) fits only 1 block"),
-    (_A, 192, False, "m64_n64_w4_s1", "FA2's 128x64 8-warp tile fits 1 block/SM here; "
-                                      "64x64 (75 KB) keeps 2, 167 regs"),
-    (_A, 192, True, "m64_n64_w4_s1", "FA2's 128x64 8-warp tile fits 1 block/SM here; "
-                                     "64x64 (75 KB) keeps 2, 167 regs"),
-    (_A, 224, False, "m64_n32_w4_s1", "128-row tiles and 64x64 (87 KB) fit 1 block/SM; "
-                                      "64x32 (58 KB) keeps 2, 166 regs"),
-    (_A, 224, True, "m64_n32_w4_s1", "128-row tiles and 64x64 (87 KB) fit 1 block/SM; "
-                                     "64x32 (58 KB) keeps 2, 166 regs"),
-    (_A, 256, False, "m64_n32_w4_s1", "FA2's 64x64 fallback (99 KB) fits 1 block/SM; "
-                                      "64x32 (66 KB) keeps 2, 231 regs"),
-    (_A, 256, True, "m64_n32_w4_s1", "FA2's 64x64 fallback (99 KB) fits 1 block/SM; "
-                                     "64x32 (66 KB) keeps 2, 232 regs"),
-    # -- sm86: consumer GPUs, 100 KB shared memory per SM ---------------------------------
-    (_C, 32, False, "m128_n128_w4_s1", "FA2's 128x128 tile; one K/V buffer (30 KB) keeps "
-                                       "2 blocks/SM, 240 regs"),
-    (_C, 32, True, "m128_n128_w4_s1", "FA2's 128x128 tile; one K/V buffer (30 KB) keeps "
-                                      "2 blocks/SM, 254 regs"),
-    (_C, 64, False, "m128_n64_w4_s1", "FA2's 128x128 (54 KB) fits 1 block in 100 KB; "
-                                      "128x64 (36 KB) keeps 2, 214 regs"),
-    (_C, 64, True, "m128_n64_w4_s1", "FA2's 128x128 (54 KB) fits 1 block in 100 KB; "
-                                     "128x64 (36 KB) keeps 2, 218 regs"),
-    (_C, 96, False, "m128_n32_w4_s1", "FA2's 128x64 (52 KB) fits 1 block in 100 KB; "
-                                      "128x32 (39 KB) keeps 2, 210 regs"),
-    (_C, 96, True, "m128_n32_w4_s1", "FA2's 128x64 (52 KB) fits 1 block in 100 KB; "
-                                     "128x32 (39 KB) keeps 2, 210 regs"),
-    (_C, 128, False, "m64_n32_w4_s1", "FA2's 128x32 (51 KB with padded rows) fits 1 block "
-                                      "in 100 KB; 64x32 (34 KB) keeps 2, 125 regs"),
-    (_C, 128, True, "m64_n32_w4_s1", "FA2's 64x64 (51 KB with padded rows) fits 1 block "
-                                     "in 100 KB; 64x32 (34 KB) keeps 2, 128 regs"),
-    (_C, 160, False, "m64_n32_w4_s1", "128-row tiles and 64x64 fit 1 block in 100 KB; "
-                                      "64x32 (42 KB) keeps 2, 127 regs"),
-    (_C, 160, True, "m64_n32_w4_s1", "128-row tiles and 64x64 fit 1 block in 100 KB; "
-                                     "64x32 (42 KB) keeps 2, 128 regs"),
-    (_C, 192, False, "m128_n32_w8_s1", "no tile fits 2 blocks in 100 KB; one 128x32 block "
-                                       "(75 KB) runs 8 warps, 174 regs"),
-    (_C, 192, True, "m128_n32_w8_s1", "no tile fits 2 blocks in 100 KB; one 128x32 block "
-                                      "(75 KB) runs 8 warps, 174 regs"),
-    (_C, 224, False, "m128_n32_w8_s1", "no tile fits 2 blocks in 100 KB; one 128x32 block "
-                                       "(87 KB) runs 8 warps, 220 regs"),
-    (_C, 224, True, "m128_n32_w8_s1", "no tile fits 2 blocks in 100 KB; one 128x32 block "
-                                      "(87 KB) runs 8 warps, 226 regs"),
-    (_C, 256, False, "m128_n32_w8_s1", "no tile fits 2 blocks in 100 KB; one 128x32 block "
-                                       "(99 KB) runs 8 warps, 231 regs"),
-    (_C, 256, True, "m128_n32_w8_s1", "no tile fits 2 blocks in 100 KB; one 128x32 block "
-                                      "(99 KB) runs 8 warps, 237 regs"),
-    # -- sm90: H100-class, 228 KB shared memory per SM ------------------------------------
-    (_H, 32, False, "m128_n128_w4_s2", "FA2's 128x128 tile; two K/V buffers at 2 blocks/SM, "
-                                       "238 regs"),
-    (_H, 32, True, "m128_n128_w4_s2", "FA2's 128x128 tile; two K/V buffers at 2 blocks/SM, "
-                                      "255 regs without spills"),
-    (_H, 64, False, "m128_n64_w4_s2", "128x64 with two buffers, 2 blocks/SM; FA2's 128x128 "
-                                      "no longer spills and is PREDICTED 2% faster (H100): "
-                                      "to re-choose"),
-    (_H, 64, True, "m128_n128_w4_s2", "FA2's 128x128 tile; two buffers (90 KB) at "
-                                      "2 blocks/SM, 255 regs without spills"),
-    (_H, 96, False, "m128_n64_w4_s2", "FA2's 128x64 tile; two buffers (78 KB) at "
-                                      "2 blocks/SM, 255 regs without spills"),
-    (_H, 96, True, "m128_n32_w4_s2", "128x32 with two buffers, 2 blocks/SM; FA2's 128x64 "
-                                     "no longer spills and is PREDICTED 4% faster (H100): "
-                                     "to re-choose"),
-    (_H, 128, False, "m128_n32_w4_s2", "128x32 with two buffers, 2 blocks/SM; FA2's 128x64 "
-                                       "no longer spills and is PREDICTED 3% faster (H100): "
-                                       "to re-choose"),
-    (_H, 128, True, "m128_n32_w4_s2", "FA2's 128x64 keeps the spill rule (8 local accesses "
-                                      "a tile) but is PREDICTED 2% slower (H100); 128x32 with "
-                                      "two buffers, 2 blocks/SM"),
-    (_H, 160, False, "m128_n32_w4_s2", "128x64 makes 20 local accesses a tile (over 8); "
-                                       "128x32 with two buffers (84 KB), 2 blocks/SM"),
-    (_H, 160, True, "m128_n32_w4_s2", "128x64 makes 21 local accesses a tile (over 8); "
-                                      "128x32 with two buffers (84 KB), 2 blocks/SM"),
-    (_H, 192, False, "m64_n64_w4_s1", "128-row tiles need 8 warps and fit 1 block/SM; "
-                                      "64x64 (75 KB) keeps 3, 167 regs"),
-    (_H, 192, True, "m64_n64_w4_s1", "128-row tiles need 8 warps and fit 1 block/SM; "
-                                     "64x64 (75 KB) keeps 3, 168 regs"),
-    (_H, 224, False, "m64_n64_w4_s1", "128x32 spills inside tensor-core chains; larger "
-                                      "128-row tiles fit 1 block/SM; 64x64 (87 KB) keeps 2"),
-    (_H, 224, True, "m64_n64_w4_s1", "128x32 spills inside tensor-core chains; larger "
-                                     "128-row tiles fit 1 block/SM; 64x64 (87 KB) keeps 2"),
-    (_H, 256, False, "m64_n64_w4_s1", "FA2's 64x64 tile for d256; 2 blocks/SM (99 KB "
-                                      "each), 251 regs"),
-    (_H, 256, True, "m64_n64_w4_s1", "FA2's 64x64 tile for d256; 2 blocks/SM (99 KB "
-                                     "each), 243 regs"),
+    # -- sm80: A100-class, 164 KB shared memory per SM; the model's GPU: A100 --------
+    (_A, 32, False, "m128_n128_w4_s2", "kept: m128_n128_w4_s1, the best predicted (A100, 4k), "
+                                       "gives only 0.2% less predicted time; 255 regs, 2 "
+                                       "blocks/SM, no local memory in the loop; m256_n128_w8_s2 "
+                                       "(0.7% less predicted time) is out: 1 block/SM on sm_80, "
+                                       "registers the limit (the floor: 2 blocks, 8 warps)"),
+    (_A, 32, True, "m128_n128_w4_s2", "kept: m128_n128_w4_s1, the best predicted (A100, 4k), gives"
+                                      " only 0.2% less predicted time; 255 regs, 2 blocks/SM, no "
+                                      "local memory in the loop; m128_n128_w8_s2 (0.6% less "
+                                      "predicted time) is out: 1 block/SM on sm_80, registers the "
+                                      "limit (the floor: 2 blocks, 8 warps)"),
+    (_A, 64, False, "m128_n128_w4_s1", "best predicted of 139 tiles (A100, 4k); 255 regs, 2 "
+                                       "blocks/SM, no local memory in the loop"),
+    (_A, 64, True, "m128_n128_w4_s1", "kept: m64_n128_w4_s2, the best predicted (A100, 4k), gives "
+                                      "only 0.3% less predicted time; 255 regs, 2 blocks/SM, no "
+                                      "local memory in the loop"),
+    (_A, 96, False, "m64_n128_w4_s1", "best predicted of 71 tiles (A100, 4k); 168 regs, 2 "
+                                      "blocks/SM, no local memory in the loop; previous default "
+                                      "m128_n64_w4_s2: this tile's predicted time is 4.2% lower"),
+    (_A, 96, True, "m64_n128_w4_s1", "best predicted of 71 tiles (A100, 4k); 208 regs, 2 "
+                                     "blocks/SM, no local memory in the loop; previous default "
+                                     "m128_n64_w4_s2: this tile's predicted time is 4.1% lower"),
+    (_A, 128, False, "m64_n112_w4_s1", "best predicted of 32 tiles (A100, 4k); 168 regs, 2 "
+                                       "blocks/SM, no local memory in the loop; previous default "
+                                       "m128_n32_w4_s2: this tile's predicted time is 7.4% lower"),
+    (_A, 128, True, "m64_n96_w4_s1", "best predicted of 32 tiles (A100, 4k); 194 regs, 2 "
+                                     "blocks/SM, no local memory in the loop; previous default "
+                                     "m128_n32_w4_s2: this tile's predicted time is 8.6% lower"),
+    (_A, 160, False, "m64_n80_w4_s1", "best predicted of 18 tiles (A100, 4k); 168 regs, 2 "
+                                      "blocks/SM, no local memory in the loop; previous default "
+                                      "m128_n32_w4_s1: this tile's predicted time is 6.2% lower"),
+    (_A, 160, True, "m64_n64_w4_s1", "best predicted of 18 tiles (A100, 4k); 168 regs, 2 "
+                                     "blocks/SM, no local memory in the loop; previous default "
+                                     "m128_n32_w4_s1: this tile's predicted time is 17.1% lower; "
+                                     "m128_n32_w4_s1 is out: 10 local accesses a tile on sm_80 "
+                                     "(over 8)"),
+    (_A, 192, False, "m64_n64_w4_s1", "best predicted of 10 tiles (A100, 4k); 171 regs, 2 "
+                                      "blocks/SM, no local memory in the loop"),
+    (_A, 192, True, "m64_n64_w4_s1", "best predicted of 10 tiles (A100, 4k); 177 regs, 2 "
+                                     "blocks/SM, no local memory in the loop"),
+    (_A, 224, False, "m64_n48_w4_s1", "best predicted of 6 tiles (A100, 4k); 168 regs, 2 "
+                                      "blocks/SM, no local memory in the loop; previous default "
+                                      "m64_n32_w4_s1: this tile's predicted time is 4.5% lower"),
+    (_A, 224, True, "m64_n48_w4_s1", "best predicted of 6 tiles (A100, 4k); 172 regs, 2 blocks/SM,"
+                                     " no local memory in the loop; previous default "
+                                     "m64_n32_w4_s1: this tile's predicted time is 4.1% lower"),
+    (_A, 256, False, "m64_n32_w4_s1", "best predicted of 3 tiles (A100, 4k); 172 regs, 2 "
+                                      "blocks/SM, no local memory in the loop"),
+    (_A, 256, True, "m64_n32_w4_s1", "best predicted of 3 tiles (A100, 4k); 233 regs, 2 blocks/SM,"
+                                     " no local memory in the loop"),
+    # -- sm86: consumer GPUs, 100 KB shared memory per SM; the model's GPU: RTX 3090 ---
+    (_C, 32, False, "m128_n128_w4_s1", "best predicted of 165 tiles (RTX3090, 4k); 254 regs, 2 "
+                                       "blocks/SM, no local memory in the loop"),
+    (_C, 32, True, "m128_n128_w4_s1", "kept: m64_n64_w4_s3, the best predicted (RTX3090, 4k), "
+                                      "gives only 0.2% less predicted time; 255 regs, 2 blocks/SM,"
+                                      " no local memory in the loop"),
+    (_C, 64, False, "m128_n64_w4_s1", "best predicted of 58 tiles (RTX3090, 4k); 208 regs, 2 "
+                                      "blocks/SM, no local memory in the loop"),
+    (_C, 64, True, "m64_n64_w4_s2", "best predicted of 58 tiles (RTX3090, 4k); 128 regs, 2 "
+                                    "blocks/SM, no local memory in the loop; previous default "
+                                    "m128_n64_w4_s1: this tile's predicted time is 2.5% lower"),
+    (_C, 96, False, "m64_n64_w4_s1", "best predicted of 20 tiles (RTX3090, 4k); 128 regs, 2 "
+                                     "blocks/SM, no local memory in the loop; previous default "
+                                     "m128_n32_w4_s1: this tile's predicted time is 3.1% lower"),
+    (_C, 96, True, "m64_n64_w4_s1", "best predicted of 20 tiles (RTX3090, 4k); 138 regs, 2 "
+                                    "blocks/SM, no local memory in the loop; previous default "
+                                    "m128_n32_w4_s1: this tile's predicted time is 4.8% lower"),
+    (_C, 128, False, "m64_n32_w4_s1", "best predicted of 7 tiles (RTX3090, 4k); 132 regs, 2 "
+                                      "blocks/SM, no local memory in the loop"),
+    (_C, 128, True, "m64_n32_w4_s1", "best predicted of 7 tiles (RTX3090, 4k); 134 regs, 2 "
+                                     "blocks/SM, no local memory in the loop"),
+    (_C, 160, False, "m64_n32_w4_s1", "kept: m64_n16_w4_s1, the best predicted (RTX3090, 4k), "
+                                      "gives only 0.0% less predicted time; 130 regs, 2 blocks/SM,"
+                                      " no local memory in the loop"),
+    (_C, 160, True, "m64_n32_w4_s1", "kept: m64_n16_w4_s1, the best predicted (RTX3090, 4k), gives"
+                                     " only 0.0% less predicted time; 130 regs, 2 blocks/SM, no "
+                                     "local memory in the loop"),
+    (_C, 192, False, "m64_n16_w4_s1", "the one candidate tile (RTX3090, 4k); 128 regs, 2 "
+                                      "blocks/SM, no local memory in the loop; previous default "
+                                      "m128_n32_w8_s1: this tile's predicted time is 1.5% higher; "
+                                      "m128_n32_w8_s1 is out: 1 block/SM on sm_86, registers the "
+                                      "limit (the floor: 2 blocks, 8 warps)"),
+    (_C, 192, True, "m64_n16_w4_s1", "the one candidate tile (RTX3090, 4k); 158 regs, 2 blocks/SM,"
+                                     " no local memory in the loop; previous default "
+                                     "m128_n32_w8_s1: this tile's predicted time is 5.1% lower; "
+                                     "m128_n32_w8_s1 is out: 1 block/SM on sm_86, registers the "
+                                     "limit (the floor: 2 blocks, 8 warps)"),
+    (_C, 224, False, "m64_n16_w4_s1", "the one candidate tile (RTX3090, 4k); 166 regs, 2 "
+                                      "blocks/SM, no local memory in the loop; previous default "
+                                      "m128_n32_w8_s1: this tile's predicted time is 0.1% higher; "
+                                      "m128_n32_w8_s1 is out: 1 block/SM on sm_86, registers the "
+                                      "limit (the floor: 2 blocks, 8 warps)"),
+    (_C, 224, True, "m64_n16_w4_s1", "the one candidate tile (RTX3090, 4k); 164 regs, 2 blocks/SM,"
+                                     " no local memory in the loop; previous default "
+                                     "m128_n32_w8_s1: this tile's predicted time is 3.2% lower; "
+                                     "m128_n32_w8_s1 is out: 1 block/SM on sm_86, registers the "
+                                     "limit (the floor: 2 blocks, 8 warps)"),
+    (_C, 256, False, "m128_n16_w8_s2", "best predicted of 3 tiles (RTX3090, 4k); 170 regs, 1 "
+                                       "block/SM, no local memory in the loop; previous default "
+                                       "m128_n32_w8_s1: this tile's predicted time is 10.6% lower"),
+    (_C, 256, True, "m128_n16_w8_s2", "best predicted of 3 tiles (RTX3090, 4k); 174 regs, 1 "
+                                      "block/SM, no local memory in the loop; previous default "
+                                      "m128_n32_w8_s1: this tile's predicted time is 10.5% lower"),
+    # -- sm90: H100-class, 228 KB shared memory per SM; the model's GPU: H100 --------
+    (_H, 32, False, "m128_n128_w4_s2", "kept: m128_n128_w4_s1, the best predicted (H100, 4k), "
+                                       "gives only 0.1% less predicted time; 255 regs, 2 "
+                                       "blocks/SM, no local memory in the loop; m128_n256_w8_s2 "
+                                       "(1.7% less predicted time) is out: 1 block/SM on sm_90, "
+                                       "registers the limit (the floor: 2 blocks, 8 warps)"),
+    (_H, 32, True, "m128_n128_w4_s2", "kept: m128_n128_w4_s1, the best predicted (H100, 4k), gives"
+                                      " only 0.1% less predicted time; 255 regs, 2 blocks/SM, no "
+                                      "local memory in the loop"),
+    (_H, 64, False, "m128_n128_w4_s1", "best predicted of 172 tiles (H100, 4k); 255 regs, 2 "
+                                       "blocks/SM, no local memory in the loop; m256_n128_w8_s2 "
+                                       "(0.3% less predicted time) is out: 1 block/SM on sm_90, "
+                                       "registers the limit (the floor: 2 blocks, 8 warps); "
+                                       "previous default m128_n64_w4_s2: this tile's predicted "
+                                       "time is 2.6% lower"),
+    (_H, 64, True, "m128_n128_w4_s2", "best predicted of 172 tiles (H100, 4k); 255 regs, 2 "
+                                      "blocks/SM, no local memory in the loop; m128_n128_w8_s2 "
+                                      "(2.3% less predicted time) is out: 1 block/SM on sm_90, "
+                                      "registers the limit (the floor: 2 blocks, 8 warps)"),
+    (_H, 96, False, "m128_n64_w4_s2", "kept: m128_n64_w4_s1, the best predicted (H100, 4k), gives "
+                                      "only 0.2% less predicted time; 255 regs, 2 blocks/SM, no "
+                                      "local memory in the loop; m256_n64_w8_s2 (0.4% less "
+                                      "predicted time) is out: 1 block/SM on sm_90, registers the "
+                                      "limit (the floor: 2 blocks, 8 warps)"),
+    (_H, 96, True, "m128_n64_w4_s1", "best predicted of 109 tiles (H100, 4k); 254 regs, 2 "
+                                     "blocks/SM, no local memory in the loop; m128_n96_w8_s2 (0.4%"
+                                     " less predicted time) is out: 1 block/SM on sm_90, registers"
+                                     " the limit (the floor: 2 blocks, 8 warps); previous default "
+                                     "m128_n32_w4_s2: this tile's predicted time is 4.6% lower"),
+    (_H, 128, False, "m128_n64_w4_s2", "best predicted of 67 tiles (H100, 4k); 255 regs, 2 "
+                                       "blocks/SM, no local memory in the loop; m128_n64_w4_s1 "
+                                       "(0.1% less predicted time) is out: 14 local accesses a "
+                                       "tile on sm_100 (over 8); previous default m128_n32_w4_s2: "
+                                       "this tile's predicted time is 3.2% lower"),
+    (_H, 128, True, "m64_n64_w2_s1", "best predicted of 67 tiles (H100, 4k); 255 regs, 4 "
+                                     "blocks/SM, 2 local accesses a tile; m128_n64_w4_s1 (0.2% "
+                                     "less predicted time) is out: 16 local accesses a tile on "
+                                     "sm_100 (over 8); previous default m128_n32_w4_s2: this "
+                                     "tile's predicted time is 1.7% lower"),
+    (_H, 160, False, "m128_n16_w4_s2", "best predicted of 41 tiles (H100, 4k); 240 regs, 2 "
+                                       "blocks/SM, no local memory in the loop; previous default "
+                                       "m128_n32_w4_s2: this tile's predicted time is 6.6% higher;"
+                                       " m128_n32_w4_s2 is out: 10 local accesses a tile on sm_100"
+                                       " (over 8)"),
+    (_H, 160, True, "m64_n128_w4_s1", "best predicted of 41 tiles (H100, 4k); 255 regs, 2 "
+                                      "blocks/SM, no local memory in the loop; previous default "
+                                      "m128_n32_w4_s2: this tile's predicted time is 11.9% higher;"
+                                      " m128_n32_w4_s2 is out: 10 local accesses a tile on sm_100 "
+                                      "(over 8)"),
+    (_H, 192, False, "m64_n112_w4_s1", "best predicted of 20 tiles (H100, 4k); 243 regs, 2 "
+                                       "blocks/SM, no local memory in the loop; previous default "
+                                       "m64_n64_w4_s1: this tile's predicted time is 2.1% lower"),
+    (_H, 192, True, "m64_n96_w4_s1", "best predicted of 20 tiles (H100, 4k); 254 regs, 2 "
+                                     "blocks/SM, no local memory in the loop; previous default "
+                                     "m64_n64_w4_s1: this tile's predicted time is 6.2% lower"),
+    (_H, 224, False, "m64_n64_w4_s1", "kept: m64_n80_w4_s1, the best predicted (H100, 4k), gives "
+                                      "only 0.1% less predicted time; 227 regs, 2 blocks/SM, no "
+                                      "local memory in the loop"),
+    (_H, 224, True, "m64_n64_w4_s1", "best predicted of 13 tiles (H100, 4k); 236 regs, 2 "
+                                     "blocks/SM, no local memory in the loop"),
+    (_H, 256, False, "m64_n64_w4_s1", "best predicted of 10 tiles (H100, 4k); 239 regs, 2 "
+                                      "blocks/SM, no local memory in the loop"),
+    (_H, 256, True, "m64_n64_w4_s1", "best predicted of 10 tiles (H100, 4k); 250 regs, 2 "
+                                     "blocks/SM, no local memory in the loop"),
 )
 
 DEFAULT_TABLE: tuple[DefaultEntry, ...] = tuple(
