@@ -18,6 +18,8 @@ from flashtune.codegen.spec import DType, KernelSource, Problem
 from flashtune.families import render
 from flashtune.families.fwd import FORWARD, space
 from flashtune.families.fwd.defaults import default_config
+from flashtune.perf.disasm import sass_listing
+from flashtune.perf.loops import main_loops, spill_rule_breaches
 from flashtune.runtime.compiler import CompileResult, compile_pairs, compile_source
 
 ARCHS = ("sm_80", "sm_90")
@@ -111,14 +113,20 @@ def test_binaries_differ_per_arch_and_config(results: list[CompileResult]) -> No
     assert len(cubins) == len(results)
 
 
-def test_default_configs_do_not_spill(results: list[CompileResult]) -> None:
-    spilled = []
+def test_default_configs_spill_only_as_the_spill_rule_allows(
+        results: list[CompileResult]) -> None:
+    """A default may spill (FA2's own d128 tile does), but no local access may sit in a
+    tensor-core chain and each main loop makes at most MAX_LOCAL_ACCESSES per iteration."""
+    breaches = []
     for problem in PROBLEMS:
         for arch in ARCHS:
             spec = get_arch(arch)
             config = default_config(problem, spec)
             assert space.static_check(problem, config, spec) is None
-            res = compile_source(render(problem, config), arch).resources
-            if res.spill_bytes or res.stack_frame:
-                spilled.append(f"{problem.key()} {config.key()} {arch}: {res}")
-    assert not spilled, "\n".join(spilled)
+            source = render(problem, config)
+            kernel = compile_source(source, arch)
+            if kernel.resources.spill_bytes or kernel.resources.stack_frame:
+                loops = main_loops(sass_listing(kernel.cubin, arch).function(source.entry))
+                breaches += [f"{problem.key()} {config.key()} {arch}: {why}"
+                             for why in spill_rule_breaches(loops)]
+    assert not breaches, "\n".join(breaches)
