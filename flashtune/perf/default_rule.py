@@ -227,7 +227,8 @@ class Choice:
     chosen: Evaluated
     best: Evaluated
     incumbent: Evaluated | None
-    passed_over: tuple[Evaluated, ...]  # predicted faster than the chosen, but filtered
+    #: shortlisted candidates predicted faster than the chosen that the filters rule out
+    passed_over: tuple[Evaluated, ...]
     candidates: int
     floor: Floor
 
@@ -248,10 +249,8 @@ class Choice:
         local = (f"{c.local_accesses} local accesses a tile" if c.local_accesses
                  else "no local memory in the loop")
         text = f"{lead}; {c.registers} regs, {blocks_text(c.blocks_per_sm)}, {local}"
-        old = self.incumbent.config if self.incumbent is not None else None
-        shown = [e for e in self.passed_over if e.config != old]  # change() names it
-        if shown:
-            first = shown[0]
+        if self.passed_over:
+            first = self.passed_over[0]
             text += (f"; {first.config.key()} ({_less(first, c)}) is out: "
                      f"{first.problems[0]}")
         return text
@@ -264,7 +263,8 @@ class Choice:
         diff = (self.chosen.predicted_ms - old.predicted_ms) / old.predicted_ms
         text = (f"previous default {old.config.key()}: this tile's predicted time is "
                 f"{abs(diff):.1%} {'higher' if diff > 0 else 'lower'}")
-        if old.problems:
+        named = self.passed_over and self.passed_over[0].config == old.config
+        if old.problems and not named:
             text += f"; {old.config.key()} is out: {old.problems[0]}"
         return text
 
@@ -356,8 +356,10 @@ class _Search:
             chosen = inc
         incumbent = inc or (self.ref.get(self.incumbent) if self.incumbent is not None
                             else None)
+        # only the shortlist: what else was compiled depends on the current default
+        shortlist = set(self.ranked[:self.taken])
         passed = tuple(self.full.get(e.config, e) for e in self.ref.values()
-                       if e.predicted_ms < chosen.predicted_ms
+                       if e.config in shortlist and e.predicted_ms < chosen.predicted_ms
                        and (e.problems or self.full.get(e.config, e).problems))
         passed = tuple(sorted(passed, key=lambda e: e.predicted_ms))
         return Choice(self.arch_class, self.head_dim, self.causal, chosen, best, incumbent,

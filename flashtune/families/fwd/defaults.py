@@ -231,15 +231,15 @@ _ROWS: tuple[tuple[ArchClass, int, bool, str, str], ...] = (
                                      "sm_100 (over 8); previous default m128_n32_w4_s2: this "
                                      "tile's predicted time is 1.7% lower"),
     (_H, 160, False, "m128_n16_w4_s2", "best predicted of 41 tiles (H100, 4k); 240 regs, 2 "
-                                       "blocks/SM, no local memory in the loop; previous default "
-                                       "m128_n32_w4_s2: this tile's predicted time is 6.6% higher;"
-                                       " m128_n32_w4_s2 is out: 10 local accesses a tile on sm_100"
-                                       " (over 8)"),
+                                       "blocks/SM, no local memory in the loop; m128_n32_w4_s2 "
+                                       "(6.2% less predicted time) is out: 10 local accesses a "
+                                       "tile on sm_100 (over 8); previous default m128_n32_w4_s2: "
+                                       "this tile's predicted time is 6.6% higher"),
     (_H, 160, True, "m64_n128_w4_s1", "best predicted of 41 tiles (H100, 4k); 255 regs, 2 "
-                                      "blocks/SM, no local memory in the loop; previous default "
-                                      "m128_n32_w4_s2: this tile's predicted time is 11.9% higher;"
-                                      " m128_n32_w4_s2 is out: 10 local accesses a tile on sm_100 "
-                                      "(over 8)"),
+                                      "blocks/SM, no local memory in the loop; m128_n32_w4_s2 "
+                                      "(10.7% less predicted time) is out: 10 local accesses a "
+                                      "tile on sm_100 (over 8); previous default m128_n32_w4_s2: "
+                                      "this tile's predicted time is 11.9% higher"),
     (_H, 192, False, "m64_n112_w4_s1", "best predicted of 20 tiles (H100, 4k); 243 regs, 2 "
                                        "blocks/SM, no local memory in the loop; previous default "
                                        "m64_n64_w4_s1: this tile's predicted time is 2.1% lower"),
