@@ -102,7 +102,7 @@ def tune_command(
                               "run is a --replay of a landscape")
         problem = Problem.from_dict({"head_dim": head_dim, "dtype": dtype, "causal": causal,
                                      "op": op, **parse_features(features)})
-        families.get(op)
+        families.of(problem).check_problem(problem)  # unknown op, missing feature
         lengths = parse_seqlens(seqlens)
         pairs = parse_batch_heads(batch_heads)
         options = TuneOptions(

@@ -392,7 +392,8 @@ def tune(head_dim: int, dtype: DType | str = "bf16", causal: bool = False,
     problem = Problem.from_dict({"head_dim": head_dim, "dtype": getattr(dtype, "value", dtype),
                                  "causal": causal, "op": op,
                                  **dict.fromkeys(features, True)})
-    families.of(problem)  # an unknown op fails here, before any study is opened
+    # an unknown op or a feature the family lacks fails here, before any study is opened
+    families.of(problem).check_problem(problem)
     if backend is None:
         if dry_run:
             from flashtune.tuner.measure.dry import dry_run_backend

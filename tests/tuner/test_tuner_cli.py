@@ -91,6 +91,12 @@ def test_unknown_features_are_refused_with_the_choices(db_url: str) -> None:
     assert result.exit_code == 1
     assert "unknown rope; expected a comma-separated subset of window, softcap, alibi, " \
         "varlen" in " ".join(result.output.split()), result.output
+    # a feature the family lacks is refused before any bucket is opened
+    result = runner.invoke(app, ["tune", "--op", "bwd", "--head-dim", "64", "--features",
+                                 "window", "--dry-run", "--db", db_url])
+    assert result.exit_code == 1
+    assert "does not implement sliding-window attention" in " ".join(result.output.split())
+    assert "bwd_d64" not in result.output, result.output
 
 
 def test_report_writes_png_and_html(db_url: str, tmp_path: Path) -> None:
