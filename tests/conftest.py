@@ -55,7 +55,13 @@ def _isolated_db(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """One kernel cache per test session (shared by tests, never the user's)."""
+    """One kernel cache per test run (shared by tests, never the user's). Under xdist the
+    workers share it too (their base temp dirs have one parent): a kernel or emulator build
+    one worker made is not made again by the other (the cache's writes are atomic and
+    locked)."""
     if "FLASHTUNE_CACHE_DIR" not in os.environ:
-        os.environ["FLASHTUNE_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernel-cache"))
+        base = tmp_path_factory.getbasetemp()
+        cache = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "kernel-cache"
+        cache.mkdir(exist_ok=True)
+        os.environ["FLASHTUNE_CACHE_DIR"] = str(cache)
     yield

@@ -96,13 +96,14 @@ def test_compile_one_config_for_two_archs() -> None:
 
 
 def test_compile_all_lists_every_config_and_exclusions() -> None:
-    # The backward family: the forward's space (10^5 configs) is too large to compile here.
+    # The deterministic backward (49 kernels over both archs): the forward's space (10^5
+    # configs) is too large to compile here.
     result = run("compile", "--all", "--arch", "sm_80", "--arch", "sm_90", "--head-dim", "128",
-                 "--op", "bwd")
+                 "--op", "bwddet")
     assert result.exit_code == 0, result.output
     rows = _rows(result.stdout)
-    problem = Problem(128, DType.FP16, op="bwd")
-    family = families.get("bwd")
+    problem = Problem(128, DType.FP16, op="bwddet")
+    family = families.get("bwddet")
     configs = family.search_space(problem)
     passing = {a: family.candidates(problem, get_arch(a)) for a in ("sm_80", "sm_90")}
     assert set(rows) == {(c.key(), a) for a, cs in passing.items() for c in cs}
