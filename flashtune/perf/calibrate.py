@@ -12,8 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
-from scipy.optimize import least_squares
-from scipy.stats import spearmanr
 
 from flashtune.codegen.spec import KernelConfig, Problem, ShapeLike
 from flashtune.errors import InvalidInput
@@ -54,6 +52,8 @@ def spearman(predicted: Sequence[float], measured: Sequence[float]) -> float:
         raise InvalidInput("spearman: every value must be finite")
     if any(np.all(v == v[0]) for v in values):
         return math.nan
+    from scipy.stats import spearmanr  # scipy.stats takes ~0.5 s to import: only when used
+
     return float(spearmanr(*values).statistic)
 
 
@@ -135,6 +135,8 @@ def calibrate(trials: Sequence[Trial], *, start: ModelParams = DEFAULT_PARAMS,
     before = log_residuals(trials, start)
     # The model is piecewise smooth (a max of pipes): finite differences with a coarse
     # step (1% of each parameter's range) keep the fit from stalling on a kink.
+    from scipy.optimize import least_squares  # imported when used, as spearmanr
+
     result = least_squares(lambda x: log_residuals(trials, params_at(x)), x0,
                            bounds=(0.0, 1.0), diff_step=1e-2, xtol=1e-6, ftol=1e-8)
     fitted = params_at(result.x)
