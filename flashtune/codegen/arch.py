@@ -65,6 +65,15 @@ ARCHS: dict[str, ArchSpec] = {
 }
 
 
+def device_arch(spec: ArchSpec) -> ArchSpec:
+    """The arch a device of ``spec``'s compute capability reports (sm_90 for sm_90a): the
+    target a portable (not arch-specific) source is built for when it runs there, while an
+    arch-specific source picks its own (``compile_target``)."""
+    if not spec.arch_specific:
+        return spec
+    return ARCHS[f"sm_{spec.major}{spec.minor}"]
+
+
 def get_arch(name: str) -> ArchSpec:
     """Look up an arch by name ('sm_90', 'sm90', '90', 'compute_90' or '9.0'); an ``a``
     suffix names the arch-specific target ('sm_90a', '90a', '9.0a'), a different arch."""

@@ -40,7 +40,7 @@ from typing import Any
 
 from flashtune import families, knobs
 from flashtune._version import __version__
-from flashtune.codegen.arch import compile_target, get_arch
+from flashtune.codegen.arch import compile_target, device_arch, get_arch
 from flashtune.codegen.spec import (
     COMPILED_HEAD_DIMS,
     MAX_SEQ_BUCKET,
@@ -294,7 +294,9 @@ class Precompiled:
 def precompile(kernels: Iterable[tuple[Problem, KernelConfig]], arch: str, out: Path, *,
                workers: int | None = None, progress: bool | None = False
                ) -> list[Precompiled]:
-    """Compile each (problem, config) for ``arch`` into the shipped directory ``out``.
+    """Compile each (problem, config) for a device of ``arch`` into the shipped directory
+    ``out``: an arch-specific kernel for its own target (sm_90a), any other for the device's
+    arch (sm_90 when ``arch`` is sm_90a), the names a device of that arch loads.
 
     This is the build step, so it needs NVRTC: kernels are compiled in parallel
     (``workers`` processes, default FLASHTUNE_COMPILE_WORKERS) through the compiler, which
@@ -318,8 +320,11 @@ def precompile(kernels: Iterable[tuple[Problem, KernelConfig]], arch: str, out: 
             os.chmod(directory, 0o755)
     except OSError as exc:
         raise write_error(exc, folder, "the precompiled directory") from None
-    results = compile_many([source for _, _, source in chosen.values()], [spec.name],
-                           workers, progress=progress)
+    # Built as a device of this compute capability loads them: a portable source for the
+    # device's own arch (sm_90 when asked for sm_90a, where a cc 9.0 GPU looks for it), an
+    # arch-specific one for its target.
+    results = compile_many([source for _, _, source in chosen.values()],
+                           [device_arch(spec).name], workers, progress=progress)
     digests = _existing_digests(folder)
     done: list[Precompiled] = []
     failed: list[str] = []

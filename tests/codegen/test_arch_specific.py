@@ -14,7 +14,7 @@ from typing import ClassVar
 import pytest
 
 from flashtune import families
-from flashtune.codegen.arch import ARCH_CLASS, ArchClass, compile_target, get_arch
+from flashtune.codegen.arch import ARCH_CLASS, ArchClass, compile_target, device_arch, get_arch
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem, ProblemBucket
 from flashtune.db.records import BestEntry
 from flashtune.errors import CompileError, InvalidConfig, InvalidProblem
@@ -270,3 +270,20 @@ def test_precompiled_cache_tells_sm90_from_sm90a(hopper: HopperStandIn,
     generic = families.render(PROBLEM, CONFIG)
     assert artifact_name(generic, "sm_90") != artifact_name(generic, "sm_90a")
     assert load_shipped(generic, "sm_90", [ship]) is None
+
+
+def test_precompile_for_sm90a_ships_portable_kernels_as_a_cc90_device_loads_them(
+        hopper: HopperStandIn, tmp_path: Path) -> None:
+    # `precompile --arch sm_90a` plans what a cc 9.0 GPU runs: the arch-specific kernels and
+    # the portable ones beside them (other head dims, the backward); the portable ones must
+    # carry the name a cc 9.0 device (arch sm_90) looks for, not one for sm_90a.
+    ship = tmp_path / "ship"
+    variant = replace(PROBLEM, op=hopper.op)
+    done = precompile([(variant, CONFIG), (PROBLEM, CONFIG)], "sm_90a", ship, workers=1)
+    assert sorted(item.arch for item in done) == ["sm_90", "sm_90a"]
+    for problem in (variant, PROBLEM):
+        source = families.render(problem, CONFIG)
+        assert load_shipped(source, "sm_90", [ship]) == compile_source(
+            source, compile_target(source.target, "sm_90").name).cubin
+    assert device_arch(get_arch("sm_90a")) == get_arch("sm_90")
+    assert device_arch(get_arch("sm_80")) == get_arch("sm_80")
