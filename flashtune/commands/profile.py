@@ -30,7 +30,7 @@ from flashtune.commands.options import (
     fail,
 )
 from flashtune.errors import FlashtuneError
-from flashtune.perf.sass import InstructionMix
+from flashtune.perf.sass import InstructionMix, categorize
 
 if TYPE_CHECKING:
     from flashtune.perf.profile import KernelProfile
@@ -48,20 +48,38 @@ def _widths(widths: dict[int, int]) -> str:
     return ", ".join(f"{n} x {bits}-bit" for bits, n in sorted(widths.items())) or "-"
 
 
+def _ops(mix: InstructionMix, *categories: str) -> str:
+    """'n OPCODE, ...' of the mix's opcodes in ``categories``."""
+    return ", ".join(f"{n} {op}" for op, n in mix.by_opcode.items()
+                     if categorize(op) in categories)
+
+
+def _counted(mix: InstructionMix, *categories: str) -> str:
+    n = sum(mix.by_category[c] for c in categories)
+    ops = _ops(mix, *categories)
+    return f"{n}" + (f" ({ops})" if ops else "")
+
+
 def _mix_rows(mix: InstructionMix) -> list[tuple[str, str]]:
-    mma = ", ".join(f"{n} {op}" for op, n in mix.by_opcode.items() if op.startswith(
-        ("HMMA", "IMMA", "HGMMA")))
-    mufu = ", ".join(f"{n} {op}" for op, n in mix.by_opcode.items() if op.startswith("MUFU"))
     c = mix.by_category
+    tensor = "; ".join(f"{t.count} {t.opcode} x {t.flops_per_instruction} FLOP per {t.scope}"
+                       for t in mix.tensor_ops())
     return [
-        ("tensor-core MMA", f"{c['mma'] + c['wgmma']}" + (f" ({mma})" if mma else "")),
+        ("tensor-core MMA", f"{c['mma'] + c['wgmma']}" + (f" ({tensor})" if tensor else "")),
+        ("warp's tensor FLOPs", str(mix.mma_flops)),
+        ("wgmma fence / wait (WARPGROUP)", _counted(mix, "wgsync")),
         ("ldmatrix (LDSM)", str(c["ldsm"])),
         ("cp.async (LDGSTS)", str(c["ldgsts"])),
+        ("TMA (UTMALDG, UTMACCTL)", _counted(mix, "tma")),
+        ("mbarrier (SYNCS, ARRIVES)", _counted(mix, "mbarrier")),
         ("global loads (LDG)", _widths(dict(mix.load_widths))),
         ("global stores (STG)", _widths(dict(mix.store_widths))),
         ("local memory (LDL / STL)", f"{c['ldl']} / {c['stl']}"),
-        ("barriers (BAR)", str(c["bar"])),
-        ("special functions (MUFU)", f"{c['mufu']}" + (f" ({mufu})" if mufu else "")),
+        ("CTA barriers (BAR 0)", str(c["bar"])),
+        ("named barriers (BAR id, count)", str(c["namedbar"])),
+        ("fences (FENCE, MEMBAR)", _counted(mix, "fence")),
+        ("register realloc (USETMAXREG)", _counted(mix, "regalloc")),
+        ("special functions (MUFU)", _counted(mix, "mufu")),
         ("FP32 + conversions", f"{c['fp32']} + {c['convert']}"),
         ("shuffles (SHFL)", str(c["shfl"])),
         ("all instructions", str(mix.total)),
@@ -91,6 +109,13 @@ def _print(profile: KernelProfile) -> None:
                                            strict=True):
         table.add_row(name, whole, in_loop)
     console.print(table)
+    per_iteration = profile.tensor_flops_per_iteration
+    if per_iteration is not None:
+        console.print(f"main loop tensor FLOPs per iteration: {per_iteration} (the warp's "
+                      f"{profile.loop_mix.mma_flops if profile.loop_mix else 0} x "
+                      f"{profile.config.num_warps} compute warps); per K/V tile "
+                      f"4 x {profile.config.block_m} x {profile.config.block_n} x head dim = "
+                      f"{profile.tensor_flops_per_tile}", highlight=False)
     _print_loop_budget(console, profile)
     occ = profile.occupancy
     waves = f"; {pred.waves:.2f} waves on {profile.gpu.sm_count} SMs" if pred else ""
@@ -103,11 +128,17 @@ def _print(profile: KernelProfile) -> None:
         return
     console.print(f"[bold]PREDICTED[/] on {profile.gpu.full_name}: time {pred.time_ms:.4g} ms, "
                   f"{pred.tflops:.1f} TFLOP/s, {pred.bound}-bound "
-                  f"(model {pred.model_version}; a prediction, not a measurement)",
-                  highlight=False)
+                  f"({pred.path} path, model {pred.model_version}; a prediction, not a "
+                  "measurement)", highlight=False)
     for note in pred.notes:
         console.print(f"  note: {note}", highlight=False)
+    for assumption in pred.assumptions:
+        console.print(f"  assumed: {assumption}", highlight=False)
     console.print(f"  model: {pred.fitted_summary()}", highlight=False)
+    for fig in profile.published:
+        console.print(f"  published {fig.kernel} on {fig.gpu}: {fig.tflops:g} TFLOP/s; "
+                      f"predicted / published = {fig.ratio(pred.tflops):.2f} (a sanity check, "
+                      "not fitted)", highlight=False)
     if profile.emulated is not None:
         _print_counters(console, profile)
 

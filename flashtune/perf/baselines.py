@@ -40,6 +40,57 @@ H100_FA2_FWD: dict[tuple[int, bool], tuple[float, ...]] = {
 }
 #: FA2 forward on A100: 50% to 73% of 312 TFLOP/s.
 A100_FA2_FWD_BAND: tuple[float, float] = (0.50 * 312, 0.73 * 312)
+#: H100 SXM5 FA3 forward fp16 TFLOP/s by (head_dim, causal), at the SWEEP seqlens (FA3
+#: paper figure, reference/attention-baselines.md; "~630" read as 630). A sanity check of
+#: the wgmma path's predictions only: never fitted, never a model input.
+H100_FA3_FWD: dict[tuple[int, bool], tuple[float, ...]] = {
+    (64, False): (333, 392, 460, 476, 496, 497),
+    (128, False): (467, 565, 625, 638, 646, 648),
+    (128, True): (292, 423, 521, 579, 602, 616),
+    (256, False): (482, 630, 707, 736, 746, 756),
+}
+
+
+@dataclass(frozen=True)
+class PublishedFigure:
+    """A published forward TFLOP/s for the same GPU, head dim, mask and shape."""
+
+    kernel: str      # "FlashAttention-3" or "FlashAttention-2"
+    gpu: str
+    tflops: float
+    source: str
+
+    def ratio(self, predicted_tflops: float) -> float:
+        """predicted / published."""
+        return predicted_tflops / self.tflops
+
+    def to_dict(self, predicted_tflops: float | None = None) -> dict[str, object]:
+        out: dict[str, object] = {"kernel": self.kernel, "gpu": self.gpu,
+                                  "tflops": self.tflops, "source": self.source}
+        if predicted_tflops is not None:
+            out["predicted_over_published"] = round(self.ratio(predicted_tflops), 3)
+        return out
+
+
+def published_figures(problem: Problem, shape: Shape, gpu: str) -> list[PublishedFigure]:
+    """FA3's and FA2's published H100 forward figures for exactly this point of the
+    standard sweep (fp16, hidden 2048 = heads x head dim, 16k tokens, self-attention, no
+    GQA); empty anywhere else (e.g. ``--batch 4 --heads 16 --seqlen 4096`` at head dim 128
+    is a sweep point)."""
+    if (gpu != "H100" or problem.dtype is not DType.FP16
+            or shape.heads_q * problem.head_dim != HIDDEN or shape.heads_kv != shape.heads_q
+            or shape.seqlen_q != shape.seqlen_k
+            or (shape.batch, shape.seqlen_q) not in SWEEP):
+        return []
+    at = SWEEP.index((shape.batch, shape.seqlen_q))
+    key = (problem.head_dim, problem.causal)
+    source = "FlashAttention-3 paper figure (reference/attention-baselines.md)"
+    out = []
+    for kernel, table in (("FlashAttention-3", H100_FA3_FWD),
+                          ("FlashAttention-2", H100_FA2_FWD)):
+        if key in table:
+            out.append(PublishedFigure(kernel, gpu, table[key][at], source))
+    return out
 
 
 @dataclass(frozen=True)

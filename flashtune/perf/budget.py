@@ -3,7 +3,7 @@ warp by class, for the masked and the unmasked loop, against FlashAttention-2's 
 the same tile where one is published.
 
 The classes are those of reference/fa2-sass-facts.md, so that a row reads against FA2's:
-HMMA, LDSM, MUFU.EX2, FMNMX, SHFL, BAR, FMUL, FSEL, integer / address / predicate, and the
+HMMA (HGMMA on sm_90a), LDSM, MUFU.EX2, FMNMX, SHFL, BAR, FMUL, FSEL, integer / address / predicate, and the
 rest (FFMA, FADD, conversions, cp.async, control). Counts are static (the listing) with, for
 the unmasked loop, the count executed when the warp vote skips the rescale of O.
 """
@@ -21,10 +21,10 @@ from flashtune.perf.sass import InstructionMix, categorize
 
 #: Budget classes in print order.
 BUDGET_CLASSES: tuple[str, ...] = (
-    "HMMA", "LDSM", "LDGSTS", "MUFU", "FMNMX", "FMUL", "FFMA", "FADD", "FSEL", "F2FP",
+    "HMMA", "HGMMA", "LDSM", "LDGSTS", "MUFU", "FMNMX", "FMUL", "FFMA", "FADD", "FSEL", "F2FP",
     "SHFL", "BAR", "int/addr/pred", "other",
 )
-_BY_BASE = {"HMMA": "HMMA", "LDSM": "LDSM", "LDGSTS": "LDGSTS", "MUFU": "MUFU",
+_BY_BASE = {"HMMA": "HMMA", "HGMMA": "HGMMA", "LDSM": "LDSM", "LDGSTS": "LDGSTS", "MUFU": "MUFU",
             "FMNMX": "FMNMX", "FMNMX3": "FMNMX", "FMUL": "FMUL", "FFMA": "FFMA",
             "FADD": "FADD", "FSEL": "FSEL", "F2FP": "F2FP", "SHFL": "SHFL", "BAR": "BAR"}
 

@@ -31,10 +31,14 @@ With the kernel's SASS the model charges, per tile, the instructions each main l
 EXECUTES (loopcost.py): the masked and unmasked loops by how many tiles of each a query
 block has, the O rescale a warp vote can skip by its chance of running. Every instruction
 also takes an issue slot: a sub-partition issues one per cycle.
+
+The sm_90a families (wgmma) are predicted on their own path, labelled ``path="wgmma"`` and
+by their own model name, with the assumptions of perf/wgmma.py listed in the prediction.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -56,6 +60,18 @@ from flashtune.perf.loopcost import (
 from flashtune.perf.occupancy import Occupancy, occupancy
 from flashtune.perf.sass import InstructionMix, SassFunction
 from flashtune.perf.schedule import makespan
+from flashtune.perf.wgmma import (
+    Design,
+    analytic_tile_mix_wgmma,
+    block_threads,
+    compute_round,
+    consumer_warps_per_partition,
+    design_of,
+    tensor_cycles,
+)
+from flashtune.perf.wgmma import MODEL_NAME as WGMMA_MODEL_NAME
+from flashtune.perf.wgmma import accumulator_registers as wgmma_accumulator_registers
+from flashtune.perf.wgmma import smem_bytes as wgmma_smem_bytes
 from flashtune.perf.workload import (
     TileMix,
     Traffic,
@@ -226,6 +242,10 @@ class Prediction:
     l2_ms: float
     notes: tuple[str, ...] = field(default=())
     parameters: tuple[tuple[str, float, str], ...] = field(default=())
+    #: "mma.sync" (the forward, fitted to FA2's table) or "wgmma" (the sm_90a families)
+    path: str = "mma.sync"
+    #: The stated assumptions of the path (the wgmma path's; perf/wgmma.py)
+    assumptions: tuple[str, ...] = field(default=())
 
     kind = "PREDICTED"
 
@@ -241,7 +261,8 @@ class Prediction:
             "tile_mix": self.mix.to_dict(), "traffic": self.traffic.to_dict(),
             "waves": round(self.waves, 3), "utilisation": round(self.utilisation, 4),
             "schedule_ms": self.schedule_ms, "dram_ms": self.dram_ms, "l2_ms": self.l2_ms,
-            "notes": list(self.notes),
+            "notes": list(self.notes), "path": self.path,
+            "assumptions": list(self.assumptions),
             "parameters": [{"name": n, "value": v, "source": src}
                            for n, v, src in self.parameters],
         }
@@ -257,15 +278,18 @@ def _gpu(gpu: GpuSpec | str) -> GpuSpec:
     return gpu if isinstance(gpu, GpuSpec) else get_gpu(gpu)
 
 
+def _analytic(problem: Problem, config: KernelConfig, design: Design | None) -> TileMix:
+    return (analytic_tile_mix(problem, config) if design is None
+            else analytic_tile_mix_wgmma(problem, config, design))
+
+
 def _tile_mix(problem: Problem, config: KernelConfig, sass: SassFunction | InstructionMix | None,
               resources: ResourcesLike | None, local_per_tile: float | None,
-              notes: list[str]) -> TileMix:
-    analytic = analytic_tile_mix(problem, config)
+              notes: list[str], design: Design | None) -> TileMix:
+    analytic = _analytic(problem, config, design)
     if sass is None and local_per_tile is not None:
         notes.append(f"{local_per_tile:g} local-memory accesses per K/V tile (measured)")
-        return TileMix(analytic.mma_flops, analytic.mufu, analytic.fp32, analytic.shfl,
-                       local_per_tile, analytic.issue_only, analytic.ldsm_bytes,
-                       analytic.source)
+        return dataclasses.replace(analytic, local=local_per_tile)
     if sass is not None:
         loop_mix = sass
         if isinstance(sass, SassFunction):
@@ -284,43 +308,58 @@ def _tile_mix(problem: Problem, config: KernelConfig, sass: SassFunction | Instr
         spill_ops = (resources.spill_stores + resources.spill_loads) / 4
         notes.append(f"{resources.spill_stores + resources.spill_loads} spill bytes assumed "
                      "to be accessed once per K/V tile")
-        return TileMix(analytic.mma_flops, analytic.mufu, analytic.fp32, analytic.shfl,
-                       spill_ops, analytic.issue_only, analytic.ldsm_bytes, analytic.source)
+        return dataclasses.replace(analytic, local=spill_ops)
     return analytic
 
 
 def _occupancy(problem: Problem, config: KernelConfig, gpu: GpuSpec,
-               resources: ResourcesLike | None, notes: list[str]) -> Occupancy:
+               resources: ResourcesLike | None, notes: list[str],
+               design: Design | None) -> Occupancy:
     if resources is not None:
         regs = resources.registers
         smem = resources.static_smem + resources.dynamic_smem
     else:
-        regs = min(gpu.arch_spec.max_regs_per_thread,
-                   space.accumulator_registers(problem, config) + REGISTER_OVERHEAD_ESTIMATE)
-        smem = space.smem_bytes(problem, config)
+        acc = (space.accumulator_registers(problem, config) if design is None
+               else wgmma_accumulator_registers(problem, config))
+        regs = min(gpu.arch_spec.max_regs_per_thread, acc + REGISTER_OVERHEAD_ESTIMATE)
+        smem = (space.smem_bytes(problem, config) if design is None
+                else wgmma_smem_bytes(problem, config))
         notes.append(f"registers estimated ({regs}); pass the compiled resources for exact "
                      "occupancy")
-    return occupancy(gpu.arch_spec, threads=config.threads, registers=regs, smem_bytes=smem)
+    return occupancy(gpu.arch_spec, threads=block_threads(problem, config), registers=regs,
+                     smem_bytes=smem)
 
 
 def _cycles(mix: TileMix, problem: Problem, config: KernelConfig, gpu: GpuSpec,
-            occ: Occupancy, params: ModelParams, conflict: float) -> TileCycles:
+            occ: Occupancy, params: ModelParams, conflict: float,
+            design: Design | None = None) -> TileCycles:
     thr = gpu.throughput
-    tensor = mix.mma_flops / MMA_M16N8K16_FLOPS * gpu.mma_sync_cycles / params.tensor_efficiency
+    tensor = tensor_cycles(mix.mma_flops - mix.wgmma_flops, mix.wgmma_flops,
+                           gpu.mma_sync_cycles, gpu.tensor_flops_per_clk_sm,
+                           SUBPARTITIONS_PER_SM, params.tensor_efficiency)
     other = (mix.mufu * thr.warp_cycles(thr.mufu_per_clk)
              + mix.fp32 * thr.warp_cycles(thr.fp32_per_clk)
              + mix.shfl * thr.warp_cycles(thr.shfl_per_clk)
              + mix.local * params.local_access_cycles
              + mix.issue_only)
-    # Only other warps on the same sub-partition can hide a warp's non-tensor work.
-    warps_per_partition = math.ceil(occ.warps_per_sm / SUBPARTITIONS_PER_SM)
-    hidden = params.overlap * min(1.0, warps_per_partition - 1.0)
-    warp = tensor + (1.0 - hidden) * other
+    if design is not None:
+        # wgmma is asynchronous: tensor and softmax time overlap (perf/wgmma.py); only the
+        # consumer warps compute (a producer warpgroup's are not counted).
+        warps_per_partition = consumer_warps_per_partition(occ.blocks_per_sm, config,
+                                                           SUBPARTITIONS_PER_SM)
+        warp, round_ = compute_round(tensor, other, warps_per_partition,
+                                     design.overlap(params.overlap))
+    else:
+        # Only other warps on the same sub-partition can hide a warp's non-tensor work.
+        warps_per_partition = math.ceil(occ.warps_per_sm / SUBPARTITIONS_PER_SM)
+        hidden = params.overlap * min(1.0, warps_per_partition - 1.0)
+        warp = tensor + (1.0 - hidden) * other
+        round_ = warps_per_partition * warp
     per_block = math.ceil(config.num_warps / SUBPARTITIONS_PER_SM) * warp
-    compute_round = warps_per_partition * warp
-    # A sub-partition issues one warp instruction per cycle, whatever pipe it goes to.
-    instructions = (mix.mma_flops / MMA_M16N8K16_FLOPS + mix.mufu + mix.fp32 + mix.shfl
-                    + mix.local + mix.issue_only)
+    # A sub-partition issues one warp instruction per cycle, whatever pipe it goes to
+    # (a wgmma's issue slot is in issue_only).
+    instructions = ((mix.mma_flops - mix.wgmma_flops) / MMA_M16N8K16_FLOPS + mix.mufu
+                    + mix.fp32 + mix.shfl + mix.local + mix.issue_only)
     issue_round = warps_per_partition * instructions
     latency = params.exposed_latency_ns * 1e-9 * gpu.clock_hz
     exposed = max(0.0, latency - (config.num_stages - 1) * per_block)
@@ -330,8 +369,8 @@ def _cycles(mix: TileMix, problem: Problem, config: KernelConfig, gpu: GpuSpec,
     smem_bytes = occ.blocks_per_sm * (config.num_warps * mix.ldsm_bytes * conflict
                                       + kv_tile_bytes * conflict)
     smem_round = smem_bytes / thr.smem_bytes_per_clk
-    return TileCycles(tensor, other, warp, compute_round, issue_round, latency_round,
-                      smem_round, max(compute_round, issue_round, latency_round, smem_round))
+    return TileCycles(tensor, other, warp, round_, issue_round, latency_round,
+                      smem_round, max(round_, issue_round, latency_round, smem_round))
 
 
 def predict(
@@ -356,23 +395,25 @@ def predict(
     OutOfResources when no block of the kernel fits on an SM, InvalidProblem for a problem
     of another family than the forward (the model describes the forward's main loop).
     """
-    if problem.op != "fwd":
-        raise InvalidProblem(f"the cost model describes the forward kernel; it has no model "
-                             f"of the {problem.op!r} family ({problem.key()})")
+    design = design_of(problem)
+    if problem.op != "fwd" and design is None:
+        raise InvalidProblem(f"the cost model describes the forward kernels (fwd and the "
+                             f"sm_90a families); it has no model of the {problem.op!r} "
+                             f"family ({problem.key()})")
     check_shape(shape)
     spec = _gpu(gpu)
     notes: list[str] = []
     tiles = tiles_per_query_block(problem, config, shape)
-    loops = (kernel_loops(sass, problem, config, analytic_tile_mix(problem, config))
+    loops = (kernel_loops(sass, problem, config, _analytic(problem, config, design))
              if isinstance(sass, SassFunction) else None)
     if loops is not None:
         mix = loops.tile_mix(False, mean_rescale_probability(config, tiles))
         notes.append(_loop_note(loops, config, tiles))
     else:
-        mix = _tile_mix(problem, config, sass, resources, local_per_tile, notes)
-    occ = _occupancy(problem, config, spec, resources, notes)
+        mix = _tile_mix(problem, config, sass, resources, local_per_tile, notes, design)
+    occ = _occupancy(problem, config, spec, resources, notes, design)
     conflict = counters.smem_bank_conflict_factor if counters is not None else 1.0
-    cyc = _cycles(mix, problem, config, spec, occ, params, conflict)
+    cyc = _cycles(mix, problem, config, spec, occ, params, conflict, design)
     clock = spec.clock_hz
 
     slots = occ.blocks_per_sm * spec.sm_count
@@ -391,9 +432,9 @@ def predict(
         for t, (masked, masked_mix, unmasked_mix) in zip(
                 tiles, block_tile_mixes(loops, problem, config, shape, tiles), strict=True):
             masked_s = _cycles(masked_mix, problem, config, spec, occ, params,
-                               conflict).per_tile / clock
+                               conflict, design).per_tile / clock
             unmasked_s = _cycles(unmasked_mix, problem, config, spec, occ, params,
-                                 conflict).per_tile / clock
+                                 conflict, design).per_tile / clock
             durations.append(q_o_s + (first_kv_s if t else 0.0) + masked * masked_s
                              + (t - masked) * unmasked_s)
     else:
@@ -415,12 +456,17 @@ def predict(
     memory_share = sum(q_o_s + (first_kv_s if t else 0.0) for t in tiles) / sum(durations)
     bound = _bound(sched.makespan, dram_s, l2_s, sched.utilisation, memory_share, cyc, notes)
     work = families.of(problem).flops(problem, shape)
+    version = params.version
+    if design is not None:
+        version = version.replace(MODEL_NAME, WGMMA_MODEL_NAME, 1)
     return Prediction(
         time_ms=total_s * 1e3, tflops=work / total_s / 1e12, bound=bound,
-        model_version=params.version, gpu=spec.name, occupancy=occ, cycles=cyc, mix=mix,
+        model_version=version, gpu=spec.name, occupancy=occ, cycles=cyc, mix=mix,
         traffic=traffic, waves=sched.waves, utilisation=sched.utilisation,
         schedule_ms=sched.makespan * 1e3, dram_ms=dram_s * 1e3, l2_ms=l2_s * 1e3,
         notes=tuple(notes), parameters=parameter_sources(params),
+        path="mma.sync" if design is None else "wgmma",
+        assumptions=() if design is None else design.assumptions(params.overlap),
     )
 
 

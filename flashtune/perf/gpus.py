@@ -195,9 +195,10 @@ def get_gpu(name: str) -> GpuSpec:
 
 def default_gpu_for_arch(arch: str) -> GpuSpec:
     """The table's reference GPU of an arch (sm_80: A100, sm_86: RTX3090, sm_89: L40S,
-    sm_90: H100)."""
+    sm_90 and its arch-specific sm_90a: H100)."""
     name = get_arch(arch).name
-    preferred = {"sm_80": "A100", "sm_86": "RTX3090", "sm_89": "L40S", "sm_90": "H100"}
+    preferred = {"sm_80": "A100", "sm_86": "RTX3090", "sm_89": "L40S", "sm_90": "H100",
+                 "sm_90a": "H100"}
     if name not in preferred:
         raise InvalidConfig(f"no reference GPU for {name}; pass a GPU explicitly, one of "
                             f"{sorted(GPUS)}")

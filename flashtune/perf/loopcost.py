@@ -49,22 +49,20 @@ def masked_tiles(problem: Problem, config: KernelConfig, shape: ShapeLike,
 def _scaled(mix: TileMix, factor: float) -> TileMix:
     return TileMix(mix.mma_flops * factor, mix.mufu * factor, mix.fp32 * factor,
                    mix.shfl * factor, mix.local * factor, mix.issue_only * factor,
-                   mix.ldsm_bytes * factor, mix.source)
+                   mix.ldsm_bytes * factor, mix.source, mix.wgmma_flops * factor)
 
 
 def _minus(a: TileMix, b: TileMix) -> TileMix:
     return TileMix(a.mma_flops - b.mma_flops, a.mufu - b.mufu, a.fp32 - b.fp32,
                    a.shfl - b.shfl, a.local - b.local, a.issue_only - b.issue_only,
-                   a.ldsm_bytes - b.ldsm_bytes, a.source)
+                   a.ldsm_bytes - b.ldsm_bytes, a.source, a.wgmma_flops - b.wgmma_flops)
 
 
 def _block_mix(mix: InstructionMix) -> TileMix:
     """The pipes of a block of instructions with no MMA (the skipped rescale)."""
     c = mix.by_category
-    issue = (c["ldsm"] + c["ldgsts"] + c["ldg"] + c["stg"] + c["lds"] + c["sts"] + c["bar"]
-             + c["int"] + c["control"] + c["other"])
     return TileMix(0.0, c["mufu"], c["fp32"] + c["convert"], c["shfl"], c["ldl"] + c["stl"],
-                   issue, mix.ldsm_bytes, "sass")
+                   mix.issue_only, mix.ldsm_bytes, "sass")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ of each costs.
 How the loops are found (the contract the forward kernel's structure is written to):
 
 - A loop is a backward branch (``SassFunction.loops``). The *main* loops are the innermost
-  loops whose body holds the most tensor-core FLOPs: one iteration is one K/V tile.
+  loops among those with tensor-core work whose body holds the most tensor-core FLOPs: one
+  iteration is one K/V tile (a loop of loads inside it, as the sm_90a cp.async kernel
+  has, does not make it an outer loop).
 - A main loop that writes the constant ``-INF`` (an ``FSEL ..., -INF, P`` that hides a
   score) applies a mask: it is the *masked* loop. The main loop without one is the
   *unmasked* loop. The forward kernel walks its masked tiles first in one loop (or as
@@ -244,7 +246,8 @@ def _local_memory(body: list[Instruction]) -> LocalMemoryUse:
 
 def main_loops(fn: SassFunction) -> MainLoops:
     """The masked and unmasked main loops of ``fn`` (see the module docstring)."""
-    candidates = [lp for lp in _innermost(fn.loops()) if fn.mix(lp).mma_flops > 0]
+    tensor_loops = tuple(lp for lp in fn.loops() if fn.mix(lp).mma_flops > 0)
+    candidates = _innermost(tensor_loops)
     if not candidates:
         return MainLoops(None, None)
     best = max(fn.mix(lp).mma_flops for lp in candidates)

@@ -3,23 +3,27 @@ PREDICT its time on a named GPU. What ``flashtune profile`` prints.
 
 The SASS statistics (the whole kernel and its main loop: the innermost loop with the most
 tensor-core work) and the occupancy are read for a kernel of any family; the time is only
-predicted for the forward, the one kernel the cost model describes."""
+predicted for the forwards the cost model describes: the mma.sync forward and the sm_90a
+(wgmma) families, each on its own labelled path. On an H100 sweep point the published
+FA3 / FA2 figures are given with the ratio of the prediction to them (a sanity check)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.errors import InvalidConfig
 from flashtune.families import render
+from flashtune.perf.baselines import PublishedFigure, published_figures
 from flashtune.perf.costmodel import DEFAULT_PARAMS, ModelParams, Prediction, predict
 from flashtune.perf.disasm import sass_listing
 from flashtune.perf.gpus import GpuSpec, default_gpu_for_arch, get_gpu
 from flashtune.perf.loops import MainLoops, main_loops
 from flashtune.perf.occupancy import Occupancy, occupancy
 from flashtune.perf.sass import InstructionMix, Loop
+from flashtune.perf.wgmma import design_of
 from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.resources import Resources
 
@@ -45,6 +49,23 @@ class KernelProfile:
     occupancy: Occupancy
     prediction: Prediction | None  # None: the cost model has no model of this family
     emulated: EmulatedTraffic | None = None  # emulator counters fed to the prediction
+    #: Published figures for the same GPU and shape (empty off the standard sweep)
+    published: tuple[PublishedFigure, ...] = field(default=())
+
+    @property
+    def tensor_flops_per_iteration(self) -> int | None:
+        """Tensor FLOPs one main-loop iteration of the whole block computes (each warp's
+        share, HMMA or its quarter of a wgmma, times the config's compute warps)."""
+        if self.loop_mix is None:
+            return None
+        return self.loop_mix.mma_flops * self.config.num_warps
+
+    @property
+    def tensor_flops_per_tile(self) -> int:
+        """The algorithm's tensor FLOPs per K/V tile: 4 * block_m * block_n * head dim
+        (Q K^T and P V, the head dim rounded up to 16 as the tensor cores see it)."""
+        d = -(-self.problem.head_dim // 16) * 16
+        return 4 * self.config.block_m * self.config.block_n * d
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -61,12 +82,16 @@ class KernelProfile:
                 "main_loop": None if self.loop_mix is None else {
                     "start": self.loop.start if self.loop else None,
                     "end": self.loop.end if self.loop else None,
+                    "tensor_flops_per_iteration": self.tensor_flops_per_iteration,
+                    "tensor_flops_per_tile": self.tensor_flops_per_tile,
                     **self.loop_mix.to_dict(),
                 },
                 **{f"{kind}_loop": value for kind, value in self.loops.to_dict().items()},
             },
             "occupancy": self.occupancy.to_dict(),
             "prediction": None if self.prediction is None else self.prediction.to_dict(),
+            "published": [f.to_dict(self.prediction.tflops if self.prediction else None)
+                          for f in self.published],
             "emulator_counters": None if self.emulated is None else self.emulated.to_dict(),
         }
 
@@ -77,7 +102,7 @@ def resolve_gpu(arch: str, gpu: str | None) -> GpuSpec:
     if gpu is None:
         return default_gpu_for_arch(spec.name)
     found = get_gpu(gpu)
-    if found.arch != spec.name:
+    if not spec.runs_on(found.arch_spec):
         raise InvalidConfig(f"GPU {found.name} is {found.arch}, but the kernel is compiled for "
                             f"{spec.name}; pass --arch {found.arch} or another --gpu")
     return found
@@ -101,12 +126,11 @@ def profile_kernel(problem: Problem, config: KernelConfig, shape: Shape, arch: s
     main = loops.unmasked or loops.masked
     loop = main.loop if main is not None else function.hot_loop()
     if counters and problem.op != "fwd":
-        raise InvalidConfig(f"emulator counters feed the cost model's prediction, which only "
-                            f"describes the forward; profile the {problem.op!r} family "
-                            "without --counters")
+        raise InvalidConfig(f"emulator counters feed the mma.sync forward's prediction only; "
+                            f"profile the {problem.op!r} family without --counters")
     emulated = None
     prediction = None
-    if problem.op == "fwd":
+    if problem.op == "fwd" or design_of(problem) is not None:
         if counters:
             from flashtune.perf.emulated import measure_traffic
 
@@ -115,11 +139,12 @@ def profile_kernel(problem: Problem, config: KernelConfig, shape: Shape, arch: s
                              sass=function, params=params,
                              counters=emulated.traffic if emulated is not None else None)
     res = kernel.resources
-    occ = occupancy(spec, threads=config.threads, registers=res.registers,
+    occ = occupancy(spec, threads=source.threads, registers=res.registers,
                     smem_bytes=res.static_smem + res.dynamic_smem)
     return KernelProfile(
         problem=problem, config=config, arch=spec.name, gpu=target, shape=shape,
         entry=source.entry, resources=kernel.resources, kernel_mix=function.mix(),
         loop=loop, loop_mix=function.mix(loop) if loop is not None else None, loops=loops,
         occupancy=occ, prediction=prediction, emulated=emulated,
+        published=tuple(published_figures(problem, shape, target.name)),
     )

@@ -7,6 +7,16 @@ the encoding in a comment; functions start at ``.text.<name>:`` (nvdisasm) or
 Counts are static (instructions in the code, not executions); ``SassFunction.hot_loop``
 finds the loop that holds the most tensor-core instructions, whose body is what one
 iteration of a kernel's main loop issues.
+
+sm_90a kernels (NVRTC 13, read from the compiled families' listings) add their own classes:
+``HGMMA.64x128x16.F32`` (wgmma; the shape is part of the opcode), ``WARPGROUP.ARRIVE`` /
+``WARPGROUP.DEPBAR.LE`` (wgmma.fence / wgmma.wait_group), ``SYNCS.EXCH.64`` /
+``SYNCS.ARRIVE.TRANS64`` / ``SYNCS.PHASECHK.TRANS64.TRYWAIT`` and
+``ARRIVES.LDGSTSBAR.64.ARVCNT`` (mbarrier init / arrive / try_wait and
+cp.async.mbarrier.arrive), ``UTMALDG.5D`` / ``UTMACCTL.PF`` (TMA load, tensor-map prefetch),
+``USETMAXREG`` (setmaxnreg), ``FENCE.VIEW.ASYNC.S`` / ``MEMBAR`` (proxy and memory fences),
+and named barriers (``BAR.SYNC R3, 0x100`` / ``BAR.ARV``: a barrier id other than 0 or a
+thread count) apart from the CTA-wide ``BAR.SYNC 0x0``.
 """
 
 from __future__ import annotations
@@ -17,12 +27,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from flashtune.errors import InvalidInput
+from flashtune.perf.cfg import back_edges
 
 #: Categories an instruction is counted under (besides its full opcode).
 CATEGORIES: tuple[str, ...] = (
-    "mma", "wgmma", "ldsm", "ldgsts", "ldg", "stg", "lds", "sts", "ldl", "stl", "bar",
-    "mufu", "fp32", "convert", "shfl", "int", "control", "other",
+    "mma", "wgmma", "wgsync", "ldsm", "ldgsts", "tma", "mbarrier", "ldg", "stg", "lds", "sts",
+    "ldl", "stl", "bar", "namedbar", "fence", "regalloc", "mufu", "fp32", "convert", "shfl",
+    "int", "control", "other",
 )
+#: Categories whose instructions run on a pipe the cost model charges by throughput; every
+#: other category takes one issue slot per instruction (``InstructionMix.issue_only``).
+PIPE_CATEGORIES: frozenset[str] = frozenset(
+    {"mma", "wgmma", "mufu", "fp32", "convert", "shfl", "ldl", "stl"})
 _MMA = {"HMMA", "IMMA", "DMMA", "BMMA"}
 _FP32 = {"FFMA", "FADD", "FMUL", "FMNMX", "FSEL", "FSETP", "FSET", "FCHK", "FSWZADD",
          "HADD2", "HMUL2", "HFMA2", "HMNMX2", "HSETP2"}
@@ -32,7 +48,15 @@ _INT = {"IADD3", "IMAD", "IMUL", "LOP3", "SHF", "LEA", "ISETP", "SEL", "MOV", "I
         "VIMNMX", "P2R", "R2P", "PLOP3", "CS2R", "S2R", "S2UR", "R2UR"}
 _CONTROL = {"BRA", "EXIT", "BSSY", "BSYNC", "WARPSYNC", "DEPBAR", "LDGDEPBAR", "CALL", "RET",
             "BREAK", "JMP", "JMX", "BRX", "YIELD", "NANOSLEEP", "BPT", "KILL", "ELECT",
-            "VOTE", "VOTEU", "ARRIVES", "SYNCS"}
+            "VOTE", "VOTEU"}
+#: Hopper's own instructions by base opcode (checked before the uniform-datapath "U*" rule,
+#: as UTMALDG and USETMAXREG are not integer work).
+_HOPPER = {"WARPGROUP": "wgsync", "SYNCS": "mbarrier", "ARRIVES": "mbarrier",
+           "UTMALDG": "tma", "UTMASTG": "tma", "UTMACCTL": "tma", "UTMAPF": "tma",
+           "UTMAREDG": "tma", "UBLKCP": "tma", "UBLKRED": "tma", "UBLKPF": "tma",
+           "FENCE": "fence", "MEMBAR": "fence", "ERRBAR": "fence", "CCTL": "fence",
+           "USETMAXREG": "regalloc"}
+_WGMMA = {"HGMMA", "IGMMA", "QGMMA", "BGMMA"}
 _MEM_WIDTH = {"ldg", "stg", "lds", "sts", "ldl", "stl", "ldgsts"}
 _WIDTH_TOKENS = {"U8": 8, "S8": 8, "U16": 16, "S16": 16, "32": 32, "64": 64, "128": 128,
                  "256": 256}
@@ -40,10 +64,31 @@ _WIDTH_TOKENS = {"U8": 8, "S8": 8, "U16": 16, "S16": 16, "32": 32, "64": 64, "12
 LDSM_BYTES = {"1": 128, "2": 256, "4": 512}
 #: FLOPs of one warp-wide HMMA by shape token.
 HMMA_FLOPS = {"16816": 2 * 16 * 8 * 16, "1688": 2 * 16 * 8 * 8, "884": 2 * 8 * 8 * 4}
+#: Warps of the warpgroup that issues one wgmma (each computes 16 of its 64 rows).
+WARPGROUP_WARPS = 4
+_GMMA_SHAPE = re.compile(r"(\d+)x(\d+)x(\d+)")
+_BAR_ID = re.compile(r"^\s*(?P<id>0x[0-9a-fA-F]+|\d+)\s*$")
+
+
+def wgmma_flops(opcode: str) -> int:
+    """FLOPs one warpgroup-wide wgmma computes (2*M*N*K of its ``MxNxK`` shape token, e.g.
+    HGMMA.64x128x16.F32: 262144); 0 for anything else or a shape the opcode does not name."""
+    if opcode.split(".", 1)[0] not in _WGMMA:
+        return 0
+    m = next((_GMMA_SHAPE.fullmatch(t) for t in opcode.split(".")[1:]
+              if _GMMA_SHAPE.fullmatch(t)), None)
+    return 0 if m is None else 2 * int(m[1]) * int(m[2]) * int(m[3])
+
+
+def wgmma_shape(opcode: str) -> str | None:
+    """The ``MxNxK`` token of a wgmma opcode ('64x128x16'), else None."""
+    if opcode.split(".", 1)[0] not in _WGMMA:
+        return None
+    return next((t for t in opcode.split(".")[1:] if _GMMA_SHAPE.fullmatch(t)), None)
 
 _LINE = re.compile(
     r"^\s*/\*(?P<off>[0-9a-fA-F]{4,})\*/\s+(?P<pred>@!?U?P(?:T|\d+)\s+)?"
-    r"(?P<op>[A-Z][A-Z0-9_.]*)(?P<rest>[^;]*);"
+    r"(?P<op>[A-Z][A-Za-z0-9_.]*)(?P<rest>[^;]*);"
 )
 _NVDISASM_FUNC = re.compile(r"^\s*\.text\.(?P<name>[\w$.]+):\s*$")
 _CUOBJDUMP_FUNC = re.compile(r"^\s*Function\s*:\s*(?P<name>[\w$.]+)\s*$")
@@ -81,7 +126,26 @@ class Instruction:
 
     @property
     def category(self) -> str:
-        return categorize(self.opcode)
+        """The opcode's category; a BAR naming a barrier other than 0 or a thread count
+        (``bar.sync id, n`` / ``bar.arrive``) is a named barrier ("namedbar")."""
+        cat = categorize(self.opcode)
+        if cat == "bar" and self.is_named_barrier:
+            return "namedbar"
+        return cat
+
+    @property
+    def is_named_barrier(self) -> bool:
+        """A BAR on a barrier other than 0, with a thread count, or an arrive (never the
+        CTA-wide ``BAR.SYNC 0x0`` of __syncthreads)."""
+        if self.base != "BAR":
+            return False
+        if "ARV" in self.modifiers or "RED" in self.modifiers:
+            return True
+        parts = [p for p in self.operands.split(",") if p.strip()]
+        if len(parts) != 1:
+            return True
+        m = _BAR_ID.match(parts[0])
+        return m is None or int(m["id"], 0) != 0
 
     @property
     def width_bits(self) -> int | None:
@@ -93,10 +157,18 @@ class Instruction:
 
     @property
     def mma_flops(self) -> int:
-        """FLOPs of a warp-wide HMMA (0 for anything else or an unknown shape)."""
-        if self.base != "HMMA":
-            return 0
-        return next((HMMA_FLOPS[m] for m in self.modifiers if m in HMMA_FLOPS), 0)
+        """Tensor FLOPs this warp computes: a warp-wide HMMA's, or its quarter of a
+        warpgroup-wide wgmma's (``tensor_flops``); 0 for anything else or an unknown shape."""
+        if self.base in _WGMMA:
+            return self.tensor_flops // WARPGROUP_WARPS
+        return self.tensor_flops
+
+    @property
+    def tensor_flops(self) -> int:
+        """FLOPs of the whole instruction: warp-wide for HMMA, warpgroup-wide for a wgmma."""
+        if self.base == "HMMA":
+            return next((HMMA_FLOPS[m] for m in self.modifiers if m in HMMA_FLOPS), 0)
+        return wgmma_flops(self.opcode)
 
 
 def categorize(opcode: str) -> str:
@@ -104,8 +176,10 @@ def categorize(opcode: str) -> str:
     base = opcode.split(".", 1)[0]
     if base in _MMA:
         return "mma"
-    if base in ("HGMMA", "IGMMA", "QGMMA", "BGMMA"):
+    if base in _WGMMA:
         return "wgmma"
+    if base in _HOPPER:
+        return _HOPPER[base]
     simple = {"LDSM": "ldsm", "LDGSTS": "ldgsts", "LDG": "ldg", "STG": "stg", "LDS": "lds",
               "STS": "sts", "LDL": "ldl", "STL": "stl", "BAR": "bar", "MUFU": "mufu",
               "SHFL": "shfl"}
@@ -122,6 +196,11 @@ def categorize(opcode: str) -> str:
     return "other"
 
 
+#: Categories of the synchronisation and asynchronous-copy machinery (listed by opcode).
+SYNC_CATEGORIES: tuple[str, ...] = ("wgsync", "mbarrier", "tma", "bar", "namedbar", "fence",
+                                    "regalloc")
+
+
 @dataclass(frozen=True)
 class InstructionMix:
     """Static counts of a range of instructions (NOPs and never-executed ones excluded)."""
@@ -130,8 +209,10 @@ class InstructionMix:
     by_opcode: Mapping[str, int]
     load_widths: Mapping[int, int]   # LDG by access width in bits
     store_widths: Mapping[int, int]  # STG by access width in bits
-    mma_flops: int                   # sum of warp-wide HMMA FLOPs
+    #: Tensor FLOPs one warp computes: warp-wide HMMAs plus its quarter of each wgmma.
+    mma_flops: int
     ldsm_bytes: int                  # sum of warp-wide ldmatrix bytes
+    wgmma_flops: int = 0             # the part of mma_flops issued as wgmma (HGMMA)
 
     @classmethod
     def of(cls, instructions: Iterable[Instruction]) -> InstructionMix:
@@ -139,7 +220,7 @@ class InstructionMix:
         ops: Counter[str] = Counter()
         loads: Counter[int] = Counter()
         stores: Counter[int] = Counter()
-        flops = 0
+        flops = wg_flops = 0
         ldsm_bytes = 0
         for ins in instructions:
             if ins.base == "NOP" or ins.never_executes:
@@ -148,6 +229,8 @@ class InstructionMix:
             cats[cat] += 1
             ops[ins.opcode] += 1
             flops += ins.mma_flops
+            if cat == "wgmma":
+                wg_flops += ins.mma_flops
             if cat == "ldsm":
                 ldsm_bytes += next((LDSM_BYTES[m] for m in reversed(ins.modifiers)
                                     if m in LDSM_BYTES), 512)
@@ -156,7 +239,8 @@ class InstructionMix:
             elif cat == "stg":
                 stores[ins.width_bits or 32] += 1
         return cls({c: cats.get(c, 0) for c in CATEGORIES}, dict(sorted(ops.items())),
-                   dict(sorted(loads.items())), dict(sorted(stores.items())), flops, ldsm_bytes)
+                   dict(sorted(loads.items())), dict(sorted(stores.items())), flops, ldsm_bytes,
+                   wg_flops)
 
     def __getitem__(self, category: str) -> int:
         if category not in self.by_category:
@@ -166,6 +250,24 @@ class InstructionMix:
     @property
     def total(self) -> int:
         return sum(self.by_category.values())
+
+    @property
+    def issue_only(self) -> int:
+        """Instructions that cost one issue slot each (every category outside
+        PIPE_CATEGORIES), plus the wgmmas: their tensor time is charged by FLOPs."""
+        return self["wgmma"] + sum(n for c, n in self.by_category.items()
+                                   if c not in PIPE_CATEGORIES)
+
+    def tensor_ops(self) -> list[TensorOp]:
+        """The tensor-core opcodes with their counts and FLOPs per instruction."""
+        out = []
+        for op, n in self.by_opcode.items():
+            cat = categorize(op)
+            if cat not in ("mma", "wgmma"):
+                continue
+            flops = Instruction(0, op).tensor_flops
+            out.append(TensorOp(op, n, flops, "warpgroup" if cat == "wgmma" else "warp"))
+        return out
 
     @property
     def local_memory(self) -> int:
@@ -189,7 +291,30 @@ class InstructionMix:
             "mufu_ops": {op: n for op, n in self.by_opcode.items() if op.startswith("MUFU")},
             "mma_ops": {op: n for op, n in self.by_opcode.items()
                         if categorize(op) in ("mma", "wgmma")},
+            "wgmma_flops": self.wgmma_flops,
+            "tensor_ops": [t.to_dict() for t in self.tensor_ops()],
+            "sync_ops": {op: n for op, n in self.by_opcode.items()
+                         if categorize(op) in SYNC_CATEGORIES},
         }
+
+
+@dataclass(frozen=True)
+class TensorOp:
+    """One tensor-core opcode of a mix: its count and what one instruction computes, over
+    a warp (HMMA) or a warpgroup of 4 warps (wgmma)."""
+
+    opcode: str
+    count: int
+    flops_per_instruction: int
+    scope: str  # "warp" or "warpgroup"
+
+    @property
+    def shape(self) -> str | None:
+        return wgmma_shape(self.opcode)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"opcode": self.opcode, "count": self.count, "shape": self.shape,
+                "flops_per_instruction": self.flops_per_instruction, "scope": self.scope}
 
 
 @dataclass(frozen=True)
@@ -227,13 +352,12 @@ class SassFunction:
         return None
 
     def loops(self) -> tuple[Loop, ...]:
-        """Every backward branch's loop (a self-branch, as ptxas emits after EXIT, is not
-        one), outermost first."""
-        found = set()
-        for ins in self.instructions:
-            target = self.branch_target(ins)
-            if target is not None and target < ins.offset:
-                found.add(Loop(target, ins.offset))
+        """Every back edge's loop: a backward branch whose target dominates it (perf.cfg; a
+        self-branch, as ptxas emits after EXIT, is not one, nor the jump back from an
+        out-of-line mbarrier retry), outermost first."""
+        found = {Loop(edge.target, edge.source)
+                 for edge in back_edges(self.instructions, self.branch_target)
+                 if edge.target < edge.source}
         return tuple(sorted(found, key=lambda lp: (lp.start, -lp.end)))
 
     def hot_loop(self) -> Loop | None:

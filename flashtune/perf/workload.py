@@ -50,7 +50,7 @@ def tiles_per_query_block(problem: Problem, config: KernelConfig,
 class TileMix:
     """Instructions one warp issues per K/V tile, by the pipe that executes them."""
 
-    mma_flops: float   # tensor-core FLOPs (mma.sync)
+    mma_flops: float   # tensor-core FLOPs, mma.sync and this warp's share of wgmma
     mufu: float        # special-function unit (exp2, rcp)
     fp32: float        # FP32 pipe: FFMA/FADD/FMUL/FMNMX/FSEL and conversions
     shfl: float        # warp shuffles
@@ -58,6 +58,7 @@ class TileMix:
     issue_only: float  # everything else: one issue slot each (integer, loads, control)
     ldsm_bytes: float  # shared-memory bytes read by ldmatrix
     source: str        # "analytic" or "sass"
+    wgmma_flops: float = 0.0  # the part of mma_flops issued as wgmma (datasheet rate)
 
     def to_dict(self) -> dict[str, object]:
         return {k: (round(v, 2) if isinstance(v, float) else v)
@@ -99,17 +100,16 @@ def sass_tile_mix(loop_mix: InstructionMix, analytic: TileMix) -> tuple[TileMix,
     per = loop_mix.mma_flops / analytic.mma_flops
     unroll = max(1.0, round(per)) if abs(per - round(per)) < 0.05 else per
     c = loop_mix.by_category
-    issue = (c["ldsm"] + c["ldgsts"] + c["ldg"] + c["stg"] + c["lds"] + c["sts"] + c["bar"]
-             + c["int"] + c["control"] + c["other"])
     mix = TileMix(
         mma_flops=loop_mix.mma_flops / unroll,
         mufu=c["mufu"] / unroll,
         fp32=(c["fp32"] + c["convert"]) / unroll,
         shfl=c["shfl"] / unroll,
         local=(c["ldl"] + c["stl"]) / unroll,
-        issue_only=issue / unroll,
+        issue_only=loop_mix.issue_only / unroll,
         ldsm_bytes=loop_mix.ldsm_bytes / unroll,
         source="sass",
+        wgmma_flops=loop_mix.wgmma_flops / unroll,
     )
     return mix, unroll
 

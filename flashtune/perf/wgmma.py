@@ -1,0 +1,161 @@
+"""The cost model's wgmma path: what the sm_90a forward families (``fwd90a``, ``fwd90aws``,
+``fwd90awspp``) change in a PREDICTION, and the assumptions it rests on.
+
+The per-tile structure is the forward's (costmodel.py): instructions per warp per K/V tile
+from the main loop's SASS, rounds of all resident blocks on a sub-partition, exposed memory
+latency, shared-memory writes, the grid's schedule, DRAM and L2 traffic. The wgmma path
+differs in:
+
+- Tensor rate: wgmma (HGMMA) runs at the datasheet dense rate (H100 SXM5: 989.4 TFLOP/s,
+  4096 FLOP/clk/SM; reference/hopper.md §1.4), where mma.sync reaches only
+  ``GpuSpec.mma_sync_fraction`` of it. A warp's share of one HGMMA m64nNk16 (its 16 of the
+  64 rows) keeps its sub-partition's tensor core busy 2*16*N*16 / 1024 cycles.
+- Overlap: a wgmma is asynchronous, so a warp's tensor time and its other pipes' time
+  (softmax: MUFU, FP32, issue slots) overlap; what the dependency chain S -> softmax -> P ->
+  P V leaves to overlap is an ASSUMPTION per design (``Design.overlap``), not a fit:
+  * ``fwd90a`` and ``fwd90aws`` (each consumer warpgroup waits for its own GEMMs): the share
+    of the shorter of the two a second warp on the sub-partition hides is the forward's
+    ``overlap`` parameter (fitted to FA2's table for mma.sync warps; reused, not refitted);
+  * ``fwd90awspp``: named barriers make the two consumer warpgroups take turns, one's
+    softmax under the other's GEMMs (FA3 paper §3.1), assumed to hide all of the shorter.
+- Loads: ``fwd90a``'s consumer warps issue their cp.async copies (their address arithmetic
+  is in the main loop's SASS, so it is charged); the warp-specialised families' producer
+  warpgroup issues TMA copies, and its few instructions per tile are not charged. Both see
+  the same memory latency, hidden by ``num_stages - 1`` tiles of prefetch.
+- Shared memory: the wgmma operand reads from shared memory are not charged (assumed to
+  sustain the datasheet rate for the N >= 64 shapes the families issue); the K/V tile
+  writes are.
+
+Nothing here was calibrated on a GPU: ``CALIBRATION`` says so in every wgmma prediction,
+and ``flashtune profile`` prints the ratio to the published FA3 / FA2 figures
+(perf.baselines) as a sanity check, never fitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from flashtune import families
+from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.families.hopper import HopperForwardFamily
+from flashtune.families.hopper import space as hopper_space
+from flashtune.families.hopper.ws import PRODUCER_THREADS, HopperWsForwardFamily
+from flashtune.perf.workload import TileMix, analytic_tile_mix
+
+MODEL_NAME = "fa3-wgmma-1"
+#: Said in every wgmma prediction.
+CALIBRATION = ("uncalibrated: no sm_90a kernel has been timed on a GPU; the wgmma rate is "
+               "the datasheet's and the overlap shares are assumptions")
+#: Share of the shorter of tensor and non-tensor time hidden under ping-pong (assumed).
+PINGPONG_OVERLAP = 1.0
+
+
+@dataclass(frozen=True)
+class Design:
+    """How one sm_90a family loads and schedules, as the cost model sees it."""
+
+    op: str
+    loads: str                 # "cp.async" (consumer warps) or "TMA" (producer warpgroup)
+    producer_threads: int      # threads of the producer warpgroup (0: none)
+    pingpong: bool
+
+    @property
+    def warp_specialized(self) -> bool:
+        return self.producer_threads > 0
+
+    def overlap(self, fitted: float) -> float:
+        """Share of the shorter of a warp's tensor and non-tensor time that other consumer
+        warps on its sub-partition hide (``fitted``: the forward's ``overlap`` parameter)."""
+        return PINGPONG_OVERLAP if self.pingpong else fitted
+
+    def assumptions(self, fitted: float) -> tuple[str, ...]:
+        """The stated assumptions of a prediction of this design."""
+        share = self.overlap(fitted)
+        schedule = ("ping-pong: the two consumer warpgroups take turns (named barriers), "
+                    f"hiding {share:.0%} of the shorter of tensor and softmax time (assumed)"
+                    if self.pingpong else
+                    f"a second consumer warp per sub-partition hides {share:.0%} of the "
+                    "shorter of tensor and softmax time (the mma.sync forward's fitted "
+                    "overlap, reused: assumed, not fitted to wgmma)")
+        loads = ("K/V by TMA from a producer warpgroup (its instructions not charged)"
+                 if self.warp_specialized else
+                 "K/V by cp.async from the consumer warps (their copies and address "
+                 "arithmetic charged from the SASS)")
+        return ("wgmma at the datasheet dense tensor rate", schedule, loads,
+                "wgmma shared-memory operand reads not charged", CALIBRATION)
+
+
+def design_of(problem: Problem) -> Design | None:
+    """The Design of ``problem``'s family when it is an sm_90a forward family, else None."""
+    family = families.of(problem)
+    if not isinstance(family, HopperForwardFamily):
+        return None
+    if isinstance(family, HopperWsForwardFamily):
+        return Design(family.op, "TMA", PRODUCER_THREADS, family.pingpong)
+    return Design(family.op, "cp.async", 0, False)
+
+
+def block_threads(problem: Problem, config: KernelConfig) -> int:
+    """Threads of one block: the config's, plus a producer warpgroup if the family has one."""
+    design = design_of(problem)
+    return config.threads + (design.producer_threads if design is not None else 0)
+
+
+def smem_bytes(problem: Problem, config: KernelConfig) -> int:
+    """The family's shared memory per block."""
+    design = design_of(problem)
+    return hopper_space.smem_bytes(problem, config,
+                                   warp_specialized=design is not None and
+                                   design.warp_specialized)
+
+
+def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
+    return hopper_space.accumulator_registers(problem, config)
+
+
+def analytic_tile_mix_wgmma(problem: Problem, config: KernelConfig, design: Design) -> TileMix:
+    """Per-warp, per-K/V-tile counts without the SASS: the forward's softmax counts (the
+    same per score), its tensor FLOPs as wgmma, no ldmatrix, one issue slot per HGMMA
+    (d/16 for S, block_n/16 for P V) and per wgmma fence, wait and mbarrier operation, and
+    the cp.async copies with the forward's address estimate only when the consumers load.
+    An approximation: the SASS path (``flashtune profile``) replaces it; the compiled
+    cp.async loop issues several times more integer instructions than it estimates."""
+    fa2 = analytic_tile_mix(problem, config)
+    d = -(-problem.head_dim // 16) * 16
+    hgmma = d / 16 + config.block_n / 16
+    syncs = 4 + (4 if design.loads == "cp.async" else 2)
+    ldgsts = 2 * config.block_n * d * 2 / 16 / config.threads if design.loads == "cp.async" \
+        else 0.0
+    integer = 2 * ldgsts + 60
+    return dataclasses.replace(fa2, wgmma_flops=fa2.mma_flops, ldsm_bytes=0.0,
+                               issue_only=hgmma + syncs + ldgsts + 2 + integer)
+
+
+def tensor_cycles(mma_sync_flops: float, wgmma_flops: float, mma_sync_cycles: float,
+                  tensor_flops_per_clk_sm: float, subpartitions: int,
+                  efficiency: float) -> float:
+    """One warp's tensor-core cycles: mma.sync FLOPs at the mma.sync rate (one m16n8k16 per
+    ``mma_sync_cycles``), its wgmma share at the datasheet rate per sub-partition."""
+    m16n8k16 = 2 * 16 * 8 * 16
+    return (mma_sync_flops / m16n8k16 * mma_sync_cycles
+            + wgmma_flops / (tensor_flops_per_clk_sm / subpartitions)) / efficiency
+
+
+def compute_round(tensor: float, other: float, warps_per_partition: int,
+                  overlap: float) -> tuple[float, float]:
+    """(one warp's cycles per tile, a sub-partition's round of ``warps_per_partition``
+    consumer warps): the longer of the summed tensor and non-tensor time, plus the part of
+    the shorter not hidden; a warp alone on its sub-partition hides nothing (each
+    warpgroup waits for its own GEMMs)."""
+    hidden = overlap * min(1.0, warps_per_partition - 1.0)
+    t, o = warps_per_partition * tensor, warps_per_partition * other
+    round_ = max(t, o) + (1.0 - hidden) * min(t, o)
+    return round_ / max(1, warps_per_partition), round_
+
+
+def consumer_warps_per_partition(blocks_per_sm: int, config: KernelConfig,
+                                 subpartitions: int) -> int:
+    """Consumer warps (the config's, not a producer's) per sub-partition."""
+    return max(1, math.ceil(blocks_per_sm * config.num_warps / subpartitions))
