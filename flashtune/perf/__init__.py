@@ -4,10 +4,12 @@ Pure modules (import only flashtune.codegen and flashtune.errors): ``sass`` (par
 instruction mix), ``occupancy``, ``gpus`` (datasheet table), ``workload`` (the algorithm's
 counts and traffic), ``schedule``, ``costmodel`` (``predict``, ``rank``), ``calibrate``
 (``spearman``, ``calibrate``) and ``baselines`` (published FlashAttention-2 figures).
-``loops`` finds the masked and unmasked main loops of a kernel in its SASS and ``budget``
-reads their instructions per iteration by class against FlashAttention-2's same-tile
-figures. ``disasm`` and ``profile`` also use the toolchain (nvdisasm, NVRTC) and are
-imported on demand.
+``cfg`` finds a listing's loops (back edges whose target dominates the branch), ``wgmma``
+holds the cost model's sm_90a path (its designs and stated assumptions) and
+``modelparams`` its free parameters. ``loops`` finds the masked and unmasked main loops of
+a kernel in its SASS and ``budget`` reads their instructions per iteration by class against
+FlashAttention-2's same-tile figures. ``disasm`` and ``profile`` also use the toolchain
+(nvdisasm, NVRTC) and are imported on demand.
 
 Every time this package returns is a PREDICTION, labelled as such; measurements come only
 from a GPU.

@@ -3,9 +3,10 @@ warp by class, for the masked and the unmasked loop, against FlashAttention-2's 
 the same tile where one is published.
 
 The classes are those of reference/fa2-sass-facts.md, so that a row reads against FA2's:
-HMMA (HGMMA on sm_90a), LDSM, MUFU.EX2, FMNMX, SHFL, BAR, FMUL, FSEL, integer / address / predicate, and the
-rest (FFMA, FADD, conversions, cp.async, control). Counts are static (the listing) with, for
-the unmasked loop, the count executed when the warp vote skips the rescale of O.
+HMMA, LDSM, MUFU.EX2, FMNMX, SHFL, BAR, FMUL, FSEL, integer / address / predicate, and the
+rest (FFMA, FADD, conversions, cp.async, control); sm_90a kernels add HGMMA (wgmma). Counts
+are static (the listing) with, for the unmasked loop, the count executed when the warp vote
+skips the rescale of O.
 """
 
 from __future__ import annotations

@@ -53,14 +53,13 @@ def back_edges(instructions: Sequence[Instruction],
         if ins.base in _BLOCK_END and i + 1 < len(instructions):
             leaders.add(i + 1)
     starts = sorted(leaders)
+    lasts = [nxt - 1 for nxt in starts[1:]] + [len(instructions) - 1]
     block_of = {}
-    for b, start in enumerate(starts):
-        end = starts[b + 1] if b + 1 < len(starts) else len(instructions)
-        for i in range(start, end):
+    for b, (start, last) in enumerate(zip(starts, lasts, strict=True)):
+        for i in range(start, last + 1):
             block_of[i] = b
     succ: list[set[int]] = [set() for _ in starts]
-    for b, start in enumerate(starts):
-        last = (starts[b + 1] if b + 1 < len(starts) else len(instructions)) - 1
+    for b, last in enumerate(lasts):
         ins = instructions[last]
         target = branch_target(ins)
         if target is not None and target in index:
@@ -70,8 +69,7 @@ def back_edges(instructions: Sequence[Instruction],
             succ[b].add(b + 1)
     dom = _dominators(succ)
     out = []
-    for b, start in enumerate(starts):
-        last = (starts[b + 1] if b + 1 < len(starts) else len(instructions)) - 1
+    for b, last in enumerate(lasts):
         ins = instructions[last]
         target = branch_target(ins)
         if target is None or target not in index or target > ins.offset:

@@ -39,16 +39,14 @@ by their own model name, with the assumptions of perf/wgmma.py listed in the pre
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 from flashtune import families
 from flashtune.codegen.spec import KernelConfig, Problem, ShapeLike
-from flashtune.errors import InvalidConfig, InvalidInput, InvalidProblem, OutOfResources
+from flashtune.errors import InvalidInput, InvalidProblem, OutOfResources
 from flashtune.families.fwd import space
 from flashtune.perf.gpus import MMA_M16N8K16_FLOPS, SUBPARTITIONS_PER_SM, GpuSpec, get_gpu
 from flashtune.perf.loopcost import (
@@ -57,9 +55,16 @@ from flashtune.perf.loopcost import (
     kernel_loops,
     mean_rescale_probability,
 )
+from flashtune.perf.loops import nested_loops
+from flashtune.perf.modelparams import _FA2_TABLE, parameter_sources
+from flashtune.perf.modelparams import DEFAULT_PARAMS as DEFAULT_PARAMS
+from flashtune.perf.modelparams import MODEL_NAME as MODEL_NAME
+from flashtune.perf.modelparams import PARAM_SOURCES as PARAM_SOURCES
+from flashtune.perf.modelparams import ModelParams as ModelParams
 from flashtune.perf.occupancy import Occupancy, occupancy
 from flashtune.perf.sass import InstructionMix, SassFunction
 from flashtune.perf.schedule import makespan
+from flashtune.perf.wgmma import MODEL_NAME as WGMMA_MODEL_NAME
 from flashtune.perf.wgmma import (
     Design,
     analytic_tile_mix_wgmma,
@@ -67,9 +72,9 @@ from flashtune.perf.wgmma import (
     compute_round,
     consumer_warps_per_partition,
     design_of,
+    launch_registers,
     tensor_cycles,
 )
-from flashtune.perf.wgmma import MODEL_NAME as WGMMA_MODEL_NAME
 from flashtune.perf.wgmma import accumulator_registers as wgmma_accumulator_registers
 from flashtune.perf.wgmma import smem_bytes as wgmma_smem_bytes
 from flashtune.perf.workload import (
@@ -83,91 +88,10 @@ from flashtune.perf.workload import (
     tiles_per_query_block,
 )
 
-MODEL_NAME = "fa2-pipes-2"
 BOUNDS = ("compute", "memory", "latency")
 #: Registers the kernel needs beyond its O and S accumulators (Q/K/V fragments,
 #: addresses, softmax state): used only when no compiled resource usage is given.
 REGISTER_OVERHEAD_ESTIMATE = 64
-
-
-@dataclass(frozen=True)
-class ModelParams:
-    """The cost model's free parameters (see the module docstring for their roles)."""
-
-    #: Share of a warp's non-tensor pipe cycles hidden behind the tensor work of other
-    #: warps on its sub-partition (applies with two or more warps per sub-partition).
-    overlap: float = 0.43
-    #: Memory latency a K/V pipeline wait exposes per tile when nothing else can run, ns.
-    exposed_latency_ns: float = 716.0
-    #: Multiplier on the GPU's mma.sync rate.
-    tensor_efficiency: float = 1.0
-    #: Achievable share of datasheet DRAM and L2 bandwidth (an H200 copies at about 4.3 of
-    #: its 4.8 TB/s; reference/attention-baselines.md).
-    bandwidth_efficiency: float = 0.9
-    #: Issue-to-use cycles of a local-memory access (spill) inside the main loop.
-    local_access_cycles: float = 32.0
-    #: Start and drain of one kernel between back-to-back launches, microseconds.
-    launch_overhead_us: float = 2.0
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                    math.isfinite(value)):
-                raise InvalidConfig(f"ModelParams.{f.name}={value!r} must be a finite number")
-            object.__setattr__(self, f.name, float(value))
-        if not 0.0 <= self.overlap < 1.0:
-            raise InvalidConfig(f"ModelParams.overlap={self.overlap} must be in [0, 1)")
-        if not 0.0 < self.bandwidth_efficiency <= 1.0:
-            raise InvalidConfig("ModelParams.bandwidth_efficiency must be in (0, 1]")
-        for name in ("exposed_latency_ns", "local_access_cycles", "launch_overhead_us"):
-            if getattr(self, name) < 0:
-                raise InvalidConfig(f"ModelParams.{name} must be >= 0")
-        if self.tensor_efficiency <= 0:
-            raise InvalidConfig("ModelParams.tensor_efficiency must be > 0")
-
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, float]) -> ModelParams:
-        names = {f.name for f in fields(cls)}
-        unknown = set(data) - names
-        if unknown:
-            raise InvalidConfig(f"unknown ModelParams field(s) {sorted(unknown)}; expected "
-                                f"some of {sorted(names)}")
-        return cls(**dict(data))
-
-    @property
-    def version(self) -> str:
-        """Model name plus a digest of the parameter values, e.g. 'fa2-pipes-2/3f2a9c01'."""
-        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
-        return f"{MODEL_NAME}/{hashlib.sha256(blob).hexdigest()[:8]}"
-
-
-DEFAULT_PARAMS = ModelParams()
-
-_FA2_TABLE = ("least-squares fit (log time) to the published FlashAttention-2 H100 SXM5 "
-              "forward fp16 table (FlashAttention-3 paper; reference/attention-baselines.md) "
-              "on FA2's own tiles: agreement with that table is by construction")
-#: Where each default parameter value comes from; every prediction says it.
-PARAM_SOURCES: dict[str, str] = {
-    "overlap": _FA2_TABLE,
-    "exposed_latency_ns": _FA2_TABLE,
-    "tensor_efficiency": "1: the datasheet mma.sync rate (calibrate() refits it)",
-    "bandwidth_efficiency": "an H200 copy measurement, 4.3 of 4.8 TB/s "
-                            "(reference/attention-baselines.md)",
-    "local_access_cycles": "assumed: an L1 hit's issue-to-use latency",
-    "launch_overhead_us": "assumed",
-}
-
-
-def parameter_sources(params: ModelParams) -> tuple[tuple[str, float, str], ...]:
-    """(name, value, where the value comes from) for every model parameter."""
-    defaults = DEFAULT_PARAMS.to_dict()
-    return tuple((name, value, PARAM_SOURCES[name] if value == defaults[name]
-                  else "set by the caller (e.g. calibrate() on measurements)")
-                 for name, value in params.to_dict().items())
 
 
 class ResourcesLike(Protocol):
@@ -322,6 +246,9 @@ def _occupancy(problem: Problem, config: KernelConfig, gpu: GpuSpec,
         acc = (space.accumulator_registers(problem, config) if design is None
                else wgmma_accumulator_registers(problem, config))
         regs = min(gpu.arch_spec.max_regs_per_thread, acc + REGISTER_OVERHEAD_ESTIMATE)
+        if design is not None and design.warp_specialized:
+            regs = min(regs, launch_registers(gpu.arch_spec.regs_per_sm,
+                                              block_threads(problem, config)))
         smem = (space.smem_bytes(problem, config) if design is None
                 else wgmma_smem_bytes(problem, config))
         notes.append(f"registers estimated ({regs}); pass the compiled resources for exact "
@@ -408,7 +335,8 @@ def predict(
              if isinstance(sass, SassFunction) else None)
     if loops is not None:
         mix = loops.tile_mix(False, mean_rescale_probability(config, tiles))
-        notes.append(_loop_note(loops, config, tiles))
+        assert isinstance(sass, SassFunction)
+        notes.append(_loop_note(loops, config, tiles, sass))
     else:
         mix = _tile_mix(problem, config, sass, resources, local_per_tile, notes, design)
     occ = _occupancy(problem, config, spec, resources, notes, design)
@@ -470,11 +398,16 @@ def predict(
     )
 
 
-def _loop_note(loops: KernelLoops, config: KernelConfig, tiles: list[int]) -> str:
+def _loop_note(loops: KernelLoops, config: KernelConfig, tiles: list[int],
+               fn: SassFunction) -> str:
     p = mean_rescale_probability(config, tiles)
     u = loops.unmasked
     text = (f"charged executed instructions: unmasked loop {u.loop.static} static, "
             f"{u.loop.executed_min} without the O rescale, which runs on {p:.0%} of tiles")
+    inner = nested_loops(fn, u.loop.loop)
+    if inner:
+        text += (f"; it holds {len(inner)} inner loop(s) (e.g. rolled copy loops) whose "
+                 "bodies are charged once per tile: the SASS does not give their trip count")
     if loops.masked is not None:
         text += f"; masked loop {loops.masked.loop.static} static"
     else:

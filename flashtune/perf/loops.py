@@ -244,6 +244,13 @@ def _local_memory(body: list[Instruction]) -> LocalMemoryUse:
     return LocalMemoryUse(loads, stores, in_chain + len(chained_loads))
 
 
+def nested_loops(fn: SassFunction, loop: Loop) -> tuple[Loop, ...]:
+    """The loops strictly inside ``loop`` (e.g. copy loops ptxas kept rolled inside a main
+    loop: a static count takes their bodies once, whatever their trip count)."""
+    return tuple(lp for lp in fn.loops()
+                 if lp != loop and loop.start <= lp.start and lp.end <= loop.end)
+
+
 def main_loops(fn: SassFunction) -> MainLoops:
     """The masked and unmasked main loops of ``fn`` (see the module docstring)."""
     tensor_loops = tuple(lp for lp in fn.loops() if fn.mix(lp).mma_flops > 0)

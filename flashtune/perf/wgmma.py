@@ -103,6 +103,13 @@ def block_threads(problem: Problem, config: KernelConfig) -> int:
     return config.threads + (design.producer_threads if design is not None else 0)
 
 
+def launch_registers(regs_per_sm: int, threads: int) -> int:
+    """Registers per thread a warp-specialised kernel launches with: one block's share of
+    the SM (in the allocation unit of 8), which ``setmaxnreg`` then moves from the producer
+    to the consumers (168 at 384 threads, as NVRTC 13 gives these kernels)."""
+    return regs_per_sm // threads // 8 * 8
+
+
 def smem_bytes(problem: Problem, config: KernelConfig) -> int:
     """The family's shared memory per block."""
     design = design_of(problem)
@@ -147,11 +154,12 @@ def compute_round(tensor: float, other: float, warps_per_partition: int,
                   overlap: float) -> tuple[float, float]:
     """(one warp's cycles per tile, a sub-partition's round of ``warps_per_partition``
     consumer warps): the longer of the summed tensor and non-tensor time, plus the part of
-    the shorter not hidden; a warp alone on its sub-partition hides nothing (each
-    warpgroup waits for its own GEMMs)."""
+    the shorter not hidden, and never less than one warp's own chain (tensor + other: each
+    warpgroup waits for its own GEMMs, so a warp alone on its sub-partition hides
+    nothing)."""
     hidden = overlap * min(1.0, warps_per_partition - 1.0)
     t, o = warps_per_partition * tensor, warps_per_partition * other
-    round_ = max(t, o) + (1.0 - hidden) * min(t, o)
+    round_ = max(max(t, o) + (1.0 - hidden) * min(t, o), tensor + other)
     return round_ / max(1, warps_per_partition), round_
 
 

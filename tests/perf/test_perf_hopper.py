@@ -1,0 +1,209 @@
+"""sm_90a (wgmma) kernels in the profile and the cost model: HGMMA counts and FLOPs per
+instruction, the barrier / TMA / mbarrier classes, the loops of a listing with out-of-line
+mbarrier retries, and the labelled wgmma prediction path."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import pytest
+from typer.testing import CliRunner
+
+from flashtune.cli import app
+from flashtune.codegen.arch import get_arch
+from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
+from flashtune.families.hopper import space
+from flashtune.perf.costmodel import predict
+from flashtune.perf.gpus import default_gpu_for_arch
+from flashtune.perf.profile import KernelProfile, profile_kernel, resolve_gpu
+from flashtune.perf.sass import Instruction, categorize, parse_sass
+
+# The shape of NVRTC 13's sm_90a output (compiled fwd90awspp / fwd90a listings): a loop with
+# HGMMAs, wgmma fences, an mbarrier wait whose retry ptxas puts after EXIT and which jumps
+# back, named barriers, TMA and setmaxnreg outside the loop.
+LISTING = """
+\t.target\tsm_90a
+.text.kern:
+        /*0000*/                   SYNCS.EXCH.64 URZ, [UR12], UR4 ;
+        /*0010*/                   FENCE.VIEW.ASYNC.S ;
+        /*0020*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0030*/                   USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0 ;
+        /*0040*/               @P0 BAR.ARV 0x1, 0x100 ;
+.L_x_1:
+        /*0050*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R5 ;
+        /*0060*/              @!P0 BRA `(.L_x_9) ;
+.L_x_2:
+        /*0070*/                   BAR.SYNC.DEFER_BLOCKING R3, 0x100 ;
+        /*0080*/                   WARPGROUP.ARRIVE ;
+        /*0090*/                   HGMMA.64x128x16.F32 R88, gdesc[UR16], RZ, !UPT ;
+        /*00a0*/                   HGMMA.64x128x16.F32 R88, gdesc[UR16], R88, gsb0 ;
+        /*00b0*/                   BAR.ARV R0, 0x100 ;
+        /*00c0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*00d0*/                   MUFU.EX2 R9, R9 ;
+        /*00e0*/                   HGMMA.64x64x16.F32 R24, R88, gdesc[UR12].tnspB, R24, gsb0 ;
+        /*00f0*/                   SYNCS.ARRIVE.TRANS64 RZ, [UR10], RZ ;
+        /*0100*/               @P1 BRA `(.L_x_1) ;
+        /*0110*/                   USETMAXREG.DEALLOC.CTAPOOL 0x18 ;
+        /*0120*/                   UTMACCTL.PF [UR18] ;
+        /*0130*/                   UTMALDG.5D [UR8], [UR18] ;
+        /*0140*/                   ARRIVES.LDGSTSBAR.64.ARVCNT [UR4] ;
+        /*0150*/                   EXIT ;
+.L_x_9:
+        /*0160*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R5 ;
+        /*0170*/              @!P0 BRA `(.L_x_9) ;
+        /*0180*/                   BRA `(.L_x_2) ;
+.L_x_10:
+        /*0190*/                   BRA `(.L_x_10);
+"""
+
+
+def test_hopper_opcodes_have_their_own_classes() -> None:
+    expected = {
+        "HGMMA.64x128x16.F32": "wgmma", "WARPGROUP.ARRIVE": "wgsync",
+        "WARPGROUP.DEPBAR.LE": "wgsync", "SYNCS.EXCH.64": "mbarrier",
+        "SYNCS.ARRIVE.TRANS64": "mbarrier", "SYNCS.PHASECHK.TRANS64.TRYWAIT": "mbarrier",
+        "ARRIVES.LDGSTSBAR.64.ARVCNT": "mbarrier", "UTMALDG.5D": "tma",
+        "UTMACCTL.PF": "tma", "USETMAXREG.DEALLOC.CTAPOOL": "regalloc",
+        "FENCE.VIEW.ASYNC.S": "fence", "MEMBAR.ALL.CTA": "fence",
+        "BAR.SYNC.DEFER_BLOCKING": "bar", "UIADD3": "int",
+    }
+    assert {op: categorize(op) for op in expected} == expected
+    cta = Instruction(0, "BAR.SYNC.DEFER_BLOCKING", "0x0")
+    named = Instruction(0, "BAR.SYNC.DEFER_BLOCKING", "R3, 0x100")
+    arrive = Instruction(0, "BAR.ARV", "0x1, 0x100")
+    assert (cta.category, named.category, arrive.category) == ("bar", "namedbar", "namedbar")
+
+
+def test_hgmma_flops_per_instruction_and_per_warp() -> None:
+    ins = Instruction(0, "HGMMA.64x128x16.F32", "R88, gdesc[UR16], R88")
+    assert ins.tensor_flops == 2 * 64 * 128 * 16  # warpgroup-wide
+    assert ins.mma_flops == 2 * 16 * 128 * 16     # one warp's 16 of the 64 rows
+    assert Instruction(0, "HGMMA.64x64x16.F32", "").tensor_flops == 2 * 64 * 64 * 16
+    assert Instruction(0, "HMMA.16816.F32", "").tensor_flops == 2 * 16 * 8 * 16
+
+
+def test_listing_loop_mix_and_retry_stub() -> None:
+    fn = parse_sass(LISTING).function("kern")
+    # The opcode keeps its lower-case shape token.
+    assert fn.instructions[9].opcode == "HGMMA.64x128x16.F32"
+    # The jump back from the out-of-line retry (0x180 -> 0x70) is backward but its target
+    # does not dominate it: the loops are the main loop and the retry's own spin.
+    assert [(lp.start, lp.end) for lp in fn.loops()] == [(0x50, 0x100), (0x160, 0x170)]
+    loop = fn.hot_loop()
+    assert loop is not None and (loop.start, loop.end) == (0x50, 0x100)
+    mix = fn.mix(loop)
+    c = mix.by_category
+    assert (c["wgmma"], c["wgsync"], c["mbarrier"], c["namedbar"], c["bar"]) == (3, 2, 2, 2, 0)
+    assert mix.wgmma_flops == mix.mma_flops == (2 * 2 * 16 * 128 * 16 + 2 * 16 * 64 * 16)
+    ops = {t.opcode: (t.count, t.flops_per_instruction, t.shape, t.scope)
+           for t in mix.tensor_ops()}
+    assert ops == {"HGMMA.64x128x16.F32": (2, 262144, "64x128x16", "warpgroup"),
+                   "HGMMA.64x64x16.F32": (1, 131072, "64x64x16", "warpgroup")}
+    # Every non-pipe instruction and each HGMMA takes an issue slot.
+    assert mix.issue_only == mix.total - c["mufu"]
+    whole = fn.mix().by_category
+    assert (whole["tma"], whole["regalloc"], whole["fence"], whole["bar"]) == (2, 2, 1, 1)
+    assert whole["mbarrier"] == 5 and whole["namedbar"] == 3
+
+
+def test_sm90a_reference_gpu() -> None:
+    assert default_gpu_for_arch("sm_90a").name == "H100"
+    assert resolve_gpu("sm_90a", None).name == "H100"
+    assert resolve_gpu("sm_90a", "H200").name == "H200"
+
+
+def _tile_problem(op: str, head_dim: int, block_m: int, block_n: int
+                  ) -> tuple[Problem, KernelConfig]:
+    return (Problem(head_dim, DType.FP16, op=op),
+            KernelConfig(block_m, block_n, space.warps(block_m), 2))
+
+
+def test_wgmma_predictions_are_labelled_and_ordered() -> None:
+    """Analytic (no SASS) predictions on H100 at head dim 128: the wgmma families beat the
+    mma.sync forward, the warp-specialised ones are no slower than the cp.async one, and
+    every wgmma prediction names its path, model and assumptions."""
+    shape = Shape.square(4, 16, 4096)
+    fwd = Problem(128, DType.FP16)
+    mma_sync = predict(fwd, KernelConfig(128, 64, 4, 2), shape, "H100")
+    assert mma_sync.path == "mma.sync" and not mma_sync.assumptions
+    preds = {}
+    for op in ("fwd90a", "fwd90aws", "fwd90awspp"):
+        problem, config = _tile_problem(op, 128, 128, 128)
+        pred = predict(problem, config, shape, "H100")
+        assert pred.kind == "PREDICTED" and pred.path == "wgmma"
+        assert pred.model_version.startswith("fa3-wgmma-1/")
+        assert any("uncalibrated" in a for a in pred.assumptions)
+        preds[op] = pred.tflops
+    assert preds["fwd90a"] > mma_sync.tflops
+    assert preds["fwd90awspp"] >= preds["fwd90aws"] >= preds["fwd90a"]
+    assert max(preds.values()) < 989.4  # never above the datasheet rate
+
+
+@pytest.fixture(scope="module")
+def profiles(compile_cubin: Callable[..., bytes]) -> dict[str, KernelProfile]:
+    """Two compiled tiles (NVRTC + nvdisasm; skipped without them): the ping-pong family
+    at 128 x 128, head dim 128, and the cp.async family at 64 x 64, head dim 64."""
+    out = {}
+    for op, d, bm, bn in (("fwd90awspp", 128, 128, 128), ("fwd90a", 64, 64, 64)):
+        problem, config = _tile_problem(op, d, bm, bn)
+        out[op] = profile_kernel(problem, config, Shape.square(4, 2048 // d, 4096), "sm_90a")
+    return out
+
+
+def test_main_loop_hgmma_count_times_flops_is_the_tile(
+        profiles: dict[str, KernelProfile]) -> None:
+    for op, prof in profiles.items():
+        mix = prof.loop_mix
+        assert mix is not None, op
+        d, bm, bn = prof.problem.head_dim, prof.config.block_m, prof.config.block_n
+        # S = Q K^T: d/16 HGMMA 64 x bn x 16; O += P V: bn/16 HGMMA 64 x d x 16, per warpgroup.
+        ops = {t.opcode: (t.count, t.flops_per_instruction) for t in mix.tensor_ops()}
+        assert sum(n for n, _ in ops.values()) == d // 16 + bn // 16, (op, ops)
+        per_warpgroup = sum(n * f for n, f in ops.values())
+        assert per_warpgroup * (bm // 64) == 4 * bm * bn * d, op
+        assert prof.tensor_flops_per_iteration == prof.tensor_flops_per_tile == 4 * bm * bn * d
+        assert mix.by_category["wgsync"] >= 2 and mix.by_category["mbarrier"] >= 1
+        assert mix.by_category["other"] < 0.02 * mix.total, op
+        assert prof.prediction is not None and prof.prediction.path == "wgmma", op
+    pp, cp = profiles["fwd90awspp"], profiles["fwd90a"]
+    # The ping-pong turns are named barriers in its main loop; its producer's TMA and the
+    # register hand-over are in the kernel; the cp.async family waits on mbarriers that
+    # its own copies arrive on.
+    assert pp.loop_mix is not None and pp.loop_mix.by_category["namedbar"] >= 2
+    whole = pp.kernel_mix.by_category
+    assert whole["tma"] >= 3 and whole["regalloc"] == 2 and whole["ldgsts"] == 0
+    assert cp.loop_mix is not None and cp.loop_mix.by_category["ldgsts"] > 0
+    assert cp.kernel_mix.by_opcode.get("ARRIVES.LDGSTSBAR.64.ARVCNT", 0) > 0
+    # The ws block has a producer warpgroup more than its compute warps.
+    assert pp.occupancy.warps_per_block == pp.config.num_warps + 4
+
+
+def test_profile_cli_json_and_table(profiles: dict[str, KernelProfile]) -> None:
+    args = ["profile", "--arch", "sm_90a", "--op", "fwd90awspp", "--head-dim", "128",
+            "--config", "m128_n128_w8_s2", "--batch", "4", "--heads", "16", "--seqlen",
+            "4096"]
+    runner = CliRunner()
+    result = runner.invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    loop = data["sass"]["main_loop"]
+    assert loop["tensor_flops_per_iteration"] == loop["tensor_flops_per_tile"] == 4 * 128**3
+    assert {t["shape"] for t in loop["tensor_ops"]} == {"64x128x16"}
+    assert loop["wgmma_flops"] == loop["mma_flops"] > 0
+    assert "WARPGROUP.ARRIVE" in loop["sync_ops"] and loop["by_category"]["namedbar"] >= 2
+    pred = data["prediction"]
+    assert pred["kind"] == "PREDICTED" and pred["path"] == "wgmma" and pred["assumptions"]
+    assert data["gpu"]["name"] == "H100"
+    kernels = {p["kernel"]: p for p in data["published"]}
+    assert kernels["FlashAttention-3"]["tflops"] == 638
+    assert kernels["FlashAttention-3"]["predicted_over_published"] == pytest.approx(
+        pred["tflops"] / 638, abs=1e-3)
+    table = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert table.exit_code == 0, table.output
+    text = " ".join(table.output.split())
+    for needle in ("HGMMA.64x128x16.F32 x 262144 FLOP per warpgroup", "named barriers",
+                   "wgmma path", "uncalibrated", "published FlashAttention-3 on H100",
+                   "predicted / published"):
+        assert needle in text, needle
+    assert get_arch("sm_90a").arch_specific
