@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 
-from flashtune.perf.sass import Instruction, InstructionMix, Loop, SassFunction
+from flashtune.perf.sass import Instruction, InstructionMix, Loop, SassFunction, wgmma_shape
 
 
 class LoopKind(str, Enum):
@@ -170,8 +170,32 @@ def _regs(token: str, width: int) -> set[int]:
     return set(range(base, base + width))
 
 
+def _wgmma_operands(ins: Instruction) -> tuple[set[int], set[int]]:
+    """(registers a wgmma reads, registers it writes): ``D, [A,] desc-B, C`` with an f32
+    accumulator of N/2 registers per thread (N/4 for f16) and, when A comes from registers,
+    its 4 registers (HGMMA.64x128x16.F32 R24, R88, gdesc[UR12].tnspB, R24)."""
+    shape = wgmma_shape(ins.opcode)
+    if shape is None:
+        return set(), set()
+    n = int(shape.split("x")[1])
+    acc = n // 2 if "F32" in ins.modifiers else n // 4
+    parts = [p.strip() for p in ins.operands.split(",")]
+    if not parts:
+        return set(), set()
+    reads = set()
+    if len(parts) >= 2 and not parts[1].startswith("gdesc"):
+        reads |= _regs(parts[1], 4)
+    if len(parts) >= 3 and not parts[2].startswith("gdesc"):
+        reads |= _regs(parts[2], acc)
+    elif len(parts) >= 4:
+        reads |= _regs(parts[3], acc)
+    return reads, _regs(parts[0], acc)
+
+
 def _mma_operands(ins: Instruction) -> tuple[set[int], set[int]]:
     """(registers an MMA reads, registers it writes)."""
+    if ins.category == "wgmma":
+        return _wgmma_operands(ins)
     mods = ins.modifiers
     small = "1688" in mods or "884" in mods
     acc = 2 if "F16" in mods[1:2] else 4

@@ -16,6 +16,7 @@ from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.families.hopper import space
 from flashtune.perf.costmodel import predict
 from flashtune.perf.gpus import default_gpu_for_arch
+from flashtune.perf.loops import main_loops
 from flashtune.perf.profile import KernelProfile, profile_kernel, resolve_gpu
 from flashtune.perf.sass import Instruction, categorize, parse_sass
 
@@ -207,3 +208,23 @@ def test_profile_cli_json_and_table(profiles: dict[str, KernelProfile]) -> None:
                    "predicted / published"):
         assert needle in text, needle
     assert get_arch("sm_90a").arch_specific
+
+
+def test_local_memory_in_a_wgmma_chain() -> None:
+    """A spill reload of a register-A operand and a spill of an accumulator register past
+    the first four (N/2 = 64 f32 registers per thread at N = 128) sit in the chain."""
+    listing = """
+.text.spill:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   LDL.64 R88, [R1] ;
+        /*0020*/                   HGMMA.64x128x16.F32 R24, R88, gdesc[UR12].tnspB, R24 ;
+        /*0030*/                   STL [R1+0x8], R80 ;
+        /*0040*/                   STL [R1+0x10], R200 ;
+        /*0050*/               @P0 BRA `(.L_x_1) ;
+        /*0060*/                   EXIT ;
+"""
+    loops = main_loops(parse_sass(listing).function("spill"))
+    assert loops.unmasked is not None
+    local = loops.unmasked.local
+    assert (local.loads, local.stores, local.in_mma_chain) == (1, 2, 2)
