@@ -110,12 +110,14 @@ def _print(profile: KernelProfile) -> None:
         table.add_row(name, whole, in_loop)
     console.print(table)
     per_iteration = profile.tensor_flops_per_iteration
-    if per_iteration is not None:
+    if per_iteration is not None and profile.loop_mix is not None:
+        per_tile = profile.tensor_flops_per_tile
         console.print(f"main loop tensor FLOPs per iteration: {per_iteration} (the warp's "
-                      f"{profile.loop_mix.mma_flops if profile.loop_mix else 0} x "
-                      f"{profile.config.num_warps} compute warps); per K/V tile "
-                      f"4 x {profile.config.block_m} x {profile.config.block_n} x head dim = "
-                      f"{profile.tensor_flops_per_tile}", highlight=False)
+                      f"{profile.loop_mix.mma_flops} x {profile.config.num_warps} compute "
+                      "warps)" + ("" if per_tile is None else
+                                  f"; per K/V tile 4 x {profile.config.block_m} x "
+                                  f"{profile.config.block_n} x head dim = {per_tile}"),
+                      highlight=False)
     _print_loop_budget(console, profile)
     occ = profile.occupancy
     waves = f"; {pred.waves:.2f} waves on {profile.gpu.sm_count} SMs" if pred else ""

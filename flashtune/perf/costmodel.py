@@ -56,8 +56,8 @@ from flashtune.perf.loopcost import (
     mean_rescale_probability,
 )
 from flashtune.perf.loops import nested_loops
-from flashtune.perf.modelparams import _FA2_TABLE, parameter_sources
 from flashtune.perf.modelparams import DEFAULT_PARAMS as DEFAULT_PARAMS
+from flashtune.perf.modelparams import FA2_TABLE_FIT, parameter_sources
 from flashtune.perf.modelparams import MODEL_NAME as MODEL_NAME
 from flashtune.perf.modelparams import PARAM_SOURCES as PARAM_SOURCES
 from flashtune.perf.modelparams import ModelParams as ModelParams
@@ -193,8 +193,8 @@ class Prediction:
 
     def fitted_summary(self) -> str:
         """Which parameters were fitted to which published table."""
-        fitted = [n for n, _, src in self.parameters if src == _FA2_TABLE]
-        return (f"parameters {', '.join(fitted)} are a {_FA2_TABLE}" if fitted
+        fitted = [n for n, _, src in self.parameters if src == FA2_TABLE_FIT]
+        return (f"parameters {', '.join(fitted)} are a {FA2_TABLE_FIT}" if fitted
                 else "no parameter is at its published-table fit")
 
 
@@ -320,7 +320,8 @@ def predict(
     ``local_per_tile``, without ``sass``, is the measured local-memory accesses per K/V tile
     of a kernel that spills (else spill bytes are assumed accessed once per tile). Raises
     OutOfResources when no block of the kernel fits on an SM, InvalidProblem for a problem
-    of another family than the forward (the model describes the forward's main loop).
+    of another family than the forwards (the model describes a forward's main loop: the
+    mma.sync forward's, or on the wgmma path, perf/wgmma.py, an sm_90a family's).
     """
     design = design_of(problem)
     if problem.op != "fwd" and design is None:
@@ -331,12 +332,12 @@ def predict(
     spec = _gpu(gpu)
     notes: list[str] = []
     tiles = tiles_per_query_block(problem, config, shape)
-    loops = (kernel_loops(sass, problem, config, _analytic(problem, config, design))
-             if isinstance(sass, SassFunction) else None)
-    if loops is not None:
+    fn = sass if isinstance(sass, SassFunction) else None
+    loops = (kernel_loops(fn, problem, config, _analytic(problem, config, design))
+             if fn is not None else None)
+    if loops is not None and fn is not None:
         mix = loops.tile_mix(False, mean_rescale_probability(config, tiles))
-        assert isinstance(sass, SassFunction)
-        notes.append(_loop_note(loops, config, tiles, sass))
+        notes.append(_loop_note(loops, config, tiles, fn))
     else:
         mix = _tile_mix(problem, config, sass, resources, local_per_tile, notes, design)
     occ = _occupancy(problem, config, spec, resources, notes, design)

@@ -23,7 +23,7 @@ class ModelParams:
     overlap: float = 0.43
     #: Memory latency a K/V pipeline wait exposes per tile when nothing else can run, ns.
     exposed_latency_ns: float = 716.0
-    #: Multiplier on the GPU's mma.sync rate.
+    #: Multiplier on the GPU's tensor rate (mma.sync's; wgmma's on the sm_90a path).
     tensor_efficiency: float = 1.0
     #: Achievable share of datasheet DRAM and L2 bandwidth (an H200 copies at about 4.3 of
     #: its 4.8 TB/s; reference/attention-baselines.md).
@@ -71,13 +71,14 @@ class ModelParams:
 
 DEFAULT_PARAMS = ModelParams()
 
-_FA2_TABLE = ("least-squares fit (log time) to the published FlashAttention-2 H100 SXM5 "
-              "forward fp16 table (FlashAttention-3 paper; reference/attention-baselines.md) "
-              "on FA2's own tiles: agreement with that table is by construction")
+#: The source of the parameters fitted to FA2's published H100 table.
+FA2_TABLE_FIT = ("least-squares fit (log time) to the published FlashAttention-2 H100 SXM5 "
+                 "forward fp16 table (FlashAttention-3 paper; reference/attention-baselines.md) "
+                 "on FA2's own tiles: agreement with that table is by construction")
 #: Where each default parameter value comes from; every prediction says it.
 PARAM_SOURCES: dict[str, str] = {
-    "overlap": _FA2_TABLE,
-    "exposed_latency_ns": _FA2_TABLE,
+    "overlap": FA2_TABLE_FIT,
+    "exposed_latency_ns": FA2_TABLE_FIT,
     "tensor_efficiency": "1: the datasheet mma.sync rate (calibrate() refits it)",
     "bandwidth_efficiency": "an H200 copy measurement, 4.3 of 4.8 TB/s "
                             "(reference/attention-baselines.md)",

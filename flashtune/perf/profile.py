@@ -24,6 +24,7 @@ from flashtune.perf.loops import MainLoops, main_loops
 from flashtune.perf.occupancy import Occupancy, occupancy
 from flashtune.perf.sass import InstructionMix, Loop
 from flashtune.perf.wgmma import design_of
+from flashtune.perf.workload import mma_head_dim
 from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.resources import Resources
 
@@ -61,11 +62,13 @@ class KernelProfile:
         return self.loop_mix.mma_flops * self.config.num_warps
 
     @property
-    def tensor_flops_per_tile(self) -> int:
-        """The algorithm's tensor FLOPs per K/V tile: 4 * block_m * block_n * head dim
-        (Q K^T and P V, the head dim rounded up to 16 as the tensor cores see it)."""
-        d = -(-self.problem.head_dim // 16) * 16
-        return 4 * self.config.block_m * self.config.block_n * d
+    def tensor_flops_per_tile(self) -> int | None:
+        """A forward's tensor FLOPs per K/V tile: 4 * block_m * block_n * head dim (Q K^T and
+        P V, the head dim rounded up to 16 as the tensor cores see it); None for a kernel
+        that is not a forward (the mma.sync one or an sm_90a family)."""
+        if self.problem.op != "fwd" and design_of(self.problem) is None:
+            return None
+        return 4 * self.config.block_m * self.config.block_n * mma_head_dim(self.problem)
 
     def to_dict(self) -> dict[str, object]:
         return {

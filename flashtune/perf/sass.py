@@ -70,21 +70,21 @@ _GMMA_SHAPE = re.compile(r"(\d+)x(\d+)x(\d+)")
 _BAR_ID = re.compile(r"^\s*(?P<id>0x[0-9a-fA-F]+|\d+)\s*$")
 
 
-def wgmma_flops(opcode: str) -> int:
-    """FLOPs one warpgroup-wide wgmma computes (2*M*N*K of its ``MxNxK`` shape token, e.g.
-    HGMMA.64x128x16.F32: 262144); 0 for anything else or a shape the opcode does not name."""
-    if opcode.split(".", 1)[0] not in _WGMMA:
-        return 0
-    m = next((_GMMA_SHAPE.fullmatch(t) for t in opcode.split(".")[1:]
-              if _GMMA_SHAPE.fullmatch(t)), None)
-    return 0 if m is None else 2 * int(m[1]) * int(m[2]) * int(m[3])
-
-
 def wgmma_shape(opcode: str) -> str | None:
     """The ``MxNxK`` token of a wgmma opcode ('64x128x16'), else None."""
     if opcode.split(".", 1)[0] not in _WGMMA:
         return None
     return next((t for t in opcode.split(".")[1:] if _GMMA_SHAPE.fullmatch(t)), None)
+
+
+def wgmma_flops(opcode: str) -> int:
+    """FLOPs one warpgroup-wide wgmma computes (2*M*N*K of its ``MxNxK`` shape token, e.g.
+    HGMMA.64x128x16.F32: 262144); 0 for anything else or a shape the opcode does not name."""
+    shape = wgmma_shape(opcode)
+    if shape is None:
+        return 0
+    m, n, k = (int(x) for x in shape.split("x"))
+    return 2 * m * n * k
 
 _LINE = re.compile(
     r"^\s*/\*(?P<off>[0-9a-fA-F]{4,})\*/\s+(?P<pred>@!?U?P(?:T|\d+)\s+)?"
@@ -139,10 +139,12 @@ class Instruction:
         CTA-wide ``BAR.SYNC 0x0`` of __syncthreads)."""
         if self.base != "BAR":
             return False
-        if "ARV" in self.modifiers or "RED" in self.modifiers:
+        if "ARV" in self.modifiers:  # bar.arrive always names a thread count
             return True
         parts = [p for p in self.operands.split(",") if p.strip()]
-        if len(parts) != 1:
+        if not parts:
+            return False
+        if len(parts) > 1:  # an id and a thread count
             return True
         m = _BAR_ID.match(parts[0])
         return m is None or int(m["id"], 0) != 0

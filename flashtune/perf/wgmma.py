@@ -42,7 +42,7 @@ from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.families.hopper import HopperForwardFamily
 from flashtune.families.hopper import space as hopper_space
 from flashtune.families.hopper.ws import PRODUCER_THREADS, HopperWsForwardFamily
-from flashtune.perf.workload import TileMix, analytic_tile_mix
+from flashtune.perf.workload import TileMix, analytic_tile_mix, mma_head_dim
 
 MODEL_NAME = "fa3-wgmma-1"
 #: Said in every wgmma prediction.
@@ -130,7 +130,7 @@ def analytic_tile_mix_wgmma(problem: Problem, config: KernelConfig, design: Desi
     An approximation: the SASS path (``flashtune profile``) replaces it; the compiled
     cp.async loop issues several times more integer instructions than it estimates."""
     fa2 = analytic_tile_mix(problem, config)
-    d = -(-problem.head_dim // 16) * 16
+    d = mma_head_dim(problem)
     hgmma = d / 16 + config.block_n / 16
     syncs = 4 + (4 if design.loads == "cp.async" else 2)
     ldgsts = 2 * config.block_n * d * 2 / 16 / config.threads if design.loads == "cp.async" \
