@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from flashtune import families
 from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.errors import InvalidConfig
 from flashtune.families.hopper import HopperForwardFamily
 from flashtune.families.hopper import space as hopper_space
 from flashtune.families.hopper.ws import PRODUCER_THREADS, HopperWsForwardFamily
@@ -50,6 +51,8 @@ CALIBRATION = ("uncalibrated: no sm_90a kernel has been timed on a GPU; the wgmm
                "the datasheet's and the overlap shares are assumptions")
 #: Share of the shorter of tensor and non-tensor time hidden under ping-pong (assumed).
 PINGPONG_OVERLAP = 1.0
+#: How a design's K/V tiles reach shared memory.
+LOADS = ("cp.async", "TMA")
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,17 @@ class Design:
     loads: str                 # "cp.async" (consumer warps) or "TMA" (producer warpgroup)
     producer_threads: int      # threads of the producer warpgroup (0: none)
     pingpong: bool
+
+    def __post_init__(self) -> None:
+        if self.loads not in LOADS:
+            raise InvalidConfig(f"Design {self.op}: loads={self.loads!r}, expected one of "
+                                f"{LOADS}")
+        if self.producer_threads < 0 or self.producer_threads % 128:
+            raise InvalidConfig(f"Design {self.op}: producer_threads={self.producer_threads} "
+                                "must be 0 or whole warpgroups (multiples of 128)")
+        if self.pingpong and not self.producer_threads:
+            raise InvalidConfig(f"Design {self.op}: ping-pong consumers need a producer "
+                                "warpgroup (the warp-specialised kernel)")
 
     @property
     def warp_specialized(self) -> bool:

@@ -13,12 +13,14 @@ from typer.testing import CliRunner
 from flashtune.cli import app
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
+from flashtune.errors import InvalidConfig
 from flashtune.families.hopper import space
 from flashtune.perf.costmodel import predict
 from flashtune.perf.gpus import default_gpu_for_arch
 from flashtune.perf.loops import main_loops
 from flashtune.perf.profile import KernelProfile, profile_kernel, resolve_gpu
 from flashtune.perf.sass import Instruction, categorize, parse_sass
+from flashtune.perf.wgmma import Design
 
 # The shape of NVRTC 13's sm_90a output (compiled fwd90awspp / fwd90a listings): a loop with
 # HGMMAs, wgmma fences, an mbarrier wait whose retry ptxas puts after EXIT and which jumps
@@ -228,3 +230,12 @@ def test_local_memory_in_a_wgmma_chain() -> None:
     assert loops.unmasked is not None
     local = loops.unmasked.local
     assert (local.loads, local.stores, local.in_mma_chain) == (1, 2, 2)
+
+
+def test_design_validation() -> None:
+    with pytest.raises(InvalidConfig, match="loads='tma'"):
+        Design("x", "tma", 128, False)
+    with pytest.raises(InvalidConfig, match="multiples of 128"):
+        Design("x", "TMA", 96, False)
+    with pytest.raises(InvalidConfig, match="producer warpgroup"):
+        Design("x", "cp.async", 0, True)
