@@ -12,10 +12,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from flashtune.perf.sass import Instruction
+
+class Instruction(Protocol):
+    """What the graph reads of an instruction (perf.sass.Instruction has it)."""
+
+    @property
+    def offset(self) -> int: ...
+    @property
+    def base(self) -> str: ...
+    @property
+    def predicate(self) -> str: ...
+
+
+Ins = TypeVar("Ins", bound=Instruction)
 
 #: Opcodes (base) after which control does not fall through when unpredicated.
 _NO_FALLTHROUGH = {"BRA", "EXIT", "RET", "JMP", "KILL"}
@@ -35,8 +46,8 @@ def _unconditional(ins: Instruction) -> bool:
     return ins.predicate.replace(" ", "") in ("", "@PT")
 
 
-def back_edges(instructions: Sequence[Instruction],
-               branch_target: Callable[[Instruction], int | None]) -> list[BackEdge]:
+def back_edges(instructions: Sequence[Ins],
+               branch_target: Callable[[Ins], int | None]) -> list[BackEdge]:
     """Every branch whose target is at or before it and dominates it.
 
     Blocks no edge reaches (a subroutine entered by CALL) are roots of their own, so loops
