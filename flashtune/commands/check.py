@@ -18,7 +18,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flashtune import families
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem, Shape
 from flashtune.commands.codegen import (
     DEFAULT_ARCH,
@@ -38,18 +37,18 @@ from flashtune.commands.options import (
     Warps,
 )
 from flashtune.errors import FlashtuneError, InvalidInput
-from flashtune.families import render
-from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
 from flashtune.runtime.limits import check_host_memory
 
-if TYPE_CHECKING:  # torch is imported when a check runs, not when the CLI starts
+if TYPE_CHECKING:  # torch and the emulator load when a check runs, not when the CLI starts
     from flashtune.families.base import Verdict
+    from flashtune.runtime.backends.emulator import Schedule
 
 
 def run_in_emulator(source: KernelSource, shape: Shape, schedules: list[Schedule],
                     seed: int) -> Verdict:
     """Launch ``source`` on random inputs (outputs poisoned with NaN) once per schedule and
     return the worst verdict."""
+    from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
     from flashtune.runtime.launch import verify
 
     worst: Verdict | None = None
@@ -125,6 +124,9 @@ def check_command(
     Exits with status 1 if any kernel fails to compile, faults in the emulator (bad address,
     race, deadlock) or misses the tolerance. Register spills are shown, not failures.
     """
+    from flashtune import families
+    from flashtune.runtime.backends.emulator import Schedule
+
     console = Console(width=max(Console().width, 110))
     problem: Problem = parse_problem(op, head_dim, dtype, causal)
     specs = list(dict.fromkeys(parse_arch(a) for a in (arch or [DEFAULT_ARCH])))
@@ -154,7 +156,7 @@ def check_command(
         if reason is not None:
             row.failures = (f"{cfg.key()} cannot run on {spec.name}: {reason}",)
             continue
-        source = render(problem, cfg)
+        source = families.render(problem, cfg)
         failures = [] if no_compile else _compile_cells(row, source, spec.name)
         if source.digest not in emulated:
             try:

@@ -4,6 +4,9 @@
 Both take a problem (--head-dim, --dtype, --causal) and a config: --config KEY and/or
 --block-m/--block-n/--warps/--stages, each given field overriding the base config (the
 --config key, else the default config of the problem on the arch).
+
+The kernel family registry (``flashtune.families``) imports torch, so it is imported inside
+the functions that use it: the command line starts without it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flashtune import families
 from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
 from flashtune.commands.options import (
@@ -34,12 +36,18 @@ from flashtune.commands.options import (
 )
 from flashtune.commands.safety import output_dir
 from flashtune.errors import FlashtuneError, InvalidConfig, InvalidProblem
-from flashtune.families import render
 
 DEFAULT_ARCH = "sm_90"
 ArchList = Annotated[list[str] | None, typer.Option(
     "--arch", help=f"Target arch, repeatable (default {DEFAULT_ARCH}).")]
 
+
+def render(problem: Problem, config: KernelConfig) -> KernelSource:
+    """The KernelSource of ``problem`` x ``config``, rendered by its family
+    (``flashtune.families.render``)."""
+    from flashtune import families
+
+    return families.render(problem, config)
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,8 @@ class ConfigChoice:
         return self.key is not None or bool(self.overrides)
 
     def resolve(self, problem: Problem, spec: ArchSpec) -> KernelConfig:
+        from flashtune import families
+
         try:
             base = (KernelConfig.from_key(self.key) if self.key is not None
                     else families.of(problem).default_config(problem, spec))
@@ -78,6 +88,8 @@ class ConfigChoice:
 
 def parse_problem(op: str, head_dim: int, dtype: DType, causal: bool) -> Problem:
     """The Problem of the options, served by a registered family (else a usage error)."""
+    from flashtune import families
+
     try:
         families.get(op)
     except InvalidProblem as exc:
@@ -115,6 +127,8 @@ def show(
     ] = DEFAULT_ARCH,
 ) -> None:
     """Print the generated CUDA source of one kernel."""
+    from flashtune import families
+
     problem = parse_problem(op, head_dim, dtype, causal)
     spec = parse_arch(arch)
     choice = ConfigChoice(config, block_m, block_n, warps, stages)
@@ -137,6 +151,8 @@ class _Row:
 
 def _plan(problem: Problem, specs: list[ArchSpec], choice: ConfigChoice, all_configs: bool
           ) -> list[_Row]:
+    from flashtune import families
+
     rows: list[_Row] = []
     for spec in specs:
         served = families.served_on_virtual(problem, spec)
@@ -250,6 +266,8 @@ def compile_command(
 def _print_space_sizes(console: Console, specs: list[ArchSpec], problem: Problem) -> None:
     """The space of ``problem`` as each arch serves it: declared points, structurally legal
     configs, and those that pass the arch's static rules."""
+    from flashtune import families
+
     for spec in specs:
         served = families.served_on_virtual(problem, spec)
         family = families.of(served)
@@ -275,6 +293,8 @@ def space_command(
 
 def families_command() -> None:
     """List the kernel families: op, title, template and the size of the search space."""
+    from flashtune import families
+
     table = Table(title="kernel families")
     for column in ("op", "what it computes", "template", "space (points)"):
         table.add_column(column)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -17,24 +17,20 @@ from rich.text import Text
 
 from flashtune.codegen.spec import Problem, ProblemBucket
 from flashtune.commands.options import DbOpt, fail
-from flashtune.db import (
+from flashtune.db.records import (
+    PREFER_CHOICES,
     BestEntry,
-    ShareReport,
+    Prefer,
+    Provenance,
     TrialRecord,
     TrialStatus,
-    TuningStore,
-    export_bundle,
-    import_bundle,
-    merge_databases,
-    read_bundle,
-    write_bundle,
+    printable,
 )
-from flashtune.db.engine import make_engine, resolve_url
-from flashtune.db.records import Provenance, printable
-from flashtune.db.schema import ensure_schema, schema_state
-from flashtune.db.sharing import PREFER_CHOICES, Prefer
 from flashtune.errors import DatabaseError, FlashtuneError
-from flashtune.runtime.trust import installed_digest, serving_state
+
+if TYPE_CHECKING:  # SQLAlchemy (and torch, for the installed kernels) load when a command runs
+    from flashtune.db.sharing import ShareReport
+    from flashtune.db.store import TuningStore
 
 db_app = typer.Typer(name="db", no_args_is_help=True,
                      help="Inspect, upgrade, export, import and merge the tuning database.")
@@ -69,6 +65,9 @@ def _open(ctx: typer.Context, db: str | None, *, create: bool = True) -> TuningS
 
     ``create=False`` (the read commands) refuses a missing file and opens read-only.
     """
+    from flashtune.db.store import TuningStore
+    from flashtune.runtime.trust import installed_digest
+
     try:
         return TuningStore(db if db is not None else ctx.obj, create=create,
                            installed=installed_digest)
@@ -111,6 +110,8 @@ def _source(provenance: Provenance | None) -> str:
 
 def _state(entry: BestEntry) -> str:
     """How the entry stands on the installed kernel sources (only the first two serve)."""
+    from flashtune.runtime.trust import serving_state
+
     return {"current": "served", "reverified": "served (re-verified)", "stale": "stale",
             "failed": "FAILED verify"}[serving_state(entry)]
 
@@ -153,6 +154,9 @@ def info_command(ctx: typer.Context, db: DbOpt = None) -> None:
 @db_app.command("upgrade")
 def upgrade_command(ctx: typer.Context, db: DbOpt = None) -> None:
     """Migrate the database to this flashtune's schema (back it up first)."""
+    from flashtune.db.engine import make_engine, resolve_url
+    from flashtune.db.schema import ensure_schema, schema_state
+
     try:
         url = resolve_url(db if db is not None else ctx.obj)
         engine = make_engine(url, create=True)
@@ -268,6 +272,9 @@ def export_command(
         "--best-only", help="Only the best trial of each bucket, no other trials.")] = False,
 ) -> None:
     """Write a self-describing JSON bundle of tuning results for sharing."""
+    from flashtune.db.bundle import write_bundle
+    from flashtune.db.sharing import export_bundle
+
     for key in problem or []:
         try:
             Problem.from_key(key)
@@ -297,6 +304,9 @@ def import_command(
 ) -> None:
     """Validate a bundle completely, then add its results in one transaction, with their
     provenance (bundle digest, time of import, claimed origin)."""
+    from flashtune.db.bundle import read_bundle
+    from flashtune.db.sharing import import_bundle
+
     choice = _prefer(prefer)
     try:
         bundle = read_bundle(bundle_path)
@@ -323,6 +333,9 @@ def merge_command(
     trust: TrustOpt = False,
 ) -> None:
     """Merge another database's results into this one, keeping provenance."""
+    from flashtune.db.sharing import merge_databases
+    from flashtune.db.store import TuningStore
+
     choice = _prefer(prefer)
     try:
         source = TuningStore(other, create=False)
@@ -355,6 +368,7 @@ def verify_command(
     makes a stale entry servable again, a failure stops it being served); exits with
     status 1 if any check fails."""
     from flashtune.commands.db_verify import backend_factory, results_table, verify_store
+    from flashtune.db.store import TuningStore
 
     if backend not in ("auto", "gpu", "emulator"):
         raise typer.BadParameter(f"{backend!r}; expected auto, gpu or emulator",

@@ -30,10 +30,10 @@ from flashtune.commands.options import (
     fail,
 )
 from flashtune.errors import FlashtuneError
-from flashtune.perf.sass import InstructionMix, categorize
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # flashtune.perf imports torch: loaded when a profile runs
     from flashtune.perf.profile import KernelProfile
+    from flashtune.perf.sass import InstructionMix
 
 
 def _shape(batch: int, heads: int, heads_kv: int | None, seqlen: int, seqlen_k: int | None
@@ -50,6 +50,8 @@ def _widths(widths: dict[int, int]) -> str:
 
 def _ops(mix: InstructionMix, *categories: str) -> str:
     """'n OPCODE, ...' of the mix's opcodes in ``categories``."""
+    from flashtune.perf.sass import categorize
+
     return ", ".join(f"{n} {op}" for op, n in mix.by_opcode.items()
                      if categorize(op) in categories)
 

@@ -5,23 +5,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flashtune import families, knobs
+from flashtune import knobs
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import COMPILED_HEAD_DIMS, DType, Problem, seq_bucket
 from flashtune.commands.options import DbOpt, fail
 from flashtune.db.records import BestEntry, printable
 from flashtune.errors import FlashtuneError
-from flashtune.families import render
-from flashtune.runtime.dispatch import DeviceLike, Dispatcher
 from flashtune.runtime.limits import check_seqlens
-from flashtune.runtime.trust import serving_state
+
+if TYPE_CHECKING:  # the dispatcher and the families import torch: loaded when a command runs
+    from flashtune.runtime.dispatch import DeviceLike, Dispatcher
 
 DEFAULT_ARCH = "sm_90"
 
@@ -51,6 +51,8 @@ class _Entries:
 def _dispatcher(db: str | None) -> Dispatcher:
     """The runtime's dispatcher, or one over ``db`` (read now, so a bad --db fails here
     instead of silently falling back to the defaults)."""
+    from flashtune.runtime.dispatch import Dispatcher
+
     if db is None:
         return Dispatcher()
     from flashtune.db.store import TuningStore
@@ -103,6 +105,9 @@ def explain_command(
 ) -> None:
     """Print which config attention would run for a problem on a GPU, and which tier of the
     lookup (exact, nearest, same_arch, default) answered. Nothing is compiled or tuned."""
+    from flashtune import families
+    from flashtune.runtime.trust import serving_state
+
     try:
         problem = Problem(head_dim=head_dim, dtype=dtype, causal=causal, op=op)
         families.get(op)
@@ -111,7 +116,7 @@ def explain_command(
         target = resolve_device(arch, device, db)
         decision = _dispatcher(db).decide(bucket, target)
         # the family that serves the call (an sm_90a one on a cc 9.0 GPU), as attention runs it
-        source = render(decision.problem, decision.config)
+        source = families.render(decision.problem, decision.config)
     except FlashtuneError as exc:
         raise fail(str(exc)) from exc
     from flashtune.runtime.precompile import load_shipped

@@ -4,19 +4,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
-from flashtune import families, knobs
+from flashtune import knobs
 from flashtune.codegen.spec import FEATURES, Problem
 from flashtune.commands.options import DbOpt, fail
 from flashtune.errors import FlashtuneError, TuningError
-from flashtune.tuner.measure.evaluate import DEFAULT_MAX_SPILL_BYTES
-from flashtune.tuner.measure.workload import BatchHeads
-from flashtune.tuner.options import BucketSummary, TuneOptions
-from flashtune.tuner.search.study import SAMPLERS
+from flashtune.tuner.defaults import DEFAULT_MAX_SPILL_BYTES, DEFAULT_TOLERANCE, SAMPLERS
+
+if TYPE_CHECKING:  # the tuner imports Optuna, SQLAlchemy and torch: loaded when a run starts
+    from flashtune.tuner.measure.workload import BatchHeads
+    from flashtune.tuner.options import BucketSummary, TuneOptions
 
 
 def tune_command(
@@ -63,7 +64,7 @@ def tune_command(
     ] = DEFAULT_MAX_SPILL_BYTES,
     tie_tolerance: Annotated[float, typer.Option(
         "--tie-tolerance", min=0.0, max=1.0,
-        help="Finalists within this fraction of the best tie (0 to 1).")] = 0.02,
+        help="Finalists within this fraction of the best tie (0 to 1).")] = DEFAULT_TOLERANCE,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="No GPU: compile for --arch and verify in the emulator, untimed.")
     ] = False,
@@ -90,8 +91,10 @@ def tune_command(
     """Tune a kernel family (default: the forward) on this GPU; store each bucket's winner.
 
     With --replay FILE the same search runs against a recorded landscape of any kernel."""
+    from flashtune import families
     from flashtune.tuner.measure.replay import parse_budget
     from flashtune.tuner.measure.workload import parse_batch_heads, parse_seqlens
+    from flashtune.tuner.options import TuneOptions
 
     if replay is not None:
         _replay(replay, budget, trials, sampler, seed, warm_start_from)

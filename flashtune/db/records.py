@@ -53,6 +53,11 @@ class TrialStatus(str, Enum):
 FAILED_STATUSES = frozenset({TrialStatus.INVALID, TrialStatus.COMPILE_FAILED,
                              TrialStatus.RUNTIME_FAILED, TrialStatus.WRONG_RESULT})
 
+#: Which result a merge or an import keeps per bucket when both sides have one (here, with
+#: the choices, so that the command line lists them without importing SQLAlchemy).
+Prefer = Literal["ours", "theirs", "faster"]
+PREFER_CHOICES: tuple[Prefer, ...] = ("faster", "ours", "theirs")
+
 # Limits: generous for any real GPU or measurement, small enough to reject absurd input.
 MAX_NAME_LEN = 128
 MAX_HOST_LEN = 253

@@ -26,8 +26,6 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Literal
-
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
@@ -35,12 +33,21 @@ from flashtune.db import rows
 from flashtune.db.bundle import Bundle, check_bundle
 from flashtune.db.engine import session_scope
 from flashtune.db.models import BestRow, ConfigRow, ProblemRow, TrialRow
-from flashtune.db.records import DigestOf, Provenance, now_utc, this_host, this_version
+from flashtune.db.records import (
+    PREFER_CHOICES,
+    DigestOf,
+    Prefer,
+    Provenance,
+    now_utc,
+    this_host,
+    this_version,
+)
 from flashtune.db.store import TuningStore
 from flashtune.errors import BundleError, DatabaseError
 
-Prefer = Literal["ours", "theirs", "faster"]
-PREFER_CHOICES: tuple[Prefer, ...] = ("faster", "ours", "theirs")
+__all__ = ["PREFER_CHOICES", "DigestConflict", "Prefer", "ShareReport", "export_bundle",
+           "import_bundle", "merge_databases"]
+
 _REPLACE = {"faster": "faster", "ours": "never", "theirs": "always"}
 _CHUNK = 500  # bound on bound parameters per IN (...) query
 

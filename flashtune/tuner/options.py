@@ -8,11 +8,10 @@ from dataclasses import dataclass, field
 from flashtune import knobs
 from flashtune.codegen.spec import KernelConfig, ProblemBucket
 from flashtune.errors import TuningError
+from flashtune.tuner.defaults import DEFAULT_MAX_SPILL_BYTES, DEFAULT_TOLERANCE, SAMPLERS
 from flashtune.tuner.measure.base import TimingPlan
-from flashtune.tuner.measure.evaluate import DEFAULT_MAX_SPILL_BYTES
 from flashtune.tuner.search.prediction import BucketPrediction
-from flashtune.tuner.search.selection import DEFAULT_TOLERANCE
-from flashtune.tuner.search.study import SAMPLERS, Heartbeat
+from flashtune.tuner.search.study import Heartbeat
 
 
 @dataclass(frozen=True)

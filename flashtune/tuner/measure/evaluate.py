@@ -12,15 +12,11 @@ from dataclasses import dataclass
 from flashtune.codegen.spec import KernelConfig
 from flashtune.db.records import TrialStatus, truncate_error
 from flashtune.errors import CompileError, DeviceError, EmulatorError, OutOfResources, TuningError
+from flashtune.tuner.defaults import DEFAULT_MAX_SPILL_BYTES
 from flashtune.tuner.measure.base import CompileOutcome, MeasurementBackend, ShapeTiming, TimingPlan
 from flashtune.tuner.measure.workload import Workload, geomean
 
 log = logging.getLogger("flashtune.tuner")
-
-#: Spill stores per thread tolerated by default. A few bytes are usually spilled outside the
-#: main loop and cost nothing; spills in attention's inner loop go to local memory on every
-#: iteration and are never worth it: beyond 16 registers' worth a config is ruled out.
-DEFAULT_MAX_SPILL_BYTES = 64
 
 #: How the error text of a spill rejection starts; it tells those ``invalid`` trials (compiled,
 #: never run) from the statically pruned ones (never compiled) when counting progress.

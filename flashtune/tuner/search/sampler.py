@@ -30,13 +30,13 @@ from optuna.study import StudyDirection
 from optuna.trial import FrozenTrial, TrialState
 
 from flashtune.errors import TuningError
+from flashtune.tuner.defaults import SAMPLERS
 from flashtune.tuner.search.guided import GuidedSearch
 from flashtune.tuner.search.space import Candidates, SearchSpace
 from flashtune.tuner.search.study import (
     COST_ATTR,
     DUPLICATE_ATTR,
     MODEL_PRUNED_ATTR,
-    SAMPLERS,
     TrialScan,
 )
 

@@ -20,11 +20,10 @@ from flashtune import families
 from flashtune.codegen.spec import KernelConfig
 from flashtune.db.records import TrialStatus
 from flashtune.errors import TuningError
+from flashtune.tuner.defaults import DEFAULT_TOLERANCE
 from flashtune.tuner.measure.base import MeasurementBackend, ShapeTiming, TimingPlan
 from flashtune.tuner.measure.evaluate import KERNEL_FAILURES, TrialResult
 from flashtune.tuner.measure.workload import Workload
-
-DEFAULT_TOLERANCE = 0.02
 
 
 @dataclass(frozen=True)

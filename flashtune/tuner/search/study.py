@@ -27,8 +27,6 @@ from flashtune.db.optuna_storage import open_optuna_storage
 from flashtune.db.records import check_study
 from flashtune.errors import TuningError
 
-SAMPLERS = ("guided", "tpe", "gp", "random", "grid")
-
 # What the tuner records on a trial (user attributes), read by the search, its samplers,
 # the final pick and the report.
 OWNER_ATTR = "flashtune_owner"
