@@ -27,8 +27,6 @@ _EXPORTS: dict[str, str] = {
     "BestIndex": "flashtune.db.lookup",
     "Match": "flashtune.db.lookup",
     "resolve": "flashtune.db.lookup",
-    "open_optuna_storage": "flashtune.db.optuna_storage",
-    "optuna_storage": "flashtune.db.optuna_storage",
     "BestEntry": "flashtune.db.records",
     "DeviceRecord": "flashtune.db.records",
     "Keyed": "flashtune.db.records",
@@ -44,15 +42,23 @@ _EXPORTS: dict[str, str] = {
     "import_bundle": "flashtune.db.sharing",
     "merge_databases": "flashtune.db.sharing",
     "TuningStore": "flashtune.db.store",
+    "open_optuna_storage": "flashtune.db.study_storage",
+    "optuna_storage": "flashtune.db.study_storage",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "BestEntry", "BestIndex", "Bundle", "DeviceRecord", "Keyed", "Match", "Provenance",
+    "SchemaState", "ShareReport", "TrialRecord", "TrialStatus", "TuningStore", "dumps",
+    "ensure_schema", "export_bundle", "import_bundle", "merge_databases",
+    "open_optuna_storage", "optuna_storage",
+    "parse_bundle", "read_bundle", "resolve", "resolve_url", "schema_state", "session_scope",
+    "truncate_error", "write_bundle",
+]
 
 if TYPE_CHECKING:
     from flashtune.db.bundle import Bundle, dumps, parse_bundle, read_bundle, write_bundle
     from flashtune.db.engine import resolve_url, session_scope
     from flashtune.db.lookup import BestIndex, Match, resolve
-    from flashtune.db.optuna_storage import open_optuna_storage, optuna_storage
     from flashtune.db.records import (
         BestEntry,
         DeviceRecord,
@@ -70,6 +76,7 @@ if TYPE_CHECKING:
         merge_databases,
     )
     from flashtune.db.store import TuningStore
+    from flashtune.db.study_storage import open_optuna_storage, optuna_storage
 
 
 def __getattr__(name: str) -> Any:

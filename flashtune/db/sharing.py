@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 

@@ -23,8 +23,8 @@ from sqlalchemy.engine import URL
 from flashtune._version import __version__
 from flashtune.codegen import render
 from flashtune.codegen.spec import ProblemBucket
-from flashtune.db.optuna_storage import open_optuna_storage
 from flashtune.db.records import check_study
+from flashtune.db.study_storage import open_optuna_storage
 from flashtune.errors import TuningError
 
 # What the tuner records on a trial (user attributes), read by the search, its samplers,
@@ -97,7 +97,7 @@ class Heartbeat:
 def open_storage(url: str | URL | None, heartbeat: Heartbeat = Heartbeat()
                  ) -> optuna.storages.RDBStorage:
     """Optuna's RDB storage on the tuning database, with the tuner's heartbeats (the one
-    opener of ``flashtune.db.optuna_storage``: pragmas, busy timeout, racing creators)."""
+    opener of ``flashtune.db.study_storage``: pragmas, busy timeout, racing creators)."""
     with quiet_optuna():
         return open_optuna_storage(url, heartbeat_interval=heartbeat.interval,
                                    grace_period=heartbeat.grace_period)
