@@ -6,10 +6,10 @@ the command line stay fast and do not import torch until attention is used.
 
 from __future__ import annotations
 
-import importlib
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from flashtune._lazy import lazy_exports
 from flashtune._version import __version__
 
 _EXPORTS: dict[str, str] = {
@@ -97,15 +97,4 @@ def _configure_logging() -> None:
 
 _configure_logging()
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'flashtune' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(__all__) | {name for name in globals() if name.startswith("__")})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

@@ -13,8 +13,9 @@ command line when it builds its options.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from flashtune._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "Bundle": "flashtune.db.bundle",
@@ -78,15 +79,4 @@ if TYPE_CHECKING:
     from flashtune.db.store import TuningStore
     from flashtune.db.study_storage import open_optuna_storage, optuna_storage
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'flashtune.db' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(__all__) | {name for name in globals() if name.startswith("__")})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

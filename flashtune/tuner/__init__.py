@@ -8,8 +8,7 @@ and which config wins, ``measure`` measures. Names are imported on first use, so
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from flashtune._lazy import lazy_exports
 
 _EXPORTS = {
     "tune": "flashtune.tuner.api",
@@ -25,9 +24,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'flashtune.tuner' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

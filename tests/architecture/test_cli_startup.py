@@ -116,21 +116,3 @@ result["help"] = leaked()
     leaks = result["help"]
     assert not leaks, "--help imported heavy libraries:\n" + _describe(leaks)
 
-
-def test_db_package_names_resolve_on_first_use() -> None:
-    """flashtune.db imports its names on first use: each name of ``__all__`` is the object
-    of the module that defines it, and an unknown name is an AttributeError."""
-    import importlib
-
-    import pytest
-
-    import flashtune.db as db
-
-    assert sorted(db.__all__) == sorted(db._EXPORTS)
-    # every defining module loaded first: importing a submodule binds its name on the
-    # package, which would shadow an exported name equal to it
-    modules = {name: importlib.import_module(module) for name, module in db._EXPORTS.items()}
-    for name, module in modules.items():
-        assert getattr(db, name) is getattr(module, name), name
-    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
-        db.not_a_name  # noqa: B018

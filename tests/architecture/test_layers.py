@@ -15,7 +15,7 @@ ROOT = Path(flashtune.__file__).resolve().parent
 #: Areas from the bottom up; an area may import its own modules and any area below it.
 #: Areas on one row are peers and may not import each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("flashtune._version", "flashtune.errors"),
+    ("flashtune._version", "flashtune.errors", "flashtune._lazy"),
     ("flashtune.knobs",),
     ("flashtune.codegen", "flashtune.toolchain", "flashtune.templates"),
     ("flashtune.db", "flashtune.families"),
