@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 
-from flashtune import families
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.db.records import BestEntry, State
 from flashtune.errors import FlashtuneError
@@ -21,6 +20,8 @@ from flashtune.errors import FlashtuneError
 def installed_digest(problem_key: str, config_key: str) -> str | None:
     """The template digest the installed flashtune renders for (problem, config), or None
     when the keys are not legal here (such a result can never be served)."""
+    from flashtune import families  # imports torch: only when a digest is needed
+
     try:
         problem, config = Problem.from_key(problem_key), KernelConfig.from_key(config_key)
         return families.render(problem, config).digest
