@@ -20,6 +20,13 @@ if TYPE_CHECKING:  # the tuner imports Optuna, SQLAlchemy and torch: loaded when
     from flashtune.tuner.options import BucketSummary, TuneOptions
 
 
+def _below_one(value: float) -> float:
+    """--tie-tolerance is a fraction below 1 (1 would tie every finalist with the best)."""
+    if value >= 1.0:
+        raise typer.BadParameter(f"{value} is not below 1; give a fraction such as 0.02 (2 %)")
+    return value
+
+
 def tune_command(
     head_dim: Annotated[int | None, typer.Option(
         "--head-dim", help="Head dimension, e.g. 128 (not with --replay).")] = None,
@@ -63,8 +70,8 @@ def tune_command(
         "--max-spill-bytes", help="Register spill stores per thread tolerated.")
     ] = DEFAULT_MAX_SPILL_BYTES,
     tie_tolerance: Annotated[float, typer.Option(
-        "--tie-tolerance", min=0.0, max=1.0,
-        help="Finalists within this fraction of the best tie (0 to 1).")] = DEFAULT_TOLERANCE,
+        "--tie-tolerance", min=0.0, max=1.0, callback=_below_one,
+        help="Finalists within this fraction of the best tie (0 to below 1).")] = DEFAULT_TOLERANCE,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="No GPU: compile for --arch and verify in the emulator, untimed.")
     ] = False,

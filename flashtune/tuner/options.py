@@ -75,6 +75,9 @@ class TuneOptions:
             raise TuningError("compile_workers must be >= 0 and depth >= 1")
         if self.final_top < 1 or self.final_rounds < 1:
             raise TuningError("final_top and final_rounds must be >= 1")
+        if not 0.0 <= self.tie_tolerance < 1.0:
+            raise TuningError(f"tie tolerance {self.tie_tolerance} must be in [0, 1), e.g. 0.02 "
+                              "for 2 % (checked before the search, not after it)")
         if self.max_spill_bytes < 0:
             raise TuningError(f"max_spill_bytes={self.max_spill_bytes} must be >= 0")
         if self.predicted_seeds < 0:

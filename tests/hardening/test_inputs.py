@@ -15,9 +15,10 @@ from typer.testing import CliRunner
 import flashtune
 from flashtune import knobs
 from flashtune.cli import app
-from flashtune.errors import InvalidInput, KnobError
+from flashtune.errors import InvalidInput, KnobError, TuningError
 from flashtune.runtime.limits import MAX_SEQLEN, MAX_SOFTMAX_SCALE, check_softmax_scale
 from flashtune.runtime.validate import check_attention_inputs
+from flashtune.tuner.options import TuneOptions
 
 BAD_KNOBS: list[tuple[str, str, str]] = [
     # (variable, value, what the message must say is legal)
@@ -74,11 +75,15 @@ def test_compile_workers_zero_is_a_message_not_a_traceback(
     assert isinstance(result.exception, SystemExit)
 
 
-def test_tie_tolerance_must_be_a_fraction() -> None:
-    """Regression: `tune --tie-tolerance -5` ran."""
+@pytest.mark.parametrize("value", ["-5", "1.0"])
+def test_tie_tolerance_must_be_a_fraction(value: str) -> None:
+    """Regression: `tune --tie-tolerance -5` ran; 1.0 passed the option and failed only
+    after the search, in the winner's selection."""
     result = CliRunner().invoke(app, ["tune", "--head-dim", "64", "--dry-run",
-                                      "--tie-tolerance", "-5"])
+                                      "--tie-tolerance", value])
     assert result.exit_code == 2 and "--tie-tolerance" in result.output
+    with pytest.raises(TuningError, match=r"must be in \[0, 1\)"):
+        TuneOptions(tie_tolerance=float(value))
 
 
 def test_compile_output_directory_under_proc() -> None:
