@@ -212,7 +212,9 @@ class ProblemBucket:
         return cls(Problem.from_key(head), int(n))
 
 
-LEGAL_WARPS = (1, 2, 4, 8, 16)
+#: Warps per block. 12 is three warpgroups of 4 (block_m 192 with one warpgroup per 64 rows,
+#: the sm_90a forward's largest tile); the other values are powers of two.
+LEGAL_WARPS = (1, 2, 4, 8, 12, 16)
 LEGAL_STAGES = (1, 2, 3, 4)
 MAX_THREADS = 1024
 

@@ -1,5 +1,5 @@
 // FlashAttention forward pass for sm_90a on wgmma: one consumer warpgroup (128 threads) per
-// 64 query rows of one (batch, head); kBlockM = 64 or 128 (1 or 2 warpgroups per block).
+// 64 query rows of one (batch, head); kBlockM = 64, 128 or 192 (1 to 3 warpgroups per block).
 //
 // Per block: Q (kBlockM x D) and a ring of kStages K and V tiles (kBlockN x D each) live in
 // shared memory in the 128-byte-swizzled layout wgmma's descriptors read (panels of 64
@@ -23,11 +23,19 @@
 // K, V (batch, seqlen_k, heads_kv, D); strides in elements, last dim contiguous, base pointers
 // 16-byte aligned, strides multiples of 8; LSE contiguous float32 (batch, heads_q, seqlen_q);
 // the causal diagonal aligned to the bottom-right corner.
+//
+// FT_HOPPER_PLANTED_BUG (tests only; 0 in every rendered kernel) plants one bug for the
+// emulator's tests: 1 the K and V descriptors step over panels of a power-of-two number of
+// rows (the next one from kBlockN) instead of kBlockN's.
 #pragma once
 
 #include "flash_fwd.cuh"  // FwdParams (the same arguments) and softmax.cuh
 #include "mbarrier.cuh"
 #include "wgmma.cuh"
+
+#ifndef FT_HOPPER_PLANTED_BUG
+#define FT_HOPPER_PLANTED_BUG 0
+#endif
 
 namespace ft {
 
@@ -70,8 +78,12 @@ struct HopperFwdTraits {
   static constexpr int kSmemBytes = kBarOffset + 16 * Stages + (WarpSpecialized ? 8 : 0) + 1024;
 
   static_assert(HeadDim % 64 == 0 && HeadDim <= 256, "head dim: 64, 128 or 256");
-  static_assert(BlockM == 64 || BlockM == 128, "block_m: 64 or 128 (warpgroups of 64 rows)");
-  static_assert(BlockN == 64 || BlockN == 128 || BlockN == 256, "block_n: 64, 128 or 256");
+  static_assert(BlockM == 64 || BlockM == 128 || BlockM == 192,
+                "block_m: 64, 128 or 192 (one to three warpgroups of 64 rows)");
+  // block_n is the N of Q K^T's wgmma and a multiple of P V's k16 steps, of the 8 rows of a
+  // 128B swizzle pattern, and a TMA box of at most 256 rows.
+  static_assert(BlockN % 16 == 0 && BlockN >= 64 && BlockN <= 256,
+                "block_n: a multiple of 16 in 64..256");
   static_assert(Stages >= 1 && Stages <= 4, "stages: 1..4");
 
   // Byte offset of 16-byte chunk c of row r in a swizzled tile of `rows` rows.
@@ -178,6 +190,9 @@ __device__ __forceinline__ void tile_math(unsigned q_addr, unsigned k_addr, unsi
                                           const Mask& mask, const Schedule& schedule = {}) {
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
+  // Rows of a 128-byte panel of the K and V tiles: the descriptors' stride between panels.
+  constexpr int kPanelRows =
+      FT_HOPPER_PLANTED_BUG != 1 ? kBlockN : kBlockN <= 64 ? 64 : kBlockN <= 128 ? 128 : 256;
   // wgmma views of the fragments: d[4 nt + e] is fragment element [nt][e].
   auto& o_view = reinterpret_cast<float(&)[Tr::kHeadDim / 2]>(acc_o);
   float acc_s[1][Tr::kSTiles][4];
@@ -189,7 +204,7 @@ __device__ __forceinline__ void tile_math(unsigned q_addr, unsigned k_addr, unsi
     const unsigned off = (ks % 4) * 32;
     wgmma_ss<kBlockN, Tr::kBf16, false, false>(
         s_view, wgmma_desc(q_addr + (ks / 4) * kBlockM * 128 + off, 16, 1024, kSwizzle128B),
-        wgmma_desc(k_addr + (ks / 4) * kBlockN * 128 + off, 16, 1024, kSwizzle128B), ks > 0);
+        wgmma_desc(k_addr + (ks / 4) * kPanelRows * 128 + off, 16, 1024, kSwizzle128B), ks > 0);
   }
   wgmma_commit();
   schedule.after_qk();
@@ -203,8 +218,8 @@ __device__ __forceinline__ void tile_math(unsigned q_addr, unsigned k_addr, unsi
 #pragma unroll
   for (int kk = 0; kk < Tr::kPvSteps; ++kk) {
     wgmma_rs<Tr::kHeadDim, Tr::kBf16, true>(
-        o_view, p[0][kk], wgmma_desc(v_addr + kk * 16 * 128, kBlockN * 128, 1024, kSwizzle128B),
-        1);
+        o_view, p[0][kk],
+        wgmma_desc(v_addr + kk * 16 * 128, kPanelRows * 128, 1024, kSwizzle128B), 1);
   }
   wgmma_commit();
   wgmma_wait<0>();

@@ -1,6 +1,6 @@
 // FlashAttention forward pass for sm_90a, warp-specialised (FlashAttention-3's structure, the
 // Hopper notes sections 1.1, 1.2 and 2.5): a producer warpgroup (warps 0..3) and one consumer
-// warpgroup per 64 query rows (kBlockM = 64 or 128) of one (batch, head).
+// warpgroup per 64 query rows (kBlockM = 64, 128 or 192) of one (batch, head).
 //
 // Producer: after setmaxnreg.dec, warps 1..3 return; lane 0 of warp 0 loads Q with TMA
 // (one box of kBlockM rows x D, all 128-byte panels) on the q_full mbarrier, then walks the
@@ -31,7 +31,9 @@
 // emulator's tests: 1 no expect-tx on the K/V stage (a plain arrive), 2 consumers release a
 // stage twice, 3 consumers never release a stage, 4 the consumers' setmaxnreg count not a
 // multiple of 8, 5 one consumer warp skips setmaxnreg, 6 (ping-pong) no first turn, 7
-// (ping-pong) a hand-over that counts only the handing warpgroup's threads.
+// (ping-pong) a hand-over that counts only the handing warpgroup's threads, 8 (three
+// consumers) the third consumer warpgroup skips setmaxnreg, 9 (three consumers) the split of
+// two consumers (24 / 240).
 #pragma once
 
 #include "hopper_fwd.cuh"
@@ -44,11 +46,14 @@
 
 namespace ft {
 
-// setmaxnreg split (FA3's table, K/V by TMA): producer / consumer registers per thread.
+// setmaxnreg split (FA3's table, K/V by TMA): producer / consumer registers per thread for
+// 1, 2 or 3 consumer warpgroups (the family's space rules read the same table:
+// families/hopper/space.py WS_REGISTERS, which the kernel's bindings assert).
 template <int kWarpGroups>
 struct WsRegisters {
-  static constexpr int kProducer = kWarpGroups == 1 ? 56 : 24;
-  static constexpr int kConsumer = kWarpGroups == 1 ? 256 : 240;
+  static constexpr int kProducer = kWarpGroups == 1 ? 56 : kWarpGroups == 2 ? 24 : 32;
+  static constexpr int kConsumer = kWarpGroups == 1 ? 256 : kWarpGroups == 2 ? 240 : 160;
+  static_assert(kWarpGroups >= 1 && kWarpGroups <= 3, "one to three consumer warpgroups");
   static_assert(128 * (kProducer + kWarpGroups * kConsumer) <= 65536, "register file: 64 Ki");
 };
 
@@ -68,7 +73,7 @@ __device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Eleme
                                               const CUtensorMap* tmap_q,
                                               const CUtensorMap* tmap_k,
                                               const CUtensorMap* tmap_v) {
-  using Regs = WsRegisters<Tr::kWarpGroups>;
+  using Regs = WsRegisters<FT_WS_PLANTED_BUG == 9 ? 2 : Tr::kWarpGroups>;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
   static_assert(Tr::kWarpSpecialized, "traits of the warp-specialised kernel");
@@ -114,7 +119,8 @@ __device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Eleme
 
   // A consumer warpgroup: warp cw of the consumers owns query rows m0 + 16 cw ..
   if constexpr (FT_WS_PLANTED_BUG == 4) setmaxnreg_inc<Regs::kConsumer - 4>();
-  else if (FT_WS_PLANTED_BUG != 5 || b.warp != 5) setmaxnreg_inc<Regs::kConsumer>();
+  else if ((FT_WS_PLANTED_BUG != 5 || b.warp != 5) && (FT_WS_PLANTED_BUG != 8 || b.warp < 12))
+    setmaxnreg_inc<Regs::kConsumer>();
   const int cw = b.warp - 4;
   WarpgroupMath<Tr> math(b, a.softmax_scale, cw / 4, b.m0 + 16 * cw);
   static_assert(!Tr::kPingPong || Tr::kWarpGroups == 2, "ping-pong: two consumer warpgroups");

@@ -68,7 +68,7 @@ def test_show_uses_the_default_config_of_the_arch() -> None:
         (["--arch", "sm_75"], ["--arch", "sm_80", "sm_90"]),
         (["--config", "m128-n64"], ["--config", "m128_n64_w4_s2"]),
         (["--block-m", "48"], ["block_m=48", "multiple of 64"]),
-        (["--warps", "3"], ["num_warps=3", "(1, 2, 4, 8, 16)"]),
+        (["--warps", "3"], ["num_warps=3", "(1, 2, 4, 8, 12, 16)"]),
     ],
 )
 @pytest.mark.parametrize("command", ["show", "compile"])

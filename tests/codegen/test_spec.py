@@ -146,7 +146,7 @@ def test_search_space_is_legal_and_stable() -> None:
         ({"block_m": 64, "block_n": 272, "num_warps": 4, "num_stages": 2},
          "block_n=272 is illegal"),
         ({"block_m": 64, "block_n": 64, "num_warps": 3, "num_stages": 2},
-         "num_warps=3 is illegal; expected one of (1, 2, 4, 8, 16)"),
+         "num_warps=3 is illegal; expected one of (1, 2, 4, 8, 12, 16)"),
         ({"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 0},
          "num_stages=0 is illegal; expected one of (1, 2, 3, 4)"),
         ({"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 2.0},

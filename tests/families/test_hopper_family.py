@@ -2,13 +2,15 @@
 with reasons, NVRTC for sm_90a (no spills; HGMMA in the SASS), and numerics in the emulator
 against float64 over head dims 64/128/256, causal (bottom-right), GQA, odd lengths, fp16 and
 bf16, in both thread orders, on NaN-poisoned outputs, for it and for its warp-specialised
-siblings (fwd90aws: TMA producer, setmaxnreg; fwd90awspp: with ping-pong consumers; their own
-tests in test_hopper_ws.py). The default
-run takes the defaults and a seeded sample; ``-m sweep`` the full matrix."""
+sibling (fwd90aws: TMA producer, setmaxnreg, the ping-pong knob; its own tests in
+test_hopper_ws.py). The default run takes the defaults and a seeded sample of each new
+mechanism (three consumer warpgroups, a key tile that is not a power of two, ping-pong);
+``-m sweep`` the full matrix."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import os
 import random
@@ -24,11 +26,11 @@ from flashtune.cli import app
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.db.records import BestEntry
-from flashtune.errors import InvalidConfig, InvalidProblem
+from flashtune.errors import EmulatorError, InvalidConfig, InvalidProblem
 from flashtune.families.base import KernelFamily
 from flashtune.families.fwd.reference import attention_reference
 from flashtune.families.hopper import HOPPER_FORWARD, space
-from flashtune.families.hopper.ws import HOPPER_PINGPONG_FORWARD, HOPPER_WS_FORWARD
+from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
 from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.device import DeviceInfo
@@ -45,9 +47,9 @@ HEAD_DIMS = (64, 128, 256)
 #: query row; Nq > Nk over several key tiles; two query blocks of equal lengths.
 SHAPES = (Shape(1, 2, 1, 77, 150), Shape(2, 2, 2, 9, 4), Shape(1, 4, 1, 1, 100),
           Shape(1, 1, 1, 150, 33), Shape(1, 2, 2, 130, 130))
-#: The families whose numerics run over the grid: the cp.async one, the warp-specialised one
-#: and its ping-pong variant.
-NUMERICS_FAMILIES = (HOPPER_FORWARD, HOPPER_WS_FORWARD, HOPPER_PINGPONG_FORWARD)
+#: The families whose numerics run over the grid: the cp.async one and the warp-specialised
+#: one (its ping-pong knob included).
+NUMERICS_FAMILIES = (HOPPER_FORWARD, HOPPER_WS_FORWARD)
 
 
 def _problem(head_dim: int, dtype: DType, causal: bool) -> Problem:
@@ -74,12 +76,23 @@ def test_registered_as_the_sm90a_family_serving_the_forward() -> None:
 def test_space_rules_name_their_reasons() -> None:
     problem = _problem(128, DType.FP16, False)
     assert space.SPACE.names == ("block_m", "block_n", "num_stages")
-    assert all(c.num_warps == c.block_m // 16 for c in HOPPER_FORWARD.search_space(problem))
+    assert space.BLOCK_N == (64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256)
+    configs = HOPPER_FORWARD.search_space(problem)
+    assert len(configs) == 3 * 13 * 3
+    assert all(c.num_warps == c.block_m // 16 for c in configs)
     cases = {
         _config(64, 256, 1): "accumulators need 256 registers",
         _config(128, 128, 3): None,
+        _config(128, 176, 2): None,  # FA3's tile at head dim 128
+        _config(128, 208, 1): None,
+        _config(128, 224, 1): "accumulators need 232 registers per thread (S, O and P), over "
+                              "the 223",
+        # three warpgroups: 384 threads share the register file, 168 each
+        _config(192, 96, 2): None,
+        _config(192, 112, 2): "over the 136 that leave 32 for the rest of a consumer "
+                              "thread's 168 (64 Ki registers shared by 384 threads)",
         KernelConfig(128, 128, 4, 2): "one warpgroup per 64",
-        KernelConfig(64, 32, 4, 2): "block_n in (64, 128, 256)",
+        KernelConfig(64, 32, 4, 2): "block_n a multiple of 16 in 64..256",
     }
     for config, reason in cases.items():
         found = HOPPER_FORWARD.static_check(problem, config, SM90A)
@@ -160,8 +173,7 @@ def _check(family: KernelFamily, head_dim: int, dtype: DType, causal: bool, shap
 
 def _default_cases() -> list[Case]:
     """Per family: one default per head dim (dtype, mask and shape drawn from the seed), and
-    seeded configs of the space (two of fwd90a's, one of each warp-specialised family's,
-    whose spaces are the same or smaller)."""
+    a seeded config of each new mechanism of its space (``_MECHANISMS``)."""
     cases: list[Case] = []
     for family in NUMERICS_FAMILIES:
         rng = random.Random(f"{SEED}{family.op}")
@@ -170,12 +182,25 @@ def _default_cases() -> list[Case]:
             problem = Problem(head_dim, dtype, causal=causal, op=family.op)
             cases.append((family, head_dim, dtype, causal, rng.choice(SHAPES),
                           family.default_config(problem, SM90A)))
-        for _ in range(2 if family is HOPPER_FORWARD else 1):
+        for mechanism in _MECHANISMS:
             head_dim, dtype, causal = rng.choice(HEAD_DIMS), rng.choice(list(DType)), True
             problem = Problem(head_dim, dtype, causal=causal, op=family.op)
-            cases.append((family, head_dim, dtype, causal, rng.choice(SHAPES),
-                          rng.choice(family.candidates(problem, SM90A))))
+            drawn = [c for c in family.candidates(problem, SM90A) if mechanism(c)]
+            if not drawn:  # e.g. three warpgroups at head dim 256: none fits the registers
+                head_dim = 64
+                problem = dataclasses.replace(problem, head_dim=64)
+                drawn = [c for c in family.candidates(problem, SM90A) if mechanism(c)]
+            if drawn:  # the cp.async family has no ping-pong
+                cases.append((family, head_dim, dtype, causal, rng.choice(SHAPES),
+                              rng.choice(drawn)))
     return cases
+
+
+#: The mechanisms the seeded sample covers in each family: three consumer warpgroups, a key
+#: tile that is not a power of two (two warpgroups or fewer), ping-pong.
+_MECHANISMS = (lambda c: c.block_m == 192,
+               lambda c: c.block_m < 192 and c.block_n & (c.block_n - 1) != 0,
+               lambda c: bool(c.extras))
 
 
 def _case_id(c: Case) -> str:
@@ -187,6 +212,27 @@ def _case_id(c: Case) -> str:
 @pytest.mark.parametrize("case", _default_cases(), ids=_case_id)
 def test_kernel_matches_float64_in_the_emulator(case: Case) -> None:
     _check(*case)
+
+
+def test_the_default_sample_covers_every_new_mechanism() -> None:
+    for family in NUMERICS_FAMILIES:
+        configs = [c[5] for c in _default_cases() if c[0] is family]
+        assert any(c.block_m == 192 for c in configs), configs
+        assert any(c.block_n not in (64, 128, 256) for c in configs), configs
+        assert any(c.extras for c in configs) == (family is HOPPER_WS_FORWARD), configs
+
+
+@pytest.mark.emulator
+def test_panel_stride_of_a_power_of_two_tile_is_caught() -> None:
+    """Planted: K and V descriptors that step over panels of 256 rows in a 176-row tile."""
+    problem = _problem(128, DType.FP16, False)
+    source = families.render(problem, _config(64, 176, 2))
+    source = dataclasses.replace(source, options=(*source.options, "-DFT_HOPPER_PLANTED_BUG=1"))
+    kernel = EmulatorBackend().load(source)
+    with pytest.raises(EmulatorError, match=r"wgmma at .*hopper_fwd.cuh:\d+: the B descriptor "
+                       r"addresses shared-window byte 0x[0-9a-f]+, outside the block's shared "
+                       r"memory"):
+        verify(kernel, Shape(1, 2, 1, 70, 300), "cpu", seed=SEED)
 
 
 def _sweep_cases() -> list[Case]:
@@ -273,8 +319,8 @@ def test_cli_compile_for_sm90a_compiles_the_serving_family() -> None:
 @pytest.mark.sweep
 def test_cli_compile_all_for_sm90a_lists_the_space() -> None:
     out = _compile_cli("--all")
-    assert "space of fwd90a_d64_fp16_causal on sm_90a: 18 declared points" in out
-    assert out.count(" ok ") == len(HOPPER_FORWARD.candidates(_problem(64, DType.FP16, True),
-                                                              SM90A))
-    # The configs the rules exclude (block_n 256: accumulator registers) are counted only.
-    assert "18 legal configs, 12 pass the static rules" in out
+    passing = HOPPER_FORWARD.candidates(_problem(64, DType.FP16, True), SM90A)
+    assert "space of fwd90a_d64_fp16_causal on sm_90a: 117 declared points" in out
+    assert out.count(" ok ") == len(passing) == out.count(" 0/0 ")  # no spills
+    # The configs the rules exclude (shared memory, accumulator registers) are counted only.
+    assert f"117 legal configs, {len(passing)} pass the static rules" in out

@@ -1,11 +1,12 @@
-"""The warp-specialised sm_90a forward (``fwd90aws``: TMA producer warpgroup, wgmma consumer
-warpgroups, setmaxnreg) and its ping-pong variant (``fwd90awspp``: the consumers take turns
+"""The warp-specialised sm_90a forward (``fwd90aws``: TMA producer warpgroup, one to three
+wgmma consumer warpgroups, setmaxnreg) and its knob ``pingpong`` (two consumers take turns
 through named barriers): registry and rules, NVRTC for sm_90a (no spills; UTMALDG,
 USETMAXREG, BAR.SYNC / BAR.ARV and HGMMA in the SASS), and planted bugs the emulator must
 catch with a clear message: a wrong tensor-map box, a missing expect-tx, a stage released
-twice or never, setmaxnreg rule violations, a ping-pong without its first turn or with a
-wrong hand-over count. Their numerics over the coverage grid are in test_hopper_family.py;
-on a GPU they are checked by the gpu-marked test at the end."""
+twice or never, setmaxnreg rule violations (with three consumers: one skipping it, the
+split of two), a ping-pong without its first turn or with a wrong hand-over count. Their
+numerics over the coverage grid are in test_hopper_family.py; on a GPU they are checked by
+the gpu-marked test at the end."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.codegen.tensormap import TensorMap
 from flashtune.errors import EmulatorDeadlock, EmulatorError
 from flashtune.families.base import KernelFamily
-from flashtune.families.hopper import HOPPER_FORWARD
-from flashtune.families.hopper.ws import HOPPER_PINGPONG_FORWARD, HOPPER_WS_FORWARD
+from flashtune.families.hopper import HOPPER_FORWARD, space
+from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
 from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.launch import verify
@@ -34,14 +35,17 @@ from flashtune.toolchain.disasm import disassemble
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
 SM90A = get_arch("sm_90a")
-
-
-WS_FAMILIES = (HOPPER_WS_FORWARD, HOPPER_PINGPONG_FORWARD)
+#: Two consumers taking turns (the ping-pong knob on).
+PINGPONG = {space.PINGPONG: 1}
 
 
 def _problem(head_dim: int, dtype: DType, causal: bool,
              family: KernelFamily = HOPPER_WS_FORWARD) -> Problem:
     return Problem(head_dim, dtype, causal=causal, op=family.op)
+
+
+def _pingpong(config: KernelConfig) -> KernelConfig:
+    return dataclasses.replace(config, extras=tuple(PINGPONG.items()))
 
 
 def test_registered_beside_the_cp_async_family_serving_nothing_yet() -> None:
@@ -57,18 +61,54 @@ def test_registered_beside_the_cp_async_family_serving_nothing_yet() -> None:
     assert source.threads == 384 and source.target == "sm_90a"  # producer + 2 consumers
     assert source.smem_bytes == HOPPER_FORWARD.smem_bytes(problem, config) + 8  # Q's barrier
     assert "CUtensorMap tmap_q" in source.code and "__launch_bounds__(384, 1)" in source.code
-    assert families.get("fwd90awspp") is HOPPER_PINGPONG_FORWARD
-    assert HOPPER_PINGPONG_FORWARD.serves is None
-    pp = _problem(128, DType.BF16, True, HOPPER_PINGPONG_FORWARD)
-    assert HOPPER_PINGPONG_FORWARD.default_config(pp, SM90A) == config
-    one = HOPPER_PINGPONG_FORWARD.static_check(pp, KernelConfig(64, 64, 4, 2), SM90A)
-    assert one is not None and "two consumer warpgroups" in one
+    assert "fwd90awspp" not in {f.op for f in families.all_families()}  # a knob now
+
+
+def test_pingpong_is_a_knob_of_the_space_for_two_consumers_only() -> None:
+    problem = _problem(64, DType.FP16, True)
+    assert space.WS_SPACE.names == ("block_m", "block_n", "num_stages", "pingpong")
+    configs = HOPPER_WS_FORWARD.search_space(problem)
+    assert len(configs) == 3 * 13 * 3 * 2
+    on = [c for c in HOPPER_WS_FORWARD.candidates(problem, SM90A) if c.extras]
+    assert on and all(c.extras == (("pingpong", 1),) and c.block_m == 128 for c in on)
+    pp = _pingpong(KernelConfig(128, 64, 8, 2))
+    assert pp.key() == "m128_n64_w8_s2_pingpong-1" and HOPPER_WS_FORWARD.point(pp)["pingpong"] == 1
+    assert HOPPER_WS_FORWARD.config(HOPPER_WS_FORWARD.point(pp)) == pp
+    default = HOPPER_WS_FORWARD.default_config(problem, SM90A)
+    assert not default.extras and HOPPER_WS_FORWARD.point(default)["pingpong"] == 0
+    for block_m in (64, 192):
+        why = HOPPER_WS_FORWARD.static_check(problem, _pingpong(
+            KernelConfig(block_m, 64, block_m // 16, 2)), SM90A)
+        assert why is not None and "exactly two consumer warpgroups" in why, why
+    why = HOPPER_WS_FORWARD.static_check(
+        problem, KernelConfig(128, 64, 8, 2, extras=(("pingpong", 2),)), SM90A)
+    assert why is not None and "pingpong=2: expected one of (0, 1)" in why
+    why = HOPPER_FORWARD.static_check(dataclasses.replace(problem, op="fwd90a"), pp, SM90A)
+    assert why is not None and "not knobs of the 'fwd90a' family" in why
+    source = families.render(problem, pp)
+    assert source.threads == 384 and "true>;" in source.code  # Traits' PingPong
+    assert "true>;" not in families.render(problem, KernelConfig(128, 64, 8, 2)).code
+
+
+def test_three_consumer_warpgroups_take_the_split_of_three() -> None:
+    problem = _problem(64, DType.BF16, False)
+    config = KernelConfig(192, 64, 12, 2)
+    assert HOPPER_WS_FORWARD.static_check(problem, config, SM90A) is None
+    source = families.render(problem, config)
+    assert source.threads == 512 and "__launch_bounds__(512, 1)" in source.code
+    assert "kProducer == 32" in source.code and "kConsumer == 160" in source.code
+    # 160 registers per consumer thread: at head dim 64, key tiles up to 128 rows fit.
+    assert space.register_limit(config, warp_specialized=True) == 160
+    wide = HOPPER_WS_FORWARD.static_check(problem, KernelConfig(192, 144, 12, 2), SM90A)
+    assert wide is not None and "accumulators need 140 registers" in wide, wide
+    assert "setmaxnreg's count for 3 consumer warpgroups" in wide
 
 
 def _compiled(head_dim: int, dtype: DType, causal: bool, config: KernelConfig | None = None,
               family: KernelFamily = HOPPER_WS_FORWARD) -> None:
     problem = _problem(head_dim, dtype, causal, family)
     config = config or family.default_config(problem, SM90A)
+    assert family.static_check(problem, config, SM90A) is None
     source = families.render(problem, config)
     kernel = compile_source(source, "sm_90")
     res = kernel.resources
@@ -81,33 +121,32 @@ def _compiled(head_dim: int, dtype: DType, causal: bool, config: KernelConfig | 
     assert found["UTMALDG.5D"] == 3, found  # Q, K, V
     assert found["USETMAXREG.DEALLOC.CTAPOOL"] == 1 and found["USETMAXREG.TRY_ALLOC.CTAPOOL"] == 1
     bars = collections.Counter(re.findall(r"\b(BAR\.SYNC|BAR\.ARV)\b", sass))
-    if family is HOPPER_PINGPONG_FORWARD:  # the first turn, then one wait and hand-over a tile
+    if config.extras:  # ping-pong: the first turn, then one wait and hand-over a tile
         assert bars["BAR.ARV"] >= 2 and bars["BAR.SYNC"] >= 2, bars
     hgmma = collections.Counter(re.findall(r"\bHGMMA\.64x(\d+)x16\.F32(?:\.BF16)?\b", sass))
     assert hgmma[str(config.block_n)] >= head_dim // 16, hgmma
     assert hgmma[str(head_dim)] >= config.block_n // 16, hgmma
 
 
-@pytest.mark.parametrize("case", [(64, DType.BF16, True, HOPPER_WS_FORWARD),
-                                  (256, DType.FP16, False, HOPPER_WS_FORWARD),
-                                  (128, DType.BF16, True, HOPPER_PINGPONG_FORWARD)],
-                         ids=lambda c: f"{c[3].op}-d{c[0]}-{c[1].value}-"
-                                       f"{'causal' if c[2] else 'full'}")
-def test_nvrtc_compiles_defaults_for_sm90a_without_spills(
-        case: tuple[int, DType, bool, KernelFamily]) -> None:
-    head_dim, dtype, causal, family = case
-    _compiled(head_dim, dtype, causal, family=family)
+@pytest.mark.parametrize("case", [(64, DType.BF16, True, None),
+                                  (256, DType.FP16, False, None),
+                                  (128, DType.BF16, True, _pingpong(KernelConfig(128, 128, 8, 2))),
+                                  (64, DType.FP16, True, KernelConfig(192, 128, 12, 2)),
+                                  (128, DType.BF16, False, KernelConfig(128, 176, 8, 2))],
+                         ids=lambda c: f"d{c[0]}-{c[1].value}-{'causal' if c[2] else 'full'}-"
+                                       f"{c[3].key() if c[3] else 'default'}")
+def test_nvrtc_compiles_for_sm90a_without_spills(
+        case: tuple[int, DType, bool, KernelConfig | None]) -> None:
+    _compiled(*case)
 
 
 @pytest.mark.sweep
-@pytest.mark.parametrize("family", WS_FAMILIES, ids=lambda f: f.op)
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
-def test_nvrtc_compiles_every_passing_config_without_spills(head_dim: int,
-                                                            family: KernelFamily) -> None:
+def test_nvrtc_compiles_every_passing_config_without_spills(head_dim: int) -> None:
     for dtype in DType:
-        problem = _problem(head_dim, dtype, True, family)
-        for config in family.candidates(problem, SM90A):
-            _compiled(head_dim, dtype, True, config, family)
+        problem = _problem(head_dim, dtype, True)
+        for config in HOPPER_WS_FORWARD.candidates(problem, SM90A):
+            _compiled(head_dim, dtype, True, config)
 
 
 # ------------------------------------------------------------------ planted bugs
@@ -115,13 +154,17 @@ def test_nvrtc_compiles_every_passing_config_without_spills(head_dim: int,
 #: Five key tiles of 64 (two rounds of the two-stage ring and one more), GQA.
 BUG_SHAPE = Shape(1, 2, 1, 70, 300)
 BUG_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+#: The same with ping-pong, and with three consumer warpgroups.
+BUG_PINGPONG = _pingpong(BUG_CONFIG)
+BUG_THREE = KernelConfig(block_m=192, block_n=64, num_warps=12, num_stages=2)
 
 
 def _run_planted(bug: int, *, box_rows: int | None = None,
                  schedule: Schedule = Schedule.FORWARD,
-                 family: KernelFamily = HOPPER_WS_FORWARD) -> None:
+                 config: KernelConfig = BUG_CONFIG) -> None:
+    family = HOPPER_WS_FORWARD
     problem = _problem(64, DType.FP16, False, family)
-    source = families.render(problem, BUG_CONFIG)
+    source = families.render(problem, config)
     if bug:
         source = dataclasses.replace(source, options=(*source.options,
                                                       f"-DFT_WS_PLANTED_BUG={bug}"))
@@ -129,7 +172,7 @@ def _run_planted(bug: int, *, box_rows: int | None = None,
                              ).load(source)
     inputs = family.random_inputs(problem, BUG_SHAPE, "cpu", seed=SEED)
     outputs = family.empty_outputs(problem, BUG_SHAPE, inputs, poison=True)
-    plan = family.launch_plan(problem, BUG_CONFIG, BUG_SHAPE, inputs, outputs)
+    plan = family.launch_plan(problem, config, BUG_SHAPE, inputs, outputs)
     args = list(plan.args)
     if box_rows is not None:  # the K map with a box of box_rows rows instead of block_n
         kind, value = args[-2]
@@ -142,9 +185,9 @@ def _run_planted(bug: int, *, box_rows: int | None = None,
         assert verdict.ok, verdict.message
 
 
-@pytest.mark.parametrize("family", WS_FAMILIES, ids=lambda f: f.op)
-def test_the_bug_harness_passes_without_a_bug(family: KernelFamily) -> None:
-    _run_planted(0, family=family)
+@pytest.mark.parametrize("config", [BUG_CONFIG, BUG_PINGPONG, BUG_THREE], ids=lambda c: c.key())
+def test_the_bug_harness_passes_without_a_bug(config: KernelConfig) -> None:
+    _run_planted(0, config=config)
 
 
 def test_wrong_tensor_map_box_deadlocks_on_the_stage_barrier() -> None:
@@ -199,33 +242,65 @@ def test_pingpong_without_the_first_turn_deadlocks_naming_the_named_barrier() ->
     with pytest.raises(EmulatorDeadlock, match=r"warp 4: lanes 0-31 wait in bar.sync at "
                        r".*hopper_fwd_ws.cuh:\d+ on named barrier 1 for phase 0 to complete: "
                        r"128 of 256 threads arrived"):
-        _run_planted(6, family=HOPPER_PINGPONG_FORWARD)
+        _run_planted(6, config=BUG_PINGPONG)
 
 
 def test_pingpong_hand_over_with_a_wrong_count_is_caught() -> None:
     with pytest.raises(EmulatorError, match=r"bar.arrive 2, 128 at .*hopper_fwd_ws.cuh:\d+: "
                        r"phase 0 of named barrier 2 was started with a count of 256 threads"):
-        _run_planted(7, family=HOPPER_PINGPONG_FORWARD)
+        _run_planted(7, config=BUG_PINGPONG)
+
+
+def test_third_consumer_without_setmaxnreg_is_caught() -> None:
+    with pytest.raises(EmulatorError, match=r"setmaxnreg: warpgroup 3 \(threads 384..511\) "
+                       r"executed no setmaxnreg, but warpgroup 0 did \(setmaxnreg.dec 32 at "
+                       r".*hopper_fwd_ws.cuh:\d+\)"):
+        _run_planted(8, config=BUG_THREE)
+
+
+def test_three_consumers_with_the_split_of_two_are_caught() -> None:
+    # 24 x 128 + 3 x 240 x 128 registers: more than the block's 64 Ki.
+    with pytest.raises(EmulatorError, match=r"final requests add up to 95232 registers"):
+        _run_planted(9, config=BUG_THREE)
 
 
 # ------------------------------------------------------------------ GPU
 
 
+#: The configs the GPU test runs per problem: the default, it with ping-pong, and the widest
+#: key tile the rules pass with two stages for one and for three consumer warpgroups.
+GPU_VARIANTS = ("default", "pingpong", "widest-m64", "widest-m192")
+
+
+def _variant(problem: Problem, name: str) -> KernelConfig | None:
+    default = HOPPER_WS_FORWARD.default_config(problem, SM90A)
+    if name == "default":
+        return default
+    if name == "pingpong":
+        return _pingpong(default)
+    block_m = int(name.rpartition("m")[2])
+    fits = [c for c in HOPPER_WS_FORWARD.candidates(problem, SM90A)
+            if c.block_m == block_m and c.num_stages == 2]
+    return max(fits, key=lambda c: c.block_n) if fits else None
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", WS_FAMILIES, ids=lambda f: f.op)
+@pytest.mark.parametrize("variant", GPU_VARIANTS)
 @pytest.mark.parametrize("case", [(128, DType.BF16, True, Shape(2, 8, 2, 1000, 1000)),
                                   (64, DType.FP16, False, Shape(1, 4, 4, 333, 777)),
                                   (256, DType.BF16, False, Shape(1, 2, 1, 200, 130))],
                          ids=lambda c: f"d{c[0]}-{c[1].value}-{c[2]}-{c[3].key()}")
-def test_matches_float64_on_a_gpu(case: tuple[int, DType, bool, Shape],
-                                  family: KernelFamily) -> None:
+def test_matches_float64_on_a_gpu(case: tuple[int, DType, bool, Shape], variant: str) -> None:
     """Driver-encoded tensor maps, real TMA, setmaxnreg and wgmma on a cc 9.0 device."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90a kernels run on compute capability 9.0 only")
     from flashtune.runtime.backends.cuda import CudaBackend
 
     head_dim, dtype, causal, shape = case
-    problem = _problem(head_dim, dtype, causal, family)
-    source = families.render(problem, family.default_config(problem, SM90A))
+    problem = _problem(head_dim, dtype, causal)
+    config = _variant(problem, variant)
+    if config is None:
+        pytest.skip(f"no {variant} config passes the rules at head dim {head_dim}")
+    source = families.render(problem, config)
     verdict = verify(CudaBackend().load(source), shape, "cuda", seed=SEED)
-    assert verdict.ok, verdict.message
+    assert verdict.ok, f"{config.key()}: {verdict.message}"

@@ -4,7 +4,8 @@ Same arguments, outputs, reference and tolerances as the mma.sync forward (it se
 calls on cc 9.0 devices through ``families.serving``); S = Q K^T by wgmma with Q and K in
 128-byte-swizzled shared memory, P V by wgmma with P in registers and V MN-major in shared
 memory, K/V tiles by cp.async into a stage ring guarded by full/empty mbarriers
-(templates/hopper_fwd.cuh). Head dims 64, 128 and 256.
+(templates/hopper_fwd.cuh). Head dims 64, 128 and 256; one to three warpgroups of 64 query
+rows (block_m 64, 128, 192) and key tiles of 64 to 256 rows in steps of 16 (space.py).
 """
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ class HopperForwardFamily(ForwardFamily):
         return space.SPACE
 
     def config(self, point: Point) -> KernelConfig:
+        """The config of a point: num_warps from block_m; knobs at their defaults left out."""
         block_m = point["block_m"]
         if not isinstance(block_m, int):
             raise InvalidConfig(f"block_m={block_m!r} must be an int")
-        return KernelConfig.from_dict({**point, "num_warps": space.warps(block_m)})
+        return KernelConfig.from_dict(space.without_defaults(
+            {**point, "num_warps": space.warps(block_m)}))
 
     def point(self, config: KernelConfig) -> dict[str, Value]:
         return {"block_m": config.block_m, "block_n": config.block_n,

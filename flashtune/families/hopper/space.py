@@ -1,29 +1,56 @@
-"""The search space of the sm_90a forward: legal values and static rules with reasons.
+"""The search spaces of the sm_90a forward families: legal values and static rules with reasons.
 
-One consumer warpgroup (4 warps) per 64 query rows, so num_warps is block_m / 16 and not a
-knob of its own. block_n is an N that ``wgmma_ss`` issues on the GPU (64, 128, 256); the
-stage ring holds num_stages K and V tiles.
+One consumer warpgroup (4 warps) per 64 query rows: block_m 64, 128 or 192 is one, two or
+three consumer warpgroups, so num_warps is block_m / 16 (4, 8 or 12) and not a knob of its
+own. block_n is the N of Q K^T's wgmma: any multiple of 16 from 64 to 256 (FA3 takes 176 at
+head dim 128 and 80 at 256). The stage ring holds num_stages K and V tiles.
+
+The warp-specialised family adds the knob ``pingpong`` (0/1: its two consumer warpgroups
+take turns to issue their GEMMs); a knob at its default is left out of a config, so the
+default kernel's key carries none.
+
+Rules: the tiles fit the per-block shared memory (227 KiB on sm_90), and the accumulators
+(S, O and P) fit the registers a consumer thread has (``register_limit``) with
+ACCUMULATOR_RESERVE to spare.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from flashtune.codegen.arch import ArchSpec
-from flashtune.codegen.params import Param, ParamSpace
+from flashtune.codegen.params import Param, ParamSpace, Value
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.families.base import resource_reason
 
-BLOCK_M = (64, 128)
-BLOCK_N = (64, 128, 256)
+BLOCK_M = (64, 128, 192)
+#: Every multiple of 16 from 64 to 256: a P V k-step takes 16 keys, a 128B swizzle pattern
+#: 8 rows and a TMA box at most 256.
+BLOCK_N = tuple(range(64, 257, 16))
 NUM_STAGES = (1, 2, 3)
 HEAD_DIMS = (64, 128, 256)
 
+PINGPONG = "pingpong"
+#: The warp-specialised family's knobs; each one's first value is its default.
+WS_KNOBS: tuple[Param, ...] = (Param(PINGPONG, (0, 1)),)
+WS_DEFAULTS: Mapping[str, Value] = {p.name: p.values[0] for p in WS_KNOBS}
+
 SPACE = ParamSpace((Param("block_m", BLOCK_M), Param("block_n", BLOCK_N),
                     Param("num_stages", NUM_STAGES)))
+WS_SPACE = ParamSpace((*SPACE.params, *WS_KNOBS))
 
-#: Accumulator registers per thread (S and O in f32, P packed) beyond which ptxas cannot keep
-#: the rest of the kernel (addresses, softmax state, descriptors) below 255 registers
-#: without spilling (checked with NVRTC for sm_90a over the space).
-MAX_ACCUMULATOR_REGISTERS = 192
+#: setmaxnreg registers per thread (producer, consumer) by consumer warpgroups: FA3's split
+#: with K/V by TMA (the Hopper notes, section 1.1). templates/hopper_fwd_ws.cuh's
+#: WsRegisters holds the same table; the kernel's bindings assert that they agree.
+WS_REGISTERS: Mapping[int, tuple[int, int]] = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+
+#: Registers per thread the rest of a consumer's work (addresses, descriptors, softmax state,
+#: loop state) needs beside the accumulators: measured with NVRTC 13 for sm_90a over the
+#: space (``--ptxas-options=-v``: no config within the budget spills).
+ACCUMULATOR_RESERVE = 32
+#: Registers are allocated to a thread in multiples of this many, at most 255.
+_REG_GRANULE = 8
+_MAX_REGS = 255
 
 #: The tiles start on a 1024-byte boundary of the shared window (128B swizzle), found at run
 #: time: this much slack is allocated.
@@ -31,8 +58,23 @@ ALIGN_SLACK = 1024
 
 
 def warps(block_m: int) -> int:
-    """Warps per block: a warpgroup of 4 per 64 query rows."""
+    """Warps per block (the consumers'): a warpgroup of 4 per 64 query rows."""
     return block_m // 16
+
+
+def warpgroups(config: KernelConfig) -> int:
+    """Consumer warpgroups of a config: one per 64 query rows."""
+    return config.block_m // 64
+
+
+def knob(config: KernelConfig, name: str) -> Value:
+    """The value of the warp-specialised knob ``name`` in ``config`` (its default if absent)."""
+    return dict(config.extras).get(name, WS_DEFAULTS[name])
+
+
+def without_defaults(point: Mapping[str, Value]) -> dict[str, Value]:
+    """``point`` minus the knobs at their defaults (the canonical config fields)."""
+    return {k: v for k, v in point.items() if k not in WS_DEFAULTS or v != WS_DEFAULTS[k]}
 
 
 def smem_bytes(problem: Problem, config: KernelConfig, *, warp_specialized: bool = False) -> int:
@@ -48,13 +90,24 @@ def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
     return config.block_n // 2 + problem.head_dim // 2 + config.block_n // 4
 
 
+def register_limit(config: KernelConfig, *, warp_specialized: bool = False) -> int:
+    """Registers per consumer thread: setmaxnreg's consumer count in the warp-specialised
+    kernel; otherwise the register file shared by the block's threads (the kernels declare
+    ``__launch_bounds__(threads, 1)``). At most 255."""
+    if warp_specialized:
+        return min(_MAX_REGS, WS_REGISTERS[warpgroups(config)][1])
+    share = 65536 // config.threads // _REG_GRANULE * _REG_GRANULE
+    return min(_MAX_REGS, share)
+
+
 def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
                  warp_specialized: bool = False) -> str | None:
-    """Why ``config`` cannot run ``problem`` on ``arch``, or None when it may."""
+    """Why ``config`` cannot run ``problem`` on ``arch``, or None when it may (knobs the
+    family does not declare are refused before: ``KernelFamily.static_check``)."""
     if config.block_m not in BLOCK_M or config.block_n not in BLOCK_N:
         return (f"block_m={config.block_m}, block_n={config.block_n}: the sm_90a forward "
-                f"takes block_m in {BLOCK_M} (warpgroups of 64 rows) and block_n in {BLOCK_N} "
-                "(the N of its wgmma)")
+                f"takes block_m in {BLOCK_M} (warpgroups of 64 rows) and block_n a multiple "
+                "of 16 in 64..256 (the N of its wgmma)")
     if config.num_warps != warps(config.block_m):
         return (f"num_warps={config.num_warps}: the sm_90a forward runs one warpgroup per 64 "
                 f"query rows, {warps(config.block_m)} warps for block_m={config.block_m}")
@@ -65,6 +118,28 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
         # spills (with two stages the same tile needs 251 and does not spill).
         return ("head_dim 256 with one stage spills registers (255 + 12 bytes of spills with "
                 "NVRTC 13 for sm_90a); use two or more stages")
-    return resource_reason(smem_bytes(problem, config, warp_specialized=warp_specialized),
-                           accumulator_registers(problem, config), arch,
-                           MAX_ACCUMULATOR_REGISTERS)
+    why = resource_reason(smem_bytes(problem, config, warp_specialized=warp_specialized), 0,
+                          arch, 0)
+    if why is not None:
+        return why
+    limit = register_limit(config, warp_specialized=warp_specialized)
+    held = accumulator_registers(problem, config)
+    if held > limit - ACCUMULATOR_RESERVE:
+        source = (f"setmaxnreg's count for {warpgroups(config)} consumer warpgroups"
+                  if warp_specialized else f"64 Ki registers shared by {config.threads} threads")
+        return (f"accumulators need {held} registers per thread (S, O and P), over the "
+                f"{limit - ACCUMULATOR_RESERVE} that leave {ACCUMULATOR_RESERVE} for the rest "
+                f"of a consumer thread's {limit} ({source})")
+    return None
+
+
+def ws_check(problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
+    """``static_check`` of the warp-specialised family, with the rules of its knobs."""
+    for param in WS_KNOBS:
+        value = knob(config, param.name)
+        if value not in param.values:
+            return f"{param.name}={value!r}: expected one of {param.values}"
+    if knob(config, PINGPONG) and warpgroups(config) != 2:
+        return (f"pingpong=1 with block_m={config.block_m}: ping-pong takes turns between "
+                "exactly two consumer warpgroups (block_m 128)")
+    return static_check(problem, config, arch, warp_specialized=True)

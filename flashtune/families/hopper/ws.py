@@ -1,12 +1,14 @@
-"""The warp-specialised sm_90a forward families (``fwd90aws``, and ``fwd90awspp`` with
-ping-pong consumers): FlashAttention-3's structure.
+"""The warp-specialised sm_90a forward family (``fwd90aws``): FlashAttention-3's structure.
 
 A producer warpgroup loads Q, K and V with TMA into a stage ring guarded by full/empty
-mbarriers; one consumer warpgroup per 64 query rows (block_m 64 or 128) runs the wgmma math of
-the cp.async family (``fwd90a``), with ``setmaxnreg`` moving registers from the producer to
-the consumers (templates/hopper_fwd_ws.cuh). Same space, arguments, outputs, reference and
-tolerances as ``fwd90a``; the kernel takes three tensor maps after the forward's arguments,
-built here from the launch's tensors and encoded by the backend (runtime.tma).
+mbarriers; one consumer warpgroup per 64 query rows (block_m 64, 128 or 192) runs the wgmma
+math of the cp.async family (``fwd90a``), with ``setmaxnreg`` moving registers from the
+producer to the consumers (space.WS_REGISTERS; templates/hopper_fwd_ws.cuh). The knob
+``pingpong`` makes two consumer warpgroups take turns to issue their GEMMs (named barriers),
+so one's softmax overlaps the other's GEMM. Otherwise the space, arguments, outputs,
+reference and tolerances are ``fwd90a``'s; the kernel takes three tensor maps after the
+forward's arguments, built here from the launch's tensors and encoded by the backend
+(runtime.tma).
 
 The config's num_warps counts the consumer warps (block_m / 16, as in ``fwd90a``); the block
 has a producer warpgroup more (``threads``). It serves no op yet: ``fwd90a`` keeps serving the
@@ -21,6 +23,7 @@ import torch
 
 from flashtune.codegen.abi import ArgType
 from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.params import ParamSpace, Value
 from flashtune.codegen.render import TemplateValue, render_template
 from flashtune.codegen.spec import KernelConfig, KernelSource, Problem, Shape
 from flashtune.codegen.tensormap import TensorMap, TmaDType, TmaSwizzle
@@ -58,23 +61,30 @@ class HopperWsForwardFamily(HopperForwardFamily):
     template = "hopper_fwd_ws.cu.jinja"
     serves: ClassVar[str | None] = None
 
+    def space(self, problem: Problem) -> ParamSpace:
+        return space.WS_SPACE
+
+    def point(self, config: KernelConfig) -> dict[str, Value]:
+        return {**super().point(config),
+                **{name: space.knob(config, name) for name in space.WS_DEFAULTS}}
+
     def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
-        return space.static_check(problem, config, arch, warp_specialized=True)
+        return space.ws_check(problem, config, arch)
 
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
         return space.smem_bytes(problem, config, warp_specialized=True)
 
     def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
         return ("a TMA producer warpgroup and two consumer warpgroups (block_m 128), two stages "
-                "(FA3's sm90 choice); the widest key tile whose accumulators fit the register "
-                "rule")
-
-    #: Whether the consumer warpgroups issue their GEMMs in turns (named barriers).
-    pingpong: ClassVar[bool] = False
+                "(FA3's sm90 choice), no ping-pong; the widest key tile whose accumulators fit "
+                "the register rule")
 
     def template_params(self, problem: Problem, config: KernelConfig
                         ) -> dict[str, TemplateValue]:
-        return {**super().template_params(problem, config), "pingpong": self.pingpong}
+        producer, consumer = space.WS_REGISTERS[space.warpgroups(config)]
+        return {**super().template_params(problem, config),
+                "pingpong": bool(space.knob(config, space.PINGPONG)),
+                "producer_registers": producer, "consumer_registers": consumer}
 
     def render(self, problem: Problem, config: KernelConfig) -> KernelSource:
         """The KernelSource; its threads are the consumers' plus the producer warpgroup."""
@@ -97,25 +107,4 @@ class HopperWsForwardFamily(HopperForwardFamily):
         return LaunchPlan(plan.grid, plan.args + maps)
 
 
-class HopperPingPongForwardFamily(HopperWsForwardFamily):
-    """The warp-specialised forward with ping-pong scheduling of its two consumer
-    warpgroups: each waits for its turn (a named barrier) before issuing Q K^T and hands the
-    turn to the other once issued, so one's softmax overlaps the other's GEMM."""
-
-    op = "fwd90awspp"
-    title = ("attention forward for sm_90a, warp-specialised with ping-pong consumer "
-             "warpgroups")
-    pingpong = True
-
-    def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
-        if config.block_m != 128:
-            return (f"block_m={config.block_m}: ping-pong takes turns between two consumer "
-                    "warpgroups, block_m 128")
-        return super().rules(problem, config, arch)
-
-    def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
-        return "the warp-specialised default (two consumer warpgroups take turns)"
-
-
 HOPPER_WS_FORWARD = HopperWsForwardFamily()
-HOPPER_PINGPONG_FORWARD = HopperPingPongForwardFamily()

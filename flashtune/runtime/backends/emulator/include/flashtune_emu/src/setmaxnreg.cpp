@@ -10,7 +10,10 @@
 //    that skipped one is reported when the block ends);
 //  * .inc never lowers and .dec never raises the warpgroup's previous request;
 //  * the final requests of the warpgroups that made one fit the 64 Ki registers of the
-//    block (count x 128 summed), or an .inc could wait for registers forever on a GPU.
+//    block (count x 128 summed), or an .inc could wait for registers forever on a GPU;
+//  * once one warpgroup of a block makes a request, every warpgroup makes one (strictness:
+//    a warpgroup without one keeps the launch's allocation, which neither the register
+//    split nor the code compiled for its role after the others' requests accounts for).
 #include "internal.h"
 
 namespace ftemu {
@@ -21,9 +24,15 @@ void setmaxnreg_begin_block(Launch& L) {
 
 void setmaxnreg_end_block(Launch& L) {
     unsigned total = 0;
+    const size_t none = L.nreg.size();
+    size_t asked = none, silent = none;  // a warpgroup with requests, one without
     for (size_t g = 0; g < L.nreg.size(); ++g) {
         const auto& seq = L.nreg[g];
-        if (seq.empty()) continue;
+        if (seq.empty()) {
+            if (silent == none) silent = g;
+            continue;
+        }
+        if (asked == none) asked = g;
         for (unsigned tid = static_cast<unsigned>(128 * g);
              tid < std::min(L.nthreads, static_cast<unsigned>(128 * (g + 1))); ++tid) {
             const Thread& t = L.threads[tid];
@@ -38,6 +47,16 @@ void setmaxnreg_end_block(Launch& L) {
             }
         }
         total += seq.back().count * 128;
+    }
+    if (asked != none && silent != none) {
+        const NregRequest& first = L.nreg[asked].front();
+        record_error(FTEMU_ERROR, format(
+            "setmaxnreg: warpgroup %zu (threads %zu..%zu) executed no setmaxnreg, but "
+            "warpgroup %zu did (setmaxnreg.%s %u at %s): in a block that moves registers "
+            "between warpgroups every warpgroup states its limit", silent, 128 * silent,
+            128 * silent + 127, asked, first.inc ? "inc" : "dec", first.count,
+            at(first.loc).c_str()));
+        return;
     }
     if (total > 65536)
         record_error(FTEMU_ERROR, format(
