@@ -1,5 +1,5 @@
-"""wgmma.mma_async (sm_90a) in the emulator: one warpgroup computes D = A B (64 x N, K = 64)
-from 128-byte-swizzled shared memory through matrix descriptors (B K-major as K is, or
+"""wgmma.mma_async (sm_90a) in the emulator: one warpgroup computes D = A B (64 x N, K = 64;
+N 64, 128, 256 and the non-powers of two 80 and 176) from 128-byte-swizzled shared memory through matrix descriptors (B K-major as K is, or
 MN-major as V is) and with A from registers, against float64 in both thread orders; planted
 bugs (a wrong descriptor bit, a missing or late wgmma wait, a missing wgmma fence) are
 caught. The same source compiles with NVRTC for sm_90a into HGMMA."""
@@ -113,11 +113,15 @@ GEMM_ENTRY(gemm_n64_bf16_v, 64, true, true)
 GEMM_ENTRY(gemm_n128_bf16_k, 128, true, false)
 GEMM_ENTRY(gemm_n128_f16_v, 128, false, true)
 GEMM_ENTRY(gemm_n256_f16_v, 256, false, true)
+GEMM_ENTRY(gemm_n176_bf16_k, 176, true, false)
+GEMM_ENTRY(gemm_n80_f16_k, 80, false, false)
 """
 
 ENTRIES = {"gemm_n64_f16_k": (64, "fp16", False), "gemm_n64_bf16_v": (64, "bf16", True),
            "gemm_n128_bf16_k": (128, "bf16", False), "gemm_n128_f16_v": (128, "fp16", True),
-           "gemm_n256_f16_v": (256, "fp16", True)}
+           "gemm_n256_f16_v": (256, "fp16", True),
+           # key tiles that are not powers of two (FA3's 176 at head dim 128, 80 at 256)
+           "gemm_n176_bf16_k": (176, "bf16", False), "gemm_n80_f16_k": (80, "fp16", False)}
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +214,9 @@ def test_nvrtc_compiles_it_for_sm90a_into_hgmma() -> None:
         compile_source(source, "sm_80")
     if find_toolchain().nvdisasm is None:
         pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
-    sass = disassemble(kernel.cubin)  # the whole module: all five kernels
+    sass = disassemble(kernel.cubin)  # the whole module: all seven kernels
     found = collections.Counter(re.findall(r"\bHGMMA\.(64x\d+x16\.F32(?:\.BF16)?)\b", sass))
     # each kernel: 4 k-steps from shared memory and 4 with A from registers
     assert found == {"64x64x16.F32": 8, "64x64x16.F32.BF16": 8, "64x128x16.F32": 8,
-                     "64x128x16.F32.BF16": 8, "64x256x16.F32": 8}, found
+                     "64x128x16.F32.BF16": 8, "64x256x16.F32": 8, "64x176x16.F32.BF16": 8,
+                     "64x80x16.F32": 8}, found
