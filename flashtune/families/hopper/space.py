@@ -10,8 +10,8 @@ take turns to issue their GEMMs); a knob at its default is left out of a config,
 default kernel's key carries none.
 
 Rules: the tiles fit the per-block shared memory (227 KiB on sm_90), and the accumulators
-(S, O and P) fit the registers a consumer thread has (``register_limit``) with
-ACCUMULATOR_RESERVE to spare.
+(S, O and P) stay within the budget measured for the registers a consumer thread has
+(``register_limit``, ``accumulator_budget``).
 """
 
 from __future__ import annotations
@@ -44,10 +44,24 @@ WS_SPACE = ParamSpace((*SPACE.params, *WS_KNOBS))
 #: WsRegisters holds the same table; the kernel's bindings assert that they agree.
 WS_REGISTERS: Mapping[int, tuple[int, int]] = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 
-#: Registers per thread the rest of a consumer's work (addresses, descriptors, softmax state,
-#: loop state) needs beside the accumulators: measured with NVRTC 13 for sm_90a over the
-#: space (``--ptxas-options=-v``: no config within the budget spills).
-ACCUMULATOR_RESERVE = 32
+#: The most accumulator registers per thread (``accumulator_registers``) that compile without
+#: spills, by (warp-specialised, consumer warpgroups), then head dim: (one stage, two or more).
+#: Measured with NVRTC 13 for sm_90a (``--ptxas-options=-v``, bf16 causal, every block_n of
+#: the space; the first spilling tile is 12 registers more, except where the space ends
+#: first). Not a fixed share of ``register_limit``: what ptxas needs beside the accumulators
+#: grows with the head dim, is larger with one stage, and is smaller where the producer
+#: warpgroup does the loads (e.g. 384 cp.async threads at 168 registers spill at 124
+#: accumulators for head dim 128 but hold 140 for head dim 64; with setmaxnreg's 160, three
+#: consumer warpgroups hold 148 at head dim 128). Head dim 256 with one stage has its own
+#: rule; three warpgroups at head dim 256 never fit (176 accumulators at the smallest tile).
+ACCUMULATOR_BUDGET: Mapping[tuple[bool, int], Mapping[int, tuple[int, int]]] = {
+    (False, 1): {64: (188, 224), 128: (172, 220), 256: (0, 200)},
+    (False, 2): {64: (188, 224), 128: (172, 220), 256: (0, 200)},
+    (False, 3): {64: (128, 140), 128: (112, 112), 256: (0, 0)},
+    (True, 1): {64: (212, 224), 128: (208, 220), 256: (0, 200)},
+    (True, 2): {64: (200, 224), 128: (196, 208), 256: (0, 188)},
+    (True, 3): {64: (152, 164), 128: (136, 148), 256: (0, 0)},
+}
 #: Registers are allocated to a thread in multiples of this many, at most 255.
 _REG_GRANULE = 8
 _MAX_REGS = 255
@@ -100,6 +114,14 @@ def register_limit(config: KernelConfig, *, warp_specialized: bool = False) -> i
     return min(_MAX_REGS, share)
 
 
+def accumulator_budget(problem: Problem, config: KernelConfig, *,
+                       warp_specialized: bool = False) -> int:
+    """Accumulator registers per thread the config's kernel holds without spilling
+    (ACCUMULATOR_BUDGET)."""
+    one, more = ACCUMULATOR_BUDGET[warp_specialized, warpgroups(config)][problem.head_dim]
+    return one if config.num_stages == 1 else more
+
+
 def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
                  warp_specialized: bool = False) -> str | None:
     """Why ``config`` cannot run ``problem`` on ``arch``, or None when it may (knobs the
@@ -124,12 +146,14 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
         return why
     limit = register_limit(config, warp_specialized=warp_specialized)
     held = accumulator_registers(problem, config)
-    if held > limit - ACCUMULATOR_RESERVE:
+    budget = accumulator_budget(problem, config, warp_specialized=warp_specialized)
+    if held > budget:
         source = (f"setmaxnreg's count for {warpgroups(config)} consumer warpgroups"
                   if warp_specialized else f"64 Ki registers shared by {config.threads} threads")
+        stages = "one stage" if config.num_stages == 1 else "two or more stages"
         return (f"accumulators need {held} registers per thread (S, O and P), over the "
-                f"{limit - ACCUMULATOR_RESERVE} that leave {ACCUMULATOR_RESERVE} for the rest "
-                f"of a consumer thread's {limit} ({source})")
+                f"{budget} that compile without spills (NVRTC 13) in a consumer thread's "
+                f"{limit} registers ({source}) at head dim {problem.head_dim} with {stages}")
     return None
 
 
