@@ -1,8 +1,9 @@
 """wgmma.mma_async (sm_90a) in the emulator: one warpgroup computes D = A B (64 x N, K = 64;
-N 64, 128, 256 and the non-powers of two 80 and 176) from 128-byte-swizzled shared memory through matrix descriptors (B K-major as K is, or
-MN-major as V is) and with A from registers, against float64 in both thread orders; planted
-bugs (a wrong descriptor bit, a missing or late wgmma wait, a missing wgmma fence) are
-caught. The same source compiles with NVRTC for sm_90a into HGMMA."""
+N 64, 128, 256 and the non-powers of two 80 and 176) from 128-byte-swizzled shared memory
+through matrix descriptors (B K-major as K is, or MN-major as V is) and with A from
+registers, against float64 in both thread orders; planted bugs (a wrong descriptor bit, a
+missing or late wgmma wait, a missing wgmma fence) are caught. The same source compiles
+with NVRTC for sm_90a into HGMMA."""
 
 from __future__ import annotations
 
