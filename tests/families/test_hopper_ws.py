@@ -142,12 +142,11 @@ def test_nvrtc_compiles_for_sm90a_without_spills(
 
 
 @pytest.mark.sweep
+@pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.value)
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
-def test_nvrtc_compiles_every_passing_config_without_spills(head_dim: int) -> None:
-    for dtype in DType:
-        problem = _problem(head_dim, dtype, True)
-        for config in HOPPER_WS_FORWARD.candidates(problem, SM90A):
-            _compiled(head_dim, dtype, True, config)
+def test_nvrtc_compiles_every_passing_config_without_spills(head_dim: int, dtype: DType) -> None:
+    for config in HOPPER_WS_FORWARD.candidates(_problem(head_dim, dtype, True), SM90A):
+        _compiled(head_dim, dtype, True, config)
 
 
 # ------------------------------------------------------------------ planted bugs
