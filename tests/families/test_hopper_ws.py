@@ -1,12 +1,12 @@
 """The warp-specialised sm_90a forward (``fwd90aws``: TMA producer warpgroup, one to three
 wgmma consumer warpgroups, setmaxnreg) and its knob ``pingpong`` (two consumers take turns
-through named barriers): registry and rules, NVRTC for sm_90a (no spills; UTMALDG,
-USETMAXREG, BAR.SYNC / BAR.ARV and HGMMA in the SASS), and planted bugs the emulator must
-catch with a clear message: a wrong tensor-map box, a missing expect-tx, a stage released
-twice or never, setmaxnreg rule violations (with three consumers: one skipping it, the
-split of two), a ping-pong without its first turn or with a wrong hand-over count. Their
-numerics over the coverage grid are in test_hopper_family.py; on a GPU they are checked by
-the gpu-marked test at the end."""
+through named barriers; ``fwd90awspp`` the same kernels with it fixed on): registry and
+rules, NVRTC for sm_90a (no spills; UTMALDG, USETMAXREG, BAR.SYNC / BAR.ARV and HGMMA in the
+SASS), and planted bugs the emulator must catch with a clear message: a wrong tensor-map
+box, a missing expect-tx, a stage released twice or never, setmaxnreg rule violations (with
+three consumers: one skipping it, the split of two), a ping-pong without its first turn or
+with a wrong hand-over count. Their numerics over the coverage grid are in
+test_hopper_family.py; on a GPU they are checked by the gpu-marked test at the end."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from flashtune.codegen.tensormap import TensorMap
 from flashtune.errors import EmulatorDeadlock, EmulatorError
 from flashtune.families.base import KernelFamily
 from flashtune.families.hopper import HOPPER_FORWARD, space
-from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
+from flashtune.families.hopper.ws import HOPPER_PINGPONG_FORWARD, HOPPER_WS_FORWARD
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
 from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.launch import verify
@@ -61,7 +61,15 @@ def test_registered_beside_the_cp_async_family_serving_nothing_yet() -> None:
     assert source.threads == 384 and source.target == "sm_90a"  # producer + 2 consumers
     assert source.smem_bytes == HOPPER_FORWARD.smem_bytes(problem, config) + 8  # Q's barrier
     assert "CUtensorMap tmap_q" in source.code and "__launch_bounds__(384, 1)" in source.code
-    assert "fwd90awspp" not in {f.op for f in families.all_families()}  # a knob now
+    # fwd90awspp: the same kernels with ping-pong fixed on (the profile models it per family)
+    assert families.get("fwd90awspp") is HOPPER_PINGPONG_FORWARD
+    assert HOPPER_PINGPONG_FORWARD.pingpong and not HOPPER_WS_FORWARD.pingpong
+    pp = _problem(128, DType.BF16, True, HOPPER_PINGPONG_FORWARD)
+    assert HOPPER_PINGPONG_FORWARD.default_config(pp, SM90A) == config
+    alias, knob = families.render(pp, config), families.render(problem, _pingpong(config))
+    assert alias.code.replace(alias.entry, "k") == knob.code.replace(knob.entry, "k")
+    one = HOPPER_PINGPONG_FORWARD.static_check(pp, KernelConfig(64, 64, 4, 2), SM90A)
+    assert one is not None and "exactly two consumer warpgroups" in one
 
 
 def test_pingpong_is_a_knob_of_the_space_for_two_consumers_only() -> None:

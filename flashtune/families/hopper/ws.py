@@ -13,10 +13,16 @@ forward's arguments, built here from the launch's tensors and encoded by the bac
 The config's num_warps counts the consumer warps (block_m / 16, as in ``fwd90a``); the block
 has a producer warpgroup more (``threads``). It serves no op yet: ``fwd90a`` keeps serving the
 forward on cc 9.0 devices until this family is measured there.
+
+``fwd90awspp`` is this family with ping-pong fixed on (configs without the knob, block_m 128):
+the same kernels, registered under their own op because the profile's cost model
+(perf.wgmma) takes a family's schedule from the family (``pingpong``), not from a config.
+A search of ``fwd90aws`` covers its kernels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import torch
@@ -61,6 +67,10 @@ class HopperWsForwardFamily(HopperForwardFamily):
     template = "hopper_fwd_ws.cu.jinja"
     serves: ClassVar[str | None] = None
 
+    #: Whether every kernel of the family takes ping-pong turns, whatever its config (the
+    #: profile's cost model reads it per family); this family's own ping-pong is its knob.
+    pingpong: ClassVar[bool] = False
+
     def space(self, problem: Problem) -> ParamSpace:
         return space.WS_SPACE
 
@@ -83,7 +93,7 @@ class HopperWsForwardFamily(HopperForwardFamily):
                         ) -> dict[str, TemplateValue]:
         producer, consumer = space.WS_REGISTERS[space.warpgroups(config)]
         return {**super().template_params(problem, config),
-                "pingpong": bool(space.knob(config, space.PINGPONG)),
+                "pingpong": self.pingpong or bool(space.knob(config, space.PINGPONG)),
                 "producer_registers": producer, "consumer_registers": consumer}
 
     def render(self, problem: Problem, config: KernelConfig) -> KernelSource:
@@ -107,4 +117,25 @@ class HopperWsForwardFamily(HopperForwardFamily):
         return LaunchPlan(plan.grid, plan.args + maps)
 
 
+class HopperPingPongForwardFamily(HopperWsForwardFamily):
+    """``fwd90aws`` with ping-pong fixed on: its configs carry no knob (block_m 128, the two
+    consumer warpgroups that take turns)."""
+
+    op = "fwd90awspp"
+    title = ("attention forward for sm_90a, warp-specialised with ping-pong consumer "
+             "warpgroups (fwd90aws with pingpong=1)")
+    pingpong = True
+
+    def space(self, problem: Problem) -> ParamSpace:
+        return space.SPACE
+
+    def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
+        return space.ws_check(problem, dataclasses.replace(config, extras=((space.PINGPONG, 1),)),
+                              arch)
+
+    def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
+        return "the warp-specialised default (two consumer warpgroups take turns)"
+
+
 HOPPER_WS_FORWARD = HopperWsForwardFamily()
+HOPPER_PINGPONG_FORWARD = HopperPingPongForwardFamily()
