@@ -323,7 +323,7 @@ def predict(
     of another family than the forwards (the model describes a forward's main loop: the
     mma.sync forward's, or on the wgmma path, perf/wgmma.py, an sm_90a family's).
     """
-    design = design_of(problem)
+    design = design_of(problem, config)
     if problem.op != "fwd" and design is None:
         raise InvalidProblem(f"the cost model describes the forward kernels (fwd and the "
                              f"sm_90a families); it has no model of the {problem.op!r} "

@@ -23,7 +23,7 @@ from flashtune.perf.gpus import GpuSpec, default_gpu_for_arch, get_gpu
 from flashtune.perf.loops import MainLoops, main_loops
 from flashtune.perf.occupancy import Occupancy, occupancy
 from flashtune.perf.sass import InstructionMix, Loop
-from flashtune.perf.wgmma import design_of
+from flashtune.perf.wgmma import is_wgmma_forward
 from flashtune.perf.workload import mma_head_dim
 from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.resources import Resources
@@ -66,7 +66,7 @@ class KernelProfile:
         """A forward's tensor FLOPs per K/V tile: 4 * block_m * block_n * head dim (Q K^T and
         P V, the head dim rounded up to 16 as the tensor cores see it); None for a kernel
         that is not a forward (the mma.sync one or an sm_90a family)."""
-        if self.problem.op != "fwd" and design_of(self.problem) is None:
+        if self.problem.op != "fwd" and not is_wgmma_forward(self.problem):
             return None
         return 4 * self.config.block_m * self.config.block_n * mma_head_dim(self.problem)
 
@@ -133,7 +133,7 @@ def profile_kernel(problem: Problem, config: KernelConfig, shape: Shape, arch: s
                             f"profile the {problem.op!r} family without --counters")
     emulated = None
     prediction = None
-    if problem.op == "fwd" or design_of(problem) is not None:
+    if problem.op == "fwd" or is_wgmma_forward(problem):
         if counters:
             from flashtune.perf.emulated import measure_traffic
 

@@ -101,19 +101,25 @@ class Design:
                 "wgmma shared-memory operand reads not charged", CALIBRATION)
 
 
-def design_of(problem: Problem) -> Design | None:
-    """The Design of ``problem``'s family when it is an sm_90a forward family, else None."""
+def design_of(problem: Problem, config: KernelConfig) -> Design | None:
+    """The Design of ``config`` of ``problem``'s family when it is an sm_90a forward family
+    (ping-pong from the family or the config's knob), else None."""
     family = families.of(problem)
     if not isinstance(family, HopperForwardFamily):
         return None
     if isinstance(family, HopperWsForwardFamily):
-        return Design(family.op, "TMA", PRODUCER_THREADS, family.pingpong)
+        return Design(family.op, "TMA", PRODUCER_THREADS, family.pingpong_on(config))
     return Design(family.op, "cp.async", 0, False)
+
+
+def is_wgmma_forward(problem: Problem) -> bool:
+    """Whether ``problem``'s family is an sm_90a forward family (the wgmma path's)."""
+    return isinstance(families.of(problem), HopperForwardFamily)
 
 
 def block_threads(problem: Problem, config: KernelConfig) -> int:
     """Threads of one block: the config's, plus a producer warpgroup if the family has one."""
-    design = design_of(problem)
+    design = design_of(problem, config)
     return config.threads + (design.producer_threads if design is not None else 0)
 
 
@@ -126,7 +132,7 @@ def launch_registers(regs_per_sm: int, threads: int) -> int:
 
 def smem_bytes(problem: Problem, config: KernelConfig) -> int:
     """The family's shared memory per block."""
-    design = design_of(problem)
+    design = design_of(problem, config)
     return hopper_space.smem_bytes(problem, config,
                                    warp_specialized=design is not None and
                                    design.warp_specialized)

@@ -20,7 +20,7 @@ from flashtune.perf.gpus import default_gpu_for_arch
 from flashtune.perf.loops import main_loops
 from flashtune.perf.profile import KernelProfile, profile_kernel, resolve_gpu
 from flashtune.perf.sass import Instruction, categorize, parse_sass
-from flashtune.perf.wgmma import Design
+from flashtune.perf.wgmma import Design, design_of
 
 # The shape of NVRTC 13's sm_90a output (compiled fwd90awspp / fwd90a listings): a loop with
 # HGMMAs, wgmma fences, an mbarrier wait whose retry ptxas puts after EXIT and which jumps
@@ -141,6 +141,11 @@ def test_wgmma_predictions_are_labelled_and_ordered() -> None:
     assert preds["fwd90a"] > mma_sync.tflops
     assert preds["fwd90awspp"] >= preds["fwd90aws"] >= preds["fwd90a"]
     assert max(preds.values()) < 989.4  # never above the datasheet rate
+    # the ping-pong knob of fwd90aws is predicted as the fixed ping-pong family
+    problem, config = _tile_problem("fwd90aws", 128, 128, 128)
+    knob = KernelConfig.from_dict({**config.to_dict(), space.PINGPONG: 1})
+    assert design_of(problem, knob) == Design("fwd90aws", "TMA", 128, True)
+    assert predict(problem, knob, shape, "H100").tflops == preds["fwd90awspp"]
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,9 @@ has a producer warpgroup more (``threads``). It serves no op yet: ``fwd90a`` kee
 forward on cc 9.0 devices until this family is measured there.
 
 ``fwd90awspp`` is this family with ping-pong fixed on (configs without the knob, block_m 128):
-the same kernels, registered under their own op because the profile's cost model
-(perf.wgmma) takes a family's schedule from the family (``pingpong``), not from a config.
-A search of ``fwd90aws`` covers its kernels.
+the same kernels under a name of their own for listings, profiles and a tuning run of the
+ping-pong kernels alone. A search of ``fwd90aws`` covers them; the cost model reads the
+schedule of either through ``pingpong_on``.
 """
 
 from __future__ import annotations
@@ -89,11 +89,16 @@ class HopperWsForwardFamily(HopperForwardFamily):
                 "(FA3's sm90 choice), no ping-pong; the widest key tile whose accumulators fit "
                 "the register rule")
 
+    def pingpong_on(self, config: KernelConfig) -> bool:
+        """Whether ``config``'s consumer warpgroups take turns: the family's own setting or
+        the config's ``pingpong`` knob."""
+        return self.pingpong or bool(space.knob(config, space.PINGPONG))
+
     def template_params(self, problem: Problem, config: KernelConfig
                         ) -> dict[str, TemplateValue]:
         producer, consumer = space.WS_REGISTERS[space.warpgroups(config)]
         return {**super().template_params(problem, config),
-                "pingpong": self.pingpong or bool(space.knob(config, space.PINGPONG)),
+                "pingpong": self.pingpong_on(config),
                 "producer_registers": producer, "consumer_registers": consumer}
 
     def render(self, problem: Problem, config: KernelConfig) -> KernelSource:
