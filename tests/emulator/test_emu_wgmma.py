@@ -2,7 +2,8 @@
 N 64, 128, 256 and the non-powers of two 80 and 176) from 128-byte-swizzled shared memory
 through matrix descriptors (B K-major as K is, or MN-major as V is) and with A from
 registers, against float64 in both thread orders; planted bugs (a wrong descriptor bit, a
-missing or late wgmma wait, a missing wgmma fence) are caught. The same source compiles
+missing or late wgmma wait, accumulators tied before their wait, a missing wgmma fence) are
+caught. The same source compiles
 with NVRTC for sm_90a into HGMMA."""
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ SOURCE = r"""
 // a: (64 x 64) [m][k]; b: (N x 64) [n][k] when b_mn_major == 0 (as K), else (64 x N) [k][n]
 // (as V); d: (64 x N) f32. mode 0: A from shared memory, 1: A from registers.
 // bug: 0 none, 1 B descriptor with the 64B instead of the 128B swizzle, 2 a reserved
-// descriptor bit, 3 accumulators read before the wait, 4 no wait at all, 5 no fence.
+// descriptor bit, 3 accumulators read before the wait, 4 no wait at all, 5 no fence, 6 the
+// accumulators tied (wgmma_fence_operands) before the wait.
 template <int N, bool BF16, bool B_MN>
 __device__ void gemm(const unsigned short* a, const unsigned short* b, float* d, int mode,
                      int bug) {
@@ -93,15 +95,15 @@ __device__ void gemm(const unsigned short* a, const unsigned short* b, float* d,
     }
   }
   ft::wgmma_commit();
-  if (bug != 3 && bug != 4) ft::wgmma_wait<0>();
-  ft::wgmma_fence_operands(acc);
+  if (bug != 3 && bug != 4 && bug != 6) ft::wgmma_wait<0>();
+  if (bug != 3 && bug != 4) ft::wgmma_fence_operands(acc);
 #pragma unroll
   for (int v = 0; v < N / 2; ++v) {
     const int row = 16 * warp + lane / 4 + 8 * ((v >> 1) & 1);
     const int col = 8 * (v >> 2) + 2 * (lane % 4) + (v & 1);
     d[row * N + col] = acc[v];
   }
-  if (bug == 3) ft::wgmma_wait<0>();
+  if (bug == 3 || bug == 6) ft::wgmma_wait<0>();
 }
 
 #define GEMM_ENTRY(name, N, BF16, B_MN)                                                 \
@@ -185,6 +187,14 @@ def test_reserved_descriptor_bit_is_an_error(module: EmulatedModule) -> None:
 def test_accumulators_read_before_the_wait_are_poison(module: EmulatedModule) -> None:
     d, _ = _run(module, "gemm_n64_f16_k", 0, 3, seed=13)
     assert np.isnan(d).all()
+
+
+def test_accumulators_tied_before_the_wait_are_an_error(module: EmulatedModule) -> None:
+    # wgmma_fence_operands (where the kernel ties its reads) before the wait that covers them
+    with pytest.raises(EmulatorError, match=r"wgmma_fence_operands at .*: thread \d+ reads "
+                       r"accumulators that the wgmma at .* still writes \(its group has 0 "
+                       r"committed after it; 1 committed groups pending\)"):
+        _run(module, "gemm_n64_f16_k", 0, 6, seed=16)
 
 
 def test_missing_wait_is_an_error(module: EmulatedModule) -> None:

@@ -175,6 +175,9 @@ FTEMU_API void ftemu_wgmma(int kind, void* args, ftemu_loc loc);
 FTEMU_API void ftemu_wgmma_fence(ftemu_loc loc);
 FTEMU_API void ftemu_wgmma_commit(ftemu_loc loc);
 FTEMU_API void ftemu_wgmma_wait(int pending, ftemu_loc loc);
+// The point where count accumulators at d are read: an error while a wgmma not yet covered
+// by a wgmma_wait still writes any of them.
+FTEMU_API void ftemu_wgmma_fence_operands(const float* d, int count, ftemu_loc loc);
 FTEMU_API void ftemu_fence_proxy_async(ftemu_loc loc);
 
 // mbarrier objects in shared memory (8 bytes, 8-byte aligned): init, arrive (with an

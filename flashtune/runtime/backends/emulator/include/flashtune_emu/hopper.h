@@ -40,10 +40,14 @@ __device__ inline void wgmma_wait(::ftemu::loc_t l = ::ftemu::loc_t::current()) 
     static_assert(N >= 0 && N <= 7, "wgmma.wait_group N: 0..7");
     ftemu_wgmma_wait(N, ::ftemu::to_loc(l));
 }
-// The accumulators as the compiler must see them around wgmma (a no-op here: the emulator's
-// calls take the arrays by address).
+// The accumulators as the compiler must see them after the wait that covers them: here the
+// check that no wgmma still in flight writes any of them (the emulator's calls take the
+// arrays by address, so there is nothing to tie).
 template <int R>
-__device__ inline void wgmma_fence_operands(float (&)[R]) {}
+__device__ inline void wgmma_fence_operands(float (&d)[R],
+                                            ::ftemu::loc_t l = ::ftemu::loc_t::current()) {
+    ftemu_wgmma_fence_operands(d, R, ::ftemu::to_loc(l));
+}
 __device__ inline void fence_proxy_async(::ftemu::loc_t l = ::ftemu::loc_t::current()) {
     ftemu_fence_proxy_async(::ftemu::to_loc(l));
 }

@@ -9,7 +9,8 @@
 // registers hold the poison NaN, so reading an accumulator before its wait shows up as NaN,
 // as reading cp.async data too early does; a thread that returns with results never waited
 // for, a wgmma without a wgmma_fence since the accumulators were last handed back, reserved
-// descriptor bits and lanes that disagree on a descriptor are errors.
+// descriptor bits, lanes that disagree on a descriptor and a wgmma_fence_operands (the point
+// where the kernel reads accumulators) on registers a wgmma in flight still writes are errors.
 #include <cstring>
 
 #include "internal.h"
@@ -236,6 +237,30 @@ extern "C" FTEMU_API void ftemu_wgmma_wait(int pending, ftemu_loc loc) {
         }
     }
     me.wg_fenced = false;
+}
+
+extern "C" FTEMU_API void ftemu_wgmma_fence_operands(const float* d, int count, ftemu_loc loc) {
+    Thread& me = *g_launch->cur;
+    check_async_errors();
+    auto overlaps = [&](const Thread::WgmmaResult& r) {
+        return r.d < d + count && d < r.d + r.values.size();
+    };
+    auto report = [&](const Thread::WgmmaResult& r, const char* state) {
+        fail(FTEMU_ERROR, format(
+            "wgmma_fence_operands at %s: thread %u reads accumulators that the wgmma at %s still "
+            "writes (%s; %zu committed groups pending): wait for its group (wgmma_wait<N> with "
+            "at most N groups committed after it) before the accumulators are read",
+            at(loc).c_str(), me.tid, at(r.loc).c_str(), state, me.wg_groups.size()));
+    };
+    for (const auto& r : me.wg_uncommitted)
+        if (overlaps(r)) report(r, "not committed");
+    size_t newer = me.wg_groups.size();
+    for (const auto& g : me.wg_groups) {
+        --newer;
+        for (const auto& r : g)
+            if (overlaps(r))
+                report(r, format("its group has %zu committed after it", newer).c_str());
+    }
 }
 
 // fence.proxy.async: the emulator has one proxy (wgmma reads shared memory at issue through
