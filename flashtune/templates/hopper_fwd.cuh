@@ -42,7 +42,8 @@ namespace ft {
 // Compile-time shape of one variant. The fields named like FwdTraits' are the ones
 // softmax.cuh reads (one 16-row m tile per warp).
 template <typename Element_, bool IsBf16, int HeadDim, int BlockM, int BlockN, int Stages,
-          bool Causal, bool WarpSpecialized = false, bool PingPong = false>
+          bool Causal, bool WarpSpecialized = false, bool PingPong = false,
+          bool Overlap = false>
 struct HopperFwdTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
@@ -59,6 +60,9 @@ struct HopperFwdTraits {
   static constexpr bool kWarpSpecialized = WarpSpecialized;
   // Ping-pong: the two consumer warpgroups take turns to issue their Q K^T (named barriers).
   static constexpr bool kPingPong = PingPong;
+  // Intra-warpgroup overlap (hopper_fwd_ws.cuh): Q K^T of the next key tile is issued before
+  // the softmax of this one, so it runs while the softmax does (two S accumulator sets).
+  static constexpr bool kOverlap = Overlap;
   static constexpr int kThreads = 128 * (kWarpGroups + (WarpSpecialized ? 1 : 0));
   static constexpr int kMTiles = 1;                 // 16 rows per warp
   static constexpr int kSTiles = BlockN / 8;        // n8 column blocks of S
@@ -85,6 +89,14 @@ struct HopperFwdTraits {
   static_assert(BlockN % 16 == 0 && BlockN >= 64 && BlockN <= 256,
                 "block_n: a multiple of 16 in 64..256");
   static_assert(Stages >= 1 && Stages <= 4, "stages: 1..4");
+  // The next tile's K is read while this tile's stage is still in use.
+  static_assert(!Overlap || (WarpSpecialized && Stages >= 2),
+                "overlap: the warp-specialised kernel with two or more stages");
+  // Rows of a 128-byte panel of the K and V tiles: the descriptors' stride between panels.
+  static constexpr int kPanelRows = FT_HOPPER_PLANTED_BUG != 1 ? BlockN
+                                    : BlockN <= 64                ? 64
+                                    : BlockN <= 128               ? 128
+                                                                  : 256;
 
   // Byte offset of 16-byte chunk c of row r in a swizzled tile of `rows` rows.
   static __device__ __forceinline__ int chunk_offset(int rows, int r, int c) {
@@ -179,51 +191,65 @@ struct FreeSchedule {
   __device__ __forceinline__ void after_qk() const {}
 };
 
-// One key tile for the calling warpgroup: S = Q K^T by wgmma (both operands in shared memory,
-// K-major), the online softmax, P from the S accumulators and O += P V by wgmma (V MN-major).
-// q_addr, k_addr, v_addr: shared-window addresses of this warpgroup's 64 Q rows and of the
-// stage's K and V tiles; every wgmma is waited for before it returns.
-template <class Tr, bool kFirst, class Mask, class Schedule = FreeSchedule>
-__device__ __forceinline__ void tile_math(unsigned q_addr, unsigned k_addr, unsigned v_addr,
-                                          OnlineSoftmax<Tr>& softmax,
-                                          float (&acc_o)[1][Tr::kOTiles][4], float scale_log2,
-                                          const Mask& mask, const Schedule& schedule = {}) {
-  constexpr int kBlockM = Tr::kBlockM;
-  constexpr int kBlockN = Tr::kBlockN;
-  // Rows of a 128-byte panel of the K and V tiles: the descriptors' stride between panels.
-  constexpr int kPanelRows =
-      FT_HOPPER_PLANTED_BUG != 1 ? kBlockN : kBlockN <= 64 ? 64 : kBlockN <= 128 ? 128 : 256;
-  // wgmma views of the fragments: d[4 nt + e] is fragment element [nt][e].
-  auto& o_view = reinterpret_cast<float(&)[Tr::kHeadDim / 2]>(acc_o);
-  float acc_s[1][Tr::kSTiles][4];
-  auto& s_view = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
+// S = Q K^T for the calling warpgroup by wgmma (both operands in shared memory, K-major) into
+// s_view, in one commit group it does not wait for. q_addr, k_addr: shared-window addresses
+// of this warpgroup's 64 Q rows and of the stage's K tile.
+template <class Tr, class Schedule>
+__device__ __forceinline__ void issue_qk(unsigned q_addr, unsigned k_addr,
+                                         float (&s_view)[Tr::kBlockN / 2],
+                                         const Schedule& schedule) {
   schedule.before_qk();
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < Tr::kQkSteps; ++ks) {
     const unsigned off = (ks % 4) * 32;
-    wgmma_ss<kBlockN, Tr::kBf16, false, false>(
-        s_view, wgmma_desc(q_addr + (ks / 4) * kBlockM * 128 + off, 16, 1024, kSwizzle128B),
-        wgmma_desc(k_addr + (ks / 4) * kPanelRows * 128 + off, 16, 1024, kSwizzle128B), ks > 0);
+    wgmma_ss<Tr::kBlockN, Tr::kBf16, false, false>(
+        s_view, wgmma_desc(q_addr + (ks / 4) * Tr::kBlockM * 128 + off, 16, 1024, kSwizzle128B),
+        wgmma_desc(k_addr + (ks / 4) * Tr::kPanelRows * 128 + off, 16, 1024, kSwizzle128B),
+        ks > 0);
   }
   wgmma_commit();
   schedule.after_qk();
-  wgmma_wait<0>();
-  wgmma_fence_operands(s_view);
+}
 
+// The online softmax of the complete S in acc_s (tied here: a wgmma still writing it is an
+// error in the emulator) and of O (complete: the caller tied it after its last wait), P from
+// the S accumulators, and O += P V by wgmma (V MN-major at v_addr, the stage's V tile) in one
+// commit group it does not wait for.
+template <class Tr, bool kFirst, class Mask>
+__device__ __forceinline__ void softmax_issue_pv(unsigned v_addr, float (&acc_s)[1][Tr::kSTiles][4],
+                                                 OnlineSoftmax<Tr>& softmax,
+                                                 float (&acc_o)[1][Tr::kOTiles][4],
+                                                 float scale_log2, const Mask& mask) {
+  // wgmma views of the fragments: d[4 nt + e] is fragment element [nt][e].
+  auto& o_view = reinterpret_cast<float(&)[Tr::kHeadDim / 2]>(acc_o);
+  wgmma_fence_operands(reinterpret_cast<float(&)[Tr::kBlockN / 2]>(acc_s));
   unsigned p[1][Tr::kPvSteps][4];
   softmax.template update<kFirst>(acc_s, p, acc_o, scale_log2, mask);
-
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < Tr::kPvSteps; ++kk) {
     wgmma_rs<Tr::kHeadDim, Tr::kBf16, true>(
         o_view, p[0][kk],
-        wgmma_desc(v_addr + kk * 16 * 128, kPanelRows * 128, 1024, kSwizzle128B), 1);
+        wgmma_desc(v_addr + kk * 16 * 128, Tr::kPanelRows * 128, 1024, kSwizzle128B), 1);
   }
   wgmma_commit();
+}
+
+// One key tile for the calling warpgroup: S = Q K^T, the online softmax, P and O += P V, each
+// GEMM waited for before its result is read (q_addr, k_addr, v_addr: this warpgroup's Q rows
+// and the stage's K and V tiles).
+template <class Tr, bool kFirst, class Mask, class Schedule = FreeSchedule>
+__device__ __forceinline__ void tile_math(unsigned q_addr, unsigned k_addr, unsigned v_addr,
+                                          OnlineSoftmax<Tr>& softmax,
+                                          float (&acc_o)[1][Tr::kOTiles][4], float scale_log2,
+                                          const Mask& mask, const Schedule& schedule = {}) {
+  float acc_s[1][Tr::kSTiles][4];
+  issue_qk<Tr>(q_addr, k_addr, reinterpret_cast<float(&)[Tr::kBlockN / 2]>(acc_s), schedule);
   wgmma_wait<0>();
-  wgmma_fence_operands(o_view);
+  softmax_issue_pv<Tr, kFirst>(v_addr, acc_s, softmax, acc_o, scale_log2, mask);
+  wgmma_wait<0>();
+  wgmma_fence_operands(reinterpret_cast<float(&)[Tr::kHeadDim / 2]>(acc_o));
 }
 
 // Epilogue of one warp (query rows row0 .. row0 + 15): O / row sum and the natural-log LSE,
@@ -323,13 +349,34 @@ struct WarpgroupMath {
     q_addr = b.base + group * 64 * 128;
   }
 
+  static __device__ __forceinline__ unsigned k_tile(const HopperBlock<Tr>& b, int s) {
+    return b.base + Tr::kKOffset + s * Tr::kTileBytes;
+  }
+  static __device__ __forceinline__ unsigned v_tile(const HopperBlock<Tr>& b, int s) {
+    return b.base + Tr::kVOffset + s * Tr::kTileBytes;
+  }
+
   // Key tile of stage s (the tile_math of its K and V).
   template <bool kFirst, class Mask, class Schedule = FreeSchedule>
   __device__ __forceinline__ void tile(const HopperBlock<Tr>& b, int s, const Mask& mask,
                                        const Schedule& schedule = {}) {
-    tile_math<Tr, kFirst>(q_addr, b.base + Tr::kKOffset + s * Tr::kTileBytes,
-                          b.base + Tr::kVOffset + s * Tr::kTileBytes, softmax, acc_o,
-                          scale_log2, mask, schedule);
+    tile_math<Tr, kFirst>(q_addr, k_tile(b, s), v_tile(b, s), softmax, acc_o, scale_log2, mask,
+                          schedule);
+  }
+
+  // The split steps of the overlapped schedule: S = Q K^T of stage s issued into acc_s, and
+  // the softmax of a complete acc_s with O += P V of stage s issued (neither waited for).
+  template <class Schedule>
+  __device__ __forceinline__ void qk(const HopperBlock<Tr>& b, int s,
+                                     float (&acc_s)[1][Tr::kSTiles][4], const Schedule& schedule) {
+    issue_qk<Tr>(q_addr, k_tile(b, s), reinterpret_cast<float(&)[Tr::kBlockN / 2]>(acc_s),
+                 schedule);
+  }
+  template <bool kFirst, class Mask>
+  __device__ __forceinline__ void softmax_pv(const HopperBlock<Tr>& b, int s,
+                                             float (&acc_s)[1][Tr::kSTiles][4],
+                                             const Mask& mask) {
+    softmax_issue_pv<Tr, kFirst>(v_tile(b, s), acc_s, softmax, acc_o, scale_log2, mask);
   }
 
   __device__ __forceinline__ void store(const HopperBlock<Tr>& b, long long o_row_stride) {

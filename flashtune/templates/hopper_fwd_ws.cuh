@@ -27,13 +27,21 @@
 // arriving) before it issues Q K^T and arrives on the other's right after; warpgroup 1 gives
 // warpgroup 0 the first turn.
 //
+// Overlap (Tr::kOverlap, FA3 section 3.2, two or more stages): a consumer warpgroup issues
+// S_next = Q K_{j+1}^T (waiting for its stage first) before the softmax of S_j, so the
+// GEMM runs while the softmax does; then it issues O += P_j V_j, waits for S_next
+// (wait_group<1>), moves it into S_j's registers, and waits for O += P_j V_j (wait_group<0>)
+// before it releases tile j's stage (the next softmax rescales O). The first tile's S is computed and waited for before the loop; the
+// last tile has no next. With ping-pong the turns bracket each Q K^T issue as without.
+//
 // FT_WS_PLANTED_BUG (tests only; 0 in every rendered kernel) plants one bug for the
 // emulator's tests: 1 no expect-tx on the K/V stage (a plain arrive), 2 consumers release a
 // stage twice, 3 consumers never release a stage, 4 the consumers' setmaxnreg count not a
 // multiple of 8, 5 one consumer warp skips setmaxnreg, 6 (ping-pong) no first turn, 7
 // (ping-pong) a hand-over that counts only the handing warpgroup's threads, 8 (three
 // consumers) the third consumer warpgroup skips setmaxnreg, 9 (three consumers) the split of
-// two consumers (24 / 240).
+// two consumers (24 / 240), 10 (overlap) the wait for the next tile's S after its first read,
+// 11 (overlap) wait_group<1> where <0> is needed (O += P V still in flight).
 #pragma once
 
 #include "hopper_fwd.cuh"
@@ -132,17 +140,54 @@ __device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Eleme
     if (cw >= 4) named_barrier_arrive(1, 256);  // warpgroup 0 has the first turn
   }
   mbarrier_wait_parity(q_full, 0);
-  for_each_key_tile<Tr>(b.range, math.limits, [&](int j, auto first, auto mask) {
-    const int s = j % kStages;
-    mbarrier_wait_parity(&b.full[s], static_cast<unsigned>(j / kStages) & 1u);
-    math.template tile<decltype(first)::value>(b, s, mask, schedule);
-    // The warp's wgmma reads of the stage are complete (tile_math waited for them).
+  // Key tile j's stage has landed.
+  auto wait_full = [&](int j) {
+    mbarrier_wait_parity(&b.full[j % kStages], static_cast<unsigned>(j / kStages) & 1u);
+  };
+  // The warp's wgmma reads of key tile j's stage are complete: lane 0 releases it.
+  auto release = [&](int j) {
     __syncwarp();
     if (b.lane == 0 && !(FT_WS_PLANTED_BUG == 3 && j == 0)) {
-      mbarrier_arrive(&b.empty[s]);
-      if (FT_WS_PLANTED_BUG == 2) mbarrier_arrive(&b.empty[s]);
+      mbarrier_arrive(&b.empty[j % kStages]);
+      if (FT_WS_PLANTED_BUG == 2) mbarrier_arrive(&b.empty[j % kStages]);
     }
-  });
+  };
+  if constexpr (!Tr::kOverlap) {
+    for_each_key_tile<Tr>(b.range, math.limits, [&](int j, auto first, auto mask) {
+      wait_full(j);
+      math.template tile<decltype(first)::value>(b, j % kStages, mask, schedule);
+      release(j);  // tile_math waited for its GEMMs
+    });
+  } else {
+    // S of the current tile (complete) and of the next one (in flight during the softmax).
+    float acc_s[1][Tr::kSTiles][4];
+    float s_next[1][Tr::kSTiles][4];
+    auto& next_view = reinterpret_cast<float(&)[kBlockN / 2]>(s_next);
+    wait_full(0);
+    math.qk(b, 0, acc_s, schedule);
+    wgmma_wait<0>();
+    for_each_key_tile<Tr>(b.range, math.limits, [&](int j, auto first, auto mask) {
+      const bool has_next = j + 1 < n_tiles;
+      if (has_next) {  // S_next = Q K_{j+1}^T, issued before the softmax of S_j
+        wait_full(j + 1);
+        math.qk(b, (j + 1) % kStages, s_next, schedule);
+      }
+      math.template softmax_pv<decltype(first)::value>(b, j % kStages, acc_s, mask);
+      // S_next (the older group) is complete; O += P_j V_j may still run while S_next is
+      // moved into place.
+      if constexpr (FT_WS_PLANTED_BUG != 10) wgmma_wait<1>();
+      if (has_next) {
+        wgmma_fence_operands(next_view);
+#pragma unroll
+        for (int i = 0; i < kBlockN / 2; ++i) acc_s[0][i / 4][i % 4] = next_view[i];
+      }
+      if constexpr (FT_WS_PLANTED_BUG == 10) wgmma_wait<1>();
+      // O += P_j V_j complete: its V stage is released and the next softmax rescales O.
+      wgmma_wait<FT_WS_PLANTED_BUG == 11 ? 1 : 0>();
+      wgmma_fence_operands(reinterpret_cast<float(&)[Tr::kHeadDim / 2]>(math.acc_o));
+      release(j);
+    });
+  }
   math.store(b, a.o_row_stride);
 }
 

@@ -48,6 +48,11 @@ def _pingpong(config: KernelConfig) -> KernelConfig:
     return dataclasses.replace(config, extras=tuple(PINGPONG.items()))
 
 
+def _overlap(config: KernelConfig) -> KernelConfig:
+    """``config`` with the overlap knob on (its other knobs kept)."""
+    return dataclasses.replace(config, extras=(*config.extras, (space.OVERLAP, 1)))
+
+
 def test_registered_beside_the_cp_async_family_serving_nothing_yet() -> None:
     assert families.get("fwd90aws") is HOPPER_WS_FORWARD
     assert HOPPER_WS_FORWARD.serves is None and HOPPER_WS_FORWARD.target_arch == "sm_90a"
@@ -164,9 +169,10 @@ def test_nvrtc_compiles_every_passing_config_without_spills(head_dim: int, dtype
 #: Five key tiles of 64 (two rounds of the two-stage ring and one more), GQA.
 BUG_SHAPE = Shape(1, 2, 1, 70, 300)
 BUG_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
-#: The same with ping-pong, and with three consumer warpgroups.
+#: The same with ping-pong, with three consumer warpgroups, and with overlap.
 BUG_PINGPONG = _pingpong(BUG_CONFIG)
 BUG_THREE = KernelConfig(block_m=192, block_n=64, num_warps=12, num_stages=2)
+BUG_OVERLAP = _overlap(BUG_CONFIG)
 
 
 def _run_planted(bug: int, *, box_rows: int | None = None,
@@ -195,7 +201,8 @@ def _run_planted(bug: int, *, box_rows: int | None = None,
         assert verdict.ok, verdict.message
 
 
-@pytest.mark.parametrize("config", [BUG_CONFIG, BUG_PINGPONG, BUG_THREE], ids=lambda c: c.key())
+@pytest.mark.parametrize("config", [BUG_CONFIG, BUG_PINGPONG, BUG_THREE, BUG_OVERLAP],
+                         ids=lambda c: c.key())
 def test_the_bug_harness_passes_without_a_bug(config: KernelConfig) -> None:
     _run_planted(0, config=config)
 
@@ -272,6 +279,25 @@ def test_three_consumers_with_the_split_of_two_are_caught() -> None:
     # 24 x 128 + 3 x 240 x 128 registers: more than the block's 64 Ki.
     with pytest.raises(EmulatorError, match=r"final requests add up to 95232 registers"):
         _run_planted(9, config=BUG_THREE)
+
+
+def test_overlap_reading_the_next_s_before_its_wait_is_caught() -> None:
+    """Planted: the wait for S_next placed after the copy that first reads it."""
+    with pytest.raises(EmulatorError, match=r"wgmma_fence_operands at .*hopper_fwd_ws.cuh:\d+: "
+                       r"thread \d+ reads accumulators that the wgmma at .*hopper_fwd.cuh:\d+ "
+                       r"still writes \(its group has 1 committed after it; 2 committed groups "
+                       r"pending\)"):
+        _run_planted(10, config=BUG_OVERLAP)
+
+
+def test_overlap_waiting_for_one_group_too_few_is_caught() -> None:
+    """Planted: wait_group<1> where O += P V must be complete (<0>) before the stage is
+    released and the next softmax rescales O."""
+    with pytest.raises(EmulatorError, match=r"wgmma_fence_operands at .*hopper_fwd_ws.cuh:\d+: "
+                       r"thread \d+ reads accumulators that the wgmma at .*hopper_fwd.cuh:\d+ "
+                       r"still writes \(its group has 0 committed after it; 1 committed groups "
+                       r"pending\)"):
+        _run_planted(11, config=BUG_OVERLAP)
 
 
 # ------------------------------------------------------------------ GPU

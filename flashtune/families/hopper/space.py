@@ -5,9 +5,13 @@ three consumer warpgroups, so num_warps is block_m / 16 (4, 8 or 12) and not a k
 own. block_n is the N of Q K^T's wgmma: any multiple of 16 from 64 to 256 (FA3 takes 176 at
 head dim 128 and 80 at 256). The stage ring holds num_stages K and V tiles.
 
-The warp-specialised family adds the knob ``pingpong`` (0/1: its two consumer warpgroups
-take turns to issue their GEMMs); a knob at its default is left out of a config, so the
-default kernel's key carries none.
+The warp-specialised family adds the knobs ``pingpong`` (0/1: its two consumer warpgroups
+take turns to issue their GEMMs) and ``overlap`` (0/1: each consumer warpgroup issues the
+next key tile's Q K^T before the softmax of this one, FA3's intra-warpgroup overlap); a knob
+at its default is left out of a config, so the default kernel's key carries none. Overlap
+needs two or more stages (the next tile's K lands while this tile's stage is in use) and
+holds a second S accumulator set; it combines with ping-pong (the turns bracket each Q K^T
+issue, as FA3 combines them) and with one to three consumer warpgroups.
 
 Rules: the tiles fit the per-block shared memory (227 KiB on sm_90), and the accumulators
 (S, O and P) stay within the budget measured for the registers a consumer thread has
@@ -31,8 +35,9 @@ NUM_STAGES = (1, 2, 3)
 HEAD_DIMS = (64, 128, 256)
 
 PINGPONG = "pingpong"
+OVERLAP = "overlap"
 #: The warp-specialised family's knobs; each one's first value is its default.
-WS_KNOBS: tuple[Param, ...] = (Param(PINGPONG, (0, 1)),)
+WS_KNOBS: tuple[Param, ...] = (Param(PINGPONG, (0, 1)), Param(OVERLAP, (0, 1)))
 WS_DEFAULTS: Mapping[str, Value] = {p.name: p.values[0] for p in WS_KNOBS}
 
 SPACE = ParamSpace((Param("block_m", BLOCK_M), Param("block_n", BLOCK_N),
@@ -100,8 +105,10 @@ def smem_bytes(problem: Problem, config: KernelConfig, *, warp_specialized: bool
 
 
 def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
-    """Per thread: S (block_n / 2 f32), O (head_dim / 2 f32) and P (block_n / 4 packed)."""
-    return config.block_n // 2 + problem.head_dim // 2 + config.block_n // 4
+    """Per thread: S (block_n / 2 f32), O (head_dim / 2 f32) and P (block_n / 4 packed); with
+    the ``overlap`` knob on, the next tile's S (block_n / 2 f32) as well."""
+    s_sets = 2 if knob(config, OVERLAP) else 1
+    return s_sets * (config.block_n // 2) + problem.head_dim // 2 + config.block_n // 4
 
 
 def register_limit(config: KernelConfig, *, warp_specialized: bool = False) -> int:
@@ -151,7 +158,8 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
         source = (f"setmaxnreg's count for {warpgroups(config)} consumer warpgroups"
                   if warp_specialized else f"64 Ki registers shared by {config.threads} threads")
         stages = "one stage" if config.num_stages == 1 else "two or more stages"
-        return (f"accumulators need {held} registers per thread (S, O and P), over the "
+        what = "two S sets (overlap), O and P" if knob(config, OVERLAP) else "S, O and P"
+        return (f"accumulators need {held} registers per thread ({what}), over the "
                 f"{budget} that compile without spills (NVRTC 13) in a consumer thread's "
                 f"{limit} registers ({source}) at head dim {problem.head_dim} with {stages}")
     return None
@@ -166,4 +174,7 @@ def ws_check(problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | No
     if knob(config, PINGPONG) and warpgroups(config) != 2:
         return (f"pingpong=1 with block_m={config.block_m}: ping-pong takes turns between "
                 "exactly two consumer warpgroups (block_m 128)")
+    if knob(config, OVERLAP) and config.num_stages < 2:
+        return ("overlap=1 with num_stages=1: the next key tile's K must land in another stage "
+                "while this tile's is read; use two or more stages")
     return static_check(problem, config, arch, warp_specialized=True)

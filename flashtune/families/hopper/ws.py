@@ -5,7 +5,9 @@ mbarriers; one consumer warpgroup per 64 query rows (block_m 64, 128 or 192) run
 math of the cp.async family (``fwd90a``), with ``setmaxnreg`` moving registers from the
 producer to the consumers (space.WS_REGISTERS; templates/hopper_fwd_ws.cuh). The knob
 ``pingpong`` makes two consumer warpgroups take turns to issue their GEMMs (named barriers),
-so one's softmax overlaps the other's GEMM. Otherwise the space, arguments, outputs,
+so one's softmax overlaps the other's GEMM; the knob ``overlap`` makes each consumer
+warpgroup issue the next key tile's Q K^T before its softmax of this one (two or more
+stages, a second S accumulator set), so its own softmax overlaps that GEMM. Otherwise the space, arguments, outputs,
 reference and tolerances are ``fwd90a``'s; the kernel takes three tensor maps after the
 forward's arguments, built here from the launch's tensors and encoded by the backend
 (runtime.tma).
@@ -99,6 +101,7 @@ class HopperWsForwardFamily(HopperForwardFamily):
         producer, consumer = space.WS_REGISTERS[space.warpgroups(config)]
         return {**super().template_params(problem, config),
                 "pingpong": self.pingpong_on(config),
+                "overlap": bool(space.knob(config, space.OVERLAP)),
                 "producer_registers": producer, "consumer_registers": consumer}
 
     def render(self, problem: Problem, config: KernelConfig) -> KernelSource:
