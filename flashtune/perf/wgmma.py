@@ -97,7 +97,9 @@ class Design:
                  if self.warp_specialized else
                  "K/V by cp.async from the consumer warps (their copies and address "
                  "arithmetic charged from the SASS)")
-        return ("wgmma at the datasheet dense tensor rate", schedule, loads,
+        overlap = (("the overlap knob (intra-warpgroup overlap) is not modelled",)
+                   if self.warp_specialized else ())
+        return ("wgmma at the datasheet dense tensor rate", schedule, loads, *overlap,
                 "wgmma shared-memory operand reads not charged", CALIBRATION)
 
 

@@ -2,10 +2,10 @@
 with reasons, NVRTC for sm_90a (no spills; HGMMA in the SASS), and numerics in the emulator
 against float64 over head dims 64/128/256, causal (bottom-right), GQA, odd lengths, fp16 and
 bf16, in both thread orders, on NaN-poisoned outputs, for it and for its warp-specialised
-sibling (fwd90aws: TMA producer, setmaxnreg, the ping-pong knob; its own tests in
-test_hopper_ws.py). The default run takes the defaults and a seeded sample of each new
-mechanism (three consumer warpgroups, a key tile that is not a power of two, ping-pong);
-``-m sweep`` the full matrix."""
+sibling (fwd90aws: TMA producer, setmaxnreg, the ping-pong and overlap knobs; its own tests
+in test_hopper_ws.py). The default run takes the defaults and a seeded sample of each new
+mechanism (three consumer warpgroups, a key tile that is not a power of two, ping-pong,
+overlap); ``-m sweep`` the full matrix."""
 
 from __future__ import annotations
 
@@ -195,17 +195,18 @@ def _default_cases() -> list[Case]:
                 head_dim = 64
                 problem = dataclasses.replace(problem, head_dim=64)
                 drawn = [c for c in family.candidates(problem, SM90A) if mechanism(c)]
-            if drawn:  # the cp.async family has no ping-pong
+            if drawn:  # the cp.async family has no ping-pong or overlap
                 cases.append((family, head_dim, dtype, causal, rng.choice(SHAPES),
                               rng.choice(drawn)))
     return cases
 
 
 #: The mechanisms the seeded sample covers in each family: three consumer warpgroups, a key
-#: tile that is not a power of two (two warpgroups or fewer), ping-pong.
+#: tile that is not a power of two (two warpgroups or fewer), ping-pong, overlap.
 _MECHANISMS = (lambda c: c.block_m == 192,
                lambda c: c.block_m < 192 and c.block_n & (c.block_n - 1) != 0,
-               lambda c: bool(c.extras))
+               lambda c: bool(space.knob(c, space.PINGPONG)),
+               lambda c: bool(space.knob(c, space.OVERLAP)))
 
 
 def _case_id(c: Case) -> str:
@@ -224,7 +225,9 @@ def test_the_default_sample_covers_every_new_mechanism() -> None:
         configs = [c[5] for c in _default_cases() if c[0] is family]
         assert any(c.block_m == 192 for c in configs), configs
         assert any(c.block_n not in (64, 128, 256) for c in configs), configs
-        assert any(c.extras for c in configs) == (family is HOPPER_WS_FORWARD), configs
+        ws = family is HOPPER_WS_FORWARD
+        assert any(space.knob(c, space.PINGPONG) for c in configs) == ws, configs
+        assert any(space.knob(c, space.OVERLAP) for c in configs) == ws, configs
 
 
 @pytest.mark.emulator

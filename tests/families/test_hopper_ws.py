@@ -1,11 +1,13 @@
 """The warp-specialised sm_90a forward (``fwd90aws``: TMA producer warpgroup, one to three
-wgmma consumer warpgroups, setmaxnreg) and its knob ``pingpong`` (two consumers take turns
-through named barriers; ``fwd90awspp`` the same kernels with it fixed on): registry and
+wgmma consumer warpgroups, setmaxnreg), its knob ``pingpong`` (two consumers take turns
+through named barriers; ``fwd90awspp`` the same kernels with it fixed on) and its knob
+``overlap`` (the next tile's Q K^T issued before this tile's softmax): registry and
 rules, NVRTC for sm_90a (no spills; UTMALDG, USETMAXREG, BAR.SYNC / BAR.ARV and HGMMA in the
 SASS), and planted bugs the emulator must catch with a clear message: a wrong tensor-map
 box, a missing expect-tx, a stage released twice or never, setmaxnreg rule violations (with
 three consumers: one skipping it, the split of two), a ping-pong without its first turn or
-with a wrong hand-over count. Their numerics over the coverage grid are in
+with a wrong hand-over count, an overlap that reads the next S before its wait or waits for
+one group too few. Their numerics over the coverage grid are in
 test_hopper_family.py; on a GPU they are checked by the gpu-marked test at the end."""
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ def _pingpong(config: KernelConfig) -> KernelConfig:
     return dataclasses.replace(config, extras=tuple(PINGPONG.items()))
 
 
+def _traits_knobs(code: str) -> tuple[str, ...]:
+    """The PingPong and Overlap arguments of the rendered kernel's traits."""
+    found = re.search(r"\b(true|false),\s*(true|false)>;", code)
+    assert found is not None, "no traits with the ping-pong and overlap arguments"
+    return found.groups()
+
+
 def _overlap(config: KernelConfig) -> KernelConfig:
     """``config`` with the overlap knob on (its other knobs kept)."""
     return dataclasses.replace(config, extras=(*config.extras, (space.OVERLAP, 1)))
@@ -81,11 +90,12 @@ def test_registered_beside_the_cp_async_family_serving_nothing_yet() -> None:
 
 def test_pingpong_is_a_knob_of_the_space_for_two_consumers_only() -> None:
     problem = _problem(64, DType.FP16, True)
-    assert space.WS_SPACE.names == ("block_m", "block_n", "num_stages", "pingpong")
+    assert space.WS_SPACE.names == ("block_m", "block_n", "num_stages", "pingpong", "overlap")
     configs = HOPPER_WS_FORWARD.search_space(problem)
-    assert len(configs) == 3 * 13 * 3 * 2
-    on = [c for c in HOPPER_WS_FORWARD.candidates(problem, SM90A) if c.extras]
-    assert on and all(c.extras == (("pingpong", 1),) and c.block_m == 128 for c in on)
+    assert len(configs) == 3 * 13 * 3 * 2 * 2
+    on = [c for c in HOPPER_WS_FORWARD.candidates(problem, SM90A)
+          if space.knob(c, space.PINGPONG)]
+    assert on and all(c.block_m == 128 for c in on)
     pp = _pingpong(KernelConfig(128, 64, 8, 2))
     assert pp.key() == "m128_n64_w8_s2_pingpong-1" and HOPPER_WS_FORWARD.point(pp)["pingpong"] == 1
     assert HOPPER_WS_FORWARD.config(HOPPER_WS_FORWARD.point(pp)) == pp
@@ -101,8 +111,34 @@ def test_pingpong_is_a_knob_of_the_space_for_two_consumers_only() -> None:
     why = HOPPER_FORWARD.static_check(dataclasses.replace(problem, op="fwd90a"), pp, SM90A)
     assert why is not None and "not knobs of the 'fwd90a' family" in why
     source = families.render(problem, pp)
-    assert source.threads == 384 and "true>;" in source.code  # Traits' PingPong
-    assert "true>;" not in families.render(problem, KernelConfig(128, 64, 8, 2)).code
+    assert source.threads == 384 and _traits_knobs(source.code) == ("true", "false")
+    assert _traits_knobs(families.render(problem, KernelConfig(128, 64, 8, 2)).code) == (
+        "false", "false")
+
+
+def test_overlap_is_a_knob_with_two_or_more_stages_and_a_second_s_set() -> None:
+    problem = _problem(128, DType.BF16, False)
+    plain = KernelConfig(128, 96, 8, 2)
+    config = _overlap(plain)
+    assert config.key() == "m128_n96_w8_s2_overlap-1"
+    assert HOPPER_WS_FORWARD.point(config)["overlap"] == 1
+    assert HOPPER_WS_FORWARD.config(HOPPER_WS_FORWARD.point(config)) == config
+    # a second S set: block_n / 2 registers more
+    assert (space.accumulator_registers(problem, config)
+            == space.accumulator_registers(problem, plain) + 96 // 2)
+    assert HOPPER_WS_FORWARD.static_check(problem, config, SM90A) is None
+    both = _overlap(_pingpong(plain))
+    assert HOPPER_WS_FORWARD.static_check(problem, both, SM90A) is None
+    one = HOPPER_WS_FORWARD.static_check(problem, _overlap(KernelConfig(128, 96, 8, 1)), SM90A)
+    assert one is not None and "overlap=1 with num_stages=1" in one, one
+    wide = HOPPER_WS_FORWARD.static_check(problem, _overlap(KernelConfig(128, 128, 8, 2)), SM90A)
+    assert wide is not None and "224 registers per thread (two S sets (overlap), O and P)" in wide
+    why = HOPPER_WS_FORWARD.static_check(problem, dataclasses.replace(
+        plain, extras=(("overlap", 2),)), SM90A)
+    assert why is not None and "overlap=2: expected one of (0, 1)" in why
+    assert _traits_knobs(families.render(problem, config).code) == ("false", "true")
+    default = HOPPER_WS_FORWARD.default_config(problem, SM90A)
+    assert not space.knob(default, space.OVERLAP)
 
 
 def test_three_consumer_warpgroups_take_the_split_of_three() -> None:
@@ -137,7 +173,7 @@ def _compiled(head_dim: int, dtype: DType, causal: bool, config: KernelConfig | 
     assert found["UTMALDG.5D"] == 3, found  # Q, K, V
     assert found["USETMAXREG.DEALLOC.CTAPOOL"] == 1 and found["USETMAXREG.TRY_ALLOC.CTAPOOL"] == 1
     bars = collections.Counter(re.findall(r"\b(BAR\.SYNC|BAR\.ARV)\b", sass))
-    if config.extras:  # ping-pong: the first turn, then one wait and hand-over a tile
+    if space.knob(config, space.PINGPONG):  # the first turn, then a wait and hand-over a tile
         assert bars["BAR.ARV"] >= 2 and bars["BAR.SYNC"] >= 2, bars
     hgmma = collections.Counter(re.findall(r"\bHGMMA\.64x(\d+)x16\.F32(?:\.BF16)?\b", sass))
     assert hgmma[str(config.block_n)] >= head_dim // 16, hgmma
@@ -148,7 +184,10 @@ def _compiled(head_dim: int, dtype: DType, causal: bool, config: KernelConfig | 
                                   (256, DType.FP16, False, None),
                                   (128, DType.BF16, True, _pingpong(KernelConfig(128, 128, 8, 2))),
                                   (64, DType.FP16, True, KernelConfig(192, 128, 12, 2)),
-                                  (128, DType.BF16, False, KernelConfig(128, 176, 8, 2))],
+                                  (128, DType.BF16, False, KernelConfig(128, 176, 8, 2)),
+                                  (128, DType.FP16, True, _overlap(KernelConfig(128, 96, 8, 2))),
+                                  (64, DType.BF16, False,
+                                   _overlap(_pingpong(KernelConfig(128, 128, 8, 2))))],
                          ids=lambda c: f"d{c[0]}-{c[1].value}-{'causal' if c[2] else 'full'}-"
                                        f"{c[3].key() if c[3] else 'default'}")
 def test_nvrtc_compiles_for_sm90a_without_spills(
@@ -303,9 +342,10 @@ def test_overlap_waiting_for_one_group_too_few_is_caught() -> None:
 # ------------------------------------------------------------------ GPU
 
 
-#: The configs the GPU test runs per problem: the default, it with ping-pong, and the widest
-#: key tile the rules pass with two stages for one and for three consumer warpgroups.
-GPU_VARIANTS = ("default", "pingpong", "widest-m64", "widest-m192")
+#: The configs the GPU test runs per problem: the default, it with ping-pong, the widest key
+#: tile the rules pass with overlap (two consumer warpgroups, two stages), and the widest key
+#: tile the rules pass with two stages for one and for three consumer warpgroups.
+GPU_VARIANTS = ("default", "pingpong", "overlap", "widest-m64", "widest-m192")
 
 
 def _variant(problem: Problem, name: str) -> KernelConfig | None:
@@ -314,9 +354,11 @@ def _variant(problem: Problem, name: str) -> KernelConfig | None:
         return default
     if name == "pingpong":
         return _pingpong(default)
-    block_m = int(name.rpartition("m")[2])
+    overlap = name == "overlap"
+    block_m = 128 if overlap else int(name.rpartition("m")[2])
     fits = [c for c in HOPPER_WS_FORWARD.candidates(problem, SM90A)
-            if c.block_m == block_m and c.num_stages == 2]
+            if c.block_m == block_m and c.num_stages == 2
+            and space.knob(c, space.OVERLAP) == overlap and not space.knob(c, space.PINGPONG)]
     return max(fits, key=lambda c: c.block_n) if fits else None
 
 
