@@ -243,16 +243,29 @@ def test_panel_stride_of_a_power_of_two_tile_is_caught() -> None:
         verify(kernel, Shape(1, 2, 1, 70, 300), "cpu", seed=SEED)
 
 
+def _widest_overlap(problem: Problem) -> KernelConfig:
+    """The warp-specialised family's widest passing overlap config with two stages, two
+    consumer warpgroups where one fits (one at head dim 256)."""
+    fits = [c for c in HOPPER_WS_FORWARD.candidates(problem, SM90A)
+            if space.knob(c, space.OVERLAP) and not space.knob(c, space.PINGPONG)
+            and c.num_stages == 2 and c.block_m <= 128]
+    return max(fits, key=lambda c: (c.block_m, c.block_n))
+
+
 def _sweep_cases() -> list[Case]:
-    """Per family: every head dim, dtype, mask and shape with the default; every passing
-    config of each head dim on one drawn shape."""
+    """Per family: every head dim, dtype, mask and shape with the default (and, in the
+    warp-specialised one, with its widest overlap config); every passing config of each head
+    dim on one drawn shape."""
     cases: list[Case] = []
     for family in NUMERICS_FAMILIES:
         rng = random.Random(f"{SEED}{family.op}")
         for head_dim, dtype, causal in itertools.product(HEAD_DIMS, DType, (False, True)):
             problem = Problem(head_dim, dtype, causal=causal, op=family.op)
-            default = family.default_config(problem, SM90A)
-            cases += [(family, head_dim, dtype, causal, shape, default) for shape in SHAPES]
+            configs = [family.default_config(problem, SM90A)]
+            if family is HOPPER_WS_FORWARD:
+                configs.append(_widest_overlap(problem))
+            cases += [(family, head_dim, dtype, causal, shape, config)
+                      for config in configs for shape in SHAPES]
         for head_dim in HEAD_DIMS:
             problem = Problem(head_dim, DType.FP16, causal=True, op=family.op)
             for config in family.candidates(problem, SM90A):

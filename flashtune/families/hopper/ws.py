@@ -6,11 +6,11 @@ math of the cp.async family (``fwd90a``), with ``setmaxnreg`` moving registers f
 producer to the consumers (space.WS_REGISTERS; templates/hopper_fwd_ws.cuh). The knob
 ``pingpong`` makes two consumer warpgroups take turns to issue their GEMMs (named barriers),
 so one's softmax overlaps the other's GEMM; the knob ``overlap`` makes each consumer
-warpgroup issue the next key tile's Q K^T before its softmax of this one (two or more
-stages, a second S accumulator set), so its own softmax overlaps that GEMM. Otherwise the space, arguments, outputs,
-reference and tolerances are ``fwd90a``'s; the kernel takes three tensor maps after the
-forward's arguments, built here from the launch's tensors and encoded by the backend
-(runtime.tma).
+warpgroup issue the next key tile's Q K^T before the softmax of this one (two or more
+stages, a second S accumulator set), so its own softmax overlaps that GEMM. Otherwise the
+space, arguments, outputs, reference and tolerances are ``fwd90a``'s; the kernel takes three
+tensor maps after the forward's arguments, built here from the launch's tensors and encoded
+by the backend (runtime.tma).
 
 The config's num_warps counts the consumer warps (block_m / 16, as in ``fwd90a``); the block
 has a producer warpgroup more (``threads``). It serves no op yet: ``fwd90a`` keeps serving the
