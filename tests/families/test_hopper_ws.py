@@ -175,6 +175,13 @@ def _compiled(head_dim: int, dtype: DType, causal: bool, config: KernelConfig | 
     bars = collections.Counter(re.findall(r"\b(BAR\.SYNC|BAR\.ARV)\b", sass))
     if space.knob(config, space.PINGPONG):  # the first turn, then a wait and hand-over a tile
         assert bars["BAR.ARV"] >= 2 and bars["BAR.SYNC"] >= 2, bars
+    # G: an HGMMA, E: the softmax's exp, W: a wgmma wait, in listing order, runs collapsed.
+    # With overlap the next tile's S = Q K^T is in flight while the exps run (G E, no wait
+    # between); without it every GEMM is waited for before the softmax.
+    order = re.sub(r"(.)\1+", r"\1", "".join(
+        {"H": "G", "M": "E", "W": "W"}[m[0]]
+        for m in re.findall(r"\b(?:HGMMA\.64x\d+x16|MUFU\.EX2|WARPGROUP\.DEPBAR)", sass)))
+    assert ("GE" in order) == bool(space.knob(config, space.OVERLAP)), order
     hgmma = collections.Counter(re.findall(r"\bHGMMA\.64x(\d+)x16\.F32(?:\.BF16)?\b", sass))
     assert hgmma[str(config.block_n)] >= head_dim // 16, hgmma
     assert hgmma[str(head_dim)] >= config.block_n // 16, hgmma
