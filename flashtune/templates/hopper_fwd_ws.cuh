@@ -28,11 +28,13 @@
 // warpgroup 0 the first turn.
 //
 // Overlap (Tr::kOverlap, FA3 section 3.2, two or more stages): a consumer warpgroup issues
-// S_next = Q K_{j+1}^T (waiting for its stage first) before the softmax of S_j, so the
-// GEMM runs while the softmax does; then it issues O += P_j V_j, waits for S_next
-// (wait_group<1>), moves it into S_j's registers, and waits for O += P_j V_j (wait_group<0>)
-// before it releases tile j's stage (the next softmax rescales O). The first tile's S is computed and waited for before the loop; the
-// last tile has no next. With ping-pong the turns bracket each Q K^T issue as without.
+// S_next = Q K_{j+1}^T (waiting for its stage first) before the softmax of S_j, so the GEMM
+// runs while the softmax does; then it issues O += P_j V_j, waits for S_next
+// (wait_group<1>), moves it into S_j's registers while O += P_j V_j runs, and waits for that
+// (wait_group<0>) before it releases tile j's stage (the next softmax rescales O). The first
+// tile's S is computed and waited for before the loop; the last tile has no next. With
+// ping-pong the turns bracket each Q K^T issue as without. A second stage is needed: tile
+// j + 1's K lands while tile j's stage is still read.
 //
 // FT_WS_PLANTED_BUG (tests only; 0 in every rendered kernel) plants one bug for the
 // emulator's tests: 1 no expect-tx on the K/V stage (a plain arrive), 2 consumers release a

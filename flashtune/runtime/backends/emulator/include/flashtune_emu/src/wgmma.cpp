@@ -242,8 +242,12 @@ extern "C" FTEMU_API void ftemu_wgmma_wait(int pending, ftemu_loc loc) {
 extern "C" FTEMU_API void ftemu_wgmma_fence_operands(const float* d, int count, ftemu_loc loc) {
     Thread& me = *g_launch->cur;
     check_async_errors();
+    // Byte ranges as integers: the arrays are distinct objects.
+    const auto lo = reinterpret_cast<uintptr_t>(d);
+    const uintptr_t hi = lo + static_cast<uintptr_t>(count) * sizeof(float);
     auto overlaps = [&](const Thread::WgmmaResult& r) {
-        return r.d < d + count && d < r.d + r.values.size();
+        const auto r_lo = reinterpret_cast<uintptr_t>(r.d);
+        return r_lo < hi && lo < r_lo + r.values.size() * sizeof(float);
     };
     auto report = [&](const Thread::WgmmaResult& r, const char* state) {
         fail(FTEMU_ERROR, format(
