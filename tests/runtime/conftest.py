@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,24 +12,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from runtime_helpers import PyRefBackend  # noqa: E402
+from runtime_helpers import ListSource, PyRefBackend  # noqa: E402
 
-from flashtune.db.records import BestEntry  # noqa: E402
 from flashtune.runtime import forward  # noqa: E402
 from flashtune.runtime.backends import register_backend, unregister_backend  # noqa: E402
 from flashtune.runtime.dispatch import Dispatcher, set_dispatcher  # noqa: E402
-
-
-class ListSource:
-    """A tuned source over a fixed list of entries that counts how often it is read."""
-
-    def __init__(self, entries: Iterable[BestEntry] = ()) -> None:
-        self.entries = list(entries)
-        self.reads = 0
-
-    def all_best(self) -> list[BestEntry]:
-        self.reads += 1
-        return list(self.entries)
 
 
 @pytest.fixture

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ListSource
-from runtime_helpers import best_entry
+from runtime_helpers import ListSource, best_entry
 
 from flashtune.codegen.spec import DType, KernelConfig, Problem, ProblemBucket
 from flashtune.db.records import BestEntry, DeviceRecord, Keyed, TrialRecord, TrialStatus

@@ -10,8 +10,15 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ListSource
-from runtime_helpers import TOL, PyRefBackend, check_outputs, qkv, reference_attention, rel_fro
+from runtime_helpers import (
+    TOL,
+    ListSource,
+    PyRefBackend,
+    check_outputs,
+    qkv,
+    reference_attention,
+    rel_fro,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashtune
