@@ -48,6 +48,7 @@ from flashtune import families
 from flashtune.codegen.spec import KernelConfig, Problem, ShapeLike
 from flashtune.errors import InvalidInput, InvalidProblem, OutOfResources
 from flashtune.families.fwd import space
+from flashtune.families.hopper import space as hopper_space
 from flashtune.perf.gpus import MMA_M16N8K16_FLOPS, SUBPARTITIONS_PER_SM, GpuSpec, get_gpu
 from flashtune.perf.loopcost import (
     KernelLoops,
@@ -75,8 +76,6 @@ from flashtune.perf.wgmma import (
     launch_registers,
     tensor_cycles,
 )
-from flashtune.perf.wgmma import accumulator_registers as wgmma_accumulator_registers
-from flashtune.perf.wgmma import smem_bytes as wgmma_smem_bytes
 from flashtune.perf.workload import (
     TileMix,
     Traffic,
@@ -244,13 +243,12 @@ def _occupancy(problem: Problem, config: KernelConfig, gpu: GpuSpec,
         smem = resources.static_smem + resources.dynamic_smem
     else:
         acc = (space.accumulator_registers(problem, config) if design is None
-               else wgmma_accumulator_registers(problem, config))
+               else hopper_space.accumulator_registers(problem, config))
         regs = min(gpu.arch_spec.max_regs_per_thread, acc + REGISTER_OVERHEAD_ESTIMATE)
         if design is not None and design.warp_specialized:
             regs = min(regs, launch_registers(gpu.arch_spec.regs_per_sm,
                                               block_threads(problem, config)))
-        smem = (space.smem_bytes(problem, config) if design is None
-                else wgmma_smem_bytes(problem, config))
+        smem = families.of(problem).smem_bytes(problem, config)
         notes.append(f"registers estimated ({regs}); pass the compiled resources for exact "
                      "occupancy")
     return occupancy(gpu.arch_spec, threads=block_threads(problem, config), registers=regs,

@@ -41,7 +41,6 @@ from flashtune import families
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.errors import InvalidConfig
 from flashtune.families.hopper import HopperForwardFamily
-from flashtune.families.hopper import space as hopper_space
 from flashtune.families.hopper.ws import PRODUCER_THREADS, HopperWsForwardFamily
 from flashtune.perf.workload import TileMix, analytic_tile_mix, mma_head_dim
 
@@ -130,18 +129,6 @@ def launch_registers(regs_per_sm: int, threads: int) -> int:
     the SM (in the allocation unit of 8), which ``setmaxnreg`` then moves from the producer
     to the consumers (168 at 384 threads, as NVRTC 13 gives these kernels)."""
     return regs_per_sm // threads // 8 * 8
-
-
-def smem_bytes(problem: Problem, config: KernelConfig) -> int:
-    """The family's shared memory per block."""
-    design = design_of(problem, config)
-    return hopper_space.smem_bytes(problem, config,
-                                   warp_specialized=design is not None and
-                                   design.warp_specialized)
-
-
-def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
-    return hopper_space.accumulator_registers(problem, config)
 
 
 def analytic_tile_mix_wgmma(problem: Problem, config: KernelConfig, design: Design) -> TileMix:
