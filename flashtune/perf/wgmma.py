@@ -20,8 +20,10 @@ differs in:
     softmax under the other's GEMMs (FA3 paper §3.1), assumed to hide all of the shorter.
 - Loads: ``fwd90a``'s consumer warps issue their cp.async copies (their address arithmetic
   is in the main loop's SASS, so it is charged); the warp-specialised families' producer
-  warpgroup issues TMA copies, and its few instructions per tile are not charged. Both see
-  the same memory latency, hidden by ``num_stages - 1`` tiles of prefetch.
+  warpgroup issues TMA copies, and its few instructions per tile are not charged. Where the
+  load knobs make it copy with cp.async its instructions are not charged either (they are
+  not in the consumers' main loop): an optimistic assumption, said in the prediction. All
+  see the same memory latency, hidden by ``num_stages - 1`` tiles of prefetch.
 - Shared memory: the wgmma operand reads from shared memory are not charged (assumed to
   sustain the datasheet rate for the N >= 64 shapes the families issue); the K/V tile
   writes are.
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 from flashtune import families
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.errors import InvalidConfig
-from flashtune.families.hopper import HopperForwardFamily
+from flashtune.families.hopper import HopperForwardFamily, space
 from flashtune.families.hopper.ws import PRODUCER_THREADS, HopperWsForwardFamily
 from flashtune.perf.workload import TileMix, analytic_tile_mix, mma_head_dim
 
@@ -59,7 +61,8 @@ class Design:
     """How one sm_90a family loads and schedules, as the cost model sees it."""
 
     op: str
-    loads: str                 # "cp.async" (consumer warps) or "TMA" (producer warpgroup)
+    loads: str                 # "cp.async" (some operand) or "TMA" (all), by the producer
+    #                            warpgroup if there is one, else by the consumer warps
     producer_threads: int      # threads of the producer warpgroup (0: none)
     pingpong: bool
 
@@ -78,6 +81,11 @@ class Design:
     def warp_specialized(self) -> bool:
         return self.producer_threads > 0
 
+    @property
+    def consumers_copy(self) -> bool:
+        """Whether the consumer warps issue cp.async copies (charged in their main loop)."""
+        return self.loads == "cp.async" and not self.warp_specialized
+
     def overlap(self, fitted: float) -> float:
         """Share of the shorter of a warp's tensor and non-tensor time that other consumer
         warps on its sub-partition hide (``fitted``: the forward's ``overlap`` parameter)."""
@@ -92,10 +100,14 @@ class Design:
                     f"a second consumer warp per sub-partition hides {share:.0%} of the "
                     "shorter of tensor and softmax time (the mma.sync forward's fitted "
                     "overlap, reused: assumed, not fitted to wgmma)")
-        loads = ("K/V by TMA from a producer warpgroup (its instructions not charged)"
-                 if self.warp_specialized else
-                 "K/V by cp.async from the consumer warps (their copies and address "
-                 "arithmetic charged from the SASS)")
+        if not self.warp_specialized:
+            loads = ("K/V by cp.async from the consumer warps (their copies and address "
+                     "arithmetic charged from the SASS)")
+        elif self.loads == "TMA":
+            loads = "K/V by TMA from a producer warpgroup (its instructions not charged)"
+        else:
+            loads = ("some operands by cp.async from a producer warpgroup (its copies and "
+                     "address arithmetic not charged: optimistic)")
         overlap = (("the overlap knob (intra-warpgroup overlap) is not modelled",)
                    if self.warp_specialized else ())
         return ("wgmma at the datasheet dense tensor rate", schedule, loads, *overlap,
@@ -109,7 +121,8 @@ def design_of(problem: Problem, config: KernelConfig) -> Design | None:
     if not isinstance(family, HopperForwardFamily):
         return None
     if isinstance(family, HopperWsForwardFamily):
-        return Design(family.op, "TMA", PRODUCER_THREADS, family.pingpong_on(config))
+        loads = "cp.async" if space.cp_async_producer(config) else "TMA"
+        return Design(family.op, loads, PRODUCER_THREADS, family.pingpong_on(config))
     return Design(family.op, "cp.async", 0, False)
 
 
@@ -141,9 +154,8 @@ def analytic_tile_mix_wgmma(problem: Problem, config: KernelConfig, design: Desi
     fa2 = analytic_tile_mix(problem, config)
     d = mma_head_dim(problem)
     hgmma = d / 16 + config.block_n / 16
-    syncs = 4 + (4 if design.loads == "cp.async" else 2)
-    ldgsts = 2 * config.block_n * d * 2 / 16 / config.threads if design.loads == "cp.async" \
-        else 0.0
+    syncs = 4 + (4 if design.consumers_copy else 2)
+    ldgsts = 2 * config.block_n * d * 2 / 16 / config.threads if design.consumers_copy else 0.0
     integer = 2 * ldgsts + 60
     return dataclasses.replace(fa2, wgmma_flops=fa2.mma_flops, ldsm_bytes=0.0,
                                issue_only=hgmma + syncs + ldgsts + 2 + integer)

@@ -2,12 +2,19 @@
 // Hopper notes sections 1.1, 1.2 and 2.5): a producer warpgroup (warps 0..3) and one consumer
 // warpgroup per 64 query rows (kBlockM = 64, 128 or 192) of one (batch, head).
 //
-// Producer: after setmaxnreg.dec, warps 1..3 return; lane 0 of warp 0 loads Q with TMA
-// (one box of kBlockM rows x D, all 128-byte panels) on the q_full mbarrier, then walks the
-// key tiles from the last one down, each into stage j % kStages of a ring of K and V tiles:
-// it waits until the stage's empty mbarrier completed the phase of the previous round (the
-// first round does not wait), declares the two boxes' bytes with arrive.expect_tx on the
-// stage's full mbarrier (count 1) and issues the K and V boxes, which complete on it.
+// Producer (ws_produce): after setmaxnreg.dec it loads Q (kBlockM rows x D, all 128-byte
+// panels) on the q_full mbarrier, then walks the key tiles from the last one down, each into
+// stage j % kStages of a ring of K and V tiles, waiting until the stage's empty mbarrier
+// completed the phase of the previous round (the first round does not wait). Each operand
+// comes by TMA or by cp.async (WsLoads, per operand). A TMA operand is one box issued by
+// lane 0 of warp 0, which first declares the stage's TMA bytes with arrive.expect_tx; a
+// cp.async operand is copied by all 128 producer threads into the same swizzled layout
+// (rows past the sequence zero-filled), each arriving with cp.async.mbarrier.arrive.noinc
+// once its copies have landed. So a full barrier counts one arrival if some operand of the
+// stage comes by TMA and 128 more if some comes by cp.async. With TMA alone warps 1..3 return
+// at once and the producer keeps FA3's registers; with cp.async it keeps 40 beside two or
+// three consumers (WsRegisters), and the consumers fence the proxies after each wait
+// (cp.async writes are generic-proxy ones, wgmma reads async-proxy).
 // Consumers: after setmaxnreg.inc, each warpgroup waits for Q, then per key tile waits on the
 // stage's full barrier, computes S = Q K^T, the online softmax and O += P V by wgmma
 // (tile_math of hopper_fwd.cuh, the same math as the cp.async kernel) and releases the stage:
@@ -43,7 +50,8 @@
 // (ping-pong) a hand-over that counts only the handing warpgroup's threads, 8 (three
 // consumers) the third consumer warpgroup skips setmaxnreg, 9 (three consumers) the split of
 // two consumers (24 / 240), 10 (overlap) the wait for the next tile's S after its first read,
-// 11 (overlap) wait_group<1> where <0> is needed (O += P V still in flight).
+// 11 (overlap) wait_group<1> where <0> is needed (O += P V still in flight), 12 (K or V by
+// cp.async) producer warp 0 never arrives on a stage's full barrier.
 #pragma once
 
 #include "hopper_fwd.cuh"
@@ -56,14 +64,38 @@
 
 namespace ft {
 
-// setmaxnreg split (FA3's table, K/V by TMA): producer / consumer registers per thread for
-// 1, 2 or 3 consumer warpgroups (the family's space rules read the same table:
-// families/hopper/space.py WS_REGISTERS, which the kernel's bindings assert).
-template <int kWarpGroups>
+// How the producer loads each operand: by TMA (one lane issues a box) or by cp.async (the
+// whole producer warpgroup copies 16-byte chunks into the same swizzled layout).
+template <bool QTma, bool KTma, bool VTma>
+struct WsLoads {
+  static constexpr bool kQTma = QTma;
+  static constexpr bool kKTma = KTma;
+  static constexpr bool kVTma = VTma;
+  // Whether the producer's threads all load (some operand by cp.async) or one lane does.
+  static constexpr bool kWholeWarpgroup = !(QTma && KTma && VTma);
+  // A K/V stage's full barrier: one arrival with the TMA boxes' bytes expected, and one per
+  // producer thread whose cp.async copies of the stage have landed.
+  static constexpr bool kKvByTma = KTma || VTma;
+  static constexpr bool kKvByCpAsync = !KTma || !VTma;
+  static constexpr int kFullArrivals = (kKvByTma ? 1 : 0) + (kKvByCpAsync ? 128 : 0);
+  static constexpr int kQArrivals = QTma ? 1 : 128;
+};
+
+// setmaxnreg split (FA3's table): producer / consumer registers per thread for 1, 2 or 3
+// consumer warpgroups. A producer that issues TMA from one lane keeps 56, 24 or 32; one whose
+// 128 threads run cp.async address arithmetic keeps 40 beside two or three consumers (FA3's
+// 40 / 232 for K/V without TMA; 32 spills). The consumers share the rest of the 64 Ki
+// registers, in multiples of 8, at most 256. The family's space rules read the same table
+// (families/hopper/space.py WS_REGISTERS, which the kernel's bindings assert).
+template <int kWarpGroups, bool kCpAsyncProducer = false>
 struct WsRegisters {
-  static constexpr int kProducer = kWarpGroups == 1 ? 56 : kWarpGroups == 2 ? 24 : 32;
-  static constexpr int kConsumer = kWarpGroups == 1 ? 256 : kWarpGroups == 2 ? 240 : 160;
   static_assert(kWarpGroups >= 1 && kWarpGroups <= 3, "one to three consumer warpgroups");
+  static constexpr int kProducer = kWarpGroups == 1 ? 56
+                                   : kCpAsyncProducer ? 40
+                                   : kWarpGroups == 2 ? 24
+                                                      : 32;
+  static constexpr int kShare = (65536 / 128 - kProducer) / kWarpGroups / 8 * 8;
+  static constexpr int kConsumer = kShare < 256 ? kShare : 256;
   static_assert(128 * (kProducer + kWarpGroups * kConsumer) <= 65536, "register file: 64 Ki");
 };
 
@@ -78,12 +110,74 @@ struct PingPongSchedule {
   }
 };
 
-template <class Tr>
+// The producer warpgroup's loads (FT_WS_PLANTED_BUG 1 aside): Q on q_full, then key tile
+// n_tiles - 1 - j into stage j % kStages once the stage's previous round is released. TMA
+// operands are issued by thread 0, which declares their bytes on the barrier first; cp.async
+// operands are copied by all 128 producer threads (pt), each of which arrives once its own
+// copies have landed (cp.async.mbarrier.arrive.noinc, counted in the barrier's init).
+template <class Tr, class L>
+__device__ __forceinline__ void ws_produce(const HopperBlock<Tr>& b,
+                                           const FwdParams<typename Tr::Element>& a,
+                                           unsigned long long* q_full, int pt,
+                                           const CUtensorMap* tmap_q, const CUtensorMap* tmap_k,
+                                           const CUtensorMap* tmap_v) {
+  constexpr int kBlockN = Tr::kBlockN;
+  constexpr int kStages = Tr::kStages;
+  constexpr int kTmaBytes = ((L::kKTma ? 1 : 0) + (L::kVTma ? 1 : 0)) * Tr::kTileBytes;
+  const bool leader = pt == 0;
+  if (leader) {
+    if constexpr (L::kQTma) prefetch_tensormap(tmap_q);
+    if constexpr (L::kKTma) prefetch_tensormap(tmap_k);
+    if constexpr (L::kVTma) prefetch_tensormap(tmap_v);
+  }
+  if constexpr (L::kQTma) {
+    if (leader) {
+      mbarrier_arrive_expect_tx(q_full, Tr::kQBytes);
+      tma_load_5d(b.smem, tmap_q, q_full, 0, b.m0, 0, b.head, b.batch);
+    }
+  } else {
+    load_tile<Tr, Tr::kBlockM, 128>(b.smem, b.q_bh + b.m0 * a.q_row_stride, a.q_row_stride,
+                                    b.seqlen_q - b.m0, pt);
+    cp_async_mbarrier_arrive(q_full);
+  }
+  if (!L::kKvByCpAsync && !leader) return;
+  const int n_tiles = b.range.n_tiles;
+  for (int j = 0; j < n_tiles; ++j) {
+    const int s = j % kStages;
+    const int tile = n_tiles - 1 - j;
+    const int row0 = tile * kBlockN;
+    if (j >= kStages)
+      mbarrier_wait_parity(&b.empty[s], static_cast<unsigned>(j / kStages - 1) & 1u);
+    unsigned char* const k_dst = b.smem + Tr::kKOffset + s * Tr::kTileBytes;
+    unsigned char* const v_dst = b.smem + Tr::kVOffset + s * Tr::kTileBytes;
+    if (L::kKvByTma && leader) {
+      if (FT_WS_PLANTED_BUG == 1) mbarrier_arrive(&b.full[s]);
+      else mbarrier_arrive_expect_tx(&b.full[s], kTmaBytes);
+      if constexpr (L::kKTma)
+        tma_load_5d(k_dst, tmap_k, &b.full[s], 0, row0, 0, b.kv_head, b.batch);
+      if constexpr (L::kVTma)
+        tma_load_5d(v_dst, tmap_v, &b.full[s], 0, row0, 0, b.kv_head, b.batch);
+    }
+    if constexpr (L::kKvByCpAsync) {
+      const long long first = static_cast<long long>(row0);
+      const int valid = b.seqlen_k - row0;
+      if constexpr (!L::kKTma)
+        load_tile<Tr, kBlockN, 128>(k_dst, b.k_bh + first * a.k_row_stride, a.k_row_stride,
+                                    valid, pt);
+      if constexpr (!L::kVTma)
+        load_tile<Tr, kBlockN, 128>(v_dst, b.v_bh + first * a.v_row_stride, a.v_row_stride,
+                                    valid, pt);
+      if (FT_WS_PLANTED_BUG != 12 || pt >= 32) cp_async_mbarrier_arrive(&b.full[s]);
+    }
+  }
+}
+
+template <class Tr, class L = WsLoads<true, true, true>>
 __device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Element>& a,
                                               const CUtensorMap* tmap_q,
                                               const CUtensorMap* tmap_k,
                                               const CUtensorMap* tmap_v) {
-  using Regs = WsRegisters<FT_WS_PLANTED_BUG == 9 ? 2 : Tr::kWarpGroups>;
+  using Regs = WsRegisters<FT_WS_PLANTED_BUG == 9 ? 2 : Tr::kWarpGroups, L::kWholeWarpgroup>;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
   static_assert(Tr::kWarpSpecialized, "traits of the warp-specialised kernel");
@@ -95,35 +189,19 @@ __device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Eleme
 
   if (b.tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(&b.full[s], 1);
+      mbarrier_init(&b.full[s], L::kFullArrivals);
       mbarrier_init(&b.empty[s], 4 * Tr::kWarpGroups);
     }
-    mbarrier_init(q_full, 1);
+    mbarrier_init(q_full, L::kQArrivals);
     mbarrier_init_fence();
   }
   block_sync();
 
   if (b.warp < 4) {  // the producer warpgroup
     setmaxnreg_dec<Regs::kProducer>();
-    if (b.warp == 0 && b.lane == 0) {
-      prefetch_tensormap(tmap_q);
-      prefetch_tensormap(tmap_k);
-      prefetch_tensormap(tmap_v);
-      mbarrier_arrive_expect_tx(q_full, Tr::kQBytes);
-      tma_load_5d(b.smem, tmap_q, q_full, 0, b.m0, 0, b.head, b.batch);
-      for (int j = 0; j < n_tiles; ++j) {
-        const int s = j % kStages;
-        const int row0 = (n_tiles - 1 - j) * kBlockN;
-        if (j >= kStages)
-          mbarrier_wait_parity(&b.empty[s], static_cast<unsigned>(j / kStages - 1) & 1u);
-        if (FT_WS_PLANTED_BUG == 1) mbarrier_arrive(&b.full[s]);
-        else mbarrier_arrive_expect_tx(&b.full[s], 2 * Tr::kTileBytes);
-        tma_load_5d(b.smem + Tr::kKOffset + s * Tr::kTileBytes, tmap_k, &b.full[s], 0, row0, 0,
-                    b.kv_head, b.batch);
-        tma_load_5d(b.smem + Tr::kVOffset + s * Tr::kTileBytes, tmap_v, &b.full[s], 0, row0, 0,
-                    b.kv_head, b.batch);
-      }
-    }
+    // With TMA alone one lane issues every load and warps 1..3 are done.
+    if (L::kWholeWarpgroup || b.tid == 0)
+      ws_produce<Tr, L>(b, a, q_full, b.tid, tmap_q, tmap_k, tmap_v);
     return;
   }
 
@@ -142,9 +220,12 @@ __device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Eleme
     if (cw >= 4) named_barrier_arrive(1, 256);  // warpgroup 0 has the first turn
   }
   mbarrier_wait_parity(q_full, 0);
+  // cp.async writes are generic-proxy ones: ordered before wgmma's (async-proxy) reads.
+  if constexpr (!L::kQTma) fence_proxy_async();
   // Key tile j's stage has landed.
   auto wait_full = [&](int j) {
     mbarrier_wait_parity(&b.full[j % kStages], static_cast<unsigned>(j / kStages) & 1u);
+    if constexpr (L::kKvByCpAsync) fence_proxy_async();
   };
   // The warp's wgmma reads of key tile j's stage are complete: lane 0 releases it.
   auto release = [&](int j) {

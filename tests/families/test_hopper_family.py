@@ -2,10 +2,10 @@
 with reasons, NVRTC for sm_90a (no spills; HGMMA in the SASS), and numerics in the emulator
 against float64 over head dims 64/128/256, causal (bottom-right), GQA, odd lengths, fp16 and
 bf16, in both thread orders, on NaN-poisoned outputs, for it and for its warp-specialised
-sibling (fwd90aws: TMA producer, setmaxnreg, the ping-pong and overlap knobs; its own tests
-in test_hopper_ws.py). The default run takes the defaults and a seeded sample of each new
-mechanism (three consumer warpgroups, a key tile that is not a power of two, ping-pong,
-overlap); ``-m sweep`` the full matrix."""
+sibling (fwd90aws: a TMA or cp.async producer, setmaxnreg, the ping-pong, overlap and load
+knobs; its own tests in test_hopper_ws.py). The default run takes the defaults and a seeded
+sample of each new mechanism (three consumer warpgroups, a key tile that is not a power of
+two, ping-pong, overlap, cp.async loads); ``-m sweep`` the full matrix."""
 
 from __future__ import annotations
 
@@ -202,11 +202,13 @@ def _default_cases() -> list[Case]:
 
 
 #: The mechanisms the seeded sample covers in each family: three consumer warpgroups, a key
-#: tile that is not a power of two (two warpgroups or fewer), ping-pong, overlap.
+#: tile that is not a power of two (two warpgroups or fewer), ping-pong, overlap, a producer
+#: that loads some operand with cp.async.
 _MECHANISMS = (lambda c: c.block_m == 192,
                lambda c: c.block_m < 192 and c.block_n & (c.block_n - 1) != 0,
                lambda c: bool(space.knob(c, space.PINGPONG)),
-               lambda c: bool(space.knob(c, space.OVERLAP)))
+               lambda c: bool(space.knob(c, space.OVERLAP)),
+               space.cp_async_producer)
 
 
 def _case_id(c: Case) -> str:
@@ -228,6 +230,7 @@ def test_the_default_sample_covers_every_new_mechanism() -> None:
         ws = family is HOPPER_WS_FORWARD
         assert any(space.knob(c, space.PINGPONG) for c in configs) == ws, configs
         assert any(space.knob(c, space.OVERLAP) for c in configs) == ws, configs
+        assert any(space.cp_async_producer(c) for c in configs) == ws, configs
 
 
 @pytest.mark.emulator
@@ -268,10 +271,21 @@ def _sweep_cases() -> list[Case]:
                       for config in configs for shape in SHAPES]
         for head_dim in HEAD_DIMS:
             problem = Problem(head_dim, DType.FP16, causal=True, op=family.op)
-            for config in family.candidates(problem, SM90A):
+            for config in _one_load_per_config(family.candidates(problem, SM90A), rng):
                 cases.append((family, head_dim, rng.choice(list(DType)), rng.random() < 0.5,
                               rng.choice(SHAPES), config))
     return cases
+
+
+def _one_load_per_config(configs: list[KernelConfig], rng: random.Random
+                         ) -> list[KernelConfig]:
+    """Of passing configs, one drawn load of the operands (TMA or cp.async each) per config
+    of the other knobs: every load combination is covered across the sweep without
+    multiplying it by eight."""
+    groups: dict[KernelConfig, list[KernelConfig]] = collections.defaultdict(list)
+    for c in configs:
+        groups[space.tma_loads(c)].append(c)
+    return [rng.choice(members) for members in groups.values()]
 
 
 @pytest.mark.sweep

@@ -1,20 +1,23 @@
-"""The warp-specialised sm_90a forward (``fwd90aws``: TMA producer warpgroup, one to three
+"""The warp-specialised sm_90a forward (``fwd90aws``: a producer warpgroup, one to three
 wgmma consumer warpgroups, setmaxnreg), its knob ``pingpong`` (two consumers take turns
-through named barriers; ``fwd90awspp`` the same kernels with it fixed on) and its knob
-``overlap`` (the next tile's Q K^T issued before this tile's softmax): registry and
-rules, NVRTC for sm_90a (no spills; UTMALDG, USETMAXREG, BAR.SYNC / BAR.ARV and HGMMA in the
-SASS), and planted bugs the emulator must catch with a clear message: a wrong tensor-map
-box, a missing expect-tx, a stage released twice or never, setmaxnreg rule violations (with
-three consumers: one skipping it, the split of two), a ping-pong without its first turn or
-with a wrong hand-over count, an overlap that reads the next S before its wait or waits for
-one group too few. Their numerics over the coverage grid are in
-test_hopper_family.py; on a GPU they are checked by the gpu-marked test at the end."""
+through named barriers; ``fwd90awspp`` the same kernels with it fixed on), its knob
+``overlap`` (the next tile's Q K^T issued before this tile's softmax) and its load knobs
+``loadq``, ``loadk``, ``loadv`` (TMA or cp.async per operand): registry and rules, NVRTC for
+sm_90a (no spills; UTMALDG per TMA operand, LDGSTS with cp.async, USETMAXREG, BAR.SYNC /
+BAR.ARV and HGMMA in the SASS), and planted bugs the emulator must catch with a clear
+message: a wrong tensor-map box, a missing expect-tx, a stage released twice or never,
+setmaxnreg rule violations (with three consumers: one skipping it, the split of two), a
+ping-pong without its first turn or with a wrong hand-over count, an overlap that reads the
+next S before its wait or waits for one group too few, a cp.async producer warp that never
+arrives. Their numerics over the coverage grid are in test_hopper_family.py; on a GPU they
+are checked by the gpu-marked test at the end."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
 import os
+import random
 import re
 
 import pytest
@@ -90,9 +93,10 @@ def test_registered_beside_the_cp_async_family_serving_nothing_yet() -> None:
 
 def test_pingpong_is_a_knob_of_the_space_for_two_consumers_only() -> None:
     problem = _problem(64, DType.FP16, True)
-    assert space.WS_SPACE.names == ("block_m", "block_n", "num_stages", "pingpong", "overlap")
+    assert space.WS_SPACE.names == ("block_m", "block_n", "num_stages", "pingpong", "overlap",
+                                    "loadq", "loadk", "loadv")
     configs = HOPPER_WS_FORWARD.search_space(problem)
-    assert len(configs) == 3 * 13 * 3 * 2 * 2
+    assert len(configs) == 3 * 13 * 3 * 2 * 2 * 2 ** 3
     on = [c for c in HOPPER_WS_FORWARD.candidates(problem, SM90A)
           if space.knob(c, space.PINGPONG)]
     assert on and all(c.block_m == 128 for c in on)
@@ -141,6 +145,50 @@ def test_overlap_is_a_knob_with_two_or_more_stages_and_a_second_s_set() -> None:
     assert not space.knob(default, space.OVERLAP)
 
 
+def _loads(config: KernelConfig, **loads: str) -> KernelConfig:
+    """``config`` with operands loaded as given, e.g. ``loadk="cpasync"`` (its knobs kept)."""
+    return dataclasses.replace(config, extras=(*config.extras, *loads.items()))
+
+
+def _loads_line(code: str) -> str:
+    """The WsLoads arguments of the rendered kernel (TMA for Q, K, V)."""
+    found = re.search(r"ft::WsLoads<(\w+), (\w+),\s*(\w+)>", code)
+    assert found is not None, "no WsLoads binding"
+    return ",".join(found.groups())
+
+
+def test_loads_are_knobs_per_operand_with_the_cp_async_register_split() -> None:
+    problem = _problem(128, DType.BF16, True)
+    plain = KernelConfig(128, 128, 8, 2)
+    config = _loads(plain, loadk="cpasync", loadv="cpasync")
+    assert config.key() == "m128_n128_w8_s2_loadk-cpasync_loadv-cpasync"
+    point = HOPPER_WS_FORWARD.point(config)
+    assert (point["loadq"], point["loadk"], point["loadv"]) == ("tma", "cpasync", "cpasync")
+    assert HOPPER_WS_FORWARD.config(point) == config
+    assert HOPPER_WS_FORWARD.config(HOPPER_WS_FORWARD.point(plain)) == plain  # defaults: no knob
+    assert not HOPPER_WS_FORWARD.default_config(problem, SM90A).extras
+    # A TMA producer keeps 24 registers beside two consumers; a cp.async one 40 (FA3's split).
+    assert space.ws_registers(plain) == (24, 240) and space.ws_registers(config) == (40, 232)
+    assert space.ws_registers(_loads(KernelConfig(192, 64, 12, 2), loadq="cpasync")) == (40, 152)
+    assert space.ws_registers(_loads(KernelConfig(64, 64, 4, 2), loadv="cpasync")) == (56, 256)
+    source = families.render(problem, config)
+    assert _loads_line(source.code) == "true,false,false"
+    assert "kProducer == 40" in source.code and "kConsumer == 232" in source.code
+    assert _loads_line(families.render(problem, plain).code) == "true,true,true"
+    assert HOPPER_WS_FORWARD.static_check(problem, config, SM90A) is None
+    # The cp.async budget: two consumers at head dim 128 with one stage hold 184, not 196.
+    one_stage = KernelConfig(128, 176, 8, 1)
+    assert HOPPER_WS_FORWARD.static_check(problem, one_stage, SM90A) is None
+    why = HOPPER_WS_FORWARD.static_check(problem, _loads(one_stage, loadq="cpasync"), SM90A)
+    assert why is not None and "accumulators need 196 registers" in why, why
+    assert "232 registers (setmaxnreg's count for 2 consumer warpgroups beside a cp.async " \
+           "producer)" in why and "over the 184 that compile without spills" in why
+    assert HOPPER_WS_FORWARD.static_check(
+        problem, _loads(KernelConfig(128, 160, 8, 1), loadq="cpasync"), SM90A) is None
+    why = HOPPER_WS_FORWARD.static_check(problem, _loads(plain, loadk="ldg"), SM90A)
+    assert why is not None and "loadk='ldg': expected one of ('tma', 'cpasync')" in why
+
+
 def test_three_consumer_warpgroups_take_the_split_of_three() -> None:
     problem = _problem(64, DType.BF16, False)
     config = KernelConfig(192, 64, 12, 2)
@@ -169,8 +217,11 @@ def _compiled(head_dim: int, dtype: DType, causal: bool, config: KernelConfig | 
     if find_toolchain().nvdisasm is None:
         return
     sass = disassemble(kernel.cubin)
-    found = collections.Counter(re.findall(r"\b(UTMALDG\.5D|USETMAXREG\.\w+(?:\.\w+)?)\b", sass))
-    assert found["UTMALDG.5D"] == 3, found  # Q, K, V
+    found = collections.Counter(re.findall(
+        r"\b(UTMALDG\.5D|LDGSTS\.E\S*|USETMAXREG\.\w+(?:\.\w+)?)\b", sass))
+    by_tma = sum(space.knob(config, name) == space.TMA for name in space.LOAD_KNOBS)
+    assert found["UTMALDG.5D"] == by_tma, found  # one box per operand by TMA
+    assert any(k.startswith("LDGSTS") for k in found) == (by_tma < 3), found
     assert found["USETMAXREG.DEALLOC.CTAPOOL"] == 1 and found["USETMAXREG.TRY_ALLOC.CTAPOOL"] == 1
     bars = collections.Counter(re.findall(r"\b(BAR\.SYNC|BAR\.ARV)\b", sass))
     if space.knob(config, space.PINGPONG):  # the first turn, then a wait and hand-over a tile
@@ -194,7 +245,15 @@ def _compiled(head_dim: int, dtype: DType, causal: bool, config: KernelConfig | 
                                   (128, DType.BF16, False, KernelConfig(128, 176, 8, 2)),
                                   (128, DType.FP16, True, _overlap(KernelConfig(128, 96, 8, 2))),
                                   (64, DType.BF16, False,
-                                   _overlap(_pingpong(KernelConfig(128, 128, 8, 2))))],
+                                   _overlap(_pingpong(KernelConfig(128, 128, 8, 2)))),
+                                  (128, DType.BF16, True,
+                                   _loads(KernelConfig(128, 128, 8, 2), loadk="cpasync",
+                                          loadv="cpasync")),
+                                  (64, DType.FP16, False,
+                                   _loads(KernelConfig(192, 160, 12, 2), loadq="cpasync")),
+                                  (128, DType.FP16, True,
+                                   _loads(_overlap(KernelConfig(128, 96, 8, 2)),
+                                          loadv="cpasync"))],
                          ids=lambda c: f"d{c[0]}-{c[1].value}-{'causal' if c[2] else 'full'}-"
                                        f"{c[3].key() if c[3] else 'default'}")
 def test_nvrtc_compiles_for_sm90a_without_spills(
@@ -202,11 +261,29 @@ def test_nvrtc_compiles_for_sm90a_without_spills(
     _compiled(*case)
 
 
+def _loads_sample(configs: list[KernelConfig], rng: random.Random) -> list[KernelConfig]:
+    """Of passing configs: those with every operand by TMA or every one by cp.async, and per
+    config of the other knobs one drawn mixed load (the register rule is measured on the
+    all-cp.async producer; a mixed one loads less)."""
+    groups: dict[KernelConfig, list[KernelConfig]] = collections.defaultdict(list)
+    for c in configs:
+        groups[space.tma_loads(c)].append(c)
+    picked: list[KernelConfig] = []
+    for members in groups.values():
+        kinds = {c: len({space.knob(c, n) for n in space.LOAD_KNOBS}) for c in members}
+        picked += [c for c in members if kinds[c] == 1]
+        mixed = [c for c in members if kinds[c] == 2]
+        picked += [rng.choice(mixed)] if mixed else []
+    return picked
+
+
 @pytest.mark.sweep
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.value)
 @pytest.mark.parametrize("head_dim", (64, 128, 256))
 def test_nvrtc_compiles_every_passing_config_without_spills(head_dim: int, dtype: DType) -> None:
-    for config in HOPPER_WS_FORWARD.candidates(_problem(head_dim, dtype, True), SM90A):
+    rng = random.Random(f"{SEED}{head_dim}{dtype.value}")
+    passing = HOPPER_WS_FORWARD.candidates(_problem(head_dim, dtype, True), SM90A)
+    for config in _loads_sample(passing, rng):
         _compiled(head_dim, dtype, True, config)
 
 
@@ -219,6 +296,9 @@ BUG_CONFIG = KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 BUG_PINGPONG = _pingpong(BUG_CONFIG)
 BUG_THREE = KernelConfig(block_m=192, block_n=64, num_warps=12, num_stages=2)
 BUG_OVERLAP = _overlap(BUG_CONFIG)
+#: Q and K by cp.async, V by TMA: Q's barrier counts the producer's 128 threads, a stage's
+#: full barrier the TMA arrival and 128 cp.async ones.
+BUG_CPASYNC = _loads(BUG_CONFIG, loadq="cpasync", loadk="cpasync")
 
 
 def _run_planted(bug: int, *, box_rows: int | None = None,
@@ -247,7 +327,8 @@ def _run_planted(bug: int, *, box_rows: int | None = None,
         assert verdict.ok, verdict.message
 
 
-@pytest.mark.parametrize("config", [BUG_CONFIG, BUG_PINGPONG, BUG_THREE, BUG_OVERLAP],
+@pytest.mark.parametrize("config", [BUG_CONFIG, BUG_PINGPONG, BUG_THREE, BUG_OVERLAP,
+                                    BUG_CPASYNC],
                          ids=lambda c: c.key())
 def test_the_bug_harness_passes_without_a_bug(config: KernelConfig) -> None:
     _run_planted(0, config=config)
@@ -346,13 +427,24 @@ def test_overlap_waiting_for_one_group_too_few_is_caught() -> None:
         _run_planted(11, config=BUG_OVERLAP)
 
 
+def test_cp_async_producer_warp_that_never_arrives_deadlocks_naming_the_count() -> None:
+    """Planted: producer warp 0 copies its share of each cp.async stage but never arrives;
+    the consumers wait on the full barrier with 32 of its 129 arrivals missing."""
+    with pytest.raises(EmulatorDeadlock, match=r"for phase 0 \(parity 0\) to complete: 32 of "
+                       r"129 arrivals missing"):
+        _run_planted(12, config=BUG_CPASYNC)
+
+
 # ------------------------------------------------------------------ GPU
 
 
-#: The configs the GPU test runs per problem: the default, it with ping-pong, the widest key
-#: tile the rules pass with overlap (two consumer warpgroups, two stages), and the widest key
-#: tile the rules pass with two stages for one and for three consumer warpgroups.
-GPU_VARIANTS = ("default", "pingpong", "overlap", "widest-m64", "widest-m192")
+#: The configs the GPU test runs per problem: the default, it with ping-pong, with every
+#: operand by cp.async and with V alone by cp.async (a stage's barrier counting a TMA arrival
+#: and the producer's 128), the widest key tile the rules pass with overlap (two consumer
+#: warpgroups, two stages), and the widest key tile the rules pass with two stages for one
+#: and for three consumer warpgroups.
+GPU_VARIANTS = ("default", "pingpong", "cpasync", "cpasync-v", "overlap", "widest-m64",
+                "widest-m192")
 
 
 def _variant(problem: Problem, name: str) -> KernelConfig | None:
@@ -361,11 +453,16 @@ def _variant(problem: Problem, name: str) -> KernelConfig | None:
         return default
     if name == "pingpong":
         return _pingpong(default)
+    if name.startswith("cpasync"):
+        operands = "v" if name == "cpasync-v" else "qkv"
+        config = _loads(default, **{f"load{o}": space.CP_ASYNC for o in operands})
+        return config if HOPPER_WS_FORWARD.static_check(problem, config, SM90A) is None else None
     overlap = name == "overlap"
     block_m = 128 if overlap else int(name.rpartition("m")[2])
     fits = [c for c in HOPPER_WS_FORWARD.candidates(problem, SM90A)
             if c.block_m == block_m and c.num_stages == 2
-            and space.knob(c, space.OVERLAP) == overlap and not space.knob(c, space.PINGPONG)]
+            and space.knob(c, space.OVERLAP) == overlap and not space.knob(c, space.PINGPONG)
+            and not space.cp_async_producer(c)]
     return max(fits, key=lambda c: c.block_n) if fits else None
 
 

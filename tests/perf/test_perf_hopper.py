@@ -146,6 +146,16 @@ def test_wgmma_predictions_are_labelled_and_ordered() -> None:
     knob = KernelConfig.from_dict({**config.to_dict(), space.PINGPONG: 1})
     assert design_of(problem, knob) == Design("fwd90aws", "TMA", 128, True)
     assert predict(problem, knob, shape, "H100").tflops == preds["fwd90awspp"]
+    # a producer that copies with cp.async: its copies are not the consumers' (not charged,
+    # said as optimistic), unlike fwd90a's consumer copies
+    copying = KernelConfig.from_dict({**config.to_dict(), "loadk": "cpasync"})
+    design = design_of(problem, copying)
+    assert design == Design("fwd90aws", "cp.async", 128, False) and not design.consumers_copy
+    assert design_of(_tile_problem("fwd90a", 128, 128, 128)[0], config) == Design(
+        "fwd90a", "cp.async", 0, False)
+    said = predict(problem, copying, shape, "H100").assumptions
+    assert any("by cp.async from a producer warpgroup" in a and "optimistic" in a
+               for a in said), said
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,10 @@ next key tile's Q K^T before the softmax of this one, FA3's intra-warpgroup over
 at its default is left out of a config, so the default kernel's key carries none. Overlap
 needs two or more stages (the next tile's K lands while this tile's stage is in use) and
 holds a second S accumulator set; it combines with ping-pong (the turns bracket each Q K^T
-issue, as FA3 combines them) and with one to three consumer warpgroups.
+issue, as FA3 combines them) and with one to three consumer warpgroups. The knobs
+``loadq``, ``loadk`` and ``loadv`` (``tma`` or ``cpasync``) choose how the producer loads each
+operand; any cp.async gives the producer more registers and the consumers fewer
+(``WS_REGISTERS``, ``CP_ASYNC_BUDGET``).
 
 Rules: the tiles fit the per-block shared memory (227 KiB on sm_90), and the accumulators
 (S, O and P) stay within the budget measured for the registers a consumer thread has
@@ -20,6 +23,7 @@ Rules: the tiles fit the per-block shared memory (227 KiB on sm_90), and the acc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from flashtune.codegen.arch import ArchSpec
@@ -36,18 +40,27 @@ HEAD_DIMS = (64, 128, 256)
 
 PINGPONG = "pingpong"
 OVERLAP = "overlap"
+#: How the producer loads Q, K and V, each: TMA (one lane issues a box) or cp.async (its 128
+#: threads copy 16-byte chunks).
+LOAD_KNOBS = ("loadq", "loadk", "loadv")
+TMA, CP_ASYNC = "tma", "cpasync"
 #: The warp-specialised family's knobs; each one's first value is its default.
-WS_KNOBS: tuple[Param, ...] = (Param(PINGPONG, (0, 1)), Param(OVERLAP, (0, 1)))
+WS_KNOBS: tuple[Param, ...] = (Param(PINGPONG, (0, 1)), Param(OVERLAP, (0, 1)),
+                               *(Param(name, (TMA, CP_ASYNC)) for name in LOAD_KNOBS))
 WS_DEFAULTS: Mapping[str, Value] = {p.name: p.values[0] for p in WS_KNOBS}
 
 SPACE = ParamSpace((Param("block_m", BLOCK_M), Param("block_n", BLOCK_N),
                     Param("num_stages", NUM_STAGES)))
 WS_SPACE = ParamSpace((*SPACE.params, *WS_KNOBS))
 
-#: setmaxnreg registers per thread (producer, consumer) by consumer warpgroups: FA3's split
-#: with K/V by TMA (the Hopper notes, section 1.1). templates/hopper_fwd_ws.cuh's
-#: WsRegisters holds the same table; the kernel's bindings assert that they agree.
-WS_REGISTERS: Mapping[int, tuple[int, int]] = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
+#: setmaxnreg registers per thread (producer, consumer) by consumer warpgroups and whether
+#: the producer's threads all load (some operand by cp.async): FA3's split (the Hopper notes,
+#: section 1.1; 40 / 232 beside two consumers when K/V are not loaded by TMA).
+#: templates/hopper_fwd_ws.cuh's WsRegisters holds the same table; the kernel's bindings
+#: assert that they agree.
+WS_REGISTERS: Mapping[tuple[int, bool], tuple[int, int]] = {
+    (1, False): (56, 256), (2, False): (24, 240), (3, False): (32, 160),
+    (1, True): (56, 256), (2, True): (40, 232), (3, True): (40, 152)}
 
 #: The most accumulator registers per thread (``accumulator_registers``) that compile without
 #: spills, by (warp-specialised, consumer warpgroups), then head dim: (one stage, two or more).
@@ -77,6 +90,19 @@ ACCUMULATOR_BUDGET: Mapping[tuple[bool, int], Mapping[int, tuple[int, int]]] = {
 #: within ACCUMULATOR_BUDGET compiles without spills and the next block_n spills.
 OVERLAP_BUDGET: Mapping[int, Mapping[int, int]] = {1: {64: 232, 256: 208},
                                                    3: {64: 132, 128: 0, 256: 0}}
+#: The budget where the producer loads some operand with cp.async (WS_REGISTERS: its 128
+#: threads keep 40 registers beside two or three consumer warpgroups, which get 232 or 152),
+#: by consumer warpgroups, then head dim: (one stage, two or more, overlap). Measured the
+#: same way with all three operands by cp.async (bf16 causal, block_n down from the widest
+#: the TMA rules pass until one compiles without spills): where the widest already compiled
+#: clean the TMA budget stands; else the clean tile's accumulators, the next tile's spilling
+#: (e.g. two consumers at head dim 128, one stage: 184 clean, 196 spills 40 bytes; three at
+#: head dim 64, two stages: 152 clean, 164 spills 40 bytes).
+CP_ASYNC_BUDGET: Mapping[int, Mapping[int, tuple[int, int, int]]] = {
+    1: {64: (212, 224, 232), 128: (196, 220, 220), 256: (0, 200, 208)},
+    2: {64: (200, 224, 192), 128: (184, 208, 184), 256: (0, 188, 188)},
+    3: {64: (152, 152, 112), 128: (124, 136, 0), 256: (0, 0, 0)},
+}
 #: Registers are allocated to a thread in multiples of this many, at most 255.
 _REG_GRANULE = 8
 _MAX_REGS = 255
@@ -99,6 +125,22 @@ def warpgroups(config: KernelConfig) -> int:
 def knob(config: KernelConfig, name: str) -> Value:
     """The value of the warp-specialised knob ``name`` in ``config`` (its default if absent)."""
     return dict(config.extras).get(name, WS_DEFAULTS[name])
+
+
+def cp_async_producer(config: KernelConfig) -> bool:
+    """Whether the producer loads some operand with cp.async (all its threads load)."""
+    return any(knob(config, name) == CP_ASYNC for name in LOAD_KNOBS)
+
+
+def tma_loads(config: KernelConfig) -> KernelConfig:
+    """``config`` with every operand loaded by TMA (the load knobs at their default)."""
+    return dataclasses.replace(config, extras=tuple(
+        (name, value) for name, value in config.extras if name not in LOAD_KNOBS))
+
+
+def ws_registers(config: KernelConfig) -> tuple[int, int]:
+    """setmaxnreg's (producer, consumer) registers per thread for ``config`` (WS_REGISTERS)."""
+    return WS_REGISTERS[warpgroups(config), cp_async_producer(config)]
 
 
 def without_defaults(point: Mapping[str, Value]) -> dict[str, Value]:
@@ -126,7 +168,7 @@ def register_limit(config: KernelConfig, *, warp_specialized: bool = False) -> i
     kernel; otherwise the register file shared by the block's threads (the kernels declare
     ``__launch_bounds__(threads, 1)``). At most 255."""
     if warp_specialized:
-        return min(_MAX_REGS, WS_REGISTERS[warpgroups(config)][1])
+        return min(_MAX_REGS, ws_registers(config)[1])
     share = 65536 // config.threads // _REG_GRANULE * _REG_GRANULE
     return min(_MAX_REGS, share)
 
@@ -134,7 +176,13 @@ def register_limit(config: KernelConfig, *, warp_specialized: bool = False) -> i
 def accumulator_budget(problem: Problem, config: KernelConfig, *,
                        warp_specialized: bool = False) -> int:
     """Accumulator registers per thread the config's kernel holds without spilling
-    (ACCUMULATOR_BUDGET; with the overlap knob on, OVERLAP_BUDGET where it has an entry)."""
+    (ACCUMULATOR_BUDGET; with the overlap knob on, OVERLAP_BUDGET where it has an entry;
+    CP_ASYNC_BUDGET where the producer loads some operand with cp.async)."""
+    if warp_specialized and cp_async_producer(config):
+        one, more, overlapped = CP_ASYNC_BUDGET[warpgroups(config)][problem.head_dim]
+        if knob(config, OVERLAP):
+            return overlapped
+        return one if config.num_stages == 1 else more
     one, more = ACCUMULATOR_BUDGET[warp_specialized, warpgroups(config)][problem.head_dim]
     budget = one if config.num_stages == 1 else more
     if warp_specialized and knob(config, OVERLAP):
@@ -168,7 +216,8 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
     held = accumulator_registers(problem, config)
     budget = accumulator_budget(problem, config, warp_specialized=warp_specialized)
     if held > budget:
-        source = (f"setmaxnreg's count for {warpgroups(config)} consumer warpgroups"
+        producer = " beside a cp.async producer" if cp_async_producer(config) else ""
+        source = (f"setmaxnreg's count for {warpgroups(config)} consumer warpgroups{producer}"
                   if warp_specialized else f"64 Ki registers shared by {config.threads} threads")
         stages = "one stage" if config.num_stages == 1 else "two or more stages"
         what = "two S sets (overlap), O and P" if knob(config, OVERLAP) else "S, O and P"

@@ -7,10 +7,14 @@ producer to the consumers (space.WS_REGISTERS; templates/hopper_fwd_ws.cuh). The
 ``pingpong`` makes two consumer warpgroups take turns to issue their GEMMs (named barriers),
 so one's softmax overlaps the other's GEMM; the knob ``overlap`` makes each consumer
 warpgroup issue the next key tile's Q K^T before the softmax of this one (two or more
-stages, a second S accumulator set), so its own softmax overlaps that GEMM. Otherwise the
+stages, a second S accumulator set), so its own softmax overlaps that GEMM. The knobs
+``loadq``, ``loadk`` and ``loadv`` choose per operand how the producer loads it: ``tma`` (one
+lane issues a box, the default) or ``cpasync`` (its 128 threads copy 16-byte chunks into the
+same swizzled layout; the producer then keeps 40 registers beside two or three consumers,
+who get fewer: space.WS_REGISTERS, space.CP_ASYNC_BUDGET). Otherwise the
 space, arguments, outputs, reference and tolerances are ``fwd90a``'s; the kernel takes three
 tensor maps after the forward's arguments, built here from the launch's tensors and encoded
-by the backend (runtime.tma).
+by the backend (runtime.tma); an operand loaded by cp.async ignores its map.
 
 The config's num_warps counts the consumer warps (block_m / 16, as in ``fwd90a``); the block
 has a producer warpgroup more (``threads``). It serves no op yet: ``fwd90a`` keeps serving the
@@ -65,7 +69,8 @@ class HopperWsForwardFamily(HopperForwardFamily):
     """The warp-specialised attention forward on TMA and wgmma (sm_90a)."""
 
     op = "fwd90aws"
-    title = "attention forward for sm_90a, warp-specialised: TMA producer, wgmma consumers"
+    title = ("attention forward for sm_90a, warp-specialised: TMA or cp.async producer, wgmma "
+             "consumers")
     template = "hopper_fwd_ws.cu.jinja"
     serves: ClassVar[str | None] = None
 
@@ -98,10 +103,12 @@ class HopperWsForwardFamily(HopperForwardFamily):
 
     def template_params(self, problem: Problem, config: KernelConfig
                         ) -> dict[str, TemplateValue]:
-        producer, consumer = space.WS_REGISTERS[space.warpgroups(config)]
+        producer, consumer = space.ws_registers(config)
         return {**super().template_params(problem, config),
                 "pingpong": self.pingpong_on(config),
                 "overlap": bool(space.knob(config, space.OVERLAP)),
+                **{f"tma_{name[-1]}": space.knob(config, name) == space.TMA
+                   for name in space.LOAD_KNOBS},
                 "producer_registers": producer, "consumer_registers": consumer}
 
     def render(self, problem: Problem, config: KernelConfig) -> KernelSource:
