@@ -254,16 +254,16 @@ EMULATOR_ARCH: Knob[str] = Knob(
     lambda: "sm_90",
     "arch of the emulator's virtual device: configs are chosen as for a GPU of this arch. "
     "sm_90 (the default) keeps the mma.sync kernels; sm_90a runs the sm_90a families (wgmma) "
-    "as a compute capability 9.0 GPU with FLASHTUNE_ARCH_SPECIFIC=1 would",
+    "as a compute capability 9.0 GPU does (unless FLASHTUNE_ARCH_SPECIFIC=0)",
 )
 ARCH_SPECIFIC: Knob[bool] = Knob(
     "FLASHTUNE_ARCH_SPECIFIC",
     _parse_bool,
-    lambda: False,
+    lambda: True,
     "serve calls on a GPU with the arch-specific kernel families it runs (the sm_90a wgmma "
-    "forward on compute capability 9.0). Off by default until those kernels have been "
-    "checked on hardware (benchmarks/gpu_check.sh runs them either way): the mma.sync "
-    "kernels serve every GPU meanwhile",
+    "forward on compute capability 9.0), each kernel checked against float64 on a small input "
+    "before its first call (a failure turns them off for the process, with a warning); 0: the "
+    "portable mma.sync kernels only",
 )
 EMULATOR_ASAN: Knob[bool] = Knob(
     "FLASHTUNE_EMULATOR_ASAN",

@@ -59,11 +59,11 @@ class DeviceInfo:
     runtime_version: str | None
     nvrtc_version: str | None
     #: Whether the dispatcher serves calls with arch-specific families (sm_90a, wgmma) where
-    #: the compute capability allows: for a GPU, the knob FLASHTUNE_ARCH_SPECIFIC (off until
-    #: those kernels are checked on hardware); a virtual device only when its arch is the
-    #: arch-specific target itself (``virtual("sm_90a")``), so a virtual sm_90 (the
-    #: emulator's default, ``--arch sm_90`` listings and precompiles) keeps the mma.sync
-    #: kernels.
+    #: the compute capability allows: for a GPU, the knob FLASHTUNE_ARCH_SPECIFIC (on unless
+    #: set to 0; each kernel passes a first-use check, runtime.first_use); a virtual device
+    #: only when its arch is the arch-specific target itself (``virtual("sm_90a")``), so a
+    #: virtual sm_90 (the emulator's default, ``--arch sm_90`` listings and precompiles)
+    #: keeps the mma.sync kernels.
     arch_specific_kernels: bool = True
 
     def __post_init__(self) -> None:

@@ -30,6 +30,7 @@ from flashtune.codegen.spec import (
 from flashtune.errors import InvalidInput
 from flashtune.families import render
 from flashtune.families.fwd.args import grid, pack_args, variant_args
+from flashtune.runtime import first_use
 from flashtune.runtime.backends import BackendEntry, backend_entry, get_backend
 from flashtune.runtime.backends.base import LoadedKernel
 from flashtune.runtime.dispatch import Decision, DeviceLike, get_dispatcher
@@ -78,11 +79,10 @@ def device_info(entry: BackendEntry, device: torch.device) -> DeviceLike:
     """The device the dispatcher chooses for: the GPU, or the emulator's virtual GPU."""
     from flashtune.runtime.device import DeviceInfo
 
-    if entry.device_type == "cuda":
-        info: DeviceLike = DeviceInfo.current(device.index)
-        return info
-    virtual: DeviceLike = DeviceInfo.virtual(emulator_arch())
-    return virtual
+    info = (DeviceInfo.current(device.index) if entry.device_type == "cuda"
+            else DeviceInfo.virtual(emulator_arch()))
+    served: DeviceLike = first_use.without_refused(info)
+    return served
 
 
 def problem_bucket(q: torch.Tensor, k: torch.Tensor, causal: bool, op: str = "fwd",
@@ -144,13 +144,25 @@ def _no_stream() -> int:
 
 def _make_plan(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str, op: str,
                features: tuple[str, ...], longest: tuple[int, int]) -> Plan:
+    """The decided and loaded kernel; one of an arch-specific family (served in place of
+    ``op``) passes its first-use check first, else the portable family's is decided."""
     decision, entry = decide(q, k, causal, backend, op=op, features=features, longest=longest)
+    plan = _load_plan(decision, entry, q.device)
+    if decision.problem.op != op and first_use.check(plan.kernel, q.device,
+                                                     decision.device) is not None:
+        decision, entry = decide(q, k, causal, backend, op=op, features=features,
+                                 longest=longest)  # the device is refused them now
+        plan = _load_plan(decision, entry, q.device)
+    return plan
+
+
+def _load_plan(decision: Decision, entry: BackendEntry, device: torch.device) -> Plan:
     source = render(decision.problem, decision.config)
     loader = get_backend(entry.name)
     if entry.device_type == "cuda":
-        with torch.cuda.device(q.device):
+        with torch.cuda.device(device):
             kernel = loader.load(source)
-        return Plan(decision, source, kernel, _cuda_stream(q.device))
+        return Plan(decision, source, kernel, _cuda_stream(device))
     return Plan(decision, source, loader.load(source), _no_stream)
 
 

@@ -76,8 +76,8 @@ class Dev:
 
 @pytest.fixture(autouse=True)
 def arch_specific_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GPUs here opt in to the arch-specific families (FLASHTUNE_ARCH_SPECIFIC=1)."""
-    monkeypatch.setenv("FLASHTUNE_ARCH_SPECIFIC", "1")
+    """GPUs here run the arch-specific families (the default, FLASHTUNE_ARCH_SPECIFIC unset)."""
+    monkeypatch.delenv("FLASHTUNE_ARCH_SPECIFIC", raising=False)
 
 
 class _NoTuned:
@@ -174,11 +174,10 @@ def test_the_builtin_sm90a_forward_serves_cc90_gpus_only() -> None:
     assert _decide(odd, "sm_90") == odd
 
 
-def test_gpus_keep_the_mma_sync_forward_unless_they_opt_in(
+def test_gpus_keep_the_mma_sync_forward_when_they_opt_out(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sm_90a forward is checked in the emulator only: without FLASHTUNE_ARCH_SPECIFIC
-    a cc 9.0 GPU keeps the mma.sync forward."""
-    monkeypatch.delenv("FLASHTUNE_ARCH_SPECIFIC")
+    """With FLASHTUNE_ARCH_SPECIFIC=0 a cc 9.0 GPU keeps the mma.sync forward."""
+    monkeypatch.setenv("FLASHTUNE_ARCH_SPECIFIC", "0")
     for arch in ("sm_90", "sm_90a", "sm_80"):
         assert _decide(PROBLEM, arch) == PROBLEM, arch
 

@@ -118,19 +118,19 @@ def test_driver_version_text() -> None:
     assert device_mod._version_text(13000) == "13.0"
 
 
-def test_gpus_run_arch_specific_kernels_only_when_the_knob_says_so(
+def test_gpus_run_arch_specific_kernels_unless_the_knob_says_no(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sm_90a kernels are checked in the emulator only: a cc 9.0 GPU keeps the mma.sync
-    kernels unless FLASHTUNE_ARCH_SPECIFIC opts in."""
+    """A cc 9.0 GPU runs the sm_90a kernels (each after its first-use check) unless
+    FLASHTUNE_ARCH_SPECIFIC=0 keeps the mma.sync kernels."""
     def h100() -> DeviceInfo:
         return DeviceInfo.from_properties(_props(name="NVIDIA H100 80GB HBM3", major=9,
                                                  minor=0),
                                           driver_version=None, runtime_version=None)
 
     monkeypatch.delenv("FLASHTUNE_ARCH_SPECIFIC", raising=False)
-    assert not h100().arch_specific_kernels
-    monkeypatch.setenv("FLASHTUNE_ARCH_SPECIFIC", "1")
     assert h100().arch_specific_kernels
+    monkeypatch.setenv("FLASHTUNE_ARCH_SPECIFIC", "0")
+    assert not h100().arch_specific_kernels
     monkeypatch.setenv("FLASHTUNE_ARCH_SPECIFIC", "maybe")
     with pytest.raises(KnobError, match="FLASHTUNE_ARCH_SPECIFIC"):
         h100()

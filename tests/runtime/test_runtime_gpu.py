@@ -104,19 +104,25 @@ def test_explain_names_this_gpu() -> None:
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_cc90_serves_the_sm90a_forward_when_it_opts_in(head_dim: int,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a compute capability 9.0 GPU with FLASHTUNE_ARCH_SPECIFIC=1 the public forward runs
-    the sm_90a (wgmma) family and matches float64; without the knob, the mma.sync forward."""
-    from flashtune.runtime import forward
+def test_cc90_serves_the_sm90a_forward_unless_it_opts_out(head_dim: int,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """On a compute capability 9.0 GPU the public forward runs the sm_90a (wgmma) family (its
+    kernel passes the first-use check) and matches float64; with FLASHTUNE_ARCH_SPECIFIC=0,
+    the mma.sync forward."""
+    from flashtune.runtime import first_use, forward
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90a forward serves compute capability 9.0 only")
     q, k, v = _cuda(2, 1000, 1000, 8, 2, head_dim)
-    for opted_in, op in ((True, "fwd90a"), (False, "fwd")):
-        monkeypatch.setenv("FLASHTUNE_ARCH_SPECIFIC", "1" if opted_in else "0")
+    for opted_out, op in ((False, "fwd90a"), (True, "fwd")):
+        if opted_out:
+            monkeypatch.setenv("FLASHTUNE_ARCH_SPECIFIC", "0")
+        else:
+            monkeypatch.delenv("FLASHTUNE_ARCH_SPECIFIC", raising=False)
         forward.clear_caches()
         for causal in (False, True):
             assert flashtune.explain(q, k, v, causal=causal).problem.op == op
             out, lse = flashtune.attention(q, k, v, causal=causal, return_lse=True)
             check_outputs(out, lse, q, k, v, causal)
+        assert first_use.refused(torch.cuda.get_device_name()) is None

@@ -202,11 +202,11 @@ def test_cli_explain(tmp_path: Path) -> None:
     runner = CliRunner()
     db = _db_with_result(tmp_path / "t.db")
     base = ["explain", "--head-dim", "64", "--seqlen", "1500", "--db", db]
-    result = runner.invoke(app, [*base, "--device", "NVIDIA H200"])  # mma.sync by default
+    result = runner.invoke(app, [*base, "--device", "NVIDIA H200"],
+                           env={"FLASHTUNE_ARCH_SPECIFIC": "0"})  # opted out: mma.sync
     assert result.exit_code == 0, result.output
     assert "fwd_d64_fp16_full_n2048" in result.output and OTHER.key() in result.output
-    result = runner.invoke(app, [*base, "--device", "NVIDIA H200"],
-                           env={"FLASHTUNE_ARCH_SPECIFIC": "1"})
+    result = runner.invoke(app, [*base, "--device", "NVIDIA H200"])  # sm_90a by default
     assert result.exit_code == 0, result.output
     for text in ("fwd90a_d64_fp16_full_n2048", "NVIDIA H200 (sm_90)", "tier:     exact",
                  HOPPER_TUNED.key(), "kernel:   flashtune_fwd90a_d64_fp16_full_m64_n64_w4_s2",
