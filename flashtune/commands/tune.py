@@ -12,7 +12,7 @@ from rich.console import Console
 from flashtune import knobs
 from flashtune.codegen.spec import FEATURES, Problem
 from flashtune.commands.options import DbOpt, fail
-from flashtune.errors import FlashtuneError, TuningError
+from flashtune.errors import DeviceError, FlashtuneError, TuningError
 from flashtune.tuner.defaults import DEFAULT_MAX_SPILL_BYTES, DEFAULT_TOLERANCE, SAMPLERS
 
 if TYPE_CHECKING:  # the tuner imports Optuna, SQLAlchemy and torch: loaded when a run starts
@@ -127,6 +127,7 @@ def tune_command(
         if arch is not None and not dry_run:
             raise TuningError("--arch applies to --dry-run only: a run on the GPU tunes for "
                               "the GPU's own arch")
+        problem = _served_problem(problem, (arch or "sm_90") if dry_run else None)
         if dry_run:
             if workers != 1:
                 raise TuningError("a dry run runs in one process; parallel compiles are "
@@ -154,6 +155,31 @@ def tune_command(
     if dry_run:
         for table in predicted_tables(summaries):
             console.print(table)
+
+
+def _served_problem(problem: Problem, dry_arch: str | None) -> Problem:
+    """The problem the device's calls of ``problem`` run, which is the one worth tuning: on
+    a compute capability 9.0 GPU the sm_90a family that serves its op there (unless
+    FLASHTUNE_ARCH_SPECIFIC=0), on a virtual device of ``dry_arch`` only when that arch is
+    the sm_90a target itself (runtime.dispatch's choice). Said when it differs."""
+    from flashtune import families
+    from flashtune.codegen.arch import get_arch
+    from flashtune.runtime.device import DeviceInfo
+
+    try:
+        device = DeviceInfo.virtual(dry_arch) if dry_arch else DeviceInfo.current()
+    except DeviceError:
+        return problem  # no usable GPU: the measurement backend says so
+    if not device.arch_specific_kernels:
+        return problem
+    served = families.serving(problem, get_arch(device.arch))
+    if served != problem:
+        other = ("--arch sm_90 tunes the portable one" if dry_arch else
+                 f"FLASHTUNE_ARCH_SPECIFIC=0 tunes and serves {problem.op} instead")
+        Console(stderr=True).print(
+            f"note: on {device.name} the {served.op} family serves {problem.op} calls, so it "
+            f"is the one tuned ({served.key()}); {other}", highlight=False)
+    return served
 
 
 def _replay(path: Path, budget: str | None, trials: int | None, sampler: str,

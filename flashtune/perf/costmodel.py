@@ -73,6 +73,7 @@ from flashtune.perf.wgmma import (
     compute_round,
     consumer_warps_per_partition,
     design_of,
+    is_wgmma_forward,
     launch_registers,
     tensor_cycles,
 )
@@ -298,6 +299,14 @@ def _cycles(mix: TileMix, problem: Problem, config: KernelConfig, gpu: GpuSpec,
                       smem_round, max(round_, issue_round, latency_round, smem_round))
 
 
+
+def model_version(params: ModelParams, problem: Problem) -> str:
+    """The version a prediction of ``problem`` carries: the wgmma path's name for the sm_90a
+    forward families, the forward's otherwise (both with ``params``' digest)."""
+    if is_wgmma_forward(problem):
+        return params.version.replace(MODEL_NAME, WGMMA_MODEL_NAME, 1)
+    return params.version
+
 def predict(
     problem: Problem,
     config: KernelConfig,
@@ -383,9 +392,7 @@ def predict(
     memory_share = sum(q_o_s + (first_kv_s if t else 0.0) for t in tiles) / sum(durations)
     bound = _bound(sched.makespan, dram_s, l2_s, sched.utilisation, memory_share, cyc, notes)
     work = families.of(problem).flops(problem, shape)
-    version = params.version
-    if design is not None:
-        version = version.replace(MODEL_NAME, WGMMA_MODEL_NAME, 1)
+    version = model_version(params, problem)
     return Prediction(
         time_ms=total_s * 1e3, tflops=work / total_s / 1e12, bound=bound,
         model_version=version, gpu=spec.name, occupancy=occ, cycles=cyc, mix=mix,

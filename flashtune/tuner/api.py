@@ -182,7 +182,7 @@ class Tuner:
         first = [summary.default] if summary.default is not None else []
         pruned: dict[str, str] = {}
         if self.predictor is not None:
-            summary.cost_model = self.predictor.label
+            summary.cost_model = self.predictor.label(bucket.problem)
             first, pruned = self._plan_by_prediction(workload, candidates, first)
             summary.pruned_by_model = len(pruned)
         self.observer.bucket_started(summary)

@@ -85,6 +85,30 @@ def test_dry_run_tunes_a_problem_with_attention_features(db_url: str) -> None:
     assert {t.problem.key for t in verified} == {"fwd_d64_fp16_local_softcap"}
 
 
+@pytest.mark.emulator
+def test_dry_run_for_sm90a_tunes_the_family_that_serves_the_forward_there(db_url: str) -> None:
+    """A cc 9.0 device's forward calls run the sm_90a family, so that is what a tuning run
+    for it measures (and says), with the wgmma path's predictions; a feature problem the
+    sm_90a family does not take stays with the mma.sync forward."""
+    args = ["tune", "--head-dim", "64", "--dtype", "bf16", "--seqlens", "128", "--dry-run",
+            "--arch", "sm_90a", "--trials", "1", "--compile-workers", "1", "--db", db_url]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "note: on virtual-sm_90a the fwd90a family serves fwd calls, so it is the one " \
+           "tuned (fwd90a_d64_bf16_full); --arch sm_90 tunes the portable one" in said, said
+    assert "fwd90a_d64_bf16_full_n128: PREDICTED ranking (cost model fa3-wgmma-1/" in said
+    with TuningStore(db_url) as store:
+        trials = store.trials(device="virtual-sm_90a")
+    assert trials and {t.problem.key for t in trials} == {"fwd90a_d64_bf16_full"}
+    featured = runner.invoke(app, [*args[:-2], "--features", "window", "--db", db_url])
+    assert featured.exit_code == 0, featured.output
+    assert "note:" not in featured.output
+    with TuningStore(db_url) as store:
+        keys = {t.problem.key for t in store.trials(device="virtual-sm_90a")}
+    assert keys == {"fwd90a_d64_bf16_full", "fwd_d64_bf16_local"}, keys
+
+
 def test_unknown_features_are_refused_with_the_choices(db_url: str) -> None:
     result = runner.invoke(app, ["tune", "--head-dim", "64", "--features", "window,rope",
                                  "--dry-run", "--db", db_url])

@@ -19,10 +19,10 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 
-from flashtune.codegen.spec import KernelConfig
+from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.db.records import DeviceRecord
 from flashtune.errors import FlashtuneError, InvalidConfig, TuningError
-from flashtune.perf.costmodel import DEFAULT_PARAMS, ModelParams, predict
+from flashtune.perf.costmodel import DEFAULT_PARAMS, ModelParams, model_version, predict
 from flashtune.perf.gpus import GPUS, GpuSpec, default_gpu_for_arch, get_gpu
 from flashtune.tuner.measure.workload import Workload, geomean
 
@@ -100,9 +100,9 @@ class Predictor:
         self.params = params
         self._memo: dict[tuple[Workload, KernelConfig], BucketPrediction | None] = {}
 
-    @property
-    def label(self) -> str:
-        return f"cost model {self.params.version}, {self.gpu.name}"
+    def label(self, problem: Problem) -> str:
+        """The model's name and version for predictions of ``problem``, and the GPU."""
+        return f"cost model {model_version(self.params, problem)}, {self.gpu.name}"
 
     def predict(self, workload: Workload, config: KernelConfig) -> BucketPrediction | None:
         """The config's prediction on the workload's shapes; None when the model has none
@@ -124,7 +124,7 @@ class Predictor:
         top = max(bounds.values())
         bound = next(p.bound for p in preds if bounds[p.bound] == top)
         return BucketPrediction(config, geomean(times), workload.objective(times), bound,
-                                self.params.version, self.gpu.name)
+                                preds[0].model_version, self.gpu.name)
 
     def rank(self, workload: Workload, configs: list[KernelConfig]) -> list[BucketPrediction]:
         """Predictions of the configs that have one, fastest first (ties in input order)."""
@@ -140,5 +140,5 @@ class Predictor:
             return {}
         best = ranked[0].time_ms
         return {p.config.key(): (f"pruned by cost model: predicted {p.time_ms:.4g} ms vs best "
-                                 f"{best:.4g} ms ({self.label})")
+                                 f"{best:.4g} ms ({self.label(workload.problem)})")
                 for p in ranked if p.time_ms > factor * best and p.config != keep}
