@@ -10,7 +10,9 @@ Lookup order for a (device, problem, sequence bucket):
 The family is the problem's own, unless a registered family with an arch-specific target
 this device runs ``serves`` its op (``families.serving``): on compute capability 9.0 devices
 an sm_90a family answers the calls of the op it serves, with its own problem key (tuned
-results and defaults are that family's); every other device gets the op's own family.
+results and defaults are that family's), except that when nothing is tuned for it a config of
+the op's own family tuned on this device (tiers 1-2) is served rather than the sm_90a
+family's untuned default; every other device gets the op's own family.
 
 The database is read lazily, once per process (per Dispatcher), and never written or
 created; if it cannot be read a warning is logged once and every decision falls back to the
@@ -184,20 +186,38 @@ class Dispatcher:
         served = (families.serving(bucket.problem, get_arch(arch))
                   if _arch_specific_kernels(device) else bucket.problem)
         if served != bucket.problem:  # an arch-specific family (sm_90a) serves this device
+            decision = self._lookup(tuned, ProblemBucket(served, bucket.seqlen), device, arch)
+            if decision is not None:
+                return decision
+            # Nothing tuned for it: a config of the op's own family tuned on this very device
+            # (measured and verified there) beats the arch-specific family's untuned default.
+            own = self._lookup(tuned, bucket, device, arch)
+            if own is not None and own.tier in (Tier.EXACT, Tier.NEAREST):
+                return own
             bucket = ProblemBucket(served, bucket.seqlen)
-        match = tuned.index.lookup(device=device.name, arch=arch,
-                                   problem=bucket.problem.key(), seqlen=bucket.seqlen)
-        if match is not None:
-            config = tuned.configs[_entry_key(match.entry)]
-            reason = families.of(bucket.problem).static_check(bucket.problem, config,
-                                                             get_arch(arch))
-            if reason is None:
-                return Decision(bucket, device.name, arch, config, Tier(match.how), match.entry)
-            log.warning("the tuned config %s (%s, %s) cannot run on %s (%s): %s; using the "
-                        "default", config.key(), match.entry.device, match.entry.arch,
-                        device.name, arch, reason)
+        decision = self._lookup(tuned, bucket, device, arch)
+        if decision is not None:
+            return decision
         return Decision(bucket, device.name, arch, default_config(bucket.problem, arch),
                         Tier.DEFAULT, None)
+
+    @staticmethod
+    def _lookup(tuned: _Tuned, bucket: ProblemBucket, device: DeviceLike, arch: str
+               ) -> Decision | None:
+        """The tuned config of ``bucket`` the lookup tiers find for ``device``, or None."""
+        match = tuned.index.lookup(device=device.name, arch=arch,
+                                   problem=bucket.problem.key(), seqlen=bucket.seqlen)
+        if match is None:
+            return None
+        config = tuned.configs[_entry_key(match.entry)]
+        reason = families.of(bucket.problem).static_check(bucket.problem, config,
+                                                         get_arch(arch))
+        if reason is None:
+            return Decision(bucket, device.name, arch, config, Tier(match.how), match.entry)
+        log.warning("the tuned config %s (%s, %s) cannot run on %s (%s): %s; using the "
+                    "default", config.key(), match.entry.device, match.entry.arch,
+                    device.name, arch, reason)
+        return None
 
 
 def _arch_specific_kernels(device: DeviceLike) -> bool:
