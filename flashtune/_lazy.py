@@ -38,3 +38,30 @@ def lazy_exports(package: str, exports: Mapping[str, str], public: Iterable[str]
         return sorted(set(names) | {name for name in namespace if name.startswith("__")})
 
     return __getattr__, __dir__
+
+
+class _LazyModule:
+    """Stands for module ``name`` in one module's namespace until first used: the first
+    attribute read imports it and puts the real module in the namespace in its place, so
+    later reads are plain global lookups."""
+
+    def __init__(self, name: str, namespace: dict[str, Any], alias: str) -> None:
+        self._name, self._namespace, self._alias = name, namespace, alias
+
+    def __getattr__(self, attr: str) -> Any:
+        module = importlib.import_module(self._name)
+        self._namespace[self._alias] = module
+        return getattr(module, attr)
+
+    def __repr__(self) -> str:
+        return f"<module {self._name!r}, imported on first use>"
+
+
+def lazy_module(name: str, namespace: dict[str, Any], alias: str | None = None) -> Any:
+    """A stand-in for ``import name`` (bound as ``alias``, default the name) in the module
+    whose globals are ``namespace``: the import happens at the first attribute read.
+
+    For modules whose functions need a heavy dependency (torch) that merely importing them
+    (to list or render kernels) does not; bind it under TYPE_CHECKING for the type checker.
+    """
+    return _LazyModule(name, namespace, alias or name)

@@ -18,10 +18,9 @@ import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
-
+from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import PackedArgs
 from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.params import ParamSpace, Point, Value
@@ -37,11 +36,27 @@ from flashtune.codegen.spec import (
 )
 from flashtune.errors import FeatureNotSupported, InvalidConfig, InvalidProblem
 
-#: Tensors of one launch by name (inputs or outputs), and the scalars a launch needs.
-Tensors = Mapping[str, torch.Tensor]
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
-TORCH_DTYPES: Mapping[DType, torch.dtype] = {DType.FP16: torch.float16,
-                                             DType.BF16: torch.bfloat16}
+#: Tensors of one launch by name (inputs or outputs), and the scalars a launch needs.
+Tensors = Mapping[str, "torch.Tensor"]
+
+
+def torch_dtype(dtype: DType) -> torch.dtype:
+    """The torch element type of ``dtype``."""
+    return torch.float16 if dtype is DType.FP16 else torch.bfloat16
+
+
+def element_type(dtype: torch.dtype) -> DType:
+    """The DType of a float16 or bfloat16 torch element type (InvalidProblem otherwise)."""
+    for candidate in DType:
+        if torch_dtype(candidate) == dtype:
+            return candidate
+    raise InvalidProblem(f"dtype {dtype} is not an element type of the kernels; expected "
+                         "torch.float16 or torch.bfloat16")
 
 
 @dataclass(frozen=True)
@@ -118,7 +133,7 @@ def random_rows(problem: Problem, shape: ShapeLike, seqlen: int, heads: int,
                 gen: torch.Generator, device: torch.device | str) -> torch.Tensor:
     """Standard normal (batch, seqlen, heads, head_dim) rows in the problem's dtype."""
     return torch.randn(shape.batch, seqlen, heads, problem.head_dim, generator=gen,
-                       device=device).to(TORCH_DTYPES[problem.dtype])
+                       device=device).to(torch_dtype(problem.dtype))
 
 
 def attention_matmul_flops(problem: Problem, shape: ShapeLike, matmuls: int) -> float:

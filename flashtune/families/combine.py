@@ -9,8 +9,9 @@ empty (O = 0, LSE = +inf) and split counts up to MAX_SPLITS, against a float64 m
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
+from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import ArgType, PackedArgs
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import Param, ParamSpace
@@ -18,7 +19,6 @@ from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.errors import InvalidProblem
 from flashtune.families.base import (
-    TORCH_DTYPES,
     Inputs,
     KernelFamily,
     LaunchPlan,
@@ -28,9 +28,15 @@ from flashtune.families.base import (
     compare_outputs,
     generator,
     row_kernel_params,
+    torch_dtype,
 )
 from flashtune.families.decode.splits import MAX_SPLITS
 from flashtune.families.fwd.reference import O_TOLERANCE
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 #: block_m: rows per block (warps take every num_warps-th row); block_n and num_stages have
 #: no meaning here and keep one value.
@@ -129,7 +135,7 @@ class CombineFamily(KernelFamily):
                       poison: bool) -> dict[str, torch.Tensor]:
         _, batch, heads_q, seqlen_q, dim = inputs.tensors["o_part"].shape
         device = inputs.tensors["o_part"].device
-        o = torch.empty(batch, seqlen_q, heads_q, dim, dtype=TORCH_DTYPES[problem.dtype],
+        o = torch.empty(batch, seqlen_q, heads_q, dim, dtype=torch_dtype(problem.dtype),
                         device=device)
         lse = torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=device)
         if poison:

@@ -8,14 +8,14 @@ bottom-right aligned as in the forward, and a row that sees no key gets +inf.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
+from flashtune._lazy import lazy_module
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.families.base import (
-    TORCH_DTYPES,
     Inputs,
     KernelFamily,
     LaunchPlan,
@@ -25,9 +25,15 @@ from flashtune.families.base import (
     attention_matmul_flops,
     compare_outputs,
     generator,
+    torch_dtype,
 )
 from flashtune.families.fwd.args import TensorView, grid
 from flashtune.families.fwd.reference import causal_visible
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 SPACE = ParamSpace((Param("block_m", (16, 32, 64)), Param("block_n", (32, 64, 128)),
                     Param("num_warps", (1, 2, 4)), Param("num_stages", (1,))))
@@ -74,7 +80,7 @@ class RowLseFamily(KernelFamily):
     def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       seed: int | None = None) -> Inputs:
         gen = generator(device, seed)
-        dt = TORCH_DTYPES[problem.dtype]
+        dt = torch_dtype(problem.dtype)
         q = torch.randn(shape.batch, shape.seqlen_q, shape.heads_q, problem.head_dim,
                         generator=gen, device=device).to(dt)
         k = torch.randn(shape.batch, shape.seqlen_k, shape.heads_kv, problem.head_dim,

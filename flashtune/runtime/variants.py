@@ -19,7 +19,7 @@ import torch
 from flashtune import families
 from flashtune.codegen.spec import MAX_HEAD_DIM, Problem
 from flashtune.errors import FeatureNotSupported, InvalidInput
-from flashtune.families.base import TORCH_DTYPES
+from flashtune.families.base import element_type
 from flashtune.families.fwd.args import VarlenArgs
 
 NO_WINDOW = (-1, -1)
@@ -131,7 +131,7 @@ def refuse_unsupported(op: str, features: tuple[str, ...], q: torch.Tensor, what
     call on validated ``q``); ``what`` names the operation for the message."""
     if not features:
         return
-    dtype = next(d for d, t in TORCH_DTYPES.items() if t == q.dtype)
+    dtype = element_type(q.dtype)
     problem = Problem(head_dim=q.shape[-1], dtype=dtype, op=op, **{f: True for f in features})
     try:
         families.get(op).check_problem(problem)

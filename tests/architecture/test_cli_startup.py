@@ -66,10 +66,34 @@ def _describe(leaks: object) -> str:
 def test_probe_names_a_heavy_import_and_its_chain() -> None:
     """The probe itself can fail: a heavy library imported after the CLI is reported, with
     the flashtune module that imported it."""
-    result = _probe("import flashtune.families\nresult['after'] = leaked()\n")
+    result = _probe("import flashtune.runtime.forward\nresult['after'] = leaked()\n")
     after = result["after"]
     assert isinstance(after, dict) and "torch" in after, after
-    assert any(step.startswith("flashtune/families/") for step in after["torch"]), after
+    assert any(step.startswith("flashtune/runtime/") for step in after["torch"]), after
+
+
+def test_listing_and_rendering_kernels_imports_no_heavy_library() -> None:
+    """`flashtune families`, `show` and `space` (listing families, rendering a kernel's
+    source, walking a space) need no torch: the families import it when a function that
+    makes or checks tensors first runs."""
+    body = r"""
+from typer.testing import CliRunner
+from flashtune.cli import app
+runs = {}
+for args in (["families"], ["show", "--head-dim", "64"], ["show", "--op", "bwd"],
+             ["show", "--op", "decode"], ["show", "--op", "fwd90aws", "--arch", "sm_90a"],
+             ["space", "--op", "lse", "--head-dim", "64"]):
+    run = CliRunner().invoke(app, args)
+    runs[" ".join(args)] = [run.exit_code, len(run.output)]
+result["runs"] = runs
+result["rendered"] = leaked()
+"""
+    result = _probe(body)
+    runs = result["runs"]
+    assert isinstance(runs, dict) and all(code == 0 and size > 80
+                                          for code, size in runs.values()), runs
+    leaks = result["rendered"]
+    assert not leaks, "rendering kernels imported heavy libraries:\n" + _describe(leaks)
 
 
 def test_importing_the_cli_imports_no_heavy_library() -> None:

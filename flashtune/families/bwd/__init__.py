@@ -11,8 +11,9 @@ per-block slices); ``bwddet`` serves ``deterministic=True`` and only has the sli
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
+from flashtune._lazy import lazy_module
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import ParamSpace
 from flashtune.codegen.render import TemplateValue
@@ -37,6 +38,11 @@ from flashtune.families.bwd.reference import (
     backward_reference,
     softmax_stats,
 )
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 
 class BackwardFamily(KernelFamily):

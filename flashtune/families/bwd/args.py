@@ -21,9 +21,15 @@ These run on every backward call, so they are built as flat tuples.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
+from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import ArgType, PackedArgs
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 _P, _I, _L, _F = ArgType.PTR, ArgType.I32, ArgType.I64, ArgType.F32
 

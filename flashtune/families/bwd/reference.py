@@ -12,10 +12,16 @@ LSE and the preprocess's D = rowsum(dO O)), so the reference uses the very same 
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
+from flashtune._lazy import lazy_module
 from flashtune.codegen.spec import DType
 from flashtune.families.fwd.reference import causal_visible
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 #: Error allowed per element, as a multiple of the same sums over absolute values
 #: (``*_bound`` of the reference): P and dS are rounded to the input type before their

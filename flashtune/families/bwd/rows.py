@@ -12,15 +12,15 @@ accumulator slices a verification launch uses is the scalar input ``dq_slices``.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
+from flashtune._lazy import lazy_module
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape, ShapeLike
 from flashtune.errors import InvalidProblem
 from flashtune.families.base import (
-    TORCH_DTYPES,
     Inputs,
     KernelFamily,
     LaunchPlan,
@@ -31,8 +31,14 @@ from flashtune.families.base import (
     generator,
     random_rows,
     row_kernel_params,
+    torch_dtype,
 )
 from flashtune.families.bwd import args
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 SPACE = ParamSpace((Param("block_m", (32, 64, 128)), Param("block_n", (16,)),
                     Param("num_warps", (1, 2, 4, 8)), Param("num_stages", (1,))))
@@ -158,7 +164,7 @@ class ConvertFamily(_RowFamily):
                       poison: bool) -> dict[str, torch.Tensor]:
         accum = inputs.tensors["dq_accum"]
         dq = torch.empty(shape.batch, shape.seqlen_q, shape.heads_q, problem.head_dim,
-                         dtype=TORCH_DTYPES[problem.dtype], device=accum.device)
+                         dtype=torch_dtype(problem.dtype), device=accum.device)
         return {"dq": dq.fill_(float("nan")) if poison else dq}
 
     def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,

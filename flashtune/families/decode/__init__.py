@@ -11,9 +11,9 @@ Inputs; ``Shape.seqlen_k`` is the cache capacity per sequence.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
-
+from flashtune._lazy import lazy_module
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
@@ -34,6 +34,11 @@ from flashtune.families.decode.reference import decode_reference
 from flashtune.families.decode.splits import heuristic_splits
 from flashtune.families.decode.status import STATUS_WORDS, describe
 from flashtune.families.fwd.reference import o_and_lse_checks
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 #: Page sizes a generic verification draws from (None: an unpaged cache).
 VERIFY_PAGE_SIZES: tuple[int | None, ...] = (None, 1, 16, 64, 256)

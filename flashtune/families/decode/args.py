@@ -15,9 +15,15 @@ An unpaged cache (batch, max_len, heads_kv, dim) is passed as ``batch`` pages of
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
+from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import ArgType, PackedArgs
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 _ZERO3 = (0, 0, 0)
 

@@ -14,13 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
+from flashtune._lazy import lazy_module
 from flashtune.codegen.spec import Problem, Shape
 from flashtune.errors import InvalidInput
-from flashtune.families.base import TORCH_DTYPES, Inputs
+from flashtune.families.base import Inputs, torch_dtype
 from flashtune.families.decode.splits import check_num_splits
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 #: Pages of the pool that no block table names (NaN-filled).
 SPARE_PAGES = 3
@@ -101,7 +106,7 @@ def make_inputs(problem: Problem, shape: Shape, case: DecodeCase, device: torch.
     reference's view of them: the kernel appends in place). Scalars: softmax_scale,
     num_splits."""
     case.check(shape)
-    dt, d = TORCH_DTYPES[problem.dtype], problem.head_dim
+    dt, d = torch_dtype(problem.dtype), problem.head_dim
     b, hkv = shape.batch, shape.heads_kv
     q = _randn(gen, device, dt, b, shape.seqlen_q, shape.heads_q, d)
     tensors: dict[str, torch.Tensor] = {"q": q}

@@ -11,10 +11,16 @@ O is normalised within its split; a row that sees no key of a split has O = 0 an
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
+from flashtune._lazy import lazy_module
 from flashtune.families.base import Inputs
 from flashtune.families.decode.splits import split_range
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 
 def _positions(t: dict[str, torch.Tensor], b: int, positions: torch.Tensor

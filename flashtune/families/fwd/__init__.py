@@ -7,8 +7,9 @@ on mma.sync m16n8k16; the online softmax stays in registers (templates/flash_fwd
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
+from flashtune._lazy import lazy_module
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
@@ -31,6 +32,11 @@ from flashtune.families.fwd.reference import (
     o_and_lse_checks,
     varlen_reference,
 )
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 
 class ForwardFamily(KernelFamily):

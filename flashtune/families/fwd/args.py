@@ -23,13 +23,18 @@ heads_q, batch); a persistent kernel's has fewer blocks in x (``persistent_grid`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
+from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import ArgType, PackedArgs
 from flashtune.codegen.spec import Problem
 from flashtune.errors import InvalidInput
 from flashtune.families.base import DEFAULT_SM_COUNT
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 
 @dataclass(frozen=True)

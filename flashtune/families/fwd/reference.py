@@ -14,10 +14,16 @@ Varlen (``varlen_reference``): each sequence of a packed batch on its own.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
+from flashtune._lazy import lazy_module
 from flashtune.codegen.spec import DType
 from flashtune.families.base import Tolerance
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 #: O is rounded to the output type and P to the input type before P @ V: a few ulps.
 O_TOLERANCE = {DType.FP16: Tolerance(4e-3, 4e-3), DType.BF16: Tolerance(2.5e-2, 2.5e-2)}

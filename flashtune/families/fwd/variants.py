@@ -12,13 +12,18 @@ the number of sequences and the longest query and key sequences.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
+from flashtune._lazy import lazy_module
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import Problem, Shape, ShapeLike
 from flashtune.families.base import Inputs, random_rows
 from flashtune.families.fwd.args import VarlenArgs
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 #: Window sizes flash-attn's tests draw from (plus -1, unbounded), and its softcap values.
 WINDOW_SIZES = (-1, 0, 1, 3, 16, 64, 100, 256)

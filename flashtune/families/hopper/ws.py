@@ -29,10 +29,9 @@ schedule of either through ``pingpong_on``.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
-
+from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import ArgType
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import ParamSpace, Value
@@ -42,6 +41,11 @@ from flashtune.codegen.tensormap import TensorMap, TmaDType, TmaSwizzle
 from flashtune.errors import InvalidInput
 from flashtune.families.base import Inputs, LaunchPlan, Tensors
 from flashtune.families.hopper import HopperForwardFamily, space
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
 
 #: Elements of one 128-byte swizzled panel row (16-bit types).
 PANEL = 64
