@@ -365,7 +365,12 @@ gc_main() {
   if [[ -n "$arch" ]]; then
     gc_planned smoke "$GC_PY" "$GC_REPO/benchmarks/gpu_smoke.py" "${smoke[@]}"
     gc_show_smoke smoke
-    gc_planned precompile "$GC_PY" -m flashtune.cli precompile --arch "$arch" --all-defaults
+    # A cc 9.0 GPU runs the sm_90a families by default: sm_90a builds them and the portable
+    # kernels it falls back to.
+    local precompile_arch="$arch"
+    [[ "$arch" == "sm_90" ]] && precompile_arch="sm_90a"
+    gc_planned precompile "$GC_PY" -m flashtune.cli precompile --arch "$precompile_arch" \
+      --all-defaults --out "${TMPDIR:-/tmp}/flashtune-gpu-check-precompiled"
     # The tests keep their own database (never the results'); the tuner's test runs in a
     # stage of its own, so the others' cap cannot take it.
     GC_STAGE_SIGNAL=INT gc_planned gpu-tests env -u FLASHTUNE_DB "$GC_PY" -m pytest \
@@ -391,7 +396,7 @@ gc_main() {
     gc_show_smoke smoke-compile
     gc_skip smoke "$why"
     gc_stage precompile-options "$cap" "${self[@]}" --internal-check-options precompile \
-      --arch --all-defaults
+      --arch --all-defaults --out
     gc_skip precompile "$why"
     gc_stage gpu-tests-collect "$cap" env -u FLASHTUNE_DB "$GC_PY" -m pytest -m gpu -n 0 \
       --collect-only -q -p no:cacheprovider "$GC_REPO/tests"

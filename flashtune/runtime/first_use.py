@@ -5,10 +5,11 @@ kernels are verified in the CPU emulator, whose wgmma, TMA and mbarrier models f
 PTX documentation; the hardware is the final word. So before a kernel of such a family first
 serves a call in a process, it runs once on fresh random inputs of ``CHECK_SHAPE``
 (NaN-poisoned outputs) and is compared with the family's float64 reference, on the same
-device and backend. If it disagrees, or fails to run, the device is refused the
-arch-specific families for the rest of the process: a warning names the kernel and what was
-wrong, and the call (and every later one) is served by the portable family, as with
-FLASHTUNE_ARCH_SPECIFIC=0.
+device and backend. If it disagrees, or fails to run, or the kernel cannot be built or
+loaded at all (no NVRTC beside a precompiled directory of the portable kernels), the device
+is refused the arch-specific families for the rest of the process: a warning names the
+kernel and what was wrong, and the call (and every later one) is served by the portable
+family, as with FLASHTUNE_ARCH_SPECIFIC=0.
 
 A kernel that crashes the CUDA context (an illegal instruction or address) cannot be
 recovered from in the process; the error then names the knob that turns these families off.
@@ -76,13 +77,24 @@ def check(kernel: LoadedKernel, device: torch.device | str, device_name: str) ->
         if failure is None:
             _checked.add(key)
             return None
-        why = (f"{kernel.source.entry} failed its first-use check against float64 on "
-               f"{device_name} ({failure})")
-        _refused[device_name] = why
-        log.warning("%s; serving %s with the portable kernels from now on (set "
-                    "FLASHTUNE_ARCH_SPECIFIC=0 to skip the arch-specific ones)", why,
-                    device_name)
-        return why
+        return _refuse(device_name, f"{kernel.source.entry} failed its first-use check "
+                                    f"against float64 on {device_name} ({failure})")
+
+
+def load_failed(entry: str, device_name: str, error: Exception) -> str:
+    """Refuse ``device_name`` the arch-specific families because kernel ``entry`` could not
+    be built or loaded there (e.g. no NVRTC beside a precompiled directory made for the
+    portable kernels only); the reason, also logged."""
+    with _lock:
+        return _refuse(device_name, f"{entry} could not be loaded on {device_name} "
+                                    f"({type(error).__name__}: {error})")
+
+
+def _refuse(device_name: str, why: str) -> str:
+    _refused[device_name] = why
+    log.warning("%s; serving %s with the portable kernels from now on (set "
+                "FLASHTUNE_ARCH_SPECIFIC=0 to skip the arch-specific ones)", why, device_name)
+    return why
 
 
 def forget() -> None:

@@ -27,7 +27,7 @@ from flashtune.codegen.spec import (
     Problem,
     ProblemBucket,
 )
-from flashtune.errors import InvalidInput
+from flashtune.errors import FlashtuneError, InvalidInput
 from flashtune.families import render
 from flashtune.families.fwd.args import grid, pack_args, variant_args
 from flashtune.runtime import first_use
@@ -147,13 +147,23 @@ def _make_plan(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str, op:
     """The decided and loaded kernel; one of an arch-specific family (served in place of
     ``op``) passes its first-use check first, else the portable family's is decided."""
     decision, entry = decide(q, k, causal, backend, op=op, features=features, longest=longest)
-    plan = _load_plan(decision, entry, q.device)
-    if decision.problem.op != op and first_use.check(plan.kernel, q.device,
-                                                     decision.device) is not None:
-        decision, entry = decide(q, k, causal, backend, op=op, features=features,
-                                 longest=longest)  # the device is refused them now
+    if decision.problem.op == op:
+        return _load_plan(decision, entry, q.device)
+    try:
         plan = _load_plan(decision, entry, q.device)
-    return plan
+    except FlashtuneError as exc:
+        first_use.load_failed(kernel_entry(decision), decision.device, exc)
+    else:
+        if first_use.check(plan.kernel, q.device, decision.device) is None:
+            return plan
+    # the device is refused the arch-specific families now: the portable family's plan
+    decision, entry = decide(q, k, causal, backend, op=op, features=features, longest=longest)
+    return _load_plan(decision, entry, q.device)
+
+
+def kernel_entry(decision: Decision) -> str:
+    """The entry point name of the decision's kernel."""
+    return render(decision.problem, decision.config).entry
 
 
 def _load_plan(decision: Decision, entry: BackendEntry, device: torch.device) -> Plan:

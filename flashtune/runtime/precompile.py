@@ -385,11 +385,17 @@ def all_problems(head_dims: Iterable[int] = COMPILED_HEAD_DIMS,
 def default_kernels(arch: str, problems: Iterable[Problem] | None = None
                     ) -> list[tuple[Problem, KernelConfig]]:
     """The built-in default config of each problem (default: every compiled head dim), as
-    a virtual device of ``arch`` runs it (sm_90a: the sm_90a family where it serves)."""
+    a virtual device of ``arch`` runs it (sm_90a: the sm_90a family where it serves, and
+    the portable kernel a device falls back to if it is refused them: runtime.first_use)."""
     spec = get_arch(arch)
     chosen = all_problems() if problems is None else list(problems)
-    served = [families.served_on_virtual(p, spec) for p in chosen]
-    return [(p, default_config(p, spec.name)) for p in served]
+    kernels = []
+    for problem in chosen:
+        served = families.served_on_virtual(problem, spec)
+        kernels.append((served, default_config(served, spec.name)))
+        if served != problem:
+            kernels.append((problem, default_config(problem, device_arch(spec).name)))
+    return kernels
 
 
 def planned_kernels(device: DeviceLike, problems: Iterable[Problem],
@@ -403,7 +409,21 @@ def planned_kernels(device: DeviceLike, problems: Iterable[Problem],
     sizes = tuple(buckets)
     for problem in problems:
         for seqlen in sizes:
-            decision = chooser.decide(ProblemBucket(problem, seqlen), device)
-            served = decision.problem  # the family that serves it there (sm_90a on cc 9.0)
-            found[(served.key(), decision.config.key())] = (served, decision.config)
+            bucket = ProblemBucket(problem, seqlen)
+            decisions = [chooser.decide(bucket, device)]
+            if decisions[0].problem != problem:  # the family that serves it there (sm_90a)
+                # and the portable kernel the device falls back to (runtime.first_use)
+                decisions.append(chooser.decide(bucket, _Portable(device.name, device.arch)))
+            for decision in decisions:
+                found[(decision.problem.key(), decision.config.key())] = (decision.problem,
+                                                                         decision.config)
     return [found[k] for k in sorted(found)]
+
+
+@dataclass(frozen=True)
+class _Portable:
+    """A device as the dispatcher sees it once refused the arch-specific families."""
+
+    name: str
+    arch: str
+    arch_specific_kernels: bool = False

@@ -34,7 +34,7 @@ from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
 from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.device import DeviceInfo
-from flashtune.runtime.dispatch import Dispatcher
+from flashtune.runtime.dispatch import Dispatcher, default_config
 from flashtune.runtime.launch import verify
 from flashtune.runtime.precompile import default_kernels, planned_kernels
 from flashtune.toolchain.cuda import find_toolchain
@@ -324,13 +324,16 @@ def test_precompile_plans_name_the_serving_family_for_sm90a() -> None:
     generic = Problem(64, DType.FP16)
     odd = Problem(96, DType.FP16)
     served = _problem(64, DType.FP16, False)
+    # the sm_90a family's kernel, and the portable one a device refused it falls back to
+    portable = (generic, default_config(generic, "sm_90"))
     planned = default_kernels("sm_90a", [generic, odd])
-    assert [p for p, _ in planned] == [served, odd]
+    assert [p for p, _ in planned] == [served, generic, odd]
     assert planned[0][1] == HOPPER_FORWARD.default_config(served, SM90A)
+    assert planned[1] == portable
     assert [p for p, _ in default_kernels("sm_90", [generic])] == [generic]
     device = DeviceInfo.virtual("sm_90a")
     pairs = planned_kernels(device, [generic], [1024], dispatcher=Dispatcher(lambda: _NoTuned()))
-    assert pairs == [(served, HOPPER_FORWARD.default_config(served, SM90A))]
+    assert pairs == [(served, HOPPER_FORWARD.default_config(served, SM90A)), portable]
 
 
 class _NoTuned:

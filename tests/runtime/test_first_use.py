@@ -2,7 +2,7 @@
 virtual sm_90a device: a kernel of the sm_90a forward is verified against float64 once before
 it first serves a call; a kernel that fails it (a mismatch, or an error) turns the
 arch-specific families off for the device, with a warning, and the call is served by the
-mma.sync forward, correctly."""
+mma.sync forward, correctly; so does one that cannot be built or loaded."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import flashtune
-from flashtune.codegen.spec import Shape
-from flashtune.errors import EmulatorError
+from flashtune.codegen.spec import KernelSource, Shape
+from flashtune.errors import CompileError, EmulatorError
 from flashtune.families.base import Verdict
 from flashtune.families.fwd.reference import attention_reference
 from flashtune.runtime import first_use, forward, launch
@@ -108,3 +108,29 @@ def test_a_failing_check_serves_the_mma_sync_forward_with_a_warning(
     forward.clear_caches()
     _matches_float64(*_inputs(seqlen_q=300))
     assert len(seen) == 1  # nothing arch-specific is checked (or served) again
+
+
+def test_an_sm90a_kernel_that_cannot_be_loaded_gives_way_to_the_portable_one(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """E.g. no NVRTC beside a precompiled directory of the portable kernels only: the load
+    error is said once, and the mma.sync forward serves."""
+    real = forward.get_backend
+
+    class NoSm90a:
+        def __init__(self, name: str) -> None:
+            self.inner = real(name)
+
+        def load(self, source: KernelSource) -> LoadedKernel:
+            if source.target == "sm_90a":
+                raise CompileError("NVRTC is not installed and no precompiled kernel matches")
+            return self.inner.load(source)
+
+    monkeypatch.setattr(forward, "get_backend", NoSm90a)
+    seen = _spy(monkeypatch, None)
+    with caplog.at_level(logging.WARNING, logger="flashtune.runtime.first_use"):
+        _matches_float64(*_inputs())
+    assert seen == []  # nothing was loaded to check
+    why = first_use.refused(VIRTUAL_SM90A)
+    assert why is not None and "could not be loaded on virtual-sm_90a" in why
+    assert "NVRTC is not installed" in why and any(why in r.getMessage() for r in caplog.records)
+    assert flashtune.explain(*_inputs(), causal=True).problem.op == "fwd"
