@@ -81,7 +81,7 @@ def test_an_sm90a_kernel_is_checked_once_before_it_serves(
     assert len(seen) == 1 and seen[0].startswith("flashtune_fwd90a_d64_bf16_causal_"), seen
     # the same kernel for another sequence bucket: a new plan, not a second check
     forward.clear_caches()
-    _matches_float64(*_inputs(seqlen_q=300))
+    _matches_float64(*_inputs(seqlen_q=150))
     assert len(seen) == 1 and first_use.refused(VIRTUAL_SM90A) is None
 
 
@@ -106,7 +106,7 @@ def test_a_failing_check_serves_the_mma_sync_forward_with_a_warning(
     # from now on the device is served by the portable forward, and says so
     assert flashtune.explain(q, k, v, causal=True).problem.op == "fwd"
     forward.clear_caches()
-    _matches_float64(*_inputs(seqlen_q=300))
+    _matches_float64(*_inputs(seqlen_q=150))
     assert len(seen) == 1  # nothing arch-specific is checked (or served) again
 
 
