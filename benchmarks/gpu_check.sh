@@ -25,8 +25,9 @@
 # else 1 (2 for bad arguments).
 #
 # --dry (or FLASHTUNE_GPU_CHECK_DRY=1) runs, in place of each GPU stage, the part that needs
-# no GPU: the smoke kernels are compiled for sm_90, the GPU tests are collected, the options
-# given to `flashtune precompile` and `flashtune tune` are checked, the sweep is planned.
+# no GPU: the smoke kernels are compiled for sm_90, `flashtune precompile` runs as on the GPU
+# but on the head dim 64 bf16 defaults only, the GPU tests are collected, the options given
+# to `flashtune tune` are checked, the sweep is planned.
 # Without --dry, a machine where torch sees no GPU gets the same treatment, with 'skipped: no
 # GPU' in the summary, plus a failed 'gpu' stage (exit status 1).
 #
@@ -229,6 +230,16 @@ gc_check_options() {  # SUBCOMMAND ARGS...: the options the GPU run gives `flash
   echo "flashtune $sub accepts: $*"
 }
 
+# A cc 9.0 GPU runs the sm_90a families by default: precompiling for sm_90a builds them and
+# the portable kernels it falls back to.
+gc_precompile_arch() {
+  if [[ "$1" == "sm_90" ]]; then echo "sm_90a"; else echo "$1"; fi
+}
+
+gc_precompile_dir() {  # outside OUTDIR, so the kernels do not swell the tarball
+  echo "${TMPDIR:-/tmp}/flashtune-gpu-check-precompiled"
+}
+
 gc_gpu_arch() {  # the GPU's arch (sm_XY) from env.json, else a time-limited probe; "" if none
   local env="$GC_OUT/env.json"
   if [[ -f "$env" ]]; then
@@ -365,12 +376,8 @@ gc_main() {
   if [[ -n "$arch" ]]; then
     gc_planned smoke "$GC_PY" "$GC_REPO/benchmarks/gpu_smoke.py" "${smoke[@]}"
     gc_show_smoke smoke
-    # A cc 9.0 GPU runs the sm_90a families by default: sm_90a builds them and the portable
-    # kernels it falls back to.
-    local precompile_arch="$arch"
-    [[ "$arch" == "sm_90" ]] && precompile_arch="sm_90a"
-    gc_planned precompile "$GC_PY" -m flashtune.cli precompile --arch "$precompile_arch" \
-      --all-defaults --out "${TMPDIR:-/tmp}/flashtune-gpu-check-precompiled"
+    gc_planned precompile "$GC_PY" -m flashtune.cli precompile \
+      --arch "$(gc_precompile_arch "$arch")" --all-defaults --out "$(gc_precompile_dir)"
     # The tests keep their own database (never the results'); the tuner's test runs in a
     # stage of its own, so the others' cap cannot take it.
     GC_STAGE_SIGNAL=INT gc_planned gpu-tests env -u FLASHTUNE_DB "$GC_PY" -m pytest \
@@ -395,8 +402,10 @@ gc_main() {
       --arch "$GC_DRY_ARCH"
     gc_show_smoke smoke-compile
     gc_skip smoke "$why"
-    gc_stage precompile-options "$cap" "${self[@]}" --internal-check-options precompile \
-      --arch --all-defaults --out
+    # The GPU run's command on the head dim 64 bf16 defaults only (a few kernels).
+    gc_stage precompile-d64 "$cap" "$GC_PY" -m flashtune.cli precompile \
+      --arch "$(gc_precompile_arch "$GC_DRY_ARCH")" --all-defaults --head-dim 64 \
+      --dtype bf16 --out "$(gc_precompile_dir)"
     gc_skip precompile "$why"
     gc_stage gpu-tests-collect "$cap" env -u FLASHTUNE_DB "$GC_PY" -m pytest -m gpu -n 0 \
       --collect-only -q -p no:cacheprovider "$GC_REPO/tests"

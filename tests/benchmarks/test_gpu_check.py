@@ -44,7 +44,7 @@ def _summary(out: Path) -> dict[str, dict[str, str]]:
         return {row["stage"]: row for row in csv.DictReader(f, delimiter="\t")}
 
 
-DRY_STAGES = ["install", "env", "nvidia-smi", "smoke-compile", "smoke", "precompile-options",
+DRY_STAGES = ["install", "env", "nvidia-smi", "smoke-compile", "smoke", "precompile-d64",
               "precompile", "gpu-tests-collect", "gpu-tests", "gpu-tests-tuner",
               "tune-options", "tune", "sweep-plan", "sweep", "host"]
 
@@ -55,7 +55,7 @@ def test_dry_run_writes_every_file(tmp_path: Path) -> None:
     proc = _run(["bash", str(SCRIPT), "--dry", "--tar", str(tarball), str(out)], tmp_path, 300)
     stages = _summary(out)
     assert list(stages) == DRY_STAGES, proc.stdout
-    for name in ("install", "env", "smoke-compile", "precompile-options", "gpu-tests-collect",
+    for name in ("install", "env", "smoke-compile", "precompile-d64", "gpu-tests-collect",
                  "tune-options", "sweep-plan"):
         assert stages[name]["status"] == "passed", (name, stages[name], proc.stdout)
     for name in ("smoke", "precompile", "gpu-tests", "gpu-tests-tuner", "tune", "sweep",
