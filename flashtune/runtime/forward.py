@@ -152,7 +152,7 @@ def _make_plan(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str, op:
     try:
         plan = _load_plan(decision, entry, q.device)
     except FlashtuneError as exc:
-        first_use.load_failed(kernel_entry(decision), decision.device, exc)
+        first_use.load_failed(_kernel_entry(decision), decision.device, exc)
     else:
         if first_use.check(plan.kernel, q.device, decision.device) is None:
             return plan
@@ -161,7 +161,7 @@ def _make_plan(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str, op:
     return _load_plan(decision, entry, q.device)
 
 
-def kernel_entry(decision: Decision) -> str:
+def _kernel_entry(decision: Decision) -> str:
     """The entry point name of the decision's kernel."""
     return render(decision.problem, decision.config).entry
 
