@@ -14,7 +14,7 @@ holds a second S accumulator set; it combines with ping-pong (the turns bracket 
 issue, as FA3 combines them) and with one to three consumer warpgroups. The knobs
 ``loadq``, ``loadk`` and ``loadv`` (``tma`` or ``cpasync``) choose how the producer loads each
 operand; any cp.async gives the producer more registers and the consumers fewer
-(``WS_REGISTERS``, ``CP_ASYNC_BUDGET``).
+(``WS_REGISTERS``, ``BUDGETS``).
 
 Rules: the tiles fit the per-block shared memory (227 KiB on sm_90), and the accumulators
 (S, O and P) stay within the budget measured for the registers a consumer thread has
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import Param, ParamSpace, Value
@@ -62,46 +63,63 @@ WS_REGISTERS: Mapping[tuple[int, bool], tuple[int, int]] = {
     (1, False): (56, 256), (2, False): (24, 240), (3, False): (32, 160),
     (1, True): (56, 256), (2, True): (40, 232), (3, True): (40, 152)}
 
-#: The most accumulator registers per thread (``accumulator_registers``) that compile without
-#: spills, by (warp-specialised, consumer warpgroups), then head dim: (one stage, two or more).
-#: Measured with NVRTC 13 for sm_90a (``--ptxas-options=-v``, bf16 causal, every block_n of
-#: the space; the first spilling tile is 12 registers more, except where the space ends
-#: first). Not a fixed share of ``register_limit``: what ptxas needs beside the accumulators
-#: grows with the head dim, is larger with one stage, and is smaller where the producer
-#: warpgroup does the loads (e.g. 384 cp.async threads at 168 registers spill at 124
-#: accumulators for head dim 128 but hold 140 for head dim 64; with setmaxnreg's 160, three
-#: consumer warpgroups hold 148 at head dim 128). Head dim 256 with one stage has its own
-#: rule; three warpgroups at head dim 256 never fit (176 accumulators at the smallest tile).
-ACCUMULATOR_BUDGET: Mapping[tuple[bool, int], Mapping[int, tuple[int, int]]] = {
-    (False, 1): {64: (188, 224), 128: (172, 220), 256: (0, 200)},
-    (False, 2): {64: (188, 224), 128: (172, 220), 256: (0, 200)},
-    (False, 3): {64: (128, 140), 128: (112, 112), 256: (0, 0)},
-    (True, 1): {64: (212, 224), 128: (208, 220), 256: (0, 200)},
-    (True, 2): {64: (200, 224), 128: (196, 208), 256: (0, 188)},
-    (True, 3): {64: (152, 164), 128: (136, 148), 256: (0, 0)},
-}
-#: The budget with the ``overlap`` knob (two S sets) where it differs from the one above, by
-#: consumer warpgroups, then head dim (two or more stages; overlap needs them). Measured the
-#: same way over every block_n with overlap on (two stages): three consumer warpgroups (160
-#: registers) hold 132 accumulators at head dim 64 (block_n 80; block_n 96, 152
-#: accumulators, spills 340 bytes) and none at head dim 128 (block_n 64, 144, spills 304);
-#: one consumer warpgroup holds 232 at head dim 64 (block_n 160; 176, 252, spills 832) and
-#: 208 at head dim 256 (block_n 64; 80, 228, spills 368). Elsewhere every overlap config
-#: within ACCUMULATOR_BUDGET compiles without spills and the next block_n spills.
-OVERLAP_BUDGET: Mapping[int, Mapping[int, int]] = {1: {64: 232, 256: 208},
-                                                   3: {64: 132, 128: 0, 256: 0}}
-#: The budget where the producer loads some operand with cp.async (WS_REGISTERS: its 128
-#: threads keep 40 registers beside two or three consumer warpgroups, which get 232 or 152),
-#: by consumer warpgroups, then head dim: (one stage, two or more, overlap). Measured the
-#: same way with all three operands by cp.async (bf16 causal, block_n down from the widest
-#: the TMA rules pass until one compiles without spills): where the widest already compiled
-#: clean the TMA budget stands; else the clean tile's accumulators, the next tile's spilling
-#: (e.g. two consumers at head dim 128, one stage: 184 clean, 196 spills 40 bytes; three at
-#: head dim 64, two stages: 152 clean, 164 spills 40 bytes).
-CP_ASYNC_BUDGET: Mapping[int, Mapping[int, tuple[int, int, int]]] = {
-    1: {64: (212, 224, 232), 128: (196, 220, 220), 256: (0, 200, 208)},
-    2: {64: (200, 224, 192), 128: (184, 208, 184), 256: (0, 188, 188)},
-    3: {64: (152, 152, 112), 128: (124, 136, 0), 256: (0, 0, 0)},
+class Budget(NamedTuple):
+    """The most accumulator registers per thread (``accumulator_registers``) that compile
+    without spills: with one stage, with two or more, and with the ``overlap`` knob (two S
+    sets; it needs two or more stages)."""
+
+    one_stage: int
+    more_stages: int
+    overlap: int
+
+
+#: How a block loads its tiles, as the budget table tells them apart: every thread copies
+#: with cp.async (``fwd90a``), or a producer warpgroup loads by TMA alone or copies some
+#: operand with cp.async (``fwd90aws``; its setmaxnreg split differs, WS_REGISTERS).
+THREADS_COPY, TMA_PRODUCER, CP_ASYNC_PRODUCER = "threads", "tma", "cpasync"
+
+#: Budgets by (loader, consumer warpgroups), then head dim. Measured with NVRTC 13 for
+#: sm_90a (``--ptxas-options=-v``, bf16 causal, every block_n of the space; the first
+#: spilling tile is 12 registers more, except where the space ends first). Not a fixed share
+#: of ``register_limit``: what ptxas needs beside the accumulators grows with the head dim,
+#: is larger with one stage, and is smaller where the producer warpgroup does the loads
+#: (e.g. 384 cp.async threads at 168 registers spill at 124 accumulators for head dim 128
+#: but hold 140 for head dim 64; with setmaxnreg's 160, three consumer warpgroups hold 148
+#: at head dim 128). Head dim 256 with one stage has its own rule; three warpgroups at head
+#: dim 256 never fit (176 accumulators at the smallest tile). ``fwd90a`` has no overlap (0).
+#:
+#: Overlap, measured the same way over every block_n with it on (two stages): three
+#: consumer warpgroups (160 registers) hold 132 accumulators at head dim 64 (block_n 80;
+#: block_n 96, 152 accumulators, spills 340 bytes) and none at head dim 128 (block_n 64,
+#: 144, spills 304); one consumer warpgroup holds 232 at head dim 64 (block_n 160; 176, 252,
+#: spills 832) and 208 at head dim 256 (block_n 64; 80, 228, spills 368); elsewhere it is
+#: the two-stage budget (every overlap config within it compiles clean, the next spills).
+#:
+#: A cp.async producer (its 128 threads keep 40 registers beside two or three consumer
+#: warpgroups, which get 232 or 152), measured with all three operands by cp.async, block_n
+#: down from the widest the TMA budget passes until one compiles clean: where the widest
+#: already did the TMA budget stands; else the clean tile's accumulators, the next tile's
+#: spilling (e.g. two consumers at head dim 128, one stage: 184 clean, 196 spills 40 bytes;
+#: three at head dim 64, two stages: 152 clean, 164 spills 40 bytes).
+BUDGETS: Mapping[tuple[str, int], Mapping[int, Budget]] = {
+    (THREADS_COPY, 1): {64: Budget(188, 224, 0), 128: Budget(172, 220, 0),
+                        256: Budget(0, 200, 0)},
+    (THREADS_COPY, 2): {64: Budget(188, 224, 0), 128: Budget(172, 220, 0),
+                        256: Budget(0, 200, 0)},
+    (THREADS_COPY, 3): {64: Budget(128, 140, 0), 128: Budget(112, 112, 0),
+                        256: Budget(0, 0, 0)},
+    (TMA_PRODUCER, 1): {64: Budget(212, 224, 232), 128: Budget(208, 220, 220),
+                        256: Budget(0, 200, 208)},
+    (TMA_PRODUCER, 2): {64: Budget(200, 224, 224), 128: Budget(196, 208, 208),
+                        256: Budget(0, 188, 188)},
+    (TMA_PRODUCER, 3): {64: Budget(152, 164, 132), 128: Budget(136, 148, 0),
+                        256: Budget(0, 0, 0)},
+    (CP_ASYNC_PRODUCER, 1): {64: Budget(212, 224, 232), 128: Budget(196, 220, 220),
+                             256: Budget(0, 200, 208)},
+    (CP_ASYNC_PRODUCER, 2): {64: Budget(200, 224, 192), 128: Budget(184, 208, 184),
+                             256: Budget(0, 188, 188)},
+    (CP_ASYNC_PRODUCER, 3): {64: Budget(152, 152, 112), 128: Budget(124, 136, 0),
+                             256: Budget(0, 0, 0)},
 }
 #: Registers are allocated to a thread in multiples of this many, at most 255.
 _REG_GRANULE = 8
@@ -176,18 +194,13 @@ def register_limit(config: KernelConfig, *, warp_specialized: bool = False) -> i
 def accumulator_budget(problem: Problem, config: KernelConfig, *,
                        warp_specialized: bool = False) -> int:
     """Accumulator registers per thread the config's kernel holds without spilling
-    (ACCUMULATOR_BUDGET; with the overlap knob on, OVERLAP_BUDGET where it has an entry;
-    CP_ASYNC_BUDGET where the producer loads some operand with cp.async)."""
-    if warp_specialized and cp_async_producer(config):
-        one, more, overlapped = CP_ASYNC_BUDGET[warpgroups(config)][problem.head_dim]
-        if knob(config, OVERLAP):
-            return overlapped
-        return one if config.num_stages == 1 else more
-    one, more = ACCUMULATOR_BUDGET[warp_specialized, warpgroups(config)][problem.head_dim]
-    budget = one if config.num_stages == 1 else more
+    (BUDGETS)."""
+    loader = (THREADS_COPY if not warp_specialized
+              else CP_ASYNC_PRODUCER if cp_async_producer(config) else TMA_PRODUCER)
+    budget = BUDGETS[loader, warpgroups(config)][problem.head_dim]
     if warp_specialized and knob(config, OVERLAP):
-        budget = OVERLAP_BUDGET.get(warpgroups(config), {}).get(problem.head_dim, budget)
-    return budget
+        return budget.overlap
+    return budget.one_stage if config.num_stages == 1 else budget.more_stages
 
 
 def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,

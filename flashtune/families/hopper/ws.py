@@ -11,7 +11,7 @@ stages, a second S accumulator set), so its own softmax overlaps that GEMM. The 
 ``loadq``, ``loadk`` and ``loadv`` choose per operand how the producer loads it: ``tma`` (one
 lane issues a box, the default) or ``cpasync`` (its 128 threads copy 16-byte chunks into the
 same swizzled layout; the producer then keeps 40 registers beside two or three consumers,
-who get fewer: space.WS_REGISTERS, space.CP_ASYNC_BUDGET). Otherwise the
+who get fewer: space.WS_REGISTERS, space.BUDGETS). Otherwise the
 space, arguments, outputs, reference and tolerances are ``fwd90a``'s; the kernel takes three
 tensor maps after the forward's arguments, built here from the launch's tensors and encoded
 by the backend (runtime.tma); an operand loaded by cp.async ignores its map.
