@@ -33,14 +33,6 @@ DeviceOpt = Annotated[str | None, typer.Option(
 
 
 @dataclass(frozen=True)
-class NamedDevice:
-    """A GPU known by name and arch only (for questions about another machine)."""
-
-    name: str
-    arch: str
-
-
-@dataclass(frozen=True)
 class _Entries:
     entries: tuple[BestEntry, ...]
 
@@ -77,6 +69,7 @@ def _device_arch_from_db(name: str, db: str | None) -> str:
 def resolve_device(arch: str | None, device: str | None, db: str | None) -> DeviceLike:
     """The device a question is about: a named GPU, a virtual GPU of an arch, or this GPU."""
     from flashtune.runtime.device import DeviceInfo
+    from flashtune.runtime.dispatch import NamedDevice
 
     if device is not None:
         found = get_arch(arch).name if arch else _device_arch_from_db(device, db)

@@ -162,17 +162,14 @@ def _served_problem(problem: Problem, dry_arch: str | None) -> Problem:
     a compute capability 9.0 GPU the sm_90a family that serves its op there (unless
     FLASHTUNE_ARCH_SPECIFIC=0), on a virtual device of ``dry_arch`` only when that arch is
     the sm_90a target itself (runtime.dispatch's choice). Said when it differs."""
-    from flashtune import families
-    from flashtune.codegen.arch import get_arch
     from flashtune.runtime.device import DeviceInfo
+    from flashtune.runtime.dispatch import served_problem
 
     try:
         device = DeviceInfo.virtual(dry_arch) if dry_arch else DeviceInfo.current()
     except DeviceError:
         return problem  # no usable GPU: the measurement backend says so
-    if not device.arch_specific_kernels:
-        return problem
-    served = families.serving(problem, get_arch(device.arch))
+    served = served_problem(problem, device)
     if served != problem:
         other = ("--arch sm_90 tunes the portable one" if dry_arch else
                  f"FLASHTUNE_ARCH_SPECIFIC=0 tunes and serves {problem.op} instead")

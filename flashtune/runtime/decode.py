@@ -27,9 +27,10 @@ from dataclasses import dataclass
 import torch
 
 from flashtune import knobs
-from flashtune.codegen.spec import DType, KernelConfig, Problem, ProblemBucket
+from flashtune.codegen.spec import KernelConfig, Problem, ProblemBucket
 from flashtune.errors import InvalidInput
 from flashtune.families import render
+from flashtune.families.base import element_type
 from flashtune.families.combine import combine_grid, pack_combine_args
 from flashtune.families.decode import NOMINAL_SMS
 from flashtune.families.decode.args import decode_grid, m_blocks, pack_decode_args
@@ -41,8 +42,6 @@ from flashtune.runtime.backends.base import LoadedKernel
 from flashtune.runtime.dispatch import Decision, get_dispatcher
 from flashtune.runtime.forward import device_info, resolve_backend, seqlen_bucket
 from flashtune.runtime.validate_kvcache import KvCacheLayout
-
-_DTYPES = {torch.float16: DType.FP16, torch.bfloat16: DType.BF16}
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,7 @@ def decode_problems(dtype: torch.dtype, head_dim: int, causal: bool,
                     capacity: int) -> tuple[ProblemBucket, ProblemBucket]:
     """The tuning buckets of the two kernels of a call (by cache capacity)."""
     bucket = seqlen_bucket(capacity)
-    dt = _DTYPES[dtype]
+    dt = element_type(dtype)
     return (ProblemBucket(Problem(head_dim, dt, causal=causal, op="decode"), bucket),
             ProblemBucket(Problem(head_dim, dt, op="combine"), bucket))
 

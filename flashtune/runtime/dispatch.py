@@ -52,6 +52,17 @@ class DeviceLike(Protocol):
     def arch(self) -> str: ...
 
 
+@dataclass(frozen=True)
+class NamedDevice:
+    """A GPU known by name and arch only (another machine's, or this one's as seen without
+    its arch-specific families): ``arch_specific_kernels`` None follows the knob
+    FLASHTUNE_ARCH_SPECIFIC, as for a GPU."""
+
+    name: str
+    arch: str
+    arch_specific_kernels: bool | None = None
+
+
 class TunedSource(Protocol):
     """Where tuned results come from: every best entry at once (``db.TuningStore`` fits)."""
 
@@ -183,8 +194,7 @@ class Dispatcher:
     def _decide(self, bucket: ProblemBucket, device: DeviceLike) -> Decision:
         tuned = self._load()
         arch = get_arch(device.arch).name
-        served = (families.serving(bucket.problem, get_arch(arch))
-                  if _arch_specific_kernels(device) else bucket.problem)
+        served = served_problem(bucket.problem, device)
         if served != bucket.problem:  # an arch-specific family (sm_90a) serves this device
             decision = self._lookup(tuned, ProblemBucket(served, bucket.seqlen), device, arch)
             if decision is not None:
@@ -218,6 +228,15 @@ class Dispatcher:
                     "default", config.key(), match.entry.device, match.entry.arch,
                     device.name, arch, reason)
         return None
+
+
+def served_problem(problem: Problem, device: DeviceLike) -> Problem:
+    """The problem a call of ``problem`` runs on ``device``: that of the arch-specific family
+    serving its op there (``families.serving``) when the device runs such families, else
+    ``problem`` itself."""
+    if not _arch_specific_kernels(device):
+        return problem
+    return families.serving(problem, get_arch(device.arch))
 
 
 def _arch_specific_kernels(device: DeviceLike) -> bool:

@@ -22,21 +22,19 @@ from flashtune import families, knobs
 from flashtune.codegen.spec import (
     MAX_SEQ_BUCKET,
     MIN_SEQ_BUCKET,
-    DType,
     KernelSource,
     Problem,
     ProblemBucket,
 )
 from flashtune.errors import FlashtuneError, InvalidInput
 from flashtune.families import render
+from flashtune.families.base import element_type
 from flashtune.families.fwd.args import grid, pack_args, variant_args
 from flashtune.runtime import first_use
 from flashtune.runtime.backends import BackendEntry, backend_entry, get_backend
 from flashtune.runtime.backends.base import LoadedKernel
 from flashtune.runtime.dispatch import Decision, DeviceLike, get_dispatcher
 from flashtune.runtime.variants import Variant
-
-_DTYPES = {torch.float16: DType.FP16, torch.bfloat16: DType.BF16}
 
 
 def seqlen_bucket(seqlen: int) -> int:
@@ -92,7 +90,7 @@ def problem_bucket(q: torch.Tensor, k: torch.Tensor, causal: bool, op: str = "fw
     Problem feature switches ``features`` on (FeatureNotSupported if the family has not
     got one of them). ``longest``: the longest query and key sequences when they are not
     q's and k's second dims (varlen)."""
-    problem = Problem(head_dim=q.shape[3], dtype=_DTYPES[q.dtype], causal=causal, op=op,
+    problem = Problem(head_dim=q.shape[3], dtype=element_type(q.dtype), causal=causal, op=op,
                       **{name: True for name in features})
     if features:
         families.get(op).check_problem(problem)
@@ -152,18 +150,14 @@ def _make_plan(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str, op:
     try:
         plan = _load_plan(decision, entry, q.device)
     except FlashtuneError as exc:
-        first_use.load_failed(_kernel_entry(decision), decision.device, exc)
+        entry_point = render(decision.problem, decision.config).entry
+        first_use.load_failed(entry_point, decision.device, exc)
     else:
         if first_use.check(plan.kernel, q.device, decision.device) is None:
             return plan
     # the device is refused the arch-specific families now: the portable family's plan
     decision, entry = decide(q, k, causal, backend, op=op, features=features, longest=longest)
     return _load_plan(decision, entry, q.device)
-
-
-def _kernel_entry(decision: Decision) -> str:
-    """The entry point name of the decision's kernel."""
-    return render(decision.problem, decision.config).entry
 
 
 def _load_plan(decision: Decision, entry: BackendEntry, device: torch.device) -> Plan:

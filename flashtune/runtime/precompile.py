@@ -54,7 +54,13 @@ from flashtune.codegen.spec import (
 from flashtune.errors import CacheError, CompileError, InvalidProblem
 from flashtune.families import render
 from flashtune.runtime.cache import describe_owner, write_error
-from flashtune.runtime.dispatch import DeviceLike, Dispatcher, default_config, get_dispatcher
+from flashtune.runtime.dispatch import (
+    DeviceLike,
+    Dispatcher,
+    NamedDevice,
+    default_config,
+    get_dispatcher,
+)
 
 #: Bump when the stored layout changes.
 FORMAT = 2
@@ -413,17 +419,10 @@ def planned_kernels(device: DeviceLike, problems: Iterable[Problem],
             decisions = [chooser.decide(bucket, device)]
             if decisions[0].problem != problem:  # the family that serves it there (sm_90a)
                 # and the portable kernel the device falls back to (runtime.first_use)
-                decisions.append(chooser.decide(bucket, _Portable(device.name, device.arch)))
+                portable = NamedDevice(device.name, device.arch, arch_specific_kernels=False)
+                decisions.append(chooser.decide(bucket, portable))
             for decision in decisions:
                 found[(decision.problem.key(), decision.config.key())] = (decision.problem,
                                                                          decision.config)
     return [found[k] for k in sorted(found)]
 
-
-@dataclass(frozen=True)
-class _Portable:
-    """A device as the dispatcher sees it once refused the arch-specific families."""
-
-    name: str
-    arch: str
-    arch_specific_kernels: bool = False

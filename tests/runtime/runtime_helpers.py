@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 import torch
 
 from flashtune.codegen.abi import ArgType
-from flashtune.codegen.spec import DType, KernelSource
+from flashtune.codegen.spec import KernelSource
 from flashtune.db.records import BestEntry, Keyed, TrialRecord, TrialStatus
+from flashtune.families.base import torch_dtype
 from flashtune.runtime.trust import installed_digest
-
-TORCH_DTYPES = {DType.FP16: torch.float16, DType.BF16: torch.bfloat16}
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
@@ -126,7 +125,7 @@ class PyRefKernel:
         assert grid == (-(-seqlen_q // block_m), heads_q, batch), grid
         for ptr in (q_ptr, k_ptr, v_ptr, o_ptr):
             assert ptr % 16 == 0, "the kernel needs 16-byte aligned base pointers"
-        dtype = TORCH_DTYPES[problem.dtype]
+        dtype = torch_dtype(problem.dtype)
         d = problem.head_dim
 
         def view(ptr: int, n: int, h: int, st: Sequence[int]) -> torch.Tensor:
