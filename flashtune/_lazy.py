@@ -42,26 +42,26 @@ def lazy_exports(package: str, exports: Mapping[str, str], public: Iterable[str]
 
 class _LazyModule:
     """Stands for module ``name`` in one module's namespace until first used: the first
-    attribute read imports it and puts the real module in the namespace in its place, so
-    later reads are plain global lookups."""
+    attribute read imports it and binds the real module under its name there, so later
+    reads are plain global lookups."""
 
-    def __init__(self, name: str, namespace: dict[str, Any], alias: str) -> None:
-        self._name, self._namespace, self._alias = name, namespace, alias
+    def __init__(self, name: str, namespace: dict[str, Any]) -> None:
+        self._name, self._namespace = name, namespace
 
     def __getattr__(self, attr: str) -> Any:
         module = importlib.import_module(self._name)
-        self._namespace[self._alias] = module
+        self._namespace[self._name] = module
         return getattr(module, attr)
 
     def __repr__(self) -> str:
         return f"<module {self._name!r}, imported on first use>"
 
 
-def lazy_module(name: str, namespace: dict[str, Any], alias: str | None = None) -> Any:
-    """A stand-in for ``import name`` (bound as ``alias``, default the name) in the module
-    whose globals are ``namespace``: the import happens at the first attribute read.
+def lazy_module(name: str, namespace: dict[str, Any]) -> Any:
+    """A stand-in for ``import name`` in the module whose globals are ``namespace``: the
+    import happens at the first attribute read.
 
     For modules whose functions need a heavy dependency (torch) that merely importing them
     (to list or render kernels) does not; bind it under TYPE_CHECKING for the type checker.
     """
-    return _LazyModule(name, namespace, alias or name)
+    return _LazyModule(name, namespace)

@@ -43,3 +43,21 @@ def test_a_submodule_export_resolves_on_first_access() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "flashtune.families"]
     assert isinstance(flashtune.families, ModuleType)
+
+
+def test_a_lazy_module_imports_on_first_read_and_takes_its_place() -> None:
+    """``lazy_module``: nothing is imported until an attribute is read; then the real module
+    replaces the stand-in in the namespace (later reads pay no indirection)."""
+    from flashtune._lazy import lazy_module
+
+    name = "flashtune._lazy_probe_target"
+    sys.modules.pop(name, None)
+    namespace: dict[str, object] = {}
+    namespace[name] = lazy_module(name, namespace)
+    assert name not in sys.modules and "imported on first use" in repr(namespace[name])
+    with pytest.raises(ModuleNotFoundError, match=name):
+        namespace[name].anything  # type: ignore[attr-defined]  # noqa: B018  (no such module)
+    namespace["json"] = lazy_module("json", namespace)
+    proxy = namespace["json"]
+    assert proxy.dumps([1]) == "[1]"  # type: ignore[attr-defined]
+    assert namespace["json"] is importlib.import_module("json") and proxy is not namespace["json"]
