@@ -23,6 +23,7 @@ thousand candidates per decision.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -102,6 +103,8 @@ class GaussianProcess:
         self.mix_logit = _MIX_LOGIT0 if additive else np.inf
         self.log_noise = _LOG_NOISE0
         self._train: list[FloatArray] = []
+        self._z: FloatArray = np.zeros(0)
+        self._dists: FloatArray = np.zeros((0, 0, 0))
         self._chol: FloatArray | None = None
         self._alpha: FloatArray | None = None
         self._scale2 = 1.0
@@ -130,18 +133,32 @@ class GaussianProcess:
         ``optimise``."""
         self.y_mean = float(y.mean())
         self.y_std = float(y.std()) or 1.0
-        z = (y - self.y_mean) / self.y_std
+        self._z = (y - self.y_mean) / self.y_std
         self._train = self._codes(rows, extra)
-        dists = np.stack([_sqdist(c, c) for c in self._train])  # inputs x n x n
-        if optimise and len(z) >= 3:
-            self._optimise(z, dists, max_iter)
-        k = _kernel(dists, np.exp(self.log_theta), self.mix)
+        self._dists = np.stack([_sqdist(c, c) for c in self._train])  # inputs x n x n
+        if optimise and len(self._z) >= 3:
+            self._optimise(self._z, self._dists, max_iter)
+        self._condition()
+
+    def _condition(self) -> None:
+        """Factor the kernel matrix of the training points at the current hyperparameters."""
+        z = self._z
+        k = _kernel(self._dists, np.exp(self.log_theta), self.mix)
         k[np.diag_indices_from(k)] += np.exp(self.log_noise) + _JITTER
         chol = sla.cholesky(k, lower=True, check_finite=False)
         alpha = sla.cho_solve((chol, True), z, check_finite=False)
         self._chol, self._alpha = chol, alpha
         self._scale2 = max(float(z @ alpha) / len(z), 1e-6)  # profiled signal variance
         self.y_best = float(z.min())
+
+    def at_prior_relevances(self) -> GaussianProcess:
+        """This model on the same data with every relevance at the prior's centre (the
+        noise and the product's share stay as fitted): what the data say without the
+        relevances fitted from them, which a handful of points can make extreme."""
+        other = copy.copy(self)
+        other.log_theta = np.full_like(self.log_theta, _LOG_THETA0)
+        other._condition()
+        return other
 
     def _optimise(self, z: FloatArray, dists: FloatArray, max_iter: int) -> None:
         inputs = len(self.log_theta)
