@@ -8,8 +8,9 @@ brute-forced search space of one kernel on one GPU (see its README). Each strate
 ``--repeats`` seeded times through flashtune's own search loop (``flashtune.tuner.replay``:
 an in-memory Optuna study, the proposal screening, the pipeline) against the recorded
 compile and run times on a simulated clock, up to 10 % of the brute-force time. Reported
-per landscape, strategy and budget (1, 2, 5, 10 % of the brute-force time): the mean and the
-10th percentile of best found / optimum, and an aggregate score (the mean of best found /
+per landscape, strategy and budget (1, 2, 5, 10 % of the brute-force time): the mean (with
+its standard error over the runs) and the 10th percentile of best found / optimum, and an
+aggregate score (the mean of best found /
 optimum over the budget curve from 0.5 % to 10 % in steps of 0.5 %). A run stops early once
 it has found the optimum (nothing after it can change its curve).
 
@@ -212,6 +213,7 @@ class Row:
     strategy: str
     means: tuple[float, ...]
     p10s: tuple[float, ...]
+    sems: tuple[float, ...]  # standard error of each mean (the seeds' spread / sqrt(runs))
     score: float
     runs: int
     cpu_ms_per_eval: float
@@ -227,8 +229,10 @@ def summarise(results: Sequence[RunResult], budgets: Sequence[float]) -> list[Ro
         b = np.array([r.budgets[: len(budgets)] for r in rs])
         c = np.array([r.curve for r in rs])
         evals = sum(r.evaluations for r in rs)
+        sems = b.std(0, ddof=1) / math.sqrt(len(rs)) if len(rs) > 1 else np.full(b.shape[1], np.nan)
         rows.append(Row(name, label, tuple(b.mean(0)), tuple(np.percentile(b, 10, axis=0)),
-                        float(c.mean()), len(rs), 1e3 * sum(r.cpu_s for r in rs) / max(evals, 1)))
+                        tuple(sems), float(c.mean()), len(rs),
+                        1e3 * sum(r.cpu_s for r in rs) / max(evals, 1)))
     return rows
 
 
@@ -236,11 +240,11 @@ def write_csv(rows: Sequence[Row], budgets: Sequence[float], path: Path) -> None
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["landscape", "strategy", "budget_pct", "mean", "p10", "runs",
-                    "score", "cpu_ms_per_eval"])
+                    "score", "cpu_ms_per_eval", "mean_se"])
         for r in rows:
-            for b, m, p in zip(budgets, r.means, r.p10s, strict=True):
+            for b, m, p, se in zip(budgets, r.means, r.p10s, r.sems, strict=True):
                 w.writerow([r.landscape, r.strategy, f"{100 * b:g}", f"{m:.4f}", f"{p:.4f}",
-                            r.runs, f"{r.score:.4f}", f"{r.cpu_ms_per_eval:.2f}"])
+                            r.runs, f"{r.score:.4f}", f"{r.cpu_ms_per_eval:.2f}", f"{se:.4f}"])
 
 
 def write_transfer(rows: Sequence[Row], budgets: Sequence[float], path: Path) -> list[str]:
@@ -297,9 +301,18 @@ def write_png(results: Sequence[RunResult], path: Path) -> bool:
     return True
 
 
+def _difference(ours: Row, other: Row, i: int) -> str:
+    """The differences of budget ``i``: the mean's with its standard error (independent
+    runs), and the 10th percentile's."""
+    se = math.hypot(ours.sems[i], other.sems[i])
+    return (f"mean {ours.means[i] - other.means[i]:+.3f} +- {se:.3f} s.e., "
+            f"p10 {ours.p10s[i] - other.p10s[i]:+.3f}")
+
+
 def verdicts(rows: Sequence[Row], budgets: Sequence[float]) -> list[str]:
     """Does flashtune's default beat random and default TPE at every budget, in mean and
-    10th percentile? And the distance to the stretch goal."""
+    10th percentile? Where it does not, the mean's difference with its standard error (so a
+    miss within the seeds' noise reads as one). And the distance to the stretch goal."""
     by = {(r.landscape, r.strategy): r for r in rows}
     out = []
     for name in sorted({r.landscape for r in rows}):
@@ -310,7 +323,7 @@ def verdicts(rows: Sequence[Row], budgets: Sequence[float]) -> list[str]:
             other = by.get((name, rival))
             if other is None:
                 continue
-            lost = [f"{100 * b:g}%" for i, b in enumerate(budgets)
+            lost = [f"{100 * b:g}% ({_difference(ours, other, i)})" for i, b in enumerate(budgets)
                     if ours.means[i] <= other.means[i] or ours.p10s[i] <= other.p10s[i]]
             out.append(f"{name}: flashtune vs {rival}: "
                        + ("beats it at every budget (mean and p10)" if not lost

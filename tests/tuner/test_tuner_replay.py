@@ -3,12 +3,16 @@ guided sampler on a small synthetic space, the benchmark's --quick mode and the 
 
 from __future__ import annotations
 
+import csv
 import gzip
 import itertools
 import json
 import math
+import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import optuna
@@ -240,17 +244,45 @@ def test_cli_replay_runs_the_search_with_its_display(landscapes: Path) -> None:
             assert bad.exit_code == 1 and expected in " ".join(bad.output.split()), bad.output
 
 
-def test_benchmark_quick_mode(landscapes: Path, tmp_path: Path) -> None:
+def _search_efficiency() -> Any:
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import search_efficiency
     finally:
         sys.path.remove(str(BENCHMARKS))
+    return search_efficiency
+
+
+def test_benchmark_quick_mode(landscapes: Path, tmp_path: Path) -> None:
+    search_efficiency = _search_efficiency()
     assert search_efficiency.main([str(landscapes), "--quick", "--out", str(tmp_path)]) == 0
-    rows = (tmp_path / "search_efficiency.csv").read_text().splitlines()
-    assert rows[0].startswith("landscape,strategy,budget_pct,mean,p10")
-    strategies = {r.split(",")[1] for r in rows[1:]}
-    assert strategies == {"flashtune", "random"}
-    for row in rows[1:]:
-        mean, p10 = (float(v) for v in row.split(",")[3:5])
+    rows = list(csv.DictReader((tmp_path / "search_efficiency.csv").open()))
+    assert {r["strategy"] for r in rows} == {"flashtune", "random"}
+    for row in rows:
+        mean, p10, se = float(row["mean"]), float(row["p10"]), float(row["mean_se"])
         assert 0.0 <= p10 <= mean <= 1.0  # a 1 % budget of 88 configs may hold none
+        assert 0.0 <= se <= 0.5 and int(row["runs"]) == 3
+
+
+def test_benchmark_verdict_gives_the_noise_of_a_miss() -> None:
+    search_efficiency = _search_efficiency()
+    rng = np.random.default_rng(int(os.environ["FLASHTUNE_TEST_SEED"]))
+    theirs = rng.uniform(0.6, 0.98, (25, 2))
+    # a miss at 1 %, a win at 2 % (per run, so in the mean and the 10th percentile too)
+    ours = theirs[rng.permutation(25)] + [-0.01, 0.02]
+    results = [search_efficiency.RunResult(search_efficiency.Task("x", strategy, seed), (),
+                                           tuple(q[seed]), 1, 0.0)
+               for strategy, q in (("flashtune", ours), ("tpe", theirs)) for seed in range(25)]
+    search_efficiency._LOADED["x"] = SimpleNamespace(path=Path("land.json.gz"))
+    try:
+        rows = {r.strategy: r for r in search_efficiency.summarise(results, (0.01, 0.02))}
+    finally:
+        del search_efficiency._LOADED["x"]
+    for strategy, q in (("flashtune", ours), ("tpe", theirs)):
+        np.testing.assert_allclose(rows[strategy].means, q.mean(0))
+        np.testing.assert_allclose(rows[strategy].sems, q.std(0, ddof=1) / 5.0)
+    [line] = search_efficiency.verdicts(list(rows.values()), (0.01, 0.02))
+    se = np.hypot(ours[:, 0].std(ddof=1), theirs[:, 0].std(ddof=1)) / 5.0
+    assert line.startswith("land: flashtune vs tpe: does not beat it at 1% (mean -0.010 "
+                           f"+- {se:.3f} s.e., p10 -0.010)"), line
+    assert "2%" not in line

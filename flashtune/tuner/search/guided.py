@@ -64,6 +64,19 @@ TOP_NEIGHBOURHOODS = 5
 #     (0.890 / 0.700); convolution MI250X at 1 %: 0.933 / 0.675 (0.827 / 0.473).
 # Relevances shrunk half way to the prior instead: 0.824 / 0.729 on A6000 at 1 %.
 #
+# Measured against the hedged design and not kept (A6000 seeds 0-99 at 1 %: 0.815 / 0.763;
+# A100 seeds 0-49: 0.799 / 0.633 at 1 %, 0.924 / 0.863 at 2 %):
+# - a linear trend along each ordered parameter added to the kernel (a run can spend 45
+#   measurements on one value of a four-valued knob: the stationary kernel does not
+#   extrapolate a trend): weight 1 on A6000 0.841 / 0.711, A100 at 2 % 0.913 / 0.825,
+#   MI250X at 1 % 0.905 / 0.674 (hedged: 0.933 / 0.675); weight 0.25 with switches too
+#   0.840 / 0.735 (A100 at 2 %: 0.894 / 0.735); the weight fitted 0.821 / 0.713 (A100 at
+#   2 %: 0.870 / 0.641); the trend in the hedge's model only 0.831 / 0.722 (A100 at 2 %:
+#   0.920 / 0.843). Twice as many A6000 runs leave the trap, but the tail grows.
+# - after 10 measurements without improvement, every third pick only among candidates whose
+#   correlation with the best point is below 0.3: 0.818 / 0.767; below 0.1: 0.826 / 0.763;
+#   every second pick 0.820 / 0.734 (within the noise of 100 seeds, about 0.01).
+#
 # Alternatives measured against the design without the hedge, none kept. Convolution A6000,
 # seeds 0-99, best found / optimum at 1 % of the brute-force time, mean / 10th percentile
 # (that design: 0.827 / 0.718; at 2 %: 0.909 / 0.778; Optuna's TPE: 0.790 / 0.759, at 2 %:
