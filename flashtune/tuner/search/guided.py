@@ -76,6 +76,9 @@ TOP_NEIGHBOURHOODS = 5
 # - after 10 measurements without improvement, every third pick only among candidates whose
 #   correlation with the best point is below 0.3: 0.818 / 0.767; below 0.1: 0.826 / 0.763;
 #   every second pick 0.820 / 0.734 (within the noise of 100 seeds, about 0.01).
+# - a spread initial design (each of the 3 points the farthest from those before it, among
+#   1000 random candidates): 0.824 / 0.763, A100 at 2 % 0.912 / 0.824; among 50: 0.809 /
+#   0.734, A100 at 2 % 0.887 / 0.684.
 #
 # Alternatives measured against the design without the hedge, none kept. Convolution A6000,
 # seeds 0-99, best found / optimum at 1 % of the brute-force time, mean / 10th percentile
