@@ -305,7 +305,8 @@ def _difference(ours: Row, other: Row, i: int) -> str:
     """The differences of budget ``i``: the mean's with its standard error (independent
     runs), and the 10th percentile's."""
     se = math.hypot(ours.sems[i], other.sems[i])
-    return (f"mean {ours.means[i] - other.means[i]:+.3f} +- {se:.3f} s.e., "
+    noise = f"+- {se:.3f} s.e." if math.isfinite(se) else "(one run: no s.e.)"
+    return (f"mean {ours.means[i] - other.means[i]:+.3f} {noise}, "
             f"p10 {ours.p10s[i] - other.p10s[i]:+.3f}")
 
 

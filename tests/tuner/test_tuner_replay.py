@@ -286,3 +286,8 @@ def test_benchmark_verdict_gives_the_noise_of_a_miss() -> None:
     assert line.startswith("land: flashtune vs tpe: does not beat it at 1% (mean -0.010 "
                            f"+- {se:.3f} s.e., p10 -0.010)"), line
     assert "2%" not in line
+    one_run = [search_efficiency.Row("land", name, (mean,), (mean,), (math.nan,), mean, 1, 1.0)
+               for name, mean in (("flashtune", 0.5), ("tpe", 0.6))]
+    assert search_efficiency.verdicts(one_run, (0.01,)) == [
+        "land: flashtune vs tpe: does not beat it at 1% (mean -0.100 (one run: no s.e.), "
+        "p10 -0.100)"]
