@@ -10,9 +10,9 @@ an in-memory Optuna study, the proposal screening, the pipeline) against the rec
 compile and run times on a simulated clock, up to 10 % of the brute-force time. Reported
 per landscape, strategy and budget (1, 2, 5, 10 % of the brute-force time): the mean (with
 its standard error over the runs) and the 10th percentile of best found / optimum, and an
-aggregate score (the mean of best found /
-optimum over the budget curve from 0.5 % to 10 % in steps of 0.5 %). A run stops early once
-it has found the optimum (nothing after it can change its curve).
+aggregate score (the mean of best found / optimum over the budget curve from 0.5 % to 10 %
+in steps of 0.5 %). A run stops early once it has found the optimum (nothing after it can
+change its curve).
 
 Strategies: ``flashtune`` (the default of ``flashtune tune``: the guided sampler),
 ``random``, ``tpe`` (Optuna's TPE with default settings: since Optuna 5 these are
