@@ -22,6 +22,7 @@ import functools
 import math
 import re
 import sqlite3
+import time
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -233,12 +234,36 @@ def sqlite_pragmas(dbapi_connection: Any, _record: Any = None, *, timeout: float
     try:
         # The busy timeout first: switching to WAL itself may have to wait for a lock.
         cursor.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
-        cursor.execute("PRAGMA journal_mode = WAL")
+        _switch_to_wal(cursor, timeout)
         # NORMAL is safe with WAL against process crashes; only a power loss may drop the
         # last commits, never corrupt the file.
         cursor.execute("PRAGMA synchronous = NORMAL")
     finally:
         cursor.close()
+
+
+def _switch_to_wal(cursor: Any, timeout: float) -> None:
+    """``PRAGMA journal_mode = WAL``, retried until ``timeout`` while the file is locked.
+
+    The switch reads the header under a shared lock and then needs the exclusive one. When
+    several connections open a new file at once, each can hold the shared lock while it
+    waits for the exclusive one; SQLite sees that waiting would deadlock and answers
+    "database is locked" at once, without the busy handler. Backing off and retrying lets
+    one of them win; the others then find the file in WAL mode already.
+    """
+    deadline = time.monotonic() + timeout
+    pause = 0.002
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            message = str(exc).lower()
+            if ("locked" not in message and "busy" not in message) \
+                    or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(2 * pause, 0.1)
 
 
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any, *, timeout: float) -> None:

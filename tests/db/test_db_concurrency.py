@@ -21,6 +21,7 @@ import pytest
 from dbfactories import CONFIGS, DEVICES, H100, PROBLEMS, expected_best, random_trials, trial
 
 from flashtune.db import TrialRecord, TuningStore, session_scope
+from flashtune.db.engine import sqlite_pragmas
 from flashtune.db.rows import Writer
 
 WORKERS = 8
@@ -153,3 +154,49 @@ def test_writers_killed_at_random_moments_leave_whole_batches(
             best = {(e.device, e.problem, e.seqlen): e.trial.uid for e in store.all_best()}
             assert best == expected_best(stored)
     assert len(stored) > 0
+
+
+class _ScriptedCursor:
+    """A DB-API cursor whose WAL switch fails with the given errors before it succeeds."""
+
+    def __init__(self, failures: list[str]) -> None:
+        self.failures = failures
+        self.statements: list[str] = []
+
+    def execute(self, statement: str) -> None:
+        self.statements.append(statement)
+        if "journal_mode" in statement and self.failures:
+            raise sqlite3.OperationalError(self.failures.pop(0))
+
+    def close(self) -> None:
+        pass
+
+
+class _ScriptedConnection:
+    def __init__(self, cursor: _ScriptedCursor) -> None:
+        self._cursor = cursor
+
+    def cursor(self) -> _ScriptedCursor:
+        return self._cursor
+
+
+def test_wal_switch_retries_a_lock_that_sqlite_will_not_wait_for() -> None:
+    # Connections that open a new file at once can deadlock on the switch; SQLite then
+    # answers "database is locked" without waiting. The switch backs off and retries.
+    cursor = _ScriptedCursor(["database is locked"] * 3)
+    sqlite_pragmas(_ScriptedConnection(cursor), timeout=5.0)
+    assert cursor.statements.count("PRAGMA journal_mode = WAL") == 4
+    assert cursor.statements[0].startswith("PRAGMA busy_timeout = 5000")
+    assert cursor.statements[-1] == "PRAGMA synchronous = NORMAL"
+
+
+def test_wal_switch_gives_up_at_the_busy_timeout_and_not_on_other_errors() -> None:
+    cursor = _ScriptedCursor(["database is locked"] * 10_000)
+    start = time.monotonic()
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        sqlite_pragmas(_ScriptedConnection(cursor), timeout=0.3)
+    assert 0.1 < time.monotonic() - start < 2.0
+    other = _ScriptedCursor(["disk I/O error", "database is locked"])
+    with pytest.raises(sqlite3.OperationalError, match="disk I/O"):
+        sqlite_pragmas(_ScriptedConnection(other), timeout=5.0)
+    assert other.statements.count("PRAGMA journal_mode = WAL") == 1
