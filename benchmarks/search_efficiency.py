@@ -342,11 +342,18 @@ def verdicts(rows: Sequence[Row], budgets: Sequence[float]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("directory", nargs="?", type=Path, default=DEFAULT_DIR)
-    parser.add_argument("--repeats", type=int, default=25)
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--out", type=Path, default=Path("search-efficiency"))
-    parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES))
+    parser.add_argument("directory", nargs="?", type=Path, default=DEFAULT_DIR,
+                        help="landscape files (*.json.gz, *.json); default: %(default)s")
+    parser.add_argument("--repeats", type=int, default=25,
+                        help="seeded runs per landscape and strategy (seeds 0 to N-1); "
+                             "default: %(default)s")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="worker processes; default: the CPU count (%(default)s)")
+    parser.add_argument("--out", type=Path, default=Path("search-efficiency"),
+                        help="folder for the CSVs and the PNG; default: %(default)s")
+    parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
+                        help=f"comma-separated, from {', '.join(STRATEGIES)}; "
+                             "default: %(default)s")
     parser.add_argument("--no-transfer", action="store_true",
                         help="skip the warm-start and noisy-prior runs")
     parser.add_argument("--quick", action="store_true",
@@ -370,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         strategies, repeats, budgets, transfer = ["flashtune", "random"], 3, BUDGETS[:2], False
         args.jobs = 1  # a pool's start-up would cost more than these runs
     if repeats < 1:
-        print("--repeats must be >= 1", file=sys.stderr)
+        print(f"--repeats must be at least 1, got {repeats}", file=sys.stderr)
         return 2
     max_budget = budgets[-1]
     landscapes = [landscape_at(str(p)) for p in paths]
