@@ -122,6 +122,20 @@ def write_error(exc: OSError, path: Path, what: str) -> CacheError:
     return CacheError(f"cannot write {what} at {path}: {exc.strerror or exc}; {fix}")
 
 
+def _make_private_dir(path: Path) -> None:
+    """Create ``path`` with mode 0700 unless it exists (CacheError naming the fix if not)."""
+    if path.is_dir():
+        return
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise CacheError(
+            f"cannot create the kernel cache directory {path}: {exc.strerror or exc}; "
+            "point FLASHTUNE_CACHE_DIR at a directory you can write") from None
+
+
 class ArtifactCache:
     """A versioned, private directory of immutable, digest-checked artifacts."""
 
@@ -184,14 +198,10 @@ class ArtifactCache:
         except FileNotFoundError:
             if not create:
                 return False
-            try:
-                os.mkdir(path, 0o700)
-            except FileExistsError:
-                pass
-            except OSError as exc:
-                raise CacheError(
-                    f"cannot create the kernel cache directory {path}: {exc.strerror or exc}; "
-                    "point FLASHTUNE_CACHE_DIR at a directory you can write") from None
+            # The base's missing parents too (a fresh account or container often has no
+            # ~/.cache): each made private, 0700, as the XDG base directory spec asks.
+            for missing in [*reversed(path.parents), path] if is_base else [path]:
+                _make_private_dir(missing)
             st = os.stat(path) if is_base else os.lstat(path)
         except OSError as exc:
             raise CacheError(f"cannot inspect the kernel cache directory {path}: "

@@ -176,3 +176,28 @@ def test_truncated_kernel_artifact_is_recompiled(cache: ArtifactCache,
     compiler.clear_memo()
     compile_source(src, "sm_80", cache=cache)
     assert len(nvrtc_calls) == 2
+
+
+def test_first_compile_on_a_fresh_account_creates_the_private_cache(tmp_path: Path) -> None:
+    """A HOME with no ~/.cache (fresh accounts, containers, CI runners): the first compile
+    creates the user's cache directory and flashtune's below it, each private (0700)."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("FLASHTUNE_CACHE_DIR", "XDG_CACHE_HOME")}
+    env["HOME"] = str(home)
+    script = textwrap.dedent("""
+        from flashtune.codegen.spec import DType, KernelConfig, Problem
+        from flashtune.families import render
+        from flashtune.runtime.compiler import compile_source
+        src = render(Problem(64, DType.FP16), KernelConfig(64, 64, 4, 2))
+        print(len(compile_source(src, "sm_80").cubin))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split()[-1]) > 0
+    for made in (home / ".cache", home / ".cache" / "flashtune"):
+        assert made.is_dir(), f"{made} was not created"
+        assert made.stat().st_mode & 0o777 == 0o700, oct(made.stat().st_mode)
+    assert list((home / ".cache" / "flashtune").rglob("*.zip")), "no cubin in the new cache"
