@@ -248,9 +248,12 @@ HOST_CXX: Knob[str] = Knob(
     lambda: "g++",
     "host C++20 compiler used to build the CPU emulator (a command name or path)",
 )
+#: The archs of ``codegen.arch.ARCHS``, in its order (knobs sit below codegen; a test holds
+#: the two equal).
+ARCH_NAMES = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120")
 EMULATOR_ARCH: Knob[str] = Knob(
     "FLASHTUNE_EMULATOR_ARCH",
-    _choice("sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120"),
+    _choice(*ARCH_NAMES),
     lambda: "sm_90",
     "arch of the emulator's virtual device: configs are chosen as for a GPU of this arch. "
     "sm_90 (the default) keeps the mma.sync kernels; sm_90a runs the sm_90a families (wgmma) "

@@ -12,11 +12,53 @@ are those of the generic arch of the same compute capability.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
 from flashtune.errors import InvalidConfig
+
+
+class ArchClass(str, Enum):
+    """A group of archs that share one column of a family's default table, by shared memory
+    per SM (the resource that decides a tile most): ``sm80`` (164 KB: A100/A30, Orin),
+    ``sm86`` (100 KB: consumer Ampere, Ada, Blackwell) and ``sm90`` (228 KB: H100/H200,
+    B200)."""
+
+    SM80 = "sm80"
+    SM86 = "sm86"
+    SM90 = "sm90"
+
+
+
+#: Sub-partitions (warp schedulers) per SM on every arch from sm_80 on.
+SUBPARTITIONS_PER_SM = 4
+
+
+@dataclass(frozen=True)
+class ArchThroughput:
+    """Warp-instruction throughputs of one compute capability, in results per clock per SM.
+
+    From the CUDA C Programming Guide, "Arithmetic Instructions" throughput table:
+    32-bit float add/multiply/fma: 64 on 8.0, 128 on 8.6, 8.9 and 9.0; exp2/log2/rcp/rsqrt/
+    sin/cos (the MUFU unit): 16 on all of them; warp shuffle: 32. Shared memory delivers
+    32 banks x 4 bytes = 128 bytes per clock per SM on all of them.
+    """
+
+    fp32_per_clk: int
+    mufu_per_clk: int
+    shfl_per_clk: int
+    smem_bytes_per_clk: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("fp32_per_clk", "mufu_per_clk", "shfl_per_clk", "smem_bytes_per_clk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise InvalidConfig(f"ArchThroughput.{name} must be a positive int, got "
+                                    f"{value!r}")
+
+    def warp_cycles(self, per_clk_per_sm: int) -> float:
+        """Cycles one warp instruction keeps its pipe busy on one sub-partition."""
+        return 32.0 / (per_clk_per_sm / SUBPARTITIONS_PER_SM)
 
 
 @dataclass(frozen=True)
@@ -32,6 +74,15 @@ class ArchSpec:
     max_threads_per_sm: int
     max_blocks_per_sm: int
     max_warps_per_sm: int
+    #: The column of the families' default tables this arch reads.
+    default_class: ArchClass
+    #: An upper bound of dense fp16/bf16 tensor-core FLOPs per clock per SM (with float32
+    #: accumulation): 1024 on consumer Ampere, Ada and Blackwell, 2048 on A100, 4096 on
+    #: H100, 8192 on B200 (the datasheets' dense rates over SMs x boost clock, rounded up to
+    #: a power of two). The database's physics check bounds imported timings with it.
+    tensor_flops_per_clk_sm: int
+    #: Instruction throughputs the cost model times with; None where it has no table.
+    throughput: ArchThroughput | None = None
     #: True for an arch-specific target (sm_90a): its code runs on this compute capability only.
     arch_specific: bool = False
 
@@ -49,18 +100,30 @@ class ArchSpec:
 
 
 _KIB = 1024
+_SM80, _SM86, _SM90 = ArchClass.SM80, ArchClass.SM86, ArchClass.SM90
+_AMPERE_DC = ArchThroughput(fp32_per_clk=64, mufu_per_clk=16, shfl_per_clk=32)
+_LATER = ArchThroughput(fp32_per_clk=128, mufu_per_clk=16, shfl_per_clk=32)
+
+#: The one table of arch facts: limits, default-table class, tensor rate, throughputs.
 ARCHS: dict[str, ArchSpec] = {
     spec.name: spec
     for spec in (
-        ArchSpec("sm_80", 8, 0, 163 * _KIB, 164 * _KIB, _KIB, 65536, 255, 2048, 32, 64),
-        ArchSpec("sm_86", 8, 6, 99 * _KIB, 100 * _KIB, _KIB, 65536, 255, 1536, 16, 48),
-        ArchSpec("sm_87", 8, 7, 163 * _KIB, 164 * _KIB, _KIB, 65536, 255, 2048, 32, 64),
-        ArchSpec("sm_89", 8, 9, 99 * _KIB, 100 * _KIB, _KIB, 65536, 255, 1536, 24, 48),
-        ArchSpec("sm_90", 9, 0, 227 * _KIB, 228 * _KIB, _KIB, 65536, 255, 2048, 32, 64),
+        ArchSpec("sm_80", 8, 0, 163 * _KIB, 164 * _KIB, _KIB, 65536, 255, 2048, 32, 64,
+                 _SM80, 2048, _AMPERE_DC),
+        ArchSpec("sm_86", 8, 6, 99 * _KIB, 100 * _KIB, _KIB, 65536, 255, 1536, 16, 48,
+                 _SM86, 1024, _LATER),
+        ArchSpec("sm_87", 8, 7, 163 * _KIB, 164 * _KIB, _KIB, 65536, 255, 2048, 32, 64,
+                 _SM80, 2048),
+        ArchSpec("sm_89", 8, 9, 99 * _KIB, 100 * _KIB, _KIB, 65536, 255, 1536, 24, 48,
+                 _SM86, 1024, _LATER),
+        ArchSpec("sm_90", 9, 0, 227 * _KIB, 228 * _KIB, _KIB, 65536, 255, 2048, 32, 64,
+                 _SM90, 4096, _LATER),
         ArchSpec("sm_90a", 9, 0, 227 * _KIB, 228 * _KIB, _KIB, 65536, 255, 2048, 32, 64,
-                 arch_specific=True),
-        ArchSpec("sm_100", 10, 0, 227 * _KIB, 228 * _KIB, _KIB, 65536, 255, 2048, 32, 64),
-        ArchSpec("sm_120", 12, 0, 99 * _KIB, 100 * _KIB, _KIB, 65536, 255, 1536, 32, 48),
+                 _SM90, 4096, _LATER, arch_specific=True),
+        ArchSpec("sm_100", 10, 0, 227 * _KIB, 228 * _KIB, _KIB, 65536, 255, 2048, 32, 64,
+                 _SM90, 8192),
+        ArchSpec("sm_120", 12, 0, 99 * _KIB, 100 * _KIB, _KIB, 65536, 255, 1536, 32, 48,
+                 _SM86, 1024),
     )
 }
 
@@ -85,7 +148,7 @@ def get_arch(name: str) -> ArchSpec:
         key = f"sm_{digits}{match.group(3)}"
     if key not in ARCHS:
         raise InvalidConfig(
-            f"arch {name!r} is not supported; expected one of {sorted(ARCHS)} "
+            f"arch {name!r} is not supported; expected one of {list(ARCHS)} "
             "(flashtune kernels need mma.sync m16n8k16, i.e. sm_80 or newer; the only "
             "arch-specific target is sm_90a)"
         )
@@ -113,38 +176,6 @@ def compile_target(required: str | None, arch: str) -> ArchSpec:
     return target
 
 
-class ArchClass(str, Enum):
-    """A group of archs that share one column of a family's default table, by shared memory
-    per SM (the resource that decides a tile most): ``sm80`` (164 KB: A100/A30, Orin),
-    ``sm86`` (100 KB: consumer Ampere, Ada, Blackwell) and ``sm90`` (228 KB: H100/H200,
-    B200)."""
-
-    SM80 = "sm80"
-    SM86 = "sm86"
-    SM90 = "sm90"
-
-
-#: The class of every arch flashtune knows (codegen.arch.ARCHS).
-ARCH_CLASS: Mapping[str, ArchClass] = {
-    "sm_80": ArchClass.SM80,
-    "sm_87": ArchClass.SM80,
-    "sm_86": ArchClass.SM86,
-    "sm_89": ArchClass.SM86,
-    "sm_120": ArchClass.SM86,
-    "sm_90": ArchClass.SM90,
-    "sm_90a": ArchClass.SM90,
-    "sm_100": ArchClass.SM90,
-}
-
-
 def arch_class(arch: ArchSpec) -> ArchClass:
-    """The default-table class of ``arch``; an arch not in ARCH_CLASS is classed by its
-    per-block shared memory limit (the property the classes stand for)."""
-    known = ARCH_CLASS.get(arch.name)
-    if known is not None:
-        return known
-    if arch.max_smem_per_block >= 227 * _KIB:
-        return ArchClass.SM90
-    if arch.max_smem_per_block >= 163 * _KIB:
-        return ArchClass.SM80
-    return ArchClass.SM86
+    """The default-table class of ``arch`` (``ArchSpec.default_class``)."""
+    return arch.default_class

@@ -20,26 +20,23 @@ mean of its shapes' median times and ``tflops`` the geometric mean of their TFLO
 ``tflops * median_ms`` is the geometric mean of the shapes' FLOPs, which can be no less
 than the FLOPs of the smallest call the bucket covers.
 
-This module holds its own table because db imports nothing above codegen
-(``flashtune.perf.gpus`` has the datasheet figures the cost model uses).
+The bound per SM and clock is the arch table's (``ArchSpec.tensor_flops_per_clk_sm``).
 """
 
 from __future__ import annotations
 
+from flashtune.codegen.arch import ARCHS
 from flashtune.codegen.spec import MIN_SEQ_BUCKET, DType, Problem
 
-#: Upper bounds of dense tensor FLOPs per clock per SM (see the module doc).
-TENSOR_FLOPS_PER_CLK_SM: dict[str, int] = {
-    "sm_80": 2048, "sm_87": 2048, "sm_86": 1024, "sm_89": 1024, "sm_120": 1024,
-    "sm_90": 4096, "sm_100": 8192,
-}
 MAX_CLOCK_HZ = 3.0e9
 MAX_BYTES_PER_S = 20e12
 
 
 def peak_flops(arch: str, sm_count: int) -> float:
     """An upper bound of the device's dense fp16/bf16 tensor FLOP/s."""
-    per_sm = TENSOR_FLOPS_PER_CLK_SM.get(arch, max(TENSOR_FLOPS_PER_CLK_SM.values()))
+    spec = ARCHS.get(arch)
+    per_sm = (spec.tensor_flops_per_clk_sm if spec is not None
+              else max(s.tensor_flops_per_clk_sm for s in ARCHS.values()))
     return per_sm * sm_count * MAX_CLOCK_HZ
 
 

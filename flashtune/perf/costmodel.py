@@ -45,11 +45,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 from flashtune import families
+from flashtune.codegen.arch import SUBPARTITIONS_PER_SM
 from flashtune.codegen.spec import KernelConfig, Problem, ShapeLike
 from flashtune.errors import InvalidInput, InvalidProblem, OutOfResources
 from flashtune.families.fwd import space
 from flashtune.families.hopper import space as hopper_space
-from flashtune.perf.gpus import MMA_M16N8K16_FLOPS, SUBPARTITIONS_PER_SM, GpuSpec, get_gpu
+from flashtune.perf.gpus import MMA_M16N8K16_FLOPS, GpuSpec, get_gpu
 from flashtune.perf.loopcost import (
     KernelLoops,
     block_tile_mixes,

@@ -10,54 +10,17 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from flashtune.codegen.arch import ArchSpec, get_arch
+from flashtune.codegen.arch import (
+    ARCHS,
+    SUBPARTITIONS_PER_SM,
+    ArchSpec,
+    ArchThroughput,
+    get_arch,
+)
 from flashtune.errors import InvalidConfig
 
 #: FLOPs of one mma.sync m16n8k16 warp instruction (16 * 8 * 16 multiply-adds).
 MMA_M16N8K16_FLOPS = 2 * 16 * 8 * 16
-#: Sub-partitions (warp schedulers) per SM on every arch from sm_80 on.
-SUBPARTITIONS_PER_SM = 4
-
-
-@dataclass(frozen=True)
-class ArchThroughput:
-    """Warp-instruction throughputs of one compute capability, in results per clock per SM.
-
-    From the CUDA C Programming Guide, "Arithmetic Instructions" throughput table:
-    32-bit float add/multiply/fma: 64 on 8.0, 128 on 8.6, 8.9 and 9.0; exp2/log2/rcp/rsqrt/
-    sin/cos (the MUFU unit): 16 on all of them; warp shuffle: 32. Shared memory delivers
-    32 banks x 4 bytes = 128 bytes per clock per SM on all of them.
-    """
-
-    arch: str
-    fp32_per_clk: int
-    mufu_per_clk: int
-    shfl_per_clk: int
-    smem_bytes_per_clk: int = 128
-
-    def __post_init__(self) -> None:
-        for name in ("fp32_per_clk", "mufu_per_clk", "shfl_per_clk", "smem_bytes_per_clk"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise InvalidConfig(f"ArchThroughput.{name} must be a positive int, got "
-                                    f"{value!r}")
-
-    def warp_cycles(self, per_clk_per_sm: int) -> float:
-        """Cycles one warp instruction keeps its pipe busy on one sub-partition."""
-        return 32.0 / (per_clk_per_sm / SUBPARTITIONS_PER_SM)
-
-
-THROUGHPUT: dict[str, ArchThroughput] = {
-    t.arch: t
-    for t in (
-        ArchThroughput("sm_80", fp32_per_clk=64, mufu_per_clk=16, shfl_per_clk=32),
-        ArchThroughput("sm_86", fp32_per_clk=128, mufu_per_clk=16, shfl_per_clk=32),
-        ArchThroughput("sm_89", fp32_per_clk=128, mufu_per_clk=16, shfl_per_clk=32),
-        ArchThroughput("sm_90", fp32_per_clk=128, mufu_per_clk=16, shfl_per_clk=32),
-    )
-}
-
-
 @dataclass(frozen=True)
 class GpuSpec:
     """One GPU model: what the cost model needs to turn instruction counts into time.
@@ -82,10 +45,10 @@ class GpuSpec:
     aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        get_arch(self.arch)
-        if self.arch not in THROUGHPUT:
+        if get_arch(self.arch).throughput is None:
+            modelled = sorted(name for name, spec in ARCHS.items() if spec.throughput)
             raise InvalidConfig(f"GPU {self.name}: no instruction throughput table for "
-                                f"{self.arch}; expected one of {sorted(THROUGHPUT)}")
+                                f"{self.arch}; expected one of {modelled}")
         for name in ("sm_count", "clock_mhz", "tensor_tflops", "hbm_gbps", "l2_bytes",
                      "l2_gbps"):
             if getattr(self, name) <= 0:
@@ -99,7 +62,9 @@ class GpuSpec:
 
     @property
     def throughput(self) -> ArchThroughput:
-        return THROUGHPUT[self.arch]
+        throughput = self.arch_spec.throughput
+        assert throughput is not None  # checked on construction
+        return throughput
 
     @property
     def clock_hz(self) -> float:

@@ -14,7 +14,7 @@ from typing import ClassVar
 import pytest
 
 from flashtune import families
-from flashtune.codegen.arch import ARCH_CLASS, ArchClass, compile_target, device_arch, get_arch
+from flashtune.codegen.arch import ArchClass, compile_target, device_arch, get_arch
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem, ProblemBucket
 from flashtune.db.records import BestEntry
 from flashtune.errors import CompileError, InvalidConfig, InvalidProblem
@@ -102,7 +102,7 @@ def test_sm90a_is_an_arch_of_its_own(name: str) -> None:
     assert spec.compute_capability == (9, 0)
     generic = get_arch(name.replace("a", "").replace("A", "").replace("compute_", "sm_"))
     assert generic.name == "sm_90" and not generic.arch_specific
-    assert ARCH_CLASS["sm_90a"] is ArchClass.SM90
+    assert spec.default_class is generic.default_class is ArchClass.SM90
 
 
 def test_only_sm90_has_an_arch_specific_target() -> None:
@@ -286,3 +286,14 @@ def test_precompile_for_sm90a_ships_portable_kernels_as_a_cc90_device_loads_them
             source, compile_target(source.target, "sm_90").name).cubin
     assert device_arch(get_arch("sm_90a")) == get_arch("sm_90")
     assert device_arch(get_arch("sm_80")) == get_arch("sm_80")
+
+
+def test_the_arch_knob_names_exactly_the_arch_table() -> None:
+    """knobs sit below codegen and keep their own list of archs: held equal here."""
+    from flashtune import knobs
+    from flashtune.codegen.arch import ARCHS
+
+    assert tuple(ARCHS) == knobs.ARCH_NAMES
+    assert [get_arch(name).name for name in knobs.ARCH_NAMES] == list(ARCHS)
+    compute = [spec.compute_capability for spec in ARCHS.values()]
+    assert compute == sorted(compute), "the table is in compute-capability order"

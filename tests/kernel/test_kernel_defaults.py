@@ -44,13 +44,15 @@ def test_table_is_complete_and_unique() -> None:
     assert set(keys) == expected
 
 
-def test_every_arch_has_a_class_and_every_class_an_arch() -> None:
-    assert set(defaults.ARCH_CLASS) == set(ARCHS)
-    assert set(defaults.ARCH_CLASS.values()) == set(defaults.ArchClass)
-    for name, cls in defaults.ARCH_CLASS.items():
-        # the named class agrees with the shared-memory rule used for unknown archs
-        spec = dataclasses.replace(get_arch(name), name="sm_999")
-        assert defaults.arch_class(spec) is cls, name
+def test_every_class_has_an_arch_and_each_arch_the_class_of_its_shared_memory() -> None:
+    classes = {spec.default_class for spec in ARCHS.values()}
+    assert classes == set(defaults.ArchClass)
+    for name, spec in ARCHS.items():
+        # the classes stand for shared memory per block: 227 KB, 163 KB, 99 KB
+        smem = spec.max_smem_per_block // 1024
+        expected = {227: defaults.ArchClass.SM90, 163: defaults.ArchClass.SM80,
+                    99: defaults.ArchClass.SM86}[smem]
+        assert defaults.arch_class(spec) is expected, name
 
 
 def test_entries_are_in_the_search_space_with_reasons() -> None:

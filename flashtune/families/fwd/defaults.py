@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from flashtune.codegen.arch import ARCH_CLASS, ArchClass, ArchSpec, arch_class, get_arch
+from flashtune.codegen.arch import ARCHS, ArchClass, ArchSpec, arch_class, get_arch
 from flashtune.codegen.spec import COMPILED_HEAD_DIMS, KernelConfig, Problem
 from flashtune.errors import InvalidConfig
 from flashtune.families.fwd.space import static_check
@@ -83,7 +83,7 @@ REFERENCE_ARCH: dict[ArchClass, str] = {_A: "sm_80", _C: "sm_86", _H: "sm_90"}
 
 def archs_of(cls: ArchClass) -> list[str]:
     """Every arch flashtune knows in class ``cls``."""
-    return [name for name, c in ARCH_CLASS.items() if c is cls]
+    return [name for name, spec in ARCHS.items() if spec.default_class is cls]
 
 
 # (class, compiled head dim, causal, config key, reason): the rule's output (see above).
