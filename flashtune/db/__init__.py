@@ -44,14 +44,13 @@ _EXPORTS: dict[str, str] = {
     "merge_databases": "flashtune.db.sharing",
     "TuningStore": "flashtune.db.store",
     "open_optuna_storage": "flashtune.db.study_storage",
-    "optuna_storage": "flashtune.db.study_storage",
 }
 
 __all__ = [
     "BestEntry", "BestIndex", "Bundle", "DeviceRecord", "Keyed", "Match", "Provenance",
     "SchemaState", "ShareReport", "TrialRecord", "TrialStatus", "TuningStore", "dumps",
     "ensure_schema", "export_bundle", "import_bundle", "merge_databases",
-    "open_optuna_storage", "optuna_storage",
+    "open_optuna_storage",
     "parse_bundle", "read_bundle", "resolve", "resolve_url", "schema_state", "session_scope",
     "truncate_error", "write_bundle",
 ]
@@ -77,6 +76,6 @@ if TYPE_CHECKING:
         merge_databases,
     )
     from flashtune.db.store import TuningStore
-    from flashtune.db.study_storage import open_optuna_storage, optuna_storage
+    from flashtune.db.study_storage import open_optuna_storage
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)

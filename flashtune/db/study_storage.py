@@ -80,8 +80,3 @@ def open_optuna_storage(url: str | Path | URL | None = None, *,
                                 functools.partial(sqlite_pragmas, timeout=timeout))
         storage.engine.dispose()
     return storage
-
-
-def optuna_storage(url: str | Path | URL | None = None, **kwargs: Any) -> RDBStorage:
-    """The older name of ``open_optuna_storage``."""
-    return open_optuna_storage(url, **kwargs)

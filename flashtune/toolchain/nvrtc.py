@@ -16,7 +16,6 @@ from pathlib import Path
 from flashtune.errors import ToolchainNotFound, ToolError
 
 NVRTC_SUCCESS = 0
-NVRTC_ERROR_COMPILATION = 6
 
 
 @dataclass(frozen=True)
