@@ -9,13 +9,13 @@ import pytest
 import sqlalchemy as sa
 from dbfactories import CONFIGS, H100, PROBLEMS, trial
 
-from flashtune.db import TuningStore, open_optuna_storage, optuna_storage, resolve_url
+from flashtune.db import TuningStore, open_optuna_storage, resolve_url
 from flashtune.errors import DatabaseError
 
 
 def test_optuna_and_flashtune_share_one_database(db_url: str, rng: random.Random) -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = optuna_storage(db_url)
+    storage = open_optuna_storage(db_url)
     study = optuna.create_study(study_name="fwd_d128_bf16_causal_n4096", storage=storage)
     seen: list[float] = []
 
@@ -31,7 +31,7 @@ def test_optuna_and_flashtune_share_one_database(db_url: str, rng: random.Random
         store.record_trial(ours)
 
     # Both survive reopening, each through its own tables and version table.
-    again = optuna.load_study(study_name=study.study_name, storage=optuna_storage(db_url))
+    again = optuna.load_study(study_name=study.study_name, storage=open_optuna_storage(db_url))
     assert len(again.trials) == 6
     assert again.best_value == min(seen)
     with TuningStore(db_url) as store:
