@@ -312,14 +312,16 @@ def _sqlite_on_begin(connection: Connection) -> None:
     connection.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
 
-def integrity_problems(engine: Engine) -> list[str]:
+def integrity_problems(engine: Engine, *, quick: bool = False) -> list[str]:
     """What SQLite's integrity check finds wrong with the database ([] when sound; always []
-    on PostgreSQL, which checks its pages itself)."""
+    on PostgreSQL, which checks its pages itself). ``quick``: ``PRAGMA quick_check``, which
+    skips the comparison of indexes with their tables (linear in the file's size)."""
     if engine.url.get_backend_name() != "sqlite":
         return []
+    pragma = "quick_check" if quick else "integrity_check"
     try:
         with engine.connect() as connection:
-            rows = connection.exec_driver_sql("PRAGMA integrity_check").fetchall()
+            rows = connection.exec_driver_sql(f"PRAGMA {pragma}").fetchall()
     except SQLAlchemyError as exc:
         return [str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]]
     found = [str(row[0]) for row in rows]

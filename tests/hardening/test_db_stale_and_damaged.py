@@ -109,3 +109,68 @@ def test_an_empty_wal_in_a_read_only_directory_still_reads(read_only_directory: 
     with TuningStore(path, create=False) as store:
         assert len(store.all_best()) == 1
     assert _decide(path) is Tier.EXACT
+
+
+# ------------------------------------------------------------------ integrity
+
+
+def _damage(path: Path) -> None:
+    """Overwrite the cells of a table page (the file still opens; SQLite's check fails)."""
+    connection = sqlite3.connect(path)
+    connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    page = connection.execute("PRAGMA page_size").fetchone()[0]
+    root = connection.execute("SELECT rootpage FROM sqlite_master WHERE name = 'ft_problems'"
+                              ).fetchone()[0]
+    connection.close()
+    data = bytearray(path.read_bytes())
+    start = (root - 1) * page
+    data[start + page - 200:start + page - 20] = b"\xab" * 180
+    path.write_bytes(bytes(data))
+
+
+def test_writers_refuse_a_damaged_database(tuned: Path) -> None:
+    """Regression: `tune` (and every writer) wrote into a file that fails SQLite's check."""
+    _damage(tuned)
+    for attempt in range(2):  # refused on every open, not only the first
+        with pytest.raises(DatabaseError) as info:
+            TuningStore(tuned)
+        text = str(info.value)
+        assert str(tuned) in text and "integrity check" in text, attempt
+        assert "backup" in text and "db export" in text  # the fix
+    before = tuned.read_bytes()
+    with pytest.raises(DatabaseError, match="integrity check"), TuningStore(tuned) as store:
+        store.record_device(H100)
+    assert tuned.read_bytes() == before  # nothing written
+
+
+def test_readers_warn_once_about_a_damaged_database(tuned: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Regression: `db list`, `explain` and the runtime read it without a word."""
+    _damage(tuned)
+    caplog.set_level("WARNING", logger="flashtune")
+    for _ in range(3):
+        with TuningStore(tuned, create=False) as store:
+            store.devices()
+    _decide(tuned)
+    warned = [r for r in caplog.records if "integrity check" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    assert str(tuned) in warned[0].getMessage() and "backup" in warned[0].getMessage()
+
+
+def test_a_sound_database_is_checked_once_per_process(tuned: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check is cheap: one quick_check per file and process, at open."""
+    from flashtune.db import store as store_module
+
+    ran: list[bool] = []
+    real = store_module.integrity_problems
+
+    def counting(engine: Any, **kwargs: Any) -> list[str]:
+        ran.append(kwargs.get("quick", False))
+        return real(engine, **kwargs)
+
+    monkeypatch.setattr(store_module, "integrity_problems", counting)
+    for create in (True, False, False):
+        with TuningStore(tuned, create=create) as store:
+            assert store.devices()
+    assert ran == [True]
