@@ -31,6 +31,7 @@ from flashtune.db.engine import (
     sqlite_file,
 )
 from flashtune.db.lookup import Match, nearest, resolve
+from flashtune.db.models import DeviceRow
 from flashtune.db.records import (
     FAILED_STATUSES,
     BestEntry,
@@ -41,6 +42,7 @@ from flashtune.db.records import (
     TrialStatus,
 )
 from flashtune.db.schema import MIGRATIONS_DIR, SchemaState, ensure_schema
+from flashtune.db.trust import trusted, trusted_condition
 from flashtune.errors import DatabaseError
 
 log = logging.getLogger("flashtune.db")
@@ -199,6 +201,16 @@ class TuningStore:
             return rows.select_best(
                 session, devices=[device] if device else [], problems=[problem] if problem else [],
                 seqlen=seqlen, cc=get_arch(arch).compute_capability if arch else None)
+
+    def serving_best(self, device: str, arch: str) -> list[BestEntry]:
+        """What may serve ``device`` (of ``arch``): its own best entries and those of other
+        devices of its arch from trusted sources (``trust.trusted``), read in one
+        transaction; nothing else is read (the dispatcher loads this, lazily)."""
+        with session_scope(self.engine, write=False, action="reading best results") as session:
+            own = rows.select_best(session, devices=[device])
+            others = rows.select_best(session, cc=get_arch(arch).compute_capability,
+                                      where=[DeviceRow.name != device, trusted_condition()])
+        return own + [e for e in others if trusted(e)]
 
     def all_best(self) -> list[BestEntry]:
         """Every best entry at once (the dispatcher reads this once per process)."""
