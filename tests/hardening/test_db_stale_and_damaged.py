@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from dbfactories import CONFIGS, H100, PROBLEMS, trial
-from hardening_helpers import is_root
+from hardening_helpers import damage_table_page, is_root
 
 from flashtune.codegen.spec import ProblemBucket
 from flashtune.db import TuningStore
@@ -114,23 +114,9 @@ def test_an_empty_wal_in_a_read_only_directory_still_reads(read_only_directory: 
 # ------------------------------------------------------------------ integrity
 
 
-def _damage(path: Path) -> None:
-    """Overwrite the cells of a table page (the file still opens; SQLite's check fails)."""
-    connection = sqlite3.connect(path)
-    connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    page = connection.execute("PRAGMA page_size").fetchone()[0]
-    root = connection.execute("SELECT rootpage FROM sqlite_master WHERE name = 'ft_problems'"
-                              ).fetchone()[0]
-    connection.close()
-    data = bytearray(path.read_bytes())
-    start = (root - 1) * page
-    data[start + page - 200:start + page - 20] = b"\xab" * 180
-    path.write_bytes(bytes(data))
-
-
 def test_writers_refuse_a_damaged_database(tuned: Path) -> None:
     """Regression: `tune` (and every writer) wrote into a file that fails SQLite's check."""
-    _damage(tuned)
+    damage_table_page(tuned)
     for attempt in range(2):  # refused on every open, not only the first
         with pytest.raises(DatabaseError) as info:
             TuningStore(tuned)
@@ -146,7 +132,7 @@ def test_writers_refuse_a_damaged_database(tuned: Path) -> None:
 def test_readers_warn_once_about_a_damaged_database(tuned: Path,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     """Regression: `db list`, `explain` and the runtime read it without a word."""
-    _damage(tuned)
+    damage_table_page(tuned)
     caplog.set_level("WARNING", logger="flashtune")
     for _ in range(3):
         with TuningStore(tuned, create=False) as store:
