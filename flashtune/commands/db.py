@@ -41,8 +41,8 @@ def _out() -> Console:
     return Console()
 
 PreferOpt = Annotated[str, typer.Option(
-    "--prefer", help="Per bucket keep the faster result, ours, or theirs: "
-    + "|".join(PREFER_CHOICES))]
+    "--prefer", help="Per bucket keep: local-first (the faster, but never displace a "
+    "result measured here), faster, ours or theirs: " + "|".join(PREFER_CHOICES))]
 MixedOpt = Annotated[bool, typer.Option(
     "--allow-mixed-digests",
     help="Merge even where results were measured on different kernel sources.")]
@@ -252,6 +252,10 @@ def _print_report(report: ShareReport, what: str) -> None:
         _out().print(Text(f"{report.stale} trial(s) were measured on other kernel sources than "
                           "this flashtune's: kept, but stale (never served until re-measured "
                           "or re-verified with `flashtune db verify`)", style="yellow"))
+    if report.kept_local:
+        _out().print(Text(f"{report.kept_local} bucket(s) kept the best measured here over "
+                          "the imported one (pass --prefer faster or --prefer theirs to let "
+                          "imported results displace local measurements)"))
     if report.digest_conflicts:
         _out().print(Text(f"merged despite {len(report.digest_conflicts)} template digest "
                         "differences:", style="yellow"))
@@ -297,7 +301,7 @@ def import_command(
     ctx: typer.Context,
     bundle_path: Annotated[Path, typer.Argument(metavar="BUNDLE", help="Bundle file to read.")],
     db: DbOpt = None,
-    prefer: PreferOpt = "faster",
+    prefer: PreferOpt = "local-first",
     allow_mixed_digests: MixedOpt = False,
     dry_run: DryRunOpt = False,
     trust: TrustOpt = False,
@@ -327,7 +331,7 @@ def merge_command(
     ctx: typer.Context,
     other: Annotated[str, typer.Argument(help="The other database: URL or SQLite file path.")],
     db: DbOpt = None,
-    prefer: PreferOpt = "faster",
+    prefer: PreferOpt = "local-first",
     allow_mixed_digests: MixedOpt = False,
     dry_run: DryRunOpt = False,
     trust: TrustOpt = False,

@@ -9,7 +9,8 @@ SQLite runs in WAL mode with a busy timeout (knob FLASHTUNE_DB_BUSY_TIMEOUT_S), 
 never block the writer and writers wait for each other instead of failing. Read-only opens
 (``make_engine(..., read_only=True)``, what every read command and the runtime use) never
 write: SQLite gets no WAL switch and ``query_only`` (a file in a read-only directory still
-reads); PostgreSQL sessions are READ ONLY.
+reads, unless its -wal holds committed changes it cannot see: that is refused with the
+fix); PostgreSQL sessions are READ ONLY.
 SQLAlchemy, not the sqlite3 module, emits BEGIN: write transactions start with ``BEGIN
 IMMEDIATE`` and take the write lock up front, because a deferred transaction that reads
 first and writes later can fail at once with "database is locked" when another writer got
@@ -45,6 +46,8 @@ _WRITE = "flashtune_write"
 _SQLITE_QUERY = {"mode": ("ro", "rw", "rwc"), "timeout": None, "immutable": ("0", "1"),
                  "uri": ("true", "false")}
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+#: A -wal file no longer than its header holds no frames (no changes the file lacks).
+_WAL_HEADER_BYTES = 32
 
 
 def busy_timeout_s() -> float:
@@ -185,9 +188,14 @@ def make_engine(url: URL, *, create: bool, read_only: bool = False) -> Engine:
 def _read_only_engine(url: URL, path: Path, timeout: float) -> Engine:
     """A SQLite engine that never writes: ``mode=ro``, or, where even that needs a write
     (a WAL database in a read-only directory has no shared-memory file to create),
-    ``immutable=1``, which reads the file as it is."""
+    ``immutable=1``, which reads the file as it is -- only when no -wal file holds content
+    that the file lacks (immutable ignores the -wal: a writer killed before its checkpoint
+    leaves committed changes there, and reading without them would serve deleted results).
+    """
     quoted = urllib.parse.quote(str(path))
     for query in ("mode=ro", "mode=ro&immutable=1"):
+        if "immutable" in query:
+            _refuse_unseen_wal(path)
         def connect(target: str = f"file:{quoted}?{query}") -> sqlite3.Connection:
             return sqlite3.connect(target, uri=True, timeout=timeout,
                                    check_same_thread=False)
@@ -206,6 +214,31 @@ def _read_only_engine(url: URL, path: Path, timeout: float) -> Engine:
         return engine
     raise DatabaseError(f"cannot open the database {path} for reading; check that the file "
                         "is readable and is a SQLite database")
+
+
+def _refuse_unseen_wal(path: Path) -> None:
+    """DatabaseError when ``path``'s -wal file holds frames (committed changes a read-only
+    open that cannot use the WAL would ignore)."""
+    wal = Path(f"{path}-wal")
+    try:
+        size = wal.stat().st_size
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        size = -1
+        detail = exc.strerror or str(exc)
+    else:
+        detail = f"{size} bytes"
+    if 0 <= size <= _WAL_HEADER_BYTES:  # empty, or a header without frames
+        return
+    raise DatabaseError(
+        f"the database {path} cannot be read as it is: its write-ahead log {wal} ({detail}) "
+        "holds changes a writer committed but never copied into the file (it was stopped "
+        "before its checkpoint), and this open cannot use the log (the directory is "
+        "read-only to you). Reading the file alone would serve results that were changed or "
+        "deleted. Fix: as a user who can write the directory, run "
+        f"`sqlite3 {path} 'PRAGMA wal_checkpoint(TRUNCATE)'`, or copy {path} and {wal} "
+        "together into a directory you can write and point --db/FLASHTUNE_DB at the copy")
 
 
 def _postgres_read_only_connect(dbapi_connection: Any, _record: Any) -> None:
@@ -279,14 +312,16 @@ def _sqlite_on_begin(connection: Connection) -> None:
     connection.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
 
-def integrity_problems(engine: Engine) -> list[str]:
+def integrity_problems(engine: Engine, *, quick: bool = False) -> list[str]:
     """What SQLite's integrity check finds wrong with the database ([] when sound; always []
-    on PostgreSQL, which checks its pages itself)."""
+    on PostgreSQL, which checks its pages itself). ``quick``: ``PRAGMA quick_check``, which
+    skips the comparison of indexes with their tables (linear in the file's size)."""
     if engine.url.get_backend_name() != "sqlite":
         return []
+    pragma = "quick_check" if quick else "integrity_check"
     try:
         with engine.connect() as connection:
-            rows = connection.exec_driver_sql("PRAGMA integrity_check").fetchall()
+            rows = connection.exec_driver_sql(f"PRAGMA {pragma}").fetchall()
     except SQLAlchemyError as exc:
         return [str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]]
     found = [str(row[0]) for row in rows]

@@ -1,7 +1,8 @@
 """Choosing the best known config for a (device, problem, seqlen bucket), in memory.
 
-The runtime dispatcher reads every best entry once per process (``TuningStore.all_best``)
-and resolves each bucket here, with no further database access. The store's single-bucket
+The runtime dispatcher reads, once per device and process, what may serve the device
+(``TuningStore.serving_best``) and resolves each bucket here, with no further database
+access. The store's single-bucket
 queries use the same functions, so both paths agree.
 
 Order of preference:

@@ -20,7 +20,16 @@ mean of its shapes' median times and ``tflops`` the geometric mean of their TFLO
 ``tflops * median_ms`` is the geometric mean of the shapes' FLOPs, which can be no less
 than the FLOPs of the smallest call the bucket covers.
 
-The bound per SM and clock is the arch table's (``ArchSpec.tensor_flops_per_clk_sm``).
+A bucket is not timed on its smallest call but on its tuning workload
+(``tuner.measure.workload``, and a family's own ``tuning_shapes``): shapes of
+round(3N/4) and N rows, at one batch and one head at the least (``--batch-heads 1x1``).
+``tuned_flops`` is the least FLOPs of such a shape by the op's own convention (``_OPS``:
+the families' ``flops``), so no timing can be shorter than doing that work at the peak
+(``implausible``'s compute floor), whatever TFLOP/s the trial claims, or none. An op not
+in the table gets no compute floor (only the bounds of the smallest call).
+
+The bound per SM and clock is the arch table's (``ArchSpec.tensor_flops_per_clk_sm``); the
+table of ops is this module's own because db imports nothing above codegen.
 """
 
 from __future__ import annotations
@@ -30,6 +39,16 @@ from flashtune.codegen.spec import MIN_SEQ_BUCKET, DType, Problem
 
 MAX_CLOCK_HZ = 3.0e9
 MAX_BYTES_PER_S = 20e12
+
+#: How each op's bucket is tuned and counted (its family's ``flops``): ``("attention", m)``
+#: square shapes, m products of (Nq x D) by (D x Nk), halved when causal; ``("query_row",
+#: 4)`` one query row per sequence over the cache, 4 Nk D; ``("rows", 2)`` row-wise, 2 N D.
+_OPS: dict[str, tuple[str, int]] = {
+    "fwd": ("attention", 2), "fwd90a": ("attention", 2), "fwd90aws": ("attention", 2),
+    "fwd90awspp": ("attention", 2), "lse": ("attention", 1), "bwd": ("attention", 5),
+    "bwddet": ("attention", 5), "decode": ("query_row", 4), "combine": ("rows", 2),
+    "bwdpre": ("rows", 2), "bwdsum": ("rows", 2),
+}
 
 
 def peak_flops(arch: str, sm_count: int) -> float:
@@ -59,6 +78,27 @@ def min_bytes(problem: Problem, seqlen_bucket: int) -> float:
     return 2.0 * shortest_length(seqlen_bucket) * problem.head_dim * item
 
 
+def tuned_length(seqlen_bucket: int) -> int:
+    """The shortest sequence a bucket is timed on: its tuning workload's 3/4 of N."""
+    return max(1, (3 * seqlen_bucket) // 4)
+
+
+def tuned_flops(problem: Problem, seqlen_bucket: int) -> float | None:
+    """The least FLOPs of a shape the bucket is timed on (one batch, one head, the tuned
+    length), by the op's convention; None for an op this module does not know."""
+    kind, factor = _OPS.get(problem.op, ("", 0))
+    length, d = tuned_length(seqlen_bucket), problem.head_dim
+    if kind == "attention":
+        total = 2.0 * factor * length * length * d
+    elif kind == "query_row":
+        total = float(factor * length * d)
+    elif kind == "rows":
+        return float(factor * length * d)
+    else:
+        return None
+    return total / 2 if problem.causal else total
+
+
 def implausible(problem: Problem, seqlen_bucket: int, median_ms: float,
                 tflops: float | None, arch: str, sm_count: int) -> str | None:
     """Why a timing on this device cannot be real, or None when physics allows it."""
@@ -70,6 +110,11 @@ def implausible(problem: Problem, seqlen_bucket: int, median_ms: float,
     if median_ms < floor_ms:
         return (f"a median of {median_ms:.4g} ms is shorter than moving the bucket's smallest "
                 f"input takes at {MAX_BYTES_PER_S / 1e12:g} TB/s ({floor_ms:.4g} ms)")
+    tuned = tuned_flops(problem, seqlen_bucket)
+    if tuned is not None and median_ms < tuned / peak * 1e3 * (1 - 1e-9):
+        return (f"a median of {median_ms:.4g} ms is shorter than the bucket's tuning workload "
+                f"takes at the peak of a {arch} GPU with {sm_count} SMs (at least {tuned:.4g} "
+                f"FLOPs: {tuned / peak * 1e3:.4g} ms)")
     if tflops is not None:
         work = tflops * 1e12 * median_ms * 1e-3
         least = min_flops(problem, seqlen_bucket)

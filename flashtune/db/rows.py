@@ -329,11 +329,13 @@ def select_trials(session: Session, *, devices: Sequence[str] = (),
 def select_best(session: Session, *, devices: Sequence[str] = (),
                 problems: Sequence[str] = (), seqlen: int | None = None,
                 cc: tuple[int, int] | None = None,
-                uids: Sequence[str] = ()) -> list[BestEntry]:
-    """Best entries matching every given filter, ordered by device, problem and seqlen."""
+                uids: Sequence[str] = (),
+                where: Sequence[sa.ColumnElement[bool]] = ()) -> list[BestEntry]:
+    """Best entries matching every given filter, ordered by device, problem and seqlen.
+    ``where``: further conditions on the trial, its device and its import (ImportRow)."""
     stmt = (_trial_query().add_columns(BestRow.trial_id)
             .join(BestRow, BestRow.trial_id == TrialRow.id)
-            .where(*_filters(devices, problems, seqlen, uids)))
+            .where(*_filters(devices, problems, seqlen, uids), *where))
     if cc is not None:
         stmt = stmt.where(DeviceRow.cc_major == cc[0], DeviceRow.cc_minor == cc[1])
     stmt = (stmt.add_columns(ImportRow).outerjoin(ImportRow, TrialRow.import_id == ImportRow.id)

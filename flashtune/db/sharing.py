@@ -4,8 +4,11 @@
   (optionally only some devices / problems, or only the best trials).
 - ``import_bundle``: writes a validated Bundle in one transaction, all or nothing. Trials
   are identified by uid (already present: skipped); for each bucket the bundle's best is
-  kept according to ``prefer``: ``faster`` (the faster median wins, ties keep ours),
-  ``ours`` (only fills buckets we lack) or ``theirs`` (theirs replaces ours).
+  kept according to ``prefer``: ``local-first`` (the default: as ``faster``, except that a
+  best measured in this database, not imported, is never displaced by an imported one --
+  a bundle may name this very device with invented timings), ``faster`` (the faster median
+  wins, ties keep ours: the user lets imports displace local measurements), ``ours`` (only
+  fills buckets we lack) or ``theirs`` (theirs replaces ours).
 - ``merge_databases``: the same, with another database as the source.
 
 Results measured on different kernel sources are never mixed silently: if a (problem,
@@ -49,7 +52,7 @@ from flashtune.errors import BundleError, DatabaseError
 __all__ = ["PREFER_CHOICES", "DigestConflict", "Prefer", "ShareReport", "export_bundle",
            "import_bundle", "merge_databases"]
 
-_REPLACE = {"faster": "faster", "ours": "never", "theirs": "always"}
+_REPLACE = {"local-first": "faster", "faster": "faster", "ours": "never", "theirs": "always"}
 _CHUNK = 500  # bound on bound parameters per IN (...) query
 
 
@@ -79,6 +82,9 @@ class ShareReport:
     #: Trials of the source measured on other kernel sources than the installed ones
     #: (counted when the installed digests are known).
     stale: int = 0
+    #: Buckets whose local best (measured here) was kept over a faster imported one
+    #: (``prefer="local-first"``).
+    kept_local: int = 0
     provenance: Provenance | None = None
 
     def rows(self) -> list[tuple[str, int, int, int]]:
@@ -109,7 +115,7 @@ def export_bundle(store: TuningStore, *, devices: Sequence[str] = (),
                   this_version(), created_at or now_utc())
 
 
-def merge_databases(store: TuningStore, other: TuningStore, *, prefer: Prefer = "faster",
+def merge_databases(store: TuningStore, other: TuningStore, *, prefer: Prefer = "local-first",
                     allow_mixed_digests: bool = False, dry_run: bool = False,
                     trusted: bool = False, installed: DigestOf | None = None) -> ShareReport:
     """Merge every result of ``other`` into ``store`` (see the module doc for the rules)."""
@@ -123,7 +129,7 @@ def merge_databases(store: TuningStore, other: TuningStore, *, prefer: Prefer = 
                          installed=installed)
 
 
-def import_bundle(store: TuningStore, bundle: Bundle, *, prefer: Prefer = "faster",
+def import_bundle(store: TuningStore, bundle: Bundle, *, prefer: Prefer = "local-first",
                   allow_mixed_digests: bool = False, dry_run: bool = False,
                   source: str = "bundle", trusted: bool = False,
                   installed: DigestOf | None = None) -> ShareReport:
@@ -148,7 +154,8 @@ def import_bundle(store: TuningStore, bundle: Bundle, *, prefer: Prefer = "faste
     try:
         with session_scope(store.engine, write=True, action="importing a bundle") as session:
             _check_conflicts(session, bundle, report, allow_mixed_digests)
-            _write(session, bundle, report, _REPLACE[prefer], provenance, installed)
+            _write(session, bundle, report, _REPLACE[prefer], provenance, installed,
+                   keep_local=prefer == "local-first")
             if dry_run:
                 raise _DryRun
     except _DryRun:
@@ -210,7 +217,7 @@ def _check_conflicts(session: Session, bundle: Bundle, report: ShareReport,
 
 
 def _write(session: Session, bundle: Bundle, report: ShareReport, replace: str,
-           provenance: Provenance, installed: DigestOf | None) -> None:
+           provenance: Provenance, installed: DigestOf | None, *, keep_local: bool) -> None:
     writer = rows.Writer(session, installed)
     import_id = writer.import_row(provenance)
     for device in bundle.devices:
@@ -231,7 +238,11 @@ def _write(session: Session, bundle: Bundle, report: ShareReport, replace: str,
         row = trial_rows[uid]
         before = session.execute(sa.select(BestRow.trial_id).filter_by(
             device_id=row.device_id, problem_id=row.problem_id, seqlen=row.seqlen)).scalar()
-        if before == row.id or not writer.offer_best(row, replace=replace):
+        if before is not None and before != row.id and keep_local and session.execute(
+                sa.select(TrialRow.import_id).where(TrialRow.id == before)).scalar() is None:
+            report.skipped["best"] += 1  # measured here: an import never displaces it
+            report.kept_local += 1
+        elif before == row.id or not writer.offer_best(row, replace=replace):
             report.skipped["best"] += 1
         else:
             (report.added if before is None else report.updated)["best"] += 1

@@ -3,12 +3,17 @@
 Open one with ``TuningStore(url)`` (default: the knob ``FLASHTUNE_DB``). Opening checks the
 schema version (see ``flashtune.db.schema``) and creates a new database on first use;
 ``TuningStore(url, create=False)`` opens an existing database read-only and never writes to
-it. Every method is one transaction; writes are atomic and safe with concurrent writers
+it. Opening an existing SQLite file runs SQLite's quick check once per file and process:
+a damaged file is refused by writers and read with one warning by readers. Every method is
+one transaction; writes are atomic and safe with concurrent writers
 (several processes on one SQLite file, or several machines on one PostgreSQL server).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -23,8 +28,10 @@ from flashtune.db.engine import (
     make_engine,
     resolve_url,
     session_scope,
+    sqlite_file,
 )
 from flashtune.db.lookup import Match, nearest, resolve
+from flashtune.db.models import DeviceRow
 from flashtune.db.records import (
     FAILED_STATUSES,
     BestEntry,
@@ -35,7 +42,14 @@ from flashtune.db.records import (
     TrialStatus,
 )
 from flashtune.db.schema import MIGRATIONS_DIR, SchemaState, ensure_schema
+from flashtune.db.trust import trusted, trusted_condition
 from flashtune.errors import DatabaseError
+
+log = logging.getLogger("flashtune.db")
+
+#: SQLite files checked in this process ((path, inode) -> what the quick check found).
+_checked: dict[tuple[str, int], list[str]] = {}
+_checked_lock = threading.Lock()
 
 
 class TuningStore:
@@ -58,11 +72,42 @@ class TuningStore:
         self.read_only = (not create) if read_only is None else read_only
         self.engine = make_engine(self.url, create=create, read_only=self.read_only)
         try:
+            self._check_integrity()
             self.schema: SchemaState = ensure_schema(self.engine, create=create,
                                                      upgrade=upgrade, migrations=migrations)
         except BaseException:
             self.engine.dispose()
             raise
+
+    def _check_integrity(self) -> None:
+        """SQLite's quick check, once per file and process, at open: a damaged file is
+        refused by writers (every open) and read with one warning by readers."""
+        path = sqlite_file(self.url)
+        try:
+            inode = os.stat(path).st_ino if path is not None else None
+        except OSError:
+            inode = None  # a new database: nothing to check yet
+        if path is None or inode is None:
+            return
+        key = (str(path), inode)
+        with _checked_lock:
+            first = key not in _checked
+            if first:
+                _checked[key] = integrity_problems(self.engine, quick=True)
+            problems = _checked[key]
+        if not problems:
+            return
+        shown = "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)"
+                                           if len(problems) > 3 else "")
+        fix = (f"restore {path} from a backup, or save what still reads (`flashtune db "
+               f"export --db {path} -o saved.json`) and import it into a new database "
+               "(`flashtune db import --db NEW.db saved.json`)")
+        if not self.read_only:
+            raise DatabaseError(f"{path} failed SQLite's integrity check ({shown}); flashtune "
+                                f"does not write into a damaged database. Fix: {fix}")
+        if first:
+            log.warning("the tuning database %s failed SQLite's integrity check (%s); what "
+                        "it returns may be incomplete or wrong. Fix: %s", path, shown, fix)
 
     @property
     def where(self) -> str:
@@ -156,6 +201,16 @@ class TuningStore:
             return rows.select_best(
                 session, devices=[device] if device else [], problems=[problem] if problem else [],
                 seqlen=seqlen, cc=get_arch(arch).compute_capability if arch else None)
+
+    def serving_best(self, device: str, arch: str) -> list[BestEntry]:
+        """What may serve ``device`` (of ``arch``): its own best entries and those of other
+        devices of its arch from trusted sources (``trust.trusted``), read in one
+        transaction; nothing else is read (the dispatcher loads this, lazily)."""
+        with session_scope(self.engine, write=False, action="reading best results") as session:
+            own = rows.select_best(session, devices=[device])
+            others = rows.select_best(session, cc=get_arch(arch).compute_capability,
+                                      where=[DeviceRow.name != device, trusted_condition()])
+        return own + [e for e in others if trusted(e)]
 
     def all_best(self) -> list[BestEntry]:
         """Every best entry at once (the dispatcher reads this once per process)."""

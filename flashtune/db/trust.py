@@ -14,7 +14,10 @@ Imported tuning data is data, not authority:
 
 from __future__ import annotations
 
+import sqlalchemy as sa
+
 from flashtune import knobs
+from flashtune.db.models import ImportRow, TrialRow
 from flashtune.db.records import BestEntry
 
 
@@ -31,3 +34,22 @@ def trusted(entry: BestEntry, sources: frozenset[str] | None = None) -> bool:
     if provenance.trusted:
         return True
     return any(len(t) >= 8 and provenance.bundle_sha256.startswith(t) for t in tokens)
+
+
+def trusted_condition(sources: frozenset[str] | None = None) -> sa.ColumnElement[bool]:
+    """``trusted`` as a condition on a query of trials outer-joined to their import, so
+    that results of other devices no source vouches for are never read (the dispatcher's
+    start-up: a bundle of thousands of invented devices costs nothing). Equivalent to
+    ``trusted`` on every row; ``trusted`` is still applied to what comes back."""
+    tokens = knobs.TRUSTED_SOURCES.get() if sources is None else sources
+    if knobs.TRUST_ALL in tokens:
+        return sa.true()
+    hosts = sorted(t[len("host:"):] for t in tokens if t.startswith("host:"))
+    either: list[sa.ColumnElement[bool]] = [ImportRow.trusted.is_(True)]
+    if hosts:
+        either.append(TrialRow.host.in_(hosts))
+    if knobs.TRUST_LOCAL in tokens:
+        either.append(TrialRow.import_id.is_(None))
+    either += [ImportRow.bundle_sha256.startswith(t, autoescape=True) for t in sorted(tokens)
+               if len(t) >= 8 and not t.startswith("host:")]
+    return sa.or_(*either)

@@ -46,6 +46,7 @@ import filelock
 
 from flashtune import knobs
 from flashtune.errors import CacheError
+from flashtune.runtime.ownership import describe_owner, unsafe_ancestor
 
 #: Bump when the layout or the meaning of stored artifacts changes (2: bound sidecars).
 CACHE_FORMAT = 2
@@ -69,17 +70,6 @@ def bound_digest(namespace: str, name: str, data: bytes) -> str:
     h.update(f"{namespace}/{name}".encode() + b"\0")
     h.update(data)
     return h.hexdigest()
-
-
-def describe_owner(st: os.stat_result) -> str:
-    """'owned by alice (uid 1000), mode 0o755' for messages."""
-    try:
-        import pwd
-
-        who = pwd.getpwuid(st.st_uid).pw_name
-    except (ImportError, KeyError):
-        who = "an unknown user"
-    return f"owned by {who} (uid {st.st_uid}), mode {oct(stat.S_IMODE(st.st_mode))}"
 
 
 def _you() -> str:
@@ -171,20 +161,13 @@ class ArtifactCache:
             real = self.base.resolve()
         except OSError as exc:
             raise CacheError(f"cannot resolve the cache path {self.base}: {exc}") from None
-        me = os.geteuid()
-        for parent in real.parents:
-            try:
-                st = os.stat(parent)
-            except OSError:
-                continue
-            shared = st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX
-            if st.st_uid not in (0, me) or shared:
-                why = ("is writable by every user without the sticky bit" if shared else
-                       f"belongs to another user ({describe_owner(st)})")
-                raise CacheError(
-                    f"the kernel cache {self.base} is refused: its parent directory {parent} "
-                    f"{why}, so another user could replace the cache and make flashtune run "
-                    "their code. Point FLASHTUNE_CACHE_DIR at a directory under one you own")
+        found = unsafe_ancestor(real, (0, os.geteuid()))
+        if found is not None:
+            parent, why = found
+            raise CacheError(
+                f"the kernel cache {self.base} is refused: its parent directory {parent} "
+                f"{why}, so another user could replace the cache and make flashtune run "
+                "their code. Point FLASHTUNE_CACHE_DIR at a directory under one you own")
 
     def _check_dir(self, path: Path, *, create: bool) -> bool:
         """True if ``path`` is a trusted directory of the cache; False if it is absent and

@@ -14,12 +14,16 @@ results and defaults are that family's), except that when nothing is tuned for i
 the op's own family tuned on this device (tiers 1-2) is served rather than the sm_90a
 family's untuned default; every other device gets the op's own family.
 
-The database is read lazily, once per process (per Dispatcher), and never written or
-created; if it cannot be read a warning is logged once and every decision falls back to the
-defaults, so attention never fails because of the database (a default database that does not
-exist yet, the normal state before any tuning, is only logged at info level). Decisions are
-memoised per (device, bucket). A tuned config that is malformed or cannot run on its arch is
-skipped with a warning.
+The database is read lazily, once per device and process (per Dispatcher), and never
+written or created: only what may serve the device is read (its own best entries, and those
+of other GPUs of its arch from trusted sources: ``TuningStore.serving_best``), so results of
+any number of other or untrusted devices cost nothing at start-up. If it cannot be read a
+warning is logged once and every decision falls back to the defaults, so attention never
+fails because of the database (a default database that does not exist yet, the normal state
+before any tuning, is only logged at info level). Decisions are memoised per (device,
+bucket). A tuned config that is malformed, cannot run on its arch or was measured on other
+kernel sources is skipped, with one warning per distinct reason (and at most
+``MAX_SKIP_WARNINGS`` of them per load, then one line for the rest).
 """
 
 from __future__ import annotations
@@ -36,10 +40,14 @@ from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import KernelConfig, Problem, ProblemBucket
 from flashtune.db.lookup import BestIndex
 from flashtune.db.records import BestEntry
+from flashtune.db.trust import trusted
 from flashtune.errors import FlashtuneError
 from flashtune.runtime.trust import unservable_reason
 
 log = logging.getLogger("flashtune.dispatch")
+
+#: Distinct reasons to skip tuned results warned about per load; the rest in one line.
+MAX_SKIP_WARNINGS = 5
 
 
 class DeviceLike(Protocol):
@@ -64,7 +72,11 @@ class NamedDevice:
 
 
 class TunedSource(Protocol):
-    """Where tuned results come from: every best entry at once (``db.TuningStore`` fits)."""
+    """Where tuned results come from: every best entry at once (``db.TuningStore`` fits).
+
+    A source that also has ``serving_best(device, arch)`` (the store) is asked only for what
+    may serve that device; of any other, the dispatcher keeps only that from ``all_best``.
+    """
 
     def all_best(self) -> Iterable[BestEntry]: ...
 
@@ -148,21 +160,39 @@ def _entry_key(entry: BestEntry) -> tuple[str, str, int]:
 
 
 class _Tuned:
-    """The usable tuned entries, indexed for lookups without the database."""
+    """The usable tuned entries of one device, indexed for lookups without the database."""
 
     def __init__(self, entries: Iterable[BestEntry]) -> None:
         self.configs: dict[tuple[str, str, int], KernelConfig] = {}
         usable: list[BestEntry] = []
+        skipped: dict[str, list[BestEntry]] = {}  # reason -> its entries, in order
         for entry in entries:
             found = usable_config(entry)
             if isinstance(found, str):
-                log.warning("skipping the tuned result %s/%s_n%d: %s", entry.device,
-                            entry.problem, entry.seqlen, found)
+                skipped.setdefault(found, []).append(entry)
                 continue
             self.configs[_entry_key(entry)] = found
             usable.append(entry)
         self.entries = tuple(usable)
         self.index = BestIndex(self.entries)
+        _warn_skipped(skipped)
+
+
+def _warn_skipped(skipped: dict[str, list[BestEntry]]) -> None:
+    """One warning per distinct reason (at most MAX_SKIP_WARNINGS), not one per entry."""
+    for reason, entries in list(skipped.items())[:MAX_SKIP_WARNINGS]:
+        first = entries[0]
+        more = f" (and {len(entries) - 1} more with the same reason)" if len(entries) > 1 else ""
+        log.warning("skipping the tuned result %s/%s_n%d%s: %s", first.device, first.problem,
+                    first.seqlen, more, reason)
+    rest = list(skipped.values())[MAX_SKIP_WARNINGS:]
+    if rest:
+        log.warning("skipping %d more tuned results for %d other reasons (FLASHTUNE_LOG_LEVEL="
+                    "debug lists them)", sum(len(e) for e in rest), len(rest))
+        for entries in rest:
+            for entry in entries:
+                log.debug("skipping the tuned result %s/%s_n%d", entry.device, entry.problem,
+                          entry.seqlen)
 
 
 class Dispatcher:
@@ -170,15 +200,18 @@ class Dispatcher:
 
     def __init__(self, source: Callable[[], TunedSource] | None = None) -> None:
         self._open_source = source if source is not None else open_database
-        self._tuned: _Tuned | None = None
+        self._tuned: dict[tuple[str, str], _Tuned] = {}
         self._memo: dict[tuple[str, str, bool, ProblemBucket], Decision] = {}
         self._lock = threading.Lock()
 
-    def _load(self) -> _Tuned:
+    def _load(self, device: str, arch: str) -> _Tuned:
+        """What may serve ``device`` (read on its first decision, then kept)."""
         with self._lock:
-            if self._tuned is None:
-                self._tuned = _Tuned(_read_entries(self._open_source))
-            return self._tuned
+            tuned = self._tuned.get((device, arch))
+            if tuned is None:
+                tuned = _Tuned(_read_entries(self._open_source, device, arch))
+                self._tuned[(device, arch)] = tuned
+            return tuned
 
     def decide(self, bucket: ProblemBucket, device: DeviceLike) -> Decision:
         """The config for ``bucket`` on ``device`` (memoised; never tunes or writes)."""
@@ -192,8 +225,8 @@ class Dispatcher:
         return decision
 
     def _decide(self, bucket: ProblemBucket, device: DeviceLike) -> Decision:
-        tuned = self._load()
         arch = get_arch(device.arch).name
+        tuned = self._load(device.name, arch)
         served = served_problem(bucket.problem, device)
         if served != bucket.problem:  # an arch-specific family (sm_90a) serves this device
             decision = self._lookup(tuned, ProblemBucket(served, bucket.seqlen), device, arch)
@@ -247,12 +280,18 @@ def _arch_specific_kernels(device: DeviceLike) -> bool:
     return knobs.ARCH_SPECIFIC.get() if said is None else bool(said)
 
 
-def _read_entries(open_source: Callable[[], TunedSource]) -> list[BestEntry]:
-    """Every best entry of the source; [] (with one log line) if it cannot be read."""
+def _read_entries(open_source: Callable[[], TunedSource], device: str, arch: str
+                  ) -> list[BestEntry]:
+    """The source's best entries that may serve ``device`` of ``arch`` (its own, and other
+    devices' of the arch from trusted sources); [] (with one log line) if it cannot be read."""
     try:
         source = open_source()
         try:
-            return list(source.all_best())
+            serving = getattr(source, "serving_best", None)
+            if callable(serving):
+                return list(serving(device, arch))
+            return [e for e in source.all_best()
+                    if e.device == device or (e.arch == arch and trusted(e))]
         finally:
             close = getattr(source, "close", None)
             if callable(close):

@@ -9,7 +9,9 @@ directory, CuPy and a driver loads these kernels without NVRTC or the CUDA heade
 
 Security model of a shipped directory: it is read-only (artifacts and manifest are written
 0444, directories 0755) and readable by every user, so it may belong to another user (the
-one who installed the application); it must not be writable by anyone but its owner.
+one who installed the application); it must not be writable by anyone but its owner, and
+its parents must let no one else replace it (owned by root, you or its owner, and not
+writable by every user without the sticky bit: ``runtime.ownership``, the cache's check).
 flashtune never writes there at run time. Each artifact is verified against the manifest
 before it is used: an artifact that differs from its manifest digest, or one listed but
 missing, is a ``CacheError`` naming the file and the fix (restore the directory) -- never a
@@ -53,7 +55,7 @@ from flashtune.codegen.spec import (
 )
 from flashtune.errors import CacheError, CompileError, InvalidProblem
 from flashtune.families import render
-from flashtune.runtime.cache import describe_owner, write_error
+from flashtune.runtime.cache import write_error
 from flashtune.runtime.dispatch import (
     DeviceLike,
     Dispatcher,
@@ -61,6 +63,7 @@ from flashtune.runtime.dispatch import (
     default_config,
     get_dispatcher,
 )
+from flashtune.runtime.ownership import describe_owner, unsafe_ancestor
 
 #: Bump when the stored layout changes.
 FORMAT = 2
@@ -137,6 +140,20 @@ def _check_shipped(path: Path, st: os.stat_result, what: str) -> None:
             "shipped directory is read-only and writable by its owner at most)")
 
 
+def _check_shipped_ancestors(directory: Path, st_dir: os.stat_result) -> None:
+    """The parents of a shipped directory must not let anyone but root, you or the
+    directory's own owner (who installed it) replace it with their own cubins."""
+    found = unsafe_ancestor(directory.resolve(), (0, os.geteuid(), st_dir.st_uid))
+    if found is not None:
+        parent, why = found
+        raise CacheError(
+            f"the precompiled directory {directory} (FLASHTUNE_PRECOMPILED_DIR) is refused: "
+            f"its parent directory {parent} {why}, so another user could replace the "
+            "directory and its manifest and make flashtune run their code. Fix: install it "
+            "under a directory only its owner can write (or chmod o-w / chmod +t "
+            f"{parent}), and point FLASHTUNE_PRECOMPILED_DIR there")
+
+
 def _read_regular(path: Path, what: str) -> tuple[bytes, os.stat_result]:
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
@@ -190,6 +207,7 @@ def _manifest(directory: Path) -> _Manifest:
         raise CacheError(f"the precompiled directory {directory} cannot be read "
                          f"({exc.strerror or exc}); fix FLASHTUNE_PRECOMPILED_DIR") from None
     _check_shipped(directory, st_dir, "directory")
+    _check_shipped_ancestors(directory, st_dir)
     try:
         st = os.stat(path)
     except FileNotFoundError:

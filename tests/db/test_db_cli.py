@@ -107,7 +107,7 @@ def test_merge_and_digest_refusal(filled: Path, tmp_path: Path, rng: random.Rand
     other = tmp_path / "other.db"
     with TuningStore(other) as store:
         store.record_device(H100)
-        store.record_trial(trial(H100, P128, 4096, CONFIGS[0], median_ms=0.001, rng=rng,
+        store.record_trial(trial(H100, P128, 4096, CONFIGS[0], median_ms=0.005, rng=rng,
                                  template="v2"))
     refused = _run("db", "--db", str(filled), "merge", str(other), ok=False)
     assert "different kernel sources" in refused and "--allow-mixed-digests" in refused
@@ -125,7 +125,7 @@ def test_merge_and_digest_refusal(filled: Path, tmp_path: Path, rng: random.Rand
         entry = store.best(H100.name, P128.key(), 4096)
         assert entry is not None and entry.median_ms == 0.0123
         assert serving_state(entry) == "current"
-        assert 0.001 in {t.median_ms for t in store.trials(device=H100.name)}
+        assert 0.005 in {t.median_ms for t in store.trials(device=H100.name)}
     missing = _run("db", "--db", str(filled), "merge", str(tmp_path / "nope.db"), ok=False)
     assert "no database file" in missing
     assert not (tmp_path / "nope.db").exists()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-import sqlite3
 import tracemalloc
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -16,7 +15,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from dbfactories import A100, CONFIGS, DEVICES, H100, PROBLEMS, random_trials, trial
-from hardening_helpers import is_root
+from hardening_helpers import damage_table_page, is_root
 from typer.testing import CliRunner
 
 from flashtune.cli import app
@@ -332,15 +331,6 @@ def test_read_commands_refuse_a_missing_file(command: list[str], tmp_path: Path,
 
 def test_info_checks_integrity(filled: Path) -> None:
     """Regression: db info reported row counts on a corrupted file."""
-    connection = sqlite3.connect(filled)
-    connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    page = connection.execute("PRAGMA page_size").fetchone()[0]
-    root = connection.execute("SELECT rootpage FROM sqlite_master WHERE name = 'ft_problems'"
-                              ).fetchone()[0]
-    connection.close()
-    data = bytearray(filled.read_bytes())
-    start = (root - 1) * page
-    data[start + page - 200:start + page - 20] = b"\xab" * 180  # the cells of a table page
-    filled.write_bytes(bytes(data))
+    damage_table_page(filled)
     out = _run("db", "--db", str(filled), "info", ok=False)
     assert "integrity check" in out and "trials" not in out.split("integrity check")[0]
