@@ -170,6 +170,12 @@ class FeatureNames(Sequence[str]):
     def __len__(self) -> int:
         return len(_registry)
 
+    def __iter__(self) -> Iterator[str]:
+        return iter(tuple(_registry))
+
+    def __contains__(self, name: object) -> bool:
+        return name in _registry
+
     def __repr__(self) -> str:
         return f"FeatureNames({tuple(_registry)!r})"
 

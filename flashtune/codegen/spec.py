@@ -220,10 +220,9 @@ class Problem:
 
     @classmethod
     def from_key(cls, key: str) -> Problem:
-        """The Problem whose ``key()`` is ``key``; InvalidProblem when it is not canonical."""
-        if cls is not Problem:
-            return cls._parse_key(key)
-        # Memoised per registry state: a key names the same problem until features change.
+        """The Problem whose ``key()`` is ``key``; InvalidProblem when it is not canonical.
+        Memoised per state of the feature registry (a key names one problem until it
+        changes)."""
         return _problem_of_key(key, generation())
 
     @classmethod
