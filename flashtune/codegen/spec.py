@@ -7,13 +7,25 @@ and memo keys, and a ``from_key`` that inverts it.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from flashtune.codegen.dtypes import DType as DType  # re-exported: Problem's field type
+from flashtune.codegen.dtypes import Dtypes, as_dtype
+from flashtune.codegen.features import (
+    MASK_WORDS,
+    FeatureNames,
+    FeatureTitles,
+    by_word,
+    feature,
+    generation,
+    registered,
+    switch_set,
+)
 from flashtune.errors import InvalidConfig, InvalidInput, InvalidProblem
 
 #: Head dims a kernel is compiled for; other multiples of 8 up to 256 are padded up.
@@ -26,29 +38,8 @@ MAX_SEQ_BUCKET = 1 << 20
 
 #: A kernel family's name as it appears in problem keys: lowercase letters and digits.
 _OP_RE = re.compile(r"^[a-z][a-z0-9]{0,15}$")
-
-
-class DType(str, Enum):
-    """Element type of Q, K, V and O."""
-
-    FP16 = "fp16"
-    BF16 = "bf16"
-
-    @property
-    def itemsize(self) -> int:
-        return 2
-
-
-def _enum(cls: type[Any], value: object, what: str) -> Any:
-    if isinstance(value, cls):
-        return value
-    try:
-        return cls(value)
-    except ValueError:
-        legal = [m.value for m in cls]
-        raise InvalidProblem(
-            f"{what}={value!r} is not supported; expected one of {legal}"
-        ) from None
+#: The head dim's part of a problem key.
+_DIM_RE = re.compile(r"^d[1-9][0-9]{0,2}$")
 
 
 def _check_int(value: object, what: str, exc: type[Exception]) -> int:
@@ -73,24 +64,37 @@ def seq_bucket(seqlen: int) -> int:
     return min(max(bucket, MIN_SEQ_BUCKET), MAX_SEQ_BUCKET)
 
 
-#: The feature switches of a Problem beyond the mask, in key order (see ``Problem``).
-FEATURES: tuple[str, ...] = ("window", "softcap", "alibi", "varlen")
+#: The feature switches of a Problem beyond the mask, in key order: the registered
+#: features' names (``codegen.features``), read live.
+FEATURES: Sequence[str] = FeatureNames()
 #: What each feature switch is called in messages (the API's keyword in parentheses).
-FEATURE_NAMES: dict[str, str] = {"window": "sliding-window attention (window_size)",
-                                 "softcap": "logit softcapping (softcap)",
-                                 "alibi": "ALiBi biases (alibi_slopes)",
-                                 "varlen": "variable-length batches (attention_varlen)"}
+FEATURE_NAMES: Mapping[str, str] = FeatureTitles()
 
 
-@dataclass(frozen=True)
+def _malformed(key: str, why: str) -> InvalidProblem:
+    return InvalidProblem(f"problem key {key!r} is malformed ({why}); expected e.g. "
+                          "'fwd_d128_bf16_causal' (or with a feature: "
+                          "'fwd_d64_fp16_local_softcap_alibi')")
+
+
+@dataclass(frozen=True, init=False)
 class Problem:
-    """What is compiled into a kernel: op, head dim, dtype and feature switches.
+    """What is compiled into a kernel: op, head dim, element types and feature switches.
 
     Sizes that vary per call (batch, sequence lengths, head counts, strides) are run-time
     arguments and are not part of a Problem; ``bucket()`` maps them to a tuning bucket.
 
+    Element types (``codegen.dtypes``): ``dtype`` is Q's; ``kv_dtype`` (K and V) and
+    ``o_dtype`` (O) are None when they are ``dtype`` (a value equal to ``dtype`` is stored
+    as None, so equal problems compare equal and ``dataclasses.replace(p, dtype=...)`` keeps
+    a uniform problem uniform). Read them as ``dtypes`` (a ``Dtypes``: q, kv, o). A family
+    declares the combinations it accepts (``KernelFamily.dtypes``).
+
     Feature switches (each compiled in or out; off, the kernel is the plain one):
       causal: key j is hidden from query i unless j <= i + Nk - Nq (bottom-right aligned);
+      ``features``: the names of the registered features that are on (``codegen.features``),
+        in key order. Each is also a keyword of the constructor and an attribute
+        (``Problem(64, DType.FP16, window=True)``, ``problem.window``). The built-ins:
       window: a sliding window (flash-attn's local attention): key j is visible to query i
         iff i + Nk - Nq - left <= j <= i + Nk - Nq + right, with the run-time sizes
         (left, right) and -1 meaning unbounded on that side. A causal window is the window
@@ -105,13 +109,41 @@ class Problem:
     dtype: DType
     causal: bool = False
     op: str = "fwd"
-    window: bool = False
-    softcap: bool = False
-    alibi: bool = False
-    varlen: bool = False
+    features: tuple[str, ...] = ()
+    kv_dtype: DType | None = None
+    o_dtype: DType | None = None
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "dtype", _enum(DType, self.dtype, "dtype"))
+    def __init__(self, head_dim: int, dtype: DType | str, causal: bool = False,
+                 op: str = "fwd", *, features: Iterable[str] = (),
+                 kv_dtype: DType | str | None = None, o_dtype: DType | str | None = None,
+                 **switches: bool) -> None:
+        """``features``: names of registered features to switch on; ``switches``: a feature
+        by its name (``window=True``; ``False`` switches one of ``features`` off)."""
+        q = as_dtype(dtype)
+        set_ = object.__setattr__
+        set_(self, "head_dim", head_dim)
+        set_(self, "dtype", q)
+        set_(self, "causal", causal)
+        set_(self, "op", op)
+        for name, given in (("kv_dtype", kv_dtype), ("o_dtype", o_dtype)):
+            other = None if given is None else as_dtype(given, name)
+            set_(self, name, None if other is q else other)
+        self._validate()
+        if isinstance(features, str):
+            raise InvalidProblem(f"features={features!r} must be a collection of feature "
+                                 f"names, e.g. ({features!r},)")
+        on = set(features)
+        for name, value in switches.items():
+            feature(name)  # InvalidProblem naming the registered features
+            if not isinstance(value, bool):
+                raise InvalidProblem(f"{name} must be a bool, got {value!r}")
+            if value:
+                on.add(name)
+            else:
+                on.discard(name)
+        set_(self, "features", switch_set(frozenset(on), causal))
+
+    def _validate(self) -> None:
         if not isinstance(self.op, str) or not _OP_RE.match(self.op):
             raise InvalidProblem(f"op={self.op!r} is not a kernel family name; expected "
                                  "lowercase letters and digits, e.g. 'fwd'")
@@ -121,69 +153,141 @@ class Problem:
                 f"head_dim={hd} is not supported; expected a multiple of 8 in [8, {MAX_HEAD_DIM}]"
                 " (other sizes: pad the head dim of q, k and v with zeros)"
             )
-        for name in ("causal", *FEATURES):
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidProblem(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.causal and self.window:
-            raise InvalidProblem("causal=True and window=True are exclusive: a causal sliding "
-                                 "window is the window (left, 0); use window=True alone")
+        if not isinstance(self.causal, bool):
+            raise InvalidProblem(f"causal must be a bool, got {self.causal!r}")
+
+    if not TYPE_CHECKING:
+        def __getattr__(self, name: str) -> bool:
+            # A registered feature's switch reads as an attribute (``problem.bias``); only
+            # called when normal lookup fails, so fields and properties are untouched.
+            if name.startswith("_") or name not in FEATURES:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute "
+                                     f"{name!r}")
+            return name in self.features
+
+    # Typed reads of the built-in switches (the registry is the truth; a feature registered
+    # later reads through ``has`` or as an attribute at run time).
+    @property
+    def window(self) -> bool:
+        return "window" in self.features
+
+    @property
+    def softcap(self) -> bool:
+        return "softcap" in self.features
+
+    @property
+    def alibi(self) -> bool:
+        return "alibi" in self.features
+
+    @property
+    def varlen(self) -> bool:
+        return "varlen" in self.features
+
+    def has(self, name: str) -> bool:
+        """Whether feature ``name`` is on (InvalidProblem if no such feature is registered)."""
+        return feature(name).name in self.features
+
+    @functools.cached_property
+    def dtypes(self) -> Dtypes:
+        """The element types of Q, K/V and O."""
+        if self.kv_dtype is None and self.o_dtype is None:
+            return Dtypes.same(self.dtype)
+        return Dtypes(self.dtype, self.kv_dtype or self.dtype, self.o_dtype or self.dtype)
 
     @property
     def padded_head_dim(self) -> int:
         return padded_head_dim(self.head_dim)
 
     @property
-    def features(self) -> tuple[str, ...]:
-        """The feature switches that are on, in key order (``FEATURES``)."""
-        return tuple(name for name in FEATURES if getattr(self, name))
-
-    @property
     def mask(self) -> str:
-        """The mask as a key word: ``causal``, ``local`` (a window) or ``full``."""
-        return "causal" if self.causal else "local" if self.window else "full"
+        """The mask as a key word: ``causal``, a mask feature's word (``local`` for a
+        window) or ``full``."""
+        if self.causal:
+            return "causal"
+        return next((f.word for f in map(feature, self.features) if f.mask), "full")
 
     def key(self) -> str:
         """Canonical key, e.g. ``fwd_d128_bf16_causal`` or ``fwd_d64_fp16_local_softcap``
-        (a plain problem's key has no feature words)."""
-        extra = "".join(f"_{name}" for name in self.features if name != "window")
-        return f"{self.op}_d{self.head_dim}_{self.dtype.value}_{self.mask}{extra}"
+        (a plain problem's key has no feature words; the element types are one word when
+        every operand has that type, else ``q-kv-o``: ``fwd_d128_bf16-fp16-bf16_full``)."""
+        return self._key
 
-    _KEY_RE = re.compile(r"^([a-z][a-z0-9]{0,15})_d(\d{1,3})_(fp16|bf16)_(causal|full|local)"
-                         r"(_softcap)?(_alibi)?(_varlen)?$")
+    @functools.cached_property
+    def _key(self) -> str:
+        # Computed once per value: keys name memo entries on the serving path.
+        extra = "".join(f"_{f.word}" for f in map(feature, self.features) if not f.mask)
+        return f"{self.op}_d{self.head_dim}_{self.dtypes.word}_{self.mask}{extra}"
 
     @classmethod
     def from_key(cls, key: str) -> Problem:
-        match = cls._KEY_RE.match(key)
-        if not match:
-            raise InvalidProblem(
-                f"problem key {key!r} is malformed; expected e.g. 'fwd_d128_bf16_causal' "
-                "(or with a feature: 'fwd_d64_fp16_local_softcap_alibi')"
-            )
-        op, hd, dt, mask, softcap, alibi, varlen = match.groups()
-        return cls(head_dim=int(hd), dtype=DType(dt), causal=mask == "causal", op=op,
-                   window=mask == "local", softcap=softcap is not None,
-                   alibi=alibi is not None, varlen=varlen is not None)
+        """The Problem whose ``key()`` is ``key``; InvalidProblem when it is not canonical.
+        Memoised per state of the feature registry (a key names one problem until it
+        changes)."""
+        return _problem_of_key(key, generation())
+
+    @classmethod
+    def _parse_key(cls, key: str) -> Problem:
+        parts = key.split("_") if isinstance(key, str) else []
+        if len(parts) < 4:
+            raise _malformed(key, "expected op, head dim, element types and mask")
+        op, dim, word, mask, *words = parts
+        if not _OP_RE.match(op) or not _DIM_RE.match(dim):
+            raise _malformed(key, "expected a lowercase op and a head dim like 'd128'")
+        try:
+            dtypes = Dtypes.parse(word)
+        except InvalidProblem as exc:
+            raise _malformed(key, str(exc)) from None
+        on: list[str] = []
+        if mask not in MASK_WORDS:
+            found = by_word(mask)
+            if found is None or not found.mask:
+                masks = [*MASK_WORDS, *(f.word for f in registered() if f.mask)]
+                raise _malformed(key, f"{mask!r} is not a mask word; expected one of {masks}")
+            on.append(found.name)
+        for w in words:
+            found = by_word(w)
+            if found is None or found.mask:
+                raise _malformed(key, f"{w!r} is not a feature word; expected one of "
+                                 f"{[f.word for f in registered() if not f.mask]}")
+            on.append(found.name)
+        problem = cls(int(dim[1:]), dtypes.q, causal=mask == "causal", op=op, features=on,
+                      kv_dtype=dtypes.kv, o_dtype=dtypes.o)
+        if problem.key() != key:
+            raise _malformed(key, f"its canonical spelling is {problem.key()!r}")
+        return problem
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields; a feature switch appears only when it is on (so a plain problem's
-        dict is the same as before feature switches existed)."""
+        """The fields; a feature switch appears only when it is on, and ``kv_dtype`` /
+        ``o_dtype`` only when they differ from ``dtype`` (so a plain problem's dict is the
+        same as before feature switches and per-operand types existed)."""
         out: dict[str, Any] = {"op": self.op, "head_dim": self.head_dim,
                                "dtype": self.dtype.value, "causal": self.causal}
         out.update({name: True for name in self.features})
+        out.update({name: value.value for name in ("kv_dtype", "o_dtype")
+                    if (value := getattr(self, name)) is not None})
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Problem:
-        unknown = set(data) - {"op", "head_dim", "dtype", "causal", *FEATURES}
+        unknown = set(data) - {"op", "head_dim", "dtype", "causal", "kv_dtype", "o_dtype",
+                               *FEATURES}
         if unknown:
-            raise InvalidProblem(f"unknown problem field(s) {sorted(unknown)}")
+            raise InvalidProblem(f"unknown problem field(s) {sorted(unknown)}; expected op, "
+                                 f"head_dim, dtype, causal, kv_dtype, o_dtype or a feature "
+                                 f"({', '.join(FEATURES)})")
         return cls(head_dim=data["head_dim"], dtype=data["dtype"],
                    causal=data.get("causal", False), op=data.get("op", "fwd"),
-                   **{name: data.get(name, False) for name in FEATURES})
+                   kv_dtype=data.get("kv_dtype"), o_dtype=data.get("o_dtype"),
+                   **{name: data[name] for name in FEATURES if name in data})
 
     def bucket(self, seqlen_q: int, seqlen_k: int) -> ProblemBucket:
         """The tuning bucket of a call with these sequence lengths."""
         return ProblemBucket(self, seq_bucket(max(seqlen_q, seqlen_k)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _problem_of_key(key: str, features_generation: int) -> Problem:
+    return Problem._parse_key(key)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ table of ops is this module's own because db imports nothing above codegen.
 from __future__ import annotations
 
 from flashtune.codegen.arch import ARCHS
-from flashtune.codegen.spec import MIN_SEQ_BUCKET, DType, Problem
+from flashtune.codegen.spec import MIN_SEQ_BUCKET, Problem
 
 MAX_CLOCK_HZ = 3.0e9
 MAX_BYTES_PER_S = 20e12
@@ -74,7 +74,8 @@ def min_flops(problem: Problem, seqlen_bucket: int) -> float:
 def min_bytes(problem: Problem, seqlen_bucket: int) -> float:
     """Bytes the smallest call in the bucket moves at the least: two (length, head_dim)
     tensors of the longer side (K and V, or Q and O), once."""
-    item = 2 if problem.dtype in (DType.FP16, DType.BF16) else 4
+    dtypes = problem.dtypes  # the narrowest operand type bounds either pair from below
+    item = min(dtypes.q.itemsize, dtypes.kv.itemsize, dtypes.o.itemsize)
     return 2.0 * shortest_length(seqlen_bucket) * problem.head_dim * item
 
 

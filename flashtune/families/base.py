@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, ClassVar
 from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import PackedArgs
 from flashtune.codegen.arch import ArchSpec, get_arch
+from flashtune.codegen.dtypes import DType, Dtypes
+from flashtune.codegen.features import feature
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue, render_template
 from flashtune.codegen.spec import (
-    FEATURE_NAMES,
-    DType,
     KernelConfig,
     KernelSource,
     Problem,
@@ -46,17 +46,31 @@ Tensors = Mapping[str, "torch.Tensor"]
 
 
 def torch_dtype(dtype: DType) -> torch.dtype:
-    """The torch element type of ``dtype``."""
-    return torch.float16 if dtype is DType.FP16 else torch.bfloat16
+    """The torch element type of ``dtype`` (its row of ``codegen.dtypes.ELEMENTS``)."""
+    found: torch.dtype = getattr(torch, dtype.element.torch)
+    return found
 
 
 def element_type(dtype: torch.dtype) -> DType:
-    """The DType of a float16 or bfloat16 torch element type (InvalidProblem otherwise)."""
+    """The DType of a torch element type (InvalidProblem naming the legal ones otherwise)."""
     for candidate in DType:
         if torch_dtype(candidate) == dtype:
             return candidate
+    legal = " or ".join(f"torch.{d.element.torch}" for d in DType)
     raise InvalidProblem(f"dtype {dtype} is not an element type of the kernels; expected "
-                         "torch.float16 or torch.bfloat16")
+                         f"{legal}")
+
+
+def element_params(problem: Problem) -> dict[str, TemplateValue]:
+    """The template parameters of a kernel with one element type for Q, K, V and O:
+    ``element`` (its C++ type, what ``using Element = ...`` binds) and ``element_ptx`` (its
+    mma / wgmma operand type). InvalidProblem for a problem whose operands differ (such a
+    kernel binds one type per operand)."""
+    dtypes = problem.dtypes
+    if not dtypes.uniform:
+        raise InvalidProblem(f"problem {problem.key()} has element types {dtypes}; this "
+                             "kernel has one element type for Q, K, V and O")
+    return {"element": dtypes.q.element.cpp, "element_ptx": dtypes.q.element.ptx}
 
 
 @dataclass(frozen=True)
@@ -181,7 +195,7 @@ def sm_count(device: torch.device | str) -> int | None:
 def row_kernel_params(problem: Problem, config: KernelConfig) -> dict[str, TemplateValue]:
     """Template parameters of a kernel that walks rows with no key tile (the backward's row
     kernels, the split combine): head dim, element type, rows per block and warps."""
-    return {"head_dim": problem.head_dim, "is_bf16": problem.dtype.value == "bf16",
+    return {"head_dim": problem.head_dim, **element_params(problem),
             "block_m": config.block_m, "num_warps": config.num_warps}
 
 
@@ -214,15 +228,19 @@ class KernelFamily(ABC):
     #: that run ``target_arch`` (the dispatcher's choice; same arguments and outputs), or
     #: None. E.g. a Hopper forward serves "fwd" calls on compute capability 9.0 devices.
     serves: ClassVar[str | None] = None
-    #: The feature switches of a Problem (``codegen.spec.FEATURES``) the family implements;
+    #: The feature switches of a Problem (``codegen.features``) the family implements;
     #: a problem with any other is refused (FeatureNotSupported).
     features: ClassVar[frozenset[str]] = frozenset()
+    #: The element types per operand (``codegen.dtypes.Dtypes``) the family's kernels take,
+    #: e.g. ``SAME_16BIT``; a problem with any other combination is refused (InvalidProblem).
+    #: Every family declares its own: none is accepted by default.
+    dtypes: ClassVar[frozenset[Dtypes]] = frozenset()
 
     # ---------------------------------------------------------------- problems
 
     def check_problem(self, problem: Problem) -> None:
-        """InvalidProblem unless this family serves ``problem`` (its op and features);
-        FeatureNotSupported for a feature switch not in ``features``."""
+        """InvalidProblem unless this family serves ``problem`` (its op, features and element
+        types); FeatureNotSupported for a feature switch not in ``features``."""
         if problem.op != self.op:
             raise InvalidProblem(f"problem {problem.key()} is for family {problem.op!r}, "
                                  f"not {self.op!r}")
@@ -230,8 +248,15 @@ class KernelFamily(ABC):
         if missing:
             raise FeatureNotSupported(
                 f"the {self.op!r} kernel family ({self.title}) does not implement "
-                f"{', '.join(FEATURE_NAMES[name] for name in missing)}; see the feature "
+                f"{', '.join(feature(name).title for name in missing)}; see the feature "
                 "table in the README for the families that do")
+        if problem.dtypes not in self.dtypes:
+            accepted = (", ".join(sorted(map(str, self.dtypes))) if self.dtypes
+                        else "none (the family declares no `dtypes`)")
+            raise InvalidProblem(
+                f"the {self.op!r} kernel family ({self.title}) does not take the element "
+                f"types {problem.dtypes} (problem {problem.key()}); it takes: {accepted} (one "
+                "word: that type for Q, K/V and O)")
 
     # ---------------------------------------------------------------- search space
 

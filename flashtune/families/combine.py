@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import ArgType, PackedArgs
 from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.dtypes import SAME_16BIT
 from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
@@ -85,6 +86,7 @@ class CombineFamily(KernelFamily):
     op = "combine"
     title = "merge of split-KV partial O and LSE, weighted by LSE"
     template = "combine_splits.cu.jinja"
+    dtypes = SAME_16BIT
 
     def check_problem(self, problem: Problem) -> None:
         super().check_problem(problem)

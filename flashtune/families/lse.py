@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from flashtune._lazy import lazy_module
 from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.dtypes import SAME_16BIT
 from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
@@ -24,6 +25,7 @@ from flashtune.families.base import (
     Verdict,
     attention_matmul_flops,
     compare_outputs,
+    element_params,
     generator,
     torch_dtype,
 )
@@ -48,6 +50,7 @@ class RowLseFamily(KernelFamily):
     op = "lse"
     title = "row-wise LSE of scale * Q K^T (no output O; scalar FP32)"
     template = "row_lse.cu.jinja"
+    dtypes = SAME_16BIT
 
     def space(self, problem: Problem) -> ParamSpace:
         return SPACE
@@ -69,7 +72,7 @@ class RowLseFamily(KernelFamily):
 
     def template_params(self, problem: Problem, config: KernelConfig
                         ) -> dict[str, TemplateValue]:
-        return {"head_dim": problem.head_dim, "is_bf16": problem.dtype.value == "bf16",
+        return {"head_dim": problem.head_dim, **element_params(problem),
                 "causal": problem.causal, "block_m": config.block_m,
                 "block_n": config.block_n, "num_warps": config.num_warps}
 

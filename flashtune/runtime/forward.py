@@ -91,7 +91,7 @@ def problem_bucket(q: torch.Tensor, k: torch.Tensor, causal: bool, op: str = "fw
     got one of them). ``longest``: the longest query and key sequences when they are not
     q's and k's second dims (varlen)."""
     problem = Problem(head_dim=q.shape[3], dtype=element_type(q.dtype), causal=causal, op=op,
-                      **{name: True for name in features})
+                      features=features)
     if features:
         families.get(op).check_problem(problem)
     lengths = longest if longest is not None else (q.shape[1], k.shape[1])

@@ -132,7 +132,7 @@ def refuse_unsupported(op: str, features: tuple[str, ...], q: torch.Tensor, what
     if not features:
         return
     dtype = element_type(q.dtype)
-    problem = Problem(head_dim=q.shape[-1], dtype=dtype, op=op, **{f: True for f in features})
+    problem = Problem(head_dim=q.shape[-1], dtype=dtype, op=op, features=features)
     try:
         families.get(op).check_problem(problem)
     except FeatureNotSupported as exc:

@@ -224,6 +224,27 @@ def test_problem_and_config_keys_are_stable(db_url: str, rng: random.Random) -> 
         assert Problem.from_dict(entry.trial.problem.as_dict()) == problem
 
 
+def test_problems_with_element_types_per_operand_are_stored(db_url: str,
+                                                            rng: random.Random) -> None:
+    """A problem whose operands differ is stored under its own key and fields beside the
+    uniform one, whose key and fields are the ones stored before per-operand types."""
+    uniform = Problem(128, DType.BF16, causal=True)
+    mixed = Problem(128, DType.BF16, causal=True, kv_dtype=DType.FP16)
+    config = CONFIGS[1]
+    with _store(db_url) as store:
+        for problem in (uniform, mixed):  # no family renders the mixed one: a stand-in digest
+            store.record_trial(trial(H100, problem, 2048, config, rng=rng, template="v0"))
+        entry = store.best(H100.name, "fwd_d128_bf16-fp16-bf16_causal", 2048)
+        assert entry is not None
+        assert entry.trial.problem.as_dict() == {"op": "fwd", "head_dim": 128, "dtype": "bf16",
+                                                 "causal": True, "kv_dtype": "fp16"}
+        assert Problem.from_dict(entry.trial.problem.as_dict()) == mixed
+        plain = store.best(H100.name, "fwd_d128_bf16_causal", 2048)
+        assert plain is not None
+        assert plain.trial.problem.as_dict() == {"op": "fwd", "head_dim": 128, "dtype": "bf16",
+                                                 "causal": True}
+
+
 def test_many_buckets_read_at_once(db_url: str, rng: random.Random) -> None:
     trials = [trial(d, p, s, rng.choice(CONFIGS), rng=rng)
               for d in DEVICES for p in PROBLEMS for s in SEQLENS]

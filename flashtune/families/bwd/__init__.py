@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from flashtune._lazy import lazy_module
 from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.dtypes import SAME_16BIT
 from flashtune.codegen.params import ParamSpace
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
@@ -27,6 +28,7 @@ from flashtune.families.base import (
     Verdict,
     attention_matmul_flops,
     close_enough,
+    element_params,
     generator,
     random_rows,
     sm_count,
@@ -51,6 +53,7 @@ class BackwardFamily(KernelFamily):
     op = "bwd"
     title = "attention backward (FlashAttention-2: dK, dV and the float32 dQ accumulator)"
     template = "flash_bwd.cu.jinja"
+    dtypes = SAME_16BIT
     #: True for the family whose every config is deterministic.
     deterministic = False
 
@@ -70,7 +73,7 @@ class BackwardFamily(KernelFamily):
                         ) -> dict[str, TemplateValue]:
         return {
             "head_dim": problem.head_dim,
-            "is_bf16": problem.dtype.value == "bf16",
+            **element_params(problem),
             "causal": problem.causal,
             "block_m": config.block_m,
             "block_n": config.block_n,

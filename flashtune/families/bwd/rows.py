@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from flashtune._lazy import lazy_module
 from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.dtypes import SAME_16BIT
 from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape, ShapeLike
@@ -55,6 +56,8 @@ DQ_TOLERANCE = {DType.FP16: Tolerance(1e-6, 1e-3), DType.BF16: Tolerance(1e-6, 8
 
 class _RowFamily(KernelFamily):
     """What the two row kernels share: space, default, rules, parameters, grid."""
+
+    dtypes = SAME_16BIT
 
     def check_problem(self, problem: Problem) -> None:
         super().check_problem(problem)

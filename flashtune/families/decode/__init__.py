@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from flashtune._lazy import lazy_module
 from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.dtypes import SAME_16BIT
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
@@ -25,6 +26,7 @@ from flashtune.families.base import (
     Tensors,
     Verdict,
     compare_outputs,
+    element_params,
     generator,
 )
 from flashtune.families.decode import space
@@ -77,6 +79,7 @@ class DecodeFamily(KernelFamily):
     op = "decode"
     title = "split-KV decoding over a paged KV cache (partial O and LSE per split)"
     template = "decode_split.cu.jinja"
+    dtypes = SAME_16BIT
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.SPACE
@@ -127,7 +130,7 @@ class DecodeFamily(KernelFamily):
     def template_params(self, problem: Problem, config: KernelConfig
                         ) -> dict[str, TemplateValue]:
         return {"head_dim": problem.head_dim, "head_dim_padded": problem.padded_head_dim,
-                "is_bf16": problem.dtype.value == "bf16", "causal": problem.causal,
+                **element_params(problem), "causal": problem.causal,
                 "block_m": config.block_m, "block_n": config.block_n,
                 "num_warps": config.num_warps, "num_stages": config.num_stages,
                 "smem_row_pad": space.SMEM_ROW_PAD}

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from flashtune._lazy import lazy_module
 from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.dtypes import SAME_16BIT
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
@@ -22,6 +23,7 @@ from flashtune.families.base import (
     Verdict,
     attention_matmul_flops,
     compare_outputs,
+    element_params,
     generator,
     random_rows,
     sm_count,
@@ -45,6 +47,7 @@ class ForwardFamily(KernelFamily):
     op = "fwd"
     title = "attention forward (FlashAttention-2: O and LSE)"
     template = "flash_fwd.cu.jinja"
+    dtypes = SAME_16BIT
     features = frozenset({"window", "softcap", "alibi", "varlen"})
 
     def space(self, problem: Problem) -> ParamSpace:
@@ -79,7 +82,7 @@ class ForwardFamily(KernelFamily):
         return {
             "head_dim": problem.head_dim,
             "head_dim_padded": problem.padded_head_dim,
-            "is_bf16": problem.dtype.value == "bf16",
+            **element_params(problem),
             "causal": problem.causal,
             "block_m": config.block_m,
             "block_n": config.block_n,

@@ -13,10 +13,12 @@ from __future__ import annotations
 from typing import ClassVar
 
 from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.dtypes import SAME_16BIT
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.errors import InvalidConfig, InvalidProblem
+from flashtune.families.base import element_params
 from flashtune.families.fwd import ForwardFamily
 from flashtune.families.hopper import space
 
@@ -27,6 +29,7 @@ class HopperForwardFamily(ForwardFamily):
     op = "fwd90a"
     title = "attention forward on wgmma for sm_90a (O and LSE)"
     template = "hopper_fwd.cu.jinja"
+    dtypes = SAME_16BIT
     target_arch: ClassVar[str | None] = "sm_90a"
     serves: ClassVar[str | None] = "fwd"
     #: No attention features yet: problems with them are served by the mma.sync forward
@@ -73,7 +76,7 @@ class HopperForwardFamily(ForwardFamily):
 
     def template_params(self, problem: Problem, config: KernelConfig
                         ) -> dict[str, TemplateValue]:
-        return {"head_dim": problem.head_dim, "is_bf16": problem.dtype.value == "bf16",
+        return {"head_dim": problem.head_dim, **element_params(problem),
                 "causal": problem.causal, "block_m": config.block_m,
                 "block_n": config.block_n, "num_warps": config.num_warps,
                 "num_stages": config.num_stages}

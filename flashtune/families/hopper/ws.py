@@ -37,9 +37,9 @@ from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import ParamSpace, Value
 from flashtune.codegen.render import TemplateValue, render_template
 from flashtune.codegen.spec import KernelConfig, KernelSource, Problem, Shape
-from flashtune.codegen.tensormap import TensorMap, TmaDType, TmaSwizzle
+from flashtune.codegen.tensormap import TensorMap, TmaSwizzle
 from flashtune.errors import InvalidInput
-from flashtune.families.base import Inputs, LaunchPlan, Tensors
+from flashtune.families.base import Inputs, LaunchPlan, Tensors, element_type
 from flashtune.families.hopper import HopperForwardFamily, space
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def panel_map(t: torch.Tensor, rows: int) -> TensorMap:
     if t.dtype not in (torch.float16, torch.bfloat16) or t.stride(3) != 1:
         raise InvalidInput(f"a TMA tensor map needs a float16/bfloat16 tensor with a contiguous "
                            f"last dim; got {t.dtype} with strides {t.stride()}")
-    dtype = TmaDType.BFLOAT16 if t.dtype == torch.bfloat16 else TmaDType.FLOAT16
+    dtype = element_type(t.dtype).element.tma
     s = t.stride()
     return TensorMap(dtype, t.data_ptr(), (PANEL, seq, dim // PANEL, heads, batch),
                      (s[1] * size, PANEL * size, s[2] * size, s[0] * size),

@@ -1,0 +1,164 @@
+"""Element types of a kernel's operands: one table spells each type in every place it appears.
+
+``DType`` names an element type as problem keys, database rows and the command line write it
+(``fp16``); ``ELEMENTS`` gives each one its C++ type (what a template binds as ``Element``),
+its PTX operand type (mma.sync / wgmma), its torch dtype, its TMA data type and its bytes, so
+nothing else in flashtune spells a type out. A DType without a row fails at import.
+
+``Dtypes`` is what a Problem names per operand: the element type of Q, of K and V (one type:
+they are loaded by the same pipeline), and of O. Every kernel accumulates in float32 (the
+MMA accumulator, the softmax statistics and the LSE), whatever its operands; that is part of
+each family's kernel, not of a Problem, until a family offers another accumulator.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from flashtune.codegen.tensormap import TmaDType
+from flashtune.errors import InvalidProblem
+
+
+class DType(str, Enum):
+    """An element type of an operand (Q, K/V or O), by its key word."""
+
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+    @property
+    def element(self) -> ElementType:
+        """This type's row of ``ELEMENTS``: every spelling of it."""
+        return ELEMENTS[self]
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes of one element."""
+        return self.element.itemsize
+
+
+_CPP_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_:]*$")
+_WORD_RE = re.compile(r"^[a-z][a-z0-9]*$")
+
+
+@dataclass(frozen=True)
+class ElementType:
+    """Every spelling of one element type.
+
+    cpp: the C++ type of the CUDA headers (``cuda_fp16.h``, ``cuda_bf16.h``) a template binds;
+    ptx: the operand type word of ``mma.sync`` / ``wgmma`` (``f16``, ``bf16``);
+    torch: the name of its ``torch.dtype`` attribute (``float16``), so that codegen never
+      imports torch (``families.base.torch_dtype`` reads it);
+    tma: its ``CUtensorMapDataType``, for kernels that load it with TMA;
+    itemsize: bytes of one element.
+    """
+
+    cpp: str
+    ptx: str
+    torch: str
+    tma: TmaDType
+    itemsize: int
+
+    def __post_init__(self) -> None:
+        if not _CPP_RE.match(self.cpp):
+            raise InvalidProblem(f"C++ type {self.cpp!r} is not a type name")
+        for what, word in (("ptx", self.ptx), ("torch", self.torch)):
+            if not _WORD_RE.match(word):
+                raise InvalidProblem(f"{what} name {word!r} of {self.cpp} is not a lowercase word")
+        if self.itemsize != self.tma.itemsize:
+            raise InvalidProblem(f"{self.cpp} has {self.itemsize} bytes but its TMA type "
+                                 f"{self.tma.name} has {self.tma.itemsize}")
+
+
+#: The one table of element types.
+ELEMENTS: dict[DType, ElementType] = {
+    DType.FP16: ElementType(cpp="__half", ptx="f16", torch="float16", tma=TmaDType.FLOAT16,
+                            itemsize=2),
+    DType.BF16: ElementType(cpp="__nv_bfloat16", ptx="bf16", torch="bfloat16",
+                            tma=TmaDType.BFLOAT16, itemsize=2),
+}
+if set(ELEMENTS) != set(DType):
+    raise ImportError(f"ELEMENTS has no row for {sorted(set(DType) - set(ELEMENTS))}")
+for _dtype in DType:
+    if not _WORD_RE.match(_dtype.value):  # a key part: no '_' or '-'
+        raise ImportError(f"DType {_dtype.name} = {_dtype.value!r} is not a lowercase word")
+
+
+def _enum(cls: type[Any], value: object, what: str) -> Any:
+    """``value`` as a member of enum ``cls`` (a member or its value), InvalidProblem naming
+    the legal values otherwise."""
+    if isinstance(value, cls):
+        return value
+    try:
+        return cls(value)
+    except ValueError:
+        legal = [m.value for m in cls]
+        raise InvalidProblem(
+            f"{what}={value!r} is not supported; expected one of {legal}"
+        ) from None
+
+
+def as_dtype(value: object, what: str = "dtype") -> DType:
+    """``value`` (a DType or its key word) as a DType; InvalidProblem naming the legal ones."""
+    dtype: DType = _enum(DType, value, what)
+    return dtype
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """The element types of one problem's operands: Q, K and V (one type), O.
+
+    ``word`` is its key part: the type's word when all three are the same (``bf16``, the key
+    of every problem before per-operand types existed), else the three words joined by
+    ``-`` in the order q, kv, o (``bf16-fp16-bf16``); ``parse`` inverts it.
+    """
+
+    q: DType
+    kv: DType
+    o: DType
+
+    def __post_init__(self) -> None:
+        for name in ("q", "kv", "o"):
+            object.__setattr__(self, name, as_dtype(getattr(self, name), f"{name} dtype"))
+
+    @classmethod
+    def same(cls, dtype: DType | str) -> Dtypes:
+        """Every operand of type ``dtype``."""
+        return _SAME[as_dtype(dtype)]
+
+    @property
+    def uniform(self) -> bool:
+        """Whether Q, K/V and O have one element type."""
+        return self.q is self.kv is self.o
+
+    @property
+    def word(self) -> str:
+        """The key part: ``fp16``, or ``q-kv-o`` when the operands differ."""
+        if self.uniform:
+            return self.q.value
+        return f"{self.q.value}-{self.kv.value}-{self.o.value}"
+
+    @classmethod
+    def parse(cls, word: str) -> Dtypes:
+        """The Dtypes whose ``word`` is ``word``; InvalidProblem saying what is expected."""
+        parts = word.split("-")
+        legal = [d.value for d in DType]
+        if len(parts) not in (1, 3) or any(p not in legal for p in parts):
+            raise InvalidProblem(f"element types {word!r} are not one of {legal} nor three of "
+                                 "them as q-kv-o (e.g. 'bf16-fp16-bf16')")
+        if len(parts) == 1:
+            return cls.same(parts[0])
+        return cls(DType(parts[0]), DType(parts[1]), DType(parts[2]))
+
+    def __str__(self) -> str:
+        """For messages: ``fp16`` (every operand) or ``q=bf16 kv=fp16 o=bf16``."""
+        if self.uniform:
+            return self.q.value
+        return f"q={self.q.value} kv={self.kv.value} o={self.o.value}"
+
+
+_SAME = {dtype: Dtypes(dtype, dtype, dtype) for dtype in DType}
+#: Every operand fp16, or every operand bf16: what each family accepts today.
+SAME_16BIT: frozenset[Dtypes] = frozenset({Dtypes.same(DType.FP16), Dtypes.same(DType.BF16)})
