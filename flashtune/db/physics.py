@@ -21,7 +21,7 @@ mean of its shapes' median times and ``tflops`` the geometric mean of their TFLO
 than the FLOPs of the smallest call the bucket covers.
 
 This module holds its own table because db imports nothing above codegen
-(``flashtune.perf.gpus`` has the datasheet figures the cost model uses).
+(``flashtune.perf.model.gpus`` has the datasheet figures the cost model uses).
 """
 
 from __future__ import annotations

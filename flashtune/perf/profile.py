@@ -16,20 +16,20 @@ from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.errors import InvalidConfig
 from flashtune.families import render
-from flashtune.perf.baselines import PublishedFigure, published_figures
-from flashtune.perf.costmodel import DEFAULT_PARAMS, ModelParams, Prediction, predict
-from flashtune.perf.disasm import sass_listing
-from flashtune.perf.gpus import GpuSpec, default_gpu_for_arch, get_gpu
-from flashtune.perf.loops import MainLoops, main_loops
-from flashtune.perf.occupancy import Occupancy, occupancy
-from flashtune.perf.sass import InstructionMix, Loop
-from flashtune.perf.wgmma import is_wgmma_forward
-from flashtune.perf.workload import mma_head_dim
+from flashtune.perf.model.algorithm import mma_head_dim
+from flashtune.perf.model.baselines import PublishedFigure, published_figures
+from flashtune.perf.model.costmodel import DEFAULT_PARAMS, ModelParams, Prediction, predict
+from flashtune.perf.model.gpus import GpuSpec, default_gpu_for_arch, get_gpu
+from flashtune.perf.model.occupancy import Occupancy, occupancy
+from flashtune.perf.model.wgmma import is_wgmma_forward
+from flashtune.perf.sass.disasm import sass_listing
+from flashtune.perf.sass.loops import MainLoops, main_loops
+from flashtune.perf.sass.parse import InstructionMix, Loop
 from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.resources import Resources
 
 if TYPE_CHECKING:
-    from flashtune.perf.emulated import EmulatedTraffic
+    from flashtune.perf.model.emulated import EmulatedTraffic
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def profile_kernel(problem: Problem, config: KernelConfig, shape: Shape, arch: s
     """Compile ``problem`` x ``config`` for ``arch``, disassemble it and predict ``shape``
     on ``gpu`` (default: the arch's reference GPU). With ``counters``, the kernel also runs
     in the CPU emulator on a small sample shape and its measured global bytes and bank
-    conflicts replace the model's analytic ones (perf.emulated)."""
+    conflicts replace the model's analytic ones (perf.model.emulated)."""
     spec = get_arch(arch)
     target = resolve_gpu(spec.name, gpu)
     source = render(problem, config)
@@ -135,7 +135,7 @@ def profile_kernel(problem: Problem, config: KernelConfig, shape: Shape, arch: s
     prediction = None
     if problem.op == "fwd" or is_wgmma_forward(problem):
         if counters:
-            from flashtune.perf.emulated import measure_traffic
+            from flashtune.perf.model.emulated import measure_traffic
 
             emulated = measure_traffic(problem, config, shape)
         prediction = predict(problem, config, shape, target, resources=kernel.resources,

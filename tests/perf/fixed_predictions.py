@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass
 
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
-from flashtune.perf.costmodel import TrafficCounters, predict
-from flashtune.perf.sass import InstructionMix, SassFunction, parse_sass
+from flashtune.perf.model.costmodel import TrafficCounters, predict
+from flashtune.perf.sass.parse import InstructionMix, SassFunction, parse_sass
 
 #: An mma.sync kernel: a masked loop (.L_x_1), an unmasked one (.L_x_3) with local-memory
 #: accesses and a vote-guarded rescale, and a smaller tensor-core loop (.L_x_5).
@@ -173,7 +173,8 @@ def record() -> dict[str, object]:
 
 def dumps(figures: dict[str, object]) -> str:
     """The record as JSON text, one case a line."""
-    lines = [f"{json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in sorted(figures.items())]
+    lines = [f"{json.dumps(k)}: {json.dumps(v, sort_keys=True)}"
+             for k, v in sorted(figures.items())]
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 

@@ -9,7 +9,6 @@ import math
 from pathlib import Path
 
 import pytest
-
 from fixed_predictions import record
 
 RECORDED = Path(__file__).with_name("fixed_predictions.json")

@@ -10,9 +10,9 @@ import pytest
 
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.families import render
-from flashtune.perf.loops import main_loops
-from flashtune.perf.sass import SassListing
-from flashtune.perf.workload import analytic_tile_mix, mma_head_dim
+from flashtune.perf.model.algorithm import analytic_tile_mix, mma_head_dim
+from flashtune.perf.sass.loops import main_loops
+from flashtune.perf.sass.parse import SassListing
 
 CompileSass = Callable[..., SassListing]
 

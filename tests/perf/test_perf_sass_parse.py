@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flashtune.errors import InvalidInput
-from flashtune.perf.sass import Instruction, categorize, parse_sass
+from flashtune.perf.sass.parse import Instruction, categorize, parse_sass
 
 NVDISASM = """
 \t.target\tsm_80

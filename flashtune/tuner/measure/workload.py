@@ -6,7 +6,7 @@ head counts of the field's standard sweep: hidden size 2048 and about 16k tokens
 batch) and scored by the geometric mean of their TFLOP/s, so no single shape dominates.
 
 FLOPs follow the field's convention: ``4 * B * Nq * Nk * H * D``, halved when causal
-(``flashtune.perf.workload.flops``); shapes are ``flashtune.perf.workload.Shape``.
+(``flashtune.perf.model.algorithm.flops``); shapes are ``flashtune.perf.model.algorithm.Shape``.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ import math
 from dataclasses import dataclass
 
 from flashtune.codegen.spec import KernelConfig, Problem, ShapeLike
-from flashtune.perf.loops import MainLoop, main_loops
-from flashtune.perf.sass import InstructionMix, SassFunction
-from flashtune.perf.workload import TileMix, sass_tile_mix
+from flashtune.perf.model.algorithm import TileMix, sass_tile_mix
+from flashtune.perf.sass.loops import MainLoop, main_loops
+from flashtune.perf.sass.parse import InstructionMix, SassFunction
 
 
 def rescale_probability(tiles: int, rows: int) -> float:

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from flashtune.errors import InvalidInput
-from flashtune.perf.cfg import back_edges
+from flashtune.perf.sass.cfg import back_edges
 
 #: Categories an instruction is counted under (besides its full opcode).
 CATEGORIES: tuple[str, ...] = (
@@ -354,7 +354,7 @@ class SassFunction:
         return None
 
     def loops(self) -> tuple[Loop, ...]:
-        """Every back edge's loop: a backward branch whose target dominates it (perf.cfg; a
+        """Every back edge's loop: a backward branch whose target dominates it (perf.sass.cfg; a
         self-branch, as ptxas emits after EXIT, is not one, nor the jump back from an
         out-of-line mbarrier retry), outermost first."""
         found = {Loop(edge.target, edge.source)

@@ -30,7 +30,7 @@ differs in:
 
 Nothing here was calibrated on a GPU: ``CALIBRATION`` says so in every wgmma prediction,
 and ``flashtune profile`` prints the ratio to the published FA3 / FA2 figures
-(perf.baselines) as a sanity check, never fitted.
+(perf.model.baselines) as a sanity check, never fitted.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.errors import InvalidConfig
 from flashtune.families.hopper import HopperForwardFamily, space
 from flashtune.families.hopper.ws import PRODUCER_THREADS, HopperWsForwardFamily
-from flashtune.perf.workload import TileMix, analytic_tile_mix, mma_head_dim
+from flashtune.perf.model.algorithm import TileMix, analytic_tile_mix, mma_head_dim
 
 MODEL_NAME = "fa3-wgmma-1"
 #: Said in every wgmma prediction.

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 
-from flashtune.perf.sass import Instruction, InstructionMix, Loop, SassFunction, wgmma_shape
+from flashtune.perf.sass.parse import Instruction, InstructionMix, Loop, SassFunction, wgmma_shape
 
 
 class LoopKind(str, Enum):
@@ -296,20 +296,10 @@ def main_loops(fn: SassFunction) -> MainLoops:
     return MainLoops(found.get(LoopKind.MASKED), found.get(LoopKind.UNMASKED))
 
 
-#: The spill rule of the default configs: at most this many local-memory accesses per
-#: iteration of each main loop, none of them in a tensor-core chain. FlashAttention-2's own
+#: The spill rule of the default configs (``perf.model.default_rule.spill_rule_problems``):
+#: at most this many local-memory accesses per iteration of each main loop, none of them in
+#: a tensor-core chain. FlashAttention-2's own
 #: d128 128 x 64 tile issues 12 per tile with CUDA 13 (reference/fa2-sass-facts.md); a few
 #: outside the chains only take issue slots, about 8 is the aim.
 MAX_LOCAL_ACCESSES = 8
 
-
-def spill_rule_breaches(loops: MainLoops) -> list[str]:
-    """How the main loops break the spill rule (empty when they keep it)."""
-    out = []
-    for loop in loops:
-        local = loop.local
-        if local.in_mma_chain or local.accesses > MAX_LOCAL_ACCESSES:
-            out.append(f"{loop.kind.value} loop: {local.accesses} local accesses per iteration "
-                       f"(at most {MAX_LOCAL_ACCESSES}), {local.in_mma_chain} in a "
-                       "tensor-core chain (none allowed)")
-    return out

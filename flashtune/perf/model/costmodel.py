@@ -16,7 +16,7 @@ The model, per K/V tile (one iteration of the kernel's main loop):
    (times the bank-conflict factor when counters give one).
 3. Each block also moves its Q and O tiles and its first K/V tiles at its share of DRAM
    bandwidth; blocks are dispatched greedily to SM slots in launch order (wave
-   quantisation and the causal tail, schedule.py).
+   quantisation and the causal tail, grid.py).
 4. The call takes the longest of that schedule, its DRAM traffic and its L2 traffic at the
    achievable bandwidth, plus a fixed launch overhead.
 
@@ -33,7 +33,7 @@ block has, the O rescale a warp vote can skip by its chance of running. Every in
 also takes an issue slot: a sub-partition issues one per cycle.
 
 The sm_90a families (wgmma) are predicted on their own path, labelled ``path="wgmma"`` and
-by their own model name, with the assumptions of perf/wgmma.py listed in the prediction.
+by their own model name, with the assumptions of perf/model/wgmma.py listed in the prediction.
 """
 
 from __future__ import annotations
@@ -49,24 +49,32 @@ from flashtune.codegen.spec import KernelConfig, Problem, ShapeLike
 from flashtune.errors import InvalidInput, InvalidProblem, OutOfResources
 from flashtune.families.fwd import space
 from flashtune.families.hopper import space as hopper_space
-from flashtune.perf.gpus import MMA_M16N8K16_FLOPS, SUBPARTITIONS_PER_SM, GpuSpec, get_gpu
-from flashtune.perf.loopcost import (
+from flashtune.perf.model.algorithm import (
+    TileMix,
+    Traffic,
+    analytic_tile_mix,
+    analytic_traffic,
+    check_shape,
+    mma_head_dim,
+    sass_tile_mix,
+    tiles_per_query_block,
+)
+from flashtune.perf.model.gpus import MMA_M16N8K16_FLOPS, SUBPARTITIONS_PER_SM, GpuSpec, get_gpu
+from flashtune.perf.model.grid import makespan
+from flashtune.perf.model.loopcost import (
     KernelLoops,
     block_tile_mixes,
     kernel_loops,
     mean_rescale_probability,
 )
-from flashtune.perf.loops import nested_loops
-from flashtune.perf.modelparams import DEFAULT_PARAMS as DEFAULT_PARAMS
-from flashtune.perf.modelparams import FA2_TABLE_FIT, parameter_sources
-from flashtune.perf.modelparams import MODEL_NAME as MODEL_NAME
-from flashtune.perf.modelparams import PARAM_SOURCES as PARAM_SOURCES
-from flashtune.perf.modelparams import ModelParams as ModelParams
-from flashtune.perf.occupancy import Occupancy, occupancy
-from flashtune.perf.sass import InstructionMix, SassFunction
-from flashtune.perf.schedule import makespan
-from flashtune.perf.wgmma import MODEL_NAME as WGMMA_MODEL_NAME
-from flashtune.perf.wgmma import (
+from flashtune.perf.model.occupancy import Occupancy, occupancy
+from flashtune.perf.model.params import DEFAULT_PARAMS as DEFAULT_PARAMS
+from flashtune.perf.model.params import FA2_TABLE_FIT, parameter_sources
+from flashtune.perf.model.params import MODEL_NAME as MODEL_NAME
+from flashtune.perf.model.params import PARAM_SOURCES as PARAM_SOURCES
+from flashtune.perf.model.params import ModelParams as ModelParams
+from flashtune.perf.model.wgmma import MODEL_NAME as WGMMA_MODEL_NAME
+from flashtune.perf.model.wgmma import (
     Design,
     analytic_tile_mix_wgmma,
     block_threads,
@@ -77,16 +85,8 @@ from flashtune.perf.wgmma import (
     launch_registers,
     tensor_cycles,
 )
-from flashtune.perf.workload import (
-    TileMix,
-    Traffic,
-    analytic_tile_mix,
-    analytic_traffic,
-    check_shape,
-    mma_head_dim,
-    sass_tile_mix,
-    tiles_per_query_block,
-)
+from flashtune.perf.sass.loops import nested_loops
+from flashtune.perf.sass.parse import InstructionMix, SassFunction
 
 BOUNDS = ("compute", "memory", "latency")
 #: Registers the kernel needs beyond its O and S accumulators (Q/K/V fragments,
@@ -168,7 +168,7 @@ class Prediction:
     parameters: tuple[tuple[str, float, str], ...] = field(default=())
     #: "mma.sync" (the forward, fitted to FA2's table) or "wgmma" (the sm_90a families)
     path: str = "mma.sync"
-    #: The stated assumptions of the path (the wgmma path's; perf/wgmma.py)
+    #: The stated assumptions of the path (the wgmma path's; perf/model/wgmma.py)
     assumptions: tuple[str, ...] = field(default=())
 
     kind = "PREDICTED"
@@ -269,7 +269,7 @@ def _cycles(mix: TileMix, problem: Problem, config: KernelConfig, gpu: GpuSpec,
              + mix.local * params.local_access_cycles
              + mix.issue_only)
     if design is not None:
-        # wgmma is asynchronous: tensor and softmax time overlap (perf/wgmma.py); only the
+        # wgmma is asynchronous: tensor and softmax time overlap (perf/model/wgmma.py); only the
         # consumer warps compute (a producer warpgroup's are not counted).
         warps_per_partition = consumer_warps_per_partition(occ.blocks_per_sm, config,
                                                            SUBPARTITIONS_PER_SM)
@@ -328,7 +328,7 @@ def predict(
     of a kernel that spills (else spill bytes are assumed accessed once per tile). Raises
     OutOfResources when no block of the kernel fits on an SM, InvalidProblem for a problem
     of another family than the forwards (the model describes a forward's main loop: the
-    mma.sync forward's, or on the wgmma path, perf/wgmma.py, an sm_90a family's).
+    mma.sync forward's, or on the wgmma path, perf/model/wgmma.py, an sm_90a family's).
     """
     design = design_of(problem, config)
     if problem.op != "fwd" and design is None:
