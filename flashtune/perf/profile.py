@@ -21,7 +21,7 @@ from flashtune.perf.model.baselines import PublishedFigure, published_figures
 from flashtune.perf.model.costmodel import DEFAULT_PARAMS, ModelParams, Prediction, predict
 from flashtune.perf.model.gpus import GpuSpec, default_gpu_for_arch, get_gpu
 from flashtune.perf.model.occupancy import Occupancy, occupancy
-from flashtune.perf.model.wgmma import is_wgmma_forward
+from flashtune.perf.model.paths import is_arch_specific_path, predicts
 from flashtune.perf.sass.disasm import sass_listing
 from flashtune.perf.sass.loops import MainLoops, main_loops
 from flashtune.perf.sass.parse import InstructionMix, Loop
@@ -66,7 +66,7 @@ class KernelProfile:
         """A forward's tensor FLOPs per K/V tile: 4 * block_m * block_n * head dim (Q K^T and
         P V, the head dim rounded up to 16 as the tensor cores see it); None for a kernel
         that is not a forward (the mma.sync one or an sm_90a family)."""
-        if self.problem.op != "fwd" and not is_wgmma_forward(self.problem):
+        if not predicts(self.problem):
             return None
         return 4 * self.config.block_m * self.config.block_n * mma_head_dim(self.problem)
 
@@ -128,12 +128,12 @@ def profile_kernel(problem: Problem, config: KernelConfig, shape: Shape, arch: s
     # The main loop: the unmasked one, where most tiles of a long sequence run.
     main = loops.unmasked or loops.masked
     loop = main.loop if main is not None else function.hot_loop()
-    if counters and problem.op != "fwd":
+    if counters and not (predicts(problem) and not is_arch_specific_path(problem)):
         raise InvalidConfig(f"emulator counters feed the mma.sync forward's prediction only; "
                             f"profile the {problem.op!r} family without --counters")
     emulated = None
     prediction = None
-    if problem.op == "fwd" or is_wgmma_forward(problem):
+    if predicts(problem):
         if counters:
             from flashtune.perf.model.emulated import measure_traffic
 
