@@ -1,8 +1,8 @@
 """Profile one kernel without a GPU: compile it, read its SASS, resources and occupancy, and
 PREDICT its time on a named GPU. What ``flashtune profile`` prints.
 
-The SASS statistics (the whole kernel and its main loop: the innermost loop with the most
-tensor-core work) and the occupancy are read for a kernel of any family; the time is only
+The SASS statistics (the whole kernel and its main loop, ``perf.sass.loops.main_loop``) and
+the occupancy are read for a kernel of any family; the time is only
 predicted for the forwards the cost model describes: the mma.sync forward and the sm_90a
 (wgmma) families, each on its own labelled path. On an H100 sweep point the published
 FA3 / FA2 figures are given with the ratio of the prediction to them (a sanity check)."""
@@ -23,7 +23,7 @@ from flashtune.perf.model.gpus import GpuSpec, default_gpu_for_arch, get_gpu
 from flashtune.perf.model.occupancy import Occupancy, occupancy
 from flashtune.perf.model.paths import is_arch_specific_path, predicts
 from flashtune.perf.sass.disasm import sass_listing
-from flashtune.perf.sass.loops import MainLoops, main_loops
+from flashtune.perf.sass.loops import MainLoops, main_loop, main_loops
 from flashtune.perf.sass.parse import InstructionMix, Loop
 from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.resources import Resources
@@ -125,9 +125,7 @@ def profile_kernel(problem: Problem, config: KernelConfig, shape: Shape, arch: s
     kernel = compile_source(source, spec.name)
     function = sass_listing(kernel.cubin, spec.name).function(source.entry)
     loops = main_loops(function)
-    # The main loop: the unmasked one, where most tiles of a long sequence run.
-    main = loops.unmasked or loops.masked
-    loop = main.loop if main is not None else function.hot_loop()
+    loop = main_loop(function, loops)
     if counters and not (predicts(problem) and not is_arch_specific_path(problem)):
         raise InvalidConfig(f"emulator counters feed the mma.sync forward's prediction only; "
                             f"profile the {problem.op!r} family without --counters")

@@ -21,6 +21,7 @@ from flashtune.perf.model.baselines import (
 from flashtune.perf.model.costmodel import DEFAULT_PARAMS, predict
 from flashtune.perf.model.loopcost import kernel_loops, masked_tiles, rescale_probability
 from flashtune.perf.sass.disasm import sass_listing
+from flashtune.perf.sass.loops import main_loop
 from flashtune.perf.sass.parse import parse_sass
 from flashtune.runtime.compiler import compile_source
 
@@ -93,7 +94,7 @@ def test_prediction_charges_executed_instructions_per_loop(compile_cubin: object
     note = next(n for n in pred.notes if n.startswith("charged executed instructions"))
     assert "masked loop" in note and "O rescale" in note
     static_only = predict(problem, TILE, shape, "H100", resources=kernel.resources,
-                          sass=fn.mix(fn.hot_loop()))
+                          sass=fn.mix(main_loop(fn)))
     # Skipping most rescales of a 4k sequence makes the executed charge the smaller one.
     assert pred.time_ms < static_only.time_ms
 

@@ -73,7 +73,7 @@ from flashtune.perf.model.params import ModelParams as ModelParams
 from flashtune.perf.model.paths import model_path
 from flashtune.perf.model.paths import model_version as model_version
 from flashtune.perf.model.strategy import ModelPath, tensor_cycles, versioned
-from flashtune.perf.sass.loops import nested_loops
+from flashtune.perf.sass.loops import main_loop, nested_loops
 from flashtune.perf.sass.parse import InstructionMix, SassFunction
 
 
@@ -195,7 +195,7 @@ def _tile_mix(problem: Problem, config: KernelConfig, sass: SassFunction | Instr
     if sass is not None:
         loop_mix = sass
         if isinstance(sass, SassFunction):
-            loop = sass.hot_loop()
+            loop = main_loop(sass)
             loop_mix = sass.mix(loop) if loop is not None else sass.mix()
             if loop is None:
                 notes.append("no loop in the SASS; counts taken over the whole kernel")

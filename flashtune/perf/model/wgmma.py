@@ -22,9 +22,10 @@ differs in:
     ``overlap`` parameter (fitted to FA2's table for mma.sync warps; reused, not refitted);
   * with ping-pong: named barriers make the two consumer warpgroups take turns, one's
     softmax under the other's GEMMs (FA3 paper §3.1), assumed to hide all of the shorter.
-- Loads: without a producer warpgroup the consumer warps issue their cp.async copies (their address arithmetic
-  is in the main loop's SASS, so it is charged); the warp-specialised families' producer
-  warpgroup issues TMA copies, and its few instructions per tile are not charged. Where the
+- Loads: without a producer warpgroup the consumer warps issue their cp.async copies
+  (their address arithmetic is in the main loop's SASS, so it is charged); the
+  warp-specialised family's producer warpgroup issues TMA copies, and its few
+  instructions per tile are not charged. Where the
   load knobs make it copy with cp.async its instructions are not charged either (they are
   not in the consumers' main loop): an optimistic assumption, said in the prediction. All
   see the same memory latency, hidden by ``num_stages - 1`` tiles of prefetch.

@@ -112,6 +112,12 @@ class MainLoops:
     masked: MainLoop | None
     unmasked: MainLoop | None
 
+    @property
+    def primary(self) -> MainLoop | None:
+        """The unmasked loop, else the masked one: where most tiles of a long sequence run,
+        and the loop a kernel's per-iteration statistics are read over."""
+        return self.unmasked or self.masked
+
     def __iter__(self) -> Iterator[MainLoop]:
         return iter([lp for lp in (self.masked, self.unmasked) if lp is not None])
 
@@ -273,6 +279,20 @@ def nested_loops(fn: SassFunction, loop: Loop) -> tuple[Loop, ...]:
     loop: a static count takes their bodies once, whatever their trip count)."""
     return tuple(lp for lp in fn.loops()
                  if lp != loop and loop.start <= lp.start and lp.end <= loop.end)
+
+
+def main_loop(fn: SassFunction, loops: MainLoops | None = None) -> Loop | None:
+    """The one loop a kernel's per-iteration statistics are read over: the primary main
+    loop (``MainLoops.primary``; ``loops`` when already found) of a kernel with tensor-core
+    loops; in a kernel without tensor-core work, its loop with the most instructions (the
+    smallest on ties); None without loops."""
+    found = main_loops(fn) if loops is None else loops
+    if found.primary is not None:
+        return found.primary.loop
+    every = fn.loops()
+    if not every:
+        return None
+    return max(every, key=lambda lp: (fn.mix(lp).total, -(lp.end - lp.start)))
 
 
 def main_loops(fn: SassFunction) -> MainLoops:
