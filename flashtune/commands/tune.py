@@ -99,7 +99,7 @@ def tune_command(
 
     With --replay FILE the same search runs against a recorded landscape of any kernel."""
     from flashtune import families
-    from flashtune.tuner.measure.replay import parse_budget
+    from flashtune.tuner.landscape import parse_budget
     from flashtune.tuner.measure.workload import parse_batch_heads, parse_seqlens
     from flashtune.tuner.options import TuneOptions
 
@@ -183,7 +183,7 @@ def _replay(path: Path, budget: str | None, trials: int | None, sampler: str,
             seed: int | None, warm_start_from: str | None) -> None:
     """``--replay``: the tuner's search against a recorded landscape, with a live table."""
     from flashtune.commands.tune_progress import ReplayProgress
-    from flashtune.tuner.measure.replay import Landscape, parse_budget
+    from flashtune.tuner.landscape import Landscape, parse_budget
     from flashtune.tuner.replay import replay, warm_start_prior
     from flashtune.tuner.search.sampler import Prior
 

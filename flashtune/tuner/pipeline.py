@@ -2,7 +2,7 @@
 
 Generic over what is measured (``Measurement``): kernels on a backend
 (``measure.kernels.KernelMeasurement``), or a recorded landscape replayed on a simulated
-clock (``measure.replay.ReplayMeasurement``).
+clock (``measure.recorded.RecordedMeasurer``).
 
 Proposals are taken ``depth`` ahead and their compilations submitted to a pool at once;
 the device then verifies and times them one at a time in proposal order, so it never waits

@@ -21,6 +21,11 @@ from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.db.records import DeviceRecord, TrialStatus
 from flashtune.errors import TuningError
 
+#: The trial attribute of what measuring a trial cost in seconds (compile included), where
+#: the measurement knows it better than the trial's wall-clock duration (a recorded
+#: measurement's simulated clock).
+COST_ATTR = "cost_s"
+
 _COMPILE_STATUSES = (TrialStatus.OK, TrialStatus.COMPILE_FAILED, TrialStatus.INVALID)
 _VERIFY_STATUSES = (TrialStatus.OK, TrialStatus.WRONG_RESULT, TrialStatus.RUNTIME_FAILED)
 
