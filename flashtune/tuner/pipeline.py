@@ -1,6 +1,6 @@
 """The measurement pipeline: compile ahead in a pool while the device measures.
 
-Generic over what is measured (``Measurement``): kernels on a backend
+Generic over what is measured (``Measurement``): kernels on a measurer
 (``measure.kernels.KernelMeasurement``), or a recorded landscape replayed on a simulated
 clock (``measure.recorded.RecordedMeasurer``).
 
