@@ -7,7 +7,7 @@ head dims 64 and 128, against FlashAttention-2's figure for the same tile.
 For each default config (causal and not), and each tile FA2's figures are for that is not
 the default (rows marked "reference", e.g. 128 x 32 at head dim 128 on sm_90), it compiles
 the kernel with NVRTC (no GPU), finds the masked and unmasked main loops in the SASS
-(flashtune.perf.loops) and prints the static instructions per iteration per warp of the
+(flashtune.perf.sass.loops) and prints the static instructions per iteration per warp of the
 unmasked loop, what it executes when the warp vote skips the rescale of O, the masked
 loop's count ("-": masked steps are unrolled, or there is no mask), FA2's same-tile figure
 from reference/fa2-sass-facts.md where it has one, and the ratio. Exit status 1 when an
@@ -25,14 +25,14 @@ from rich.table import Table
 
 from flashtune.codegen.spec import DType
 from flashtune.families import render
-from flashtune.perf.budget import (
+from flashtune.perf.sass.budget import (
     BudgetRow,
     budget_row,
     default_problems,
     reference_problems,
 )
-from flashtune.perf.disasm import sass_listing
-from flashtune.perf.loops import main_loops
+from flashtune.perf.sass.disasm import sass_listing
+from flashtune.perf.sass.loops import main_loops
 from flashtune.runtime.compiler import compile_pairs
 
 

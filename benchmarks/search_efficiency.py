@@ -58,7 +58,7 @@ from _common import add_benchmarks_to_path  # noqa: E402
 
 add_benchmarks_to_path()
 
-from flashtune.tuner.measure.replay import Landscape  # noqa: E402
+from flashtune.tuner.landscape import Landscape  # noqa: E402
 from flashtune.tuner.replay import SamplerFactory, replay, warm_start_prior  # noqa: E402
 from flashtune.tuner.search.sampler import GuidedSampler, Prior  # noqa: E402
 from flashtune.tuner.search.space import SearchSpace  # noqa: E402

@@ -1,6 +1,6 @@
 """Regenerate docs/default-configs.md: the default config of every (arch class, head dim,
 causal) with its resources on one arch of the class, compiled with NVRTC (no GPU needed);
-or re-derive the default table by its rule (flashtune/perf/default_rule.py).
+or re-derive the default table by its rule (flashtune/perf/model/default_rule.py).
 
     python docs/default_configs.py > docs/default-configs.md
     python docs/default_configs.py --check    # exit 1 when the table is not the rule's
@@ -18,10 +18,10 @@ from flashtune.codegen.arch import ArchClass, arch_class, get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.families import render
 from flashtune.families.fwd import defaults, space
-from flashtune.perf import default_rule
-from flashtune.perf.costmodel import predict
-from flashtune.perf.disasm import sass_listing
-from flashtune.perf.loops import MAX_LOCAL_ACCESSES, main_loops
+from flashtune.perf.model import default_rule
+from flashtune.perf.model.costmodel import predict
+from flashtune.perf.sass.disasm import sass_listing
+from flashtune.perf.sass.loops import MAX_LOCAL_ACCESSES, main_loops
 from flashtune.runtime.compiler import CompileResult, compile_pairs
 from flashtune.toolchain import nvrtc
 from flashtune.toolchain.cuda import find_toolchain
@@ -42,7 +42,7 @@ def predicted_cell(entry: defaults.DefaultEntry, problem: Problem,
     """The model's PREDICTED TFLOP/s of the entry at the rule's workload, on the class's GPU."""
     kernel = result.unwrap()
     function = sass_listing(kernel.cubin, result.arch).function(result.source.entry)
-    pred = predict(problem, entry.config, default_rule.workload(entry.head_dim),
+    pred = predict(problem, entry.config, default_rule.rule_shape(entry.head_dim),
                    default_rule.class_gpu(entry.arch_class), resources=kernel.resources,
                    sass=function)
     return f"{pred.tflops:.0f}"
@@ -99,11 +99,11 @@ def document() -> None:
           "spill bytes (stores/loads) per thread as reported by ptxas for fp16 / bf16; shared "
           "memory is the dynamic shared memory per block; local/iter: local-memory accesses per "
           "main-loop iteration, the most over the loops, with those inside a tensor-core chain "
-          "in parentheses. The spill rule (flashtune/perf/loops.py): a default may spill as "
+          "in parentheses. The spill rule (flashtune/perf/sass/loops.py): a default may spill as "
           f"long as no local access sits in a tensor-core chain and each main loop makes at "
           f"most {MAX_LOCAL_ACCESSES} per iteration. The dispatcher falls back to these "
           "configs when nothing is tuned; `flashtune explain` shows which one a call uses.\n")
-    print("How the table is chosen (flashtune/perf/default_rule.py; `python "
+    print("How the table is chosen (flashtune/perf/model/default_rule.py; `python "
           "docs/default_configs.py --check` re-derives it): among the tiles of the forward "
           "space with the structure knobs at their defaults, keep those that compile for "
           "every arch of the class in fp16 and bf16, keep the spill rule, keep two resident "

@@ -371,11 +371,12 @@ def verify_command(
     CPU emulator without a GPU, numerics and timing on a GPU. Records each verdict (a pass
     makes a stale entry servable again, a failure stops it being served); exits with
     status 1 if any check fails."""
-    from flashtune.commands.db_verify import backend_factory, results_table, verify_store
+    from flashtune.commands.db_verify import measurer_for, results_table, verify_store
     from flashtune.db.store import TuningStore
+    from flashtune.tuner.measure.factory import measurer_names
 
-    if backend not in ("auto", "gpu", "emulator"):
-        raise typer.BadParameter(f"{backend!r}; expected auto, gpu or emulator",
+    if backend not in ("auto", *measurer_names()):
+        raise typer.BadParameter(f"{backend!r}; expected auto, {', '.join(measurer_names())}",
                                  param_hint="--backend")
     with _open(ctx, db, create=False) as reader:
         where = reader.url
@@ -390,7 +391,7 @@ def verify_command(
         return
     table, add_row = results_table(f"verification of {len(entries)} served config(s)")
     try:
-        factory, cap = backend_factory(backend)
+        factory, cap = measurer_for(backend)
         with TuningStore(where) as store:
             results = verify_store(store, entries, factory, verify_cap=cap, on_result=add_row)
     except FlashtuneError as exc:

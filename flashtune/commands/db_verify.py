@@ -1,7 +1,7 @@
 """``flashtune db verify``: re-check the configs a database serves, on the installed kernels.
 
 Each best entry (optionally only some devices or problems) is rendered from the installed
-templates and checked through the tuner's measurement backends, so this is exactly the
+templates and checked through the tuner's measurers, so this is exactly the
 verification a tuning run does:
 
 - without a GPU (or with ``--backend emulator``): NVRTC compiles for the entry's arch and the
@@ -28,7 +28,7 @@ from flashtune.runtime.trust import installed_digest
 
 if TYPE_CHECKING:
     from flashtune.db.store import TuningStore
-    from flashtune.tuner.measure.base import MeasurementBackend
+    from flashtune.tuner.measure.base import Measurer
 
 #: Measured / stored median outside this range is flagged in the report.
 TIMING_RATIO_WARN = 2.0
@@ -47,15 +47,15 @@ class Checked:
     measured_ms: float | None = None
 
 
-def _time(backend: MeasurementBackend, entry: BestEntry, verify_cap: int | None
+def _time(measurer: Measurer, entry: BestEntry, verify_cap: int | None
           ) -> tuple[float, str]:
-    """The geometric-mean median of the entry's bucket shapes on ``backend``, and a note."""
+    """The geometric-mean median of the entry's bucket shapes on ``measurer``, and a note."""
     from flashtune.tuner.measure.base import TimingPlan
     from flashtune.tuner.measure.workload import geomean, make_workload
 
     bucket, config = entry.trial.problem_bucket(), entry.trial.kernel_config()
     shapes = make_workload(bucket, verify_cap=verify_cap or 1024).shapes
-    timings = backend.time(bucket.problem, config, shapes, TimingPlan())
+    timings = measurer.time(bucket.problem, config, shapes, TimingPlan())
     measured = geomean([t.median_ms for t in timings])
     ratio = measured / entry.median_ms
     flag = ("" if 1 / TIMING_RATIO_WARN <= ratio <= TIMING_RATIO_WARN
@@ -64,16 +64,16 @@ def _time(backend: MeasurementBackend, entry: BestEntry, verify_cap: int | None
                       f"(x{ratio:.3g}){flag}")
 
 
-def check_entry(backend: MeasurementBackend, entry: BestEntry, *,
+def check_entry(measurer: Measurer, entry: BestEntry, *,
                 verify_cap: int | None = None, time_it: bool = False) -> Checked:
-    """Re-check one entry's config on the installed kernel sources with ``backend``."""
+    """Re-check one entry's config on the installed kernel sources with ``measurer``."""
     from flashtune.tuner.measure.workload import make_workload
 
     digest = installed_digest(entry.problem, entry.config.key)
     try:
         bucket, config = entry.trial.problem_bucket(), entry.trial.kernel_config()
         workload = make_workload(bucket, verify_cap=verify_cap or 1024)
-        outcome = backend.verify(bucket.problem, config, workload.verify_shape)
+        outcome = measurer.verify(bucket.problem, config, workload.verify_shape)
     except FlashtuneError as exc:
         return Checked(entry, digest, False, truncate_error(f"{type(exc).__name__}: {exc}"))
     if outcome.status is not TrialStatus.OK:
@@ -83,29 +83,29 @@ def check_entry(backend: MeasurementBackend, entry: BestEntry, *,
     if not time_it:
         return Checked(entry, digest, True, detail)
     try:
-        measured, note = _time(backend, entry, verify_cap)
+        measured, note = _time(measurer, entry, verify_cap)
     except FlashtuneError as exc:
         return Checked(entry, digest, False, truncate_error(f"timing failed: {exc}"))
     return Checked(entry, digest, True, f"{detail}; {note}", measured)
 
 
 def verify_store(store: TuningStore, entries: Sequence[BestEntry],
-                 backend_for: Callable[[str], MeasurementBackend], *,
+                 measurer_of: Callable[[str], Measurer], *,
                  verify_cap: int | None = None,
                  on_result: Callable[[Checked], None] | None = None) -> list[Checked]:
-    """Check every entry (``backend_for(arch)`` gives the backend of an arch) and record
-    each verdict in ``store``. Timing happens only on a timed backend, for entries of the
-    backend's own device."""
+    """Check every entry (``measurer_of(arch)`` gives the measurer of an arch) and record
+    each verdict in ``store``. Timing happens only on a timed measurer, for entries of the
+    measurer's own device."""
     results: list[Checked] = []
-    backends: dict[str, MeasurementBackend] = {}
+    measurers: dict[str, Measurer] = {}
     for entry in entries:
-        if entry.arch not in backends:
-            backends[entry.arch] = backend_for(entry.arch)
-        backend = backends[entry.arch]
-        time_it = backend.timed and backend.device.name == entry.device
-        checked = check_entry(backend, entry, verify_cap=verify_cap, time_it=time_it)
+        if entry.arch not in measurers:
+            measurers[entry.arch] = measurer_of(entry.arch)
+        measurer = measurers[entry.arch]
+        time_it = measurer.timed and measurer.device.name == entry.device
+        checked = check_entry(measurer, entry, verify_cap=verify_cap, time_it=time_it)
         if checked.digest is not None:
-            name = "gpu" if backend.timed else "emulator"
+            name = "gpu" if measurer.timed else "emulator"
             store.record_verification(entry.trial.uid, checked.digest, checked.passed, name,
                                       checked.detail)
         results.append(checked)
@@ -114,19 +114,18 @@ def verify_store(store: TuningStore, entries: Sequence[BestEntry],
     return results
 
 
-def backend_factory(kind: str) -> tuple[Callable[[str], MeasurementBackend], int | None]:
-    """``backend_for(arch)`` and the verification length cap for ``--backend`` (auto: the
+def measurer_for(kind: str) -> tuple[Callable[[str], Measurer], int | None]:
+    """``measurer_of(arch)`` and the verification length cap for ``--backend`` (auto: the
     GPU if there is one, else the emulator)."""
     import torch
 
-    from flashtune.tuner.measure.cuda import gpu_backend
-    from flashtune.tuner.measure.dry import dry_run_backend
+    from flashtune.tuner.measure.factory import ALIASES, make_measurer
 
-    use_gpu = kind == "gpu" or (kind == "auto" and torch.cuda.is_available())
-    if use_gpu:
-        gpu = gpu_backend()
+    name = ("cuda" if torch.cuda.is_available() else "dry-run") if kind == "auto" else kind
+    if ALIASES.get(name, name) == "cuda":
+        gpu = make_measurer(name)
         return (lambda arch: gpu), None
-    return dry_run_backend, EMULATOR_VERIFY_CAP
+    return (lambda arch: make_measurer(name, arch=arch)), EMULATOR_VERIFY_CAP
 
 
 def results_table(title: str) -> tuple[Table, Callable[[Checked], None]]:

@@ -23,7 +23,7 @@ def correlate_command(
     """Rank correlation (Spearman rho) of predicted vs measured times, per bucket with at
     least 3 measured configs that carry a prediction, and overall."""
     from flashtune.db.store import TuningStore
-    from flashtune.perf.correlate import MIN_CONFIGS, correlate
+    from flashtune.perf.model.correlate import MIN_CONFIGS, correlate
 
     console = Console()
     try:

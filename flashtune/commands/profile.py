@@ -33,7 +33,7 @@ from flashtune.errors import FlashtuneError
 
 if TYPE_CHECKING:  # flashtune.perf imports torch: loaded when a profile runs
     from flashtune.perf.profile import KernelProfile
-    from flashtune.perf.sass import InstructionMix
+    from flashtune.perf.sass.parse import InstructionMix
 
 
 def _shape(batch: int, heads: int, heads_kv: int | None, seqlen: int, seqlen_k: int | None
@@ -50,7 +50,7 @@ def _widths(widths: dict[int, int]) -> str:
 
 def _ops(mix: InstructionMix, *categories: str) -> str:
     """'n OPCODE, ...' of the mix's opcodes in ``categories``."""
-    from flashtune.perf.sass import categorize
+    from flashtune.perf.sass.parse import categorize
 
     return ", ".join(f"{n} {op}" for op, n in mix.by_opcode.items()
                      if categorize(op) in categories)
@@ -149,7 +149,7 @@ def _print(profile: KernelProfile) -> None:
 
 def _print_loop_budget(console: Console, profile: KernelProfile) -> None:
     """Instructions per main-loop iteration per warp, by class, masked and unmasked loop."""
-    from flashtune.perf.budget import class_table
+    from flashtune.perf.sass.budget import class_table
 
     loops = {f"{lp.kind.value} loop [{lp.loop.start:#x}-{lp.loop.end:#x}]": lp
              for lp in profile.loops}

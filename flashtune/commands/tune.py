@@ -99,7 +99,7 @@ def tune_command(
 
     With --replay FILE the same search runs against a recorded landscape of any kernel."""
     from flashtune import families
-    from flashtune.tuner.measure.replay import parse_budget
+    from flashtune.tuner.landscape import parse_budget
     from flashtune.tuner.measure.workload import parse_batch_heads, parse_seqlens
     from flashtune.tuner.options import TuneOptions
 
@@ -168,7 +168,7 @@ def _served_problem(problem: Problem, dry_arch: str | None) -> Problem:
     try:
         device = DeviceInfo.virtual(dry_arch) if dry_arch else DeviceInfo.current()
     except DeviceError:
-        return problem  # no usable GPU: the measurement backend says so
+        return problem  # no usable GPU: the measurer says so
     served = served_problem(problem, device)
     if served != problem:
         other = ("--arch sm_90 tunes the portable one" if dry_arch else
@@ -183,7 +183,7 @@ def _replay(path: Path, budget: str | None, trials: int | None, sampler: str,
             seed: int | None, warm_start_from: str | None) -> None:
     """``--replay``: the tuner's search against a recorded landscape, with a live table."""
     from flashtune.commands.tune_progress import ReplayProgress
-    from flashtune.tuner.measure.replay import Landscape, parse_budget
+    from flashtune.tuner.landscape import Landscape, parse_budget
     from flashtune.tuner.replay import replay, warm_start_prior
     from flashtune.tuner.search.sampler import Prior
 
@@ -243,21 +243,12 @@ def _run_local(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHea
                ) -> list[BucketSummary]:
     from flashtune.commands.tune_progress import RichProgress
     from flashtune.tuner.api import tune
-    from flashtune.tuner.measure.base import MeasurementBackend
+    from flashtune.tuner.measure.factory import DEFAULT_DRY_RUN_ARCH
 
-    backend: MeasurementBackend
-    if dry_arch:
-        from flashtune.tuner.measure.dry import dry_run_backend
-
-        backend = dry_run_backend(dry_arch)
-    else:
-        from flashtune.tuner.measure.cuda import gpu_backend
-
-        backend = gpu_backend()
     with RichProgress(options.trials) as progress:
         return tune(problem.head_dim, problem.dtype, problem.causal, lengths, op=problem.op,
-                    features=problem.features, backend=backend,
-                    dry_run=dry_arch is not None, db=db, options=options,
+                    features=problem.features, dry_run=dry_arch is not None,
+                    arch=dry_arch or DEFAULT_DRY_RUN_ARCH, db=db, options=options,
                     batch_heads=pairs, observer=progress)
 
 
@@ -281,7 +272,7 @@ def _run_workers(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchH
     spec = WorkerSpec(
         head_dim=problem.head_dim, dtype=problem.dtype.value, causal=problem.causal,
         op=problem.op, features=problem.features, seqlens=lengths, db=db or "",
-        backend="flashtune.tuner.measure.cuda:gpu_backend",
+        measurer="cuda",
         batch_heads=tuple((p.batch, p.heads) for p in pairs), options=options)
     with RichProgress(options.trials) as progress:
         return tune_parallel(spec, workers, device=info.name, arch=info.spec,

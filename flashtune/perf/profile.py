@@ -1,8 +1,8 @@
 """Profile one kernel without a GPU: compile it, read its SASS, resources and occupancy, and
 PREDICT its time on a named GPU. What ``flashtune profile`` prints.
 
-The SASS statistics (the whole kernel and its main loop: the innermost loop with the most
-tensor-core work) and the occupancy are read for a kernel of any family; the time is only
+The SASS statistics (the whole kernel and its main loop, ``perf.sass.loops.main_loop``) and
+the occupancy are read for a kernel of any family; the time is only
 predicted for the forwards the cost model describes: the mma.sync forward and the sm_90a
 (wgmma) families, each on its own labelled path. On an H100 sweep point the published
 FA3 / FA2 figures are given with the ratio of the prediction to them (a sanity check)."""
@@ -16,20 +16,20 @@ from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.errors import InvalidConfig
 from flashtune.families import render
-from flashtune.perf.baselines import PublishedFigure, published_figures
-from flashtune.perf.costmodel import DEFAULT_PARAMS, ModelParams, Prediction, predict
-from flashtune.perf.disasm import sass_listing
-from flashtune.perf.gpus import GpuSpec, default_gpu_for_arch, get_gpu
-from flashtune.perf.loops import MainLoops, main_loops
-from flashtune.perf.occupancy import Occupancy, occupancy
-from flashtune.perf.sass import InstructionMix, Loop
-from flashtune.perf.wgmma import is_wgmma_forward
-from flashtune.perf.workload import mma_head_dim
+from flashtune.perf.model.algorithm import mma_head_dim
+from flashtune.perf.model.baselines import PublishedFigure, published_figures
+from flashtune.perf.model.costmodel import DEFAULT_PARAMS, ModelParams, Prediction, predict
+from flashtune.perf.model.gpus import GpuSpec, default_gpu_for_arch, get_gpu
+from flashtune.perf.model.occupancy import Occupancy, occupancy
+from flashtune.perf.model.paths import is_arch_specific_path, predicts
+from flashtune.perf.sass.disasm import sass_listing
+from flashtune.perf.sass.loops import MainLoops, main_loop, main_loops
+from flashtune.perf.sass.parse import InstructionMix, Loop
 from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.resources import Resources
 
 if TYPE_CHECKING:
-    from flashtune.perf.emulated import EmulatedTraffic
+    from flashtune.perf.model.emulated import EmulatedTraffic
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class KernelProfile:
         """A forward's tensor FLOPs per K/V tile: 4 * block_m * block_n * head dim (Q K^T and
         P V, the head dim rounded up to 16 as the tensor cores see it); None for a kernel
         that is not a forward (the mma.sync one or an sm_90a family)."""
-        if self.problem.op != "fwd" and not is_wgmma_forward(self.problem):
+        if not predicts(self.problem):
             return None
         return 4 * self.config.block_m * self.config.block_n * mma_head_dim(self.problem)
 
@@ -118,24 +118,22 @@ def profile_kernel(problem: Problem, config: KernelConfig, shape: Shape, arch: s
     """Compile ``problem`` x ``config`` for ``arch``, disassemble it and predict ``shape``
     on ``gpu`` (default: the arch's reference GPU). With ``counters``, the kernel also runs
     in the CPU emulator on a small sample shape and its measured global bytes and bank
-    conflicts replace the model's analytic ones (perf.emulated)."""
+    conflicts replace the model's analytic ones (perf.model.emulated)."""
     spec = get_arch(arch)
     target = resolve_gpu(spec.name, gpu)
     source = render(problem, config)
     kernel = compile_source(source, spec.name)
     function = sass_listing(kernel.cubin, spec.name).function(source.entry)
     loops = main_loops(function)
-    # The main loop: the unmasked one, where most tiles of a long sequence run.
-    main = loops.unmasked or loops.masked
-    loop = main.loop if main is not None else function.hot_loop()
-    if counters and problem.op != "fwd":
+    loop = main_loop(function, loops)
+    if counters and not (predicts(problem) and not is_arch_specific_path(problem)):
         raise InvalidConfig(f"emulator counters feed the mma.sync forward's prediction only; "
                             f"profile the {problem.op!r} family without --counters")
     emulated = None
     prediction = None
-    if problem.op == "fwd" or is_wgmma_forward(problem):
+    if predicts(problem):
         if counters:
-            from flashtune.perf.emulated import measure_traffic
+            from flashtune.perf.model.emulated import measure_traffic
 
             emulated = measure_traffic(problem, config, shape)
         prediction = predict(problem, config, shape, target, resources=kernel.resources,

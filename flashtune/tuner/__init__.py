@@ -16,10 +16,9 @@ _EXPORTS = {
     "TuneOptions": "flashtune.tuner.options",
     "BucketSummary": "flashtune.tuner.options",
     "TimingPlan": "flashtune.tuner.measure.base",
-    "MeasurementBackend": "flashtune.tuner.measure.base",
+    "Measurer": "flashtune.tuner.measure.base",
     "BatchHeads": "flashtune.tuner.measure.workload",
-    "gpu_backend": "flashtune.tuner.measure.cuda",
-    "dry_run_backend": "flashtune.tuner.measure.dry",
+    "make_measurer": "flashtune.tuner.measure.factory",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -2,7 +2,7 @@
 
 Per bucket: static pruning (space.static_check, recorded as ``invalid``), then the
 pipeline (compile ahead -> resource check -> verify -> time) driven by an Optuna study, or
-by a fixed enumeration for untimed (dry-run) backends; at the end the top candidates are
+by a fixed enumeration for untimed (dry-run) measurers; at the end the top candidates are
 re-measured and the winner crowned as the bucket's best in the database.
 
 The cost model (prediction.py) PREDICTS every legal candidate's time on the bucket when it
@@ -30,8 +30,9 @@ from flashtune.codegen.spec import DType, KernelConfig, Problem, ProblemBucket
 from flashtune.db.records import TrialStatus, check_study
 from flashtune.db.store import TuningStore
 from flashtune.errors import InvalidConfig, TuningError
-from flashtune.tuner.measure.base import MeasurementBackend
+from flashtune.tuner.measure.base import Measurer
 from flashtune.tuner.measure.evaluate import TrialResult
+from flashtune.tuner.measure.factory import make_measurer
 from flashtune.tuner.measure.kernels import CompilePool, KernelMeasurement
 from flashtune.tuner.measure.workload import BatchHeads, Workload, make_workload
 from flashtune.tuner.options import STATIC_REJECTIONS, BucketSummary, TuneOptions
@@ -116,14 +117,14 @@ def prepare_study(store: TuningStore, name: str, options: TuneOptions,
 
 
 class Tuner:
-    """Tunes buckets on one backend against one database (see the module docstring)."""
+    """Tunes buckets on one measurer against one database (see the module docstring)."""
 
-    def __init__(self, backend: MeasurementBackend, store: TuningStore,
+    def __init__(self, measurer: Measurer, store: TuningStore,
                  options: TuneOptions | None = None, observer: Observer | None = None,
                  batch_heads: Sequence[BatchHeads] = (), verify_cap: int | None = None
                  ) -> None:
         options = options if options is not None else TuneOptions()
-        self.backend = backend
+        self.measurer = measurer
         self.store = store
         self.options = options
         self.observer: Observer = observer or _Silent()
@@ -133,14 +134,14 @@ class Tuner:
         self._deadline = (time.monotonic() + options.budget_s
                           if options.budget_s is not None else None)
         self._untimed_memo: dict[tuple[Problem, KernelConfig], TrialResult] = {}
-        store.record_device(backend.device)
-        gpu = resolve_gpu(backend.device, options.cost_model_gpu)
+        store.record_device(measurer.device)
+        gpu = resolve_gpu(measurer.device, options.cost_model_gpu)
         self.predictor = Predictor(gpu) if gpu is not None else None
         if gpu is None:
             log.warning("the cost model does not know the GPU of %s: no predictions are "
                         "recorded, candidates are not ordered or pruned by prediction (pass "
                         "a cost-model GPU to predict for one of its table)",
-                        backend.device.name)
+                        measurer.device.name)
 
     def workload(self, bucket: ProblemBucket) -> Workload:
         if self.verify_cap is None:
@@ -148,7 +149,7 @@ class Tuner:
         return make_workload(bucket, self.batch_heads, verify_cap=self.verify_cap)
 
     def study_name(self, bucket: ProblemBucket) -> str:
-        return study_name(self.backend.device.name, bucket, self.digest,
+        return study_name(self.measurer.device.name, bucket, self.digest,
                           self.options.study_prefix)
 
     def prepare_study(self, bucket: ProblemBucket,
@@ -156,19 +157,19 @@ class Tuner:
         return prepare_study(self.store, self.study_name(bucket), self.options, sampler)
 
     def run(self, buckets: Sequence[ProblemBucket]) -> list[BucketSummary]:
-        with CompilePool(self.backend.compiler, self.options.compile_workers) as pool:
+        with CompilePool(self.measurer.compiler, self.options.compile_workers) as pool:
             return [self.tune_bucket(bucket, pool) for bucket in buckets]
 
     # ------------------------------------------------------------------ one bucket
 
     def tune_bucket(self, bucket: ProblemBucket, pool: CompilePool) -> BucketSummary:
-        problem, arch = bucket.problem, self.backend.arch
+        problem, arch = bucket.problem, self.measurer.arch
         workload = self.workload(bucket)
         encoding = SearchEncoding(problem, arch)
         candidates = encoding.candidates()
-        timed = self.backend.timed
+        timed = self.measurer.timed
         name = self.study_name(bucket) if timed else None
-        results = ResultLog(self.store, self.backend.device, bucket, name)
+        results = ResultLog(self.store, self.measurer.device, bucket, name)
         summary = BucketSummary(bucket, name, len(candidates), timed=timed)
         summary.default = _default(problem, arch)
         past = results.past_outcomes()
@@ -275,7 +276,7 @@ class Tuner:
                pool: CompilePool, on_result: _OnResult, budget: int | None = None) -> int:
         opts = self.options
         trials = opts.trials if budget is None else budget
-        measurement = KernelMeasurement(self.backend, workload, pool, opts.plan,
+        measurement = KernelMeasurement(self.measurer, workload, pool, opts.plan,
                                         opts.max_spill_bytes)
         return run_pipeline(measurement, proposer, Limits(trials, self._deadline),
                             depth=opts.pipeline_depth, on_result=on_result)
@@ -341,7 +342,7 @@ class Tuner:
                 t.user_attrs[CONFIG_ATTR] == default.key() for t in measured):
             configs.append(default)
         opts = self.options
-        again = remeasure(self.backend, workload, configs, opts.final_plan, opts.final_rounds)
+        again = remeasure(self.measurer, workload, configs, opts.final_plan, opts.final_rounds)
         scored = [Scored(r, r.config == default) for r in again if r.status is TrialStatus.OK]
         def predicted_ms(config: KernelConfig) -> float | None:
             prediction = self._prediction(workload, config)
@@ -374,7 +375,7 @@ class _OnResult(Protocol):
 
 def tune(head_dim: int, dtype: DType | str = "bf16", causal: bool = False,
          seqlens: Sequence[int] = (1024, 4096, 16384), *,
-         backend: MeasurementBackend | None = None, dry_run: bool = False,
+         measurer: Measurer | None = None, dry_run: bool = False,
          arch: str = "sm_90", db: str | None = None, options: TuneOptions | None = None,
          batch_heads: Sequence[BatchHeads] = (), observer: Observer | None = None,
          verify_cap: int | None = None, op: str = "fwd", features: Sequence[str] = ()
@@ -384,7 +385,7 @@ def tune(head_dim: int, dtype: DType | str = "bf16", causal: bool = False,
     keys) for each bucket of ``seqlens``.
 
     Measures on the current GPU (TuningError without one), or with ``dry_run`` compiles for
-    ``arch`` and verifies in the CPU emulator, untimed; ``backend`` overrides both (see
+    ``arch`` and verifies in the CPU emulator, untimed; ``measurer`` overrides both (see
     flashtune.tuner.measure.base). ``db`` is the database URL or path (default: the FLASHTUNE_DB
     knob). Returns one summary per bucket; timed winners become the buckets' best in the
     database, which the runtime dispatcher serves.
@@ -394,17 +395,10 @@ def tune(head_dim: int, dtype: DType | str = "bf16", causal: bool = False,
                                  **dict.fromkeys(features, True)})
     # an unknown op or a feature the family lacks fails here, before any study is opened
     families.of(problem).check_problem(problem)
-    if backend is None:
-        if dry_run:
-            from flashtune.tuner.measure.dry import dry_run_backend
-
-            backend = dry_run_backend(arch)
-        else:
-            from flashtune.tuner.measure.cuda import gpu_backend
-
-            backend = gpu_backend()
-    if verify_cap is None and not backend.timed:  # the emulator: keep verification small
+    if measurer is None:
+        measurer = make_measurer("dry-run" if dry_run else "cuda", arch=arch)
+    if verify_cap is None and not measurer.timed:  # the emulator: keep verification small
         verify_cap = DRY_RUN_VERIFY_CAP
     with TuningStore(db) as store:
-        tuner = Tuner(backend, store, options, observer, batch_heads, verify_cap)
+        tuner = Tuner(measurer, store, options, observer, batch_heads, verify_cap)
         return tuner.run(buckets_of(problem, seqlens))

@@ -1,8 +1,8 @@
 """The measurement pipeline: compile ahead in a pool while the device measures.
 
-Generic over what is measured (``Measurement``): kernels on a backend
+Generic over what is measured (``Measurement``): kernels on a measurer
 (``measure.kernels.KernelMeasurement``), or a recorded landscape replayed on a simulated
-clock (``measure.replay.ReplayMeasurement``).
+clock (``measure.recorded.RecordedMeasurer``).
 
 Proposals are taken ``depth`` ahead and their compilations submitted to a pool at once;
 the device then verifies and times them one at a time in proposal order, so it never waits

@@ -3,7 +3,7 @@
 The same pieces as a tuning run on a GPU: an Optuna study (in memory), ``OptunaSearch``
 screening each proposal (impossible points pruned for free, re-proposals answered from the
 study, the budget in configs), the pipeline, and a sampler. Only the measurement differs:
-``ReplayMeasurement`` answers from the landscape and advances a simulated clock, which is
+``RecordedMeasurer`` answers from the landscape and advances a simulated clock, which is
 what a time budget counts here. The result is the run's trace: after each evaluation the
 simulated time spent and the best objective so far, from which the benchmark reads the
 quality reached at any budget.
@@ -23,7 +23,8 @@ import optuna
 
 from flashtune.db.records import TrialStatus
 from flashtune.errors import TuningError
-from flashtune.tuner.measure.replay import Config, Landscape, ReplayMeasurement, ReplayResult
+from flashtune.tuner.landscape import Landscape
+from flashtune.tuner.measure.recorded import Config, RecordedMeasurer, RecordedResult
 from flashtune.tuner.pipeline import Limits, run_pipeline
 from flashtune.tuner.search.proposers import OptunaSearch, Proposal
 from flashtune.tuner.search.sampler import Prior, make_sampler
@@ -142,14 +143,14 @@ def replay(landscape: Landscape, *, sampler: str | SamplerFactory = "guided",
     search = OptunaSearch(study, candidates, contextlib.nullcontext(), known_failed={},
                           grid=sampler == "grid", seed=seed, budget=trials,
                           record_values=False)
-    measurement = ReplayMeasurement(landscape)
+    measurement = RecordedMeasurer(landscape.records, landscape.path.name)
     summary = ReplaySummary(landscape, name, budget_s, trials, warm_start)
     observer = observer or ReplayObserver()
     better: Callable[[float, float], bool] = ((lambda a, b: a < b) if landscape.minimize
                                               else (lambda a, b: a > b))
     done = False
 
-    def on_result(proposal: Proposal[Config], result: ReplayResult) -> None:
+    def on_result(proposal: Proposal[Config], result: RecordedResult) -> None:
         nonlocal done
         best = summary.best
         if result.objective is not None and (best is None or better(result.objective, best)):

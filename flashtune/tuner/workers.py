@@ -1,7 +1,7 @@
 """Several tuning workers on one study: one process per GPU, or one per machine.
 
 A worker is ``python -m flashtune.tuner.workers SPEC`` where SPEC is the JSON of a
-``WorkerSpec``: the problem, the database URL, the options and how to build the backend
+``WorkerSpec``: the problem, the database URL, the options and how to build the measurer
 (``module:function`` plus JSON keyword arguments), so a worker needs nothing from its
 parent but the command line. Workers share the study through the database and never
 measure the same config twice (search.py); ``run_workers`` starts N of them (GPU i gets
@@ -13,7 +13,6 @@ with the same PostgreSQL ``--db`` URL.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import subprocess
@@ -28,7 +27,8 @@ import optuna
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.spec import Problem
 from flashtune.errors import TuningError
-from flashtune.tuner.measure.base import MeasurementBackend, TimingPlan
+from flashtune.tuner.measure.base import Measurer, TimingPlan
+from flashtune.tuner.measure.factory import make_measurer
 from flashtune.tuner.measure.workload import BatchHeads
 from flashtune.tuner.options import BucketSummary, TuneOptions
 from flashtune.tuner.search.study import Heartbeat
@@ -62,8 +62,8 @@ class WorkerSpec:
     op: str
     seqlens: tuple[int, ...]
     db: str
-    backend: str
-    backend_kwargs: dict[str, Any] = field(default_factory=dict)
+    measurer: str
+    measurer_options: dict[str, Any] = field(default_factory=dict)
     batch_heads: tuple[tuple[int, int], ...] = ()
     options: TuneOptions = TuneOptions()
     verify_cap: int | None = None
@@ -93,13 +93,10 @@ class WorkerSpec:
     def with_options(self, **changes: Any) -> WorkerSpec:
         return dataclasses.replace(self, options=dataclasses.replace(self.options, **changes))
 
-    def make_backend(self) -> MeasurementBackend:
-        module_name, _, attr = self.backend.partition(":")
-        if not attr:
-            raise TuningError(f"backend {self.backend!r} must be 'module:function'")
-        factory: Callable[..., MeasurementBackend] = getattr(
-            importlib.import_module(module_name), attr)
-        return factory(**self.backend_kwargs)
+    def make_measurer(self) -> Measurer:
+        """The worker's measurer (``measure.factory.make_measurer``: a name such as
+        ``cuda``, or ``module:function`` with ``measurer_options``)."""
+        return make_measurer(self.measurer, options=self.measurer_options)
 
 
 def run_spec(spec: WorkerSpec, observer: Observer | None = None) -> list[BucketSummary]:
@@ -107,7 +104,7 @@ def run_spec(spec: WorkerSpec, observer: Observer | None = None) -> list[BucketS
     from flashtune.tuner.api import tune
 
     return tune(spec.head_dim, spec.dtype, spec.causal, spec.seqlens, op=spec.op,
-                backend=spec.make_backend(), db=spec.db, options=spec.options,
+                measurer=spec.make_measurer(), db=spec.db, options=spec.options,
                 batch_heads=[BatchHeads(b, h) for b, h in spec.batch_heads],
                 observer=observer, verify_cap=spec.verify_cap, features=spec.features)
 

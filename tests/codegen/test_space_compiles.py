@@ -18,8 +18,9 @@ from flashtune.codegen.spec import DType, KernelSource, Problem
 from flashtune.families import render
 from flashtune.families.fwd import FORWARD, space
 from flashtune.families.fwd.defaults import default_config
-from flashtune.perf.disasm import sass_listing
-from flashtune.perf.loops import main_loops, spill_rule_breaches
+from flashtune.perf.model.default_rule import spill_rule_problems
+from flashtune.perf.sass.disasm import sass_listing
+from flashtune.perf.sass.loops import main_loops
 from flashtune.runtime.compiler import CompileResult, compile_pairs, compile_source
 
 ARCHS = ("sm_80", "sm_90")
@@ -128,5 +129,5 @@ def test_default_configs_spill_only_as_the_spill_rule_allows(
             if kernel.resources.spill_bytes or kernel.resources.stack_frame:
                 loops = main_loops(sass_listing(kernel.cubin, arch).function(source.entry))
                 breaches += [f"{problem.key()} {config.key()} {arch}: {why}"
-                             for why in spill_rule_breaches(loops)]
+                             for why in spill_rule_problems(loops, arch)]
     assert not breaches, "\n".join(breaches)

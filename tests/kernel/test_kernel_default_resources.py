@@ -1,7 +1,7 @@
 """Every default config compiles through NVRTC within the arch's shared memory, and spills
 registers only as the project's spill rule allows: no local-memory access in a tensor-core
 chain (an MMA reading a register just loaded from local memory, or one storing what an MMA
-wrote) and at most perf.loops.MAX_LOCAL_ACCESSES (8) local accesses per iteration of each
+wrote) and at most perf.sass.loops.MAX_LOCAL_ACCESSES (8) local accesses per iteration of each
 main loop. The default tier compiles each table entry once (fp16, on one arch per class);
 ``-m sweep`` covers every arch of each class and both dtypes."""
 
@@ -13,8 +13,9 @@ from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelSource, Problem
 from flashtune.families import render
 from flashtune.families.fwd import defaults
-from flashtune.perf.disasm import sass_listing
-from flashtune.perf.loops import main_loops, spill_rule_breaches
+from flashtune.perf.model.default_rule import spill_rule_problems
+from flashtune.perf.sass.disasm import sass_listing
+from flashtune.perf.sass.loops import main_loops
 from flashtune.runtime.compiler import CompileResult, compile_pairs
 
 
@@ -34,7 +35,7 @@ def _spill_problems(r: CompileResult) -> list[str]:
     """Why the spills of one compiled kernel break the rule (empty when they do not)."""
     kernel = r.unwrap()
     function = sass_listing(kernel.cubin, r.arch).function(r.source.entry)
-    return spill_rule_breaches(main_loops(function))
+    return spill_rule_problems(main_loops(function), r.arch)
 
 
 def _check(results: list[CompileResult]) -> None:

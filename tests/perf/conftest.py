@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 import pytest
 
 from flashtune.errors import ToolchainNotFound
-from flashtune.perf.sass import SassListing
+from flashtune.perf.sass.parse import SassListing
 
 #: compile_cubin(code, arch, headers={}, options=()) -> cubin bytes
 CompileCubin = Callable[..., bytes]
@@ -43,7 +43,7 @@ def compile_cubin() -> CompileCubin:
 @pytest.fixture(scope="session")
 def compile_sass(compile_cubin: CompileCubin) -> CompileSass:
     """Compile, disassemble and parse a CUDA source for an arch."""
-    from flashtune.perf.disasm import sass_listing
+    from flashtune.perf.sass.disasm import sass_listing
 
     def run(code: str, arch: str, headers: Mapping[str, str] | None = None,
             options: tuple[str, ...] = ()) -> SassListing:

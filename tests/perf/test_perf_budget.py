@@ -1,4 +1,4 @@
-"""The forward kernel's loop budget (perf.budget): classes, FA2's same-tile figures, and the
+"""The forward kernel's loop budget (perf.sass.budget): classes, FA2's same-tile figures, and the
 budget the issue sets: the unmasked loop of the 128 x 32 d128 tile on sm_90 at or below
 FA2's 536 instructions per iteration per warp, and every default with a same-tile figure at
 or below it."""
@@ -9,7 +9,7 @@ import pytest
 
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.families import render
-from flashtune.perf.budget import (
+from flashtune.perf.sass.budget import (
     BUDGET_CLASSES,
     budget_classes,
     budget_row,
@@ -17,9 +17,9 @@ from flashtune.perf.budget import (
     fa2_figure,
     reference_problems,
 )
-from flashtune.perf.disasm import sass_listing
-from flashtune.perf.loops import main_loops
-from flashtune.perf.sass import Instruction, InstructionMix
+from flashtune.perf.sass.disasm import sass_listing
+from flashtune.perf.sass.loops import main_loops
+from flashtune.perf.sass.parse import Instruction, InstructionMix
 from flashtune.runtime.compiler import compile_source
 
 

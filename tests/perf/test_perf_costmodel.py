@@ -11,8 +11,9 @@ import pytest
 from flashtune import families
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.errors import InvalidConfig, InvalidInput
-from flashtune.perf.baselines import Fa2Resources
-from flashtune.perf.costmodel import (
+from flashtune.perf.model.algorithm import analytic_traffic, tiles_per_query_block
+from flashtune.perf.model.baselines import Fa2Resources
+from flashtune.perf.model.costmodel import (
     DEFAULT_PARAMS,
     MODEL_NAME,
     ModelParams,
@@ -20,9 +21,8 @@ from flashtune.perf.costmodel import (
     predict,
     rank,
 )
-from flashtune.perf.gpus import GPUS, get_gpu
-from flashtune.perf.sass import InstructionMix
-from flashtune.perf.workload import analytic_traffic, tiles_per_query_block
+from flashtune.perf.model.gpus import GPUS, get_gpu
+from flashtune.perf.sass.parse import InstructionMix
 
 D128 = Problem(128, DType.FP16, False)
 D128_CAUSAL = Problem(128, DType.FP16, True)

@@ -1,4 +1,4 @@
-"""The rule that chooses the default forward configs (perf.default_rule): its candidates and
+"""The rule that chooses the default forward configs (perf.model.default_rule): its candidates and
 occupancy floor without compiling, and the rule run on one entry with NVRTC (a shortlist of
 four, so that the test stays short; the whole table: ``docs/default_configs.py --check``)."""
 
@@ -9,15 +9,15 @@ import pytest
 from flashtune.codegen.arch import ArchClass, get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.families.fwd import defaults, space
-from flashtune.perf import default_rule
-from flashtune.perf.loops import MAX_LOCAL_ACCESSES
-from flashtune.perf.occupancy import occupancy
+from flashtune.perf.model import default_rule
+from flashtune.perf.model.occupancy import occupancy
+from flashtune.perf.sass.loops import MAX_LOCAL_ACCESSES
 
 
 def test_workload_is_the_4k_point_at_hidden_size_2048() -> None:
-    assert default_rule.workload(128).key() == "b4_hq16_hkv16_q4096_k4096"
-    assert default_rule.workload(64).heads_q == 32
-    assert default_rule.workload(96).heads_q == 21
+    assert default_rule.rule_shape(128).key() == "b4_hq16_hkv16_q4096_k4096"
+    assert default_rule.rule_shape(64).heads_q == 32
+    assert default_rule.rule_shape(96).heads_q == 21
     assert default_rule.class_gpu(ArchClass.SM90).name == "H100"
 
 

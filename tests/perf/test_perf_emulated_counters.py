@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from flashtune.cli import app
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
-from flashtune.perf.costmodel import TrafficCounters, predict
-from flashtune.perf.emulated import algorithm_read_bytes
+from flashtune.perf.model.costmodel import TrafficCounters, predict
+from flashtune.perf.model.emulated import algorithm_read_bytes
 
 pytestmark = pytest.mark.emulator
 

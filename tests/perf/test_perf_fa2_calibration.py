@@ -10,19 +10,96 @@ Stated agreement (FA2's own tiles, fp16, hidden 2048, seqlen 512..16k):
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
 
+from flashtune import families
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.errors import InvalidInput
-from flashtune.perf.baselines import fa2_comparison, h100_trials
-from flashtune.perf.calibrate import Trial, calibrate, log_residuals, spearman
-from flashtune.perf.costmodel import DEFAULT_PARAMS, ModelParams, predict
+from flashtune.perf.model.baselines import (
+    A100_FA2_FWD_BAND,
+    H100_FA2_FWD,
+    HIDDEN,
+    SWEEP,
+    fa2_config,
+    fa2_local_per_tile,
+    fa2_resources,
+)
+from flashtune.perf.model.calibrate import Trial, calibrate, log_residuals, spearman
+from flashtune.perf.model.costmodel import DEFAULT_PARAMS, ModelParams, predict
 
 H100_FACTOR = 1.15
 A100_FACTOR = 1.10
+_GPU_ARCH = {"H100": "sm_90", "A100": "sm_80"}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One point: the model's PREDICTED TFLOP/s against a published figure or band."""
+
+    gpu: str
+    head_dim: int
+    causal: bool
+    seqlen: int
+    predicted_tflops: float
+    published_low: float
+    published_high: float
+
+    @property
+    def ratio(self) -> float:
+        """predicted / published; 1.0 inside a published band, else against its edge."""
+        if self.predicted_tflops < self.published_low:
+            return self.predicted_tflops / self.published_low
+        if self.predicted_tflops > self.published_high:
+            return self.predicted_tflops / self.published_high
+        return 1.0
+
+    @property
+    def factor(self) -> float:
+        """max(ratio, 1 / ratio): how far off, as a factor >= 1."""
+        return max(self.ratio, 1.0 / self.ratio)
+
+
+def _point(gpu: str, head_dim: int, causal: bool, batch: int, seqlen: int,
+           params: ModelParams) -> tuple[Problem, KernelConfig, Shape, float]:
+    problem = Problem(head_dim=head_dim, dtype=DType.FP16, causal=causal)
+    config = fa2_config(head_dim)
+    shape = Shape.square(batch, HIDDEN // head_dim, seqlen)
+    pred = predict(problem, config, shape, gpu,
+                   resources=fa2_resources(head_dim, _GPU_ARCH[gpu], causal), params=params,
+                   local_per_tile=fa2_local_per_tile(head_dim))
+    return problem, config, shape, pred.tflops
+
+
+def fa2_comparison(params: ModelParams = DEFAULT_PARAMS) -> list[Comparison]:
+    """Every published point (H100 table, A100 band for the same shapes and tiles)."""
+    rows: list[Comparison] = []
+    for (head_dim, causal), published in H100_FA2_FWD.items():
+        for (batch, seqlen), value in zip(SWEEP, published, strict=True):
+            tflops = _point("H100", head_dim, causal, batch, seqlen, params)[3]
+            rows.append(Comparison("H100", head_dim, causal, seqlen, tflops, value, value))
+    low, high = A100_FA2_FWD_BAND
+    for head_dim, causal in H100_FA2_FWD:
+        for batch, seqlen in SWEEP:
+            tflops = _point("A100", head_dim, causal, batch, seqlen, params)[3]
+            rows.append(Comparison("A100", head_dim, causal, seqlen, tflops, low, high))
+    return rows
+
+
+def h100_trials() -> list[Trial]:
+    """The H100 table as calibration trials (time = published FLOPs / TFLOP/s)."""
+    out = []
+    for (head_dim, causal), published in H100_FA2_FWD.items():
+        for (batch, seqlen), value in zip(SWEEP, published, strict=True):
+            problem = Problem(head_dim=head_dim, dtype=DType.FP16, causal=causal)
+            shape = Shape.square(batch, HIDDEN // head_dim, seqlen)
+            ms = families.of(problem).flops(problem, shape) / (value * 1e12) * 1e3
+            out.append(Trial(problem, fa2_config(head_dim), shape, "H100", ms,
+                             resources=fa2_resources(head_dim, "sm_90", causal),
+                             local_per_tile=fa2_local_per_tile(head_dim)))
+    return out
 
 
 def test_h100_published_table_within_stated_factor() -> None:

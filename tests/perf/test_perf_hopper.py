@@ -15,12 +15,12 @@ from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.errors import InvalidConfig
 from flashtune.families.hopper import space
-from flashtune.perf.costmodel import predict
-from flashtune.perf.gpus import default_gpu_for_arch
-from flashtune.perf.loops import main_loops
+from flashtune.perf.model.costmodel import predict
+from flashtune.perf.model.gpus import default_gpu_for_arch
+from flashtune.perf.model.wgmma import Design, design_of
 from flashtune.perf.profile import KernelProfile, profile_kernel, resolve_gpu
-from flashtune.perf.sass import Instruction, categorize, parse_sass
-from flashtune.perf.wgmma import Design, design_of
+from flashtune.perf.sass.loops import main_loop, main_loops
+from flashtune.perf.sass.parse import Instruction, categorize, parse_sass
 
 # The shape of NVRTC 13's sm_90a output (compiled fwd90awspp / fwd90a listings): a loop with
 # HGMMAs, wgmma fences, an mbarrier wait whose retry ptxas puts after EXIT and which jumps
@@ -93,7 +93,7 @@ def test_listing_loop_mix_and_retry_stub() -> None:
     # The jump back from the out-of-line retry (0x180 -> 0x70) is backward but its target
     # does not dominate it: the loops are the main loop and the retry's own spin.
     assert [(lp.start, lp.end) for lp in fn.loops()] == [(0x50, 0x100), (0x160, 0x170)]
-    loop = fn.hot_loop()
+    loop = main_loop(fn)
     assert loop is not None and (loop.start, loop.end) == (0x50, 0x100)
     mix = fn.mix(loop)
     c = mix.by_category

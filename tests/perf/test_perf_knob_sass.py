@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from flashtune.codegen.spec import DType, KernelConfig, Problem
-from flashtune.perf.disasm import sass_listing
-from flashtune.perf.loops import MainLoops, main_loops
+from flashtune.perf.sass.disasm import sass_listing
+from flashtune.perf.sass.loops import MainLoops, main_loops
 from flashtune.runtime.compiler import CompiledKernel, compile_source
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernel"))

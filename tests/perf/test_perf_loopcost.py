@@ -1,4 +1,4 @@
-"""What the cost model charges per tile with the kernel's SASS (perf.loopcost): executed
+"""What the cost model charges per tile with the kernel's SASS (perf.model.loopcost): executed
 instructions per loop, masked tiles by count, the vote-skipped rescale by its chance,
 issue slots, and which parameters came from which published table."""
 
@@ -12,16 +12,17 @@ from test_perf_loops import TWO_LOOPS
 
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.families import render
-from flashtune.perf.baselines import (
+from flashtune.perf.model.algorithm import TileMix, analytic_tile_mix, tiles_per_query_block
+from flashtune.perf.model.baselines import (
     FA2_D128_LOCAL_PER_TILE,
     fa2_local_per_tile,
     fa2_resources,
 )
-from flashtune.perf.costmodel import DEFAULT_PARAMS, predict
-from flashtune.perf.disasm import sass_listing
-from flashtune.perf.loopcost import kernel_loops, masked_tiles, rescale_probability
-from flashtune.perf.sass import parse_sass
-from flashtune.perf.workload import TileMix, analytic_tile_mix, tiles_per_query_block
+from flashtune.perf.model.costmodel import DEFAULT_PARAMS, predict
+from flashtune.perf.model.loopcost import kernel_loops, masked_tiles, rescale_probability
+from flashtune.perf.sass.disasm import sass_listing
+from flashtune.perf.sass.loops import main_loop
+from flashtune.perf.sass.parse import parse_sass
 from flashtune.runtime.compiler import compile_source
 
 D128 = Problem(128, DType.BF16)
@@ -93,7 +94,7 @@ def test_prediction_charges_executed_instructions_per_loop(compile_cubin: object
     note = next(n for n in pred.notes if n.startswith("charged executed instructions"))
     assert "masked loop" in note and "O rescale" in note
     static_only = predict(problem, TILE, shape, "H100", resources=kernel.resources,
-                          sass=fn.mix(fn.hot_loop()))
+                          sass=fn.mix(main_loop(fn)))
     # Skipping most rescales of a 4k sequence makes the executed charge the smaller one.
     assert pred.time_ms < static_only.time_ms
 

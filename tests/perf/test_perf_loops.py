@@ -1,10 +1,10 @@
-"""Main-loop analysis (perf.loops) on hand-written SASS: which loop is masked, what a warp
+"""Main-loop analysis (perf.sass.loops) on hand-written SASS: which loop is masked, what a warp
 vote can skip, and which local-memory accesses sit in a tensor-core chain."""
 
 from __future__ import annotations
 
-from flashtune.perf.loops import LoopKind, main_loops
-from flashtune.perf.sass import parse_sass
+from flashtune.perf.sass.loops import LoopKind, main_loops
+from flashtune.perf.sass.parse import parse_sass
 
 # A masked loop (.L_x_1) and an unmasked one (.L_x_3) of one tile each (two HMMAs), a
 # smaller tensor-core loop that is not a main loop (.L_x_5), and in the unmasked loop a

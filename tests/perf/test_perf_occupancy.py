@@ -10,7 +10,7 @@ import pytest
 
 from flashtune.codegen.arch import ARCHS, get_arch
 from flashtune.errors import InvalidConfig, OutOfResources
-from flashtune.perf.occupancy import occupancy, registers_per_warp, smem_allocated, waves
+from flashtune.perf.model.occupancy import occupancy, registers_per_warp, smem_allocated, waves
 
 KIB = 1024
 

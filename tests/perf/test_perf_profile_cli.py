@@ -10,9 +10,9 @@ from typer.testing import CliRunner
 
 from flashtune.cli import app
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
-from flashtune.perf.costmodel import predict
-from flashtune.perf.occupancy import occupancy
-from flashtune.perf.workload import analytic_tile_mix
+from flashtune.perf.model.algorithm import analytic_tile_mix
+from flashtune.perf.model.costmodel import predict
+from flashtune.perf.model.occupancy import occupancy
 
 runner = CliRunner()
 

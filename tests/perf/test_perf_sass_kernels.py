@@ -10,9 +10,9 @@ import pytest
 
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.families import render
-from flashtune.perf.loops import main_loops
-from flashtune.perf.sass import SassListing
-from flashtune.perf.workload import analytic_tile_mix, mma_head_dim
+from flashtune.perf.model.algorithm import analytic_tile_mix, mma_head_dim
+from flashtune.perf.sass.loops import main_loop, main_loops
+from flashtune.perf.sass.parse import SassListing
 
 CompileSass = Callable[..., SassListing]
 
@@ -105,7 +105,7 @@ def test_tensor_core_loop(compile_sass: CompileSass, arch: str) -> None:
     assert whole["ldsm"] == 1 and whole.by_opcode.get("LDSM.16.M88.4") == 1
     assert whole["ldgsts"] == 1 and any(op.startswith("LDGSTS") and op.endswith(".128")
                                         for op in whole.by_opcode)
-    hot = fn.hot_loop()
+    hot = main_loop(fn)
     assert hot is not None
     body = fn.mix(hot)
     # One iteration per pass (unroll 1): the MMA, the exp2 and the barrier are inside.

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from flashtune.errors import InvalidInput
-from flashtune.perf.sass import Instruction, categorize, parse_sass
+from flashtune.perf.sass.loops import main_loop
+from flashtune.perf.sass.parse import Instruction, categorize, parse_sass
 
 NVDISASM = """
 \t.target\tsm_80
@@ -82,7 +83,7 @@ def test_nvdisasm_loop_is_found_from_the_backward_branch() -> None:
     assert fn.labels[".L_x_1"] == 0x40
     loops = fn.loops()
     assert [(lp.start, lp.end) for lp in loops] == [(0x40, 0xF0)]  # not the self-branch
-    hot = fn.hot_loop()
+    hot = main_loop(fn)
     assert hot == loops[0]
     body = fn.mix(hot)
     assert body["mma"] == 2 and body["ldg"] == 0 and body["stg"] == 0 and body.total == 11

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from flashtune.errors import InvalidInput
-from flashtune.perf import schedule
-from flashtune.perf.calibrate import spearman
+from flashtune.perf.model import grid
+from flashtune.perf.model.calibrate import spearman
 
 
 def _reference_makespan(durations: list[float], repeats: int, slots: int) -> float:
@@ -30,7 +30,7 @@ def test_equal_blocks_are_wave_quantised() -> None:
         slots = int(rng.integers(1, 300))
         blocks = int(rng.integers(1, 3000))
         dur = float(rng.uniform(1e-6, 1e-3))
-        got = schedule.makespan([dur], blocks, slots)
+        got = grid.makespan([dur], blocks, slots)
         assert got.makespan == pytest.approx(math.ceil(blocks / slots) * dur)
         assert got.busy == pytest.approx(blocks * dur)
         assert got.utilisation == pytest.approx(blocks / (slots * math.ceil(blocks / slots)))
@@ -43,7 +43,7 @@ def test_unequal_blocks_match_a_plain_greedy_scheduler() -> None:
         durations = list(rng.uniform(0.0, 1.0, size=n))
         repeats = int(rng.integers(1, 20))
         slots = int(rng.integers(1, 64))
-        got = schedule.makespan(durations, repeats, slots).makespan
+        got = grid.makespan(durations, repeats, slots).makespan
         assert got == pytest.approx(_reference_makespan(durations, repeats, slots))
 
 
@@ -51,20 +51,20 @@ def test_large_grids_are_extrapolated_close_to_exact() -> None:
     durations = [float(k + 1) for k in range(64)]  # a causal-like ramp
     repeats = 1500                                  # 96k blocks: beyond the exact limit
     slots = 264
-    assert len(durations) * repeats > schedule.EXACT_LIMIT
-    approx = schedule.makespan(durations, repeats, slots).makespan
-    exact = schedule._simulate(durations, repeats, slots)
+    assert len(durations) * repeats > grid.EXACT_LIMIT
+    approx = grid.makespan(durations, repeats, slots).makespan
+    exact = grid._simulate(durations, repeats, slots)
     assert approx == pytest.approx(exact, rel=0.01)
     assert approx >= sum(durations) * repeats / slots
 
 
 def test_makespan_rejects_bad_input() -> None:
     with pytest.raises(ValueError):
-        schedule.makespan([], 1, 1)
+        grid.makespan([], 1, 1)
     with pytest.raises(ValueError):
-        schedule.makespan([1.0], 1, 0)
+        grid.makespan([1.0], 1, 0)
     with pytest.raises(ValueError):
-        schedule.makespan([-1.0], 1, 1)
+        grid.makespan([-1.0], 1, 1)
 
 
 def _ranks(values: np.ndarray) -> np.ndarray:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tuner_synthetic import SyntheticBackend
+from tuner_synthetic import SyntheticMeasurer
 from tuner_testlib import FAST
 from typer.testing import CliRunner
 
@@ -125,8 +125,8 @@ def test_unknown_features_are_refused_with_the_choices(db_url: str) -> None:
 
 def test_report_writes_png_and_html(db_url: str, tmp_path: Path) -> None:
     opts = dataclasses.replace(FAST, trials=8, final_top=2, final_rounds=1)
-    backend = SyntheticBackend(compile_fail=frozenset({"m64_n128_w4_s1"}))
-    tune(128, "bf16", False, [1024, 4096], backend=backend, db=db_url, options=opts)
+    measurer = SyntheticMeasurer(compile_fail=frozenset({"m64_n128_w4_s1"}))
+    tune(128, "bf16", False, [1024, 4096], measurer=measurer, db=db_url, options=opts)
     written = write_report(db_url, tmp_path / "png", "png")
     names = sorted(p.name for p in written)
     assert names[0] == "best_so_far.png" and names[-1] == "winners.png"

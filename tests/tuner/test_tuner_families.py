@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tuner_synthetic import SyntheticBackend
+from tuner_synthetic import SyntheticMeasurer
 from tuner_testlib import FAST
 
 from flashtune.codegen.spec import KernelConfig
@@ -13,9 +13,9 @@ from flashtune.tuner.api import tune
 
 def test_lse_family_is_tuned_by_the_synthetic_backend(db_url: str) -> None:
     best = KernelConfig(32, 64, 2, 1)
-    backend = SyntheticBackend(best=best)
+    measurer = SyntheticMeasurer(best=best)
     opts = dataclasses.replace(FAST, trials=8, sampler="grid")
-    [summary] = tune(64, "fp16", False, [1024], op="lse", backend=backend, db=db_url,
+    [summary] = tune(64, "fp16", False, [1024], op="lse", measurer=measurer, db=db_url,
                      options=opts)
     assert summary.winner == best
     assert summary.bucket.problem.op == "lse"
@@ -39,9 +39,9 @@ def test_decode_family_tunes_its_split_count_and_the_runtime_uses_it(db_url: str
     problem = Problem(64, DType.FP16, op="decode")
     candidates = DECODE.candidates(problem, get_arch("sm_90"))
     fixed = {c.key(): 3.0 for c in candidates if c.extras}  # any fixed count beats none
-    backend = SyntheticBackend(best=DECODE.default_config(problem, get_arch("sm_90")),
+    measurer = SyntheticMeasurer(best=DECODE.default_config(problem, get_arch("sm_90")),
                                speed=fixed)
-    [summary] = tune(64, "fp16", False, [4096], op="decode", backend=backend, db=db_url,
+    [summary] = tune(64, "fp16", False, [4096], op="decode", measurer=measurer, db=db_url,
                      options=dataclasses.replace(FAST, trials=8))
     assert summary.winner is not None and summary.winner.key() in fixed
     splits = summary.winner.extra("splits", 0)
@@ -73,9 +73,9 @@ def test_backward_family_is_tuned_with_its_own_buckets_and_default(db_url: str) 
 
     problem = Problem(64, "fp16", True, op="bwd")
     best = BACKWARD.default_config(problem, get_arch("sm_90"))
-    backend = SyntheticBackend(best=best)
+    measurer = SyntheticMeasurer(best=best)
     opts = dataclasses.replace(FAST, trials=6, sampler="random")
-    [summary] = tune(64, "fp16", True, [2048], op="bwd", backend=backend, db=db_url,
+    [summary] = tune(64, "fp16", True, [2048], op="bwd", measurer=measurer, db=db_url,
                      options=opts)
     assert summary.winner == best and summary.default == best
     assert summary.bucket.key() == "bwd_d64_fp16_causal_n2048"

@@ -13,7 +13,7 @@ from flashtune.runtime.device import DeviceInfo
 from flashtune.runtime.dispatch import Dispatcher, Tier
 from flashtune.tuner.api import tune
 from flashtune.tuner.measure.base import TimingPlan
-from flashtune.tuner.measure.cuda import gpu_backend
+from flashtune.tuner.measure.factory import make_measurer
 from flashtune.tuner.options import TuneOptions
 
 pytestmark = pytest.mark.gpu
@@ -24,14 +24,14 @@ def test_short_tuning_run_on_the_gpu_is_served_by_the_dispatcher(db_url: str) ->
                           plan=TimingPlan(warmup=2, repeats=10),
                           final_plan=TimingPlan(warmup=2, repeats=20), final_top=2,
                           final_rounds=2)
-    backend = gpu_backend()
-    [summary] = tune(128, "bf16", False, [2048], backend=backend, db=db_url, options=options)
+    measurer = make_measurer("cuda")
+    [summary] = tune(128, "bf16", False, [2048], measurer=measurer, db=db_url, options=options)
     assert summary.winner is not None and summary.winner_tflops is not None
     # a plausible rate: positive and below any GPU's dense bf16 peak
     assert 1.0 < summary.winner_tflops < 2000.0
     with TuningStore(db_url) as store:
-        best = store.best(backend.device.name, Problem(128, DType.BF16).key(), 2048)
-        trials = store.trials(device=backend.device.name)
+        best = store.best(measurer.device.name, Problem(128, DType.BF16).key(), 2048)
+        trials = store.trials(device=measurer.device.name)
     assert best is not None and best.config.key == summary.winner.key()
     assert best.trial.tflops is not None and math.isfinite(best.trial.tflops)
     assert all(t.status.value != "ok" or t.count >= 10 for t in trials)

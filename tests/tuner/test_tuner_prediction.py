@@ -10,7 +10,7 @@ import random
 
 import pytest
 from rich.console import Console
-from tuner_synthetic import DEVICE, SyntheticBackend, read_log
+from tuner_synthetic import DEVICE, SyntheticMeasurer, read_log
 from tuner_testlib import FAST, tile_space
 from typer.testing import CliRunner
 
@@ -76,9 +76,9 @@ def test_gpu_of_a_device_by_name_arch_and_sm_count() -> None:
 
 def test_predictions_are_recorded_and_the_best_predicted_are_measured_first(
         db_url: str, call_log: str) -> None:
-    backend = SyntheticBackend(log_path=call_log)
+    measurer = SyntheticMeasurer(log_path=call_log)
     opts = dataclasses.replace(FAST, trials=8, cost_model_gpu="H100", sampler="random")
-    [summary] = tune(128, "bf16", False, [1024], backend=backend, db=db_url, options=opts)
+    [summary] = tune(128, "bf16", False, [1024], measurer=measurer, db=db_url, options=opts)
     assert summary.cost_model is not None and "H100" in summary.cost_model
     compiled = [key for _, phase, key in read_log(call_log) if phase == "compile"]
     expected = [DEFAULT.key()] + [c.key() for c in ranked_reference() if c != DEFAULT][:3]
@@ -95,7 +95,7 @@ def test_predictions_are_recorded_and_the_best_predicted_are_measured_first(
 
 def test_without_a_known_gpu_nothing_is_predicted(db_url: str) -> None:
     opts = dataclasses.replace(FAST, trials=4, final_top=1, final_rounds=1)
-    [summary] = tune(128, "bf16", False, [1024], backend=SyntheticBackend(), db=db_url,
+    [summary] = tune(128, "bf16", False, [1024], measurer=SyntheticMeasurer(), db=db_url,
                      options=opts)
     assert summary.cost_model is None
     with TuningStore(db_url) as store:
@@ -113,8 +113,8 @@ def test_prune_predicted_skips_hopeless_configs_without_recording_failures(
     assert 0 < len(hopeless) < len(CANDIDATES) - 1, "the factor must split the candidates"
     opts = dataclasses.replace(FAST, trials=len(CANDIDATES), cost_model_gpu="H100",
                                prune_predicted=factor, final_top=1, final_rounds=1)
-    backend = SyntheticBackend(log_path=call_log)
-    [summary] = tune(128, "bf16", False, [1024], backend=backend, db=db_url, options=opts)
+    measurer = SyntheticMeasurer(log_path=call_log)
+    [summary] = tune(128, "bf16", False, [1024], measurer=measurer, db=db_url, options=opts)
     assert summary.pruned_by_model == len(hopeless)
     compiled = {key for _, phase, key in read_log(call_log) if phase == "compile"}
     assert not compiled & hopeless
@@ -125,15 +125,15 @@ def test_prune_predicted_skips_hopeless_configs_without_recording_failures(
     assert not recorded & hopeless and not failed & hopeless
     # not permanent: the same study resumed without pruning measures them
     again = dataclasses.replace(opts, prune_predicted=None, resume=True)
-    tune(128, "bf16", False, [1024], backend=backend, db=db_url, options=again)
+    tune(128, "bf16", False, [1024], measurer=measurer, db=db_url, options=again)
     compiled = {key for _, phase, key in read_log(call_log) if phase == "compile"}
     assert hopeless <= compiled
 
 
 def test_dry_run_reports_a_labelled_predicted_ranking(db_url: str) -> None:
-    backend = SyntheticBackend(is_timed=False, wrong=frozenset({CANDIDATES[1].key()}))
+    measurer = SyntheticMeasurer(is_timed=False, wrong=frozenset({CANDIDATES[1].key()}))
     opts = dataclasses.replace(FAST, trials=6, cost_model_gpu="H100")
-    summaries = tune(128, "bf16", False, [1024], backend=backend, db=db_url, options=opts)
+    summaries = tune(128, "bf16", False, [1024], measurer=measurer, db=db_url, options=opts)
     [table] = predicted_tables(summaries)
     console = Console(record=True, width=200)
     console.print(table)

@@ -22,7 +22,8 @@ from flashtune.cli import app
 from flashtune.codegen.params import Param, ParamSpace, Point
 from flashtune.db.records import TrialStatus
 from flashtune.errors import TuningError
-from flashtune.tuner.measure.replay import Landscape, ReplayMeasurement, parse_budget
+from flashtune.tuner.landscape import Landscape, parse_budget
+from flashtune.tuner.measure.recorded import RecordedMeasurer
 from flashtune.tuner.replay import replay, warm_start_prior
 from flashtune.tuner.search.sampler import GuidedSampler
 from flashtune.tuner.search.space import SearchSpace
@@ -98,7 +99,7 @@ def test_a_landscape_is_a_space_with_recorded_legality(landscapes: Path) -> None
 def test_the_clock_charges_recorded_times_failures_are_data_and_repeats_are_free(
         landscapes: Path) -> None:
     land = Landscape.load(landscapes / "bowl_GPUA.json.gz")
-    m = ReplayMeasurement(land)
+    m = RecordedMeasurer(land.records, land.path.name)
     ok, failed = (8, 4, 0, 7), (4, 1, 0, 7)
     first = m.finish(ok, m.start(ok))
     rec = land.records[ok]

@@ -1,4 +1,4 @@
-"""The tuner end to end on the synthetic test backend: search, pruning, failures, resume."""
+"""The tuner end to end on the synthetic test measurer: search, pruning, failures, resume."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections import Counter
 
 import optuna
 import pytest
-from tuner_synthetic import DEVICE, SyntheticBackend, read_log
+from tuner_synthetic import DEVICE, SyntheticMeasurer, read_log
 from tuner_testlib import FAST, tile_space
 
 from flashtune.codegen.arch import get_arch
@@ -51,15 +51,15 @@ def fixed_default(monkeypatch: pytest.MonkeyPatch) -> KernelConfig:
 
 def test_search_finds_the_optimum_and_records_it_as_best(db_url: str, call_log: str,
                                                          fixed_default: KernelConfig) -> None:
-    backend = SyntheticBackend(best=BEST, log_path=call_log)
+    measurer = SyntheticMeasurer(best=BEST, log_path=call_log)
     opts = dataclasses.replace(FAST, trials=len(CANDIDATES), sampler="tpe")
-    [summary] = tune(128, "bf16", False, [1024], backend=backend, db=db_url, options=opts)
+    [summary] = tune(128, "bf16", False, [1024], measurer=measurer, db=db_url, options=opts)
     assert summary.winner == BEST
-    assert summary.winner_tflops == pytest.approx(backend.peak_tflops)
+    assert summary.winner_tflops == pytest.approx(measurer.peak_tflops)
     # the speed-up is measured against the default config, timed in the same final rounds
     default = summary.default
     assert default == fixed_default and default in CANDIDATES
-    expected = 1 / (backend.ms(PROBLEM, BEST, _shape()) / backend.ms(PROBLEM, default, _shape()))
+    expected = 1 / (measurer.ms(PROBLEM, BEST, _shape()) / measurer.ms(PROBLEM, default, _shape()))
     assert summary.speedup == pytest.approx(expected, rel=1e-6)
     with TuningStore(db_url) as store:
         best = store.best(DEVICE.name, PROBLEM.key(), 1024)
@@ -75,9 +75,9 @@ def _shape() -> Shape:
 
 
 def test_static_pruning_happens_before_any_compile(db_url: str, call_log: str) -> None:
-    backend = SyntheticBackend(log_path=call_log)
+    measurer = SyntheticMeasurer(log_path=call_log)
     opts = dataclasses.replace(FAST, trials=len(CANDIDATES), sampler="grid")
-    [summary] = tune(128, "bf16", False, [1024], backend=backend, db=db_url, options=opts)
+    [summary] = tune(128, "bf16", False, [1024], measurer=measurer, db=db_url, options=opts)
     compiled = set(keys_of(read_log(call_log), "compile"))
     impossible = [c for c in SearchEncoding(PROBLEM, ARCH).space()
                   if space.static_check(PROBLEM, c, ARCH) is not None]
@@ -93,12 +93,12 @@ def test_static_pruning_happens_before_any_compile(db_url: str, call_log: str) -
 def test_failures_are_typed_never_best_and_never_retried(db_url: str, call_log: str) -> None:
     bad = {"compile_fail": CANDIDATES[0], "spill": CANDIDATES[1], "wrong": BEST,
            "launch_fail": CANDIDATES[2]}
-    backend = SyntheticBackend(
+    measurer = SyntheticMeasurer(
         best=BEST, log_path=call_log, compile_fail=frozenset({bad["compile_fail"].key()}),
         spill=frozenset({bad["spill"].key()}), wrong=frozenset({bad["wrong"].key()}),
         launch_fail=frozenset({bad["launch_fail"].key()}))
     opts = dataclasses.replace(FAST, trials=len(CANDIDATES), sampler="grid")
-    [first] = tune(128, "bf16", False, [1024], backend=backend, db=db_url, options=opts)
+    [first] = tune(128, "bf16", False, [1024], measurer=measurer, db=db_url, options=opts)
     statuses = trials_by_status(db_url)
     assert statuses["compile_failed"] == 1 and statuses["wrong_result"] == 1
     assert statuses["runtime_failed"] == 1
@@ -115,7 +115,7 @@ def test_failures_are_typed_never_best_and_never_retried(db_url: str, call_log: 
     # a later run (a fresh study) skips every known failure without compiling it again
     before = len(read_log(call_log))
     again = dataclasses.replace(opts, study_prefix="second-run")
-    tune(128, "bf16", False, [1024], backend=backend, db=db_url, options=again)
+    tune(128, "bf16", False, [1024], measurer=measurer, db=db_url, options=again)
     later = read_log(call_log)[before:]
     retried = {k for _, _, k in later} & {c.key() for c in bad.values()}
     assert not retried, f"known failures were retried: {retried}"
@@ -125,17 +125,17 @@ def test_failures_are_typed_never_best_and_never_retried(db_url: str, call_log: 
 
 def test_existing_study_needs_resume_and_resume_measures_nothing_twice(
         db_url: str, call_log: str) -> None:
-    backend = SyntheticBackend(log_path=call_log)
+    measurer = SyntheticMeasurer(log_path=call_log)
     part = dataclasses.replace(FAST, trials=5, finalize=False)
-    tune(128, "bf16", False, [1024], backend=backend, db=db_url, options=part)
+    tune(128, "bf16", False, [1024], measurer=measurer, db=db_url, options=part)
     with pytest.raises(TuningError, match="--resume"):
-        tune(128, "bf16", False, [1024], backend=backend, db=db_url, options=part)
+        tune(128, "bf16", False, [1024], measurer=measurer, db=db_url, options=part)
     # the budget is the study's: resuming with the same budget has nothing left to do
-    [done] = tune(128, "bf16", False, [1024], backend=backend, db=db_url,
+    [done] = tune(128, "bf16", False, [1024], measurer=measurer, db=db_url,
                   options=dataclasses.replace(part, resume=True))
     assert done.measured == 0
     rest = dataclasses.replace(FAST, trials=len(CANDIDATES), resume=True, finalize=False)
-    [summary] = tune(128, "bf16", False, [1024], backend=backend, db=db_url, options=rest)
+    [summary] = tune(128, "bf16", False, [1024], measurer=measurer, db=db_url, options=rest)
     timed = Counter(keys_of(read_log(call_log), "time"))
     assert set(timed) == {c.key() for c in CANDIDATES}
     assert max(timed.values()) == 1
@@ -143,7 +143,7 @@ def test_existing_study_needs_resume_and_resume_measures_nothing_twice(
 
 
 def test_interrupt_loses_only_the_trial_in_flight(db_url: str, call_log: str) -> None:
-    class Interrupting(SyntheticBackend):
+    class Interrupting(SyntheticMeasurer):
         calls = 0
 
         def time(self, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -152,10 +152,10 @@ def test_interrupt_loses_only_the_trial_in_flight(db_url: str, call_log: str) ->
                 raise KeyboardInterrupt
             return super().time(*args, **kwargs)
 
-    backend = Interrupting(log_path=call_log)
+    measurer = Interrupting(log_path=call_log)
     opts = dataclasses.replace(FAST, trials=len(CANDIDATES), depth=3)
     with pytest.raises(KeyboardInterrupt):
-        tune(128, "bf16", False, [1024], backend=backend, db=db_url, options=opts)
+        tune(128, "bf16", False, [1024], measurer=measurer, db=db_url, options=opts)
     study = _only_study(db_url)
     states = Counter(t.state for t in study.get_trials(deepcopy=False))
     assert states[optuna.trial.TrialState.RUNNING] == 0  # in-flight trials were released
@@ -165,7 +165,7 @@ def test_interrupt_loses_only_the_trial_in_flight(db_url: str, call_log: str) ->
     assert len(measured) == 3
     # resuming measures the rest, including the interrupted config, each once
     resumed = dataclasses.replace(opts, resume=True)
-    tune(128, "bf16", False, [1024], backend=SyntheticBackend(log_path=call_log), db=db_url,
+    tune(128, "bf16", False, [1024], measurer=SyntheticMeasurer(log_path=call_log), db=db_url,
          options=resumed)
     study = _only_study(db_url)
     done = Counter(t.user_attrs[CONFIG_ATTR] for t in study.get_trials(deepcopy=False)
@@ -181,10 +181,10 @@ def _only_study(db_url: str) -> optuna.Study:
 
 @pytest.mark.parametrize("sampler", ["guided", "tpe", "random"])
 def test_samplers_converge_without_duplicates(db_url: str, call_log: str, sampler: str) -> None:
-    backend = SyntheticBackend(best=BEST, log_path=call_log)
+    measurer = SyntheticMeasurer(best=BEST, log_path=call_log)
     opts = dataclasses.replace(FAST, trials=len(CANDIDATES), sampler=sampler, final_top=2,
                                final_rounds=1)
-    [summary] = tune(128, "bf16", False, [1024], backend=backend, db=db_url, options=opts)
+    [summary] = tune(128, "bf16", False, [1024], measurer=measurer, db=db_url, options=opts)
     assert summary.winner == BEST  # the whole space fits in the budget
     search = keys_of(read_log(call_log), "time")[:summary.measured]
     assert len(search) == len(set(search)) == len(CANDIDATES)
@@ -192,10 +192,10 @@ def test_samplers_converge_without_duplicates(db_url: str, call_log: str, sample
 
 def test_gp_sampler_proposes_distinct_legal_configs(db_url: str, call_log: str) -> None:
     pytest.importorskip("scipy", reason="optuna's GPSampler needs scipy")
-    backend = SyntheticBackend(best=BEST, log_path=call_log)
+    measurer = SyntheticMeasurer(best=BEST, log_path=call_log)
     # a GP fit per proposal is slow on CPU: a budget just past the random start-up trials
     opts = dataclasses.replace(FAST, trials=6, sampler="gp", final_top=1, final_rounds=1)
-    [summary] = tune(128, "bf16", False, [1024], backend=backend, db=db_url, options=opts)
+    [summary] = tune(128, "bf16", False, [1024], measurer=measurer, db=db_url, options=opts)
     search = keys_of(read_log(call_log), "time")[:summary.measured]
     assert summary.measured == 6 and len(set(search)) == 6
     assert set(search) <= {c.key() for c in CANDIDATES}
@@ -209,12 +209,12 @@ def test_stable_winner_despite_noise_prefers_the_default_within_tolerance(
     for seed in range(2):
         # the default runs 1 % slower than the synthetic optimum: a tie within the 2 %
         # tolerance, which 2 % noise would decide at random without the tie rule
-        backend = SyntheticBackend(best=rival, noise=0.02, seed=seed,
+        measurer = SyntheticMeasurer(best=rival, noise=0.02, seed=seed,
                                    speed={default.key(): 0.99 / _eff(default, rival)})
         # the grid measures the default first, then the rival and two configs >10 % slower
         opts = dataclasses.replace(FAST, trials=4, sampler="grid", seed=seed,
                                    study_prefix=f"run{seed}", final_plan=TimingPlan(0, 31))
-        [summary] = tune(128, "bf16", False, [1024], backend=backend, db=db_url, options=opts)
+        [summary] = tune(128, "bf16", False, [1024], measurer=measurer, db=db_url, options=opts)
         assert summary.default == default
         assert summary.speedup is not None and summary.speedup == pytest.approx(1.0, abs=0.02)
         picks.append(summary.winner)
@@ -229,10 +229,10 @@ def _eff(config: KernelConfig, best: KernelConfig) -> float:
 
 def test_untimed_backend_records_verified_untimed_and_never_a_best(
         db_url: str, call_log: str) -> None:
-    backend = SyntheticBackend(log_path=call_log, is_timed=False,
+    measurer = SyntheticMeasurer(log_path=call_log, is_timed=False,
                                wrong=frozenset({CANDIDATES[1].key()}))
     opts = dataclasses.replace(FAST, trials=5)
-    summaries = tune(128, "bf16", False, [1024, 4096], backend=backend, db=db_url,
+    summaries = tune(128, "bf16", False, [1024, 4096], measurer=measurer, db=db_url,
                      options=opts)
     assert all(s.winner is None and s.best_tflops is None for s in summaries)
     assert not keys_of(read_log(call_log), "time")
@@ -249,7 +249,7 @@ def test_untimed_backend_records_verified_untimed_and_never_a_best(
             assert all(t.tflops is None and t.median_ms is None for t in rows)
         assert store.all_best() == []
     # a second dry run skips what is settled and verifies the rest, each once
-    tune(128, "bf16", False, [1024], backend=backend, db=db_url,
+    tune(128, "bf16", False, [1024], measurer=measurer, db=db_url,
          options=dataclasses.replace(FAST, trials=100))
     verified = Counter(keys_of(read_log(call_log), "verify"))
     assert set(verified) == {c.key() for c in CANDIDATES} and max(verified.values()) == 1
@@ -259,10 +259,10 @@ def test_compiles_run_in_a_process_pool_ahead_of_the_measurements(db_url: str,
                                                                   call_log: str) -> None:
     from tuner_synthetic import read_log_times
 
-    backend = SyntheticBackend(log_path=call_log, compile_delay_s=0.2, time_delay_s=0.3)
+    measurer = SyntheticMeasurer(log_path=call_log, compile_delay_s=0.2, time_delay_s=0.3)
     opts = dataclasses.replace(FAST, trials=5, compile_workers=1, depth=2, sampler="grid",
                                finalize=False)
-    tune(128, "bf16", False, [1024], backend=backend, db=db_url, options=opts)
+    tune(128, "bf16", False, [1024], measurer=measurer, db=db_url, options=opts)
     calls = read_log_times(call_log)
     me = os.getpid()
     compiles = [(k, t) for pid, phase, k, t in calls if phase == "compile"]
@@ -279,17 +279,17 @@ def test_compiles_run_in_a_process_pool_ahead_of_the_measurements(db_url: str,
 def test_timeout_stops_after_the_trial_in_progress(db_url: str, call_log: str) -> None:
     # a budget for about three measurements, with seconds to spare for the set-up on a
     # busy machine: at least one trial is measured, the one in flight at the deadline ends
-    backend = SyntheticBackend(log_path=call_log, time_delay_s=1.5)
+    measurer = SyntheticMeasurer(log_path=call_log, time_delay_s=1.5)
     opts = dataclasses.replace(FAST, trials=len(CANDIDATES), budget_s=5.0, finalize=False)
-    [summary] = tune(128, "bf16", False, [1024], backend=backend, db=db_url, options=opts)
+    [summary] = tune(128, "bf16", False, [1024], measurer=measurer, db=db_url, options=opts)
     assert 1 <= summary.measured <= 4
     study = _only_study(db_url)
     assert not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
 
 
 @dataclasses.dataclass
-class _OtherDevice(SyntheticBackend):
-    """The synthetic backend under another device name (a second GPU of a database)."""
+class _OtherDevice(SyntheticMeasurer):
+    """The synthetic measurer under another device name (a second GPU of a database)."""
 
     @property
     def device(self) -> DeviceRecord:
@@ -299,17 +299,17 @@ class _OtherDevice(SyntheticBackend):
 def test_warm_start_from_another_device_measures_its_best_first(
         db_url: str, call_log: str, fixed_default: KernelConfig) -> None:
     opts = dataclasses.replace(FAST, trials=len(CANDIDATES), sampler="guided")
-    tune(128, "bf16", False, [1024], backend=SyntheticBackend(best=BEST), db=db_url,
+    tune(128, "bf16", False, [1024], measurer=SyntheticMeasurer(best=BEST), db=db_url,
          options=opts)
     other = _OtherDevice(best=BEST, log_path=call_log)
     warm = dataclasses.replace(FAST, trials=3, warm_start_from=DEVICE.name, finalize=False)
-    [summary] = tune(128, "bf16", False, [1024], backend=other, db=db_url, options=warm)
+    [summary] = tune(128, "bf16", False, [1024], measurer=other, db=db_url, options=warm)
     assert summary.warm_start is not None
     assert f"warm start from {DEVICE.name}: {len(CANDIDATES)} measured configs" in \
         summary.warm_start
     timed = keys_of(read_log(call_log), "time")
     assert timed[:2] == [fixed_default.key(), BEST.key()]  # the default, then A's best
-    [nothing] = tune(128, "bf16", False, [1024], backend=_OtherDevice(best=BEST), db=db_url,
+    [nothing] = tune(128, "bf16", False, [1024], measurer=_OtherDevice(best=BEST), db=db_url,
                      options=dataclasses.replace(warm, warm_start_from="no-such-gpu",
                                                  study_prefix="fresh"))
     assert nothing.warm_start is not None and "no timed results" in nothing.warm_start

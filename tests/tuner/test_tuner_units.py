@@ -16,9 +16,9 @@ from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.db.records import TrialStatus
 from flashtune.errors import InvalidConfig, TuningError
 from flashtune.families.fwd import FORWARD, space
+from flashtune.tuner.landscape import parse_budget
 from flashtune.tuner.measure.base import ShapeTiming
 from flashtune.tuner.measure.evaluate import TrialResult
-from flashtune.tuner.measure.replay import parse_budget
 from flashtune.tuner.measure.workload import (
     BatchHeads,
     geomean,

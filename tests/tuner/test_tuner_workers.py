@@ -39,11 +39,11 @@ with tile_space():
 PG_URL = os.environ.get("FLASHTUNE_TEST_PG_URL")
 
 
-def spec_for(db: str, log: str, **backend: object) -> WorkerSpec:
+def spec_for(db: str, log: str, **measurer: object) -> WorkerSpec:
     opts = dataclasses.replace(FAST, trials=len(CANDIDATES), sampler="tpe")
     return WorkerSpec(head_dim=128, dtype="bf16", causal=False, op="fwd", seqlens=(1024,), db=db,
-                      backend="tuner_synthetic:make_backend",
-                      backend_kwargs={"log_path": log, **backend}, options=opts)
+                      measurer="tuner_synthetic:synthetic_measurer",
+                      measurer_options={"log_path": log, **measurer}, options=opts)
 
 
 def measured_configs(db: str) -> Counter[str]:
@@ -149,7 +149,7 @@ def test_sigkill_mid_study_then_resume(db_url: str, call_log: str, tmp_path: Pat
     # resume in this process: the killed worker's running trial is reaped at once (its
     # pid is dead) and its config measured again; everything else exactly once
     resumed = dataclasses.replace(spec, options=dataclasses.replace(spec.options, resume=True),
-                                  backend_kwargs={"log_path": call_log})
+                                  measurer_options={"log_path": call_log})
     [summary] = run_spec(resumed)
     done = measured_configs(db_url)
     assert set(done) == CANDIDATES and max(done.values()) == 1

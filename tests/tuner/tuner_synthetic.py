@@ -1,4 +1,4 @@
-"""Test fixture: a measurement backend with deterministic synthetic costs.
+"""Test fixture: a measurer with deterministic synthetic costs.
 
 It exists only to drive the tuner's search, pruning, failure handling and persistence in
 CPU tests. Its "timings" come from a made-up cost model and are never a performance result;
@@ -85,8 +85,8 @@ def efficiency(config: KernelConfig, best: KernelConfig) -> float:
 
 
 @dataclass
-class SyntheticBackend:
-    """MeasurementBackend with made-up costs: ``ms = flops / (peak * efficiency)``."""
+class SyntheticMeasurer:
+    """Measurer with made-up costs: ``ms = flops / (peak * efficiency)``."""
 
     best: KernelConfig = KernelConfig(128, 64, 4, 2)
     compile_fail: frozenset[str] = frozenset()
@@ -175,7 +175,7 @@ class SyntheticBackend:
         return out
 
 
-def make_backend(**kwargs: Any) -> SyntheticBackend:
+def synthetic_measurer(**kwargs: Any) -> SyntheticMeasurer:
     """Factory for worker subprocesses (JSON-able keyword arguments). The process searches
     the forward family's tile space, as the tests that start it do."""
     use_tile_space()
@@ -184,4 +184,4 @@ def make_backend(**kwargs: Any) -> SyntheticBackend:
             kwargs[name] = frozenset(kwargs[name])
     if "best" in kwargs:
         kwargs["best"] = KernelConfig.from_key(str(kwargs["best"]))
-    return SyntheticBackend(**kwargs)
+    return SyntheticMeasurer(**kwargs)

@@ -1,13 +1,13 @@
-"""The measurement backend interface: compile, verify and time one config for a problem.
+"""The measurer interface: compile, verify and time one config for a problem.
 
 The tuner drives everything through this small interface, so the same search runs against
 a GPU (``flashtune.tuner.measure.cuda``), against NVRTC plus the CPU emulator for dry runs
-(``flashtune.tuner.measure.dry``, untimed), and against synthetic backends in tests.
+(``flashtune.tuner.measure.dry``, untimed), and against synthetic measurers in tests.
 
 Compilation runs in a process pool while the device measures another candidate, so the
 compiler is a separate, picklable callable that must be importable in a fresh process.
-Failures are returned as outcomes with a status, never raised: a raising backend is a bug
-of the backend, and the tuner records it as ``runtime_failed`` with the traceback text.
+Failures are returned as outcomes with a status, never raised: a raising measurer is a bug
+of the measurer, and the tuner records it as ``runtime_failed`` with the traceback text.
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.db.records import DeviceRecord, TrialStatus
 from flashtune.errors import TuningError
+
+#: The trial attribute of what measuring a trial cost in seconds (compile included), where
+#: the measurement knows it better than the trial's wall-clock duration (a recorded
+#: measurement's simulated clock).
+COST_ATTR = "cost_s"
 
 _COMPILE_STATUSES = (TrialStatus.OK, TrialStatus.COMPILE_FAILED, TrialStatus.INVALID)
 _VERIFY_STATUSES = (TrialStatus.OK, TrialStatus.WRONG_RESULT, TrialStatus.RUNTIME_FAILED)
@@ -93,15 +98,15 @@ class TimingPlan:
 
 
 class Compiler(Protocol):
-    """Compiles a config for the backend's arch. Must be picklable (runs in a process pool)."""
+    """Compiles a config for the measurer's arch. Must be picklable (runs in a process pool)."""
 
     def __call__(self, problem: Problem, config: KernelConfig) -> CompileOutcome: ...
 
 
-class MeasurementBackend(Protocol):
+class Measurer(Protocol):
     """Compile, verify and time configs on one device (real, emulated or synthetic).
 
-    ``timed`` is False for backends whose timings mean nothing (the emulator): their
+    ``timed`` is False for measurers whose timings mean nothing (the emulator): their
     results are recorded as ``verified_untimed`` and never used as performance.
     """
 

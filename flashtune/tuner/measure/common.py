@@ -1,11 +1,11 @@
-"""What the backends that ship (the GPU and the dry run) share: compile, identity, verify.
+"""What the measurers that ship (the GPU and the dry run) share: compile, identity, verify.
 
 Both compile with ``NvrtcCompiler``, which runs in the tuner's process pool and fills the
 kernel cache the launch path reads; ``device_record`` is a device's identity in the
 database; ``check_kernel`` is the verification step, runtime.launch.verify's verdict as a typed
 trial outcome (a wrong result is recorded as wrong_result and can never become a bucket's
-best). The backends themselves: ``flashtune.tuner.measure.cuda.gpu_backend`` and
-``flashtune.tuner.measure.dry.dry_run_backend``.
+best). The measurers themselves: ``cuda.CudaMeasurer`` and ``dry.DryRunMeasurer``, made by
+name in ``factory.make_measurer``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from flashtune.families.base import Inputs
 from flashtune.runtime.backends.base import LoadedKernel
 from flashtune.runtime.device import DeviceInfo
 from flashtune.runtime.launch import l2_flush_bytes, prepare
-from flashtune.tuner.measure.base import MeasurementBackend, ShapeTiming, TimingPlan, VerifyOutcome
+from flashtune.tuner.measure.base import ShapeTiming, TimingPlan, VerifyOutcome
 from flashtune.tuner.measure.common import NvrtcCompiler, check_kernel, device_record
 
 NO_GPU = ("no CUDA GPU is available here, so `flashtune tune` cannot time kernels. Without a "
@@ -37,8 +37,8 @@ NO_GPU = ("no CUDA GPU is available here, so `flashtune tune` cannot time kernel
 MAX_CACHED_INPUTS = 8
 
 
-class CudaMeasurement:
-    """MeasurementBackend on one CUDA device (default: torch's current device)."""
+class CudaMeasurer:
+    """Measurer on one CUDA device (default: torch's current device)."""
 
     def __init__(self, device_index: int | None = None) -> None:
         if not torch.cuda.is_available():
@@ -136,8 +136,3 @@ class CudaMeasurement:
         torch.cuda.synchronize(self.torch_device)
         times = sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
         return ShapeTiming(shape, statistics.median(times), times[0], times[-1], len(times))
-
-
-def gpu_backend(device_index: int | None = None) -> MeasurementBackend:
-    """The CUDA device ``device_index`` (default: current) as a measurement backend."""
-    return CudaMeasurement(device_index)

@@ -14,12 +14,12 @@ from flashtune.db.records import DeviceRecord
 from flashtune.errors import TuningError
 from flashtune.families import render
 from flashtune.runtime.device import DeviceInfo
-from flashtune.tuner.measure.base import MeasurementBackend, ShapeTiming, TimingPlan, VerifyOutcome
+from flashtune.tuner.measure.base import ShapeTiming, TimingPlan, VerifyOutcome
 from flashtune.tuner.measure.common import NvrtcCompiler, check_kernel, device_record
 
 
-class DryRunMeasurement:
-    """MeasurementBackend for a virtual device of ``arch`` (untimed)."""
+class DryRunMeasurer:
+    """Measurer for a virtual device of ``arch`` (untimed)."""
 
     def __init__(self, arch: str) -> None:
         from flashtune.runtime.backends.emulator import EmulatorBackend
@@ -53,8 +53,3 @@ class DryRunMeasurement:
     def time(self, problem: Problem, config: KernelConfig, shapes: Sequence[Shape],
              plan: TimingPlan) -> list[ShapeTiming]:
         raise TuningError("a dry run never times kernels: emulator timings mean nothing")
-
-
-def dry_run_backend(arch: str = "sm_90") -> MeasurementBackend:
-    """NVRTC for ``arch`` plus emulator verification; never timed."""
-    return DryRunMeasurement(get_arch(arch).name)

@@ -1,6 +1,6 @@
 """One candidate from compile outcome to result: resource check -> verify -> time.
 
-The order is the contract: nothing is timed before it is verified, and a backend that is
+The order is the contract: nothing is timed before it is verified, and a measurer that is
 not ``timed`` never yields a timing (its results are ``verified_untimed``).
 """
 
@@ -13,7 +13,7 @@ from flashtune.codegen.spec import KernelConfig
 from flashtune.db.records import TrialStatus, truncate_error
 from flashtune.errors import CompileError, DeviceError, EmulatorError, OutOfResources, TuningError
 from flashtune.tuner.defaults import DEFAULT_MAX_SPILL_BYTES
-from flashtune.tuner.measure.base import CompileOutcome, MeasurementBackend, ShapeTiming, TimingPlan
+from flashtune.tuner.measure.base import CompileOutcome, Measurer, ShapeTiming, TimingPlan
 from flashtune.tuner.measure.workload import Workload, geomean
 
 log = logging.getLogger("flashtune.tuner")
@@ -22,7 +22,7 @@ log = logging.getLogger("flashtune.tuner")
 #: never run) from the statically pruned ones (never compiled) when counting progress.
 SPILL_ERROR_PREFIX = "register spills"
 
-#: Failures a backend may raise for a kernel (as opposed to bugs in the backend itself).
+#: Failures a measurer may raise for a kernel (as opposed to bugs in the measurer itself).
 KERNEL_FAILURES = (CompileError, DeviceError, EmulatorError, OutOfResources)
 
 
@@ -81,7 +81,7 @@ class TrialResult:
         return min(t.count for t in self.timings) if self.timings else 0
 
 
-def evaluate(backend: MeasurementBackend, workload: Workload, config: KernelConfig,
+def evaluate(measurer: Measurer, workload: Workload, config: KernelConfig,
              compiled: CompileOutcome, plan: TimingPlan,
              max_spill_bytes: int = DEFAULT_MAX_SPILL_BYTES) -> TrialResult:
     """Turn a compiled candidate into a result (see the module docstring for the order)."""
@@ -105,7 +105,7 @@ def evaluate(backend: MeasurementBackend, workload: Workload, config: KernelConf
             registers=regs, spill_bytes=spilled)
     problem = workload.problem
     try:
-        verdict = backend.verify(problem, config, workload.verify_shape)
+        verdict = measurer.verify(problem, config, workload.verify_shape)
     except KERNEL_FAILURES as exc:
         return TrialResult(config, TrialStatus.RUNTIME_FAILED,
                            error=truncate_error(f"{type(exc).__name__}: {exc}"),
@@ -113,17 +113,17 @@ def evaluate(backend: MeasurementBackend, workload: Workload, config: KernelConf
     if verdict.status is not TrialStatus.OK:
         return TrialResult(config, verdict.status, max_abs_error=verdict.max_abs_error,
                            error=verdict.error, registers=regs, spill_bytes=spilled)
-    if not backend.timed:
+    if not measurer.timed:
         return TrialResult(config, TrialStatus.VERIFIED_UNTIMED,
                            max_abs_error=verdict.max_abs_error, registers=regs, spill_bytes=spilled)
     try:
-        timings = backend.time(problem, config, workload.shapes, plan)
+        timings = measurer.time(problem, config, workload.shapes, plan)
     except KERNEL_FAILURES as exc:
         return TrialResult(config, TrialStatus.RUNTIME_FAILED,
                            error=truncate_error(f"{type(exc).__name__}: {exc}"),
                            registers=regs, spill_bytes=spilled)
     if [t.shape for t in timings] != list(workload.shapes):
-        raise TuningError(f"backend timed {[t.shape.key() for t in timings]}, expected "
+        raise TuningError(f"measurer timed {[t.shape.key() for t in timings]}, expected "
                           f"{[s.key() for s in workload.shapes]}")
     tflops = workload.objective([t.median_ms for t in timings])
     return TrialResult(config, TrialStatus.OK, timings=tuple(timings), tflops=tflops,

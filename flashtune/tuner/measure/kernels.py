@@ -1,7 +1,7 @@
-"""Measuring kernels on a backend: compiles in a process pool, then evaluate().
+"""Measuring kernels on a measurer: compiles in a process pool, then evaluate().
 
 ``CompilePool`` runs NVRTC ahead of the device; ``KernelMeasurement`` is the pipeline's
-``Measurement`` of a bucket's candidates on a ``MeasurementBackend``.
+``Measurement`` of a bucket's candidates on a ``Measurer``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.runtime.compiler import compile_process_pool
-from flashtune.tuner.measure.base import CompileOutcome, Compiler, MeasurementBackend, TimingPlan
+from flashtune.tuner.measure.base import CompileOutcome, Compiler, Measurer, TimingPlan
 from flashtune.tuner.measure.evaluate import TrialResult, evaluate
 from flashtune.tuner.measure.workload import Workload
 
@@ -62,11 +62,11 @@ class CompilePool:
 
 
 class KernelMeasurement:
-    """Kernels on a MeasurementBackend: NVRTC in the pool ahead, then evaluate()."""
+    """Kernels on a Measurer: NVRTC in the pool ahead, then evaluate()."""
 
-    def __init__(self, backend: MeasurementBackend, workload: Workload, pool: CompilePool,
+    def __init__(self, measurer: Measurer, workload: Workload, pool: CompilePool,
                  plan: TimingPlan, max_spill_bytes: int) -> None:
-        self.backend = backend
+        self.backend = measurer
         self.workload = workload
         self.pool = pool
         self.plan = plan

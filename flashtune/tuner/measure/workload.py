@@ -6,7 +6,8 @@ head counts of the field's standard sweep: hidden size 2048 and about 16k tokens
 batch) and scored by the geometric mean of their TFLOP/s, so no single shape dominates.
 
 FLOPs follow the field's convention: ``4 * B * Nq * Nk * H * D``, halved when causal
-(``flashtune.perf.workload.flops``); shapes are ``flashtune.perf.workload.Shape``.
+(each family's ``flops``); shapes are ``flashtune.codegen.spec.Shape``. (A ``Workload`` is
+the tuner's; the cost model's counts of one call are ``flashtune.perf.model.algorithm``.)
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ per-shape PREDICTED times the same way, so predicted and measured figures of a t
 directly comparable (and rank correlations between them meaningful).
 
 Predictions are made before compiling, from the algorithm's analytic instruction counts
-and estimated registers (``flashtune.perf.costmodel.predict`` without compiled
+and estimated registers (``flashtune.perf.model.costmodel.predict`` without compiled
 resources), so a config's prediction is the same whether it is used to order candidates,
 to prune them or recorded next to its measurement.
 """
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.db.records import DeviceRecord
 from flashtune.errors import FlashtuneError, InvalidConfig, TuningError
-from flashtune.perf.costmodel import DEFAULT_PARAMS, ModelParams, model_version, predict
-from flashtune.perf.gpus import GPUS, GpuSpec, default_gpu_for_arch, get_gpu
+from flashtune.perf.model.costmodel import DEFAULT_PARAMS, ModelParams, model_version, predict
+from flashtune.perf.model.gpus import GPUS, GpuSpec, default_gpu_for_arch, get_gpu
 from flashtune.tuner.measure.workload import Workload, geomean
 
 log = logging.getLogger("flashtune.tuner")

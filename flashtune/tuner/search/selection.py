@@ -21,7 +21,7 @@ from flashtune.codegen.spec import KernelConfig
 from flashtune.db.records import TrialStatus
 from flashtune.errors import TuningError
 from flashtune.tuner.defaults import DEFAULT_TOLERANCE
-from flashtune.tuner.measure.base import MeasurementBackend, ShapeTiming, TimingPlan
+from flashtune.tuner.measure.base import Measurer, ShapeTiming, TimingPlan
 from flashtune.tuner.measure.evaluate import KERNEL_FAILURES, TrialResult
 from flashtune.tuner.measure.workload import Workload
 
@@ -61,7 +61,7 @@ def choose(workload: Workload, scored: Sequence[Scored],
     return min(tied, key=lambda s: (not s.is_default, simplicity(workload, s.config)))
 
 
-def remeasure(backend: MeasurementBackend, workload: Workload,
+def remeasure(measurer: Measurer, workload: Workload,
               configs: Sequence[KernelConfig], plan: TimingPlan, rounds: int
               ) -> list[TrialResult]:
     """Time ``configs`` again in ``rounds`` interleaved rounds; one result per config.
@@ -79,7 +79,7 @@ def remeasure(backend: MeasurementBackend, workload: Workload,
             if config in failed:
                 continue
             try:
-                samples[config].append(backend.time(workload.problem, config, workload.shapes,
+                samples[config].append(measurer.time(workload.problem, config, workload.shapes,
                                                     plan))
             except KERNEL_FAILURES as exc:
                 failed[config] = f"failed when re-measured: {type(exc).__name__}: {exc}"

@@ -26,6 +26,7 @@ from flashtune.codegen.spec import ProblemBucket
 from flashtune.db.records import check_study
 from flashtune.db.study_storage import open_optuna_storage
 from flashtune.errors import TuningError
+from flashtune.tuner.measure.base import COST_ATTR as COST_ATTR
 
 # What the tuner records on a trial (user attributes), read by the search, its samplers,
 # the final pick and the report.
@@ -34,9 +35,6 @@ CONFIG_ATTR = "config"
 STATUS_ATTR = "status"
 DUPLICATE_ATTR = "duplicate_of"
 MODEL_PRUNED_ATTR = "model_pruned"
-#: What measuring a trial cost in seconds (compile included), where the measurement knows
-#: it better than the trial's wall-clock duration (a replay's simulated clock).
-COST_ATTR = "cost_s"
 
 @contextlib.contextmanager
 def quiet_optuna() -> Iterator[None]:

@@ -19,9 +19,9 @@ import math
 from dataclasses import dataclass
 
 from flashtune.codegen.spec import KernelConfig, Problem, ShapeLike
-from flashtune.perf.loops import MainLoop, main_loops
-from flashtune.perf.sass import InstructionMix, SassFunction
-from flashtune.perf.workload import TileMix, sass_tile_mix
+from flashtune.perf.model.algorithm import TileMix, sass_tile_mix
+from flashtune.perf.sass.loops import MainLoop, main_loops
+from flashtune.perf.sass.parse import InstructionMix, SassFunction
 
 
 def rescale_probability(tiles: int, rows: int) -> float:
@@ -113,7 +113,7 @@ def kernel_loops(fn: SassFunction, problem: Problem, config: KernelConfig,
     """The loop charges of a compiled forward kernel, or None when its SASS has no main
     loop of one K/V tile's MMAs (then the caller uses one mix for every tile)."""
     found = main_loops(fn)
-    primary = found.unmasked or found.masked
+    primary = found.primary
     if primary is None:
         return None
     scores = config.rows_per_warp * config.block_n / 32  # per thread

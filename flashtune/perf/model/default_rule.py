@@ -13,16 +13,16 @@ For one (arch class, compiled head dim, causal) entry of ``families.fwd.defaults
    default, are compiled for the class's reference arch in bf16 and ranked again with
    their SASS and compiled resources (``predict(..., resources=, sass=)``).
 3. Filters, on the reference arch, then on every arch of the class in both dtypes: the
-   kernel compiles; keeps the spill rule (``perf.loops``: no local access in a tensor-core
+   kernel compiles; keeps the spill rule (``perf.sass.loops``: no local access in a tensor-core
    chain, at most ``MAX_LOCAL_ACCESSES`` per iteration of each main loop); keeps the
    occupancy floor with its compiled registers; its unmasked loop is at most
    FlashAttention-2's same-tile count where reference/fa2-sass-facts.md gives one
-   (``perf.budget``). When no shortlisted tile passes, the next ``SHORTLIST`` are taken.
+   (``perf.sass.budget``). When no shortlisted tile passes, the next ``SHORTLIST`` are taken.
 4. The default is the passing tile with the best PREDICTED time, unless the current
    default also passes and is predicted within ``KEEP_MARGIN`` of it: a default does not
    change for a predicted difference the model cannot resolve.
 
-The model is asked about one workload per head dim (``workload``): FlashAttention's
+The model is asked about one shape per head dim (``rule_shape``): FlashAttention's
 standard benchmark point at 4k tokens, batch 4, seqlen 4096, hidden size 2048 (2048 //
 head dim heads), on the reference GPU of the class's reference arch (A100, RTX 3090,
 H100). Every figure here is a PREDICTION of that model, never a measurement.
@@ -39,13 +39,13 @@ from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.errors import InvalidConfig, OutOfResources
 from flashtune.families import render
 from flashtune.families.fwd import defaults, space
-from flashtune.perf.budget import fa2_figure
-from flashtune.perf.costmodel import predict
-from flashtune.perf.disasm import sass_listing
-from flashtune.perf.gpus import GpuSpec, default_gpu_for_arch
-from flashtune.perf.loops import MAX_LOCAL_ACCESSES, main_loops
-from flashtune.perf.occupancy import Occupancy, occupancy
-from flashtune.perf.sass import SassFunction
+from flashtune.perf.model.costmodel import predict
+from flashtune.perf.model.gpus import GpuSpec, default_gpu_for_arch
+from flashtune.perf.model.occupancy import Occupancy, occupancy
+from flashtune.perf.sass.budget import fa2_figure
+from flashtune.perf.sass.disasm import sass_listing
+from flashtune.perf.sass.loops import MAX_LOCAL_ACCESSES, MainLoops, main_loops
+from flashtune.perf.sass.parse import SassFunction
 from flashtune.runtime.compiler import CompileResult, compile_pairs
 
 #: Tiles compiled per round of the shortlist (step 2).
@@ -81,14 +81,9 @@ def blocks_text(blocks: int) -> str:
 FLOORS = (Floor(2, 8), Floor(1, 8))
 
 
-def workload(head_dim: int) -> Shape:
+def rule_shape(head_dim: int) -> Shape:
     """The shape the model is asked about for ``head_dim``."""
     return Shape.square(BATCH, max(1, HIDDEN // head_dim), SEQLEN)
-
-
-def workload_text(head_dim: int) -> str:
-    s = workload(head_dim)
-    return f"batch {s.batch}, {s.heads_q} heads, seqlen {s.seqlen_q}"
 
 
 def class_gpu(cls: ArchClass) -> GpuSpec:
@@ -133,7 +128,7 @@ def candidates(cls: ArchClass, head_dim: int, causal: bool
 def _analytic_ms(problem: Problem, config: KernelConfig, gpu: GpuSpec) -> float:
     """The model's time without compiling; configs it cannot place rank last."""
     try:
-        return predict(problem, config, workload(problem.head_dim), gpu).time_ms
+        return predict(problem, config, rule_shape(problem.head_dim), gpu).time_ms
     except OutOfResources:
         return float("inf")
 
@@ -150,6 +145,20 @@ class Build:
     problems: tuple[str, ...]
 
 
+def spill_rule_problems(loops: MainLoops, arch: str) -> list[str]:
+    """How the main loops of a kernel compiled for ``arch`` break the spill rule (step 3: no
+    local access in a tensor-core chain, at most ``MAX_LOCAL_ACCESSES`` per iteration of
+    each main loop); empty when they keep it."""
+    problems = []
+    chained = sum(lp.local.in_mma_chain for lp in loops)
+    if chained:
+        problems.append(f"{chained} local accesses in a tensor-core chain on {arch}")
+    local = max((lp.local.accesses for lp in loops), default=0)
+    if local > MAX_LOCAL_ACCESSES:
+        problems.append(f"{local} local accesses a tile on {arch} (over {MAX_LOCAL_ACCESSES})")
+    return problems
+
+
 def _build(problem: Problem, config: KernelConfig, result: CompileResult, floor: Floor
            ) -> tuple[Build, SassFunction | None]:
     arch = result.arch
@@ -160,13 +169,8 @@ def _build(problem: Problem, config: KernelConfig, result: CompileResult, floor:
     res = kernel.resources
     function = sass_listing(kernel.cubin, arch).function(result.source.entry)
     loops = main_loops(function)
-    problems: list[str] = []
+    problems = spill_rule_problems(loops, arch)
     local = max((lp.local.accesses for lp in loops), default=0)
-    chained = sum(lp.local.in_mma_chain for lp in loops)
-    if chained:
-        problems.append(f"{chained} local accesses in a tensor-core chain on {arch}")
-    if local > MAX_LOCAL_ACCESSES:
-        problems.append(f"{local} local accesses a tile on {arch} (over {MAX_LOCAL_ACCESSES})")
     try:
         occ = occupancy(arch, threads=config.threads, registers=res.registers,
                         smem_bytes=res.smem_bytes)
@@ -374,7 +378,7 @@ class _Search:
                 self.queued.remove(config)
             ms = float("inf")
             if function is not None and result.kernel is not None and build.blocks_per_sm:
-                ms = predict(problem, config, workload(self.head_dim),
+                ms = predict(problem, config, rule_shape(self.head_dim),
                              class_gpu(self.arch_class), resources=result.kernel.resources,
                              sass=function).time_ms
             self.ref[config] = Evaluated(config, ms, (build,))

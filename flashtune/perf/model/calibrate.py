@@ -15,15 +15,15 @@ import numpy as np
 
 from flashtune.codegen.spec import KernelConfig, Problem, ShapeLike
 from flashtune.errors import InvalidInput
-from flashtune.perf.costmodel import (
+from flashtune.perf.model.costmodel import (
     DEFAULT_PARAMS,
     ModelParams,
     ResourcesLike,
     TrafficCounters,
     predict,
 )
-from flashtune.perf.gpus import GpuSpec
-from flashtune.perf.sass import InstructionMix, SassFunction
+from flashtune.perf.model.gpus import GpuSpec
+from flashtune.perf.sass.parse import InstructionMix, SassFunction
 
 #: Parameters calibrate() fits by default, with the range each may take.
 FIT_BOUNDS: dict[str, tuple[float, float]] = {

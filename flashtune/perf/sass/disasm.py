@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flashtune.codegen.arch import get_arch
-from flashtune.perf.sass import SassListing, parse_sass
+from flashtune.perf.sass.parse import SassListing, parse_sass
 from flashtune.toolchain.disasm import disassemble
 
 

@@ -16,7 +16,7 @@ from typing import Protocol, TypeVar
 
 
 class Instruction(Protocol):
-    """What the graph reads of an instruction (perf.sass.Instruction has it)."""
+    """What the graph reads of an instruction (perf.sass.parse.Instruction has it)."""
 
     @property
     def offset(self) -> int: ...

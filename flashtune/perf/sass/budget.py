@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from flashtune import families
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem
-from flashtune.perf.loops import MainLoop, MainLoops
-from flashtune.perf.sass import InstructionMix, categorize
+from flashtune.perf.sass.loops import MainLoop, MainLoops
+from flashtune.perf.sass.parse import InstructionMix, categorize
 
 #: Budget classes in print order.
 BUDGET_CLASSES: tuple[str, ...] = (

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from flashtune.db.records import TrialStatus
 from flashtune.db.store import TuningStore
-from flashtune.perf.calibrate import spearman
+from flashtune.perf.model.calibrate import spearman
 
 MIN_CONFIGS = 3
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.errors import InvalidInput
-from flashtune.perf.sass import InstructionMix
+from flashtune.perf.sass.parse import InstructionMix
 
 
 def check_shape(shape: ShapeLike) -> None:

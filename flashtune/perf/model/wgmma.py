@@ -1,5 +1,9 @@
-"""The cost model's wgmma path: what the sm_90a forward families (``fwd90a``, ``fwd90aws``,
-``fwd90awspp``) change in a PREDICTION, and the assumptions it rests on.
+"""The cost model's wgmma path (``WgmmaPath``, one strategy of strategy.py, chosen by
+paths.py for a forward family whose target arch is sm_90a): what wgmma, TMA and warp
+specialisation change in a PREDICTION, and the assumptions it rests on. A family's
+``Design`` is read from what it declares: whether it has a producer warpgroup (the
+warp-specialised family), how its config loads K/V and whether its consumers take
+ping-pong turns.
 
 The per-tile structure is the forward's (costmodel.py): instructions per warp per K/V tile
 from the main loop's SASS, rounds of all resident blocks on a sub-partition, exposed memory
@@ -13,14 +17,15 @@ differs in:
 - Overlap: a wgmma is asynchronous, so a warp's tensor time and its other pipes' time
   (softmax: MUFU, FP32, issue slots) overlap; what the dependency chain S -> softmax -> P ->
   P V leaves to overlap is an ASSUMPTION per design (``Design.overlap``), not a fit:
-  * ``fwd90a`` and ``fwd90aws`` (each consumer warpgroup waits for its own GEMMs): the share
+  * without ping-pong (each consumer warpgroup waits for its own GEMMs): the share
     of the shorter of the two a second warp on the sub-partition hides is the forward's
     ``overlap`` parameter (fitted to FA2's table for mma.sync warps; reused, not refitted);
-  * ``fwd90awspp``: named barriers make the two consumer warpgroups take turns, one's
+  * with ping-pong: named barriers make the two consumer warpgroups take turns, one's
     softmax under the other's GEMMs (FA3 paper §3.1), assumed to hide all of the shorter.
-- Loads: ``fwd90a``'s consumer warps issue their cp.async copies (their address arithmetic
-  is in the main loop's SASS, so it is charged); the warp-specialised families' producer
-  warpgroup issues TMA copies, and its few instructions per tile are not charged. Where the
+- Loads: without a producer warpgroup the consumer warps issue their cp.async copies
+  (their address arithmetic is in the main loop's SASS, so it is charged); the
+  warp-specialised family's producer warpgroup issues TMA copies, and its few
+  instructions per tile are not charged. Where the
   load knobs make it copy with cp.async its instructions are not charged either (they are
   not in the consumers' main loop): an optimistic assumption, said in the prediction. All
   see the same memory latency, hidden by ``num_stages - 1`` tiles of prefetch.
@@ -30,7 +35,7 @@ differs in:
 
 Nothing here was calibrated on a GPU: ``CALIBRATION`` says so in every wgmma prediction,
 and ``flashtune profile`` prints the ratio to the published FA3 / FA2 figures
-(perf.baselines) as a sanity check, never fitted.
+(perf.model.baselines) as a sanity check, never fitted.
 """
 
 from __future__ import annotations
@@ -40,11 +45,17 @@ import math
 from dataclasses import dataclass
 
 from flashtune import families
+from flashtune.codegen.arch import SUBPARTITIONS_PER_SM
 from flashtune.codegen.spec import KernelConfig, Problem
-from flashtune.errors import InvalidConfig
+from flashtune.errors import InvalidConfig, InvalidProblem
+from flashtune.families.base import KernelFamily
 from flashtune.families.hopper import HopperForwardFamily, space
 from flashtune.families.hopper.ws import PRODUCER_THREADS, HopperWsForwardFamily
-from flashtune.perf.workload import TileMix, analytic_tile_mix, mma_head_dim
+from flashtune.perf.model.algorithm import TileMix, analytic_tile_mix, mma_head_dim
+from flashtune.perf.model.gpus import GpuSpec
+from flashtune.perf.model.occupancy import Occupancy
+from flashtune.perf.model.params import ModelParams
+from flashtune.perf.model.strategy import TileRound
 
 MODEL_NAME = "fa3-wgmma-1"
 #: Said in every wgmma prediction.
@@ -118,23 +129,68 @@ def design_of(problem: Problem, config: KernelConfig) -> Design | None:
     """The Design of ``config`` of ``problem``'s family when it is an sm_90a forward family
     (ping-pong from the family or the config's knob), else None."""
     family = families.of(problem)
-    if not isinstance(family, HopperForwardFamily):
-        return None
+    return design_of_family(family, config) if isinstance(family, HopperForwardFamily) else None
+
+
+def design_of_family(family: HopperForwardFamily, config: KernelConfig) -> Design:
+    """The Design of ``config`` of an sm_90a forward family: a warp-specialised family
+    (its producer warpgroup) loads by TMA unless a load knob asks for cp.async, and takes
+    ping-pong turns as the family or the config says; the other loads by cp.async from
+    its consumer warps."""
     if isinstance(family, HopperWsForwardFamily):
         loads = "cp.async" if space.cp_async_producer(config) else "TMA"
         return Design(family.op, loads, PRODUCER_THREADS, family.pingpong_on(config))
     return Design(family.op, "cp.async", 0, False)
 
 
-def is_wgmma_forward(problem: Problem) -> bool:
-    """Whether ``problem``'s family is an sm_90a forward family (the wgmma path's)."""
-    return isinstance(families.of(problem), HopperForwardFamily)
+@dataclass(frozen=True)
+class WgmmaPath:
+    """The cost model's sm_90a strategy (``strategy.ModelPath``) for one Design."""
 
+    design: Design
+    #: Registers beyond the accumulators when no compiled resources are given.
+    register_overhead: int
+    name: str = "wgmma"
+    model_name: str = MODEL_NAME
 
-def block_threads(problem: Problem, config: KernelConfig) -> int:
-    """Threads of one block: the config's, plus a producer warpgroup if the family has one."""
-    design = design_of(problem, config)
-    return config.threads + (design.producer_threads if design is not None else 0)
+    @classmethod
+    def of(cls, family: KernelFamily, problem: Problem, config: KernelConfig,
+           register_overhead: int) -> WgmmaPath:
+        """The path of ``config`` of an sm_90a forward family (InvalidProblem for another
+        family: this path has no model of it)."""
+        if not isinstance(family, HopperForwardFamily):
+            raise InvalidProblem(f"the wgmma path models the sm_90a forward kernels; the "
+                                 f"{family.op!r} family of {problem.key()} is not one")
+        return cls(design_of_family(family, config), register_overhead)
+
+    def analytic_mix(self, problem: Problem, config: KernelConfig) -> TileMix:
+        return analytic_tile_mix_wgmma(problem, config, self.design)
+
+    def block_threads(self, config: KernelConfig) -> int:
+        """The config's threads plus the producer warpgroup's, if there is one."""
+        return config.threads + self.design.producer_threads
+
+    def estimated_registers(self, problem: Problem, config: KernelConfig,
+                            gpu: GpuSpec) -> int:
+        regs = min(gpu.arch_spec.max_regs_per_thread,
+                   space.accumulator_registers(problem, config) + self.register_overhead)
+        if self.design.warp_specialized:
+            regs = min(regs, launch_registers(gpu.arch_spec.regs_per_sm,
+                                              self.block_threads(config)))
+        return regs
+
+    def tile_round(self, tensor: float, other: float, occ: Occupancy,
+                   config: KernelConfig, params: ModelParams) -> TileRound:
+        # wgmma is asynchronous: tensor and softmax time overlap; only the consumer warps
+        # compute (a producer warpgroup's are not counted).
+        warps_per_partition = consumer_warps_per_partition(occ.blocks_per_sm, config,
+                                                           SUBPARTITIONS_PER_SM)
+        warp, round_ = compute_round(tensor, other, warps_per_partition,
+                                     self.design.overlap(params.overlap))
+        return TileRound(warps_per_partition, warp, round_)
+
+    def assumptions(self, params: ModelParams) -> tuple[str, ...]:
+        return self.design.assumptions(params.overlap)
 
 
 def launch_registers(regs_per_sm: int, threads: int) -> int:
@@ -159,16 +215,6 @@ def analytic_tile_mix_wgmma(problem: Problem, config: KernelConfig, design: Desi
     integer = 2 * ldgsts + 60
     return dataclasses.replace(fa2, wgmma_flops=fa2.mma_flops, ldsm_bytes=0.0,
                                issue_only=hgmma + syncs + ldgsts + 2 + integer)
-
-
-def tensor_cycles(mma_sync_flops: float, wgmma_flops: float, mma_sync_cycles: float,
-                  tensor_flops_per_clk_sm: float, subpartitions: int,
-                  efficiency: float) -> float:
-    """One warp's tensor-core cycles: mma.sync FLOPs at the mma.sync rate (one m16n8k16 per
-    ``mma_sync_cycles``), its wgmma share at the datasheet rate per sub-partition."""
-    m16n8k16 = 2 * 16 * 8 * 16
-    return (mma_sync_flops / m16n8k16 * mma_sync_cycles
-            + wgmma_flops / (tensor_flops_per_clk_sm / subpartitions)) / efficiency
 
 
 def compute_round(tensor: float, other: float, warps_per_partition: int,

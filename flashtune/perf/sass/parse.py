@@ -4,9 +4,8 @@ matters for attention kernels.
 A listing line looks like ``/*01f0*/  @!P0 LDG.E.128 R4, [R2.64] ;`` optionally followed by
 the encoding in a comment; functions start at ``.text.<name>:`` (nvdisasm) or
 ``Function : <name>`` (cuobjdump); branch targets are labels (``.L_x_3``) or addresses.
-Counts are static (instructions in the code, not executions); ``SassFunction.hot_loop``
-finds the loop that holds the most tensor-core instructions, whose body is what one
-iteration of a kernel's main loop issues.
+Counts are static (instructions in the code, not executions); ``SassFunction.loops`` finds
+the loops (back edges, cfg.py), and loops.py which of them are the kernel's main loops.
 
 sm_90a kernels (NVRTC 13, read from the compiled families' listings) add their own classes:
 ``HGMMA.64x128x16.F32`` (wgmma; the shape is part of the opcode), ``WARPGROUP.ARRIVE`` /
@@ -27,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from flashtune.errors import InvalidInput
-from flashtune.perf.cfg import back_edges
+from flashtune.perf.sass.cfg import back_edges
 
 #: Categories an instruction is counted under (besides its full opcode).
 CATEGORIES: tuple[str, ...] = (
@@ -354,27 +353,13 @@ class SassFunction:
         return None
 
     def loops(self) -> tuple[Loop, ...]:
-        """Every back edge's loop: a backward branch whose target dominates it (perf.cfg; a
+        """Every back edge's loop: a backward branch whose target dominates it (perf.sass.cfg; a
         self-branch, as ptxas emits after EXIT, is not one, nor the jump back from an
         out-of-line mbarrier retry), outermost first."""
         found = {Loop(edge.target, edge.source)
                  for edge in back_edges(self.instructions, self.branch_target)
                  if edge.target < edge.source}
         return tuple(sorted(found, key=lambda lp: (lp.start, -lp.end)))
-
-    def hot_loop(self) -> Loop | None:
-        """The innermost loop holding the most MMA FLOPs (the main loop of a tensor-core
-        kernel); without MMAs, the loop with the most instructions; None without loops."""
-        loops = self.loops()
-        if not loops:
-            return None
-
-        def score(lp: Loop) -> tuple[int, int, int]:
-            mix = self.mix(lp)
-            return (mix.mma_flops, mix.total if mix.mma_flops == 0 else 0,
-                    -(lp.end - lp.start))
-
-        return max(loops, key=score)
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.errors import InvalidInput
 from flashtune.families import render
-from flashtune.perf.costmodel import TrafficCounters
-from flashtune.perf.workload import tiles_per_query_block
+from flashtune.perf.model.algorithm import tiles_per_query_block
+from flashtune.perf.model.costmodel import TrafficCounters
 from flashtune.runtime.backends.emulator import EmulatorBackend, EmulatorCounters, LaunchOptions
 
 #: Largest sequence length of the sample shape (the emulator runs about 1 M mma per second).

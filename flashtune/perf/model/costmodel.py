@@ -16,7 +16,7 @@ The model, per K/V tile (one iteration of the kernel's main loop):
    (times the bank-conflict factor when counters give one).
 3. Each block also moves its Q and O tiles and its first K/V tiles at its share of DRAM
    bandwidth; blocks are dispatched greedily to SM slots in launch order (wave
-   quantisation and the causal tail, schedule.py).
+   quantisation and the causal tail, grid.py).
 4. The call takes the longest of that schedule, its DRAM traffic and its L2 traffic at the
    achievable bandwidth, plus a fixed launch overhead.
 
@@ -33,7 +33,7 @@ block has, the O rescale a warp vote can skip by its chance of running. Every in
 also takes an issue slot: a sub-partition issues one per cycle.
 
 The sm_90a families (wgmma) are predicted on their own path, labelled ``path="wgmma"`` and
-by their own model name, with the assumptions of perf/wgmma.py listed in the prediction.
+by their own model name, with the assumptions of perf/model/wgmma.py listed in the prediction.
 """
 
 from __future__ import annotations
@@ -47,52 +47,35 @@ from typing import Protocol
 from flashtune import families
 from flashtune.codegen.arch import SUBPARTITIONS_PER_SM
 from flashtune.codegen.spec import KernelConfig, Problem, ShapeLike
-from flashtune.errors import InvalidInput, InvalidProblem, OutOfResources
-from flashtune.families.fwd import space
-from flashtune.families.hopper import space as hopper_space
-from flashtune.perf.gpus import MMA_M16N8K16_FLOPS, GpuSpec, get_gpu
-from flashtune.perf.loopcost import (
-    KernelLoops,
-    block_tile_mixes,
-    kernel_loops,
-    mean_rescale_probability,
-)
-from flashtune.perf.loops import nested_loops
-from flashtune.perf.modelparams import DEFAULT_PARAMS as DEFAULT_PARAMS
-from flashtune.perf.modelparams import FA2_TABLE_FIT, parameter_sources
-from flashtune.perf.modelparams import MODEL_NAME as MODEL_NAME
-from flashtune.perf.modelparams import PARAM_SOURCES as PARAM_SOURCES
-from flashtune.perf.modelparams import ModelParams as ModelParams
-from flashtune.perf.occupancy import Occupancy, occupancy
-from flashtune.perf.sass import InstructionMix, SassFunction
-from flashtune.perf.schedule import makespan
-from flashtune.perf.wgmma import MODEL_NAME as WGMMA_MODEL_NAME
-from flashtune.perf.wgmma import (
-    Design,
-    analytic_tile_mix_wgmma,
-    block_threads,
-    compute_round,
-    consumer_warps_per_partition,
-    design_of,
-    is_wgmma_forward,
-    launch_registers,
-    tensor_cycles,
-)
-from flashtune.perf.workload import (
+from flashtune.errors import InvalidInput, OutOfResources
+from flashtune.perf.model.algorithm import (
     TileMix,
     Traffic,
-    analytic_tile_mix,
     analytic_traffic,
     check_shape,
     mma_head_dim,
     sass_tile_mix,
     tiles_per_query_block,
 )
-
-BOUNDS = ("compute", "memory", "latency")
-#: Registers the kernel needs beyond its O and S accumulators (Q/K/V fragments,
-#: addresses, softmax state): used only when no compiled resource usage is given.
-REGISTER_OVERHEAD_ESTIMATE = 64
+from flashtune.perf.model.gpus import MMA_M16N8K16_FLOPS, GpuSpec, get_gpu
+from flashtune.perf.model.grid import makespan
+from flashtune.perf.model.loopcost import (
+    KernelLoops,
+    block_tile_mixes,
+    kernel_loops,
+    mean_rescale_probability,
+)
+from flashtune.perf.model.occupancy import Occupancy, occupancy
+from flashtune.perf.model.params import DEFAULT_PARAMS as DEFAULT_PARAMS
+from flashtune.perf.model.params import FA2_TABLE_FIT, parameter_sources
+from flashtune.perf.model.params import MODEL_NAME as MODEL_NAME
+from flashtune.perf.model.params import PARAM_SOURCES as PARAM_SOURCES
+from flashtune.perf.model.params import ModelParams as ModelParams
+from flashtune.perf.model.paths import model_path
+from flashtune.perf.model.paths import model_version as model_version
+from flashtune.perf.model.strategy import ModelPath, tensor_cycles, versioned
+from flashtune.perf.sass.loops import main_loop, nested_loops
+from flashtune.perf.sass.parse import InstructionMix, SassFunction
 
 
 class ResourcesLike(Protocol):
@@ -169,7 +152,7 @@ class Prediction:
     parameters: tuple[tuple[str, float, str], ...] = field(default=())
     #: "mma.sync" (the forward, fitted to FA2's table) or "wgmma" (the sm_90a families)
     path: str = "mma.sync"
-    #: The stated assumptions of the path (the wgmma path's; perf/wgmma.py)
+    #: The stated assumptions of the path (the wgmma path's; perf/model/wgmma.py)
     assumptions: tuple[str, ...] = field(default=())
 
     kind = "PREDICTED"
@@ -203,22 +186,17 @@ def _gpu(gpu: GpuSpec | str) -> GpuSpec:
     return gpu if isinstance(gpu, GpuSpec) else get_gpu(gpu)
 
 
-def _analytic(problem: Problem, config: KernelConfig, design: Design | None) -> TileMix:
-    return (analytic_tile_mix(problem, config) if design is None
-            else analytic_tile_mix_wgmma(problem, config, design))
-
-
 def _tile_mix(problem: Problem, config: KernelConfig, sass: SassFunction | InstructionMix | None,
               resources: ResourcesLike | None, local_per_tile: float | None,
-              notes: list[str], design: Design | None) -> TileMix:
-    analytic = _analytic(problem, config, design)
+              notes: list[str], path: ModelPath) -> TileMix:
+    analytic = path.analytic_mix(problem, config)
     if sass is None and local_per_tile is not None:
         notes.append(f"{local_per_tile:g} local-memory accesses per K/V tile (measured)")
         return dataclasses.replace(analytic, local=local_per_tile)
     if sass is not None:
         loop_mix = sass
         if isinstance(sass, SassFunction):
-            loop = sass.hot_loop()
+            loop = main_loop(sass)
             loop_mix = sass.mix(loop) if loop is not None else sass.mix()
             if loop is None:
                 notes.append("no loop in the SASS; counts taken over the whole kernel")
@@ -239,27 +217,22 @@ def _tile_mix(problem: Problem, config: KernelConfig, sass: SassFunction | Instr
 
 def _occupancy(problem: Problem, config: KernelConfig, gpu: GpuSpec,
                resources: ResourcesLike | None, notes: list[str],
-               design: Design | None) -> Occupancy:
+               path: ModelPath) -> Occupancy:
     if resources is not None:
         regs = resources.registers
         smem = resources.static_smem + resources.dynamic_smem
     else:
-        acc = (space.accumulator_registers(problem, config) if design is None
-               else hopper_space.accumulator_registers(problem, config))
-        regs = min(gpu.arch_spec.max_regs_per_thread, acc + REGISTER_OVERHEAD_ESTIMATE)
-        if design is not None and design.warp_specialized:
-            regs = min(regs, launch_registers(gpu.arch_spec.regs_per_sm,
-                                              block_threads(problem, config)))
+        regs = path.estimated_registers(problem, config, gpu)
         smem = families.of(problem).smem_bytes(problem, config)
         notes.append(f"registers estimated ({regs}); pass the compiled resources for exact "
                      "occupancy")
-    return occupancy(gpu.arch_spec, threads=block_threads(problem, config), registers=regs,
+    return occupancy(gpu.arch_spec, threads=path.block_threads(config), registers=regs,
                      smem_bytes=smem)
 
 
 def _cycles(mix: TileMix, problem: Problem, config: KernelConfig, gpu: GpuSpec,
             occ: Occupancy, params: ModelParams, conflict: float,
-            design: Design | None = None) -> TileCycles:
+            path: ModelPath) -> TileCycles:
     thr = gpu.throughput
     tensor = tensor_cycles(mix.mma_flops - mix.wgmma_flops, mix.wgmma_flops,
                            gpu.mma_sync_cycles, gpu.tensor_flops_per_clk_sm,
@@ -269,19 +242,8 @@ def _cycles(mix: TileMix, problem: Problem, config: KernelConfig, gpu: GpuSpec,
              + mix.shfl * thr.warp_cycles(thr.shfl_per_clk)
              + mix.local * params.local_access_cycles
              + mix.issue_only)
-    if design is not None:
-        # wgmma is asynchronous: tensor and softmax time overlap (perf/wgmma.py); only the
-        # consumer warps compute (a producer warpgroup's are not counted).
-        warps_per_partition = consumer_warps_per_partition(occ.blocks_per_sm, config,
-                                                           SUBPARTITIONS_PER_SM)
-        warp, round_ = compute_round(tensor, other, warps_per_partition,
-                                     design.overlap(params.overlap))
-    else:
-        # Only other warps on the same sub-partition can hide a warp's non-tensor work.
-        warps_per_partition = math.ceil(occ.warps_per_sm / SUBPARTITIONS_PER_SM)
-        hidden = params.overlap * min(1.0, warps_per_partition - 1.0)
-        warp = tensor + (1.0 - hidden) * other
-        round_ = warps_per_partition * warp
+    shared = path.tile_round(tensor, other, occ, config, params)
+    warps_per_partition, warp, round_ = shared.warps_per_partition, shared.warp, shared.round
     per_block = math.ceil(config.num_warps / SUBPARTITIONS_PER_SM) * warp
     # A sub-partition issues one warp instruction per cycle, whatever pipe it goes to
     # (a wgmma's issue slot is in issue_only).
@@ -300,13 +262,6 @@ def _cycles(mix: TileMix, problem: Problem, config: KernelConfig, gpu: GpuSpec,
                       smem_round, max(round_, issue_round, latency_round, smem_round))
 
 
-
-def model_version(params: ModelParams, problem: Problem) -> str:
-    """The version a prediction of ``problem`` carries: the wgmma path's name for the sm_90a
-    forward families, the forward's otherwise (both with ``params``' digest)."""
-    if is_wgmma_forward(problem):
-        return params.version.replace(MODEL_NAME, WGMMA_MODEL_NAME, 1)
-    return params.version
 
 def predict(
     problem: Problem,
@@ -329,28 +284,24 @@ def predict(
     of a kernel that spills (else spill bytes are assumed accessed once per tile). Raises
     OutOfResources when no block of the kernel fits on an SM, InvalidProblem for a problem
     of another family than the forwards (the model describes a forward's main loop: the
-    mma.sync forward's, or on the wgmma path, perf/wgmma.py, an sm_90a family's).
+    mma.sync forward's, or on the wgmma path, perf/model/wgmma.py, an sm_90a family's).
     """
-    design = design_of(problem, config)
-    if problem.op != "fwd" and design is None:
-        raise InvalidProblem(f"the cost model describes the forward kernels (fwd and the "
-                             f"sm_90a families); it has no model of the {problem.op!r} "
-                             f"family ({problem.key()})")
+    path = model_path(problem, config)  # the one arch-specific choice (paths.py)
     check_shape(shape)
     spec = _gpu(gpu)
     notes: list[str] = []
     tiles = tiles_per_query_block(problem, config, shape)
     fn = sass if isinstance(sass, SassFunction) else None
-    loops = (kernel_loops(fn, problem, config, _analytic(problem, config, design))
+    loops = (kernel_loops(fn, problem, config, path.analytic_mix(problem, config))
              if fn is not None else None)
     if loops is not None and fn is not None:
         mix = loops.tile_mix(False, mean_rescale_probability(config, tiles))
         notes.append(_loop_note(loops, config, tiles, fn))
     else:
-        mix = _tile_mix(problem, config, sass, resources, local_per_tile, notes, design)
-    occ = _occupancy(problem, config, spec, resources, notes, design)
+        mix = _tile_mix(problem, config, sass, resources, local_per_tile, notes, path)
+    occ = _occupancy(problem, config, spec, resources, notes, path)
     conflict = counters.smem_bank_conflict_factor if counters is not None else 1.0
-    cyc = _cycles(mix, problem, config, spec, occ, params, conflict, design)
+    cyc = _cycles(mix, problem, config, spec, occ, params, conflict, path)
     clock = spec.clock_hz
 
     slots = occ.blocks_per_sm * spec.sm_count
@@ -369,9 +320,9 @@ def predict(
         for t, (masked, masked_mix, unmasked_mix) in zip(
                 tiles, block_tile_mixes(loops, problem, config, shape, tiles), strict=True):
             masked_s = _cycles(masked_mix, problem, config, spec, occ, params,
-                               conflict, design).per_tile / clock
+                               conflict, path).per_tile / clock
             unmasked_s = _cycles(unmasked_mix, problem, config, spec, occ, params,
-                                 conflict, design).per_tile / clock
+                                 conflict, path).per_tile / clock
             durations.append(q_o_s + (first_kv_s if t else 0.0) + masked * masked_s
                              + (t - masked) * unmasked_s)
     else:
@@ -393,15 +344,14 @@ def predict(
     memory_share = sum(q_o_s + (first_kv_s if t else 0.0) for t in tiles) / sum(durations)
     bound = _bound(sched.makespan, dram_s, l2_s, sched.utilisation, memory_share, cyc, notes)
     work = families.of(problem).flops(problem, shape)
-    version = model_version(params, problem)
+    version = versioned(params, path.model_name)
     return Prediction(
         time_ms=total_s * 1e3, tflops=work / total_s / 1e12, bound=bound,
         model_version=version, gpu=spec.name, occupancy=occ, cycles=cyc, mix=mix,
         traffic=traffic, waves=sched.waves, utilisation=sched.utilisation,
         schedule_ms=sched.makespan * 1e3, dram_ms=dram_s * 1e3, l2_ms=l2_s * 1e3,
         notes=tuple(notes), parameters=parameter_sources(params),
-        path="mma.sync" if design is None else "wgmma",
-        assumptions=() if design is None else design.assumptions(params.overlap),
+        path=path.name, assumptions=path.assumptions(params),
     )
 
 

@@ -1,4 +1,4 @@
-"""Replaying a recorded tuning landscape on a simulated clock.
+"""A recorded tuning landscape: its file, its search space and its record.
 
 A landscape is a brute-forced search space of one kernel on one GPU: every configuration
 compiled and timed on the device, in the "T4" auto-tuning output format (gzip JSON:
@@ -7,16 +7,13 @@ compiled and timed on the device, in the "T4" auto-tuning output format (gzip JS
 ``compile`` / ``runtime`` for a failure there).
 
 ``Landscape.load`` turns one into a ``SearchSpace`` (each parameter's recorded values in
-ascending order; legal = recorded) plus the record of every point. ``ReplayMeasurement``
-is the measurement the tuner's pipeline drives: each evaluation advances a simulated clock
-by the recorded compile, framework and run times and returns the recorded objective, or
-the recorded failure as data; a configuration measured before is returned again for free
-(nothing is compiled twice). The clock is what a time budget of a replayed run counts.
+ascending order; legal = recorded) plus the record of every point, which
+``measure.recorded.RecordedMeasurer`` answers from when the search is replayed on it
+(``flashtune.tuner.replay``). ``parse_budget`` reads a run's time budget.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import gzip
 import json
 import math
@@ -29,24 +26,13 @@ from typing import Any
 from flashtune.codegen.params import Param, ParamSpace, Point, Value
 from flashtune.db.records import TrialStatus
 from flashtune.errors import TuningError
+from flashtune.tuner.measure.recorded import Config, Recorded
 from flashtune.tuner.search.space import SearchSpace
-from flashtune.tuner.search.study import COST_ATTR
 
 _FAILURES = {"compile": TrialStatus.COMPILE_FAILED, "runtime": TrialStatus.RUNTIME_FAILED,
              "correctness": TrialStatus.WRONG_RESULT}
 #: Objectives whose name says higher is better; every other one (time) is minimised.
 _HIGHER_IS_BETTER = re.compile(r"flop|throughput|bandwidth|/s\b", re.IGNORECASE)
-
-Config = tuple[Value, ...]
-
-
-@dataclass(frozen=True)
-class Recorded:
-    """One brute-forced configuration: its outcome and what measuring it cost."""
-
-    status: TrialStatus
-    objective: float | None  # the recorded objective (None unless ok)
-    seconds: float           # compile + framework + kernel runs
 
 
 def _value(raw: Any) -> Value:
@@ -157,59 +143,6 @@ def _record(r: Mapping[str, Any], objective: str, path: Path) -> Recorded:
         raise TuningError(f"{path.name}: a correct result has no numeric {objective!r} "
                           f"measurement ({value!r})")
     return Recorded(TrialStatus.OK, float(value), ms / 1e3)
-
-
-@dataclass(frozen=True)
-class ReplayResult:
-    """One replayed evaluation (an ``Outcome`` for the search)."""
-
-    config: Config
-    status: TrialStatus
-    objective: float | None
-    charged_s: float  # simulated seconds this evaluation cost (0 for a re-proposal)
-    clock_s: float    # the simulated clock after it
-
-    def attrs(self) -> dict[str, float | int | str]:
-        out: dict[str, float | int | str] = {COST_ATTR: self.charged_s,
-                                             "clock_s": self.clock_s}
-        if self.status.failed:
-            out["error"] = f"recorded {self.status.value}"
-        return out
-
-
-def _done() -> cf.Future[None]:
-    future: cf.Future[None] = cf.Future()
-    future.set_result(None)
-    return future
-
-
-class ReplayMeasurement:
-    """The pipeline's Measurement of a landscape on a simulated clock (module docstring)."""
-
-    def __init__(self, landscape: Landscape) -> None:
-        self.landscape = landscape
-        self.clock_s = 0.0
-        self.evaluations = 0
-        self._seen: set[Config] = set()
-
-    def now(self) -> float:
-        """The simulated clock in seconds (a Limits clock)."""
-        return self.clock_s
-
-    def start(self, config: Config) -> cf.Future[None]:
-        return _done()  # nothing runs ahead: the clock charges the compile in finish()
-
-    def finish(self, config: Config, started: cf.Future[Any]) -> ReplayResult:
-        record = self.landscape.records.get(config)
-        if record is None:
-            raise TuningError(f"{config} is not a recorded configuration of "
-                              f"{self.landscape.path.name}; the search proposed an illegal "
-                              "point")
-        charged = 0.0 if config in self._seen else record.seconds
-        self._seen.add(config)
-        self.clock_s += charged
-        self.evaluations += 1
-        return ReplayResult(config, record.status, record.objective, charged, self.clock_s)
 
 
 def parse_budget(text: str, landscape: Landscape | None = None) -> float:

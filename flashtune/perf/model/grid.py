@@ -19,7 +19,7 @@ EXACT_LIMIT = 1 << 16
 
 
 @dataclass(frozen=True)
-class Schedule:
+class GridSchedule:
     """Makespan of a grid and how busy its slots were."""
 
     makespan: float     # seconds until the last block ends
@@ -53,7 +53,7 @@ def _simulate(durations: Sequence[float], repeats: int, slots: int) -> float:
     return end
 
 
-def makespan(durations: Sequence[float], repeats: int, slots: int) -> Schedule:
+def makespan(durations: Sequence[float], repeats: int, slots: int) -> GridSchedule:
     """Schedule ``repeats`` copies of the per-query-block ``durations`` (one copy per
     (head, batch), launched one after another) on ``slots`` resident slots."""
     if not durations or repeats < 1 or slots < 1:
@@ -64,11 +64,11 @@ def makespan(durations: Sequence[float], repeats: int, slots: int) -> Schedule:
     blocks = len(durations) * repeats
     busy = sum(durations) * repeats
     if blocks <= EXACT_LIMIT or len(set(durations)) == 1:
-        return Schedule(_simulate(durations, repeats, slots), busy, slots, blocks)
+        return GridSchedule(_simulate(durations, repeats, slots), busy, slots, blocks)
     # Simulate enough repetitions to cover many waves, then scale the body and keep the
     # simulated tail (the part beyond perfect balance).
     sample = max(1, EXACT_LIMIT // len(durations))
     simulated = _simulate(durations, sample, slots)
     balanced = sum(durations) * sample / slots
     tail = max(0.0, simulated - balanced)
-    return Schedule(max(busy / slots + tail, max(durations)), busy, slots, blocks)
+    return GridSchedule(max(busy / slots + tail, max(durations)), busy, slots, blocks)

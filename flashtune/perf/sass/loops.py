@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 
-from flashtune.perf.sass import Instruction, InstructionMix, Loop, SassFunction, wgmma_shape
+from flashtune.perf.sass.parse import Instruction, InstructionMix, Loop, SassFunction, wgmma_shape
 
 
 class LoopKind(str, Enum):
@@ -111,6 +111,12 @@ class MainLoops:
 
     masked: MainLoop | None
     unmasked: MainLoop | None
+
+    @property
+    def primary(self) -> MainLoop | None:
+        """The unmasked loop, else the masked one: where most tiles of a long sequence run,
+        and the loop a kernel's per-iteration statistics are read over."""
+        return self.unmasked or self.masked
 
     def __iter__(self) -> Iterator[MainLoop]:
         return iter([lp for lp in (self.masked, self.unmasked) if lp is not None])
@@ -275,6 +281,20 @@ def nested_loops(fn: SassFunction, loop: Loop) -> tuple[Loop, ...]:
                  if lp != loop and loop.start <= lp.start and lp.end <= loop.end)
 
 
+def main_loop(fn: SassFunction, loops: MainLoops | None = None) -> Loop | None:
+    """The one loop a kernel's per-iteration statistics are read over: the primary main
+    loop (``MainLoops.primary``; ``loops`` when already found) of a kernel with tensor-core
+    loops; in a kernel without tensor-core work, its loop with the most instructions (the
+    smallest on ties); None without loops."""
+    found = main_loops(fn) if loops is None else loops
+    if found.primary is not None:
+        return found.primary.loop
+    every = fn.loops()
+    if not every:
+        return None
+    return max(every, key=lambda lp: (fn.mix(lp).total, -(lp.end - lp.start)))
+
+
 def main_loops(fn: SassFunction) -> MainLoops:
     """The masked and unmasked main loops of ``fn`` (see the module docstring)."""
     tensor_loops = tuple(lp for lp in fn.loops() if fn.mix(lp).mma_flops > 0)
@@ -296,20 +316,10 @@ def main_loops(fn: SassFunction) -> MainLoops:
     return MainLoops(found.get(LoopKind.MASKED), found.get(LoopKind.UNMASKED))
 
 
-#: The spill rule of the default configs: at most this many local-memory accesses per
-#: iteration of each main loop, none of them in a tensor-core chain. FlashAttention-2's own
+#: The spill rule of the default configs (``perf.model.default_rule.spill_rule_problems``):
+#: at most this many local-memory accesses per iteration of each main loop, none of them in
+#: a tensor-core chain. FlashAttention-2's own
 #: d128 128 x 64 tile issues 12 per tile with CUDA 13 (reference/fa2-sass-facts.md); a few
 #: outside the chains only take issue slots, about 8 is the aim.
 MAX_LOCAL_ACCESSES = 8
 
-
-def spill_rule_breaches(loops: MainLoops) -> list[str]:
-    """How the main loops break the spill rule (empty when they keep it)."""
-    out = []
-    for loop in loops:
-        local = loop.local
-        if local.in_mma_chain or local.accesses > MAX_LOCAL_ACCESSES:
-            out.append(f"{loop.kind.value} loop: {local.accesses} local accesses per iteration "
-                       f"(at most {MAX_LOCAL_ACCESSES}), {local.in_mma_chain} in a "
-                       "tensor-core chain (none allowed)")
-    return out
