@@ -310,13 +310,21 @@ class KernelFamily(ABC):
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
         """Dynamic shared memory of one block."""
 
+    def threads(self, problem: Problem, config: KernelConfig) -> int:
+        """Threads of one block of ``config``'s kernel (default: its warps' threads). A
+        family whose block has threads beyond the config's warps (a producer warpgroup)
+        says so here; the KernelSource carries the count, and every launch, the emulator,
+        the resource check and the cost model read it from there or from this hook."""
+        return config.threads
+
     def render(self, problem: Problem, config: KernelConfig) -> KernelSource:
         """The KernelSource of ``problem`` x ``config``."""
         self.check_problem(problem)
         return render_template(self.template, problem, config,
                                self.template_params(problem, config),
                                smem_bytes=self.smem_bytes(problem, config),
-                               threads=config.threads, target=self.target_arch)
+                               threads=self.threads(problem, config),
+                               target=self.target_arch)
 
     # ---------------------------------------------------------------- launch plan
 

@@ -132,9 +132,9 @@ def is_wgmma_forward(problem: Problem) -> bool:
 
 
 def block_threads(problem: Problem, config: KernelConfig) -> int:
-    """Threads of one block: the config's, plus a producer warpgroup if the family has one."""
-    design = design_of(problem, config)
-    return config.threads + (design.producer_threads if design is not None else 0)
+    """Threads of one block: the family's count (``KernelFamily.threads``: the config's,
+    plus a producer warpgroup where the family has one)."""
+    return families.of(problem).threads(problem, config)
 
 
 def launch_registers(regs_per_sm: int, threads: int) -> int:

@@ -35,8 +35,8 @@ from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import ArgType
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import ParamSpace, Value
-from flashtune.codegen.render import TemplateValue, render_template
-from flashtune.codegen.spec import KernelConfig, KernelSource, Problem, Shape
+from flashtune.codegen.render import TemplateValue
+from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.codegen.tensormap import TensorMap, TmaDType, TmaSwizzle
 from flashtune.errors import InvalidInput
 from flashtune.families.base import Inputs, LaunchPlan, Tensors
@@ -115,14 +115,9 @@ class HopperWsForwardFamily(HopperForwardFamily):
                    for name in space.LOAD_KNOBS},
                 "producer_registers": producer, "consumer_registers": consumer}
 
-    def render(self, problem: Problem, config: KernelConfig) -> KernelSource:
-        """The KernelSource; its threads are the consumers' plus the producer warpgroup."""
-        self.check_problem(problem)
-        return render_template(self.template, problem, config,
-                               self.template_params(problem, config),
-                               smem_bytes=self.smem_bytes(problem, config),
-                               threads=config.threads + PRODUCER_THREADS,
-                               target=self.target_arch)
+    def threads(self, problem: Problem, config: KernelConfig) -> int:
+        """The consumers' threads plus the producer warpgroup."""
+        return config.threads + PRODUCER_THREADS
 
     def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
                     inputs: Inputs, outputs: Tensors) -> LaunchPlan:
