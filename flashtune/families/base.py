@@ -178,13 +178,6 @@ def sm_count(device: torch.device | str) -> int | None:
     return int(torch.cuda.get_device_properties(dev).multi_processor_count)
 
 
-def row_kernel_params(problem: Problem, config: KernelConfig) -> dict[str, TemplateValue]:
-    """Template parameters of a kernel that walks rows with no key tile (the backward's row
-    kernels, the split combine): head dim, element type, rows per block and warps."""
-    return {"head_dim": problem.head_dim, "is_bf16": problem.dtype.value == "bf16",
-            "block_m": config.block_m, "num_warps": config.num_warps}
-
-
 def resource_reason(smem: int, accumulators: int, arch: ArchSpec,
                     max_accumulators: int) -> str | None:
     """Why a tile cannot run on ``arch``: its shared memory per block, or accumulator

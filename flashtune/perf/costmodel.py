@@ -47,8 +47,8 @@ from typing import Protocol
 from flashtune import families
 from flashtune.codegen.spec import KernelConfig, Problem, ShapeLike
 from flashtune.errors import InvalidInput, InvalidProblem, OutOfResources
-from flashtune.families.fwd import space
 from flashtune.families.hopper import space as hopper_space
+from flashtune.families.registers import accumulator_registers
 from flashtune.perf.gpus import MMA_M16N8K16_FLOPS, SUBPARTITIONS_PER_SM, GpuSpec, get_gpu
 from flashtune.perf.loopcost import (
     KernelLoops,
@@ -243,7 +243,7 @@ def _occupancy(problem: Problem, config: KernelConfig, gpu: GpuSpec,
         regs = resources.registers
         smem = resources.static_smem + resources.dynamic_smem
     else:
-        acc = (space.accumulator_registers(problem, config) if design is None
+        acc = (accumulator_registers(problem, config) if design is None
                else hopper_space.accumulator_registers(problem, config))
         regs = min(gpu.arch_spec.max_regs_per_thread, acc + REGISTER_OVERHEAD_ESTIMATE)
         if design is not None and design.warp_specialized:

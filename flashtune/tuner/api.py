@@ -149,7 +149,7 @@ class Tuner:
 
     def study_name(self, bucket: ProblemBucket) -> str:
         return study_name(self.backend.device.name, bucket, self.digest,
-                          self.options.study_prefix)
+                          self.options.study_prefix, self.options.fixed)
 
     def prepare_study(self, bucket: ProblemBucket,
                       sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
@@ -164,7 +164,7 @@ class Tuner:
     def tune_bucket(self, bucket: ProblemBucket, pool: CompilePool) -> BucketSummary:
         problem, arch = bucket.problem, self.backend.arch
         workload = self.workload(bucket)
-        encoding = SearchEncoding(problem, arch)
+        encoding = SearchEncoding(problem, arch, self.options.fixed)
         candidates = encoding.candidates()
         timed = self.backend.timed
         name = self.study_name(bucket) if timed else None
