@@ -1,5 +1,5 @@
-"""The cost model's wgmma path: what the sm_90a forward families (``fwd90a``, ``fwd90aws``,
-``fwd90awspp``) change in a PREDICTION, and the assumptions it rests on.
+"""The cost model's wgmma path: what the sm_90a forward families (``fwd90a``, ``fwd90aws``
+and its ping-pong kernels) change in a PREDICTION, and the assumptions it rests on.
 
 The per-tile structure is the forward's (costmodel.py): instructions per warp per K/V tile
 from the main loop's SASS, rounds of all resident blocks on a sub-partition, exposed memory
@@ -16,7 +16,7 @@ differs in:
   * ``fwd90a`` and ``fwd90aws`` (each consumer warpgroup waits for its own GEMMs): the share
     of the shorter of the two a second warp on the sub-partition hides is the forward's
     ``overlap`` parameter (fitted to FA2's table for mma.sync warps; reused, not refitted);
-  * ``fwd90awspp``: named barriers make the two consumer warpgroups take turns, one's
+  * ``fwd90aws`` with its ``pingpong`` knob on: named barriers make the two consumer warpgroups take turns, one's
     softmax under the other's GEMMs (FA3 paper §3.1), assumed to hide all of the shorter.
 - Loads: ``fwd90a``'s consumer warps issue their cp.async copies (their address arithmetic
   is in the main loop's SASS, so it is charged); the warp-specialised families' producer
@@ -116,7 +116,7 @@ class Design:
 
 def design_of(problem: Problem, config: KernelConfig) -> Design | None:
     """The Design of ``config`` of ``problem``'s family when it is an sm_90a forward family
-    (ping-pong from the family or the config's knob), else None."""
+    (ping-pong from the config's knob), else None."""
     family = families.of(problem)
     if not isinstance(family, HopperForwardFamily):
         return None
