@@ -16,8 +16,9 @@ differs in:
   * ``fwd90a`` and ``fwd90aws`` (each consumer warpgroup waits for its own GEMMs): the share
     of the shorter of the two a second warp on the sub-partition hides is the forward's
     ``overlap`` parameter (fitted to FA2's table for mma.sync warps; reused, not refitted);
-  * ``fwd90aws`` with its ``pingpong`` knob on: named barriers make the two consumer warpgroups take turns, one's
-    softmax under the other's GEMMs (FA3 paper §3.1), assumed to hide all of the shorter.
+  * ``fwd90aws`` with its ``pingpong`` knob on: named barriers make the two consumer
+    warpgroups take turns, one's softmax under the other's GEMMs (FA3 paper §3.1), assumed
+    to hide all of the shorter.
 - Loads: ``fwd90a``'s consumer warps issue their cp.async copies (their address arithmetic
   is in the main loop's SASS, so it is charged); the warp-specialised families' producer
   warpgroup issues TMA copies, and its few instructions per tile are not charged. Where the
