@@ -17,6 +17,7 @@ from flashtune import __version__
 from flashtune.codegen.arch import ArchClass, arch_class, get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.families import render
+from flashtune.families.defaults import DefaultEntry
 from flashtune.families.fwd import defaults, space
 from flashtune.perf.model import default_rule
 from flashtune.perf.model.costmodel import predict
@@ -37,7 +38,7 @@ def local_cell(result: CompileResult) -> str:
     return f"{accesses} ({chained})"
 
 
-def predicted_cell(entry: defaults.DefaultEntry, problem: Problem,
+def predicted_cell(entry: DefaultEntry, problem: Problem,
                    result: CompileResult) -> str:
     """The model's PREDICTED TFLOP/s of the entry at the rule's workload, on the class's GPU."""
     kernel = result.unwrap()

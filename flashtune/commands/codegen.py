@@ -11,9 +11,10 @@ the functions that use it: the command line starts without it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -28,6 +29,7 @@ from flashtune.commands.options import (
     Causal,
     ConfigKey,
     DTypeOpt,
+    FixOpt,
     HeadDim,
     OpOpt,
     Stages,
@@ -36,6 +38,9 @@ from flashtune.commands.options import (
 )
 from flashtune.commands.safety import output_dir
 from flashtune.errors import FlashtuneError, InvalidConfig, InvalidProblem
+
+if TYPE_CHECKING:  # the families are imported where a command uses them (see above)
+    from flashtune.families.fixed import Fixed
 
 DEFAULT_ARCH = "sm_90"
 ArchList = Annotated[list[str] | None, typer.Option(
@@ -59,6 +64,7 @@ class ConfigChoice:
     block_n: int | None
     num_warps: int | None
     num_stages: int | None
+    fix: tuple[str, ...] = ()  # --fix NAME=VALUE: knobs set after the fields
 
     @property
     def overrides(self) -> dict[str, int]:
@@ -79,11 +85,30 @@ class ConfigChoice:
         except InvalidConfig as exc:
             raise typer.BadParameter(str(exc), param_hint="--config") from exc
         try:
-            return KernelConfig.from_dict({**base.to_dict(), **self.overrides})
+            config = KernelConfig.from_dict({**base.to_dict(), **self.overrides})
         except InvalidConfig as exc:
             raise typer.BadParameter(
                 f"{exc} (from {base.key()} with {self.overrides})",
                 param_hint="--block-m/--block-n/--warps/--stages") from exc
+        from flashtune.families import fixed as fixing
+
+        family = families.of(problem)
+        try:
+            return fixing.apply(family, config, parse_fix(problem, self.fix))
+        except InvalidConfig as exc:
+            raise typer.BadParameter(f"{exc} (from {config.key()})", param_hint="--fix") from exc
+
+
+def parse_fix(problem: Problem, texts: Sequence[str] | None) -> Fixed:
+    """The knobs ``--fix NAME=VALUE`` holds in the space of ``problem``'s family (a usage
+    error naming the family's knobs, or the knob's values, otherwise)."""
+    from flashtune import families
+    from flashtune.families import fixed as fixing
+
+    try:
+        return fixing.parse(families.of(problem), problem, texts or ())
+    except InvalidConfig as exc:
+        raise typer.BadParameter(str(exc), param_hint="--fix") from exc
 
 
 def parse_problem(op: str, head_dim: int, dtype: DType, causal: bool) -> Problem:
@@ -125,13 +150,14 @@ def show(
     arch: Annotated[str, typer.Option(
         "--arch", help="Arch whose default config is shown when no config is given.")
     ] = DEFAULT_ARCH,
+    fix: FixOpt = None,
 ) -> None:
     """Print the generated CUDA source of one kernel."""
     from flashtune import families
 
     problem = parse_problem(op, head_dim, dtype, causal)
     spec = parse_arch(arch)
-    choice = ConfigChoice(config, block_m, block_n, warps, stages)
+    choice = ConfigChoice(config, block_m, block_n, warps, stages, tuple(fix or ()))
     kernel_config = choice.resolve(problem, spec)
     reason = families.of(problem).static_check(problem, kernel_config, spec)
     if reason is not None:
@@ -157,7 +183,7 @@ def _plan(problem: Problem, specs: list[ArchSpec], choice: ConfigChoice, all_con
     for spec in specs:
         served = families.served_on_virtual(problem, spec)
         family = families.of(served)
-        configs = (family.search_space(served) if all_configs
+        configs = (_space_configs(served, choice.fix) if all_configs
                    else [choice.resolve(served, spec)])
         for cfg in configs:
             reason = family.static_check(served, cfg, spec)
@@ -166,6 +192,16 @@ def _plan(problem: Problem, specs: list[ArchSpec], choice: ConfigChoice, all_con
             rows.append(_Row(served, None if reason else render(served, cfg), cfg, spec.name,
                              reason))
     return rows
+
+
+def _space_configs(problem: Problem, fix: Sequence[str]) -> list[KernelConfig]:
+    """The structurally legal configs of ``problem``'s family space, restricted by --fix."""
+    from flashtune import families
+    from flashtune.families import fixed as fixing
+
+    family = families.of(problem)
+    fixed = parse_fix(problem, fix)
+    return [c for c in family.search_space(problem) if fixing.matches(family, c, fixed)]
 
 
 def compile_command(
@@ -191,6 +227,7 @@ def compile_command(
     workers: Annotated[int | None, typer.Option(
         "--workers", min=1, help="Compile processes (default FLASHTUNE_COMPILE_WORKERS).")
     ] = None,
+    fix: FixOpt = None,
 ) -> None:
     """Compile kernels with NVRTC for the given archs and print their resource usage.
 
@@ -202,7 +239,7 @@ def compile_command(
 
     problem = parse_problem(op, head_dim, dtype, causal)
     specs = parse_archs(arch)
-    choice = ConfigChoice(config, block_m, block_n, warps, stages)
+    choice = ConfigChoice(config, block_m, block_n, warps, stages, tuple(fix or ()))
     if all_configs and choice.given:
         raise typer.BadParameter("--all compiles every config; drop --config/--block-m/"
                                  "--block-n/--warps/--stages, or drop --all", param_hint="--all")
@@ -252,7 +289,7 @@ def compile_command(
                     disassemble(result.kernel.cubin))
         console.print(table)
         if all_configs:
-            _print_space_sizes(console, specs, problem)
+            _print_space_sizes(console, specs, problem, choice.fix)
     except FlashtuneError as exc:
         raise fail(str(exc)) from exc
     except OSError as exc:  # writing --ptx-dir/--sass-dir files (e.g. a full disk)
@@ -263,19 +300,24 @@ def compile_command(
         raise fail(f"{len(failures)} of {len(jobs)} kernels failed to compile")
 
 
-def _print_space_sizes(console: Console, specs: list[ArchSpec], problem: Problem) -> None:
-    """The space of ``problem`` as each arch serves it: declared points, structurally legal
-    configs, and those that pass the arch's static rules."""
+def _print_space_sizes(console: Console, specs: list[ArchSpec], problem: Problem,
+                       fix: Sequence[str] = ()) -> None:
+    """The space of ``problem`` as each arch serves it (restricted by --fix): declared
+    points, structurally legal configs, and those that pass the arch's static rules."""
     from flashtune import families
+    from flashtune.families import fixed as fixing
 
     for spec in specs:
         served = families.served_on_virtual(problem, spec)
         family = families.of(served)
-        declared = family.space(served).size
-        legal = len(family.search_space(served))
-        passing = len(family.candidates(served, spec))
-        console.print(f"space of {served.key()} on {spec.name}: {declared} declared points, "
-                      f"{legal} legal configs, {passing} pass the static rules")
+        fixed = parse_fix(served, fix)
+        declared = fixing.restrict(family.space(served), fixed).size
+        legal = _space_configs(served, fix)
+        passing = [c for c in legal if family.static_check(served, c, spec) is None]
+        knobs = f" with {fixing.text(fixed)}" if fixed else ""
+        console.print(f"space of {served.key()} on {spec.name}{knobs}: {declared} declared "
+                      f"points, {len(legal)} legal configs, {len(passing)} pass the static "
+                      "rules", highlight=False)
 
 
 def space_command(
@@ -284,11 +326,21 @@ def space_command(
     head_dim: HeadDim = 128,
     dtype: DTypeOpt = DType.FP16,
     causal: Causal = False,
+    fix: FixOpt = None,
 ) -> None:
-    """Print the size of a problem's search space per arch (nothing is compiled)."""
+    """Print the size of a problem's search space per arch (nothing is compiled), and the
+    knobs of the family's space (what --fix can hold)."""
+    from flashtune import families
+
     problem = parse_problem(op, head_dim, dtype, causal)
     specs = parse_archs(arch)
-    _print_space_sizes(Console(), specs, problem)
+    console = Console()
+    _print_space_sizes(console, specs, problem, fix or ())
+    for spec in specs:
+        served = families.served_on_virtual(problem, spec)
+        knobs = "; ".join(f"{p.name} {list(p.values)}"
+                          for p in families.of(served).space(served).params)
+        console.print(f"knobs of {served.op} on {spec.name}: {knobs}", highlight=False)
 
 
 def families_command() -> None:

@@ -22,6 +22,10 @@ BlockM = Annotated[int | None, typer.Option("--block-m", help="Query rows per bl
 BlockN = Annotated[int | None, typer.Option("--block-n", help="Key rows per tile (B_c).")]
 Warps = Annotated[int | None, typer.Option("--warps", help="Warps per block.")]
 Stages = Annotated[int | None, typer.Option("--stages", help="K/V pipeline stages.")]
+FixOpt = Annotated[list[str] | None, typer.Option(
+    "--fix", metavar="NAME=VALUE",
+    help="Hold a knob of the family's space at one value, repeatable (e.g. --fix "
+         "pingpong=1); `flashtune space --op OP` names the knobs.")]
 DbOpt = Annotated[str | None, typer.Option(
     "--db", metavar="URL",
     help="Tuning database URL or SQLite file path (default: FLASHTUNE_DB, else the user data "

@@ -23,6 +23,7 @@ from flashtune.commands.options import (
     Causal,
     ConfigKey,
     DTypeOpt,
+    FixOpt,
     HeadDim,
     OpOpt,
     Stages,
@@ -217,6 +218,7 @@ def profile(
     counters: Annotated[bool, typer.Option(
         "--counters", help="Also run the kernel in the CPU emulator on a small shape and feed "
         "its measured global bytes and bank conflicts to the prediction.")] = False,
+    fix: FixOpt = None,
 ) -> None:
     """Compile one kernel and print its SASS statistics (whole kernel and main loop: the
     instruction budget per tile), resources, occupancy and, for the forward, its PREDICTED
@@ -225,7 +227,8 @@ def profile(
 
     problem = parse_problem(op, head_dim, dtype, causal)
     spec = parse_arch(arch)
-    kernel_config = ConfigChoice(config, block_m, block_n, warps, stages).resolve(problem, spec)
+    kernel_config = ConfigChoice(config, block_m, block_n, warps, stages,
+                                 tuple(fix or ())).resolve(problem, spec)
     shape = _shape(batch, heads, heads_kv, seqlen, seqlen_k)
     try:
         result = profile_kernel(problem, kernel_config, shape, spec.name, gpu,

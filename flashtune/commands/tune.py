@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -11,7 +12,7 @@ from rich.console import Console
 
 from flashtune import knobs
 from flashtune.codegen.spec import FEATURES, Problem
-from flashtune.commands.options import DbOpt, fail
+from flashtune.commands.options import DbOpt, FixOpt, fail
 from flashtune.errors import DeviceError, FlashtuneError, TuningError
 from flashtune.tuner.defaults import DEFAULT_MAX_SPILL_BYTES, DEFAULT_TOLERANCE, SAMPLERS
 
@@ -94,6 +95,7 @@ def tune_command(
         "--replay", metavar="FILE", help="Replay a recorded landscape (T4 JSON, see the "
                                          "README) on a simulated clock instead of tuning.")
     ] = None,
+    fix: FixOpt = None,
 ) -> None:
     """Tune a kernel family (default: the forward) on this GPU; store each bucket's winner.
 
@@ -104,6 +106,9 @@ def tune_command(
     from flashtune.tuner.options import TuneOptions
 
     if replay is not None:
+        if fix:
+            raise fail("--fix restricts a kernel family's space; a --replay searches the "
+                       "landscape's own space (drop --fix)")
         _replay(replay, budget, trials, sampler, seed, warm_start_from)
         return
     try:
@@ -128,6 +133,11 @@ def tune_command(
             raise TuningError("--arch applies to --dry-run only: a run on the GPU tunes for "
                               "the GPU's own arch")
         problem = _served_problem(problem, (arch or "sm_90") if dry_run else None)
+        if fix:  # the knobs of the family that is tuned (the served one)
+            from flashtune.families import fixed as fixing
+
+            options = dataclasses.replace(options, fixed=fixing.parse(
+                families.of(problem), problem, fix))
         if dry_run:
             if workers != 1:
                 raise TuningError("a dry run runs in one process; parallel compiles are "

@@ -27,12 +27,11 @@ def _builtins() -> None:
     from flashtune.families.decode import DECODE
     from flashtune.families.fwd import FORWARD
     from flashtune.families.hopper import HOPPER_FORWARD
-    from flashtune.families.hopper.ws import HOPPER_PINGPONG_FORWARD, HOPPER_WS_FORWARD
+    from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
     from flashtune.families.lse import LSE
 
     for family in (FORWARD, BACKWARD, BACKWARD_DETERMINISTIC, PREPROCESS, CONVERT, LSE,
-                   DECODE, COMBINE, HOPPER_FORWARD, HOPPER_WS_FORWARD,
-                   HOPPER_PINGPONG_FORWARD):
+                   DECODE, COMBINE, HOPPER_FORWARD, HOPPER_WS_FORWARD):
         _families.setdefault(family.op, family)
 
 

@@ -192,13 +192,6 @@ def sm_count(device: torch.device | str) -> int | None:
     return int(torch.cuda.get_device_properties(dev).multi_processor_count)
 
 
-def row_kernel_params(problem: Problem, config: KernelConfig) -> dict[str, TemplateValue]:
-    """Template parameters of a kernel that walks rows with no key tile (the backward's row
-    kernels, the split combine): head dim, element type, rows per block and warps."""
-    return {"head_dim": problem.head_dim, **element_params(problem),
-            "block_m": config.block_m, "num_warps": config.num_warps}
-
-
 def resource_reason(smem: int, accumulators: int, arch: ArchSpec,
                     max_accumulators: int) -> str | None:
     """Why a tile cannot run on ``arch``: its shared memory per block, or accumulator
@@ -335,13 +328,21 @@ class KernelFamily(ABC):
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
         """Dynamic shared memory of one block."""
 
+    def threads(self, problem: Problem, config: KernelConfig) -> int:
+        """Threads of one block of ``config``'s kernel (default: its warps' threads). A
+        family whose block has threads beyond the config's warps (a producer warpgroup)
+        says so here; the KernelSource carries the count, and every launch, the emulator,
+        the resource check and the cost model read it from there or from this hook."""
+        return config.threads
+
     def render(self, problem: Problem, config: KernelConfig) -> KernelSource:
         """The KernelSource of ``problem`` x ``config``."""
         self.check_problem(problem)
         return render_template(self.template, problem, config,
                                self.template_params(problem, config),
                                smem_bytes=self.smem_bytes(problem, config),
-                               threads=config.threads, target=self.target_arch)
+                               threads=self.threads(problem, config),
+                               target=self.target_arch)
 
     # ---------------------------------------------------------------- launch plan
 

@@ -13,26 +13,21 @@ from typing import TYPE_CHECKING
 
 from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import ArgType, PackedArgs
-from flashtune.codegen.arch import ArchSpec
-from flashtune.codegen.dtypes import SAME_16BIT
 from flashtune.codegen.params import Param, ParamSpace
-from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
-from flashtune.errors import InvalidProblem
 from flashtune.families.base import (
     Inputs,
-    KernelFamily,
     LaunchPlan,
     Tensors,
     Tolerance,
     Verdict,
     compare_outputs,
     generator,
-    row_kernel_params,
     torch_dtype,
 )
+from flashtune.families.checks import O_TOLERANCE
 from flashtune.families.decode.splits import MAX_SPLITS
-from flashtune.families.fwd.reference import O_TOLERANCE
+from flashtune.families.rows import RowFamily
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +38,6 @@ else:
 #: no meaning here and keep one value.
 SPACE = ParamSpace((Param("block_m", (16, 32, 64, 128)), Param("block_n", (16,)),
                     Param("num_warps", (1, 2, 4)), Param("num_stages", (1,))))
-_DEFAULT = KernelConfig(block_m=64, block_n=16, num_warps=4, num_stages=1)
 #: The merge is float32 arithmetic in another order than float64: float32 resolution.
 LSE_TOLERANCE = Tolerance(1e-5, 1e-6)
 #: Split counts a generic verification draws from.
@@ -80,39 +74,14 @@ def combine_reference(o_part: torch.Tensor, lse_part: torch.Tensor
     return o, lse.masked_fill(empty, float("inf"))
 
 
-class CombineFamily(KernelFamily):
-    """Merge of split-KV partial results."""
+class CombineFamily(RowFamily):
+    """Merge of split-KV partial results (a row kernel: no key tiles, no mask)."""
 
     op = "combine"
     title = "merge of split-KV partial O and LSE, weighted by LSE"
     template = "combine_splits.cu.jinja"
-    dtypes = SAME_16BIT
-
-    def check_problem(self, problem: Problem) -> None:
-        super().check_problem(problem)
-        if problem.causal:
-            raise InvalidProblem("the combine kernel has no mask; use causal=False")
-
-    def space(self, problem: Problem) -> ParamSpace:
-        return SPACE
-
-    def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
-        if config.block_n != 16 or config.num_stages != 1:
-            return "the combine kernel has no key tiles: block_n=16 and num_stages=1 only"
-        return None
-
-    def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
-        return self.fitting(problem, _DEFAULT, arch)
-
-    def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
-        return "64 rows per block on 4 warps: one row per warp at a time, any arch"
-
-    def template_params(self, problem: Problem, config: KernelConfig
-                        ) -> dict[str, TemplateValue]:
-        return row_kernel_params(problem, config)
-
-    def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
-        return 0
+    row_space = SPACE
+    row_default_reason = "64 rows per block on 4 warps: one row per warp at a time, any arch"
 
     def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       seed: int | None = None, num_splits: int | None = None) -> Inputs:

@@ -29,8 +29,8 @@ from flashtune.families.base import (
     generator,
     torch_dtype,
 )
+from flashtune.families.checks import causal_visible
 from flashtune.families.fwd.args import TensorView, grid
-from flashtune.families.fwd.reference import causal_visible
 
 if TYPE_CHECKING:
     import torch

@@ -8,8 +8,10 @@
 // K/V element of a split is read from global memory once per group (m_blocks = 1 when the
 // group's rows fit one block). The block's keys are split `split` of the sequence
 // (decode_traits.cuh kSplitAlign); K/V tiles of BlockN keys stream through rings of
-// NumStages shared buffers fed by cp.async, S = Q K^T and O += P V run on mma.sync m16n8k16
-// with the online softmax in registers, as in the forward kernel.
+// NumStages shared buffers fed by cp.async; S = Q K^T and O += P V are the forward's warp
+// GEMMs (warp_gemm.cuh, mma.sync m16n8k16) and the online softmax is the forward's
+// (softmax.cuh), with this kernel's per-row key limits as its mask. The loads stay this
+// kernel's own: K/V rows come through a block table, and Q rows are packed over the group.
 //
 // Keys: positions [0, cache_len) are cache rows, found through the block table (paged:
 // position j is row j % page_size of page block_table[b, j / page_size]; unpaged: row j of
@@ -32,6 +34,8 @@
 #pragma once
 
 #include "decode_traits.cuh"
+#include "softmax.cuh"
+#include "warp_gemm.cuh"
 
 namespace ft {
 
@@ -157,87 +161,11 @@ __device__ __forceinline__ void fill_partial_rows(float* o_rows, float* lse_rows
   for (int r = m0 + tid; r < end; r += Tr::kThreads) lse_rows[r] = lse_value;
 }
 
-// S = Q_w K^T over the warp's rows and the tile's BlockN keys; s[mt][nt] is the C fragment
-// of rows 16 mt + {g, g + 8}, keys 8 nt + {2t, 2t + 1}.
+// The key limits of the warp's rows in one split: key j is visible to row (mt, h) iff
+// j < limit[mt][h] (the split's end, and with a causal mask the row's diagonal; packed row
+// r is query position r % seqlen_q).
 template <class Tr>
-__device__ __forceinline__ void split_scores(float (&s)[Tr::kMTiles][Tr::kSTiles][4],
-                                             const typename Tr::Element* sq_warp,
-                                             const typename Tr::Element* sk, int lane) {
-#pragma unroll
-  for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-#pragma unroll
-    for (int nt = 0; nt < Tr::kSTiles; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.0f;
-    }
-  }
-  // A (Q) x4: row lane % 16, column half lane / 16. B (K rows) x4 over two key tiles: key
-  // 8 (lane / 16) + lane % 8, column half (lane / 8) % 2.
-  const typename Tr::Element* a_row = sq_warp + (lane % 16) * Tr::kRowStride + (lane / 16) * 8;
-  const typename Tr::Element* b_row =
-      sk + ((lane / 16) * 8 + lane % 8) * Tr::kRowStride + ((lane / 8) % 2) * 8;
-#pragma unroll
-  for (int kk = 0; kk < Tr::kQkSteps; ++kk) {
-    unsigned a[Tr::kMTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-      ldmatrix_x4(a[mt], a_row + mt * 16 * Tr::kRowStride + kk * 16);
-    }
-#pragma unroll
-    for (int pair = 0; pair < Tr::kSTiles / 2; ++pair) {
-      unsigned b[4];
-      ldmatrix_x4(b, b_row + pair * 16 * Tr::kRowStride + kk * 16);
-      const unsigned first[2] = {b[0], b[1]};
-      const unsigned second[2] = {b[2], b[3]};
-#pragma unroll
-      for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-        Tr::Ops::mma(s[mt][2 * pair], a[mt], first, s[mt][2 * pair]);
-        Tr::Ops::mma(s[mt][2 * pair + 1], a[mt], second, s[mt][2 * pair + 1]);
-      }
-    }
-  }
-}
-
-// O += P V with P in the S fragments (two key tiles packed to 16-bit pairs form the A
-// fragment of one k16 step); V is read transposed as the B operand.
-template <class Tr>
-__device__ __forceinline__ void split_accumulate(float (&o)[Tr::kMTiles][Tr::kOTiles][4],
-                                                 const float (&p)[Tr::kMTiles][Tr::kSTiles][4],
-                                                 const typename Tr::Element* sv, int lane) {
-  const typename Tr::Element* b_row = sv + (lane % 16) * Tr::kRowStride + (lane / 16) * 8;
-#pragma unroll
-  for (int kk = 0; kk < Tr::kPvSteps; ++kk) {
-    unsigned a[Tr::kMTiles][4];
-#pragma unroll
-    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        a[mt][2 * half] = Tr::Ops::pack(p[mt][2 * kk + half][0], p[mt][2 * kk + half][1]);
-        a[mt][2 * half + 1] = Tr::Ops::pack(p[mt][2 * kk + half][2], p[mt][2 * kk + half][3]);
-      }
-    }
-#pragma unroll
-    for (int pair = 0; pair < Tr::kOTiles / 2; ++pair) {
-      unsigned b[4];
-      ldmatrix_x4_trans(b, b_row + kk * 16 * Tr::kRowStride + pair * 16);
-      const unsigned first[2] = {b[0], b[1]};
-      const unsigned second[2] = {b[2], b[3]};
-#pragma unroll
-      for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-        Tr::Ops::mma(o[mt][2 * pair], a[mt], first, o[mt][2 * pair]);
-        Tr::Ops::mma(o[mt][2 * pair + 1], a[mt], second, o[mt][2 * pair + 1]);
-      }
-    }
-  }
-}
-
-// The online softmax of the warp's rows in the log2 domain (scale_log2 = scale * log2 e),
-// and the per-row key limits of the split: key j is visible to row (mt, h) iff
-// j < limit[mt][h].
-template <class Tr>
-struct SplitRows {
-  float row_max[Tr::kMTiles][2];  // running max of scale_log2 * score; -inf before any key
-  float row_sum[Tr::kMTiles][2];  // the lane's share of sum exp2(scaled score - row_max)
+struct SplitLimits {
   int limit[Tr::kMTiles][2];
 
   __device__ __forceinline__ void init(int row0, int seqlen_q, int total, int key_end,
@@ -246,8 +174,6 @@ struct SplitRows {
     for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        row_max[mt][h] = -INFINITY;
-        row_sum[mt][h] = 0.0f;
         int end = key_end;
         if constexpr (Tr::kCausal) {
           const int i = (row0 + mt * 16 + lane / 4 + 8 * h) % seqlen_q;
@@ -258,99 +184,60 @@ struct SplitRows {
       }
     }
   }
+};
 
-  // Scores of keys a row may not see become -inf.
-  __device__ __forceinline__ void mask(float (&s)[Tr::kMTiles][Tr::kSTiles][4], int key0,
-                                       int lane) const {
-    const int col = key0 + 2 * (lane % 4);
-#pragma unroll
-    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int nt = 0; nt < Tr::kSTiles; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            if (col + 8 * nt + e >= limit[mt][h]) s[mt][nt][2 * h + e] = -INFINITY;
-          }
-        }
-      }
-    }
-  }
+// The mask of the tile starting at key key0, row by row (OnlineSoftmax::update's Mask):
+// scores of keys a row may not see become -inf.
+template <class Tr>
+struct SplitMask {
+  const SplitLimits<Tr>& rows;
+  int col;  // the key of the lane's first column in the tile
 
-  // Fold a tile into the statistics, rescale O by exp2(old max - new max) and turn s into
-  // probabilities in place. A row with only masked keys so far keeps max -inf and takes its
-  // probabilities against 0 (exp2(-inf) = 0, never exp2(-inf + inf) = NaN).
-  __device__ __forceinline__ void update(float (&s)[Tr::kMTiles][Tr::kSTiles][4],
-                                         float (&o)[Tr::kMTiles][Tr::kOTiles][4],
-                                         float scale_log2) {
-#pragma unroll
-    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float m = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < Tr::kSTiles; ++nt) {
-          m = fmaxf(m, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-        }
-        m = fmaxf(m, shfl_xor(m, 1));
-        m = fmaxf(m, shfl_xor(m, 2));
-        const float m_new = fmaxf(row_max[mt][h], m == -INFINITY ? -INFINITY : m * scale_log2);
-        const float base = m_new == -INFINITY ? 0.0f : m_new;
-        const float alpha = exp2f_fast(row_max[mt][h] - base);
-        row_max[mt][h] = m_new;
-        float tile_sum = 0.0f;
-#pragma unroll
-        for (int nt = 0; nt < Tr::kSTiles; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float p = exp2f_fast(s[mt][nt][2 * h + e] * scale_log2 - base);
-            s[mt][nt][2 * h + e] = p;
-            tile_sum += p;
-          }
-        }
-        row_sum[mt][h] = row_sum[mt][h] * alpha + tile_sum;
-#pragma unroll
-        for (int dt = 0; dt < Tr::kOTiles; ++dt) {
-          o[mt][dt][2 * h] *= alpha;
-          o[mt][dt][2 * h + 1] *= alpha;
-        }
-      }
-    }
-  }
+  __device__ __forceinline__ SplitMask(const SplitLimits<Tr>& rows_, int key0, int lane)
+      : rows(rows_), col(key0 + 2 * (lane % 4)) {}
 
-  // Write the warp's normalised partial O rows and their LSE (-inf, O = 0 for a row that
-  // saw no key of the split), straight from the fragments; rows at or past `rows` are not
-  // written.
-  __device__ __forceinline__ void store(const float (&o)[Tr::kMTiles][Tr::kOTiles][4],
-                                        float* o_rows, float* lse_rows, int row0, int rows,
-                                        int lane) const {
-    constexpr float kLn2 = 0.693147180559945309f;
+  __device__ __forceinline__ void row(float (&s)[Tr::kMTiles][Tr::kSTiles][4], int mt,
+                                      int h) const {
 #pragma unroll
-    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+    for (int nt = 0; nt < Tr::kSTiles; ++nt) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float l = row_sum[mt][h];
-        l += shfl_xor(l, 1);
-        l += shfl_xor(l, 2);
-        const int row = row0 + mt * 16 + lane / 4 + 8 * h;
-        if (row >= rows) continue;
-        const float inv = l == 0.0f ? 0.0f : 1.0f / l;
-        float* o_row = o_rows + static_cast<long long>(row) * Tr::kHeadDim + 2 * (lane % 4);
-#pragma unroll
-        for (int dt = 0; dt < Tr::kRealChunks; ++dt) {
-          float2 pair;
-          pair.x = o[mt][dt][2 * h] * inv;
-          pair.y = o[mt][dt][2 * h + 1] * inv;
-          *reinterpret_cast<float2*>(o_row + 8 * dt) = pair;
-        }
-        if (lane % 4 == 0) {
-          lse_rows[row] = l == 0.0f ? -INFINITY : row_max[mt][h] * kLn2 + logf(l);
-        }
+      for (int e = 0; e < 2; ++e) {
+        if (col + 8 * nt + e >= rows.limit[mt][h]) s[mt][nt][2 * h + e] = -INFINITY;
       }
     }
   }
 };
+
+// Write the warp's normalised partial O rows and their LSE straight from the fragments:
+// -inf (and O = 0) for a row that saw no key of the split, where the forward's softmax
+// gives +inf, so that its weight in the combine is 0. Rows at or past `rows` are not
+// written.
+template <class Tr>
+__device__ __forceinline__ void store_partial_rows(OnlineSoftmax<Tr>& softmax,
+                                                   const float (&o)[Tr::kMTiles][Tr::kOTiles][4],
+                                                   float* o_rows, float* lse_rows, int row0,
+                                                   int rows, int lane) {
+  float inv_sum[Tr::kMTiles][2];
+  float lse[Tr::kMTiles][2];
+  softmax.finalize(inv_sum, lse);
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + mt * 16 + lane / 4 + 8 * h;
+      if (row >= rows) continue;
+      float* o_row = o_rows + static_cast<long long>(row) * Tr::kHeadDim + 2 * (lane % 4);
+#pragma unroll
+      for (int dt = 0; dt < Tr::kRealChunks; ++dt) {
+        float2 pair;
+        pair.x = o[mt][dt][2 * h] * inv_sum[mt][h];
+        pair.y = o[mt][dt][2 * h + 1] * inv_sum[mt][h];
+        *reinterpret_cast<float2*>(o_row + 8 * dt) = pair;
+      }
+      if (lane % 4 == 0) lse_rows[row] = lse[mt][h] == INFINITY ? -INFINITY : lse[mt][h];
+    }
+  }
+}
 
 template <class Tr>
 __device__ __forceinline__ void decode_split(
@@ -487,8 +374,19 @@ __device__ __forceinline__ void decode_split(
     }
   }
   const int warp_row0 = m0 + warp * Tr::kWarpRows;
-  SplitRows<Tr> state;
-  state.init(warp_row0, seqlen_q, total, key_end, lane);
+  SplitLimits<Tr> limits;
+  limits.init(warp_row0, seqlen_q, total, key_end, lane);
+  // The softmax starts as after tiles of masked keys only (no max yet, sums 0), so that
+  // every tile, the first one included, takes the same update.
+  OnlineSoftmax<Tr> softmax;
+#pragma unroll
+  for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      softmax.max_scaled[mt][h] = OnlineSoftmax<Tr>::kNoMax;
+      softmax.sum[mt][h] = 0.0f;
+    }
+  }
   // Keys below `unmasked` are visible to every row: tiles that end there need no mask.
   int unmasked = key_end;
   if constexpr (Tr::kCausal) {
@@ -496,7 +394,8 @@ __device__ __forceinline__ void decode_split(
     unmasked = first_diag < unmasked ? first_diag : unmasked;
   }
   const float scale_log2 = softmax_scale * 1.44269504088896340736f;
-  const Element* const sq_warp = sq + warp * Tr::kWarpRows * Tr::kRowStride;
+  const LaneOffsets<Tr> lanes(lane);
+  const QOperand<Tr> q_warp{sq + warp * Tr::kWarpRows * Tr::kRowStride};
 
   for (int j = 0; j < n_tiles; ++j) {
     const int key0 = key_begin + j * kBlockN;
@@ -512,8 +411,7 @@ __device__ __forceinline__ void decode_split(
     }
 
     float s[Tr::kMTiles][Tr::kSTiles][4];
-    split_scores<Tr>(s, sq_warp, sk + buf * Tr::kKvElems, lane);
-    if (key0 + kBlockN > unmasked) state.mask(s, key0, lane);
+    gemm_qk<Tr>(s, q_warp, sk + buf * Tr::kKvElems, lanes);
 
     // V_j has landed for every thread; every warp is done reading K_j's buffer.
     cp_async_wait<Tr::kPipelineWait>();
@@ -523,12 +421,17 @@ __device__ __forceinline__ void decode_split(
       store_new_keys<Tr>(v_rows, sv + buf * Tr::kKvElems, key0, key_end, tid);
     }
 
-    state.update(s, acc_o, scale_log2);
-    split_accumulate<Tr>(acc_o, s, sv + buf * Tr::kKvElems, lane);
+    unsigned p[Tr::kMTiles][Tr::kPvSteps][4];
+    if (key0 + kBlockN > unmasked) {
+      softmax.template update<false>(s, p, acc_o, scale_log2, SplitMask<Tr>(limits, key0, lane));
+    } else {
+      softmax.template update<false>(s, p, acc_o, scale_log2, NoMask());
+    }
+    gemm_pv<Tr>(acc_o, p, sv + buf * Tr::kKvElems, lanes);
   }
   cp_async_wait_all();  // only empty groups remain; leave none behind
 
-  state.store(acc_o, o_rows, lse_rows, warp_row0, rows, lane);
+  store_partial_rows<Tr>(softmax, acc_o, o_rows, lse_rows, warp_row0, rows, lane);
 }
 
 }  // namespace ft

@@ -2,6 +2,7 @@
 // warp split, shared-memory layout and the element type's tensor-core operations.
 #pragma once
 
+#include "smem_layout.cuh"
 #include "tensor_ops.cuh"
 
 namespace ft {
@@ -33,8 +34,8 @@ __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000)
 // HeadDim is the real head dim (a multiple of 8); HeadDimPadded the compiled tile dim that
 // sizes the shared-memory rows; the tensor cores work on HeadDim rounded up to 16.
 //
-// Shared memory (elements of Element, rows of kRowStride = HeadDimPadded + RowPad), then one
-// 16-byte word of block flags:
+// Shared memory (elements of Element, rows of kRowStride = HeadDimPadded + RowPad: the
+// forward's padded layout, smem_layout.cuh), then one 16-byte word of block flags:
 //   [ Q: BlockM rows | K: NumStages x BlockN rows | V: NumStages x BlockN rows | flags ]
 // The total must equal flashtune.families.decode.space.smem_bytes (the template asserts it).
 template <typename Element_, int HeadDim, int HeadDimPadded, int BlockM, int BlockN,
@@ -42,6 +43,11 @@ template <typename Element_, int HeadDim, int HeadDimPadded, int BlockM, int Blo
 struct DecodeTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
+  // The forward's padded rows, so that its warp GEMMs (warp_gemm.cuh) address the tiles.
+  using Smem = PaddedRows<HeadDimPadded / 8>;
+  // What the forward's warp GEMMs ask of a kernel's traits beyond the tiling: Q is re-read
+  // from shared memory every tile (QFromSmem).
+  static constexpr bool kQInRegs = false;
 
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kHeadDimMma = (HeadDim + 15) / 16 * 16;
@@ -58,8 +64,10 @@ struct DecodeTraits {
   static constexpr int kOTiles = kHeadDimMma / 8;    // n8 tiles of O (head dim)
   static constexpr int kQkSteps = kHeadDimMma / 16;  // k16 steps of Q K^T
   static constexpr int kPvSteps = BlockN / 16;       // k16 steps of P V
+  // 32-bit registers per thread held by the S and O accumulator fragments.
+  static constexpr int kAccumulatorRegisters = kMTiles * (kSTiles + kOTiles) * 4;
 
-  static constexpr int kRowStride = HeadDimPadded + RowPad;
+  static constexpr int kRowStride = Smem::kRowStride;
   static constexpr int kQElems = BlockM * kRowStride;
   static constexpr int kKvElems = BlockN * kRowStride;
   static constexpr int kKOffset = kQElems;
@@ -81,7 +89,7 @@ struct DecodeTraits {
   static_assert(HeadDim % 8 == 0 && HeadDim >= 8, "head dim must be a multiple of 8");
   static_assert(HeadDim <= HeadDimPadded && HeadDimPadded % 16 == 0,
                 "padded head dim must cover the head dim in k16 steps");
-  static_assert(RowPad % 8 == 0, "row pad must keep rows 16-byte aligned");
+  static_assert(RowPad == 8, "padded rows carry one 16-byte chunk of padding");
   static_assert(BlockM % (16 * NumWarps) == 0, "each warp owns whole m16 tiles");
   static_assert(BlockN % 16 == 0, "keys come in k16 steps of P V");
   static_assert(kOTiles % 2 == 0 && kSTiles % 2 == 0, "B operands load two n8 tiles at once");

@@ -150,7 +150,7 @@ class Tuner:
 
     def study_name(self, bucket: ProblemBucket) -> str:
         return study_name(self.measurer.device.name, bucket, self.digest,
-                          self.options.study_prefix)
+                          self.options.study_prefix, self.options.fixed)
 
     def prepare_study(self, bucket: ProblemBucket,
                       sampler: optuna.samplers.BaseSampler | None = None) -> optuna.Study:
@@ -165,7 +165,7 @@ class Tuner:
     def tune_bucket(self, bucket: ProblemBucket, pool: CompilePool) -> BucketSummary:
         problem, arch = bucket.problem, self.measurer.arch
         workload = self.workload(bucket)
-        encoding = SearchEncoding(problem, arch)
+        encoding = SearchEncoding(problem, arch, self.options.fixed)
         candidates = encoding.candidates()
         timed = self.measurer.timed
         name = self.study_name(bucket) if timed else None

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from flashtune import knobs
 from flashtune.codegen.spec import KernelConfig, ProblemBucket
 from flashtune.errors import TuningError
+from flashtune.families.fixed import Fixed
 from flashtune.tuner.defaults import DEFAULT_MAX_SPILL_BYTES, DEFAULT_TOLERANCE, SAMPLERS
 from flashtune.tuner.measure.base import TimingPlan
 from flashtune.tuner.search.prediction import BucketPrediction
@@ -39,6 +40,8 @@ class TuneOptions:
     model) are measured first. ``prune_predicted``: skip configs predicted more than this
     factor slower than the best prediction (None: prune nothing). ``cost_model_gpu``: the
     GPU of the predictions (default: the device's own when the model's table knows it).
+    ``fixed``: knobs of the family's space held at one value (``families.fixed``, ``--fix``);
+    the search walks the rest, under a study of its own.
     """
 
     trials: int = 40
@@ -62,6 +65,7 @@ class TuneOptions:
     prune_predicted: float | None = None
     cost_model_gpu: str | None = None
     warm_start_from: str | None = None
+    fixed: Fixed = ()
 
     def __post_init__(self) -> None:
         if self.trials < 0:

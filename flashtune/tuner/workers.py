@@ -49,6 +49,7 @@ def options_from_json(data: Mapping[str, Any]) -> TuneOptions:
     for name in ("plan", "final_plan"):
         values[name] = TimingPlan(**values[name])
     values["heartbeat"] = Heartbeat(**values["heartbeat"])
+    values["fixed"] = tuple((str(name), value) for name, value in values.get("fixed", ()))
     return TuneOptions(**values)
 
 
@@ -190,11 +191,11 @@ def tune_parallel(spec: WorkerSpec, count: int, *, device: str, arch: ArchSpec,
         url = store.url.render_as_string(hide_password=False)
         buckets = buckets_of(problem, spec.seqlens)
         options = spec.options
-        names = [study_name(device, b, templates_digest(), options.study_prefix)
-                 for b in buckets]
+        names = [study_name(device, b, templates_digest(), options.study_prefix,
+                            options.fixed) for b in buckets]
         for name in names:  # create or check the studies once, before the workers start
             prepare_study(store, name, options)
-        encoding = SearchEncoding(problem, arch)
+        encoding = SearchEncoding(problem, arch, options.fixed)
         candidates, static = len(encoding.candidates()), encoding.static_rejections()
         summaries = [BucketSummary(b, n, candidates) for b, n in zip(buckets, names,
                                                                      strict=True)]

@@ -69,6 +69,10 @@ def test_show_uses_the_default_config_of_the_arch() -> None:
         (["--config", "m128-n64"], ["--config", "m128_n64_w4_s2"]),
         (["--block-m", "48"], ["block_m=48", "multiple of 64"]),
         (["--warps", "3"], ["num_warps=3", "(1, 2, 4, 8, 12, 16)"]),
+        (["--fix", "nosuch=1"], ["--fix", "'nosuch' is not a knob of the 'fwd' family",
+                                 "'swizzle', 'qregs'"]),
+        (["--fix", "minblocks=5"], ["--fix", "its values are [0, 2, 3, 4]"]),
+        (["--fix", "swizzle"], ["--fix", "is not NAME=VALUE"]),
     ],
 )
 @pytest.mark.parametrize("command", ["show", "compile"])

@@ -28,8 +28,6 @@ from flashtune.errors import FlashtuneError
 GOLDEN = Path(__file__).parent / "golden_keys.json"
 UPDATE = os.environ.get("FLASHTUNE_UPDATE_GOLDEN", "") == "1"
 HEAD_DIMS = (32, 64, 72, 96, 128, 256)
-#: Families that are views of another family's space, not problems of their own.
-VIEWS = frozenset({"fwd90awspp"})
 
 _VERSION_LINE = re.compile(r"^// flashtune \S+ generated kernel$", re.MULTILINE)
 _DIGEST_LINE = re.compile(r"^// digest: [0-9a-f]{64}$", re.MULTILINE)
@@ -72,8 +70,6 @@ def _entry(problem: Problem, arch_name: str) -> dict[str, str]:
 def _snapshot() -> list[dict[str, str]]:
     rows = []
     for family in families.all_families():
-        if family.op in VIEWS:
-            continue
         arches = ("sm_90a",) if family.target_arch else ("sm_80", "sm_90")
         for problem in _problems(family.op, family.features):
             assert Problem.from_key(problem.key()) == problem

@@ -16,11 +16,11 @@ from decode_cases import GRID, GridCase, call_api, inputs_of, problem_of, sample
 import flashtune
 from flashtune.errors import BackwardNotAvailable, InvalidInput
 from flashtune.families.base import Inputs, close_enough
+from flashtune.families.checks import LSE_TOLERANCE, O_TOLERANCE
 from flashtune.families.decode.reference import (
     attention_with_kvcache_reference,
     expected_caches,
 )
-from flashtune.families.fwd.reference import LSE_TOLERANCE, O_TOLERANCE
 from flashtune.runtime.decode import default_num_splits
 from flashtune.runtime.kvcache_ops import attention_with_kvcache_op
 from flashtune.runtime.validate_kvcache import check_kvcache_inputs

@@ -22,9 +22,9 @@ from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, Problem, Shape
 from flashtune.errors import InvalidInput
 from flashtune.families.base import close_enough
+from flashtune.families.checks import LSE_TOLERANCE, O_TOLERANCE
 from flashtune.families.combine import COMBINE
 from flashtune.families.decode.reference import attention_with_kvcache_reference
-from flashtune.families.fwd.reference import LSE_TOLERANCE, O_TOLERANCE
 from flashtune.runtime.launch import prepare
 
 pytestmark = pytest.mark.gpu

@@ -7,8 +7,8 @@ from typer.testing import CliRunner
 
 from flashtune.cli import app
 from flashtune.codegen.spec import DType
+from flashtune.families import checks
 from flashtune.families.base import Tolerance
-from flashtune.families.fwd import reference
 
 pytestmark = pytest.mark.emulator
 
@@ -28,7 +28,7 @@ def test_check_passes_and_prints_one_row_per_arch() -> None:
 
 
 def test_check_fails_when_the_tolerance_is_missed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(reference.O_TOLERANCE, DType.FP16, Tolerance(1e-12, 0.0))
+    monkeypatch.setitem(checks.O_TOLERANCE, DType.FP16, Tolerance(1e-12, 0.0))
     result = CliRunner().invoke(app, [*ARGS, "--no-compile", "--schedule", "forward"])
     assert result.exit_code == 1
     assert "FAIL" in result.output

@@ -9,8 +9,8 @@ import torch
 
 from flashtune.codegen.spec import DType, Problem, Shape
 from flashtune.families.base import Inputs
+from flashtune.families.checks import O_TOLERANCE
 from flashtune.families.fwd import FORWARD
-from flashtune.families.fwd.reference import O_TOLERANCE
 
 
 def _inputs(problem: Problem, shape: Shape, scale: float | None = None) -> Inputs:

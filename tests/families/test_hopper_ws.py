@@ -1,6 +1,6 @@
 """The warp-specialised sm_90a forward (``fwd90aws``: a producer warpgroup, one to three
 wgmma consumer warpgroups, setmaxnreg), its knob ``pingpong`` (two consumers take turns
-through named barriers; ``fwd90awspp`` the same kernels with it fixed on), its knob
+through named barriers; ``--fix pingpong=1`` restricts a search to them), its knob
 ``overlap`` (the next tile's Q K^T issued before this tile's softmax) and its load knobs
 ``loadq``, ``loadk``, ``loadv`` (TMA or cp.async per operand): registry and rules, NVRTC for
 sm_90a (no spills; UTMALDG per TMA operand, LDGSTS with cp.async, USETMAXREG, BAR.SYNC /
@@ -28,10 +28,11 @@ from flashtune.codegen.abi import ArgType
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.codegen.tensormap import TensorMap
-from flashtune.errors import EmulatorDeadlock, EmulatorError
+from flashtune.errors import EmulatorDeadlock, EmulatorError, InvalidProblem
+from flashtune.families import fixed
 from flashtune.families.base import KernelFamily
 from flashtune.families.hopper import HOPPER_FORWARD, space
-from flashtune.families.hopper.ws import HOPPER_PINGPONG_FORWARD, HOPPER_WS_FORWARD
+from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
 from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.launch import verify
@@ -78,16 +79,16 @@ def test_registered_beside_the_cp_async_family_serving_nothing_yet() -> None:
     assert source.threads == 384 and source.target == "sm_90a"  # producer + 2 consumers
     assert source.smem_bytes == HOPPER_FORWARD.smem_bytes(problem, config) + 8  # Q's barrier
     assert "CUtensorMap tmap_q" in source.code and "__launch_bounds__(384, 1)" in source.code
-    # fwd90awspp: the same kernels with ping-pong fixed on (the profile models it per family)
-    assert families.get("fwd90awspp") is HOPPER_PINGPONG_FORWARD
-    assert HOPPER_PINGPONG_FORWARD.pingpong and not HOPPER_WS_FORWARD.pingpong
-    pp = _problem(128, DType.BF16, True, HOPPER_PINGPONG_FORWARD)
-    assert HOPPER_PINGPONG_FORWARD.default_config(pp, SM90A) == config
-    alias, knob = families.render(pp, config), families.render(problem, _pingpong(config))
-    # the same code below the header comment (problem, config, entry, digest)
-    body = [s.code.partition("// target:")[2].replace(s.entry, "k") for s in (alias, knob)]
-    assert body[0] and body[0] == body[1]
-    one = HOPPER_PINGPONG_FORWARD.static_check(pp, KernelConfig(64, 64, 4, 2), SM90A)
+    # the ping-pong kernels alone are a restriction of this space (--fix), not a family
+    with pytest.raises(InvalidProblem, match="fwd90aws"):
+        families.get("fwd90awspp")
+    pp = fixed.parse(HOPPER_WS_FORWARD, problem, ["pingpong=1"])
+    assert pp == (("pingpong", 1),)
+    assert fixed.apply(HOPPER_WS_FORWARD, config, pp) == _pingpong(config)
+    assert HOPPER_WS_FORWARD.pingpong_on(_pingpong(config))
+    assert not HOPPER_WS_FORWARD.pingpong_on(config)
+    assert _traits_knobs(families.render(problem, _pingpong(config)).code) == ("true", "false")
+    one = HOPPER_WS_FORWARD.static_check(problem, _pingpong(KernelConfig(64, 64, 4, 2)), SM90A)
     assert one is not None and "exactly two consumer warpgroups" in one
 
 

@@ -12,6 +12,7 @@ import pytest
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelSource, Problem
 from flashtune.families import render
+from flashtune.families.defaults import archs_of
 from flashtune.families.fwd import defaults
 from flashtune.perf.model.default_rule import spill_rule_problems
 from flashtune.perf.sass.disasm import sass_listing
@@ -22,7 +23,7 @@ from flashtune.runtime.compiler import CompileResult, compile_pairs
 def _jobs(every_arch: bool) -> list[tuple[KernelSource, str]]:
     jobs = []
     for entry in defaults.DEFAULT_TABLE:
-        archs = (defaults.archs_of(entry.arch_class) if every_arch
+        archs = (archs_of(entry.arch_class) if every_arch
                  else [defaults.REFERENCE_ARCH[entry.arch_class]])
         dtypes = list(DType) if every_arch else [DType.FP16]
         for dtype in dtypes:

@@ -132,7 +132,7 @@ def cases() -> list[tuple[str, Problem, KernelConfig, str, str, dict[str, object
                                 {"sass": mma, "resources": Resources(128, 0, 0, 0, 32768)}))
                     out.append((f"{tag} counters", p, cfg, "square", "H200",
                                 {"counters": TrafficCounters(10**9, None, 1.5)}))
-    for op in ("fwd90a", "fwd90aws", "fwd90awspp"):
+    for op in ("fwd90a", "fwd90aws"):
         for head_dim in (64, 128, 256):
             for causal in (False, True):
                 p = Problem(head_dim, DType.FP16, causal=causal, op=op)

@@ -8,7 +8,8 @@ import pytest
 
 from flashtune.codegen.arch import ArchClass, get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem
-from flashtune.families.fwd import defaults, space
+from flashtune.families.defaults import archs_of
+from flashtune.families.fwd import space
 from flashtune.perf.model import default_rule
 from flashtune.perf.model.occupancy import occupancy
 from flashtune.perf.sass.loops import MAX_LOCAL_ACCESSES
@@ -29,7 +30,7 @@ def test_candidates_pass_the_static_check_and_two_blocks_on_every_arch(
     assert configs and all(not c.extras for c in configs)
     problem = Problem(head_dim, DType.BF16, causal=True)
     for config in configs:
-        for arch in defaults.archs_of(cls):
+        for arch in archs_of(cls):
             assert space.static_check(problem, config, get_arch(arch)) is None
             occ = occupancy(arch, threads=config.threads, registers=1,
                             smem_bytes=space.smem_bytes(problem, config))
@@ -71,7 +72,7 @@ def test_rule_takes_the_best_prediction_that_passes_every_build(
     assert chosen is choice.best and not chosen.problems
     # every arch of the class in both dtypes was compiled and checked
     assert {(b.arch, b.dtype) for b in chosen.builds} == {
-        (a, d) for a in defaults.archs_of(ArchClass.SM90) for d in DType}
+        (a, d) for a in archs_of(ArchClass.SM90) for d in DType}
     assert chosen.blocks_per_sm >= 2 and chosen.local_accesses <= MAX_LOCAL_ACCESSES
     for other in choice.passed_over:
         assert other.predicted_ms < chosen.predicted_ms and other.problems

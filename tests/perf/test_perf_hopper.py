@@ -5,6 +5,7 @@ mbarrier retries, and the labelled wgmma prediction path."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 
 import pytest
@@ -22,7 +23,7 @@ from flashtune.perf.profile import KernelProfile, profile_kernel, resolve_gpu
 from flashtune.perf.sass.loops import main_loop, main_loops
 from flashtune.perf.sass.parse import Instruction, categorize, parse_sass
 
-# The shape of NVRTC 13's sm_90a output (compiled fwd90awspp / fwd90a listings): a loop with
+# The shape of NVRTC 13's sm_90a output (compiled fwd90aws ping-pong / fwd90a listings): a loop with
 # HGMMAs, wgmma fences, an mbarrier wait whose retry ptxas puts after EXIT and which jumps
 # back, named barriers, TMA and setmaxnreg outside the loop.
 LISTING = """
@@ -131,21 +132,21 @@ def test_wgmma_predictions_are_labelled_and_ordered() -> None:
     mma_sync = predict(fwd, KernelConfig(128, 64, 4, 2), shape, "H100")
     assert mma_sync.path == "mma.sync" and not mma_sync.assumptions
     preds = {}
-    for op in ("fwd90a", "fwd90aws", "fwd90awspp"):
-        problem, config = _tile_problem(op, 128, 128, 128)
-        pred = predict(problem, config, shape, "H100")
+    problem, config = _tile_problem("fwd90aws", 128, 128, 128)
+    knob = KernelConfig.from_dict({**config.to_dict(), space.PINGPONG: 1})
+    for name, (p, c) in {"fwd90a": _tile_problem("fwd90a", 128, 128, 128),
+                         "fwd90aws": (problem, config), "pingpong": (problem, knob)}.items():
+        pred = predict(p, c, shape, "H100")
         assert pred.kind == "PREDICTED" and pred.path == "wgmma"
         assert pred.model_version.startswith("fa3-wgmma-1/")
         assert any("uncalibrated" in a for a in pred.assumptions)
-        preds[op] = pred.tflops
+        preds[name] = pred.tflops
     assert preds["fwd90a"] > mma_sync.tflops
-    assert preds["fwd90awspp"] >= preds["fwd90aws"] >= preds["fwd90a"]
+    assert preds["pingpong"] >= preds["fwd90aws"] >= preds["fwd90a"]
     assert max(preds.values()) < 989.4  # never above the datasheet rate
-    # the ping-pong knob of fwd90aws is predicted as the fixed ping-pong family
-    problem, config = _tile_problem("fwd90aws", 128, 128, 128)
-    knob = KernelConfig.from_dict({**config.to_dict(), space.PINGPONG: 1})
+    # the schedule is read from the config's ping-pong knob
     assert design_of(problem, knob) == Design("fwd90aws", "TMA", 128, True)
-    assert predict(problem, knob, shape, "H100").tflops == preds["fwd90awspp"]
+    assert design_of(problem, config) == Design("fwd90aws", "TMA", 128, False)
     # a producer that copies with cp.async: its copies are not the consumers' (not charged,
     # said as optimistic), unlike fwd90a's consumer copies
     copying = KernelConfig.from_dict({**config.to_dict(), "loadk": "cpasync"})
@@ -160,12 +161,16 @@ def test_wgmma_predictions_are_labelled_and_ordered() -> None:
 
 @pytest.fixture(scope="module")
 def profiles(compile_cubin: Callable[..., bytes]) -> dict[str, KernelProfile]:
-    """Two compiled tiles (NVRTC + nvdisasm; skipped without them): the ping-pong family
-    at 128 x 128, head dim 128, and the cp.async family at 64 x 64, head dim 64."""
+    """Two compiled tiles (NVRTC + nvdisasm; skipped without them): the warp-specialised
+    family's ping-pong kernel (``pingpong``) at 128 x 128, head dim 128, and the cp.async
+    family at 64 x 64, head dim 64."""
     out = {}
-    for op, d, bm, bn in (("fwd90awspp", 128, 128, 128), ("fwd90a", 64, 64, 64)):
+    for op, d, bm, bn in (("fwd90aws", 128, 128, 128), ("fwd90a", 64, 64, 64)):
         problem, config = _tile_problem(op, d, bm, bn)
-        out[op] = profile_kernel(problem, config, Shape.square(4, 2048 // d, 4096), "sm_90a")
+        if op == "fwd90aws":
+            config = KernelConfig.from_dict({**config.to_dict(), space.PINGPONG: 1})
+        out["pingpong" if op == "fwd90aws" else op] = profile_kernel(
+            problem, config, Shape.square(4, 2048 // d, 4096), "sm_90a")
     return out
 
 
@@ -184,7 +189,7 @@ def test_main_loop_hgmma_count_times_flops_is_the_tile(
         assert mix.by_category["wgsync"] >= 2 and mix.by_category["mbarrier"] >= 1
         assert mix.by_category["other"] < 0.02 * mix.total, op
         assert prof.prediction is not None and prof.prediction.path == "wgmma", op
-    pp, cp = profiles["fwd90awspp"], profiles["fwd90a"]
+    pp, cp = profiles["pingpong"], profiles["fwd90a"]
     # The ping-pong turns are named barriers in its main loop; its producer's TMA and the
     # register hand-over are in the kernel; the cp.async family waits on mbarriers that
     # its own copies arrive on.
@@ -198,9 +203,9 @@ def test_main_loop_hgmma_count_times_flops_is_the_tile(
 
 
 def test_profile_cli_json_and_table(profiles: dict[str, KernelProfile]) -> None:
-    args = ["profile", "--arch", "sm_90a", "--op", "fwd90awspp", "--head-dim", "128",
-            "--config", "m128_n128_w8_s2", "--batch", "4", "--heads", "16", "--seqlen",
-            "4096"]
+    args = ["profile", "--arch", "sm_90a", "--op", "fwd90aws", "--fix", "pingpong=1",
+            "--head-dim", "128", "--config", "m128_n128_w8_s2", "--batch", "4", "--heads",
+            "16", "--seqlen", "4096"]
     runner = CliRunner()
     result = runner.invoke(app, [*args, "--json"])
     assert result.exit_code == 0, result.output
@@ -225,6 +230,14 @@ def test_profile_cli_json_and_table(profiles: dict[str, KernelProfile]) -> None:
                    "predicted / published"):
         assert needle in text, needle
     assert get_arch("sm_90a").arch_specific
+    # --fix is checked against the family's declared space: the knob, then its values
+    bad = runner.invoke(app, [*args[:6], "pingpong=2"])
+    assert bad.exit_code == 2
+    assert "its values are [0, 1]" in re.sub(r"[\s│]+", " ", bad.output), bad.output
+    unknown = runner.invoke(app, [*args[:6], "ping=1"])
+    assert unknown.exit_code == 2
+    assert "'ping' is not a knob of the 'fwd90aws' family" in re.sub(r"[\s│]+", " ",
+                                                                    unknown.output)
 
 
 def test_local_memory_in_a_wgmma_chain() -> None:

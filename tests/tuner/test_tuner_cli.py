@@ -123,6 +123,34 @@ def test_unknown_features_are_refused_with_the_choices(db_url: str) -> None:
     assert "bwd_d64" not in result.output, result.output
 
 
+def test_fix_restricts_the_search_to_the_fixed_knobs(db_url: str) -> None:
+    """``--fix NAME=VALUE`` (TuneOptions.fixed): only configs with the fixed values are
+    proposed, measured and crowned, under a study of their own; on the command line a knob
+    or a value the family's space lacks is refused naming the choices."""
+    from tuner_synthetic import DEVICE, SyntheticBackend
+
+    from flashtune.codegen.spec import KernelConfig
+
+    backend = SyntheticBackend(best=KernelConfig(64, 64, 4, 2, extras=(("splits", 4),)))
+    opts = dataclasses.replace(FAST, trials=6, fixed=(("splits", 4),))
+    [summary] = tune(64, "fp16", False, [4096], op="decode", backend=backend, db=db_url,
+                     options=opts)
+    assert summary.study is not None and summary.study.endswith("/fixed:splits=4")
+    assert summary.winner is not None and summary.winner.extra("splits", 0) == 4
+    with TuningStore(db_url) as store:
+        trials = store.trials(device=DEVICE.name)
+    assert len(trials) >= 6
+    assert {KernelConfig.from_key(t.config.key).extra("splits", 0) for t in trials} == {4}
+    for fix, expected in (("splits=3", "its values are [0, 1, 2, 4, 8, 16, 32, 64, 128]"),
+                          ("nosuch=1", "'nosuch' is not a knob of the 'decode' family; its "
+                                       "knobs are ['block_m', 'block_n', 'num_warps', "
+                                       "'num_stages', 'splits']")):
+        result = runner.invoke(app, ["tune", "--op", "decode", "--head-dim", "64", "--fix", fix,
+                                     "--dry-run", "--db", db_url])
+        assert result.exit_code == 1, result.output
+        assert expected in " ".join(result.output.split()), result.output
+
+
 def test_report_writes_png_and_html(db_url: str, tmp_path: Path) -> None:
     opts = dataclasses.replace(FAST, trials=8, final_top=2, final_rounds=1)
     measurer = SyntheticMeasurer(compile_fail=frozenset({"m64_n128_w4_s1"}))

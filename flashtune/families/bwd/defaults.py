@@ -20,7 +20,7 @@ from flashtune.codegen.arch import ArchClass, ArchSpec, arch_class, get_arch
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.errors import InvalidConfig
 from flashtune.families.bwd.space import DQ_ATOMIC, DQ_SPLIT, static_check
-from flashtune.families.fwd.defaults import DefaultEntry
+from flashtune.families.defaults import DefaultEntry
 
 _A, _C, _H = ArchClass.SM80, ArchClass.SM86, ArchClass.SM90
 _FIRST = "largest key tile without spills"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from flashtune._lazy import lazy_module
 from flashtune.codegen.spec import DType
-from flashtune.families.fwd.reference import causal_visible
+from flashtune.families.checks import causal_visible
 
 if TYPE_CHECKING:
     import torch

@@ -5,9 +5,9 @@ slice of the float32 dQ accumulator zeroed. ``bwdsum`` (convert): dQ = softmax_s
 the sum of the accumulator's slices, added in slice order (so the deterministic mode is
 bitwise reproducible), rounded to the input type.
 
-Both are memory-bound, one block per block_m query rows of one (batch, head); their
-``block_n`` is not used by the kernels (the space holds the one value 16). The number of
-accumulator slices a verification launch uses is the scalar input ``dq_slices``.
+Both are memory-bound row kernels (families/rows.py: no key tile, no mask), one block per
+block_m query rows of one (batch, head). The number of accumulator slices a verification
+launch uses is the scalar input ``dq_slices``.
 """
 
 from __future__ import annotations
@@ -15,15 +15,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from flashtune._lazy import lazy_module
-from flashtune.codegen.arch import ArchSpec
-from flashtune.codegen.dtypes import SAME_16BIT
 from flashtune.codegen.params import Param, ParamSpace
-from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape, ShapeLike
-from flashtune.errors import InvalidProblem
 from flashtune.families.base import (
     Inputs,
-    KernelFamily,
     LaunchPlan,
     Tensors,
     Tolerance,
@@ -31,10 +26,10 @@ from flashtune.families.base import (
     compare_outputs,
     generator,
     random_rows,
-    row_kernel_params,
     torch_dtype,
 )
 from flashtune.families.bwd import args
+from flashtune.families.rows import RowFamily
 
 if TYPE_CHECKING:
     import torch
@@ -43,7 +38,6 @@ else:
 
 SPACE = ParamSpace((Param("block_m", (32, 64, 128)), Param("block_n", (16,)),
                     Param("num_warps", (1, 2, 4, 8)), Param("num_stages", (1,))))
-DEFAULT = KernelConfig(block_m=64, block_n=16, num_warps=4, num_stages=1)
 #: Accumulator slices of a verification launch: more than one, so that summing (and
 #: zeroing) every slice is what gets checked.
 VERIFY_SLICES = 3
@@ -54,50 +48,18 @@ DSUM_TOLERANCE = Tolerance(1e-4, 1e-5)
 DQ_TOLERANCE = {DType.FP16: Tolerance(1e-6, 1e-3), DType.BF16: Tolerance(1e-6, 8e-3)}
 
 
-class _RowFamily(KernelFamily):
-    """What the two row kernels share: space, default, rules, parameters, grid."""
-
-    dtypes = SAME_16BIT
-
-    def check_problem(self, problem: Problem) -> None:
-        super().check_problem(problem)
-        if problem.causal:
-            raise InvalidProblem(f"{problem.key()}: the {self.op} kernel has no mask; use "
-                                 "causal=False")
-
-    def space(self, problem: Problem) -> ParamSpace:
-        return SPACE
-
-    def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
-        if config.num_stages != 1:
-            return f"num_stages={config.num_stages}: the {self.op} kernel does not pipeline"
-        if config.block_n != 16:
-            return f"block_n={config.block_n}: the {self.op} kernel has no key tile (use 16)"
-        return None
-
-    def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
-        return self.fitting(problem, DEFAULT, arch)
-
-    def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
-        return "memory-bound rows: 64 rows per block over 4 warps on every arch"
-
-    def template_params(self, problem: Problem, config: KernelConfig
-                        ) -> dict[str, TemplateValue]:
-        return row_kernel_params(problem, config)
-
-    def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
-        return 0
-
-    def _grid(self, config: KernelConfig, shape: Shape) -> tuple[int, int, int]:
-        return args.row_grid(shape.seqlen_q, shape.heads_q, shape.batch, config.block_m)
+def _grid(config: KernelConfig, shape: Shape) -> tuple[int, int, int]:
+    """One block per block_m query rows of one (batch, head)."""
+    return args.row_grid(shape.seqlen_q, shape.heads_q, shape.batch, config.block_m)
 
 
-class PreprocessFamily(_RowFamily):
+class PreprocessFamily(RowFamily):
     """D = rowsum(dO * O) and the zeroed dQ accumulator."""
 
     op = "bwdpre"
     title = "attention backward preprocess (D = rowsum(dO * O), dQ accumulator zeroed)"
     template = "bwd_pre.cu.jinja"
+    row_space = SPACE
 
     def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       seed: int | None = None) -> Inputs:
@@ -123,7 +85,7 @@ class PreprocessFamily(_RowFamily):
     def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
                     inputs: Inputs, outputs: Tensors) -> LaunchPlan:
         t = inputs.tensors
-        return LaunchPlan(self._grid(config, shape),
+        return LaunchPlan(_grid(config, shape),
                           args.pre_args(t["o"], t["do"], outputs["dsum"], outputs["dq_accum"]))
 
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
@@ -149,12 +111,13 @@ class PreprocessFamily(_RowFamily):
                              + 4 * problem.head_dim))
 
 
-class ConvertFamily(_RowFamily):
+class ConvertFamily(RowFamily):
     """dQ = softmax_scale * (sum of the accumulator's slices, in slice order)."""
 
     op = "bwdsum"
     title = "attention backward dQ convert (slices summed in a fixed order, scaled, rounded)"
     template = "bwd_sum.cu.jinja"
+    row_space = SPACE
 
     def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       seed: int | None = None) -> Inputs:
@@ -172,7 +135,7 @@ class ConvertFamily(_RowFamily):
 
     def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
                     inputs: Inputs, outputs: Tensors) -> LaunchPlan:
-        return LaunchPlan(self._grid(config, shape),
+        return LaunchPlan(_grid(config, shape),
                           args.sum_args(inputs.tensors["dq_accum"], outputs["dq"],
                                         inputs.scalars["softmax_scale"]))
 

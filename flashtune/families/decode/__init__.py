@@ -29,13 +29,13 @@ from flashtune.families.base import (
     element_params,
     generator,
 )
+from flashtune.families.checks import o_and_lse_checks
 from flashtune.families.decode import space
 from flashtune.families.decode.args import decode_grid, pack_decode_args
 from flashtune.families.decode.inputs import DecodeCase, draw_case, make_inputs
 from flashtune.families.decode.reference import decode_reference
 from flashtune.families.decode.splits import heuristic_splits
 from flashtune.families.decode.status import STATUS_WORDS, describe
-from flashtune.families.fwd.reference import o_and_lse_checks
 
 if TYPE_CHECKING:
     import torch

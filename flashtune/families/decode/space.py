@@ -15,7 +15,7 @@ from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.errors import InvalidConfig
 from flashtune.families.base import resource_reason
-from flashtune.families.fwd.space import MAX_ACCUMULATOR_REGISTERS, accumulator_registers
+from flashtune.families.registers import MAX_ACCUMULATOR_REGISTERS, accumulator_registers
 
 #: The split-count knob: 0 is the run-time heuristic (the default), else a fixed count.
 SPLITS = "splits"

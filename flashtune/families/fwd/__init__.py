@@ -28,12 +28,9 @@ from flashtune.families.base import (
     random_rows,
     sm_count,
 )
+from flashtune.families.checks import o_and_lse_checks
 from flashtune.families.fwd import args, defaults, knobs, space, variants
-from flashtune.families.fwd.reference import (
-    attention_reference,
-    o_and_lse_checks,
-    varlen_reference,
-)
+from flashtune.families.fwd.reference import attention_reference, varlen_reference
 
 if TYPE_CHECKING:
     import torch

@@ -33,57 +33,16 @@ out with why; where the rule changed an entry, the previous default's predicted 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
-from flashtune.codegen.arch import ARCHS, ArchClass, ArchSpec, arch_class, get_arch
-from flashtune.codegen.spec import COMPILED_HEAD_DIMS, KernelConfig, Problem
+from flashtune.codegen.arch import ArchClass, ArchSpec, arch_class, get_arch
+from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.errors import InvalidConfig
+from flashtune.families.defaults import DefaultEntry
 from flashtune.families.fwd.space import static_check
-
-
-@dataclass(frozen=True)
-class DefaultEntry:
-    """The default config of one (arch class, compiled head dim, causal) and why."""
-
-    arch_class: ArchClass
-    head_dim: int
-    causal: bool
-    config: KernelConfig
-    reason: str
-
-    def __post_init__(self) -> None:
-        if self.head_dim not in COMPILED_HEAD_DIMS:
-            raise InvalidConfig(f"default entry head_dim={self.head_dim} is not a compiled "
-                                f"head dim; expected one of {COMPILED_HEAD_DIMS}")
-        if not self.reason.strip():
-            raise InvalidConfig(f"default entry {self.key} needs a reason")
-
-    @property
-    def key(self) -> tuple[ArchClass, int, bool]:
-        return (self.arch_class, self.head_dim, self.causal)
-
-    def to_dict(self) -> dict[str, Any]:
-        """A flat row for docs and ``flashtune`` listings."""
-        return {
-            "arch_class": self.arch_class.value,
-            "archs": archs_of(self.arch_class),
-            "head_dim": self.head_dim,
-            "causal": self.causal,
-            "config": self.config.key(),
-            "reason": self.reason,
-        }
-
 
 _A, _C, _H = ArchClass.SM80, ArchClass.SM86, ArchClass.SM90
 
 #: The arch of each class whose kernels the cost model ranks (and the docs show).
 REFERENCE_ARCH: dict[ArchClass, str] = {_A: "sm_80", _C: "sm_86", _H: "sm_90"}
-
-
-def archs_of(cls: ArchClass) -> list[str]:
-    """Every arch flashtune knows in class ``cls``."""
-    return [name for name, spec in ARCHS.items() if spec.default_class is cls]
 
 
 # (class, compiled head dim, causal, config key, reason): the rule's output (see above).

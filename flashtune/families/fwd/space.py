@@ -18,6 +18,11 @@ from flashtune.errors import InvalidConfig
 from flashtune.families.base import resource_reason
 from flashtune.families.fwd import knobs
 from flashtune.families.fwd.knobs import knob
+from flashtune.families.registers import (
+    MAX_ACCUMULATOR_REGISTERS,
+    accumulator_registers,
+    mma_head_dim,
+)
 
 BLOCK_M = (64, 128, 192, 256)
 #: Every multiple of 16 from 16 to 256 (a P V step takes 16 keys).
@@ -34,11 +39,6 @@ SPACE = ParamSpace((Param("block_m", BLOCK_M), Param("block_n", BLOCK_N),
 #: layout needs no padding).
 SMEM_ROW_PAD = 8
 
-#: A config whose held fragments (O and S accumulators, and Q or a second S tile where the
-#: knobs keep them) need more 32-bit registers per thread than this cannot avoid spilling
-#: within the 255-register limit: the rest of the kernel's working set (B operands, P,
-#: softmax state, addresses) needs about a quarter of the registers.
-MAX_ACCUMULATOR_REGISTERS = 192
 #: Registers are allocated to a thread in multiples of this many.
 _REG_GRANULE = 8
 
@@ -70,20 +70,6 @@ def smem_bytes(problem: Problem, config: KernelConfig) -> int:
     return row * (config.block_m + 2 * config.num_stages * config.block_n)
 
 
-def mma_head_dim(problem: Problem) -> int:
-    """Head dim the tensor cores work on: the real one rounded up to the k16 step.
-
-    Shared-memory rows are sized by the compiled (padded) head dim, but the kernel computes
-    only up to this many columns (the rest of a padded row is never read).
-    """
-    return -(-problem.head_dim // 16) * 16
-
-
-def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
-    """32-bit registers per thread held by the O and S accumulator fragments."""
-    return config.rows_per_warp * (mma_head_dim(problem) + config.block_n) // 32
-
-
 def held_registers(problem: Problem, config: KernelConfig,
                    values: Mapping[str, Value] | None = None) -> int:
     """32-bit registers per thread held across the main loop: the accumulators, Q's
@@ -108,7 +94,7 @@ def register_cap(config: KernelConfig, arch: ArchSpec, min_blocks: int) -> int:
 
 def register_budget(config: KernelConfig, arch: ArchSpec, min_blocks: int) -> int:
     """Registers per thread the held fragments may take under ``register_cap``: the same
-    share of the cap as MAX_ACCUMULATOR_REGISTERS is of 255."""
+    share of the cap as MAX_ACCUMULATOR_REGISTERS (families.registers) is of 255."""
     return register_cap(config, arch, min_blocks) * MAX_ACCUMULATOR_REGISTERS // 255
 
 

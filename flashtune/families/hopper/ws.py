@@ -20,23 +20,22 @@ The config's num_warps counts the consumer warps (block_m / 16, as in ``fwd90a``
 has a producer warpgroup more (``threads``). It serves no op yet: ``fwd90a`` keeps serving the
 forward on cc 9.0 devices until this family is measured there.
 
-``fwd90awspp`` is this family with ping-pong fixed on (configs without the knob, block_m 128):
-the same kernels under a name of their own for listings, profiles and a tuning run of the
-ping-pong kernels alone. A search of ``fwd90aws`` covers them; the cost model reads the
-schedule of either through ``pingpong_on``.
+The ping-pong kernels alone are a restriction of this family's space, not a family:
+``--fix pingpong=1`` for ``flashtune tune``, ``profile``, ``compile``, ``space`` and
+``show`` (families/fixed.py); the cost model reads the schedule from the knob
+(``pingpong_on``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, ClassVar
 
 from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import ArgType
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import ParamSpace, Value
-from flashtune.codegen.render import TemplateValue, render_template
-from flashtune.codegen.spec import KernelConfig, KernelSource, Problem, Shape
+from flashtune.codegen.render import TemplateValue
+from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.codegen.tensormap import TensorMap, TmaSwizzle
 from flashtune.errors import InvalidInput
 from flashtune.families.base import Inputs, LaunchPlan, Tensors, element_type
@@ -78,10 +77,6 @@ class HopperWsForwardFamily(HopperForwardFamily):
     template = "hopper_fwd_ws.cu.jinja"
     serves: ClassVar[str | None] = None
 
-    #: Whether every kernel of the family takes ping-pong turns, whatever its config (the
-    #: profile's cost model reads it per family); this family's own ping-pong is its knob.
-    pingpong: ClassVar[bool] = False
-
     def space(self, problem: Problem) -> ParamSpace:
         return space.WS_SPACE
 
@@ -101,9 +96,9 @@ class HopperWsForwardFamily(HopperForwardFamily):
                 "the register rule")
 
     def pingpong_on(self, config: KernelConfig) -> bool:
-        """Whether ``config``'s consumer warpgroups take turns: the family's own setting or
-        the config's ``pingpong`` knob."""
-        return self.pingpong or bool(space.knob(config, space.PINGPONG))
+        """Whether ``config``'s consumer warpgroups take turns: its ``pingpong`` knob (the
+        template's switch, and the schedule the cost model reads)."""
+        return bool(space.knob(config, space.PINGPONG))
 
     def template_params(self, problem: Problem, config: KernelConfig
                         ) -> dict[str, TemplateValue]:
@@ -115,14 +110,9 @@ class HopperWsForwardFamily(HopperForwardFamily):
                    for name in space.LOAD_KNOBS},
                 "producer_registers": producer, "consumer_registers": consumer}
 
-    def render(self, problem: Problem, config: KernelConfig) -> KernelSource:
-        """The KernelSource; its threads are the consumers' plus the producer warpgroup."""
-        self.check_problem(problem)
-        return render_template(self.template, problem, config,
-                               self.template_params(problem, config),
-                               smem_bytes=self.smem_bytes(problem, config),
-                               threads=config.threads + PRODUCER_THREADS,
-                               target=self.target_arch)
+    def threads(self, problem: Problem, config: KernelConfig) -> int:
+        """The consumers' threads plus the producer warpgroup."""
+        return config.threads + PRODUCER_THREADS
 
     def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
                     inputs: Inputs, outputs: Tensors) -> LaunchPlan:
@@ -136,25 +126,4 @@ class HopperWsForwardFamily(HopperForwardFamily):
         return LaunchPlan(plan.grid, plan.args + maps)
 
 
-class HopperPingPongForwardFamily(HopperWsForwardFamily):
-    """``fwd90aws`` with ping-pong fixed on: its configs carry no knob (block_m 128, the two
-    consumer warpgroups that take turns)."""
-
-    op = "fwd90awspp"
-    title = ("attention forward for sm_90a, warp-specialised with ping-pong consumer "
-             "warpgroups (fwd90aws with pingpong=1)")
-    pingpong = True
-
-    def space(self, problem: Problem) -> ParamSpace:
-        return space.SPACE
-
-    def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
-        return space.ws_check(problem, dataclasses.replace(config, extras=((space.PINGPONG, 1),)),
-                              arch)
-
-    def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
-        return "the warp-specialised default (two consumer warpgroups take turns)"
-
-
 HOPPER_WS_FORWARD = HopperWsForwardFamily()
-HOPPER_PINGPONG_FORWARD = HopperPingPongForwardFamily()

@@ -38,6 +38,7 @@ from flashtune.codegen.arch import ArchClass, get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.errors import InvalidConfig, OutOfResources
 from flashtune.families import render
+from flashtune.families.defaults import archs_of
 from flashtune.families.fwd import defaults, space
 from flashtune.perf.model.costmodel import predict
 from flashtune.perf.model.gpus import GpuSpec, default_gpu_for_arch
@@ -109,7 +110,7 @@ def candidates(cls: ArchClass, head_dim: int, causal: bool
                ) -> tuple[tuple[KernelConfig, ...], Floor]:
     """The candidate tiles of one entry (step 1) and the occupancy floor they keep."""
     problem = Problem(head_dim, RANK_DTYPE, causal=causal)
-    archs = [get_arch(a) for a in defaults.archs_of(cls)]
+    archs = [get_arch(a) for a in archs_of(cls)]
     legal = [c for c in _tiles() if all(space.static_check(problem, c, a) is None
                                         for a in archs)]
     for floor in FLOORS:
@@ -314,7 +315,7 @@ class _Search:
         return batch
 
     def _all_builds(self) -> list[tuple[str, DType]]:
-        return [(a, d) for a in defaults.archs_of(self.arch_class) for d in DType]
+        return [(a, d) for a in archs_of(self.arch_class) for d in DType]
 
     def _verify_jobs(self, config: KernelConfig) -> list[tuple[KernelConfig, str, DType]]:
         return [(config, a, d) for a, d in self._all_builds() if (a, d) != (self.ref_arch,

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from flashtune.codegen.arch import SUBPARTITIONS_PER_SM
 from flashtune.codegen.spec import KernelConfig, Problem
-from flashtune.families.fwd import space
+from flashtune.families.registers import accumulator_registers
 from flashtune.perf.model.algorithm import TileMix, analytic_tile_mix
 from flashtune.perf.model.gpus import GpuSpec
 from flashtune.perf.model.occupancy import Occupancy
@@ -102,7 +102,7 @@ class MmaSyncPath:
     def estimated_registers(self, problem: Problem, config: KernelConfig,
                             gpu: GpuSpec) -> int:
         return min(gpu.arch_spec.max_regs_per_thread,
-                   space.accumulator_registers(problem, config) + REGISTER_OVERHEAD_ESTIMATE)
+                   accumulator_registers(problem, config) + REGISTER_OVERHEAD_ESTIMATE)
 
     def tile_round(self, tensor: float, other: float, occ: Occupancy,
                    config: KernelConfig, params: ModelParams) -> TileRound:

@@ -127,7 +127,7 @@ class Design:
 
 def design_of(problem: Problem, config: KernelConfig) -> Design | None:
     """The Design of ``config`` of ``problem``'s family when it is an sm_90a forward family
-    (ping-pong from the family or the config's knob), else None."""
+    (ping-pong from the config's knob), else None."""
     family = families.of(problem)
     return design_of_family(family, config) if isinstance(family, HopperForwardFamily) else None
 

@@ -26,6 +26,8 @@ from flashtune.codegen.spec import ProblemBucket
 from flashtune.db.records import check_study
 from flashtune.db.study_storage import open_optuna_storage
 from flashtune.errors import TuningError
+from flashtune.families import fixed as fixing
+from flashtune.families.fixed import Fixed
 from flashtune.tuner.measure.base import COST_ATTR as COST_ATTR
 
 # What the tuner records on a trial (user attributes), read by the search, its samplers,
@@ -65,14 +67,18 @@ def templates_digest() -> str:
     return h.hexdigest()
 
 
-def study_name(device: str, bucket: ProblemBucket, digest: str, prefix: str | None = None
-               ) -> str:
-    """``flashtune/<device>/<bucket>/<digest12>``, or ``<prefix>/<bucket>`` with --study."""
+def study_name(device: str, bucket: ProblemBucket, digest: str, prefix: str | None = None,
+               fixed: Fixed = ()) -> str:
+    """``flashtune/<device>/<bucket>/<digest12>``, or ``<prefix>/<bucket>`` with --study;
+    a search with ``fixed`` knobs (--fix) adds ``/fixed:<name>=<value>+...``, so that it
+    never resumes (or is resumed by) the search of the whole space."""
     if prefix:
         name = f"{prefix}/{bucket.key()}"
     else:
         slug = _UNSAFE.sub("-", device).strip("-") or "device"
         name = f"flashtune/{slug}/{bucket.key()}/{digest[:12]}"
+    if fixed:
+        name += f"/fixed:{fixing.text(fixed)}"
     try:
         return check_study(name, "study name")
     except ValueError as exc:
