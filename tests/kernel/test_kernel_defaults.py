@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from flashtune.codegen.arch import ARCHS, ArchSpec, get_arch
+from flashtune.codegen.arch import ARCH_CLASS, ARCHS, ArchSpec, get_arch
 from flashtune.codegen.spec import COMPILED_HEAD_DIMS, MAX_HEAD_DIM, DType, Problem
 from flashtune.errors import InvalidConfig
 from flashtune.families.fwd import FORWARD, defaults, space
@@ -45,9 +45,9 @@ def test_table_is_complete_and_unique() -> None:
 
 
 def test_every_arch_has_a_class_and_every_class_an_arch() -> None:
-    assert set(defaults.ARCH_CLASS) == set(ARCHS)
-    assert set(defaults.ARCH_CLASS.values()) == set(defaults.ArchClass)
-    for name, cls in defaults.ARCH_CLASS.items():
+    assert set(ARCH_CLASS) == set(ARCHS)
+    assert set(ARCH_CLASS.values()) == set(defaults.ArchClass)
+    for name, cls in ARCH_CLASS.items():
         # the named class agrees with the shared-memory rule used for unknown archs
         spec = dataclasses.replace(get_arch(name), name="sm_999")
         assert defaults.arch_class(spec) is cls, name
