@@ -127,13 +127,13 @@ def test_fix_restricts_the_search_to_the_fixed_knobs(db_url: str) -> None:
     """``--fix NAME=VALUE`` (TuneOptions.fixed): only configs with the fixed values are
     proposed, measured and crowned, under a study of their own; on the command line a knob
     or a value the family's space lacks is refused naming the choices."""
-    from tuner_synthetic import DEVICE, SyntheticBackend
+    from tuner_synthetic import DEVICE, SyntheticMeasurer
 
     from flashtune.codegen.spec import KernelConfig
 
-    backend = SyntheticBackend(best=KernelConfig(64, 64, 4, 2, extras=(("splits", 4),)))
+    measurer = SyntheticMeasurer(best=KernelConfig(64, 64, 4, 2, extras=(("splits", 4),)))
     opts = dataclasses.replace(FAST, trials=6, fixed=(("splits", 4),))
-    [summary] = tune(64, "fp16", False, [4096], op="decode", backend=backend, db=db_url,
+    [summary] = tune(64, "fp16", False, [4096], op="decode", measurer=measurer, db=db_url,
                      options=opts)
     assert summary.study is not None and summary.study.endswith("/fixed:splits=4")
     assert summary.winner is not None and summary.winner.extra("splits", 0) == 4
