@@ -18,10 +18,10 @@ import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from flashtune._lazy import lazy_module
-from flashtune.codegen.abi import PackedArgs
+from flashtune.codegen.abi import EntryAbi, PackedArgs
 from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue, render_template
@@ -217,6 +217,10 @@ class KernelFamily(ABC):
     #: The feature switches of a Problem (``codegen.spec.FEATURES``) the family implements;
     #: a problem with any other is refused (FeatureNotSupported).
     features: ClassVar[frozenset[str]] = frozenset()
+    #: The kernel's arguments, declared once (``codegen.abi``): the template's ``signature``
+    #: parameter, the packers and the emulator's expected signature come from it. None for
+    #: a family whose template spells its parameter list itself.
+    abi: ClassVar[EntryAbi | None] = None
 
     # ---------------------------------------------------------------- problems
 
@@ -310,11 +314,20 @@ class KernelFamily(ABC):
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
         """Dynamic shared memory of one block."""
 
+    def render_params(self, problem: Problem, config: KernelConfig
+                      ) -> dict[str, TemplateValue]:
+        """``template_params`` and, with an ``abi``, the rendered parameter list of the
+        problem's feature switches as ``signature``."""
+        params = self.template_params(problem, config)
+        if self.abi is not None:
+            params["signature"] = self.abi.signature(problem.features)
+        return params
+
     def render(self, problem: Problem, config: KernelConfig) -> KernelSource:
         """The KernelSource of ``problem`` x ``config``."""
         self.check_problem(problem)
         return render_template(self.template, problem, config,
-                               self.template_params(problem, config),
+                               self.render_params(problem, config),
                                smem_bytes=self.smem_bytes(problem, config),
                                threads=config.threads, target=self.target_arch)
 
@@ -343,6 +356,13 @@ class KernelFamily(ABC):
                       poison: bool) -> dict[str, torch.Tensor]:
         """The outputs a launch writes; filled with NaN when ``poison`` (so an element the
         kernel never writes is caught), uninitialised otherwise."""
+
+    def hot_packer(self, problem: Problem, config: KernelConfig) -> Any:
+        """The packer the runtime calls on every call of the op this family serves, made
+        once per plan (None: the op's composition packs with the family's ABI itself). Its
+        calling convention is the op's: the forward's is ``families.fwd.args.FwdPacker``,
+        so a family that ``serves`` "fwd" supplies one of those."""
+        return None
 
     @abstractmethod
     def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,

@@ -12,9 +12,10 @@ accumulator slices a verification launch uses is the scalar input ``dq_slices``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from flashtune._lazy import lazy_module
+from flashtune.codegen.abi import EntryAbi
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.render import TemplateValue
@@ -95,6 +96,7 @@ class PreprocessFamily(_RowFamily):
     op = "bwdpre"
     title = "attention backward preprocess (D = rowsum(dO * O), dQ accumulator zeroed)"
     template = "bwd_pre.cu.jinja"
+    abi: ClassVar[EntryAbi | None] = args.PRE_ABI
 
     def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       seed: int | None = None) -> Inputs:
@@ -152,6 +154,7 @@ class ConvertFamily(_RowFamily):
     op = "bwdsum"
     title = "attention backward dQ convert (slices summed in a fixed order, scaled, rounded)"
     template = "bwd_sum.cu.jinja"
+    abi: ClassVar[EntryAbi | None] = args.SUM_ABI
 
     def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       seed: int | None = None) -> Inputs:

@@ -29,17 +29,18 @@ schedule of either through ``pingpong_on``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 from flashtune._lazy import lazy_module
-from flashtune.codegen.abi import ArgType
+from flashtune.codegen.abi import ArgValue, Element, EntryAbi, tensor_map
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import ParamSpace, Value
 from flashtune.codegen.render import TemplateValue, render_template
-from flashtune.codegen.spec import KernelConfig, KernelSource, Problem, Shape
+from flashtune.codegen.spec import KernelConfig, KernelSource, Problem
 from flashtune.codegen.tensormap import TensorMap, TmaDType, TmaSwizzle
 from flashtune.errors import InvalidInput
-from flashtune.families.base import Inputs, LaunchPlan, Tensors
+from flashtune.families.fwd.args import FWD_ABI, ExtraValues
 from flashtune.families.hopper import HopperForwardFamily, space
 
 if TYPE_CHECKING:
@@ -51,6 +52,11 @@ else:
 PANEL = 64
 #: Threads of the producer warpgroup.
 PRODUCER_THREADS = 128
+
+#: The forward's arguments, then the tensor maps of Q, K and V (``hopper_fwd_ws.cu.jinja``).
+WS_ABI = FWD_ABI.extended("hopper_fwd_ws", tensor_map("tmap_q", Element.Q),
+                          tensor_map("tmap_k", Element.KV, wrap=True),
+                          tensor_map("tmap_v", Element.KV))
 
 
 def panel_map(t: torch.Tensor, rows: int) -> TensorMap:
@@ -77,6 +83,7 @@ class HopperWsForwardFamily(HopperForwardFamily):
              "consumers")
     template = "hopper_fwd_ws.cu.jinja"
     serves: ClassVar[str | None] = None
+    abi: ClassVar[EntryAbi | None] = WS_ABI
 
     #: Whether every kernel of the family takes ping-pong turns, whatever its config (the
     #: profile's cost model reads it per family); this family's own ping-pong is its knob.
@@ -119,21 +126,18 @@ class HopperWsForwardFamily(HopperForwardFamily):
         """The KernelSource; its threads are the consumers' plus the producer warpgroup."""
         self.check_problem(problem)
         return render_template(self.template, problem, config,
-                               self.template_params(problem, config),
+                               self.render_params(problem, config),
                                smem_bytes=self.smem_bytes(problem, config),
                                threads=config.threads + PRODUCER_THREADS,
                                target=self.target_arch)
 
-    def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
-                    inputs: Inputs, outputs: Tensors) -> LaunchPlan:
-        """The forward's plan with the tensor maps of Q (boxes of block_m rows), K and V
-        (block_n rows) appended."""
-        plan = super().launch_plan(problem, config, shape, inputs, outputs)
-        t = inputs.tensors
-        maps = ((ArgType.TMAP, panel_map(t["q"], config.block_m)),
-                (ArgType.TMAP, panel_map(t["k"], config.block_n)),
-                (ArgType.TMAP, panel_map(t["v"], config.block_n)))
-        return LaunchPlan(plan.grid, plan.args + maps)
+    def extra_values(self, config: KernelConfig) -> ExtraValues:
+        """The tensor maps of Q (boxes of block_m rows), K and V (block_n rows)."""
+        def maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Mapping[str, ArgValue]:
+            return {"tmap_q": panel_map(q, config.block_m),
+                    "tmap_k": panel_map(k, config.block_n),
+                    "tmap_v": panel_map(v, config.block_n)}
+        return maps
 
 
 class HopperPingPongForwardFamily(HopperWsForwardFamily):
