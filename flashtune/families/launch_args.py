@@ -1,35 +1,15 @@
-"""What every family's launch plan shares: tensor views and launch grids.
+"""What the families' launch plans share: launch grids.
 
-A ``TensorView`` is a (batch, seq, head, dim) tensor's pointer with its (batch, seq, head)
-element strides; ``grid`` is the one-block-per-query-tile grid of the row-walking kernels
-(the forward, the row-wise LSE, the backward's row kernels) and ``persistent_grid`` the
-smaller grid of a persistent kernel that walks its query tiles.
+``grid`` is the one-block-per-query-tile grid of the row-walking kernels (the forward, the
+row-wise LSE, the backward's row kernels) and ``persistent_grid`` the smaller grid of a
+persistent kernel that walks its query tiles. A tensor's pointer, strides and sizes reach
+the kernel through its family's ABI (``codegen.abi``: ``ptr``, ``stride``, ``size``), whose
+generated packers read them from the tensors themselves.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from flashtune.families.base import DEFAULT_SM_COUNT
-
-if TYPE_CHECKING:
-    import torch
-
-
-@dataclass(frozen=True)
-class TensorView:
-    """A pointer with its (batch, seq, head) element strides."""
-
-    ptr: int
-    batch_stride: int
-    row_stride: int
-    head_stride: int
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> TensorView:
-        s = t.stride()
-        return cls(t.data_ptr(), s[0], s[1], s[2])
 
 
 def grid(seqlen_q: int, heads_q: int, batch: int, block_m: int) -> tuple[int, int, int]:
