@@ -100,8 +100,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     name = backend or knobs.BACKEND.get()
     features = variant.features if variant is not None else ()
     varlen = variant.varlen if variant is not None else None
-    longest = None if varlen is None else (varlen.max_seqlen_q, varlen.max_seqlen_k)
-    plan = plan_for(q, k, causal, name, features=features, longest=longest)
+    if varlen is None:
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    else:
+        seqlen_q, seqlen_k = varlen.max_seqlen_q, varlen.max_seqlen_k
+    plan = plans.plan_for(q, causal, name, "fwd", features,
+                          seqlen_q if seqlen_q > seqlen_k else seqlen_k)
     out, lse = empty_outputs(q)
     pack: FwdPacker | None = plan.pack
     if pack is None:
