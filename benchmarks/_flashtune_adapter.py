@@ -77,7 +77,8 @@ def default_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 
     import flashtune
     from flashtune.families import render
-    from flashtune.families.fwd.args import grid, pack_args
+    from flashtune.families.fwd.args import pack_args
+    from flashtune.families.launch_args import grid
     from flashtune.runtime.backends import get_backend
     from flashtune.runtime.dispatch import default_config
 

@@ -18,10 +18,10 @@ import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from flashtune._lazy import lazy_module
-from flashtune.codegen.abi import PackedArgs
+from flashtune.codegen.abi import EntryAbi, PackedArgs
 from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.dtypes import DType, Dtypes
 from flashtune.codegen.features import feature
@@ -228,6 +228,10 @@ class KernelFamily(ABC):
     #: e.g. ``SAME_16BIT``; a problem with any other combination is refused (InvalidProblem).
     #: Every family declares its own: none is accepted by default.
     dtypes: ClassVar[frozenset[Dtypes]] = frozenset()
+    #: The kernel's arguments, declared once (``codegen.abi``): the template's ``signature``
+    #: parameter, the packers and the emulator's expected signature come from it. None for
+    #: a family whose template spells its parameter list itself.
+    abi: ClassVar[EntryAbi | None] = None
 
     # ---------------------------------------------------------------- problems
 
@@ -334,12 +338,20 @@ class KernelFamily(ABC):
         says so here; the KernelSource carries the count, and every launch, the emulator,
         the resource check and the cost model read it from there or from this hook."""
         return config.threads
+    def render_params(self, problem: Problem, config: KernelConfig
+                      ) -> dict[str, TemplateValue]:
+        """``template_params`` and, with an ``abi``, the rendered parameter list of the
+        problem's feature switches as ``signature``."""
+        params = self.template_params(problem, config)
+        if self.abi is not None:
+            params["signature"] = self.abi.signature(problem.features)
+        return params
 
     def render(self, problem: Problem, config: KernelConfig) -> KernelSource:
         """The KernelSource of ``problem`` x ``config``."""
         self.check_problem(problem)
         return render_template(self.template, problem, config,
-                               self.template_params(problem, config),
+                               self.render_params(problem, config),
                                smem_bytes=self.smem_bytes(problem, config),
                                threads=self.threads(problem, config),
                                target=self.target_arch)
@@ -369,6 +381,13 @@ class KernelFamily(ABC):
                       poison: bool) -> dict[str, torch.Tensor]:
         """The outputs a launch writes; filled with NaN when ``poison`` (so an element the
         kernel never writes is caught), uninitialised otherwise."""
+
+    def hot_packer(self, problem: Problem, config: KernelConfig) -> Any:
+        """The packer the runtime calls on every call of the op this family serves, made
+        once per plan (None: the op's composition packs with the family's ABI itself). Its
+        calling convention is the op's: the forward's is ``families.fwd.args.FwdPacker``,
+        so a family that ``serves`` "fwd" supplies one of those."""
+        return None
 
     @abstractmethod
     def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,

@@ -9,10 +9,10 @@ empty (O = 0, LSE = +inf) and split counts up to MAX_SPLITS, against a float64 m
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from flashtune._lazy import lazy_module
-from flashtune.codegen.abi import ArgType, PackedArgs
+from flashtune.codegen.abi import Element, EntryAbi, PackedArgs, scalar, size, strides, tensor
 from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.families.base import (
@@ -44,18 +44,26 @@ LSE_TOLERANCE = Tolerance(1e-5, 1e-6)
 _VERIFY_SPLITS = (1, 3, 8, 33, MAX_SPLITS)
 
 
+_F, _I = Element.FLOAT, Element.INT
+
+#: The combine kernel's arguments (``combine_splits.cu.jinja``).
+COMBINE_ABI = EntryAbi("combine_splits", (
+    tensor("o_part", _F, const=True), tensor("lse_part", _F, const=True),
+    tensor("o", Element.O, wrap=True), tensor("lse", _F),
+    scalar("num_splits", _I, size("o_part", 0)), scalar("rows", _I),
+    scalar("heads_q", _I, size("o_part", 2)),
+    scalar("seqlen_q", _I, size("o_part", 3), wrap=True), *strides("o", wrap=False),
+))
+_pack = COMBINE_ABI.packer()
+
+
 def pack_combine_args(o_part: torch.Tensor, lse_part: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor) -> PackedArgs:
     """The combine kernel's arguments: o_part (splits, batch, heads_q, seqlen_q, dim),
     lse_part (splits, batch, heads_q, seqlen_q), O (batch, seqlen_q, heads_q, dim) with any
     strides of a contiguous last dim, LSE contiguous (batch, heads_q, seqlen_q)."""
-    splits, batch, heads_q, seqlen_q, _ = o_part.shape
-    s = o.stride()
-    return ((ArgType.PTR, o_part.data_ptr()), (ArgType.PTR, lse_part.data_ptr()),
-            (ArgType.PTR, o.data_ptr()), (ArgType.PTR, lse.data_ptr()),
-            (ArgType.I32, splits), (ArgType.I32, batch * heads_q * seqlen_q),
-            (ArgType.I32, heads_q), (ArgType.I32, seqlen_q),
-            (ArgType.I64, s[0]), (ArgType.I64, s[1]), (ArgType.I64, s[2]))
+    _, batch, heads_q, seqlen_q, _ = o_part.shape
+    return _pack(o_part, lse_part, o, lse, batch * heads_q * seqlen_q)
 
 
 def combine_grid(rows: int, block_m: int) -> tuple[int, int, int]:
@@ -82,6 +90,7 @@ class CombineFamily(RowFamily):
     template = "combine_splits.cu.jinja"
     row_space = SPACE
     row_default_reason = "64 rows per block on 4 warps: one row per warp at a time, any arch"
+    abi: ClassVar[EntryAbi | None] = COMBINE_ABI
 
     def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       seed: int | None = None, num_splits: int | None = None) -> Inputs:

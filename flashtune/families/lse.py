@@ -8,9 +8,10 @@ bottom-right aligned as in the forward, and a row that sees no key gets +inf.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from flashtune._lazy import lazy_module
+from flashtune.codegen.abi import Element, EntryAbi, scalar, size, strides, tensor
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.dtypes import SAME_16BIT
 from flashtune.codegen.params import Param, ParamSpace
@@ -30,7 +31,7 @@ from flashtune.families.base import (
     torch_dtype,
 )
 from flashtune.families.checks import causal_visible
-from flashtune.families.fwd.args import TensorView, grid
+from flashtune.families.launch_args import grid
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +43,17 @@ SPACE = ParamSpace((Param("block_m", (16, 32, 64)), Param("block_n", (32, 64, 12
 #: FP32 dot products in a different order than float64: a float32-resolution error.
 TOLERANCE = Tolerance(1e-3, 1e-5)
 _DEFAULT = KernelConfig(block_m=32, block_n=64, num_warps=2, num_stages=1)
+_I = Element.INT
+
+#: The kernel's arguments (``row_lse.cu.jinja``).
+LSE_ABI = EntryAbi("row_lse", (
+    tensor("q", Element.Q, const=True), tensor("k", Element.KV, const=True),
+    tensor("lse", Element.FLOAT),
+    scalar("seqlen_q", _I, size("q", 1), wrap=True), scalar("seqlen_k", _I, size("k", 1)),
+    scalar("heads_q", _I, size("q", 2)), scalar("heads_kv", _I, size("k", 2)),
+    *strides("q"), *strides("k"),
+    scalar("softmax_scale", Element.FLOAT, wrap=True),
+))
 
 
 class RowLseFamily(KernelFamily):
@@ -51,6 +63,7 @@ class RowLseFamily(KernelFamily):
     title = "row-wise LSE of scale * Q K^T (no output O; scalar FP32)"
     template = "row_lse.cu.jinja"
     dtypes = SAME_16BIT
+    abi: ClassVar[EntryAbi | None] = LSE_ABI
 
     def space(self, problem: Problem) -> ParamSpace:
         return SPACE
@@ -98,17 +111,9 @@ class RowLseFamily(KernelFamily):
 
     def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
                     inputs: Inputs, outputs: Tensors) -> LaunchPlan:
-        from flashtune.codegen.abi import ArgType
-
-        q, k = (TensorView.of(inputs.tensors[n]) for n in ("q", "k"))
-        args = ((ArgType.PTR, q.ptr), (ArgType.PTR, k.ptr),
-                (ArgType.PTR, outputs["lse"].data_ptr()),
-                (ArgType.I32, shape.seqlen_q), (ArgType.I32, shape.seqlen_k),
-                (ArgType.I32, shape.heads_q), (ArgType.I32, shape.heads_kv),
-                (ArgType.I64, q.batch_stride), (ArgType.I64, q.row_stride),
-                (ArgType.I64, q.head_stride), (ArgType.I64, k.batch_stride),
-                (ArgType.I64, k.row_stride), (ArgType.I64, k.head_stride),
-                (ArgType.F32, inputs.scalars["softmax_scale"]))
+        assert self.abi is not None
+        args = self.abi.pack({**inputs.tensors, **inputs.scalars, **outputs},
+                             problem.features)
         return LaunchPlan(grid(shape.seqlen_q, shape.heads_q, shape.batch, config.block_m),
                           args)
 

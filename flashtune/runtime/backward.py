@@ -7,8 +7,8 @@ on the current stream:
 2. ``bwd`` (or ``bwddet`` when deterministic): dK, dV and the accumulator;
 3. ``bwdsum``: dQ = softmax_scale * (the accumulator's slices summed in slice order).
 
-Each kernel comes from its own family's dispatcher decision (tuned or default), memoised per
-(backend, device, dtype, head dim, mask, sequence bucket) like the forward's plans. The
+Each kernel comes from its own family's dispatcher decision (tuned or default), its plan
+memoised with every other op's (``runtime.plans``). The
 only buffers besides the gradients are D (B, Hq, Nq) and the accumulator: one float32 copy
 of dQ in the atomic mode, ``dq_slices`` copies in the deterministic mode (a constant factor:
 about one slice per SM over the batch and kv heads), so memory stays linear in the sequence
@@ -26,7 +26,7 @@ from flashtune import knobs
 from flashtune.codegen.abi import PackedArgs
 from flashtune.families.base import sm_count
 from flashtune.families.bwd import args, space
-from flashtune.runtime.forward import Plan, plan_for
+from flashtune.runtime.plans import Plan, plan_for
 
 
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
@@ -59,9 +59,10 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dout, out = _kernel_ready(dout), _kernel_ready(out)
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    main = plan_for(q, k, causal, name, op="bwddet" if deterministic else "bwd")
-    pre = plan_for(q, k, False, name, op="bwdpre")
-    convert = plan_for(q, k, False, name, op="bwdsum")
+    longest = max(seqlen_q, seqlen_k)
+    main = plan_for(q, causal, name, "bwddet" if deterministic else "bwd", (), longest)
+    pre = plan_for(q, False, name, "bwdpre", (), longest)
+    convert = plan_for(q, False, name, "bwdsum", (), longest)
     config = main.source.config
     split = space.dq_mode(config) == space.DQ_SPLIT
     slices = (space.dq_slices(_sm_count(q.device), batch, heads_kv, seqlen_k, config.block_n)

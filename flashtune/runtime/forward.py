@@ -1,10 +1,10 @@
-"""Running the forward family's kernel on validated tensors: backend, plan, outputs,
-arguments, launch.
+"""Running the forward family's kernel on validated tensors: plan, outputs, arguments,
+launch.
 
-A *plan* is everything a call needs that does not change between calls of one (backend,
-device, dtype, head dim, causal, features, sequence bucket): the dispatcher's decision and
-the loaded kernel. Plans are memoised in one dictionary, so a warm call costs one lookup, two output
-allocations, the argument tuple and the launch: no compile, no database, no file access.
+The plan (``runtime.plans``: the dispatcher's decision, the loaded kernel and the family's
+hot-path packer, memoised per backend, device, dtype, head dim, causal, features and
+sequence bucket) makes a warm call one lookup, two output allocations, one pack (the
+serving family's ``FwdPacker``) and the launch: no compile, no database, no file access.
 
 ``forward`` is the implementation of the ``flashtune::attention_fwd`` op; it expects inputs
 that passed ``validate.check_attention_inputs``.
@@ -12,90 +12,42 @@ that passed ``validate.check_attention_inputs``.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
-from flashtune import families, knobs
-from flashtune.codegen.spec import (
-    MAX_SEQ_BUCKET,
-    MIN_SEQ_BUCKET,
-    KernelSource,
-    Problem,
-    ProblemBucket,
-)
+from flashtune import knobs
+from flashtune.codegen.spec import ProblemBucket
 from flashtune.errors import FlashtuneError, InvalidInput
-from flashtune.families import render
-from flashtune.families.base import element_type
-from flashtune.families.fwd.args import grid, pack_args, variant_args
-from flashtune.runtime import first_use
-from flashtune.runtime.backends import BackendEntry, backend_entry, get_backend
-from flashtune.runtime.backends.base import LoadedKernel
-from flashtune.runtime.dispatch import Decision, DeviceLike, get_dispatcher
+from flashtune.families.fwd.args import FwdPacker
+from flashtune.runtime import plans
+from flashtune.runtime.backends import BackendEntry
+from flashtune.runtime.dispatch import Decision
+from flashtune.runtime.plans import (
+    Plan,
+    clear_caches,
+    device_info,
+    emulator_arch,
+    resolve_backend,
+    seqlen_bucket,
+)
 from flashtune.runtime.variants import Variant
 
-
-def seqlen_bucket(seqlen: int) -> int:
-    """``codegen.spec.seq_bucket`` for seqlen >= 1, with integer arithmetic only."""
-    bucket = 1 << (seqlen - 1).bit_length()
-    return MIN_SEQ_BUCKET if bucket < MIN_SEQ_BUCKET else min(bucket, MAX_SEQ_BUCKET)
+__all__ = ["Plan", "clear_caches", "decide", "device_info", "emulator_arch", "empty_outputs",
+           "forward", "plan_for", "problem_bucket", "resolve_backend", "seqlen_bucket"]
 
 
-def emulator_arch() -> str:
-    """The arch of the emulator's virtual device: the configs it runs are chosen as for a GPU
-    of this arch (the tuned results of that arch family, else its defaults)."""
-    return knobs.EMULATOR_ARCH.get()
-
-
-def resolve_backend(name: str | None, device: torch.device) -> BackendEntry:
-    """The backend that serves tensors on ``device``; InvalidInput if they do not fit.
-
-    ``None`` or ``""`` means the FLASHTUNE_BACKEND knob; ``auto`` means cuda for CUDA tensors.
-    CPU tensors are only served when the emulator is asked for explicitly.
-    """
-    chosen = name or knobs.BACKEND.get()
-    if chosen == "auto":
-        if device.type == "cpu":
-            raise InvalidInput(
-                "the tensors are on the CPU; flashtune runs on CUDA tensors. Move them with "
-                ".cuda(), or run the CPU emulator (slow, for verification) with "
-                "backend='emulator' or FLASHTUNE_BACKEND=emulator")
-        chosen = "cuda"
-    entry = backend_entry(chosen)
-    if device.type not in ("meta", entry.device_type):
-        where = "CUDA" if entry.device_type == "cuda" else "CPU"
-        fix = (".cuda()" if entry.device_type == "cuda" else
-               ".cpu() (the emulator runs on CPU tensors), or backend='cuda'")
-        raise InvalidInput(f"backend {chosen!r} runs on {where} tensors but the tensors are on "
-                           f"{device}; move them with {fix}")
-    return entry
-
-
-def device_info(entry: BackendEntry, device: torch.device) -> DeviceLike:
-    """The device the dispatcher chooses for: the GPU, or the emulator's virtual GPU."""
-    from flashtune.runtime.device import DeviceInfo
-
-    info = (DeviceInfo.current(device.index) if entry.device_type == "cuda"
-            else DeviceInfo.virtual(emulator_arch()))
-    served: DeviceLike = first_use.without_refused(info)
-    return served
+def _longest(q: torch.Tensor, k: torch.Tensor, longest: tuple[int, int] | None) -> int:
+    seqlen_q, seqlen_k = longest if longest is not None else (q.shape[1], k.shape[1])
+    return seqlen_q if seqlen_q > seqlen_k else seqlen_k
 
 
 def problem_bucket(q: torch.Tensor, k: torch.Tensor, causal: bool, op: str = "fwd",
                    features: tuple[str, ...] = (), longest: tuple[int, int] | None = None
                    ) -> ProblemBucket:
     """The tuning bucket of a call of kernel family ``op`` on these tensors, with the
-    Problem feature switches ``features`` on (FeatureNotSupported if the family has not
-    got one of them). ``longest``: the longest query and key sequences when they are not
+    Problem feature switches ``features`` on (FeatureNotSupported if the family has not got
+    one of them). ``longest``: the longest query and key sequences when they are not
     q's and k's second dims (varlen)."""
-    problem = Problem(head_dim=q.shape[3], dtype=element_type(q.dtype), causal=causal, op=op,
-                      features=features)
-    if features:
-        families.get(op).check_problem(problem)
-    lengths = longest if longest is not None else (q.shape[1], k.shape[1])
-    return ProblemBucket(problem, seqlen_bucket(max(1, *lengths)))
+    return plans.problem_bucket(q, causal, op, features, _longest(q, k, longest))
 
 
 def decide(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str | None,
@@ -106,100 +58,14 @@ def decide(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str | None,
 
     ``arch`` overrides the device with a virtual GPU of that arch.
     """
-    from flashtune.runtime.device import DeviceInfo
-
-    entry = resolve_backend(backend, q.device)
-    device = DeviceInfo.virtual(arch) if arch else device_info(entry, q.device)
-    bucket = problem_bucket(q, k, causal, op, features, longest)
-    return get_dispatcher().decide(bucket, device), entry
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A decided and loaded kernel for one (backend, device, problem bucket)."""
-
-    decision: Decision
-    source: KernelSource
-    kernel: LoadedKernel
-    stream: Callable[[], int]
-
-    @property
-    def block_m(self) -> int:
-        return self.source.config.block_m
-
-
-def _cuda_stream(device: torch.device) -> Callable[[], int]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return lambda: int(raw(index))
-    return lambda: int(torch.cuda.current_stream(index).cuda_stream)
-
-
-def _no_stream() -> int:
-    return 0
-
-
-def _make_plan(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str, op: str,
-               features: tuple[str, ...], longest: tuple[int, int]) -> Plan:
-    """The decided and loaded kernel; one of an arch-specific family (served in place of
-    ``op``) passes its first-use check first, else the portable family's is decided."""
-    decision, entry = decide(q, k, causal, backend, op=op, features=features, longest=longest)
-    if decision.problem.op == op:
-        return _load_plan(decision, entry, q.device)
-    try:
-        plan = _load_plan(decision, entry, q.device)
-    except FlashtuneError as exc:
-        entry_point = render(decision.problem, decision.config).entry
-        first_use.load_failed(entry_point, decision.device, exc)
-    else:
-        if first_use.check(plan.kernel, q.device, decision.device) is None:
-            return plan
-    # the device is refused the arch-specific families now: the portable family's plan
-    decision, entry = decide(q, k, causal, backend, op=op, features=features, longest=longest)
-    return _load_plan(decision, entry, q.device)
-
-
-def _load_plan(decision: Decision, entry: BackendEntry, device: torch.device) -> Plan:
-    source = render(decision.problem, decision.config)
-    loader = get_backend(entry.name)
-    if entry.device_type == "cuda":
-        with torch.cuda.device(device):
-            kernel = loader.load(source)
-        return Plan(decision, source, kernel, _cuda_stream(device))
-    return Plan(decision, source, loader.load(source), _no_stream)
-
-
-_plans: dict[tuple[object, ...], Plan] = {}
-_plans_lock = threading.Lock()
+    return plans.decide(q, causal, backend, op, features, _longest(q, k, longest), arch)
 
 
 def plan_for(q: torch.Tensor, k: torch.Tensor, causal: bool, backend: str, op: str = "fwd",
              features: tuple[str, ...] = (), longest: tuple[int, int] | None = None) -> Plan:
     """The memoised plan of this call of kernel family ``op`` with the Problem feature
-    switches ``features`` (made, and its kernel loaded, on first use); ``longest`` as in
-    ``problem_bucket``."""
-    _, seqlen_q, _, head_dim = q.shape
-    seqlen_k = k.shape[1]
-    if longest is not None:
-        seqlen_q, seqlen_k = longest
-    bucket = seqlen_bucket(seqlen_q if seqlen_q > seqlen_k else seqlen_k)
-    # get_device(): the CUDA index, -1 for CPU tensors (the only other kind that gets here).
-    key = (backend, q.get_device(), q.dtype, head_dim, causal, bucket, features, op)
-    plan = _plans.get(key)
-    if plan is None:
-        with _plans_lock:
-            plan = _plans.get(key)
-            if plan is None:
-                plan = _make_plan(q, k, causal, backend, op, features, (seqlen_q, seqlen_k))
-                _plans[key] = plan
-    return plan
-
-
-def clear_caches() -> None:
-    """Forget every plan (loaded kernels stay in their backends' caches)."""
-    with _plans_lock:
-        _plans.clear()
+    switches ``features`` (``plans.plan_for``); ``longest`` as in ``problem_bucket``."""
+    return plans.plan_for(q, causal, backend, op, features, _longest(q, k, longest))
 
 
 def _misaligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> InvalidInput:
@@ -207,6 +73,13 @@ def _misaligned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> InvalidInp
     return InvalidInput(f"{', '.join(bad)} start(s) at an address that is not 16-byte aligned "
                         "(a view with an odd storage offset); the kernel loads 16-byte chunks. "
                         "Pass a copy made with .clone() or .contiguous()")
+
+
+def _no_packer(plan: Plan) -> FlashtuneError:
+    op = plan.decision.problem.op
+    return FlashtuneError(f"the {op!r} kernel family serves the forward but supplies no "
+                          "hot-path packer; its hot_packer must return a "
+                          "families.fwd.args.FwdPacker (ForwardFamily's does)")
 
 
 def empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,18 +100,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     name = backend or knobs.BACKEND.get()
     features = variant.features if variant is not None else ()
     varlen = variant.varlen if variant is not None else None
-    longest = None if varlen is None else (varlen.max_seqlen_q, varlen.max_seqlen_k)
-    plan = plan_for(q, k, causal, name, features=features, longest=longest)
+    if varlen is None:
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
+    else:
+        seqlen_q, seqlen_k = varlen.max_seqlen_q, varlen.max_seqlen_k
+    plan = plans.plan_for(q, causal, name, "fwd", features,
+                          seqlen_q if seqlen_q > seqlen_k else seqlen_k)
     out, lse = empty_outputs(q)
-    args = pack_args(q, k, v, out, lse, softmax_scale)
-    if variant is not None and features:
-        args += variant_args(plan.decision.problem, variant.window, variant.softcap,
-                             variant.alibi_slopes, varlen)
+    pack: FwdPacker | None = plan.pack
+    if pack is None:
+        raise _no_packer(plan)
+    grid, args = pack(q, k, v, out, lse, softmax_scale, variant)
     if (args[0][1] | args[1][1] | args[2][1]) & 15:  # type: ignore[operator]  # pointers
         raise _misaligned(q, k, v)
-    batch, seqlen_q, heads_q, _ = q.shape
-    if varlen is not None:
-        batch, seqlen_q = varlen.batch, varlen.max_seqlen_q
-    plan.kernel.launch(grid(seqlen_q, heads_q, batch, plan.block_m), args,
-                       stream=plan.stream())
+    plan.kernel.launch(grid, args, stream=plan.stream())
     return out, lse

@@ -79,11 +79,8 @@ FORWARD_SCRIPT = textwrap.dedent(r'''
     from flashtune.families import render
     from flashtune.codegen.spec import DType, Problem
     from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
-    from flashtune.families.fwd.args import grid, FwdArgs, TensorView
-
-    def view(t):
-        s = t.stride()
-        return TensorView(t.data_ptr(), s[0], s[1], s[2])
+    from flashtune.families.fwd.args import pack_args
+    from flashtune.families.launch_args import grid
 
     problem = Problem(128, DType.FP16, causal=True)
     source = render(problem, default_config(problem, "sm_90"))
@@ -95,9 +92,8 @@ FORWARD_SCRIPT = textwrap.dedent(r'''
         q, k, v = (torch.randn(b, n, h, 128).half() for n in (sq, sk, sk))
         o = torch.full_like(q, float("nan"))
         lse = torch.full((b, h, sq), float("nan"))
-        args = FwdArgs(view(q), view(k), view(v), view(o), lse.data_ptr(), sq, sk, h, h,
-                       128 ** -0.5)
-        kernel.launch(grid(sq, h, b, source.config.block_m), args.packed())
+        kernel.launch(grid(sq, h, b, source.config.block_m),
+                      pack_args(q, k, v, o, lse, 128 ** -0.5))
         ref_o, ref_lse = attention_reference(q.float().numpy(), k.float().numpy(),
                                              v.float().numpy(), True, 128 ** -0.5)
         tol = 2e-3 * float(v.abs().max())

@@ -13,8 +13,9 @@ from emu_helpers import attention_reference, ldmatrix_expected
 
 from flashtune.codegen.spec import DType, Problem
 from flashtune.families import render
-from flashtune.families.fwd.args import FwdArgs, TensorView, grid
+from flashtune.families.fwd.args import pack_args
 from flashtune.families.fwd.defaults import default_config
+from flashtune.families.launch_args import grid
 from flashtune.runtime.backends.emulator import (
     EmulatedModule,
     EmulatorBackend,
@@ -209,11 +210,6 @@ def test_mma_shuffle_barrier_and_per_block_counts(module: EmulatedModule) -> Non
     assert counters.cp_async_requests == 0 and counters.ldmatrix_count == 0
 
 
-def _view(t: torch.Tensor) -> TensorView:
-    s = t.stride()
-    return TensorView(t.data_ptr(), s[0], s[1], s[2])
-
-
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_forward_default_configs(head_dim: int) -> None:
     """B=1, H=2, N=256 non-causal: cp.async reads Q once and K, V once per query block."""
@@ -226,9 +222,9 @@ def test_forward_default_configs(head_dim: int) -> None:
     o = torch.full_like(q, float("nan"))
     lse = torch.full((b, h, n), float("nan"))
     scale = head_dim ** -0.5
-    args = FwdArgs(_view(q), _view(k), _view(v), _view(o), lse.data_ptr(), n, n, h, h, scale)
+    args = pack_args(q, k, v, o, lse, scale)
     launch_grid = grid(n, h, b, source.config.block_m)
-    kernel.launch(launch_grid, args.packed())
+    kernel.launch(launch_grid, args)
     ref_o, ref_lse = attention_reference(q.float().numpy(), k.float().numpy(),
                                          v.float().numpy(), False, scale)
     np.testing.assert_allclose(o.float().numpy(), ref_o, rtol=0,

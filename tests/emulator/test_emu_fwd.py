@@ -13,7 +13,8 @@ from emu_helpers import attention_reference
 
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.families import render
-from flashtune.families.fwd.args import FwdArgs, TensorView, grid
+from flashtune.families.fwd.args import pack_args
+from flashtune.families.launch_args import grid
 from flashtune.runtime.backends.base import Backend, LoadedKernel
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
 
@@ -22,11 +23,6 @@ pytestmark = pytest.mark.emulator
 TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 #: Output tolerance relative to max |V|: P and O are rounded to the 16-bit type.
 TOLERANCE = {"fp16": 2e-3, "bf16": 1.6e-2}
-
-
-def _view(t: torch.Tensor) -> TensorView:
-    s = t.stride()
-    return TensorView(t.data_ptr(), s[0], s[1], s[2])
 
 
 def run_forward(kernel: LoadedKernel, problem: Problem, batch: int, seqlen_q: int,
@@ -39,10 +35,9 @@ def run_forward(kernel: LoadedKernel, problem: Problem, batch: int, seqlen_q: in
     o = torch.full_like(q, float("nan"))
     lse = torch.full((batch, heads_q, seqlen_q), float("nan"))
     scale = problem.head_dim ** -0.5
-    args = FwdArgs(_view(q), _view(k), _view(v), _view(o), lse.data_ptr(), seqlen_q, seqlen_k,
-                   heads_q, heads_kv, scale)
+    args = pack_args(q, k, v, o, lse, scale)
     start = time.perf_counter()
-    kernel.launch(grid(seqlen_q, heads_q, batch, kernel.source.config.block_m), args.packed())
+    kernel.launch(grid(seqlen_q, heads_q, batch, kernel.source.config.block_m), args)
     elapsed = time.perf_counter() - start
     ref_o, ref_lse = attention_reference(q.float().numpy(), k.float().numpy(),
                                          v.float().numpy(), problem.causal, scale)

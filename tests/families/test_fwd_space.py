@@ -9,7 +9,8 @@ import torch
 
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
-from flashtune.families.fwd import FORWARD, args, defaults, knobs, space
+from flashtune.families.fwd import FORWARD, defaults, knobs, space
+from flashtune.families.launch_args import persistent_grid
 
 SM80, SM90 = get_arch("sm_80"), get_arch("sm_90")
 D128 = Problem(128, DType.BF16)
@@ -103,10 +104,10 @@ def test_every_knob_value_passes_the_rules_somewhere() -> None:
 
 
 def test_persistent_grid_is_bounded_by_the_sms_and_the_query_blocks() -> None:
-    assert args.persistent_grid((10, 4, 2), 132, 2) == (10, 4, 2)    # 264 slots for 80
-    assert args.persistent_grid((64, 16, 4), 132, 2) == (5, 16, 4)   # ceil(264 / 64)
-    assert args.persistent_grid((64, 64, 16), 132, 2) == (1, 64, 16)  # never below one
-    assert args.persistent_grid((3, 2, 2), None, 2) == (2, 2, 2)      # 4 SMs assumed
+    assert persistent_grid((10, 4, 2), 132, 2) == (10, 4, 2)    # 264 slots for 80
+    assert persistent_grid((64, 16, 4), 132, 2) == (5, 16, 4)   # ceil(264 / 64)
+    assert persistent_grid((64, 64, 16), 132, 2) == (1, 64, 16)  # never below one
+    assert persistent_grid((3, 2, 2), None, 2) == (2, 2, 2)      # 4 SMs assumed
 
 
 def test_a_persistent_launch_plan_walks_several_query_blocks() -> None:

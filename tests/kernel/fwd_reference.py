@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from flashtune.codegen.spec import Problem
-from flashtune.families.fwd.args import FwdArgs, TensorView, grid
+from flashtune.families.fwd.args import pack_args
+from flashtune.families.launch_args import grid
 from flashtune.runtime.backends.base import LoadedKernel
 
 TORCH_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -46,12 +47,6 @@ def reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: bool, scale: 
     o = np.einsum("bhqk,bkhd->bqhd", p / safe, v[:, :, kv_head])
     lse = np.where(seen, (m + np.log(safe))[..., 0], np.inf)
     return o, lse
-
-
-def view(t: torch.Tensor) -> TensorView:
-    """(batch, row, head) strides of a (B, N, H, D) tensor with a contiguous last dim."""
-    assert t.stride(3) == 1
-    return TensorView(t.data_ptr(), t.stride(0), t.stride(1), t.stride(2))
 
 
 @dataclass(frozen=True)
@@ -94,8 +89,8 @@ def run_and_check(kernel: LoadedKernel, problem: Problem, case: Case, seed: int)
     o = torch.full((b, nq, hq, d), float("nan"), dtype=dtype)
     lse = torch.full((b, hq, nq), float("nan"), dtype=torch.float32)
     scale = case.scale if case.scale is not None else d ** -0.5
-    args = FwdArgs(view(q), view(k), view(v), view(o), lse.data_ptr(), nq, nk, hq, hkv, scale)
-    kernel.launch(grid(nq, hq, b, kernel.source.config.block_m), args.packed())
+    kernel.launch(grid(nq, hq, b, kernel.source.config.block_m),
+                  pack_args(q, k, v, o, lse, scale))
 
     where = f"{kernel.source.entry} {case.label()} seed={seed}"
     ref_o, ref_lse = reference(q.double().numpy(), k.double().numpy(), v.double().numpy(),

@@ -18,7 +18,7 @@ from flashtune.codegen.spec import KernelSource, Shape
 from flashtune.errors import CompileError, EmulatorError
 from flashtune.families.base import Verdict
 from flashtune.families.fwd.reference import attention_reference
-from flashtune.runtime import first_use, forward, launch
+from flashtune.runtime import first_use, forward, launch, plans
 from flashtune.runtime.backends.base import LoadedKernel
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
@@ -114,7 +114,7 @@ def test_an_sm90a_kernel_that_cannot_be_loaded_gives_way_to_the_portable_one(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """E.g. no NVRTC beside a precompiled directory of the portable kernels only: the load
     error is said once, and the mma.sync forward serves."""
-    real = forward.get_backend
+    real = plans.get_backend
 
     class NoSm90a:
         def __init__(self, name: str) -> None:
@@ -125,7 +125,7 @@ def test_an_sm90a_kernel_that_cannot_be_loaded_gives_way_to_the_portable_one(
                 raise CompileError("NVRTC is not installed and no precompiled kernel matches")
             return self.inner.load(source)
 
-    monkeypatch.setattr(forward, "get_backend", NoSm90a)
+    monkeypatch.setattr(plans, "get_backend", NoSm90a)
     seen = _spy(monkeypatch, None)
     with caplog.at_level(logging.WARNING, logger="flashtune.runtime.first_use"):
         _matches_float64(*_inputs())

@@ -26,7 +26,7 @@ from runtime_helpers import best_entry
 
 import flashtune
 from flashtune.errors import InvalidInput
-from flashtune.runtime import forward
+from flashtune.runtime import forward, plans
 from flashtune.runtime.backends import register_backend, unregister_backend
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
 
@@ -138,7 +138,7 @@ def test_deterministic_gradients_are_bitwise_equal_over_block_orders(
         for name in ("dq", "dk", "dv"):
             assert torch.equal(other[name], runs[0][name]), name
     # Each family's kernel comes from its own tuned entry, independently of the others.
-    configs = {key[-1]: plan.source.config.key() for key, plan in forward._plans.items()
+    configs = {key[-1]: plan.source.config.key() for key, plan in plans.cached().items()
                if key[0] == shuffled[0]}
     assert configs == {op: TUNED[op] for op in ("fwd", "bwddet", "bwdpre", "bwdsum")}
 
@@ -173,8 +173,8 @@ def test_torch_deterministic_algorithms_select_the_deterministic_kernel() -> Non
         gradients(lambda q, k, v: flashtune.attention(q, k, v, backend="emulator"), inputs, dout)
     finally:
         torch.use_deterministic_algorithms(previous)
-    assert {key[-1] for key in forward._plans} >= {"bwddet"}
-    assert "bwd" not in {key[-1] for key in forward._plans}
+    assert {key[-1] for key in plans.cached()} >= {"bwddet"}
+    assert "bwd" not in {key[-1] for key in plans.cached()}
     with pytest.raises(InvalidInput, match="deterministic"):
         flashtune.attention(*inputs, backend="emulator", deterministic=1)  # type: ignore[call-overload]
 

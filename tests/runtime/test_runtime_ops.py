@@ -22,9 +22,10 @@ from runtime_helpers import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashtune
+from flashtune.codegen.abi import ArgType
 from flashtune.errors import InvalidInput
-from flashtune.families.fwd.args import FwdArgs, TensorView, pack_args
-from flashtune.runtime import forward, ops
+from flashtune.families.fwd.args import pack_args
+from flashtune.runtime import forward, ops, plans
 from flashtune.runtime.cache import ArtifactCache
 from flashtune.runtime.dispatch import Dispatcher, Tier
 
@@ -88,16 +89,17 @@ def test_sdpa_matches_torch(pyref: PyRefBackend, causal: bool) -> None:
 
 
 def test_pack_args_equals_the_contract() -> None:
+    """The generated packer against the kernel's parameter list written out by hand."""
     q, k, v = qkv(2, 19, 23, 4, 2, 16)
     kt = k.transpose(1, 2).contiguous().transpose(1, 2)
     out, lse = torch.empty_like(q), torch.empty(2, 4, 19)
-
-    def view(t: torch.Tensor) -> TensorView:
-        return TensorView(t.data_ptr(), *t.stride()[:3])
-
-    expected = FwdArgs(view(q), view(kt), view(v), view(out), lse.data_ptr(), 19, 23, 4, 2,
-                       0.25).packed()
+    p, i, L = ArgType.PTR, ArgType.I32, ArgType.I64
+    expected = ((p, q.data_ptr()), (p, kt.data_ptr()), (p, v.data_ptr()), (p, out.data_ptr()),
+                (p, lse.data_ptr()), (i, 19), (i, 23), (i, 4), (i, 2),
+                *((L, s) for t in (q, kt, v, out) for s in t.stride()[:3]),
+                (ArgType.F32, 0.25))
     assert pack_args(q, kt, v, out, lse, 0.25) == expected
+    assert kt.stride()[:3] != k.stride()[:3]  # the strides are the tensors' own
 
 
 def test_seqlen_bucket_matches_spec() -> None:
@@ -119,7 +121,7 @@ def test_warm_call_touches_neither_store_nor_disk(pyref: PyRefBackend,
     with pytest.MonkeyPatch.context() as mp:
         for name in ("lookup", "load_bytes", "get_or_build", "put_bytes"):
             mp.setattr(ArtifactCache, name, forbidden)
-        mp.setattr(forward, "render", forbidden)
+        mp.setattr(plans, "render", forbidden)
         mp.setattr(builtins, "open", forbidden)
         mp.setattr(io, "open", forbidden)
         for seqlen in (100, 120, 65):  # one bucket (128)

@@ -11,9 +11,10 @@ per-block slices); ``bwddet`` serves ``deterministic=True`` and only has the sli
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from flashtune._lazy import lazy_module
+from flashtune.codegen.abi import EntryAbi
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.dtypes import SAME_16BIT
 from flashtune.codegen.params import ParamSpace
@@ -54,6 +55,7 @@ class BackwardFamily(KernelFamily):
     title = "attention backward (FlashAttention-2: dK, dV and the float32 dQ accumulator)"
     template = "flash_bwd.cu.jinja"
     dtypes = SAME_16BIT
+    abi: ClassVar[EntryAbi | None] = args.MAIN_ABI
     #: True for the family whose every config is deterministic.
     deterministic = False
 

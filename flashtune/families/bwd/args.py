@@ -1,4 +1,5 @@
-"""The argument lists of the backward kernels: the contract with their templates.
+"""The argument lists of the backward kernels, declared once each (``MAIN_ABI``,
+``PRE_ABI``, ``SUM_ABI``): their templates' signatures and packers are generated from them.
 
 Main kernel (``flash_bwd.cu.jinja``):
 
@@ -16,69 +17,62 @@ dq_slices (int32), dq strides (3 x int64), softmax_scale (float32).
 Q, dO, O, dQ are (batch, seqlen_q, heads_q, dim); K, V, dK, dV (batch, seqlen_k, heads_kv,
 dim), each with a contiguous last dim; LSE and D are contiguous float32 (batch, heads_q,
 seqlen_q); the dQ accumulator is contiguous float32 (slices, batch, heads_q, seqlen_q, dim).
-These run on every backward call, so they are built as flat tuples.
+The packers run on every backward call: they are the ABIs' generated straight-line code.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
 
-from flashtune._lazy import lazy_module
-from flashtune.codegen.abi import ArgType, PackedArgs
+from flashtune.codegen.abi import Element, EntryAbi, scalar, size, strides, tensor
+from flashtune.families.launch_args import grid
 
-if TYPE_CHECKING:
-    import torch
-else:
-    torch = lazy_module("torch", globals())
+_Q, _KV, _O, _F, _I = Element.Q, Element.KV, Element.O, Element.FLOAT, Element.INT
 
-_P, _I, _L, _F = ArgType.PTR, ArgType.I32, ArgType.I64, ArgType.F32
+#: The main kernel's arguments (``flash_bwd.cu.jinja``); dO has O's element type.
+MAIN_ABI = EntryAbi("flash_bwd", (
+    tensor("q", _Q, const=True), tensor("k", _KV, const=True),
+    tensor("v", _KV, const=True, wrap=True), tensor("dout", _O, const=True),
+    tensor("lse", _F, const=True, wrap=True), tensor("dsum", _F, const=True),
+    tensor("dk", _KV, wrap=True), tensor("dv", _KV), tensor("dq_accum", _F),
+    scalar("seqlen_q", _I, size("q", 1), wrap=True), scalar("seqlen_k", _I, size("k", 1)),
+    scalar("heads_q", _I, size("q", 2)), scalar("heads_kv", _I, size("k", 2)),
+    *strides("q"), *strides("k"), *strides("v"), *strides("do", "dout"), *strides("dk"),
+    *strides("dv"),
+    scalar("softmax_scale", _F, wrap=True),
+))
 
-MAIN_ARG_TYPES: tuple[ArgType, ...] = (_P,) * 9 + (_I,) * 4 + (_L,) * 18 + (_F,)
-PRE_ARG_TYPES: tuple[ArgType, ...] = (_P,) * 4 + (_I,) * 3 + (_L,) * 6
-SUM_ARG_TYPES: tuple[ArgType, ...] = (_P,) * 2 + (_I,) * 3 + (_L,) * 3 + (_F,)
+#: The preprocess kernel's arguments (``bwd_pre.cu.jinja``).
+PRE_ABI = EntryAbi("bwd_pre", (
+    tensor("o", _O, const=True), tensor("dout", _O, const=True), tensor("dsum", _F),
+    tensor("dq_accum", _F, wrap=True), scalar("seqlen_q", _I, size("o", 1)),
+    scalar("heads_q", _I, size("o", 2)), scalar("dq_slices", _I, size("dq_accum", 0)),
+    *strides("o"), *strides("do", "dout"),
+))
 
+_DQ_STRIDES = strides("dq", wrap=False)
 
-def _strides(*tensors: torch.Tensor) -> tuple[int, ...]:
-    out: list[int] = []
-    for t in tensors:
-        s = t.stride()
-        out += (s[0], s[1], s[2])
-    return tuple(out)
+#: The convert kernel's arguments (``bwd_sum.cu.jinja``).
+SUM_ABI = EntryAbi("bwd_sum", (
+    tensor("dq_accum", _F, const=True), tensor("dq", _Q),
+    scalar("seqlen_q", _I, size("dq", 1)), scalar("heads_q", _I, size("dq", 2)),
+    scalar("dq_slices", _I, size("dq_accum", 0), wrap=True),
+    _DQ_STRIDES[0], _DQ_STRIDES[1], dataclasses.replace(_DQ_STRIDES[2], wrap=True),
+    scalar("softmax_scale", _F),
+))
 
+#: The main kernel's arguments for (q, k, v, dout, lse, dsum, dk, dv, dq_accum,
+#: softmax_scale).
+main_args = MAIN_ABI.packer()
+#: The preprocess kernel's arguments (D into ``dsum``, zeros into ``dq_accum``) for
+#: (o, dout, dsum, dq_accum).
+pre_args = PRE_ABI.packer()
+#: The convert kernel's arguments (the accumulator's slices into ``dq``) for
+#: (dq_accum, dq, softmax_scale).
+sum_args = SUM_ABI.packer()
 
-def main_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-              lse: torch.Tensor, dsum: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-              dq_accum: torch.Tensor, softmax_scale: float) -> PackedArgs:
-    """The main kernel's arguments for these tensors."""
-    _, seqlen_q, heads_q, _ = q.shape
-    _, seqlen_k, heads_kv, _ = k.shape
-    values = (q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr(),
-              dsum.data_ptr(), dk.data_ptr(), dv.data_ptr(), dq_accum.data_ptr(),
-              seqlen_q, seqlen_k, heads_q, heads_kv,
-              *_strides(q, k, v, dout, dk, dv), softmax_scale)
-    return tuple(zip(MAIN_ARG_TYPES, values, strict=True))
-
-
-def pre_args(out: torch.Tensor, dout: torch.Tensor, dsum: torch.Tensor,
-             dq_accum: torch.Tensor) -> PackedArgs:
-    """The preprocess kernel's arguments (D into ``dsum``, zeros into ``dq_accum``)."""
-    _, seqlen_q, heads_q, _ = out.shape
-    values = (out.data_ptr(), dout.data_ptr(), dsum.data_ptr(), dq_accum.data_ptr(),
-              seqlen_q, heads_q, dq_accum.shape[0], *_strides(out, dout))
-    return tuple(zip(PRE_ARG_TYPES, values, strict=True))
-
-
-def sum_args(dq_accum: torch.Tensor, dq: torch.Tensor, softmax_scale: float) -> PackedArgs:
-    """The convert kernel's arguments (the accumulator's slices into ``dq``)."""
-    _, seqlen_q, heads_q, _ = dq.shape
-    values = (dq_accum.data_ptr(), dq.data_ptr(), seqlen_q, heads_q, dq_accum.shape[0],
-              *_strides(dq), softmax_scale)
-    return tuple(zip(SUM_ARG_TYPES, values, strict=True))
-
-
-def row_grid(seqlen_q: int, heads_q: int, batch: int, block_m: int) -> tuple[int, int, int]:
-    """Grid of the preprocess and convert kernels: (query tiles, query heads, batch)."""
-    return ((seqlen_q + block_m - 1) // block_m, heads_q, batch)
+#: Grid of the preprocess and convert kernels: (query tiles, query heads, batch).
+row_grid = grid
 
 
 def main_grid(seqlen_k: int, heads_kv: int, batch: int, block_n: int, dq_slices: int | None

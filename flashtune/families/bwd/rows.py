@@ -12,9 +12,10 @@ launch uses is the scalar input ``dq_slices``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from flashtune._lazy import lazy_module
+from flashtune.codegen.abi import EntryAbi
 from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape, ShapeLike
 from flashtune.families.base import (
@@ -60,6 +61,7 @@ class PreprocessFamily(RowFamily):
     title = "attention backward preprocess (D = rowsum(dO * O), dQ accumulator zeroed)"
     template = "bwd_pre.cu.jinja"
     row_space = SPACE
+    abi: ClassVar[EntryAbi | None] = args.PRE_ABI
 
     def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       seed: int | None = None) -> Inputs:
@@ -118,6 +120,7 @@ class ConvertFamily(RowFamily):
     title = "attention backward dQ convert (slices summed in a fixed order, scaled, rounded)"
     template = "bwd_sum.cu.jinja"
     row_space = SPACE
+    abi: ClassVar[EntryAbi | None] = args.SUM_ABI
 
     def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       seed: int | None = None) -> Inputs:

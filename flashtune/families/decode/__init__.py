@@ -11,9 +11,10 @@ Inputs; ``Shape.seqlen_k`` is the cache capacity per sequence.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from flashtune._lazy import lazy_module
+from flashtune.codegen.abi import EntryAbi
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.dtypes import SAME_16BIT
 from flashtune.codegen.params import ParamSpace, Point, Value
@@ -31,7 +32,7 @@ from flashtune.families.base import (
 )
 from flashtune.families.checks import o_and_lse_checks
 from flashtune.families.decode import space
-from flashtune.families.decode.args import decode_grid, pack_decode_args
+from flashtune.families.decode.args import DECODE_ABI, decode_grid, pack_decode_args
 from flashtune.families.decode.inputs import DecodeCase, draw_case, make_inputs
 from flashtune.families.decode.reference import decode_reference
 from flashtune.families.decode.splits import heuristic_splits
@@ -80,6 +81,7 @@ class DecodeFamily(KernelFamily):
     title = "split-KV decoding over a paged KV cache (partial O and LSE per split)"
     template = "decode_split.cu.jinja"
     dtypes = SAME_16BIT
+    abi: ClassVar[EntryAbi | None] = DECODE_ABI
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.SPACE

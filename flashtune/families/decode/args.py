@@ -1,4 +1,5 @@
-"""The decode kernel's argument list: the contract with ``templates/decode_split.cu.jinja``.
+"""The decode kernel's argument list, declared once (``DECODE_ABI``): the signature of
+``templates/decode_split.cu.jinja`` and the packer are generated from it.
 
     q (const T*), k_cache, v_cache (T*), k_new, v_new (const T*, null without appending),
     block_table (const int*, null when unpaged), cache_seqlens (const int*),
@@ -17,26 +18,47 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from flashtune._lazy import lazy_module
-from flashtune.codegen.abi import ArgType, PackedArgs
+from flashtune.codegen.abi import (
+    Element,
+    EntryAbi,
+    PackedArgs,
+    scalar,
+    size,
+    stride,
+    strides,
+    tensor,
+)
 
 if TYPE_CHECKING:
     import torch
-else:
-    torch = lazy_module("torch", globals())
 
-_ZERO3 = (0, 0, 0)
+_KV, _F, _I, _L = Element.KV, Element.FLOAT, Element.INT, Element.INT64
+_PAGE_STRIDES = ("page", "row", "head")
 
+#: The decode kernel's arguments; the caches are written in place (no ``__restrict__``:
+#: the appended rows are read back through them).
+DECODE_ABI = EntryAbi("decode_split", (
+    tensor("q", Element.Q, const=True), tensor("k_cache", _KV, restrict=False),
+    tensor("v_cache", _KV, restrict=False),
+    tensor("k_new", _KV, const=True, restrict=False, optional=True, wrap=True),
+    tensor("v_new", _KV, const=True, restrict=False, optional=True),
+    tensor("block_table", _I, const=True, optional=True),
+    tensor("cache_seqlens", _I, const=True, wrap=True), tensor("o_part", _F),
+    tensor("lse_part", _F, wrap=True), tensor("status", _I, restrict=False),
+    scalar("seqlen_q", _I, size("q", 1), wrap=True),
+    scalar("seqlen_new", _I, size("k_new", 1, optional=True)),
+    scalar("heads_q", _I, size("q", 2)), scalar("heads_kv", _I, size("k_cache", 2)),
+    scalar("num_splits", _I), scalar("page_size", _I, size("k_cache", 1)),
+    scalar("max_pages", _I, size("block_table", 1, optional=True, default=1), wrap=True),
+    scalar("num_pages", _I, size("k_cache", 0)), scalar("trap_on_error", _I),
+    *strides("q"), *strides("k", "k_cache", _PAGE_STRIDES),
+    *strides("v", "v_cache", _PAGE_STRIDES), *strides("kn", "k_new", optional=True),
+    *strides("vn", "v_new", optional=True),
+    scalar("bt_batch_stride", _L, stride("block_table", 0, optional=True), wrap=True),
+    scalar("softmax_scale", _F),
+))
 
-def _strides(t: torch.Tensor | None) -> tuple[int, int, int]:
-    if t is None:
-        return _ZERO3
-    s = t.stride()
-    return s[0], s[1], s[2]
-
-
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
+_pack = DECODE_ABI.packer()
 
 
 def pack_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -45,20 +67,8 @@ def pack_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      o_part: torch.Tensor, lse_part: torch.Tensor, status: torch.Tensor, *,
                      num_splits: int, softmax_scale: float, trap_on_error: bool) -> PackedArgs:
     """The decode kernel's arguments for these tensors (see the module docstring)."""
-    _, seqlen_q, heads_q, _ = q.shape
-    num_pages, page_size, heads_kv, _ = k_cache.shape
-    seqlen_new = 0 if k_new is None else k_new.shape[1]
-    max_pages = 1 if block_table is None else block_table.shape[1]
-    pointers = (q, k_cache, v_cache, k_new, v_new, block_table, cache_seqlens, o_part,
-                lse_part, status)
-    out: list[tuple[ArgType, int | float]] = [(ArgType.PTR, _ptr(t)) for t in pointers]
-    out += [(ArgType.I32, n) for n in (seqlen_q, seqlen_new, heads_q, heads_kv, num_splits,
-                                        page_size, max_pages, num_pages, int(trap_on_error))]
-    for t in (q, k_cache, v_cache, k_new, v_new):
-        out += [(ArgType.I64, s) for s in _strides(t)]
-    out.append((ArgType.I64, 0 if block_table is None else block_table.stride(0)))
-    out.append((ArgType.F32, softmax_scale))
-    return tuple(out)
+    return _pack(q, k_cache, v_cache, k_new, v_new, block_table, cache_seqlens, o_part,
+                 lse_part, status, num_splits, int(trap_on_error), softmax_scale)
 
 
 def m_blocks(heads_q: int, heads_kv: int, seqlen_q: int, block_m: int) -> int:

@@ -7,9 +7,10 @@ on mma.sync m16n8k16; the online softmax stays in registers (templates/flash_fwd
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from flashtune._lazy import lazy_module
+from flashtune.codegen.abi import EntryAbi
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.dtypes import SAME_16BIT
 from flashtune.codegen.params import ParamSpace, Point, Value
@@ -31,6 +32,7 @@ from flashtune.families.base import (
 from flashtune.families.checks import o_and_lse_checks
 from flashtune.families.fwd import args, defaults, knobs, space, variants
 from flashtune.families.fwd.reference import attention_reference, varlen_reference
+from flashtune.families.launch_args import persistent_grid
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +48,7 @@ class ForwardFamily(KernelFamily):
     template = "flash_fwd.cu.jinja"
     dtypes = SAME_16BIT
     features = frozenset({"window", "softcap", "alibi", "varlen"})
+    abi: ClassVar[EntryAbi | None] = args.FWD_ABI
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.SPACE
@@ -120,22 +123,29 @@ class ForwardFamily(KernelFamily):
             lse.fill_(float("nan"))
         return {"o": o, "lse": lse}
 
+    def extra_values(self, config: KernelConfig) -> args.ExtraValues | None:
+        """Inputs of the ABI's arguments beyond the forward's, made from q, k and v (None:
+        none)."""
+        return None
+
+    def hot_packer(self, problem: Problem, config: KernelConfig) -> args.FwdPacker:
+        """The forward op's packer of this family's kernel (``args.forward_packer``)."""
+        assert self.abi is not None
+        return args.forward_packer(self.abi, problem, config.block_m,
+                                   self.extra_values(config))
+
     def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
                     inputs: Inputs, outputs: Tensors) -> LaunchPlan:
+        """The hot path's packer on the inputs; a persistent kernel's grid is sized by the
+        device's SMs."""
         t = inputs.tensors
-        values = variants.VariantValues.of(inputs)
-        packed = args.pack_args(t["q"], t["k"], t["v"], outputs["o"], outputs["lse"],
-                                inputs.scalars["softmax_scale"]) + args.variant_args(
-            problem, values.window, values.softcap, values.alibi_slopes, values.varlen)
-        if values.varlen is not None:
-            grid = args.grid(values.varlen.max_seqlen_q, shape.heads_q, values.varlen.batch,
-                             config.block_m)
-        else:
-            grid = args.grid(shape.seqlen_q, shape.heads_q, shape.batch, config.block_m)
+        grid, packed = self.hot_packer(problem, config)(
+            t["q"], t["k"], t["v"], outputs["o"], outputs["lse"],
+            inputs.scalars["softmax_scale"], variants.VariantValues.of(inputs))
         if knobs.knob(config, knobs.PERSISTENT):
             blocks_per_sm = max(args.PERSISTENT_BLOCKS_PER_SM,
                                 int(knobs.knob(config, knobs.MINBLOCKS)))
-            grid = args.persistent_grid(grid, sm_count(t["q"].device), blocks_per_sm)
+            grid = persistent_grid(grid, sm_count(t["q"].device), blocks_per_sm)
         return LaunchPlan(grid, packed)
 
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:

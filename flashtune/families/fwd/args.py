@@ -1,10 +1,12 @@
-"""The forward kernel's argument list: the contract with ``templates/flash_fwd.cu.jinja``.
+"""The forward kernel's arguments, declared once (``FWD_ABI``): the template's signature
+(``templates/flash_fwd.cu.jinja``, ``hopper_fwd.cu.jinja``), the packers and the emulator's
+expected signature are generated from it (``codegen.abi``).
 
     q, k, v (const T*), o (T*), lse (float*),
     seqlen_q, seqlen_k, heads_q, heads_kv (int32),
     q, k, v, o strides in elements: batch, row (sequence), head (int64 each, 12 in all),
     softmax_scale (float32)
-    then the features' values, those of the Problem's switches only (``variant_args``):
+    then the features' values, those of the Problem's switches only (``feature_values``):
       window: window_left, window_right (int32; -1 unbounded);
       softcap: softcap (float32, > 0);
       alibi: alibi_slopes (const float*), alibi_batch_stride (int64; 0 for (heads_q,) slopes);
@@ -18,92 +20,59 @@ Q/O are (batch, seqlen_q, heads_q, head_dim), K/V are (batch, seqlen_k, heads_kv
 head_dim), each with a contiguous last dim and otherwise arbitrary strides; LSE is a
 contiguous float32 (batch, heads_q, seqlen_q) tensor. The grid is (ceil(seqlen_q / block_m),
 heads_q, batch); a persistent kernel's has fewer blocks in x (``persistent_grid``).
+
+The forward op's hot-path packer (``FwdPacker``, made by ``forward_packer``) is what a family
+that serves ``fwd`` supplies (``KernelFamily.hot_packer``): the plan stores it once and the
+torch API calls it on every call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from flashtune._lazy import lazy_module
-from flashtune.codegen.abi import ArgType, PackedArgs
+from flashtune.codegen.abi import (
+    ArgValue,
+    Element,
+    EntryAbi,
+    PackedArgs,
+    scalar,
+    size,
+    strides,
+    tensor,
+)
 from flashtune.codegen.spec import Problem
 from flashtune.errors import InvalidInput
-from flashtune.families.base import DEFAULT_SM_COUNT
 
 if TYPE_CHECKING:
     import torch
 else:
     torch = lazy_module("torch", globals())
 
+_Q, _KV, _O, _F, _I, _L = (Element.Q, Element.KV, Element.O, Element.FLOAT, Element.INT,
+                           Element.INT64)
 
-@dataclass(frozen=True)
-class TensorView:
-    """A pointer with its (batch, seq, head) element strides."""
+#: The forward's kernel arguments (the mma.sync and the sm_90a forwards).
+FWD_ABI = EntryAbi("flash_fwd", (
+    tensor("q", _Q, const=True), tensor("k", _KV, const=True),
+    tensor("v", _KV, const=True, wrap=True), tensor("o", _O), tensor("lse", _F),
+    scalar("seqlen_q", _I, size("q", 1), wrap=True), scalar("seqlen_k", _I, size("k", 1)),
+    scalar("heads_q", _I, size("q", 2)), scalar("heads_kv", _I, size("k", 2)),
+    *strides("q"), *strides("k"), *strides("v"), *strides("o"),
+    scalar("softmax_scale", _F, wrap=True),
+    scalar("window_left", _I, feature="window"), scalar("window_right", _I, feature="window"),
+    scalar("softcap", _F, feature="softcap"),
+    tensor("alibi_slopes", _F, const=True, feature="alibi", wrap=True),
+    scalar("alibi_batch_stride", _L, feature="alibi"),
+    tensor("cu_seqlens_q", _I, const=True, feature="varlen", wrap=True),
+    tensor("cu_seqlens_k", _I, const=True, feature="varlen"),
+    scalar("max_seqlen_q", _I, feature="varlen", wrap=True),
+))
 
-    ptr: int
-    batch_stride: int
-    row_stride: int
-    head_stride: int
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> TensorView:
-        s = t.stride()
-        return cls(t.data_ptr(), s[0], s[1], s[2])
-
-
-@dataclass(frozen=True)
-class FwdArgs:
-    """The forward kernel's arguments by name; ``packed()`` is the launch order."""
-
-    q: TensorView
-    k: TensorView
-    v: TensorView
-    o: TensorView
-    lse_ptr: int
-    seqlen_q: int
-    seqlen_k: int
-    heads_q: int
-    heads_kv: int
-    softmax_scale: float
-
-    def packed(self) -> PackedArgs:
-        """(type, value) pairs in the kernel's parameter order."""
-        out: list[tuple[ArgType, int | float]] = [
-            (ArgType.PTR, t.ptr) for t in (self.q, self.k, self.v, self.o)
-        ]
-        out.append((ArgType.PTR, self.lse_ptr))
-        out += [(ArgType.I32, n) for n in (self.seqlen_q, self.seqlen_k, self.heads_q,
-                                            self.heads_kv)]
-        for t in (self.q, self.k, self.v, self.o):
-            out += [(ArgType.I64, s) for s in (t.batch_stride, t.row_stride, t.head_stride)]
-        out.append((ArgType.F32, self.softmax_scale))
-        return tuple(out)
-
-
-# The kernel's parameter types, in order, taken from the argument contract itself.
-_ZERO_VIEW = TensorView(0, 0, 0, 0)
-FWD_ARG_TYPES: tuple[ArgType, ...] = tuple(
-    kind for kind, _ in FwdArgs(_ZERO_VIEW, _ZERO_VIEW, _ZERO_VIEW, _ZERO_VIEW, 0, 0, 0, 0, 0,
-                                0.0).packed()
-)
-
-
-def pack_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-              lse: torch.Tensor, softmax_scale: float) -> PackedArgs:
-    """The kernel arguments, equal to ``FwdArgs(...).packed()`` for these tensors.
-
-    Built directly because it runs on every call: this costs about a third of building the
-    FwdArgs dataclasses; a test checks that the two agree.
-    """
-    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), o.stride()
-    _, seqlen_q, heads_q, _ = q.shape
-    _, seqlen_k, heads_kv, _ = k.shape
-    values = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
-              seqlen_q, seqlen_k, heads_q, heads_kv,
-              qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-              os_[0], os_[1], os_[2], softmax_scale)
-    return tuple(zip(FWD_ARG_TYPES, values, strict=False))  # lengths equal by construction
+#: The plain forward's packer: (q, k, v, o, lse, softmax_scale) -> packed arguments.
+pack_args = FWD_ABI.packer()
 
 
 @dataclass(frozen=True)
@@ -121,50 +90,103 @@ class VarlenArgs:
         return int(self.cu_seqlens_q.shape[0]) - 1
 
 
-def variant_args(problem: Problem, window: tuple[int, int], softcap: float,
-                 alibi_slopes: torch.Tensor | None, varlen: VarlenArgs | None = None
-                 ) -> PackedArgs:
-    """The arguments after softmax_scale: the run-time values of ``problem``'s feature
-    switches, in the template's order. ``alibi_slopes``: float32 (heads_q,) or
-    (batch, heads_q) with a contiguous last dim (required when ``problem.alibi``);
-    ``varlen`` is required when ``problem.varlen``."""
-    out: list[tuple[ArgType, int | float]] = []
+class VariantLike(Protocol):
+    """The run-time values of a call's features (``variants.VariantValues``, the runtime's
+    ``Variant``)."""
+
+    @property
+    def window(self) -> tuple[int, int]: ...
+    @property
+    def softcap(self) -> float: ...
+    @property
+    def alibi_slopes(self) -> torch.Tensor | None: ...
+    @property
+    def varlen(self) -> VarlenArgs | None: ...
+
+
+Grid = tuple[int, int, int]
+
+
+class FwdPacker(Protocol):
+    """The forward op's hot-path packer: the grid and packed arguments of one call on
+    validated tensors (O and LSE allocated), ``variant`` the call's feature values (None:
+    no features). The arguments start with the q, k and v pointers (the runtime's alignment
+    check reads them)."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 lse: torch.Tensor, softmax_scale: float, variant: VariantLike | None = None
+                 ) -> tuple[Grid, PackedArgs]: ...
+
+
+#: Values a family adds to the forward's inputs from q, k and v (the tensor maps of a TMA
+#: kernel), by input name.
+ExtraValues = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor"],
+                       Mapping[str, ArgValue]]
+
+
+def feature_values(problem: Problem, variant: VariantLike | None) -> dict[str, object]:
+    """The packer inputs of ``problem``'s feature switches from the call's values.
+    ``alibi_slopes``: float32 (heads_q,) or (batch, heads_q) with a contiguous last dim
+    (required when ``problem.alibi``); ``varlen`` is required when ``problem.varlen``."""
+    out: dict[str, object] = {}
     if problem.window:
-        out += [(ArgType.I32, window[0]), (ArgType.I32, window[1])]
+        window = (-1, -1) if variant is None else variant.window
+        out["window_left"], out["window_right"] = window
     if problem.softcap:
-        out.append((ArgType.F32, softcap))
+        out["softcap"] = 0.0 if variant is None else variant.softcap
     if problem.alibi:
-        if alibi_slopes is None:
+        slopes = None if variant is None else variant.alibi_slopes
+        if slopes is None:
             raise InvalidInput(f"{problem.key()} needs alibi_slopes: a float32 tensor (heads_q,) "
                                "or (batch, heads_q)")
-        stride = alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0
-        out += [(ArgType.PTR, alibi_slopes.data_ptr()), (ArgType.I64, stride)]
+        out["alibi_slopes"] = slopes
+        out["alibi_batch_stride"] = slopes.stride(0) if slopes.dim() == 2 else 0
     if problem.varlen:
+        varlen = None if variant is None else variant.varlen
         if varlen is None:
             raise InvalidInput(f"{problem.key()} needs cu_seqlens_q, cu_seqlens_k and "
                                "max_seqlen_q")
-        out += [(ArgType.PTR, varlen.cu_seqlens_q.data_ptr()),
-                (ArgType.PTR, varlen.cu_seqlens_k.data_ptr()), (ArgType.I32, varlen.max_seqlen_q)]
-    return tuple(out)
+        out["cu_seqlens_q"] = varlen.cu_seqlens_q
+        out["cu_seqlens_k"] = varlen.cu_seqlens_k
+        out["max_seqlen_q"] = varlen.max_seqlen_q
+    return out
 
 
-def grid(seqlen_q: int, heads_q: int, batch: int, block_m: int) -> tuple[int, int, int]:
-    """Launch grid: (query blocks, heads, batch)."""
-    return ((seqlen_q + block_m - 1) // block_m, heads_q, batch)
+def forward_packer(abi: EntryAbi, problem: Problem, block_m: int,
+                   extra: ExtraValues | None = None) -> FwdPacker:
+    """The hot-path packer of ``problem`` on a kernel of ``abi`` with query tiles of
+    ``block_m`` rows: the generated packer of the problem's feature switches, fed from the
+    call's tensors, its feature values and ``extra``. A plain problem's packer is the
+    generated one with the grid beside it: the warm call's one pack."""
+    features = problem.features
+    pack = abi.packer(features)
+    if not features and extra is None:
+        def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                  lse: torch.Tensor, softmax_scale: float,
+                  variant: VariantLike | None = None) -> tuple[Grid, PackedArgs]:
+            batch, seqlen_q, heads_q, _ = q.shape
+            return ((-(-seqlen_q // block_m), heads_q, batch),
+                    pack(q, k, v, o, lse, softmax_scale))
+        return plain
+    names = abi.inputs(features)
+
+    def general(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                lse: torch.Tensor, softmax_scale: float,
+                variant: VariantLike | None = None) -> tuple[Grid, PackedArgs]:
+        values: dict[str, object] = {"q": q, "k": k, "v": v, "o": o, "lse": lse,
+                                     "softmax_scale": softmax_scale,
+                                     **feature_values(problem, variant)}
+        if extra is not None:
+            values.update(extra(q, k, v))
+        batch, seqlen_q, heads_q, _ = q.shape
+        varlen = variant.varlen if variant is not None and problem.varlen else None
+        if varlen is not None:
+            batch, seqlen_q = varlen.batch, varlen.max_seqlen_q
+        return ((-(-seqlen_q // block_m), heads_q, batch),
+                pack(*(values[n] for n in names)))
+    return general
 
 
 #: A persistent launch fills each SM with at least this many blocks (the residency the
 #: default tiles aim for), or with the config's ``minblocks`` where that is larger.
 PERSISTENT_BLOCKS_PER_SM = 2
-
-
-def persistent_grid(grid: tuple[int, int, int], sm_count: int | None,
-                    blocks_per_sm: int) -> tuple[int, int, int]:
-    """The grid of a persistent kernel: about ``sm_count`` x ``blocks_per_sm`` blocks over
-    all (head, batch) pairs, each pair's query blocks shared round-robin by its blocks in
-    x (the kernel's tile scheduler walks x, x + gridDim.x, ...). Never more blocks in x than
-    query blocks, never fewer than one; an unknown SM count is DEFAULT_SM_COUNT (the
-    emulator's virtual device, where most shapes then loop)."""
-    m_blocks, heads, batch = grid
-    slots = (sm_count or DEFAULT_SM_COUNT) * blocks_per_sm
-    return (max(1, min(m_blocks, -(-slots // (heads * batch)))), heads, batch)

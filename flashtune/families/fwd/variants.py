@@ -2,7 +2,7 @@
 run-time values a launch passes, and random values for verification.
 
 A Problem's feature switches (``window``, ``softcap``, ``alibi``) are compiled in; their
-values (window sizes, the cap, the slopes) are run-time arguments (``args.variant_args``).
+values (window sizes, the cap, the slopes) are run-time arguments (``args.feature_values``).
 In an ``Inputs`` they are the scalars ``window_left``, ``window_right``, ``softcap``,
 ``max_seqlen_q`` and the tensors ``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``. A
 varlen launch's q, k, v are packed as (1, total rows, heads, head_dim); ``Shape`` then gives

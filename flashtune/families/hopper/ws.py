@@ -28,17 +28,19 @@ The ping-pong kernels alone are a restriction of this family's space, not a fami
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 from flashtune._lazy import lazy_module
-from flashtune.codegen.abi import ArgType
+from flashtune.codegen.abi import ArgValue, Element, EntryAbi, tensor_map
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import ParamSpace, Value
 from flashtune.codegen.render import TemplateValue
-from flashtune.codegen.spec import KernelConfig, Problem, Shape
+from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.codegen.tensormap import TensorMap, TmaSwizzle
 from flashtune.errors import InvalidInput
-from flashtune.families.base import Inputs, LaunchPlan, Tensors, element_type
+from flashtune.families.base import element_type
+from flashtune.families.fwd.args import FWD_ABI, ExtraValues
 from flashtune.families.hopper import HopperForwardFamily, space
 
 if TYPE_CHECKING:
@@ -50,6 +52,11 @@ else:
 PANEL = 64
 #: Threads of the producer warpgroup.
 PRODUCER_THREADS = 128
+
+#: The forward's arguments, then the tensor maps of Q, K and V (``hopper_fwd_ws.cu.jinja``).
+WS_ABI = FWD_ABI.extended("hopper_fwd_ws", tensor_map("tmap_q", Element.Q),
+                          tensor_map("tmap_k", Element.KV, wrap=True),
+                          tensor_map("tmap_v", Element.KV))
 
 
 def panel_map(t: torch.Tensor, rows: int) -> TensorMap:
@@ -76,6 +83,7 @@ class HopperWsForwardFamily(HopperForwardFamily):
              "consumers")
     template = "hopper_fwd_ws.cu.jinja"
     serves: ClassVar[str | None] = None
+    abi: ClassVar[EntryAbi | None] = WS_ABI
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.WS_SPACE
@@ -114,16 +122,13 @@ class HopperWsForwardFamily(HopperForwardFamily):
         """The consumers' threads plus the producer warpgroup."""
         return config.threads + PRODUCER_THREADS
 
-    def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
-                    inputs: Inputs, outputs: Tensors) -> LaunchPlan:
-        """The forward's plan with the tensor maps of Q (boxes of block_m rows), K and V
-        (block_n rows) appended."""
-        plan = super().launch_plan(problem, config, shape, inputs, outputs)
-        t = inputs.tensors
-        maps = ((ArgType.TMAP, panel_map(t["q"], config.block_m)),
-                (ArgType.TMAP, panel_map(t["k"], config.block_n)),
-                (ArgType.TMAP, panel_map(t["v"], config.block_n)))
-        return LaunchPlan(plan.grid, plan.args + maps)
+    def extra_values(self, config: KernelConfig) -> ExtraValues:
+        """The tensor maps of Q (boxes of block_m rows), K and V (block_n rows)."""
+        def maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Mapping[str, ArgValue]:
+            return {"tmap_q": panel_map(q, config.block_m),
+                    "tmap_k": panel_map(k, config.block_n),
+                    "tmap_v": panel_map(v, config.block_n)}
+        return maps
 
 
 HOPPER_WS_FORWARD = HopperWsForwardFamily()

@@ -3,9 +3,9 @@
     module = build_module(code, ["my_kernel"])
     module["my_kernel"].launch((blocks, 1, 1), (128, 1, 1), [ptr(x), ptr(y), i32(n)])
 
-Arguments are (ArgType, value) pairs in the kernel's parameter order, the same packing as
-``kernel_args.FwdArgs.packed()``; they are checked against the parameter types the compiler
-saw, so a wrong type or count is an error instead of garbage.
+Arguments are (ArgType, value) pairs in the kernel's parameter order, the packing of
+``codegen.abi`` (a family's generated packers); they are checked against the parameter types
+the compiler saw, so a wrong type or count is an error instead of garbage.
 """
 
 from __future__ import annotations
