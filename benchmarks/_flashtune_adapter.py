@@ -45,7 +45,7 @@ class _NothingTuned:
 def defaults_only() -> Iterator[None]:
     """Within: every family's dispatcher decision is its built-in default (the process-wide
     dispatcher is swapped, and the memoised plans dropped on the way in and out)."""
-    from flashtune.runtime import forward
+    from flashtune.api import forward
     from flashtune.runtime.dispatch import Dispatcher, get_dispatcher, set_dispatcher
 
     previous = get_dispatcher()

@@ -34,10 +34,9 @@ from flashtune.codegen.arch import get_arch  # noqa: E402  (import time is repor
 from flashtune.codegen.spec import KernelConfig, KernelSource, Problem  # noqa: E402
 from flashtune.families import render  # noqa: E402
 from flashtune.families.fwd.defaults import default_config  # noqa: E402
-from flashtune.runtime import compiler  # noqa: E402
-from flashtune.runtime.cache import ArtifactCache  # noqa: E402
-from flashtune.runtime.compiled import CompiledKernel  # noqa: E402
-from flashtune.toolchain import nvrtc  # noqa: E402
+from flashtune.toolchain import compiler, nvrtc  # noqa: E402
+from flashtune.toolchain.cache import ArtifactCache  # noqa: E402
+from flashtune.toolchain.compiled import CompiledKernel  # noqa: E402
 from flashtune.toolchain.cuda import find_toolchain  # noqa: E402
 
 _T_IMPORT = time.perf_counter() - _T_IMPORT

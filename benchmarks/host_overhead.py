@@ -35,13 +35,13 @@ add_benchmarks_to_path()
 import torch  # noqa: E402
 
 import flashtune  # noqa: E402
+from flashtune.api import forward as fwd  # noqa: E402
+from flashtune.api import ops  # noqa: E402
+from flashtune.api.validate import check_attention_inputs  # noqa: E402
 from flashtune.codegen.abi import ArgType  # noqa: E402
 from flashtune.codegen.spec import KernelSource  # noqa: E402
 from flashtune.families.fwd import args as fwd_args  # noqa: E402
-from flashtune.runtime import forward as fwd  # noqa: E402
-from flashtune.runtime import ops  # noqa: E402
 from flashtune.runtime.backends import register_backend, unregister_backend  # noqa: E402
-from flashtune.runtime.validate import check_attention_inputs  # noqa: E402
 
 SHAPE = (2, 1024, 16, 128)  # batch, seqlen, heads, head_dim (the values are never read)
 

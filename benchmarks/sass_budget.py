@@ -33,7 +33,7 @@ from flashtune.perf.sass.budget import (
 )
 from flashtune.perf.sass.disasm import sass_listing
 from flashtune.perf.sass.loops import main_loops
-from flashtune.runtime.compiler import compile_pairs
+from flashtune.toolchain.compiler import compile_pairs
 
 
 def budget(head_dims: list[int], dtypes: list[DType], archs: list[str]) -> list[BudgetRow]:

@@ -35,9 +35,9 @@ from flashtune.codegen.arch import get_arch  # noqa: E402
 from flashtune.codegen.spec import COMPILED_HEAD_DIMS, DType, KernelSource, Problem  # noqa: E402
 from flashtune.errors import InvalidProblem  # noqa: E402
 from flashtune.families.base import KernelFamily  # noqa: E402
-from flashtune.runtime.cache import ArtifactCache  # noqa: E402
-from flashtune.runtime.compiler import CompileResult, compile_pairs  # noqa: E402
 from flashtune.toolchain import nvrtc  # noqa: E402
+from flashtune.toolchain.cache import ArtifactCache  # noqa: E402
+from flashtune.toolchain.compiler import CompileResult, compile_pairs  # noqa: E402
 from flashtune.toolchain.cuda import Toolchain, find_toolchain  # noqa: E402
 
 

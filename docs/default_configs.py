@@ -23,8 +23,8 @@ from flashtune.perf.model import default_rule
 from flashtune.perf.model.costmodel import predict
 from flashtune.perf.sass.disasm import sass_listing
 from flashtune.perf.sass.loops import MAX_LOCAL_ACCESSES, main_loops
-from flashtune.runtime.compiler import CompileResult, compile_pairs
 from flashtune.toolchain import nvrtc
+from flashtune.toolchain.compiler import CompileResult, compile_pairs
 from flashtune.toolchain.cuda import find_toolchain
 
 

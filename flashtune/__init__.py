@@ -13,14 +13,14 @@ from flashtune._lazy import lazy_exports
 from flashtune._version import __version__
 
 _EXPORTS: dict[str, str] = {
-    "attention": "flashtune.runtime.ops",
-    "scaled_dot_product_attention": "flashtune.runtime.ops",
-    "explain": "flashtune.runtime.ops",
-    "attention_with_kvcache": "flashtune.runtime.kvcache_ops",
-    "attention_varlen": "flashtune.runtime.varlen_ops",
-    "register_transformers": "flashtune.runtime.hf_transformers",
-    "register_sdpa": "flashtune.runtime.sdpa_routing",
-    "explain_kvcache": "flashtune.runtime.kvcache_ops",
+    "attention": "flashtune.api.ops",
+    "scaled_dot_product_attention": "flashtune.api.ops",
+    "explain": "flashtune.api.ops",
+    "attention_with_kvcache": "flashtune.api.kvcache_ops",
+    "attention_varlen": "flashtune.api.varlen_ops",
+    "register_transformers": "flashtune.api.hf_transformers",
+    "register_sdpa": "flashtune.api.sdpa_routing",
+    "explain_kvcache": "flashtune.api.kvcache_ops",
     "BackwardNotAvailable": "flashtune.errors",
     "FeatureNotSupported": "flashtune.errors",
     "Decision": "flashtune.runtime.dispatch",
@@ -59,20 +59,20 @@ __all__ = [
 
 if TYPE_CHECKING:
     from flashtune import families
-    from flashtune.codegen.spec import DType, KernelConfig, Problem, ProblemBucket
-    from flashtune.errors import BackwardNotAvailable, FeatureNotSupported
-    from flashtune.runtime.device import DeviceInfo
-    from flashtune.runtime.dispatch import Decision, Tier
-    from flashtune.runtime.hf_transformers import register_transformers
-    from flashtune.runtime.kvcache_ops import attention_with_kvcache, explain_kvcache
-    from flashtune.runtime.ops import (
+    from flashtune.api.hf_transformers import register_transformers
+    from flashtune.api.kvcache_ops import attention_with_kvcache, explain_kvcache
+    from flashtune.api.ops import (
         attention,
         explain,
         scaled_dot_product_attention,
     )
+    from flashtune.api.sdpa_routing import register_sdpa
+    from flashtune.api.varlen_ops import attention_varlen
+    from flashtune.codegen.spec import DType, KernelConfig, Problem, ProblemBucket
+    from flashtune.errors import BackwardNotAvailable, FeatureNotSupported
+    from flashtune.runtime.device import DeviceInfo
+    from flashtune.runtime.dispatch import Decision, Tier
     from flashtune.runtime.precompile import precompile
-    from flashtune.runtime.sdpa_routing import register_sdpa
-    from flashtune.runtime.varlen_ops import attention_varlen
 
 
 def _configure_logging() -> None:

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from flashtune.api.limits import check_host_memory
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem, Shape
 from flashtune.commands.codegen import (
     DEFAULT_ARCH,
@@ -37,7 +38,6 @@ from flashtune.commands.options import (
     Warps,
 )
 from flashtune.errors import FlashtuneError, InvalidInput
-from flashtune.runtime.limits import check_host_memory
 
 if TYPE_CHECKING:  # torch and the emulator load when a check runs, not when the CLI starts
     from flashtune.families.base import Verdict
@@ -79,7 +79,7 @@ class _Row:
 
 
 def _compile_cells(row: _Row, source: KernelSource, arch: str) -> list[str]:
-    from flashtune.runtime.compiler import compile_source
+    from flashtune.toolchain.compiler import compile_source
 
     try:
         res = compile_source(source, arch).resources

@@ -233,7 +233,7 @@ def compile_command(
 
     Exits with status 1 if any kernel fails to compile.
     """
-    from flashtune.runtime.compiler import compile_pairs, compile_source
+    from flashtune.toolchain.compiler import compile_pairs, compile_source
     from flashtune.toolchain.cuda import find_toolchain, require_nvdisasm
     from flashtune.toolchain.disasm import disassemble
 

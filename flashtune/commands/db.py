@@ -66,7 +66,7 @@ def _open(ctx: typer.Context, db: str | None, *, create: bool = True) -> TuningS
     ``create=False`` (the read commands) refuses a missing file and opens read-only.
     """
     from flashtune.db.store import TuningStore
-    from flashtune.runtime.trust import installed_digest
+    from flashtune.runtime.installed import installed_digest
 
     try:
         return TuningStore(db if db is not None else ctx.obj, create=create,
@@ -110,7 +110,7 @@ def _source(provenance: Provenance | None) -> str:
 
 def _state(entry: BestEntry) -> str:
     """How the entry stands on the installed kernel sources (only the first two serve)."""
-    from flashtune.runtime.trust import serving_state
+    from flashtune.runtime.installed import serving_state
 
     return {"current": "served", "reverified": "served (re-verified)", "stale": "stale",
             "failed": "FAILED verify"}[serving_state(entry)]

@@ -24,7 +24,7 @@ from rich.text import Text
 
 from flashtune.db.records import BestEntry, TrialStatus, printable, truncate_error
 from flashtune.errors import FlashtuneError
-from flashtune.runtime.trust import installed_digest
+from flashtune.runtime.installed import installed_digest
 
 if TYPE_CHECKING:
     from flashtune.db.store import TuningStore

@@ -13,12 +13,12 @@ from rich.markup import escape
 from rich.table import Table
 
 from flashtune import knobs
+from flashtune.api.limits import check_seqlens
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import COMPILED_HEAD_DIMS, DType, Problem, seq_bucket
 from flashtune.commands.options import DbOpt, fail
 from flashtune.db.records import BestEntry, printable
 from flashtune.errors import FlashtuneError
-from flashtune.runtime.limits import check_seqlens
 
 if TYPE_CHECKING:  # the dispatcher and the families import torch: loaded when a command runs
     from flashtune.runtime.dispatch import DeviceLike, Dispatcher
@@ -99,7 +99,7 @@ def explain_command(
     """Print which config attention would run for a problem on a GPU, and which tier of the
     lookup (exact, nearest, same_arch, default) answered. Nothing is compiled or tuned."""
     from flashtune import families
-    from flashtune.runtime.trust import serving_state
+    from flashtune.runtime.installed import serving_state
 
     try:
         problem = Problem(head_dim=head_dim, dtype=dtype, causal=causal, op=op)

@@ -252,7 +252,7 @@ def _run_local(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHea
                options: TuneOptions, db: str | None, *, dry_arch: str | None
                ) -> list[BucketSummary]:
     from flashtune.commands.tune_progress import RichProgress
-    from flashtune.tuner.api import tune
+    from flashtune.tuner.driver import tune
     from flashtune.tuner.measure.factory import DEFAULT_DRY_RUN_ARCH
 
     with RichProgress(options.trials) as progress:

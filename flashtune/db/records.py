@@ -449,7 +449,7 @@ class Provenance:
 #: A function giving the template digest the installed flashtune renders for a (problem
 #: key, config key), or None for keys it cannot render. The database cannot render kernels
 #: (it sits below the kernel families), so the layers above hand it one (see
-#: ``flashtune.runtime.trust.installed_digest``).
+#: ``flashtune.runtime.installed.installed_digest``).
 DigestOf = Callable[[str, str], "str | None"]
 State = Literal["current", "reverified", "stale", "failed"]
 

@@ -65,7 +65,7 @@ class TuningStore:
                  upgrade: bool = False, migrations: Path = MIGRATIONS_DIR,
                  read_only: bool | None = None, installed: DigestOf | None = None) -> None:
         self.url = resolve_url(url)
-        #: The installed kernel sources' digests (``flashtune.runtime.trust``), when the
+        #: The installed kernel sources' digests (``flashtune.runtime.installed``), when the
         #: caller knows them: lookups then skip stale results, and a stale result never
         #: displaces a current best.
         self.installed = installed

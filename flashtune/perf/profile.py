@@ -25,8 +25,8 @@ from flashtune.perf.model.paths import is_arch_specific_path, predicts
 from flashtune.perf.sass.disasm import sass_listing
 from flashtune.perf.sass.loops import MainLoops, main_loop, main_loops
 from flashtune.perf.sass.parse import InstructionMix, Loop
-from flashtune.runtime.compiler import compile_source
-from flashtune.runtime.resources import Resources
+from flashtune.toolchain.compiler import compile_source
+from flashtune.toolchain.resources import Resources
 
 if TYPE_CHECKING:
     from flashtune.perf.model.emulated import EmulatedTraffic

@@ -42,7 +42,7 @@ from flashtune.db.lookup import BestIndex
 from flashtune.db.records import BestEntry
 from flashtune.db.trust import trusted
 from flashtune.errors import FlashtuneError
-from flashtune.runtime.trust import unservable_reason
+from flashtune.runtime.installed import unservable_reason
 
 log = logging.getLogger("flashtune.dispatch")
 
@@ -151,7 +151,7 @@ def usable_config(entry: BestEntry) -> KernelConfig | str:
     reason = families.of(problem).static_check(problem, config, spec)
     if reason is not None:
         return f"config {config.key()} cannot run on {spec.name}: {reason}"
-    stale = unservable_reason(entry)  # imported data is data: see runtime/trust.py
+    stale = unservable_reason(entry)  # imported data is data: see runtime/installed.py
     return config if stale is None else stale
 
 
@@ -339,7 +339,7 @@ def get_dispatcher() -> Dispatcher:
 def set_dispatcher(dispatcher: Dispatcher | None) -> None:
     """Replace the process-wide dispatcher (None: a fresh one, reading the database again, on
     next use). Used by tests and by applications that bring their own source; callers that
-    keep plans (ops) must drop them too (``flashtune.runtime.forward.clear_caches``)."""
+    keep plans (ops) must drop them too (``flashtune.api.forward.clear_caches``)."""
     global _dispatcher
     with _dispatcher_lock:
         _dispatcher = dispatcher

@@ -55,7 +55,6 @@ from flashtune.codegen.spec import (
 )
 from flashtune.errors import CacheError, CompileError, InvalidProblem
 from flashtune.families import render
-from flashtune.runtime.cache import write_error
 from flashtune.runtime.dispatch import (
     DeviceLike,
     Dispatcher,
@@ -63,7 +62,8 @@ from flashtune.runtime.dispatch import (
     default_config,
     get_dispatcher,
 )
-from flashtune.runtime.ownership import describe_owner, unsafe_ancestor
+from flashtune.toolchain.cache import write_error
+from flashtune.toolchain.ownership import describe_owner, unsafe_ancestor
 
 #: Bump when the stored layout changes.
 FORMAT = 2
@@ -330,7 +330,7 @@ def precompile(kernels: Iterable[tuple[Problem, KernelConfig]], arch: str, out: 
     when ``out`` cannot be written, and CompileError naming every kernel that failed (the
     others are stored first).
     """
-    from flashtune.runtime.compiler import compile_many
+    from flashtune.toolchain.compiler import compile_many
 
     spec = get_arch(arch)
     chosen: dict[str, tuple[Problem, KernelConfig, KernelSource]] = {}

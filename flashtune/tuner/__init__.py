@@ -1,6 +1,6 @@
 """The tuner: an Optuna search per (device, problem bucket, template digest).
 
-``tune(...)`` is the Python form of ``flashtune tune``; see flashtune.tuner.api. The driver
+``tune(...)`` is the Python form of ``flashtune tune``; see flashtune.tuner.driver. The driver
 (api, options, pipeline, workers, records) lives here; ``search`` decides what to measure
 and which config wins, ``measure`` measures. Names are imported on first use, so
 ``import flashtune.tuner`` stays cheap.
@@ -11,8 +11,8 @@ from __future__ import annotations
 from flashtune._lazy import lazy_exports
 
 _EXPORTS = {
-    "tune": "flashtune.tuner.api",
-    "Tuner": "flashtune.tuner.api",
+    "tune": "flashtune.tuner.driver",
+    "Tuner": "flashtune.tuner.driver",
     "TuneOptions": "flashtune.tuner.options",
     "BucketSummary": "flashtune.tuner.options",
     "TimingPlan": "flashtune.tuner.measure.base",

@@ -34,7 +34,7 @@ from flashtune.tuner.options import BucketSummary, TuneOptions
 from flashtune.tuner.search.study import Heartbeat
 
 if TYPE_CHECKING:
-    from flashtune.tuner.api import Observer
+    from flashtune.tuner.driver import Observer
 
 #: The worker flag that ties a worker's life to its parent's (``start_worker`` passes it).
 _TIED = "--die-with-parent"
@@ -102,7 +102,7 @@ class WorkerSpec:
 
 def run_spec(spec: WorkerSpec, observer: Observer | None = None) -> list[BucketSummary]:
     """Run one worker in this process."""
-    from flashtune.tuner.api import tune
+    from flashtune.tuner.driver import tune
 
     return tune(spec.head_dim, spec.dtype, spec.causal, spec.seqlens, op=spec.op,
                 measurer=spec.make_measurer(), db=spec.db, options=spec.options,
@@ -181,8 +181,8 @@ def tune_parallel(spec: WorkerSpec, count: int, *, device: str, arch: ArchSpec,
     bucket's summary with the winner stored as its best."""
     from flashtune.codegen.spec import KernelConfig
     from flashtune.db.store import TuningStore
-    from flashtune.tuner.api import buckets_of, prepare_study
-    from flashtune.tuner.records import summarize_records
+    from flashtune.tuner.driver import buckets_of, prepare_study
+    from flashtune.tuner.results import summarize_records
     from flashtune.tuner.search.encoding import SearchEncoding
     from flashtune.tuner.search.study import open_storage, study_name, templates_digest
 
@@ -238,7 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"usage: python -m flashtune.tuner.workers [{_TIED}] SPEC_JSON", file=sys.stderr)
         return 2
     if tied:
-        from flashtune.runtime.compiler import die_with_parent
+        from flashtune.toolchain.compiler import die_with_parent
 
         # A killed `flashtune tune --workers N` leaves no workers measuring on: the trial
         # in flight is reaped (dead pid) and measured again by --resume.

@@ -66,10 +66,10 @@ def _describe(leaks: object) -> str:
 def test_probe_names_a_heavy_import_and_its_chain() -> None:
     """The probe itself can fail: a heavy library imported after the CLI is reported, with
     the flashtune module that imported it."""
-    result = _probe("import flashtune.runtime.forward\nresult['after'] = leaked()\n")
+    result = _probe("import flashtune.api.forward\nresult['after'] = leaked()\n")
     after = result["after"]
     assert isinstance(after, dict) and "torch" in after, after
-    assert any(step.startswith("flashtune/runtime/") for step in after["torch"]), after
+    assert any(step.startswith("flashtune/api/") for step in after["torch"]), after
 
 
 def test_listing_and_rendering_kernels_imports_no_heavy_library() -> None:

@@ -17,10 +17,12 @@ ROOT = Path(flashtune.__file__).resolve().parent
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("flashtune._version", "flashtune.errors", "flashtune._lazy"),
     ("flashtune.knobs",),
-    ("flashtune.codegen", "flashtune.toolchain", "flashtune.templates"),
+    ("flashtune.codegen", "flashtune.templates"),
+    ("flashtune.toolchain",),
     ("flashtune.db", "flashtune.families"),
     ("flashtune.runtime",),
     ("flashtune.perf",),
+    ("flashtune.api",),
     ("flashtune.tuner",),
     ("flashtune.commands",),
     ("flashtune.cli",),

@@ -10,8 +10,8 @@ import jinja2
 import pytest
 
 from flashtune.codegen import render
-from flashtune.runtime import compiler
-from flashtune.runtime.cache import ArtifactCache
+from flashtune.toolchain import compiler
+from flashtune.toolchain.cache import ArtifactCache
 from flashtune.toolchain.cuda import Toolchain, find_toolchain
 from flashtune.toolchain.nvrtc import Nvrtc, NvrtcResult
 

@@ -20,12 +20,12 @@ from flashtune.db.records import BestEntry
 from flashtune.errors import CompileError, InvalidConfig, InvalidProblem
 from flashtune.families.fwd import ForwardFamily
 from flashtune.families.hopper import HOPPER_FORWARD
-from flashtune.runtime import compiler
-from flashtune.runtime.cache import ArtifactCache
-from flashtune.runtime.compiler import compile_key, compile_source
 from flashtune.runtime.device import DeviceInfo
 from flashtune.runtime.dispatch import Dispatcher, Tier
 from flashtune.runtime.precompile import artifact_name, load_shipped, precompile
+from flashtune.toolchain import compiler
+from flashtune.toolchain.cache import ArtifactCache
+from flashtune.toolchain.compiler import compile_key, compile_source
 from flashtune.toolchain.cuda import find_toolchain
 
 PROBLEM = Problem(head_dim=64, dtype=DType.FP16, causal=True)

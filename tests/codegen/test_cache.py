@@ -14,9 +14,9 @@ import pytest
 
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.families import render
-from flashtune.runtime import compiler
-from flashtune.runtime.cache import ArtifactCache, bound_digest
-from flashtune.runtime.compiler import compile_source
+from flashtune.toolchain import compiler
+from flashtune.toolchain.cache import ArtifactCache, bound_digest
+from flashtune.toolchain.compiler import compile_source
 
 
 def _counting_build(counter: list[bytes], data: bytes):  # type: ignore[no-untyped-def]
@@ -116,8 +116,8 @@ _RACE = textwrap.dedent("""
     from pathlib import Path
     start, counter, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     cache_base = Path(sys.argv[4])
-    from flashtune.runtime.cache import ArtifactCache, bound_digest
-    from flashtune.runtime import compiler
+    from flashtune.toolchain.cache import ArtifactCache, bound_digest
+    from flashtune.toolchain import compiler
     cache = ArtifactCache(cache_base)
     def note():
         with counter.open("a") as f:
@@ -189,7 +189,7 @@ def test_first_compile_on_a_fresh_account_creates_the_private_cache(tmp_path: Pa
     script = textwrap.dedent("""
         from flashtune.codegen.spec import DType, KernelConfig, Problem
         from flashtune.families import render
-        from flashtune.runtime.compiler import compile_source
+        from flashtune.toolchain.compiler import compile_source
         src = render(Problem(64, DType.FP16), KernelConfig(64, 64, 4, 2))
         print(len(compile_source(src, "sm_80").cubin))
     """)

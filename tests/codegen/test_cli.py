@@ -18,7 +18,7 @@ from flashtune.commands import codegen as codegen_cmd
 from flashtune.families import render
 from flashtune.families.fwd import FORWARD, space
 from flashtune.families.fwd.defaults import default_config
-from flashtune.runtime.compiler import compile_source
+from flashtune.toolchain.compiler import compile_source
 
 WIDE = {"COLUMNS": "240"}
 

@@ -12,9 +12,9 @@ import pytest
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
 from flashtune.errors import CompileError, InvalidConfig, ToolchainNotFound
 from flashtune.families import render
-from flashtune.runtime import compiler
-from flashtune.runtime.cache import ArtifactCache
-from flashtune.runtime.compiler import compile_source
+from flashtune.toolchain import compiler
+from flashtune.toolchain.cache import ArtifactCache
+from flashtune.toolchain.compiler import compile_source
 from flashtune.toolchain.cuda import Toolchain
 from flashtune.toolchain.disasm import disassemble
 

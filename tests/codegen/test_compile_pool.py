@@ -12,7 +12,7 @@ import pytest
 
 SCRIPT = """
 import os, sys, time
-from flashtune.runtime.compiler import compile_process_pool
+from flashtune.toolchain.compiler import compile_process_pool
 pool = compile_process_pool(1)
 print(pool.submit(os.getpid).result(), flush=True)
 time.sleep(600)

@@ -14,9 +14,8 @@ import pytest
 from flashtune.codegen import render as render_mod
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.families import render
-from flashtune.runtime import compiler
-from flashtune.runtime.compiler import compile_key
-from flashtune.toolchain import nvrtc
+from flashtune.toolchain import compiler, nvrtc
+from flashtune.toolchain.compiler import compile_key
 from flashtune.toolchain.cuda import CUDA_HEADERS, Toolchain
 
 CASES = [
@@ -29,7 +28,7 @@ _CHILD = """
 import json, sys
 from flashtune.families import render
 from flashtune.codegen.spec import KernelConfig, Problem
-from flashtune.runtime.compiler import compile_key
+from flashtune.toolchain.compiler import compile_key
 out = []
 for pk, ck, arch in json.loads(sys.argv[1]):
     src = render(Problem.from_key(pk), KernelConfig.from_key(ck))

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from flashtune.runtime.resources import Resources, parse_ptxas_log
+from flashtune.toolchain.resources import Resources, parse_ptxas_log
 
 
 def _log(entry: str, regs: int, smem: int, cmem: list[int], frame: int, st: int, ld: int,

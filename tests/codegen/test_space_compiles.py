@@ -21,7 +21,7 @@ from flashtune.families.fwd.defaults import default_config
 from flashtune.perf.model.default_rule import spill_rule_problems
 from flashtune.perf.sass.disasm import sass_listing
 from flashtune.perf.sass.loops import main_loops
-from flashtune.runtime.compiler import CompileResult, compile_pairs, compile_source
+from flashtune.toolchain.compiler import CompileResult, compile_pairs, compile_source
 
 ARCHS = ("sm_80", "sm_90")
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])

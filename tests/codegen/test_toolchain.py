@@ -135,8 +135,8 @@ def test_header_digest_follows_contents_not_path(tmp_path: Path,
 def test_importing_flashtune_needs_no_cupy() -> None:
     code = (
         "import sys\n"
-        "import flashtune, flashtune.cli, flashtune.runtime.compiler, flashtune.runtime.device\n"
-        "from flashtune.runtime.compiler import compile_source\n"
+        "import flashtune, flashtune.cli, flashtune.toolchain.compiler, flashtune.runtime.device\n"
+        "from flashtune.toolchain.compiler import compile_source\n"
         "print('cupy' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from flashtune.cli import app
 from flashtune.db import TrialStatus, TuningStore, dumps, export_bundle
 from flashtune.db.schema import head_revision
-from flashtune.runtime.trust import serving_state
+from flashtune.runtime.installed import serving_state
 
 P128, P64 = PROBLEMS
 ENV = {"COLUMNS": "300", "NO_COLOR": "1"}

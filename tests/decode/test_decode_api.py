@@ -14,6 +14,9 @@ import torch
 from decode_cases import GRID, GridCase, call_api, inputs_of, problem_of, sample
 
 import flashtune
+from flashtune.api.decode import default_num_splits
+from flashtune.api.kvcache_ops import attention_with_kvcache_op
+from flashtune.api.validate_kvcache import check_kvcache_inputs
 from flashtune.errors import BackwardNotAvailable, InvalidInput
 from flashtune.families.base import Inputs, close_enough
 from flashtune.families.checks import LSE_TOLERANCE, O_TOLERANCE
@@ -21,9 +24,6 @@ from flashtune.families.decode.reference import (
     attention_with_kvcache_reference,
     expected_caches,
 )
-from flashtune.runtime.decode import default_num_splits
-from flashtune.runtime.kvcache_ops import attention_with_kvcache_op
-from flashtune.runtime.validate_kvcache import check_kvcache_inputs
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
 

@@ -108,7 +108,7 @@ def test_space_defaults_and_rules() -> None:
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("op", ["decode", "combine"])
 def test_defaults_compile_with_nvrtc_without_spills(arch: str, op: str) -> None:
-    from flashtune.runtime.compiler import compile_source
+    from flashtune.toolchain.compiler import compile_source
 
     problem = Problem(128, DType.BF16, causal=op == "decode", op=op)
     kernel = compile_source(families.render(problem, _default(problem)), arch)
@@ -128,7 +128,7 @@ def _tile_jobs() -> list[tuple[Problem, KernelConfig, str]]:
 
 
 def _compile(jobs: list[tuple[Problem, KernelConfig, str]]) -> None:
-    from flashtune.runtime.compiler import compile_pairs
+    from flashtune.toolchain.compiler import compile_pairs
 
     results = compile_pairs([(families.render(p, c), arch) for p, c, arch in jobs])
     failed = [f"{r.source.entry} {r.arch}: {r.failure.message}" for r in results

@@ -24,7 +24,7 @@ from flashtune.runtime.backends.emulator import (
     ptr,
 )
 from flashtune.runtime.backends.emulator.kernel import Schedule
-from flashtune.runtime.compiler import compile_source
+from flashtune.toolchain.compiler import compile_source
 
 STAGES = 2
 THREADS = 64

@@ -20,8 +20,8 @@ from flashtune.codegen.tensormap import TensorMap, TmaDType, TmaSwizzle
 from flashtune.errors import EmulatorDeadlock, EmulatorError, InvalidInput
 from flashtune.runtime.backends.emulator import LaunchOptions, build_module, i32, ptr
 from flashtune.runtime.backends.emulator.kernel import Arg, Schedule
-from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.tma import encode_emulator
+from flashtune.toolchain.compiler import compile_source
 from flashtune.toolchain.cuda import find_toolchain
 from flashtune.toolchain.disasm import disassemble
 

@@ -27,7 +27,7 @@ from flashtune.runtime.backends.emulator import (
     ptr,
 )
 from flashtune.runtime.backends.emulator.kernel import Schedule
-from flashtune.runtime.compiler import compile_source
+from flashtune.toolchain.compiler import compile_source
 from flashtune.toolchain.cuda import find_toolchain
 from flashtune.toolchain.disasm import disassemble
 

@@ -130,7 +130,7 @@ def test_flops_follow_the_field_convention() -> None:
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("head_dim", [64, 256])
 def test_main_default_compiles_without_spills(arch: str, head_dim: int) -> None:
-    from flashtune.runtime.compiler import compile_source
+    from flashtune.toolchain.compiler import compile_source
 
     problem = _problem(head_dim, DType.FP16, True)
     config = BACKWARD.default_config(problem, get_arch(arch))
@@ -141,7 +141,7 @@ def test_main_default_compiles_without_spills(arch: str, head_dim: int) -> None:
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_row_kernels_compile_without_spills(arch: str) -> None:
-    from flashtune.runtime.compiler import compile_source
+    from flashtune.toolchain.compiler import compile_source
 
     for family in (PREPROCESS, CONVERT):
         problem = _problem(256, DType.BF16, False, family.op)
@@ -153,7 +153,7 @@ def test_row_kernels_compile_without_spills(arch: str) -> None:
 @pytest.mark.sweep
 @pytest.mark.parametrize("arch", ["sm_80", "sm_86", "sm_90"])
 def test_every_default_compiles_without_spills(arch: str) -> None:
-    from flashtune.runtime.compiler import compile_source
+    from flashtune.toolchain.compiler import compile_source
 
     spec = get_arch(arch)
     for head_dim in COMPILED_HEAD_DIMS:

@@ -69,7 +69,7 @@ def test_lse_space_default_and_rules() -> None:
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_lse_default_compiles_with_nvrtc_without_spills(arch: str) -> None:
-    from flashtune.runtime.compiler import compile_source
+    from flashtune.toolchain.compiler import compile_source
 
     problem = Problem(128, DType.FP16, causal=True, op="lse")
     config = LSE.default_config(problem, get_arch(arch))

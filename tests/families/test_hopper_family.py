@@ -32,11 +32,11 @@ from flashtune.families.fwd.reference import attention_reference
 from flashtune.families.hopper import HOPPER_FORWARD, space
 from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
-from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.device import DeviceInfo
 from flashtune.runtime.dispatch import Dispatcher, default_config
 from flashtune.runtime.launch import verify
 from flashtune.runtime.precompile import default_kernels, planned_kernels
+from flashtune.toolchain.compiler import compile_source
 from flashtune.toolchain.cuda import find_toolchain
 from flashtune.toolchain.disasm import disassemble
 

@@ -34,8 +34,8 @@ from flashtune.families.base import KernelFamily
 from flashtune.families.hopper import HOPPER_FORWARD, space
 from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
-from flashtune.runtime.compiler import compile_source
 from flashtune.runtime.launch import verify
+from flashtune.toolchain.compiler import compile_source
 from flashtune.toolchain.cuda import find_toolchain
 from flashtune.toolchain.disasm import disassemble
 

@@ -13,8 +13,8 @@ _TESTS = Path(__file__).resolve().parent.parent
 for helper_dir in ("db", "runtime"):
     sys.path.insert(0, str(_TESTS / helper_dir))
 
-from flashtune.runtime import cache as cache_module  # noqa: E402
-from flashtune.runtime.cache import ArtifactCache  # noqa: E402
+from flashtune.toolchain import cache as cache_module  # noqa: E402
+from flashtune.toolchain.cache import ArtifactCache  # noqa: E402
 
 
 @pytest.fixture

@@ -19,10 +19,10 @@ from hardening_helpers import is_root
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.errors import CacheError, CompileError
 from flashtune.families import render
-from flashtune.runtime import cache as cache_module
-from flashtune.runtime import compiler
 from flashtune.runtime.backends.emulator import build, build_module, i32, ptr
-from flashtune.runtime.cache import ArtifactCache, bound_digest
+from flashtune.toolchain import cache as cache_module
+from flashtune.toolchain import compiler
+from flashtune.toolchain.cache import ArtifactCache, bound_digest
 
 DATA = b"artifact bytes"
 

@@ -40,12 +40,12 @@ from hypothesis import strategies as st
 
 import flashtune
 from flashtune import families, knobs
+from flashtune.api import forward
 from flashtune.codegen.spec import DType, Problem, Shape
 from flashtune.db import TuningStore, dumps, export_bundle, import_bundle, parse_bundle
 from flashtune.db.bundle import content_digest, structure_counts, to_dict
 from flashtune.errors import BundleError, KnobError
 from flashtune.families.base import Inputs
-from flashtune.runtime import forward
 from flashtune.runtime.dispatch import Dispatcher, set_dispatcher
 
 FIXED = datetime(2026, 6, 1, tzinfo=timezone.utc)

@@ -14,10 +14,10 @@ from typer.testing import CliRunner
 
 import flashtune
 from flashtune import knobs
+from flashtune.api.limits import MAX_SEQLEN, MAX_SOFTMAX_SCALE, check_softmax_scale
+from flashtune.api.validate import check_attention_inputs
 from flashtune.cli import app
 from flashtune.errors import InvalidInput, KnobError, TuningError
-from flashtune.runtime.limits import MAX_SEQLEN, MAX_SOFTMAX_SCALE, check_softmax_scale
-from flashtune.runtime.validate import check_attention_inputs
 from flashtune.tuner.options import TuneOptions
 
 BAD_KNOBS: list[tuple[str, str, str]] = [

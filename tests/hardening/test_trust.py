@@ -35,7 +35,7 @@ from flashtune.db import (
 from flashtune.errors import BundleError, DatabaseError
 from flashtune.runtime.device import DeviceInfo
 from flashtune.runtime.dispatch import Dispatcher, Tier
-from flashtune.runtime.trust import installed_digest, serving_state
+from flashtune.runtime.installed import installed_digest, serving_state
 from flashtune.tuner.measure.base import VerifyOutcome
 
 P, N = PROBLEMS[0], 4096

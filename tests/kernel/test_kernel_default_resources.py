@@ -17,7 +17,7 @@ from flashtune.families.fwd import defaults
 from flashtune.perf.model.default_rule import spill_rule_problems
 from flashtune.perf.sass.disasm import sass_listing
 from flashtune.perf.sass.loops import main_loops
-from flashtune.runtime.compiler import CompileResult, compile_pairs
+from flashtune.toolchain.compiler import CompileResult, compile_pairs
 
 
 def _jobs(every_arch: bool) -> list[tuple[KernelSource, str]]:

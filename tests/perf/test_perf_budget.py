@@ -20,7 +20,7 @@ from flashtune.perf.sass.budget import (
 from flashtune.perf.sass.disasm import sass_listing
 from flashtune.perf.sass.loops import main_loops
 from flashtune.perf.sass.parse import Instruction, InstructionMix
-from flashtune.runtime.compiler import compile_source
+from flashtune.toolchain.compiler import compile_source
 
 
 def test_every_instruction_lands_in_one_class() -> None:

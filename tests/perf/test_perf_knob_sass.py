@@ -13,7 +13,7 @@ import pytest
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.perf.sass.disasm import sass_listing
 from flashtune.perf.sass.loops import MainLoops, main_loops
-from flashtune.runtime.compiler import CompiledKernel, compile_source
+from flashtune.toolchain.compiler import CompiledKernel, compile_source
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernel"))
 from knob_render import with_knobs  # noqa: E402

@@ -23,7 +23,7 @@ from flashtune.perf.model.loopcost import kernel_loops, masked_tiles, rescale_pr
 from flashtune.perf.sass.disasm import sass_listing
 from flashtune.perf.sass.loops import main_loop
 from flashtune.perf.sass.parse import parse_sass
-from flashtune.runtime.compiler import compile_source
+from flashtune.toolchain.compiler import compile_source
 
 D128 = Problem(128, DType.BF16)
 TILE = KernelConfig(128, 32, 4, 2)

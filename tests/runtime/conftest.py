@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from runtime_helpers import ListSource, PyRefBackend  # noqa: E402
 
-from flashtune.runtime import forward  # noqa: E402
+from flashtune.api import forward  # noqa: E402
 from flashtune.runtime.backends import register_backend, unregister_backend  # noqa: E402
 from flashtune.runtime.dispatch import Dispatcher, set_dispatcher  # noqa: E402
 

@@ -21,7 +21,7 @@ from flashtune.codegen.abi import ArgType
 from flashtune.codegen.spec import KernelSource
 from flashtune.db.records import BestEntry, Keyed, TrialRecord, TrialStatus
 from flashtune.families.base import torch_dtype
-from flashtune.runtime.trust import installed_digest
+from flashtune.runtime.installed import installed_digest
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 import flashtune
+from flashtune.api import forward
 from flashtune.codegen.spec import KernelSource, Shape
 from flashtune.errors import CompileError, EmulatorError
 from flashtune.families.base import Verdict
 from flashtune.families.fwd.reference import attention_reference
-from flashtune.runtime import first_use, forward, launch, plans
+from flashtune.runtime import first_use, launch, plans
 from flashtune.runtime.backends.base import LoadedKernel
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])

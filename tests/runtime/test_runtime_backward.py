@@ -25,8 +25,9 @@ from grad_helpers import Grads, attention_reference, error_ratios, gradients, ma
 from runtime_helpers import best_entry
 
 import flashtune
+from flashtune.api import forward
 from flashtune.errors import InvalidInput
-from flashtune.runtime import forward, plans
+from flashtune.runtime import plans
 from flashtune.runtime.backends import register_backend, unregister_backend
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
 
@@ -266,7 +267,7 @@ def test_inductor_compiled_backward_equals_eager() -> None:
 
 @pytest.mark.usefixtures("small")
 def test_the_backward_op_passes_opcheck() -> None:
-    from flashtune.runtime import ops
+    from flashtune.api import ops
 
     (q, k, v), dout = make_inputs((1, 20, 24, 2, 1), D, torch.float16, SEED)
     out, lse = ops.attention_fwd(q, k, v, True, 0.2, "emulator", True)

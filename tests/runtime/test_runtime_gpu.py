@@ -110,7 +110,8 @@ def test_cc90_serves_the_sm90a_forward_unless_it_opts_out(head_dim: int,
     """On a compute capability 9.0 GPU the public forward runs the sm_90a (wgmma) family (its
     kernel passes the first-use check) and matches float64; with FLASHTUNE_ARCH_SPECIFIC=0,
     the mma.sync forward."""
-    from flashtune.runtime import first_use, forward
+    from flashtune.api import forward
+    from flashtune.runtime import first_use
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90a forward serves compute capability 9.0 only")

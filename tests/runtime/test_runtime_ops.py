@@ -22,12 +22,13 @@ from runtime_helpers import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashtune
+from flashtune.api import forward, ops
 from flashtune.codegen.abi import ArgType
 from flashtune.errors import InvalidInput
 from flashtune.families.fwd.args import pack_args
-from flashtune.runtime import forward, ops, plans
-from flashtune.runtime.cache import ArtifactCache
+from flashtune.runtime import plans
 from flashtune.runtime.dispatch import Dispatcher, Tier
+from flashtune.toolchain.cache import ArtifactCache
 
 
 @pytest.fixture(autouse=True)

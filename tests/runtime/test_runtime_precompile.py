@@ -21,7 +21,7 @@ from flashtune.db.records import DeviceRecord, Keyed, TrialRecord, TrialStatus
 from flashtune.db.store import TuningStore
 from flashtune.errors import CacheError, ToolchainNotFound
 from flashtune.families import render
-from flashtune.runtime import compiler, device
+from flashtune.runtime import device
 from flashtune.runtime.backends import cuda
 from flashtune.runtime.precompile import (
     KERNELS_DIR,
@@ -31,6 +31,7 @@ from flashtune.runtime.precompile import (
     load_shipped,
     precompile,
 )
+from flashtune.toolchain import compiler
 from flashtune.toolchain import cuda as toolchain
 
 PROBLEM = Problem(head_dim=64, dtype=DType.FP16)

@@ -22,10 +22,10 @@ from grad_helpers import error_ratios
 from runtime_helpers import check_varlen_outputs
 
 import flashtune
+from flashtune.api import sdpa_routing
+from flashtune.api.sdpa_routing import route_flash_operators
 from flashtune.errors import FeatureNotSupported
 from flashtune.families.fwd.reference import varlen_reference
-from flashtune.runtime import sdpa_routing
-from flashtune.runtime.sdpa_routing import route_flash_operators
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
 SDPA_OP = "aten::_scaled_dot_product_flash_attention"

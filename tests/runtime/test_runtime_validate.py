@@ -11,9 +11,9 @@ import torch
 from runtime_helpers import qkv
 
 import flashtune
+from flashtune.api import validate
+from flashtune.api.validate import check_attention_inputs, check_softmax_scale
 from flashtune.errors import InvalidInput
-from flashtune.runtime import validate
-from flashtune.runtime.validate import check_attention_inputs, check_softmax_scale
 
 
 def _good(**kw: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,12 +15,12 @@ from runtime_helpers import qkv
 
 import flashtune
 from flashtune import families
+from flashtune.api import ops
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import FEATURES, DType, Problem
 from flashtune.errors import FeatureNotSupported, InvalidInput
 from flashtune.families.fwd.reference import attention_reference
 from flashtune.families.fwd.variants import SOFTCAPS, WINDOW_SIZES
-from flashtune.runtime import ops
 
 _RNG = random.Random(int(os.environ["FLASHTUNE_TEST_SEED"]))
 TOL = {torch.float16: 4e-3, torch.bfloat16: 2.5e-2}

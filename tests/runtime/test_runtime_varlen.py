@@ -14,10 +14,10 @@ import torch
 from runtime_helpers import check_varlen_outputs
 
 import flashtune
+from flashtune.api.validate_varlen import check_varlen_inputs
 from flashtune.errors import FeatureNotSupported, InvalidInput
 from flashtune.families.fwd.reference import varlen_reference
 from flashtune.families.fwd.variants import SOFTCAPS, WINDOW_SIZES
-from flashtune.runtime.validate_varlen import check_varlen_inputs
 
 _RNG = random.Random(int(os.environ["FLASHTUNE_TEST_SEED"]))
 TOL = {torch.float16: 4e-3, torch.bfloat16: 2.5e-2}

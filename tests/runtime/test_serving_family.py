@@ -15,11 +15,12 @@ import torch
 
 import flashtune
 from flashtune import families
+from flashtune.api import forward
 from flashtune.codegen.abi import ArgType
 from flashtune.families.fwd.reference import attention_reference
 from flashtune.families.hopper import HopperForwardFamily
 from flashtune.families.hopper.ws import HopperWsForwardFamily
-from flashtune.runtime import first_use, forward, plans
+from flashtune.runtime import first_use, plans
 from flashtune.runtime.dispatch import Dispatcher
 
 pytestmark = pytest.mark.emulator

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from flashtune.cli import app
 from flashtune.commands.report import write_report
 from flashtune.db.store import TuningStore
-from flashtune.tuner.api import tune
+from flashtune.tuner.driver import tune
 
 runner = CliRunner()
 

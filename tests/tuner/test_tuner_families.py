@@ -8,7 +8,7 @@ from tuner_synthetic import SyntheticMeasurer
 from tuner_testlib import FAST
 
 from flashtune.codegen.spec import KernelConfig
-from flashtune.tuner.api import tune
+from flashtune.tuner.driver import tune
 
 
 def test_lse_family_is_tuned_by_the_synthetic_backend(db_url: str) -> None:
@@ -28,13 +28,13 @@ def test_decode_family_tunes_its_split_count_and_the_runtime_uses_it(db_url: str
     import torch
 
     import flashtune
+    from flashtune.api.decode import choose_splits
+    from flashtune.api.validate_kvcache import check_kvcache_inputs
     from flashtune.codegen.arch import get_arch
     from flashtune.codegen.spec import DType, Problem
     from flashtune.db.store import TuningStore
     from flashtune.families.decode import DECODE
-    from flashtune.runtime.decode import choose_splits
     from flashtune.runtime.dispatch import Dispatcher, set_dispatcher
-    from flashtune.runtime.validate_kvcache import check_kvcache_inputs
 
     problem = Problem(64, DType.FP16, op="decode")
     candidates = DECODE.candidates(problem, get_arch("sm_90"))

@@ -11,7 +11,7 @@ from flashtune.codegen.spec import DType, Problem
 from flashtune.db.store import TuningStore
 from flashtune.runtime.device import DeviceInfo
 from flashtune.runtime.dispatch import Dispatcher, Tier
-from flashtune.tuner.api import tune
+from flashtune.tuner.driver import tune
 from flashtune.tuner.measure.base import TimingPlan
 from flashtune.tuner.measure.factory import make_measurer
 from flashtune.tuner.options import TuneOptions

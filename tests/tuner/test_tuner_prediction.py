@@ -23,9 +23,9 @@ from flashtune.db.records import DeviceRecord, Keyed, TrialRecord, TrialStatus
 from flashtune.db.store import TuningStore
 from flashtune.families.fwd import FORWARD
 from flashtune.perf import predict
-from flashtune.tuner.api import tune
+from flashtune.tuner.driver import tune
 from flashtune.tuner.measure.workload import make_workload
-from flashtune.tuner.records import source_digest
+from flashtune.tuner.results import source_digest
 from flashtune.tuner.search.encoding import SearchEncoding
 from flashtune.tuner.search.prediction import resolve_gpu
 

@@ -17,7 +17,7 @@ from flashtune.db.records import DeviceRecord, TrialStatus
 from flashtune.db.store import TuningStore
 from flashtune.errors import TuningError
 from flashtune.families.fwd import FORWARD, space
-from flashtune.tuner.api import tune
+from flashtune.tuner.driver import tune
 from flashtune.tuner.measure.base import TimingPlan
 from flashtune.tuner.measure.workload import make_workload
 from flashtune.tuner.search.encoding import SearchEncoding

@@ -171,7 +171,7 @@ def test_progress_tables_and_database_summaries(tmp_path: Path) -> None:
     from flashtune.commands.tune_progress import final_table, live_table
     from flashtune.db.records import Keyed, TrialRecord
     from flashtune.tuner.options import BucketSummary
-    from flashtune.tuner.records import summarize_records
+    from flashtune.tuner.results import summarize_records
 
     bucket = P.bucket(1024, 1024)
     best, default = KernelConfig(128, 64, 4, 2), KernelConfig(64, 64, 4, 2)

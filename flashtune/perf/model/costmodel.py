@@ -79,7 +79,7 @@ from flashtune.perf.sass.parse import InstructionMix, SassFunction
 
 
 class ResourcesLike(Protocol):
-    """Compiled resource usage (flashtune.runtime.resources.Resources satisfies this)."""
+    """Compiled resource usage (flashtune.toolchain.resources.Resources satisfies this)."""
 
     @property
     def registers(self) -> int: ...

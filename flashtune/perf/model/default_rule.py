@@ -47,7 +47,7 @@ from flashtune.perf.sass.budget import fa2_figure
 from flashtune.perf.sass.disasm import sass_listing
 from flashtune.perf.sass.loops import MAX_LOCAL_ACCESSES, MainLoops, main_loops
 from flashtune.perf.sass.parse import SassFunction
-from flashtune.runtime.compiler import CompileResult, compile_pairs
+from flashtune.toolchain.compiler import CompileResult, compile_pairs
 
 #: Tiles compiled per round of the shortlist (step 2).
 SHORTLIST = 12

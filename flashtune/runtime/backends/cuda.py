@@ -209,6 +209,6 @@ class CudaBackend:
 
 def compile_cubin(source: KernelSource, arch: str) -> bytes:
     """The cubin of ``source`` for ``arch`` from the compiler (its memo, disk cache or NVRTC)."""
-    from flashtune.runtime.compiler import compile_source
+    from flashtune.toolchain.compiler import compile_source
 
     return bytes(compile_source(source, arch).cubin)

@@ -34,7 +34,7 @@ class NvrtcCompiler:
     arch: str
 
     def __call__(self, problem: Problem, config: KernelConfig) -> CompileOutcome:
-        from flashtune.runtime.compiler import CompileFailure, compile_or_fail
+        from flashtune.toolchain.compiler import CompileFailure, compile_or_fail
 
         outcome = compile_or_fail(render(problem, config), self.arch)
         if isinstance(outcome, CompileFailure):

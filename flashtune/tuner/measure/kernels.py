@@ -10,7 +10,7 @@ import concurrent.futures as cf
 from typing import Any
 
 from flashtune.codegen.spec import KernelConfig, Problem
-from flashtune.runtime.compiler import compile_process_pool
+from flashtune.toolchain.compiler import compile_process_pool
 from flashtune.tuner.measure.base import CompileOutcome, Compiler, Measurer, TimingPlan
 from flashtune.tuner.measure.evaluate import TrialResult, evaluate
 from flashtune.tuner.measure.workload import Workload

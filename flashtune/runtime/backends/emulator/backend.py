@@ -16,7 +16,7 @@ from flashtune.runtime.backends.emulator.kernel import (
     LaunchOptions,
     build_module,
 )
-from flashtune.runtime.cache import ArtifactCache
+from flashtune.toolchain.cache import ArtifactCache
 
 
 def source_defines(source: KernelSource) -> tuple[str, ...]:

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashtune.errors import CacheError, CompileError
-from flashtune.runtime.cache import ArtifactCache
 from flashtune.toolchain import host as toolchain
+from flashtune.toolchain.cache import ArtifactCache
 
 #: The emulator's own headers (runtime.h, primitives.h, abi.h) and runtime sources.
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"

@@ -24,9 +24,9 @@ from flashtune.codegen.tensormap import TensorMap
 from flashtune.errors import EmulatorError, InvalidInput
 from flashtune.runtime.backends.emulator import build, native
 from flashtune.runtime.backends.emulator.counters import EmulatorCounters, allocate, from_native
-from flashtune.runtime.cache import ArtifactCache
 from flashtune.runtime.tma import aligned_buffer, encode_emulator
 from flashtune.toolchain import host as toolchain
+from flashtune.toolchain.cache import ArtifactCache
 
 Arg = tuple[ArgType, ArgValue]
 

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from flashtune.api.variants import NO_WINDOW
+from flashtune.api.varlen_ops import attention_varlen
 from flashtune.errors import InvalidInput
-from flashtune.runtime.variants import NO_WINDOW
-from flashtune.runtime.varlen_ops import attention_varlen
 
 #: The dtype a float32 model's attention runs in (the kernels take fp16 or bf16).
 _HALF = torch.bfloat16

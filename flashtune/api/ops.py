@@ -13,7 +13,7 @@ backward graph too). ``deterministic=True`` promises bitwise-reproducible gradie
 summed in a fixed order); the default follows ``torch.use_deterministic_algorithms``. A
 gradient flowing into the LSE output (``return_lse=True``) is included.
 
-Attention features (``window_size``, ``softcap``, ``alibi_slopes``; runtime/variants.py) are
+Attention features (``window_size``, ``softcap``, ``alibi_slopes``; api/variants.py) are
 forward-only: a backward through a call that used one raises FeatureNotSupported.
 """
 
@@ -23,19 +23,19 @@ from typing import Any, Literal, overload
 
 import torch
 
-from flashtune.errors import BackwardNotAvailable, InvalidInput
-from flashtune.runtime import backward as _bwd
-from flashtune.runtime import forward as _fwd
-from flashtune.runtime.dispatch import Decision
-from flashtune.runtime.limits import check_softmax_scale
-from flashtune.runtime.validate import check_attention_inputs
-from flashtune.runtime.variants import (
+from flashtune.api import backward as _bwd
+from flashtune.api import forward as _fwd
+from flashtune.api.limits import check_softmax_scale
+from flashtune.api.validate import check_attention_inputs
+from flashtune.api.variants import (
     NO_WINDOW,
     Variant,
     pad_head_dim,
     refuse_unsupported,
     resolve,
 )
+from flashtune.errors import BackwardNotAvailable, InvalidInput
+from flashtune.runtime.dispatch import Decision
 
 OP_NAME = "flashtune::attention_fwd"
 BWD_OP_NAME = "flashtune::attention_bwd"

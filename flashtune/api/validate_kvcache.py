@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from flashtune.api.limits import MAX_GRID_YZ, MAX_INT32, MAX_SEQLEN
+from flashtune.api.validate import SUPPORTED_DEVICES, SUPPORTED_DTYPES
 from flashtune.codegen.spec import MAX_HEAD_DIM
 from flashtune.errors import InvalidInput
-from flashtune.runtime.limits import MAX_GRID_YZ, MAX_INT32, MAX_SEQLEN
-from flashtune.runtime.validate import SUPPORTED_DEVICES, SUPPORTED_DTYPES
 
 _Q = "(batch, seqlen_q, heads_q, head_dim)"
 _CACHE = "(batch, max_len, heads_kv, head_dim)"

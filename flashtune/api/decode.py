@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from flashtune import knobs
+from flashtune.api.validate_kvcache import KvCacheLayout
 from flashtune.codegen.spec import KernelConfig, ProblemBucket
 from flashtune.errors import InvalidInput
 from flashtune.families.combine import combine_grid, pack_combine_args
@@ -34,7 +35,6 @@ from flashtune.families.decode.status import STATUS_WORDS, describe
 from flashtune.runtime import plans
 from flashtune.runtime.dispatch import Decision
 from flashtune.runtime.plans import Plan, clear_caches
-from flashtune.runtime.validate_kvcache import KvCacheLayout
 
 __all__ = ["choose_splits", "clear_caches", "decide", "decode_problems", "default_num_splits",
            "plan_for", "run_decode"]

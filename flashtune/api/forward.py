@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from flashtune import knobs
+from flashtune.api.variants import Variant
 from flashtune.codegen.spec import ProblemBucket
 from flashtune.errors import FlashtuneError, InvalidInput
 from flashtune.families.fwd.args import FwdPacker
@@ -29,7 +30,6 @@ from flashtune.runtime.plans import (
     resolve_backend,
     seqlen_bucket,
 )
-from flashtune.runtime.variants import Variant
 
 __all__ = ["Plan", "clear_caches", "decide", "device_info", "emulator_arch", "empty_outputs",
            "forward", "plan_for", "problem_bucket", "resolve_backend", "seqlen_bucket"]

@@ -37,7 +37,7 @@ from flashtune.tuner.measure.kernels import CompilePool, KernelMeasurement
 from flashtune.tuner.measure.workload import BatchHeads, Workload, make_workload
 from flashtune.tuner.options import STATIC_REJECTIONS, BucketSummary, TuneOptions
 from flashtune.tuner.pipeline import Limits, run_pipeline
-from flashtune.tuner.records import ResultLog, warm_start_scores
+from flashtune.tuner.results import ResultLog, warm_start_scores
 from flashtune.tuner.search.encoding import SearchEncoding
 from flashtune.tuner.search.lock import ProposalLock
 from flashtune.tuner.search.prediction import BucketPrediction, Predictor, resolve_gpu

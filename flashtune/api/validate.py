@@ -13,10 +13,10 @@ import math
 
 import torch
 
+from flashtune.api.limits import MAX_GRID_YZ, MAX_SEQLEN, seqlen_error
+from flashtune.api.limits import check_softmax_scale as check_softmax_scale
 from flashtune.codegen.spec import MAX_HEAD_DIM
 from flashtune.errors import InvalidInput
-from flashtune.runtime.limits import MAX_GRID_YZ, MAX_SEQLEN, seqlen_error
-from flashtune.runtime.limits import check_softmax_scale as check_softmax_scale
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 _DTYPES = frozenset(SUPPORTED_DTYPES)

@@ -36,11 +36,17 @@ from flashtune import knobs
 from flashtune.codegen.arch import ArchSpec, compile_target, get_arch
 from flashtune.codegen.spec import KernelSource
 from flashtune.errors import CompileError, ToolchainNotFound
-from flashtune.runtime.cache import ArtifactCache
-from flashtune.runtime.compiled import ARTIFACT_FORMAT, CompiledKernel, CompileFailure, pack, unpack
-from flashtune.runtime.resources import Resources, parse_ptxas_log
 from flashtune.toolchain import nvrtc
+from flashtune.toolchain.cache import ArtifactCache
+from flashtune.toolchain.compiled import (
+    ARTIFACT_FORMAT,
+    CompiledKernel,
+    CompileFailure,
+    pack,
+    unpack,
+)
 from flashtune.toolchain.cuda import CUDA_HEADERS, INSTALL_HINT, Toolchain, find_toolchain
+from flashtune.toolchain.resources import Resources, parse_ptxas_log
 
 __all__ = [
     "CompiledKernel",

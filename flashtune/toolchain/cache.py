@@ -46,7 +46,7 @@ import filelock
 
 from flashtune import knobs
 from flashtune.errors import CacheError
-from flashtune.runtime.ownership import describe_owner, unsafe_ancestor
+from flashtune.toolchain.ownership import describe_owner, unsafe_ancestor
 
 #: Bump when the layout or the meaning of stored artifacts changes (2: bound sidecars).
 CACHE_FORMAT = 2

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flashtune.errors import CompileError
-from flashtune.runtime.resources import Resources
+from flashtune.toolchain.resources import Resources
 
 #: Bump when the artifact layout or the compile key recipe changes.
 ARTIFACT_FORMAT = 1

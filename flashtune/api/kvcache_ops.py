@@ -12,14 +12,14 @@ from typing import Literal, overload
 
 import torch
 
+from flashtune.api import decode as _decode
+from flashtune.api.ops import check_no_grad, direct_call_ok
+from flashtune.api.validate import check_softmax_scale
+from flashtune.api.validate_kvcache import check_kvcache_inputs
+from flashtune.api.variants import NO_WINDOW, refuse_unsupported, resolve
 from flashtune.errors import InvalidInput
 from flashtune.families.decode.splits import check_num_splits
-from flashtune.runtime import decode as _decode
 from flashtune.runtime.dispatch import Decision
-from flashtune.runtime.ops import check_no_grad, direct_call_ok
-from flashtune.runtime.validate import check_softmax_scale
-from flashtune.runtime.validate_kvcache import check_kvcache_inputs
-from flashtune.runtime.variants import NO_WINDOW, refuse_unsupported, resolve
 
 OP_NAME = "flashtune::attention_with_kvcache"
 
@@ -158,7 +158,7 @@ def explain_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     compiled); ``arch`` asks about a virtual GPU of that arch."""
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
     if q.device.type == "meta" and arch is None:
-        from flashtune.runtime.forward import emulator_arch
+        from flashtune.api.forward import emulator_arch
 
         arch = emulator_arch()
     return _decode.decide(q, causal, layout.capacity, backend, arch)

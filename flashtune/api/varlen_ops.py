@@ -14,19 +14,19 @@ from typing import Any, Literal, overload
 
 import torch
 
-from flashtune.errors import InvalidInput
-from flashtune.families.fwd.args import VarlenArgs
-from flashtune.runtime import forward as _fwd
-from flashtune.runtime.limits import check_softmax_scale
-from flashtune.runtime.ops import direct_call_ok
-from flashtune.runtime.validate_varlen import check_varlen_inputs
-from flashtune.runtime.variants import (
+from flashtune.api import forward as _fwd
+from flashtune.api.limits import check_softmax_scale
+from flashtune.api.ops import direct_call_ok
+from flashtune.api.validate_varlen import check_varlen_inputs
+from flashtune.api.variants import (
     NO_WINDOW,
     Variant,
     pad_head_dim,
     refuse_unsupported,
     resolve,
 )
+from flashtune.errors import InvalidInput
+from flashtune.families.fwd.args import VarlenArgs
 
 OP_NAME = "flashtune::attention_varlen_fwd"
 

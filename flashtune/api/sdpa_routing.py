@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
+from flashtune.api import backward as _bwd
+from flashtune.api.limits import check_softmax_scale
+from flashtune.api.ops import attention
+from flashtune.api.variants import refuse_unsupported, resolve
+from flashtune.api.varlen_ops import attention_varlen
 from flashtune.errors import FeatureNotSupported, InvalidInput
-from flashtune.runtime import backward as _bwd
-from flashtune.runtime.limits import check_softmax_scale
-from flashtune.runtime.ops import attention
-from flashtune.runtime.variants import refuse_unsupported, resolve
-from flashtune.runtime.varlen_ops import attention_varlen
 
 #: The name flashtune registers under (``activate_flash_attention_impl(IMPL_NAME)``).
 IMPL_NAME = "flashtune"

@@ -14,9 +14,9 @@ import numbers
 import torch
 
 from flashtune import knobs
+from flashtune.api.limits import MAX_GRID_YZ, MAX_SEQLEN
+from flashtune.api.validate import check_attention_inputs
 from flashtune.errors import InvalidInput
-from flashtune.runtime.limits import MAX_GRID_YZ, MAX_SEQLEN
-from flashtune.runtime.validate import check_attention_inputs
 
 _LAYOUT = "(total_tokens, heads, head_dim)"
 
