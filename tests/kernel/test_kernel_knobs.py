@@ -68,7 +68,7 @@ def test_default_knobs_render_todays_kernel() -> None:
     assert with_knobs(config, defaults) == config and config.extras == ()
     plain = render(problem, config)
     # The template with no knob variable at all (the kernel before the knobs existed).
-    params = {k: v for k, v in FORWARD.template_params(problem, config).items()
+    params = {k: v for k, v in FORWARD.render_params(problem, config).items()
               if k not in KNOBS}
     body = environment().get_template(FORWARD.template).render(
         entry=plain.entry, smem_bytes=plain.smem_bytes, threads=config.threads, **params)
