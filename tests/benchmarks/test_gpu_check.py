@@ -84,7 +84,7 @@ def test_dry_run_writes_every_file(tmp_path: Path) -> None:
     assert "requirements of a GPU run:" in install and "  optuna " in install
     collected = (out / "logs" / "gpu-tests-collect.log").read_text()
     assert "tests/tuner/test_tuner_gpu.py::" in collected
-    assert "tests/runtime/test_runtime_gpu.py::" in collected
+    assert "tests/api/test_api_gpu.py::" in collected
     with tarfile.open(tarball) as tar:
         names = set(tar.getnames())
     for rel in ("summary.tsv", "env.json", "sweep/attention.csv", "logs/sweep-plan.log",

@@ -22,6 +22,7 @@ import re
 
 import pytest
 import torch
+from hopper_sample import tma_loads
 
 from flashtune import families
 from flashtune.codegen.abi import ArgType
@@ -268,7 +269,7 @@ def _loads_sample(configs: list[KernelConfig], rng: random.Random) -> list[Kerne
     all-cp.async producer; a mixed one loads less)."""
     groups: dict[KernelConfig, list[KernelConfig]] = collections.defaultdict(list)
     for c in configs:
-        groups[space.tma_loads(c)].append(c)
+        groups[tma_loads(c)].append(c)
     picked: list[KernelConfig] = []
     for members in groups.values():
         kinds = {c: len({space.knob(c, n) for n in space.LOAD_KNOBS}) for c in members}

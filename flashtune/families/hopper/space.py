@@ -23,7 +23,6 @@ Rules: the tiles fit the per-block shared memory (227 KiB on sm_90), and the acc
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import NamedTuple
 
@@ -148,12 +147,6 @@ def knob(config: KernelConfig, name: str) -> Value:
 def cp_async_producer(config: KernelConfig) -> bool:
     """Whether the producer loads some operand with cp.async (all its threads load)."""
     return any(knob(config, name) == CP_ASYNC for name in LOAD_KNOBS)
-
-
-def tma_loads(config: KernelConfig) -> KernelConfig:
-    """``config`` with every operand loaded by TMA (the load knobs at their default)."""
-    return dataclasses.replace(config, extras=tuple(
-        (name, value) for name, value in config.extras if name not in LOAD_KNOBS))
 
 
 def ws_registers(config: KernelConfig) -> tuple[int, int]:

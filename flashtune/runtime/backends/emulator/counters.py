@@ -27,8 +27,6 @@ from pathlib import PurePath
 from flashtune.errors import InvalidInput
 from flashtune.runtime.backends.emulator import native
 
-SECTOR_BYTES = 32
-
 
 @dataclass(frozen=True)
 class SiteCounters:

@@ -35,7 +35,7 @@ SITE_CP_ASYNC = 0
 SITE_LDMATRIX = 1
 
 
-class SiteCounters(ctypes.Structure):
+class NativeSiteCounters(ctypes.Structure):
     """Mirror of ``struct ftemu_site_counters``."""
 
     _fields_ = [
@@ -69,7 +69,7 @@ class Counters(ctypes.Structure):
         ("block_mma_len", ctypes.c_ulonglong),
         ("nsites", ctypes.c_uint),
         ("sites_dropped", ctypes.c_uint),
-        ("sites", SiteCounters * MAX_SITES),
+        ("sites", NativeSiteCounters * MAX_SITES),
     ]
 
 

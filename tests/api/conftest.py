@@ -1,0 +1,8 @@
+"""Fixtures of these tests: tests/serving_fixtures.py."""
+
+from serving_fixtures import (  # noqa: F401  (fixtures are registered by name)
+    dispatcher,
+    poisoned_outputs,
+    pyref,
+    source,
+)

@@ -1,0 +1,52 @@
+"""Fixtures of the runtime and API tests: a reference backend and a dispatcher with a test
+store, used by the conftest.py of tests/runtime and tests/api."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+from runtime_helpers import ListSource, PyRefBackend
+
+from flashtune.api import forward
+from flashtune.runtime.backends import register_backend, unregister_backend
+from flashtune.runtime.dispatch import Dispatcher, set_dispatcher
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outputs start as NaN, so any element the kernel does not write is caught."""
+    real = forward.empty_outputs
+
+    def poisoned(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = real(q)
+        return out.fill_(math.nan), lse.fill_(math.nan)
+
+    monkeypatch.setattr(forward, "empty_outputs", poisoned)
+
+
+@pytest.fixture
+def source() -> ListSource:
+    return ListSource()
+
+
+@pytest.fixture
+def dispatcher(source: ListSource) -> Iterator[Dispatcher]:
+    """The process-wide dispatcher, reading ``source``; plans are cleared around the test."""
+    d = Dispatcher(lambda: source)
+    set_dispatcher(d)
+    forward.clear_caches()
+    yield d
+    set_dispatcher(None)
+    forward.clear_caches()
+
+
+@pytest.fixture
+def pyref(dispatcher: Dispatcher) -> Iterator[PyRefBackend]:
+    """The reference backend registered as ``pyref`` (CPU tensors)."""
+    backend = PyRefBackend()
+    register_backend("pyref", "cpu", lambda: backend)
+    yield backend
+    unregister_backend("pyref")
