@@ -6,7 +6,7 @@ One entry per (arch class, compiled head dim, causal); the classes (codegen.arch
 - ``sm86``: consumer Ampere, Ada and Blackwell (sm_86, sm_89, sm_120), 100 KB per SM;
 - ``sm90``: H100/H200 and B200 (sm_90, sm_100), 228 KB per SM.
 
-How the entries are chosen: by the rule of ``flashtune.perf.default_rule``, which compiles
+How the entries are chosen: by the rule of ``flashtune.perf.model.default_rule``, which compiles
 (NVRTC 13, every arch of the class, fp16 and bf16) and asks the cost model; this table is
 its result, checked in so that nothing compiles at import, and ``python
 docs/default_configs.py --check`` re-derives it. Among the tiles of the forward space with
@@ -21,7 +21,7 @@ is asked about FlashAttention's benchmark point at 4k tokens: batch 4, seqlen 40
 size 2048 (2048 // head dim heads), bf16, on the class's reference GPU (sm80: A100, sm86:
 RTX 3090, sm90: H100). Predictions are the model's, not measurements.
 
-The spill rule (``perf.loops.MAX_LOCAL_ACCESSES``): a config may spill as long as no
+The spill rule (``perf.sass.loops.MAX_LOCAL_ACCESSES``): a config may spill as long as no
 local-memory access sits in a tensor-core chain and each main loop makes at most 8 of them
 per iteration (FA2's own d128 tile makes 12).
 
