@@ -95,7 +95,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (like q) and the float32 LSE (B, Hq, Nq) of validated inputs, launched on the
     current stream. ``backend`` "" means the FLASHTUNE_BACKEND knob. ``variant``: the
-    call's validated features (``runtime.variants.resolve``; its ``causal`` is ignored in
+    call's validated features (``api.variants.resolve``; its ``causal`` is ignored in
     favour of ``causal``), None for none."""
     name = backend or knobs.BACKEND.get()
     features = variant.features if variant is not None else ()

@@ -323,7 +323,7 @@ class DeviceRecord:
 
 @dataclass(frozen=True)
 class TrialRecord:
-    """One measured (or failed) kernel variant for a (device, problem, seqlen bucket).
+    """One measured (or failed) config for a (device, problem, seqlen bucket).
 
     Timings are in milliseconds: ``median_ms``/``min_ms``/``max_ms`` over ``count`` timed
     runs. ``template_digest`` is the digest of the kernel source that was measured

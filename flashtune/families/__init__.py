@@ -77,7 +77,7 @@ def of(problem: Problem) -> KernelFamily:
     return get(problem.op)
 
 
-def serving(problem: Problem, arch: ArchSpec) -> Problem:
+def served_problem(problem: Problem, arch: ArchSpec) -> Problem:
     """The problem a call of ``problem`` runs on a device of ``arch``: ``problem`` itself, or
     the same problem for a registered family that ``serves`` its op with an arch-specific
     target this device runs (e.g. the Hopper forward on compute capability 9.0) and that
@@ -98,9 +98,9 @@ def serving(problem: Problem, arch: ArchSpec) -> Problem:
 
 def served_on_virtual(problem: Problem, arch: ArchSpec) -> Problem:
     """What a virtual device of ``arch`` runs for ``problem`` (``DeviceInfo.virtual``): the
-    arch-specific family's problem (``serving``) only when ``arch`` is that target itself
+    arch-specific family's problem (``served_problem``) only when ``arch`` is that target itself
     (sm_90a), else ``problem``: a virtual sm_90 keeps the op's own family."""
-    return serving(problem, arch) if arch.arch_specific else problem
+    return served_problem(problem, arch) if arch.arch_specific else problem
 
 
 def render(problem: Problem, config: KernelConfig) -> KernelSource:
@@ -109,4 +109,4 @@ def render(problem: Problem, config: KernelConfig) -> KernelSource:
 
 
 __all__ = ["KernelFamily", "all_families", "get", "of", "register", "render",
-           "served_on_virtual", "serving", "unregister"]
+           "served_on_virtual", "served_problem", "unregister"]

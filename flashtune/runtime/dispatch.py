@@ -8,7 +8,7 @@ Lookup order for a (device, problem, sequence bucket):
 4. ``default`` -- the family's built-in default table (``families.<op>``).
 
 The family is the problem's own, unless a registered family with an arch-specific target
-this device runs ``serves`` its op (``families.serving``): on compute capability 9.0 devices
+this device runs ``serves`` its op (``families.served_problem``): on compute capability 9.0 devices
 an sm_90a family answers the calls of the op it serves, with its own problem key (tuned
 results and defaults are that family's), except that when nothing is tuned for it a config of
 the op's own family tuned on this device (tiers 1-2) is served rather than the sm_90a
@@ -265,11 +265,11 @@ class Dispatcher:
 
 def served_problem(problem: Problem, device: DeviceLike) -> Problem:
     """The problem a call of ``problem`` runs on ``device``: that of the arch-specific family
-    serving its op there (``families.serving``) when the device runs such families, else
+    serving its op there (``families.served_problem``) when the device runs such families, else
     ``problem`` itself."""
     if not _arch_specific_kernels(device):
         return problem
-    return families.serving(problem, get_arch(device.arch))
+    return families.served_problem(problem, get_arch(device.arch))
 
 
 def _arch_specific_kernels(device: DeviceLike) -> bool:

@@ -71,7 +71,7 @@ def test_registered_beside_the_cp_async_family_serving_nothing_yet() -> None:
     assert families.get("fwd90aws") is HOPPER_WS_FORWARD
     assert HOPPER_WS_FORWARD.serves is None and HOPPER_WS_FORWARD.target_arch == "sm_90a"
     generic = Problem(128, DType.BF16)
-    assert families.serving(generic, SM90A).op == HOPPER_FORWARD.op
+    assert families.served_problem(generic, SM90A).op == HOPPER_FORWARD.op
     problem = _problem(128, DType.BF16, True)
     config = HOPPER_WS_FORWARD.default_config(problem, SM90A)
     assert config == HOPPER_FORWARD.default_config(dataclasses.replace(problem, op="fwd90a"),

@@ -1,7 +1,7 @@
 """The sm_90a forward family: FlashAttention's forward on wgmma for compute capability 9.0.
 
 Same arguments, outputs, reference and tolerances as the mma.sync forward (it serves "fwd"
-calls on cc 9.0 devices through ``families.serving``); S = Q K^T by wgmma with Q and K in
+calls on cc 9.0 devices through ``families.served_problem``); S = Q K^T by wgmma with Q and K in
 128-byte-swizzled shared memory, P V by wgmma with P in registers and V MN-major in shared
 memory, K/V tiles by cp.async into a stage ring guarded by full/empty mbarriers
 (templates/hopper_fwd.cuh). Head dims 64, 128 and 256; one to three warpgroups of 64 query
@@ -33,7 +33,7 @@ class HopperForwardFamily(ForwardFamily):
     target_arch: ClassVar[str | None] = "sm_90a"
     serves: ClassVar[str | None] = "fwd"
     #: No attention features yet: problems with them are served by the mma.sync forward
-    #: (``families.serving`` skips a family that refuses a problem).
+    #: (``families.served_problem`` skips a family that refuses a problem).
     features: ClassVar[frozenset[str]] = frozenset()
 
     def check_problem(self, problem: Problem) -> None:
