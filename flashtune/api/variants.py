@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,6 +37,8 @@ class Variant:
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = None
     varlen: VarlenArgs | None = None
+    #: The params of declared score modifications by name (none from the API's keywords).
+    mods: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def features(self) -> tuple[str, ...]:

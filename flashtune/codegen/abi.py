@@ -11,6 +11,10 @@ must agree with the kernel's parameter list is generated from that one declarati
 - ``emulator_signature(features)``: the parameter type codes the emulator's kernel library
   exports for the entry point (``ftemu_signature__<entry>``), checked at load.
 
+An entry that takes declared score modifications (``score_mods=True``) has, after its own
+arguments, the params of the problem's modifications (``codegen.score_mods``), in key order:
+a feature declared with a ``ScoreMod`` adds its arguments with no edit of any ABI.
+
 Packed arguments are (ArgType, value) pairs in the kernel's parameter order; every backend
 converts them the same way (a 64-bit pointer, a 32-bit or 64-bit integer, a 32-bit float),
 except a tensor map (``TMAP``, a ``TensorMap``), which each backend encodes its own way
@@ -28,6 +32,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+from flashtune.codegen import features as _features
 from flashtune.codegen.tensormap import TensorMap
 from flashtune.errors import InvalidInput
 
@@ -240,11 +245,14 @@ _ZEROS = (0,) * 8
 
 @dataclass(frozen=True)
 class EntryAbi:
-    """The arguments of one kernel entry point, in parameter order (see the module doc)."""
+    """The arguments of one kernel entry point, in parameter order (see the module doc);
+    ``score_mods``: the entry also takes the params of the problem's declared score
+    modifications, after ``args``."""
 
     name: str
     args: tuple[Arg, ...]
-    _packers: dict[frozenset[str], Packer] = field(default_factory=dict, init=False,
+    score_mods: bool = False
+    _packers: dict[tuple[frozenset[str], int], Packer] = field(default_factory=dict, init=False,
                                                   repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
@@ -256,11 +264,18 @@ class EntryAbi:
 
     def extended(self, name: str, *more: Arg) -> EntryAbi:
         """This ABI with ``more`` arguments after its own (a kernel that takes more)."""
-        return EntryAbi(name, self.args + more)
+        return EntryAbi(name, self.args + more, self.score_mods)
 
     def active(self, features: Collection[str] = ()) -> tuple[Arg, ...]:
         """The arguments of a kernel with the feature switches ``features`` on."""
-        return tuple(a for a in self.args if a.feature is None or a.feature in features)
+        own = tuple(a for a in self.args if a.feature is None or a.feature in features)
+        if not self.score_mods:
+            return own
+        return own + tuple(
+            scalar(p.name, Element.FLOAT if p.type == "float" else Element.INT,
+                   feature=name, wrap=i == 0)
+            for name, mod in _features.mods_of(features)
+            for i, p in enumerate(mod.params))
 
     def signature(self, features: Collection[str] = (),
                   aliases: Mapping[Element, str] = OPERAND_ALIASES) -> str:
@@ -289,11 +304,14 @@ class EntryAbi:
 
     def packer(self, features: Collection[str] = ()) -> Packer:
         """The packer of a kernel with ``features`` on (generated once per feature set)."""
-        key = frozenset(features)
+        names = frozenset(features)
+        # Keyed by the registry's generation too: a feature registered again may declare
+        # other params.
+        key = (names, _features.generation())
         pack = self._packers.get(key)
         if pack is None:
-            pack = self._packers.setdefault(key, _generate(self, self.active(key),
-                                                           self.inputs(key)))
+            pack = self._packers.setdefault(key, _generate(self, self.active(names),
+                                                           self.inputs(names)))
         return pack
 
     def pack(self, values: Mapping[str, object], features: Collection[str] = ()

@@ -8,7 +8,10 @@ cannot be combined with. ``Problem``'s constructor, key, ``from_key``, ``to_dict
 ``from_dict`` and the families' ``features`` gate all read this registry, so registering a
 feature (``register_feature``) makes problems with it expressible, keyed, stored and refused
 by every family that does not declare it, with no other edit. A family then implements it
-in its own folder (template switch, run-time values, reference).
+in its own folder (template switch, run-time values, reference), unless the feature
+declares a score modification (``score``: a ``codegen.score_mods.ScoreMod``, its device
+hook, run-time params and float64 reference): then every family that takes declared
+modifications (``KernelFamily.score_mods``) serves it with no edit of its own.
 
 Key order is registration order: the built-ins are registered here in the order today's keys
 spell them (``fwd_d64_fp16_local_softcap_alibi_varlen``), so their keys never change.
@@ -19,10 +22,11 @@ from __future__ import annotations
 import functools
 import re
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
+from flashtune.codegen.score_mods import ScoreMod
 from flashtune.errors import InvalidProblem
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,15}$")
@@ -46,7 +50,9 @@ class Feature:
     excludes: the switches it cannot be combined with: ``causal`` or other features' names;
     mask: its word stands in the key's mask slot instead of ``full`` (a mask of its own:
       mask features exclude ``causal``, which must be listed in ``excludes``, and each other);
-    hint: how to write an excluded combination instead, appended to the refusal.
+    hint: how to write an excluded combination instead, appended to the refusal;
+    score: its score modification, for a feature that is one (None: the families that
+      declare the feature implement it themselves).
     """
 
     name: str
@@ -55,6 +61,7 @@ class Feature:
     excludes: frozenset[str] = field(default_factory=frozenset)
     mask: bool = False
     hint: str = ""
+    score: ScoreMod | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "excludes", frozenset(self.excludes))
@@ -96,6 +103,13 @@ def register_feature(feature: Feature) -> None:
             if {feature.name, feature.word} & {other.name, other.word}:
                 raise InvalidProblem(f"feature {feature.name!r} (key word {feature.word!r}) "
                                      f"clashes with {other.name!r} (key word {other.word!r})")
+        taken = {p.name: other.name for other in _registry.values() if other.score
+                 for p in other.score.params}
+        clash = [p.name for p in feature.score.params if p.name in taken] if feature.score else []
+        if clash:
+            raise InvalidProblem(f"feature {feature.name!r}: score modification params {clash} "
+                                 f"are taken by {sorted({taken[n] for n in clash})} (kernel "
+                                 "arguments must be unique); rename them")
         unknown = sorted(feature.excludes - {"causal", *_registry})
         if unknown:
             raise InvalidProblem(f"feature {feature.name!r} excludes {unknown}, which are not "
@@ -153,6 +167,12 @@ def _switch_set(names: frozenset[str], causal: bool, generation: int) -> tuple[s
         raise InvalidProblem(f"{' and '.join(f'{m}=True' for m in masks)} are exclusive: "
                              "each is a mask of its own; switch on one")
     return tuple(f.name for f in on)
+
+
+def mods_of(names: Collection[str]) -> tuple[tuple[str, ScoreMod], ...]:
+    """(name, modification) of the features ``names`` that declare one, in key order."""
+    return tuple((f.name, f.score) for f in _registry.values()
+                 if f.score is not None and f.name in names)
 
 
 class FeatureNames(Sequence[str]):

@@ -224,6 +224,9 @@ class KernelFamily(ABC):
     #: The feature switches of a Problem (``codegen.features``) the family implements;
     #: a problem with any other is refused (FeatureNotSupported).
     features: ClassVar[frozenset[str]] = frozenset()
+    #: Whether the family also serves every feature that declares a score modification
+    #: (``codegen.score_mods``): its kernels apply the declared hooks and take their params.
+    score_mods: ClassVar[bool] = False
     #: The element types per operand (``codegen.dtypes.Dtypes``) the family's kernels take,
     #: e.g. ``SAME_16BIT``; a problem with any other combination is refused (InvalidProblem).
     #: Every family declares its own: none is accepted by default.
@@ -237,11 +240,13 @@ class KernelFamily(ABC):
 
     def check_problem(self, problem: Problem) -> None:
         """InvalidProblem unless this family serves ``problem`` (its op, features and element
-        types); FeatureNotSupported for a feature switch not in ``features``."""
+        types); FeatureNotSupported for a feature switch not in ``features`` (nor a
+        declared score modification, where the family takes them)."""
         if problem.op != self.op:
             raise InvalidProblem(f"problem {problem.key()} is for family {problem.op!r}, "
                                  f"not {self.op!r}")
-        missing = [name for name in problem.features if name not in self.features]
+        missing = [name for name in problem.features if name not in self.features
+                   and not (self.score_mods and feature(name).score is not None)]
         if missing:
             raise FeatureNotSupported(
                 f"the {self.op!r} kernel family ({self.title}) does not implement "

@@ -72,8 +72,9 @@ struct VariantArgs {
   }
 };
 
-// The kernel's arguments (see the entry point in flash_fwd.cu.jinja).
-template <class Element>
+// The kernel's arguments (see the entry point in flash_fwd.cu.jinja); `mods` holds the
+// params of the declared score modifications.
+template <class Element, class Mods = NoScoreMods>
 struct FwdParams {
   const Element* __restrict__ q;
   const Element* __restrict__ k;
@@ -87,12 +88,13 @@ struct FwdParams {
   long long o_batch_stride, o_row_stride, o_head_stride;
   float softmax_scale;
   VariantArgs var;
+  Mods mods;
 };
 
 // One block's work: kBlockM query rows from m_block * kBlockM of one (batch, head).
 template <class Tr>
-__device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element>& a, int m_block,
-                                         int head, int batch, unsigned char* smem) {
+__device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, typename Tr::Mods>& a,
+                                         int m_block, int head, int batch, unsigned char* smem) {
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
@@ -188,6 +190,16 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element>& 
     const float unit = Tr::kSoftcap ? a.var.softcap : a.softmax_scale;
     loop.transform.neg_slope = -a.var.alibi_slopes[batch * a.var.alibi_batch_stride + head] / unit;
   }
+  if constexpr (Tr::Mods::kOn) {
+    const float unit = Tr::kSoftcap ? a.var.softcap : a.softmax_scale;
+    loop.transform.mods = a.mods;
+    loop.transform.unit = unit;
+    loop.transform.inv_unit = 1.0f / unit;
+    loop.transform.row0 = m0 + warp_row0 + lane / 4;
+    loop.transform.col_lane = 2 * (lane % 4);
+    loop.transform.batch = batch;
+    loop.transform.head = head;
+  }
   loop.q.rows = sq + Tr::Smem::offset(warp_row0, 0);
   const int first_rows = seqlen_k - tile * kBlockN;
   loop.prologue(sq, q_bh, a.q_row_stride, m0, seqlen_q, tile, first_rows);
@@ -267,7 +279,8 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element>& 
 
 // The kernel: maps the launch grid to tiles (kOrder, kPersistent) and runs fwd_tile.
 template <class Tr, BlockOrder kOrder = BlockOrder::kPlain, bool kPersistent = false>
-__device__ __forceinline__ void flash_fwd(const FwdParams<typename Tr::Element>& a) {
+__device__ __forceinline__ void flash_fwd(
+    const FwdParams<typename Tr::Element, typename Tr::Mods>& a) {
   static_assert(!(kPersistent && kOrder == BlockOrder::kHeadsInner),
                 "a persistent block walks the query blocks of one head: plain or "
                 "longest-first order");

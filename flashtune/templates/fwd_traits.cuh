@@ -35,6 +35,11 @@ struct Layout<RowChunks, true> {
 };
 }  // namespace detail
 
+// No declared score modifications (the kernel applies none).
+struct NoScoreMods {
+  static constexpr bool kOn = false;
+};
+
 // One variant of the FlashAttention-2 forward kernel.
 //
 // HeadDim is the real head dim (a multiple of 8); HeadDimPadded the compiled tile dim that
@@ -60,13 +65,17 @@ struct Layout<RowChunks, true> {
 //     every row of a block are never visited, the ones crossing its edges are masked;
 //   Softcap: scores pass through cap * tanh(scale * s / cap) (run-time cap);
 //   Alibi: scores get the bias -slope * |i + Nk - Nq - j| (run-time per-head slopes);
-//   Varlen: sequences of run-time lengths packed along the rows (cu_seqlens on the device).
+//   Varlen: sequences of run-time lengths packed along the rows (cu_seqlens on the device);
+//   Mods: the declared score modifications (a functor rendered from codegen.score_mods,
+//     applied to every scaled score after softcap and ALiBi), or NoScoreMods.
 template <typename Element_, int HeadDim, int HeadDimPadded, int BlockM, int BlockN,
           int NumWarps, int NumStages, bool Causal, int RowPad, bool Swizzle = false,
           bool QInRegs = false, bool Pipelined = false, bool Local = false,
-          bool Softcap = false, bool Alibi = false, bool Varlen = false>
+          bool Softcap = false, bool Alibi = false, bool Varlen = false,
+          class Mods_ = NoScoreMods>
 struct FwdTraits {
   using Element = Element_;
+  using Mods = Mods_;
   using Ops = TensorOps<Element>;
   using Smem = typename detail::Layout<HeadDimPadded / 8, Swizzle>::type;
   static constexpr bool kSwizzle = Swizzle;
@@ -85,8 +94,8 @@ struct FwdTraits {
   static constexpr bool kSoftcap = Softcap;
   static constexpr bool kAlibi = Alibi;
   static constexpr bool kVarlen = Varlen;
-  // Whether scores are transformed before the softmax (softcap, ALiBi).
-  static constexpr bool kTransformed = Softcap || Alibi;
+  // Whether scores are transformed before the softmax (softcap, ALiBi, declared mods).
+  static constexpr bool kTransformed = Softcap || Alibi || Mods::kOn;
   static constexpr int kThreads = 32 * NumWarps;
 
   // Warp tiling: warp w owns query rows [w * kWarpRows, (w + 1) * kWarpRows) of the block.

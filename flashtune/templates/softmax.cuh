@@ -71,9 +71,26 @@ struct TileMask {
 // `unit`: softmax_scale, or the cap with softcap), so each transform leaves its result in
 // that unit:
 //   softcap: s -> tanh(s * softmax_scale / cap), i.e. cap * tanh(scale s / cap) / cap;
-//   ALiBi: s += -(slope / unit) * |i + seqlen_k - seqlen_q - j| (the bias in that unit).
+//   ALiBi: s += -(slope / unit) * |i + seqlen_k - seqlen_q - j| (the bias in that unit);
+//   declared mods: s -> mods(unit s, batch, head, i, j) / unit (ModSite).
+template <class Mods, bool = Mods::kOn>
+struct ModSite {};
+
+// What declared score modifications read besides the score: their params (the functor)
+// and the lane's coordinates.
+template <class Mods>
+struct ModSite<Mods, true> {
+  Mods mods;
+  float unit;      // the unit the softmax reads scores in (see above)
+  float inv_unit;  // 1 / unit
+  int row0;        // the query row of the lane's row (0, 0) within its sequence
+  int col_lane;    // the lane's first key column within a tile
+  int batch;
+  int head;
+};
+
 template <class Tr>
-struct ScoreTransform {
+struct ScoreTransform : ModSite<typename Tr::Mods> {
   float tanh_scale;  // softmax_scale / cap (softcap)
   float neg_slope;   // -slope / unit (ALiBi)
 
@@ -92,6 +109,12 @@ struct ScoreTransform {
             // Element i: row h = i / 2, column e = i % 2.
             const int d = pos + mt * 16 + 8 * (i / 2) - nt * 8 - (i % 2);
             x += neg_slope * static_cast<float>(d < 0 ? -d : d);
+          }
+          if constexpr (Tr::Mods::kOn) {
+            const int q_idx = this->row0 + mt * 16 + 8 * (i / 2);
+            const int kv_idx = col0 + this->col_lane + nt * 8 + (i % 2);
+            x = this->mods(x * this->unit, this->batch, this->head, q_idx, kv_idx) *
+                this->inv_unit;
           }
           s[mt][nt][i] = x;
         }

@@ -13,6 +13,7 @@ from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import EntryAbi
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.dtypes import SAME_16BIT
+from flashtune.codegen.features import mods_of
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
@@ -48,6 +49,7 @@ class ForwardFamily(KernelFamily):
     template = "flash_fwd.cu.jinja"
     dtypes = SAME_16BIT
     features = frozenset({"window", "softcap", "alibi", "varlen"})
+    score_mods = True
     abi: ClassVar[EntryAbi | None] = args.FWD_ABI
 
     def space(self, problem: Problem) -> ParamSpace:
@@ -151,17 +153,20 @@ class ForwardFamily(KernelFamily):
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
         t = inputs.tensors
         values = variants.VariantValues.of(inputs).only(problem)
+        mods = [mod for _, mod in mods_of(problem.features)]
         if values.varlen is not None:
             o, lse = varlen_reference(t["q"][0], t["k"][0], t["v"][0],
                                       values.varlen.cu_seqlens_q, values.varlen.cu_seqlens_k,
                                       problem.causal, inputs.scalars["softmax_scale"],
                                       window=values.window, softcap=values.softcap or None,
-                                      alibi_slopes=values.alibi_slopes)
+                                      alibi_slopes=values.alibi_slopes, mods=mods,
+                                      mod_values=values.mods)
             return {"o": o[None], "lse": lse[None]}
         o, lse = attention_reference(t["q"], t["k"], t["v"], problem.causal,
                                      inputs.scalars["softmax_scale"], window=values.window,
                                      softcap=values.softcap or None,
-                                     alibi_slopes=values.alibi_slopes)
+                                     alibi_slopes=values.alibi_slopes, mods=mods,
+                                     mod_values=values.mods)
         return {"o": o, "lse": lse}
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,

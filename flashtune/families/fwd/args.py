@@ -14,7 +14,8 @@ expected signature are generated from it (``codegen.abi``).
         are then (1, total rows, heads, head_dim) (flash-attn's packed (total, heads, dim)
         with a batch dim of 1), seqlen_q and seqlen_k their total rows, the LSE
         (heads_q, total rows of Q), and the grid (ceil(max_seqlen_q / block_m), heads_q,
-        number of sequences).
+        number of sequences);
+      declared score modifications (``codegen.score_mods``): their params, in key order.
 
 Q/O are (batch, seqlen_q, heads_q, head_dim), K/V are (batch, seqlen_k, heads_kv,
 head_dim), each with a contiguous last dim and otherwise arbitrary strides; LSE is a
@@ -43,6 +44,7 @@ from flashtune.codegen.abi import (
     strides,
     tensor,
 )
+from flashtune.codegen.features import mods_of
 from flashtune.codegen.spec import Problem
 from flashtune.errors import InvalidInput
 
@@ -55,7 +57,7 @@ _Q, _KV, _O, _F, _I, _L = (Element.Q, Element.KV, Element.O, Element.FLOAT, Elem
                            Element.INT64)
 
 #: The forward's kernel arguments (the mma.sync and the sm_90a forwards).
-FWD_ABI = EntryAbi("flash_fwd", (
+FWD_ABI = EntryAbi("flash_fwd", score_mods=True, args=(
     tensor("q", _Q, const=True), tensor("k", _KV, const=True),
     tensor("v", _KV, const=True, wrap=True), tensor("o", _O), tensor("lse", _F),
     scalar("seqlen_q", _I, size("q", 1), wrap=True), scalar("seqlen_k", _I, size("k", 1)),
@@ -102,6 +104,8 @@ class VariantLike(Protocol):
     def alibi_slopes(self) -> torch.Tensor | None: ...
     @property
     def varlen(self) -> VarlenArgs | None: ...
+    @property
+    def mods(self) -> Mapping[str, float]: ...
 
 
 Grid = tuple[int, int, int]
@@ -149,6 +153,12 @@ def feature_values(problem: Problem, variant: VariantLike | None) -> dict[str, o
         out["cu_seqlens_q"] = varlen.cu_seqlens_q
         out["cu_seqlens_k"] = varlen.cu_seqlens_k
         out["max_seqlen_q"] = varlen.max_seqlen_q
+    for name, mod in mods_of(problem.features):
+        for p in mod.params:
+            if variant is None or p.name not in variant.mods:
+                raise InvalidInput(f"{problem.key()} needs the value of {p.name!r} (a "
+                                   f"{p.type} param of the score modification {name!r})")
+            out[p.name] = variant.mods[p.name]
     return out
 
 

@@ -10,14 +10,19 @@ head h // (Hq / Hkv). A row that sees no key has O = 0 and LSE = +inf.
 Features: a sliding window (left, right) hides key j from row i unless
 i + Nk - Nq - left <= j <= i + Nk - Nq + right (-1: that side unbounded); softcap replaces
 S by cap * tanh(S / cap); ALiBi adds -slope[b, h] * |i + Nk - Nq - j| (after the softcap).
-Varlen (``varlen_reference``): each sequence of a packed batch on its own.
+Declared score modifications (``codegen.score_mods``) then apply in key order to the scaled
+(capped, biased) scores, with the batch, query head, row and key of each score. Varlen
+(``varlen_reference``): each sequence of a packed batch on its own (its batch index: its
+number in the pack).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from flashtune._lazy import lazy_module
+from flashtune.codegen.score_mods import ScoreMod
 from flashtune.families.checks import causal_visible
 
 if TYPE_CHECKING:
@@ -52,10 +57,12 @@ def alibi_bias(slopes: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                         scale: float, *, window: tuple[int, int] = (-1, -1),
                         softcap: float | None = None,
-                        alibi_slopes: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        alibi_slopes: torch.Tensor | None = None,
+                        mods: Sequence[ScoreMod] = (), mod_values: Mapping[str, float] = {},
+                        first_batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 O (B, Nq, Hq, D) and LSE (B, Hq, Nq) from (B, N, H, D) tensors, with the
-    features of the module doc (causal and a window combine: both masks apply)."""
+    features of the module doc (causal and a window combine: both masks apply); ``mods``
+    take their params from ``mod_values`` and see batch indices from ``first_batch``."""
     qd, kd, vd = (t.to(torch.float64) for t in (q, k, v))
     group = q.shape[2] // k.shape[2]
     kd = kd.repeat_interleave(group, dim=2)
@@ -66,6 +73,16 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     if alibi_slopes is not None:
         scores = scores + alibi_bias(alibi_slopes.to(q.device), q.shape[0], q.shape[1],
                                      k.shape[1])
+    if mods:
+        b, h, nq, nk = scores.shape
+        def index(n: int, dim: int) -> torch.Tensor:
+            shape = [1, 1, 1, 1]
+            shape[dim] = n
+            return torch.arange(n, device=q.device).view(shape)
+        batch = index(b, 0) + first_batch
+        for mod in mods:
+            scores = mod.apply(scores, batch, index(h, 1), index(nq, 2), index(nk, 3),
+                               dict(mod_values)).to(torch.float64)
     if causal:
         visible = causal_visible(q.shape[1], k.shape[1], q.device)
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -82,7 +99,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
 def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool,
                      scale: float, *, window: tuple[int, int] = (-1, -1),
-                     softcap: float | None = None, alibi_slopes: torch.Tensor | None = None
+                     softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
+                     mods: Sequence[ScoreMod] = (), mod_values: Mapping[str, float] = {}
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 O (total_q, Hq, D) and LSE (Hq, total_q) of packed (total, H, D) tensors:
     sequence b is rows cu_seqlens[b] to cu_seqlens[b + 1] - 1, attended on its own (a
@@ -100,7 +118,8 @@ def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             slopes = alibi_slopes[b] if alibi_slopes.dim() == 2 else alibi_slopes
         o_b, lse_b = attention_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal,
                                          scale, window=window, softcap=softcap,
-                                         alibi_slopes=slopes)
+                                         alibi_slopes=slopes, mods=mods,
+                                         mod_values=mod_values, first_batch=b)
         out[q0:q1] = o_b[0]
         lse[:, q0:q1] = lse_b[0]
     return out, lse

@@ -11,12 +11,15 @@ the number of sequences and the longest query and key sequences.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from flashtune._lazy import lazy_module
+from flashtune.codegen.features import mods_of
 from flashtune.codegen.render import TemplateValue
-from flashtune.codegen.spec import Problem, Shape, ShapeLike
+from flashtune.codegen.score_mods import functor_values, render_functor
+from flashtune.codegen.spec import FEATURES, Problem, Shape, ShapeLike
 from flashtune.families.base import Inputs, random_rows
 from flashtune.families.fwd.args import VarlenArgs
 
@@ -42,6 +45,8 @@ class VariantValues:
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = None
     varlen: VarlenArgs | None = None
+    #: The params of declared score modifications (``codegen.score_mods``) by name.
+    mods: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, inputs: Inputs) -> VariantValues:
@@ -50,28 +55,42 @@ class VariantValues:
         t = inputs.tensors
         varlen = (VarlenArgs(t["cu_seqlens_q"], t["cu_seqlens_k"], int(s["max_seqlen_q"]))
                   if "cu_seqlens_q" in t else None)
+        mods = {p.name: s[p.name] for _, mod in mods_of(FEATURES) for p in mod.params
+                if p.name in s}
         return cls((int(s.get("window_left", -1)), int(s.get("window_right", -1))),
-                   float(s.get("softcap", 0.0)), t.get("alibi_slopes"), varlen)
+                   float(s.get("softcap", 0.0)), t.get("alibi_slopes"), varlen, mods)
 
     def only(self, problem: Problem) -> VariantValues:
         """These values with those of features ``problem`` does not switch on reset."""
         return VariantValues(self.window if problem.window else (-1, -1),
                              self.softcap if problem.softcap else 0.0,
                              self.alibi_slopes if problem.alibi else None,
-                             self.varlen if problem.varlen else None)
+                             self.varlen if problem.varlen else None,
+                             {p.name: self.mods[p.name]
+                              for _, mod in mods_of(problem.features)
+                              for p in mod.params if p.name in self.mods})
 
 
 def template_params(problem: Problem) -> dict[str, TemplateValue]:
     """The template switches of ``problem``'s features (none for a plain problem, so that
-    its source is the same as before features existed)."""
-    return {_TEMPLATE_NAMES[name]: True for name in problem.features}
+    its source is the same as before features existed): the built-ins' switches, and the
+    declared score modifications' functor (``score_mods``) with the arguments that
+    initialise it (``score_mod_values``)."""
+    params: dict[str, TemplateValue] = {_TEMPLATE_NAMES[name]: True
+                                        for name in problem.features if name in _TEMPLATE_NAMES}
+    mods = mods_of(problem.features)
+    if mods:
+        params["score_mods"] = render_functor(mods)
+        params["score_mod_values"] = functor_values(mods)
+    return params
 
 
 def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
                   device: torch.device | str) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """Random feature values for ``problem`` (scalars, tensors), drawn with ``gen``: window
-    sizes from WINDOW_SIZES (not both unbounded), a cap from SOFTCAPS, and ALiBi slopes in
-    [0, 1) of shape (batch, heads_q)."""
+    sizes from WINDOW_SIZES (not both unbounded), a cap from SOFTCAPS, ALiBi slopes in
+    [0, 1) of shape (batch, heads_q), and each declared score modification's params from
+    their ``draws``."""
     scalars: dict[str, float] = {}
     tensors: dict[str, torch.Tensor] = {}
 
@@ -88,6 +107,9 @@ def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
     if problem.alibi:
         tensors["alibi_slopes"] = torch.rand(shape.batch, shape.heads_q, generator=gen,
                                              device=device)
+    for _, mod in mods_of(problem.features):
+        for p in mod.params:
+            scalars[p.name] = pick(p.draws) if p.type == "float" else int(pick(p.draws))
     return scalars, tensors
 
 

@@ -1,0 +1,121 @@
+"""Score modifications as declarations: the device hook, run-time values and reference of a
+feature that changes attention scores (``Feature.score``).
+
+A ``ScoreMod`` is FlexAttention's ``score_mod`` written once for both sides: ``cuda`` is a
+C++ expression of the scaled score ``score`` (``softmax_scale * q.k``, after the built-in
+transforms: softcap, then ALiBi), the ints ``batch``, ``head`` (the query head), ``q_idx``
+and ``kv_idx`` (the row and key within their sequence, varlen included) and its ``params``
+(run-time scalars); its value is the new scaled score. ``reference`` computes the same in
+float64 on broadcastable tensors: ``reference(score, batch, head, q_idx, kv_idx, **values)``
+with score (B, H, Nq, Nk) and index tensors of shapes (B, 1, 1, 1), (1, H, 1, 1),
+(1, 1, Nq, 1) and (1, 1, 1, Nk). ``ModParam.draws`` are the values verification picks from.
+
+A family that takes declared modifications (``KernelFamily.score_mods``) renders the
+problem's ones into one functor (``render_functor``), appends their params to its kernel's
+arguments (``codegen.abi``: an ``EntryAbi`` with ``score_mods``), and applies the functor to
+every score before the mask; masked scores stay hidden whatever a modification returns.
+"""
+
+from __future__ import annotations
+
+import keyword
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from flashtune.errors import InvalidProblem
+
+if TYPE_CHECKING:
+    import torch
+
+#: The names a modification's expression reads besides its params.
+HOOK_ARGUMENTS = ("score", "batch", "head", "q_idx", "kv_idx")
+#: The C++ type of each param type.
+PARAM_TYPES = {"float": "float", "int": "int"}
+
+#: ``reference(score, batch, head, q_idx, kv_idx, **values)`` -> the modified score.
+Reference = Callable[..., "torch.Tensor"]
+
+
+@dataclass(frozen=True)
+class ModParam:
+    """A run-time scalar of a modification: its name (a kernel argument: unique among the
+    registered features' params), its type (``float`` or ``int``: float32 or int32) and
+    the values verification draws from."""
+
+    name: str
+    type: str = "float"
+    draws: tuple[float, ...] = (0.5,)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "draws", tuple(self.draws))
+        if (not self.name.isidentifier() or keyword.iskeyword(self.name)
+                or self.name.startswith("_") or self.name in HOOK_ARGUMENTS):
+            raise InvalidProblem(f"score modification param {self.name!r} must be an "
+                                 "identifier that does not start with an underscore and is "
+                                 f"not one of {list(HOOK_ARGUMENTS)}, e.g. 'bias'")
+        if self.type not in PARAM_TYPES:
+            raise InvalidProblem(f"param {self.name!r} has type {self.type!r}; expected one "
+                                 f"of {sorted(PARAM_TYPES)}")
+        if not self.draws:
+            raise InvalidProblem(f"param {self.name!r} needs at least one value to draw for "
+                                 "verification (draws=...)")
+        if self.type == "int" and any(float(v) != int(v) for v in self.draws):
+            raise InvalidProblem(f"int param {self.name!r} draws {self.draws}: expected "
+                                 "whole numbers")
+
+
+@dataclass(frozen=True)
+class ScoreMod:
+    """The device hook, params and float64 reference of one score modification (see the
+    module doc)."""
+
+    cuda: str
+    reference: Reference
+    params: tuple[ModParam, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", tuple(self.params))
+        if not self.cuda.strip() or any(c in self.cuda for c in ";{}\n"):
+            raise InvalidProblem(f"score modification {self.cuda!r} must be one C++ "
+                                 "expression (no ';', braces or line breaks), e.g. "
+                                 "'score + bias'")
+        names = [p.name for p in self.params]
+        if len(set(names)) != len(names):
+            raise InvalidProblem(f"score modification params {names} repeat a name")
+
+    def apply(self, score: torch.Tensor, batch: torch.Tensor, head: torch.Tensor,
+              q_idx: torch.Tensor, kv_idx: torch.Tensor, values: dict[str, Any]
+              ) -> torch.Tensor:
+        """The float64 reference on one batch of scores, with this modification's values
+        taken from ``values`` by name (KeyError naming a missing one)."""
+        missing = [p.name for p in self.params if p.name not in values]
+        if missing:
+            raise KeyError(f"score modification values {missing} are missing")
+        mine = {p.name: values[p.name] for p in self.params}
+        return self.reference(score, batch, head, q_idx, kv_idx, **mine)
+
+
+def render_functor(mods: Sequence[tuple[str, ScoreMod]]) -> str:
+    """The C++ functor ``ScoreMods`` applying ``mods`` ((feature name, modification), in
+    key order) to a scaled score: its params as members, in order (``functor_values``)."""
+    members = "".join(f"  {PARAM_TYPES[p.type]} {p.name};\n" for _, mod in mods
+                      for p in mod.params)
+    steps = "".join(f"    score = ({mod.cuda});  // {name}\n" for name, mod in mods)
+    unused = "".join(f"    (void){a};\n" for a in HOOK_ARGUMENTS[1:])
+    return ("// The problem's declared score modifications (codegen.score_mods), in key order,\n"
+            "// on the scaled score of query row q_idx and key kv_idx of (batch, head).\n"
+            "struct ScoreMods {\n"
+            "  static constexpr bool kOn = true;\n"
+            f"{members}"
+            "  __device__ __forceinline__ float operator()(float score, int batch, int head,\n"
+            "                                              int q_idx, int kv_idx) const {\n"
+            f"{unused}{steps}"
+            "    return score;\n"
+            "  }\n"
+            "};")
+
+
+def functor_values(mods: Sequence[tuple[str, ScoreMod]]) -> str:
+    """The kernel arguments that initialise ``render_functor``'s members, in order."""
+    return ", ".join(p.name for _, mod in mods for p in mod.params)
