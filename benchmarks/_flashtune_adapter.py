@@ -45,17 +45,17 @@ class _NothingTuned:
 def defaults_only() -> Iterator[None]:
     """Within: every family's dispatcher decision is its built-in default (the process-wide
     dispatcher is swapped, and the memoised plans dropped on the way in and out)."""
-    from flashtune.api import forward
+    from flashtune.runtime import plans
     from flashtune.runtime.dispatch import Dispatcher, get_dispatcher, set_dispatcher
 
     previous = get_dispatcher()
     set_dispatcher(Dispatcher(_NothingTuned))  # type: ignore[arg-type]
-    forward.clear_caches()
+    plans.clear_caches()
     try:
         yield
     finally:
         set_dispatcher(previous)
-        forward.clear_caches()
+        plans.clear_caches()
 
 
 def default_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

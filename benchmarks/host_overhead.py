@@ -41,6 +41,7 @@ from flashtune.api.validate import check_attention_inputs  # noqa: E402
 from flashtune.codegen.abi import ArgType  # noqa: E402
 from flashtune.codegen.spec import KernelSource  # noqa: E402
 from flashtune.families.fwd import args as fwd_args  # noqa: E402
+from flashtune.runtime import plans  # noqa: E402
 from flashtune.runtime.backends import register_backend, unregister_backend  # noqa: E402
 
 SHAPE = (2, 1024, 16, 128)  # batch, seqlen, heads, head_dim (the values are never read)
@@ -114,7 +115,7 @@ def measure(repeats: int = 15, calls: int = 2000, device: str = "cpu"
         return [(name, _per_call(fn, calls, repeats)) for name, fn in parts]
     finally:
         unregister_backend("stub")
-        fwd.clear_caches()
+        plans.clear_caches()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,6 +11,7 @@ import torch
 from runtime_helpers import ListSource, PyRefBackend
 
 from flashtune.api import forward
+from flashtune.runtime import plans
 from flashtune.runtime.backends import register_backend, unregister_backend
 from flashtune.runtime.dispatch import Dispatcher, set_dispatcher
 
@@ -37,10 +38,10 @@ def dispatcher(source: ListSource) -> Iterator[Dispatcher]:
     """The process-wide dispatcher, reading ``source``; plans are cleared around the test."""
     d = Dispatcher(lambda: source)
     set_dispatcher(d)
-    forward.clear_caches()
+    plans.clear_caches()
     yield d
     set_dispatcher(None)
-    forward.clear_caches()
+    plans.clear_caches()
 
 
 @pytest.fixture

@@ -22,17 +22,7 @@ from flashtune.families.fwd.args import FwdPacker
 from flashtune.runtime import plans
 from flashtune.runtime.backends import BackendEntry
 from flashtune.runtime.dispatch import Decision
-from flashtune.runtime.plans import (
-    Plan,
-    clear_caches,
-    device_info,
-    emulator_arch,
-    resolve_backend,
-    seqlen_bucket,
-)
-
-__all__ = ["Plan", "clear_caches", "decide", "device_info", "emulator_arch", "empty_outputs",
-           "forward", "plan_for", "problem_bucket", "resolve_backend", "seqlen_bucket"]
+from flashtune.runtime.plans import Plan
 
 
 def _longest(q: torch.Tensor, k: torch.Tensor, longest: tuple[int, int] | None) -> int:

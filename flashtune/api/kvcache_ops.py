@@ -158,7 +158,7 @@ def explain_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     compiled); ``arch`` asks about a virtual GPU of that arch."""
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
     if q.device.type == "meta" and arch is None:
-        from flashtune.api.forward import emulator_arch
+        from flashtune.runtime.plans import emulator_arch
 
         arch = emulator_arch()
     return _decode.decide(q, causal, layout.capacity, backend, arch)

@@ -35,6 +35,7 @@ from flashtune.api.variants import (
     resolve,
 )
 from flashtune.errors import BackwardNotAvailable, InvalidInput
+from flashtune.runtime import plans
 from flashtune.runtime.dispatch import Decision
 
 OP_NAME = "flashtune::attention_fwd"
@@ -327,7 +328,7 @@ def explain(
     """
     check_attention_inputs(q, k, v)
     if q.device.type == "meta" and arch is None:
-        arch = _fwd.emulator_arch()
+        arch = plans.emulator_arch()
     variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
                       (q.shape[1], k.shape[1]))
     decision, _ = _fwd.decide(q, k, variant.causal, backend, arch, features=variant.features)

@@ -339,7 +339,7 @@ def get_dispatcher() -> Dispatcher:
 def set_dispatcher(dispatcher: Dispatcher | None) -> None:
     """Replace the process-wide dispatcher (None: a fresh one, reading the database again, on
     next use). Used by tests and by applications that bring their own source; callers that
-    keep plans (ops) must drop them too (``flashtune.api.forward.clear_caches``)."""
+    keep plans (ops) must drop them too (``flashtune.runtime.plans.clear_caches``)."""
     global _dispatcher
     with _dispatcher_lock:
         _dispatcher = dispatcher

@@ -25,7 +25,6 @@ from grad_helpers import Grads, attention_reference, error_ratios, gradients, ma
 from runtime_helpers import best_entry
 
 import flashtune
-from flashtune.api import forward
 from flashtune.errors import InvalidInput
 from flashtune.runtime import plans
 from flashtune.runtime.backends import register_backend, unregister_backend
@@ -167,7 +166,7 @@ def test_atomic_gradients_vary_with_block_order_within_tolerance(
 @pytest.mark.usefixtures("small")
 def test_torch_deterministic_algorithms_select_the_deterministic_kernel() -> None:
     previous = torch.are_deterministic_algorithms_enabled()
-    forward.clear_caches()
+    plans.clear_caches()
     torch.use_deterministic_algorithms(True)
     try:
         inputs, dout = make_inputs((1, 20, 20, 2, 2), D, torch.float16, SEED)

@@ -110,8 +110,7 @@ def test_cc90_serves_the_sm90a_forward_unless_it_opts_out(head_dim: int,
     """On a compute capability 9.0 GPU the public forward runs the sm_90a (wgmma) family (its
     kernel passes the first-use check) and matches float64; with FLASHTUNE_ARCH_SPECIFIC=0,
     the mma.sync forward."""
-    from flashtune.api import forward
-    from flashtune.runtime import first_use
+    from flashtune.runtime import first_use, plans
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90a forward serves compute capability 9.0 only")
@@ -121,7 +120,7 @@ def test_cc90_serves_the_sm90a_forward_unless_it_opts_out(head_dim: int,
             monkeypatch.setenv("FLASHTUNE_ARCH_SPECIFIC", "0")
         else:
             monkeypatch.delenv("FLASHTUNE_ARCH_SPECIFIC", raising=False)
-        forward.clear_caches()
+        plans.clear_caches()
         for causal in (False, True):
             assert flashtune.explain(q, k, v, causal=causal).problem.op == op
             out, lse = flashtune.attention(q, k, v, causal=causal, return_lse=True)

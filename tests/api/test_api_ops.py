@@ -22,7 +22,7 @@ from runtime_helpers import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashtune
-from flashtune.api import forward, ops
+from flashtune.api import ops
 from flashtune.codegen.abi import ArgType
 from flashtune.errors import InvalidInput
 from flashtune.families.fwd.args import pack_args
@@ -107,7 +107,7 @@ def test_seqlen_bucket_matches_spec() -> None:
     from flashtune.codegen.spec import seq_bucket
 
     for n in [*range(1, 3000), 4095, 4096, 4097, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, 10**8]:
-        assert forward.seqlen_bucket(n) == seq_bucket(n), n
+        assert plans.seqlen_bucket(n) == seq_bucket(n), n
 
 
 def test_warm_call_touches_neither_store_nor_disk(pyref: PyRefBackend,

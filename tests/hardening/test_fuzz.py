@@ -46,6 +46,7 @@ from flashtune.db import TuningStore, dumps, export_bundle, import_bundle, parse
 from flashtune.db.bundle import content_digest, structure_counts, to_dict
 from flashtune.errors import BundleError, KnobError
 from flashtune.families.base import Inputs
+from flashtune.runtime import plans
 from flashtune.runtime.dispatch import Dispatcher, set_dispatcher
 
 FIXED = datetime(2026, 6, 1, tzinfo=timezone.utc)
@@ -116,14 +117,14 @@ def _emulator_defaults() -> Iterator[None]:
         return out.fill_(math.nan), lse.fill_(math.nan)
 
     set_dispatcher(Dispatcher(lambda: _NoResults()))
-    forward.clear_caches()
+    plans.clear_caches()
     forward.empty_outputs = poisoned  # type: ignore[assignment]
     try:
         yield
     finally:
         forward.empty_outputs = real  # type: ignore[assignment]
         set_dispatcher(None)
-        forward.clear_caches()
+        plans.clear_caches()
 
 
 class _NoResults:

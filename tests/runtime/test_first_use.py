@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import flashtune
-from flashtune.api import forward
 from flashtune.codegen.spec import KernelSource, Shape
 from flashtune.errors import CompileError, EmulatorError
 from flashtune.families.base import Verdict
@@ -34,10 +33,10 @@ def sm90a_emulator(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("FLASHTUNE_EMULATOR_ARCH", "sm_90a")
     monkeypatch.delenv("FLASHTUNE_ARCH_SPECIFIC", raising=False)
     first_use.forget()
-    forward.clear_caches()
+    plans.clear_caches()
     yield
     first_use.forget()
-    forward.clear_caches()
+    plans.clear_caches()
 
 
 def _inputs(seqlen_q: int = 70) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,7 +80,7 @@ def test_an_sm90a_kernel_is_checked_once_before_it_serves(
     _matches_float64(q, k, v)
     assert len(seen) == 1 and seen[0].startswith("flashtune_fwd90a_d64_bf16_causal_"), seen
     # the same kernel for another sequence bucket: a new plan, not a second check
-    forward.clear_caches()
+    plans.clear_caches()
     _matches_float64(*_inputs(seqlen_q=150))
     assert len(seen) == 1 and first_use.refused(VIRTUAL_SM90A) is None
 
@@ -106,7 +105,7 @@ def test_a_failing_check_serves_the_mma_sync_forward_with_a_warning(
     assert why is not None and "failed its first-use check against float64" in why
     # from now on the device is served by the portable forward, and says so
     assert flashtune.explain(q, k, v, causal=True).problem.op == "fwd"
-    forward.clear_caches()
+    plans.clear_caches()
     _matches_float64(*_inputs(seqlen_q=150))
     assert len(seen) == 1  # nothing arch-specific is checked (or served) again
 

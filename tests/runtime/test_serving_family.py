@@ -15,7 +15,6 @@ import torch
 
 import flashtune
 from flashtune import families
-from flashtune.api import forward
 from flashtune.codegen.abi import ArgType
 from flashtune.families.fwd.reference import attention_reference
 from flashtune.families.hopper import HopperForwardFamily
@@ -45,11 +44,11 @@ def serving_ws(monkeypatch: pytest.MonkeyPatch, dispatcher: Dispatcher
     family = ServingWsFamily()
     families.register(family)
     first_use.forget()
-    forward.clear_caches()
+    plans.clear_caches()
     yield family
     families.unregister(family.op)
     first_use.forget()
-    forward.clear_caches()
+    plans.clear_caches()
 
 
 def test_the_ws_family_serves_attention_through_its_own_packer(
