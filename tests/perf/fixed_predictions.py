@@ -139,8 +139,12 @@ def cases() -> list[tuple[str, Problem, KernelConfig, str, str, dict[str, object
                 configs = [KernelConfig(128, 64 if head_dim > 128 else 128, 8, 2),
                            KernelConfig(64, 64, 4, 3)]
                 if op == "fwd90aws":
+                    # Ping-pong (``--fix pingpong=1``) on the same tiles, then one more.
+                    configs += [KernelConfig.from_dict({**c.to_dict(), "pingpong": 1})
+                                for c in configs]
                     configs += [KernelConfig(128, 128, 8, 2, extras=(("pingpong", 1),)),
                                 KernelConfig(128, 64, 8, 2, extras=(("loadk", "cpasync"),))]
+                    configs = list(dict.fromkeys(configs))
                 for cfg in configs:
                     tag = f"{op} d{head_dim} c{int(causal)} {cfg.key()}"
                     for shape in ("square", "small"):
