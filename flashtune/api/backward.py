@@ -23,9 +23,11 @@ import functools
 import torch
 
 from flashtune import knobs
+from flashtune.api.variants import Variant
 from flashtune.codegen.abi import PackedArgs
 from flashtune.families.base import sm_count
 from flashtune.families.bwd import args, space
+from flashtune.families.fwd.args import feature_values
 from flashtune.runtime.plans import Plan, plan_for
 
 
@@ -50,17 +52,20 @@ def _launch(plan: Plan, grid: tuple[int, int, int], packed: PackedArgs) -> None:
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
-             causal: bool, softmax_scale: float, deterministic: bool, backend: str
+             causal: bool, softmax_scale: float, deterministic: bool, backend: str,
+             variant: Variant | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dQ, dK, dV (like q, k, v) of the forward that produced ``out`` and ``lse`` from
-    validated q, k, v, given dO (and optionally the gradient of the LSE). ``backend`` ""
-    means the FLASHTUNE_BACKEND knob."""
+    validated q, k, v, given dO (and optionally the gradient of the LSE), with the
+    forward's features ``variant`` (None: none). ``backend`` "" means the
+    FLASHTUNE_BACKEND knob."""
     name = backend or knobs.BACKEND.get()
     dout, out = _kernel_ready(dout), _kernel_ready(out)
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     longest = max(seqlen_q, seqlen_k)
-    main = plan_for(q, causal, name, "bwddet" if deterministic else "bwd", (), longest)
+    features = variant.features if variant is not None else ()
+    main = plan_for(q, causal, name, "bwddet" if deterministic else "bwd", features, longest)
     pre = plan_for(q, False, name, "bwdpre", (), longest)
     convert = plan_for(q, False, name, "bwdsum", (), longest)
     config = main.source.config
@@ -79,7 +84,11 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     _launch(main, args.main_grid(seqlen_k, heads_kv, batch, config.block_n,
                                  slices if split else None),
-            args.main_args(q, k, v, dout, lse, dsum, dk, dv, accum, softmax_scale))
+            args.main_args(q, k, v, dout, lse, dsum, dk, dv, accum, softmax_scale)
+            if not features else
+            args.MAIN_ABI.packer(features)(q, k, v, dout, lse, dsum, dk, dv, accum,
+                                           softmax_scale, **feature_values(
+                                               main.source.problem, variant)))
 
     dq = torch.empty_like(q)
     _launch(convert, args.row_grid(seqlen_q, heads_q, batch, convert.block_m),

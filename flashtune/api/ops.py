@@ -13,8 +13,9 @@ backward graph too). ``deterministic=True`` promises bitwise-reproducible gradie
 summed in a fixed order); the default follows ``torch.use_deterministic_algorithms``. A
 gradient flowing into the LSE output (``return_lse=True``) is included.
 
-Attention features (``window_size``, ``softcap``, ``alibi_slopes``; api/variants.py) are
-forward-only: a backward through a call that used one raises FeatureNotSupported.
+Attention features (``window_size``, ``softcap``, ``alibi_slopes``; api/variants.py) have
+their gradients too: the backward kernels take the forward's feature values (a sliding
+window's query tiles outside it are skipped, softcap's tanh is differentiated).
 """
 
 from __future__ import annotations
@@ -69,18 +70,23 @@ def _attention_fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
 @torch.library.custom_op(BWD_OP_NAME, mutates_args=())
 def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
-                  causal: bool, softmax_scale: float, deterministic: bool, backend: str
+                  causal: bool, softmax_scale: float, deterministic: bool, backend: str,
+                  window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                  alibi_slopes: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV of the forward that produced ``out`` and ``lse``."""
+    """dQ, dK, dV of the forward that produced ``out`` and ``lse``, with its features."""
+    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes)
     return _bwd.backward(grad_out, q, k, v, out, lse, grad_lse, causal, softmax_scale,
-                         deterministic, backend)
+                         deterministic, backend, variant)
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                         grad_lse: torch.Tensor | None, causal: bool, softmax_scale: float,
-                        deterministic: bool, backend: str
+                        deterministic: bool, backend: str, window_left: int = -1,
+                        window_right: int = -1, softcap: float = 0.0,
+                        alibi_slopes: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
@@ -89,8 +95,10 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     q, k, v, causal, softmax_scale, backend, deterministic = inputs[:7]
     window_left, window_right, softcap, alibi_slopes = inputs[7:]
     ctx.features = Variant(causal, (window_left, window_right), softcap, alibi_slopes).features
+    ctx.window = (window_left, window_right)
+    ctx.softcap = softcap
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
     ctx.backend = backend
@@ -102,11 +110,12 @@ def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
     """Gradients of (q, k, v, causal, softmax_scale, backend, deterministic, window_left,
     window_right, softcap, alibi_slopes); FeatureNotSupported for features the backward
     families do not implement."""
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
     refuse_unsupported("bwddet" if ctx.deterministic else "bwd", ctx.features, q,
                        "flashtune.attention's backward pass")
     dq, dk, dv = attention_bwd(grad_out, q, k, v, out, lse, grad_lse, ctx.causal,
-                               ctx.softmax_scale, ctx.deterministic, ctx.backend)
+                               ctx.softmax_scale, ctx.deterministic, ctx.backend,
+                               ctx.window[0], ctx.window[1], ctx.softcap, alibi_slopes)
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 

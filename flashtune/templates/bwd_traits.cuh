@@ -30,8 +30,13 @@ __host__ __device__ constexpr int const_min(int a, int b) { return a < b ? a : b
 // Row strides are padded by RowPad elements (16 bytes) so that the eight rows of an ldmatrix
 // phase fall in distinct bank groups. The total must equal the family's smem_bytes (the
 // template asserts it).
+//
+// Attention features (the forward's, flash_fwd.cuh; each compiled in or out): Local, a
+// sliding window (query tiles outside the window of every key of a tile are not visited);
+// Softcap (the scores' tanh, and its derivative in dS); Alibi (the forward's bias).
 template <typename Element_, int HeadDim, int BlockM, int BlockN, int NumWarps,
-          int NumStages, bool Causal, bool DqSplit, int RowPad>
+          int NumStages, bool Causal, bool DqSplit, int RowPad, bool Local = false,
+          bool Softcap = false, bool Alibi = false>
 struct BwdTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
@@ -44,6 +49,10 @@ struct BwdTraits {
   static constexpr int kThreads = 32 * NumWarps;
   static constexpr int kNumStages = NumStages;
   static constexpr bool kCausal = Causal;
+  static constexpr bool kLocal = Local;
+  static constexpr bool kSoftcap = Softcap;
+  static constexpr bool kAlibi = Alibi;
+  static_assert(!(Causal && Local), "a causal sliding window is the window (left, 0)");
   // dQ: true = each block adds into its own float32 slice in a fixed order (deterministic),
   // false = float32 atomics into one accumulator.
   static constexpr bool kDqSplit = DqSplit;

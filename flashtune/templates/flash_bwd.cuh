@@ -26,8 +26,19 @@
 #include "bwd_gemm.cuh"
 #include "bwd_tile.cuh"
 #include "bwd_traits.cuh"
+#include "variant_args.cuh"
 
 namespace ft {
+
+// The features' values one step of a block reads (BwdTraits' Local, Softcap, Alibi): the
+// window's clamped sizes and the per-head transforms in natural-log units.
+struct BwdScoreArgs {
+  int right = 0;            // keys visible after a row's diagonal (causal: 0)
+  int left = 0;             // keys visible before it (Local)
+  float cap = 0.0f;         // Softcap: the cap
+  float tanh_scale = 0.0f;  // Softcap: softmax_scale / cap
+  float neg_slope = 0.0f;   // Alibi: -slope of the step's (batch, query head)
+};
 
 // Step 1 for one warp: P and dS of its query rows over the key tile, into sP and sdS.
 template <class Tr>
@@ -38,7 +49,8 @@ __device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
                                            const float* slse, const float* sdsum,
                                            typename Tr::Element* sp, typename Tr::Element* sds,
                                            int row0, int col0, bool masked, int seqlen_q,
-                                           int seqlen_k, float scale_log2, int lane) {
+                                           int seqlen_k, float scale_log2, int lane,
+                                           const BwdScoreArgs& fa) {
   constexpr float kLog2e = 1.44269504088896340736f;
   constexpr int kSteps = Tr::kHeadDimMma / 16;
   float s[Tr::kMTiles][Tr::kKeyTiles][4];
@@ -58,17 +70,20 @@ __device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
       const int r = mt * 16 + g + 8 * h;  // row within the warp's rows
       const float lse_log2 = slse[r] * kLog2e;
       const float dsum = sdsum[r];
-      // Keys [0, visible) of the tile are visible to this row (all of them unless masked):
-      // key j < seqlen_k and, causal, j <= row + seqlen_k - seqlen_q.
+      // Keys [first, visible) of the tile are visible to this row (all of them unless
+      // masked): key j < seqlen_k and, causal or local, j <= row + seqlen_k - seqlen_q +
+      // right; local, also j >= row + seqlen_k - seqlen_q - left.
       int visible = Tr::kBlockN;
+      int first = 0;
       if (masked) {
         const int row = row0 + r;
         int limit = row < seqlen_q ? seqlen_k : 0;
-        if constexpr (Tr::kCausal) {
-          const int diag = row + 1 + seqlen_k - seqlen_q;
+        if constexpr (Tr::kCausal || Tr::kLocal) {
+          const int diag = row + 1 + seqlen_k - seqlen_q + (Tr::kLocal ? fa.right : 0);
           limit = diag < limit ? diag : limit;
         }
         visible = limit - col0;
+        if constexpr (Tr::kLocal) first = row + seqlen_k - seqlen_q - fa.left - col0;
       }
 #pragma unroll
       for (int nt = 0; nt < Tr::kKeyTiles; ++nt) {
@@ -77,9 +92,29 @@ __device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int col = nt * 8 + 2 * t + e;
-          p[e] = col < visible ? exp2f_fast(s[mt][nt][2 * h + e] * scale_log2 - lse_log2)
-                               : 0.0f;
-          ds[e] = p[e] * (dp[mt][nt][2 * h + e] - dsum);
+          const bool seen = col < visible && (!Tr::kLocal || col >= first);
+          if constexpr (Tr::kSoftcap || Tr::kAlibi) {
+            // The forward's scores in natural-log units: cap tanh(scale s / cap), then the
+            // bias -slope |i + Nk - Nq - j|; softcap's derivative scales dS.
+            float x = s[mt][nt][2 * h + e];
+            float dtanh = 1.0f;
+            if constexpr (Tr::kSoftcap) {
+              const float th = tanhf(x * fa.tanh_scale);
+              x = fa.cap * th;
+              dtanh = 1.0f - th * th;
+            } else {
+              x *= scale_log2 * (1.0f / kLog2e);
+            }
+            if constexpr (Tr::kAlibi) {
+              const int d = row0 + r + seqlen_k - seqlen_q - (col0 + col);
+              x += fa.neg_slope * static_cast<float>(d < 0 ? -d : d);
+            }
+            p[e] = seen ? exp2f_fast(x * kLog2e - lse_log2) : 0.0f;
+            ds[e] = p[e] * (dp[mt][nt][2 * h + e] - dsum) * dtanh;
+          } else {
+            p[e] = seen ? exp2f_fast(s[mt][nt][2 * h + e] * scale_log2 - lse_log2) : 0.0f;
+            ds[e] = p[e] * (dp[mt][nt][2 * h + e] - dsum);
+          }
         }
         const int at = r * Tr::kPRowStride + nt * 8 + 2 * t;
         *reinterpret_cast<unsigned*>(sp + at) = Tr::Ops::pack(p[0], p[1]);
@@ -151,7 +186,7 @@ __device__ __forceinline__ void flash_bwd(
     long long do_batch_stride, long long do_row_stride, long long do_head_stride,
     long long dk_batch_stride, long long dk_row_stride, long long dk_head_stride,
     long long dv_batch_stride, long long dv_row_stride, long long dv_head_stride,
-    float softmax_scale) {
+    float softmax_scale, const VariantArgs& var = VariantArgs{}) {
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
@@ -193,16 +228,33 @@ __device__ __forceinline__ void flash_bwd(
 
   const int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
   const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
+  BwdScoreArgs fa;
+  if constexpr (Tr::kLocal) {
+    fa.right = var.right(seqlen_q);
+    fa.left = var.left(seqlen_k);
+  }
+  if constexpr (Tr::kSoftcap) {
+    fa.cap = var.softcap;
+    fa.tanh_scale = softmax_scale / var.softcap;
+  }
   for (int n_block = static_cast<int>(blockIdx.x); n_block < n_blocks;
        n_block += static_cast<int>(gridDim.x)) {
     const int n0 = n_block * kBlockN;
-    // The first query tile with a row that sees a key of this tile.
+    // The query tiles [m_first, m_end) hold the rows that see some key of this tile: rows
+    // i >= j - (seqlen_k - seqlen_q) - right (causal, local) and, local, i <= j -
+    // (seqlen_k - seqlen_q) + left; the others are never visited.
     int m_first = 0;
-    if constexpr (Tr::kCausal) {
-      const int first_row = n0 - (seqlen_k - seqlen_q);
+    int m_end = m_blocks;
+    if constexpr (Tr::kCausal || Tr::kLocal) {
+      const int first_row = n0 - (seqlen_k - seqlen_q) - (Tr::kLocal ? fa.right : 0);
       m_first = first_row > 0 ? first_row / kBlockM : 0;
     }
-    const int m_count = m_blocks > m_first ? m_blocks - m_first : 0;
+    if constexpr (Tr::kLocal) {
+      const int last_row = n0 + kBlockN - 1 - (seqlen_k - seqlen_q) + fa.left;
+      const int end = last_row < 0 ? 0 : last_row / kBlockM + 1;
+      m_end = end < m_blocks ? end : m_blocks;
+    }
+    const int m_count = m_end > m_first ? m_end - m_first : 0;
     const int steps = group * m_count;
 
     // Step s: query head kv_head * group + s / m_count, query tile m_first + s % m_count.
@@ -248,13 +300,20 @@ __device__ __forceinline__ void flash_bwd(
       }
       const Element* sq_buf = sq + buf * Tr::kQElems;
       const Element* sdo_buf = sdo + buf * Tr::kQElems;
-      const bool masked = m0 + kBlockM > seqlen_q || n0 + kBlockN > seqlen_k ||
-                          (Tr::kCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q);
+      bool masked = m0 + kBlockM > seqlen_q || n0 + kBlockN > seqlen_k ||
+                    (Tr::kCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q);
+      if constexpr (Tr::kLocal) {  // the tile crosses the window's right or left edge
+        masked = masked || n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q + fa.right ||
+                 n0 < m0 + kBlockM - 1 + seqlen_k - seqlen_q - fa.left;
+      }
+      if constexpr (Tr::kAlibi) {
+        fa.neg_slope = -var.alibi_slopes[batch * var.alibi_batch_stride + head];
+      }
       bwd_scores<Tr>(sq_buf + warp_row0 * Tr::kRowStride, sdo_buf + warp_row0 * Tr::kRowStride,
                      sk, sv, slse + buf * kBlockM + warp_row0,
                      sdsum + buf * kBlockM + warp_row0, sp + warp_row0 * Tr::kPRowStride,
                      sds + warp_row0 * Tr::kPRowStride, m0 + warp_row0, n0, masked, seqlen_q,
-                     seqlen_k, scale_log2, lane);
+                     seqlen_k, scale_log2, lane, fa);
       block_sync();  // sP and sdS are complete
 
       // dV += P^T dO and dK += dS^T Q over this step's query rows.

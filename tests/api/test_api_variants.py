@@ -80,7 +80,7 @@ def test_each_feature_alone_and_per_head_slopes() -> None:
 @pytest.mark.usefixtures("dispatcher")
 def test_the_op_path_takes_the_same_features() -> None:
     """Inputs that need a gradient go through the custom op: same outputs as the direct
-    call; a backward through them is refused naming the feature and the family."""
+    call, and a backward through them (its numerics: test_api_backward_features.py)."""
     q, k, v = qkv(1, 40, 40, 2, 2, 32, seed=3)
     direct = flashtune.attention(q, k, v, window_size=(8, 8), softcap=30.0,
                                  backend="emulator")
@@ -88,10 +88,8 @@ def test_the_op_path_takes_the_same_features() -> None:
     through_op = flashtune.attention(qg, k, v, window_size=(8, 8), softcap=30.0,
                                      backend="emulator")
     assert torch.equal(direct, through_op.detach())
-    with pytest.raises(FeatureNotSupported, match=r"sliding-window.*softcapping") as info:
-        through_op.sum().backward()
-    assert "'bwd' kernel family" in str(info.value)
-    assert isinstance(info.value, NotImplementedError)
+    through_op.sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all() and qg.grad.abs().sum() > 0
 
 
 def test_windows_resolve_to_the_cheapest_equal_mask() -> None:

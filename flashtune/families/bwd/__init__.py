@@ -41,6 +41,8 @@ from flashtune.families.bwd.reference import (
     backward_reference,
     softmax_stats,
 )
+from flashtune.families.fwd import variants
+from flashtune.families.fwd.args import feature_values
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +57,7 @@ class BackwardFamily(KernelFamily):
     title = "attention backward (FlashAttention-2: dK, dV and the float32 dQ accumulator)"
     template = "flash_bwd.cu.jinja"
     dtypes = SAME_16BIT
+    features = frozenset({"window", "softcap", "alibi"})
     abi: ClassVar[EntryAbi | None] = args.MAIN_ABI
     #: True for the family whose every config is deterministic.
     deterministic = False
@@ -83,6 +86,7 @@ class BackwardFamily(KernelFamily):
             "num_stages": config.num_stages,
             "dq_split": space.dq_mode(config) == space.DQ_SPLIT,
             "smem_row_pad": space.SMEM_ROW_PAD,
+            **variants.template_params(problem),
         }
 
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
@@ -90,14 +94,19 @@ class BackwardFamily(KernelFamily):
 
     def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       seed: int | None = None) -> Inputs:
+        """Random q, k, v, dO, the features' values (the forward's draws) and the
+        forward's LSE and D of them."""
         gen = generator(device, seed)
         q, dout, k, v = (random_rows(problem, shape, n, h, gen, device) for n, h in (
             (shape.seqlen_q, shape.heads_q), (shape.seqlen_q, shape.heads_q),
             (shape.seqlen_k, shape.heads_kv), (shape.seqlen_k, shape.heads_kv)))
         scale = problem.head_dim ** -0.5
-        lse, dsum = softmax_stats(q, k, v, dout, problem.causal, scale)
-        return Inputs({"q": q, "k": k, "v": v, "do": dout, "lse": lse, "dsum": dsum},
-                      {"softmax_scale": scale})
+        scalars, extra = variants.random_values(problem, shape, gen, device)
+        inputs = Inputs({"q": q, "k": k, "v": v, "do": dout, **extra},
+                        {"softmax_scale": scale, **scalars})
+        lse, dsum = softmax_stats(q, k, v, dout, problem.causal, scale,
+                                  values=variants.VariantValues.of(inputs).only(problem))
+        return Inputs({**inputs.tensors, "lse": lse, "dsum": dsum}, inputs.scalars)
 
     def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
                       poison: bool) -> dict[str, torch.Tensor]:
@@ -118,9 +127,12 @@ class BackwardFamily(KernelFamily):
     def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
                     inputs: Inputs, outputs: Tensors) -> LaunchPlan:
         t = inputs.tensors
-        packed = args.main_args(t["q"], t["k"], t["v"], t["do"], t["lse"], t["dsum"],
-                                outputs["dk"], outputs["dv"], outputs["dq_accum"],
-                                inputs.scalars["softmax_scale"])
+        values = {"q": t["q"], "k": t["k"], "v": t["v"], "dout": t["do"], "lse": t["lse"],
+                  "dsum": t["dsum"], "dk": outputs["dk"], "dv": outputs["dv"],
+                  "dq_accum": outputs["dq_accum"],
+                  "softmax_scale": inputs.scalars["softmax_scale"],
+                  **feature_values(problem, variants.VariantValues.of(inputs))}
+        packed = args.MAIN_ABI.pack(values, problem.features)
         split = space.dq_mode(config) == space.DQ_SPLIT
         grid = args.main_grid(shape.seqlen_k, shape.heads_kv, shape.batch, config.block_n,
                               outputs["dq_accum"].shape[0] if split else None)
@@ -129,13 +141,15 @@ class BackwardFamily(KernelFamily):
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
         t = inputs.tensors
         return backward_reference(t["q"], t["k"], t["v"], t["do"], t["lse"], t["dsum"],
-                                  problem.causal, inputs.scalars["softmax_scale"])
+                                  problem.causal, inputs.scalars["softmax_scale"],
+                                  variants.VariantValues.of(inputs).only(problem))
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
                 reference: Tensors) -> Verdict:
         """dK, dV and the accumulator's sum over slices, each element within BOUND_FACTOR
-        times the reference's sum of absolute terms (a few roundings of the input type);
-        dK and dV, stored in the input type, also one unit roundoff of their value."""
+        times the reference's sum of absolute terms (a few roundings of the input type) plus
+        its subnormal floor; dK and dV, stored in the input type, also one unit roundoff of
+        their value."""
         got = {"dk": outputs["dk"], "dv": outputs["dv"],
                "dq_accum": outputs["dq_accum"].to(torch.float64).sum(0)}
         factor, u = BOUND_FACTOR[problem.dtype], UNIT_ROUNDOFF[problem.dtype]
@@ -143,7 +157,8 @@ class BackwardFamily(KernelFamily):
         for name, value in got.items():
             stored = Tolerance(1e-7, 0.0 if name == "dq_accum" else u)
             err, fro, msg = close_enough(name, value, reference[name], stored,
-                                         factor * reference[f"{name}_bound"])
+                                         factor * reference[f"{name}_bound"]
+                                         + reference[f"{name}_floor"])
             worst = max(worst, err)
             main_rel = max(main_rel, fro)
             if msg:

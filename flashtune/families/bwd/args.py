@@ -7,6 +7,10 @@ Main kernel (``flash_bwd.cu.jinja``):
     seqlen_q, seqlen_k, heads_q, heads_kv (int32),
     q, k, v, do, dk, dv strides in elements: batch, row, head (int64 each, 18 in all),
     softmax_scale (float32)
+    then the features' values, those of the Problem's switches only (the forward's, by the
+    same names: ``fwd.args.feature_values``): window: window_left, window_right (int32);
+    softcap: softcap (float32); alibi: alibi_slopes (const float*), alibi_batch_stride
+    (int64).
 
 Preprocess (``bwd_pre.cu.jinja``): o, do (const T*), dsum, dq_accum (float*), seqlen_q,
 heads_q, dq_slices (int32), o and do strides (6 x int64).
@@ -40,6 +44,10 @@ MAIN_ABI = EntryAbi("flash_bwd", (
     *strides("q"), *strides("k"), *strides("v"), *strides("do", "dout"), *strides("dk"),
     *strides("dv"),
     scalar("softmax_scale", _F, wrap=True),
+    scalar("window_left", _I, feature="window"), scalar("window_right", _I, feature="window"),
+    scalar("softcap", _F, feature="softcap"),
+    tensor("alibi_slopes", _F, const=True, feature="alibi", wrap=True),
+    scalar("alibi_batch_stride", Element.INT64, feature="alibi"),
 ))
 
 #: The preprocess kernel's arguments (``bwd_pre.cu.jinja``).
@@ -61,8 +69,8 @@ SUM_ABI = EntryAbi("bwd_sum", (
     scalar("softmax_scale", _F),
 ))
 
-#: The main kernel's arguments for (q, k, v, dout, lse, dsum, dk, dv, dq_accum,
-#: softmax_scale).
+#: The plain main kernel's arguments for (q, k, v, dout, lse, dsum, dk, dv, dq_accum,
+#: softmax_scale); with features, ``MAIN_ABI.packer(features)`` takes their values after.
 main_args = MAIN_ABI.packer()
 #: The preprocess kernel's arguments (D into ``dsum``, zeros into ``dq_accum``) for
 #: (o, dout, dsum, dq_accum).

@@ -8,15 +8,21 @@ P = exp(S - LSE) (0 where masked), dP = dO V^T and dS = P (dP - D),
 
 with GQA's query heads summed into their kv head. LSE and D are inputs here (the forward's
 LSE and the preprocess's D = rowsum(dO O)), so the reference uses the very same values.
+
+Features (the forward's: ``fwd.reference.scaled_scores``): S is then the forward's scores
+(softcapped, ALiBi-biased, masked by the window), and with softcap dS carries the tanh's
+derivative: dS = P (dP - D) (1 - tanh^2(scale q.k / cap)), the gradient with respect to
+scale Q K^T (the bias has derivative 1).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from flashtune._lazy import lazy_module
 from flashtune.codegen.spec import DType
-from flashtune.families.checks import causal_visible
+from flashtune.families.fwd.reference import scaled_scores
+from flashtune.families.fwd.variants import VariantValues
 
 if TYPE_CHECKING:
     import torch
@@ -33,16 +39,21 @@ UNIT_ROUNDOFF = {DType.FP16: 2.0 ** -11, DType.BF16: 2.0 ** -8}
 BOUND_FACTOR = {dtype: 4 * u for dtype, u in UNIT_ROUNDOFF.items()}
 
 
+#: No features.
+NO_VALUES = VariantValues()
+
+
 def _expand(t: torch.Tensor, group: int) -> torch.Tensor:
     return t.repeat_interleave(group, dim=2) if group > 1 else t
 
 
 def softmax_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                  causal: bool, scale: float, *, budget_bytes: int = 1 << 28
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  causal: bool, scale: float, *, values: VariantValues = NO_VALUES,
+                  budget_bytes: int = 1 << 28) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward's LSE and D = rowsum(dO O), float32 (B, Hq, Nq), computed in float32 on
     the inputs' device a block of query rows at a time (no more than ``budget_bytes`` of
-    scores at once), for inputs of any size. Rows that see no key: LSE = +inf, D = 0."""
+    scores at once), for inputs of any size, with the features' ``values``. Rows that see
+    no key: LSE = +inf, D = 0."""
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     kf = _expand(k.float(), heads_q // heads_kv)
@@ -52,10 +63,8 @@ def softmax_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
     dsum = torch.empty_like(lse)
     for r0 in range(0, seqlen_q, rows):
         r1 = min(seqlen_q, r0 + rows)
-        scores = torch.einsum("bqhd,bkhd->bhqk", q[:, r0:r1].float(), kf) * scale
-        if causal:
-            visible = causal_visible(seqlen_q, seqlen_k, q.device)[r0:r1]
-            scores = scores.masked_fill(~visible, float("-inf"))
+        scores = scaled_scores(q[:, r0:r1].float(), kf, scale, causal, **_keywords(values),
+                               row0=r0, seqlen_q=seqlen_q)
         part = torch.logsumexp(scores, dim=-1)
         empty = torch.isneginf(part)
         probs = torch.exp(scores - part.masked_fill(empty, 0.0)[..., None])
@@ -65,11 +74,18 @@ def softmax_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
     return lse, dsum
 
 
+def _keywords(values: VariantValues) -> dict[str, Any]:
+    return {"window": values.window, "softcap": values.softcap or None,
+            "alibi_slopes": values.alibi_slopes}
+
+
 def backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        dout: torch.Tensor, lse: torch.Tensor, dsum: torch.Tensor,
-                       causal: bool, scale: float) -> dict[str, torch.Tensor]:
+                       causal: bool, scale: float, values: VariantValues = NO_VALUES
+                       ) -> dict[str, torch.Tensor]:
     """float64 dK, dV (B, Nk, Hkv, D) and the unscaled dQ sum dS K (B, Hq, Nq, D), and
-    for each the same sums over absolute values (``dk_bound``, ...): P |dO| for dV, and for
+    for each the absolute allowance of subnormal roundings (``dk_floor``, ...) and the same
+    sums over absolute values (``dk_bound``, ...): P |dO| for dV, and for
     dK and dQ the products with |dS|'s own bound P (|dO| |V|^T + |D|), which also covers
     the cancellation in dP - D (when it is exact, as with a single visible key, dK and dQ
     are rounding noise and only the bound gives them a scale)."""
@@ -78,20 +94,31 @@ def backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
     ke, ve = _expand(kd, group), _expand(vd, group)
-    scores = torch.einsum("bqhd,bkhd->bhqk", qd, ke) * scale
+    scores = scaled_scores(qd, ke, scale, causal, **_keywords(values))
     lse64 = lse.to(torch.float64)[..., None]
     probs = torch.exp(scores - lse64.masked_fill(torch.isinf(lse64), 0.0))
-    visible = torch.isfinite(lse64).expand_as(probs)
-    if causal:
-        visible = visible & causal_visible(seqlen_q, seqlen_k, q.device)
+    visible = torch.isfinite(lse64).expand_as(probs) & torch.isfinite(scores)
     probs = probs.masked_fill(~visible, 0.0)
     dprobs = torch.einsum("bqhd,bkhd->bhqk", dod, ve)
     dscores = probs * (dprobs - dsum.to(torch.float64)[..., None])
+    if values.softcap:
+        slope = 1.0 - torch.tanh(torch.einsum("bqhd,bkhd->bhqk", qd, ke) * scale
+                                 / values.softcap) ** 2
+        dscores = dscores * slope
+        probs_bound = probs * slope
+    else:
+        probs_bound = probs
 
     def per_kv_head(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(batch, seqlen_k, heads_kv, group, dim).sum(3)
 
-    ds_bound = probs * (torch.einsum("bqhd,bkhd->bhqk", dod.abs(), ve.abs())
+    # P and dS are rounded to the input type: below its smallest normal, by up to half the
+    # subnormal spacing (fp16: 2^-25) absolutely, which no relative bound covers (ALiBi and
+    # windows make such P common). ``*_floor``: that spacing summed over the visible terms.
+    info = torch.finfo(q.dtype) if q.dtype.is_floating_point else torch.finfo(torch.float32)
+    tiny = info.smallest_normal * info.eps / 2
+    seen = visible.to(torch.float64)
+    ds_bound = probs_bound * (torch.einsum("bqhd,bkhd->bhqk", dod.abs(), ve.abs())
                         + dsum.to(torch.float64).abs()[..., None])
     return {
         "dk": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", dscores, qd)) * scale,
@@ -100,4 +127,7 @@ def backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         "dk_bound": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", ds_bound, qd.abs())) * scale,
         "dv_bound": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", probs, dod.abs())),
         "dq_accum_bound": torch.einsum("bhqk,bkhd->bhqd", ds_bound, ke.abs()),
+        "dk_floor": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", seen, qd.abs())) * scale * tiny,
+        "dv_floor": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", seen, dod.abs())) * tiny,
+        "dq_accum_floor": torch.einsum("bhqk,bkhd->bhqd", seen, ke.abs()) * tiny,
     }

@@ -54,6 +54,44 @@ def alibi_bias(slopes: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int
     return -per_head[:, :, None, None] * rel.abs().to(torch.float64)
 
 
+def scaled_scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, *,
+                  window: tuple[int, int] = (-1, -1), softcap: float | None = None,
+                  alibi_slopes: torch.Tensor | None = None, mods: Sequence[ScoreMod] = (),
+                  mod_values: Mapping[str, float] = {}, first_batch: int = 0,
+                  row0: int = 0, seqlen_q: int | None = None) -> torch.Tensor:
+    """The scores softmax reads, (B, Hq, rows, Nk) in q's float type: S = scale q k^T with
+    the features of the module doc, -inf where masked. q (B, rows, Hq, D) holds rows
+    ``row0`` on of a query sequence of ``seqlen_q`` rows (default: all of them); k
+    (B, Nk, Hq, D) is already expanded to the query heads. ``mods`` take their params
+    from ``mod_values`` and see batch indices from ``first_batch``."""
+    rows, seqlen_k = q.shape[1], k.shape[1]
+    seqlen_q = rows if seqlen_q is None else seqlen_q
+    part = slice(row0, row0 + rows)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        bias = alibi_bias(alibi_slopes.to(q.device), q.shape[0], seqlen_q, seqlen_k)
+        scores = scores + bias[:, :, part].to(scores.dtype)
+    if mods:
+        b, h, nq, nk = scores.shape
+
+        def index(n: int, dim: int, start: int = 0) -> torch.Tensor:
+            shape = [1, 1, 1, 1]
+            shape[dim] = n
+            return torch.arange(start, start + n, device=q.device).view(shape)
+        where = (index(b, 0, first_batch), index(h, 1), index(nq, 2, row0), index(nk, 3))
+        for mod in mods:
+            scores = mod.apply(scores, *where, dict(mod_values)).to(scores.dtype)
+    if causal:
+        visible = causal_visible(seqlen_q, seqlen_k, q.device)[part]
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if window != (-1, -1):
+        visible = window_visible(seqlen_q, seqlen_k, *window, device=q.device)[part]
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return scores
+
+
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                         scale: float, *, window: tuple[int, int] = (-1, -1),
                         softcap: float | None = None,
@@ -67,28 +105,9 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     group = q.shape[2] // k.shape[2]
     kd = kd.repeat_interleave(group, dim=2)
     vd = vd.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", qd, kd) * scale
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    if alibi_slopes is not None:
-        scores = scores + alibi_bias(alibi_slopes.to(q.device), q.shape[0], q.shape[1],
-                                     k.shape[1])
-    if mods:
-        b, h, nq, nk = scores.shape
-        def index(n: int, dim: int) -> torch.Tensor:
-            shape = [1, 1, 1, 1]
-            shape[dim] = n
-            return torch.arange(n, device=q.device).view(shape)
-        batch = index(b, 0) + first_batch
-        for mod in mods:
-            scores = mod.apply(scores, batch, index(h, 1), index(nq, 2), index(nk, 3),
-                               dict(mod_values)).to(torch.float64)
-    if causal:
-        visible = causal_visible(q.shape[1], k.shape[1], q.device)
-        scores = scores.masked_fill(~visible, float("-inf"))
-    if window != (-1, -1):
-        visible = window_visible(q.shape[1], k.shape[1], *window, device=q.device)
-        scores = scores.masked_fill(~visible, float("-inf"))
+    scores = scaled_scores(qd, kd, scale, causal, window=window, softcap=softcap,
+                           alibi_slopes=alibi_slopes, mods=mods, mod_values=mod_values,
+                           first_batch=first_batch)
     lse = torch.logsumexp(scores, dim=-1)
     empty = torch.isneginf(lse)
     probs = torch.exp(scores - lse.masked_fill(empty, 0.0)[..., None])
