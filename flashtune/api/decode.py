@@ -9,10 +9,13 @@ capacity in key blocks (the lengths live on the device and are never read back, 
 never synchronises and can be captured in a CUDA graph), unless the tuned config of the
 bucket fixes it (the decode family's ``splits`` knob).
 
-Bad cache lengths and block-table entries are never followed by the kernel; they are
-reported as InvalidInput immediately on the emulator, after a synchronisation on the GPU
-with ``FLASHTUNE_CHECK_INPUTS=1``, and otherwise by a trap in the kernel, which surfaces at
-the next synchronisation (rerun with the knob for the message).
+Bad cache lengths and block-table entries, and pages that a sequence appends into while
+another slot uses them, are reported as InvalidInput before the launch (nothing is written)
+on the emulator and, after a synchronisation, on the GPU with ``FLASHTUNE_CHECK_INPUTS=1``
+(``validate_kvcache.check_cache_values``). Otherwise the kernel, which never follows a bad
+length or page, stops with a trap that surfaces at the next synchronisation (rerun with
+the knob for the message; a trap loses the CUDA context, cache included), and shared pages
+are not looked for: that would cost a synchronisation per call.
 
 The two kernels' plans (``runtime.plans``; bucketed by the cache capacity) are memoised with
 every other op's.
@@ -23,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from flashtune import knobs
-from flashtune.api.validate_kvcache import KvCacheLayout
+from flashtune.api.validate_kvcache import KvCacheLayout, check_cache_values
 from flashtune.codegen.spec import KernelConfig, ProblemBucket
 from flashtune.errors import InvalidInput
 from flashtune.families.combine import combine_grid, pack_combine_args
@@ -121,6 +124,8 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if wrong is not None:
         raise wrong
     checked = not decode.on_gpu or knobs.CHECK_INPUTS.get()
+    if checked:  # before the launch, so a refused call appends nothing
+        check_cache_values(cache_seqlens, block_table, layout)
     status = _status_buffer(q, trap=not checked)
     batch, seqlen_q, heads_q, dim = q.shape
     o_part = torch.empty(splits, batch, heads_q, seqlen_q, dim, dtype=torch.float32,
@@ -138,9 +143,7 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         stream=stream)
     combine.kernel.launch(combine_grid(batch * heads_q * seqlen_q, combine.block_m),
                           pack_combine_args(o_part, lse_part, out, lse), stream=stream)
-    if checked:
-        if decode.on_gpu:
-            torch.cuda.current_stream(q.device).synchronize()
+    if checked and not decode.on_gpu:  # the kernel's own report: a backstop, free here
         words = status.tolist()
         if any(words):
             raise InvalidInput(describe(words, seqlen_new=layout.seqlen_new,

@@ -222,13 +222,14 @@ def attention(
     FeatureNotSupported): ``window_size=(left, right)``: query i sees key j only if
     i + Nk - Nq - left <= j <= i + Nk - Nq + right, -1 meaning unbounded on that side
     (``causal=True`` sets right to 0); key tiles outside every row's window are skipped.
-    ``softcap``: scores s become softcap * tanh(s / softcap) (None: off; else > 0).
+    ``softcap``: scores s become softcap * tanh(s / softcap) (None or 0.0, flash-attn's
+    default: off, the plain kernel; else > 0).
     ``alibi_slopes``: float32 (Hq,) or (B, Hq) on q's device; scores get the bias
     -slope * |i + Nk - Nq - j|. Each is a compile-time variant of the kernel (its own
     tuning key), not a run-time branch.
     """
     dim = None
-    if isinstance(q, torch.Tensor) and q.dim() and q.shape[-1] % 8:
+    if isinstance(q, torch.Tensor) and not q.is_nested and q.dim() and q.shape[-1] % 8:
         q, k, v, dim = pad_head_dim(q, k, v)  # any head dim: one zero-padded copy each
     check_attention_inputs(q, k, v)
     if not isinstance(causal, bool):
