@@ -26,6 +26,7 @@ import torch
 from flashtune.api import backward as _bwd
 from flashtune.api import forward as _fwd
 from flashtune.api.limits import check_softmax_scale
+from flashtune.api.sdpa_causal import top_left_forward
 from flashtune.api.validate import check_attention_inputs
 from flashtune.api.variants import (
     NO_WINDOW,
@@ -275,10 +276,13 @@ def scaled_dot_product_attention(
     """A drop-in for torch.nn.functional.scaled_dot_product_attention on (B, H, N, D) inputs.
 
     Supported: 4-D fp16/bf16 inputs, ``is_causal``, ``scale``, and ``enable_gqa`` (Hq a
-    multiple of Hkv). Not supported (InvalidInput saying so): ``attn_mask``, ``dropout_p`` other
-    than 0, Hq != Hkv without ``enable_gqa``, and ``is_causal`` with L != S (torch aligns that
-    mask to the top-left corner, flashtune to the bottom-right). The inputs are passed as
-    transposed views and the result is a transposed view: nothing is copied. ``backend`` is
+    multiple of Hkv). ``is_causal`` has torch's meaning: the mask is aligned to the top-left
+    corner (query i sees key j iff j <= i), which for L != S is not ``attention``'s
+    bottom-right ``causal``; it is served as two calls (``api.sdpa_causal``; gradients
+    included). Not supported (InvalidInput saying so): ``attn_mask``, ``dropout_p`` other
+    than 0, and Hq != Hkv without ``enable_gqa``. The inputs are passed as transposed views
+    and the result is a transposed view: nothing is copied (but for L > S with
+    ``is_causal``, whose two row blocks are concatenated). ``backend`` is
     as in ``attention``; gradients flow as there (deterministic when
     ``torch.use_deterministic_algorithms(True)`` is set).
     """
@@ -297,13 +301,17 @@ def scaled_dot_product_attention(
         raise InvalidInput(f"query has {query.shape[1]} heads but key/value have "
                            f"{key.shape[1]}; expected equal head counts, or enable_gqa=True "
                            "for grouped-query attention")
-    if is_causal and query.shape[2] != key.shape[2]:
-        raise _sdpa_unsupported(
-            f"is_causal=True with L={query.shape[2]} != S={key.shape[2]}",
-            "torch aligns that mask to the top-left corner; use flashtune.attention("
-            "causal=True) for flash-attn's bottom-right alignment")
-    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                    causal=is_causal, softmax_scale=scale, backend=backend)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if is_causal and query.shape[2] != key.shape[2]:  # torch's top-left mask: two calls
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+            return attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True,
+                             backend=backend)
+
+        out, _ = top_left_forward(attend, q, k, v)
+    else:
+        out = attention(q, k, v, causal=is_causal, softmax_scale=scale, backend=backend)
     return out.transpose(1, 2)
 
 
