@@ -12,6 +12,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import optuna
@@ -197,3 +198,31 @@ def test_workers_die_with_the_process_that_started_them(db_url: str, call_log: s
     while not _gone(worker):
         assert time.monotonic() < deadline, f"worker {worker} outlived its killed parent"
         time.sleep(0.05)
+
+
+def test_the_database_url_is_never_on_a_workers_command_line(
+        monkeypatch: pytest.MonkeyPatch, call_log: str) -> None:
+    """A PostgreSQL URL (password included) reaches a worker through its environment, which
+    only its owner can read, not through its command line (``ps``, /proc/PID/cmdline); the
+    worker takes it out of its environment before it starts anything."""
+    from flashtune.tuner import workers
+
+    url = "postgresql://tuner:s3cret-pw@db.example:5432/tuning"
+    started: list[tuple[list[str], dict[str, str]]] = []
+
+    def popen(argv: list[str], env: dict[str, str]) -> Any:
+        started.append((argv, env))
+        return None
+
+    monkeypatch.setattr(workers.subprocess, "Popen", popen)
+    start_worker(spec_for(url, call_log), {"CUDA_VISIBLE_DEVICES": "1"})
+    [(argv, env)] = started
+    assert not any("s3cret-pw" in arg or "db.example" in arg for arg in argv), argv
+    assert env[workers.WORKER_DB_ENV] == url and env["CUDA_VISIBLE_DEVICES"] == "1"
+
+    ran: list[WorkerSpec] = []
+    monkeypatch.setattr(workers, "run_spec", ran.append)
+    monkeypatch.setenv(workers.WORKER_DB_ENV, url)
+    assert workers.main(argv[4:]) == 0  # the spec (not the parent-death flag: pytest's own)
+    assert ran[0] == spec_for(url, call_log)
+    assert workers.WORKER_DB_ENV not in os.environ
