@@ -226,3 +226,23 @@ def test_the_database_url_is_never_on_a_workers_command_line(
     assert workers.main(argv[4:]) == 0  # the spec (not the parent-death flag: pytest's own)
     assert ran[0] == spec_for(url, call_log)
     assert workers.WORKER_DB_ENV not in os.environ
+
+
+def test_a_resumed_dry_run_continues_to_its_trials_in_total(db_url: str,
+                                                           call_log: str) -> None:
+    """--trials N is the bucket's total for --resume, as in a timed study: a finished dry
+    run resumed verifies nothing more, a larger N continues up to N; a run without
+    --resume verifies N configs not verified yet."""
+    spec = spec_for(db_url, call_log, is_timed=False)
+
+    def run(trials: int, resume: bool) -> int:
+        before = len([1 for _, phase, _ in read_log(call_log) if phase == "verify"])
+        run_spec(spec.with_options(trials=trials, resume=resume))
+        verified = [key for _, phase, key in read_log(call_log) if phase == "verify"]
+        assert len(set(verified)) == len(verified), "a config was verified twice"
+        return len(verified) - before
+
+    assert run(3, False) == 3
+    assert run(3, True) == 0  # finished: --resume continues to 3, not 3 more
+    assert run(5, True) == 2
+    assert run(2, False) == 2  # without --resume: 2 more
