@@ -14,11 +14,11 @@ From then on, every call torch sends to its flash backend runs flashtune's kerne
 ``scaled_dot_product_attention`` when torch picks the flash backend (fp16/bf16 CUDA inputs;
 force it with ``torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION)``) with its
 backward, and ``torch.nn.attention.varlen.varlen_attn`` (packed sequences, sliding windows;
-forward only, as in ``flashtune.attention_varlen``). SDPA's ``is_causal`` keeps torch's meaning for L != S (the
-mask aligned to the top-left corner, served by ``api.sdpa_causal`` forward and backward;
-``_flash_attention_forward``'s ``is_causal`` is flash-attn's bottom-right one, as torch's own
-kernel has it). Calls flashtune does not serve (dropout, a debug mask, a paged KV cache)
-raise an error that says so: restore torch's kernels for them.
+forward only, as in ``flashtune.attention_varlen``). SDPA's ``is_causal`` keeps torch's
+meaning for L != S (the mask aligned to the top-left corner, served by ``api.sdpa_causal``
+forward and backward; ``_flash_attention_forward``'s ``is_causal`` is flash-attn's
+bottom-right one, as torch's own kernel has it). Calls flashtune does not serve (dropout, a
+debug mask, a paged KV cache) raise an error that says so: restore torch's kernels for them.
 """
 
 from __future__ import annotations

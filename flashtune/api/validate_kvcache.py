@@ -64,12 +64,10 @@ def _named(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            k: torch.Tensor | None, v: torch.Tensor | None) -> list[tuple[str, torch.Tensor]]:
     named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
              ("cache_seqlens", cache_seqlens), ("block_table", block_table), ("k", k), ("v", v)]
-    # The optional ones are left out when absent; a required one that is None stays, for
-    # _check_types_and_ranks to name.
-    return [(n, t) for n, t in named if t is not None or n in _REQUIRED]
+    return [(n, t) for n, t in named if t is not None]
 
 
-_REQUIRED = ("q", "k_cache", "v_cache", "cache_seqlens")
+_OPTIONAL = ("block_table", "k", "v")
 _LAYOUTS = {"q": _Q, "k_cache": f"{_CACHE} or paged {_PAGED}",
             "v_cache": f"{_CACHE} or paged {_PAGED}", "k": _NEW, "v": _NEW,
             "cache_seqlens": "(batch,) int32", "block_table": "(batch, max_pages) int32"}
@@ -220,7 +218,10 @@ def check_kvcache_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     and int32 limits, and strides (contiguous last dims, multiples of 8 elsewhere, caches
     whose rows do not share memory)."""
     named = _named(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
-    _check_types_and_ranks(named)
+    # The required four are checked even when None (a clear error, not an AttributeError).
+    given: list[tuple[str, object]] = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                                       ("cache_seqlens", cache_seqlens)]
+    _check_types_and_ranks(given + [(n, t) for n, t in named if n in _OPTIONAL])
     _check_dtypes_and_devices(q, named)
     layout = _check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
     _check_strides(named)

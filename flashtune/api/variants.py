@@ -3,9 +3,10 @@ kernel family does not implement them.
 
 The keyword arguments are flash-attn's: ``window_size=(left, right)`` (-1: unbounded on that
 side; ``causal=True`` is the window (-1, 0) and, with a window, sets its right side to 0),
-``softcap`` (None or 0.0: off, 0.0 being flash-attn's default; else a cap > 0) and ``alibi_slopes`` (float32 (heads_q,) or
-(batch, heads_q) on the tensors' device). ``resolve`` turns them into a ``Variant``: the
-compile-time feature switches of the Problem and the run-time values of the launch.
+``softcap`` (None or 0.0, flash-attn's default: off; else a cap > 0) and ``alibi_slopes``
+(float32 (heads_q,) or (batch, heads_q) on the tensors' device). ``resolve`` turns them
+into a ``Variant``: the compile-time feature switches of the Problem and the run-time values
+of the launch.
 """
 
 from __future__ import annotations

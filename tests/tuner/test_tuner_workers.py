@@ -12,8 +12,8 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
