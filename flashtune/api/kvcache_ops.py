@@ -132,9 +132,12 @@ def attention_with_kvcache(
 
     A cache length below 0 or beyond the capacity (max_len, or page_size x max_pages) and a
     block-table entry outside [0, num_pages) for a page a sequence uses are never followed:
-    they raise InvalidInput at once on the emulator and on the GPU with
-    FLASHTUNE_CHECK_INPUTS=1 (one synchronisation per call); otherwise the kernel stops with a
-    trap and the error surfaces at the next synchronisation.
+    they raise InvalidInput before anything is appended (the cache is left as it was) on the
+    emulator and on the GPU with FLASHTUNE_CHECK_INPUTS=1 (one synchronisation per call), as
+    does a page that one sequence appends into while another block-table slot uses it (a
+    race on a GPU; a shared prefix page that is only read is fine). Otherwise the kernel
+    stops with a trap and the error surfaces at the next synchronisation, and shared pages
+    are not looked for: that needs the block table on the host, a synchronisation.
 
     ``window_size``, ``softcap`` and ``alibi_slopes`` (as in ``attention``) are validated, but
     the decode family implements none of them yet: any other than the defaults (or the
