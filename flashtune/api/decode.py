@@ -9,10 +9,14 @@ capacity in key blocks (the lengths live on the device and are never read back, 
 never synchronises and can be captured in a CUDA graph), unless the tuned config of the
 bucket fixes it (the decode family's ``splits`` knob).
 
-Bad cache lengths and block-table entries are never followed by the kernel; they are
-reported as InvalidInput immediately on the emulator, after a synchronisation on the GPU
-with ``FLASHTUNE_CHECK_INPUTS=1``, and otherwise by a trap in the kernel, which surfaces at
-the next synchronisation (rerun with the knob for the message).
+Bad cache lengths and block-table entries, and pages that a sequence appends into while
+another slot uses them, are reported as InvalidInput before the launch (nothing is written)
+on the emulator and, after a synchronisation, on the GPU with ``FLASHTUNE_CHECK_INPUTS=1``
+(``validate_kvcache.check_cache_values``). The kernel checks the lengths and pages again
+and never follows a bad one: in the emulator it reports it, on a GPU it stops with a trap
+that surfaces at the next synchronisation (without the knob, the only check there: rerun
+with it for the message; a trap loses the CUDA context, cache included). Without the knob
+shared pages are not looked for on a GPU: that would cost a synchronisation per call.
 
 The two kernels' plans (``runtime.plans``; bucketed by the cache capacity) are memoised with
 every other op's.
@@ -23,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from flashtune import knobs
-from flashtune.api.validate_kvcache import KvCacheLayout
+from flashtune.api.validate_kvcache import KvCacheLayout, check_cache_values
 from flashtune.codegen.spec import KernelConfig, ProblemBucket
 from flashtune.errors import InvalidInput
 from flashtune.families.combine import combine_grid, pack_combine_args
@@ -83,9 +87,9 @@ def choose_splits(num_splits: int, config: KernelConfig, layout: KvCacheLayout,
 
 
 def _status_buffer(q: torch.Tensor, trap: bool) -> torch.Tensor:
-    """Where the kernel reports a bad input. A trapping kernel never leaves a report behind
-    in a usable context, so one zeroed buffer per GPU serves every call; a checked call gets
-    a fresh one."""
+    """Where the kernel reports a bad input. A trapping kernel (on a GPU) never leaves a
+    report behind in a usable context, so one zeroed buffer per GPU serves every call; a
+    reporting one (the emulator) gets a fresh one."""
     if not trap:
         return torch.zeros(STATUS_WORDS, dtype=torch.int32, device=q.device)
     index = q.get_device()
@@ -120,8 +124,12 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     wrong = _misaligned({"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v})
     if wrong is not None:
         raise wrong
-    checked = not decode.on_gpu or knobs.CHECK_INPUTS.get()
-    status = _status_buffer(q, trap=not checked)
+    if not decode.on_gpu or knobs.CHECK_INPUTS.get():  # before the launch: a refused call
+        check_cache_values(cache_seqlens, block_table, layout)  # appends nothing
+    # The kernel's own check backs it up: on a GPU it traps (no synchronisation to read a
+    # report), in the emulator it reports in the status buffer, read for free.
+    trap = decode.on_gpu
+    status = _status_buffer(q, trap=trap)
     batch, seqlen_q, heads_q, dim = q.shape
     o_part = torch.empty(splits, batch, heads_q, seqlen_q, dim, dtype=torch.float32,
                          device=q.device)
@@ -134,13 +142,11 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         decode_grid(batch, heads_q, layout.heads_kv, seqlen_q, config.block_m, splits),
         pack_decode_args(q, k_cache, v_cache, k, v, block_table, cache_seqlens, o_part,
                          lse_part, status, num_splits=splits, softmax_scale=softmax_scale,
-                         trap_on_error=not checked),
+                         trap_on_error=trap),
         stream=stream)
     combine.kernel.launch(combine_grid(batch * heads_q * seqlen_q, combine.block_m),
                           pack_combine_args(o_part, lse_part, out, lse), stream=stream)
-    if checked:
-        if decode.on_gpu:
-            torch.cuda.current_stream(q.device).synchronize()
+    if not trap:
         words = status.tolist()
         if any(words):
             raise InvalidInput(describe(words, seqlen_new=layout.seqlen_new,

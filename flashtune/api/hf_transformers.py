@@ -59,6 +59,8 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     rows_q = keep_q.reshape(-1).nonzero().squeeze(1)
     rows_k = keep_k.reshape(-1).nonzero().squeeze(1)
     lens_q, lens_k = keep_q.sum(1, dtype=torch.int32), keep_k.sum(1, dtype=torch.int32)
+    if not rows_q.numel():
+        raise _all_padding(tuple(padding.shape), seqlen_q)
     packed = attention_varlen(q[rows_q].contiguous(), k[rows_k].contiguous(),
                               v[rows_k].contiguous(), _cumulative(lens_q), _cumulative(lens_k),
                               int(lens_q.max()), int(lens_k.max()), causal=causal,
@@ -67,6 +69,17 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     out = packed.new_zeros(batch * seqlen_q, heads_q, packed.shape[-1])
     out[rows_q] = packed
     return out.reshape(batch, seqlen_q, heads_q, -1)
+
+
+def _all_padding(shape: tuple[int, ...], seqlen_q: int) -> InvalidInput:
+    """The error of a batch whose query tokens are all padding. Eager attention has no
+    meaningful answer for it (every score masked to the dtype's minimum: a uniform average
+    of the values), so it is refused rather than imitated."""
+    return InvalidInput(
+        f"every query token of the batch is padding: the attention_mask {shape} has no 1 in "
+        f"its last {seqlen_q} columns (1 marks a real token, 0 padding), so no row has a "
+        "token to attend from; expected at least one real token. Check the mask (not "
+        "inverted, one row per sequence), or skip the call for an all-padding batch")
 
 
 def make_attention_function(backend: str | None = None) -> Any:

@@ -8,7 +8,7 @@ implementation directly, as ``attention`` does.
 
 from __future__ import annotations
 
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 
@@ -16,7 +16,13 @@ from flashtune.api import decode as _decode
 from flashtune.api.ops import check_no_grad, direct_call_ok
 from flashtune.api.validate import check_softmax_scale
 from flashtune.api.validate_kvcache import check_kvcache_inputs
-from flashtune.api.variants import NO_WINDOW, refuse_unsupported, resolve
+from flashtune.api.variants import (
+    NO_WINDOW,
+    padded_head_dim,
+    refuse_unsupported,
+    resolve,
+    zero_pad,
+)
 from flashtune.errors import InvalidInput
 from flashtune.families.decode.splits import check_num_splits
 from flashtune.runtime.dispatch import Decision
@@ -110,26 +116,39 @@ def attention_with_kvcache(
     written into the cache at positions cache_seqlens[b] ... + Nnew - 1 (in place, as
     flash-attn does; cache_seqlens itself is not changed) and attended to after the cached
     ones. Hq must be a multiple of Hkv (GQA/MQA: the group's query heads share one read of
-    each K/V element).
+    each K/V element). A head dim up to 256 that is not a multiple of 8 (59, 111, ...) is
+    zero-padded to one, as ``attention`` does: one copy of q and of each cache per call
+    (and one copy back into the caches when appending), so store a cache padded to a
+    multiple of 8 to avoid them.
 
     ``causal``: query row i sees key j iff j <= i + total - Nq (bottom-right aligned, total =
     cache_seqlens[b] + Nnew); a row that sees no key gets O = 0 and LSE = +inf.
     ``softmax_scale`` defaults to 1/sqrt(D). ``num_splits`` (1 to 128) splits each sequence's
-    keys across that many blocks whose partial results are merged by their LSE; None picks
-    FlashAttention-2's wave-efficiency heuristic for this GPU. Returns O (B, Nq, Hq, D), and
+    keys across that many blocks whose partial results are merged by their LSE; None or 0
+    (flash-attn's "choose") picks the tuned bucket's count, else FlashAttention-2's
+    wave-efficiency heuristic for this GPU. Returns O (B, Nq, Hq, D), and
     with ``return_lse`` also the float32 natural-log LSE (B, Hq, Nq). ``backend`` as in
     ``attention``.
 
     A cache length below 0 or beyond the capacity (max_len, or page_size x max_pages) and a
     block-table entry outside [0, num_pages) for a page a sequence uses are never followed:
-    they raise InvalidInput at once on the emulator and on the GPU with
-    FLASHTUNE_CHECK_INPUTS=1 (one synchronisation per call); otherwise the kernel stops with a
-    trap and the error surfaces at the next synchronisation.
+    they raise InvalidInput before anything is appended (the cache is left as it was) on the
+    emulator and on the GPU with FLASHTUNE_CHECK_INPUTS=1 (one synchronisation per call), as
+    does a page that one sequence appends into while another block-table slot uses it (a
+    race on a GPU; a shared prefix page that is only read is fine). Otherwise the kernel
+    stops with a trap and the error surfaces at the next synchronisation, and shared pages
+    are not looked for: that needs the block table on the host, a synchronisation.
 
     ``window_size``, ``softcap`` and ``alibi_slopes`` (as in ``attention``) are validated, but
     the decode family implements none of them yet: any other than the defaults (or the
     window (-1, 0), which is ``causal``) raises FeatureNotSupported.
     """
+    dim = padded_head_dim(q, k_cache, v_cache, k, v)
+    if dim is not None:  # any head dim: zero-padded copies, the appended rows copied back
+        return _padded_call(dim, q, k_cache, v_cache, cache_seqlens, block_table, k, v,
+                            causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
+                            return_lse=return_lse, backend=backend, window_size=window_size,
+                            softcap=softcap, alibi_slopes=alibi_slopes)
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
     check_no_grad(q, k_cache, v_cache, k, v)
     if not isinstance(causal, bool):
@@ -139,7 +158,7 @@ def attention_with_kvcache(
         refuse_unsupported("decode", variant.features, q, "flashtune.attention_with_kvcache")
         causal = variant.causal
     scale = check_softmax_scale(softmax_scale, q.shape[3])
-    splits = 0 if num_splits is None else check_num_splits(num_splits)
+    splits = 0 if num_splits is None else check_num_splits(num_splits, choose=True)
     name = "" if backend is None else backend
     if direct_call_ok(q, k_cache, v_cache, cache_seqlens, block_table, k, v):
         out, lse = _decode.run_decode(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
@@ -147,6 +166,31 @@ def attention_with_kvcache(
     else:
         out, lse = attention_with_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table,
                                              k, v, causal, scale, splits, name)
+    return (out, lse) if return_lse else out
+
+
+def _padded_call(dim: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                 k: torch.Tensor | None, v: torch.Tensor | None, *, softmax_scale: float | None,
+                 return_lse: bool, **options: Any
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``attention_with_kvcache`` for a head dim ``dim`` that is not a multiple of 8, as the
+    forward serves it: q, the caches and the new rows zero-padded to the next multiple of 8
+    (zero columns change neither Q K^T nor the kept columns of P V), the softmax scale kept
+    at 1/sqrt(dim), O a view of the padded output; with new rows, the padded caches (which
+    received them) are copied back into the caller's, so they are appended in place as the
+    call promises. One copy of each cache per call, two with new rows: store a cache at a
+    multiple of 8 to avoid them."""
+    pq, pk_cache, pv_cache = (zero_pad(t, dim) for t in (q, k_cache, v_cache))
+    pk, pv = (None if t is None else zero_pad(t, dim) for t in (k, v))
+    scale = check_softmax_scale(softmax_scale, dim)
+    out, lse = attention_with_kvcache(pq, pk_cache, pv_cache, cache_seqlens,
+                                      block_table=block_table, k=pk, v=pv, return_lse=True,
+                                      softmax_scale=scale, **options)
+    if k is not None:
+        k_cache.copy_(pk_cache[..., :dim])
+        v_cache.copy_(pv_cache[..., :dim])
+    out = out[..., :dim]
     return (out, lse) if return_lse else out
 
 

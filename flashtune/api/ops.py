@@ -27,6 +27,7 @@ import torch
 from flashtune.api import backward as _bwd
 from flashtune.api import forward as _fwd
 from flashtune.api.limits import check_softmax_scale
+from flashtune.api.sdpa_causal import top_left_forward
 from flashtune.api.validate import check_attention_inputs
 from flashtune.api.variants import (
     NO_WINDOW,
@@ -232,13 +233,14 @@ def attention(
     FeatureNotSupported): ``window_size=(left, right)``: query i sees key j only if
     i + Nk - Nq - left <= j <= i + Nk - Nq + right, -1 meaning unbounded on that side
     (``causal=True`` sets right to 0); key tiles outside every row's window are skipped.
-    ``softcap``: scores s become softcap * tanh(s / softcap) (None: off; else > 0).
+    ``softcap``: scores s become softcap * tanh(s / softcap) (None or 0.0, flash-attn's
+    default: off, the plain kernel; else > 0).
     ``alibi_slopes``: float32 (Hq,) or (B, Hq) on q's device; scores get the bias
     -slope * |i + Nk - Nq - j|. Each is a compile-time variant of the kernel (its own
     tuning key), not a run-time branch.
     """
     dim = None
-    if isinstance(q, torch.Tensor) and q.dim() and q.shape[-1] % 8:
+    if isinstance(q, torch.Tensor) and not q.is_nested and q.dim() and q.shape[-1] % 8:
         q, k, v, dim = pad_head_dim(q, k, v)  # any head dim: one zero-padded copy each
     check_attention_inputs(q, k, v)
     if not isinstance(causal, bool):
@@ -284,10 +286,13 @@ def scaled_dot_product_attention(
     """A drop-in for torch.nn.functional.scaled_dot_product_attention on (B, H, N, D) inputs.
 
     Supported: 4-D fp16/bf16 inputs, ``is_causal``, ``scale``, and ``enable_gqa`` (Hq a
-    multiple of Hkv). Not supported (InvalidInput saying so): ``attn_mask``, ``dropout_p`` other
-    than 0, Hq != Hkv without ``enable_gqa``, and ``is_causal`` with L != S (torch aligns that
-    mask to the top-left corner, flashtune to the bottom-right). The inputs are passed as
-    transposed views and the result is a transposed view: nothing is copied. ``backend`` is
+    multiple of Hkv). ``is_causal`` has torch's meaning: the mask is aligned to the top-left
+    corner (query i sees key j iff j <= i), which for L != S is not ``attention``'s
+    bottom-right ``causal``; it is served as two calls (``api.sdpa_causal``; gradients
+    included). Not supported (InvalidInput saying so): ``attn_mask``, ``dropout_p`` other
+    than 0, and Hq != Hkv without ``enable_gqa``. The inputs are passed as transposed views
+    and the result is a transposed view: nothing is copied (but for L > S with
+    ``is_causal``, whose two row blocks are concatenated). ``backend`` is
     as in ``attention``; gradients flow as there (deterministic when
     ``torch.use_deterministic_algorithms(True)`` is set).
     """
@@ -306,13 +311,17 @@ def scaled_dot_product_attention(
         raise InvalidInput(f"query has {query.shape[1]} heads but key/value have "
                            f"{key.shape[1]}; expected equal head counts, or enable_gqa=True "
                            "for grouped-query attention")
-    if is_causal and query.shape[2] != key.shape[2]:
-        raise _sdpa_unsupported(
-            f"is_causal=True with L={query.shape[2]} != S={key.shape[2]}",
-            "torch aligns that mask to the top-left corner; use flashtune.attention("
-            "causal=True) for flash-attn's bottom-right alignment")
-    out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                    causal=is_causal, softmax_scale=scale, backend=backend)
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if is_causal and query.shape[2] != key.shape[2]:  # torch's top-left mask: two calls
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+            return attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True,
+                             backend=backend)
+
+        out, _ = top_left_forward(attend, q, k, v)
+    else:
+        out = attention(q, k, v, causal=is_causal, softmax_scale=scale, backend=backend)
     return out.transpose(1, 2)
 
 

@@ -14,9 +14,11 @@ From then on, every call torch sends to its flash backend runs flashtune's kerne
 ``scaled_dot_product_attention`` when torch picks the flash backend (fp16/bf16 CUDA inputs;
 force it with ``torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION)``) with its
 backward, and ``torch.nn.attention.varlen.varlen_attn`` (packed sequences, sliding windows;
-forward only, as in ``flashtune.attention_varlen``). Calls flashtune does not serve (dropout,
-a debug mask, a paged KV cache, ``is_causal`` with L != S through SDPA, whose mask torch
-aligns to the top-left corner) raise an error that says so: restore torch's kernels for them.
+forward only, as in ``flashtune.attention_varlen``). SDPA's ``is_causal`` keeps torch's
+meaning for L != S (the mask aligned to the top-left corner, served by ``api.sdpa_causal``
+forward and backward; ``_flash_attention_forward``'s ``is_causal`` is flash-attn's
+bottom-right one, as torch's own kernel has it). Calls flashtune does not serve (dropout, a
+debug mask, a paged KV cache) raise an error that says so: restore torch's kernels for them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from flashtune.api import backward as _bwd
 from flashtune.api.limits import check_softmax_scale
 from flashtune.api.ops import attention
+from flashtune.api.sdpa_causal import top_left_backward, top_left_forward
 from flashtune.api.variants import refuse_unsupported, resolve
 from flashtune.api.varlen_ops import attention_varlen
 from flashtune.errors import FeatureNotSupported, InvalidInput
@@ -133,12 +136,17 @@ class _Kernels:
         """aten::_scaled_dot_product_flash_attention on (B, H, N, D) tensors."""
         self._check_forward(dropout_p, return_debug_mask)
         seqlen_q, seqlen_k = _seqlens(query, key)
-        if is_causal and seqlen_q != seqlen_k:
-            raise _refused(f"is_causal=True with L={seqlen_q} != S={seqlen_k} (SDPA aligns "
-                           "that mask to the top-left corner, flashtune to the bottom-right)")
         q, k, v = (_last_dim_contiguous(t).transpose(1, 2) for t in (query, key, value))
-        out, lse = attention(q, k, v, causal=is_causal, softmax_scale=scale,
-                             return_lse=True, backend=self.backend)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+            return attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True,
+                             backend=self.backend)
+
+        if is_causal and seqlen_q != seqlen_k:  # SDPA's top-left mask (api.sdpa_causal)
+            out, lse = top_left_forward(attend, q, k, v)
+        else:
+            out, lse = attend(q, k, v, is_causal)
         rng_state, unused, debug_mask = _no_rng(query)
         empty = query.new_empty(0, dtype=torch.int32)
         return (out.transpose(1, 2), lse, empty, empty, seqlen_q, seqlen_k, rng_state, unused,
@@ -153,7 +161,16 @@ class _Kernels:
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """aten::_scaled_dot_product_flash_attention_backward on (B, H, N, D) tensors."""
         dout, q, k, v, o = (t.transpose(1, 2) for t in (grad_out, query, key, value, out))
-        grads = self._backward(dout, q, k, v, o, logsumexp, dropout_p, is_causal, scale)
+
+        def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     o: torch.Tensor, lse: torch.Tensor, causal: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return self._backward(dout, q, k, v, o, lse, dropout_p, causal, scale)
+
+        if is_causal and q.shape[1] != k.shape[1]:  # SDPA's top-left mask
+            grads = top_left_backward(backward, dout, q, k, v, o, logsumexp)
+        else:
+            grads = backward(dout, q, k, v, o, logsumexp, is_causal)
         dq, dk, dv = (g.transpose(1, 2) for g in grads)
         return dq, dk, dv
 

@@ -2,9 +2,10 @@
 
 Everything that tensor metadata can tell is checked here, before a launch, with an
 InvalidInput that says what was wrong, what was expected and how to fix it. What only the
-data can tell (cache lengths, block-table entries, which live on the device and are never
-copied to the host) is checked by the decode kernel itself, which never follows a bad
-value (see ``flashtune.families.decode.status``).
+data can tell (cache lengths, block-table entries, which live on the device) is checked by
+``check_cache_values`` before a checked call (the emulator, or FLASHTUNE_CHECK_INPUTS=1:
+nothing is written to the cache of a refused call) and otherwise by the decode kernel
+itself, which never follows a bad value (see ``flashtune.families.decode.status``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from flashtune.api.limits import MAX_GRID_YZ, MAX_INT32, MAX_SEQLEN
 from flashtune.api.validate import SUPPORTED_DEVICES, SUPPORTED_DTYPES
 from flashtune.codegen.spec import MAX_HEAD_DIM
 from flashtune.errors import InvalidInput
+from flashtune.families.decode.status import (
+    BEYOND_CAPACITY,
+    NEGATIVE_LENGTH,
+    PAGE_INDEX,
+    describe,
+)
 
 _Q = "(batch, seqlen_q, heads_q, head_dim)"
 _CACHE = "(batch, max_len, heads_kv, head_dim)"
@@ -60,18 +67,27 @@ def _named(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return [(n, t) for n, t in named if t is not None]
 
 
+_OPTIONAL = ("block_table", "k", "v")
+_LAYOUTS = {"q": _Q, "k_cache": f"{_CACHE} or paged {_PAGED}",
+            "v_cache": f"{_CACHE} or paged {_PAGED}", "k": _NEW, "v": _NEW,
+            "cache_seqlens": "(batch,) int32", "block_table": "(batch, max_pages) int32"}
+
+
 def _check_types_and_ranks(named: Sequence[tuple[str, object]]) -> None:
     ranks = {"cache_seqlens": 1, "block_table": 2}
     for name, t in named:
         if not isinstance(t, torch.Tensor):
-            raise InvalidInput(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            fix = (" (an empty cache has cache_seqlens = torch.zeros(batch, dtype=torch.int32)"
+                   ")" if name == "cache_seqlens" else "")
+            raise InvalidInput(f"{name} must be a torch.Tensor {_LAYOUTS[name]}, got "
+                               f"{type(t).__name__}; pass one{fix}")
+        if t.is_nested or t.layout != torch.strided:
+            raise InvalidInput(f"{name} is a {'nested' if t.is_nested else str(t.layout)} "
+                               f"tensor; expected a dense (strided) tensor {_LAYOUTS[name]}")
         want = ranks.get(name, 4)
         if t.dim() != want:
-            layout = {"q": _Q, "k_cache": f"{_CACHE} or paged {_PAGED}",
-                      "v_cache": f"{_CACHE} or paged {_PAGED}", "k": _NEW, "v": _NEW,
-                      "cache_seqlens": "(batch,)", "block_table": "(batch, max_pages)"}[name]
             raise InvalidInput(f"{name} has {t.dim()} dims (shape {_shape(t)}); expected "
-                               f"{want} dims {layout}")
+                               f"{want} dims {_LAYOUTS[name]}")
 
 
 def _check_dtypes_and_devices(q: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
@@ -202,8 +218,68 @@ def check_kvcache_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     and int32 limits, and strides (contiguous last dims, multiples of 8 elsewhere, caches
     whose rows do not share memory)."""
     named = _named(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
-    _check_types_and_ranks(named)
+    # The required four are checked even when None (a clear error, not an AttributeError).
+    given: list[tuple[str, object]] = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                                       ("cache_seqlens", cache_seqlens)]
+    _check_types_and_ranks(given + [(n, t) for n, t in named if n in _OPTIONAL])
     _check_dtypes_and_devices(q, named)
     layout = _check_shapes(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
     _check_strides(named)
     return layout
+
+
+def _first(mask: torch.Tensor) -> tuple[int, ...] | None:
+    """The first index (row-major) where ``mask`` holds, or None."""
+    where = mask.nonzero()
+    return tuple(int(i) for i in where[0]) if where.shape[0] else None
+
+
+def check_cache_values(cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                       layout: KvCacheLayout) -> None:
+    """InvalidInput for a bad cache length or block-table entry, or for a page that one
+    sequence appends into while another slot (of any sequence) also uses it, before any
+    kernel runs: so a refused call leaves the cache exactly as it was.
+
+    It reads the lengths and the table on the host (a synchronisation on the GPU, which is
+    why unchecked GPU calls leave the lengths and pages to the kernel, and do not look for
+    shared pages). The messages are the kernel's own (``families.decode.status``); a page
+    shared while appending is refused because the rows written into it would also be read
+    or written by the other user (a race on a GPU): copy a shared prefix page before
+    appending into it."""
+    lengths = cache_seqlens.detach().to("cpu", torch.int64)
+    new, capacity = layout.seqlen_new, layout.capacity
+    num_pages = layout.num_pages if layout.paged else None
+
+    def refuse(code: int, batch: int, index: int, value: int) -> InvalidInput:
+        return InvalidInput(describe((code, batch, index, value), seqlen_new=new,
+                                     capacity=capacity, num_pages=num_pages))
+
+    for code, bad in ((NEGATIVE_LENGTH, lengths < 0),
+                      (BEYOND_CAPACITY, lengths + new > capacity)):
+        at = _first(bad)
+        if at is not None:
+            raise refuse(code, at[0], 0, int(lengths[at[0]]))
+    if block_table is None:
+        return  # an unpaged cache: sequence b owns rows b of its own (non-overlapping) page
+    table = block_table.detach().to("cpu", torch.int64)
+    slots = torch.arange(layout.max_pages)[None, :]
+    used = slots < ((lengths + new + layout.page_size - 1) // layout.page_size)[:, None]
+    at = _first(used & ((table < 0) | (table >= layout.num_pages)))
+    if at is not None:
+        raise refuse(PAGE_INDEX, at[0], at[1], int(table[at]))
+    if new == 0:
+        return
+    written = used & (slots >= (lengths // layout.page_size)[:, None])
+    users = torch.bincount(table[used], minlength=layout.num_pages)
+    at = _first(written & (users[table.clamp(0, layout.num_pages - 1)] > 1))
+    if at is not None:
+        page = int(table[at])
+        others = [(int(b), int(s)) for b, s in (used & (table == page)).nonzero()
+                  if (int(b), int(s)) != at]
+        b, s = others[0]
+        raise InvalidInput(
+            f"block_table[{at[0]}, {at[1]}] = {page}: sequence {at[0]} appends its new rows "
+            f"into page {page}, which block_table[{b}, {s}] (sequence {b}) also uses; a page "
+            "that receives new rows must belong to one slot of one sequence (rows written "
+            "there would be read or overwritten by the other: a race on a GPU). Give the "
+            "appending sequence its own copy of the page (copy-on-write) before the call")

@@ -3,9 +3,10 @@ kernel family does not implement them.
 
 The keyword arguments are flash-attn's: ``window_size=(left, right)`` (-1: unbounded on that
 side; ``causal=True`` is the window (-1, 0) and, with a window, sets its right side to 0),
-``softcap`` (None: off; else a cap > 0) and ``alibi_slopes`` (float32 (heads_q,) or
-(batch, heads_q) on the tensors' device). ``resolve`` turns them into a ``Variant``: the
-compile-time feature switches of the Problem and the run-time values of the launch.
+``softcap`` (None or 0.0, flash-attn's default: off; else a cap > 0) and ``alibi_slopes``
+(float32 (heads_q,) or (batch, heads_q) on the tensors' device). ``resolve`` turns them
+into a ``Variant``: the compile-time feature switches of the Problem and the run-time values
+of the launch.
 """
 
 from __future__ import annotations
@@ -64,16 +65,20 @@ def check_window_size(window_size: object) -> tuple[int, int]:
 
 
 def check_softcap(softcap: object) -> float:
-    """The cap as a float (0.0 for None: no softcapping); InvalidInput unless finite > 0."""
+    """The cap as a float (0.0, no softcapping, for None and for 0.0: flash-attn's default
+    means off, so its callers' ``softcap=0.0`` is the plain kernel, with the plain key);
+    InvalidInput unless None, 0 or finite > 0."""
     if softcap is None:
         return 0.0
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise InvalidInput(f"softcap={softcap!r} must be a float > 0 (scores become "
                            "softcap * tanh(scores / softcap)) or None for no softcapping")
     cap = float(softcap)
+    if cap == 0.0:
+        return 0.0
     if not (math.isfinite(cap) and cap > 0.0):
         raise InvalidInput(f"softcap={softcap!r} is not a finite number > 0; expected e.g. "
-                           "softcap=30.0, or softcap=None (not 0.0) for no softcapping")
+                           "softcap=30.0, or softcap=None (or 0.0) for no softcapping")
     return cap
 
 
@@ -143,16 +148,40 @@ def refuse_unsupported(op: str, features: tuple[str, ...], q: torch.Tensor, what
 
 
 
+def _dense(t: object) -> bool:
+    """A dense (strided, not nested) tensor with at least one dim: one whose shape can be
+    read and padded (anything else is left for validation to refuse)."""
+    return (isinstance(t, torch.Tensor) and not t.is_nested and t.layout == torch.strided
+            and t.dim() > 0)
+
+
+def padded_head_dim(*tensors: torch.Tensor | None) -> int | None:
+    """The common head dim (last dim) of ``tensors`` (None entries ignored) when it is not a
+    multiple of 8 but at most MAX_HEAD_DIM, so that zero-padding them makes it servable;
+    None otherwise (also for anything validation must explain: no common dim, nested or
+    sparse tensors)."""
+    given = [t for t in tensors if t is not None]
+    if not given or not all(_dense(t) for t in given):
+        return None
+    dim = given[0].shape[-1]
+    if dim % 8 == 0 or dim > MAX_HEAD_DIM or any(t.shape[-1] != dim for t in given):
+        return None
+    return int(dim)
+
+
+def zero_pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """A copy of ``t`` whose last dim ``dim`` is zero-padded to the next multiple of 8 (zero
+    columns change neither Q K^T nor the kept columns of P V)."""
+    return torch.nn.functional.pad(t, (0, -dim % 8))
+
+
 def pad_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]:
     """(q, k, v, None) unchanged, or, when their common head dim (last dim) is not a multiple
     of 8 but at most MAX_HEAD_DIM, copies zero-padded to the next multiple of 8 (one copy of
-    each; zero columns change neither Q K^T nor the kept columns of P V) and the original
-    head dim, to slice the output with. Anything else is left for validation to explain."""
-    dim = q.shape[-1] if q.dim() else 8
-    same = all(isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == dim for t in (k, v))
-    if dim % 8 == 0 or dim > MAX_HEAD_DIM or not same:
+    each) and the original head dim, to slice the output with. Anything else is left for
+    validation to explain."""
+    dim = padded_head_dim(q, k, v)
+    if dim is None:
         return q, k, v, None
-    pad = (0, -dim % 8)
-    return (torch.nn.functional.pad(q, pad), torch.nn.functional.pad(k, pad),
-            torch.nn.functional.pad(v, pad), dim)
+    return zero_pad(q, dim), zero_pad(k, dim), zero_pad(v, dim), dim

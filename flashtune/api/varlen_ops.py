@@ -132,7 +132,7 @@ def attention_varlen(
     Forward only: a backward raises FeatureNotSupported.
     """
     dim = None
-    if isinstance(q, torch.Tensor) and q.dim() and q.shape[-1] % 8:
+    if isinstance(q, torch.Tensor) and not q.is_nested and q.dim() and q.shape[-1] % 8:
         q, k, v, dim = pad_head_dim(q, k, v)  # any head dim: one zero-padded copy each
     cu_q, cu_k, longest_q, longest_k = check_varlen_inputs(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

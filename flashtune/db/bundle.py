@@ -164,7 +164,12 @@ def dumps(bundle: Bundle) -> str:
 
 
 def write_bundle(bundle: Bundle, path: Path) -> None:
-    """Write ``bundle`` to ``path`` atomically (a reader never sees half a file)."""
+    """Write ``bundle`` to ``path`` atomically (a reader never sees half a file);
+    IsADirectoryError, naming a file to pass instead, when ``path`` is a directory (the
+    rename would fail naming its temporary file)."""
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory; expected the path of the bundle "
+                                f"file to write, e.g. {path / 'tuning-bundle.json'}")
     text = dumps(bundle)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)

@@ -343,7 +343,7 @@ def precompile(kernels: Iterable[tuple[Problem, KernelConfig]], arch: str, out: 
         for directory in (folder, folder / KERNELS_DIR):
             os.chmod(directory, 0o755)
     except OSError as exc:
-        raise write_error(exc, folder, "the precompiled directory") from None
+        raise write_error(exc, folder, "the precompiled directory", "--out") from None
     # Built as a device of this compute capability loads them: a portable source for the
     # device's own arch (sm_90 when asked for sm_90a, where a cc 9.0 GPU looks for it), an
     # arch-specific one for its target.
@@ -370,7 +370,7 @@ def precompile(kernels: Iterable[tuple[Problem, KernelConfig]], arch: str, out: 
             log.info("precompiled %s for %s -> %s", source.entry, spec.name, folder / rel)
         write_manifest(folder, digests)
     except OSError as exc:
-        raise write_error(exc, folder, "the precompiled directory") from None
+        raise write_error(exc, folder, "the precompiled directory", "--out") from None
     if failed:
         raise CompileError(f"{len(failed)} of {len(chosen)} kernels failed to compile for "
                            f"{spec.name} (the other {len(done)} are stored): "

@@ -95,20 +95,26 @@ def _kind(st: os.stat_result) -> str:
     return "a special file"
 
 
-def write_error(exc: OSError, path: Path, what: str) -> CacheError:
-    """A CacheError for a failed write of ``what`` at ``path``, with the fix for its cause."""
+def write_error(exc: OSError, path: Path, what: str, knob: str | None = None
+                ) -> CacheError:
+    """A CacheError for a failed write of ``what`` at ``path``, with the fix for its cause.
+    ``knob`` names the setting that chose the directory (e.g. ``--out``, for a directory
+    that is not the cache); None: the cache's, FLASHTUNE_CACHE_DIR."""
     code = exc.errno
+    other = "point FLASHTUNE_CACHE_DIR at" if knob is None else f"give {knob}"
     if code in (errno.ENOSPC, errno.EDQUOT):
-        fix = ("the disk (or your quota) is full: free space, or point FLASHTUNE_CACHE_DIR "
-               "at a directory on another disk")
+        fix = (f"the disk (or your quota) is full: free space, or {other} a directory on "
+               "another disk")
     elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        fix = ("the cache is not writable: make it writable by you, or point "
-               "FLASHTUNE_CACHE_DIR at a directory you own (kernels shipped read-only with an "
-               "application belong in FLASHTUNE_PRECOMPILED_DIR)")
+        fix = (f"{'the cache' if knob is None else 'it'} is not writable: make it writable by "
+               f"you, or {other} a directory you own")
+        if knob is None:
+            fix += (" (kernels shipped read-only with an application belong in "
+                    "FLASHTUNE_PRECOMPILED_DIR)")
     elif code == errno.EISDIR:
         fix = f"{exc.filename or path} is a directory where a file belongs: remove it"
     else:
-        fix = "check the directory, or point FLASHTUNE_CACHE_DIR at another one"
+        fix = f"check the directory, or {other} another one"
     return CacheError(f"cannot write {what} at {path}: {exc.strerror or exc}; {fix}")
 
 

@@ -295,11 +295,16 @@ class Tuner:
         """
         memo = self._untimed_memo
         settled = dict(past)
+        # --trials N is the bucket's total, as in a timed study: a --resume continues an
+        # earlier dry run (its configs settled in the database) up to N, not N more; a run
+        # without --resume verifies N configs not verified yet.
+        budget = max(0, self.options.trials - len(past)) if self.options.resume \
+            else self.options.trials
         replayed = 0
         for config in [*first, *encoding.candidates()]:
             known = memo.get((workload.problem, config))
             if known is None or config.key() in settled or config.key() in pruned \
-                    or replayed >= self.options.trials:
+                    or replayed >= budget:
                 continue
             settled[config.key()] = known.status
             on_result(Proposal(config), known)
@@ -319,7 +324,7 @@ class Tuner:
                                 grid=True, model_pruned=pruned)
         try:
             return replayed + self._drive(proposer, workload, pool, remember,
-                                          budget=self.options.trials - replayed)
+                                          budget=budget - replayed)
         finally:
             proposer.close()
             lock.close()

@@ -1,9 +1,11 @@
 """Several tuning workers on one study: one process per GPU, or one per machine.
 
 A worker is ``python -m flashtune.tuner.workers SPEC`` where SPEC is the JSON of a
-``WorkerSpec``: the problem, the database URL, the options and how to build the measurer
-(``module:function`` plus JSON keyword arguments), so a worker needs nothing from its
-parent but the command line. Workers share the study through the database and never
+``WorkerSpec``: the problem, the options and how to build the measurer (``module:function``
+plus JSON keyword arguments); the database URL, which may hold a PostgreSQL password, comes
+in the worker's environment (``WORKER_DB_ENV``), never on its command line, which every
+user of the machine can read (``ps``, /proc/PID/cmdline; a process's environment is its
+owner's only). Workers share the study through the database and never
 measure the same config twice (search.py); ``run_workers`` starts N of them (GPU i gets
 ``CUDA_VISIBLE_DEVICES=i``) with the search phase only, waits, and then runs the final
 re-measurement once, in one more worker. On other machines, run ``flashtune tune --resume``
@@ -38,6 +40,10 @@ if TYPE_CHECKING:
 
 #: The worker flag that ties a worker's life to its parent's (``start_worker`` passes it).
 _TIED = "--die-with-parent"
+#: The environment variable through which ``start_worker`` hands a worker its database URL
+#: (the spec on the command line has an empty ``db``); the worker removes it from its own
+#: environment, so the processes it starts (compilers, emulators) do not inherit it.
+WORKER_DB_ENV = "FLASHTUNE_WORKER_DB"
 
 
 def options_to_json(options: TuneOptions) -> dict[str, Any]:
@@ -113,9 +119,12 @@ def run_spec(spec: WorkerSpec, observer: Observer | None = None) -> list[BucketS
 def start_worker(spec: WorkerSpec, env: Mapping[str, str] | None = None
                  ) -> subprocess.Popen[bytes]:
     """Start ``python -m flashtune.tuner.workers --die-with-parent SPEC`` (stdout/stderr
-    inherited): the worker is killed when this process dies."""
+    inherited): the worker is killed when this process dies. The database URL goes in the
+    worker's environment (``WORKER_DB_ENV``), not in SPEC on its command line."""
+    hidden = dataclasses.replace(spec, db="")
     return subprocess.Popen([sys.executable, "-m", "flashtune.tuner.workers", _TIED,
-                             spec.to_json()], env={**os.environ, **(env or {})})
+                             hidden.to_json()],
+                            env={**os.environ, **(env or {}), WORKER_DB_ENV: spec.db})
 
 
 def run_workers(spec: WorkerSpec, count: int, *, gpus: Sequence[int] | None = None,
@@ -243,7 +252,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A killed `flashtune tune --workers N` leaves no workers measuring on: the trial
         # in flight is reaped (dead pid) and measured again by --resume.
         die_with_parent()
-    run_spec(WorkerSpec.from_json(args[0]))
+    spec = WorkerSpec.from_json(args[0])
+    db = os.environ.pop(WORKER_DB_ENV, None)
+    run_spec(spec if db is None else dataclasses.replace(spec, db=db))
     return 0
 
 

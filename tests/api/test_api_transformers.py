@@ -76,3 +76,16 @@ def test_tiny_models_match_eager_attention(name: str) -> None:
 def test_names_with_flash_are_refused() -> None:
     with pytest.raises(InvalidInput, match="reserves for FlashAttention kernel packages"):
         flashtune.register_transformers("flashtune")
+
+
+def test_a_batch_of_padding_only_is_refused_naming_the_padding() -> None:
+    """Eager attention gives an all-masked row a uniform average of the values (its mask is
+    the dtype's minimum, not -inf): no answer to imitate, so flashtune says what is wrong."""
+    impl = flashtune.register_transformers(backend="emulator")
+    torch.manual_seed(0)
+    cfg = _tiny("llama")
+    state = transformers.AutoModelForCausalLM.from_config(cfg).state_dict()
+    ids = torch.randint(0, 128, (2, 7))
+    with pytest.raises(InvalidInput, match="every query token of the batch is padding.*"
+                                           r"attention_mask \(2, 7\)"):
+        _logits(cfg, impl, state, torch.float16, ids, torch.zeros(2, 7, dtype=torch.long))

@@ -77,6 +77,30 @@ def test_each_feature_alone_and_per_head_slopes() -> None:
 
 
 @pytest.mark.emulator
+@pytest.mark.usefixtures("dispatcher", "poisoned_outputs")
+def test_softcap_zero_is_flash_attns_off() -> None:
+    """softcap=0.0 (flash-attn's default) is no softcap: the plain kernel and key, plain
+    attention against float64, gradients included, and accepted by decoding."""
+    seed = _RNG.randrange(2**31)
+    q, k, v = qkv(1, 50, 70, 2, 1, 32, seed=seed)
+    meta = [t.to("meta") for t in (q, k, v)]
+    keys = {ops.explain(*meta, causal=True, softcap=cap).problem.key() for cap in (0.0, None)}
+    assert keys == {"fwd_d32_fp16_causal"}
+    out, lse = flashtune.attention(q, k, v, causal=True, softcap=0.0, return_lse=True,
+                                   backend="emulator")
+    _check(out, lse, q, k, v, True, f"softcap=0.0 seed={seed}")
+    qg = q.clone().requires_grad_()
+    flashtune.attention(qg, k, v, causal=True, softcap=0, backend="emulator").sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+    cache = torch.randn(1, 32, 1, 32, dtype=torch.float16)
+    lens = torch.tensor([20], dtype=torch.int32)
+    decoded = flashtune.attention_with_kvcache(q[:, :1], cache, cache.clone(), lens,
+                                               softcap=0.0, backend="emulator")
+    assert torch.equal(decoded, flashtune.attention_with_kvcache(
+        q[:, :1], cache, cache.clone(), lens, backend="emulator"))
+
+
+@pytest.mark.emulator
 @pytest.mark.usefixtures("dispatcher")
 def test_the_op_path_takes_the_same_features() -> None:
     """Inputs that need a gradient go through the custom op: same outputs as the direct
@@ -114,7 +138,7 @@ def test_windows_resolve_to_the_cheapest_equal_mask() -> None:
     ({"window_size": (4,)}, "must be a pair of ints"),
     ({"window_size": (True, 0)}, "must be a pair of ints"),
     ({"window_size": (1.5, 0)}, "must be a pair of ints"),
-    ({"softcap": 0.0}, "not 0.0) for no softcapping"),
+    ({"softcap": -0.5}, "or 0.0) for no softcapping"),
     ({"softcap": -5.0}, "is not a finite number > 0"),
     ({"softcap": math.nan}, "is not a finite number > 0"),
     ({"softcap": "30"}, "must be a float > 0"),

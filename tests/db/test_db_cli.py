@@ -83,6 +83,13 @@ def test_export_import_round_trip(filled: Path, tmp_path: Path) -> None:
     assert "added" in again
 
 
+def test_export_to_a_directory_says_so_and_what_to_pass(filled: Path, tmp_path: Path) -> None:
+    out = _run("db", "--db", str(filled), "export", "-o", str(tmp_path), ok=False)
+    assert "is a directory; expected the path of the bundle file" in out
+    assert "tuning-bundle.json" in out and ".tmp" not in out and f"/.{tmp_path.name}." not in out
+    assert list(tmp_path.glob(".*")) == []  # no temporary file left behind
+
+
 def data_time(data: dict[str, object]) -> datetime:
     return datetime.fromisoformat(str(data["created_at"]))
 

@@ -72,7 +72,7 @@ def test_split_and_combine_equal_the_unsplit_call_and_the_heuristic_is_used() ->
     no_key = torch.isposinf(unsplit_lse)  # sequence 0 is empty, sequence 1 full
     assert no_key[0].all() and not no_key[1].any()
     assert (unsplit[0] == 0).all()
-    for splits in (2, 5, 19, 128, None):
+    for splits in (2, 5, 19, 128, None, 0):  # 0: flash-attn's "choose", as None
         out, lse = _call(inputs, True, num_splits=splits)
         assert torch.allclose(out.float(), unsplit.float(), atol=2e-3, rtol=2e-3), splits
         assert torch.allclose(lse, unsplit_lse, atol=1e-5, rtol=1e-6), splits
@@ -158,7 +158,7 @@ def test_hostile_metadata_is_refused_before_a_launch(name: str, edit: Any,
 
 def test_bad_num_splits_scale_and_grad_are_refused() -> None:
     _, kwargs = _tensors()
-    for bad in (0, 129, True, 2.0):
+    for bad in (-1, 129, True, 2.0):
         with pytest.raises(InvalidInput, match="num_splits"):
             _api(kwargs, num_splits=bad)
     with pytest.raises(InvalidInput, match="softmax_scale"):
@@ -190,9 +190,65 @@ def test_bad_lengths_and_pages_raise_at_once_on_the_emulator(edit: str,
         lengths = kwargs["cache_seqlens"].clone()
         lengths[0 if edit == "negative" else 2] = -3 if edit == "negative" else 303
         kwargs["cache_seqlens"] = lengths
+    before = [kwargs[n].clone() for n in ("k_cache", "v_cache")]
     with pytest.raises(InvalidInput, match=message):
         _api(kwargs)
+    # Refused before anything is written: the valid sequences' rows were not appended.
+    assert all(torch.equal(kwargs[n].view(torch.int16), b.view(torch.int16))
+               for n, b in zip(("k_cache", "v_cache"), before, strict=True))
     # Slots past a sequence's pages may hold anything: -1 there is never looked at.
     table = inputs.tensors["block_table"]
     assert (table[0, 1:] == -1).all()  # sequence 0 holds only its 2 new rows, in slot 0
     _api(dict(kwargs, block_table=table, cache_seqlens=inputs.tensors["cache_seqlens"]))
+
+
+@pytest.mark.emulator
+def test_a_page_shared_while_appending_is_refused_and_a_shared_prefix_is_not() -> None:
+    """A page that one sequence appends into and another slot uses is refused before
+    anything is written; pages only read by several sequences (a shared prefix) are
+    served."""
+    inputs, kwargs = _tensors()
+    lengths = inputs.tensors["cache_seqlens"].tolist()
+    table = kwargs["block_table"].clone()
+    page_size = kwargs["k_cache"].shape[1]
+    writing = lengths[2] // page_size  # the slot sequence 2 appends into
+    assert lengths[1] > page_size  # sequence 1 reads its slot 0
+    table[2, writing] = table[1, 0]
+    before = [kwargs[n].clone() for n in ("k_cache", "v_cache")]
+    with pytest.raises(InvalidInput, match=rf"block_table\[2, {writing}\] = "
+                                           rf"{int(table[1, 0])}: sequence 2 appends.*"
+                                           r"block_table\[1, 0\] \(sequence 1\).*copy"):
+        _api(dict(kwargs, block_table=table))
+    assert all(torch.equal(kwargs[n].view(torch.int16), b.view(torch.int16))
+               for n, b in zip(("k_cache", "v_cache"), before, strict=True))
+    # Without new rows the same table is only read: served, against float64.
+    shared = dict(inputs.tensors, block_table=table)
+    for name in ("k_new", "v_new"):
+        shared.pop(name)
+    read_only = Inputs(shared, inputs.scalars)
+    out, lse = _call(read_only, True)
+    _check(read_only, True, out, lse)
+
+
+@pytest.mark.parametrize("missing", ["k_cache", "v_cache", "cache_seqlens", "q"])
+def test_a_missing_tensor_is_named(missing: str) -> None:
+    _, kwargs = _tensors()
+    kwargs[missing] = None
+    with pytest.raises(InvalidInput, match=f"{missing} must be a torch.Tensor .* got "
+                                           "NoneType"):
+        _api(kwargs)
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("append", [True, False], ids=["append", "noappend"])
+def test_a_head_dim_not_a_multiple_of_8_is_padded(append: bool) -> None:
+    """Head dim 59 (the forward pads it; so does decoding): O and LSE against float64 over
+    the unpadded tensors, and the new rows appended into the caller's own caches."""
+    case = GridCase(16, 2, (4, 2), True, append, 2, seed=SEED)
+    wide = inputs_of(case, problem_of(case))
+    tensors = {n: t[..., :59].contiguous() if t.dim() == 4 else t
+               for n, t in wide.tensors.items()}
+    inputs = Inputs(tensors, dict(wide.scalars, softmax_scale=59 ** -0.5))
+    out, lse = _call(inputs, True)
+    assert out.shape[-1] == 59
+    _check(inputs, True, out, lse)

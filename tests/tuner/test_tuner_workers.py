@@ -13,6 +13,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import optuna
 import pytest
@@ -197,3 +198,51 @@ def test_workers_die_with_the_process_that_started_them(db_url: str, call_log: s
     while not _gone(worker):
         assert time.monotonic() < deadline, f"worker {worker} outlived its killed parent"
         time.sleep(0.05)
+
+
+def test_the_database_url_is_never_on_a_workers_command_line(
+        monkeypatch: pytest.MonkeyPatch, call_log: str) -> None:
+    """A PostgreSQL URL (password included) reaches a worker through its environment, which
+    only its owner can read, not through its command line (``ps``, /proc/PID/cmdline); the
+    worker takes it out of its environment before it starts anything."""
+    from flashtune.tuner import workers
+
+    url = "postgresql://tuner:s3cret-pw@db.example:5432/tuning"
+    started: list[tuple[list[str], dict[str, str]]] = []
+
+    def popen(argv: list[str], env: dict[str, str]) -> Any:
+        started.append((argv, env))
+        return None
+
+    monkeypatch.setattr(workers.subprocess, "Popen", popen)
+    start_worker(spec_for(url, call_log), {"CUDA_VISIBLE_DEVICES": "1"})
+    [(argv, env)] = started
+    assert not any("s3cret-pw" in arg or "db.example" in arg for arg in argv), argv
+    assert env[workers.WORKER_DB_ENV] == url and env["CUDA_VISIBLE_DEVICES"] == "1"
+
+    ran: list[WorkerSpec] = []
+    monkeypatch.setattr(workers, "run_spec", ran.append)
+    monkeypatch.setenv(workers.WORKER_DB_ENV, url)
+    assert workers.main(argv[4:]) == 0  # the spec (not the parent-death flag: pytest's own)
+    assert ran[0] == spec_for(url, call_log)
+    assert workers.WORKER_DB_ENV not in os.environ
+
+
+def test_a_resumed_dry_run_continues_to_its_trials_in_total(db_url: str,
+                                                           call_log: str) -> None:
+    """--trials N is the bucket's total for --resume, as in a timed study: a finished dry
+    run resumed verifies nothing more, a larger N continues up to N; a run without
+    --resume verifies N configs not verified yet."""
+    spec = spec_for(db_url, call_log, is_timed=False)
+
+    def run(trials: int, resume: bool) -> int:
+        before = len([1 for _, phase, _ in read_log(call_log) if phase == "verify"])
+        run_spec(spec.with_options(trials=trials, resume=resume))
+        verified = [key for _, phase, key in read_log(call_log) if phase == "verify"]
+        assert len(set(verified)) == len(verified), "a config was verified twice"
+        return len(verified) - before
+
+    assert run(3, False) == 3
+    assert run(3, True) == 0  # finished: --resume continues to 3, not 3 more
+    assert run(5, True) == 2
+    assert run(2, False) == 2  # without --resume: 2 more

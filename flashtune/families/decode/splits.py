@@ -27,14 +27,17 @@ _FULL_GRID = 0.8
 _NEAR_BEST = 0.85
 
 
-def check_num_splits(num_splits: object) -> int:
-    """``num_splits`` as an int in [1, MAX_SPLITS]; InvalidInput saying why otherwise."""
+def check_num_splits(num_splits: object, choose: bool = False) -> int:
+    """``num_splits`` as an int in [1, MAX_SPLITS], or, with ``choose`` (the API), also 0,
+    which means "choose" (flash-attn's convention, as None does); InvalidInput saying why
+    otherwise."""
+    low = 0 if choose else 1
     if isinstance(num_splits, bool) or not isinstance(num_splits, int):
         raise InvalidInput(f"num_splits={num_splits!r} must be an int in [1, {MAX_SPLITS}] "
-                           "(or None for the heuristic)")
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise InvalidInput(f"num_splits={num_splits} is outside [1, {MAX_SPLITS}]; pass None "
-                           "to let flashtune choose")
+                           "(or None or 0 for the heuristic)")
+    if not low <= num_splits <= MAX_SPLITS:
+        raise InvalidInput(f"num_splits={num_splits} is outside [{low}, {MAX_SPLITS}]; pass "
+                           "None (or 0) to let flashtune choose")
     return num_splits
 
 
