@@ -316,7 +316,8 @@ def winners_figure(buckets: Sequence[BucketData]) -> Any:
         ax.text(x - 0.2, row[1] / 2, row[3], rotation=90, ha="center", va="center",
                 fontsize=6, color="white")
         if row[2] is None:
-            ax.text(x + 0.2, 0, "default\nnot timed", ha="center", va="bottom", fontsize=6)
+            ax.text(x + 0.2, 0, "default\nnot tried" if predicted else "default\nnot timed",
+                    ha="center", va="bottom", fontsize=6)
     ax.set_xticks(xs, [r[0] for r in rows], rotation=30, ha="right", fontsize=6)
     ax.set_ylabel("PREDICTED TFLOP/s" if predicted else "TFLOP/s")
     ax.set_title(("PREDICTED best per bucket (nothing was timed)" if predicted
