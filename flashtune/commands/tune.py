@@ -93,7 +93,9 @@ def tune_command(
     ] = None,
     replay: Annotated[Path | None, typer.Option(
         "--replay", metavar="FILE", help="Replay a recorded landscape (T4 JSON, see the "
-                                         "README) on a simulated clock instead of tuning.")
+                                         "README; or a packaged one's name, e.g. "
+                                         "convolution_A6000) on a simulated clock instead "
+                                         "of tuning.")
     ] = None,
     fix: FixOpt = None,
 ) -> None:
