@@ -154,9 +154,16 @@ def show(
         "--arch", help="Arch whose default config is shown when no config is given.")
     ] = DEFAULT_ARCH,
     fix: FixOpt = None,
+    bindings: Annotated[bool, typer.Option(
+        "--bindings", help="Print only the rendered template (the parameter bindings and "
+        "the entry point, which include the kernel's headers) instead of the whole source.")
+    ] = False,
 ) -> None:
-    """Print the generated CUDA source of one kernel."""
+    """Print the CUDA source of one kernel exactly as NVRTC compiles it: the rendered
+    template with every flashtune header it includes inlined (--bindings: the template
+    alone)."""
     from flashtune import families
+    from flashtune.codegen.render import translation_unit
 
     problem = parse_problem(op, head_dim, dtype, causal)
     spec = parse_arch(arch)
@@ -166,7 +173,8 @@ def show(
     if reason is not None:
         Console(stderr=True).print(f"[yellow]note:[/] {kernel_config.key()} is excluded on "
                                    f"{spec.name}: {reason}", highlight=False)
-    typer.echo(render(problem, kernel_config).code, nl=False)
+    source = render(problem, kernel_config)
+    typer.echo(source.code if bindings else translation_unit(source), nl=False)
 
 
 @dataclass(frozen=True)
