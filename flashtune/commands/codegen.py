@@ -260,6 +260,11 @@ def compile_command(
     try:
         if sass_dir is not None:
             require_nvdisasm(find_toolchain())
+        if all_configs:  # pruning and rendering the space takes a minute or two
+            Console(stderr=True, highlight=False).print(
+                f"listing the configs of {problem.key()} that pass the static rules on "
+                f"{', '.join(s.name for s in specs)} and rendering them (a minute or two on "
+                "2 cores), then compiling them")
         rows = _plan(problem, specs, choice, all_configs)
         jobs = [(r.source, r.arch) for r in rows if r.source is not None]
         results = iter(compile_pairs(jobs, workers,
