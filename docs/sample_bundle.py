@@ -34,7 +34,6 @@ import math
 import random
 import sys
 from datetime import datetime, timedelta, timezone
-from pathlib import Path
 
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, Problem, ProblemBucket

@@ -178,9 +178,8 @@ def test_report_of_a_dry_run_draws_predictions_in_every_bucket(tmp_path: Path) -
     pytest.importorskip("matplotlib")
     from dbfactories import CONFIGS, H100, PROBLEMS, trial
 
-    from flashtune.commands.report import load_buckets, winners_figure, write_report
-
     from flashtune.codegen.arch import get_arch
+    from flashtune.commands.report import load_buckets, winners_figure, write_report
     from flashtune.families import of
 
     default = of(PROBLEMS[0]).default_config(PROBLEMS[0], get_arch(H100.arch))
