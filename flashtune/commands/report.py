@@ -202,6 +202,9 @@ def best_so_far_figure(buckets: Sequence[BucketData]) -> Any:
     if not lines:
         _empty(ax, "no trial has a time or a prediction")
         return fig
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # trials are counted
     ax.set_xlabel("trial of the bucket (in the order recorded)")
     ax.set_ylabel("best PREDICTED TFLOP/s so far" if predicted else "best TFLOP/s so far")
     ax.set_title(("Best so far, PREDICTED by the cost model (nothing was timed)" if predicted
