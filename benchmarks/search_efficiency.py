@@ -3,7 +3,8 @@
     python benchmarks/search_efficiency.py [DIR] [--repeats 25] [--jobs N] [--out DIR]
                                            [--strategies flashtune,random,...] [--quick]
 
-Every landscape in DIR (default: ../shared/landscapes next to the repository) is a
+Every landscape in DIR (default: ../shared/landscapes next to the repository where it
+exists, else the two shipped with flashtune, flashtune/tuner/landscapes) is a
 brute-forced search space of one kernel on one GPU (see its README). Each strategy runs
 ``--repeats`` seeded times through flashtune's own search loop (``flashtune.tuner.replay``:
 an in-memory Optuna study, the proposal screening, the pipeline) against the recorded
@@ -58,12 +59,13 @@ from _common import add_benchmarks_to_path  # noqa: E402
 
 add_benchmarks_to_path()
 
-from flashtune.tuner.landscape import Landscape  # noqa: E402
+from flashtune.tuner.landscape import PACKAGED_DIR, Landscape  # noqa: E402
 from flashtune.tuner.replay import SamplerFactory, replay, warm_start_prior  # noqa: E402
 from flashtune.tuner.search.sampler import GuidedSampler, Prior  # noqa: E402
 from flashtune.tuner.search.space import SearchSpace  # noqa: E402
 
-DEFAULT_DIR = Path(__file__).resolve().parents[2] / "shared" / "landscapes"
+_SHARED_DIR = Path(__file__).resolve().parents[2] / "shared" / "landscapes"
+DEFAULT_DIR = _SHARED_DIR if _SHARED_DIR.is_dir() else PACKAGED_DIR
 BUDGETS = (0.01, 0.02, 0.05, 0.10)
 CURVE = tuple(k / 200 for k in range(1, 21))  # 0.5 % .. 10 %
 NOISY_SEED = 1_000_003

@@ -24,6 +24,7 @@ from flashtune.codegen.spec import KernelConfig, KernelSource, Problem
 COMPILE_OPTIONS: tuple[str, ...] = ("-std=c++17", "-DNDEBUG")
 
 _INCLUDE_RE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+_PRAGMA_ONCE_RE = re.compile(r"^\s*#\s*pragma\s+once\b")
 
 
 def templates_dir() -> Path:
@@ -59,6 +60,35 @@ def included_headers(code: str) -> dict[str, str]:
         found[name] = text
         pending.extend(_INCLUDE_RE.findall(text))
     return dict(sorted(found.items()))
+
+
+def translation_unit(source: KernelSource) -> str:
+    """The whole CUDA source NVRTC compiles for ``source``: its code with every flashtune
+    header it includes inlined where the preprocessor first reads it (each once, as their
+    ``#pragma once`` says; a later include of it becomes a comment). System and CUDA
+    headers (``<cuda_fp16.h>``) and the emulator's own header, which only the CPU build's
+    ``FLASHTUNE_EMULATOR`` branch includes, stay includes."""
+    done: set[str] = set()
+
+    def expand(text: str) -> str:
+        out: list[str] = []
+        for line in text.splitlines(keepends=True):
+            match = _INCLUDE_RE.match(line)
+            name = match.group(1) if match else None
+            if name is None or name not in source.headers:
+                out.append("// (pragma once: inlined once)\n" if _PRAGMA_ONCE_RE.match(line)
+                           else line)
+            elif name in done:
+                out.append(f"// #include \"{name}\": already inlined above\n")
+            else:
+                done.add(name)
+                body = expand(source.headers[name])
+                end = "" if body.endswith("\n") else "\n"
+                out.append(f"// ===== begin {name} (flashtune/templates/{name}) =====\n"
+                           f"{body}{end}// ===== end {name} =====\n")
+        return "".join(out)
+
+    return expand(source.code)
 
 
 def entry_name(problem: Problem, config: KernelConfig) -> str:

@@ -299,31 +299,43 @@ def export_command(
 @db_app.command("import")
 def import_command(
     ctx: typer.Context,
-    bundle_path: Annotated[Path, typer.Argument(metavar="BUNDLE", help="Bundle file to read.")],
+    bundle_path: Annotated[Path | None, typer.Argument(
+        metavar="BUNDLE", help="Bundle file to read (or --sample).")] = None,
     db: DbOpt = None,
     prefer: PreferOpt = "local-first",
     allow_mixed_digests: MixedOpt = False,
     dry_run: DryRunOpt = False,
     trust: TrustOpt = False,
+    sample: Annotated[bool, typer.Option(
+        "--sample", help="Import the sample bundle shipped with flashtune instead of a file: "
+        "results DERIVED from published H100 figures, not measured, for trying sharing "
+        "without a GPU (served only when imported with --trust).")] = False,
 ) -> None:
     """Validate a bundle completely, then add its results in one transaction, with their
     provenance (bundle digest, time of import, claimed origin)."""
     from flashtune.db.bundle import read_bundle
+    from flashtune.db.samples import SAMPLE_BUNDLE, SAMPLE_SOURCE
     from flashtune.db.sharing import import_bundle
 
     choice = _prefer(prefer)
+    if (bundle_path is None) == (not sample):
+        raise typer.BadParameter("give a bundle file or --sample (one of them); e.g. "
+                                 "`flashtune db import h100.json` or "
+                                 "`flashtune db import --sample`", param_hint="BUNDLE")
+    path = SAMPLE_BUNDLE if bundle_path is None else bundle_path
     try:
-        bundle = read_bundle(bundle_path)
+        bundle = read_bundle(path)
     except FlashtuneError as exc:
         raise fail(exc) from None
     with _open(ctx, db) as store:
         try:
             report = import_bundle(store, bundle, prefer=choice,
                                    allow_mixed_digests=allow_mixed_digests, dry_run=dry_run,
-                                   source=str(bundle_path), trusted=trust)
+                                   source=SAMPLE_SOURCE if sample else str(path),
+                                   trusted=trust)
         except FlashtuneError as exc:
             raise fail(exc) from None
-    _print_report(report, f"import of {bundle_path}")
+    _print_report(report, f"import of {'the sample bundle' if sample else path}")
 
 
 @db_app.command("merge")

@@ -93,7 +93,9 @@ def tune_command(
     ] = None,
     replay: Annotated[Path | None, typer.Option(
         "--replay", metavar="FILE", help="Replay a recorded landscape (T4 JSON, see the "
-                                         "README) on a simulated clock instead of tuning.")
+                                         "README; or a packaged one's name, e.g. "
+                                         "convolution_A6000) on a simulated clock instead "
+                                         "of tuning.")
     ] = None,
     fix: FixOpt = None,
 ) -> None:
@@ -295,10 +297,11 @@ def report_command(
         "flashtune-report"),
     fmt: Annotated[str, typer.Option("--format", help="png or html.")] = "png",
     study: Annotated[str | None, typer.Option(
-        "--study", help="Only studies whose name contains this text.")] = None,
+        "--study", help="Only buckets whose <device>/<bucket> or study name contains "
+                        "this text.")] = None,
 ) -> None:
-    """Plot the tuning studies in a database: best-so-far per trial, the B_r x B_c landscape
-    per (warps, stages), and the winners per bucket."""
+    """Plot the tuning results in a database, tuned or imported: the best so far per
+    bucket, each bucket's B_r x B_c landscape per (warps, stages), and the winners."""
     from flashtune.commands.report import write_report
     from flashtune.db.engine import require_existing
 

@@ -24,13 +24,20 @@ import re
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from flashtune import knobs
 from flashtune.codegen.arch import ArchSpec, compile_target, get_arch
@@ -334,13 +341,16 @@ def compile_pairs(
     *,
     cache: ArtifactCache | None = None,
     progress: bool | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> list[CompileResult]:
     """Compile every (source, arch) pair, in a process pool of ``workers`` processes.
 
     Pairs found in the memo or disk cache are served without compiling. Results come back
     in the order of ``pairs``; a compilation failure is a result (``ok`` False), not an
     exception. An unknown arch or a missing toolchain raises before anything is compiled.
-    ``progress`` shows a rich progress bar (default: when stderr is a terminal).
+    ``progress`` shows a rich progress bar with the time remaining (default: when stderr
+    is a terminal). ``on_progress(done, to_compile)`` is called once the cache has been
+    consulted (``done`` 0: what is left to compile) and after each compilation.
     """
     n_workers = knobs.COMPILE_WORKERS.get() if workers is None else workers
     if n_workers < 1:
@@ -369,16 +379,28 @@ def compile_pairs(
             results[i] = CompileResult(source, spec.name, outcome, None)
 
     show = sys.stderr.isatty() if progress is None else progress
+    done = 0
+
+    def advance() -> None:
+        nonlocal done
+        done += 1
+        bar.advance(task)
+        if on_progress is not None:
+            on_progress(done, len(pending))
+
+    if on_progress is not None:
+        on_progress(0, len(pending))
     with Progress(
         TextColumn("compiling kernels"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), console=Console(stderr=True), transient=True, disable=not show,
+        TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+        console=Console(stderr=True), transient=True, disable=not show,
     ) as bar:
         task = bar.add_task("compile", total=len(pending))
         if n_workers == 1 or len(pending) <= 1:
             for i in pending:
                 record(i, compile_or_fail(pairs[i][0], specs[i].name, cache=store,
                                           toolchain=tc))
-                bar.advance(task)
+                advance()
         else:
             with compile_process_pool(min(n_workers, len(pending))) as pool:
                 futures = {
@@ -388,7 +410,7 @@ def compile_pairs(
                 }
                 for future in as_completed(futures):
                     record(futures[future], future.result())
-                    bar.advance(task)
+                    advance()
     return [r for r in results if r is not None]
 
 
@@ -424,6 +446,7 @@ def compile_many(
     *,
     cache: ArtifactCache | None = None,
     progress: bool | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> list[CompileResult]:
     """Compile every source for every arch (source-major order); see compile_pairs."""
     return compile_pairs([(s, a) for s in sources for a in archs], workers, cache=cache,

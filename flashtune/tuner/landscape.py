@@ -6,6 +6,10 @@ compiled and timed on the device, in the "T4" auto-tuning output format (gzip JS
 ``runtimes`` - the objective in ``measurements`` and ``invalidity``: ``correct``, or
 ``compile`` / ``runtime`` for a failure there).
 
+Two landscapes ship with flashtune as package data (``flashtune/tuner/landscapes``: the 2D
+convolution on an NVIDIA A100 and an A6000, MIT-licensed, see its README): ``--replay
+convolution_A6000`` names one (``resolve_landscape``), a path names any other file.
+
 ``Landscape.load`` turns one into a ``SearchSpace`` (each parameter's recorded values in
 ascending order; legal = recorded) plus the record of every point, which
 ``measure.recorded.RecordedMeasurer`` answers from when the search is replayed on it
@@ -29,10 +33,35 @@ from flashtune.errors import TuningError
 from flashtune.tuner.measure.recorded import Config, Recorded
 from flashtune.tuner.search.space import SearchSpace
 
+#: The landscapes shipped as package data.
+PACKAGED_DIR = Path(__file__).resolve().parent / "landscapes"
+_SUFFIXES = (".json.gz", ".json")
+
 _FAILURES = {"compile": TrialStatus.COMPILE_FAILED, "runtime": TrialStatus.RUNTIME_FAILED,
              "correctness": TrialStatus.WRONG_RESULT}
 #: Objectives whose name says higher is better; every other one (time) is minimised.
 _HIGHER_IS_BETTER = re.compile(r"flop|throughput|bandwidth|/s\b", re.IGNORECASE)
+
+
+def packaged_landscapes() -> list[str]:
+    """Names of the landscapes shipped with flashtune (``convolution_A6000``, ...)."""
+    return sorted(p.name.split(".")[0] for p in PACKAGED_DIR.glob("*.json*"))
+
+
+def resolve_landscape(name_or_path: str | Path) -> Path:
+    """The file of a landscape: an existing path as given, else the packaged landscape of
+    that name (``convolution_A6000`` or ``convolution_A6000.json.gz``); TuningError naming
+    the packaged ones when it is neither."""
+    path = Path(name_or_path)
+    if path.exists() or len(path.parts) != 1:
+        return path
+    for suffix in ("", *_SUFFIXES):
+        candidate = PACKAGED_DIR / f"{path.name}{suffix}"
+        if candidate.is_file():
+            return candidate
+    raise TuningError(f"no landscape file {str(name_or_path)!r} and no packaged landscape of "
+                      f"that name; give a path to a T4 file or one of "
+                      f"{packaged_landscapes()}")
 
 
 def _value(raw: Any) -> Value:
@@ -63,8 +92,9 @@ class Landscape:
 
     @staticmethod
     def load(path: str | Path) -> Landscape:
-        """Read a T4 landscape; TuningError saying what is wrong with a malformed file."""
-        path = Path(path)
+        """Read a T4 landscape (a path, or the name of a packaged one: see
+        ``resolve_landscape``); TuningError saying what is wrong with a malformed file."""
+        path = resolve_landscape(path)
         try:
             with gzip.open(path, "rt") if path.suffix == ".gz" else open(path) as f:
                 data = json.load(f)
@@ -121,7 +151,7 @@ class Landscape:
 
     def sibling(self, device: str) -> Path:
         """The landscape of the same kernel on ``device`` in the same directory."""
-        for suffix in (".json.gz", ".json"):
+        for suffix in _SUFFIXES:
             candidate = self.path.with_name(f"{self.kernel}_{device}{suffix}")
             if candidate.exists():
                 return candidate

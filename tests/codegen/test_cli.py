@@ -13,6 +13,7 @@ from typer.testing import CliRunner, Result
 from flashtune import families
 from flashtune.cli import app
 from flashtune.codegen.arch import get_arch
+from flashtune.codegen.render import translation_unit
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
 from flashtune.commands import codegen as codegen_cmd
 from flashtune.families import render
@@ -42,13 +43,14 @@ def test_show_prints_the_rendered_source() -> None:
                  "--config", "m64_n32_w4_s2")
     assert result.exit_code == 0, result.output
     expected = render(Problem(64, DType.BF16, causal=True), KernelConfig(64, 32, 4, 2))
-    assert result.stdout == expected.code
+    assert result.stdout == translation_unit(expected)  # the headers inlined
 
 
 def test_show_fields_override_the_base_config() -> None:
     result = run("show", "--config", "m64_n32_w4_s2", "--block-n", "128", "--stages", "1")
     assert result.exit_code == 0, result.output
-    assert result.stdout == render(Problem(128, DType.FP16), KernelConfig(64, 128, 4, 1)).code
+    assert result.stdout == translation_unit(render(Problem(128, DType.FP16),
+                                                    KernelConfig(64, 128, 4, 1)))
 
 
 def test_show_uses_the_default_config_of_the_arch() -> None:

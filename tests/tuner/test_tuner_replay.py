@@ -22,7 +22,13 @@ from flashtune.cli import app
 from flashtune.codegen.params import Param, ParamSpace, Point
 from flashtune.db.records import TrialStatus
 from flashtune.errors import TuningError
-from flashtune.tuner.landscape import Landscape, parse_budget
+from flashtune.tuner.landscape import (
+    PACKAGED_DIR,
+    Landscape,
+    packaged_landscapes,
+    parse_budget,
+    resolve_landscape,
+)
 from flashtune.tuner.measure.recorded import RecordedMeasurer
 from flashtune.tuner.replay import replay, warm_start_prior
 from flashtune.tuner.search.sampler import GuidedSampler
@@ -288,3 +294,24 @@ def test_benchmark_verdict_gives_the_noise_of_a_miss(landscapes: Path) -> None:
     assert search_efficiency.verdicts(one_run, (0.01,)) == [
         "land: flashtune vs tpe: does not beat it at 1% (mean -0.100 (one run: no s.e.), "
         "p10 -0.100)"]
+
+
+def test_packaged_landscapes_replay_by_name_from_a_clone(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's replay commands run from the repository alone: the landscapes they name
+    ship as package data and are found by name (or file name); paths work as before."""
+    assert packaged_landscapes() == ["convolution_A100", "convolution_A6000"]
+    assert (PACKAGED_DIR / "LICENSE").is_file()
+    for name in ("convolution_A6000", "convolution_A6000.json.gz"):
+        assert resolve_landscape(name) == PACKAGED_DIR / "convolution_A6000.json.gz"
+    land = Landscape.load("convolution_A6000")
+    assert (land.kernel, land.device, len(land.records)) == ("convolution", "A6000", 4362)
+    assert land.sibling("A100") == PACKAGED_DIR / "convolution_A100.json.gz"
+    monkeypatch.chdir(tmp_path)  # no ../shared here: the name alone must do
+    result = runner.invoke(app, ["tune", "--replay", "convolution_A6000", "--trials", "5",
+                                 "--warm-start-from", "A100", "--seed", "1"])
+    assert result.exit_code == 0, result.output
+    assert "best config:" in result.output
+    with pytest.raises(TuningError, match=r"convolution_A100', 'convolution_A6000"):
+        resolve_landscape("convolution_H100")
+    assert resolve_landscape(tmp_path / "x.json.gz") == tmp_path / "x.json.gz"  # a path

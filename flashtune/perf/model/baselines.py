@@ -81,7 +81,7 @@ def published_figures(problem: Problem, shape: Shape, gpu: str) -> list[Publishe
         return []
     at = SWEEP.index((shape.batch, shape.seqlen_q))
     key = (problem.head_dim, problem.causal)
-    source = "FlashAttention-3 paper figure (reference/attention-baselines.md)"
+    source = "FlashAttention-3 paper figure (flashtune/perf/model/baselines.py)"
     out = []
     for kernel, table in (("FlashAttention-3", H100_FA3_FWD),
                           ("FlashAttention-2", H100_FA2_FWD)):

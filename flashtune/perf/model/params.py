@@ -73,15 +73,15 @@ DEFAULT_PARAMS = ModelParams()
 
 #: The source of the parameters fitted to FA2's published H100 table.
 FA2_TABLE_FIT = ("least-squares fit (log time) to the published FlashAttention-2 H100 SXM5 "
-                 "forward fp16 table (FlashAttention-3 paper; reference/attention-baselines.md) "
+                 "forward fp16 table (FlashAttention-3 paper; flashtune/perf/model/baselines.py) "
                  "on FA2's own tiles: agreement with that table is by construction")
 #: Where each default parameter value comes from; every prediction says it.
 PARAM_SOURCES: dict[str, str] = {
     "overlap": FA2_TABLE_FIT,
     "exposed_latency_ns": FA2_TABLE_FIT,
     "tensor_efficiency": "1: the datasheet mma.sync rate (calibrate() refits it)",
-    "bandwidth_efficiency": "an H200 copy measurement, 4.3 of 4.8 TB/s "
-                            "(reference/attention-baselines.md)",
+    "bandwidth_efficiency": "an H200 device-to-device copy measurement, 4.3 of its "
+                            "4.8 TB/s",
     "local_access_cycles": "assumed: an L1 hit's issue-to-use latency",
     "launch_overhead_us": "assumed",
 }
