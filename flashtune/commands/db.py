@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from flashtune.codegen.spec import Problem, ProblemBucket
+from flashtune.commands.fit import print_rows
 from flashtune.commands.options import DbOpt, fail
 from flashtune.db.records import (
     PREFER_CHOICES,
@@ -95,10 +96,14 @@ def _table(*columns: str, title: str | None = None) -> Table:
     return Table(*columns, title=title, title_justify="left")
 
 
+def _cells(*cells: object) -> list[str]:
+    # Names and error messages from a database are printed as Text (never read as rich
+    # markup), with bidi or line-separator characters shown escaped.
+    return [printable(str(cell)) for cell in cells]
+
+
 def _row(table: Table, *cells: object) -> None:
-    # Text cells: names and error messages from a database are never read as rich markup,
-    # and bidi or line-separator characters in them are shown escaped.
-    table.add_row(*(Text(printable(str(cell))) for cell in cells))
+    table.add_row(*(Text(cell) for cell in _cells(*cells)))
 
 
 def _source(provenance: Provenance | None) -> str:
@@ -116,16 +121,20 @@ def _state(entry: BestEntry) -> str:
             "failed": "FAILED verify"}[serving_state(entry)]
 
 
-def _best_table(entries: list[BestEntry], title: str) -> Table:
-    table = _table("device", "arch", "bucket", "config", "median ms", "TFLOP/s", "digest",
-                   "state", "source", "host", "measured", title=title)
+_BEST_COLUMNS = ("device", "arch", "bucket", "config", "median ms", "TFLOP/s", "digest",
+                 "state", "source", "host", "measured")
+
+
+def _print_best(entries: list[BestEntry], title: str) -> None:
+    rows = []
     for entry in entries:
         trial = entry.trial
-        _row(table, entry.device, entry.arch, trial.bucket, entry.config.key,
-             _ms(trial.median_ms), "-" if trial.tflops is None else f"{trial.tflops:.1f}",
-             trial.template_digest[:12], _state(entry), _source(entry.provenance), trial.host,
-             _when(trial.created_at))
-    return table
+        rows.append(_cells(entry.device, entry.arch, trial.bucket, entry.config.key,
+                           _ms(trial.median_ms),
+                           "-" if trial.tflops is None else f"{trial.tflops:.1f}",
+                           trial.template_digest[:12], _state(entry),
+                           _source(entry.provenance), trial.host, _when(trial.created_at)))
+    print_rows(_out(), title, _BEST_COLUMNS, rows)
 
 
 @db_app.command("info")
@@ -188,13 +197,12 @@ def list_command(
             entries = store.best_entries(device=device, problem=problem)
         except FlashtuneError as exc:
             raise fail(exc) from None
-    table = _table("device", "arch", "SMs", "memory GiB", "driver", "CUDA", "NVRTC", "CuPy",
-                   title="devices")
-    for d in devices:
-        _row(table, d.name, d.arch, d.sm_count, f"{d.memory_bytes / 2**30:.1f}",
-             d.driver_version, d.cuda_version, d.nvrtc_version, d.cupy_version)
-    _out().print(table)
-    _out().print(_best_table(entries, f"best configs ({len(entries)})"))
+    print_rows(_out(), "devices", ("device", "arch", "SMs", "memory GiB", "driver", "CUDA",
+                                   "NVRTC", "CuPy"),
+               [_cells(d.name, d.arch, d.sm_count, f"{d.memory_bytes / 2**30:.1f}",
+                       d.driver_version, d.cuda_version, d.nvrtc_version, d.cupy_version)
+                for d in devices])
+    _print_best(entries, f"best configs ({len(entries)})")
 
 
 @db_app.command("show")
@@ -221,19 +229,18 @@ def show_command(
             origins = store.provenance([t.uid for t in trials[:limit]])
         except FlashtuneError as exc:
             raise fail(exc) from None
-    _out().print(_best_table(best, f"best for {bucket}"))
+    _print_best(best, f"best for {bucket}")
     for entry in best:
         _out().print(Text(printable(f"{entry.device}: {entry.origin} ({_state(entry)})")))
-    table = _table("device", "config", "status", "median ms", "min", "max", "n", "TFLOP/s",
-                   "predicted", "digest", "source", "host", "study", "measured", "error",
-                   title=f"trials ({min(limit, len(trials))} of {len(trials)})")
-    for t in trials[:limit]:
-        error = (t.error or "").strip().splitlines()
-        _row(table, t.device, t.config.key, t.status.value, _ms(t.median_ms), _ms(t.min_ms),
-             _ms(t.max_ms), t.count, "-" if t.tflops is None else f"{t.tflops:.1f}",
-             _ms(t.predicted_ms), t.template_digest[:12], _source(origins.get(t.uid)), t.host,
-             t.study or "-", _when(t.created_at), error[0][:80] if error else "")
-    _out().print(table)
+    columns = ("device", "config", "status", "median ms", "min", "max", "n", "TFLOP/s",
+               "predicted", "digest", "source", "host", "study", "measured", "error")
+    rows = [_cells(t.device, t.config.key, t.status.value, _ms(t.median_ms), _ms(t.min_ms),
+                   _ms(t.max_ms), t.count, "-" if t.tflops is None else f"{t.tflops:.1f}",
+                   _ms(t.predicted_ms), t.template_digest[:12], _source(origins.get(t.uid)),
+                   t.host, t.study or "-", _when(t.created_at), (t.error or "").strip())
+            for t in trials[:limit]]
+    print_rows(_out(), f"trials ({min(limit, len(trials))} of {len(trials)})", columns, rows,
+               notes=("error",))
 
 
 def _speed_order(trial: TrialRecord) -> tuple[bool, float, str]:
