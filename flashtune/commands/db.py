@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # SQLAlchemy (and torch, for the installed kernels) load when
     from flashtune.db.sharing import ShareReport
     from flashtune.db.store import TuningStore
 
-db_app = typer.Typer(name="db", no_args_is_help=True,
+db_app = typer.Typer(name="db", no_args_is_help=True, rich_markup_mode=None,
                      help="Inspect, upgrade, export, import and merge the tuning database.")
 
 
@@ -208,11 +208,12 @@ def list_command(
 @db_app.command("show")
 def show_command(
     ctx: typer.Context,
-    bucket: Annotated[str, typer.Argument(help="Bucket key, e.g. fwd_d128_bf16_causal_n4096.")],
+    bucket: Annotated[str, typer.Argument(metavar="BUCKET", help="Bucket key, e.g. fwd_d128_bf16_causal_n4096.")],
     db: DbOpt = None,
     device: Annotated[str | None, typer.Option("--device", help="Only this device.")] = None,
-    status: Annotated[TrialStatus | None, typer.Option("--status",
-                                                       help="Only this status.")] = None,
+    status: Annotated[TrialStatus | None, typer.Option(
+        "--status", metavar="STATUS",
+        help=f"Only this status: {', '.join(s.value for s in TrialStatus)}.")] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="At most this many trials.")] = 50,
 ) -> None:
     """Show the best configs and the trials of one bucket, fastest first."""

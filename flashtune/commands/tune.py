@@ -22,9 +22,12 @@ if TYPE_CHECKING:  # the tuner imports Optuna, SQLAlchemy and torch: loaded when
 
 
 def _below_one(value: float) -> float:
-    """--tie-tolerance is a fraction below 1 (1 would tie every finalist with the best)."""
-    if value >= 1.0:
-        raise typer.BadParameter(f"{value} is not below 1; give a fraction such as 0.02 (2 %)")
+    """--tie-tolerance is a fraction in [0, 1) (1 would tie every finalist with the best).
+    Checked here rather than by a typer range, whose bounds would widen the option column
+    of --help."""
+    if not 0.0 <= value < 1.0:
+        raise typer.BadParameter(f"{value} is not in [0, 1); give a fraction such as 0.02 "
+                                 "(2 %)")
     return value
 
 
@@ -71,7 +74,7 @@ def tune_command(
         "--max-spill-bytes", help="Register spill stores per thread tolerated.")
     ] = DEFAULT_MAX_SPILL_BYTES,
     tie_tolerance: Annotated[float, typer.Option(
-        "--tie-tolerance", min=0.0, max=1.0, callback=_below_one,
+        "--tie-tolerance", callback=_below_one,
         help="Finalists within this fraction of the best tie (0 to below 1).")] = DEFAULT_TOLERANCE,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="No GPU: compile for --arch and verify in the emulator, untimed.")
