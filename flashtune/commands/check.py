@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from flashtune.api.limits import check_host_memory
-from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem, Shape
+from flashtune.codegen.spec import KernelConfig, KernelSource, Problem, Shape
 from flashtune.commands.codegen import (
     DEFAULT_ARCH,
     ConfigChoice,
@@ -27,6 +27,7 @@ from flashtune.commands.codegen import (
     parse_problem,
 )
 from flashtune.commands.options import (
+    DEFAULT_DTYPE,
     BlockM,
     BlockN,
     Causal,
@@ -95,7 +96,7 @@ def check_command(
     arch: Annotated[list[str] | None, typer.Option(
         "--arch", help=f"Target arch, repeatable (default {DEFAULT_ARCH}).")] = None,
     head_dim: HeadDim = 128,
-    dtype: DTypeOpt = DType.FP16,
+    dtype: DTypeOpt = DEFAULT_DTYPE,
     causal: Causal = False,
     op: OpOpt = "fwd",
     config: ConfigKey = None,

@@ -24,6 +24,7 @@ from rich.table import Table
 from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
 from flashtune.commands.options import (
+    DEFAULT_DTYPE,
     BlockM,
     BlockN,
     Causal,
@@ -140,7 +141,7 @@ def parse_archs(values: list[str] | None) -> list[ArchSpec]:
 def show(
     op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
-    dtype: DTypeOpt = DType.FP16,
+    dtype: DTypeOpt = DEFAULT_DTYPE,
     causal: Causal = False,
     config: ConfigKey = None,
     block_m: BlockM = None,
@@ -208,7 +209,7 @@ def compile_command(
     arch: ArchList = None,
     op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
-    dtype: DTypeOpt = DType.FP16,
+    dtype: DTypeOpt = DEFAULT_DTYPE,
     causal: Causal = False,
     config: ConfigKey = None,
     block_m: BlockM = None,
@@ -324,7 +325,7 @@ def space_command(
     arch: ArchList = None,
     op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
-    dtype: DTypeOpt = DType.FP16,
+    dtype: DTypeOpt = DEFAULT_DTYPE,
     causal: Causal = False,
     fix: FixOpt = None,
 ) -> None:

@@ -6,6 +6,9 @@ the default is the knob FLASHTUNE_DB. Failures print one message and exit with s
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -74,6 +77,26 @@ def _open(ctx: typer.Context, db: str | None, *, create: bool = True) -> TuningS
                            installed=installed_digest)
     except FlashtuneError as exc:
         raise fail(exc) from None
+
+
+@contextmanager
+def _target(ctx: typer.Context, db: str | None, dry_run: bool) -> Iterator[TuningStore]:
+    """The database an import or a merge writes. A dry run must write nothing, so for a
+    SQLite file that does not exist yet it reads an empty stand-in in a temporary
+    directory instead (everything then counts as added) and never creates the file."""
+    from flashtune.db.engine import resolve_url, sqlite_file
+
+    try:
+        path = sqlite_file(resolve_url(db if db is not None else ctx.obj))
+    except FlashtuneError as exc:
+        raise fail(exc) from None
+    if not dry_run or path is None or path.exists():
+        with _open(ctx, db) as store:
+            yield store
+        return
+    with tempfile.TemporaryDirectory(prefix="flashtune-dry-run-") as scratch, \
+            _open(ctx, str(Path(scratch) / "empty.db")) as store:
+        yield store
 
 
 def _prefer(value: str) -> Prefer:
@@ -208,7 +231,8 @@ def list_command(
 @db_app.command("show")
 def show_command(
     ctx: typer.Context,
-    bucket: Annotated[str, typer.Argument(metavar="BUCKET", help="Bucket key, e.g. fwd_d128_bf16_causal_n4096.")],
+    bucket: Annotated[str, typer.Argument(
+        metavar="BUCKET", help="Bucket key, e.g. fwd_d128_bf16_causal_n4096.")],
     db: DbOpt = None,
     device: Annotated[str | None, typer.Option("--device", help="Only this device.")] = None,
     status: Annotated[TrialStatus | None, typer.Option(
@@ -250,10 +274,8 @@ def _speed_order(trial: TrialRecord) -> tuple[bool, float, str]:
 
 def _print_report(report: ShareReport, what: str) -> None:
     note = "dry run, nothing written" if report.dry_run else "written"
-    table = _table("kind", "added", "updated", "skipped", title=f"{what} ({note})")
-    for kind, added, updated, skipped in report.rows():
-        _row(table, kind, added, updated, skipped)
-    _out().print(table)
+    print_rows(_out(), f"{what} ({note})", ("kind", "added", "updated", "skipped"),
+               [_cells(*row) for row in report.rows()])
     if report.provenance is not None:
         _out().print(Text(printable(f"provenance: {report.provenance.describe()}")))
     if report.stale:
@@ -324,7 +346,7 @@ def import_command(
         bundle = read_bundle(bundle_path)
     except FlashtuneError as exc:
         raise fail(exc) from None
-    with _open(ctx, db) as store:
+    with _target(ctx, db, dry_run) as store:
         try:
             report = import_bundle(store, bundle, prefer=choice,
                                    allow_mixed_digests=allow_mixed_digests, dry_run=dry_run,
@@ -353,7 +375,7 @@ def merge_command(
         source = TuningStore(other, create=False)
     except FlashtuneError as exc:
         raise fail(exc) from None
-    with source, _open(ctx, db) as store:
+    with source, _target(ctx, db, dry_run) as store:
         try:
             report = merge_databases(store, source, prefer=choice,
                                      allow_mixed_digests=allow_mixed_digests, dry_run=dry_run,
@@ -372,8 +394,8 @@ def verify_command(
     problem: Annotated[list[str] | None, typer.Option(
         "--problem", help="Only this problem key (repeatable).")] = None,
     backend: Annotated[str, typer.Option(
-        "--backend", help="auto (the GPU if there is one, else the emulator), gpu or "
-                          "emulator.")] = "auto",
+        "--backend", help="auto (the GPU if there is one, else the emulator), cuda (the "
+                          "GPU) or emulator, as FLASHTUNE_BACKEND names them.")] = "auto",
 ) -> None:
     """Re-check the configs this database serves on the installed kernels: numerics in the
     CPU emulator without a GPU, numerics and timing on a GPU. Records each verdict (a pass
@@ -383,8 +405,10 @@ def verify_command(
     from flashtune.db.store import TuningStore
     from flashtune.tuner.measure.factory import measurer_names
 
+    # one spelling, FLASHTUNE_BACKEND's (auto, cuda, emulator); the measurers' other names
+    # (gpu, dry-run) are still accepted
     if backend not in ("auto", *measurer_names()):
-        raise typer.BadParameter(f"{backend!r}; expected auto, {', '.join(measurer_names())}",
+        raise typer.BadParameter(f"{backend!r}; expected auto, cuda or emulator",
                                  param_hint="--backend")
     with _open(ctx, db, create=False) as reader:
         where = reader.url

@@ -105,7 +105,7 @@ def verify_store(store: TuningStore, entries: Sequence[BestEntry],
         time_it = measurer.timed and measurer.device.name == entry.device
         checked = check_entry(measurer, entry, verify_cap=verify_cap, time_it=time_it)
         if checked.digest is not None:
-            name = "gpu" if measurer.timed else "emulator"
+            name = "cuda" if measurer.timed else "emulator"  # FLASHTUNE_BACKEND's names
             store.record_verification(entry.trial.uid, checked.digest, checked.passed, name,
                                       checked.detail)
         results.append(checked)

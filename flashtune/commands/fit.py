@@ -21,8 +21,8 @@ from rich.table import Table
 from rich.text import Text
 
 
-def _table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> Table:
-    table = Table(title=title, title_justify="left")
+def _table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> Table:
+    table = Table()
     for column in columns:
         table.add_column(column, no_wrap=True, overflow="ignore")
     for row in rows:
@@ -46,15 +46,15 @@ def print_rows(console: Console, title: str | None, columns: Sequence[str],
             if cells[i]:
                 cells[i] = f"[{texts.setdefault(cells[i], len(texts) + 1)}]"
         referenced.append(cells)
-    table = _table(title, columns, referenced)
+    table = _table(columns, referenced)
     natural = console.measure(table, options=console.options.update_width(1 << 20))
+    if title:  # above the table, whole (a table's own title wraps to the table's width)
+        console.print(Text(title), soft_wrap=True)
     if natural.maximum <= console.width:
         console.print(table)
         for text, number in texts.items():
             console.print(Text(f"[{number}] {text}"), soft_wrap=True)
         return
-    if title:
-        console.print(Text(title), soft_wrap=True)
     width = max(map(len, columns), default=0)
     for number, row in enumerate(rows, 1):
         console.print(Text(f"{number}."), soft_wrap=True)

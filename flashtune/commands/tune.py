@@ -12,7 +12,7 @@ from rich.console import Console
 
 from flashtune import knobs
 from flashtune.codegen.spec import FEATURES, Problem
-from flashtune.commands.options import DbOpt, FixOpt, fail
+from flashtune.commands.options import DEFAULT_DTYPE, DbOpt, FixOpt, fail
 from flashtune.errors import DeviceError, FlashtuneError, TuningError
 from flashtune.tuner.defaults import DEFAULT_MAX_SPILL_BYTES, DEFAULT_TOLERANCE, SAMPLERS
 
@@ -31,12 +31,21 @@ def _below_one(value: float) -> float:
     return value
 
 
+def _at_least_one(value: int | None) -> int | None:
+    """--trials counts candidates: 0 would accept the run and measure nothing."""
+    if value is not None and value < 1:
+        raise typer.BadParameter(f"{value} measures nothing; give at least 1 (the default "
+                                 "is 40 per bucket)")
+    return value
+
+
 def tune_command(
     head_dim: Annotated[int | None, typer.Option(
         "--head-dim", help="Head dimension, e.g. 128 (not with --replay).")] = None,
     op: Annotated[str, typer.Option(
         "--op", help="Kernel family (`flashtune families` lists them).")] = "fwd",
-    dtype: Annotated[str, typer.Option("--dtype", help="fp16 or bf16.")] = "bf16",
+    dtype: Annotated[str, typer.Option(
+        "--dtype", help="Element type of q, k, v: fp16 or bf16.")] = DEFAULT_DTYPE.value,
     causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Causal mask.")] = False,
     features: Annotated[str | None, typer.Option(
         "--features", help="Attention features compiled in, comma-separated: window, "
@@ -49,8 +58,9 @@ def tune_command(
         "--batch-heads", help="BATCHxHEADS pairs timed per bucket, e.g. 4x16,1x32 (default: "
                               "the standard sweep, hidden 2048 and ~16k tokens).")] = None,
     trials: Annotated[int | None, typer.Option(
-        "--trials", help="Candidates measured per bucket (default 40; with --replay: no "
-                         "limit but the budget).")] = None,
+        "--trials", callback=_at_least_one,
+        help="Candidates measured per bucket, at least 1 (default 40; with --replay: no "
+             "limit but the budget).")] = None,
     budget: Annotated[str | None, typer.Option(
         "--budget", help="Time budget of the whole run, compiles included, e.g. 10m; with "
                          "--replay simulated time, or a share of the landscape's brute-force "
@@ -226,12 +236,15 @@ def _replay(path: Path, budget: str | None, trials: int | None, sampler: str,
     except (FlashtuneError, ValueError) as exc:
         raise fail(str(exc)) from None
     best = "-" if summary.best is None else f"{summary.best:.6g}"
+    # T4 landscapes record their times in milliseconds (the "time" objective has no unit
+    # of its own); another objective is named as it is recorded
+    unit = " ms" if landscape.objective == "time" else ""
     share = 100 * summary.clock_s / landscape.brute_force_s
     console.print()
     console.print(f"{len(summary.trace)} evaluations ({summary.failures} failed) in "
                   f"{summary.clock_s / 60:.1f} simulated minutes ({share:.2f}% of the "
-                  f"brute-force {landscape.brute_force_s / 3600:.2f} h); best {best} "
-                  f"{landscape.objective}, optimum {landscape.optimum:.6g}: "
+                  f"brute-force {landscape.brute_force_s / 3600:.2f} h); best "
+                  f"{landscape.objective} {best}{unit}, optimum {landscape.optimum:.6g}{unit}: "
                   f"{landscape.quality(summary.best):.3f} of it", highlight=False)
     config = summary.best_config
     if config is not None:
