@@ -4,19 +4,23 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from flashtune import knobs
 from flashtune.codegen.spec import FEATURES, Problem
 from flashtune.commands.options import DEFAULT_DTYPE, DbOpt, FixOpt, fail
+from flashtune.db.records import printable
 from flashtune.errors import DeviceError, FlashtuneError, TuningError
 from flashtune.tuner.defaults import DEFAULT_MAX_SPILL_BYTES, DEFAULT_TOLERANCE, SAMPLERS
 
 if TYPE_CHECKING:  # the tuner imports Optuna, SQLAlchemy and torch: loaded when a run starts
+    from flashtune.commands.tune_progress import RichProgress
     from flashtune.tuner.measure.workload import BatchHeads
     from flashtune.tuner.options import BucketSummary, TuneOptions
 
@@ -114,6 +118,7 @@ def tune_command(
 
     With --replay FILE the same search runs against a recorded landscape of any kernel."""
     from flashtune import families
+    from flashtune.commands.tune_progress import RichProgress
     from flashtune.tuner.landscape import parse_budget
     from flashtune.tuner.measure.workload import parse_batch_heads, parse_seqlens
     from flashtune.tuner.options import TuneOptions
@@ -151,27 +156,33 @@ def tune_command(
 
             options = dataclasses.replace(options, fixed=fixing.parse(
                 families.of(problem), problem, fix))
+        if dry_run and workers != 1:
+            raise TuningError("a dry run runs in one process; parallel compiles are "
+                              "--compile-workers")
+        # the status line follows one process's phases; workers report through the database
+        progress = RichProgress(options.trials, phases=workers == 1 or dry_run)
         if dry_run:
-            if workers != 1:
-                raise TuningError("a dry run runs in one process; parallel compiles are "
-                                  "--compile-workers")
-            summaries = _run_local(problem, lengths, pairs, options, db,
+            summaries = _run_local(problem, lengths, pairs, options, db, progress,
                                    dry_arch=arch or "sm_90")
         elif workers > 1:
-            summaries = _run_workers(problem, lengths, pairs, options, db, workers)
+            summaries = _run_workers(problem, lengths, pairs, options, db, workers, progress)
         else:
-            summaries = _run_local(problem, lengths, pairs, options, db, dry_arch=None)
+            summaries = _run_local(problem, lengths, pairs, options, db, progress,
+                                   dry_arch=None)
     except (FlashtuneError, ValueError) as exc:
         raise fail(str(exc)) from None
     except KeyboardInterrupt:
+        sys.stdout.flush()  # the table first, then the hint on a line of its own
         Console(stderr=True).print("interrupted: every finished trial is saved; rerun the same "
-                                   "command with --resume to continue")
+                                   "command with --resume to continue", highlight=False)
         raise typer.Exit(130) from None
     from flashtune.commands.tune_progress import final_table, predicted_tables
 
     console = Console()
     console.print()
     console.print(final_table(summaries))
+    for note in progress.failure_notes():  # why the configs under "failures" failed
+        console.print(Text(printable(note)), soft_wrap=True)
     for s in summaries:
         if s.warm_start:
             console.print(f"{s.bucket.key()}: {s.warm_start}", highlight=False)
@@ -265,13 +276,12 @@ def parse_features(text: str | None) -> dict[str, bool]:
 
 
 def _run_local(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHeads, ...],
-               options: TuneOptions, db: str | None, *, dry_arch: str | None
-               ) -> list[BucketSummary]:
-    from flashtune.commands.tune_progress import RichProgress
+               options: TuneOptions, db: str | None, progress: RichProgress, *,
+               dry_arch: str | None) -> list[BucketSummary]:
     from flashtune.tuner.driver import tune
     from flashtune.tuner.measure.factory import DEFAULT_DRY_RUN_ARCH
 
-    with RichProgress(options.trials) as progress:
+    with progress:
         return tune(problem.head_dim, problem.dtype, problem.causal, lengths, op=problem.op,
                     features=problem.features, dry_run=dry_arch is not None,
                     arch=dry_arch or DEFAULT_DRY_RUN_ARCH, db=db, options=options,
@@ -279,11 +289,11 @@ def _run_local(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHea
 
 
 def _run_workers(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHeads, ...],
-                 options: TuneOptions, db: str | None, workers: int) -> list[BucketSummary]:
+                 options: TuneOptions, db: str | None, workers: int, progress: RichProgress
+                 ) -> list[BucketSummary]:
     """One worker process per GPU; the live table follows the database."""
     import torch
 
-    from flashtune.commands.tune_progress import RichProgress
     from flashtune.runtime.device import DeviceInfo
     from flashtune.tuner.measure.cuda import NO_GPU
     from flashtune.tuner.workers import WorkerSpec, tune_parallel
@@ -300,7 +310,7 @@ def _run_workers(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchH
         op=problem.op, features=problem.features, seqlens=lengths, db=db or "",
         measurer="cuda",
         batch_heads=tuple((p.batch, p.heads) for p in pairs), options=options)
-    with RichProgress(options.trials) as progress:
+    with progress:
         return tune_parallel(spec, workers, device=info.name, arch=info.spec,
                              gpus=list(range(workers)), observer=progress)
 
