@@ -13,7 +13,6 @@ from rich.live import Live
 from rich.spinner import Spinner
 from rich.status import Status
 from rich.table import Table
-from rich.text import Text
 
 from flashtune.db.records import TrialStatus
 from flashtune.tuner.measure.evaluate import TrialResult
@@ -102,9 +101,8 @@ class _StatusLine:
         self._spinner = Spinner("dots")
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        elapsed = time.monotonic() - self.since
-        yield Text.assemble(self._spinner.render(console.get_time()),
-                            f" {self.text} ({elapsed:.0f} s)")
+        self._spinner.update(text=f"{self.text} ({time.monotonic() - self.since:.0f} s)")
+        yield self._spinner
 
 
 class RichProgress:
