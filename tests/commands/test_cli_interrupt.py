@@ -6,11 +6,11 @@ sends it to the group."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from interrupt_helpers import interrupt_when_ready
 
 import flashtune
 
@@ -27,19 +27,8 @@ def test_ctrl_c_during_a_dry_run_prints_one_hint_line_and_no_traceback(tmp_path:
          "128,1024,4096", "--dry-run", "--trials", "3", "--compile-workers", "2", "--db",
          str(db)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not db.exists():  # the run has started: the database is opened inside it
-            assert proc.poll() is None, proc.communicate()[0].decode()
-            assert time.monotonic() < deadline, "the tune did not start in 120 s"
-            time.sleep(0.1)
-        time.sleep(1.0)
-        os.killpg(proc.pid, signal.SIGINT)
-        out = proc.communicate(timeout=120)[0].decode()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    out = interrupt_when_ready(proc, db.exists, "the start of the tune (its database)",
+                               settle_s=1.0)
     assert proc.returncode == 130, out
     assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
     hints = [line for line in out.splitlines() if "--resume" in line]

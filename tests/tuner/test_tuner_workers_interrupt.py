@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from interrupt_helpers import interrupt_when_ready
 from tuner_synthetic import read_log
 from tuner_testlib import FAST, subprocess_env
 
@@ -46,18 +45,9 @@ def test_sigint_to_the_group_stops_the_workers_without_tracebacks(
     proc = subprocess.Popen([sys.executable, str(parent), spec.to_json()],
                             env={**os.environ, **subprocess_env()}, stderr=subprocess.PIPE,
                             start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while len({pid for pid, phase, _ in read_log(call_log) if phase == "time"}) < 2:
-            assert proc.poll() is None, proc.communicate()[1].decode()
-            assert time.monotonic() < deadline, "the workers measured nothing in 120 s"
-            time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGINT)
-        err = proc.communicate(timeout=60)[1].decode()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    err = interrupt_when_ready(
+        proc, lambda: len({pid for pid, phase, _ in read_log(call_log) if phase == "time"}) >= 2,
+        "two workers measuring")
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert err.count("parent interrupted") == 1, err
