@@ -20,6 +20,13 @@ from flashtune.tuner.options import STATIC_REJECTIONS, BucketSummary
 from flashtune.tuner.replay import ReplayObserver, ReplaySummary, TracePoint
 
 _FAILURES = ("invalid", "compile_failed", "runtime_failed", "wrong_result")
+#: Columns holding a config key: never wrapped (a key cut in two reads as two configs).
+_KEYS = ("config", "default", "winner")
+
+
+def _columns(table: Table, *names: str) -> None:
+    for name in names:
+        table.add_column(name, no_wrap=name in _KEYS)
 
 
 def _failures(statuses: Counter[str]) -> str:
@@ -41,8 +48,7 @@ def _pruned(summary: BucketSummary) -> str:
 def live_table(rows: Sequence[BucketSummary], budget: int | None) -> Table:
     table = Table(title="flashtune tune", expand=False)
     table.add_column("bucket", no_wrap=True)
-    for column in ("candidates", "pruned", "done", "ok", "failures", "best so far"):
-        table.add_column(column)
+    _columns(table, "candidates", "pruned", "done", "ok", "failures", "best so far")
     for s in rows:
         ok = s.statuses.get(TrialStatus.OK.value, 0) + s.statuses.get(
             TrialStatus.VERIFIED_UNTIMED.value, 0)
@@ -60,8 +66,7 @@ def final_table(rows: Sequence[BucketSummary]) -> Table:
     if rows and not rows[0].timed:
         table = Table(title="dry run (untimed: compiled and verified only)")
         table.add_column("bucket", no_wrap=True)
-        for column in ("verified", "pruned", "failures", "default"):
-            table.add_column(column)
+        _columns(table, "verified", "pruned", "failures", "default")
         for s in rows:
             table.add_row(s.bucket.key(), str(s.statuses.get("verified_untimed", 0)),
                           _pruned(s), _failures(s.statuses),
@@ -69,8 +74,7 @@ def final_table(rows: Sequence[BucketSummary]) -> Table:
         return table
     table = Table(title="tuned winners")
     table.add_column("bucket", no_wrap=True)
-    for column in ("winner", "TFLOP/s", "default", "default TFLOP/s", "speed-up"):
-        table.add_column(column)
+    _columns(table, "winner", "TFLOP/s", "default", "default TFLOP/s", "speed-up")
     for s in rows:
         table.add_row(
             s.bucket.key(), s.winner.key() if s.winner else "none (nothing timed)",
@@ -216,8 +220,7 @@ def predicted_tables(rows: Sequence[BucketSummary]) -> list[Table]:
             continue
         table = Table(title=f"{s.bucket.key()}: PREDICTED ranking ({s.cost_model}; "
                             "not a measurement)", expand=False)
-        for column in ("#", "config", "predicted ms", "predicted TFLOP/s", "bound"):
-            table.add_column(column)
+        _columns(table, "#", "config", "predicted ms", "predicted TFLOP/s", "bound")
         ranked = sorted({p.config: p for p in s.predicted}.values(), key=lambda p: p.time_ms)
         for i, p in enumerate(ranked, 1):
             table.add_row(str(i), p.config.key(), f"{p.time_ms:.4g}", f"{p.tflops:.1f}",

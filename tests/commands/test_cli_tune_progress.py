@@ -80,3 +80,14 @@ def test_a_status_line_says_what_a_long_phase_does_on_a_terminal_only() -> None:
         time.sleep(0.3)
     assert PREPARING not in log.getvalue()  # output that is not a terminal: the table only
     assert PREPARING in errors.getvalue()  # ... and the status on stderr, a terminal
+
+
+def test_config_keys_in_the_tables_are_whole_at_80_columns() -> None:
+    summary = _summary()
+    summary.default = KernelConfig.from_key("m128_n32_w2_s1_persistent-1")
+    out = io.StringIO()
+    console = Console(file=out, width=80, color_system=None)
+    console.print(final_table([summary]))
+    console.print(live_table([summary], 40))
+    assert out.getvalue().count("m128_n32_w2_s1_persistent-1") == 1, out.getvalue()
+    assert out.getvalue().count(BUCKET.key()) == 2, out.getvalue()
