@@ -401,7 +401,13 @@ def verify_command(
     CPU emulator without a GPU, numerics and timing on a GPU. Records each verdict (a pass
     makes a stale entry servable again, a failure stops it being served); exits with
     status 1 if any check fails."""
-    from flashtune.commands.db_verify import measurer_for, results_table, verify_store
+    from flashtune.commands.db_verify import (
+        RESULT_COLUMNS,
+        Checked,
+        measurer_for,
+        result_cells,
+        verify_store,
+    )
     from flashtune.db.store import TuningStore
     from flashtune.tuner.measure.factory import measurer_names
 
@@ -421,14 +427,23 @@ def verify_command(
     if not entries:
         _out().print("no best entries to verify")
         return
-    table, add_row = results_table(f"verification of {len(entries)} served config(s)")
     try:
         factory, cap = measurer_for(backend)
-        with TuningStore(where) as store:
-            results = verify_store(store, entries, factory, verify_cap=cap, on_result=add_row)
+        # a status line on stderr (a terminal only): an emulator build takes 15-30 s
+        with TuningStore(where) as store, Console(stderr=True).status(
+                f"verifying {len(entries)} config(s): NVRTC, then the emulator or the GPU"
+                ) as status:
+            seen: list[Checked] = []
+
+            def done(checked: Checked) -> None:
+                seen.append(checked)
+                status.update(f"verified {len(seen)} of {len(entries)} config(s)")
+
+            results = verify_store(store, entries, factory, verify_cap=cap, on_result=done)
     except FlashtuneError as exc:
         raise fail(exc) from None
-    _out().print(table)
+    print_rows(_out(), f"verification of {len(entries)} served config(s)", RESULT_COLUMNS,
+               [result_cells(r) for r in results], notes=("detail",))
     failed = sum(not r.passed for r in results)
     _out().print(Text(f"{len(results) - failed} passed, {failed} failed"))
     if failed:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from dbfactories import A100, CONFIGS, H100, trial
@@ -54,3 +55,24 @@ def test_db_list_and_show_print_every_key_and_error_whole(db: Path, columns: int
     for text in (bucket, CONFIGS[4].key(), CONFIGS[5].key(), H100.name, ERROR):
         assert text in shown, (text, shown)
     assert "…" not in listing + shown
+
+
+@pytest.mark.parametrize("columns", [80, 160])
+def test_db_verify_prints_every_detail_whole(db: Path, columns: int,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashtune.commands import db_verify
+
+    def failing(measurer: object, entry: db_verify.BestEntry, **kwargs: object
+                ) -> db_verify.Checked:
+        return db_verify.Checked(entry, None, False, f"wrong_result: {ERROR}")
+
+    monkeypatch.setattr(db_verify, "check_entry", failing)
+    emulator = SimpleNamespace(timed=False, device=SimpleNamespace(name="virtual-sm_90"))
+    monkeypatch.setattr(db_verify, "measurer_for", lambda kind: ((lambda arch: emulator), 72))
+    result = CliRunner().invoke(app, ["db", "--db", str(db), "verify"],
+                                env={"COLUMNS": str(columns), "NO_COLOR": "1"})
+    assert result.exit_code == 1, result.output
+    assert f"wrong_result: {ERROR}" in result.output
+    for text in (f"{LONG.key()}_n16384", CONFIGS[4].key(), CONFIGS[2].key(), H100.name):
+        assert text in result.output, (text, result.output)
+    assert "0 passed, 2 failed" in result.output
