@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -21,6 +23,9 @@ app = typer.Typer(
     help="Autotuned, code-generated FlashAttention kernels for NVIDIA GPUs.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
+    # click's plain help: at 80 columns rich's panels squeeze the help of `tune` into a
+    # 20-character column and cut long defaults; click's keeps a 30-column option column.
+    rich_markup_mode=None,
 )
 
 
@@ -64,6 +69,31 @@ app.command("precompile")(runtime_commands.precompile_command)
 app.command("tune")(tune_commands.tune_command)
 app.command("report")(tune_commands.report_command)
 app.command("correlate")(perf_correlate.correlate_command)
+
+
+def _summary(doc: str | None) -> str:
+    """The first paragraph of a docstring as one line (its own line breaks dropped)."""
+    return " ".join(inspect.cleandoc(doc or "").partition("\n\n")[0].split())
+
+
+def _one_line_summaries(group: typer.Typer) -> None:
+    """Give every command of ``group`` (and its subgroups) its docstring's first paragraph
+    as the short help of the commands list, whole: click would otherwise cut it to one
+    line with '...'."""
+    for command in group.registered_commands:
+        if command.short_help is None and command.callback is not None:
+            command.short_help = _summary(command.callback.__doc__)
+    for sub in group.registered_groups:
+        instance = sub.typer_instance
+        if instance is None:
+            continue
+        if not isinstance(sub.short_help, str):  # unset: typer's DefaultPlaceholder
+            help_text = sub.help if isinstance(sub.help, str) else instance.info.help
+            sub.short_help = _summary(help_text if isinstance(help_text, str) else None)
+        _one_line_summaries(instance)
+
+
+_one_line_summaries(app)
 
 
 def main() -> None:

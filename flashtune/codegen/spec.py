@@ -148,10 +148,15 @@ class Problem:
             raise InvalidProblem(f"op={self.op!r} is not a kernel family name; expected "
                                  "lowercase letters and digits, e.g. 'fwd'")
         hd = _check_int(self.head_dim, "head_dim", InvalidProblem)
-        if hd < 8 or hd > MAX_HEAD_DIM or hd % 8:
+        if hd > MAX_HEAD_DIM:  # padding only grows a head dim: no advice to pad here
+            raise InvalidProblem(
+                f"head_dim={hd} is not supported; the kernels hold at most {MAX_HEAD_DIM} "
+                f"(a multiple of 8 in [8, {MAX_HEAD_DIM}]), and a larger head dim has no "
+                "flashtune kernel")
+        if hd < 8 or hd % 8:
             raise InvalidProblem(
                 f"head_dim={hd} is not supported; expected a multiple of 8 in [8, {MAX_HEAD_DIM}]"
-                " (other sizes: pad the head dim of q, k and v with zeros)"
+                f" (pad the head dim of q, k and v with zeros to {max(8, -(-hd // 8) * 8)})"
             )
         if not isinstance(self.causal, bool):
             raise InvalidProblem(f"causal must be a bool, got {self.causal!r}")

@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from flashtune.api.limits import check_host_memory
-from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem, Shape
+from flashtune.codegen.spec import KernelConfig, KernelSource, Problem, Shape
 from flashtune.commands.codegen import (
     DEFAULT_ARCH,
     ConfigChoice,
@@ -27,6 +27,7 @@ from flashtune.commands.codegen import (
     parse_problem,
 )
 from flashtune.commands.options import (
+    DEFAULT_DTYPE,
     BlockM,
     BlockN,
     Causal,
@@ -91,11 +92,24 @@ def _compile_cells(row: _Row, source: KernelSource, arch: str) -> list[str]:
     return []
 
 
+def _score(row: _Row, cfg: KernelConfig, outcome: Verdict | str, failures: list[str]
+           ) -> None:
+    """Fill ``row`` from the emulator's verdict (or its failure message)."""
+    if isinstance(outcome, str):
+        failures.append(outcome)
+    else:
+        row.max_abs = f"{outcome.max_abs:.3g}"
+        row.rel = f"{outcome.rel_frobenius:.3g}"
+        if not outcome.ok:
+            failures.append(f"{cfg.key()}: {outcome.message}")
+    row.failures = tuple(failures)
+
+
 def check_command(
     arch: Annotated[list[str] | None, typer.Option(
         "--arch", help=f"Target arch, repeatable (default {DEFAULT_ARCH}).")] = None,
     head_dim: HeadDim = 128,
-    dtype: DTypeOpt = DType.FP16,
+    dtype: DTypeOpt = DEFAULT_DTYPE,
     causal: Causal = False,
     op: OpOpt = "fwd",
     config: ConfigKey = None,
@@ -148,30 +162,30 @@ def check_command(
 
     rows: list[_Row] = []
     emulated: dict[str, Verdict | str] = {}
-    for spec in specs:
-        cfg = choice.resolve(problem, spec)
-        row = _Row(cfg, spec.name)
-        rows.append(row)
-        reason = families.of(problem).static_check(problem, cfg, spec)
-        if reason is not None:
-            row.failures = (f"{cfg.key()} cannot run on {spec.name}: {reason}",)
-            continue
-        source = families.render(problem, cfg)
-        failures = [] if no_compile else _compile_cells(row, source, spec.name)
-        if source.digest not in emulated:
-            try:
-                emulated[source.digest] = run_in_emulator(source, shape, schedules, seed)
-            except FlashtuneError as exc:
-                emulated[source.digest] = f"emulator: {exc}"
-        outcome = emulated[source.digest]
-        if isinstance(outcome, str):
-            failures.append(outcome)
-        else:
-            row.max_abs = f"{outcome.max_abs:.3g}"
-            row.rel = f"{outcome.rel_frobenius:.3g}"
-            if not outcome.ok:
-                failures.append(f"{cfg.key()}: {outcome.message}")
-        row.failures = tuple(failures)
+    # a status line on stderr through the long steps (an emulator build takes 15-30 s the
+    # first time); shown on a terminal only, so the printed table is all a pipe gets
+    with Console(stderr=True).status("checking") as status:
+        for spec in specs:
+            cfg = choice.resolve(problem, spec)
+            row = _Row(cfg, spec.name)
+            rows.append(row)
+            reason = families.of(problem).static_check(problem, cfg, spec)
+            if reason is not None:
+                row.failures = (f"{cfg.key()} cannot run on {spec.name}: {reason}",)
+                continue
+            source = families.render(problem, cfg)
+            if not no_compile:
+                status.update(f"{cfg.key()} on {spec.name}: compiling with NVRTC")
+            failures = [] if no_compile else _compile_cells(row, source, spec.name)
+            if source.digest not in emulated:
+                status.update(f"{cfg.key()} on {spec.name}: building the emulated kernel (g++, "
+                              "15-30 s the first time) and running it in the "
+                              f"{' and '.join(s.value for s in schedules)} thread order")
+                try:
+                    emulated[source.digest] = run_in_emulator(source, shape, schedules, seed)
+                except FlashtuneError as exc:
+                    emulated[source.digest] = f"emulator: {exc}"
+            _score(row, cfg, emulated[source.digest], failures)
 
     table = Table("config", "arch", "regs", "spill B st/ld", "smem B", "max abs err",
                   "rel err", "result",

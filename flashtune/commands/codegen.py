@@ -27,6 +27,7 @@ from rich.table import Table
 from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
 from flashtune.commands.options import (
+    DEFAULT_DTYPE,
     BlockM,
     BlockN,
     Causal,
@@ -143,7 +144,7 @@ def parse_archs(values: list[str] | None) -> list[ArchSpec]:
 def show(
     op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
-    dtype: DTypeOpt = DType.FP16,
+    dtype: DTypeOpt = DEFAULT_DTYPE,
     causal: Causal = False,
     config: ConfigKey = None,
     block_m: BlockM = None,
@@ -219,7 +220,7 @@ def compile_command(
     arch: ArchList = None,
     op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
-    dtype: DTypeOpt = DType.FP16,
+    dtype: DTypeOpt = DEFAULT_DTYPE,
     causal: Causal = False,
     config: ConfigKey = None,
     block_m: BlockM = None,
@@ -384,7 +385,7 @@ def space_command(
     arch: ArchList = None,
     op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
-    dtype: DTypeOpt = DType.FP16,
+    dtype: DTypeOpt = DEFAULT_DTYPE,
     causal: Causal = False,
     fix: FixOpt = None,
 ) -> None:

@@ -6,6 +6,9 @@ the default is the knob FLASHTUNE_DB. Failures print one message and exit with s
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -16,6 +19,7 @@ from rich.table import Table
 from rich.text import Text
 
 from flashtune.codegen.spec import Problem, ProblemBucket
+from flashtune.commands.fit import print_rows
 from flashtune.commands.options import DbOpt, fail
 from flashtune.db.records import (
     PREFER_CHOICES,
@@ -32,7 +36,7 @@ if TYPE_CHECKING:  # SQLAlchemy (and torch, for the installed kernels) load when
     from flashtune.db.sharing import ShareReport
     from flashtune.db.store import TuningStore
 
-db_app = typer.Typer(name="db", no_args_is_help=True,
+db_app = typer.Typer(name="db", no_args_is_help=True, rich_markup_mode=None,
                      help="Inspect, upgrade, export, import and merge the tuning database.")
 
 
@@ -75,6 +79,26 @@ def _open(ctx: typer.Context, db: str | None, *, create: bool = True) -> TuningS
         raise fail(exc) from None
 
 
+@contextmanager
+def _target(ctx: typer.Context, db: str | None, dry_run: bool) -> Iterator[TuningStore]:
+    """The database an import or a merge writes. A dry run must write nothing, so for a
+    SQLite file that does not exist yet it reads an empty stand-in in a temporary
+    directory instead (everything then counts as added) and never creates the file."""
+    from flashtune.db.engine import resolve_url, sqlite_file
+
+    try:
+        path = sqlite_file(resolve_url(db if db is not None else ctx.obj))
+    except FlashtuneError as exc:
+        raise fail(exc) from None
+    if not dry_run or path is None or path.exists():
+        with _open(ctx, db) as store:
+            yield store
+        return
+    with tempfile.TemporaryDirectory(prefix="flashtune-dry-run-") as scratch, \
+            _open(ctx, str(Path(scratch) / "empty.db")) as store:
+        yield store
+
+
 def _prefer(value: str) -> Prefer:
     for choice in PREFER_CHOICES:
         if value == choice:
@@ -95,10 +119,14 @@ def _table(*columns: str, title: str | None = None) -> Table:
     return Table(*columns, title=title, title_justify="left")
 
 
+def _cells(*cells: object) -> list[str]:
+    # Names and error messages from a database are printed as Text (never read as rich
+    # markup), with bidi or line-separator characters shown escaped.
+    return [printable(str(cell)) for cell in cells]
+
+
 def _row(table: Table, *cells: object) -> None:
-    # Text cells: names and error messages from a database are never read as rich markup,
-    # and bidi or line-separator characters in them are shown escaped.
-    table.add_row(*(Text(printable(str(cell))) for cell in cells))
+    table.add_row(*(Text(cell) for cell in _cells(*cells)))
 
 
 def _source(provenance: Provenance | None) -> str:
@@ -116,16 +144,20 @@ def _state(entry: BestEntry) -> str:
             "failed": "FAILED verify"}[serving_state(entry)]
 
 
-def _best_table(entries: list[BestEntry], title: str) -> Table:
-    table = _table("device", "arch", "bucket", "config", "median ms", "TFLOP/s", "digest",
-                   "state", "source", "host", "measured", title=title)
+_BEST_COLUMNS = ("device", "arch", "bucket", "config", "median ms", "TFLOP/s", "digest",
+                 "state", "source", "host", "measured")
+
+
+def _print_best(entries: list[BestEntry], title: str) -> None:
+    rows = []
     for entry in entries:
         trial = entry.trial
-        _row(table, entry.device, entry.arch, trial.bucket, entry.config.key,
-             _ms(trial.median_ms), "-" if trial.tflops is None else f"{trial.tflops:.1f}",
-             trial.template_digest[:12], _state(entry), _source(entry.provenance), trial.host,
-             _when(trial.created_at))
-    return table
+        rows.append(_cells(entry.device, entry.arch, trial.bucket, entry.config.key,
+                           _ms(trial.median_ms),
+                           "-" if trial.tflops is None else f"{trial.tflops:.1f}",
+                           trial.template_digest[:12], _state(entry),
+                           _source(entry.provenance), trial.host, _when(trial.created_at)))
+    print_rows(_out(), title, _BEST_COLUMNS, rows)
 
 
 @db_app.command("info")
@@ -188,23 +220,24 @@ def list_command(
             entries = store.best_entries(device=device, problem=problem)
         except FlashtuneError as exc:
             raise fail(exc) from None
-    table = _table("device", "arch", "SMs", "memory GiB", "driver", "CUDA", "NVRTC", "CuPy",
-                   title="devices")
-    for d in devices:
-        _row(table, d.name, d.arch, d.sm_count, f"{d.memory_bytes / 2**30:.1f}",
-             d.driver_version, d.cuda_version, d.nvrtc_version, d.cupy_version)
-    _out().print(table)
-    _out().print(_best_table(entries, f"best configs ({len(entries)})"))
+    print_rows(_out(), "devices", ("device", "arch", "SMs", "memory GiB", "driver", "CUDA",
+                                   "NVRTC", "CuPy"),
+               [_cells(d.name, d.arch, d.sm_count, f"{d.memory_bytes / 2**30:.1f}",
+                       d.driver_version, d.cuda_version, d.nvrtc_version, d.cupy_version)
+                for d in devices])
+    _print_best(entries, f"best configs ({len(entries)})")
 
 
 @db_app.command("show")
 def show_command(
     ctx: typer.Context,
-    bucket: Annotated[str, typer.Argument(help="Bucket key, e.g. fwd_d128_bf16_causal_n4096.")],
+    bucket: Annotated[str, typer.Argument(
+        metavar="BUCKET", help="Bucket key, e.g. fwd_d128_bf16_causal_n4096.")],
     db: DbOpt = None,
     device: Annotated[str | None, typer.Option("--device", help="Only this device.")] = None,
-    status: Annotated[TrialStatus | None, typer.Option("--status",
-                                                       help="Only this status.")] = None,
+    status: Annotated[TrialStatus | None, typer.Option(
+        "--status", metavar="STATUS",
+        help=f"Only this status: {', '.join(s.value for s in TrialStatus)}.")] = None,
     limit: Annotated[int, typer.Option("--limit", min=1, help="At most this many trials.")] = 50,
 ) -> None:
     """Show the best configs and the trials of one bucket, fastest first."""
@@ -221,19 +254,18 @@ def show_command(
             origins = store.provenance([t.uid for t in trials[:limit]])
         except FlashtuneError as exc:
             raise fail(exc) from None
-    _out().print(_best_table(best, f"best for {bucket}"))
+    _print_best(best, f"best for {bucket}")
     for entry in best:
         _out().print(Text(printable(f"{entry.device}: {entry.origin} ({_state(entry)})")))
-    table = _table("device", "config", "status", "median ms", "min", "max", "n", "TFLOP/s",
-                   "predicted", "digest", "source", "host", "study", "measured", "error",
-                   title=f"trials ({min(limit, len(trials))} of {len(trials)})")
-    for t in trials[:limit]:
-        error = (t.error or "").strip().splitlines()
-        _row(table, t.device, t.config.key, t.status.value, _ms(t.median_ms), _ms(t.min_ms),
-             _ms(t.max_ms), t.count, "-" if t.tflops is None else f"{t.tflops:.1f}",
-             _ms(t.predicted_ms), t.template_digest[:12], _source(origins.get(t.uid)), t.host,
-             t.study or "-", _when(t.created_at), error[0][:80] if error else "")
-    _out().print(table)
+    columns = ("device", "config", "status", "median ms", "min", "max", "n", "TFLOP/s",
+               "predicted", "digest", "source", "host", "study", "measured", "error")
+    rows = [_cells(t.device, t.config.key, t.status.value, _ms(t.median_ms), _ms(t.min_ms),
+                   _ms(t.max_ms), t.count, "-" if t.tflops is None else f"{t.tflops:.1f}",
+                   _ms(t.predicted_ms), t.template_digest[:12], _source(origins.get(t.uid)),
+                   t.host, t.study or "-", _when(t.created_at), (t.error or "").strip())
+            for t in trials[:limit]]
+    print_rows(_out(), f"trials ({min(limit, len(trials))} of {len(trials)})", columns, rows,
+               notes=("error",))
 
 
 def _speed_order(trial: TrialRecord) -> tuple[bool, float, str]:
@@ -242,10 +274,8 @@ def _speed_order(trial: TrialRecord) -> tuple[bool, float, str]:
 
 def _print_report(report: ShareReport, what: str) -> None:
     note = "dry run, nothing written" if report.dry_run else "written"
-    table = _table("kind", "added", "updated", "skipped", title=f"{what} ({note})")
-    for kind, added, updated, skipped in report.rows():
-        _row(table, kind, added, updated, skipped)
-    _out().print(table)
+    print_rows(_out(), f"{what} ({note})", ("kind", "added", "updated", "skipped"),
+               [_cells(*row) for row in report.rows()])
     if report.provenance is not None:
         _out().print(Text(printable(f"provenance: {report.provenance.describe()}")))
     if report.stale:
@@ -327,7 +357,7 @@ def import_command(
         bundle = read_bundle(path)
     except FlashtuneError as exc:
         raise fail(exc) from None
-    with _open(ctx, db) as store:
+    with _target(ctx, db, dry_run) as store:
         try:
             report = import_bundle(store, bundle, prefer=choice,
                                    allow_mixed_digests=allow_mixed_digests, dry_run=dry_run,
@@ -357,7 +387,7 @@ def merge_command(
         source = TuningStore(other, create=False)
     except FlashtuneError as exc:
         raise fail(exc) from None
-    with source, _open(ctx, db) as store:
+    with source, _target(ctx, db, dry_run) as store:
         try:
             report = merge_databases(store, source, prefer=choice,
                                      allow_mixed_digests=allow_mixed_digests, dry_run=dry_run,
@@ -376,19 +406,27 @@ def verify_command(
     problem: Annotated[list[str] | None, typer.Option(
         "--problem", help="Only this problem key (repeatable).")] = None,
     backend: Annotated[str, typer.Option(
-        "--backend", help="auto (the GPU if there is one, else the emulator), gpu or "
-                          "emulator.")] = "auto",
+        "--backend", help="auto (the GPU if there is one, else the emulator), cuda (the "
+                          "GPU) or emulator, as FLASHTUNE_BACKEND names them.")] = "auto",
 ) -> None:
     """Re-check the configs this database serves on the installed kernels: numerics in the
     CPU emulator without a GPU, numerics and timing on a GPU. Records each verdict (a pass
     makes a stale entry servable again, a failure stops it being served); exits with
     status 1 if any check fails."""
-    from flashtune.commands.db_verify import measurer_for, results_table, verify_store
+    from flashtune.commands.db_verify import (
+        RESULT_COLUMNS,
+        Checked,
+        measurer_for,
+        result_cells,
+        verify_store,
+    )
     from flashtune.db.store import TuningStore
     from flashtune.tuner.measure.factory import measurer_names
 
+    # one spelling, FLASHTUNE_BACKEND's (auto, cuda, emulator); the measurers' other names
+    # (gpu, dry-run) are still accepted
     if backend not in ("auto", *measurer_names()):
-        raise typer.BadParameter(f"{backend!r}; expected auto, {', '.join(measurer_names())}",
+        raise typer.BadParameter(f"{backend!r}; expected auto, cuda or emulator",
                                  param_hint="--backend")
     with _open(ctx, db, create=False) as reader:
         where = reader.url
@@ -401,14 +439,23 @@ def verify_command(
     if not entries:
         _out().print("no best entries to verify")
         return
-    table, add_row = results_table(f"verification of {len(entries)} served config(s)")
     try:
         factory, cap = measurer_for(backend)
-        with TuningStore(where) as store:
-            results = verify_store(store, entries, factory, verify_cap=cap, on_result=add_row)
+        # a status line on stderr (a terminal only): an emulator build takes 15-30 s
+        with TuningStore(where) as store, Console(stderr=True).status(
+                f"verifying {len(entries)} config(s): NVRTC, then the emulator or the GPU"
+                ) as status:
+            seen: list[Checked] = []
+
+            def done(checked: Checked) -> None:
+                seen.append(checked)
+                status.update(f"verified {len(seen)} of {len(entries)} config(s)")
+
+            results = verify_store(store, entries, factory, verify_cap=cap, on_result=done)
     except FlashtuneError as exc:
         raise fail(exc) from None
-    _out().print(table)
+    print_rows(_out(), f"verification of {len(entries)} served config(s)", RESULT_COLUMNS,
+               [result_cells(r) for r in results], notes=("detail",))
     failed = sum(not r.passed for r in results)
     _out().print(Text(f"{len(results) - failed} passed, {failed} failed"))
     if failed:

@@ -19,9 +19,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rich.table import Table
-from rich.text import Text
-
 from flashtune.db.records import BestEntry, TrialStatus, printable, truncate_error
 from flashtune.errors import FlashtuneError
 from flashtune.runtime.installed import installed_digest
@@ -105,7 +102,7 @@ def verify_store(store: TuningStore, entries: Sequence[BestEntry],
         time_it = measurer.timed and measurer.device.name == entry.device
         checked = check_entry(measurer, entry, verify_cap=verify_cap, time_it=time_it)
         if checked.digest is not None:
-            name = "gpu" if measurer.timed else "emulator"
+            name = "cuda" if measurer.timed else "emulator"  # FLASHTUNE_BACKEND's names
             store.record_verification(entry.trial.uid, checked.digest, checked.passed, name,
                                       checked.detail)
         results.append(checked)
@@ -128,15 +125,14 @@ def measurer_for(kind: str) -> tuple[Callable[[str], Measurer], int | None]:
     return (lambda arch: make_measurer(name, arch=arch)), EMULATOR_VERIFY_CAP
 
 
-def results_table(title: str) -> tuple[Table, Callable[[Checked], None]]:
-    """A table of verification results and the function that adds one row to it."""
-    table = Table("device", "bucket", "config", "sources", "result", "detail", title=title)
+#: The columns of ``db verify``'s report (``result_cells`` gives a row).
+RESULT_COLUMNS = ("device", "bucket", "config", "sources", "result", "detail")
 
-    def add(checked: Checked) -> None:
-        entry = checked.entry
-        sources = "installed" if entry.trial.template_digest == checked.digest else "other"
-        table.add_row(*(Text(printable(str(cell))) for cell in (
-            entry.device, entry.trial.bucket, entry.config.key, sources,
-            "pass" if checked.passed else "FAIL", checked.detail.splitlines()[0][:160])))
 
-    return table, add
+def result_cells(checked: Checked) -> list[str]:
+    """One row of the report, printable; the detail is whole (printed below a table)."""
+    entry = checked.entry
+    sources = "installed" if entry.trial.template_digest == checked.digest else "other"
+    return [printable(str(cell)) for cell in (
+        entry.device, entry.trial.bucket, entry.config.key, sources,
+        "pass" if checked.passed else "FAIL", checked.detail.strip())]

@@ -13,6 +13,10 @@ from flashtune.codegen.spec import DType
 OpOpt = Annotated[str, typer.Option(
     "--op", help="Kernel family (`flashtune families` lists them).")]
 HeadDim = Annotated[int, typer.Option("--head-dim", help="Head dimension (multiple of 8, <= 256).")]
+#: The element type every command defaults to. fp16: every arch flashtune compiles for has
+#: its tensor-core MMA, and its 10 mantissa bits make a check's tolerance the stricter one;
+#: bf16 is one option away (--dtype bf16), as in the README's examples.
+DEFAULT_DTYPE = DType.FP16
 DTypeOpt = Annotated[DType, typer.Option("--dtype", case_sensitive=False,
                                          help="Element type of q, k, v.")]
 Causal = Annotated[bool, typer.Option("--causal/--no-causal", help="Causal masking.")]

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from flashtune.codegen.spec import DType, Shape
+from flashtune.codegen.spec import Shape
 from flashtune.commands.codegen import (
     DEFAULT_ARCH,
     ConfigChoice,
@@ -18,6 +18,7 @@ from flashtune.commands.codegen import (
     parse_problem,
 )
 from flashtune.commands.options import (
+    DEFAULT_DTYPE,
     BlockM,
     BlockN,
     Causal,
@@ -194,7 +195,7 @@ def _print_counters(console: Console, profile: KernelProfile) -> None:
 def profile(
     op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
-    dtype: DTypeOpt = DType.FP16,
+    dtype: DTypeOpt = DEFAULT_DTYPE,
     causal: Causal = False,
     config: ConfigKey = None,
     block_m: BlockM = None,

@@ -16,7 +16,7 @@ from flashtune import knobs
 from flashtune.api.limits import check_seqlens
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import COMPILED_HEAD_DIMS, DType, Problem, seq_bucket
-from flashtune.commands.options import DbOpt, fail
+from flashtune.commands.options import DEFAULT_DTYPE, DbOpt, DTypeOpt, fail
 from flashtune.db.records import BestEntry, printable
 from flashtune.errors import FlashtuneError
 
@@ -88,7 +88,7 @@ def explain_command(
     seqlen: Annotated[int, typer.Option("--seqlen", help="Query sequence length.")],
     seqlen_k: Annotated[int | None, typer.Option(
         "--seqlen-k", help="Key sequence length (default: --seqlen).")] = None,
-    dtype: Annotated[DType, typer.Option("--dtype", case_sensitive=False)] = DType.FP16,
+    dtype: DTypeOpt = DEFAULT_DTYPE,
     causal: Annotated[bool, typer.Option("--causal/--no-causal")] = False,
     op: Annotated[str, typer.Option(
         "--op", help="Kernel family (`flashtune families` lists them).")] = "fwd",
@@ -116,7 +116,7 @@ def explain_command(
 
     try:
         shipped = load_shipped(source, decision.arch) is not None
-        where = ", ".join(map(str, knobs.PRECOMPILED_DIRS.get())) or "no FLASHTUNE_PRECOMPILED_DIR"
+        dirs = ", ".join(map(str, knobs.PRECOMPILED_DIRS.get()))
     except FlashtuneError as exc:
         raise fail(str(exc)) from exc
     console = Console(highlight=False, soft_wrap=True)
@@ -126,8 +126,12 @@ def explain_command(
         console.print(escape(printable(f"origin:   {decision.entry.origin} ({state})")))
     console.print(f"kernel:   {source.entry} ({source.threads} threads, "
                   f"{source.smem_bytes} B dynamic shared memory)")
-    console.print(f"cache:    precompiled cubin {'present' if shipped else 'absent'} in "
-                  f"{escape(where)}")
+    if dirs:
+        console.print(f"cache:    precompiled cubin {'present' if shipped else 'absent'} in "
+                      f"{escape(dirs)}")
+    else:
+        console.print("cache:    precompiled cubin absent (FLASHTUNE_PRECOMPILED_DIR is not "
+                      "set): compiled with NVRTC on first use")
 
 
 def _problems(head_dims: list[int] | None, dtypes: list[DType] | None,

@@ -4,27 +4,42 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from flashtune import knobs
 from flashtune.codegen.spec import FEATURES, Problem
-from flashtune.commands.options import DbOpt, FixOpt, fail
+from flashtune.commands.options import DEFAULT_DTYPE, DbOpt, FixOpt, fail
+from flashtune.db.records import printable
 from flashtune.errors import DeviceError, FlashtuneError, TuningError
 from flashtune.tuner.defaults import DEFAULT_MAX_SPILL_BYTES, DEFAULT_TOLERANCE, SAMPLERS
 
 if TYPE_CHECKING:  # the tuner imports Optuna, SQLAlchemy and torch: loaded when a run starts
+    from flashtune.commands.tune_progress import RichProgress
     from flashtune.tuner.measure.workload import BatchHeads
     from flashtune.tuner.options import BucketSummary, TuneOptions
 
 
 def _below_one(value: float) -> float:
-    """--tie-tolerance is a fraction below 1 (1 would tie every finalist with the best)."""
-    if value >= 1.0:
-        raise typer.BadParameter(f"{value} is not below 1; give a fraction such as 0.02 (2 %)")
+    """--tie-tolerance is a fraction in [0, 1) (1 would tie every finalist with the best).
+    Checked here rather than by a typer range, whose bounds would widen the option column
+    of --help."""
+    if not 0.0 <= value < 1.0:
+        raise typer.BadParameter(f"{value} is not in [0, 1); give a fraction such as 0.02 "
+                                 "(2 %)")
+    return value
+
+
+def _at_least_one(value: int | None) -> int | None:
+    """--trials counts candidates: 0 would accept the run and measure nothing."""
+    if value is not None and value < 1:
+        raise typer.BadParameter(f"{value} measures nothing; give at least 1 (the default "
+                                 "is 40 per bucket)")
     return value
 
 
@@ -33,7 +48,8 @@ def tune_command(
         "--head-dim", help="Head dimension, e.g. 128 (not with --replay).")] = None,
     op: Annotated[str, typer.Option(
         "--op", help="Kernel family (`flashtune families` lists them).")] = "fwd",
-    dtype: Annotated[str, typer.Option("--dtype", help="fp16 or bf16.")] = "bf16",
+    dtype: Annotated[str, typer.Option(
+        "--dtype", help="Element type of q, k, v: fp16 or bf16.")] = DEFAULT_DTYPE.value,
     causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Causal mask.")] = False,
     features: Annotated[str | None, typer.Option(
         "--features", help="Attention features compiled in, comma-separated: window, "
@@ -46,8 +62,9 @@ def tune_command(
         "--batch-heads", help="BATCHxHEADS pairs timed per bucket, e.g. 4x16,1x32 (default: "
                               "the standard sweep, hidden 2048 and ~16k tokens).")] = None,
     trials: Annotated[int | None, typer.Option(
-        "--trials", help="Candidates measured per bucket (default 40; with --replay: no "
-                         "limit but the budget).")] = None,
+        "--trials", callback=_at_least_one,
+        help="Candidates measured per bucket, at least 1 (default 40; with --replay: no "
+             "limit but the budget).")] = None,
     budget: Annotated[str | None, typer.Option(
         "--budget", help="Time budget of the whole run, compiles included, e.g. 10m; with "
                          "--replay simulated time, or a share of the landscape's brute-force "
@@ -71,7 +88,7 @@ def tune_command(
         "--max-spill-bytes", help="Register spill stores per thread tolerated.")
     ] = DEFAULT_MAX_SPILL_BYTES,
     tie_tolerance: Annotated[float, typer.Option(
-        "--tie-tolerance", min=0.0, max=1.0, callback=_below_one,
+        "--tie-tolerance", callback=_below_one,
         help="Finalists within this fraction of the best tie (0 to below 1).")] = DEFAULT_TOLERANCE,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="No GPU: compile for --arch and verify in the emulator, untimed.")
@@ -103,6 +120,7 @@ def tune_command(
 
     With --replay FILE the same search runs against a recorded landscape of any kernel."""
     from flashtune import families
+    from flashtune.commands.tune_progress import RichProgress
     from flashtune.tuner.landscape import parse_budget
     from flashtune.tuner.measure.workload import parse_batch_heads, parse_seqlens
     from flashtune.tuner.options import TuneOptions
@@ -140,27 +158,33 @@ def tune_command(
 
             options = dataclasses.replace(options, fixed=fixing.parse(
                 families.of(problem), problem, fix))
+        if dry_run and workers != 1:
+            raise TuningError("a dry run runs in one process; parallel compiles are "
+                              "--compile-workers")
+        # the status line follows one process's phases; workers report through the database
+        progress = RichProgress(options.trials, phases=workers == 1 or dry_run)
         if dry_run:
-            if workers != 1:
-                raise TuningError("a dry run runs in one process; parallel compiles are "
-                                  "--compile-workers")
-            summaries = _run_local(problem, lengths, pairs, options, db,
+            summaries = _run_local(problem, lengths, pairs, options, db, progress,
                                    dry_arch=arch or "sm_90")
         elif workers > 1:
-            summaries = _run_workers(problem, lengths, pairs, options, db, workers)
+            summaries = _run_workers(problem, lengths, pairs, options, db, workers, progress)
         else:
-            summaries = _run_local(problem, lengths, pairs, options, db, dry_arch=None)
+            summaries = _run_local(problem, lengths, pairs, options, db, progress,
+                                   dry_arch=None)
     except (FlashtuneError, ValueError) as exc:
         raise fail(str(exc)) from None
     except KeyboardInterrupt:
+        sys.stdout.flush()  # the table first, then the hint on a line of its own
         Console(stderr=True).print("interrupted: every finished trial is saved; rerun the same "
-                                   "command with --resume to continue")
+                                   "command with --resume to continue", highlight=False)
         raise typer.Exit(130) from None
     from flashtune.commands.tune_progress import final_table, predicted_tables
 
     console = Console()
     console.print()
     console.print(final_table(summaries))
+    for note in progress.failure_notes():  # why the configs under "failures" failed
+        console.print(Text(printable(note)), soft_wrap=True)
     for s in summaries:
         if s.warm_start:
             console.print(f"{s.bucket.key()}: {s.warm_start}", highlight=False)
@@ -225,12 +249,15 @@ def _replay(path: Path, budget: str | None, trials: int | None, sampler: str,
     except (FlashtuneError, ValueError) as exc:
         raise fail(str(exc)) from None
     best = "-" if summary.best is None else f"{summary.best:.6g}"
+    # T4 landscapes record their times in milliseconds (the "time" objective has no unit
+    # of its own); another objective is named as it is recorded
+    unit = " ms" if landscape.objective == "time" else ""
     share = 100 * summary.clock_s / landscape.brute_force_s
     console.print()
     console.print(f"{len(summary.trace)} evaluations ({summary.failures} failed) in "
                   f"{summary.clock_s / 60:.1f} simulated minutes ({share:.2f}% of the "
-                  f"brute-force {landscape.brute_force_s / 3600:.2f} h); best {best} "
-                  f"{landscape.objective}, optimum {landscape.optimum:.6g}: "
+                  f"brute-force {landscape.brute_force_s / 3600:.2f} h); best "
+                  f"{landscape.objective} {best}{unit}, optimum {landscape.optimum:.6g}{unit}: "
                   f"{landscape.quality(summary.best):.3f} of it", highlight=False)
     config = summary.best_config
     if config is not None:
@@ -251,13 +278,12 @@ def parse_features(text: str | None) -> dict[str, bool]:
 
 
 def _run_local(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHeads, ...],
-               options: TuneOptions, db: str | None, *, dry_arch: str | None
-               ) -> list[BucketSummary]:
-    from flashtune.commands.tune_progress import RichProgress
+               options: TuneOptions, db: str | None, progress: RichProgress, *,
+               dry_arch: str | None) -> list[BucketSummary]:
     from flashtune.tuner.driver import tune
     from flashtune.tuner.measure.factory import DEFAULT_DRY_RUN_ARCH
 
-    with RichProgress(options.trials) as progress:
+    with progress:
         return tune(problem.head_dim, problem.dtype, problem.causal, lengths, op=problem.op,
                     features=problem.features, dry_run=dry_arch is not None,
                     arch=dry_arch or DEFAULT_DRY_RUN_ARCH, db=db, options=options,
@@ -265,11 +291,11 @@ def _run_local(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHea
 
 
 def _run_workers(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHeads, ...],
-                 options: TuneOptions, db: str | None, workers: int) -> list[BucketSummary]:
+                 options: TuneOptions, db: str | None, workers: int, progress: RichProgress
+                 ) -> list[BucketSummary]:
     """One worker process per GPU; the live table follows the database."""
     import torch
 
-    from flashtune.commands.tune_progress import RichProgress
     from flashtune.runtime.device import DeviceInfo
     from flashtune.tuner.measure.cuda import NO_GPU
     from flashtune.tuner.workers import WorkerSpec, tune_parallel
@@ -286,7 +312,7 @@ def _run_workers(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchH
         op=problem.op, features=problem.features, seqlens=lengths, db=db or "",
         measurer="cuda",
         batch_heads=tuple((p.batch, p.heads) for p in pairs), options=options)
-    with RichProgress(options.trials) as progress:
+    with progress:
         return tune_parallel(spec, workers, device=info.name, arch=info.spec,
                              gpus=list(range(workers)), observer=progress)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -252,6 +253,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A killed `flashtune tune --workers N` leaves no workers measuring on: the trial
         # in flight is reaped (dead pid) and measured again by --resume.
         die_with_parent()
+        # Ctrl-C reaches the terminal's whole process group: the parent stops its workers
+        # (run_workers terminates them) and prints the one --resume hint, so a worker
+        # ignores SIGINT instead of printing a KeyboardInterrupt traceback of its own.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = WorkerSpec.from_json(args[0])
     db = os.environ.pop(WORKER_DB_ENV, None)
     run_spec(spec if db is None else dataclasses.replace(spec, db=db))

@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -235,6 +236,7 @@ def test_cli_replay_runs_the_search_with_its_display(landscapes: Path) -> None:
     text = " ".join(result.output.split())
     assert "no warm start" in text and "simulated minutes" in text and "of it" in text
     assert "bowl_GPUA.json.gz" in text  # the live table's title
+    assert re.search(r"best time [0-9.e+-]+ ms, optimum [0-9.e+-]+ ms", text), text
     warm = runner.invoke(app, ["tune", "--replay", str(path), "--trials", "5",
                                "--warm-start-from", "GPUB"])
     assert warm.exit_code == 0, warm.output

@@ -1,0 +1,35 @@
+"""Ctrl-C in `flashtune tune`: one clear line with the --resume hint, on a line of its own
+(in a log too, where stdout and stderr share a file), and no traceback from the command or
+its worker processes. The terminal's SIGINT goes to the whole process group, so the test
+sends it to the group."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from interrupt_helpers import interrupt_when_ready
+
+import flashtune
+
+SOURCE = str(Path(flashtune.__file__).resolve().parents[1])
+
+
+def test_ctrl_c_during_a_dry_run_prints_one_hint_line_and_no_traceback(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (SOURCE, os.environ.get("PYTHONPATH"))
+                                         if p)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flashtune.cli", "tune", "--head-dim", "64", "--seqlens",
+         "128,1024,4096", "--dry-run", "--trials", "3", "--compile-workers", "2", "--db",
+         str(db)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    out = interrupt_when_ready(proc, db.exists, "the start of the tune (its database)",
+                               settle_s=1.0)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out
+    hints = [line for line in out.splitlines() if "--resume" in line]
+    assert len(hints) == 1 and hints[0].startswith("interrupted: "), out

@@ -1,0 +1,29 @@
+"""Ctrl-C as a terminal sends it: SIGINT to a process group, once the process is ready."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+
+
+def interrupt_when_ready(proc: subprocess.Popen[bytes], ready: Callable[[], bool], what: str,
+                         *, settle_s: float = 0.0, timeout_s: float = 120.0) -> str:
+    """Wait until ``ready()`` (failing if ``proc``, started with ``start_new_session=True``,
+    ends first or ``what`` does not happen in ``timeout_s``), wait ``settle_s``, send SIGINT
+    to its process group and return what it printed (stdout and stderr, as piped)."""
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            assert proc.poll() is None, b"".join(x for x in proc.communicate() if x).decode()
+            assert time.monotonic() < deadline, f"{what} did not happen in {timeout_s} s"
+            time.sleep(0.05)
+        time.sleep(settle_s)
+        os.killpg(proc.pid, signal.SIGINT)
+        return b"".join(x for x in proc.communicate(timeout=timeout_s) if x).decode()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

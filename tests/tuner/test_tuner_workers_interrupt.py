@@ -1,0 +1,53 @@
+"""Ctrl-C during `tune --workers N`: the terminal's SIGINT reaches every process of the
+group; the parent stops its workers and reports once, and no worker prints a traceback."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from interrupt_helpers import interrupt_when_ready
+from tuner_synthetic import read_log
+from tuner_testlib import FAST, subprocess_env
+
+from flashtune.tuner.workers import WorkerSpec
+
+PARENT = """\
+import signal, sys, time
+from flashtune.tuner.workers import WorkerSpec, run_workers
+
+
+def slow(signum, frame):  # the parent stops its workers 2 s later: time for a traceback
+    time.sleep(2.0)
+    raise KeyboardInterrupt
+
+
+signal.signal(signal.SIGINT, slow)
+try:
+    run_workers(WorkerSpec.from_json(sys.argv[1]), 2)
+except KeyboardInterrupt:
+    print("parent interrupted", file=sys.stderr, flush=True)
+    sys.exit(130)
+"""
+
+
+def test_sigint_to_the_group_stops_the_workers_without_tracebacks(
+        db_url: str, call_log: str, tmp_path: Path) -> None:
+    spec = WorkerSpec(head_dim=128, dtype="bf16", causal=False, op="fwd", seqlens=(1024,),
+                      db=db_url, measurer="tuner_synthetic:synthetic_measurer",
+                      measurer_options={"log_path": call_log, "time_delay_s": 30.0},
+                      options=dataclasses.replace(FAST, trials=10, sampler="tpe"))
+    parent = tmp_path / "parent.py"
+    parent.write_text(PARENT)
+    proc = subprocess.Popen([sys.executable, str(parent), spec.to_json()],
+                            env={**os.environ, **subprocess_env()}, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    err = interrupt_when_ready(
+        proc, lambda: len({pid for pid, phase, _ in read_log(call_log) if phase == "time"}) >= 2,
+        "two workers measuring")
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.count("parent interrupted") == 1, err
