@@ -121,12 +121,12 @@ def _git_revision() -> str | None:
 
 
 def _host_cxx() -> str:
-    """The emulator's host compiler (the FLASHTUNE_CXX knob)."""
+    """The emulator's host compiler (the FLASHTUNE_CXX setting)."""
     try:
-        from flashtune import knobs
+        from flashtune import settings
     except ImportError:
         return "g++"
-    return knobs.HOST_CXX.get()
+    return settings.HOST_CXX.get()
 
 
 def _cpu_model() -> str:

@@ -79,15 +79,15 @@ def _configure_logging() -> None:
     """With FLASHTUNE_LOG_LEVEL set, log the 'flashtune' logger to stderr at that level
     (e.g. ``debug`` shows every dispatch decision). Unset, logging is left to the
     application."""
-    from flashtune import knobs
-    from flashtune.errors import KnobError
+    from flashtune import settings
+    from flashtune.errors import SettingError
 
-    if not knobs.LOG_LEVEL.is_set():
+    if not settings.LOG_LEVEL.is_set():
         return
     logger = logging.getLogger("flashtune")
     try:
-        logger.setLevel(knobs.LOG_LEVEL.get().upper())
-    except KnobError as exc:
+        logger.setLevel(settings.LOG_LEVEL.get().upper())
+    except SettingError as exc:
         logger.warning("%s", exc)
         return
     handler = logging.StreamHandler()

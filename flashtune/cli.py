@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from flashtune import knobs
+from flashtune import settings
 from flashtune._version import __version__
 from flashtune.commands import codegen as codegen_commands
 from flashtune.commands import perf_correlate
@@ -43,16 +43,17 @@ def _root(
     """flashtune: generate, compile, verify, tune and serve attention kernels."""
 
 
-@app.command("knobs")
-def knobs_command() -> None:
+@app.command("settings")
+def settings_command() -> None:
     """List every environment variable flashtune reads, with its current value."""
     table = Table("variable", "value", "meaning")
-    for knob in knobs.ALL:
+    for setting in settings.ALL:
         try:
-            value = str(knob.get())
+            value = str(setting.get())
         except Exception as exc:  # a bad value is shown, not fatal, here
             value = f"INVALID ({exc})"
-        table.add_row(knob.name, value if knob.is_set() else f"{value} (default)", knob.doc)
+        table.add_row(setting.name, value if setting.is_set() else f"{value} (default)",
+                      setting.doc)
     Console().print(table)
 
 

@@ -30,7 +30,7 @@ class InvalidInput(FlashtuneError, ValueError):
     """Tensors or arguments handed to the public API do not fit (shape, dtype, device...)."""
 
 
-class KnobError(FlashtuneError, ValueError):
+class SettingError(FlashtuneError, ValueError):
     """An environment variable holds a value that cannot be parsed."""
 
 

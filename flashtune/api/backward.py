@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from flashtune import knobs
+from flashtune import settings
 from flashtune.api.variants import Variant
 from flashtune.codegen.abi import PackedArgs
 from flashtune.families.base import sm_count
@@ -58,8 +58,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """dQ, dK, dV (like q, k, v) of the forward that produced ``out`` and ``lse`` from
     validated q, k, v, given dO (and optionally the gradient of the LSE), with the
     forward's features ``variant`` (None: none). ``backend`` "" means the
-    FLASHTUNE_BACKEND knob."""
-    name = backend or knobs.BACKEND.get()
+    FLASHTUNE_BACKEND setting."""
+    name = backend or settings.BACKEND.get()
     dout, out = _kernel_ready(dout), _kernel_ready(out)
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]

@@ -14,8 +14,8 @@ another slot uses them, are reported as InvalidInput before the launch (nothing 
 on the emulator and, after a synchronisation, on the GPU with ``FLASHTUNE_CHECK_INPUTS=1``
 (``validate_kvcache.check_cache_values``). The kernel checks the lengths and pages again
 and never follows a bad one: in the emulator it reports it, on a GPU it stops with a trap
-that surfaces at the next synchronisation (without the knob, the only check there: rerun
-with it for the message; a trap loses the CUDA context, cache included). Without the knob
+that surfaces at the next synchronisation (without the setting, the only check there: rerun
+with it for the message; a trap loses the CUDA context, cache included). Without the setting
 shared pages are not looked for on a GPU: that would cost a synchronisation per call.
 
 The two kernels' plans (``runtime.plans``; bucketed by the cache capacity) are memoised with
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtune import knobs
+from flashtune import settings
 from flashtune.api.validate_kvcache import KvCacheLayout, check_cache_values
 from flashtune.codegen.spec import KernelConfig, ProblemBucket
 from flashtune.errors import InvalidInput
@@ -116,15 +116,15 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (like q) and the float32 LSE (batch, heads_q, seqlen_q) of validated inputs,
     launched on the current stream; ``num_splits`` 0 means the heuristic; ``backend`` ""
-    means the FLASHTUNE_BACKEND knob."""
-    name = backend or knobs.BACKEND.get()
+    means the FLASHTUNE_BACKEND setting."""
+    name = backend or settings.BACKEND.get()
     decode, combine = plan_for(q, causal, layout.capacity, name)
     config = decode.decision.config
     splits = choose_splits(num_splits, config, layout, decode.sm_count or NOMINAL_SMS)
     wrong = _misaligned({"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v})
     if wrong is not None:
         raise wrong
-    if not decode.on_gpu or knobs.CHECK_INPUTS.get():  # before the launch: a refused call
+    if not decode.on_gpu or settings.CHECK_INPUTS.get():  # before the launch: a refused call
         check_cache_values(cache_seqlens, block_table, layout)  # appends nothing
     # The kernel's own check backs it up: on a GPU it traps (no synchronisation to read a
     # report), in the emulator it reports in the status buffer, read for free.

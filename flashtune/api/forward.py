@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from flashtune import knobs
+from flashtune import settings
 from flashtune.api.variants import Variant
 from flashtune.codegen.spec import ProblemBucket
 from flashtune.errors import FlashtuneError, InvalidInput
@@ -84,10 +84,10 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             softmax_scale: float, backend: str, variant: Variant | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (like q) and the float32 LSE (B, Hq, Nq) of validated inputs, launched on the
-    current stream. ``backend`` "" means the FLASHTUNE_BACKEND knob. ``variant``: the
+    current stream. ``backend`` "" means the FLASHTUNE_BACKEND setting. ``variant``: the
     call's validated features (``api.variants.resolve``; its ``causal`` is ignored in
     favour of ``causal``), None for none."""
-    name = backend or knobs.BACKEND.get()
+    name = backend or settings.BACKEND.get()
     features = variant.features if variant is not None else ()
     varlen = variant.varlen if variant is not None else None
     if varlen is None:

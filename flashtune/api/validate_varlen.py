@@ -13,7 +13,7 @@ import numbers
 
 import torch
 
-from flashtune import knobs
+from flashtune import settings
 from flashtune.api.limits import MAX_GRID_YZ, MAX_SEQLEN
 from flashtune.api.validate import check_attention_inputs
 from flashtune.errors import InvalidInput
@@ -98,7 +98,7 @@ def check_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            "(CUDA grid limit). Split the call")
     longest_q = _check_max(max_seqlen_q, "max_seqlen_q")
     longest_k = _check_max(max_seqlen_k, "max_seqlen_k")
-    if q.device.type == "cpu" or (q.device.type == "cuda" and knobs.CHECK_INPUTS.get()):
+    if q.device.type == "cpu" or (q.device.type == "cuda" and settings.CHECK_INPUTS.get()):
         _check_values(cu_q, "cu_seqlens_q", q.shape[0], longest_q, "max_seqlen_q")
         _check_values(cu_k, "cu_seqlens_k", k.shape[0], longest_k, "max_seqlen_k")
     return cu_q, cu_k, longest_q, longest_k

@@ -332,10 +332,10 @@ class CompileStatus:
     a line at most every ``STATUS_EVERY_S`` with the time left at the measured rate."""
 
     def __init__(self, total: int, workers: int | None) -> None:
-        from flashtune import knobs
+        from flashtune import settings
 
         self.total = total
-        self.workers = knobs.COMPILE_WORKERS.get() if workers is None else workers
+        self.workers = settings.COMPILE_WORKERS.get() if workers is None else workers
         self.console = Console(stderr=True, highlight=False)
         self.start = self.last = time.monotonic()
 

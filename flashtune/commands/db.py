@@ -1,7 +1,7 @@
 """``flashtune db ...``: inspect, upgrade, export, import and merge the tuning database.
 
 Every command takes ``--db URL`` (before the command name: ``flashtune db --db URL list``);
-the default is the knob FLASHTUNE_DB. Failures print one message and exit with status 1.
+the default is the setting FLASHTUNE_DB. Failures print one message and exit with status 1.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def _db(ctx: typer.Context, db: DbOpt = None) -> None:
 
 
 def _open(ctx: typer.Context, db: str | None, *, create: bool = True) -> TuningStore:
-    """The store named by the command's --db, else the group's --db, else the knob.
+    """The store named by the command's --db, else the group's --db, else the setting FLASHTUNE_DB.
 
     ``create=False`` (the read commands) refuses a missing file and opens read-only.
     """

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flashtune import knobs
+from flashtune import settings
 from flashtune.api.limits import check_seqlens
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import COMPILED_HEAD_DIMS, DType, Problem, seq_bucket
@@ -116,7 +116,7 @@ def explain_command(
 
     try:
         shipped = load_shipped(source, decision.arch) is not None
-        dirs = ", ".join(map(str, knobs.PRECOMPILED_DIRS.get()))
+        dirs = ", ".join(map(str, settings.PRECOMPILED_DIRS.get()))
     except FlashtuneError as exc:
         raise fail(str(exc)) from exc
     console = Console(highlight=False, soft_wrap=True)

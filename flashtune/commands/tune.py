@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from flashtune import knobs
+from flashtune import settings
 from flashtune.codegen.spec import FEATURES, Problem
 from flashtune.commands.options import DEFAULT_DTYPE, DbOpt, FixOpt, fail
 from flashtune.db.records import printable
@@ -144,7 +144,7 @@ def tune_command(
             trials=40 if trials is None else trials,
             budget_s=parse_budget(budget) if budget else None,
             sampler=sampler, seed=seed, study_prefix=study, resume=resume,
-            compile_workers=(knobs.COMPILE_WORKERS.get() if compile_workers is None
+            compile_workers=(settings.COMPILE_WORKERS.get() if compile_workers is None
                              else compile_workers),
             max_spill_bytes=max_spill_bytes, tie_tolerance=tie_tolerance,
             prune_predicted=prune_predicted, cost_model_gpu=cost_model_gpu,

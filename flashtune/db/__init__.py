@@ -4,7 +4,7 @@ SQLAlchemy models and migrations, the ``TuningStore`` used by the tuner and the 
 dispatcher, bundle export/import/merge for sharing results, and Optuna's storage on the same
 URL. This package imports nothing of flashtune above codegen: it holds records to codegen's
 own value types (``Problem``, ``KernelConfig``, ``ProblemBucket``, ``get_arch``), besides
-``errors`` and ``knobs``.
+``errors`` and ``settings``.
 
 The names below are imported on first use, so that the light modules (``records``: the
 value types and ``TrialStatus``) can be imported without SQLAlchemy and Optuna, e.g. by the

@@ -1,11 +1,11 @@
 """Database URLs, engines and the one transaction helper every read and write goes through.
 
-URLs come from ``--db`` or the knob ``FLASHTUNE_DB`` (``flashtune.knobs.DB_URL``): either a
+URLs come from ``--db`` or the setting ``FLASHTUNE_DB`` (``flashtune.settings.DB_URL``): either a
 SQLAlchemy URL or a plain file path, which means SQLite. Supported backends are SQLite and
 PostgreSQL (``postgresql://`` is read as ``postgresql+psycopg://``, the driver flashtune
 ships with).
 
-SQLite runs in WAL mode with a busy timeout (knob FLASHTUNE_DB_BUSY_TIMEOUT_S), so readers
+SQLite runs in WAL mode with a busy timeout (setting FLASHTUNE_DB_BUSY_TIMEOUT_S), so readers
 never block the writer and writers wait for each other instead of failing. Read-only opens
 (``make_engine(..., read_only=True)``, what every read command and the runtime use) never
 write: SQLite gets no WAL switch and ``query_only`` (a file in a read-only directory still
@@ -37,7 +37,7 @@ from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, SQLA
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
-from flashtune import knobs
+from flashtune import settings
 from flashtune.errors import DatabaseError
 
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")
@@ -51,8 +51,8 @@ _WAL_HEADER_BYTES = 32
 
 
 def busy_timeout_s() -> float:
-    """How long a SQLite writer waits for another writer (knob FLASHTUNE_DB_BUSY_TIMEOUT_S)."""
-    return knobs.DB_BUSY_TIMEOUT_S.get()
+    """How long a SQLite writer waits for another writer (setting FLASHTUNE_DB_BUSY_TIMEOUT_S)."""
+    return settings.DB_BUSY_TIMEOUT_S.get()
 
 
 def _bad_url(raw: str, why: str) -> DatabaseError:
@@ -82,14 +82,14 @@ def _check_sqlite_query(raw: str, url: URL) -> None:
 
 
 def resolve_url(url: str | Path | URL | None = None) -> URL:
-    """The SQLAlchemy URL for ``url``, a plain path (SQLite) or, if None, the knob's value.
+    """The SQLAlchemy URL for ``url``, a plain path (SQLite) or, if None, the setting's value.
 
     Refused with DatabaseError: an empty URL, a scheme without ``//`` (``sqlite:``), a SQLite
     URL without a file (``sqlite:///``), unknown or malformed SQLite parameters.
     """
     if isinstance(url, URL):
         return url
-    raw = knobs.DB_URL.get() if url is None else str(url)
+    raw = settings.DB_URL.get() if url is None else str(url)
     if not raw.strip():
         raise _bad_url(raw, "is empty")
     if "://" not in raw:

@@ -56,7 +56,7 @@ def resolve(entries: Iterable[BestEntry], *, device: str, arch: str, problem: st
             installed: DigestOf | None = None) -> Match | None:
     """The best entry for the bucket by the module's order of preference, or None.
 
-    ``trusted_sources``: whose results of other devices may serve (default: the knob
+    ``trusted_sources``: whose results of other devices may serve (default: the setting
     FLASHTUNE_TRUSTED_SOURCES); ``installed``: with it, entries not servable on the
     installed kernel sources are skipped.
     """

@@ -1,6 +1,6 @@
 """TuningStore: the tuning database as the tuner and the dispatcher see it.
 
-Open one with ``TuningStore(url)`` (default: the knob ``FLASHTUNE_DB``). Opening checks the
+Open one with ``TuningStore(url)`` (default: the setting ``FLASHTUNE_DB``). Opening checks the
 schema version (see ``flashtune.db.schema``) and creates a new database on first use;
 ``TuningStore(url, create=False)`` opens an existing database read-only and never writes to
 it. Opening an existing SQLite file runs SQLite's quick check once per file and process:

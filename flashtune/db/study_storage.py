@@ -6,7 +6,7 @@ version table ``ft_alembic_version``), so a study can be watched with
 ``optuna-dashboard <url>`` and several machines can tune one study on a shared server.
 
 SQLite connections get the pragmas of flashtune's own writers (``engine.sqlite_pragmas``):
-a busy timeout (knob FLASHTUNE_DB_BUSY_TIMEOUT_S unless given), WAL and
+a busy timeout (setting FLASHTUNE_DB_BUSY_TIMEOUT_S unless given), WAL and
 ``synchronous = NORMAL``; PostgreSQL connections are checked before use.
 """
 
@@ -35,9 +35,9 @@ _ATTEMPTS = 3
 def open_optuna_storage(url: str | Path | URL | None = None, *,
                         busy_timeout_s: float | None = None, ensure_schema: bool = True,
                         **kwargs: Any) -> RDBStorage:
-    """An ``optuna.storages.RDBStorage`` on ``url`` (default: the knob FLASHTUNE_DB).
+    """An ``optuna.storages.RDBStorage`` on ``url`` (default: the setting FLASHTUNE_DB).
 
-    ``busy_timeout_s``: how long a SQLite writer waits for another (default: the knob
+    ``busy_timeout_s``: how long a SQLite writer waits for another (default: the setting
     FLASHTUNE_DB_BUSY_TIMEOUT_S, 60 s). With ``ensure_schema`` the flashtune schema is
     created or checked first (a SchemaVersionError says what to do with an old database);
     without it only the directory of a SQLite file is made. Extra keyword arguments go to

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
-from flashtune import knobs
+from flashtune import settings
 from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.errors import DeviceError, FlashtuneError
 
@@ -59,7 +59,7 @@ class DeviceInfo:
     runtime_version: str | None
     nvrtc_version: str | None
     #: Whether the dispatcher serves calls with arch-specific families (sm_90a, wgmma) where
-    #: the compute capability allows: for a GPU, the knob FLASHTUNE_ARCH_SPECIFIC (on unless
+    #: the compute capability allows: for a GPU, the setting FLASHTUNE_ARCH_SPECIFIC (on unless
     #: set to 0; each kernel passes a first-use check, runtime.first_use); a virtual device
     #: only when its arch is the arch-specific target itself (``virtual("sm_90a")``), so a
     #: virtual sm_90 (the emulator's default, ``--arch sm_90`` listings and precompiles)
@@ -167,7 +167,7 @@ class DeviceInfo:
             driver_version=driver_version,
             runtime_version=runtime_version,
             nvrtc_version=_nvrtc_version(),
-            arch_specific_kernels=knobs.ARCH_SPECIFIC.get(),
+            arch_specific_kernels=settings.ARCH_SPECIFIC.get(),
         )
 
 

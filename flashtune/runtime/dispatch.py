@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Protocol
 
-from flashtune import families, knobs
+from flashtune import families, settings
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import KernelConfig, Problem, ProblemBucket
 from flashtune.db.lookup import BestIndex
@@ -63,7 +63,7 @@ class DeviceLike(Protocol):
 @dataclass(frozen=True)
 class NamedDevice:
     """A GPU known by name and arch only (another machine's, or this one's as seen without
-    its arch-specific families): ``arch_specific_kernels`` None follows the knob
+    its arch-specific families): ``arch_specific_kernels`` None follows the setting
     FLASHTUNE_ARCH_SPECIFIC, as for a GPU."""
 
     name: str
@@ -275,9 +275,9 @@ def served_problem(problem: Problem, device: DeviceLike) -> Problem:
 def _arch_specific_kernels(device: DeviceLike) -> bool:
     """Whether arch-specific families (sm_90a) may serve calls on ``device``: its
     ``arch_specific_kernels`` (``runtime.device.DeviceInfo``); for a device that does not
-    say, the knob FLASHTUNE_ARCH_SPECIFIC, as for a GPU."""
+    say, the setting FLASHTUNE_ARCH_SPECIFIC, as for a GPU."""
     said = getattr(device, "arch_specific_kernels", None)
-    return knobs.ARCH_SPECIFIC.get() if said is None else bool(said)
+    return settings.ARCH_SPECIFIC.get() if said is None else bool(said)
 
 
 def _read_entries(open_source: Callable[[], TunedSource], device: str, arch: str
@@ -311,13 +311,13 @@ class _NoDatabase(Exception):
 
 def open_database() -> TunedSource:
     """The tuning database at FLASHTUNE_DB, opened without creating or migrating it."""
-    from flashtune import knobs
+    from flashtune import settings
     from flashtune.db.engine import resolve_url, sqlite_file
     from flashtune.db.store import TuningStore
 
     url = resolve_url()
     path = sqlite_file(url)
-    if path is not None and not path.is_file() and not knobs.DB_URL.is_set():
+    if path is not None and not path.is_file() and not settings.DB_URL.is_set():
         raise _NoDatabase(f"no tuning database at {path} (nothing tuned on this machine yet)")
     return TuningStore(url, create=False)
 

@@ -12,7 +12,7 @@ kernel and what was wrong, and the call (and every later one) is served by the p
 family, as with FLASHTUNE_ARCH_SPECIFIC=0.
 
 A kernel that crashes the CUDA context (an illegal instruction or address) cannot be
-recovered from in the process; the error then names the knob that turns these families off.
+recovered from in the process; the error then names the setting that turns these families off.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from flashtune import families, knobs
+from flashtune import families, settings
 from flashtune.codegen.spec import (
     MAX_SEQ_BUCKET,
     MIN_SEQ_BUCKET,
@@ -51,16 +51,16 @@ def seqlen_bucket(seqlen: int) -> int:
 def emulator_arch() -> str:
     """The arch of the emulator's virtual device: the configs it runs are chosen as for a GPU
     of this arch (the tuned results of that arch family, else its defaults)."""
-    return knobs.EMULATOR_ARCH.get()
+    return settings.EMULATOR_ARCH.get()
 
 
 def resolve_backend(name: str | None, device: torch.device) -> BackendEntry:
     """The backend that serves tensors on ``device``; InvalidInput if they do not fit.
 
-    ``None`` or ``""`` means the FLASHTUNE_BACKEND knob; ``auto`` means cuda for CUDA tensors.
+    ``None`` or ``""`` means the FLASHTUNE_BACKEND setting; ``auto`` means cuda for CUDA tensors.
     CPU tensors are only served when the emulator is asked for explicitly.
     """
-    chosen = name or knobs.BACKEND.get()
+    chosen = name or settings.BACKEND.get()
     if chosen == "auto":
         if device.type == "cpu":
             raise InvalidInput(

@@ -3,7 +3,7 @@
 ``precompile`` compiles kernels for an arch and writes each cubin to ``<dir>/kernels/``
 under a name derived from the kernel source's digest and the arch alone (nothing about the
 compiling machine's toolchain), plus ``<dir>/MANIFEST_NAME``, the manifest of every
-artifact's sha256. The CUDA backend looks in the directories of the knob
+artifact's sha256. The CUDA backend looks in the directories of the setting
 FLASHTUNE_PRECOMPILED_DIR first (``load_shipped``), so a machine with only such a
 directory, CuPy and a driver loads these kernels without NVRTC or the CUDA headers.
 
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flashtune import families, knobs
+from flashtune import families, settings
 from flashtune._version import __version__
 from flashtune.codegen.arch import compile_target, device_arch, get_arch
 from flashtune.codegen.spec import (
@@ -230,14 +230,14 @@ def _manifest(directory: Path) -> _Manifest:
 def load_shipped(source: KernelSource, arch: str,
                  directories: Iterable[Path] | None = None) -> bytes | None:
     """The precompiled cubin of ``source`` for ``arch`` from the shipped directories (default:
-    the knob FLASHTUNE_PRECOMPILED_DIR), or None if none of them lists it.
+    the setting FLASHTUNE_PRECOMPILED_DIR), or None if none of them lists it.
 
     Raises CacheError when a directory is writable by other users, its manifest is damaged,
     or the listed artifact is missing or differs from its manifest digest.
     """
     spec = compile_target(source.target, arch)
     rel = _relative(source, spec.name)
-    for directory in (knobs.PRECOMPILED_DIRS.get() if directories is None else directories):
+    for directory in (settings.PRECOMPILED_DIRS.get() if directories is None else directories):
         manifest = _manifest(Path(directory))
         if rel not in manifest.digests:
             continue

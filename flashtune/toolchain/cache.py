@@ -44,7 +44,7 @@ from pathlib import Path
 
 import filelock
 
-from flashtune import knobs
+from flashtune import settings
 from flashtune.errors import CacheError
 from flashtune.toolchain.ownership import describe_owner, unsafe_ancestor
 
@@ -95,20 +95,20 @@ def _kind(st: os.stat_result) -> str:
     return "a special file"
 
 
-def write_error(exc: OSError, path: Path, what: str, knob: str | None = None
+def write_error(exc: OSError, path: Path, what: str, flag: str | None = None
                 ) -> CacheError:
     """A CacheError for a failed write of ``what`` at ``path``, with the fix for its cause.
-    ``knob`` names the setting that chose the directory (e.g. ``--out``, for a directory
+    ``flag`` names the option that chose the directory (e.g. ``--out``, for a directory
     that is not the cache); None: the cache's, FLASHTUNE_CACHE_DIR."""
     code = exc.errno
-    other = "point FLASHTUNE_CACHE_DIR at" if knob is None else f"give {knob}"
+    other = "point FLASHTUNE_CACHE_DIR at" if flag is None else f"give {flag}"
     if code in (errno.ENOSPC, errno.EDQUOT):
         fix = (f"the disk (or your quota) is full: free space, or {other} a directory on "
                "another disk")
     elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
-        fix = (f"{'the cache' if knob is None else 'it'} is not writable: make it writable by "
+        fix = (f"{'the cache' if flag is None else 'it'} is not writable: make it writable by "
                f"you, or {other} a directory you own")
-        if knob is None:
+        if flag is None:
             fix += (" (kernels shipped read-only with an application belong in "
                     "FLASHTUNE_PRECOMPILED_DIR)")
     elif code == errno.EISDIR:
@@ -136,8 +136,8 @@ class ArtifactCache:
     """A versioned, private directory of immutable, digest-checked artifacts."""
 
     def __init__(self, root: Path | None = None) -> None:
-        base = root if root is not None else knobs.CACHE_DIR.get()
-        #: The directory handed in (or the knob's); ``ArtifactCache(cache.base)`` is the
+        base = root if root is not None else settings.CACHE_DIR.get()
+        #: The directory handed in (or the setting's); ``ArtifactCache(cache.base)`` is the
         #: same cache, e.g. in another process.
         self.base = Path(base).expanduser().absolute()
         self.root = self.base / f"v{CACHE_FORMAT}"

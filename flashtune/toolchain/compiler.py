@@ -39,7 +39,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from flashtune import knobs
+from flashtune import settings
 from flashtune.codegen.arch import ArchSpec, compile_target, get_arch
 from flashtune.codegen.spec import KernelSource
 from flashtune.errors import CompileError, ToolchainNotFound
@@ -352,7 +352,7 @@ def compile_pairs(
     is a terminal). ``on_progress(done, to_compile)`` is called once the cache has been
     consulted (``done`` 0: what is left to compile) and after each compilation.
     """
-    n_workers = knobs.COMPILE_WORKERS.get() if workers is None else workers
+    n_workers = settings.COMPILE_WORKERS.get() if workers is None else workers
     if n_workers < 1:
         raise ValueError(f"workers={n_workers} must be >= 1")
     store = cache if cache is not None else ArtifactCache()

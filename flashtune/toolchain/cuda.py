@@ -5,7 +5,7 @@ Nothing here needs a GPU or a driver. Search order, first match wins:
 1. the nvidia pip wheels on ``sys.path``: the CUDA 13 layout ``nvidia/cu13/{lib,include,bin}``,
    then the CUDA 12 layout (``nvidia/cuda_nvrtc/lib``, ``nvidia/cuda_runtime/include``,
    ``nvidia/cuda_nvcc/bin``);
-2. the toolkit named by ``FLASHTUNE_CUDA_HOME`` (knobs.CUDA_HOME);
+2. the toolkit named by ``FLASHTUNE_CUDA_HOME`` (settings.CUDA_HOME);
 3. ``/usr/local/cuda``.
 
 The CUDA headers are taken from the same layout as NVRTC when it has them, so that the
@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from flashtune import knobs
+from flashtune import settings
 from flashtune.errors import ToolchainNotFound
 
 INSTALL_HINT = "pip install 'flashtune[cu13]'"
@@ -195,7 +195,7 @@ def find_toolchain() -> Toolchain:
 
     Raises ToolchainNotFound, saying what to install, when NVRTC or the headers are missing.
     """
-    return _locate_cached(tuple(sys.path), knobs.CUDA_HOME.get())
+    return _locate_cached(tuple(sys.path), settings.CUDA_HOME.get())
 
 
 def require_nvdisasm(toolchain: Toolchain) -> Path:

@@ -9,7 +9,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from flashtune import knobs
+from flashtune import settings
 from flashtune.errors import InvalidInput, ToolchainNotFound, ToolError
 from flashtune.toolchain.cuda import SYSTEM_CUDA, find_toolchain, require_nvdisasm
 
@@ -33,7 +33,7 @@ def _run(tool: Path, flags: list[str], cubin: bytes) -> str:
 
 def find_cuobjdump() -> Path | None:
     """cuobjdump from FLASHTUNE_CUDA_HOME/bin, /usr/local/cuda/bin or PATH, else None."""
-    for home in (knobs.CUDA_HOME.get(), SYSTEM_CUDA):
+    for home in (settings.CUDA_HOME.get(), SYSTEM_CUDA):
         if home is not None and (home / "bin" / "cuobjdump").is_file():
             return home / "bin" / "cuobjdump"
     found = shutil.which("cuobjdump")

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flashtune import knobs
+from flashtune import settings
 from flashtune.errors import ToolchainNotFound
 from flashtune.toolchain.cuda import search_layouts
 
@@ -32,7 +32,7 @@ def cuda_include_dirs() -> tuple[Path, ...]:
     ``FLASHTUNE_CUDA_HOME``, then /usr/local/cuda.
     """
     layouts = search_layouts([Path(p) for p in sys.path if p and Path(p).is_dir()],
-                             knobs.CUDA_HOME.get())
+                             settings.CUDA_HOME.get())
     candidates = [inc for layout in layouts for inc in layout.include_dirs]
     for inc in candidates:
         if (inc / "cuda_fp16.h").is_file() and (inc / "crt" / "host_defines.h").is_file():
@@ -61,8 +61,8 @@ def cuda_headers_identity() -> str:
 
 
 def host_compiler() -> str:
-    """The host C++20 compiler (knob FLASHTUNE_CXX, default g++)."""
-    return knobs.HOST_CXX.get()
+    """The host C++20 compiler (setting FLASHTUNE_CXX, default g++)."""
+    return settings.HOST_CXX.get()
 
 
 @functools.lru_cache(maxsize=8)
@@ -82,8 +82,8 @@ def compiler_identity(cxx: str) -> str:
 
 
 def asan_requested() -> bool:
-    """Whether kernels are built with AddressSanitizer (knob FLASHTUNE_EMULATOR_ASAN)."""
-    return knobs.EMULATOR_ASAN.get()
+    """Whether kernels are built with AddressSanitizer (setting FLASHTUNE_EMULATOR_ASAN)."""
+    return settings.EMULATOR_ASAN.get()
 
 
 @functools.lru_cache(maxsize=8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from flashtune import knobs
+from flashtune import settings
 from flashtune.codegen.spec import KernelConfig, ProblemBucket
 from flashtune.errors import TuningError
 from flashtune.families.fixed import Fixed
@@ -31,7 +31,7 @@ class TuneOptions:
     ``resume``: continue existing studies (without it an existing study with trials is an
     error).
     ``compile_workers``: NVRTC processes (0 compiles inline; default: the
-    FLASHTUNE_COMPILE_WORKERS knob); ``depth``: proposals compiled ahead of the device
+    FLASHTUNE_COMPILE_WORKERS setting); ``depth``: proposals compiled ahead of the device
     (default: compile_workers + 1).
     ``final_top`` candidates (plus the default config) are re-measured ``final_rounds``
     times with ``final_plan`` and the winner chosen with ``tie_tolerance`` (selection.py).
@@ -50,7 +50,7 @@ class TuneOptions:
     seed: int | None = 0
     study_prefix: str | None = None
     resume: bool = False
-    compile_workers: int = field(default_factory=knobs.COMPILE_WORKERS.get)
+    compile_workers: int = field(default_factory=settings.COMPILE_WORKERS.get)
     depth: int | None = None
     plan: TimingPlan = TimingPlan()
     final_plan: TimingPlan = TimingPlan(warmup=5, repeats=50)

@@ -130,7 +130,7 @@ result["help"] = leaked()
     helps = result["helps"]
     assert isinstance(helps, dict)
     # the walk reaches the commands and the db group's subcommands (it cannot pass empty)
-    expected = {"flashtune", "knobs", "families", "show", "compile", "space", "check",
+    expected = {"flashtune", "settings", "families", "show", "compile", "space", "check",
                 "profile", "explain", "precompile", "tune", "report", "correlate", "db",
                 "db info", "db upgrade", "db list", "db show", "db export", "db import",
                 "db merge", "db verify"}

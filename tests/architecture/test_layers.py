@@ -16,7 +16,7 @@ ROOT = Path(flashtune.__file__).resolve().parent
 #: Areas on one row are peers and may not import each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("flashtune._version", "flashtune.errors", "flashtune._lazy"),
-    ("flashtune.knobs",),
+    ("flashtune.settings",),
     ("flashtune.codegen", "flashtune.templates"),
     ("flashtune.toolchain",),
     ("flashtune.db", "flashtune.families"),

@@ -290,10 +290,10 @@ def test_precompile_for_sm90a_ships_portable_kernels_as_a_cc90_device_loads_them
 
 def test_the_arch_knob_names_exactly_the_arch_table() -> None:
     """knobs sit below codegen and keep their own list of archs: held equal here."""
-    from flashtune import knobs
+    from flashtune import settings
     from flashtune.codegen.arch import ARCHS
 
-    assert tuple(ARCHS) == knobs.ARCH_NAMES
-    assert [get_arch(name).name for name in knobs.ARCH_NAMES] == list(ARCHS)
+    assert tuple(ARCHS) == settings.ARCH_NAMES
+    assert [get_arch(name).name for name in settings.ARCH_NAMES] == list(ARCHS)
     compute = [spec.compute_capability for spec in ARCHS.values()]
     assert compute == sorted(compute), "the table is in compute-capability order"

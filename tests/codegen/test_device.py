@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from flashtune.codegen.arch import ARCHS
-from flashtune.errors import DeviceError, InvalidConfig, KnobError
+from flashtune.errors import DeviceError, InvalidConfig, SettingError
 from flashtune.runtime import device as device_mod
 from flashtune.runtime.device import DeviceInfo
 
@@ -132,5 +132,5 @@ def test_gpus_run_arch_specific_kernels_unless_the_knob_says_no(
     monkeypatch.setenv("FLASHTUNE_ARCH_SPECIFIC", "0")
     assert not h100().arch_specific_kernels
     monkeypatch.setenv("FLASHTUNE_ARCH_SPECIFIC", "maybe")
-    with pytest.raises(KnobError, match="FLASHTUNE_ARCH_SPECIFIC"):
+    with pytest.raises(SettingError, match="FLASHTUNE_ARCH_SPECIFIC"):
         h100()

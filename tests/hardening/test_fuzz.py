@@ -5,7 +5,7 @@
   poisoned with NaN first;
 - mutated bundles against a database: each is refused with a BundleError and changes
   nothing, or is a legal bundle and imports;
-- knob values: each parses to a legal value or raises a KnobError naming the knob and the
+- knob values: each parses to a legal value or raises a SettingError naming the knob and the
   value;
 - the count of a bundle's structure before parsing agrees with a string-aware reference.
 
@@ -39,12 +39,13 @@ from hypothesis import HealthCheck, event, given, seed, settings
 from hypothesis import strategies as st
 
 import flashtune
-from flashtune import families, knobs
+from flashtune import families
+from flashtune import settings as ft_settings
 from flashtune.api import forward
 from flashtune.codegen.spec import DType, Problem, Shape
 from flashtune.db import TuningStore, dumps, export_bundle, import_bundle, parse_bundle
 from flashtune.db.bundle import content_digest, structure_counts, to_dict
-from flashtune.errors import BundleError, KnobError
+from flashtune.errors import BundleError, SettingError
 from flashtune.families.base import Inputs
 from flashtune.runtime import plans
 from flashtune.runtime.dispatch import Dispatcher, set_dispatcher
@@ -255,7 +256,7 @@ NUMBERS = st.one_of(st.integers(-(10**20), 10**20).map(str),
 
 def _legal(name: str, value: Any) -> bool:
     if name == "FLASHTUNE_COMPILE_WORKERS":
-        return isinstance(value, int) and 1 <= value <= knobs.MAX_COMPILE_WORKERS
+        return isinstance(value, int) and 1 <= value <= ft_settings.MAX_COMPILE_WORKERS
     if name in ("FLASHTUNE_EMULATOR_DEADLOCK_S", "FLASHTUNE_DB_BUSY_TIMEOUT_S"):
         return isinstance(value, float) and math.isfinite(value) and value > 0
     if name in ("FLASHTUNE_CACHE_DIR", "FLASHTUNE_CUDA_HOME"):
@@ -267,13 +268,14 @@ def _legal(name: str, value: Any) -> bool:
 
 @seed(RUN_SEED)
 @settings(COMMON, max_examples=200)
-@given(knob=st.sampled_from(knobs.ALL), raw=st.one_of(ENV_TEXT, NUMBERS))
-def test_knob_values_parse_or_say_what_is_legal(knob: knobs.Knob[Any], raw: str) -> None:
+@given(knob=st.sampled_from(ft_settings.ALL), raw=st.one_of(ENV_TEXT, NUMBERS))
+def test_setting_values_parse_or_say_what_is_legal(knob: ft_settings.Setting[Any],
+                                                   raw: str) -> None:
     saved = os.environ.get(knob.name)
     os.environ[knob.name] = raw
     try:
         value = knob.get()
-    except KnobError as exc:
+    except SettingError as exc:
         assert knob.name in str(exc) and repr(raw) in str(exc), str(exc)
     else:
         assert _legal(knob.name, value), (knob.name, raw, value)

@@ -13,11 +13,11 @@ import torch
 from typer.testing import CliRunner
 
 import flashtune
-from flashtune import knobs
+from flashtune import settings
 from flashtune.api.limits import MAX_SEQLEN, MAX_SOFTMAX_SCALE, check_softmax_scale
 from flashtune.api.validate import check_attention_inputs
 from flashtune.cli import app
-from flashtune.errors import InvalidInput, KnobError, TuningError
+from flashtune.errors import InvalidInput, SettingError, TuningError
 from flashtune.tuner.options import TuneOptions
 
 BAD_KNOBS: list[tuple[str, str, str]] = [
@@ -49,9 +49,9 @@ BAD_KNOBS: list[tuple[str, str, str]] = [
                          ids=[f"{n}={v}" for n, v, _ in BAD_KNOBS])
 def test_bad_knob_names_knob_value_and_legal_range(monkeypatch: pytest.MonkeyPatch, name: str,
                                                    value: str, legal: str) -> None:
-    knob = next(k for k in knobs.ALL if k.name == name)
+    knob = next(k for k in settings.ALL if k.name == name)
     monkeypatch.setenv(name, value)
-    with pytest.raises(KnobError) as info:
+    with pytest.raises(SettingError) as info:
         knob.get()
     text = str(info.value)
     assert name in text and repr(value) in text and legal in text, text
@@ -61,8 +61,8 @@ def test_file_in_the_way_of_the_cache_dir(tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("FLASHTUNE_CACHE_DIR", str(tmp_path / "file" / "cache"))
-    with pytest.raises(KnobError, match="is not a directory"):
-        knobs.CACHE_DIR.get()
+    with pytest.raises(SettingError, match="is not a directory"):
+        settings.CACHE_DIR.get()
 
 
 def test_compile_workers_zero_is_a_message_not_a_traceback(
@@ -157,9 +157,9 @@ def test_sparse_and_nested_tensors_are_explained() -> None:
         check_attention_inputs(nested, nested, nested)
 
 
-def test_knobs_command_shows_bad_values_without_failing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_settings_command_shows_bad_values_without_failing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLASHTUNE_EMULATOR_DEADLOCK_S", "nan")
-    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["knobs"])
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["settings"])
     assert result.exit_code == 0 and "FLASHTUNE_EMULATOR_DEADLOCK_S" in result.output
 
 
@@ -171,5 +171,5 @@ def test_hang_detection_cannot_be_disabled_by_a_bad_knob(
 
     monkeypatch.setenv("FLASHTUNE_EMULATOR_DEADLOCK_S", "-1")
     kernel = EmulatedKernel("k", Path(os.devnull), "", lambda *a: 0)
-    with pytest.raises(KnobError, match="FLASHTUNE_EMULATOR_DEADLOCK_S"):
+    with pytest.raises(SettingError, match="FLASHTUNE_EMULATOR_DEADLOCK_S"):
         kernel.launch(1, 32, [], options=LaunchOptions())

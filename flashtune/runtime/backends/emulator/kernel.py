@@ -18,7 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from flashtune import knobs
+from flashtune import settings
 from flashtune.codegen.abi import ArgType, ArgValue
 from flashtune.codegen.tensormap import TensorMap
 from flashtune.errors import EmulatorError, InvalidInput
@@ -58,7 +58,7 @@ class LaunchOptions:
     check_poison_operands: mma operands equal to the shared-memory poison are errors.
     check_barrier_site: all threads must reach the same __syncthreads call.
     hang_timeout_s: a thread running this long without reaching a barrier, collective or its
-        end is reported as a hang (None: knob FLASHTUNE_EMULATOR_DEADLOCK_S; 0: never).
+        end is reported as a hang (None: setting FLASHTUNE_EMULATOR_DEADLOCK_S; 0: never).
     counters: count traffic, bank conflicts and instructions (counters.EmulatorCounters,
         returned by the launch); off, each primitive pays one branch.
     block_order_seed: None runs the blocks of the grid one after another in linear order
@@ -195,7 +195,7 @@ class EmulatedKernel:
         )
         hang = opts.hang_timeout_s
         if hang is None:
-            hang = knobs.EMULATOR_TIMEOUT_S.get()
+            hang = settings.EMULATOR_TIMEOUT_S.get()
         grid_dims = _dims(grid, "grid")
         blocks = grid_dims[0] * grid_dims[1] * grid_dims[2]
         raw, per_block = allocate(blocks) if opts.counters else (None, None)
@@ -249,7 +249,7 @@ def build_module(
 ) -> EmulatedModule:
     """Compile CUDA source ``code`` for the emulator and load it (cached by content).
 
-    ``asan`` defaults to the knob FLASHTUNE_EMULATOR_ASAN; an ASan build can only run in a
+    ``asan`` defaults to the setting FLASHTUNE_EMULATOR_ASAN; an ASan build can only run in a
     process started with ``toolchain.asan_environment()``.
     """
     use_asan = toolchain.asan_requested() if asan is None else asan

@@ -1,9 +1,9 @@
 """Every environment variable flashtune reads, declared once, typed and validated.
 
-Read a knob with ``knobs.CACHE_DIR.get()``; values are parsed on each call so tests and
+Read a setting with ``settings.CACHE_DIR.get()``; values are parsed on each call so tests and
 users can change the environment at run time. A value that does not parse or lies outside
-its legal range raises ``KnobError`` naming the variable, the value and what is legal; no
-value is ever silently replaced by a default. ``flashtune knobs`` (CLI) and the README list
+its legal range raises ``SettingError`` naming the variable, the value and what is legal; no
+value is ever silently replaced by a default. ``flashtune settings`` (CLI) and the README list
 them all from ``ALL``.
 """
 
@@ -19,7 +19,7 @@ from typing import Generic, TypeVar
 
 import platformdirs
 
-from flashtune.errors import KnobError
+from flashtune.errors import SettingError
 
 T = TypeVar("T")
 
@@ -155,7 +155,7 @@ def _trusted_sources(raw: str) -> frozenset[str]:
 
 
 @dataclass(frozen=True)
-class Knob(Generic[T]):
+class Setting(Generic[T]):
     """One environment variable: its name, parser, default and documentation."""
 
     name: str
@@ -170,7 +170,7 @@ class Knob(Generic[T]):
         try:
             return self.parse(raw)
         except ValueError as exc:
-            raise KnobError(
+            raise SettingError(
                 f"environment variable {self.name}={raw!r} is invalid: {exc}. "
                 f"Fix or unset it ({self.doc})"
             ) from None
@@ -188,34 +188,34 @@ def _default_db() -> str:
     return f"sqlite:///{data / 'tuning.db'}"
 
 
-CACHE_DIR: Knob[Path] = Knob(
+CACHE_DIR: Setting[Path] = Setting(
     "FLASHTUNE_CACHE_DIR",
     _directory_to_create,
     _user_cache,
     "absolute path of the private directory for compiled kernels and emulator builds "
     "(default: the user cache directory)",
 )
-PRECOMPILED_DIRS: Knob[tuple[Path, ...]] = Knob(
+PRECOMPILED_DIRS: Setting[tuple[Path, ...]] = Setting(
     "FLASHTUNE_PRECOMPILED_DIR",
     _directory_list,
     tuple,
     f"read-only directories written by `flashtune precompile` (separated by {os.pathsep!r}), "
     "searched for kernels before the cache; each is verified against its manifest",
 )
-DB_URL: Knob[str] = Knob(
+DB_URL: Setting[str] = Setting(
     "FLASHTUNE_DB",
     _database_url,
     _default_db,
     "SQLAlchemy URL or file path of the tuning database (default: tuning.db in the user "
     "data directory)",
 )
-DB_BUSY_TIMEOUT_S: Knob[float] = Knob(
+DB_BUSY_TIMEOUT_S: Setting[float] = Setting(
     "FLASHTUNE_DB_BUSY_TIMEOUT_S",
     _seconds_in(0.0, 3600.0),
     lambda: 60.0,
     "seconds a SQLite writer waits for another writer before failing, in (0, 3600]",
 )
-TRUSTED_SOURCES: Knob[frozenset[str]] = Knob(
+TRUSTED_SOURCES: Setting[frozenset[str]] = Setting(
     "FLASHTUNE_TRUSTED_SOURCES",
     _trusted_sources,
     lambda: frozenset({TRUST_LOCAL}),
@@ -223,35 +223,35 @@ TRUSTED_SOURCES: Knob[frozenset[str]] = Knob(
     "'local' (tuned into this database), 'all', bundle digest prefixes or 'host:NAME', "
     "comma-separated (default: local)",
 )
-BACKEND: Knob[str] = Knob(
+BACKEND: Setting[str] = Setting(
     "FLASHTUNE_BACKEND",
     _choice("auto", "cuda", "emulator"),
     lambda: "auto",
     "kernel backend: auto (CUDA tensors on the GPU), cuda, or emulator (CPU tensors)",
 )
-LOG_LEVEL: Knob[str] = Knob(
+LOG_LEVEL: Setting[str] = Setting(
     "FLASHTUNE_LOG_LEVEL",
     _choice("debug", "info", "warning", "error"),
     lambda: "warning",
     "log level of the 'flashtune' logger",
 )
-CUDA_HOME: Knob[Path | None] = Knob(
+CUDA_HOME: Setting[Path | None] = Setting(
     "FLASHTUNE_CUDA_HOME",
     _existing_directory,
     lambda: None,
     "optional CUDA toolkit root (an existing directory), searched after the nvidia pip "
     "wheels for headers and tools",
 )
-HOST_CXX: Knob[str] = Knob(
+HOST_CXX: Setting[str] = Setting(
     "FLASHTUNE_CXX",
     _command,
     lambda: "g++",
     "host C++20 compiler used to build the CPU emulator (a command name or path)",
 )
-#: The archs of ``codegen.arch.ARCHS``, in its order (knobs sit below codegen; a test holds
+#: The archs of ``codegen.arch.ARCHS``, in its order (settings sit below codegen; a test holds
 #: the two equal).
 ARCH_NAMES = ("sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120")
-EMULATOR_ARCH: Knob[str] = Knob(
+EMULATOR_ARCH: Setting[str] = Setting(
     "FLASHTUNE_EMULATOR_ARCH",
     _choice(*ARCH_NAMES),
     lambda: "sm_90",
@@ -259,7 +259,7 @@ EMULATOR_ARCH: Knob[str] = Knob(
     "sm_90 (the default) keeps the mma.sync kernels; sm_90a runs the sm_90a families (wgmma) "
     "as a compute capability 9.0 GPU does (unless FLASHTUNE_ARCH_SPECIFIC=0)",
 )
-ARCH_SPECIFIC: Knob[bool] = Knob(
+ARCH_SPECIFIC: Setting[bool] = Setting(
     "FLASHTUNE_ARCH_SPECIFIC",
     _parse_bool,
     lambda: True,
@@ -268,27 +268,27 @@ ARCH_SPECIFIC: Knob[bool] = Knob(
     "before its first call (a failure turns them off for the process, with a warning); 0: the "
     "portable mma.sync kernels only",
 )
-EMULATOR_ASAN: Knob[bool] = Knob(
+EMULATOR_ASAN: Setting[bool] = Setting(
     "FLASHTUNE_EMULATOR_ASAN",
     _parse_bool,
     lambda: False,
     "build emulated kernels with AddressSanitizer to catch out-of-bounds global accesses",
 )
-EMULATOR_TIMEOUT_S: Knob[float] = Knob(
+EMULATOR_TIMEOUT_S: Setting[float] = Setting(
     "FLASHTUNE_EMULATOR_DEADLOCK_S",
     _seconds_in(0.0, 86400.0),
     lambda: 10.0,
     "seconds without progress after which the emulator reports a hang, in (0, 86400]",
 )
 MAX_COMPILE_WORKERS = 1024
-COMPILE_WORKERS: Knob[int] = Knob(
+COMPILE_WORKERS: Setting[int] = Setting(
     "FLASHTUNE_COMPILE_WORKERS",
     _int_in(1, MAX_COMPILE_WORKERS),
     lambda: max(1, (os.cpu_count() or 2)),
     f"processes used to compile kernels in parallel, in [1, {MAX_COMPILE_WORKERS}]",
 )
 
-CHECK_INPUTS: Knob[bool] = Knob(
+CHECK_INPUTS: Setting[bool] = Setting(
     "FLASHTUNE_CHECK_INPUTS",
     _parse_bool,
     lambda: False,
@@ -297,7 +297,7 @@ CHECK_INPUTS: Knob[bool] = Knob(
     "and the error surfaces at the next synchronisation). The emulator always checks",
 )
 
-ALL: tuple[Knob[object], ...] = (  # type: ignore[assignment]
+ALL: tuple[Setting[object], ...] = (  # type: ignore[assignment]
     CACHE_DIR,
     PRECOMPILED_DIRS,
     DB_URL,
