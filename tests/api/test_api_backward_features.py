@@ -2,7 +2,7 @@
 their combinations with causal masks and GQA), run by the CPU emulator and held to
 flash-attn's rule: each gradient's largest error against a float64 autograd reference is at
 most 3x that of the same attention in plain PyTorch in the input dtype. The default run
-draws two cases from the run's seed; ``-m sweep`` runs them all, deterministic and not.
+draws one case from the run's seed; ``-m sweep`` runs them all, deterministic and not.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def _id(case: tuple[object, ...]) -> str:
 
 
 @pytest.mark.usefixtures("dispatcher")
-@pytest.mark.parametrize("case", random.Random(SEED).sample(GRID, 2), ids=_id)
+@pytest.mark.parametrize("case", random.Random(SEED).sample(GRID, 1), ids=_id)
 def test_feature_gradients_within_3x_of_plain_pytorch(case) -> None:  # type: ignore[no-untyped-def]
     _check(case)
 

@@ -14,7 +14,7 @@ import random
 import pytest
 
 from flashtune.codegen.arch import get_arch
-from flashtune.codegen.spec import DType, KernelSource, Problem
+from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
 from flashtune.families import render
 from flashtune.families.fwd import FORWARD, space
 from flashtune.families.fwd.defaults import default_config
@@ -36,11 +36,11 @@ PROBLEMS = [Problem(hd, dt, causal=c)
 KNOB_SAMPLE = 24
 
 
-def _all_jobs() -> list[tuple[KernelSource, str]]:
+def _all_pairs() -> list[tuple[Problem, KernelConfig, str]]:
     """Every tile shape with the knobs at their defaults and KNOB_SAMPLE draws of configs
     with knobs per problem (the space has 10^5 configs a problem), on each arch that admits
-    them."""
-    jobs = []
+    them (nothing rendered yet: rendering every one costs more than the sample's compiles)."""
+    pairs = []
     rng = random.Random(SEED)
     for problem in PROBLEMS:
         configs = FORWARD.search_space(problem)
@@ -49,24 +49,23 @@ def _all_jobs() -> list[tuple[KernelSource, str]]:
         while len(picks) < len(configs) - len(knobbed) + KNOB_SAMPLE:
             picks.append(rng.choice(knobbed))
         for config in picks:
-            archs = [a for a in ARCHS if space.static_check(problem, config, get_arch(a)) is None]
-            if archs:
-                source = render(problem, config)
-                jobs += [(source, arch) for arch in archs]
-    return jobs
+            pairs += [(problem, config, a) for a in ARCHS
+                      if space.static_check(problem, config, get_arch(a)) is None]
+    return pairs
 
 
 def _jobs(request: pytest.FixtureRequest) -> list[tuple[KernelSource, str]]:
     """Every job under ``-m sweep``; else a seeded sample of each (problem, arch)."""
-    jobs = _all_jobs()
-    if "sweep" in (request.config.getoption("markexpr", "") or ""):
-        return jobs
-    rng = random.Random(SEED)
-    sample = []
-    for problem, arch in itertools.product(PROBLEMS, ARCHS):
-        mine = [j for j in jobs if j[0].problem == problem and j[1] == arch]
-        sample += rng.sample(mine, min(PER_PROBLEM_ARCH, len(mine)))
-    return sample
+    pairs = _all_pairs()
+    if "sweep" not in (request.config.getoption("markexpr", "") or ""):
+        rng = random.Random(SEED)
+        sample = []
+        for problem, arch in itertools.product(PROBLEMS, ARCHS):
+            mine = [p for p in pairs if p[0] == problem and p[2] == arch]
+            sample += rng.sample(mine, min(PER_PROBLEM_ARCH, len(mine)))
+        pairs = sample
+    sources: dict[tuple[Problem, KernelConfig], KernelSource] = {}
+    return [(sources.setdefault((p, c), render(p, c)), a) for p, c, a in pairs]
 
 
 @pytest.fixture(scope="module")
