@@ -117,10 +117,20 @@ def test_unknown_features_are_refused_with_the_choices(db_url: str) -> None:
         "varlen" in " ".join(result.output.split()), result.output
     # a feature the family lacks is refused before any bucket is opened
     result = runner.invoke(app, ["tune", "--op", "bwd", "--head-dim", "64", "--features",
-                                 "window", "--dry-run", "--db", db_url])
+                                 "varlen", "--dry-run", "--db", db_url])
     assert result.exit_code == 1
-    assert "does not implement sliding-window attention" in " ".join(result.output.split())
+    assert "does not implement variable-length batches" in " ".join(result.output.split())
     assert "bwd_d64" not in result.output, result.output
+
+
+def test_a_backward_with_a_window_dry_runs_without_a_cost_model(db_url: str) -> None:
+    """The backward has no cost model: its configs are searched unranked, verified in the
+    emulator with drawn window sizes."""
+    result = runner.invoke(app, ["tune", "--op", "bwd", "--head-dim", "32", "--features",
+                                 "window", "--dry-run", "--trials", "1", "--seqlens", "1024",
+                                 "--arch", "sm_80", "--db", db_url])
+    assert result.exit_code == 0, result.output
+    assert "bwd_d32_fp16_local_n1024" in result.output
 
 
 def test_fix_restricts_the_search_to_the_fixed_knobs(db_url: str) -> None:

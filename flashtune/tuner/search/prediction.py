@@ -101,8 +101,14 @@ class Predictor:
         self._memo: dict[tuple[Workload, KernelConfig], BucketPrediction | None] = {}
 
     def label(self, problem: Problem) -> str:
-        """The model's name and version for predictions of ``problem``, and the GPU."""
-        return f"cost model {model_version(self.params, problem)}, {self.gpu.name}"
+        """The model's name and version for predictions of ``problem``, and the GPU; for a
+        family the model does not describe, says so (its configs get no prediction and are
+        searched unranked)."""
+        try:
+            version = model_version(self.params, problem)
+        except FlashtuneError:
+            return f"no cost model of the {problem.op!r} family (configs unranked)"
+        return f"cost model {version}, {self.gpu.name}"
 
     def predict(self, workload: Workload, config: KernelConfig) -> BucketPrediction | None:
         """The config's prediction on the workload's shapes; None when the model has none
