@@ -3,12 +3,13 @@ transformers is imported only by ``register_transformers``).
 
 After ``name = flashtune.register_transformers()``, ``AutoModelForCausalLM.from_config(cfg,
 attn_implementation=name)`` runs its attention layers on ``flashtune.attention_varlen``:
-a batch with padding is unpadded (each sequence's tokens packed, flash-attn's layout), a batch
-without padding is one packed sequence per row. The layers' sliding windows
+a batch with padding is unpadded (each sequence's tokens packed, flash-attn's layout); a batch
+without padding runs on ``flashtune.attention`` as it is. The layers' sliding windows
 (``sliding_window``: the last W tokens including the current one, the window (W - 1, 0))
 and logit softcaps (``softcap``) become the kernel's features; GQA is native. The padding
 mask is transformers' flash-attention one (a 2-D mask, or None when nothing is padded).
-Forward only, as the varlen kernel: a backward raises FeatureNotSupported.
+Training: a batch without padding has gradients (windows and softcaps included); a padded
+batch runs on the varlen kernel, whose backward raises FeatureNotSupported.
 
 The default name is ``"ftune"``, not ``"flashtune"``: transformers takes every implementation
 name that contains "flash" for a FlashAttention kernel package and tries to load one
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from flashtune.api.ops import attention
 from flashtune.api.variants import NO_WINDOW
 from flashtune.api.varlen_ops import attention_varlen
 from flashtune.errors import InvalidInput
@@ -42,18 +44,15 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     None; padded query rows get zeros."""
     batch, heads_q, seqlen_q, dim = query.shape
     seqlen_k = key.shape[2]
+    if padding is None:  # every row is a whole sequence: the batched op (it has a backward)
+        out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                        causal=causal, softmax_scale=scaling, window_size=window,
+                        softcap=softcap, backend=backend)
+        assert isinstance(out, torch.Tensor)
+        return out
     q = query.transpose(1, 2).reshape(batch * seqlen_q, heads_q, dim)
     k = key.transpose(1, 2).reshape(batch * seqlen_k, key.shape[1], dim)
     v = value.transpose(1, 2).reshape(batch * seqlen_k, value.shape[1], value.shape[3])
-    if padding is None:
-        cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32,
-                            device=q.device)
-        cu_k = torch.arange(0, (batch + 1) * seqlen_k, seqlen_k, dtype=torch.int32,
-                            device=q.device)
-        out = attention_varlen(q, k, v, cu_q, cu_k, seqlen_q, seqlen_k, causal=causal,
-                               softmax_scale=scaling, window_size=window, softcap=softcap,
-                               backend=backend)
-        return out.reshape(batch, seqlen_q, heads_q, -1)
     keep_k = padding.bool()
     keep_q = keep_k[:, -seqlen_q:]
     rows_q = keep_q.reshape(-1).nonzero().squeeze(1)

@@ -1,9 +1,11 @@
 """Hugging Face transformers models running their attention on flashtune (the emulator):
 tiny randomly initialised Llama (GQA), Mistral (sliding window) and Gemma 2 (softcap and
 sliding windows) built from configs, no download, on a batch with left padding (unpadded
-through ``attention_varlen``) and one without. Their logits are compared with the same
+through ``attention_varlen``) and one without (the batched op). Their logits are compared with the same
 weights under transformers' eager attention in float32; the same models without the feature
 (no window, no softcap) are far off, so the comparison sees whether the feature ran.
+Mistral and Gemma 2 also train a few steps without padding (windows and softcaps in the
+backward) and follow eager attention's losses and gradients.
 
 Skipped without transformers (an optional extra: ``pip install flashtune[transformers]``).
 """
@@ -89,3 +91,51 @@ def test_a_batch_of_padding_only_is_refused_naming_the_padding() -> None:
     with pytest.raises(InvalidInput, match="every query token of the batch is padding.*"
                                            r"attention_mask \(2, 7\)"):
         _logits(cfg, impl, state, torch.float16, ids, torch.zeros(2, 7, dtype=torch.long))
+
+
+def _train(cfg: Any, impl: str, state: dict[str, torch.Tensor], ids: torch.Tensor,
+           steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses of ``steps`` SGD steps of a float32 model from ``state`` (no padding), and the
+    gradients of the first step."""
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl)
+    model.load_state_dict(state)
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses, first = [], {}
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        if step == 0:
+            first = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                     if p.grad is not None}
+        optimizer.step()
+        losses.append(float(loss))
+    return losses, first
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma2"])
+def test_tiny_models_train_like_eager_attention(name: str) -> None:
+    """A few training steps (no padding: the batched op, which has a backward, with the
+    model's sliding window and softcap) follow eager attention's losses and first
+    gradients; the attention runs in bf16 inside the float32 model (the bounds allow its
+    rounding), and the same model without its feature has gradients much further off."""
+    impl = flashtune.register_transformers(backend="emulator")
+    torch.manual_seed(1)
+    cfg = _tiny(name, initializer_range=0.1)
+    state = transformers.AutoModelForCausalLM.from_config(cfg).state_dict()
+    ids = torch.randint(0, 128, (2, 13))
+    ref_losses, ref_grads = _train(cfg, "eager", state, ids, 3)
+    losses, grads = _train(cfg, impl, state, ids, 3)
+    assert set(grads) == set(ref_grads)
+    for step, (got, ref) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert abs(got - ref) <= 2e-3 * abs(ref), f"{name} step {step}: loss {got} vs {ref}"
+    worst = max(float((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-12))
+                for n in ref_grads)
+    assert worst <= 3e-2, f"{name}: worst relative gradient error {worst:.3g}"
+    without = {"sliding_window": 4096 if name == "gemma2" else None,
+               "attn_logit_softcapping": None, "initializer_range": 0.1}
+    _, plain_grads = _train(_tiny(name, **without), "eager", state, ids, 1)
+    off = max(float((plain_grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-12))
+              for n in ref_grads)
+    assert off > 5 * worst, f"{name}: without its feature the gradients are off by {off:.3g}"
