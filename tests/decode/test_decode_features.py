@@ -10,14 +10,22 @@ import itertools
 import os
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
+from decode_cases import call_api
 
 from flashtune import families
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
-from flashtune.families.base import Inputs
+from flashtune.families.base import Inputs, close_enough
+from flashtune.families.checks import LSE_TOLERANCE, O_TOLERANCE
 from flashtune.families.decode import DECODE, DecodeCase
+from flashtune.families.decode.reference import (
+    attention_with_kvcache_reference,
+    expected_caches,
+)
+from flashtune.families.fwd.variants import VariantValues
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
 from flashtune.runtime.launch import PreparedLaunch, prepare
 
@@ -172,3 +180,36 @@ def test_a_narrow_window_skips_key_tiles(splits: int) -> None:
         assert got is not None
         counts[window] = got.mma_count  # type: ignore[attr-defined]
     assert counts[(10, 0)] * 4 == counts[(-1, -1)], counts
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("window, softcap, slopes, causal, page", [
+    ((20, 5), None, "", True, 16), ((7, 2), None, "", False, None), (None, 30.0, "", False, 3),
+    (None, None, "h", False, 1), ((16, 0), 5.0, "bh", False, 16)])
+def test_attention_with_kvcache_with_features_matches_float64(
+        window: tuple[int, int] | None, softcap: float | None, slopes: str, causal: bool,
+        page: int | None) -> None:
+    """The API's window_size, softcap and alibi_slopes (split + combine) against float64
+    attention over each sequence's keys; causal with a window is the window (left, 0)."""
+    case = FeatureCase(window, softcap, slopes, page, (8, 2), 3, True, 3, seed=7)
+    inputs = inputs_of(case)
+    t = inputs.tensors
+    kwargs: dict[str, Any] = {}
+    if window is not None:
+        kwargs["window_size"] = window
+    if softcap is not None:
+        kwargs["softcap"] = softcap
+    if slopes:
+        kwargs["alibi_slopes"] = t["alibi_slopes"]
+    out, lse = call_api(inputs, causal=causal, return_lse=True, backend="emulator",
+                        num_splits=case.num_splits, **kwargs)
+    values = VariantValues((window[0], 0 if causal else window[1]) if window else (-1, -1),
+                           softcap or 0.0, t.get("alibi_slopes"))
+    ref_o, ref_lse = attention_with_kvcache_reference(inputs, False, values)
+    for name, got, want, tol in (("O", out, ref_o, O_TOLERANCE[DType.FP16]),
+                                 ("LSE", lse, ref_lse, LSE_TOLERANCE)):
+        _, _, wrong = close_enough(name, got, want, tol)
+        assert not wrong, f"seed {SEED}: {wrong}"
+    for name, want in expected_caches(inputs).items():
+        got = t[name]
+        assert ((got == want) | (torch.isnan(got) & torch.isnan(want))).all(), name
