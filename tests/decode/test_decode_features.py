@@ -213,3 +213,21 @@ def test_attention_with_kvcache_with_features_matches_float64(
     for name, want in expected_caches(inputs).items():
         got = t[name]
         assert ((got == want) | (torch.isnan(got) & torch.isnan(want))).all(), name
+
+
+# Not yet without spills (ptxas keeps these at 168 registers): softcap on sm_90 (16 bytes)
+# and all three features on sm_80 (8 bytes); they compile and are verified above.
+@pytest.mark.parametrize("arch, switches", [
+    ("sm_80", {"window": True}), ("sm_90", {"window": True}), ("sm_80", {"softcap": True}),
+    ("sm_80", {"alibi": True}), ("sm_90", {"alibi": True}),
+    ("sm_90", {"window": True, "softcap": True, "alibi": True})],
+    ids=lambda v: v if isinstance(v, str) else "-".join(v))
+def test_feature_defaults_compile_with_nvrtc_without_spills(arch: str,
+                                                            switches: dict[str, bool]) -> None:
+    from flashtune.codegen.arch import get_arch
+    from flashtune.toolchain.compiler import compile_source
+
+    problem = Problem(128, DType.BF16, op="decode", **switches)
+    config = DECODE.default_config(problem, get_arch(arch))
+    kernel = compile_source(families.render(problem, config), arch)
+    assert kernel.resources.spill_bytes == 0 and kernel.resources.registers > 0
