@@ -28,6 +28,7 @@ import torch
 
 from flashtune import settings
 from flashtune.api.validate_kvcache import KvCacheLayout, check_cache_values
+from flashtune.api.variants import Variant
 from flashtune.codegen.spec import KernelConfig, ProblemBucket
 from flashtune.errors import InvalidInput
 from flashtune.families.combine import combine_grid, pack_combine_args
@@ -36,6 +37,7 @@ from flashtune.families.decode.args import decode_grid, m_blocks, pack_decode_ar
 from flashtune.families.decode.space import config_splits
 from flashtune.families.decode.splits import heuristic_splits
 from flashtune.families.decode.status import STATUS_WORDS, describe
+from flashtune.families.fwd.args import feature_values
 from flashtune.runtime import plans
 from flashtune.runtime.dispatch import Decision
 from flashtune.runtime.plans import Plan, clear_caches
@@ -60,10 +62,11 @@ def decide(q: torch.Tensor, causal: bool, capacity: int, backend: str | None,
     return decode, combine
 
 
-def plan_for(q: torch.Tensor, causal: bool, capacity: int, backend: str
-             ) -> tuple[Plan, Plan]:
-    """The memoised plans of the decode and combine kernels of this call."""
-    return (plans.plan_for(q, causal, backend, "decode", (), capacity),
+def plan_for(q: torch.Tensor, causal: bool, capacity: int, backend: str,
+             features: tuple[str, ...] = ()) -> tuple[Plan, Plan]:
+    """The memoised plans of the decode and combine kernels of this call (the decode kernel
+    with the feature switches ``features``)."""
+    return (plans.plan_for(q, causal, backend, "decode", features, capacity),
             plans.plan_for(q, False, backend, "combine", (), capacity))
 
 
@@ -112,13 +115,15 @@ def _misaligned(named: dict[str, torch.Tensor | None]) -> InvalidInput | None:
 def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
                k: torch.Tensor | None, v: torch.Tensor | None, layout: KvCacheLayout,
-               causal: bool, softmax_scale: float, num_splits: int, backend: str
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               causal: bool, softmax_scale: float, num_splits: int, backend: str,
+               variant: Variant | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """O (like q) and the float32 LSE (batch, heads_q, seqlen_q) of validated inputs,
-    launched on the current stream; ``num_splits`` 0 means the heuristic; ``backend`` ""
-    means the FLASHTUNE_BACKEND setting."""
+    launched on the current stream, with the features ``variant`` (None: none);
+    ``num_splits`` 0 means the heuristic; ``backend`` "" means the FLASHTUNE_BACKEND
+    setting."""
     name = backend or settings.BACKEND.get()
-    decode, combine = plan_for(q, causal, layout.capacity, name)
+    features = variant.features if variant is not None else ()
+    decode, combine = plan_for(q, causal, layout.capacity, name, features)
     config = decode.decision.config
     splits = choose_splits(num_splits, config, layout, decode.sm_count or NOMINAL_SMS)
     wrong = _misaligned({"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v})
@@ -142,7 +147,9 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         decode_grid(batch, heads_q, layout.heads_kv, seqlen_q, config.block_m, splits),
         pack_decode_args(q, k_cache, v_cache, k, v, block_table, cache_seqlens, o_part,
                          lse_part, status, num_splits=splits, softmax_scale=softmax_scale,
-                         trap_on_error=trap),
+                         trap_on_error=trap, features=features,
+                         feature_args=feature_values(decode.source.problem, variant)
+                         if features else None),
         stream=stream)
     combine.kernel.launch(combine_grid(batch * heads_q * seqlen_q, combine.block_m),
                           pack_combine_args(o_part, lse_part, out, lse), stream=stream)

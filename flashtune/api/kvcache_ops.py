@@ -18,6 +18,7 @@ from flashtune.api.validate import check_softmax_scale
 from flashtune.api.validate_kvcache import check_kvcache_inputs
 from flashtune.api.variants import (
     NO_WINDOW,
+    Variant,
     padded_head_dim,
     refuse_unsupported,
     resolve,
@@ -34,20 +35,27 @@ OP_NAME = "flashtune::attention_with_kvcache"
 def attention_with_kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
                               k: torch.Tensor | None, v: torch.Tensor | None, causal: bool,
-                              softmax_scale: float, num_splits: int, backend: str
+                              softmax_scale: float, num_splits: int, backend: str,
+                              window_left: int = -1, window_right: int = -1,
+                              softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O (B, Nq, Hq, D) and LSE (B, Hq, Nq, float32) of validated inputs; num_splits 0:
-    the heuristic."""
+    """O (B, Nq, Hq, D) and LSE (B, Hq, Nq, float32) of validated inputs and features
+    (a window of (-1, -1), a softcap of 0.0 and no slopes: off); num_splits 0: the
+    heuristic."""
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
+    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes)
     return _decode.run_decode(q, k_cache, v_cache, cache_seqlens, block_table, k, v, layout,
-                              causal, softmax_scale, num_splits, backend)
+                              causal, softmax_scale, num_splits, backend,
+                              variant if variant.features else None)
 
 
 @attention_with_kvcache_op.register_fake
 def _fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
           cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
           k: torch.Tensor | None, v: torch.Tensor | None, causal: bool, softmax_scale: float,
-          num_splits: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+          num_splits: int, backend: str, window_left: int = -1, window_right: int = -1,
+          softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seqlen_q, heads_q, _ = q.shape
     return (torch.empty_like(q),
             q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
@@ -139,9 +147,11 @@ def attention_with_kvcache(
     stops with a trap and the error surfaces at the next synchronisation, and shared pages
     are not looked for: that needs the block table on the host, a synchronisation.
 
-    ``window_size``, ``softcap`` and ``alibi_slopes`` (as in ``attention``) are validated, but
-    the decode family implements none of them yet: any other than the defaults (or the
-    window (-1, 0), which is ``causal``) raises FeatureNotSupported.
+    ``window_size``, ``softcap`` and ``alibi_slopes`` are ``attention``'s, with Nk the
+    sequence's keys after appending (total) and Nq its new query rows: query row i sees
+    keys i + total - Nq - left <= j <= i + total - Nq + right (-1: unbounded; causal makes
+    right 0); softcap replaces S by softcap * tanh(S / softcap); ALiBi (float32 slopes of
+    (heads_q,) or (batch, heads_q)) adds -slope * |i + total - Nq - j| after it.
     """
     dim = padded_head_dim(q, k_cache, v_cache, k, v)
     if dim is not None:  # any head dim: zero-padded copies, the appended rows copied back
@@ -153,19 +163,27 @@ def attention_with_kvcache(
     check_no_grad(q, k_cache, v_cache, k, v)
     if not isinstance(causal, bool):
         raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
+    variant = None
     if window_size != NO_WINDOW or softcap is not None or alibi_slopes is not None:
         variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0], None)
         refuse_unsupported("decode", variant.features, q, "flashtune.attention_with_kvcache")
         causal = variant.causal
+        if not variant.features:
+            variant = None
     scale = check_softmax_scale(softmax_scale, q.shape[3])
     splits = 0 if num_splits is None else check_num_splits(num_splits, choose=True)
     name = "" if backend is None else backend
     if direct_call_ok(q, k_cache, v_cache, cache_seqlens, block_table, k, v):
         out, lse = _decode.run_decode(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
-                                      layout, causal, scale, splits, name)
-    else:
+                                      layout, causal, scale, splits, name, variant)
+    elif variant is None:
         out, lse = attention_with_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table,
                                              k, v, causal, scale, splits, name)
+    else:
+        out, lse = attention_with_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table,
+                                             k, v, causal, scale, splits, name,
+                                             *variant.window, variant.softcap,
+                                             variant.alibi_slopes)
     return (out, lse) if return_lse else out
 
 

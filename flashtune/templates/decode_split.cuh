@@ -31,10 +31,18 @@
 //   o_part   (num_splits, batch, heads_q, seqlen_q, HeadDim), normalised within the split;
 //   lse_part (num_splits, batch, heads_q, seqlen_q), natural log; -inf (and O = 0) for a row
 //            that sees no key of the split, so that its weight in the combine is 0.
+//
+// Features (Tr::kLocal, kSoftcap, kAlibi; run-time values in `var`), as in the forward with
+// Nk = total: a window (left, right) shows query position i the keys
+// [i + total - seqlen_q - left, i + total - seqlen_q + right]; the key tiles below the
+// window of every query position are not visited (a split left with none writes the empty
+// partial, weight 0), except those holding new rows that m-block 0 appends. Softcap, then
+// ALiBi (the slope of each packed row's own query head), transform the scores.
 #pragma once
 
 #include "decode_traits.cuh"
 #include "softmax.cuh"
+#include "variant_args.cuh"
 #include "warp_gemm.cuh"
 
 namespace ft {
@@ -164,12 +172,21 @@ __device__ __forceinline__ void fill_partial_rows(float* o_rows, float* lse_rows
 // The key limits of the warp's rows in one split: key j is visible to row (mt, h) iff
 // j < limit[mt][h] (the split's end, and with a causal mask the row's diagonal; packed row
 // r is query position r % seqlen_q).
+// Local: the first key each row of the warp sees (an empty base without a window, so that
+// the plain kernel's limits are what they were).
+template <int MTiles, bool Local>
+struct SplitStarts {};
+template <int MTiles>
+struct SplitStarts<MTiles, true> {
+  int start[MTiles][2];
+};
+
 template <class Tr>
-struct SplitLimits {
+struct SplitLimits : SplitStarts<Tr::kMTiles, Tr::kLocal> {
   int limit[Tr::kMTiles][2];
 
   __device__ __forceinline__ void init(int row0, int seqlen_q, int total, int key_end,
-                                       int lane) {
+                                       int lane, int right = 0, int left = 0) {
 #pragma unroll
     for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
@@ -179,6 +196,12 @@ struct SplitLimits {
           const int i = (row0 + mt * 16 + lane / 4 + 8 * h) % seqlen_q;
           const int diag = i + 1 + total - seqlen_q;
           end = diag < end ? diag : end;
+        }
+        if constexpr (Tr::kLocal) {
+          const int i = (row0 + mt * 16 + lane / 4 + 8 * h) % seqlen_q;
+          const int diag = i + 1 + total - seqlen_q + right;
+          end = diag < end ? diag : end;
+          this->start[mt][h] = i + total - seqlen_q - left;
         }
         limit[mt][h] = end;
       }
@@ -203,6 +226,64 @@ struct SplitMask {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         if (col + 8 * nt + e >= rows.limit[mt][h]) s[mt][nt][2 * h + e] = -INFINITY;
+        if constexpr (Tr::kLocal) {
+          if (col + 8 * nt + e < rows.start[mt][h]) s[mt][nt][2 * h + e] = -INFINITY;
+        }
+      }
+    }
+  }
+};
+
+// The score transforms of the compiled-in features on a tile of raw scores s = q.k, left
+// in the unit the softmax reads (softmax_scale, or the cap with softcap; softmax.cuh's
+// ScoreTransform): softcap s -> tanh(s * softmax_scale / cap); ALiBi s += -(slope / unit) *
+// |i + total - seqlen_q - j| with the slope of the packed row's query head.
+template <class Tr>
+struct SplitTransform {
+  float tanh_scale;                  // softmax_scale / cap (Softcap)
+  float neg_slope[Tr::kMTiles][2];   // -slope / unit of the row's head (Alibi)
+  int pos[Tr::kMTiles][2];           // i + total - seqlen_q of the row (Alibi)
+  int col;                           // the lane's first column within a tile
+
+  __device__ __forceinline__ void init(const VariantArgs& var, float softmax_scale,
+                                       int row0, int rows, int seqlen_q, int total,
+                                       int batch, int head0, int lane) {
+    col = 2 * (lane % 4);
+    if constexpr (Tr::kSoftcap) tanh_scale = softmax_scale / var.softcap;
+    if constexpr (Tr::kAlibi) {
+      const float inv_unit = 1.0f / (Tr::kSoftcap ? var.softcap : softmax_scale);
+#pragma unroll
+      for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = row0 + mt * 16 + lane / 4 + 8 * h;
+          const int g = r / seqlen_q;
+          pos[mt][h] = r - g * seqlen_q + total - seqlen_q;
+          // Padding rows (r >= rows) are never stored; they read no slope.
+          neg_slope[mt][h] =
+              r < rows ? -var.alibi_slopes[batch * var.alibi_batch_stride + head0 + g] * inv_unit
+                       : 0.0f;
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ void apply(float (&s)[Tr::kMTiles][Tr::kSTiles][4],
+                                        int key0) const {
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < Tr::kSTiles; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float x = s[mt][nt][i];
+          if constexpr (Tr::kSoftcap) x = tanhf(x * tanh_scale);
+          if constexpr (Tr::kAlibi) {
+            const int d = pos[mt][i / 2] - (key0 + col + 8 * nt + (i % 2));
+            x += neg_slope[mt][i / 2] * static_cast<float>(d < 0 ? -d : d);
+          }
+          s[mt][nt][i] = x;
+        }
       }
     }
   }
@@ -252,7 +333,8 @@ __device__ __forceinline__ void decode_split(
     long long k_head_stride, long long v_page_stride, long long v_row_stride,
     long long v_head_stride, long long kn_batch_stride, long long kn_row_stride,
     long long kn_head_stride, long long vn_batch_stride, long long vn_row_stride,
-    long long vn_head_stride, long long bt_batch_stride, float softmax_scale) {
+    long long vn_head_stride, long long bt_batch_stride, float softmax_scale,
+    const VariantArgs& var = VariantArgs{}) {
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
@@ -295,6 +377,19 @@ __device__ __forceinline__ void decode_split(
     fill_partial_rows<Tr>(o_rows, lse_rows, m0, rows, 0.0f, -INFINITY, tid);
     return;
   }
+  // The first key tile the block visits: with a window, the tile holding the first key of
+  // the earliest query position's window (keys before it are outside every row's window),
+  // or an earlier one holding new rows m-block 0 must append.
+  int first_key = key_begin;
+  if constexpr (Tr::kLocal) {
+    int skip_to = total - seqlen_q - var.left(total);
+    if (m_block == 0 && seqlen_new > 0 && cache_len < skip_to) skip_to = cache_len;
+    if (skip_to >= key_end) {  // no row sees a key of this split: weight 0 in the combine
+      fill_partial_rows<Tr>(o_rows, lse_rows, m0, rows, 0.0f, -INFINITY, tid);
+      return;
+    }
+    if (skip_to > key_begin) first_key = key_begin + (skip_to - key_begin) / kBlockN * kBlockN;
+  }
 
   FT_DYNAMIC_SMEM(unsigned char, smem);
   const int* pages = block_table != nullptr ? block_table + batch * bt_batch_stride : nullptr;
@@ -332,7 +427,7 @@ __device__ __forceinline__ void decode_split(
                           cache_len};
   // The blocks of m-block 0 append the new keys of their split to the cache.
   const bool appends = m_block == 0 && key_end > cache_len;
-  const int n_tiles = (key_end - key_begin + kBlockN - 1) / kBlockN;
+  const int n_tiles = (key_end - first_key + kBlockN - 1) / kBlockN;
 
   Element* const sq = reinterpret_cast<Element*>(smem);
   Element* const sk = sq + Tr::kKOffset;
@@ -343,14 +438,14 @@ __device__ __forceinline__ void decode_split(
   auto load_k = [&](int step) {
     if (step < n_tiles) {
       load_key_tile<Tr>(sk + (step % kStages) * Tr::kKvElems, k_rows,
-                        key_begin + step * kBlockN, key_end, tid);
+                        first_key + step * kBlockN, key_end, tid);
     }
     cp_async_commit();
   };
   auto load_v = [&](int step) {
     if (step < n_tiles) {
       load_key_tile<Tr>(sv + (step % kStages) * Tr::kKvElems, v_rows,
-                        key_begin + step * kBlockN, key_end, tid);
+                        first_key + step * kBlockN, key_end, tid);
     }
     cp_async_commit();
   };
@@ -375,7 +470,12 @@ __device__ __forceinline__ void decode_split(
   }
   const int warp_row0 = m0 + warp * Tr::kWarpRows;
   SplitLimits<Tr> limits;
-  limits.init(warp_row0, seqlen_q, total, key_end, lane);
+  if constexpr (Tr::kLocal) {
+    limits.init(warp_row0, seqlen_q, total, key_end, lane, var.right(seqlen_q),
+                var.left(total));
+  } else {
+    limits.init(warp_row0, seqlen_q, total, key_end, lane);
+  }
   // The softmax starts as after tiles of masked keys only (no max yet, sums 0), so that
   // every tile, the first one included, takes the same update.
   OnlineSoftmax<Tr> softmax;
@@ -393,12 +493,21 @@ __device__ __forceinline__ void decode_split(
     const int first_diag = 1 + total - seqlen_q;
     unmasked = first_diag < unmasked ? first_diag : unmasked;
   }
+  if constexpr (Tr::kLocal) {  // keys past the window's right edge of the first position
+    const int right_edge = 1 + total - seqlen_q + var.right(seqlen_q);
+    unmasked = right_edge < unmasked ? right_edge : unmasked;
+  }
+  SplitTransform<Tr> transform;
+  if constexpr (Tr::kSoftcap || Tr::kAlibi) {
+    transform.init(var, softmax_scale, warp_row0, rows, seqlen_q, total, batch,
+                   kv_head * group, lane);
+  }
   const float scale_log2 = softmax_scale * 1.44269504088896340736f;
   const LaneOffsets<Tr> lanes(lane);
   const QOperand<Tr> q_warp{sq + warp * Tr::kWarpRows * Tr::kRowStride};
 
   for (int j = 0; j < n_tiles; ++j) {
-    const int key0 = key_begin + j * kBlockN;
+    const int key0 = first_key + j * kBlockN;
     const int buf = j % kStages;
 
     // K_j has landed for every thread; every warp is done with step j-1 (its V buffer is
@@ -422,7 +531,18 @@ __device__ __forceinline__ void decode_split(
     }
 
     unsigned p[Tr::kMTiles][Tr::kPvSteps][4];
-    if (key0 + kBlockN > unmasked) {
+    if constexpr (Tr::kLocal || Tr::kSoftcap || Tr::kAlibi) {
+      if constexpr (Tr::kSoftcap || Tr::kAlibi) transform.apply(s, key0);
+      // The softmax reads scores in the cap's unit with softcap (SplitTransform).
+      const float unit_log2 = (Tr::kSoftcap ? var.softcap : softmax_scale) * 1.44269504088896340736f;
+      // Keys at or past total - 1 - left are inside every row's window from the left.
+      if (key0 + kBlockN > unmasked || (Tr::kLocal && key0 < total - 1 - var.left(total))) {
+        softmax.template update<false>(s, p, acc_o, unit_log2,
+                                       SplitMask<Tr>(limits, key0, lane));
+      } else {
+        softmax.template update<false>(s, p, acc_o, unit_log2, NoMask());
+      }
+    } else if (key0 + kBlockN > unmasked) {
       softmax.template update<false>(s, p, acc_o, scale_log2, SplitMask<Tr>(limits, key0, lane));
     } else {
       softmax.template update<false>(s, p, acc_o, scale_log2, NoMask());

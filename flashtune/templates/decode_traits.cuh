@@ -38,8 +38,13 @@ __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000)
 // forward's padded layout, smem_layout.cuh), then one 16-byte word of block flags:
 //   [ Q: BlockM rows | K: NumStages x BlockN rows | V: NumStages x BlockN rows | flags ]
 // The total must equal flashtune.families.decode.space.smem_bytes (the template asserts it).
+//
+// Attention features (the forward's; each compiled in or out): Local, a sliding window (key
+// tiles outside the window of every row of the block are not visited); Softcap (the
+// scores' tanh); Alibi (the bias -slope |i + total - seqlen_q - j|, per packed row's head).
 template <typename Element_, int HeadDim, int HeadDimPadded, int BlockM, int BlockN,
-          int NumWarps, int NumStages, bool Causal, int RowPad>
+          int NumWarps, int NumStages, bool Causal, int RowPad, bool Local = false,
+          bool Softcap = false, bool Alibi = false>
 struct DecodeTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
@@ -56,6 +61,10 @@ struct DecodeTraits {
   static constexpr int kNumWarps = NumWarps;
   static constexpr int kNumStages = NumStages;
   static constexpr bool kCausal = Causal;
+  static constexpr bool kLocal = Local;
+  static constexpr bool kSoftcap = Softcap;
+  static constexpr bool kAlibi = Alibi;
+  static_assert(!(Causal && Local), "a causal sliding window is the window (left, 0)");
   static constexpr int kThreads = 32 * NumWarps;
 
   static constexpr int kWarpRows = BlockM / NumWarps;

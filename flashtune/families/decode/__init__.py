@@ -37,6 +37,8 @@ from flashtune.families.decode.inputs import DecodeCase, draw_case, make_inputs
 from flashtune.families.decode.reference import decode_reference
 from flashtune.families.decode.splits import heuristic_splits
 from flashtune.families.decode.status import STATUS_WORDS, describe
+from flashtune.families.fwd import variants
+from flashtune.families.fwd.args import feature_values
 
 if TYPE_CHECKING:
     import torch
@@ -81,6 +83,7 @@ class DecodeFamily(KernelFamily):
     title = "split-KV decoding over a paged KV cache (partial O and LSE per split)"
     template = "decode_split.cu.jinja"
     dtypes = SAME_16BIT
+    features = frozenset({"window", "softcap", "alibi"})
     abi: ClassVar[EntryAbi | None] = DECODE_ABI
 
     def space(self, problem: Problem) -> ParamSpace:
@@ -135,7 +138,7 @@ class DecodeFamily(KernelFamily):
                 **element_params(problem), "causal": problem.causal,
                 "block_m": config.block_m, "block_n": config.block_n,
                 "num_warps": config.num_warps, "num_stages": config.num_stages,
-                "smem_row_pad": space.SMEM_ROW_PAD}
+                "smem_row_pad": space.SMEM_ROW_PAD, **variants.template_params(problem)}
 
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
         return space.smem_bytes(problem, config)
@@ -144,12 +147,17 @@ class DecodeFamily(KernelFamily):
                       seed: int | None = None, case: DecodeCase | None = None) -> Inputs:
         """Inputs of ``case``; without one, a case drawn from the same seed: a page size of
         VERIFY_PAGE_SIZES, per-sequence lengths (ending anywhere in a page), seqlen_q
-        appended rows, and the heuristic split count for ``device``."""
+        appended rows, and the heuristic split count for ``device``; then the features'
+        values (the forward's draws)."""
         gen = generator(device, seed)
         if case is None:
             case = draw_case(shape, gen, page_sizes=VERIFY_PAGE_SIZES, append=True,
                              num_splits=nominal_splits(shape, device_sms(device)))
-        return make_inputs(problem, shape, case, device, gen)
+        inputs = make_inputs(problem, shape, case, device, gen)
+        if not problem.features:
+            return inputs
+        scalars, extra = variants.random_values(problem, shape, gen, device)
+        return Inputs({**inputs.tensors, **extra}, {**inputs.scalars, **scalars})
 
     def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
                       poison: bool) -> dict[str, torch.Tensor]:
@@ -178,14 +186,17 @@ class DecodeFamily(KernelFamily):
                                 outputs["o_part"], outputs["lse_part"], outputs["status"],
                                 num_splits=splits,
                                 softmax_scale=inputs.scalars["softmax_scale"],
-                                trap_on_error=False)
+                                trap_on_error=False, features=problem.features,
+                                feature_args=feature_values(
+                                    problem, variants.VariantValues.of(inputs)))
         batch, seqlen_q, heads_q, _ = t["q"].shape
         grid = decode_grid(batch, heads_q, t["k_cache"].shape[2], seqlen_q, config.block_m,
                            splits)
         return LaunchPlan(grid, args)
 
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
-        return decode_reference(inputs, problem.causal)
+        return decode_reference(inputs, problem.causal,
+                                variants.VariantValues.of(inputs).only(problem))
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
                 reference: Tensors) -> Verdict:

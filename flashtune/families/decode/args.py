@@ -8,6 +8,10 @@
     trap_on_error (int32),
     q, k_cache, v_cache, k_new, v_new strides in elements: batch or page, row, head (int64),
     block_table batch stride (int64), softmax_scale (float32)
+    then the features' values, those of the Problem's switches only (the forward's, by the
+    same names: ``fwd.args.feature_values``): window: window_left, window_right (int32);
+    softcap: softcap (float32); alibi: alibi_slopes (const float*), alibi_batch_stride
+    (int64).
 
 An unpaged cache (batch, max_len, heads_kv, dim) is passed as ``batch`` pages of
 ``max_len`` rows with no block table (sequence b is page b). The grid is
@@ -16,6 +20,7 @@ An unpaged cache (batch, max_len, heads_kv, dim) is passed as ``batch`` pages of
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from flashtune.codegen.abi import (
@@ -56,6 +61,10 @@ DECODE_ABI = EntryAbi("decode_split", (
     *strides("vn", "v_new", optional=True),
     scalar("bt_batch_stride", _L, stride("block_table", 0, optional=True), wrap=True),
     scalar("softmax_scale", _F),
+    scalar("window_left", _I, feature="window"), scalar("window_right", _I, feature="window"),
+    scalar("softcap", _F, feature="softcap"),
+    tensor("alibi_slopes", _F, const=True, feature="alibi", wrap=True),
+    scalar("alibi_batch_stride", _L, feature="alibi"),
 ))
 
 _pack = DECODE_ABI.packer()
@@ -65,10 +74,19 @@ def pack_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      k_new: torch.Tensor | None, v_new: torch.Tensor | None,
                      block_table: torch.Tensor | None, cache_seqlens: torch.Tensor,
                      o_part: torch.Tensor, lse_part: torch.Tensor, status: torch.Tensor, *,
-                     num_splits: int, softmax_scale: float, trap_on_error: bool) -> PackedArgs:
-    """The decode kernel's arguments for these tensors (see the module docstring)."""
-    return _pack(q, k_cache, v_cache, k_new, v_new, block_table, cache_seqlens, o_part,
-                 lse_part, status, num_splits, int(trap_on_error), softmax_scale)
+                     num_splits: int, softmax_scale: float, trap_on_error: bool,
+                     features: Collection[str] = (),
+                     feature_args: Mapping[str, object] | None = None) -> PackedArgs:
+    """The decode kernel's arguments for these tensors (see the module docstring); a
+    kernel with ``features`` on also takes their values ``feature_args`` (by name,
+    ``fwd.args.feature_values``)."""
+    if not features:
+        return _pack(q, k_cache, v_cache, k_new, v_new, block_table, cache_seqlens, o_part,
+                     lse_part, status, num_splits, int(trap_on_error), softmax_scale)
+    return DECODE_ABI.packer(features)(q, k_cache, v_cache, k_new, v_new, block_table,
+                                       cache_seqlens, o_part, lse_part, status, num_splits,
+                                       int(trap_on_error), softmax_scale,
+                                       **(feature_args or {}))
 
 
 def m_blocks(heads_q: int, heads_kv: int, seqlen_q: int, block_m: int) -> int:

@@ -7,6 +7,10 @@ cache_seqlens[b] + n. Split s covers keys ``splits.split_range``; query position
 j iff j <= i + total - seqlen_q when causal; query head h reads kv head h // group. Partial
 O is normalised within its split; a row that sees no key of a split has O = 0 and LSE =
 -inf there.
+
+Features (the forward's reference, ``fwd.reference.scaled_scores``, with Nk = total, the
+sequence's keys after appending, and Nq = seqlen_q): a window, softcap and ALiBi apply to
+each sequence's scores over all its keys before the split's keys are taken.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import TYPE_CHECKING
 from flashtune._lazy import lazy_module
 from flashtune.families.base import Inputs
 from flashtune.families.decode.splits import split_range
+from flashtune.families.fwd.reference import scaled_scores
+from flashtune.families.fwd.variants import VariantValues
 
 if TYPE_CHECKING:
     import torch
@@ -65,20 +71,30 @@ def expected_caches(inputs: Inputs) -> dict[str, torch.Tensor]:
     return out
 
 
+def _slopes(variant: VariantValues | None, b: int) -> torch.Tensor | None:
+    """Sequence b's ALiBi slopes (heads_q,), or None."""
+    slopes = None if variant is None else variant.alibi_slopes
+    if slopes is None:
+        return None
+    return slopes[b] if slopes.dim() == 2 else slopes
+
+
 def partial_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, begin: int,
-                      end: int, total: int, causal: bool, scale: float
+                      end: int, total: int, causal: bool, scale: float,
+                      variant: VariantValues | None = None, batch: int = 0
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (seqlen_q, heads_q, dim) normalised over keys [begin, end) and LSE (heads_q,
-    seqlen_q) of one sequence in float64; rows that see none of them: O = 0, LSE = -inf."""
+    seqlen_q) of sequence ``batch`` in float64, with the features of ``variant`` (None:
+    none); rows that see none of them: O = 0, LSE = -inf."""
     seqlen_q, heads_q, dim = q.shape
     group = heads_q // keys.shape[1]
-    k = keys[begin:end].repeat_interleave(group, dim=1)
+    k = keys[:total].repeat_interleave(group, dim=1)
     v = values[begin:end].repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.to(torch.float64), k) * scale
-    if causal:
-        key_pos = torch.arange(begin, end, device=q.device)[None, :]
-        last = torch.arange(seqlen_q, device=q.device)[:, None] + total - seqlen_q
-        scores = scores.masked_fill(~(key_pos <= last), float("-inf"))
+    softcap = variant.softcap if variant is not None and variant.softcap > 0 else None
+    window = variant.window if variant is not None else (-1, -1)
+    scores = scaled_scores(q.to(torch.float64)[None], k[None], scale, causal, window=window,
+                           softcap=softcap, alibi_slopes=_slopes(variant, batch))[0]
+    scores = scores[..., begin:end]
     lse = torch.logsumexp(scores, dim=-1) if end > begin else torch.full(
         (heads_q, seqlen_q), float("-inf"), dtype=torch.float64, device=q.device)
     empty = torch.isneginf(lse)
@@ -87,9 +103,10 @@ def partial_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return o, lse
 
 
-def decode_reference(inputs: Inputs, causal: bool) -> dict[str, torch.Tensor]:
+def decode_reference(inputs: Inputs, causal: bool, variant: VariantValues | None = None
+                     ) -> dict[str, torch.Tensor]:
     """Partial O (splits, batch, heads_q, seqlen_q, dim) and LSE (splits, batch, heads_q,
-    seqlen_q) in float64, and the expected caches."""
+    seqlen_q) in float64 with the features of ``variant``, and the expected caches."""
     q = inputs.tensors["q"]
     batch, seqlen_q, heads_q, dim = q.shape
     splits = int(inputs.scalars["num_splits"])
@@ -104,13 +121,15 @@ def decode_reference(inputs: Inputs, causal: bool) -> dict[str, torch.Tensor]:
             begin, end = split_range(total, splits, s)
             if begin == end:
                 break  # this split and all later ones are empty
-            o, lse = partial_attention(q[b], keys, values, begin, end, total, causal, scale)
+            o, lse = partial_attention(q[b], keys, values, begin, end, total, causal, scale,
+                                       variant, b)
             o_part[s, b] = o.permute(1, 0, 2)
             lse_part[s, b] = lse
     return {"o_part": o_part, "lse_part": lse_part, **expected_caches(inputs)}
 
 
-def attention_with_kvcache_reference(inputs: Inputs, causal: bool
+def attention_with_kvcache_reference(inputs: Inputs, causal: bool,
+                                     variant: VariantValues | None = None
                                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (batch, seqlen_q, heads_q, dim) and LSE (batch, heads_q, seqlen_q) over all keys in
     float64, as the API returns them: a row that sees no key has O = 0 and LSE = +inf."""
@@ -119,7 +138,8 @@ def attention_with_kvcache_reference(inputs: Inputs, causal: bool
     outs, lses = [], []
     for b, (keys, values) in enumerate(sequence_keys(inputs)):
         total = keys.shape[0]
-        o, lse = partial_attention(q[b], keys, values, 0, total, total, causal, scale)
+        o, lse = partial_attention(q[b], keys, values, 0, total, total, causal, scale,
+                                   variant, b)
         outs.append(o)
         lses.append(lse.masked_fill(torch.isneginf(lse), float("inf")))
     return torch.stack(outs), torch.stack(lses)
