@@ -4,8 +4,8 @@ sliding windows) built from configs, no download, on a batch with left padding (
 through ``attention_varlen``) and one without (the batched op). Their logits are compared
 with the same weights under transformers' eager attention in float32; the same models
 without the feature (no window, no softcap) are far off, so the comparison sees whether
-the feature ran. Mistral and Gemma 2 also train a few steps without padding (windows and softcaps in the
-backward) and follow eager attention's losses and gradients.
+the feature ran. Mistral and Gemma 2 also train a few steps without padding (windows and
+softcaps in the backward) and follow eager attention's losses and gradients.
 
 Skipped without transformers (an optional extra: ``pip install flashtune[transformers]``).
 """
