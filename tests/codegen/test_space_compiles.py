@@ -26,7 +26,7 @@ from flashtune.toolchain.compiler import CompileResult, compile_pairs, compile_s
 ARCHS = ("sm_80", "sm_90")
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
 #: Compiles per (problem, arch) in the default run.
-PER_PROBLEM_ARCH = 2
+PER_PROBLEM_ARCH = 1
 PROBLEMS = [Problem(hd, dt, causal=c)
             for hd, dt, c in itertools.product((64, 128), DType, (False, True))]
 
