@@ -184,7 +184,7 @@ class DecodeFamily(KernelFamily):
         args = pack_decode_args(t["q"], t["k_cache"], t["v_cache"], t.get("k_new"),
                                 t.get("v_new"), t.get("block_table"), t["cache_seqlens"],
                                 outputs["o_part"], outputs["lse_part"], outputs["status"],
-                                num_splits=splits,
+                                num_splits=splits, split_table=t.get("split_table"),
                                 softmax_scale=inputs.scalars["softmax_scale"],
                                 trap_on_error=False, features=problem.features,
                                 feature_args=feature_values(
