@@ -5,10 +5,10 @@ rows to append, the query rows and the split count.
 heads_kv, seqlen_q, seqlen_k = the cache capacity per sequence): the page size (None for an
 unpaged cache), each sequence's cache length, how many new rows are appended and the number
 of splits (even pieces, or with a ``SplitTable`` the grid's split count and the pieces of
-each sequence's own length bucket). ``make_inputs`` draws random tensors for a case. Cache rows that no sequence may
-read (past its length, and the spare pages no block table names) hold NaN, so that a kernel
-reading them produces NaN and fails verification; block-table slots a sequence does not
-use hold -1, which the kernel must never look at.
+each sequence's own length bucket). ``make_inputs`` draws random tensors for a case. Cache
+rows that no sequence may read (past its length, and the spare pages no block table names)
+hold NaN, so that a kernel reading them produces NaN and fails verification; block-table
+slots a sequence does not use hold -1, which the kernel must never look at.
 """
 
 from __future__ import annotations

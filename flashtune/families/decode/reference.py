@@ -5,8 +5,8 @@ paged: position j is row j % page_size of page block_table[b, j // page_size]) f
 the appended rows; the expected caches afterwards hold the appended rows at positions
 cache_seqlens[b] + n. Split s covers keys ``splits.split_range`` (``SplitTable.split_range``
 with a table); query position i sees key j iff j <= i + total - seqlen_q when causal; query
-head h reads kv head h // group. Partial O is normalised within its split; a row that sees no key of a split has O = 0 and LSE =
--inf there.
+head h reads kv head h // group. Partial O is normalised within its split; a row that sees
+no key of a split has O = 0 and LSE = -inf there.
 
 Features (the forward's reference, ``fwd.reference.scaled_scores``, with Nk = total, the
 sequence's keys after appending, and Nq = seqlen_q): a window, softcap and ALiBi apply to
