@@ -417,13 +417,16 @@ __device__ __forceinline__ void decode_split(
       ((static_cast<long long>(split) * gridDim.z + batch) * heads_q +
        static_cast<long long>(kv_head) * group) * seqlen_q;
   // One split launched with the final outputs given: they are written here (no combine).
-  const bool direct = o != nullptr && gridDim.x == 1;
-  const long long head0 = static_cast<long long>(kv_head) * group;
-  const RowOutputs<Tr> out{
-      o_part + out_row0 * Tr::kHeadDim, lse_part + out_row0,
-      direct ? o + batch * o_batch_stride + head0 * o_head_stride : nullptr,
-      direct ? lse + (static_cast<long long>(batch) * heads_q + head0) * seqlen_q : nullptr,
-      o_row_stride, o_head_stride, seqlen_q};
+  // Made where it is used (from the parameters), so that it holds no register in the loop.
+  auto outputs = [&]() {
+    const bool direct = o != nullptr && gridDim.x == 1;
+    const long long head0 = static_cast<long long>(kv_head) * group;
+    return RowOutputs<Tr>{
+        o_part + out_row0 * Tr::kHeadDim, lse_part + out_row0,
+        direct ? o + batch * o_batch_stride + head0 * o_head_stride : nullptr,
+        direct ? lse + (static_cast<long long>(batch) * heads_q + head0) * seqlen_q : nullptr,
+        o_row_stride, o_head_stride, seqlen_q};
+  };
 
   const int cache_len = cache_seqlens[batch];
   if (cache_len < 0 || cache_len > page_size * max_pages - seqlen_new) {
@@ -431,7 +434,7 @@ __device__ __forceinline__ void decode_split(
       record_bad_input(status, cache_len < 0 ? kErrNegativeLength : kErrBeyondCapacity, batch,
                        batch, cache_len, trap_on_error);
     }
-    fill_partial_rows<Tr>(out, m0, rows, quiet_nan(), quiet_nan(), tid);
+    fill_partial_rows<Tr>(outputs(), m0, rows, quiet_nan(), quiet_nan(), tid);
     return;
   }
   const int total = cache_len + seqlen_new;
@@ -449,7 +452,7 @@ __device__ __forceinline__ void decode_split(
   const int key_begin = split * per_split;
   const int key_end = total < key_begin + per_split ? total : key_begin + per_split;
   if (key_begin >= key_end) {  // an empty split: weight 0 in the combine
-    fill_partial_rows<Tr>(out, m0, rows, 0.0f, -INFINITY, tid);
+    fill_partial_rows<Tr>(outputs(), m0, rows, 0.0f, -INFINITY, tid);
     return;
   }
   // The first key tile the block visits: with a window, the tile holding the first key of
@@ -460,7 +463,7 @@ __device__ __forceinline__ void decode_split(
     int skip_to = total - seqlen_q - var.left(total);
     if (m_block == 0 && seqlen_new > 0 && cache_len < skip_to) skip_to = cache_len;
     if (skip_to >= key_end) {  // no row sees a key of this split: weight 0 in the combine
-      fill_partial_rows<Tr>(out, m0, rows, 0.0f, -INFINITY, tid);
+      fill_partial_rows<Tr>(outputs(), m0, rows, 0.0f, -INFINITY, tid);
       return;
     }
     if (skip_to > key_begin) first_key = key_begin + (skip_to - key_begin) / kBlockN * kBlockN;
@@ -482,7 +485,7 @@ __device__ __forceinline__ void decode_split(
     }
     block_sync();
     if (flags[0] != 0) {
-      fill_partial_rows<Tr>(out, m0, rows, quiet_nan(), quiet_nan(), tid);
+      fill_partial_rows<Tr>(outputs(), m0, rows, quiet_nan(), quiet_nan(), tid);
       return;
     }
   }
@@ -626,7 +629,7 @@ __device__ __forceinline__ void decode_split(
   }
   cp_async_wait_all();  // only empty groups remain; leave none behind
 
-  store_partial_rows<Tr>(softmax, acc_o, out, warp_row0, rows, lane);
+  store_partial_rows<Tr>(softmax, acc_o, outputs(), warp_row0, rows, lane);
 }
 
 }  // namespace ft

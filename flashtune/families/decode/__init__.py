@@ -35,7 +35,7 @@ from flashtune.families.decode import space
 from flashtune.families.decode.args import DECODE_ABI, decode_grid, pack_decode_args
 from flashtune.families.decode.inputs import DecodeCase, draw_case, make_inputs
 from flashtune.families.decode.reference import decode_reference
-from flashtune.families.decode.splits import heuristic_splits
+from flashtune.families.decode.splits import SplitTable, heuristic_splits
 from flashtune.families.decode.status import STATUS_WORDS, describe
 from flashtune.families.fwd import variants
 from flashtune.families.fwd.args import feature_values
@@ -90,22 +90,39 @@ class DecodeFamily(KernelFamily):
         return space.SPACE
 
     def config(self, point: Point) -> KernelConfig:
-        """The config of a point; splits 0 (the heuristic) is the config without the knob."""
+        """The config of a point; splits 0 (the heuristic) and split_size 0 (none) are the
+        config without the knob."""
         values = dict(point)
-        if values.get(space.SPLITS) == 0:
-            del values[space.SPLITS]
+        for knob in (space.SPLITS, space.SPLIT_SIZE):
+            if values.get(knob) == 0:
+                del values[knob]
         return KernelConfig.from_dict(values)
 
     def point(self, config: KernelConfig) -> dict[str, Value]:
-        return {**config.to_dict(), space.SPLITS: space.config_splits(config)}
+        return {**config.to_dict(), space.SPLITS: space.config_splits(config),
+                space.SPLIT_SIZE: space.config_split_size(config)}
 
     def bind(self, problem: Problem, config: KernelConfig, inputs: Inputs) -> Inputs:
-        """A config with a split count launches that many splits; without one the inputs'
-        own count (the heuristic's, when they were drawn) stays."""
+        """A config with a split count launches that many splits, one with a split size
+        splits every sequence into pieces of that size (a one-bucket split table, read on
+        the device); without either the inputs' own splits (the heuristic's count, when
+        they were drawn) stay."""
+        size = space.config_split_size(config)
+        if size > 0:
+            table = SplitTable((), (size,))
+            t = inputs.tensors
+            pages = t["block_table"].shape[1] if "block_table" in t else 1
+            words = torch.tensor(table.words(), dtype=torch.int32,
+                                 device=t["q"].device).view(-1, 2)
+            return Inputs({**t, "split_table": words},
+                          {**inputs.scalars,
+                           "num_splits": table.grid_splits(t["k_cache"].shape[1] * pages)})
         splits = space.config_splits(config)
-        if splits <= 0 or splits == inputs.scalars["num_splits"]:
+        if splits <= 0 or (splits == inputs.scalars["num_splits"]
+                           and "split_table" not in inputs.tensors):
             return inputs
-        return Inputs(inputs.tensors, {**inputs.scalars, "num_splits": splits})
+        tensors = {k: v for k, v in inputs.tensors.items() if k != "split_table"}
+        return Inputs(tensors, {**inputs.scalars, "num_splits": splits})
 
     def tuning_shapes(self, problem: Problem, seqlen: int,
                       batch_heads: Sequence[tuple[int, int]]) -> tuple[list[Shape], Shape]:

@@ -78,13 +78,14 @@ def config_split_size(config: KernelConfig) -> int:
 
 def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
     """Why ``config`` cannot run ``problem`` on ``arch``, or None."""
-    unknown = sorted(set(config.extras) - {SPLITS, SPLIT_SIZE})
+    unknown = sorted({name for name, _ in config.extras} - {SPLITS, SPLIT_SIZE})
     if unknown:
         return f"the decode kernel has no knob {unknown} (it has {SPLITS}, {SPLIT_SIZE})"
-    if config_splits(config) not in SPLIT_VALUES:
+    knobs = {name for name, _ in config.extras}
+    if SPLITS in knobs and config_splits(config) not in SPLIT_VALUES[1:]:
         return (f"{SPLITS}={config.extra(SPLITS, 0)!r} is not a split count of "
                 f"{list(SPLIT_VALUES[1:])} (leave the knob out for the heuristic)")
-    if config_split_size(config) not in SPLIT_SIZE_VALUES:
+    if SPLIT_SIZE in knobs and config_split_size(config) not in SPLIT_SIZE_VALUES[1:]:
         return (f"{SPLIT_SIZE}={config.extra(SPLIT_SIZE, 0)!r} is not a split size of "
                 f"{list(SPLIT_SIZE_VALUES[1:])} (leave the knob out for none)")
     if config_splits(config) and config_split_size(config):
@@ -104,15 +105,17 @@ def default_entry(problem: Problem, arch: ArchSpec) -> tuple[KernelConfig, str]:
 
 #: The most packed rows one block covers (KernelConfig's largest block_m).
 MAX_COVER_ROWS = 256
+#: Keys per tile x padded head dim a 16-warp covering tile holds at most (registers).
+_WIDE_BLOCK_KEYS = 2048
 
 
 def covering_config(problem: Problem, config: KernelConfig, rows: int, arch: ArchSpec
                     ) -> KernelConfig:
     """The tile that runs ``rows`` packed rows (group x query rows) of ``problem`` in one
     row block on ``arch``: ``config`` when its block_m covers them; else block_m raised to
-    the next power of two >= rows with the same rows per warp (more warps: the registers
-    per thread stay), then, while shared memory asks for it, smaller key tiles and fewer
-    stages. ``config`` itself (row blocks that each read K/V) when no such tile fits
+    the next power of two >= rows with the same rows per warp (more warps), the widest key
+    tile (up to config's, narrower with 16 warps: 128 registers per thread) and the most
+    stages (up to config's) that pass the static rules. ``config`` itself (row blocks that each read K/V) when no such tile fits
     ``arch`` or rows exceed MAX_COVER_ROWS."""
     if rows <= config.block_m or rows > MAX_COVER_ROWS:
         return config
@@ -122,11 +125,15 @@ def covering_config(problem: Problem, config: KernelConfig, rows: int, arch: Arc
     warps = max(1, block_m // warp_rows)
     while warps > 16:
         warps //= 2
-    tiles = [(config.block_n, config.num_stages)] + [
-        (n, st) for n in (64, 32, 16) for st in (2, 1)
-        if n * st < config.block_n * config.num_stages]
+    # 16 warps leave 128 registers per thread: the key tile shrinks with the head dim so
+    # that the S and O accumulators fit without spilling (32 keys at head dim 64, 16 at 128;
+    # none at 256: those rows stay in several row blocks).
+    widest = config.block_n if warps <= 8 else min(config.block_n,
+                                                   _WIDE_BLOCK_KEYS // problem.padded_head_dim)
+    tiles = [(n, st) for n in (128, 64, 32, 16) for st in (config.num_stages, 2, 1)
+             if 16 <= n <= widest and st <= config.num_stages]
     values = config.to_dict()
-    for block_n, stages in tiles:
+    for block_n, stages in dict.fromkeys(tiles):
         candidate = KernelConfig.from_dict({**values, "block_m": block_m, "num_warps": warps,
                                             "block_n": block_n, "num_stages": stages})
         if static_check(problem, candidate, arch) is None:

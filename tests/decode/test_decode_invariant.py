@@ -1,0 +1,191 @@
+"""Batch-invariant decoding and the split choice made on the device.
+
+* ``batch_invariant=True``: one sequence alone and inside batches of other sizes and
+  lengths (whose longer sequences take more splits, and whose capacity is larger) gives
+  bitwise the same O and LSE, paged and unpaged, GQA and MQA (and equals float64
+  attention within tolerance).
+* The split table: two sequences of different context buckets in one launch take their
+  buckets' split sizes (the partial LSE shows each one's splits); a warm call with other
+  lengths makes the same launches (grid, table) and reads nothing back to the host: every
+  Tensor -> host conversion raises during it. The emulator's own input checks read the
+  lengths on the host by design (the GPU's FLASHTUNE_CHECK_INPUTS=1 path); they are
+  replaced during the warm call.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+import flashtune
+from flashtune.api import decode as api_decode
+from flashtune.errors import InvalidInput
+from flashtune.families.base import Inputs, close_enough
+from flashtune.families.checks import LSE_TOLERANCE, O_TOLERANCE
+from flashtune.families.decode.args import decode_grid, pack_decode_args
+from flashtune.families.decode.reference import attention_with_kvcache_reference
+from flashtune.families.decode.splits import SplitTable
+
+SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
+DIM = 64
+
+
+def _sequences(gen: torch.Generator, lengths: list[int], heads: tuple[int, int],
+               seqlen_q: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(q (seqlen_q, Hq, D), k and v (length, Hkv, D)) fp16 per sequence."""
+    hq, hkv = heads
+    return [tuple(torch.randn(*size, generator=gen).half() for size in  # type: ignore[misc]
+                  ((seqlen_q, hq, DIM), (n, hkv, DIM), (n, hkv, DIM))) for n in lengths]
+
+
+def _batch(seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], page: int | None,
+           capacity: int, rng: random.Random) -> Inputs:
+    """The sequences as one call's inputs: an unpaged cache of ``capacity`` rows, or pages
+    of ``page`` rows in a shuffled pool; rows no sequence owns hold NaN."""
+    batch, hkv = len(seqs), seqs[0][1].shape[1]
+    q = torch.stack([s[0] for s in seqs])
+    lengths = torch.tensor([s[1].shape[0] for s in seqs], dtype=torch.int32)
+    tensors: dict[str, torch.Tensor] = {"q": q, "cache_seqlens": lengths}
+    if page is None:
+        caches = [torch.full((batch, capacity, hkv, DIM), float("nan"), dtype=torch.half)
+                  for _ in range(2)]
+        for b, (_, k, v) in enumerate(seqs):
+            caches[0][b, :k.shape[0]] = k
+            caches[1][b, :v.shape[0]] = v
+    else:
+        slots = -(-capacity // page)
+        order = list(range(batch * slots + 2))
+        rng.shuffle(order)
+        table = torch.tensor(order[:batch * slots], dtype=torch.int32).view(batch, slots)
+        caches = [torch.full((len(order), page, hkv, DIM), float("nan"), dtype=torch.half)
+                  for _ in range(2)]
+        for b, (_, k, v) in enumerate(seqs):
+            for j in range(k.shape[0]):
+                caches[0][table[b, j // page], j % page] = k[j]
+                caches[1][table[b, j // page], j % page] = v[j]
+        tensors["block_table"] = table
+    tensors["k_cache"], tensors["v_cache"] = caches
+    tensors["k_cache_before"], tensors["v_cache_before"] = caches[0], caches[1]
+    return Inputs(tensors, {"softmax_scale": DIM ** -0.5, "num_splits": 0})
+
+
+def _call(inputs: Inputs, causal: bool, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    t = inputs.tensors
+    out, lse = flashtune.attention_with_kvcache(
+        t["q"], t["k_cache"], t["v_cache"], t["cache_seqlens"], block_table=t.get("block_table"),
+        causal=causal, return_lse=True, backend="emulator", **kwargs)
+    return out, lse
+
+
+def _check_float64(inputs: Inputs, causal: bool, out: torch.Tensor, lse: torch.Tensor) -> None:
+    ref_o, ref_lse = attention_with_kvcache_reference(inputs, causal)
+    for name, got, want, tol in (("O", out, ref_o, O_TOLERANCE[flashtune.DType.FP16]),
+                                 ("LSE", lse, ref_lse, LSE_TOLERANCE)):
+        _, _, wrong = close_enough(name, got, want, tol)
+        assert not wrong, wrong
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("page, heads, seqlen_q, causal", [
+    (16, (8, 2), 1, False), (None, (4, 1), 2, True)], ids=["paged-gqa", "unpaged-mqa"])
+def test_a_sequence_is_bitwise_the_same_in_any_batch(page: int | None, heads: tuple[int, int],
+                                                     seqlen_q: int, causal: bool) -> None:
+    """The default split table splits 200 keys in one piece (no combine) and 500-700 keys
+    in two or more: the sequence alone runs one split, inside the batches it shares a grid
+    of several (with the combine), next to other lengths, at other batch positions and
+    capacities."""
+    gen = torch.Generator().manual_seed(SEED)
+    rng = random.Random(SEED)
+    target = _sequences(gen, [rng.randrange(150, 250)], heads, seqlen_q)[0]
+    others = _sequences(gen, [rng.randrange(500, 700) for _ in range(5)] + [0, 37], heads,
+                        seqlen_q)
+    alone = _batch([target], page, 256, rng)
+    out, lse = _call(alone, causal, batch_invariant=True)
+    _check_float64(alone, causal, out, lse)
+    for members, where, capacity in (([others[0], others[6]], 1, 720),
+                                      ([others[5], others[1], others[2], others[3]], 4, 704)):
+        members = list(members)
+        members.insert(where, target)
+        mixed = _batch(members, page, capacity, rng)
+        got_o, got_lse = _call(mixed, causal, batch_invariant=True)
+        assert torch.equal(got_o[where], out[0]), "O differs inside the batch"
+        assert torch.equal(got_lse[where], lse[0]), "LSE differs inside the batch"
+        _check_float64(mixed, causal, got_o, got_lse)
+
+
+def test_batch_invariance_refuses_a_split_count() -> None:
+    q = torch.zeros(1, 1, 4, DIM, dtype=torch.half)
+    cache = torch.zeros(1, 32, 1, DIM, dtype=torch.half)
+    with pytest.raises(InvalidInput, match="batch_invariant"):
+        flashtune.attention_with_kvcache(q, cache, cache, torch.zeros(1, dtype=torch.int32),
+                                         num_splits=2, batch_invariant=True,
+                                         backend="emulator")
+
+
+_SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextmanager
+def _no_host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every Tensor -> host conversion raises (on a GPU each is a synchronisation)."""
+    def refuse(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            raise AssertionError(f"the warm call read a tensor back to the host ({name})")
+        return call
+
+    with monkeypatch.context() as patch:
+        for name in _SYNCS:
+            patch.setattr(torch.Tensor, name, refuse(name))
+        patch.setattr(api_decode, "check_cache_values", lambda *a, **k: None)
+        patch.setattr(api_decode, "report_status", lambda *a, **k: None)
+        yield
+
+
+@pytest.mark.emulator
+def test_the_split_is_chosen_per_sequence_on_the_device(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """A tuned table (64 keys per split up to 256 keys, then 256): one launch splits a
+    sequence of each bucket by its own size; the warm call, with the lengths swapped,
+    makes the same launch with no host read and follows the new lengths."""
+    table = SplitTable((256,), (64, 256))
+    monkeypatch.setattr(api_decode, "tuned_split_table", lambda *a, **k: (table, True))
+    seen: list[dict[str, Any]] = []
+
+    def spy_pack(*args: Any, **kwargs: Any) -> Any:
+        seen.append({"lse_part": args[8], **kwargs})
+        return pack_decode_args(*args, **kwargs)
+
+    def spy_grid(*args: Any) -> tuple[int, int, int]:
+        grid = decode_grid(*args)
+        seen.append({"grid": grid})
+        return grid
+
+    monkeypatch.setattr("flashtune.api.decode.pack_decode_args", spy_pack)
+    monkeypatch.setattr("flashtune.api.decode.decode_grid", spy_grid)
+    gen = torch.Generator().manual_seed(SEED)
+    rng = random.Random(SEED)
+    rounds: list[tuple[object, ...]] = []
+    for lengths in ((rng.randrange(129, 250), rng.randrange(400, 600)),
+                    (rng.randrange(400, 600), rng.randrange(129, 250))):
+        inputs = _batch(_sequences(gen, list(lengths), (8, 2), 1), 16, 640, rng)
+        seen.clear()
+        if rounds:  # the warm call
+            with _no_host_reads(monkeypatch):
+                out, lse = _call(inputs, False)
+        else:
+            out, lse = _call(inputs, False)
+        _check_float64(inputs, False, out, lse)
+        grid, packed = seen[0]["grid"], seen[1]
+        lse_part = packed["lse_part"]  # (splits, batch, heads_q, seqlen_q)
+        taken = [int(torch.isfinite(lse_part[:, b, 0, 0]).sum()) for b in range(2)]
+        assert taken == [-(-n // table.size_for(n)) for n in lengths], (lengths, taken)
+        rounds.append((grid, tuple(packed["split_table"].flatten().tolist()),
+                       packed["num_splits"]))
+    assert rounds[0] == rounds[1]  # one launch sequence for both sets of lengths
+    assert rounds[0][2] == 4  # ceil(256 / 64): the most any capacity-640 sequence takes
