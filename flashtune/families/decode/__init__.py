@@ -242,12 +242,12 @@ class DecodeFamily(KernelFamily):
         return total / 2 if problem.causal and shape.seqlen_q == shape.seqlen_k else total
 
     def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
-        """K and V of the cache read once per kv head, Q read, partial O and LSE written
-        (one split), all at the full capacity."""
+        """K and V of the cache read once per kv head, Q read, O (the input type) and the
+        float32 LSE written (one split writes them directly), all at the full capacity."""
         e, d = problem.dtype.itemsize, problem.head_dim
         q_rows = shape.batch * shape.heads_q * shape.seqlen_q
         kv_rows = shape.batch * shape.heads_kv * shape.seqlen_k
-        return float(q_rows * d * e + 2 * kv_rows * d * e + q_rows * (4 * d + 4))
+        return float(q_rows * d * e + 2 * kv_rows * d * e + q_rows * (e * d + 4))
 
 
 DECODE = DecodeFamily()
