@@ -11,7 +11,7 @@ synchronises and can be captured in a CUDA graph.
 
 How each sequence's keys are split (``split_mode``): the caller's ``num_splits``; else, in
 batch-invariant mode or when the problem has tuned split sizes, the split table
-(``splits.SplitTable``, from the tuned ``split_size`` of each sequence bucket, else
+(``splits.SplitTable``, from the tuned ``splitsize`` of each sequence bucket, else
 ``DEFAULT_SPLIT_TABLE``), which the kernel reads on the device with each sequence's own
 length: a captured launch serves every context length with its bucket's split size, and a
 sequence's splits never depend on the rest of the batch; else the tuned bucket's ``splits``
@@ -115,7 +115,7 @@ def covering_plan(plan: Plan, q: torch.Tensor, heads_kv: int, backend: str) -> P
 def tuned_split_table(q: torch.Tensor, causal: bool, backend: str,
                       features: tuple[str, ...] = ()) -> tuple[SplitTable, bool]:
     """The split table of this problem and whether any of it is tuned: each sequence
-    bucket's tuned ``split_size`` (when its grid over the bucket's lengths stays within
+    bucket's tuned ``splitsize`` (when its grid over the bucket's lengths stays within
     MAX_SPLITS), else DEFAULT_SPLIT_TABLE's size for the bucket, adjacent buckets of one
     size merged; memoised (the dispatcher is asked once per bucket, on the first call)."""
     key = (backend, q.get_device(), q.dtype, q.shape[3], causal, features)

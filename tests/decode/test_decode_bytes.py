@@ -4,7 +4,8 @@ sequence is read once per kv head for any group size (1-16) and query-row count 
 page size (none, 1, 3, 16, 64, 256) and split count (one to many), and the group's Q rows
 once per non-empty split; a call of one split writes O and LSE itself and launches no
 combine. (At head dim 256 more than 128 packed rows stay in two row blocks: a 16-warp tile
-has no registers for its accumulators.) A seeded sample runs by default, the whole grid behind the sweep marker.
+has no registers for its accumulators.) A seeded sample runs by default, the whole grid
+behind the sweep marker.
 
 The combine's reads of the partials are plain loads, which the emulator does not count:
 that each partial is read once is the combine kernel's structure (one pass over the splits

@@ -189,3 +189,76 @@ def test_the_split_is_chosen_per_sequence_on_the_device(monkeypatch: pytest.Monk
                        packed["num_splits"]))
     assert rounds[0] == rounds[1]  # one launch sequence for both sets of lengths
     assert rounds[0][2] == 4  # ceil(256 / 64): the most any capacity-640 sequence takes
+
+
+def test_the_split_table_is_built_from_the_tuned_buckets(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Each sequence bucket's tuned ``splitsize`` (here 1024 up to 4096 keys, and a size
+    that would need more than MAX_SPLITS splits at 1M keys) enters the table; the other
+    buckets keep DEFAULT_SPLIT_TABLE's sizes; without any tuned size the table is marked
+    untuned (the heuristic then serves calls that are not batch-invariant)."""
+    import dataclasses
+
+    from flashtune.codegen.spec import KernelConfig
+    from flashtune.families.decode.splits import DEFAULT_SPLIT_TABLE, MAX_SPLITS
+    from flashtune.runtime import plans
+
+    real = plans.decide
+
+    def decide(q: torch.Tensor, causal: bool, backend: str | None, op: str,
+               features: tuple[str, ...], seqlen: int, arch: str | None = None) -> Any:
+        decision, entry = real(q, causal, backend, op, features, seqlen, arch)
+        size = 1024 if seqlen <= 4096 else 256 if seqlen == 1 << 20 else 0
+        if not size:
+            return decision, entry
+        config = KernelConfig.from_dict({**decision.config.to_dict(), "splitsize": size})
+        return dataclasses.replace(decision, config=config), entry
+
+    q = torch.empty(1, 1, 8, DIM, dtype=torch.half)
+    plans.clear_caches()
+    monkeypatch.setattr(plans, "decide", decide)
+    try:
+        table, tuned = api_decode.tuned_split_table(q, False, "emulator")
+    finally:
+        plans.clear_caches()
+    assert tuned
+    for total in (1, 64, 1000, 4096):
+        assert table.size_for(total) == 1024
+    for total in (4097, 20000, 131072, 1 << 20, 1 << 22):
+        assert table.size_for(total) == DEFAULT_SPLIT_TABLE.size_for(total), total
+    assert table.grid_splits(1 << 20) <= MAX_SPLITS
+    monkeypatch.setattr(plans, "decide", real)
+    untuned, tuned = api_decode.tuned_split_table(q, False, "emulator")
+    plans.clear_caches()
+    assert not tuned
+    assert all(untuned.size_for(n) == DEFAULT_SPLIT_TABLE.size_for(n)
+               for n in (1, 300, 5000, 100000, 1 << 21))
+
+
+@pytest.mark.emulator
+def test_the_kernel_splits_each_sequence_by_its_bucket_against_float64() -> None:
+    """The decode family with a split table (16 keys per split up to 40 keys, then 64) on
+    NaN-poisoned partials: each sequence's partials equal the float64 partials of its own
+    bucket's pieces, appended rows and an empty sequence included; a config's
+    ``splitsize`` binds a one-bucket table and the grid's split count."""
+    from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
+    from flashtune.families import render
+    from flashtune.families.decode import DECODE, DecodeCase
+    from flashtune.runtime.backends.emulator import EmulatorBackend
+    from flashtune.runtime.launch import prepare
+
+    problem = Problem(DIM, DType.BF16, causal=True, op="decode")
+    table = SplitTable((40,), (16, 64))
+    shape = Shape(3, 8, 2, 2, 300)
+    capacity = DecodeCase(16, (0, 0, 0), 2, 1).capacity(shape)
+    case = DecodeCase(16, (35, capacity - 2, 0), 2, table.grid_splits(capacity), table)
+    inputs = DECODE.random_inputs(problem, shape, "cpu", seed=SEED, case=case)
+    config = KernelConfig(64, 64, 4, 2)
+    launch = prepare(EmulatorBackend().load(render(problem, config)), shape, "cpu",
+                     inputs=inputs, poison=True)
+    launch.run()
+    assert launch.verdict().ok, launch.verdict().message
+    bound = DECODE.bind(problem, KernelConfig(64, 64, 4, 2, extras=(("splitsize", 256),)),
+                        inputs)
+    assert bound.tensors["split_table"].flatten().tolist() == [2**31 - 1, 256]
+    assert bound.scalars["num_splits"] == 2  # 304 keys of capacity in pieces of 256

@@ -5,7 +5,7 @@ reads each K/V element once. block_n: keys per tile; num_warps split the block's
 m16 slabs (KernelConfig requires block_m to be a multiple of 16 x num_warps);
 num_stages: K/V tiles in flight; splits: the number of splits of each sequence's keys
 (0, the default, leaves it to FlashAttention-2's heuristic at run time; a tuned bucket may
-fix it); split_size: keys per split of the bucket's sequences, chosen on the device
+fix it); splitsize: keys per split of the bucket's sequences, chosen on the device
 (``splits.SplitTable``). An explicit ``num_splits`` of the caller wins over all.
 
 ``covering_config``: a launch whose packed rows (group x query rows) exceed block_m runs a
@@ -27,7 +27,7 @@ SPLITS = "splits"
 SPLIT_VALUES = (0, 1, 2, 4, 8, 16, 32, 64, 128)
 #: The split-size knob: keys per split for the sequences of the bucket (0: none), the
 #: bucket's entry of the split table the kernel reads on the device (``splits.SplitTable``).
-SPLIT_SIZE = "split_size"
+SPLIT_SIZE = "splitsize"
 SPLIT_SIZE_VALUES = (0, 256, 1024, 4096, 16384)
 
 SPACE = ParamSpace((Param("block_m", (16, 32, 64, 128)), Param("block_n", (32, 64, 128)),
@@ -115,8 +115,8 @@ def covering_config(problem: Problem, config: KernelConfig, rows: int, arch: Arc
     row block on ``arch``: ``config`` when its block_m covers them; else block_m raised to
     the next power of two >= rows with the same rows per warp (more warps), the widest key
     tile (up to config's, narrower with 16 warps: 128 registers per thread) and the most
-    stages (up to config's) that pass the static rules. ``config`` itself (row blocks that each read K/V) when no such tile fits
-    ``arch`` or rows exceed MAX_COVER_ROWS."""
+    stages (up to config's) that pass the static rules. ``config`` itself (row blocks that
+    each read K/V) when no such tile fits ``arch`` or rows exceed MAX_COVER_ROWS."""
     if rows <= config.block_m or rows > MAX_COVER_ROWS:
         return config
     block_m = 1 << (rows - 1).bit_length()
