@@ -22,14 +22,13 @@ from typing import Any
 
 import pytest
 import torch
+from decode_cases import assert_close_to_float64
 
 import flashtune
 from flashtune.api import decode as api_decode
 from flashtune.errors import InvalidInput
-from flashtune.families.base import Inputs, close_enough
-from flashtune.families.checks import LSE_TOLERANCE, O_TOLERANCE
+from flashtune.families.base import Inputs
 from flashtune.families.decode.args import decode_grid, pack_decode_args
-from flashtune.families.decode.reference import attention_with_kvcache_reference
 from flashtune.families.decode.splits import SplitTable
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
@@ -83,14 +82,6 @@ def _call(inputs: Inputs, causal: bool, **kwargs: Any) -> tuple[torch.Tensor, to
     return out, lse
 
 
-def _check_float64(inputs: Inputs, causal: bool, out: torch.Tensor, lse: torch.Tensor) -> None:
-    ref_o, ref_lse = attention_with_kvcache_reference(inputs, causal)
-    for name, got, want, tol in (("O", out, ref_o, O_TOLERANCE[flashtune.DType.FP16]),
-                                 ("LSE", lse, ref_lse, LSE_TOLERANCE)):
-        _, _, wrong = close_enough(name, got, want, tol)
-        assert not wrong, wrong
-
-
 @pytest.mark.emulator
 @pytest.mark.parametrize("page, heads, seqlen_q, causal", [
     (16, (8, 2), 1, False), (None, (4, 1), 2, True)], ids=["paged-gqa", "unpaged-mqa"])
@@ -107,7 +98,7 @@ def test_a_sequence_is_bitwise_the_same_in_any_batch(page: int | None, heads: tu
                         seqlen_q)
     alone = _batch([target], page, 256, rng)
     out, lse = _call(alone, causal, batch_invariant=True)
-    _check_float64(alone, causal, out, lse)
+    assert_close_to_float64(alone, causal, out, lse)
     for members, where, capacity in (([others[0], others[6]], 1, 720),
                                       ([others[5], others[1], others[2], others[3]], 4, 704)):
         members = list(members)
@@ -116,7 +107,7 @@ def test_a_sequence_is_bitwise_the_same_in_any_batch(page: int | None, heads: tu
         got_o, got_lse = _call(mixed, causal, batch_invariant=True)
         assert torch.equal(got_o[where], out[0]), "O differs inside the batch"
         assert torch.equal(got_lse[where], lse[0]), "LSE differs inside the batch"
-        _check_float64(mixed, causal, got_o, got_lse)
+        assert_close_to_float64(mixed, causal, got_o, got_lse)
 
 
 def test_batch_invariance_refuses_a_split_count() -> None:
@@ -180,7 +171,7 @@ def test_the_split_is_chosen_per_sequence_on_the_device(monkeypatch: pytest.Monk
                 out, lse = _call(inputs, False)
         else:
             out, lse = _call(inputs, False)
-        _check_float64(inputs, False, out, lse)
+        assert_close_to_float64(inputs, False, out, lse)
         grid, packed = seen[0]["grid"], seen[1]
         lse_part = packed["lse_part"]  # (splits, batch, heads_q, seqlen_q)
         taken = [int(torch.isfinite(lse_part[:, b, 0, 0]).sum()) for b in range(2)]
