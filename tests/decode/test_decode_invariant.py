@@ -232,6 +232,7 @@ def test_the_kernel_splits_each_sequence_by_its_bucket_against_float64() -> None
     NaN-poisoned partials: each sequence's partials equal the float64 partials of its own
     bucket's pieces, appended rows and an empty sequence included; a config's
     ``splitsize`` binds a one-bucket table and the grid's split count."""
+    from flashtune.codegen.arch import get_arch
     from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
     from flashtune.families import render
     from flashtune.families.decode import DECODE, DecodeCase
@@ -244,7 +245,7 @@ def test_the_kernel_splits_each_sequence_by_its_bucket_against_float64() -> None
     capacity = DecodeCase(16, (0, 0, 0), 2, 1).capacity(shape)
     case = DecodeCase(16, (35, capacity - 2, 0), 2, table.grid_splits(capacity), table)
     inputs = DECODE.random_inputs(problem, shape, "cpu", seed=SEED, case=case)
-    config = KernelConfig(64, 64, 4, 2)
+    config = DECODE.default_config(problem, get_arch("sm_90"))  # the API tests' build
     launch = prepare(EmulatorBackend().load(render(problem, config)), shape, "cpu",
                      inputs=inputs, poison=True)
     launch.run()
