@@ -32,3 +32,27 @@ def test_long_caches_are_bandwidth_bound_and_tiny_ones_launch_bound() -> None:
     tiny = predict_decode(problem, KernelConfig(64, 64, 4, 2), Shape(1, 32, 8, 1, 64), 1,
                           "H200")
     assert tiny.bound == "launch" and tiny.launches == 1
+
+
+def test_decode_tuning_times_serving_shapes_and_records_gb_per_s() -> None:
+    """A decode bucket's workload spans query rows 1 and 4 and groups 4 and 8; a trial's
+    bandwidth figure is the shapes' least bytes over their median times (geometric mean),
+    recorded in the trial's attributes beside the time."""
+    import math
+
+    from flashtune.codegen.spec import ProblemBucket
+    from flashtune.db.records import TrialStatus
+    from flashtune.tuner.measure.evaluate import TrialResult
+    from flashtune.tuner.measure.workload import make_workload
+
+    problem = Problem(128, DType.BF16, causal=True, op="decode")
+    workload = make_workload(ProblemBucket(problem, 4096))
+    kinds = {(s.heads_q // s.heads_kv, s.seqlen_q) for s in workload.shapes}
+    assert kinds == {(4, 1), (8, 4)}
+    times = [0.01 * (i + 1) for i in range(len(workload.shapes))]
+    want = math.exp(sum(math.log(DECODE.min_bytes(problem, s) / (t * 1e-3) / 1e9)
+                        for s, t in zip(workload.shapes, times, strict=True)) / len(times))
+    assert workload.bandwidth(times) == pytest.approx(want)
+    result = TrialResult(KernelConfig(64, 64, 4, 2), TrialStatus.OK, tflops=1.0,
+                         gb_per_s=want, timings=())
+    assert result.attrs()["gb_per_s"] == want

@@ -54,6 +54,9 @@ _NOMINAL_BLOCK_N = 64
 #: What a tuning bucket is timed on by default: (batch, query heads), GQA group 4.
 TUNING_BATCH_HEADS = ((1, 32), (16, 32), (64, 32))
 TUNING_GROUP = 4
+#: Serving shapes timed beside them at the bucket's length: (GQA group, query rows), the
+#: large group of a speculative-decoding step.
+TUNING_SERVING = ((8, 4),)
 #: Cached rows (sequences x length) a timed shape holds at most: a few GB of cache.
 TUNING_TOKENS = 1 << 20
 #: The cache length a tuning candidate is verified on (at most).
@@ -128,14 +131,16 @@ class DecodeFamily(KernelFamily):
                       batch_heads: Sequence[tuple[int, int]]) -> tuple[list[Shape], Shape]:
         """One new query row per sequence over caches of ``seqlen`` and 3/4 of it, at each
         (batch, heads_q) pair (default TUNING_BATCH_HEADS; batches cut to TUNING_TOKENS
-        cached rows in all), GQA group TUNING_GROUP; verified on a small cache that spans
-        several key tiles."""
+        cached rows in all), GQA group TUNING_GROUP, and the TUNING_SERVING (group, query
+        rows) at ``seqlen``; verified on a small cache that spans several key tiles."""
         shapes: list[Shape] = []
         for batch, heads in batch_heads or TUNING_BATCH_HEADS:
             group = TUNING_GROUP if heads % TUNING_GROUP == 0 else 1
-            for length in (seqlen, max(1, seqlen * 3 // 4)):
+            kinds = [(group, 1, seqlen), (group, 1, max(1, seqlen * 3 // 4))]
+            kinds += [(g, rows, seqlen) for g, rows in TUNING_SERVING if heads % g == 0]
+            for g, rows, length in kinds:
                 fitting = max(1, min(batch, TUNING_TOKENS // length))
-                shape = Shape(fitting, heads, heads // group, 1, length)
+                shape = Shape(fitting, heads, heads // g, rows, length)
                 if shape not in shapes:
                     shapes.append(shape)
         return shapes, Shape(2, 8, 2, 2, min(seqlen, VERIFY_CACHE))
