@@ -254,3 +254,25 @@ def test_the_kernel_splits_each_sequence_by_its_bucket_against_float64() -> None
                         inputs)
     assert bound.tensors["split_table"].flatten().tolist() == [2**31 - 1, 256]
     assert bound.scalars["num_splits"] == 2  # 304 keys of capacity in pieces of 256
+
+
+def test_split_tables_are_validated_and_cover_every_length() -> None:
+    """Pieces of a table partition every length in aligned runs of the bucket's size; bad
+    tables and grids beyond MAX_SPLITS are refused naming what to fix."""
+    from flashtune.families.decode.splits import DEFAULT_SPLIT_TABLE, MAX_SPLITS, SPLIT_ALIGN
+
+    rng = random.Random(SEED)
+    for _ in range(200):
+        total = rng.randrange(0, 300000)
+        per = DEFAULT_SPLIT_TABLE.size_for(total)
+        pieces = [DEFAULT_SPLIT_TABLE.split_range(total, s) for s in range(-(-total // per))]
+        assert [k for b, e in pieces for k in (b, e)][1:-1:2] == [b for b, _ in pieces][1:]
+        assert all(b % SPLIT_ALIGN == 0 and e - b <= per for b, e in pieces)
+        assert (pieces[0][0], pieces[-1][1]) == (0, total) if pieces else total == 0
+        assert DEFAULT_SPLIT_TABLE.grid_splits(max(total, 1)) >= len(pieces)
+    for bounds, sizes, words in (((), (10,), "multiples of 16"), ((64, 32), (16, 16, 16),
+                                 "ascending"), ((64,), (16,), "one entry more")):
+        with pytest.raises(InvalidInput, match=words):
+            SplitTable(bounds, sizes)
+    with pytest.raises(InvalidInput, match="more than the 128"):
+        SplitTable((), (16,)).grid_splits(16 * MAX_SPLITS + 1)
