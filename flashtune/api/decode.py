@@ -49,8 +49,8 @@ from flashtune.families.decode.args import decode_grid, m_blocks, pack_decode_ar
 from flashtune.families.decode.space import config_split_size, config_splits, covering_config
 from flashtune.families.decode.splits import (
     DEFAULT_SPLIT_TABLE,
-    MAX_SPLITS,
     SplitTable,
+    fitting_split_size,
     heuristic_splits,
 )
 from flashtune.families.decode.status import STATUS_WORDS, describe
@@ -115,8 +115,9 @@ def covering_plan(plan: Plan, q: torch.Tensor, heads_kv: int, backend: str) -> P
 def tuned_split_table(q: torch.Tensor, causal: bool, backend: str,
                       features: tuple[str, ...] = ()) -> tuple[SplitTable, bool]:
     """The split table of this problem and whether any of it is tuned: each sequence
-    bucket's tuned ``splitsize`` (when its grid over the bucket's lengths stays within
-    MAX_SPLITS), else DEFAULT_SPLIT_TABLE's size for the bucket, adjacent buckets of one
+    bucket's tuned ``splitsize`` (raised, as the tuner timed it, where the bucket's lengths
+    would need more than MAX_SPLITS pieces: ``splits.fitting_split_size``), else
+    DEFAULT_SPLIT_TABLE's size for the bucket, adjacent buckets of one
     size merged; memoised (the dispatcher is asked once per bucket, on the first call)."""
     key = (backend, q.get_device(), q.dtype, q.shape[3], causal, features)
     found = _tables.get(key)
@@ -128,8 +129,9 @@ def tuned_split_table(q: torch.Tensor, causal: bool, backend: str,
     while bucket <= MAX_SEQ_BUCKET:
         decision, _ = plans.decide(q, causal, backend or None, "decode", features, bucket)
         size = config_split_size(decision.config)
-        if size > 0 and -(-bucket // size) <= MAX_SPLITS:
+        if size > 0:  # as it was timed: raised where the bucket needs more than MAX_SPLITS
             tuned = True
+            size = fitting_split_size(size, bucket)
         else:
             size = DEFAULT_SPLIT_TABLE.size_for(bucket)
         if sizes and sizes[-1][1] == size:

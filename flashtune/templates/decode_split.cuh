@@ -444,7 +444,10 @@ __device__ __forceinline__ void decode_split(
   if (split_table != nullptr) {
     int bucket = 0;
     while (bucket + 1 < split_buckets && total > split_table[2 * bucket]) ++bucket;
-    per_split = split_table[2 * bucket + 1];
+    // Never more than kMaxSplits pieces (a length past the table's last bound).
+    const int least = ((total + kMaxSplits - 1) / kMaxSplits + kSplitAlign - 1) / kSplitAlign *
+                      kSplitAlign;
+    per_split = split_table[2 * bucket + 1] > least ? split_table[2 * bucket + 1] : least;
   } else {
     per_split =
         ((total + num_splits - 1) / num_splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;

@@ -184,10 +184,11 @@ def test_the_split_is_chosen_per_sequence_on_the_device(monkeypatch: pytest.Monk
 
 def test_the_split_table_is_built_from_the_tuned_buckets(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
-    """Each sequence bucket's tuned ``splitsize`` (here 1024 up to 4096 keys, and a size
-    that would need more than MAX_SPLITS splits at 1M keys) enters the table; the other
-    buckets keep DEFAULT_SPLIT_TABLE's sizes; without any tuned size the table is marked
-    untuned (the heuristic then serves calls that are not batch-invariant)."""
+    """Each sequence bucket's tuned ``splitsize`` (here 1024 up to 4096 keys, and at 1M
+    keys 256, raised to 8192 as the tuner timed it: no more than MAX_SPLITS pieces) enters
+    the table; the other buckets keep DEFAULT_SPLIT_TABLE's sizes; without any tuned size
+    the table is marked untuned (the heuristic then serves calls that are not
+    batch-invariant)."""
     import dataclasses
 
     from flashtune.codegen.spec import KernelConfig
@@ -215,9 +216,12 @@ def test_the_split_table_is_built_from_the_tuned_buckets(monkeypatch: pytest.Mon
     assert tuned
     for total in (1, 64, 1000, 4096):
         assert table.size_for(total) == 1024
-    for total in (4097, 20000, 131072, 1 << 20, 1 << 22):
+    for total in (4097, 20000, 131072):
         assert table.size_for(total) == DEFAULT_SPLIT_TABLE.size_for(total), total
+    assert table.size_for((1 << 19) + 1) == table.size_for(1 << 20) == 8192
+    assert table.size_for(1 << 22) == (1 << 22) // MAX_SPLITS  # past the last bound
     assert table.grid_splits(1 << 20) <= MAX_SPLITS
+    assert table.grid_splits(1 << 23) == MAX_SPLITS
     monkeypatch.setattr(plans, "decide", real)
     untuned, tuned = api_decode.tuned_split_table(q, False, "emulator")
     plans.clear_caches()
@@ -250,6 +254,15 @@ def test_the_kernel_splits_each_sequence_by_its_bucket_against_float64() -> None
                      inputs=inputs, poison=True)
     launch.run()
     assert launch.verdict().ok, launch.verdict().message
+    # A length past the table's reach (16 keys x 128 splits): pieces raised to 32 keys.
+    small = SplitTable((), (16,))
+    long_shape = Shape(1, 4, 1, 1, 2100)
+    long_case = DecodeCase(16, (2099,), 1, small.grid_splits(2112), small)
+    long_inputs = DECODE.random_inputs(problem, long_shape, "cpu", seed=SEED, case=long_case)
+    launch = prepare(EmulatorBackend().load(render(problem, config)), long_shape, "cpu",
+                     inputs=long_inputs, poison=True)
+    launch.run()
+    assert launch.verdict().ok, launch.verdict().message
     bound = DECODE.bind(problem, KernelConfig(64, 64, 4, 2, extras=(("splitsize", 256),)),
                         inputs)
     assert bound.tensors["split_table"].flatten().tolist() == [2**31 - 1, 256]
@@ -274,5 +287,8 @@ def test_split_tables_are_validated_and_cover_every_length() -> None:
                                  "ascending"), ((64,), (16,), "one entry more")):
         with pytest.raises(InvalidInput, match=words):
             SplitTable(bounds, sizes)
-    with pytest.raises(InvalidInput, match="more than the 128"):
-        SplitTable((), (16,)).grid_splits(16 * MAX_SPLITS + 1)
+    # A length past the table's reach is split in MAX_SPLITS pieces at most.
+    small = SplitTable((), (16,))
+    assert small.size_for(16 * MAX_SPLITS + 1) == 32
+    assert small.grid_splits(16 * MAX_SPLITS + 1) == MAX_SPLITS
+    assert max(-(-n // small.size_for(n)) for n in range(1, 5000)) == MAX_SPLITS

@@ -35,7 +35,7 @@ from flashtune.families.decode import space
 from flashtune.families.decode.args import DECODE_ABI, decode_grid, pack_decode_args
 from flashtune.families.decode.inputs import DecodeCase, draw_case, make_inputs
 from flashtune.families.decode.reference import decode_reference
-from flashtune.families.decode.splits import SplitTable, heuristic_splits
+from flashtune.families.decode.splits import SplitTable, fitting_split_size, heuristic_splits
 from flashtune.families.decode.status import STATUS_WORDS, describe
 from flashtune.families.fwd import variants
 from flashtune.families.fwd.args import feature_values
@@ -108,18 +108,19 @@ class DecodeFamily(KernelFamily):
     def bind(self, problem: Problem, config: KernelConfig, inputs: Inputs) -> Inputs:
         """A config with a split count launches that many splits, one with a split size
         splits every sequence into pieces of that size (a one-bucket split table, read on
-        the device); without either the inputs' own splits (the heuristic's count, when
-        they were drawn) stay."""
+        the device; raised where the capacity would need more than MAX_SPLITS pieces,
+        ``splits.fitting_split_size``); without either the inputs' own splits (the
+        heuristic's count, when they were drawn) stay."""
         size = space.config_split_size(config)
         if size > 0:
-            table = SplitTable((), (size,))
             t = inputs.tensors
             pages = t["block_table"].shape[1] if "block_table" in t else 1
+            capacity = t["k_cache"].shape[1] * pages
+            table = SplitTable((), (fitting_split_size(size, capacity),))
             words = torch.tensor(table.words(), dtype=torch.int32,
                                  device=t["q"].device).view(-1, 2)
             return Inputs({**t, "split_table": words},
-                          {**inputs.scalars,
-                           "num_splits": table.grid_splits(t["k_cache"].shape[1] * pages)})
+                          {**inputs.scalars, "num_splits": table.grid_splits(capacity)})
         splits = space.config_splits(config)
         if splits <= 0 or (splits == inputs.scalars["num_splits"]
                            and "split_table" not in inputs.tensors):

@@ -90,10 +90,11 @@ class SplitTable:
 
     A sequence of ``total`` keys (cache length plus appended rows) takes the first bucket
     whose bound is >= total (the last bucket takes every longer one) and is split into
-    pieces of that bucket's ``sizes`` keys: split s covers ``[s * P, min((s + 1) * P,
-    total))``. A sequence's splits depend on its own length only, never on the batch, so
-    the mode is batch-invariant. ``bounds`` ascend; ``sizes`` (one more than bounds) are
-    positive multiples of SPLIT_ALIGN.
+    pieces of P keys, P that bucket's ``sizes`` entry (raised by ``fitting_split_size``
+    where total would need more than MAX_SPLITS pieces): split s covers
+    ``[s * P, min((s + 1) * P, total))``. A sequence's splits depend on its own length
+    only, never on the batch, so the mode is batch-invariant. ``bounds`` ascend; ``sizes``
+    (one more than bounds) are positive multiples of SPLIT_ALIGN.
     """
 
     bounds: tuple[int, ...]
@@ -116,10 +117,12 @@ class SplitTable:
 
     def size_for(self, total: int) -> int:
         """Keys per split of a sequence of ``total`` keys."""
-        for bound, size in zip(self.bounds, self.sizes, strict=False):
+        size = self.sizes[-1]
+        for bound, own in zip(self.bounds, self.sizes, strict=False):
             if total <= bound:
-                return size
-        return self.sizes[-1]
+                size = own
+                break
+        return fitting_split_size(size, total)
 
     def split_range(self, total: int, split: int) -> tuple[int, int]:
         """Keys [begin, end) of split ``split`` of a sequence of ``total`` keys."""
@@ -129,18 +132,14 @@ class SplitTable:
 
     def grid_splits(self, capacity: int) -> int:
         """The splits a launch over caches of ``capacity`` keys needs: the most any
-        sequence up to that length takes; InvalidInput when above MAX_SPLITS."""
+        sequence up to that length takes (at most MAX_SPLITS)."""
         most, low = 1, 0
         for bound, size in zip((*self.bounds, capacity), self.sizes, strict=False):
             if low >= capacity:
                 break
-            most = max(most, -(-min(bound, capacity) // size))
+            # ceil(L / size) pieces, never above MAX_SPLITS, for every length L of the bucket
+            most = max(most, min(MAX_SPLITS, -(-min(bound, capacity) // size)))
             low = bound
-        if most > MAX_SPLITS:
-            raise InvalidInput(
-                f"a cache of capacity {capacity} keys needs {most} splits of the split table "
-                f"{self}, more than the {MAX_SPLITS} the combine merges; use larger split "
-                "sizes for long contexts")
         return most
 
     def words(self) -> list[int]:
@@ -149,6 +148,14 @@ class SplitTable:
         for bound, size in zip((*self.bounds, _INT32_MAX), self.sizes, strict=False):
             out += [bound, size]
         return out
+
+
+def fitting_split_size(size: int, capacity: int) -> int:
+    """``size``, raised to the smallest multiple of SPLIT_ALIGN that splits ``capacity``
+    keys into at most MAX_SPLITS pieces (a tuned size of a short bucket applied to a long
+    one)."""
+    least = -(-capacity // MAX_SPLITS)
+    return max(size, -(-least // SPLIT_ALIGN) * SPLIT_ALIGN)
 
 
 #: The most buckets a split table holds.
