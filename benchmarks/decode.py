@@ -1,4 +1,4 @@
-"""Decoding throughput: flashtune.attention_with_kvcache (and flash-attn's
+"""Decoding throughput: flashtune.attention_with_kvcache (and torch's SDPA, and flash-attn's
 flash_attn_with_kvcache where installed) against the copy bandwidth of the same GPU,
 measured in the same run.
 
@@ -7,16 +7,19 @@ each point reports the bytes it must move (K and V of every sequence once per kv
 the new rows and the output) over its median time, and that bandwidth as a share of the
 device's copy bandwidth (a large device-to-device copy, read + write, timed the same way).
 
-Sweep: one new query row per sequence (appended into the cache, causal), 32 query heads of
-dim 128 in bf16; batch 1 to 256, cache length 1k to 128k, GQA group 1, 4 and 8, unpaged or
-paged with 16- and 256-row pages. Points whose cache would exceed --memory-gb are skipped
-(and listed). Each implementation is checked first (sequence 0 of its output against a
-float32 reference of its keys; the output lands on NaN-poisoned memory), then timed with
-CUDA events after warm-up, L2 flushed before each repeat; the median is reported.
+Sweep: 1 or 4 new query rows per sequence (appended into the cache, causal), 32 query
+heads of dim 128 in bf16; batch 1 to 128, cache length 1k to 128k, GQA group 1, 4, 8 and
+16, unpaged or paged with 1-, 16-, 64- and 256-row pages. Points whose cache would exceed
+--memory-gb are skipped (and listed). torch's SDPA runs unpaged caches only (it has no
+block table: the gather would be what is timed): the new rows are copied into the cache
+and SDPA attends over the whole capacity with a bottom-right causal mask. Each
+implementation is checked first (sequence 0 of its output against a float32 reference of
+its keys; the output lands on NaN-poisoned memory), then timed with CUDA events after
+warm-up, L2 flushed before each repeat; the median is reported.
 
     python benchmarks/decode.py --out .bench/decode                # the full sweep
     python benchmarks/decode.py --batches 1,64 --cache-lens 4096,65536 --time-budget 120
-    python benchmarks/decode.py --dry                               # list the sweep, no GPU
+    python benchmarks/decode.py --dry                               # print the plan, no GPU
 
 Writes DIR/decode.csv (rewritten after every point) and DIR/decode_env.json. Exit status:
 0 ok, 1 some flashtune output was wrong or failed, 2 no GPU (or bad arguments), 124 stopped
@@ -49,15 +52,16 @@ from _common import (  # noqa: E402
 
 HEADS_Q = 32
 HEAD_DIM = 128
-BATCHES = (1, 4, 16, 64, 256)
+BATCHES = (1, 4, 16, 64, 128)
 CACHE_LENS = (1024, 4096, 16384, 65536, 131072)
-GROUPS = (1, 4, 8)
-PAGE_SIZES: tuple[int | None, ...] = (None, 16, 256)
-IMPLS = ("flashtune", "flash-attn")
+GROUPS = (1, 4, 8, 16)
+PAGE_SIZES: tuple[int | None, ...] = (None, 1, 16, 64, 256)
+QUERY_ROWS = (1, 4)
+IMPLS = ("flashtune", "torch-sdpa", "flash-attn")
 COPY_BYTES = 1 << 30
 CSV_FIELDS = ("date_utc", "gpu", "impl", "batch", "cache_len", "group", "heads_kv",
-              "page_size", "status", "median_ms", "min_ms", "max_ms", "repeats", "gb_per_s",
-              "share_of_copy", "copy_gb_per_s", "rel_err", "note")
+              "page_size", "query_rows", "status", "median_ms", "min_ms", "max_ms", "repeats",
+              "gb_per_s", "share_of_copy", "copy_gb_per_s", "rel_err", "note")
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,7 @@ class Point:
     cache_len: int
     group: int
     page_size: int | None
+    query_rows: int = 1
 
     @property
     def heads_kv(self) -> int:
@@ -82,13 +87,13 @@ class Point:
     def min_bytes(self) -> int:
         """What a step must move: the cache once, Q and the new K/V rows read, the new rows
         and O written."""
-        q_rows = self.batch * HEADS_Q
-        new_rows = self.batch * self.heads_kv
+        q_rows = self.batch * HEADS_Q * self.query_rows
+        new_rows = self.batch * self.heads_kv * self.query_rows
         return self.cache_bytes + (2 * q_rows + 4 * new_rows) * HEAD_DIM * 2
 
     def label(self) -> str:
         paged = "unpaged" if self.page_size is None else f"page{self.page_size}"
-        return f"b{self.batch} n{self.cache_len} g{self.group} {paged}"
+        return f"b{self.batch} n{self.cache_len} g{self.group} q{self.query_rows} {paged}"
 
 
 @dataclass(frozen=True)
@@ -109,7 +114,7 @@ class Result:
         p, bw = self.point, self.gb_per_s()
         return {"gpu": gpu, "impl": self.impl, "batch": p.batch, "cache_len": p.cache_len,
                 "group": p.group, "heads_kv": p.heads_kv, "page_size": p.page_size or "",
-                "status": self.status,
+                "query_rows": p.query_rows, "status": self.status,
                 "median_ms": self.stats.median if self.stats else None,
                 "min_ms": self.stats.minimum if self.stats else None,
                 "max_ms": self.stats.maximum if self.stats else None,
@@ -119,9 +124,43 @@ class Result:
 
 
 def plan(batches: Sequence[int], cache_lens: Sequence[int], groups: Sequence[int],
-         page_sizes: Sequence[int | None]) -> list[Point]:
-    return [Point(b, n, g, p) for g in groups for p in page_sizes for n in cache_lens
-            for b in batches]
+         page_sizes: Sequence[int | None], query_rows: Sequence[int] = (1,)) -> list[Point]:
+    return [Point(b, n, g, p, r) for r in query_rows for g in groups for p in page_sizes
+            for n in cache_lens for b in batches]
+
+
+def describe_plan(points: Sequence[Point], impls: Sequence[str], too_big: Sequence[Point],
+                  memory_gb: float) -> str:
+    """The plan as text: its axes, how many points each implementation runs, and the
+    largest cache it touches."""
+    def axis(values: set[Any]) -> str:
+        return ", ".join("none" if v is None else str(v) for v in
+                         sorted(values, key=lambda v: -1 if v is None else v))
+
+    runs = [p for p in points if p not in too_big]
+    lines = [
+        f"decode sweep: {len(points)} points, {HEADS_Q} query heads of dim {HEAD_DIM}, bf16, "
+        "causal, new rows appended",
+        f"  batch:       {axis({p.batch for p in points})}",
+        f"  cache len:   {axis({p.cache_len for p in points})}",
+        f"  GQA group:   {axis({p.group for p in points})}",
+        f"  query rows:  {axis({p.query_rows for p in points})}",
+        f"  page size:   {axis({p.page_size for p in points})}",
+        f"  skipped:     {len(too_big)} points whose cache exceeds {memory_gb} GB",
+        "  peak:        a device-to-device copy of "
+        f"{COPY_BYTES >> 20} MiB, timed once in the same run",
+        "  figures:     GB/s = bytes a step must move / median time; share of the copy's GB/s",
+    ]
+    for impl in impls:
+        runnable = [p for p in runs if impl != "torch-sdpa" or p.page_size is None]
+        lines.append(f"  {impl:12s} {len(runnable)} points"
+                     + (" (unpaged only)" if impl == "torch-sdpa" else "")
+                     + (" (page sizes that are multiples of 256, when installed)"
+                        if impl == "flash-attn" else ""))
+    if runs:
+        most = max(runs, key=lambda p: p.cache_bytes)
+        lines.append(f"  largest:     {most.label()} ({most.cache_bytes / 1e9:.1f} GB of K/V)")
+    return "\n".join(lines)
 
 
 # --- inputs and implementations ------------------------------------------------------------
@@ -129,8 +168,8 @@ def plan(batches: Sequence[int], cache_lens: Sequence[int], groups: Sequence[int
 
 @dataclass
 class DecodeInputs:
-    """One step: q (B, 1, Hq, D), the cache (unpaged or pages in random order), lengths
-    cache_len - 1 and one new K/V row per sequence."""
+    """One step: q (B, R, Hq, D), the cache (unpaged or pages in random order), lengths
+    cache_len - R and R new K/V rows per sequence (R = the point's query rows)."""
 
     q: Any
     k_cache: Any
@@ -145,12 +184,12 @@ def make_inputs(point: Point, gen: Any, device: str = "cuda") -> DecodeInputs:
     import torch
 
     dev, dt = device, torch.bfloat16
-    b, hkv = point.batch, point.heads_kv
+    b, hkv, nq = point.batch, point.heads_kv, point.query_rows
 
     def randn(*size: int) -> torch.Tensor:
         return torch.randn(*size, generator=gen, device=dev, dtype=dt)
 
-    q = randn(b, 1, HEADS_Q, HEAD_DIM)
+    q = randn(b, nq, HEADS_Q, HEAD_DIM)
     if point.page_size is None:
         shape: tuple[int, ...] = (b, point.cache_len, hkv, HEAD_DIM)
         table = None
@@ -159,16 +198,17 @@ def make_inputs(point: Point, gen: Any, device: str = "cuda") -> DecodeInputs:
         order = torch.randperm(b * slots, generator=gen, device=dev)
         table = order.view(b, slots).to(torch.int32)
         shape = (b * slots, point.page_size, hkv, HEAD_DIM)
-    lengths = torch.full((b,), point.cache_len - 1, dtype=torch.int32, device=dev)
+    lengths = torch.full((b,), point.cache_len - nq, dtype=torch.int32, device=dev)
     return DecodeInputs(q, randn(*shape), randn(*shape), lengths, table,
-                        randn(b, 1, hkv, HEAD_DIM), randn(b, 1, hkv, HEAD_DIM))
+                        randn(b, nq, hkv, HEAD_DIM), randn(b, nq, hkv, HEAD_DIM))
 
 
 def reference_first(x: DecodeInputs, point: Point) -> Any:
-    """float32 O (1, Hq, D) of sequence 0, from its cache rows and the new row."""
+    """float32 O (R, Hq, D) of sequence 0, from its cache rows and the new rows (query row
+    i sees keys j <= n + i, n its cache length: bottom-right causal)."""
     import torch
 
-    n = point.cache_len - 1
+    n = point.cache_len - point.query_rows
     positions = torch.arange(n, device=x.q.device)
     if x.block_table is None:
         keys, values = x.k_cache[0, :n], x.v_cache[0, :n]
@@ -180,6 +220,9 @@ def reference_first(x: DecodeInputs, point: Point) -> Any:
     keys = torch.cat([keys, x.k_new[0]]).float().repeat_interleave(point.group, dim=1)
     values = torch.cat([values, x.v_new[0]]).float().repeat_interleave(point.group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", x.q[0].float(), keys) / math.sqrt(HEAD_DIM)
+    rows = torch.arange(point.query_rows, device=x.q.device)[:, None]
+    cols = torch.arange(keys.shape[0], device=x.q.device)[None, :]
+    scores = scores.masked_fill(cols > rows + n, float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values)
 
 
@@ -191,6 +234,8 @@ def prepare(impl: str, x: DecodeInputs, point: Point) -> Callable[[], Any]:
         return lambda: flashtune.attention_with_kvcache(
             x.q, x.k_cache, x.v_cache, x.cache_seqlens, block_table=x.block_table,
             k=x.k_new, v=x.v_new, causal=True)
+    if impl == "torch-sdpa":
+        return _sdpa(x, point)
     try:
         from flash_attn import flash_attn_with_kvcache
     except ImportError as exc:
@@ -200,6 +245,30 @@ def prepare(impl: str, x: DecodeInputs, point: Point) -> Callable[[], Any]:
     return lambda: flash_attn_with_kvcache(
         x.q, x.k_cache, x.v_cache, k=x.k_new, v=x.v_new, cache_seqlens=x.cache_seqlens,
         block_table=x.block_table, causal=True)
+
+
+def _sdpa(x: DecodeInputs, point: Point) -> Callable[[], Any]:
+    """torch's SDPA on an unpaged cache: the new rows copied in, then attention over the
+    cache's rows with a bottom-right causal mask (GQA by ``enable_gqa``)."""
+    import torch
+    import torch.nn.functional as F
+
+    if x.block_table is not None:
+        raise Unavailable("torch SDPA has no paged KV (a gather would be what is timed)")
+    n, nq = point.cache_len - point.query_rows, point.query_rows
+    rows = torch.arange(nq, device=x.q.device)[:, None]
+    mask = torch.arange(point.cache_len, device=x.q.device)[None, :] <= rows + n
+    q = x.q.transpose(1, 2)
+
+    def call() -> Any:
+        x.k_cache[:, n:n + nq] = x.k_new
+        x.v_cache[:, n:n + nq] = x.v_new
+        out = F.scaled_dot_product_attention(q, x.k_cache.transpose(1, 2),
+                                             x.v_cache.transpose(1, 2), attn_mask=mask,
+                                             enable_gqa=point.group > 1)
+        return out.transpose(1, 2)
+
+    return call
 
 
 def copy_bandwidth(warmup: int, repeats: int) -> float:
@@ -250,7 +319,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batches", type=_ints, default=list(BATCHES))
     p.add_argument("--cache-lens", type=_ints, default=list(CACHE_LENS))
     p.add_argument("--groups", type=_ints, default=list(GROUPS),
-                   help=f"GQA group sizes dividing {HEADS_Q} (default 1,4,8)")
+                   help=f"GQA group sizes dividing {HEADS_Q} (default 1,4,8,16)")
+    p.add_argument("--query-rows", type=_ints, default=list(QUERY_ROWS),
+                   help="new query rows per sequence (default 1,4)")
     p.add_argument("--page-sizes", type=_pages, default=list(PAGE_SIZES),
                    help="comma list of page sizes, 'none' for an unpaged cache")
     p.add_argument("--impls", type=lambda s: s.split(","), default=list(IMPLS))
@@ -262,7 +333,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry", action="store_true",
-                   help="write the planned sweep (status 'planned') and exit; needs no GPU")
+                   help="print the plan, write it (status 'planned') and exit; needs no GPU")
     args = p.parse_args(argv)
     for g in args.groups:
         if g < 1 or HEADS_Q % g:
@@ -273,6 +344,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if not args.batches or not args.cache_lens or min(args.batches) < 1 or min(
             args.cache_lens) < 2:
         p.error("--batches must be >= 1 and --cache-lens >= 2 (a cached row and the new one)")
+    if not args.query_rows or min(args.query_rows) < 1 or min(args.cache_lens) <= max(
+            args.query_rows):
+        p.error("--query-rows must be >= 1 and below every --cache-lens")
     if any(s is not None and s < 1 for s in args.page_sizes):
         p.error("--page-sizes must be >= 1 (or none)")
     if args.warmup < 1 or args.repeats < 1:
@@ -291,7 +365,8 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     add_benchmarks_to_path()
-    points = plan(args.batches, args.cache_lens, args.groups, args.page_sizes)
+    points = plan(args.batches, args.cache_lens, args.groups, args.page_sizes,
+                  args.query_rows)
     env = environment_info(probe_gpu=not args.dry)
     env["command"] = " ".join(["python", *sys.argv]) if argv is None else " ".join(argv)
     csv_path, gpu = args.out / "decode.csv", str(env.get("gpu") or "no GPU")
@@ -310,6 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for p in points for i in args.impls]
         save()
         write_json(args.out / "decode_env.json", env)
+        print(describe_plan(points, args.impls, too_big, args.memory_gb))
         print(f"planned {len(points) - len(too_big)} points x {len(args.impls)} "
               f"implementations ({len(too_big)} over {args.memory_gb} GB skipped) -> "
               f"{csv_path}")

@@ -61,12 +61,15 @@ GC_PLAN=(
   "gpu-tests|140|pytest -m gpu, all but the tuner (junit: gpu-tests.xml)"
   "gpu-tests-tuner|60|pytest -m gpu tests/tuner: a real tune the dispatcher serves"
   "tune|60|flashtune tune of one problem (the results' tuning.db)"
-  "sweep|50|a subset of the attention sweep against the baselines"
-  "host|25|host-side figures (host.json)"
+  "sweep|40|a subset of the attention sweep against the baselines"
+  "decode|20|a short decode sweep: GB/s and share of the copy peak, vs SDPA and flash-attn"
+  "host|20|host-side figures (host.json)"
 )
 # The problem tuned for real, and the sweep subset that shows it next to the baselines.
 GC_TUNE_ARGS=(--head-dim 128 --dtype bf16 --seqlens 4096 --trials 12)
 GC_SWEEP_ARGS=(--subset --dtypes bf16 --head-dims 128 --repeats 20)
+GC_DECODE_ARGS=(--batches 1,64 --cache-lens 4096,65536 --groups 8 --page-sizes none,16,256
+                --query-rows 1 --repeats 10)
 # Seconds kept back at the end for the summary and the tarball; shortest stage worth running.
 GC_RESERVE_S=15
 GC_MIN_STAGE_S=5
@@ -390,6 +393,8 @@ gc_main() {
       --budget "$(gc_inner "$(gc_cap tune)" 15)"
     gc_planned sweep "$GC_PY" "$GC_REPO/benchmarks/attention.py" "${GC_SWEEP_ARGS[@]}" \
       --out "$GC_OUT/sweep" --time-budget "$(gc_inner "$(gc_cap sweep)" 15)"
+    gc_planned decode "$GC_PY" "$GC_REPO/benchmarks/decode.py" "${GC_DECODE_ARGS[@]}" \
+      --out "$GC_OUT/decode" --time-budget "$(gc_inner "$(gc_cap decode)" 5)"
     gc_planned host "$GC_PY" "$GC_REPO/benchmarks/host.py" --short --json "$GC_OUT/host.json"
   else
     if ((dry == 0)); then
@@ -416,6 +421,9 @@ gc_main() {
     gc_stage sweep-plan "$cap" "$GC_PY" "$GC_REPO/benchmarks/attention.py" \
       "${GC_SWEEP_ARGS[@]}" --out "$GC_OUT/sweep" --plan-only
     gc_skip sweep "$why"
+    gc_stage decode-plan "$cap" "$GC_PY" "$GC_REPO/benchmarks/decode.py" \
+      "${GC_DECODE_ARGS[@]}" --out "$GC_OUT/decode" --dry
+    gc_skip decode "$why"
     gc_skip host "$why (host.py runs in CI)"
   fi
   gc_finish "$tarball"

@@ -297,6 +297,15 @@ CHECK_INPUTS: Setting[bool] = Setting(
     "and the error surfaces at the next synchronisation). The emulator always checks",
 )
 
+BATCH_INVARIANT: Setting[bool] = Setting(
+    "FLASHTUNE_BATCH_INVARIANT",
+    _parse_bool,
+    lambda: False,
+    "attention_with_kvcache's default for batch_invariant: split each sequence by a fixed "
+    "number of keys for its own length and run one tile for every cache capacity, so that "
+    "a sequence's output is bitwise the same whatever else is in the batch",
+)
+
 ALL: tuple[Setting[object], ...] = (  # type: ignore[assignment]
     CACHE_DIR,
     PRECOMPILED_DIRS,
@@ -313,4 +322,5 @@ ALL: tuple[Setting[object], ...] = (  # type: ignore[assignment]
     EMULATOR_TIMEOUT_S,
     COMPILE_WORKERS,
     CHECK_INPUTS,
+    BATCH_INVARIANT,
 )

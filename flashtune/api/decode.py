@@ -3,11 +3,22 @@
 One call is two launches on the current stream: the ``decode`` family's kernel writes
 float32 partial O and LSE per split (the query heads of a GQA group packed into the rows of
 one block, the new rows appended to the cache in place), and the ``combine`` family's kernel
-merges the splits. The split count comes from the caller, else from FlashAttention-2's
-wave-efficiency rule over the SM count, batch x kv heads x row blocks and the cache
-capacity in key blocks (the lengths live on the device and are never read back, so a call
-never synchronises and can be captured in a CUDA graph), unless the tuned config of the
-bucket fixes it (the decode family's ``splits`` knob).
+merges the splits; a launch of one split writes O and the LSE itself and the combine is not
+launched. The bucket's tile is raised to cover the group's packed rows (group x query rows)
+in one row block (``space.covering_config``), so each K/V element is read once per
+(sequence, kv head). The lengths live on the device and are never read back: a call never
+synchronises and can be captured in a CUDA graph.
+
+How each sequence's keys are split (``split_mode``): the caller's ``num_splits``; else, in
+batch-invariant mode or when the problem has tuned split sizes, the split table
+(``splits.SplitTable``, from the tuned ``splitsize`` of each sequence bucket, else
+``DEFAULT_SPLIT_TABLE``), which the kernel reads on the device with each sequence's own
+length: a captured launch serves every context length with its bucket's split size, and a
+sequence's splits never depend on the rest of the batch; else the tuned bucket's ``splits``
+count, else FlashAttention-2's wave-efficiency rule over the SM count, batch x kv heads x
+row blocks and the cache capacity in key blocks. Batch-invariant calls also run one tile
+for every capacity (the ``INVARIANT_BUCKET``'s), so a sequence's O and LSE are bitwise the
+same whatever else is in the batch.
 
 Bad cache lengths and block-table entries, and pages that a sequence appends into while
 another slot uses them, are reported as InvalidInput before the launch (nothing is written)
@@ -29,21 +40,32 @@ import torch
 from flashtune import settings
 from flashtune.api.validate_kvcache import KvCacheLayout, check_cache_values
 from flashtune.api.variants import Variant
-from flashtune.codegen.spec import KernelConfig, ProblemBucket
+from flashtune.codegen.arch import get_arch
+from flashtune.codegen.spec import MAX_SEQ_BUCKET, MIN_SEQ_BUCKET, KernelConfig, ProblemBucket
 from flashtune.errors import InvalidInput
 from flashtune.families.combine import combine_grid, pack_combine_args
 from flashtune.families.decode import NOMINAL_SMS
 from flashtune.families.decode.args import decode_grid, m_blocks, pack_decode_args
-from flashtune.families.decode.space import config_splits
-from flashtune.families.decode.splits import heuristic_splits
+from flashtune.families.decode.space import config_split_size, config_splits, covering_config
+from flashtune.families.decode.splits import (
+    DEFAULT_SPLIT_TABLE,
+    SplitTable,
+    fitting_split_size,
+    heuristic_splits,
+)
 from flashtune.families.decode.status import STATUS_WORDS, describe
 from flashtune.families.fwd.args import feature_values
 from flashtune.runtime import plans
 from flashtune.runtime.dispatch import Decision
 from flashtune.runtime.plans import Plan, clear_caches
 
-__all__ = ["choose_splits", "clear_caches", "decide", "decode_problems", "default_num_splits",
-           "plan_for", "run_decode"]
+__all__ = ["INVARIANT_BUCKET", "choose_splits", "clear_caches", "covering_plan", "decide",
+           "decode_problems", "default_num_splits", "plan_for", "run_decode", "split_mode",
+           "tuned_split_table"]
+
+#: The sequence bucket whose tile batch-invariant calls run, whatever the capacity (the
+#: capacity follows the longest sequence of a batch, so it must not pick the tile).
+INVARIANT_BUCKET = MAX_SEQ_BUCKET
 
 
 def decode_problems(q: torch.Tensor, causal: bool, capacity: int
@@ -71,6 +93,75 @@ def plan_for(q: torch.Tensor, causal: bool, capacity: int, backend: str,
 
 
 _status: dict[int, torch.Tensor] = {}
+_covers: dict[tuple[object, ...], Plan] = plans.derived_cache()
+_tables: dict[tuple[object, ...], tuple[SplitTable, bool]] = plans.derived_cache()
+_table_words: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+
+
+def covering_plan(plan: Plan, q: torch.Tensor, heads_kv: int, backend: str) -> Plan:
+    """``plan`` with its tile raised to cover the call's packed rows (group x query rows) in
+    one row block (``space.covering_config``; memoised)."""
+    rows = q.shape[2] // heads_kv * q.shape[1]
+    key = (backend, q.get_device(), plan.source.problem, plan.source.config,
+           plan.decision.arch, rows)
+    made = _covers.get(key)
+    if made is None:
+        config = covering_config(plan.source.problem, plan.source.config, rows,
+                                 get_arch(plan.decision.arch))
+        made = _covers.setdefault(key, plans.retiled(plan, config, q, backend))
+    return made
+
+
+def tuned_split_table(q: torch.Tensor, causal: bool, backend: str,
+                      features: tuple[str, ...] = ()) -> tuple[SplitTable, bool]:
+    """The split table of this problem and whether any of it is tuned: each sequence
+    bucket's tuned ``splitsize`` (raised, as the tuner timed it, where the bucket's lengths
+    would need more than MAX_SPLITS pieces: ``splits.fitting_split_size``), else
+    DEFAULT_SPLIT_TABLE's size for the bucket, adjacent buckets of one
+    size merged; memoised (the dispatcher is asked once per bucket, on the first call)."""
+    key = (backend, q.get_device(), q.dtype, q.shape[3], causal, features)
+    found = _tables.get(key)
+    if found is not None:
+        return found
+    sizes: list[tuple[int, int]] = []
+    tuned = False
+    bucket = MIN_SEQ_BUCKET
+    while bucket <= MAX_SEQ_BUCKET:
+        decision, _ = plans.decide(q, causal, backend or None, "decode", features, bucket)
+        size = config_split_size(decision.config)
+        if size > 0:  # as it was timed: raised where the bucket needs more than MAX_SPLITS
+            tuned = True
+            size = fitting_split_size(size, bucket)
+        else:
+            size = DEFAULT_SPLIT_TABLE.size_for(bucket)
+        if sizes and sizes[-1][1] == size:
+            sizes[-1] = (bucket, size)
+        else:
+            sizes.append((bucket, size))
+        bucket *= 2
+    table = SplitTable(tuple(b for b, _ in sizes[:-1]), tuple(n for _, n in sizes))
+    return _tables.setdefault(key, (table, tuned))
+
+
+def _device_table(table: SplitTable, device: torch.device) -> torch.Tensor:
+    """The kernel's (buckets, 2) int32 words of ``table`` on ``device`` (copied there once)."""
+    words = tuple(table.words())
+    key = (-1 if device.type != "cuda" else device.index or 0, words)
+    found = _table_words.get(key)
+    if found is None:
+        found = _table_words.setdefault(key, torch.tensor(
+            words, dtype=torch.int32, device=device).view(-1, 2))
+    return found
+
+
+def split_mode(num_splits: int, config: KernelConfig, layout: KvCacheLayout, sm_count: int,
+               table: SplitTable | None) -> tuple[SplitTable | None, int]:
+    """The split table the kernel reads (None: even splits) and the grid's split count:
+    the caller's count, else ``table``'s pieces by length (batch-invariant, or tuned), else
+    ``choose_splits``."""
+    if num_splits > 0 or table is None:
+        return None, choose_splits(num_splits, config, layout, sm_count)
+    return table, table.grid_splits(layout.capacity)
 
 
 def default_num_splits(layout: KvCacheLayout, block_m: int, block_n: int,
@@ -116,16 +207,30 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
                k: torch.Tensor | None, v: torch.Tensor | None, layout: KvCacheLayout,
                causal: bool, softmax_scale: float, num_splits: int, backend: str,
-               variant: Variant | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               variant: Variant | None = None, batch_invariant: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (like q) and the float32 LSE (batch, heads_q, seqlen_q) of validated inputs,
     launched on the current stream, with the features ``variant`` (None: none);
-    ``num_splits`` 0 means the heuristic; ``backend`` "" means the FLASHTUNE_BACKEND
-    setting."""
+    ``num_splits`` 0 means the split mode's choice (``split_mode``); ``backend`` "" means
+    the FLASHTUNE_BACKEND setting; ``batch_invariant``: splits of fixed sizes by each
+    sequence's own length and one tile for every capacity (bitwise the same result for a
+    sequence whatever the batch); InvalidInput with a caller's ``num_splits``."""
+    if batch_invariant and num_splits:
+        raise InvalidInput(f"num_splits={num_splits} with batch_invariant=True: a "
+                           "batch-invariant call splits each sequence by a fixed number of "
+                           "keys for its own length; pass num_splits=None")
     name = backend or settings.BACKEND.get()
     features = variant.features if variant is not None else ()
-    decode, combine = plan_for(q, causal, layout.capacity, name, features)
-    config = decode.decision.config
-    splits = choose_splits(num_splits, config, layout, decode.sm_count or NOMINAL_SMS)
+    decode, combine = plan_for(q, causal, INVARIANT_BUCKET if batch_invariant
+                               else layout.capacity, name, features)
+    decode = covering_plan(decode, q, layout.heads_kv, name)
+    config = decode.source.config
+    table = None
+    if not num_splits:
+        tuned, any_tuned = tuned_split_table(q, causal, name, features)
+        table = tuned if batch_invariant or any_tuned else None
+    split_table, splits = split_mode(num_splits, config, layout,
+                                     decode.sm_count or NOMINAL_SMS, table)
     wrong = _misaligned({"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v})
     if wrong is not None:
         raise wrong
@@ -136,27 +241,39 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     trap = decode.on_gpu
     status = _status_buffer(q, trap=trap)
     batch, seqlen_q, heads_q, dim = q.shape
-    o_part = torch.empty(splits, batch, heads_q, seqlen_q, dim, dtype=torch.float32,
-                         device=q.device)
-    lse_part = torch.empty(splits, batch, heads_q, seqlen_q, dtype=torch.float32,
-                           device=q.device)
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=q.device)
+    direct = splits == 1  # the kernel writes O and LSE itself: no partials, no combine
+    part = (0,) if direct else (splits, batch, heads_q, seqlen_q)
+    o_part = torch.empty(*part, *(() if direct else (dim,)), dtype=torch.float32,
+                         device=q.device)
+    lse_part = o_part if direct else torch.empty(*part, dtype=torch.float32, device=q.device)
     stream = decode.stream()
     decode.kernel.launch(
         decode_grid(batch, heads_q, layout.heads_kv, seqlen_q, config.block_m, splits),
         pack_decode_args(q, k_cache, v_cache, k, v, block_table, cache_seqlens, o_part,
                          lse_part, status, num_splits=splits, softmax_scale=softmax_scale,
-                         trap_on_error=trap, features=features,
+                         trap_on_error=trap,
+                         split_table=None if split_table is None
+                         else _device_table(split_table, q.device),
+                         o=out if direct else None, lse=lse if direct else None,
+                         features=features,
                          feature_args=feature_values(decode.source.problem, variant)
                          if features else None),
         stream=stream)
-    combine.kernel.launch(combine_grid(batch * heads_q * seqlen_q, combine.block_m),
-                          pack_combine_args(o_part, lse_part, out, lse), stream=stream)
+    if not direct:
+        combine.kernel.launch(combine_grid(batch * heads_q * seqlen_q, combine.block_m),
+                              pack_combine_args(o_part, lse_part, out, lse), stream=stream)
     if not trap:
-        words = status.tolist()
-        if any(words):
-            raise InvalidInput(describe(words, seqlen_new=layout.seqlen_new,
-                                        capacity=layout.capacity,
-                                        num_pages=layout.num_pages if layout.paged else None))
+        report_status(status, layout)
     return out, lse
+
+
+def report_status(status: torch.Tensor, layout: KvCacheLayout) -> None:
+    """InvalidInput with the kernel's report of a bad input, if it made one (the emulator's
+    status buffer, read on the host: the emulator's tensors are host memory)."""
+    words = status.tolist()
+    if any(words):
+        raise InvalidInput(describe(words, seqlen_new=layout.seqlen_new,
+                                    capacity=layout.capacity,
+                                    num_pages=layout.num_pages if layout.paged else None))

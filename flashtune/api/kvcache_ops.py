@@ -12,6 +12,7 @@ from typing import Any, Literal, overload
 
 import torch
 
+from flashtune import settings
 from flashtune.api import decode as _decode
 from flashtune.api.ops import check_no_grad, direct_call_ok
 from flashtune.api.validate import check_softmax_scale
@@ -37,16 +38,17 @@ def attention_with_kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               k: torch.Tensor | None, v: torch.Tensor | None, causal: bool,
                               softmax_scale: float, num_splits: int, backend: str,
                               window_left: int = -1, window_right: int = -1,
-                              softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None
+                              softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                              batch_invariant: bool = False
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (B, Nq, Hq, D) and LSE (B, Hq, Nq, float32) of validated inputs and features
     (a window of (-1, -1), a softcap of 0.0 and no slopes: off); num_splits 0: the
-    heuristic."""
+    split mode's choice."""
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
     variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes)
     return _decode.run_decode(q, k_cache, v_cache, cache_seqlens, block_table, k, v, layout,
                               causal, softmax_scale, num_splits, backend,
-                              variant if variant.features else None)
+                              variant if variant.features else None, batch_invariant)
 
 
 @attention_with_kvcache_op.register_fake
@@ -54,8 +56,8 @@ def _fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
           cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
           k: torch.Tensor | None, v: torch.Tensor | None, causal: bool, softmax_scale: float,
           num_splits: int, backend: str, window_left: int = -1, window_right: int = -1,
-          softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+          softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+          batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seqlen_q, heads_q, _ = q.shape
     return (torch.empty_like(q),
             q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
@@ -69,7 +71,8 @@ def attention_with_kvcache(
     softmax_scale: float | None = ..., num_splits: int | None = ...,
     return_lse: Literal[False] = ..., backend: str | None = ...,
     window_size: tuple[int, int] = ..., softcap: float | None = ...,
-    alibi_slopes: torch.Tensor | None = ...) -> torch.Tensor: ...
+    alibi_slopes: torch.Tensor | None = ..., batch_invariant: bool | None = ...
+) -> torch.Tensor: ...
 
 
 @overload
@@ -80,7 +83,8 @@ def attention_with_kvcache(
     softmax_scale: float | None = ..., num_splits: int | None = ...,
     return_lse: Literal[True], backend: str | None = ...,
     window_size: tuple[int, int] = ..., softcap: float | None = ...,
-    alibi_slopes: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+    alibi_slopes: torch.Tensor | None = ..., batch_invariant: bool | None = ...
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @overload
@@ -90,7 +94,8 @@ def attention_with_kvcache(
     k: torch.Tensor | None = ..., v: torch.Tensor | None = ..., causal: bool = ...,
     softmax_scale: float | None = ..., num_splits: int | None = ..., return_lse: bool,
     backend: str | None = ..., window_size: tuple[int, int] = ...,
-    softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...
+    softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...,
+    batch_invariant: bool | None = ...
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -111,6 +116,7 @@ def attention_with_kvcache(
     window_size: tuple[int, int] = NO_WINDOW,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    batch_invariant: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few new query rows per sequence over a KV cache, in flash-attn's layout.
 
@@ -133,10 +139,12 @@ def attention_with_kvcache(
     cache_seqlens[b] + Nnew); a row that sees no key gets O = 0 and LSE = +inf.
     ``softmax_scale`` defaults to 1/sqrt(D). ``num_splits`` (1 to 128) splits each sequence's
     keys across that many blocks whose partial results are merged by their LSE; None or 0
-    (flash-attn's "choose") picks the tuned bucket's count, else FlashAttention-2's
-    wave-efficiency heuristic for this GPU. Returns O (B, Nq, Hq, D), and
-    with ``return_lse`` also the float32 natural-log LSE (B, Hq, Nq). ``backend`` as in
-    ``attention``.
+    (flash-attn's "choose") splits each sequence by the tuned split size of its own
+    context-length bucket, chosen on the device (when the problem has tuned split sizes),
+    else by the tuned bucket's count, else by FlashAttention-2's wave-efficiency heuristic
+    for this GPU. A call of one split writes O and LSE without the merge. Returns O
+    (B, Nq, Hq, D), and with ``return_lse`` also the float32 natural-log LSE (B, Hq, Nq).
+    ``backend`` as in ``attention``.
 
     A cache length below 0 or beyond the capacity (max_len, or page_size x max_pages) and a
     block-table entry outside [0, num_pages) for a page a sequence uses are never followed:
@@ -152,13 +160,20 @@ def attention_with_kvcache(
     keys i + total - Nq - left <= j <= i + total - Nq + right (-1: unbounded; causal makes
     right 0); softcap replaces S by softcap * tanh(S / softcap); ALiBi (float32 slopes of
     (heads_q,) or (batch, heads_q)) adds -slope * |i + total - Nq - j| after it.
+
+    ``batch_invariant`` (None: the FLASHTUNE_BATCH_INVARIANT setting, off by default): each
+    sequence is split by a fixed number of keys for its own length (the split table) and
+    the tile is the same for every cache capacity, so a sequence's O and LSE are bitwise
+    the same whatever the batch size, the other sequences' lengths and the other requests
+    (deterministic: nothing is accumulated atomically). ``num_splits`` must then be None.
     """
     dim = padded_head_dim(q, k_cache, v_cache, k, v)
     if dim is not None:  # any head dim: zero-padded copies, the appended rows copied back
         return _padded_call(dim, q, k_cache, v_cache, cache_seqlens, block_table, k, v,
                             causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
                             return_lse=return_lse, backend=backend, window_size=window_size,
-                            softcap=softcap, alibi_slopes=alibi_slopes)
+                            softcap=softcap, alibi_slopes=alibi_slopes,
+                            batch_invariant=batch_invariant)
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
     check_no_grad(q, k_cache, v_cache, k, v)
     if not isinstance(causal, bool):
@@ -172,18 +187,27 @@ def attention_with_kvcache(
             variant = None
     scale = check_softmax_scale(softmax_scale, q.shape[3])
     splits = 0 if num_splits is None else check_num_splits(num_splits, choose=True)
+    invariant = settings.BATCH_INVARIANT.get() if batch_invariant is None else batch_invariant
+    if not isinstance(invariant, bool):
+        raise InvalidInput(f"batch_invariant={batch_invariant!r} must be a bool or None (the "
+                           "FLASHTUNE_BATCH_INVARIANT setting)")
+    if invariant and splits:
+        raise InvalidInput(f"num_splits={num_splits} with batch_invariant=True: a "
+                           "batch-invariant call splits each sequence by a fixed number of "
+                           "keys for its own length; pass num_splits=None")
     name = "" if backend is None else backend
     if direct_call_ok(q, k_cache, v_cache, cache_seqlens, block_table, k, v):
         out, lse = _decode.run_decode(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
-                                      layout, causal, scale, splits, name, variant)
+                                      layout, causal, scale, splits, name, variant, invariant)
     elif variant is None:
         out, lse = attention_with_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table,
-                                             k, v, causal, scale, splits, name)
+                                             k, v, causal, scale, splits, name,
+                                             batch_invariant=invariant)
     else:
         out, lse = attention_with_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table,
                                              k, v, causal, scale, splits, name,
                                              *variant.window, variant.softcap,
-                                             variant.alibi_slopes)
+                                             variant.alibi_slopes, invariant)
     return (out, lse) if return_lse else out
 
 

@@ -18,6 +18,7 @@ keep only their own launches.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from flashtune import families, settings
 from flashtune.codegen.spec import (
     MAX_SEQ_BUCKET,
     MIN_SEQ_BUCKET,
+    KernelConfig,
     KernelSource,
     Problem,
     ProblemBucket,
@@ -201,6 +203,25 @@ def plan_for(q: torch.Tensor, causal: bool, backend: str, op: str,
     return plan
 
 
+def retiled(plan: Plan, config: KernelConfig, q: torch.Tensor, backend: str) -> Plan:
+    """``plan`` with its kernel rendered for ``config`` (the same problem, decision tier and
+    backend): for an op that adapts its decided tile to a call's shape (decoding raises
+    block_m to cover a GQA group's rows); memoised with the plans."""
+    if config == plan.source.config:
+        return plan
+    key = ("retiled", backend, q.get_device(), plan.source.problem, config)
+    made = _plans.get(key)
+    if made is None:
+        with _plans_lock:
+            made = _plans.get(key)
+            if made is None:
+                entry = resolve_backend(backend, q.device)
+                made = _load(dataclasses.replace(plan.decision, config=config), entry,
+                             q.device)
+                _plans[key] = made
+    return made
+
+
 def cached() -> dict[tuple[object, ...], Plan]:
     """A copy of the memoised plans by key: (backend, device index, dtype, head dim,
     causal, sequence bucket, features, op)."""
@@ -208,7 +229,23 @@ def cached() -> dict[tuple[object, ...], Plan]:
         return dict(_plans)
 
 
+#: Memos an op derives from plans (decoding's row covers and split tables), emptied with
+#: the plans.
+_derived: list[dict[Any, Any]] = []
+
+
+def derived_cache() -> dict[Any, Any]:
+    """A new memo that ``clear_caches`` empties with the plans (for what an op derives from
+    plans or from the dispatcher's decisions)."""
+    cache: dict[Any, Any] = {}
+    _derived.append(cache)
+    return cache
+
+
 def clear_caches() -> None:
-    """Forget every plan (loaded kernels stay in their backends' caches)."""
+    """Forget every plan and every derived memo (loaded kernels stay in their backends'
+    caches)."""
     with _plans_lock:
         _plans.clear()
+        for cache in _derived:
+            cache.clear()

@@ -26,6 +26,13 @@
 // the block's partial O and LSE with NaN, and (trap_on_error) stops the kernel with a trap
 // so that the error surfaces at the next synchronisation.
 //
+// Splits: num_splits even pieces of each sequence's keys, or, with a split table
+// (flashtune.families.decode.splits.SplitTable), pieces of the size of the sequence's own
+// length bucket, chosen here from the length the kernel reads: a sequence's splits never
+// depend on the rest of the batch (batch-invariant), and one captured launch serves every
+// length with its tuned split. A launch of one split given O and LSE writes them directly
+// (RowOutputs): no combine.
+//
 // Causal: query position i sees key j iff j <= i + total - seqlen_q (bottom-right aligned,
 // total = cache_len + seqlen_new). Partial outputs (contiguous float32):
 //   o_part   (num_splits, batch, heads_q, seqlen_q, HeadDim), normalised within the split;
@@ -157,16 +164,56 @@ __device__ __forceinline__ void store_new_keys(const KvRows<Tr>& kv,
   }
 }
 
-// The whole block writes partial O = o_value and LSE = lse_value for its packed rows.
+// Where a block writes its packed rows: row r of the split's partial O and LSE, or, when
+// the launch has one split and the final outputs are given (`final_o`), O in the input type
+// and the LSE directly: what the combine of one split writes (weight exp(0) = 1, LSE + log 1),
+// so the combine is not launched.
 template <class Tr>
-__device__ __forceinline__ void fill_partial_rows(float* o_rows, float* lse_rows, int m0,
-                                                  int rows, float o_value, float lse_value,
-                                                  int tid) {
-  const int end = rows < m0 + Tr::kBlockM ? rows : m0 + Tr::kBlockM;
-  for (int idx = m0 * Tr::kHeadDim + tid; idx < end * Tr::kHeadDim; idx += Tr::kThreads) {
-    o_rows[idx] = o_value;
+struct RowOutputs {
+  float* o_rows;                          // partial O of packed row 0
+  float* lse_rows;                        // partial LSE of packed row 0
+  typename Tr::Element* final_o;          // null: partials; else O of head offset 0, position 0
+  float* final_lse;                       // LSE of packed row 0
+  long long o_row_stride;
+  long long o_head_stride;
+  int seqlen_q;
+
+  __device__ __forceinline__ typename Tr::Element* final_row(int r) const {
+    const int g = r / seqlen_q;
+    return final_o + static_cast<long long>(r - g * seqlen_q) * o_row_stride +
+           g * o_head_stride;
   }
-  for (int r = m0 + tid; r < end; r += Tr::kThreads) lse_rows[r] = lse_value;
+
+  // The LSE of a row: a row that saw no key has -inf among partials (weight 0 in the
+  // combine) and +inf as a final result (the forward's convention).
+  __device__ __forceinline__ void store_lse(int r, float value) const {
+    if (final_o != nullptr) {
+      final_lse[r] = value == -INFINITY ? INFINITY : value;
+    } else {
+      lse_rows[r] = value;
+    }
+  }
+};
+
+// The whole block writes O = o_value and LSE = lse_value (partial convention) for its
+// packed rows.
+template <class Tr>
+__device__ __forceinline__ void fill_partial_rows(const RowOutputs<Tr>& out, int m0, int rows,
+                                                  float o_value, float lse_value, int tid) {
+  const int end = rows < m0 + Tr::kBlockM ? rows : m0 + Tr::kBlockM;
+  if (out.final_o != nullptr) {
+    constexpr int kPairs = Tr::kHeadDim / 2;
+    const unsigned packed = Tr::Ops::pack(o_value, o_value);
+    for (int idx = m0 * kPairs + tid; idx < end * kPairs; idx += Tr::kThreads) {
+      const int r = idx / kPairs;
+      *reinterpret_cast<unsigned*>(out.final_row(r) + 2 * (idx - r * kPairs)) = packed;
+    }
+  } else {
+    for (int idx = m0 * Tr::kHeadDim + tid; idx < end * Tr::kHeadDim; idx += Tr::kThreads) {
+      out.o_rows[idx] = o_value;
+    }
+  }
+  for (int r = m0 + tid; r < end; r += Tr::kThreads) out.store_lse(r, lse_value);
 }
 
 // The key limits of the warp's rows in one split: key j is visible to row (mt, h) iff
@@ -291,12 +338,12 @@ struct SplitTransform {
 
 // Write the warp's normalised partial O rows and their LSE straight from the fragments:
 // -inf (and O = 0) for a row that saw no key of the split, where the forward's softmax
-// gives +inf, so that its weight in the combine is 0. Rows at or past `rows` are not
-// written.
+// gives +inf, so that its weight in the combine is 0 (final outputs: RowOutputs). Rows at
+// or past `rows` are not written.
 template <class Tr>
 __device__ __forceinline__ void store_partial_rows(OnlineSoftmax<Tr>& softmax,
                                                    const float (&o)[Tr::kMTiles][Tr::kOTiles][4],
-                                                   float* o_rows, float* lse_rows, int row0,
+                                                   const RowOutputs<Tr>& out, int row0,
                                                    int rows, int lane) {
   float inv_sum[Tr::kMTiles][2];
   float lse[Tr::kMTiles][2];
@@ -307,15 +354,25 @@ __device__ __forceinline__ void store_partial_rows(OnlineSoftmax<Tr>& softmax,
     for (int h = 0; h < 2; ++h) {
       const int row = row0 + mt * 16 + lane / 4 + 8 * h;
       if (row >= rows) continue;
-      float* o_row = o_rows + static_cast<long long>(row) * Tr::kHeadDim + 2 * (lane % 4);
+      if (out.final_o != nullptr) {
+        typename Tr::Element* o_row = out.final_row(row) + 2 * (lane % 4);
 #pragma unroll
-      for (int dt = 0; dt < Tr::kRealChunks; ++dt) {
-        float2 pair;
-        pair.x = o[mt][dt][2 * h] * inv_sum[mt][h];
-        pair.y = o[mt][dt][2 * h + 1] * inv_sum[mt][h];
-        *reinterpret_cast<float2*>(o_row + 8 * dt) = pair;
+        for (int dt = 0; dt < Tr::kRealChunks; ++dt) {
+          *reinterpret_cast<unsigned*>(o_row + 8 * dt) = Tr::Ops::pack(
+              o[mt][dt][2 * h] * inv_sum[mt][h], o[mt][dt][2 * h + 1] * inv_sum[mt][h]);
+        }
+      } else {
+        float* o_row =
+            out.o_rows + static_cast<long long>(row) * Tr::kHeadDim + 2 * (lane % 4);
+#pragma unroll
+        for (int dt = 0; dt < Tr::kRealChunks; ++dt) {
+          float2 pair;
+          pair.x = o[mt][dt][2 * h] * inv_sum[mt][h];
+          pair.y = o[mt][dt][2 * h + 1] * inv_sum[mt][h];
+          *reinterpret_cast<float2*>(o_row + 8 * dt) = pair;
+        }
       }
-      if (lane % 4 == 0) lse_rows[row] = lse[mt][h] == INFINITY ? -INFINITY : lse[mt][h];
+      if (lane % 4 == 0) out.store_lse(row, lse[mt][h] == INFINITY ? -INFINITY : lse[mt][h]);
     }
   }
 }
@@ -326,14 +383,17 @@ __device__ __forceinline__ void decode_split(
     typename Tr::Element* v_cache, const typename Tr::Element* k_new,
     const typename Tr::Element* v_new, const int* __restrict__ block_table,
     const int* __restrict__ cache_seqlens, float* __restrict__ o_part,
-    float* __restrict__ lse_part, int* status, int seqlen_q, int seqlen_new, int heads_q,
-    int heads_kv, int num_splits, int page_size, int max_pages, int num_pages,
-    int trap_on_error, long long q_batch_stride, long long q_row_stride,
-    long long q_head_stride, long long k_page_stride, long long k_row_stride,
-    long long k_head_stride, long long v_page_stride, long long v_row_stride,
-    long long v_head_stride, long long kn_batch_stride, long long kn_row_stride,
-    long long kn_head_stride, long long vn_batch_stride, long long vn_row_stride,
-    long long vn_head_stride, long long bt_batch_stride, float softmax_scale,
+    float* __restrict__ lse_part, int* status, const int* __restrict__ split_table,
+    typename Tr::Element* __restrict__ o, float* __restrict__ lse, int seqlen_q,
+    int seqlen_new, int heads_q, int heads_kv, int num_splits, int split_buckets,
+    int page_size, int max_pages, int num_pages, int trap_on_error, long long q_batch_stride,
+    long long q_row_stride, long long q_head_stride, long long k_page_stride,
+    long long k_row_stride, long long k_head_stride, long long v_page_stride,
+    long long v_row_stride, long long v_head_stride, long long kn_batch_stride,
+    long long kn_row_stride, long long kn_head_stride, long long vn_batch_stride,
+    long long vn_row_stride, long long vn_head_stride, long long o_batch_stride,
+    long long o_row_stride, long long o_head_stride, long long bt_batch_stride,
+    float softmax_scale,
     const VariantArgs& var = VariantArgs{}) {
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM;
@@ -356,8 +416,17 @@ __device__ __forceinline__ void decode_split(
   const long long out_row0 =
       ((static_cast<long long>(split) * gridDim.z + batch) * heads_q +
        static_cast<long long>(kv_head) * group) * seqlen_q;
-  float* const o_rows = o_part + out_row0 * Tr::kHeadDim;
-  float* const lse_rows = lse_part + out_row0;
+  // One split launched with the final outputs given: they are written here (no combine).
+  // Made where it is used (from the parameters), so that it holds no register in the loop.
+  auto outputs = [&]() {
+    const bool direct = o != nullptr && gridDim.x == 1;
+    const long long head0 = static_cast<long long>(kv_head) * group;
+    return RowOutputs<Tr>{
+        o_part + out_row0 * Tr::kHeadDim, lse_part + out_row0,
+        direct ? o + batch * o_batch_stride + head0 * o_head_stride : nullptr,
+        direct ? lse + (static_cast<long long>(batch) * heads_q + head0) * seqlen_q : nullptr,
+        o_row_stride, o_head_stride, seqlen_q};
+  };
 
   const int cache_len = cache_seqlens[batch];
   if (cache_len < 0 || cache_len > page_size * max_pages - seqlen_new) {
@@ -365,16 +434,28 @@ __device__ __forceinline__ void decode_split(
       record_bad_input(status, cache_len < 0 ? kErrNegativeLength : kErrBeyondCapacity, batch,
                        batch, cache_len, trap_on_error);
     }
-    fill_partial_rows<Tr>(o_rows, lse_rows, m0, rows, quiet_nan(), quiet_nan(), tid);
+    fill_partial_rows<Tr>(outputs(), m0, rows, quiet_nan(), quiet_nan(), tid);
     return;
   }
   const int total = cache_len + seqlen_new;
-  const int per_split =
-      ((total + num_splits - 1) / num_splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
+  // Keys per split: the split size of the sequence's own length bucket (decided here, on
+  // the device, from the length the kernel reads), else num_splits even pieces.
+  int per_split;
+  if (split_table != nullptr) {
+    int bucket = 0;
+    while (bucket + 1 < split_buckets && total > split_table[2 * bucket]) ++bucket;
+    // Never more than kMaxSplits pieces (a length past the table's last bound).
+    const int least = ((total + kMaxSplits - 1) / kMaxSplits + kSplitAlign - 1) / kSplitAlign *
+                      kSplitAlign;
+    per_split = split_table[2 * bucket + 1] > least ? split_table[2 * bucket + 1] : least;
+  } else {
+    per_split =
+        ((total + num_splits - 1) / num_splits + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
+  }
   const int key_begin = split * per_split;
   const int key_end = total < key_begin + per_split ? total : key_begin + per_split;
   if (key_begin >= key_end) {  // an empty split: weight 0 in the combine
-    fill_partial_rows<Tr>(o_rows, lse_rows, m0, rows, 0.0f, -INFINITY, tid);
+    fill_partial_rows<Tr>(outputs(), m0, rows, 0.0f, -INFINITY, tid);
     return;
   }
   // The first key tile the block visits: with a window, the tile holding the first key of
@@ -385,7 +466,7 @@ __device__ __forceinline__ void decode_split(
     int skip_to = total - seqlen_q - var.left(total);
     if (m_block == 0 && seqlen_new > 0 && cache_len < skip_to) skip_to = cache_len;
     if (skip_to >= key_end) {  // no row sees a key of this split: weight 0 in the combine
-      fill_partial_rows<Tr>(o_rows, lse_rows, m0, rows, 0.0f, -INFINITY, tid);
+      fill_partial_rows<Tr>(outputs(), m0, rows, 0.0f, -INFINITY, tid);
       return;
     }
     if (skip_to > key_begin) first_key = key_begin + (skip_to - key_begin) / kBlockN * kBlockN;
@@ -407,7 +488,7 @@ __device__ __forceinline__ void decode_split(
     }
     block_sync();
     if (flags[0] != 0) {
-      fill_partial_rows<Tr>(o_rows, lse_rows, m0, rows, quiet_nan(), quiet_nan(), tid);
+      fill_partial_rows<Tr>(outputs(), m0, rows, quiet_nan(), quiet_nan(), tid);
       return;
     }
   }
@@ -551,7 +632,7 @@ __device__ __forceinline__ void decode_split(
   }
   cp_async_wait_all();  // only empty groups remain; leave none behind
 
-  store_partial_rows<Tr>(softmax, acc_o, o_rows, lse_rows, warp_row0, rows, lane);
+  store_partial_rows<Tr>(softmax, acc_o, outputs(), warp_row0, rows, lane);
 }
 
 }  // namespace ft

@@ -46,7 +46,7 @@ def _summary(out: Path) -> dict[str, dict[str, str]]:
 
 DRY_STAGES = ["install", "env", "nvidia-smi", "smoke-compile", "smoke", "precompile-d64",
               "precompile", "gpu-tests-collect", "gpu-tests", "gpu-tests-tuner",
-              "tune-options", "tune", "sweep-plan", "sweep", "host"]
+              "tune-options", "tune", "sweep-plan", "sweep", "decode-plan", "decode", "host"]
 
 
 def test_dry_run_writes_every_file(tmp_path: Path) -> None:
@@ -56,10 +56,10 @@ def test_dry_run_writes_every_file(tmp_path: Path) -> None:
     stages = _summary(out)
     assert list(stages) == DRY_STAGES, proc.stdout
     for name in ("install", "env", "smoke-compile", "precompile-d64", "gpu-tests-collect",
-                 "tune-options", "sweep-plan"):
+                 "tune-options", "sweep-plan", "decode-plan"):
         assert stages[name]["status"] == "passed", (name, stages[name], proc.stdout)
     for name in ("smoke", "precompile", "gpu-tests", "gpu-tests-tuner", "tune", "sweep",
-                 "host"):
+                 "decode", "host"):
         assert stages[name]["status"] == "skipped"
         assert "dry run" in stages[name]["note"]
     assert stages["nvidia-smi"]["status"] in ("passed", "skipped")

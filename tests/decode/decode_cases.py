@@ -16,10 +16,14 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 import flashtune
 from flashtune.codegen.spec import DType, Problem, Shape
-from flashtune.families.base import Inputs
+from flashtune.families.base import Inputs, close_enough
+from flashtune.families.checks import LSE_TOLERANCE, O_TOLERANCE
 from flashtune.families.decode import DECODE, DecodeCase
+from flashtune.families.decode.reference import attention_with_kvcache_reference
 
 PAGE_SIZES: tuple[int | None, ...] = (None, 1, 4, 16, 128, 256)
 SEQLEN_Q = (1, 2, 4, 7, 16)
@@ -102,3 +106,14 @@ def call_api(inputs: Inputs, **kwargs: Any) -> Any:
     return flashtune.attention_with_kvcache(
         t["q"], t["k_cache"], t["v_cache"], t["cache_seqlens"], block_table=t.get("block_table"),
         k=t.get("k_new"), v=t.get("v_new"), **kwargs)
+
+
+def assert_close_to_float64(inputs: Inputs, causal: bool, out: torch.Tensor,
+                            lse: torch.Tensor) -> None:
+    """The API's O and LSE against float64 attention over each sequence's keys."""
+    ref_o, ref_lse = attention_with_kvcache_reference(inputs, causal)
+    dtype = DType.FP16 if out.dtype == torch.float16 else DType.BF16
+    for name, got, want, tol in (("O", out, ref_o, O_TOLERANCE[dtype]),
+                                 ("LSE", lse, ref_lse, LSE_TOLERANCE)):
+        _, _, wrong = close_enough(name, got, want, tol)
+        assert not wrong, wrong

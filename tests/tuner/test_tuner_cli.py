@@ -154,7 +154,7 @@ def test_fix_restricts_the_search_to_the_fixed_knobs(db_url: str) -> None:
     for fix, expected in (("splits=3", "its values are [0, 1, 2, 4, 8, 16, 32, 64, 128]"),
                           ("nosuch=1", "'nosuch' is not a knob of the 'decode' family; its "
                                        "knobs are ['block_m', 'block_n', 'num_warps', "
-                                       "'num_stages', 'splits']")):
+                                       "'num_stages', 'splits', 'splitsize']")):
         result = runner.invoke(app, ["tune", "--op", "decode", "--head-dim", "64", "--fix", fix,
                                      "--dry-run", "--db", db_url])
         assert result.exit_code == 1, result.output

@@ -35,7 +35,7 @@ from flashtune.families.decode import space
 from flashtune.families.decode.args import DECODE_ABI, decode_grid, pack_decode_args
 from flashtune.families.decode.inputs import DecodeCase, draw_case, make_inputs
 from flashtune.families.decode.reference import decode_reference
-from flashtune.families.decode.splits import heuristic_splits
+from flashtune.families.decode.splits import SplitTable, fitting_split_size, heuristic_splits
 from flashtune.families.decode.status import STATUS_WORDS, describe
 from flashtune.families.fwd import variants
 from flashtune.families.fwd.args import feature_values
@@ -54,6 +54,9 @@ _NOMINAL_BLOCK_N = 64
 #: What a tuning bucket is timed on by default: (batch, query heads), GQA group 4.
 TUNING_BATCH_HEADS = ((1, 32), (16, 32), (64, 32))
 TUNING_GROUP = 4
+#: Serving shapes timed beside them at the bucket's length: (GQA group, query rows), the
+#: large group of a speculative-decoding step.
+TUNING_SERVING = ((8, 4),)
 #: Cached rows (sequences x length) a timed shape holds at most: a few GB of cache.
 TUNING_TOKENS = 1 << 20
 #: The cache length a tuning candidate is verified on (at most).
@@ -90,35 +93,55 @@ class DecodeFamily(KernelFamily):
         return space.SPACE
 
     def config(self, point: Point) -> KernelConfig:
-        """The config of a point; splits 0 (the heuristic) is the config without the knob."""
+        """The config of a point; splits 0 (the heuristic) and split_size 0 (none) are the
+        config without the knob."""
         values = dict(point)
-        if values.get(space.SPLITS) == 0:
-            del values[space.SPLITS]
+        for knob in (space.SPLITS, space.SPLIT_SIZE):
+            if values.get(knob) == 0:
+                del values[knob]
         return KernelConfig.from_dict(values)
 
     def point(self, config: KernelConfig) -> dict[str, Value]:
-        return {**config.to_dict(), space.SPLITS: space.config_splits(config)}
+        return {**config.to_dict(), space.SPLITS: space.config_splits(config),
+                space.SPLIT_SIZE: space.config_split_size(config)}
 
     def bind(self, problem: Problem, config: KernelConfig, inputs: Inputs) -> Inputs:
-        """A config with a split count launches that many splits; without one the inputs'
-        own count (the heuristic's, when they were drawn) stays."""
+        """A config with a split count launches that many splits, one with a split size
+        splits every sequence into pieces of that size (a one-bucket split table, read on
+        the device; raised where the capacity would need more than MAX_SPLITS pieces,
+        ``splits.fitting_split_size``); without either the inputs' own splits (the
+        heuristic's count, when they were drawn) stay."""
+        size = space.config_split_size(config)
+        if size > 0:
+            t = inputs.tensors
+            pages = t["block_table"].shape[1] if "block_table" in t else 1
+            capacity = t["k_cache"].shape[1] * pages
+            table = SplitTable((), (fitting_split_size(size, capacity),))
+            words = torch.tensor(table.words(), dtype=torch.int32,
+                                 device=t["q"].device).view(-1, 2)
+            return Inputs({**t, "split_table": words},
+                          {**inputs.scalars, "num_splits": table.grid_splits(capacity)})
         splits = space.config_splits(config)
-        if splits <= 0 or splits == inputs.scalars["num_splits"]:
+        if splits <= 0 or (splits == inputs.scalars["num_splits"]
+                           and "split_table" not in inputs.tensors):
             return inputs
-        return Inputs(inputs.tensors, {**inputs.scalars, "num_splits": splits})
+        tensors = {k: v for k, v in inputs.tensors.items() if k != "split_table"}
+        return Inputs(tensors, {**inputs.scalars, "num_splits": splits})
 
     def tuning_shapes(self, problem: Problem, seqlen: int,
                       batch_heads: Sequence[tuple[int, int]]) -> tuple[list[Shape], Shape]:
         """One new query row per sequence over caches of ``seqlen`` and 3/4 of it, at each
         (batch, heads_q) pair (default TUNING_BATCH_HEADS; batches cut to TUNING_TOKENS
-        cached rows in all), GQA group TUNING_GROUP; verified on a small cache that spans
-        several key tiles."""
+        cached rows in all), GQA group TUNING_GROUP, and the TUNING_SERVING (group, query
+        rows) at ``seqlen``; verified on a small cache that spans several key tiles."""
         shapes: list[Shape] = []
         for batch, heads in batch_heads or TUNING_BATCH_HEADS:
             group = TUNING_GROUP if heads % TUNING_GROUP == 0 else 1
-            for length in (seqlen, max(1, seqlen * 3 // 4)):
+            kinds = [(group, 1, seqlen), (group, 1, max(1, seqlen * 3 // 4))]
+            kinds += [(g, rows, seqlen) for g, rows in TUNING_SERVING if heads % g == 0]
+            for g, rows, length in kinds:
                 fitting = max(1, min(batch, TUNING_TOKENS // length))
-                shape = Shape(fitting, heads, heads // group, 1, length)
+                shape = Shape(fitting, heads, heads // g, rows, length)
                 if shape not in shapes:
                     shapes.append(shape)
         return shapes, Shape(2, 8, 2, 2, min(seqlen, VERIFY_CACHE))
@@ -184,7 +207,7 @@ class DecodeFamily(KernelFamily):
         args = pack_decode_args(t["q"], t["k_cache"], t["v_cache"], t.get("k_new"),
                                 t.get("v_new"), t.get("block_table"), t["cache_seqlens"],
                                 outputs["o_part"], outputs["lse_part"], outputs["status"],
-                                num_splits=splits,
+                                num_splits=splits, split_table=t.get("split_table"),
                                 softmax_scale=inputs.scalars["softmax_scale"],
                                 trap_on_error=False, features=problem.features,
                                 feature_args=feature_values(
@@ -225,12 +248,12 @@ class DecodeFamily(KernelFamily):
         return total / 2 if problem.causal and shape.seqlen_q == shape.seqlen_k else total
 
     def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
-        """K and V of the cache read once per kv head, Q read, partial O and LSE written
-        (one split), all at the full capacity."""
+        """K and V of the cache read once per kv head, Q read, O (the input type) and the
+        float32 LSE written (one split writes them directly), all at the full capacity."""
         e, d = problem.dtype.itemsize, problem.head_dim
         q_rows = shape.batch * shape.heads_q * shape.seqlen_q
         kv_rows = shape.batch * shape.heads_kv * shape.seqlen_k
-        return float(q_rows * d * e + 2 * kv_rows * d * e + q_rows * (4 * d + 4))
+        return float(q_rows * d * e + 2 * kv_rows * d * e + q_rows * (e * d + 4))
 
 
 DECODE = DecodeFamily()

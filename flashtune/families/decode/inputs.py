@@ -4,10 +4,11 @@ rows to append, the query rows and the split count.
 ``DecodeCase`` names everything a decode call has beyond a ``Shape`` (batch, heads_q,
 heads_kv, seqlen_q, seqlen_k = the cache capacity per sequence): the page size (None for an
 unpaged cache), each sequence's cache length, how many new rows are appended and the number
-of splits. ``make_inputs`` draws random tensors for a case. Cache rows that no sequence may
-read (past its length, and the spare pages no block table names) hold NaN, so that a kernel
-reading them produces NaN and fails verification; block-table slots a sequence does not
-use hold -1, which the kernel must never look at.
+of splits (even pieces, or with a ``SplitTable`` the grid's split count and the pieces of
+each sequence's own length bucket). ``make_inputs`` draws random tensors for a case. Cache
+rows that no sequence may read (past its length, and the spare pages no block table names)
+hold NaN, so that a kernel reading them produces NaN and fails verification; block-table
+slots a sequence does not use hold -1, which the kernel must never look at.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from flashtune._lazy import lazy_module
 from flashtune.codegen.spec import Problem, Shape
 from flashtune.errors import InvalidInput
 from flashtune.families.base import Inputs, torch_dtype
-from flashtune.families.decode.splits import check_num_splits
+from flashtune.families.decode.splits import SplitTable, check_num_splits
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +40,7 @@ class DecodeCase:
     cache_seqlens: tuple[int, ...]
     seqlen_new: int
     num_splits: int
+    split_table: SplitTable | None = None
 
     def __post_init__(self) -> None:
         if self.page_size is not None and (isinstance(self.page_size, bool) or
@@ -69,11 +71,19 @@ class DecodeCase:
         if any(n > room for n in self.cache_seqlens):
             raise InvalidInput(f"cache_seqlens={self.cache_seqlens} with {self.seqlen_new} new "
                                f"rows exceed the capacity {self.capacity(shape)}")
+        if self.split_table is not None:
+            need = self.split_table.grid_splits(self.capacity(shape))
+            if self.num_splits != need:
+                raise InvalidInput(f"num_splits={self.num_splits} with the split table "
+                                   f"{self.split_table}: the grid over a capacity of "
+                                   f"{self.capacity(shape)} keys needs {need}")
 
     def key(self) -> str:
         paged = "unpaged" if self.page_size is None else f"page{self.page_size}"
         lengths = "-".join(str(n) for n in self.cache_seqlens)
-        return f"{paged}_len{lengths}_new{self.seqlen_new}_splits{self.num_splits}"
+        table = "" if self.split_table is None else "_table" + "-".join(
+            str(w) for w in self.split_table.words()[:-2] + [self.split_table.sizes[-1]])
+        return f"{paged}_len{lengths}_new{self.seqlen_new}_splits{self.num_splits}{table}"
 
 
 def draw_case(shape: Shape, gen: torch.Generator, *, page_sizes: Sequence[int | None],
@@ -103,7 +113,8 @@ def make_inputs(problem: Problem, shape: Shape, case: DecodeCase, device: torch.
 
     Tensors: q, k_cache, v_cache, cache_seqlens, block_table (paged), k_new and v_new
     (appending), and k_cache_before / v_cache_before, copies of the caches as drawn (the
-    reference's view of them: the kernel appends in place). Scalars: softmax_scale,
+    reference's view of them: the kernel appends in place), split_table (the case's
+    ``SplitTable.words`` as (buckets, 2) int32, when it has one). Scalars: softmax_scale,
     num_splits."""
     case.check(shape)
     dt, d = torch_dtype(problem.dtype), problem.head_dim
@@ -139,4 +150,7 @@ def make_inputs(problem: Problem, shape: Shape, case: DecodeCase, device: torch.
     if case.seqlen_new:
         for name in ("k_new", "v_new"):
             tensors[name] = _randn(gen, device, dt, b, case.seqlen_new, hkv, d)
+    if case.split_table is not None:
+        tensors["split_table"] = torch.tensor(case.split_table.words(), dtype=torch.int32,
+                                              device=device).view(-1, 2)
     return Inputs(tensors, {"softmax_scale": d ** -0.5, "num_splits": case.num_splits})

@@ -3,10 +3,10 @@
 Sequence b's keys are its first cache_seqlens[b] cache rows (through the block table when
 paged: position j is row j % page_size of page block_table[b, j // page_size]) followed by
 the appended rows; the expected caches afterwards hold the appended rows at positions
-cache_seqlens[b] + n. Split s covers keys ``splits.split_range``; query position i sees key
-j iff j <= i + total - seqlen_q when causal; query head h reads kv head h // group. Partial
-O is normalised within its split; a row that sees no key of a split has O = 0 and LSE =
--inf there.
+cache_seqlens[b] + n. Split s covers keys ``splits.split_range`` (``SplitTable.split_range``
+with a table); query position i sees key j iff j <= i + total - seqlen_q when causal; query
+head h reads kv head h // group. Partial O is normalised within its split; a row that sees
+no key of a split has O = 0 and LSE = -inf there.
 
 Features (the forward's reference, ``fwd.reference.scaled_scores``, with Nk = total, the
 sequence's keys after appending, and Nq = seqlen_q): a window, softcap and ALiBi apply to
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from flashtune._lazy import lazy_module
 from flashtune.families.base import Inputs
-from flashtune.families.decode.splits import split_range
+from flashtune.families.decode.splits import SplitTable, split_range
 from flashtune.families.fwd.reference import scaled_scores
 from flashtune.families.fwd.variants import VariantValues
 
@@ -103,6 +103,15 @@ def partial_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return o, lse
 
 
+def split_table_of(inputs: Inputs) -> SplitTable | None:
+    """The split table of the inputs (their ``split_table`` words), or None."""
+    words = inputs.tensors.get("split_table")
+    if words is None:
+        return None
+    pairs = [tuple(int(w) for w in row) for row in words.tolist()]
+    return SplitTable(tuple(b for b, _ in pairs[:-1]), tuple(s for _, s in pairs))
+
+
 def decode_reference(inputs: Inputs, causal: bool, variant: VariantValues | None = None
                      ) -> dict[str, torch.Tensor]:
     """Partial O (splits, batch, heads_q, seqlen_q, dim) and LSE (splits, batch, heads_q,
@@ -115,10 +124,12 @@ def decode_reference(inputs: Inputs, causal: bool, variant: VariantValues | None
                          device=q.device)
     lse_part = torch.full((splits, batch, heads_q, seqlen_q), float("-inf"),
                           dtype=torch.float64, device=q.device)
+    table = split_table_of(inputs)
     for b, (keys, values) in enumerate(sequence_keys(inputs)):
         total = keys.shape[0]
         for s in range(splits):
-            begin, end = split_range(total, splits, s)
+            begin, end = (split_range(total, splits, s) if table is None
+                          else table.split_range(total, s))
             if begin == end:
                 break  # this split and all later ones are empty
             o, lse = partial_attention(q[b], keys, values, begin, end, total, causal, scale,

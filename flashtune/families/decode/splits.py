@@ -14,6 +14,7 @@ the best, among counts that change the number of key blocks per split.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from flashtune.errors import InvalidInput
 
@@ -80,3 +81,87 @@ def heuristic_splits(blocks: int, sm_count: int, key_blocks: int,
         if eligible(splits) and efficiency[splits - 1] >= _NEAR_BEST * best:
             return splits
     return 1
+
+
+@dataclass(frozen=True)
+class SplitTable:
+    """Split sizes by context length, read by the kernel on the device (the split choice of
+    a captured launch follows each sequence's own length, with no host decision).
+
+    A sequence of ``total`` keys (cache length plus appended rows) takes the first bucket
+    whose bound is >= total (the last bucket takes every longer one) and is split into
+    pieces of P keys, P that bucket's ``sizes`` entry (raised by ``fitting_split_size``
+    where total would need more than MAX_SPLITS pieces): split s covers
+    ``[s * P, min((s + 1) * P, total))``. A sequence's splits depend on its own length
+    only, never on the batch, so the mode is batch-invariant. ``bounds`` ascend; ``sizes``
+    (one more than bounds) are positive multiples of SPLIT_ALIGN.
+    """
+
+    bounds: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.sizes) != len(self.bounds) + 1 or len(self.sizes) > MAX_TABLE_BUCKETS:
+            raise InvalidInput(
+                f"SplitTable: sizes={self.sizes} must have one entry more than "
+                f"bounds={self.bounds} (the last bucket takes every longer sequence), and at "
+                f"most {MAX_TABLE_BUCKETS}")
+        if any(not a < b for a, b in zip((0, *self.bounds), self.bounds, strict=False)):
+            raise InvalidInput(f"SplitTable.bounds={self.bounds} must be positive and "
+                               "strictly ascending context lengths")
+        bad = [s for s in self.sizes if isinstance(s, bool) or not isinstance(s, int)
+               or s < SPLIT_ALIGN or s % SPLIT_ALIGN]
+        if bad:
+            raise InvalidInput(f"SplitTable.sizes={self.sizes}: {bad} are not positive "
+                               f"multiples of {SPLIT_ALIGN} keys; round them up to one")
+
+    def size_for(self, total: int) -> int:
+        """Keys per split of a sequence of ``total`` keys."""
+        size = self.sizes[-1]
+        for bound, own in zip(self.bounds, self.sizes, strict=False):
+            if total <= bound:
+                size = own
+                break
+        return fitting_split_size(size, total)
+
+    def split_range(self, total: int, split: int) -> tuple[int, int]:
+        """Keys [begin, end) of split ``split`` of a sequence of ``total`` keys."""
+        per = self.size_for(total)
+        begin = min(split * per, total)
+        return begin, min(begin + per, total)
+
+    def grid_splits(self, capacity: int) -> int:
+        """The splits a launch over caches of ``capacity`` keys needs: the most any
+        sequence up to that length takes (at most MAX_SPLITS)."""
+        most, low = 1, 0
+        for bound, size in zip((*self.bounds, capacity), self.sizes, strict=False):
+            if low >= capacity:
+                break
+            # ceil(L / size) pieces, never above MAX_SPLITS, for every length L of the bucket
+            most = max(most, min(MAX_SPLITS, -(-min(bound, capacity) // size)))
+            low = bound
+        return most
+
+    def words(self) -> list[int]:
+        """The kernel's int32 table: (bound, size) pairs, the last bound INT32_MAX."""
+        out: list[int] = []
+        for bound, size in zip((*self.bounds, _INT32_MAX), self.sizes, strict=False):
+            out += [bound, size]
+        return out
+
+
+def fitting_split_size(size: int, capacity: int) -> int:
+    """``size``, raised to the smallest multiple of SPLIT_ALIGN that splits ``capacity``
+    keys into at most MAX_SPLITS pieces (a tuned size of a short bucket applied to a long
+    one)."""
+    least = -(-capacity // MAX_SPLITS)
+    return max(size, -(-least // SPLIT_ALIGN) * SPLIT_ALIGN)
+
+
+#: The most buckets a split table holds.
+MAX_TABLE_BUCKETS = 16
+_INT32_MAX = (1 << 31) - 1
+#: The untuned split table: pieces that grow with the context, at most 16 splits up to
+#: 128k keys (enough blocks to fill a GPU at batch 1 for 8 kv heads) and one split below
+#: 256 keys (no combine).
+DEFAULT_SPLIT_TABLE = SplitTable((256, 2048, 16384, 131072), (256, 512, 2048, 8192, 16384))

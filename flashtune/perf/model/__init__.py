@@ -10,7 +10,8 @@ main loops cost per tile, ``occupancy`` resident blocks, ``grid`` when a grid's 
 block ends, ``gpus`` the datasheet table, ``params`` the model's free parameters and
 version, ``calibrate`` / ``correlate`` its fit to and agreement with measurements,
 ``baselines`` the published FlashAttention figures, ``emulated`` counters from the CPU
-emulator and ``default_rule`` the rule that picks the forward's default configs.
+emulator, ``default_rule`` the rule that picks the forward's default configs and ``decode``
+split-KV decoding's bandwidth- and launch-bound model.
 
 Every time this package returns is a PREDICTION, labelled as such; measurements come only
 from a GPU.

@@ -38,6 +38,9 @@ class TrialResult:
     spill_bytes: int | None = None
     max_abs_error: float | None = None
     error: str | None = None
+    #: GB/s (the shapes' least bytes over their median times), beside the time: the
+    #: measure of a memory-bound op such as decoding.
+    gb_per_s: float | None = None
 
     def __post_init__(self) -> None:
         timed = bool(self.timings) or self.tflops is not None
@@ -70,6 +73,8 @@ class TrialResult:
             out["spill_bytes"] = self.spill_bytes
         if self.median_ms is not None:
             out["median_ms"] = self.median_ms
+        if self.gb_per_s is not None:
+            out["gb_per_s"] = self.gb_per_s
         return out
 
     @property
@@ -125,6 +130,8 @@ def evaluate(measurer: Measurer, workload: Workload, config: KernelConfig,
     if [t.shape for t in timings] != list(workload.shapes):
         raise TuningError(f"measurer timed {[t.shape.key() for t in timings]}, expected "
                           f"{[s.key() for s in workload.shapes]}")
-    tflops = workload.objective([t.median_ms for t in timings])
-    return TrialResult(config, TrialStatus.OK, timings=tuple(timings), tflops=tflops,
-                       max_abs_error=verdict.max_abs_error, registers=regs, spill_bytes=spilled)
+    medians = [t.median_ms for t in timings]
+    return TrialResult(config, TrialStatus.OK, timings=tuple(timings),
+                       tflops=workload.objective(medians),
+                       max_abs_error=verdict.max_abs_error, registers=regs, spill_bytes=spilled,
+                       gb_per_s=workload.bandwidth(medians))

@@ -111,6 +111,17 @@ class Workload:
         return geomean([self.tflops(s, t) for s, t in zip(self.shapes, medians_ms, strict=True)])
 
 
+    def bandwidth(self, medians_ms: Sequence[float]) -> float:
+        """Geometric mean GB/s over the shapes: the bytes each must move at the least (the
+        family's ``min_bytes``) over its median time (ms); a memory-bound op's measure."""
+        if len(medians_ms) != len(self.shapes) or any(t <= 0 for t in medians_ms):
+            raise TuningError(f"need one positive time per shape ({len(self.shapes)}), got "
+                              f"{list(medians_ms)}")
+        family = families.of(self.problem)
+        return geomean([family.min_bytes(self.problem, s) / (t * 1e-3) / 1e9
+                        for s, t in zip(self.shapes, medians_ms, strict=True)])
+
+
 def geomean(values: Sequence[float]) -> float:
     if not values or any(v <= 0 for v in values):
         raise TuningError(f"geometric mean needs positive values, got {list(values)}")
