@@ -4,7 +4,8 @@ kernel family does not implement them.
 The keyword arguments are flash-attn's: ``window_size=(left, right)`` (-1: unbounded on that
 side; ``causal=True`` is the window (-1, 0) and, with a window, sets its right side to 0),
 ``softcap`` (None or 0.0, flash-attn's default: off; else a cap > 0) and ``alibi_slopes``
-(float32 (heads_q,) or (batch, heads_q) on the tensors' device). ``resolve`` turns them
+(float32 (heads_q,) or (batch, heads_q) on the tensors' device), and gpt-oss's ``sinks``
+(float32 (heads_q,) on the tensors' device, ``check_sinks``). ``resolve`` turns them
 into a ``Variant``: the compile-time feature switches of the Problem and the run-time values
 of the launch.
 """
@@ -40,12 +41,15 @@ class Variant:
     varlen: VarlenArgs | None = None
     #: The params of declared score modifications by name (none from the API's keywords).
     mods: Mapping[str, float] = field(default_factory=dict)
+    #: Attention sinks: float32 (heads_q,), one logit per query head (``check_sinks``).
+    sinks: torch.Tensor | None = None
 
     @property
     def features(self) -> tuple[str, ...]:
         """The Problem feature switches this call needs, in key order."""
         on = (("window", self.window != NO_WINDOW), ("softcap", self.softcap > 0.0),
-              ("alibi", self.alibi_slopes is not None), ("varlen", self.varlen is not None))
+              ("alibi", self.alibi_slopes is not None), ("varlen", self.varlen is not None),
+              ("sinks", self.sinks is not None))
         return tuple(name for name, flag in on if flag)
 
 
@@ -106,9 +110,33 @@ def check_alibi_slopes(slopes: object, q: torch.Tensor, batch: int) -> torch.Ten
     return slopes if slopes.stride(-1) == 1 else slopes.contiguous()
 
 
+def check_sinks(sinks: object, q: torch.Tensor) -> torch.Tensor | None:
+    """The sinks, contiguous, or None; InvalidInput unless a float32 tensor of shape
+    (heads_q,) on q's device (heads_q: q's second-to-last dim). It may require grad (its
+    gradient comes from the backward pass)."""
+    if sinks is None:
+        return None
+    heads_q = q.shape[-2]
+    if not isinstance(sinks, torch.Tensor):
+        raise InvalidInput(f"sinks must be a torch.Tensor, got {type(sinks).__name__}; "
+                           f"expected float32 of shape ({heads_q},): one logit per query head")
+    if sinks.dtype != torch.float32:
+        raise InvalidInput(f"sinks has dtype {sinks.dtype}; expected torch.float32. Convert "
+                           "with sinks.float() (gradients still flow to the original)")
+    if tuple(sinks.shape) != (heads_q,):
+        raise InvalidInput(f"sinks has shape {tuple(sinks.shape)}; expected ({heads_q},): one "
+                           "logit per query head")
+    if sinks.device != q.device:
+        raise InvalidInput(f"sinks is on {sinks.device} but q is on {q.device}; move it with "
+                           "sinks.to(q.device)")
+    if sinks.layout != torch.strided:
+        raise InvalidInput(f"sinks has layout {sinks.layout}; expected a dense tensor")
+    return sinks if sinks.stride(-1) == 1 else sinks.contiguous()
+
+
 def resolve(causal: bool, window_size: object, softcap: object, alibi_slopes: object,
             q: torch.Tensor, batch: int, longest: tuple[int, int] | None,
-            varlen: VarlenArgs | None = None) -> Variant:
+            varlen: VarlenArgs | None = None, sinks: object = None) -> Variant:
     """The validated features of a call on q (..., Hq, D) of ``batch`` sequences.
 
     A window is normalised to the cheapest equal mask: the window (-1, 0) is ``causal``,
@@ -119,6 +147,7 @@ def resolve(causal: bool, window_size: object, softcap: object, alibi_slopes: ob
     left, right = check_window_size(window_size)
     cap = check_softcap(softcap)
     slopes = check_alibi_slopes(alibi_slopes, q, batch)
+    checked_sinks = check_sinks(sinks, q)
     window = NO_WINDOW
     if (left, right) != NO_WINDOW:
         if causal:
@@ -130,13 +159,29 @@ def resolve(causal: bool, window_size: object, softcap: object, alibi_slopes: ob
                 right = -1
         causal = (left, right) == (-1, 0)
         window = NO_WINDOW if causal else (left, right)
-    return Variant(causal, window, cap, slopes, varlen)
+    return Variant(causal, window, cap, slopes, varlen, sinks=checked_sinks)
+
+
+#: Features the API composes around a kernel family rather than compiling into it: the
+#: backward kernels recompute P from the forward's LSE, which already includes the sink
+#: (the sink's own gradient is a reduction of the backward's D, ``api.backward``).
+BACKWARD_COMPOSED = frozenset({"sinks"})
+
+
+def kernel_features(op: str, features: tuple[str, ...]) -> tuple[str, ...]:
+    """The feature switches of ``features`` that kernel family ``op``'s kernels compile in
+    (the backward's leave out ``BACKWARD_COMPOSED``)."""
+    if op in ("bwd", "bwddet"):
+        return tuple(f for f in features if f not in BACKWARD_COMPOSED)
+    return features
 
 
 def refuse_unsupported(op: str, features: tuple[str, ...], q: torch.Tensor, what: str
                        ) -> None:
     """FeatureNotSupported when kernel family ``op`` does not implement ``features`` (for a
-    call on validated ``q``); ``what`` names the operation for the message."""
+    call on validated ``q``; only those its kernels compile in, ``kernel_features``);
+    ``what`` names the operation for the message."""
+    features = kernel_features(op, features)
     if not features:
         return
     dtype = element_type(q.dtype)
