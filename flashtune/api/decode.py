@@ -19,7 +19,9 @@ with it for the message; a trap loses the CUDA context, cache included). Without
 shared pages are not looked for on a GPU: that would cost a synchronisation per call.
 
 The two kernels' plans (``runtime.plans``; bucketed by the cache capacity) are memoised with
-every other op's.
+every other op's. Attention sinks join where the final O and LSE are written: the combine
+kernel of a ``sinks`` problem (the splits' partial LSEs leave the sink out, so the decode
+kernel is the one without sinks).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 from flashtune import settings
 from flashtune.api.validate_kvcache import KvCacheLayout, check_cache_values
-from flashtune.api.variants import Variant
+from flashtune.api.variants import Variant, kernel_features
 from flashtune.codegen.spec import KernelConfig, ProblemBucket
 from flashtune.errors import InvalidInput
 from flashtune.families.combine import combine_grid, pack_combine_args
@@ -64,10 +66,12 @@ def decide(q: torch.Tensor, causal: bool, capacity: int, backend: str | None,
 
 def plan_for(q: torch.Tensor, causal: bool, capacity: int, backend: str,
              features: tuple[str, ...] = ()) -> tuple[Plan, Plan]:
-    """The memoised plans of the decode and combine kernels of this call (the decode kernel
-    with the feature switches ``features``)."""
-    return (plans.plan_for(q, causal, backend, "decode", features, capacity),
-            plans.plan_for(q, False, backend, "combine", (), capacity))
+    """The memoised plans of the decode and combine kernels of this call with the feature
+    switches ``features`` (the decode kernel's but sinks, the combine's only sinks)."""
+    combine = ("sinks",) if "sinks" in features else ()
+    return (plans.plan_for(q, causal, backend, "decode", kernel_features("decode", features),
+                           capacity),
+            plans.plan_for(q, False, backend, "combine", combine, capacity))
 
 
 _status: dict[int, torch.Tensor] = {}
@@ -124,6 +128,7 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     name = backend or settings.BACKEND.get()
     features = variant.features if variant is not None else ()
     decode, combine = plan_for(q, causal, layout.capacity, name, features)
+    features = decode.source.problem.features  # the decode kernel's (sinks: the combine's)
     config = decode.decision.config
     splits = choose_splits(num_splits, config, layout, decode.sm_count or NOMINAL_SMS)
     wrong = _misaligned({"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v})
@@ -151,8 +156,11 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          feature_args=feature_values(decode.source.problem, variant)
                          if features else None),
         stream=stream)
+    # The sinks join where the final O and LSE are written: here, in the combine.
     combine.kernel.launch(combine_grid(batch * heads_q * seqlen_q, combine.block_m),
-                          pack_combine_args(o_part, lse_part, out, lse), stream=stream)
+                          pack_combine_args(o_part, lse_part, out, lse,
+                                            variant.sinks if variant is not None else None),
+                          stream=stream)
     if not trap:
         words = status.tolist()
         if any(words):

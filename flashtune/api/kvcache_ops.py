@@ -37,13 +37,15 @@ def attention_with_kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               k: torch.Tensor | None, v: torch.Tensor | None, causal: bool,
                               softmax_scale: float, num_splits: int, backend: str,
                               window_left: int = -1, window_right: int = -1,
-                              softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None
+                              softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                              sinks: torch.Tensor | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (B, Nq, Hq, D) and LSE (B, Hq, Nq, float32) of validated inputs and features
-    (a window of (-1, -1), a softcap of 0.0 and no slopes: off); num_splits 0: the
-    heuristic."""
+    (a window of (-1, -1), a softcap of 0.0, no slopes and no sinks: off); num_splits 0:
+    the heuristic."""
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
-    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes)
+    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes,
+                      sinks=sinks)
     return _decode.run_decode(q, k_cache, v_cache, cache_seqlens, block_table, k, v, layout,
                               causal, softmax_scale, num_splits, backend,
                               variant if variant.features else None)
@@ -54,8 +56,8 @@ def _fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
           cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
           k: torch.Tensor | None, v: torch.Tensor | None, causal: bool, softmax_scale: float,
           num_splits: int, backend: str, window_left: int = -1, window_right: int = -1,
-          softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+          softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+          sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seqlen_q, heads_q, _ = q.shape
     return (torch.empty_like(q),
             q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
@@ -69,7 +71,8 @@ def attention_with_kvcache(
     softmax_scale: float | None = ..., num_splits: int | None = ...,
     return_lse: Literal[False] = ..., backend: str | None = ...,
     window_size: tuple[int, int] = ..., softcap: float | None = ...,
-    alibi_slopes: torch.Tensor | None = ...) -> torch.Tensor: ...
+    alibi_slopes: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...
+) -> torch.Tensor: ...
 
 
 @overload
@@ -80,7 +83,8 @@ def attention_with_kvcache(
     softmax_scale: float | None = ..., num_splits: int | None = ...,
     return_lse: Literal[True], backend: str | None = ...,
     window_size: tuple[int, int] = ..., softcap: float | None = ...,
-    alibi_slopes: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+    alibi_slopes: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @overload
@@ -90,8 +94,8 @@ def attention_with_kvcache(
     k: torch.Tensor | None = ..., v: torch.Tensor | None = ..., causal: bool = ...,
     softmax_scale: float | None = ..., num_splits: int | None = ..., return_lse: bool,
     backend: str | None = ..., window_size: tuple[int, int] = ...,
-    softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+    softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...,
+    sinks: torch.Tensor | None = ...) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention_with_kvcache(
@@ -111,6 +115,7 @@ def attention_with_kvcache(
     window_size: tuple[int, int] = NO_WINDOW,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few new query rows per sequence over a KV cache, in flash-attn's layout.
 
@@ -151,21 +156,25 @@ def attention_with_kvcache(
     sequence's keys after appending (total) and Nq its new query rows: query row i sees
     keys i + total - Nq - left <= j <= i + total - Nq + right (-1: unbounded; causal makes
     right 0); softcap replaces S by softcap * tanh(S / softcap); ALiBi (float32 slopes of
-    (heads_q,) or (batch, heads_q)) adds -slope * |i + total - Nq - j| after it.
+    (heads_q,) or (batch, heads_q)) adds -slope * |i + total - Nq - j| after it. ``sinks``
+    (float32 (heads_q,)) is ``attention``'s: each head's logit joins every row's softmax
+    denominator (in the merge of the splits), and a row that sees no key gets LSE = sink.
     """
     dim = padded_head_dim(q, k_cache, v_cache, k, v)
     if dim is not None:  # any head dim: zero-padded copies, the appended rows copied back
         return _padded_call(dim, q, k_cache, v_cache, cache_seqlens, block_table, k, v,
                             causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
                             return_lse=return_lse, backend=backend, window_size=window_size,
-                            softcap=softcap, alibi_slopes=alibi_slopes)
+                            softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks)
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
-    check_no_grad(q, k_cache, v_cache, k, v)
+    check_no_grad(q, k_cache, v_cache, k, v, sinks if isinstance(sinks, torch.Tensor) else None)
     if not isinstance(causal, bool):
         raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
     variant = None
-    if window_size != NO_WINDOW or softcap is not None or alibi_slopes is not None:
-        variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0], None)
+    if (window_size != NO_WINDOW or softcap is not None or alibi_slopes is not None
+            or sinks is not None):
+        variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0], None,
+                          sinks=sinks)
         refuse_unsupported("decode", variant.features, q, "flashtune.attention_with_kvcache")
         causal = variant.causal
         if not variant.features:
@@ -173,7 +182,8 @@ def attention_with_kvcache(
     scale = check_softmax_scale(softmax_scale, q.shape[3])
     splits = 0 if num_splits is None else check_num_splits(num_splits, choose=True)
     name = "" if backend is None else backend
-    if direct_call_ok(q, k_cache, v_cache, cache_seqlens, block_table, k, v):
+    if direct_call_ok(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
+                      variant.sinks if variant is not None else None):
         out, lse = _decode.run_decode(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
                                       layout, causal, scale, splits, name, variant)
     elif variant is None:
@@ -183,7 +193,7 @@ def attention_with_kvcache(
         out, lse = attention_with_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table,
                                              k, v, causal, scale, splits, name,
                                              *variant.window, variant.softcap,
-                                             variant.alibi_slopes)
+                                             variant.alibi_slopes, variant.sinks)
     return (out, lse) if return_lse else out
 
 

@@ -162,18 +162,22 @@ def resolve(causal: bool, window_size: object, softcap: object, alibi_slopes: ob
     return Variant(causal, window, cap, slopes, varlen, sinks=checked_sinks)
 
 
-#: Features the API composes around a kernel family rather than compiling into it: the
-#: backward kernels recompute P from the forward's LSE, which already includes the sink
-#: (the sink's own gradient is a reduction of the backward's D, ``api.backward``).
-BACKWARD_COMPOSED = frozenset({"sinks"})
+#: Features an op composes around a kernel family rather than compiling into it, by family:
+#: the backward kernels recompute P from the forward's LSE, which already includes the sink
+#: (the sink's own gradient is a reduction of the backward's D, ``api.backward``); a decode
+#: split's partial LSE leaves the sink out and the split combine joins it (``api.decode``).
+COMPOSED: Mapping[str, frozenset[str]] = {"bwd": frozenset({"sinks"}),
+                                          "bwddet": frozenset({"sinks"}),
+                                          "decode": frozenset({"sinks"})}
 
 
 def kernel_features(op: str, features: tuple[str, ...]) -> tuple[str, ...]:
     """The feature switches of ``features`` that kernel family ``op``'s kernels compile in
-    (the backward's leave out ``BACKWARD_COMPOSED``)."""
-    if op in ("bwd", "bwddet"):
-        return tuple(f for f in features if f not in BACKWARD_COMPOSED)
-    return features
+    (all but its ``COMPOSED`` ones)."""
+    composed = COMPOSED.get(op)
+    if not composed:
+        return features
+    return tuple(f for f in features if f not in composed)
 
 
 def refuse_unsupported(op: str, features: tuple[str, ...], q: torch.Tensor, what: str
