@@ -5,7 +5,7 @@ with causal masks, sliding windows, softcaps, ALiBi, varlen and GQA, fp16 and bf
 
 Every launch goes through the family (``random_inputs`` from a printed seed: the sinks are
 drawn by ``variants.random_sinks``, one head's above most rows' LSE; NaN-poisoned outputs;
-``compare`` against ``reference``). The default run checks a seeded sample (two cases, one
+``compare`` against ``reference``). The default run checks a seeded sample (one case, one
 dtype of the combine); ``-m sweep`` runs every case and the grid over head dims, dtypes and
 feature sets. Rows that see no key (a narrow
 window, a zero-length sequence) get O = 0 and LSE = sink.
@@ -64,7 +64,7 @@ def _case_id(case: tuple[Problem, KernelConfig, Shape, Values]) -> str:
     return f"{case[0].key()}-{case[2].key()}"
 
 
-@pytest.mark.parametrize("case", _RNG.sample(CASES, 2), ids=_case_id)
+@pytest.mark.parametrize("case", _RNG.sample(CASES, 1), ids=_case_id)
 def test_sinks_match_reference(case: tuple[Problem, KernelConfig, Shape, Values]) -> None:
     """A seeded sample of the cases (all of them under -m sweep)."""
     run_case(*case, _seed())
