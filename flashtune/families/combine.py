@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, ClassVar
 from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import Element, EntryAbi, PackedArgs, scalar, size, strides, tensor
 from flashtune.codegen.params import Param, ParamSpace
+from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.families.base import (
     Inputs,
@@ -30,7 +31,6 @@ from flashtune.families.base import (
 )
 from flashtune.families.checks import O_TOLERANCE
 from flashtune.families.decode.splits import MAX_SPLITS
-from flashtune.codegen.render import TemplateValue
 from flashtune.families.rows import RowFamily, row_kernel_params
 
 if TYPE_CHECKING:

@@ -102,10 +102,10 @@ def test_a_row_with_no_key_gets_the_sink_as_its_lse() -> None:
                        tensors["sinks"][:, None].expand(2, 40))
 
 
-_SWEEP_FEATURES = ({}, {"causal": True}, {"window": True}, {"softcap": True},
-                   {"alibi": True}, {"window": True, "softcap": True, "alibi": True},
-                   {"varlen": True, "causal": True},
-                   {"varlen": True, "window": True, "softcap": True})
+_SWEEP_FEATURES: tuple[dict[str, bool], ...] = (
+    {}, {"causal": True}, {"window": True}, {"softcap": True}, {"alibi": True},
+    {"window": True, "softcap": True, "alibi": True}, {"varlen": True, "causal": True},
+    {"varlen": True, "window": True, "softcap": True})
 SWEEP = [(Problem(hd, dt, sinks=True, **flags), i)  # type: ignore[arg-type]
          for i, (hd, dt, flags) in enumerate(itertools.product(HEAD_DIMS, DType,
                                                                _SWEEP_FEATURES))]

@@ -94,8 +94,8 @@ def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
                   device: torch.device | str) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """Random feature values for ``problem`` (scalars, tensors), drawn with ``gen``: window
     sizes from WINDOW_SIZES (not both unbounded), a cap from SOFTCAPS, ALiBi slopes in
-    [0, 1) of shape (batch, heads_q), sinks (``random_sinks``), and each declared score modification's params from
-    their ``draws``."""
+    [0, 1) of shape (batch, heads_q), sinks (``random_sinks``), and each declared score
+    modification's params from their ``draws``."""
     scalars: dict[str, float] = {}
     tensors: dict[str, torch.Tensor] = {}
 
