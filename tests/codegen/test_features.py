@@ -95,7 +95,8 @@ def test_after_removal_the_feature_is_unknown_again() -> None:
     with pytest.raises(InvalidProblem, match="'bias' is not a feature word"):
         Problem.from_key(key)
     with pytest.raises(InvalidProblem, match=r"'bias' is not an attention feature; expected "
-                                             r"one of \['window', 'softcap', 'alibi', 'varlen'\]"):
+                                             r"one of \['window', 'softcap', 'alibi', 'varlen', "
+                                             r"'sinks'\]"):
         Problem(64, DType.FP16, bias=True)
     with pytest.raises(AttributeError):
         _ = Problem(64, DType.FP16).bias
