@@ -86,52 +86,50 @@ def check_softcap(softcap: object) -> float:
     return cap
 
 
+def _float32_tensor(name: str, value: object, q: torch.Tensor,
+                    shapes: tuple[tuple[int, ...], ...], of_shape: str, shape_is: str,
+                    convert: str) -> torch.Tensor | None:
+    """``value`` with a contiguous last dim, or None; InvalidInput naming ``name`` unless a
+    dense float32 tensor of one of ``shapes`` on q's device. ``of_shape``: the expected
+    shape after "float32 of shape"; ``shape_is``: after "expected" for a wrong shape;
+    ``convert``: the fix of a wrong dtype."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise InvalidInput(f"{name} must be a torch.Tensor, got {type(value).__name__}; "
+                           f"expected float32 of shape {of_shape}")
+    if value.dtype != torch.float32:
+        raise InvalidInput(f"{name} has dtype {value.dtype}; expected torch.float32. "
+                           f"Convert with {convert}")
+    if tuple(value.shape) not in shapes:
+        raise InvalidInput(f"{name} has shape {tuple(value.shape)}; expected {shape_is}")
+    if value.device != q.device:
+        raise InvalidInput(f"{name} is on {value.device} but q is on {q.device}; move "
+                           f"it with {name}.to(q.device)")
+    if value.layout != torch.strided:
+        raise InvalidInput(f"{name} has layout {value.layout}; expected a dense tensor")
+    return value if value.stride(-1) == 1 else value.contiguous()
+
+
 def check_alibi_slopes(slopes: object, q: torch.Tensor, batch: int) -> torch.Tensor | None:
     """The slopes with a contiguous last dim, or None; InvalidInput unless float32 of shape
     (heads_q,) or (batch, heads_q) on q's device (heads_q: q's second-to-last dim)."""
-    if slopes is None:
-        return None
     heads_q = q.shape[-2]
-    if not isinstance(slopes, torch.Tensor):
-        raise InvalidInput(f"alibi_slopes must be a torch.Tensor, got {type(slopes).__name__}; "
-                           f"expected float32 of shape ({heads_q},) or ({batch}, {heads_q})")
-    if slopes.dtype != torch.float32:
-        raise InvalidInput(f"alibi_slopes has dtype {slopes.dtype}; expected torch.float32. "
-                           "Convert with alibi_slopes.float()")
-    if tuple(slopes.shape) not in ((heads_q,), (batch, heads_q)):
-        raise InvalidInput(f"alibi_slopes has shape {tuple(slopes.shape)}; expected "
+    return _float32_tensor("alibi_slopes", slopes, q, ((heads_q,), (batch, heads_q)),
+                           f"({heads_q},) or ({batch}, {heads_q})",
                            f"({heads_q},) (one slope per query head) or ({batch}, {heads_q}) "
-                           "(per batch and query head)")
-    if slopes.device != q.device:
-        raise InvalidInput(f"alibi_slopes is on {slopes.device} but q is on {q.device}; move "
-                           "it with alibi_slopes.to(q.device)")
-    if slopes.layout != torch.strided:
-        raise InvalidInput(f"alibi_slopes has layout {slopes.layout}; expected a dense tensor")
-    return slopes if slopes.stride(-1) == 1 else slopes.contiguous()
+                           "(per batch and query head)", "alibi_slopes.float()")
 
 
 def check_sinks(sinks: object, q: torch.Tensor) -> torch.Tensor | None:
     """The sinks, contiguous, or None; InvalidInput unless a float32 tensor of shape
     (heads_q,) on q's device (heads_q: q's second-to-last dim). It may require grad (its
     gradient comes from the backward pass)."""
-    if sinks is None:
-        return None
     heads_q = q.shape[-2]
-    if not isinstance(sinks, torch.Tensor):
-        raise InvalidInput(f"sinks must be a torch.Tensor, got {type(sinks).__name__}; "
-                           f"expected float32 of shape ({heads_q},): one logit per query head")
-    if sinks.dtype != torch.float32:
-        raise InvalidInput(f"sinks has dtype {sinks.dtype}; expected torch.float32. Convert "
-                           "with sinks.float() (gradients still flow to the original)")
-    if tuple(sinks.shape) != (heads_q,):
-        raise InvalidInput(f"sinks has shape {tuple(sinks.shape)}; expected ({heads_q},): one "
-                           "logit per query head")
-    if sinks.device != q.device:
-        raise InvalidInput(f"sinks is on {sinks.device} but q is on {q.device}; move it with "
-                           "sinks.to(q.device)")
-    if sinks.layout != torch.strided:
-        raise InvalidInput(f"sinks has layout {sinks.layout}; expected a dense tensor")
-    return sinks if sinks.stride(-1) == 1 else sinks.contiguous()
+    return _float32_tensor("sinks", sinks, q, ((heads_q,),),
+                           f"({heads_q},): one logit per query head",
+                           f"({heads_q},): one logit per query head",
+                           "sinks.float() (gradients still flow to the original)")
 
 
 def resolve(causal: bool, window_size: object, softcap: object, alibi_slopes: object,

@@ -16,7 +16,6 @@ import itertools
 import math
 import os
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,8 +25,6 @@ from grad_helpers import ShapeTuple, make_inputs
 import flashtune
 from flashtune.errors import FeatureNotSupported, InvalidInput
 from flashtune.families.fwd.reference import alibi_bias, window_visible
-from flashtune.runtime.backends import register_backend, unregister_backend
-from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
 
 pytestmark = pytest.mark.emulator
 
@@ -137,18 +134,6 @@ def test_sink_gradients_within_3x_of_plain_pytorch(case: tuple[Any, ...]) -> Non
 @pytest.mark.parametrize("case", GRID, ids=_id)
 def test_sink_gradient_grid_within_3x_of_plain_pytorch(case: tuple[Any, ...]) -> None:
     _check(case)
-
-
-@pytest.fixture
-def shuffled() -> Iterator[list[str]]:
-    """Three emulator backends that run blocks in shuffled orders (seeds 1, 2, 3)."""
-    names = [f"emusinkshuffle{seed}" for seed in (1, 2, 3)]
-    for seed, name in zip((1, 2, 3), names, strict=True):
-        register_backend(name, "cpu", lambda seed=seed: EmulatorBackend(  # type: ignore[misc]
-            options=LaunchOptions(block_order_seed=seed)))
-    yield names
-    for name in names:
-        unregister_backend(name)
 
 
 @pytest.mark.usefixtures("dispatcher")
