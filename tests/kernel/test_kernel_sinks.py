@@ -21,6 +21,8 @@ import pytest
 import torch
 from test_kernel_variants import HEAD_DIMS, Values, run_case
 
+from flashtune import families
+from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.families import render
 from flashtune.families.base import Inputs
@@ -28,6 +30,7 @@ from flashtune.families.combine import COMBINE
 from flashtune.families.fwd import FORWARD
 from flashtune.families.fwd.variants import SOFTCAPS, WINDOW_SIZES
 from flashtune.runtime.backends.emulator import EmulatorBackend
+from flashtune.toolchain.compiler import compile_source
 
 pytestmark = pytest.mark.emulator
 
@@ -148,3 +151,18 @@ def test_combine_joins_the_sink(dtype: DType) -> None:
     # Without the sink the merge is another one: the check above can fail.
     plain = COMBINE.reference(Problem(64, dtype, op="combine"), inputs)
     assert not torch.allclose(plain["lse"], reference["lse"], atol=1e-3)
+
+
+@pytest.mark.parametrize("problem", [Problem(128, DType.BF16, causal=True, sinks=True),
+                                     Problem(128, DType.BF16, op="combine", sinks=True)],
+                         ids=lambda p: p.key())
+def test_sinks_compile_with_nvrtc_without_spills(problem: Problem) -> None:
+    """The default config of the sinks kernel on sm_80 compiles through NVRTC with no spill
+    and at most a few more registers than the same kernel without sinks."""
+    family = families.get(problem.op)
+    plain = Problem(problem.head_dim, problem.dtype, causal=problem.causal, op=problem.op)
+    config = family.default_config(problem, get_arch("sm_80"))
+    with_sinks = compile_source(render(problem, config), "sm_80").resources
+    without = compile_source(render(plain, config), "sm_80").resources
+    assert with_sinks.spill_bytes == 0 and with_sinks.registers > 0
+    assert with_sinks.registers <= without.registers + 8
