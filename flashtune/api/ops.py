@@ -356,18 +356,20 @@ def explain(
     window_size: tuple[int, int] = NO_WINDOW,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> Decision:
     """Which config flashtune would run for this call, and why (nothing is compiled).
 
     ``str(decision)`` or ``decision.describe()`` prints the problem, bucket, device, the tier
     that answered (exact, nearest, same_arch, default) and the config. ``arch`` asks about a
     virtual GPU of that arch instead of the tensors' device (meta tensors work too). The
-    features (``window_size``, ``softcap``, ``alibi_slopes``) are as in ``attention``.
+    features (``window_size``, ``softcap``, ``alibi_slopes``, ``sinks``) are as in
+    ``attention``.
     """
     check_attention_inputs(q, k, v)
     if q.device.type == "meta" and arch is None:
         arch = plans.emulator_arch()
     variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
-                      (q.shape[1], k.shape[1]))
+                      (q.shape[1], k.shape[1]), sinks=sinks)
     decision, _ = _fwd.decide(q, k, variant.causal, backend, arch, features=variant.features)
     return decision

@@ -220,3 +220,11 @@ def test_bad_sinks_are_refused_naming_them(sinks: Any, match: str) -> None:
         flashtune.attention_with_kvcache(q[:, :1], cache, cache,
                                          torch.tensor([8], dtype=torch.int32), sinks=sinks,
                                          backend="emulator")
+
+
+def test_explain_names_the_sinks_problem() -> None:
+    """Sinks are their own problem key (the plain key is unchanged)."""
+    q = torch.empty(1, 64, 4, 64, dtype=torch.float16, device="meta")
+    sinks = torch.zeros(4, device="meta")
+    assert flashtune.explain(q, q, q, sinks=sinks).problem.key() == "fwd_d64_fp16_full_sinks"
+    assert flashtune.explain(q, q, q).problem.key() == "fwd_d64_fp16_full"
