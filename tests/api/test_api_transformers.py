@@ -167,7 +167,7 @@ def test_tiny_gpt_oss_trains_like_eager_attention() -> None:
     sinks vanishing the gradients are much further off."""
     impl = flashtune.register_transformers(backend="emulator")
     cfg, state = _tiny_gpt_oss(None)
-    ids = torch.randint(0, 128, (2, 13), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))
     ref_losses, ref_grads = _train(cfg, "eager", state, ids, 2)
     losses, grads = _train(cfg, impl, state, ids, 2)
     assert set(grads) == set(ref_grads)
