@@ -51,3 +51,17 @@ def pyref(dispatcher: Dispatcher) -> Iterator[PyRefBackend]:
     register_backend("pyref", "cpu", lambda: backend)
     yield backend
     unregister_backend("pyref")
+
+
+@pytest.fixture
+def shuffled() -> Iterator[list[str]]:
+    """Three emulator backends that run blocks in shuffled orders (seeds 1, 2, 3)."""
+    from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
+
+    names = [f"emushuffle{seed}" for seed in (1, 2, 3)]
+    for seed, name in zip((1, 2, 3), names, strict=True):
+        register_backend(name, "cpu", lambda seed=seed: EmulatorBackend(  # type: ignore[misc]
+            options=LaunchOptions(block_order_seed=seed)))
+    yield names
+    for name in names:
+        unregister_backend(name)

@@ -14,6 +14,13 @@ of dQ in the atomic mode, ``dq_slices`` copies in the deterministic mode (a cons
 about one slice per SM over the batch and kv heads), so memory stays linear in the sequence
 length. A gradient of the LSE output (``return_lse=True``) enters as D - dLSE: the
 derivative of LSE with respect to the scores is P, so dS = P (dP - D + dLSE).
+
+Attention sinks need no kernel of their own: the forward's LSE includes the sink, so the
+kernels' P = exp(S - LSE) is already the probability with the sink in the denominator, and
+dS = P (dP - D) holds as is. The sink's gradient is d sink_h = -sum over (batch, rows of head
+h) of exp(sink_h - LSE) (D - dLSE), a reduction of the preprocess's D in a fixed order (a
+torch sum, not atomics), so it is the same bits in every run and for every block order of
+the main kernel.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import functools
 import torch
 
 from flashtune import settings
-from flashtune.api.variants import Variant
+from flashtune.api.variants import Variant, kernel_features
 from flashtune.codegen.abi import PackedArgs
 from flashtune.families.base import sm_count
 from flashtune.families.bwd import args, space
@@ -54,18 +61,19 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
              causal: bool, softmax_scale: float, deterministic: bool, backend: str,
              variant: Variant | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dQ, dK, dV (like q, k, v) of the forward that produced ``out`` and ``lse`` from
     validated q, k, v, given dO (and optionally the gradient of the LSE), with the
-    forward's features ``variant`` (None: none). ``backend`` "" means the
-    FLASHTUNE_BACKEND setting."""
+    forward's features ``variant`` (None: none), and the float32 gradient of its sinks
+    (None without sinks). ``backend`` "" means the FLASHTUNE_BACKEND setting."""
     name = backend or settings.BACKEND.get()
     dout, out = _kernel_ready(dout), _kernel_ready(out)
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     longest = max(seqlen_q, seqlen_k)
-    features = variant.features if variant is not None else ()
-    main = plan_for(q, causal, name, "bwddet" if deterministic else "bwd", features, longest)
+    op = "bwddet" if deterministic else "bwd"
+    features = kernel_features(op, variant.features) if variant is not None else ()
+    main = plan_for(q, causal, name, op, features, longest)
     pre = plan_for(q, False, name, "bwdpre", (), longest)
     convert = plan_for(q, False, name, "bwdsum", (), longest)
     config = main.source.config
@@ -93,4 +101,14 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dq = torch.empty_like(q)
     _launch(convert, args.row_grid(seqlen_q, heads_q, batch, convert.block_m),
             args.sum_args(accum, dq, softmax_scale))
-    return dq, dk, dv
+    dsinks = None
+    if variant is not None and variant.sinks is not None:
+        dsinks = sink_grad(variant.sinks, lse, dsum)
+    return dq, dk, dv, dsinks
+
+
+def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, dsum: torch.Tensor) -> torch.Tensor:
+    """The gradient of the sinks (Hq,): -sum over batch and rows of exp(sink - LSE) D, from
+    the LSE (B, Hq, Nq) and D - dLSE (B, Hq, Nq), summed in a fixed order."""
+    weight = torch.exp(sinks.detach().to(torch.float32)[None, :, None] - lse)
+    return -(weight * dsum).sum(dim=(0, 2))

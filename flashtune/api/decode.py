@@ -30,7 +30,9 @@ with it for the message; a trap loses the CUDA context, cache included). Without
 shared pages are not looked for on a GPU: that would cost a synchronisation per call.
 
 The two kernels' plans (``runtime.plans``; bucketed by the cache capacity) are memoised with
-every other op's.
+every other op's. Attention sinks join where the final O and LSE are written: the combine
+kernel of a ``sinks`` problem (the splits' partial LSEs leave the sink out, so the decode
+kernel is the one without sinks).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 
 from flashtune import settings
 from flashtune.api.validate_kvcache import KvCacheLayout, check_cache_values
-from flashtune.api.variants import Variant
+from flashtune.api.variants import Variant, kernel_features
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import MAX_SEQ_BUCKET, MIN_SEQ_BUCKET, KernelConfig, ProblemBucket
 from flashtune.errors import InvalidInput
@@ -86,10 +88,12 @@ def decide(q: torch.Tensor, causal: bool, capacity: int, backend: str | None,
 
 def plan_for(q: torch.Tensor, causal: bool, capacity: int, backend: str,
              features: tuple[str, ...] = ()) -> tuple[Plan, Plan]:
-    """The memoised plans of the decode and combine kernels of this call (the decode kernel
-    with the feature switches ``features``)."""
-    return (plans.plan_for(q, causal, backend, "decode", features, capacity),
-            plans.plan_for(q, False, backend, "combine", (), capacity))
+    """The memoised plans of the decode and combine kernels of this call with the feature
+    switches ``features`` (the decode kernel's but sinks, the combine's only sinks)."""
+    combine = ("sinks",) if "sinks" in features else ()
+    return (plans.plan_for(q, causal, backend, "decode", kernel_features("decode", features),
+                           capacity),
+            plans.plan_for(q, False, backend, "combine", combine, capacity))
 
 
 _status: dict[int, torch.Tensor] = {}
@@ -224,6 +228,8 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     decode, combine = plan_for(q, causal, INVARIANT_BUCKET if batch_invariant
                                else layout.capacity, name, features)
     decode = covering_plan(decode, q, layout.heads_kv, name)
+    sinks = variant.sinks if variant is not None else None
+    features = decode.source.problem.features  # the decode kernel's (sinks: the combine's)
     config = decode.source.config
     table = None
     if not num_splits:
@@ -243,7 +249,9 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     batch, seqlen_q, heads_q, dim = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=q.device)
-    direct = splits == 1  # the kernel writes O and LSE itself: no partials, no combine
+    # One split: the kernel writes O and LSE itself, no partials, no combine; but the sinks
+    # join in the combine, where the final O and LSE are written.
+    direct = splits == 1 and sinks is None
     part = (0,) if direct else (splits, batch, heads_q, seqlen_q)
     o_part = torch.empty(*part, *(() if direct else (dim,)), dtype=torch.float32,
                          device=q.device)
@@ -263,7 +271,8 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         stream=stream)
     if not direct:
         combine.kernel.launch(combine_grid(batch * heads_q * seqlen_q, combine.block_m),
-                              pack_combine_args(o_part, lse_part, out, lse), stream=stream)
+                              pack_combine_args(o_part, lse_part, out, lse, sinks),
+                              stream=stream)
     if not trap:
         report_status(status, layout)
     return out, lse

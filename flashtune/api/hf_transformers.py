@@ -6,9 +6,11 @@ attn_implementation=name)`` runs its attention layers on ``flashtune.attention_v
 a batch with padding is unpadded (each sequence's tokens packed, flash-attn's layout); a batch
 without padding runs on ``flashtune.attention`` as it is. The layers' sliding windows
 (``sliding_window``: the last W tokens including the current one, the window (W - 1, 0))
-and logit softcaps (``softcap``) become the kernel's features; GQA is native. The padding
+and logit softcaps (``softcap``) become the kernel's features, as do gpt-oss's attention
+sinks (``s_aux``, one logit per query head, passed on as ``sinks`` in float32 with its
+gradient); GQA is native. The padding
 mask is transformers' flash-attention one (a 2-D mask, or None when nothing is padded).
-Training: a batch without padding has gradients (windows and softcaps included); a padded
+Training: a batch without padding has gradients (windows, softcaps and sinks included); a padded
 batch runs on the varlen kernel, whose backward raises FeatureNotSupported.
 
 The default name is ``"ftune"``, not ``"flashtune"``: transformers takes every implementation
@@ -38,16 +40,16 @@ def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      padding: torch.Tensor | None, *, causal: bool, scaling: float | None,
                      window: tuple[int, int], softcap: float | None,
-                     backend: str | None) -> torch.Tensor:
+                     backend: str | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """(B, Nq, Hq, D) attention output of transformers' (B, H, N, D) query, key and value,
     with ``padding`` (B, Nk) True on real tokens (its last Nq columns are the queries'), or
-    None; padded query rows get zeros."""
+    None; padded query rows get zeros. ``sinks``: float32 (Hq,) or None."""
     batch, heads_q, seqlen_q, dim = query.shape
     seqlen_k = key.shape[2]
     if padding is None:  # every row is a whole sequence: the batched op (it has a backward)
         out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                         causal=causal, softmax_scale=scaling, window_size=window,
-                        softcap=softcap, backend=backend)
+                        softcap=softcap, backend=backend, sinks=sinks)
         assert isinstance(out, torch.Tensor)
         return out
     q = query.transpose(1, 2).reshape(batch * seqlen_q, heads_q, dim)
@@ -64,7 +66,7 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                               v[rows_k].contiguous(), _cumulative(lens_q), _cumulative(lens_k),
                               int(lens_q.max()), int(lens_k.max()), causal=causal,
                               softmax_scale=scaling, window_size=window, softcap=softcap,
-                              backend=backend)
+                              backend=backend, sinks=sinks)
     out = packed.new_zeros(batch * seqlen_q, heads_q, packed.shape[-1])
     out[rows_q] = packed
     return out.reshape(batch, seqlen_q, heads_q, -1)
@@ -101,9 +103,11 @@ def make_attention_function(backend: str | None = None) -> Any:
         dtype = query.dtype
         if dtype == torch.float32:
             query, key, value = (t.to(_HALF) for t in (query, key, value))
+        s_aux = kwargs.get("s_aux")  # gpt-oss's sinks (the model's dtype; float32 here)
+        sinks = s_aux.to(torch.float32) if isinstance(s_aux, torch.Tensor) else None
         out = varlen_attention(query, key, value, attention_mask, causal=causal,
                                scaling=scaling, window=window, softcap=softcap or None,
-                               backend=backend)
+                               backend=backend, sinks=sinks)
         return out.to(dtype), None
 
     return flashtune_attention

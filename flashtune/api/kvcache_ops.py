@@ -39,13 +39,15 @@ def attention_with_kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               softmax_scale: float, num_splits: int, backend: str,
                               window_left: int = -1, window_right: int = -1,
                               softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-                              batch_invariant: bool = False
+                              batch_invariant: bool = False,
+                              sinks: torch.Tensor | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (B, Nq, Hq, D) and LSE (B, Hq, Nq, float32) of validated inputs and features
-    (a window of (-1, -1), a softcap of 0.0 and no slopes: off); num_splits 0: the
-    split mode's choice."""
+    (a window of (-1, -1), a softcap of 0.0, no slopes and no sinks: off); num_splits 0:
+    the split mode's choice."""
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
-    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes)
+    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes,
+                      sinks=sinks)
     return _decode.run_decode(q, k_cache, v_cache, cache_seqlens, block_table, k, v, layout,
                               causal, softmax_scale, num_splits, backend,
                               variant if variant.features else None, batch_invariant)
@@ -57,7 +59,8 @@ def _fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
           k: torch.Tensor | None, v: torch.Tensor | None, causal: bool, softmax_scale: float,
           num_splits: int, backend: str, window_left: int = -1, window_right: int = -1,
           softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-          batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+          batch_invariant: bool = False,
+          sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seqlen_q, heads_q, _ = q.shape
     return (torch.empty_like(q),
             q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
@@ -71,7 +74,8 @@ def attention_with_kvcache(
     softmax_scale: float | None = ..., num_splits: int | None = ...,
     return_lse: Literal[False] = ..., backend: str | None = ...,
     window_size: tuple[int, int] = ..., softcap: float | None = ...,
-    alibi_slopes: torch.Tensor | None = ..., batch_invariant: bool | None = ...
+    alibi_slopes: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
+    sinks: torch.Tensor | None = ...
 ) -> torch.Tensor: ...
 
 
@@ -83,7 +87,8 @@ def attention_with_kvcache(
     softmax_scale: float | None = ..., num_splits: int | None = ...,
     return_lse: Literal[True], backend: str | None = ...,
     window_size: tuple[int, int] = ..., softcap: float | None = ...,
-    alibi_slopes: torch.Tensor | None = ..., batch_invariant: bool | None = ...
+    alibi_slopes: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
+    sinks: torch.Tensor | None = ...
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -95,7 +100,7 @@ def attention_with_kvcache(
     softmax_scale: float | None = ..., num_splits: int | None = ..., return_lse: bool,
     backend: str | None = ..., window_size: tuple[int, int] = ...,
     softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...,
-    batch_invariant: bool | None = ...
+    batch_invariant: bool | None = ..., sinks: torch.Tensor | None = ...
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -117,6 +122,7 @@ def attention_with_kvcache(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     batch_invariant: bool | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few new query rows per sequence over a KV cache, in flash-attn's layout.
 
@@ -159,7 +165,9 @@ def attention_with_kvcache(
     sequence's keys after appending (total) and Nq its new query rows: query row i sees
     keys i + total - Nq - left <= j <= i + total - Nq + right (-1: unbounded; causal makes
     right 0); softcap replaces S by softcap * tanh(S / softcap); ALiBi (float32 slopes of
-    (heads_q,) or (batch, heads_q)) adds -slope * |i + total - Nq - j| after it.
+    (heads_q,) or (batch, heads_q)) adds -slope * |i + total - Nq - j| after it. ``sinks``
+    (float32 (heads_q,)) is ``attention``'s: each head's logit joins every row's softmax
+    denominator (in the merge of the splits), and a row that sees no key gets LSE = sink.
 
     ``batch_invariant`` (None: the FLASHTUNE_BATCH_INVARIANT setting, off by default): each
     sequence is split by a fixed number of keys for its own length (the split table) and
@@ -173,14 +181,16 @@ def attention_with_kvcache(
                             causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
                             return_lse=return_lse, backend=backend, window_size=window_size,
                             softcap=softcap, alibi_slopes=alibi_slopes,
-                            batch_invariant=batch_invariant)
+                            batch_invariant=batch_invariant, sinks=sinks)
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
-    check_no_grad(q, k_cache, v_cache, k, v)
+    check_no_grad(q, k_cache, v_cache, k, v, sinks if isinstance(sinks, torch.Tensor) else None)
     if not isinstance(causal, bool):
         raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
     variant = None
-    if window_size != NO_WINDOW or softcap is not None or alibi_slopes is not None:
-        variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0], None)
+    if (window_size != NO_WINDOW or softcap is not None or alibi_slopes is not None
+            or sinks is not None):
+        variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0], None,
+                          sinks=sinks)
         refuse_unsupported("decode", variant.features, q, "flashtune.attention_with_kvcache")
         causal = variant.causal
         if not variant.features:
@@ -196,7 +206,8 @@ def attention_with_kvcache(
                            "batch-invariant call splits each sequence by a fixed number of "
                            "keys for its own length; pass num_splits=None")
     name = "" if backend is None else backend
-    if direct_call_ok(q, k_cache, v_cache, cache_seqlens, block_table, k, v):
+    if direct_call_ok(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
+                      variant.sinks if variant is not None else None):
         out, lse = _decode.run_decode(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
                                       layout, causal, scale, splits, name, variant, invariant)
     elif variant is None:
@@ -207,7 +218,7 @@ def attention_with_kvcache(
         out, lse = attention_with_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table,
                                              k, v, causal, scale, splits, name,
                                              *variant.window, variant.softcap,
-                                             variant.alibi_slopes, invariant)
+                                             variant.alibi_slopes, invariant, variant.sinks)
     return (out, lse) if return_lse else out
 
 

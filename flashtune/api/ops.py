@@ -48,12 +48,13 @@ BWD_OP_NAME = "flashtune::attention_bwd"
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   softmax_scale: float, backend: str, deterministic: bool = False,
                   window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                  alibi_slopes: torch.Tensor | None = None
+                  alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (B, Nq, Hq, D) and LSE (B, Hq, Nq, float32) of validated inputs. ``deterministic``
     only matters to the backward (it is an argument here so the autograd formula sees it).
     The features are those of a resolved ``variants.Variant`` (defaults: off)."""
-    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes)
+    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes,
+                      sinks=sinks)
     return _fwd.forward(q, k, v, causal, softmax_scale, backend, variant)
 
 
@@ -61,7 +62,8 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 def _attention_fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                         softmax_scale: float, backend: str, deterministic: bool = False,
                         window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                        alibi_slopes: torch.Tensor | None = None
+                        alibi_slopes: torch.Tensor | None = None,
+                        sinks: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seqlen_q, heads_q, _ = q.shape
     return (torch.empty_like(q),
@@ -73,12 +75,15 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                   out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
                   causal: bool, softmax_scale: float, deterministic: bool, backend: str,
                   window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                  alibi_slopes: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV of the forward that produced ``out`` and ``lse``, with its features."""
-    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes)
-    return _bwd.backward(grad_out, q, k, v, out, lse, grad_lse, causal, softmax_scale,
-                         deterministic, backend, variant)
+                  alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV of the forward that produced ``out`` and ``lse``, with its features, and
+    the gradient of ``sinks`` (an empty float32 tensor without sinks)."""
+    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes,
+                      sinks=sinks)
+    dq, dk, dv, dsinks = _bwd.backward(grad_out, q, k, v, out, lse, grad_lse, causal,
+                                       softmax_scale, deterministic, backend, variant)
+    return dq, dk, dv, q.new_empty(0, dtype=torch.float32) if dsinks is None else dsinks
 
 
 @attention_bwd.register_fake
@@ -87,19 +92,23 @@ def _attention_bwd_fake(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                         grad_lse: torch.Tensor | None, causal: bool, softmax_scale: float,
                         deterministic: bool, backend: str, window_left: int = -1,
                         window_right: int = -1, softcap: float = 0.0,
-                        alibi_slopes: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+                        alibi_slopes: torch.Tensor | None = None,
+                        sinks: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dsinks = (q.new_empty(0, dtype=torch.float32) if sinks is None
+              else torch.empty_like(sinks, dtype=torch.float32))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     q, k, v, causal, softmax_scale, backend, deterministic = inputs[:7]
-    window_left, window_right, softcap, alibi_slopes = inputs[7:]
-    ctx.features = Variant(causal, (window_left, window_right), softcap, alibi_slopes).features
+    window_left, window_right, softcap, alibi_slopes, sinks = inputs[7:]
+    ctx.features = Variant(causal, (window_left, window_right), softcap, alibi_slopes,
+                           sinks=sinks).features
     ctx.window = (window_left, window_right)
     ctx.softcap = softcap
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, sinks)
     ctx.causal = causal
     ctx.softmax_scale = softmax_scale
     ctx.backend = backend
@@ -109,15 +118,17 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
               ) -> tuple[Any, ...]:
     """Gradients of (q, k, v, causal, softmax_scale, backend, deterministic, window_left,
-    window_right, softcap, alibi_slopes); FeatureNotSupported for features the backward
-    families do not implement."""
-    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    window_right, softcap, alibi_slopes, sinks); FeatureNotSupported for features the
+    backward families do not implement."""
+    q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
     refuse_unsupported("bwddet" if ctx.deterministic else "bwd", ctx.features, q,
                        "flashtune.attention's backward pass")
-    dq, dk, dv = attention_bwd(grad_out, q, k, v, out, lse, grad_lse, ctx.causal,
-                               ctx.softmax_scale, ctx.deterministic, ctx.backend,
-                               ctx.window[0], ctx.window[1], ctx.softcap, alibi_slopes)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    dq, dk, dv, dsinks = attention_bwd(grad_out, q, k, v, out, lse, grad_lse, ctx.causal,
+                                       ctx.softmax_scale, ctx.deterministic, ctx.backend,
+                                       ctx.window[0], ctx.window[1], ctx.softcap,
+                                       alibi_slopes, sinks)
+    return (dq, dk, dv, None, None, None, None, None, None, None, None,
+            dsinks if sinks is not None else None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -177,7 +188,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               softmax_scale: float | None = ..., return_lse: Literal[False] = ...,
               backend: str | None = ..., deterministic: bool | None = ...,
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
-              alibi_slopes: torch.Tensor | None = ...) -> torch.Tensor: ...
+              alibi_slopes: torch.Tensor | None = ...,
+              sinks: torch.Tensor | None = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -185,7 +197,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               softmax_scale: float | None = ..., return_lse: Literal[True],
               backend: str | None = ..., deterministic: bool | None = ...,
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
-              alibi_slopes: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+              alibi_slopes: torch.Tensor | None = ...,
+              sinks: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @overload
@@ -193,7 +206,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               softmax_scale: float | None = ..., return_lse: bool,
               backend: str | None = ..., deterministic: bool | None = ...,
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
-              alibi_slopes: torch.Tensor | None = ...
+              alibi_slopes: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -210,6 +223,7 @@ def attention(
     window_size: tuple[int, int] = NO_WINDOW,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention in flash-attn's layout.
 
@@ -229,15 +243,19 @@ def attention(
     summed over key tiles in a fixed order, somewhat slower); False allows float32 atomics,
     whose order varies; None (default) follows ``torch.use_deterministic_algorithms``.
 
-    Features (flash-attn's keywords; the forward only, a backward through them raises
-    FeatureNotSupported): ``window_size=(left, right)``: query i sees key j only if
+    Features (flash-attn's keywords; a backward through one the backward families do not
+    implement raises FeatureNotSupported): ``window_size=(left, right)``: query i sees key j only if
     i + Nk - Nq - left <= j <= i + Nk - Nq + right, -1 meaning unbounded on that side
     (``causal=True`` sets right to 0); key tiles outside every row's window are skipped.
     ``softcap``: scores s become softcap * tanh(s / softcap) (None or 0.0, flash-attn's
     default: off, the plain kernel; else > 0).
     ``alibi_slopes``: float32 (Hq,) or (B, Hq) on q's device; scores get the bias
-    -slope * |i + Nk - Nq - j|. Each is a compile-time variant of the kernel (its own
-    tuning key), not a run-time branch.
+    -slope * |i + Nk - Nq - j|. ``sinks``: float32 (Hq,) on q's device (gpt-oss's attention
+    sinks, which may require grad): one logit per query head, not scaled, joins each row's
+    softmax denominator and contributes no value, O = sum_j exp(s_j) v_j / (exp(sink) +
+    sum_j exp(s_j)), and the LSE includes it (a row that sees no key gets O = 0 and
+    LSE = sink). Each is a compile-time variant of the kernel (its own tuning key), not a
+    run-time branch.
     """
     dim = None
     if isinstance(q, torch.Tensor) and not q.is_nested and q.dim() and q.shape[-1] % 8:
@@ -248,19 +266,21 @@ def attention(
     scale = check_softmax_scale(softmax_scale, dim or q.shape[3])
     ordered = _deterministic(deterministic)
     name = "" if backend is None else backend
-    if window_size == NO_WINDOW and softcap is None and alibi_slopes is None:
+    if window_size == NO_WINDOW and softcap is None and alibi_slopes is None and sinks is None:
         variant = None
     else:
         variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
-                          (q.shape[1], k.shape[1]))
+                          (q.shape[1], k.shape[1]), sinks=sinks)
         causal = variant.causal
-    if not _needs_grad(q, k, v) and direct_call_ok(q, k, v, alibi_slopes):
+    needs_grad = _needs_grad(q, k, v) or (torch.is_grad_enabled() and sinks is not None
+                                          and sinks.requires_grad)
+    if not needs_grad and direct_call_ok(q, k, v, alibi_slopes, sinks):
         out, lse = _fwd.forward(q, k, v, causal, scale, name, variant)
     elif variant is None:
         out, lse = attention_fwd(q, k, v, causal, scale, name, ordered)
     else:
         out, lse = attention_fwd(q, k, v, causal, scale, name, ordered, *variant.window,
-                                 variant.softcap, variant.alibi_slopes)
+                                 variant.softcap, variant.alibi_slopes, variant.sinks)
     if dim is not None:
         out = out[..., :dim]
     return (out, lse) if return_lse else out
@@ -336,18 +356,20 @@ def explain(
     window_size: tuple[int, int] = NO_WINDOW,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> Decision:
     """Which config flashtune would run for this call, and why (nothing is compiled).
 
     ``str(decision)`` or ``decision.describe()`` prints the problem, bucket, device, the tier
     that answered (exact, nearest, same_arch, default) and the config. ``arch`` asks about a
     virtual GPU of that arch instead of the tensors' device (meta tensors work too). The
-    features (``window_size``, ``softcap``, ``alibi_slopes``) are as in ``attention``.
+    features (``window_size``, ``softcap``, ``alibi_slopes``, ``sinks``) are as in
+    ``attention``.
     """
     check_attention_inputs(q, k, v)
     if q.device.type == "meta" and arch is None:
         arch = plans.emulator_arch()
     variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
-                      (q.shape[1], k.shape[1]))
+                      (q.shape[1], k.shape[1]), sinks=sinks)
     decision, _ = _fwd.decide(q, k, variant.causal, backend, arch, features=variant.features)
     return decision

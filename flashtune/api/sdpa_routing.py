@@ -254,5 +254,8 @@ class _Kernels:
                            "as torch's SDPA pads it)")
         softmax_scale = check_softmax_scale(scale, head_dim)
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-        return _bwd.backward(grad_out, q, k, v, out, lse, None, causal, softmax_scale,
-                             bool(torch.are_deterministic_algorithms_enabled()), self.backend)
+        dq, dk, dv, _ = _bwd.backward(grad_out, q, k, v, out, lse, None, causal,
+                                      softmax_scale,
+                                      bool(torch.are_deterministic_algorithms_enabled()),
+                                      self.backend)
+        return dq, dk, dv

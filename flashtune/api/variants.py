@@ -4,7 +4,8 @@ kernel family does not implement them.
 The keyword arguments are flash-attn's: ``window_size=(left, right)`` (-1: unbounded on that
 side; ``causal=True`` is the window (-1, 0) and, with a window, sets its right side to 0),
 ``softcap`` (None or 0.0, flash-attn's default: off; else a cap > 0) and ``alibi_slopes``
-(float32 (heads_q,) or (batch, heads_q) on the tensors' device). ``resolve`` turns them
+(float32 (heads_q,) or (batch, heads_q) on the tensors' device), and gpt-oss's ``sinks``
+(float32 (heads_q,) on the tensors' device, ``check_sinks``). ``resolve`` turns them
 into a ``Variant``: the compile-time feature switches of the Problem and the run-time values
 of the launch.
 """
@@ -40,12 +41,15 @@ class Variant:
     varlen: VarlenArgs | None = None
     #: The params of declared score modifications by name (none from the API's keywords).
     mods: Mapping[str, float] = field(default_factory=dict)
+    #: Attention sinks: float32 (heads_q,), one logit per query head (``check_sinks``).
+    sinks: torch.Tensor | None = None
 
     @property
     def features(self) -> tuple[str, ...]:
         """The Problem feature switches this call needs, in key order."""
         on = (("window", self.window != NO_WINDOW), ("softcap", self.softcap > 0.0),
-              ("alibi", self.alibi_slopes is not None), ("varlen", self.varlen is not None))
+              ("alibi", self.alibi_slopes is not None), ("varlen", self.varlen is not None),
+              ("sinks", self.sinks is not None))
         return tuple(name for name, flag in on if flag)
 
 
@@ -82,33 +86,55 @@ def check_softcap(softcap: object) -> float:
     return cap
 
 
+def _float32_tensor(name: str, value: object, q: torch.Tensor,
+                    shapes: tuple[tuple[int, ...], ...], of_shape: str, shape_is: str,
+                    convert: str) -> torch.Tensor | None:
+    """``value`` with a contiguous last dim, or None; InvalidInput naming ``name`` unless a
+    dense float32 tensor of one of ``shapes`` on q's device. ``of_shape``: the expected
+    shape after "float32 of shape"; ``shape_is``: after "expected" for a wrong shape;
+    ``convert``: the fix of a wrong dtype."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise InvalidInput(f"{name} must be a torch.Tensor, got {type(value).__name__}; "
+                           f"expected float32 of shape {of_shape}")
+    if value.dtype != torch.float32:
+        raise InvalidInput(f"{name} has dtype {value.dtype}; expected torch.float32. "
+                           f"Convert with {convert}")
+    if tuple(value.shape) not in shapes:
+        raise InvalidInput(f"{name} has shape {tuple(value.shape)}; expected {shape_is}")
+    if value.device != q.device:
+        raise InvalidInput(f"{name} is on {value.device} but q is on {q.device}; move "
+                           f"it with {name}.to(q.device)")
+    if value.layout != torch.strided:
+        raise InvalidInput(f"{name} has layout {value.layout}; expected a dense tensor")
+    return value if value.stride(-1) == 1 else value.contiguous()
+
+
 def check_alibi_slopes(slopes: object, q: torch.Tensor, batch: int) -> torch.Tensor | None:
     """The slopes with a contiguous last dim, or None; InvalidInput unless float32 of shape
     (heads_q,) or (batch, heads_q) on q's device (heads_q: q's second-to-last dim)."""
-    if slopes is None:
-        return None
     heads_q = q.shape[-2]
-    if not isinstance(slopes, torch.Tensor):
-        raise InvalidInput(f"alibi_slopes must be a torch.Tensor, got {type(slopes).__name__}; "
-                           f"expected float32 of shape ({heads_q},) or ({batch}, {heads_q})")
-    if slopes.dtype != torch.float32:
-        raise InvalidInput(f"alibi_slopes has dtype {slopes.dtype}; expected torch.float32. "
-                           "Convert with alibi_slopes.float()")
-    if tuple(slopes.shape) not in ((heads_q,), (batch, heads_q)):
-        raise InvalidInput(f"alibi_slopes has shape {tuple(slopes.shape)}; expected "
+    return _float32_tensor("alibi_slopes", slopes, q, ((heads_q,), (batch, heads_q)),
+                           f"({heads_q},) or ({batch}, {heads_q})",
                            f"({heads_q},) (one slope per query head) or ({batch}, {heads_q}) "
-                           "(per batch and query head)")
-    if slopes.device != q.device:
-        raise InvalidInput(f"alibi_slopes is on {slopes.device} but q is on {q.device}; move "
-                           "it with alibi_slopes.to(q.device)")
-    if slopes.layout != torch.strided:
-        raise InvalidInput(f"alibi_slopes has layout {slopes.layout}; expected a dense tensor")
-    return slopes if slopes.stride(-1) == 1 else slopes.contiguous()
+                           "(per batch and query head)", "alibi_slopes.float()")
+
+
+def check_sinks(sinks: object, q: torch.Tensor) -> torch.Tensor | None:
+    """The sinks, contiguous, or None; InvalidInput unless a float32 tensor of shape
+    (heads_q,) on q's device (heads_q: q's second-to-last dim). It may require grad (its
+    gradient comes from the backward pass)."""
+    heads_q = q.shape[-2]
+    return _float32_tensor("sinks", sinks, q, ((heads_q,),),
+                           f"({heads_q},): one logit per query head",
+                           f"({heads_q},): one logit per query head",
+                           "sinks.float() (gradients still flow to the original)")
 
 
 def resolve(causal: bool, window_size: object, softcap: object, alibi_slopes: object,
             q: torch.Tensor, batch: int, longest: tuple[int, int] | None,
-            varlen: VarlenArgs | None = None) -> Variant:
+            varlen: VarlenArgs | None = None, sinks: object = None) -> Variant:
     """The validated features of a call on q (..., Hq, D) of ``batch`` sequences.
 
     A window is normalised to the cheapest equal mask: the window (-1, 0) is ``causal``,
@@ -119,6 +145,7 @@ def resolve(causal: bool, window_size: object, softcap: object, alibi_slopes: ob
     left, right = check_window_size(window_size)
     cap = check_softcap(softcap)
     slopes = check_alibi_slopes(alibi_slopes, q, batch)
+    checked_sinks = check_sinks(sinks, q)
     window = NO_WINDOW
     if (left, right) != NO_WINDOW:
         if causal:
@@ -130,13 +157,33 @@ def resolve(causal: bool, window_size: object, softcap: object, alibi_slopes: ob
                 right = -1
         causal = (left, right) == (-1, 0)
         window = NO_WINDOW if causal else (left, right)
-    return Variant(causal, window, cap, slopes, varlen)
+    return Variant(causal, window, cap, slopes, varlen, sinks=checked_sinks)
+
+
+#: Features an op composes around a kernel family rather than compiling into it, by family:
+#: the backward kernels recompute P from the forward's LSE, which already includes the sink
+#: (the sink's own gradient is a reduction of the backward's D, ``api.backward``); a decode
+#: split's partial LSE leaves the sink out and the split combine joins it (``api.decode``).
+COMPOSED: Mapping[str, frozenset[str]] = {"bwd": frozenset({"sinks"}),
+                                          "bwddet": frozenset({"sinks"}),
+                                          "decode": frozenset({"sinks"})}
+
+
+def kernel_features(op: str, features: tuple[str, ...]) -> tuple[str, ...]:
+    """The feature switches of ``features`` that kernel family ``op``'s kernels compile in
+    (all but its ``COMPOSED`` ones)."""
+    composed = COMPOSED.get(op)
+    if not composed:
+        return features
+    return tuple(f for f in features if f not in composed)
 
 
 def refuse_unsupported(op: str, features: tuple[str, ...], q: torch.Tensor, what: str
                        ) -> None:
     """FeatureNotSupported when kernel family ``op`` does not implement ``features`` (for a
-    call on validated ``q``); ``what`` names the operation for the message."""
+    call on validated ``q``; only those its kernels compile in, ``kernel_features``);
+    ``what`` names the operation for the message."""
+    features = kernel_features(op, features)
     if not features:
         return
     dtype = element_type(q.dtype)

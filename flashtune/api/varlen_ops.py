@@ -44,11 +44,13 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                          softmax_scale: float, backend: str, window_left: int,
                          window_right: int, softcap: float,
-                         alibi_slopes: torch.Tensor | None
+                         alibi_slopes: torch.Tensor | None,
+                         sinks: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (total_q, Hq, D) and LSE (Hq, total_q) of validated, resolved inputs."""
     varlen = VarlenArgs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes, varlen)
+    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes, varlen,
+                      sinks=sinks)
     return _run(q, k, v, variant, softmax_scale, backend)
 
 
@@ -56,14 +58,15 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
           softmax_scale: float, backend: str, window_left: int, window_right: int,
-          softcap: float, alibi_slopes: torch.Tensor | None
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+          softcap: float, alibi_slopes: torch.Tensor | None,
+          sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     ctx.features = Variant(inputs[7], (inputs[10], inputs[11]), inputs[12], inputs[13],
-                           VarlenArgs(inputs[3], inputs[4], inputs[5], inputs[6])).features
+                           VarlenArgs(inputs[3], inputs[4], inputs[5], inputs[6]),
+                           sinks=inputs[14]).features
     ctx.q_meta = inputs[0].new_empty((0, *inputs[0].shape[1:]), device="meta")
 
 
@@ -84,7 +87,7 @@ def attention_varlen(
     causal: bool = ..., softmax_scale: float | None = ...,
     window_size: tuple[int, int] = ..., softcap: float | None = ...,
     alibi_slopes: torch.Tensor | None = ..., return_lse: Literal[False] = ...,
-    backend: str | None = ...) -> torch.Tensor: ...
+    backend: str | None = ..., sinks: torch.Tensor | None = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -93,8 +96,8 @@ def attention_varlen(
     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
     return_lse: Literal[True], causal: bool = ..., softmax_scale: float | None = ...,
     backend: str | None = ..., window_size: tuple[int, int] = ...,
-    softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...
-) -> tuple[torch.Tensor, torch.Tensor]: ...
+    softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...,
+    sinks: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention_varlen(
@@ -113,6 +116,7 @@ def attention_varlen(
     alibi_slopes: torch.Tensor | None = None,
     return_lse: bool = False,
     backend: str | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over a batch of sequences of different lengths, packed (flash-attn's
     ``flash_attn_varlen_func`` layout).
@@ -126,8 +130,9 @@ def attention_varlen(
     at least every length). The lengths are read by the kernel on the device: nothing
     synchronises (their values are checked on CPU tensors, and on CUDA tensors with
     FLASHTUNE_CHECK_INPUTS=1). ``causal`` aligns each sequence's diagonal to its
-    bottom-right corner; ``softmax_scale``, ``window_size``, ``softcap`` and
-    ``alibi_slopes`` ((Hq,) or (batch, Hq) float32) are as in ``attention``, per sequence.
+    bottom-right corner; ``softmax_scale``, ``window_size``, ``softcap``,
+    ``alibi_slopes`` ((Hq,) or (batch, Hq) float32) and ``sinks`` ((Hq,) float32; a query
+    row with no keys then gets LSE = sink) are as in ``attention``, per sequence.
     Returns O (total_q, Hq, D) and, with ``return_lse``, the float32 LSE (Hq, total_q).
     Forward only: a backward raises FeatureNotSupported.
     """
@@ -141,15 +146,18 @@ def attention_varlen(
     scale = check_softmax_scale(softmax_scale, dim or q.shape[2])
     varlen = VarlenArgs(cu_q, cu_k, longest_q, longest_k)
     variant = resolve(causal, window_size, softcap, alibi_slopes, q, varlen.batch,
-                      (longest_q, longest_k), varlen)
+                      (longest_q, longest_k), varlen, sinks)
     name = "" if backend is None else backend
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if not needs_grad and direct_call_ok(q, k, v, cu_q, cu_k, variant.alibi_slopes):
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, variant.sinks))
+    if not needs_grad and direct_call_ok(q, k, v, cu_q, cu_k, variant.alibi_slopes,
+                                         variant.sinks):
         out, lse = _run(q, k, v, variant, scale, name)
     else:
         out, lse = attention_varlen_fwd(q, k, v, cu_q, cu_k, longest_q, longest_k,
                                         variant.causal, scale, name, *variant.window,
-                                        variant.softcap, variant.alibi_slopes)
+                                        variant.softcap, variant.alibi_slopes,
+                                        variant.sinks)
     if dim is not None:
         out = out[..., :dim]
     return (out, lse) if return_lse else out

@@ -14,7 +14,8 @@ hook, run-time params and float64 reference): then every family that takes decla
 modifications (``KernelFamily.score_mods``) serves it with no edit of its own.
 
 Key order is registration order: the built-ins are registered here in the order today's keys
-spell them (``fwd_d64_fp16_local_softcap_alibi_varlen``), so their keys never change.
+spell them (``fwd_d64_fp16_local_softcap_alibi_varlen``), so their keys never change; later
+built-ins (``sinks``) come after them.
 """
 
 from __future__ import annotations
@@ -221,6 +222,9 @@ BUILTIN: tuple[Feature, ...] = (
     Feature("softcap", "softcap", "logit softcapping (softcap)"),
     Feature("alibi", "alibi", "ALiBi biases (alibi_slopes)"),
     Feature("varlen", "varlen", "variable-length batches (attention_varlen)"),
+    # gpt-oss's sinks: a learnable logit per query head that joins each row's softmax
+    # denominator (after the existing words, so that every existing key is unchanged).
+    Feature("sinks", "sinks", "attention sinks (sinks)"),
 )
 for _builtin in BUILTIN:
     register_feature(_builtin)

@@ -188,6 +188,10 @@ class Problem:
     def varlen(self) -> bool:
         return "varlen" in self.features
 
+    @property
+    def sinks(self) -> bool:
+        return "sinks" in self.features
+
     def has(self, name: str) -> bool:
         """Whether feature ``name`` is on (InvalidProblem if no such feature is registered)."""
         return feature(name).name in self.features

@@ -2,9 +2,12 @@
 splits into O (the input type) and the LSE, each split weighted by exp(LSE_s - LSE)
 (templates/combine_splits.cuh).
 
-It serves ``Problem(op="combine", ...)`` (causal is irrelevant and kept False). Verified on
-its own: random partial results with empty splits (LSE -inf), rows whose splits are all
-empty (O = 0, LSE = +inf) and split counts up to MAX_SPLITS, against a float64 merge.
+It serves ``Problem(op="combine", ...)`` (causal is irrelevant and kept False), and with
+``sinks=True`` joins each head's sink (float32 (heads_q,)) to every row's denominator where
+the final O and LSE are written (decoding's sinks: a split's partial LSE leaves it out).
+Verified on its own: random partial results with empty splits (LSE -inf), rows whose splits
+are all empty (O = 0, LSE = +inf, or the sink) and split counts up to MAX_SPLITS, against a
+float64 merge.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import TYPE_CHECKING, ClassVar
 from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import Element, EntryAbi, PackedArgs, scalar, size, strides, tensor
 from flashtune.codegen.params import Param, ParamSpace
+from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.families.base import (
     Inputs,
@@ -27,7 +31,7 @@ from flashtune.families.base import (
 )
 from flashtune.families.checks import O_TOLERANCE
 from flashtune.families.decode.splits import MAX_SPLITS
-from flashtune.families.rows import RowFamily
+from flashtune.families.rows import RowFamily, row_kernel_params
 
 if TYPE_CHECKING:
     import torch
@@ -53,17 +57,22 @@ COMBINE_ABI = EntryAbi("combine_splits", (
     scalar("num_splits", _I, size("o_part", 0)), scalar("rows", _I),
     scalar("heads_q", _I, size("o_part", 2)),
     scalar("seqlen_q", _I, size("o_part", 3), wrap=True), *strides("o", wrap=False),
+    tensor("sinks", _F, const=True, feature="sinks", wrap=True),
 ))
 _pack = COMBINE_ABI.packer()
+_pack_sinks = COMBINE_ABI.packer(("sinks",))
 
 
 def pack_combine_args(o_part: torch.Tensor, lse_part: torch.Tensor, o: torch.Tensor,
-                      lse: torch.Tensor) -> PackedArgs:
+                      lse: torch.Tensor, sinks: torch.Tensor | None = None) -> PackedArgs:
     """The combine kernel's arguments: o_part (splits, batch, heads_q, seqlen_q, dim),
     lse_part (splits, batch, heads_q, seqlen_q), O (batch, seqlen_q, heads_q, dim) with any
-    strides of a contiguous last dim, LSE contiguous (batch, heads_q, seqlen_q)."""
+    strides of a contiguous last dim, LSE contiguous (batch, heads_q, seqlen_q); ``sinks``
+    contiguous float32 (heads_q,) for a kernel of a problem with sinks (else None)."""
     _, batch, heads_q, seqlen_q, _ = o_part.shape
-    return _pack(o_part, lse_part, o, lse, batch * heads_q * seqlen_q)
+    if sinks is None:
+        return _pack(o_part, lse_part, o, lse, batch * heads_q * seqlen_q)
+    return _pack_sinks(o_part, lse_part, o, lse, batch * heads_q * seqlen_q, sinks)
 
 
 def combine_grid(rows: int, block_m: int) -> tuple[int, int, int]:
@@ -71,11 +80,14 @@ def combine_grid(rows: int, block_m: int) -> tuple[int, int, int]:
     return (-(-rows // block_m), 1, 1)
 
 
-def combine_reference(o_part: torch.Tensor, lse_part: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 O (batch, seqlen_q, heads_q, dim) and LSE (batch, heads_q, seqlen_q)."""
+def combine_reference(o_part: torch.Tensor, lse_part: torch.Tensor,
+                      sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 O (batch, seqlen_q, heads_q, dim) and LSE (batch, heads_q, seqlen_q); with
+    ``sinks`` (heads_q,) each head's sink is one more term of the LSE, with no value."""
     lse_s = lse_part.to(torch.float64)
     lse = torch.logsumexp(lse_s, dim=0)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.to(torch.float64)[None, :, None])
     empty = torch.isneginf(lse)
     weights = torch.exp(lse_s - lse.masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
     o = torch.einsum("sbhq,sbhqd->bqhd", weights, o_part.to(torch.float64))
@@ -91,6 +103,14 @@ class CombineFamily(RowFamily):
     row_space = SPACE
     row_default_reason = "64 rows per block on 4 warps: one row per warp at a time, any arch"
     abi: ClassVar[EntryAbi | None] = COMBINE_ABI
+    features = frozenset({"sinks"})
+
+    def template_params(self, problem: Problem, config: KernelConfig
+                        ) -> dict[str, TemplateValue]:
+        params = row_kernel_params(problem, config)
+        if problem.sinks:
+            params["sinks"] = True
+        return params
 
     def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       seed: int | None = None, num_splits: int | None = None) -> Inputs:
@@ -108,8 +128,10 @@ class CombineFamily(RowFamily):
         empty[:, 0, 0] = True
         o_part = torch.randn(*size, problem.head_dim, generator=gen, device=device)
         o_part = o_part.masked_fill(empty[..., None], 0.0)
-        return Inputs({"o_part": o_part, "lse_part": lse.masked_fill(empty, float("-inf"))},
-                      {})
+        tensors = {"o_part": o_part, "lse_part": lse.masked_fill(empty, float("-inf"))}
+        if problem.sinks:  # around the partial LSEs' spread, so that both terms matter
+            tensors["sinks"] = torch.randn(shape.heads_q, generator=gen, device=device) * 3
+        return Inputs(tensors, {})
 
     def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
                       poison: bool) -> dict[str, torch.Tensor]:
@@ -126,11 +148,13 @@ class CombineFamily(RowFamily):
     def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
                     inputs: Inputs, outputs: Tensors) -> LaunchPlan:
         o_part, lse_part = inputs.tensors["o_part"], inputs.tensors["lse_part"]
-        args = pack_combine_args(o_part, lse_part, outputs["o"], outputs["lse"])
+        args = pack_combine_args(o_part, lse_part, outputs["o"], outputs["lse"],
+                                 inputs.tensors.get("sinks") if problem.sinks else None)
         return LaunchPlan(combine_grid(lse_part[0].numel(), config.block_m), args)
 
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
-        o, lse = combine_reference(inputs.tensors["o_part"], inputs.tensors["lse_part"])
+        o, lse = combine_reference(inputs.tensors["o_part"], inputs.tensors["lse_part"],
+                                   inputs.tensors.get("sinks") if problem.sinks else None)
         return {"o": o, "lse": lse}
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,

@@ -8,6 +8,10 @@
 // NaN partial LSE (a split that refused a bad input) gets NaN, so it is never a silent
 // wrong answer.
 //
+// Sinks (kSinks; sinks.cuh): the head's sink joins every row's denominator here, where the
+// final O and LSE are written (a split's partial LSE leaves it out): LSE = log(exp(sink) +
+// sum_s exp(LSE_s)), and a row whose splits are all empty gets O = 0 and LSE = sink.
+//
 // Rows are (batch, head, query position), row = (b * heads_q + h) * seqlen_q + i, the
 // layout of the LSE. Warp w of a block combines rows block_row0 + w, + kNumWarps, ...;
 // lane l holds the LSE of splits l, l + 32, ... (up to kMaxSplits) and columns
@@ -33,11 +37,12 @@ __device__ __forceinline__ unsigned pack_pair<__nv_bfloat16>(float lo, float hi)
   return pack_bf162(lo, hi);
 }
 
-template <class Element, int HeadDim, int BlockM, int NumWarps>
+template <class Element, int HeadDim, int BlockM, int NumWarps, bool kSinks = false>
 __device__ __forceinline__ void combine_splits(
     const float* __restrict__ o_part, const float* __restrict__ lse_part,
     Element* __restrict__ o, float* __restrict__ lse, int num_splits, int rows, int heads_q,
-    int seqlen_q, long long o_batch_stride, long long o_row_stride, long long o_head_stride) {
+    int seqlen_q, long long o_batch_stride, long long o_row_stride, long long o_head_stride,
+    const float* __restrict__ sinks = nullptr) {
   constexpr int kSplitRegs = kMaxSplits / 32;
   constexpr int kColumnPasses = (HeadDim + 127) / 128;
   static_assert(HeadDim % 4 == 0, "each lane combines 4 columns at a time");
@@ -66,9 +71,14 @@ __device__ __forceinline__ void combine_splits(
       row_max = fmaxf(row_max, shfl_xor(row_max, offset));
       bad = fmaxf(bad, shfl_xor(bad, offset));
     }
+    float sink = -INFINITY;
+    if constexpr (kSinks) {  // the sink is one more term of the row's sum, with no value
+      sink = sinks[(row / seqlen_q) % heads_q];
+      row_max = fmaxf(row_max, sink);
+    }
     const bool empty = row_max == -INFINITY;
     // Weights exp(LSE_s - LSE); with no key (or a bad split) every weight is 0.
-    float sum = 0.0f;
+    float sum = kSinks && lane == 0 && !empty ? expf(sink - row_max) : 0.0f;
 #pragma unroll
     for (int k = 0; k < kSplitRegs; ++k) {
       sum += empty || part_lse[k] == -INFINITY ? 0.0f : expf(part_lse[k] - row_max);

@@ -38,10 +38,12 @@
 // Features (Tr::kLocal, kSoftcap, kAlibi; run-time values in FwdParams::var): a sliding
 // window walks only the key tiles [floor(n_begin / kBlockN), ceil(n_end / kBlockN)) that some
 // row of the block sees, masking those that cross an edge of a row's window; softcap and
-// ALiBi transform each tile's scores before its mask (ScoreTransform, softmax.cuh).
+// ALiBi transform each tile's scores before its mask (ScoreTransform, softmax.cuh); sinks
+// join each row's softmax denominator where the rows are finalised (sinks.cuh).
 #pragma once
 
 #include "fwd_mainloop.cuh"
+#include "sinks.cuh"
 #include "variant_args.cuh"
 
 namespace ft {
@@ -138,6 +140,13 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, t
   }
   if (n_end <= n_begin) {  // no row of the block sees any key
     store_empty_rows<Tr>(o_rows(), a.o_row_stride, lse_rows(), m0, seqlen_q, tid);
+    if constexpr (Tr::kSinks) {  // the sink alone: LSE = sink (O stays 0); the rows are
+      // this thread's own of the loop above, so its +inf is overwritten in order
+      float* const lse_bh = lse_rows();
+      for (int r = tid; r < kBlockM; r += Tr::kThreads) {
+        if (m0 + r < seqlen_q) lse_bh[m0 + r] = a.var.sinks[head];
+      }
+    }
     return;
   }
   const int n_tiles = (n_end + kBlockN - 1) / kBlockN;
@@ -230,7 +239,11 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, t
   // warp reads its own Q rows, so they are free to stage this warp's output rows.
   float inv_sum[Tr::kMTiles][2];
   float row_lse[Tr::kMTiles][2];
-  loop.softmax.finalize(inv_sum, row_lse);
+  if constexpr (Tr::kSinks) {
+    finalize_with_sink(loop.softmax, sink_log2_of(a.var.sinks, head), inv_sum, row_lse);
+  } else {
+    loop.softmax.finalize(inv_sum, row_lse);
+  }
   float* const lse_bh = lse_rows();
   const int g = lane / 4;
   const int t = lane % 4;

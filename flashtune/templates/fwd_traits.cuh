@@ -67,12 +67,13 @@ struct NoScoreMods {
 //   Alibi: scores get the bias -slope * |i + Nk - Nq - j| (run-time per-head slopes);
 //   Varlen: sequences of run-time lengths packed along the rows (cu_seqlens on the device);
 //   Mods: the declared score modifications (a functor rendered from codegen.score_mods,
-//     applied to every scaled score after softcap and ALiBi), or NoScoreMods.
+//     applied to every scaled score after softcap and ALiBi), or NoScoreMods;
+//   Sinks: a per-head logit joins each row's softmax denominator (sinks.cuh).
 template <typename Element_, int HeadDim, int HeadDimPadded, int BlockM, int BlockN,
           int NumWarps, int NumStages, bool Causal, int RowPad, bool Swizzle = false,
           bool QInRegs = false, bool Pipelined = false, bool Local = false,
           bool Softcap = false, bool Alibi = false, bool Varlen = false,
-          class Mods_ = NoScoreMods>
+          class Mods_ = NoScoreMods, bool Sinks = false>
 struct FwdTraits {
   using Element = Element_;
   using Mods = Mods_;
@@ -94,6 +95,7 @@ struct FwdTraits {
   static constexpr bool kSoftcap = Softcap;
   static constexpr bool kAlibi = Alibi;
   static constexpr bool kVarlen = Varlen;
+  static constexpr bool kSinks = Sinks;
   // Whether scores are transformed before the softmax (softcap, ALiBi, declared mods).
   static constexpr bool kTransformed = Softcap || Alibi || Mods::kOn;
   static constexpr int kThreads = 32 * NumWarps;

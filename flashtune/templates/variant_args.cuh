@@ -1,4 +1,5 @@
-// The run-time values of the attention features (sliding window, softcap, ALiBi, varlen)
+// The run-time values of the attention features (sliding window, softcap, ALiBi, varlen,
+// sinks)
 // that the forward and backward kernels take, in one struct.
 #pragma once
 
@@ -18,6 +19,9 @@ struct VariantArgs {
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;
   int max_seqlen_q = 0;  // the longest query sequence (sizes the grid)
+  // Sinks: float32 (heads_q,), one logit per query head joined to every row's softmax
+  // denominator (sinks.cuh).
+  const float* sinks = nullptr;
 
   // The window's sizes with "all" as the largest size that can matter (so that row and key
   // arithmetic stays in 32 bits): left = seqlen_k, right = seqlen_q.

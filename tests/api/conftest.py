@@ -4,5 +4,6 @@ from serving_fixtures import (  # noqa: F401  (fixtures are registered by name)
     dispatcher,
     poisoned_outputs,
     pyref,
+    shuffled,
     source,
 )

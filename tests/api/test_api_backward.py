@@ -16,7 +16,7 @@ import copy
 import itertools
 import os
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,8 +27,6 @@ from runtime_helpers import best_entry
 import flashtune
 from flashtune.errors import InvalidInput
 from flashtune.runtime import plans
-from flashtune.runtime.backends import register_backend, unregister_backend
-from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
 
 pytestmark = pytest.mark.emulator
 
@@ -100,18 +98,6 @@ def small(source: Any, dispatcher: object, monkeypatch: pytest.MonkeyPatch) -> N
             continue
         source.entries.append(best_entry(DEVICE, ARCH, f"{op}_d{D}_{dtype}_{mask}", 128,
                                          config))
-
-
-@pytest.fixture
-def shuffled() -> Iterator[list[str]]:
-    """Three emulator backends that run blocks in shuffled orders (seeds 1, 2, 3)."""
-    names = [f"emushuffle{seed}" for seed in (1, 2, 3)]
-    for seed, name in zip((1, 2, 3), names, strict=True):
-        register_backend(name, "cpu", lambda seed=seed: EmulatorBackend(  # type: ignore[misc]
-            options=LaunchOptions(block_order_seed=seed)))
-    yield names
-    for name in names:
-        unregister_backend(name)
 
 
 def _run(shape: tuple[int, int, int, int, int], causal: bool, backend: str,

@@ -5,7 +5,8 @@ through ``attention_varlen``) and one without (the batched op). Their logits are
 with the same weights under transformers' eager attention in float32; the same models
 without the feature (no window, no softcap) are far off, so the comparison sees whether
 the feature ran. Mistral and Gemma 2 also train a few steps without padding (windows and
-softcaps in the backward) and follow eager attention's losses and gradients.
+softcaps in the backward) and follow eager attention's losses and gradients, as does a tiny
+gpt-oss (attention sinks through ``s_aux``, with its sliding and full layers and its MoE).
 
 Skipped without transformers (an optional extra: ``pip install flashtune[transformers]``).
 """
@@ -139,3 +140,48 @@ def test_tiny_models_train_like_eager_attention(name: str) -> None:
     off = max(float((plain_grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-12))
               for n in ref_grads)
     assert off > 5 * worst, f"{name}: without its feature the gradients are off by {off:.3g}"
+
+
+def _tiny_gpt_oss(sinks: float | None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A tiny gpt-oss (one sliding-window and one full layer; every expert routed to, so
+    that the MoE is a smooth function of the attention output and rounding cannot flip a
+    top-k choice) and its initial state, its sinks drawn with a spread of 2 around 1 (or set
+    to ``sinks``: -100.0 makes them vanish)."""
+    cfg = transformers.GptOssConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        initializer_range=0.1, num_local_experts=2, num_experts_per_tok=2, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(2)
+    state = transformers.AutoModelForCausalLM.from_config(cfg).state_dict()
+    for name in [n for n in state if n.endswith("self_attn.sinks")]:
+        state[name] = (torch.randn(4) * 2 + 1 if sinks is None
+                       else torch.full((4,), sinks))
+    return cfg, state
+
+
+def test_tiny_gpt_oss_trains_like_eager_attention() -> None:
+    """gpt-oss passes its sinks to the attention function as ``s_aux``: two training steps
+    follow eager attention's losses and first gradients (the sinks' included), and with the
+    sinks vanishing the gradients are much further off."""
+    impl = flashtune.register_transformers(backend="emulator")
+    cfg, state = _tiny_gpt_oss(None)
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))
+    ref_losses, ref_grads = _train(cfg, "eager", state, ids, 2)
+    losses, grads = _train(cfg, impl, state, ids, 2)
+    assert set(grads) == set(ref_grads)
+    assert any(n.endswith("self_attn.sinks") for n in grads)
+    for step, (got, ref) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert abs(got - ref) <= 2e-3 * abs(ref), f"gpt-oss step {step}: loss {got} vs {ref}"
+    errors = {n: float((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-12))
+              for n in ref_grads}
+    worst = max(errors.values())
+    assert worst <= 3e-2, f"gpt-oss: worst relative gradient error {worst:.3g} ({errors})"
+    _, plain_state = _tiny_gpt_oss(-100.0)
+    plain_state = {n: plain_state[n] if n.endswith("self_attn.sinks") else t
+                   for n, t in state.items()}
+    _, plain_grads = _train(cfg, "eager", plain_state, ids, 1)
+    off = max(float((plain_grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-12))
+              for n in ref_grads if not n.endswith("self_attn.sinks"))
+    assert off > 5 * worst, f"gpt-oss: without its sinks the gradients are off by {off:.3g}"

@@ -35,8 +35,8 @@ def bias() -> Iterator[Feature]:
 
 
 def test_builtin_features_keep_their_names_words_and_order() -> None:
-    assert tuple(FEATURES) == ("window", "softcap", "alibi", "varlen")
-    assert [f.word for f in BUILTIN] == ["local", "softcap", "alibi", "varlen"]
+    assert tuple(FEATURES) == ("window", "softcap", "alibi", "varlen", "sinks")
+    assert [f.word for f in BUILTIN] == ["local", "softcap", "alibi", "varlen", "sinks"]
     assert FEATURE_NAMES["window"] == "sliding-window attention (window_size)"
     assert Problem(64, DType.FP16, window=True, softcap=True, alibi=True,
                    varlen=True).key() == "fwd_d64_fp16_local_softcap_alibi_varlen"
@@ -95,7 +95,8 @@ def test_after_removal_the_feature_is_unknown_again() -> None:
     with pytest.raises(InvalidProblem, match="'bias' is not a feature word"):
         Problem.from_key(key)
     with pytest.raises(InvalidProblem, match=r"'bias' is not an attention feature; expected "
-                                             r"one of \['window', 'softcap', 'alibi', 'varlen'\]"):
+                                             r"one of \['window', 'softcap', 'alibi', 'varlen', "
+                                             r"'sinks'\]"):
         Problem(64, DType.FP16, bias=True)
     with pytest.raises(AttributeError):
         _ = Problem(64, DType.FP16).bias
@@ -149,7 +150,7 @@ def test_a_mask_feature_takes_the_mask_slot_of_the_key() -> None:
 def test_bad_declarations_are_refused(make, needle: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(InvalidProblem, match=needle):
         register_feature(make())
-    assert tuple(FEATURES) == ("window", "softcap", "alibi", "varlen")
+    assert tuple(FEATURES) == ("window", "softcap", "alibi", "varlen", "sinks")
 
 
 def test_builtins_cannot_be_removed() -> None:

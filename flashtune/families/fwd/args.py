@@ -15,6 +15,7 @@ expected signature are generated from it (``codegen.abi``).
         with a batch dim of 1), seqlen_q and seqlen_k their total rows, the LSE
         (heads_q, total rows of Q), and the grid (ceil(max_seqlen_q / block_m), heads_q,
         number of sequences);
+      sinks: sinks (const float*; float32 (heads_q,), one logit per query head);
       declared score modifications (``codegen.score_mods``): their params, in key order.
 
 Q/O are (batch, seqlen_q, heads_q, head_dim), K/V are (batch, seqlen_k, heads_kv,
@@ -71,6 +72,7 @@ FWD_ABI = EntryAbi("flash_fwd", score_mods=True, args=(
     tensor("cu_seqlens_q", _I, const=True, feature="varlen", wrap=True),
     tensor("cu_seqlens_k", _I, const=True, feature="varlen"),
     scalar("max_seqlen_q", _I, feature="varlen", wrap=True),
+    tensor("sinks", _F, const=True, feature="sinks", wrap=True),
 ))
 
 #: The plain forward's packer: (q, k, v, o, lse, softmax_scale) -> packed arguments.
@@ -106,6 +108,8 @@ class VariantLike(Protocol):
     def varlen(self) -> VarlenArgs | None: ...
     @property
     def mods(self) -> Mapping[str, float]: ...
+    @property
+    def sinks(self) -> torch.Tensor | None: ...
 
 
 Grid = tuple[int, int, int]
@@ -131,7 +135,8 @@ ExtraValues = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor"],
 def feature_values(problem: Problem, variant: VariantLike | None) -> dict[str, object]:
     """The packer inputs of ``problem``'s feature switches from the call's values.
     ``alibi_slopes``: float32 (heads_q,) or (batch, heads_q) with a contiguous last dim
-    (required when ``problem.alibi``); ``varlen`` is required when ``problem.varlen``."""
+    (required when ``problem.alibi``); ``varlen`` is required when ``problem.varlen``;
+    ``sinks``: contiguous float32 (heads_q,) (required when ``problem.sinks``)."""
     out: dict[str, object] = {}
     if problem.window:
         window = (-1, -1) if variant is None else variant.window
@@ -153,6 +158,11 @@ def feature_values(problem: Problem, variant: VariantLike | None) -> dict[str, o
         out["cu_seqlens_q"] = varlen.cu_seqlens_q
         out["cu_seqlens_k"] = varlen.cu_seqlens_k
         out["max_seqlen_q"] = varlen.max_seqlen_q
+    if problem.sinks:
+        sinks = None if variant is None else variant.sinks
+        if sinks is None:
+            raise InvalidInput(f"{problem.key()} needs sinks: a float32 tensor (heads_q,)")
+        out["sinks"] = sinks
     for name, mod in mods_of(problem.features):
         for p in mod.params:
             if variant is None or p.name not in variant.mods:

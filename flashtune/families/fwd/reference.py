@@ -13,7 +13,9 @@ S by cap * tanh(S / cap); ALiBi adds -slope[b, h] * |i + Nk - Nq - j| (after the
 Declared score modifications (``codegen.score_mods``) then apply in key order to the scaled
 (capped, biased) scores, with the batch, query head, row and key of each score. Varlen
 (``varlen_reference``): each sequence of a packed batch on its own (its batch index: its
-number in the pack).
+number in the pack). Sinks (gpt-oss): a logit per query head, not scaled, joins each row's
+softmax denominator and contributes no value: LSE = log(exp(sink) + sum exp(S)), O = P V
+with P = exp(S - LSE); a row that sees no key then has O = 0 and LSE = sink.
 """
 
 from __future__ import annotations
@@ -97,10 +99,12 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                         softcap: float | None = None,
                         alibi_slopes: torch.Tensor | None = None,
                         mods: Sequence[ScoreMod] = (), mod_values: Mapping[str, float] = {},
-                        first_batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                        first_batch: int = 0, sinks: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 O (B, Nq, Hq, D) and LSE (B, Hq, Nq) from (B, N, H, D) tensors, with the
     features of the module doc (causal and a window combine: both masks apply); ``mods``
-    take their params from ``mod_values`` and see batch indices from ``first_batch``."""
+    take their params from ``mod_values`` and see batch indices from ``first_batch``;
+    ``sinks``: (Hq,) logits joined to each row's denominator."""
     qd, kd, vd = (t.to(torch.float64) for t in (q, k, v))
     group = q.shape[2] // k.shape[2]
     kd = kd.repeat_interleave(group, dim=2)
@@ -109,6 +113,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                            alibi_slopes=alibi_slopes, mods=mods, mod_values=mod_values,
                            first_batch=first_batch)
     lse = torch.logsumexp(scores, dim=-1)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.to(device=lse.device, dtype=lse.dtype)[:, None])
     empty = torch.isneginf(lse)
     probs = torch.exp(scores - lse.masked_fill(empty, 0.0)[..., None])
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vd)
@@ -119,18 +125,24 @@ def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool,
                      scale: float, *, window: tuple[int, int] = (-1, -1),
                      softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
-                     mods: Sequence[ScoreMod] = (), mod_values: Mapping[str, float] = {}
+                     mods: Sequence[ScoreMod] = (), mod_values: Mapping[str, float] = {},
+                     sinks: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 O (total_q, Hq, D) and LSE (Hq, total_q) of packed (total, H, D) tensors:
     sequence b is rows cu_seqlens[b] to cu_seqlens[b + 1] - 1, attended on its own (a
-    sequence with no keys has O = 0 and LSE = +inf; one with no queries has no rows)."""
+    sequence with no keys has O = 0 and LSE = +inf, or the sink with ``sinks``; one with
+    no queries has no rows)."""
     total_q, heads_q, dim = q.shape
     out = torch.zeros(total_q, heads_q, dim, dtype=torch.float64, device=q.device)
     lse = torch.full((heads_q, total_q), float("inf"), dtype=torch.float64, device=q.device)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(cq) - 1):
         q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
-        if q1 == q0 or k1 == k0:
+        if q1 == q0:
+            continue
+        if k1 == k0:
+            if sinks is not None:
+                lse[:, q0:q1] = sinks.to(torch.float64)[:, None]
             continue
         slopes = None
         if alibi_slopes is not None:
@@ -138,7 +150,7 @@ def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         o_b, lse_b = attention_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal,
                                          scale, window=window, softcap=softcap,
                                          alibi_slopes=slopes, mods=mods,
-                                         mod_values=mod_values, first_batch=b)
+                                         mod_values=mod_values, first_batch=b, sinks=sinks)
         out[q0:q1] = o_b[0]
         lse[:, q0:q1] = lse_b[0]
     return out, lse

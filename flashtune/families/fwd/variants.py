@@ -1,10 +1,11 @@
 """The forward's attention features on the family side: what the template binds, the
 run-time values a launch passes, and random values for verification.
 
-A Problem's feature switches (``window``, ``softcap``, ``alibi``) are compiled in; their
-values (window sizes, the cap, the slopes) are run-time arguments (``args.feature_values``).
-In an ``Inputs`` they are the scalars ``window_left``, ``window_right``, ``softcap``,
-``max_seqlen_q`` and the tensors ``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``. A
+A Problem's feature switches (``window``, ``softcap``, ``alibi``, ``sinks``) are compiled
+in; their values (window sizes, the cap, the slopes, the sinks) are run-time arguments
+(``args.feature_values``). In an ``Inputs`` they are the scalars ``window_left``,
+``window_right``, ``softcap``, ``max_seqlen_q`` and the tensors ``alibi_slopes``,
+``cu_seqlens_q``, ``cu_seqlens_k``, ``sinks``. A
 varlen launch's q, k, v are packed as (1, total rows, heads, head_dim); ``Shape`` then gives
 the number of sequences and the longest query and key sequences.
 """
@@ -34,7 +35,7 @@ SOFTCAPS = (5.0, 30.0, 50.0)
 
 #: Template parameter of each feature switch.
 _TEMPLATE_NAMES = {"window": "local", "softcap": "softcap", "alibi": "alibi",
-                   "varlen": "varlen"}
+                   "varlen": "varlen", "sinks": "sinks"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class VariantValues:
     varlen: VarlenArgs | None = None
     #: The params of declared score modifications (``codegen.score_mods``) by name.
     mods: Mapping[str, float] = field(default_factory=dict)
+    #: Attention sinks: float32 (heads_q,).
+    sinks: torch.Tensor | None = None
 
     @classmethod
     def of(cls, inputs: Inputs) -> VariantValues:
@@ -58,7 +61,8 @@ class VariantValues:
         mods = {p.name: s[p.name] for _, mod in mods_of(FEATURES) for p in mod.params
                 if p.name in s}
         return cls((int(s.get("window_left", -1)), int(s.get("window_right", -1))),
-                   float(s.get("softcap", 0.0)), t.get("alibi_slopes"), varlen, mods)
+                   float(s.get("softcap", 0.0)), t.get("alibi_slopes"), varlen, mods,
+                   t.get("sinks"))
 
     def only(self, problem: Problem) -> VariantValues:
         """These values with those of features ``problem`` does not switch on reset."""
@@ -68,7 +72,8 @@ class VariantValues:
                              self.varlen if problem.varlen else None,
                              {p.name: self.mods[p.name]
                               for _, mod in mods_of(problem.features)
-                              for p in mod.params if p.name in self.mods})
+                              for p in mod.params if p.name in self.mods},
+                             self.sinks if problem.sinks else None)
 
 
 def template_params(problem: Problem) -> dict[str, TemplateValue]:
@@ -89,8 +94,8 @@ def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
                   device: torch.device | str) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """Random feature values for ``problem`` (scalars, tensors), drawn with ``gen``: window
     sizes from WINDOW_SIZES (not both unbounded), a cap from SOFTCAPS, ALiBi slopes in
-    [0, 1) of shape (batch, heads_q), and each declared score modification's params from
-    their ``draws``."""
+    [0, 1) of shape (batch, heads_q), sinks (``random_sinks``), and each declared score
+    modification's params from their ``draws``."""
     scalars: dict[str, float] = {}
     tensors: dict[str, torch.Tensor] = {}
 
@@ -107,10 +112,22 @@ def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
     if problem.alibi:
         tensors["alibi_slopes"] = torch.rand(shape.batch, shape.heads_q, generator=gen,
                                              device=device)
+    if problem.sinks:
+        tensors["sinks"] = random_sinks(shape.heads_q, gen, device)
     for _, mod in mods_of(problem.features):
         for p in mod.params:
             scalars[p.name] = pick(p.draws) if p.type == "float" else int(pick(p.draws))
     return scalars, tensors
+
+
+def random_sinks(heads_q: int, gen: torch.Generator, device: torch.device | str
+                 ) -> torch.Tensor:
+    """float32 sinks (heads_q,): normal with a spread of 3 around 1, so that some heads' sink
+    outweighs a row's scores (the LSE of N(0, 1) logits over a few hundred keys is about 6)
+    and some is negligible, and one head's sink is 8, larger than most rows' LSE."""
+    sinks = torch.randn(heads_q, generator=gen, device=device) * 3 + 1
+    sinks[int(torch.randint(heads_q, (), generator=gen, device=device))] = 8.0
+    return sinks
 
 
 def random_lengths(count: int, longest: int, gen: torch.Generator) -> list[int]:
