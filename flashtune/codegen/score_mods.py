@@ -30,8 +30,12 @@ if TYPE_CHECKING:
 
 #: The names a modification's expression reads besides its params.
 HOOK_ARGUMENTS = ("score", "batch", "head", "q_idx", "kv_idx")
-#: The C++ type of each param type.
-PARAM_TYPES = {"float": "float", "int": "int"}
+#: The C++ type of each param type: run-time scalars, and captured tensors (contiguous
+#: float32 or int32 on the launch's device, ``codegen.trace``).
+PARAM_TYPES = {"float": "float", "int": "int", "float_ptr": "const float*",
+               "int_ptr": "const int*"}
+#: The param types that are tensors.
+POINTER_TYPES = frozenset({"float_ptr", "int_ptr"})
 
 #: ``reference(score, batch, head, q_idx, kv_idx, **values)`` -> the modified score.
 Reference = Callable[..., "torch.Tensor"]
@@ -39,16 +43,23 @@ Reference = Callable[..., "torch.Tensor"]
 
 @dataclass(frozen=True)
 class ModParam:
-    """A run-time scalar of a modification: its name (a kernel argument: unique among the
-    registered features' params), its type (``float`` or ``int``: float32 or int32) and
-    the values verification draws from."""
+    """A run-time value of a modification: its name (a kernel argument: unique among the
+    registered features' params), its type (``float`` or ``int``: float32 or int32; or a
+    captured tensor, ``float_ptr`` or ``int_ptr``) and the values verification draws from;
+    a tensor's ``dims`` name the int params that hold its sizes (verification draws a
+    random tensor of those sizes)."""
 
     name: str
     type: str = "float"
     draws: tuple[float, ...] = (0.5,)
+    dims: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "draws", tuple(self.draws))
+        object.__setattr__(self, "dims", tuple(self.dims))
+        if self.dims and self.type not in POINTER_TYPES:
+            raise InvalidProblem(f"param {self.name!r} of type {self.type!r} has dims; only "
+                                 f"tensors ({sorted(POINTER_TYPES)}) have sizes")
         if (not self.name.isidentifier() or keyword.iskeyword(self.name)
                 or self.name.startswith("_") or self.name in HOOK_ARGUMENTS):
             raise InvalidProblem(f"score modification param {self.name!r} must be an "

@@ -2,6 +2,7 @@
 // layout and the element type's tensor-core operations.
 #pragma once
 
+#include "flex_ops.cuh"
 #include "primitives.cuh"
 #include "smem_layout.cuh"
 #include "tensor_ops.cuh"
