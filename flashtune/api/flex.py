@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from flashtune import settings
 from flashtune.api import forward as _fwd
 from flashtune.api.block_mask import BlockMask
 from flashtune.api.limits import check_softmax_scale
@@ -57,13 +58,24 @@ def _refuse_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 def modified_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
                      scale: float, backend: str, score_mod: ScoreModFn | None,
-                     mask_mod: MaskModFn | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     mask_mod: MaskModFn | None, block_mask: BlockMask | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """O and LSE of validated flash-attn-layout inputs with ``variant``'s features and the
-    traced ``score_mod`` / ``mask_mod`` (the forward only)."""
+    traced ``score_mod`` / ``mask_mod`` (the forward only); ``block_mask``: the kernel walks
+    only the key tiles it marks non-empty (its ``mask_mod`` is then the one traced)."""
     _refuse_grad(q, k, v)
-    traced = trace(score_mod, mask_mod)
+    traced = trace(score_mod, mask_mod, tiles=block_mask is not None)
     name = traced_feature(traced)
-    with_mod = replace(variant, traced=(name,), mods=traced.values(q.device))
+    values = traced.values(q.device)
+    with_mod = replace(variant, traced=(name,), mods=values)
+    if block_mask is not None:
+        plan = _fwd.plan_for(q, k, variant.causal, backend or settings.BACKEND.get(), "fwd",
+                             with_mod.features)
+        config = plan.decision.config
+        ranges = block_mask.tiles(config.block_m, config.block_n, q.device)
+        values[traced.ranges_param] = ranges
+        values.update({f"{traced.ranges_param}_n{j}": int(n)
+                       for j, n in enumerate(ranges.shape[:3])})
     return _fwd.forward(q, k, v, variant.causal, scale, backend, with_mod)
 
 
@@ -111,7 +123,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         out, lse = _fwd.forward(q, k, v, False, softmax_scale, name, variant)
     else:
         out, lse = modified_forward(q, k, v, variant, softmax_scale, name, score_mod,
-                                    mask_mod)
+                                    mask_mod, block_mask)
     if dim is not None:
         out = out[..., :dim]
     out = out.transpose(1, 2)

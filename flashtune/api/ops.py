@@ -26,6 +26,7 @@ import torch
 
 from flashtune.api import backward as _bwd
 from flashtune.api import forward as _fwd
+from flashtune.api.flex import MaskModFn, ScoreModFn, modified_forward
 from flashtune.api.limits import check_softmax_scale
 from flashtune.api.sdpa_causal import top_left_forward
 from flashtune.api.validate import check_attention_inputs
@@ -177,7 +178,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               softmax_scale: float | None = ..., return_lse: Literal[False] = ...,
               backend: str | None = ..., deterministic: bool | None = ...,
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
-              alibi_slopes: torch.Tensor | None = ...) -> torch.Tensor: ...
+              alibi_slopes: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
+              mask_mod: MaskModFn | None = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -185,7 +187,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               softmax_scale: float | None = ..., return_lse: Literal[True],
               backend: str | None = ..., deterministic: bool | None = ...,
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
-              alibi_slopes: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+              alibi_slopes: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
+              mask_mod: MaskModFn | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @overload
@@ -193,7 +196,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               softmax_scale: float | None = ..., return_lse: bool,
               backend: str | None = ..., deterministic: bool | None = ...,
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
-              alibi_slopes: torch.Tensor | None = ...
+              alibi_slopes: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
+              mask_mod: MaskModFn | None = ...
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -210,6 +214,8 @@ def attention(
     window_size: tuple[int, int] = NO_WINDOW,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    score_mod: ScoreModFn | None = None,
+    mask_mod: MaskModFn | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention in flash-attn's layout.
 
@@ -238,6 +244,12 @@ def attention(
     ``alibi_slopes``: float32 (Hq,) or (B, Hq) on q's device; scores get the bias
     -slope * |i + Nk - Nq - j|. Each is a compile-time variant of the kernel (its own
     tuning key), not a run-time branch.
+
+    ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)``:
+    FlexAttention's modifications (``flashtune.flex_attention``), traced into the kernel
+    (``codegen.trace``; h is the query head, the indices are positions within the
+    sequences); applied after softcap and ALiBi, and a masked key stays hidden whatever they
+    return. The forward only: inputs that require grad raise BackwardNotAvailable.
     """
     dim = None
     if isinstance(q, torch.Tensor) and not q.is_nested and q.dim() and q.shape[-1] % 8:
@@ -248,6 +260,13 @@ def attention(
     scale = check_softmax_scale(softmax_scale, dim or q.shape[3])
     ordered = _deterministic(deterministic)
     name = "" if backend is None else backend
+    if score_mod is not None or mask_mod is not None:
+        variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
+                          (q.shape[1], k.shape[1]))
+        out, lse = modified_forward(q, k, v, variant, scale, name, score_mod, mask_mod)
+        if dim is not None:
+            out = out[..., :dim]
+        return (out, lse) if return_lse else out
     if window_size == NO_WINDOW and softcap is None and alibi_slopes is None:
         variant = None
     else:

@@ -32,10 +32,12 @@ if TYPE_CHECKING:
 HOOK_ARGUMENTS = ("score", "batch", "head", "q_idx", "kv_idx")
 #: The C++ type of each param type: run-time scalars, and captured tensors (contiguous
 #: float32 or int32 on the launch's device, ``codegen.trace``).
+#: ``tiles``: a block mask's key tile ranges, int32 (Bm, Hm, query tiles, 2) read by
+#: ``ft::flex::tile_range`` (its dims: the three sizes; a kernel skips the key tiles outside).
 PARAM_TYPES = {"float": "float", "int": "int", "float_ptr": "const float*",
-               "int_ptr": "const int*"}
+               "int_ptr": "const int*", "tiles": "const int*"}
 #: The param types that are tensors.
-POINTER_TYPES = frozenset({"float_ptr", "int_ptr"})
+POINTER_TYPES = frozenset({"float_ptr", "int_ptr", "tiles"})
 
 #: ``reference(score, batch, head, q_idx, kv_idx, **values)`` -> the modified score.
 Reference = Callable[..., "torch.Tensor"]
@@ -60,6 +62,9 @@ class ModParam:
         if self.dims and self.type not in POINTER_TYPES:
             raise InvalidProblem(f"param {self.name!r} of type {self.type!r} has dims; only "
                                  f"tensors ({sorted(POINTER_TYPES)}) have sizes")
+        if self.type == "tiles" and len(self.dims) != 3:
+            raise InvalidProblem(f"tile ranges {self.name!r} need the names of their three "
+                                 f"sizes (batch, head, query tile) as dims, got {self.dims}")
         if (not self.name.isidentifier() or keyword.iskeyword(self.name)
                 or self.name.startswith("_") or self.name in HOOK_ARGUMENTS):
             raise InvalidProblem(f"score modification param {self.name!r} must be an "
@@ -114,11 +119,24 @@ def render_functor(mods: Sequence[tuple[str, ScoreMod]]) -> str:
                       for p in mod.params)
     steps = "".join(f"    score = ({mod.cuda});  // {name}\n" for name, mod in mods)
     unused = "".join(f"    (void){a};\n" for a in HOOK_ARGUMENTS[1:])
+    tiles = [p for _, mod in mods for p in mod.params if p.type == "tiles"]
+    if len(tiles) > 1:
+        raise InvalidProblem(f"score modifications {[p.name for p in tiles]} each bring key "
+                             "tile ranges; a kernel takes one block mask")
+    ranges = "".join(
+        "  // The key tiles [lo, hi) query tile m_block of (batch, head) walks.\n"
+        "  __device__ __forceinline__ void tile_range(int batch, int head, int m_block,\n"
+        "                                             int& lo, int& hi) const {\n"
+        f"    ft::flex::tile_range({p.name}, {', '.join(p.dims)}, batch, head, m_block, lo, "
+        "hi);\n"
+        "  }\n" for p in tiles)
     return ("// The problem's declared score modifications (codegen.score_mods), in key order,\n"
             "// on the scaled score of query row q_idx and key kv_idx of (batch, head).\n"
             "struct ScoreMods {\n"
             "  static constexpr bool kOn = true;\n"
+            f"  static constexpr bool kTileRanges = {'true' if tiles else 'false'};\n"
             f"{members}"
+            f"{ranges}"
             "  __device__ __forceinline__ float operator()(float score, int batch, int head,\n"
             "                                              int q_idx, int kv_idx) const {\n"
             f"{unused}{steps}"

@@ -481,6 +481,14 @@ class TracedMod:
     captured: tuple[torch.Tensor, ...]
     name: str
     cuda: str
+    #: The kernel takes a block mask's key tile ranges (``ranges_param``) and skips the
+    #: key tiles outside them.
+    tiles: bool = False
+
+    @property
+    def ranges_param(self) -> str:
+        """The name of the tile ranges argument (its sizes: ``<name>_n0`` .. ``_n2``)."""
+        return f"{self.name}_r"
 
     @property
     def params(self) -> tuple[ModParam, ...]:
@@ -492,6 +500,10 @@ class TracedMod:
             out.append(ModParam(ptr, "float_ptr" if t.is_floating_point() else "int_ptr",
                                 dims=sizes))
             out.extend(ModParam(s, "int", draws=(int(n),)) for s, n in zip(sizes, t.shape))
+        if self.tiles:
+            sizes = tuple(f"{self.ranges_param}_n{j}" for j in range(3))
+            out.append(ModParam(self.ranges_param, "tiles", dims=sizes))
+            out.extend(ModParam(s, "int", draws=(1,)) for s in sizes)
         return tuple(out)
 
     def score_mod(self) -> ScoreMod:
@@ -525,10 +537,12 @@ class TracedMod:
 Mod = Callable[..., Any]
 
 
-def trace(score_mod: Mod | None = None, mask_mod: Mod | None = None) -> TracedMod:
+def trace(score_mod: Mod | None = None, mask_mod: Mod | None = None, *,
+          tiles: bool = False) -> TracedMod:
     """One modification of the scaled score from FlexAttention's ``score_mod(score, b, h,
     q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)`` (either may be None, not both):
-    where the mask is False the score is -inf. UnsupportedModification for an operation
+    where the mask is False the score is -inf. ``tiles``: the kernel also takes a block
+    mask's key tile ranges (part of the key). UnsupportedModification for an operation
     outside the traced set."""
     if score_mod is None and mask_mod is None:
         raise InvalidInput("trace needs a score_mod or a mask_mod; both are None")
@@ -552,9 +566,10 @@ def trace(score_mod: Mod | None = None, mask_mod: Mod | None = None) -> TracedMo
     kinds = "".join("f" if t.is_floating_point() else "i" for t in tracer.captured)
     # The digest covers the expression with placeholder names and the captured kinds.
     shape = render(score.node, "P", dims)
-    digest = hashlib.sha256(f"{shape}|{kinds}|{dims}".encode()).hexdigest()
+    digest = hashlib.sha256(f"{shape}|{kinds}|{dims}|{tiles}".encode()).hexdigest()
     name = "flex" + digest[:12]
-    return TracedMod(score.node, tuple(tracer.captured), name, render(score.node, name, dims))
+    return TracedMod(score.node, tuple(tracer.captured), name, render(score.node, name, dims),
+                     tiles)
 
 
 def _result(value: object, what: str, kind: str) -> Sym:

@@ -93,7 +93,7 @@ def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
     sizes from WINDOW_SIZES (not both unbounded), a cap from SOFTCAPS, ALiBi slopes in
     [0, 1) of shape (batch, heads_q), and each declared score modification's params from
     their ``draws`` (a captured tensor: random values, normal floats or ints in [0, 4), of
-    the sizes its ``dims`` params drew)."""
+    the sizes its ``dims`` params drew; a block mask's tile ranges: every key tile)."""
     scalars: dict[str, float] = {}
     tensors: dict[str, torch.Tensor] = {}
 
@@ -115,8 +115,11 @@ def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
             if p.type not in POINTER_TYPES:
                 scalars[p.name] = pick(p.draws) if p.type == "float" else int(pick(p.draws))
         for p in mod.params:  # captured tensors: random ones of their drawn sizes
-            if p.type in POINTER_TYPES:
-                sizes = [int(scalars[d]) for d in p.dims]
+            sizes = [int(scalars[d]) for d in p.dims]
+            if p.type == "tiles":  # every key tile walked: the reference skips none
+                whole = torch.tensor([0, 2**30], dtype=torch.int32, device=device)
+                tensors[p.name] = whole.expand(*sizes, 2).contiguous()
+            elif p.type in POINTER_TYPES:
                 tensors[p.name] = (
                     torch.randn(sizes, generator=gen, device=device) if p.type == "float_ptr"
                     else torch.randint(4, sizes, generator=gen, device=device,
