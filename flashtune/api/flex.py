@@ -130,3 +130,36 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if not return_lse:
         return out
     return out, torch.where(lse == float("inf"), float("-inf"), lse)
+
+
+def attn_mask_mods(attn_mask: torch.Tensor, shape: tuple[int, int, int, int]
+                   ) -> tuple[ScoreModFn | None, MaskModFn | None]:
+    """SDPA's ``attn_mask`` as a traced modification of a call of ``shape`` (B, H, L, S):
+    a bool mask (True: visible) as a mask_mod, a float mask as an additive score_mod, read
+    from the captured mask at each position (a broadcast dim is read at index 0).
+    InvalidInput unless bool or floating and broadcastable to ``shape``."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise InvalidInput(f"attn_mask is a {type(attn_mask).__name__}; expected a bool or "
+                           "float tensor broadcastable to (B, H, L, S)")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise InvalidInput(f"attn_mask has dtype {attn_mask.dtype}; expected torch.bool (True: "
+                           "attend) or a floating type (added to the scores)")
+    dims = attn_mask.dim()
+    if dims > 4 or any(n not in (1, want) for n, want in
+                       zip(reversed(attn_mask.shape), reversed(shape))):
+        raise InvalidInput(f"attn_mask has shape {tuple(attn_mask.shape)}; expected one "
+                           f"broadcastable to (B, H, L, S) = {shape}")
+    mask = attn_mask.reshape((1,) * (4 - dims) + tuple(attn_mask.shape))
+    vary = tuple(n > 1 for n in mask.shape)
+
+    def at(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        i = [x if on else 0 for x, on in zip((b, h, q_idx, kv_idx), vary)]
+        return mask[i[0], i[1], i[2], i[3]]
+
+    if attn_mask.dtype == torch.bool:
+        return None, at
+
+    def additive(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score + at(b, h, q_idx, kv_idx)
+    return additive, None
+

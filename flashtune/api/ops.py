@@ -26,7 +26,7 @@ import torch
 
 from flashtune.api import backward as _bwd
 from flashtune.api import forward as _fwd
-from flashtune.api.flex import MaskModFn, ScoreModFn, modified_forward
+from flashtune.api.flex import MaskModFn, ScoreModFn, attn_mask_mods, modified_forward
 from flashtune.api.limits import check_softmax_scale
 from flashtune.api.sdpa_causal import top_left_forward
 from flashtune.api.validate import check_attention_inputs
@@ -308,16 +308,19 @@ def scaled_dot_product_attention(
     multiple of Hkv). ``is_causal`` has torch's meaning: the mask is aligned to the top-left
     corner (query i sees key j iff j <= i), which for L != S is not ``attention``'s
     bottom-right ``causal``; it is served as two calls (``api.sdpa_causal``; gradients
-    included). Not supported (InvalidInput saying so): ``attn_mask``, ``dropout_p`` other
-    than 0, and Hq != Hkv without ``enable_gqa``. The inputs are passed as transposed views
+    included). Not supported (InvalidInput saying so): ``dropout_p`` other than 0,
+    ``attn_mask`` with ``is_causal``, and Hq != Hkv without ``enable_gqa``. The inputs are passed as transposed views
     and the result is a transposed view: nothing is copied (but for L > S with
     ``is_causal``, whose two row blocks are concatenated). ``backend`` is
     as in ``attention``; gradients flow as there (deterministic when
     ``torch.use_deterministic_algorithms(True)`` is set).
+
+    ``attn_mask`` (bool: True attends; or floating: added to the scaled scores),
+    broadcastable to (B, H, L, S), is served forward only, as a captured tensor read by a
+    traced modification (``api.flex.attn_mask_mods``); a query row that sees no key gets
+    O = 0 (torch's math path gives NaN there). A mask that requires grad raises
+    BackwardNotAvailable.
     """
-    if attn_mask is not None:
-        raise _sdpa_unsupported("attn_mask", "use is_causal=True for a causal mask, or "
-                                "torch.nn.functional.scaled_dot_product_attention for others")
     if dropout_p != 0.0:
         raise _sdpa_unsupported(f"dropout_p={dropout_p}", "flashtune has no attention "
                                 "dropout; expected dropout_p=0.0")
@@ -331,6 +334,19 @@ def scaled_dot_product_attention(
                            f"{key.shape[1]}; expected equal head counts, or enable_gqa=True "
                            "for grouped-query attention")
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if attn_mask is not None:
+        if is_causal:
+            raise _sdpa_unsupported("attn_mask together with is_causal", "fold the causal "
+                                    "mask into attn_mask (torch refuses the pair too)")
+        if torch.is_grad_enabled() and attn_mask.requires_grad:
+            raise BackwardNotAvailable("a float attn_mask that requires grad needs the "
+                                       "backward through score modifications, which "
+                                       "flashtune has not got yet; pass attn_mask.detach()")
+        shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        score_mod, mask_mod = attn_mask_mods(attn_mask, shape)
+        out = attention(q, k, v, softmax_scale=scale, backend=backend, score_mod=score_mod,
+                        mask_mod=mask_mod)
+        return out.transpose(1, 2)
     if is_causal and query.shape[2] != key.shape[2]:  # torch's top-left mask: two calls
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool

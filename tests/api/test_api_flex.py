@@ -215,3 +215,51 @@ def test_gradients_are_refused_not_wrong() -> None:
     with pytest.raises(BackwardNotAvailable, match="forward pass only"):
         flashtune.flex_attention(q, q.detach(), q.detach(), flex_mods.softcap(5.0),
                                  backend="emulator")
+
+
+def _sdpa_case(kind: str, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    batch, heads, nq, nk, dim = 2, 2, 70, 90, 64
+    q = torch.randn(batch, heads, nq, dim, generator=gen).half()
+    k, v = (torch.randn(batch, heads, nk, dim, generator=gen).half() for _ in "kv")
+    if kind == "bool":  # per batch, broadcast over heads; row 3 of batch 1 sees nothing
+        mask = torch.rand(batch, 1, nq, nk, generator=gen) < 0.7
+        mask[1, 0, 3] = False
+    else:  # additive, per head and position, with some -inf
+        mask = torch.randn(heads, nq, nk, generator=gen) * 2
+        mask[:, :, ::7] = float("-inf")
+    out = flashtune.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend="emulator")
+    full = mask.expand(batch, heads, nq, nk)
+    if kind == "bool":
+        ref, _ = dense(q, k, v, dim ** -0.5, None, lambda b, h, i, j: full[b, h, i, j],
+                       torch.float64)
+        low, _ = dense(q, k, v, dim ** -0.5, None, lambda b, h, i, j: full[b, h, i, j],
+                       torch.float16)
+    else:
+        def bias(s: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
+            return s + full[b, h, i, j]
+        ref, _ = dense(q, k, v, dim ** -0.5, bias, None, torch.float64)
+        low, _ = dense(q, k, v, dim ** -0.5, bias, None, torch.float16)
+    bound = 2 * (low.double() - ref).abs().max().item() + 1e-5
+    error = (out.double() - ref).abs().max().item()
+    assert error <= bound, f"{kind} seed={seed}: max error {error:.3g} > {bound:.3g}"
+    # torch's own SDPA (float32, math) agrees where a row sees some key.
+    theirs = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                              attn_mask=mask)
+    seen = torch.isfinite(theirs).all(-1)
+    torch.testing.assert_close(theirs.double()[seen], ref[seen], atol=1e-4, rtol=1e-4)
+    if kind == "bool":
+        assert (out[1, :, 3] == 0).all()  # a row that sees no key: O = 0
+
+
+@pytest.mark.usefixtures("dispatcher", "poisoned_outputs")
+def test_sdpa_attn_mask_sampled() -> None:
+    kind = random.Random(f"{_SEED}-sdpa").choice(["bool", "float"])
+    _sdpa_case(kind, random.Random(f"{_SEED}-{kind}").randrange(2**31))
+
+
+@pytest.mark.sweep
+@pytest.mark.usefixtures("dispatcher", "poisoned_outputs")
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_sdpa_attn_mask(kind: str) -> None:
+    _sdpa_case(kind, random.Random(f"{_SEED}-{kind}").randrange(2**31))
