@@ -126,11 +126,11 @@ def create_block_mask(mask_mod: MaskModFn, B: int | None, H: int | None, Q_LEN: 
             ht = torch.tensor(h, device=device)
             for r0 in range(0, Q_LEN, rows):
                 q = torch.arange(r0, min(Q_LEN, r0 + rows), device=device)
-                visible = mask_mod(bt, ht, q[:, None], kv[None, :])
-                visible = torch.as_tensor(visible, device=device).expand(q.numel(), KV_LEN)
+                visible = torch.as_tensor(mask_mod(bt, ht, q[:, None], kv[None, :]),
+                                          device=device).expand(q.numel(), KV_LEN)
                 pad_q = -q.numel() % blk
                 if pad_k or pad_q:  # edge blocks: the missing positions count as hidden
                     visible = torch.nn.functional.pad(visible, (0, pad_k, 0, pad_q))
-                n = visible.reshape(-1, blk, nk, blk).sum(dim=(1, 3), dtype=torch.int32)
-                counts[b, h, r0 // blk: r0 // blk + n.shape[0]] = n.to("cpu", torch.int32)
+                per_block = visible.reshape(-1, blk, nk, blk).sum(dim=(1, 3), dtype=torch.int32)
+                counts[b, h, r0 // blk: r0 // blk + per_block.shape[0]] = per_block.cpu()
     return BlockMask(mask_mod, (b_n, h_n, Q_LEN, KV_LEN), blk, counts)

@@ -146,14 +146,15 @@ def attn_mask_mods(attn_mask: torch.Tensor, shape: tuple[int, int, int, int]
                            "attend) or a floating type (added to the scores)")
     dims = attn_mask.dim()
     if dims > 4 or any(n not in (1, want) for n, want in
-                       zip(reversed(attn_mask.shape), reversed(shape))):
+                       zip(reversed(attn_mask.shape), reversed(shape[4 - dims:]),
+                           strict=True)):
         raise InvalidInput(f"attn_mask has shape {tuple(attn_mask.shape)}; expected one "
                            f"broadcastable to (B, H, L, S) = {shape}")
     mask = attn_mask.reshape((1,) * (4 - dims) + tuple(attn_mask.shape))
     vary = tuple(n > 1 for n in mask.shape)
 
     def at(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        i = [x if on else 0 for x, on in zip((b, h, q_idx, kv_idx), vary)]
+        i = [x if on else 0 for x, on in zip((b, h, q_idx, kv_idx), vary, strict=True)]
         return mask[i[0], i[1], i[2], i[3]]
 
     if attn_mask.dtype == torch.bool:

@@ -261,9 +261,9 @@ def attention(
     ordered = _deterministic(deterministic)
     name = "" if backend is None else backend
     if score_mod is not None or mask_mod is not None:
-        variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
-                          (q.shape[1], k.shape[1]))
-        out, lse = modified_forward(q, k, v, variant, scale, name, score_mod, mask_mod)
+        modified = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
+                           (q.shape[1], k.shape[1]))
+        out, lse = modified_forward(q, k, v, modified, scale, name, score_mod, mask_mod)
         if dim is not None:
             out = out[..., :dim]
         return (out, lse) if return_lse else out
@@ -309,9 +309,9 @@ def scaled_dot_product_attention(
     corner (query i sees key j iff j <= i), which for L != S is not ``attention``'s
     bottom-right ``causal``; it is served as two calls (``api.sdpa_causal``; gradients
     included). Not supported (InvalidInput saying so): ``dropout_p`` other than 0,
-    ``attn_mask`` with ``is_causal``, and Hq != Hkv without ``enable_gqa``. The inputs are passed as transposed views
-    and the result is a transposed view: nothing is copied (but for L > S with
-    ``is_causal``, whose two row blocks are concatenated). ``backend`` is
+    ``attn_mask`` with ``is_causal``, and Hq != Hkv without ``enable_gqa``. The inputs are
+    passed as transposed views and the result is a transposed view: nothing is copied (but
+    for L > S with ``is_causal``, whose two row blocks are concatenated). ``backend`` is
     as in ``attention``; gradients flow as there (deterministic when
     ``torch.use_deterministic_algorithms(True)`` is set).
 

@@ -9,7 +9,8 @@ of a fixed set of operations, and only those:
 - arithmetic ``+ - * /``, ``//`` and ``%`` (Python's floor semantics, ints and floats),
   unary ``-``, ``abs``;
 - comparisons ``< <= > >= == !=`` and, on their results, ``& | ~`` (and, or, not);
-- ``torch.where``, ``torch.minimum`` / ``maximum``, ``abs`` / ``torch.abs``, ``exp``, ``log``, ``tanh``, ``sigmoid`` (functions or methods);
+- ``torch.where``, ``torch.minimum`` / ``maximum``, ``abs`` / ``torch.abs``, ``exp``,
+  ``log``, ``tanh``, ``sigmoid`` (functions or methods);
 - indexing of a captured 1-D to 4-D tensor by one index expression per dim
   (``bias[h, q_idx - kv_idx]``); a negative index counts from the end as in torch, and an
   index past either end is clamped (the kernel also evaluates positions past the sequences'
@@ -46,10 +47,19 @@ from typing import Any
 import torch
 
 from flashtune.codegen.score_mods import ModParam, ScoreMod
+from flashtune.codegen.trace_expr import (
+    ARITH,
+    BOOL,
+    COMPARE,
+    FLOAT,
+    INT,
+    LEAVES,
+    Node,
+    evaluate,
+    render,
+)
 from flashtune.errors import InvalidInput
 
-#: The kinds of a symbolic value.
-FLOAT, INT, BOOL = "float", "int", "bool"
 _INT32 = 2**31 - 1
 _MAX_DIMS = 4
 
@@ -75,28 +85,6 @@ def _refuse(operation: str, fix: str) -> UnsupportedModification:
     return UnsupportedModification(
         f"unsupported operation in a score or mask modification: {operation} at "
         f"{_where_in_user_code()}; {fix}")
-
-
-@dataclass(frozen=True)
-class Node:
-    """One operation of a traced expression: ``op`` with operand nodes ``args``, its
-    ``kind`` (float, int or bool); ``value`` for a constant, ``slot`` for a captured load
-    (the index of the tensor among the captured ones)."""
-
-    op: str
-    args: tuple[Node, ...]
-    kind: str
-    value: float | int | bool | None = None
-    slot: int = -1
-
-
-#: The hook arguments, as leaf nodes.
-_LEAVES = {"score": Node("score", (), FLOAT), "batch": Node("batch", (), INT),
-           "head": Node("head", (), INT), "q_idx": Node("q_idx", (), INT),
-           "kv_idx": Node("kv_idx", (), INT)}
-_UNARY_FLOAT = {"exp": "expf", "log": "logf", "tanh": "tanhf", "sigmoid": "ft::flex::sigmoid"}
-_COMPARE = {"lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}
-_ARITH = {"add": "+", "sub": "-", "mul": "*"}
 
 
 class _Tracer:
@@ -162,12 +150,12 @@ def _common(a: Node, b: Node) -> str:
 
 def _binary(op: str, x: object, y: object) -> Sym:
     a, b = _const(x), _const(y)
-    if op in _ARITH or op in ("floordiv", "mod", "min", "max"):
+    if op in ARITH or op in ("floordiv", "mod", "min", "max"):
         kind = _common(a, b)
         return Sym(Node(op, (_to(kind, a), _to(kind, b)), kind))
     if op == "truediv":
         return Sym(Node("truediv", (_to(FLOAT, a), _to(FLOAT, b)), FLOAT))
-    if op in _COMPARE:
+    if op in COMPARE:
         kind = _common(a, b)
         return Sym(Node(op, (_to(kind, a), _to(kind, b)), BOOL))
     if op in ("and", "or", "xor"):
@@ -344,131 +332,6 @@ def _name(func: Any) -> str:
     return f"{getattr(func, '__qualname__', None) or getattr(func, '__name__', repr(func))}()"
 
 
-# --- Rendering: the CUDA expression, from this module's own tokens only -------------------
-
-_HELPER = {("floordiv", INT): "ft::flex::floordiv", ("mod", INT): "ft::flex::mod",
-           ("mod", FLOAT): "ft::flex::fmodpy", ("min", FLOAT): "fminf",
-           ("max", FLOAT): "fmaxf", ("min", INT): "ft::flex::imin",
-           ("max", INT): "ft::flex::imax", ("abs", FLOAT): "fabsf",
-           ("abs", INT): "ft::flex::iabs"}
-_C_TYPES = {FLOAT: "float", INT: "int", BOOL: "bool"}
-_FLT_MAX = 3.4028234663852886e38
-
-
-def _literal(n: Node) -> str:
-    v = n.value
-    if n.kind == BOOL:
-        return "true" if v else "false"
-    if n.kind == INT:
-        return f"({int(v)})" if int(v) < 0 else str(int(v))  # type: ignore[arg-type]
-    x = float(v)  # type: ignore[arg-type]
-    if abs(x) > _FLT_MAX:
-        return "INFINITY" if x > 0 else "(-INFINITY)"
-    text = repr(x)
-    return f"({text}f)" if x < 0 else f"{text}f"
-
-
-def render(n: Node, prefix: str, dims: tuple[int, ...]) -> str:
-    """The C++ expression of ``n``; captured tensor ``i`` is the param ``<prefix>_t<i>``
-    with sizes ``<prefix>_t<i>_n<j>`` (``dims[i]`` of them)."""
-    def r(m: Node) -> str:
-        return render(m, prefix, dims)
-
-    op, a = n.op, n.args
-    if op in _LEAVES:
-        return op
-    if op == "const":
-        return _literal(n)
-    if op == "cast":
-        return f"(({_C_TYPES[n.kind]})({r(a[0])}))"
-    if op in _ARITH:
-        return f"({r(a[0])} {_ARITH[op]} {r(a[1])})"
-    if op == "truediv" or (op == "floordiv" and n.kind == FLOAT):
-        quotient = f"({r(a[0])} / {r(a[1])})"
-        return quotient if op == "truediv" else f"floorf{quotient}"
-    if op in _COMPARE:
-        return f"({r(a[0])} {_COMPARE[op]} {r(a[1])})"
-    if op in ("and", "or", "xor"):
-        return f"({r(a[0])} {dict(zip(('and', 'or', 'xor'), ('&&', '||', '!=')))[op]} " \
-               f"{r(a[1])})"
-    if op == "neg":
-        return f"(-{r(a[0])})"
-    if op == "not":
-        return f"(!{r(a[0])})"
-    if op in _UNARY_FLOAT:
-        return f"{_UNARY_FLOAT[op]}({r(a[0])})"
-    if op == "where":
-        return f"({r(a[0])} ? {r(a[1])} : {r(a[2])})"
-    if op == "load":
-        ptr = f"{prefix}_t{n.slot}"
-        if not a:
-            return f"{ptr}[0]"
-        sizes = [f"{ptr}_n{j}" for j in range(dims[n.slot])]
-        pairs = ", ".join(f"{r(i)}, {s}" for i, s in zip(a, sizes))
-        return f"ft::flex::load{len(a)}({ptr}, {pairs})"
-    return f"{_HELPER[(op, n.kind)]}({', '.join(r(m) for m in a)})"
-
-
-# --- The float64 reference: the same tree on torch tensors -------------------------------
-
-def evaluate(n: Node, leaves: dict[str, torch.Tensor], captured: list[torch.Tensor]
-             ) -> torch.Tensor:
-    """``n`` on broadcastable float64 / int64 tensors: ``leaves`` by hook argument name,
-    ``captured`` the tensors by slot (any dtype; floats are read as float64)."""
-    def e(m: Node) -> torch.Tensor:
-        return evaluate(m, leaves, captured)
-
-    op, a = n.op, n.args
-    device = leaves["score"].device
-    if op in _LEAVES:
-        return leaves[op]
-    if op == "const":
-        dtype = {FLOAT: torch.float64, INT: torch.int64, BOOL: torch.bool}[n.kind]
-        return torch.tensor(n.value, dtype=dtype, device=device)
-    if op == "cast":
-        return e(a[0]).to(torch.float64 if n.kind == FLOAT else torch.int64)
-    if op == "load":
-        t = captured[n.slot].to(device)
-        t = t.to(torch.float64) if t.is_floating_point() else t.to(torch.int64)
-        if not a:
-            return t.reshape(())
-        index = []
-        for j, m in enumerate(a):
-            i = e(m)
-            size = t.shape[j]
-            index.append(torch.where(i < 0, i + size, i).clamp(0, size - 1))
-        return t[tuple(index)]
-    x = [e(m) for m in a]
-    if op == "add":
-        return x[0] + x[1]
-    if op == "sub":
-        return x[0] - x[1]
-    if op == "mul":
-        return x[0] * x[1]
-    if op == "truediv":
-        return x[0] / x[1]
-    if op == "floordiv":
-        return (torch.div(x[0], x[1], rounding_mode="floor") if n.kind == INT
-                else torch.floor(x[0] / x[1]))
-    if op == "mod":
-        return torch.remainder(x[0], x[1])
-    if op in ("min", "max"):
-        return (torch.minimum if op == "min" else torch.maximum)(x[0], x[1])
-    if op in _COMPARE:
-        return getattr(torch, op)(x[0], x[1])  # type: ignore[no-any-return]
-    if op in ("and", "or", "xor"):
-        return getattr(torch, f"logical_{op}")(x[0], x[1])  # type: ignore[no-any-return]
-    if op == "not":
-        return torch.logical_not(x[0])
-    if op == "neg":
-        return -x[0]
-    if op == "abs":
-        return x[0].abs()
-    if op == "where":
-        return torch.where(x[0], x[1], x[2])
-    return getattr(torch, op)(x[0])  # type: ignore[no-any-return]  # exp, log, tanh, sigmoid
-
-
 # --- Tracing ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -499,7 +362,8 @@ class TracedMod:
             sizes = tuple(f"{ptr}_n{j}" for j in range(t.dim()))
             out.append(ModParam(ptr, "float_ptr" if t.is_floating_point() else "int_ptr",
                                 dims=sizes))
-            out.extend(ModParam(s, "int", draws=(int(n),)) for s, n in zip(sizes, t.shape))
+            out.extend(ModParam(s, "int", draws=(int(n),))
+                       for s, n in zip(sizes, t.shape, strict=True))
         if self.tiles:
             sizes = tuple(f"{self.ranges_param}_n{j}" for j in range(3))
             out.append(ModParam(self.ranges_param, "tiles", dims=sizes))
@@ -548,13 +412,14 @@ def trace(score_mod: Mod | None = None, mask_mod: Mod | None = None, *,
         raise InvalidInput("trace needs a score_mod or a mask_mod; both are None")
     for what, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if fn is not None and not callable(fn):
-            raise InvalidInput(f"{what}={fn!r} is not callable; expected a function "
-                               f"{'(score, b, h, q_idx, kv_idx)' if what == 'score_mod' else '(b, h, q_idx, kv_idx)'}")
+            args = ("(score, b, h, q_idx, kv_idx)" if what == "score_mod"
+                    else "(b, h, q_idx, kv_idx)")
+            raise InvalidInput(f"{what}={fn!r} is not callable; expected a function {args}")
     tracer = _Tracer()
     _active.append(tracer)
     try:
-        b, h, q, kv = (Sym(_LEAVES[n]) for n in ("batch", "head", "q_idx", "kv_idx"))
-        score = Sym(_LEAVES["score"])
+        b, h, q, kv = (Sym(LEAVES[n]) for n in ("batch", "head", "q_idx", "kv_idx"))
+        score = Sym(LEAVES["score"])
         if score_mod is not None:
             score = _result(score_mod(score, b, h, q, kv), "score_mod", FLOAT)
         if mask_mod is not None:

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from flashtune.api import flex_mods
-from flashtune.codegen.trace import UnsupportedModification, evaluate, trace
+from flashtune.codegen.trace import UnsupportedModification, trace
+from flashtune.codegen.trace_expr import evaluate
 
 _SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
 B, H, L, S = 2, 3, 37, 53
