@@ -79,6 +79,21 @@ def modified_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant:
     return _fwd.forward(q, k, v, variant.causal, scale, backend, with_mod)
 
 
+def check_bhsd(query: object, key: object, value: object, enable_gqa: bool) -> None:
+    """InvalidInput unless query, key and value are 4-D (B, H, S, D) tensors (torch's
+    layout) with equal head counts or ``enable_gqa``."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InvalidInput(f"{name} is {shape}; expected a 4-D tensor (batch, heads, "
+                               "seqlen, head_dim). Add a batch dim with unsqueeze(0)")
+    assert isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise InvalidInput(f"query has {query.shape[1]} heads but key/value have "
+                           f"{key.shape[1]}; expected equal head counts, or enable_gqa=True "
+                           "for grouped-query attention")
+
+
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: ScoreModFn | None = None, block_mask: BlockMask | None = None,
                    scale: float | None = None, enable_gqa: bool = False,
@@ -95,15 +110,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     in FlexAttention. ``backend``: as in ``flashtune.attention`` (``"emulator"`` runs CPU
     tensors). The forward only: inputs that require grad raise BackwardNotAvailable.
     """
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise InvalidInput(f"{name} is {shape}; expected a 4-D tensor (batch, heads, "
-                               "seqlen, head_dim) as in FlexAttention")
-    if query.shape[1] != key.shape[1] and not enable_gqa:
-        raise InvalidInput(f"query has {query.shape[1]} heads but key/value have "
-                           f"{key.shape[1]}; expected equal head counts, or enable_gqa=True "
-                           "for grouped-query attention")
+    check_bhsd(query, key, value, enable_gqa)
     if block_mask is not None and not isinstance(block_mask, BlockMask):
         raise InvalidInput(f"block_mask is a {type(block_mask).__name__}; expected a "
                            "flashtune BlockMask from flashtune.create_block_mask")

@@ -26,7 +26,13 @@ import torch
 
 from flashtune.api import backward as _bwd
 from flashtune.api import forward as _fwd
-from flashtune.api.flex import MaskModFn, ScoreModFn, attn_mask_mods, modified_forward
+from flashtune.api.flex import (
+    MaskModFn,
+    ScoreModFn,
+    attn_mask_mods,
+    check_bhsd,
+    modified_forward,
+)
 from flashtune.api.limits import check_softmax_scale
 from flashtune.api.sdpa_causal import top_left_forward
 from flashtune.api.validate import check_attention_inputs
@@ -324,15 +330,7 @@ def scaled_dot_product_attention(
     if dropout_p != 0.0:
         raise _sdpa_unsupported(f"dropout_p={dropout_p}", "flashtune has no attention "
                                 "dropout; expected dropout_p=0.0")
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise InvalidInput(f"{name} is {shape}; expected a 4-D tensor (batch, heads, "
-                               "seqlen, head_dim). Add a batch dim with unsqueeze(0)")
-    if query.shape[1] != key.shape[1] and not enable_gqa:
-        raise InvalidInput(f"query has {query.shape[1]} heads but key/value have "
-                           f"{key.shape[1]}; expected equal head counts, or enable_gqa=True "
-                           "for grouped-query attention")
+    check_bhsd(query, key, value, enable_gqa)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if attn_mask is not None:
         if is_causal:
