@@ -6,9 +6,10 @@ partial and full blocks, reusable across calls and layers (FlexAttention's
 (batch, head) it varies over, a block of query rows at a time, and keeps per block of
 ``BLOCK_SIZE`` (16 by default) rows and keys only the number of visible positions. A call
 then derives, for the kernel's own tile sizes (multiples of the block size), the range of
-key tiles [lo, hi) each query tile sees (``tiles``; memoised per tile size): the kernel walks
-only those (a key tile outside the range is never loaded or computed), and the traced
-``mask_mod`` hides the positions inside it. A query tile that sees no key is written as
+key tiles [lo, hi) each query tile sees and the full ones among them (``tiles``; memoised
+per tile size): the kernel walks only [lo, hi) (a key tile outside is never loaded or
+computed), and evaluates the traced ``mask_mod`` only on the walked tiles that are not
+full. A query tile that sees no key is written as
 empty rows without a loop.
 """
 
@@ -68,9 +69,11 @@ class BlockMask:
                                "flashtune.create_block_mask for these sizes")
 
     def tiles(self, block_m: int, block_n: int, device: torch.device) -> torch.Tensor:
-        """int32 (Bm, Hm, ceil(Q_LEN / block_m), 2): per query tile of ``block_m`` rows the
-        key tiles [lo, hi) of ``block_n`` keys that hold a visible position (lo = hi: none).
-        Both sizes must be multiples of the block."""
+        """int32 (Bm, Hm, ceil(Q_LEN / block_m), 4): per query tile of ``block_m`` rows the
+        key tiles [lo, hi) of ``block_n`` keys that hold a visible position (lo = hi: none),
+        and [full_lo, full_hi), the key tiles every row sees whole when they are one run
+        (else none: the mask is then evaluated on every walked tile). Both sizes must be
+        multiples of the block."""
         key = (block_m, block_n, str(device))
         found = self._tiles.get(key)
         if found is not None:
@@ -89,7 +92,17 @@ class BlockMask:
         lo = torch.where(any_visible, cols, big).amin(dim=-1)
         hi = torch.where(any_visible, cols + 1, 0).amax(dim=-1)
         lo = torch.where(hi == 0, 0, lo)
-        out = torch.stack((lo, hi), dim=-1).to(device=device, dtype=torch.int32).contiguous()
+        # Full kernel tiles: every block full; blocks past the ends count as full (the
+        # kernel hides those positions itself).
+        kinds = torch.nn.functional.pad(self.kinds(), (0, pad_n, 0, pad_m), value=2)
+        full = (kinds.view(bm, hm, nm // fm, fm, nn // fn, fn) == 2).all(dim=5).all(dim=3)
+        full_lo = torch.where(full, cols, big).amin(dim=-1)
+        full_hi = torch.where(full, cols + 1, 0).amax(dim=-1)
+        one_run = full.sum(dim=-1) == full_hi - full_lo
+        full_lo = torch.where(one_run & (full_hi > 0), full_lo, 0)
+        full_hi = torch.where(one_run & (full_hi > 0), full_hi, 0)
+        out = torch.stack((lo, hi, full_lo, full_hi), dim=-1).to(
+            device=device, dtype=torch.int32).contiguous()
         self._tiles[key] = out
         return out
 

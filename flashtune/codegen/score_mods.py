@@ -32,8 +32,10 @@ if TYPE_CHECKING:
 HOOK_ARGUMENTS = ("score", "batch", "head", "q_idx", "kv_idx")
 #: The C++ type of each param type: run-time scalars, and captured tensors (contiguous
 #: float32 or int32 on the launch's device, ``codegen.trace``).
-#: ``tiles``: a block mask's key tile ranges, int32 (Bm, Hm, query tiles, 2) read by
-#: ``ft::flex::tile_range`` (its dims: the three sizes; a kernel skips the key tiles outside).
+#: ``tiles``: a block mask's key tile ranges, int32 (Bm, Hm, query tiles, 4) read by
+#: ``ft::flex::tile_range`` (its dims: the three sizes): per query tile the key tiles
+#: [lo, hi) it walks (it skips the others) and [full_lo, full_hi) among them whose every key
+#: every row sees (the modification's ``mask`` is not evaluated there).
 PARAM_TYPES = {"float": "float", "int": "int", "float_ptr": "const float*",
                "int_ptr": "const int*", "tiles": "const int*"}
 #: The param types that are tensors.
@@ -89,13 +91,21 @@ class ScoreMod:
     cuda: str
     reference: Reference
     params: tuple[ModParam, ...] = ()
+    #: A C++ bool expression of ``batch``, ``head``, ``q_idx``, ``kv_idx`` and the params:
+    #: False hides the key. Evaluated only on the key tiles a ``tiles`` param marks partial
+    #: (so it needs one); ``reference`` includes it.
+    mask: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", tuple(self.params))
-        if not self.cuda.strip() or any(c in self.cuda for c in ";{}\n"):
-            raise InvalidProblem(f"score modification {self.cuda!r} must be one C++ "
-                                 "expression (no ';', braces or line breaks), e.g. "
-                                 "'score + bias'")
+        for text in (self.cuda, self.mask or "true"):
+            if not text.strip() or any(c in text for c in ";{}\n"):
+                raise InvalidProblem(f"score modification {text!r} must be one C++ "
+                                     "expression (no ';', braces or line breaks), e.g. "
+                                     "'score + bias'")
+        if self.mask and not any(p.type == "tiles" for p in self.params):
+            raise InvalidProblem("a score modification with a mask needs a 'tiles' param "
+                                 "(the key tiles where the mask is evaluated)")
         names = [p.name for p in self.params]
         if len(set(names)) != len(names):
             raise InvalidProblem(f"score modification params {names} repeat a name")
@@ -124,12 +134,22 @@ def render_functor(mods: Sequence[tuple[str, ScoreMod]]) -> str:
         raise InvalidProblem(f"score modifications {[p.name for p in tiles]} each bring key "
                              "tile ranges; a kernel takes one block mask")
     ranges = "".join(
-        "  // The key tiles [lo, hi) query tile m_block of (batch, head) walks.\n"
+        "  // The key tiles [lo, hi) query tile m_block of (batch, head) walks, and the full\n"
+        "  // ones [full_lo, full_hi) among them.\n"
         "  __device__ __forceinline__ void tile_range(int batch, int head, int m_block,\n"
-        "                                             int& lo, int& hi) const {\n"
+        "                                             int& lo, int& hi, int& full_lo,\n"
+        "                                             int& full_hi) const {\n"
         f"    ft::flex::tile_range({p.name}, {', '.join(p.dims)}, batch, head, m_block, lo, "
-        "hi);\n"
+        "hi,\n"
+        "                         full_lo, full_hi);\n"
         "  }\n" for p in tiles)
+    masks = [mod.mask for _, mod in mods if mod.mask]
+    keep = ("  // Whether key kv_idx is visible to query q_idx (evaluated on partial tiles).\n"
+            "  __device__ __forceinline__ bool keep(int batch, int head, int q_idx,\n"
+            "                                       int kv_idx) const {\n"
+            f"{unused}"
+            f"    return {' && '.join(f'({m})' for m in masks) or 'true'};\n"
+            "  }\n") if tiles else ""
     return ("// The problem's declared score modifications (codegen.score_mods), in key order,\n"
             "// on the scaled score of query row q_idx and key kv_idx of (batch, head).\n"
             "struct ScoreMods {\n"
@@ -137,6 +157,7 @@ def render_functor(mods: Sequence[tuple[str, ScoreMod]]) -> str:
             f"  static constexpr bool kTileRanges = {'true' if tiles else 'false'};\n"
             f"{members}"
             f"{ranges}"
+            f"{keep}"
             "  __device__ __forceinline__ float operator()(float score, int batch, int head,\n"
             "                                              int q_idx, int kv_idx) const {\n"
             f"{unused}{steps}"

@@ -345,8 +345,10 @@ class TracedMod:
     name: str
     cuda: str
     #: The kernel takes a block mask's key tile ranges (``ranges_param``) and skips the
-    #: key tiles outside them.
+    #: key tiles outside them; ``cuda`` is then the score part alone and ``mask_cuda`` the
+    #: mask, which the kernel evaluates only on the tiles the ranges mark partial.
     tiles: bool = False
+    mask_cuda: str = ""
 
     @property
     def ranges_param(self) -> str:
@@ -384,7 +386,7 @@ class TracedMod:
                       "kv_idx": kv_idx.to(torch.int64)}
             return evaluate(expression, leaves, [values[c] for c in captured])
 
-        return ScoreMod(self.cuda, reference, self.params)
+        return ScoreMod(self.cuda, reference, self.params, self.mask_cuda)
 
     def values(self, device: torch.device) -> dict[str, object]:
         """The params of one call: each captured tensor contiguous as float32 or int32 on
@@ -419,9 +421,10 @@ def trace(score_mod: Mod | None = None, mask_mod: Mod | None = None, *,
     _active.append(tracer)
     try:
         b, h, q, kv = (Sym(LEAVES[n]) for n in ("batch", "head", "q_idx", "kv_idx"))
-        score = Sym(LEAVES["score"])
+        modified = score = Sym(LEAVES["score"])
         if score_mod is not None:
-            score = _result(score_mod(score, b, h, q, kv), "score_mod", FLOAT)
+            modified = score = _result(score_mod(score, b, h, q, kv), "score_mod", FLOAT)
+        keep = None
         if mask_mod is not None:
             keep = _result(mask_mod(b, h, q, kv), "mask_mod", BOOL)
             score = _where(keep, score, -math.inf)
@@ -433,8 +436,13 @@ def trace(score_mod: Mod | None = None, mask_mod: Mod | None = None, *,
     shape = render(score.node, "P", dims)
     digest = hashlib.sha256(f"{shape}|{kinds}|{dims}|{tiles}".encode()).hexdigest()
     name = "flex" + digest[:12]
-    return TracedMod(score.node, tuple(tracer.captured), name, render(score.node, name, dims),
-                     tiles)
+    if not tiles:
+        return TracedMod(score.node, tuple(tracer.captured), name,
+                         render(score.node, name, dims))
+    # With tile ranges the mask is a hook of its own, evaluated on partial tiles only.
+    return TracedMod(score.node, tuple(tracer.captured), name,
+                     render(modified.node, name, dims), True,
+                     render(keep.node, name, dims) if keep is not None else "true")
 
 
 def _result(value: object, what: str, kind: str) -> Sym:

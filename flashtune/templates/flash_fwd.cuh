@@ -136,12 +136,14 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, t
     n_begin = first_row_begin > 0 ? first_row_begin : 0;
     n_full_begin = last_row_begin > 0 ? last_row_begin : 0;
   }
+  int full_lo = 0;  // a block mask's full key tiles [full_lo, full_hi): no mask evaluated
+  int full_hi = 0;
   if constexpr (Tr::Mods::kTileRanges) {
     // A block mask's hook (api.block_mask): only key tiles [lo, hi) hold a key some row of
     // this query tile sees; the others are never loaded or computed.
     int lo = 0;
     int hi = 0;
-    a.mods.tile_range(batch, head, m_block, lo, hi);
+    a.mods.tile_range(batch, head, m_block, lo, hi, full_lo, full_hi);
     n_begin = n_begin > lo * kBlockN ? n_begin : lo * kBlockN;
     n_end = n_end < hi * kBlockN ? n_end : hi * kBlockN;
   }
@@ -187,6 +189,8 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, t
     loop.transform.col_lane = 2 * (lane % 4);
     loop.transform.batch = batch;
     loop.transform.head = head;
+    loop.transform.full_begin = full_lo * kBlockN;
+    loop.transform.full_end = full_hi * kBlockN;
   }
   loop.q.rows = sq + Tr::Smem::offset(warp_row0, 0);
   const int first_rows = seqlen_k - tile * kBlockN;

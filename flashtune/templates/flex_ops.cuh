@@ -56,15 +56,19 @@ __device__ __forceinline__ T load4(const T* p, int i0, int n0, int i1, int n1, i
   return p[((at(i0, n0) * n1 + at(i1, n1)) * n2 + at(i2, n2)) * n3 + at(i3, n3)];
 }
 
-// A block mask's key tiles [lo, hi) for query tile m of (b, h): ranges is int32
-// (nb, nh, nm, 2), nb and nh 1 when the mask does not vary with the batch or the head.
+// A block mask's key tiles for query tile m of (b, h): ranges is int32 (nb, nh, nm, 4), nb
+// and nh 1 when the mask does not vary with the batch or the head; per query tile the key
+// tiles [lo, hi) it walks and [full_lo, full_hi), those whose every key every row sees.
 __device__ __forceinline__ void tile_range(const int* ranges, int nb, int nh, int nm, int b,
-                                           int h, int m, int& lo, int& hi) {
+                                           int h, int m, int& lo, int& hi, int& full_lo,
+                                           int& full_hi) {
   const long long at_bhm =
       (static_cast<long long>(b < nb ? b : nb - 1) * nh + (h < nh ? h : nh - 1)) * nm +
       (m < nm ? m : nm - 1);
-  lo = ranges[2 * at_bhm];
-  hi = ranges[2 * at_bhm + 1];
+  lo = ranges[4 * at_bhm];
+  hi = ranges[4 * at_bhm + 1];
+  full_lo = ranges[4 * at_bhm + 2];
+  full_hi = ranges[4 * at_bhm + 3];
 }
 
 }  // namespace flex

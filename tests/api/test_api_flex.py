@@ -150,13 +150,17 @@ def _mma_per_tile(head_dim: int, config: KernelConfig) -> int:
 
 @pytest.mark.usefixtures("dispatcher")
 def test_a_block_mask_skips_the_empty_tiles() -> None:
-    """Causal document masking over 4 documents: each query tile computes exactly the key
-    tiles that hold a key one of its rows sees (counted from the dense mask), the outputs
-    match the float64 reference, and with every tile walked (skipping off) the counters
-    differ while the outputs stay the same."""
+    """Causal document masking over 4 documents (the first long enough to hold full
+    tiles): each query tile computes exactly the key tiles that hold a key one of its rows
+    sees (counted from the dense mask), the outputs match the float64 reference; with every
+    tile walked (skipping off) the counters differ while the outputs stay the same; and
+    the mask is evaluated on partial tiles only (marking every tile full changes the
+    result)."""
     n, dim, config = 256, 32, KernelConfig(64, 32, 4, 2)
     gen = torch.Generator().manual_seed(_SEED)
-    cuts = sorted(torch.randperm(n - 1, generator=gen)[:3].add(1).tolist())
+    first = 128 + int(torch.randint(0, 33, (), generator=gen))
+    cuts = [first, *sorted((first + 1 + torch.randperm(n - first - 2, generator=gen)[:2])
+                           .tolist())]
     docs = torch.zeros(n, dtype=torch.int64)
     for cut in cuts:
         docs[cut:] += 1
@@ -170,7 +174,8 @@ def test_a_block_mask_skips_the_empty_tiles() -> None:
         render(problem, config))
     visible = mask_mod(*_grid(1, 1, n, n))[0, 0]
 
-    def launch(ranges: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[int]]:
+    def launch(ranges: torch.Tensor, check: bool = True
+               ) -> tuple[dict[str, torch.Tensor], list[int]]:
         values: dict[str, Any] = traced.values(torch.device("cpu"))
         values[traced.ranges_param] = ranges
         values.update({f"{traced.ranges_param}_n{j}": int(s)
@@ -182,27 +187,35 @@ def test_a_block_mask_skips_the_empty_tiles() -> None:
         plan = FORWARD.launch_plan(problem, config, shape, inputs, outputs)
         kernel.launch(plan.grid, plan.args)
         verdict = FORWARD.compare(problem, shape, outputs, FORWARD.reference(problem, inputs))
+        counters = getattr(kernel, "last_counters", None)
+        assert counters is not None
+        if not check:
+            assert not verdict.ok, f"cuts={cuts}: the mask was applied on full tiles"
+            return outputs, list(counters.block_mma)
         assert verdict.ok, f"cuts={cuts}: {verdict.message}"
         q, k, v = (inputs.tensors[x].transpose(1, 2) for x in "qkv")
         ref, _ = dense(q, k, v, float(inputs.scalars["softmax_scale"]), None, mask_mod,
                        torch.float64)
         assert (outputs["o"].transpose(1, 2).double() - ref).abs().max() < 2e-3, cuts
-        counters = getattr(kernel, "last_counters", None)
-        assert counters is not None
         return outputs, list(counters.block_mma)
 
-    skipped_out, skipped = launch(block_mask.tiles(config.block_m, config.block_n,
-                                                   torch.device("cpu")))
+    ranges = block_mask.tiles(config.block_m, config.block_n, torch.device("cpu"))
+    assert int((ranges[..., 3] - ranges[..., 2]).sum()) > 0, f"cuts={cuts}: no full tiles"
+    skipped_out, skipped = launch(ranges)
     expected = []
     for m in range(n // config.block_m):
         rows = visible[m * config.block_m:(m + 1) * config.block_m]
         tiles = rows.view(config.block_m, n // config.block_n, config.block_n).any(-1).any(0)
         expected.append(_mma_per_tile(dim, config) * int(tiles.sum()))
     assert skipped == expected, f"cuts={cuts}"
-    every = torch.tensor([0, n // config.block_n], dtype=torch.int32).expand(1, 1, 4, 2)
+    tiles = n // config.block_n
+    every = torch.tensor([0, tiles, 0, 0], dtype=torch.int32).expand(1, 1, 4, 4)
     walked_out, walked = launch(every.contiguous())
     assert walked != skipped and sum(walked) > sum(skipped), f"cuts={cuts}"
     torch.testing.assert_close(walked_out["o"], skipped_out["o"], atol=0, rtol=0)
+    all_full = ranges.clone()
+    all_full[..., 2], all_full[..., 3] = ranges[..., 0], ranges[..., 1]
+    launch(all_full, check=False)
 
 
 def test_block_masks_are_reused_and_cheap() -> None:
