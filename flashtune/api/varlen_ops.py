@@ -15,6 +15,7 @@ from typing import Any, Literal, overload
 import torch
 
 from flashtune.api import forward as _fwd
+from flashtune.api.flex import MaskModFn, ScoreModFn, modified_forward
 from flashtune.api.limits import check_softmax_scale
 from flashtune.api.ops import direct_call_ok
 from flashtune.api.validate_varlen import check_varlen_inputs
@@ -84,7 +85,8 @@ def attention_varlen(
     causal: bool = ..., softmax_scale: float | None = ...,
     window_size: tuple[int, int] = ..., softcap: float | None = ...,
     alibi_slopes: torch.Tensor | None = ..., return_lse: Literal[False] = ...,
-    backend: str | None = ...) -> torch.Tensor: ...
+    backend: str | None = ..., score_mod: ScoreModFn | None = ...,
+    mask_mod: MaskModFn | None = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -93,7 +95,8 @@ def attention_varlen(
     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
     return_lse: Literal[True], causal: bool = ..., softmax_scale: float | None = ...,
     backend: str | None = ..., window_size: tuple[int, int] = ...,
-    softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...
+    softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...,
+    score_mod: ScoreModFn | None = ..., mask_mod: MaskModFn | None = ...
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -113,6 +116,8 @@ def attention_varlen(
     alibi_slopes: torch.Tensor | None = None,
     return_lse: bool = False,
     backend: str | None = None,
+    score_mod: ScoreModFn | None = None,
+    mask_mod: MaskModFn | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over a batch of sequences of different lengths, packed (flash-attn's
     ``flash_attn_varlen_func`` layout).
@@ -129,7 +134,9 @@ def attention_varlen(
     bottom-right corner; ``softmax_scale``, ``window_size``, ``softcap`` and
     ``alibi_slopes`` ((Hq,) or (batch, Hq) float32) are as in ``attention``, per sequence.
     Returns O (total_q, Hq, D) and, with ``return_lse``, the float32 LSE (Hq, total_q).
-    Forward only: a backward raises FeatureNotSupported.
+    Forward only: a backward raises FeatureNotSupported. ``score_mod`` and ``mask_mod`` are
+    as in ``attention``, per sequence: ``b`` is the sequence's index and ``q_idx``,
+    ``kv_idx`` positions within it.
     """
     dim = None
     if isinstance(q, torch.Tensor) and not q.is_nested and q.dim() and q.shape[-1] % 8:
@@ -144,7 +151,11 @@ def attention_varlen(
                       (longest_q, longest_k), varlen)
     name = "" if backend is None else backend
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    if not needs_grad and direct_call_ok(q, k, v, cu_q, cu_k, variant.alibi_slopes):
+    if score_mod is not None or mask_mod is not None:
+        out, lse = modified_forward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), variant,
+                                    scale, name, score_mod, mask_mod)
+        out, lse = out[0], lse[0]
+    elif not needs_grad and direct_call_ok(q, k, v, cu_q, cu_k, variant.alibi_slopes):
         out, lse = _run(q, k, v, variant, scale, name)
     else:
         out, lse = attention_varlen_fwd(q, k, v, cu_q, cu_k, longest_q, longest_k,

@@ -277,3 +277,46 @@ def _sdpa_case(kind: str, seed: int) -> None:
 @pytest.mark.parametrize("kind", ["bool", "float"])
 def test_sdpa_attn_mask(kind: str) -> None:
     _sdpa_case(kind, random.Random(f"{_SEED}-{kind}").randrange(2**31))
+
+
+@pytest.mark.sweep
+@pytest.mark.usefixtures("dispatcher", "poisoned_outputs")
+def test_varlen_modifications_see_the_sequence_and_its_positions() -> None:
+    """attention_varlen with a score_mod and a mask_mod: b is the sequence's index and
+    q_idx, kv_idx are positions within it (checked per sequence against float64)."""
+    gen = torch.Generator().manual_seed(_SEED)
+    lens_q, lens_k, heads, dim = [40, 0, 75, 9], [50, 7, 75, 30], 2, 64
+    q = torch.randn(sum(lens_q), heads, dim, generator=gen).half()
+    k, v = (torch.randn(sum(lens_k), heads, dim, generator=gen).half() for _ in "kv")
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+
+    def score_mod(s: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return s + 0.5 * b - 0.05 * torch.abs(q_idx - kv_idx) + 0.25 * h
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return kv_idx <= q_idx + 3 * b
+
+    out, lse = flashtune.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                          score_mod=score_mod, mask_mod=mask_mod,
+                                          return_lse=True, backend="emulator")
+    for b, nq in enumerate(lens_q):
+        if nq == 0:
+            continue
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        qb, kb, vb = (t.transpose(0, 1)[None] for t in (q[rows], k[keys], v[keys]))
+
+        def at_b(s: Any, _: Any, h: Any, i: Any, j: Any, b: int = b) -> Any:
+            return score_mod(s, b, h, i, j)
+
+        def mask_b(_: Any, h: Any, i: Any, j: Any, b: int = b) -> Any:
+            return mask_mod(b, h, i, j)
+
+        ref, ref_lse = dense(qb, kb, vb, dim ** -0.5, at_b, mask_b, torch.float64)
+        low, _ = dense(qb, kb, vb, dim ** -0.5, at_b, mask_b, torch.float16)
+        got = out[rows].transpose(0, 1)[None].double()
+        bound = 2 * (low.double() - ref).abs().max().item() + 1e-5
+        assert (got - ref).abs().max().item() <= bound, f"sequence {b}"
+        # The LSE sees what O cannot: a bias constant over a sequence (0.5 b).
+        torch.testing.assert_close(lse[:, rows].double(), ref_lse[0], atol=2e-3, rtol=1e-3)
