@@ -5,7 +5,8 @@ in ``torch.nn.attention.flex_attention`` unchanged.
 Score modifications (``score_mod(score, b, h, q_idx, kv_idx)``): ``t5_relative_bias``,
 ``alibi``, ``softcap``. Mask modifications (``mask_mod(b, h, q_idx, kv_idx)``, True where a
 key is visible): ``causal``, ``document``, ``prefix_lm``, ``sliding_window_causal``,
-``global_tokens``, ``dilated_window``. Combine masks with ``both``.
+``global_tokens``, ``dilated_window``, and FlashMask's column-wise kinds (``flashmask``).
+Combine masks with ``both``.
 """
 
 from __future__ import annotations
@@ -142,6 +143,54 @@ def dilated_window(window: int, dilation: int) -> Fn:
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         d = q_idx - kv_idx
         return (d >= 0) & (d < window * dilation) & (d % dilation == 0)
+    return mask_mod
+
+
+def _column_reader(name: str, t: torch.Tensor | None) -> Callable[[Any, Any, Any], Any] | None:
+    """``read(b, h, kv_idx)`` of a FlashMask column vector (S,), (H, S) or (B, H, S) int
+    (a size-1 dim is read at index 0), or None for None."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor) or t.is_floating_point() or not 1 <= t.dim() <= 3:
+        raise InvalidInput(f"{name} must be an integer tensor (S,), (H, S) or (B, H, S) of "
+                           "row indices, one per key column")
+    full = t.reshape((1,) * (3 - t.dim()) + tuple(t.shape))
+    by_batch, by_head = full.shape[0] > 1, full.shape[1] > 1
+
+    def read(b: Any, h: Any, kv_idx: Any) -> Any:
+        return full[b if by_batch else 0, h if by_head else 0, kv_idx]
+    return read
+
+
+def flashmask(lower_start: torch.Tensor, lower_end: torch.Tensor | None = None,
+              upper_start: torch.Tensor | None = None, upper_end: torch.Tensor | None = None,
+              causal: bool = True) -> Fn:
+    """FlashMask's column-wise masks (Wang et al., ICLR 2025), O(N) memory: for key column j
+    the rows [lower_start[j], lower_end[j]) are hidden (lower_end None: to the last row),
+    and, bidirectional (``causal=False``), also the rows [upper_start[j], upper_end[j])
+    (upper_start None: from row 0). Causal keeps only kv_idx <= q_idx besides. Each vector
+    is (S,), (H, S) or (B, H, S) int: document, shared-question and prefix masks are
+    instances."""
+    lts = _column_reader("lower_start", lower_start)
+    lte = _column_reader("lower_end", lower_end)
+    uts = _column_reader("upper_start", upper_start)
+    ute = _column_reader("upper_end", upper_end)
+    if lts is None:
+        raise InvalidInput("lower_start is required: per key column the first hidden row")
+    if causal and (uts is not None or ute is not None):
+        raise InvalidInput("upper_start / upper_end are FlashMask's bidirectional form; "
+                           "pass causal=False with them")
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        hidden = q_idx >= lts(b, h, kv_idx)
+        if lte is not None:
+            hidden = hidden & (q_idx < lte(b, h, kv_idx))
+        if ute is not None:
+            upper = q_idx < ute(b, h, kv_idx)
+            if uts is not None:
+                upper = upper & (q_idx >= uts(b, h, kv_idx))
+            hidden = hidden | upper
+        return (~hidden & (q_idx >= kv_idx)) if causal else ~hidden
     return mask_mod
 
 

@@ -41,7 +41,23 @@ def _docs(n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.sort(torch.randint(0, 5, (n,), generator=gen)).values
 
 
+def _flashmask(heads: int, n: int, gen: torch.Generator, causal: bool) -> Fn:
+    """Random FlashMask columns: per head, hidden lower ranges from below the diagonal
+    (and, bidirectional, hidden upper ranges from row 0 or above the diagonal)."""
+    cols = torch.arange(n)
+    lts = cols + torch.randint(0, 40, (heads, n), generator=gen)
+    lte = lts + torch.randint(0, 60, (heads, n), generator=gen)
+    if causal:
+        return flex_mods.flashmask(lts, lte)
+    ute = torch.minimum(cols, torch.randint(0, n, (n,), generator=gen))
+    uts = ute - torch.randint(0, 30, (n,), generator=gen)
+    return flex_mods.flashmask(lts, lte, uts, ute, causal=False)
+
+
 CASES: dict[str, Case] = {
+    "flashmask-causal": lambda h, n, g: (None, _flashmask(h, n, g, True)),
+    "flashmask-bidirectional": lambda h, n, g: (flex_mods.softcap(4.0),
+                                                _flashmask(h, n, g, False)),
     "t5-causal": lambda h, n, g: (flex_mods.t5_relative_bias(torch.randn(h, 32, generator=g),
                                                              n, 64), flex_mods.causal),
     "alibi-sliding-window": lambda h, n, g: (flex_mods.alibi(torch.rand(h, generator=g)),
@@ -150,12 +166,23 @@ def _mma_per_tile(head_dim: int, config: KernelConfig) -> int:
 
 @pytest.mark.usefixtures("dispatcher")
 def test_a_block_mask_skips_the_empty_tiles() -> None:
+    _skip_case(random.Random(f"{_SEED}-skip").random() < 0.5)
+
+
+@pytest.mark.sweep
+@pytest.mark.usefixtures("dispatcher")
+@pytest.mark.parametrize("flash", [False, True], ids=["document-ids", "flashmask"])
+def test_block_masks_skip_the_empty_tiles_in_both_forms(flash: bool) -> None:
+    _skip_case(flash)
+
+
+def _skip_case(flash: bool) -> None:
     """Causal document masking over 4 documents (the first long enough to hold full
-    tiles): each query tile computes exactly the key tiles that hold a key one of its rows
-    sees (counted from the dense mask), the outputs match the float64 reference; with every
-    tile walked (skipping off) the counters differ while the outputs stay the same; and
-    the mask is evaluated on partial tiles only (marking every tile full changes the
-    result)."""
+    tiles), as a mask_mod of document ids or in FlashMask's column form (``flash``): each
+    query tile computes exactly the key tiles that hold a key one of its rows sees (counted
+    from the dense mask), the outputs match the float64 reference; with every tile walked
+    (skipping off) the counters differ while the outputs stay the same; and the mask is
+    evaluated on partial tiles only (marking every tile full changes the result)."""
     n, dim, config = 256, 32, KernelConfig(64, 32, 4, 2)
     gen = torch.Generator().manual_seed(_SEED)
     first = 128 + int(torch.randint(0, 33, (), generator=gen))
@@ -165,6 +192,10 @@ def test_a_block_mask_skips_the_empty_tiles() -> None:
     for cut in cuts:
         docs[cut:] += 1
     mask_mod = flex_mods.document(docs)
+    if flash:  # the same mask in FlashMask's form
+        ends = torch.tensor([*cuts, n])[torch.searchsorted(torch.tensor(cuts), torch.arange(n),
+                                                           right=True)]
+        mask_mod = flex_mods.flashmask(ends)
     block_mask = create_block_mask(mask_mod, 1, 1, n, n)
     traced = trace(None, mask_mod, tiles=True)
     problem = Problem(dim, DType.FP16, features=[traced_feature(traced)])
@@ -173,6 +204,7 @@ def test_a_block_mask_skips_the_empty_tiles() -> None:
     kernel = EmulatorBackend(options=LaunchOptions(counters=True)).load(
         render(problem, config))
     visible = mask_mod(*_grid(1, 1, n, n))[0, 0]
+    assert torch.equal(visible, flex_mods.document(docs)(*_grid(1, 1, n, n))[0, 0])
 
     def launch(ranges: torch.Tensor, check: bool = True
                ) -> tuple[dict[str, torch.Tensor], list[int]]:

@@ -45,6 +45,13 @@ def _library() -> dict[str, tuple[Callable[..., Any] | None, Callable[..., Any] 
         "global-tokens": (None, flex_mods.global_tokens(3, 4)),
         "dilated-window": (None, flex_mods.dilated_window(4, 3)),
         "causal+softcap": (flex_mods.softcap(1.5), flex_mods.causal),
+        "flashmask-causal": (None, flex_mods.flashmask(
+            torch.arange(S) + torch.randint(0, 9, (H, S), generator=gen),
+            torch.arange(S) + torch.randint(9, 20, (H, S), generator=gen))),
+        "flashmask-bidirectional": (None, flex_mods.flashmask(
+            torch.randint(20, 40, (B, H, S), generator=gen), None,
+            torch.randint(0, 5, (S,), generator=gen), torch.randint(5, 15, (S,), generator=gen),
+            causal=False)),
         "floor-ops": (lambda s, b, h, q, k: torch.where(
             (q - k) // 3 % 2 == 0, torch.minimum(s, (q - 2 * k) % 5 / 2.0), -torch.abs(s)
             + torch.sigmoid(s) * torch.exp(-s * s) - torch.log(1 + s * s) + (h - q) // -4), None),
