@@ -136,8 +136,9 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, t
     n_begin = first_row_begin > 0 ? first_row_begin : 0;
     n_full_begin = last_row_begin > 0 ? last_row_begin : 0;
   }
-  int full_lo = 0;  // a block mask's full key tiles [full_lo, full_hi): no mask evaluated
-  int full_hi = 0;
+  // A block mask's full key tiles [full_lo, full_hi): no mask evaluated there.
+  [[maybe_unused]] int full_lo = 0;
+  [[maybe_unused]] int full_hi = 0;
   if constexpr (Tr::Mods::kTileRanges) {
     // A block mask's hook (api.block_mask): only key tiles [lo, hi) hold a key some row of
     // this query tile sees; the others are never loaded or computed.

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from flex_fixtures import forget_traced_features  # noqa: F401  (autouse, by name)
 
 import flashtune
 from flashtune.api import flex_mods
