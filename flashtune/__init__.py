@@ -18,6 +18,9 @@ _EXPORTS: dict[str, str] = {
     "explain": "flashtune.api.ops",
     "attention_with_kvcache": "flashtune.api.kvcache_ops",
     "attention_varlen": "flashtune.api.varlen_ops",
+    "flex_attention": "flashtune.api.flex",
+    "create_block_mask": "flashtune.api.block_mask",
+    "BlockMask": "flashtune.api.block_mask",
     "register_transformers": "flashtune.api.hf_transformers",
     "register_sdpa": "flashtune.api.sdpa_routing",
     "explain_kvcache": "flashtune.api.kvcache_ops",
@@ -36,6 +39,7 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "BackwardNotAvailable",
+    "BlockMask",
     "DType",
     "FeatureNotSupported",
     "Decision",
@@ -44,11 +48,13 @@ __all__ = [
     "Problem",
     "ProblemBucket",
     "families",
+    "flex_attention",
     "Tier",
     "__version__",
     "attention",
     "attention_varlen",
     "attention_with_kvcache",
+    "create_block_mask",
     "explain",
     "explain_kvcache",
     "precompile",
@@ -59,6 +65,8 @@ __all__ = [
 
 if TYPE_CHECKING:
     from flashtune import families
+    from flashtune.api.block_mask import BlockMask, create_block_mask
+    from flashtune.api.flex import flex_attention
     from flashtune.api.hf_transformers import register_transformers
     from flashtune.api.kvcache_ops import attention_with_kvcache, explain_kvcache
     from flashtune.api.ops import (

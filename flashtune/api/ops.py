@@ -26,6 +26,14 @@ import torch
 
 from flashtune.api import backward as _bwd
 from flashtune.api import forward as _fwd
+from flashtune.api.flex import (
+    MaskModFn,
+    ScoreModFn,
+    attn_mask_mods,
+    check_bhsd,
+    modified_forward,
+    refuse_grad,
+)
 from flashtune.api.limits import check_softmax_scale
 from flashtune.api.sdpa_causal import top_left_forward
 from flashtune.api.validate import check_attention_inputs
@@ -189,7 +197,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               backend: str | None = ..., deterministic: bool | None = ...,
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
               alibi_slopes: torch.Tensor | None = ...,
-              sinks: torch.Tensor | None = ...) -> torch.Tensor: ...
+              sinks: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
+              mask_mod: MaskModFn | None = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -198,7 +207,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               backend: str | None = ..., deterministic: bool | None = ...,
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
               alibi_slopes: torch.Tensor | None = ...,
-              sinks: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+              sinks: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
+              mask_mod: MaskModFn | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @overload
@@ -206,7 +216,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               softmax_scale: float | None = ..., return_lse: bool,
               backend: str | None = ..., deterministic: bool | None = ...,
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
-              alibi_slopes: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...
+              alibi_slopes: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
+              score_mod: ScoreModFn | None = ..., mask_mod: MaskModFn | None = ...
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -224,6 +235,8 @@ def attention(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    score_mod: ScoreModFn | None = None,
+    mask_mod: MaskModFn | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention in flash-attn's layout.
 
@@ -256,6 +269,13 @@ def attention(
     sum_j exp(s_j)), and the LSE includes it (a row that sees no key gets O = 0 and
     LSE = sink). Each is a compile-time variant of the kernel (its own tuning key), not a
     run-time branch.
+
+    ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)``:
+    FlexAttention's modifications (``flashtune.flex_attention``), traced into the kernel
+    (``codegen.trace``; h is the query head, the indices are positions within the
+    sequences); applied after softcap and ALiBi, and a masked key stays hidden whatever they
+    return. The forward only: inputs (sinks included) that require grad raise
+    BackwardNotAvailable.
     """
     dim = None
     if isinstance(q, torch.Tensor) and not q.is_nested and q.dim() and q.shape[-1] % 8:
@@ -266,6 +286,15 @@ def attention(
     scale = check_softmax_scale(softmax_scale, dim or q.shape[3])
     ordered = _deterministic(deterministic)
     name = "" if backend is None else backend
+    if score_mod is not None or mask_mod is not None:
+        modified = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
+                           (q.shape[1], k.shape[1]), sinks=sinks)
+        if modified.sinks is not None and modified.sinks.requires_grad:
+            refuse_grad(modified.sinks)
+        out, lse = modified_forward(q, k, v, modified, scale, name, score_mod, mask_mod)
+        if dim is not None:
+            out = out[..., :dim]
+        return (out, lse) if return_lse else out
     if window_size == NO_WINDOW and softcap is None and alibi_slopes is None and sinks is None:
         variant = None
     else:
@@ -309,29 +338,37 @@ def scaled_dot_product_attention(
     multiple of Hkv). ``is_causal`` has torch's meaning: the mask is aligned to the top-left
     corner (query i sees key j iff j <= i), which for L != S is not ``attention``'s
     bottom-right ``causal``; it is served as two calls (``api.sdpa_causal``; gradients
-    included). Not supported (InvalidInput saying so): ``attn_mask``, ``dropout_p`` other
-    than 0, and Hq != Hkv without ``enable_gqa``. The inputs are passed as transposed views
-    and the result is a transposed view: nothing is copied (but for L > S with
-    ``is_causal``, whose two row blocks are concatenated). ``backend`` is
+    included). Not supported (InvalidInput saying so): ``dropout_p`` other than 0,
+    ``attn_mask`` with ``is_causal``, and Hq != Hkv without ``enable_gqa``. The inputs are
+    passed as transposed views and the result is a transposed view: nothing is copied (but
+    for L > S with ``is_causal``, whose two row blocks are concatenated). ``backend`` is
     as in ``attention``; gradients flow as there (deterministic when
     ``torch.use_deterministic_algorithms(True)`` is set).
+
+    ``attn_mask`` (bool: True attends; or floating: added to the scaled scores),
+    broadcastable to (B, H, L, S), is served forward only, as a captured tensor read by a
+    traced modification (``api.flex.attn_mask_mods``); a query row that sees no key gets
+    O = 0 (torch's math path gives NaN there). A mask that requires grad raises
+    BackwardNotAvailable.
     """
-    if attn_mask is not None:
-        raise _sdpa_unsupported("attn_mask", "use is_causal=True for a causal mask, or "
-                                "torch.nn.functional.scaled_dot_product_attention for others")
     if dropout_p != 0.0:
         raise _sdpa_unsupported(f"dropout_p={dropout_p}", "flashtune has no attention "
                                 "dropout; expected dropout_p=0.0")
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise InvalidInput(f"{name} is {shape}; expected a 4-D tensor (batch, heads, "
-                               "seqlen, head_dim). Add a batch dim with unsqueeze(0)")
-    if query.shape[1] != key.shape[1] and not enable_gqa:
-        raise InvalidInput(f"query has {query.shape[1]} heads but key/value have "
-                           f"{key.shape[1]}; expected equal head counts, or enable_gqa=True "
-                           "for grouped-query attention")
+    check_bhsd(query, key, value, enable_gqa)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if attn_mask is not None:
+        if is_causal:
+            raise _sdpa_unsupported("attn_mask together with is_causal", "fold the causal "
+                                    "mask into attn_mask (torch refuses the pair too)")
+        if torch.is_grad_enabled() and attn_mask.requires_grad:
+            raise BackwardNotAvailable("a float attn_mask that requires grad needs the "
+                                       "backward through score modifications, which "
+                                       "flashtune has not got yet; pass attn_mask.detach()")
+        shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+        score_mod, mask_mod = attn_mask_mods(attn_mask, shape)
+        out = attention(q, k, v, softmax_scale=scale, backend=backend, score_mod=score_mod,
+                        mask_mod=mask_mod)
+        return out.transpose(1, 2)
     if is_causal and query.shape[2] != key.shape[2]:  # torch's top-left mask: two calls
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool

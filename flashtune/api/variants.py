@@ -39,10 +39,14 @@ class Variant:
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = None
     varlen: VarlenArgs | None = None
-    #: The params of declared score modifications by name (none from the API's keywords).
-    mods: Mapping[str, float] = field(default_factory=dict)
+    #: The params of declared score modifications by name (numbers, and tensors for
+    #: captured ones of traced modifications).
+    mods: Mapping[str, object] = field(default_factory=dict)
     #: Attention sinks: float32 (heads_q,), one logit per query head (``check_sinks``).
     sinks: torch.Tensor | None = None
+    #: The features of traced score and mask modifications (``api.flex``), registered
+    #: after the built-ins, so last in key order.
+    traced: tuple[str, ...] = ()
 
     @property
     def features(self) -> tuple[str, ...]:
@@ -50,7 +54,7 @@ class Variant:
         on = (("window", self.window != NO_WINDOW), ("softcap", self.softcap > 0.0),
               ("alibi", self.alibi_slopes is not None), ("varlen", self.varlen is not None),
               ("sinks", self.sinks is not None))
-        return tuple(name for name, flag in on if flag)
+        return tuple(name for name, flag in on if flag) + self.traced
 
 
 def check_window_size(window_size: object) -> tuple[int, int]:

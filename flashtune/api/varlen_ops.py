@@ -15,6 +15,7 @@ from typing import Any, Literal, overload
 import torch
 
 from flashtune.api import forward as _fwd
+from flashtune.api.flex import MaskModFn, ScoreModFn, modified_forward, refuse_grad
 from flashtune.api.limits import check_softmax_scale
 from flashtune.api.ops import direct_call_ok
 from flashtune.api.validate_varlen import check_varlen_inputs
@@ -87,7 +88,8 @@ def attention_varlen(
     causal: bool = ..., softmax_scale: float | None = ...,
     window_size: tuple[int, int] = ..., softcap: float | None = ...,
     alibi_slopes: torch.Tensor | None = ..., return_lse: Literal[False] = ...,
-    backend: str | None = ..., sinks: torch.Tensor | None = ...) -> torch.Tensor: ...
+    backend: str | None = ..., sinks: torch.Tensor | None = ...,
+    score_mod: ScoreModFn | None = ..., mask_mod: MaskModFn | None = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -97,7 +99,8 @@ def attention_varlen(
     return_lse: Literal[True], causal: bool = ..., softmax_scale: float | None = ...,
     backend: str | None = ..., window_size: tuple[int, int] = ...,
     softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...,
-    sinks: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+    sinks: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
+    mask_mod: MaskModFn | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention_varlen(
@@ -117,6 +120,8 @@ def attention_varlen(
     return_lse: bool = False,
     backend: str | None = None,
     sinks: torch.Tensor | None = None,
+    score_mod: ScoreModFn | None = None,
+    mask_mod: MaskModFn | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over a batch of sequences of different lengths, packed (flash-attn's
     ``flash_attn_varlen_func`` layout).
@@ -134,7 +139,9 @@ def attention_varlen(
     ``alibi_slopes`` ((Hq,) or (batch, Hq) float32) and ``sinks`` ((Hq,) float32; a query
     row with no keys then gets LSE = sink) are as in ``attention``, per sequence.
     Returns O (total_q, Hq, D) and, with ``return_lse``, the float32 LSE (Hq, total_q).
-    Forward only: a backward raises FeatureNotSupported.
+    Forward only: a backward raises FeatureNotSupported. ``score_mod`` and ``mask_mod`` are
+    as in ``attention``, per sequence: ``b`` is the sequence's index and ``q_idx``,
+    ``kv_idx`` positions within it.
     """
     dim = None
     if isinstance(q, torch.Tensor) and not q.is_nested and q.dim() and q.shape[-1] % 8:
@@ -150,8 +157,14 @@ def attention_varlen(
     name = "" if backend is None else backend
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, variant.sinks))
-    if not needs_grad and direct_call_ok(q, k, v, cu_q, cu_k, variant.alibi_slopes,
-                                         variant.sinks):
+    if score_mod is not None or mask_mod is not None:
+        if variant.sinks is not None and variant.sinks.requires_grad:
+            refuse_grad(variant.sinks)
+        out, lse = modified_forward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), variant,
+                                    scale, name, score_mod, mask_mod)
+        out, lse = out[0], lse[0]
+    elif not needs_grad and direct_call_ok(q, k, v, cu_q, cu_k, variant.alibi_slopes,
+                                           variant.sinks):
         out, lse = _run(q, k, v, variant, scale, name)
     else:
         out, lse = attention_varlen_fwd(q, k, v, cu_q, cu_k, longest_q, longest_k,

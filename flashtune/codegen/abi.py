@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from flashtune.codegen import features as _features
+from flashtune.codegen.score_mods import POINTER_TYPES
 from flashtune.codegen.tensormap import TensorMap
 from flashtune.errors import InvalidInput
 
@@ -272,8 +273,10 @@ class EntryAbi:
         if not self.score_mods:
             return own
         return own + tuple(
-            scalar(p.name, Element.FLOAT if p.type == "float" else Element.INT,
-                   feature=name, wrap=i == 0)
+            (tensor(p.name, Element.FLOAT if p.type == "float_ptr" else Element.INT,
+                    const=True, feature=name, wrap=i == 0) if p.type in POINTER_TYPES else
+             scalar(p.name, Element.FLOAT if p.type == "float" else Element.INT,
+                    feature=name, wrap=i == 0))
             for name, mod in _features.mods_of(features)
             for i, p in enumerate(mod.params))
 

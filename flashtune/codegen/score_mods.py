@@ -30,8 +30,16 @@ if TYPE_CHECKING:
 
 #: The names a modification's expression reads besides its params.
 HOOK_ARGUMENTS = ("score", "batch", "head", "q_idx", "kv_idx")
-#: The C++ type of each param type.
-PARAM_TYPES = {"float": "float", "int": "int"}
+#: The C++ type of each param type: run-time scalars, and captured tensors (contiguous
+#: float32 or int32 on the launch's device, ``codegen.trace``).
+#: ``tiles``: a block mask's key tile ranges, int32 (Bm, Hm, query tiles, 4) read by
+#: ``ft::flex::tile_range`` (its dims: the three sizes): per query tile the key tiles
+#: [lo, hi) it walks (it skips the others) and [full_lo, full_hi) among them whose every key
+#: every row sees (the modification's ``mask`` is not evaluated there).
+PARAM_TYPES = {"float": "float", "int": "int", "float_ptr": "const float*",
+               "int_ptr": "const int*", "tiles": "const int*"}
+#: The param types that are tensors.
+POINTER_TYPES = frozenset({"float_ptr", "int_ptr", "tiles"})
 
 #: ``reference(score, batch, head, q_idx, kv_idx, **values)`` -> the modified score.
 Reference = Callable[..., "torch.Tensor"]
@@ -39,16 +47,26 @@ Reference = Callable[..., "torch.Tensor"]
 
 @dataclass(frozen=True)
 class ModParam:
-    """A run-time scalar of a modification: its name (a kernel argument: unique among the
-    registered features' params), its type (``float`` or ``int``: float32 or int32) and
-    the values verification draws from."""
+    """A run-time value of a modification: its name (a kernel argument: unique among the
+    registered features' params), its type (``float`` or ``int``: float32 or int32; or a
+    captured tensor, ``float_ptr`` or ``int_ptr``) and the values verification draws from;
+    a tensor's ``dims`` name the int params that hold its sizes (verification draws a
+    random tensor of those sizes)."""
 
     name: str
     type: str = "float"
     draws: tuple[float, ...] = (0.5,)
+    dims: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "draws", tuple(self.draws))
+        object.__setattr__(self, "dims", tuple(self.dims))
+        if self.dims and self.type not in POINTER_TYPES:
+            raise InvalidProblem(f"param {self.name!r} of type {self.type!r} has dims; only "
+                                 f"tensors ({sorted(POINTER_TYPES)}) have sizes")
+        if self.type == "tiles" and len(self.dims) != 3:
+            raise InvalidProblem(f"tile ranges {self.name!r} need the names of their three "
+                                 f"sizes (batch, head, query tile) as dims, got {self.dims}")
         if (not self.name.isidentifier() or keyword.iskeyword(self.name)
                 or self.name.startswith("_") or self.name in HOOK_ARGUMENTS):
             raise InvalidProblem(f"score modification param {self.name!r} must be an "
@@ -73,13 +91,21 @@ class ScoreMod:
     cuda: str
     reference: Reference
     params: tuple[ModParam, ...] = ()
+    #: A C++ bool expression of ``batch``, ``head``, ``q_idx``, ``kv_idx`` and the params:
+    #: False hides the key. Evaluated only on the key tiles a ``tiles`` param marks partial
+    #: (so it needs one); ``reference`` includes it.
+    mask: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", tuple(self.params))
-        if not self.cuda.strip() or any(c in self.cuda for c in ";{}\n"):
-            raise InvalidProblem(f"score modification {self.cuda!r} must be one C++ "
-                                 "expression (no ';', braces or line breaks), e.g. "
-                                 "'score + bias'")
+        for text in (self.cuda, self.mask or "true"):
+            if not text.strip() or any(c in text for c in ";{}\n"):
+                raise InvalidProblem(f"score modification {text!r} must be one C++ "
+                                     "expression (no ';', braces or line breaks), e.g. "
+                                     "'score + bias'")
+        if self.mask and not any(p.type == "tiles" for p in self.params):
+            raise InvalidProblem("a score modification with a mask needs a 'tiles' param "
+                                 "(the key tiles where the mask is evaluated)")
         names = [p.name for p in self.params]
         if len(set(names)) != len(names):
             raise InvalidProblem(f"score modification params {names} repeat a name")
@@ -103,11 +129,35 @@ def render_functor(mods: Sequence[tuple[str, ScoreMod]]) -> str:
                       for p in mod.params)
     steps = "".join(f"    score = ({mod.cuda});  // {name}\n" for name, mod in mods)
     unused = "".join(f"    (void){a};\n" for a in HOOK_ARGUMENTS[1:])
+    tiles = [p for _, mod in mods for p in mod.params if p.type == "tiles"]
+    if len(tiles) > 1:
+        raise InvalidProblem(f"score modifications {[p.name for p in tiles]} each bring key "
+                             "tile ranges; a kernel takes one block mask")
+    ranges = "".join(
+        "  // The key tiles [lo, hi) query tile m_block of (batch, head) walks, and the full\n"
+        "  // ones [full_lo, full_hi) among them.\n"
+        "  __device__ __forceinline__ void tile_range(int batch, int head, int m_block,\n"
+        "                                             int& lo, int& hi, int& full_lo,\n"
+        "                                             int& full_hi) const {\n"
+        f"    ft::flex::tile_range({p.name}, {', '.join(p.dims)}, batch, head, m_block, lo, "
+        "hi,\n"
+        "                         full_lo, full_hi);\n"
+        "  }\n" for p in tiles)
+    masks = [mod.mask for _, mod in mods if mod.mask]
+    keep = ("  // Whether key kv_idx is visible to query q_idx (evaluated on partial tiles).\n"
+            "  __device__ __forceinline__ bool keep(int batch, int head, int q_idx,\n"
+            "                                       int kv_idx) const {\n"
+            f"{unused}"
+            f"    return {' && '.join(f'({m})' for m in masks) or 'true'};\n"
+            "  }\n") if tiles else ""
     return ("// The problem's declared score modifications (codegen.score_mods), in key order,\n"
             "// on the scaled score of query row q_idx and key kv_idx of (batch, head).\n"
             "struct ScoreMods {\n"
             "  static constexpr bool kOn = true;\n"
+            f"  static constexpr bool kTileRanges = {'true' if tiles else 'false'};\n"
             f"{members}"
+            f"{ranges}"
+            f"{keep}"
             "  __device__ __forceinline__ float operator()(float score, int batch, int head,\n"
             "                                              int q_idx, int kv_idx) const {\n"
             f"{unused}{steps}"

@@ -26,6 +26,7 @@ from rich.table import Table
 
 from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
+from flashtune.commands.modifications import MaskModOpt, ScoreModOpt, with_modifications
 from flashtune.commands.options import (
     DEFAULT_DTYPE,
     BlockM,
@@ -159,14 +160,17 @@ def show(
         "--bindings", help="Print only the rendered template (the parameter bindings and "
         "the entry point, which include the kernel's headers) instead of the whole source.")
     ] = False,
+    score_mod: ScoreModOpt = None,
+    mask_mod: MaskModOpt = None,
 ) -> None:
     """Print the CUDA source of one kernel exactly as NVRTC compiles it: the rendered
     template with every flashtune header it includes inlined (--bindings: the template
-    alone)."""
+    alone); --score-mod / --mask-mod trace a modification into it."""
     from flashtune import families
     from flashtune.codegen.render import translation_unit
 
-    problem = parse_problem(op, head_dim, dtype, causal)
+    problem = with_modifications(parse_problem(op, head_dim, dtype, causal), score_mod,
+                                 mask_mod)
     spec = parse_arch(arch)
     choice = ConfigChoice(config, block_m, block_n, warps, stages, tuple(fix or ()))
     kernel_config = choice.resolve(problem, spec)

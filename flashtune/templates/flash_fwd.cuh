@@ -138,6 +138,18 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, t
     n_begin = first_row_begin > 0 ? first_row_begin : 0;
     n_full_begin = last_row_begin > 0 ? last_row_begin : 0;
   }
+  // A block mask's full key tiles [full_lo, full_hi): no mask evaluated there.
+  [[maybe_unused]] int full_lo = 0;
+  [[maybe_unused]] int full_hi = 0;
+  if constexpr (Tr::Mods::kTileRanges) {
+    // A block mask's hook (api.block_mask): only key tiles [lo, hi) hold a key some row of
+    // this query tile sees; the others are never loaded or computed.
+    int lo = 0;
+    int hi = 0;
+    a.mods.tile_range(batch, head, m_block, lo, hi, full_lo, full_hi);
+    n_begin = n_begin > lo * kBlockN ? n_begin : lo * kBlockN;
+    n_end = n_end < hi * kBlockN ? n_end : hi * kBlockN;
+  }
   if (n_end <= n_begin) {  // no row of the block sees any key
     store_empty_rows<Tr>(o_rows(), a.o_row_stride, lse_rows(), m0, seqlen_q, tid);
     if constexpr (Tr::kSinks) {  // the sink alone: LSE = sink (O stays 0); the rows are
@@ -151,7 +163,10 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, t
   }
   const int n_tiles = (n_end + kBlockN - 1) / kBlockN;
   // Tiles from first_masked_tile up reach past n_full.
-  const int first_masked_tile = n_full <= 0 ? 0 : n_full / kBlockN;
+  int first_masked_tile = n_full <= 0 ? 0 : n_full / kBlockN;
+  if constexpr (Tr::Mods::kTileRanges) {
+    if (first_masked_tile < n_begin / kBlockN) first_masked_tile = n_begin / kBlockN;
+  }
 
   Element* const sq = reinterpret_cast<Element*>(smem);
   const int warp_row0 = warp * Tr::kWarpRows;
@@ -169,7 +184,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, t
                        {},
                        {},
                        {}};
-  if constexpr (Tr::kLocal) loop.low_tile = n_begin / kBlockN;
+  if constexpr (Tr::kLocal || Tr::Mods::kTileRanges) loop.low_tile = n_begin / kBlockN;
   if constexpr (Tr::kSoftcap) loop.transform.tanh_scale = a.softmax_scale / a.var.softcap;
   if constexpr (Tr::kAlibi) {
     const float unit = Tr::kSoftcap ? a.var.softcap : a.softmax_scale;
@@ -184,6 +199,8 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, t
     loop.transform.col_lane = 2 * (lane % 4);
     loop.transform.batch = batch;
     loop.transform.head = head;
+    loop.transform.full_begin = full_lo * kBlockN;
+    loop.transform.full_end = full_hi * kBlockN;
   }
   loop.q.rows = sq + Tr::Smem::offset(warp_row0, 0);
   const int first_rows = seqlen_k - tile * kBlockN;
@@ -228,10 +245,10 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, t
   if constexpr (Tr::kLocal) {
     // every tile was walked above
   } else if constexpr (Tr::kPipelined) {
-    for (; tile >= 1; --tile) loop.template step<false, false, Next::kAlways>(tile);
-    if (tile == 0) loop.template step<false, false, Next::kNever>(0);
+    for (; tile >= loop.low() + 1; --tile) loop.template step<false, false, Next::kAlways>(tile);
+    if (tile == loop.low()) loop.template step<false, false, Next::kNever>(tile);
   } else {
-    for (; tile >= 0; --tile) loop.template step<false, false>(tile);
+    for (; tile >= loop.low(); --tile) loop.template step<false, false>(tile);
   }
   cp_async_wait_all();  // only empty groups remain; leave none behind
 

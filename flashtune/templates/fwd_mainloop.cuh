@@ -46,11 +46,11 @@ struct FwdMainloop {
   float acc_o[Tr::kMTiles][Tr::kOTiles][4];
   float s_next[Tr::kMTiles][Tr::kSTiles][4];  // pipelined: scores of the next step's tile
   ScoreTransform<Tr> transform;  // softcap, ALiBi (Tr::kTransformed)
-  int low_tile;                  // local: the lowest key tile walked (0 otherwise)
+  int low_tile;  // local, a block mask's tile ranges: the lowest key tile walked (0 otherwise)
 
   // The lowest key tile walked: no copy or Q K^T goes below it.
   __device__ __forceinline__ int low() const {
-    if constexpr (Tr::kLocal) {
+    if constexpr (Tr::kLocal || Tr::Mods::kTileRanges) {
       return low_tile;
     } else {
       return 0;

@@ -2,6 +2,7 @@
 // layout and the element type's tensor-core operations.
 #pragma once
 
+#include "flex_ops.cuh"
 #include "primitives.cuh"
 #include "smem_layout.cuh"
 #include "tensor_ops.cuh"
@@ -38,6 +39,7 @@ struct Layout<RowChunks, true> {
 // No declared score modifications (the kernel applies none).
 struct NoScoreMods {
   static constexpr bool kOn = false;
+  static constexpr bool kTileRanges = false;  // no block mask's key tile ranges
 };
 
 // One variant of the FlashAttention-2 forward kernel.

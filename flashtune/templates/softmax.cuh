@@ -87,6 +87,8 @@ struct ModSite<Mods, true> {
   int col_lane;    // the lane's first key column within a tile
   int batch;
   int head;
+  int full_begin;  // keys [full_begin, full_end): a block mask's full tiles (kTileRanges)
+  int full_end;
 };
 
 template <class Tr>
@@ -97,6 +99,10 @@ struct ScoreTransform : ModSite<typename Tr::Mods> {
   __device__ __forceinline__ void apply(float (&s)[Tr::kMTiles][Tr::kSTiles][4],
                                         const RowLimits<Tr>& rows, int col0) const {
     const int pos = rows.pos - col0;  // i + Nk - Nq - j of row (0, 0), column 0 of the lane
+    [[maybe_unused]] bool partial = false;  // a block mask's partial tile: its mask hides keys
+    if constexpr (Tr::Mods::kTileRanges) {
+      partial = col0 < this->full_begin || col0 >= this->full_end;
+    }
 #pragma unroll
     for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
@@ -115,6 +121,11 @@ struct ScoreTransform : ModSite<typename Tr::Mods> {
             const int kv_idx = col0 + this->col_lane + nt * 8 + (i % 2);
             x = this->mods(x * this->unit, this->batch, this->head, q_idx, kv_idx) *
                 this->inv_unit;
+            if constexpr (Tr::Mods::kTileRanges) {
+              if (partial && !this->mods.keep(this->batch, this->head, q_idx, kv_idx)) {
+                x = -INFINITY;
+              }
+            }
           }
           s[mt][nt][i] = x;
         }

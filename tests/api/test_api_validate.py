@@ -243,8 +243,17 @@ class TestSdpaArguments:
 
     def test_attn_mask(self) -> None:
         q, k, v = self._bhnd()
-        with pytest.raises(InvalidInput, match="does not support attn_mask; use is_causal"):
-            flashtune.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(24, 24))
+        rows = q.shape[2]
+        with pytest.raises(InvalidInput, match="attn_mask has dtype torch.int64; expected "
+                                               "torch.bool"):
+            flashtune.scaled_dot_product_attention(
+                q, k, v, attn_mask=torch.ones(rows, 24, dtype=torch.int64))
+        with pytest.raises(InvalidInput, match=r"attn_mask has shape \(5, 24\); expected one "
+                                               "broadcastable to"):
+            flashtune.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(5, 24))
+        with pytest.raises(InvalidInput, match="attn_mask together with is_causal"):
+            flashtune.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(rows, 24),
+                                                   is_causal=True)
 
     def test_dropout(self) -> None:
         q, k, v = self._bhnd()

@@ -59,7 +59,7 @@ def alibi_bias(slopes: torch.Tensor, batch: int, seqlen_q: int, seqlen_k: int
 def scaled_scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, *,
                   window: tuple[int, int] = (-1, -1), softcap: float | None = None,
                   alibi_slopes: torch.Tensor | None = None, mods: Sequence[ScoreMod] = (),
-                  mod_values: Mapping[str, float] = {}, first_batch: int = 0,
+                  mod_values: Mapping[str, object] = {}, first_batch: int = 0,
                   row0: int = 0, seqlen_q: int | None = None) -> torch.Tensor:
     """The scores softmax reads, (B, Hq, rows, Nk) in q's float type: S = scale q k^T with
     the features of the module doc, -inf where masked. q (B, rows, Hq, D) holds rows
@@ -98,7 +98,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                         scale: float, *, window: tuple[int, int] = (-1, -1),
                         softcap: float | None = None,
                         alibi_slopes: torch.Tensor | None = None,
-                        mods: Sequence[ScoreMod] = (), mod_values: Mapping[str, float] = {},
+                        mods: Sequence[ScoreMod] = (), mod_values: Mapping[str, object] = {},
                         first_batch: int = 0, sinks: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 O (B, Nq, Hq, D) and LSE (B, Hq, Nq) from (B, N, H, D) tensors, with the
@@ -125,7 +125,7 @@ def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool,
                      scale: float, *, window: tuple[int, int] = (-1, -1),
                      softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
-                     mods: Sequence[ScoreMod] = (), mod_values: Mapping[str, float] = {},
+                     mods: Sequence[ScoreMod] = (), mod_values: Mapping[str, object] = {},
                      sinks: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 O (total_q, Hq, D) and LSE (Hq, total_q) of packed (total, H, D) tensors:

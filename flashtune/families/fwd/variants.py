@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from flashtune._lazy import lazy_module
 from flashtune.codegen.features import mods_of
 from flashtune.codegen.render import TemplateValue
-from flashtune.codegen.score_mods import functor_values, render_functor
+from flashtune.codegen.score_mods import POINTER_TYPES, functor_values, render_functor
 from flashtune.codegen.spec import FEATURES, Problem, Shape, ShapeLike
 from flashtune.families.base import Inputs, random_rows
 from flashtune.families.fwd.args import VarlenArgs
@@ -46,8 +46,9 @@ class VariantValues:
     softcap: float = 0.0
     alibi_slopes: torch.Tensor | None = None
     varlen: VarlenArgs | None = None
-    #: The params of declared score modifications (``codegen.score_mods``) by name.
-    mods: Mapping[str, float] = field(default_factory=dict)
+    #: The params of declared score modifications (``codegen.score_mods``) by name
+    #: (numbers, and tensors for captured ones).
+    mods: Mapping[str, object] = field(default_factory=dict)
     #: Attention sinks: float32 (heads_q,).
     sinks: torch.Tensor | None = None
 
@@ -58,8 +59,9 @@ class VariantValues:
         t = inputs.tensors
         varlen = (VarlenArgs(t["cu_seqlens_q"], t["cu_seqlens_k"], int(s["max_seqlen_q"]))
                   if "cu_seqlens_q" in t else None)
-        mods = {p.name: s[p.name] for _, mod in mods_of(FEATURES) for p in mod.params
-                if p.name in s}
+        mods: dict[str, object] = {p.name: s[p.name] if p.name in s else t[p.name]
+                                   for _, mod in mods_of(FEATURES) for p in mod.params
+                                   if p.name in s or p.name in t}
         return cls((int(s.get("window_left", -1)), int(s.get("window_right", -1))),
                    float(s.get("softcap", 0.0)), t.get("alibi_slopes"), varlen, mods,
                    t.get("sinks"))
@@ -95,7 +97,9 @@ def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
     """Random feature values for ``problem`` (scalars, tensors), drawn with ``gen``: window
     sizes from WINDOW_SIZES (not both unbounded), a cap from SOFTCAPS, ALiBi slopes in
     [0, 1) of shape (batch, heads_q), sinks (``random_sinks``), and each declared score
-    modification's params from their ``draws``."""
+    modification's params from their ``draws`` (a captured tensor: random values, normal
+    floats or ints in [0, 4), of the sizes its ``dims`` params drew; a block mask's tile
+    ranges: every key tile)."""
     scalars: dict[str, float] = {}
     tensors: dict[str, torch.Tensor] = {}
 
@@ -116,7 +120,18 @@ def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
         tensors["sinks"] = random_sinks(shape.heads_q, gen, device)
     for _, mod in mods_of(problem.features):
         for p in mod.params:
-            scalars[p.name] = pick(p.draws) if p.type == "float" else int(pick(p.draws))
+            if p.type not in POINTER_TYPES:
+                scalars[p.name] = pick(p.draws) if p.type == "float" else int(pick(p.draws))
+        for p in mod.params:  # captured tensors: random ones of their drawn sizes
+            sizes = [int(scalars[d]) for d in p.dims]
+            if p.type == "tiles":  # every key tile walked and partial (the mask everywhere)
+                whole = torch.tensor([0, 2**30, 0, 0], dtype=torch.int32, device=device)
+                tensors[p.name] = whole.expand(*sizes, 4).contiguous()
+            elif p.type in POINTER_TYPES:
+                tensors[p.name] = (
+                    torch.randn(sizes, generator=gen, device=device) if p.type == "float_ptr"
+                    else torch.randint(4, sizes, generator=gen, device=device,
+                                       dtype=torch.int32))
     return scalars, tensors
 
 

@@ -1,0 +1,175 @@
+"""FlexAttention's programming model on flashtune's forward kernel: ``flex_attention`` in
+FlexAttention's (B, H, S, D) layout, and the traced modifications behind ``attention``'s
+``score_mod`` and ``mask_mod``.
+
+A call traces its ``score_mod`` and ``mask_mod`` (``codegen.trace``) into one score
+modification, registers it once per process as a feature named by its digest (so its
+kernels are keyed, cached and tuned like a built-in feature's) and runs the mma.sync forward
+with it; captured tensors are passed as kernel arguments on every call (their values may
+change between calls; their number, dims and kinds are part of the key). The forward only:
+inputs that require grad are refused (BackwardNotAvailable), and so is decoding.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from flashtune import settings
+from flashtune.api import forward as _fwd
+from flashtune.api.block_mask import BlockMask
+from flashtune.api.limits import check_softmax_scale
+from flashtune.api.validate import check_attention_inputs
+from flashtune.api.variants import Variant, pad_head_dim
+from flashtune.codegen.features import Feature, feature, register_feature
+from flashtune.codegen.trace import TracedMod, trace
+from flashtune.errors import BackwardNotAvailable, InvalidInput, InvalidProblem
+
+ScoreModFn = Callable[..., Any]
+MaskModFn = Callable[..., Any]
+
+_register_lock = threading.Lock()
+
+
+def traced_feature(traced: TracedMod) -> str:
+    """The name of ``traced``'s feature, registered on first use (the same expression
+    always gives the same name and the same declaration)."""
+    with _register_lock:
+        try:
+            feature(traced.name)
+        except InvalidProblem:
+            register_feature(Feature(traced.name, traced.name,
+                                     f"a traced score modification ({traced.name})",
+                                     score=traced.score_mod()))
+    return traced.name
+
+
+def refuse_grad(*tensors: torch.Tensor) -> None:
+    """BackwardNotAvailable when grad mode is on and one of ``tensors`` requires grad: a
+    modified call has a forward pass only."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise BackwardNotAvailable(
+            "attention with a score_mod, mask_mod or block_mask has a forward pass only in "
+            "flashtune so far; expected inputs that do not require grad. Call it under "
+            "torch.no_grad() or pass detached tensors")
+
+
+def modified_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
+                     scale: float, backend: str, score_mod: ScoreModFn | None,
+                     mask_mod: MaskModFn | None, block_mask: BlockMask | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """O and LSE of validated flash-attn-layout inputs with ``variant``'s features and the
+    traced ``score_mod`` / ``mask_mod`` (the forward only); ``block_mask``: the kernel walks
+    only the key tiles it marks non-empty (its ``mask_mod`` is then the one traced)."""
+    refuse_grad(q, k, v)
+    traced = trace(score_mod, mask_mod, tiles=block_mask is not None)
+    name = traced_feature(traced)
+    values = traced.values(q.device)
+    with_mod = replace(variant, traced=(name,), mods=values)
+    if block_mask is not None:
+        plan = _fwd.plan_for(q, k, variant.causal, backend or settings.BACKEND.get(), "fwd",
+                             with_mod.features)
+        config = plan.decision.config
+        ranges = block_mask.tiles(config.block_m, config.block_n, q.device)
+        values[traced.ranges_param] = ranges
+        values.update({f"{traced.ranges_param}_n{j}": int(n)
+                       for j, n in enumerate(ranges.shape[:3])})
+    return _fwd.forward(q, k, v, variant.causal, scale, backend, with_mod)
+
+
+def check_bhsd(query: object, key: object, value: object, enable_gqa: bool) -> None:
+    """InvalidInput unless query, key and value are 4-D (B, H, S, D) tensors (torch's
+    layout) with equal head counts or ``enable_gqa``."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InvalidInput(f"{name} is {shape}; expected a 4-D tensor (batch, heads, "
+                               "seqlen, head_dim). Add a batch dim with unsqueeze(0)")
+    assert isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor)
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise InvalidInput(f"query has {query.shape[1]} heads but key/value have "
+                           f"{key.shape[1]}; expected equal head counts, or enable_gqa=True "
+                           "for grouped-query attention")
+
+
+def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   score_mod: ScoreModFn | None = None, block_mask: BlockMask | None = None,
+                   scale: float | None = None, enable_gqa: bool = False,
+                   return_lse: bool = False, *, backend: str | None = None
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``torch.nn.attention.flex_attention.flex_attention``'s forward on flashtune's kernels.
+
+    query (B, Hq, L, D), key and value (B, Hkv, S, D), fp16 or bf16 (Hq a multiple of Hkv
+    with ``enable_gqa``); ``score_mod(score, b, h, q_idx, kv_idx)`` returns the new scaled
+    score; ``block_mask`` (``create_block_mask``) hides the keys its ``mask_mod`` rejects
+    and lets the kernel skip the key tiles it marks empty. ``scale`` defaults to
+    1/sqrt(D). Returns O (B, Hq, L, D) (a transposed view), and with ``return_lse`` the
+    natural-log LSE (B, Hq, L) float32; a row that sees no key has O = 0 and LSE = -inf, as
+    in FlexAttention. ``backend``: as in ``flashtune.attention`` (``"emulator"`` runs CPU
+    tensors). The forward only: inputs that require grad raise BackwardNotAvailable.
+    """
+    check_bhsd(query, key, value, enable_gqa)
+    if block_mask is not None and not isinstance(block_mask, BlockMask):
+        raise InvalidInput(f"block_mask is a {type(block_mask).__name__}; expected a "
+                           "flashtune BlockMask from flashtune.create_block_mask")
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    dim = None
+    if q.shape[-1] % 8:
+        q, k, v, dim = pad_head_dim(q, k, v)
+    check_attention_inputs(q, k, v)
+    softmax_scale = check_softmax_scale(scale, dim or q.shape[3])
+    name = "" if backend is None else backend
+    variant = Variant(False)
+    if block_mask is not None:
+        block_mask.check_call(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    mask_mod = block_mask.mask_mod if block_mask is not None else None
+    if score_mod is None and mask_mod is None:
+        refuse_grad(q, k, v)
+        out, lse = _fwd.forward(q, k, v, False, softmax_scale, name, variant)
+    else:
+        out, lse = modified_forward(q, k, v, variant, softmax_scale, name, score_mod,
+                                    mask_mod, block_mask)
+    if dim is not None:
+        out = out[..., :dim]
+    out = out.transpose(1, 2)
+    if not return_lse:
+        return out
+    return out, torch.where(lse == float("inf"), float("-inf"), lse)
+
+
+def attn_mask_mods(attn_mask: torch.Tensor, shape: tuple[int, int, int, int]
+                   ) -> tuple[ScoreModFn | None, MaskModFn | None]:
+    """SDPA's ``attn_mask`` as a traced modification of a call of ``shape`` (B, H, L, S):
+    a bool mask (True: visible) as a mask_mod, a float mask as an additive score_mod, read
+    from the captured mask at each position (a broadcast dim is read at index 0).
+    InvalidInput unless bool or floating and broadcastable to ``shape``."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise InvalidInput(f"attn_mask is a {type(attn_mask).__name__}; expected a bool or "
+                           "float tensor broadcastable to (B, H, L, S)")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise InvalidInput(f"attn_mask has dtype {attn_mask.dtype}; expected torch.bool (True: "
+                           "attend) or a floating type (added to the scores)")
+    dims = attn_mask.dim()
+    if dims > 4 or any(n not in (1, want) for n, want in
+                       zip(reversed(attn_mask.shape), reversed(shape[4 - dims:]),
+                           strict=True)):
+        raise InvalidInput(f"attn_mask has shape {tuple(attn_mask.shape)}; expected one "
+                           f"broadcastable to (B, H, L, S) = {shape}")
+    mask = attn_mask.reshape((1,) * (4 - dims) + tuple(attn_mask.shape))
+    vary = tuple(n > 1 for n in mask.shape)
+
+    def at(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        i = [x if on else 0 for x, on in zip((b, h, q_idx, kv_idx), vary, strict=True)]
+        return mask[i[0], i[1], i[2], i[3]]
+
+    if attn_mask.dtype == torch.bool:
+        return None, at
+
+    def additive(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return score + at(b, h, q_idx, kv_idx)
+    return additive, None
+

@@ -1,0 +1,75 @@
+// The helpers traced score and mask modifications call (codegen.trace renders expressions
+// of the scaled score with these, the CUDA math functions and C++ operators only).
+//
+// Integer // and % follow Python's (and torch's) floor semantics, not C's truncation, so
+// that a traced expression means on the device what it meant in the user's function.
+// A captured tensor is read with an index per dim: a negative index counts from the end,
+// as in torch, and an index past either end is clamped into the tensor (the kernel also
+// evaluates positions past the sequences' ends, whose scores it then hides).
+#pragma once
+
+namespace ft {
+namespace flex {
+
+__device__ __forceinline__ int floordiv(int a, int b) {
+  const int q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+
+__device__ __forceinline__ int mod(int a, int b) {
+  const int r = a % b;
+  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+
+__device__ __forceinline__ float fmodpy(float a, float b) {
+  const float r = fmodf(a, b);
+  return (r != 0.0f && ((r < 0.0f) != (b < 0.0f))) ? r + b : r;
+}
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+__device__ __forceinline__ int iabs(int a) { return a < 0 ? -a : a; }
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// Index i of a dim of n elements: from the end when negative, then clamped to [0, n).
+__device__ __forceinline__ long long at(int i, int n) {
+  const int j = i < 0 ? i + n : i;
+  return j < 0 ? 0 : (j >= n ? n - 1 : j);
+}
+
+template <class T>
+__device__ __forceinline__ T load1(const T* p, int i0, int n0) {
+  return p[at(i0, n0)];
+}
+template <class T>
+__device__ __forceinline__ T load2(const T* p, int i0, int n0, int i1, int n1) {
+  return p[at(i0, n0) * n1 + at(i1, n1)];
+}
+template <class T>
+__device__ __forceinline__ T load3(const T* p, int i0, int n0, int i1, int n1, int i2,
+                                   int n2) {
+  return p[(at(i0, n0) * n1 + at(i1, n1)) * n2 + at(i2, n2)];
+}
+template <class T>
+__device__ __forceinline__ T load4(const T* p, int i0, int n0, int i1, int n1, int i2, int n2,
+                                   int i3, int n3) {
+  return p[((at(i0, n0) * n1 + at(i1, n1)) * n2 + at(i2, n2)) * n3 + at(i3, n3)];
+}
+
+// A block mask's key tiles for query tile m of (b, h): ranges is int32 (nb, nh, nm, 4), nb
+// and nh 1 when the mask does not vary with the batch or the head; per query tile the key
+// tiles [lo, hi) it walks and [full_lo, full_hi), those whose every key every row sees.
+__device__ __forceinline__ void tile_range(const int* ranges, int nb, int nh, int nm, int b,
+                                           int h, int m, int& lo, int& hi, int& full_lo,
+                                           int& full_hi) {
+  const long long at_bhm =
+      (static_cast<long long>(b < nb ? b : nb - 1) * nh + (h < nh ? h : nh - 1)) * nm +
+      (m < nm ? m : nm - 1);
+  lo = ranges[4 * at_bhm];
+  hi = ranges[4 * at_bhm + 1];
+  full_lo = ranges[4 * at_bhm + 2];
+  full_hi = ranges[4 * at_bhm + 3];
+}
+
+}  // namespace flex
+}  // namespace ft

@@ -1,0 +1,61 @@
+"""``flashtune show --score-mod MODULE:FUNCTION --mask-mod ...``: the kernel with the traced
+expression; an unsupported operation and a bad MODULE:FUNCTION are usage errors naming the
+problem."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from flex_fixtures import forget_traced_features  # noqa: F401  (autouse, by name)
+from typer.testing import CliRunner
+
+from flashtune.cli import app
+
+runner = CliRunner()
+ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
+
+MODULE = '''
+import torch
+
+def bias(score, b, h, q_idx, kv_idx):
+    return score - 0.125 * torch.abs(q_idx - kv_idx)
+
+def window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 64)
+
+def bad(score, b, h, q_idx, kv_idx):
+    return torch.sin(score)
+'''
+
+
+@pytest.fixture
+def mods(tmp_path: Path) -> Iterator[str]:
+    (tmp_path / "cli_user_mods.py").write_text(MODULE)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        yield "cli_user_mods"
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("cli_user_mods", None)
+
+
+def test_show_prints_the_traced_expression(mods: str) -> None:
+    result = runner.invoke(app, ["show", "--head-dim", "64", "--bindings", "--score-mod",
+                                 f"{mods}:bias", "--mask-mod", f"{mods}:window"], env=ENV)
+    assert result.exit_code == 0, result.output
+    assert "struct ScoreMods" in result.output
+    assert "(score - (0.125f * ((float)(ft::flex::iabs((q_idx - kv_idx))))))" in result.output
+    assert "((q_idx >= kv_idx) && ((q_idx - kv_idx) < 64))" in result.output
+
+
+def test_an_unsupported_operation_and_a_bad_name_are_usage_errors(mods: str) -> None:
+    result = runner.invoke(app, ["show", "--score-mod", f"{mods}:bad"], env=ENV)
+    assert result.exit_code == 2
+    assert "sin()" in result.output and "cli_user_mods.py:11 in bad" in result.output
+    result = runner.invoke(app, ["show", "--mask-mod", f"{mods}:missing"], env=ENV)
+    assert result.exit_code == 2 and "has no function 'missing'" in result.output
+    result = runner.invoke(app, ["show", "--mask-mod", "no_colon"], env=ENV)
+    assert result.exit_code == 2 and "is not MODULE:FUNCTION" in result.output
