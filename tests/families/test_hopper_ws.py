@@ -301,6 +301,8 @@ BUG_OVERLAP = _overlap(BUG_CONFIG)
 #: Q and K by cp.async, V by TMA: Q's barrier counts the producer's 128 threads, a stage's
 #: full barrier the TMA arrival and 128 cp.async ones.
 BUG_CPASYNC = _loads(BUG_CONFIG, loadq="cpasync", loadk="cpasync")
+#: Q alone by cp.async: the producer's warps 1..3 have no K/V work after Q.
+BUG_CPASYNC_Q = _loads(BUG_CONFIG, loadq="cpasync")
 
 
 def _run_planted(bug: int, *, box_rows: int | None = None,
@@ -330,7 +332,7 @@ def _run_planted(bug: int, *, box_rows: int | None = None,
 
 
 @pytest.mark.parametrize("config", [BUG_CONFIG, BUG_PINGPONG, BUG_THREE, BUG_OVERLAP,
-                                    BUG_CPASYNC],
+                                    BUG_CPASYNC, BUG_CPASYNC_Q],
                          ids=lambda c: c.key())
 def test_the_bug_harness_passes_without_a_bug(config: KernelConfig) -> None:
     _run_planted(0, config=config)
@@ -435,6 +437,18 @@ def test_cp_async_producer_warp_that_never_arrives_deadlocks_naming_the_count() 
     with pytest.raises(EmulatorDeadlock, match=r"for phase 0 \(parity 0\) to complete: 32 of "
                        r"129 arrivals missing"):
         _run_planted(12, config=BUG_CPASYNC)
+
+
+def test_producer_exit_with_copies_in_flight_is_caught() -> None:
+    """Planted: no producer tail. A producer thread arrives on the last stage's full barrier
+    (a deferred cp.async arrival) and returns while its copies are still in flight; with Q
+    alone by cp.async, the producer's warps 1..3 return right after Q's copies."""
+    with pytest.raises(EmulatorError, match=r"thread \d+ returned with cp.async copies in flight "
+                       r"\(the one at .*\), tracked by cp.async_mbarrier_arrive on the mbarrier "
+                       r"at dynamic shared memory offset \d+, whose phase \d+ has not completed"):
+        _run_planted(13, config=BUG_CPASYNC)
+    with pytest.raises(EmulatorError, match=r"returned with cp.async copies in flight"):
+        _run_planted(13, config=BUG_CPASYNC_Q)
 
 
 # ------------------------------------------------------------------ GPU
