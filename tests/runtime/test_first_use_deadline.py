@@ -196,3 +196,42 @@ def test_checks_ahead_are_recorded_and_resume_past_a_hang(
     assert failed is not None and "12 elements" in failed.reason
     # a serving process reads the records: the passing kernel needs no check of its own
     assert first_use.check(StandIn(good, threading.Event()), "cpu", VIRTUAL) is None
+
+
+def test_check_gpu_lists_checks_and_records_the_served_kernels(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``flashtune check --gpu`` on the emulator's virtual sm_90a: --list names the served
+    sm_90a kernels; --only checks one (a stand-in that passes) and records it; a hung one
+    exits with status 2 naming it."""
+    from typer.testing import CliRunner
+
+    from flashtune.cli import app
+
+    release = threading.Event()
+    monkeypatch.setattr(backends, "get_backend", lambda name: type(
+        "StandIns", (), {"load": lambda self, s: StandIn(s, release if "full" in s.entry
+                                                         else None)})())
+    monkeypatch.setattr(launch, "verify", lambda kernel, *a, **kw: (
+        kernel.bind((1, 1, 1), [])(), Verdict(True, 0.0, 0.0, ""))[1])
+    listed = CliRunner().invoke(app, ["check", "--gpu", "--list"])
+    assert listed.exit_code == 0, listed.output
+    entries = listed.output.split()
+    served = families.render(*_served(causal=True))
+    assert served.entry in entries and all(e.startswith("flashtune_fwd90a") for e in entries)
+    done = CliRunner().invoke(app, ["check", "--gpu", "--only", served.entry])
+    assert done.exit_code == 0 and "pass" in done.output, done.output
+    said = first_use.recorded(VIRTUAL, served)
+    assert said is not None and said.ok
+    try:
+        full = families.render(*_served(causal=False))
+        hung = CliRunner().invoke(app, ["check", "--gpu", "--only", full.entry, "--timeout",
+                                        "0.5"])
+    finally:
+        release.set()
+    assert hung.exit_code == 2 and full.entry in hung.output, hung.output
+
+
+def _served(causal: bool) -> tuple[Problem, KernelConfig]:
+    q, _, _ = _inputs()
+    decision, _ = plans.decide(q, causal, None, "fwd", (), q.shape[1])
+    return decision.problem, decision.config
