@@ -139,6 +139,9 @@ def check_command(
         "--recheck", help="With --gpu: check kernels recorded before again.")] = False,
     list_kernels: Annotated[bool, typer.Option(
         "--list", help="With --gpu: print the kernels that would be checked.")] = False,
+    compile_only: Annotated[bool, typer.Option(
+        "--compile-only", help="With --gpu: compile them into the cache; launch nothing.")
+    ] = False,
     only: Annotated[list[str] | None, typer.Option(
         "--only", help="With --gpu: check this kernel entry only (repeatable).")] = None,
     timeout: Annotated[float | None, typer.Option(
@@ -158,7 +161,8 @@ def check_command(
     if gpu:
         from flashtune.commands.check_gpu import check_gpu
 
-        check_gpu(recheck=recheck, list_only=list_kernels, only=only, timeout_s=timeout)
+        check_gpu(recheck=recheck, list_only=list_kernels, only=only, timeout_s=timeout,
+                  compile_only=compile_only)
         return
     from flashtune import families
     from flashtune.runtime.backends.emulator import Schedule

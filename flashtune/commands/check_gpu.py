@@ -7,8 +7,10 @@ checked against float64 under the first-use deadline, and each result is recorde
 (``runtime.first_use``): a serving process then needs no check of its own, inside CUDA-graph
 capture too. Kernels recorded before are skipped unless ``--recheck``. A hung kernel is
 recorded and stops the run (the device cannot be used by the process any more); running the
-command again checks the rest. ``--list`` prints the kernels, ``--only ENTRY`` checks one
-(benchmarks/gpu_check.sh runs each in its own process with a timeout).
+command again checks the rest. ``--list`` prints the kernels, ``--compile-only`` compiles
+them in parallel into the kernel cache and launches nothing, ``--only ENTRY`` checks one
+(benchmarks/gpu_check.sh compiles them, then runs each check in its own process with a
+timeout).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def arch_specific_kernels(info: DeviceInfo) -> list[tuple[Problem, KernelConfig]
 
 
 def check_gpu(*, recheck: bool, list_only: bool, only: list[str] | None,
-              timeout_s: float | None) -> None:
+              timeout_s: float | None, compile_only: bool = False) -> None:
     """Run (or list) the checks ahead; see the module's docstring."""
     from flashtune import families
     from flashtune.runtime import first_use
@@ -76,6 +78,19 @@ def check_gpu(*, recheck: bool, list_only: bool, only: list[str] | None,
     if list_only:
         for source in sources:
             console.print(source.entry, highlight=False, soft_wrap=True)
+        return
+    if compile_only:
+        from flashtune.toolchain.compiler import compile_pairs
+
+        results = compile_pairs([(s, s.target or info.arch) for s in sources])
+        bad = [f"{s.entry}: {r.failure}" for s, r in zip(sources, results, strict=True)
+               if not r.ok]
+        console.print(f"compiled {len(sources) - len(bad)} of {len(sources)} kernels")
+        for message in bad:
+            Console(stderr=True).print(f"[bold red]failure:[/] {escape(message)}",
+                                       highlight=False)
+        if bad:
+            raise typer.Exit(1)
         return
     if only:
         unknown = sorted(set(only) - {s.entry for s in sources})

@@ -179,12 +179,14 @@ __device__ __forceinline__ void ws_produce(const HopperBlock<Tr>& b,
       if (FT_WS_PLANTED_BUG != 12 || pt >= 32) cp_async_mbarrier_arrive(&b.full[s]);
     }
   }
-  // The producer tail (FA3's): a thread whose cp.async copies are tracked by a full barrier
-  // must not exit before they land and its deferred arrival is made. The consumers release
-  // a stage only after waiting on its full barrier, so once every stage of the last round is
-  // released nothing the producer issued is in flight (Q's copies were waited for before the
-  // first release). TMA boxes complete without their issuing thread: a TMA-only producer
-  // needs no tail.
+  // The producer tail (FA3's): a thread whose cp.async copies are tracked by a barrier must
+  // not exit before they land and its deferred arrival is made. Q's land when q_full's phase
+  // completes; the consumers release a stage only after waiting on its full barrier, so once
+  // every stage of the last round is released no K/V copy is in flight. TMA boxes complete
+  // without their issuing thread: a TMA-only producer needs no tail.
+  if constexpr (!L::kQTma) {
+    if (FT_WS_PLANTED_BUG != 13) mbarrier_wait_parity(q_full, 0);
+  }
   if constexpr (L::kKvByCpAsync) {
     if (FT_WS_PLANTED_BUG != 13) {
       for (int j = n_tiles > kStages ? n_tiles - kStages : 0; j < n_tiles; ++j)

@@ -117,7 +117,7 @@ def _ring(module: EmulatedModule, tiles: int, bug: int, seed: int,
 @pytest.mark.parametrize("schedule", list(Schedule))
 @pytest.mark.parametrize("tiles", [1, 2, 7])
 def test_ring_copies_exactly(module: EmulatedModule, tiles: int, schedule: Schedule) -> None:
-    seed = int.from_bytes(hashlib.sha256(f"{tiles}{schedule}".encode()).digest()[:4])
+    seed = int.from_bytes(hashlib.sha256(f"{tiles}{schedule}".encode()).digest()[:4], "big")
     src, out = _ring(module, tiles, 0, seed, schedule)
     assert np.array_equal(src, out), f"seed {seed}"
 

@@ -307,7 +307,7 @@ BUG_CPASYNC_Q = _loads(BUG_CONFIG, loadq="cpasync")
 
 def _run_planted(bug: int, *, box_rows: int | None = None,
                  schedule: Schedule = Schedule.FORWARD,
-                 config: KernelConfig = BUG_CONFIG) -> None:
+                 config: KernelConfig = BUG_CONFIG, shape: Shape = BUG_SHAPE) -> None:
     family = HOPPER_WS_FORWARD
     problem = _problem(64, DType.FP16, False, family)
     source = families.render(problem, config)
@@ -316,9 +316,9 @@ def _run_planted(bug: int, *, box_rows: int | None = None,
                                                       f"-DFT_WS_PLANTED_BUG={bug}"))
     kernel = EmulatorBackend(options=LaunchOptions(schedule=schedule, hang_timeout_s=120)
                              ).load(source)
-    inputs = family.random_inputs(problem, BUG_SHAPE, "cpu", seed=SEED)
-    outputs = family.empty_outputs(problem, BUG_SHAPE, inputs, poison=True)
-    plan = family.launch_plan(problem, config, BUG_SHAPE, inputs, outputs)
+    inputs = family.random_inputs(problem, shape, "cpu", seed=SEED)
+    outputs = family.empty_outputs(problem, shape, inputs, poison=True)
+    plan = family.launch_plan(problem, config, shape, inputs, outputs)
     args = list(plan.args)
     if box_rows is not None:  # the K map with a box of box_rows rows instead of block_n
         kind, value = args[-2]
@@ -327,7 +327,7 @@ def _run_planted(bug: int, *, box_rows: int | None = None,
     kernel.launch(plan.grid, args)
     if not bug and box_rows is None:
         ref = family.reference(problem, inputs)
-        verdict = family.compare(problem, BUG_SHAPE, outputs, ref)
+        verdict = family.compare(problem, shape, outputs, ref)
         assert verdict.ok, verdict.message
 
 
@@ -449,6 +449,12 @@ def test_producer_exit_with_copies_in_flight_is_caught() -> None:
         _run_planted(13, config=BUG_CPASYNC)
     with pytest.raises(EmulatorError, match=r"returned with cp.async copies in flight"):
         _run_planted(13, config=BUG_CPASYNC_Q)
+
+
+def test_a_producer_with_one_key_tile_waits_for_its_q_copies() -> None:
+    """Q by cp.async, K and V by TMA, one key tile and more stages: the TMA-issuing lane has
+    no stage to wait for and must still wait for its Q copies before it exits."""
+    _run_planted(0, config=BUG_CPASYNC_Q, shape=Shape(1, 2, 1, 70, 40))
 
 
 # ------------------------------------------------------------------ GPU
