@@ -67,11 +67,12 @@ def _overlap(config: KernelConfig) -> KernelConfig:
     return dataclasses.replace(config, extras=(*config.extras, (space.OVERLAP, 1)))
 
 
-def test_registered_beside_the_cp_async_family_serving_nothing_yet() -> None:
+def test_registered_as_the_family_serving_the_forward_beside_the_cp_async_one() -> None:
     assert families.get("fwd90aws") is HOPPER_WS_FORWARD
-    assert HOPPER_WS_FORWARD.serves is None and HOPPER_WS_FORWARD.target_arch == "sm_90a"
+    assert HOPPER_WS_FORWARD.serves == "fwd" and HOPPER_WS_FORWARD.target_arch == "sm_90a"
+    assert HOPPER_FORWARD.serves is None  # kept to tune and compare with
     generic = Problem(128, DType.BF16)
-    assert families.served_problem(generic, SM90A).op == HOPPER_FORWARD.op
+    assert families.served_problem(generic, SM90A).op == HOPPER_WS_FORWARD.op
     problem = _problem(128, DType.BF16, True)
     config = HOPPER_WS_FORWARD.default_config(problem, SM90A)
     assert config == HOPPER_FORWARD.default_config(dataclasses.replace(problem, op="fwd90a"),
