@@ -10,13 +10,14 @@
 // lane 0 of warp 0, which first declares the stage's TMA bytes with arrive.expect_tx; a
 // cp.async operand is copied by all 128 producer threads into the same swizzled layout
 // (rows past the sequence zero-filled), each arriving with cp.async.mbarrier.arrive.noinc
-// once its copies have landed, and waits before it exits until the consumers released every
-// stage of the last round (FA3's producer tail: no copy or deferred arrival is left in flight
-// by an exited thread). So a full barrier counts one arrival if some operand of the
-// stage comes by TMA and 128 more if some comes by cp.async. With TMA alone warps 1..3 return
-// at once and the producer keeps FA3's registers; with cp.async it keeps 40 beside two or
-// three consumers (WsRegisters), and the consumers fence the proxies after each wait
-// (cp.async writes are generic-proxy ones, wgmma reads async-proxy).
+// once its copies have landed. Every loading thread waits before it exits until the
+// consumers released every stage of the last round (FA3's producer tail: no copy, box or
+// deferred arrival is left in flight by an exited thread). So a full barrier counts one
+// arrival if some operand of the stage comes by TMA and 128 more if some comes by cp.async.
+// With TMA alone warps 1..3 return at once and the producer keeps FA3's registers; with
+// cp.async it keeps 40 beside two or three consumers (WsRegisters), and the consumers fence
+// the proxies after each wait (cp.async writes are generic-proxy ones, wgmma reads
+// async-proxy).
 // Consumers: after setmaxnreg.inc, each warpgroup waits for Q, then per key tile waits on the
 // stage's full barrier, computes S = Q K^T, the online softmax and O += P V by wgmma
 // (tile_math of hopper_fwd.cuh, the same math as the cp.async kernel) and releases the stage:
@@ -179,19 +180,18 @@ __device__ __forceinline__ void ws_produce(const HopperBlock<Tr>& b,
       if (FT_WS_PLANTED_BUG != 12 || pt >= 32) cp_async_mbarrier_arrive(&b.full[s]);
     }
   }
-  // The producer tail (FA3's): a thread whose cp.async copies are tracked by a barrier must
-  // not exit before they land and its deferred arrival is made. Q's land when q_full's phase
-  // completes; the consumers release a stage only after waiting on its full barrier, so once
-  // every stage of the last round is released no K/V copy is in flight. TMA boxes complete
-  // without their issuing thread: a TMA-only producer needs no tail.
+  // The producer tail (FA3's): no producer thread exits with a load in flight. A thread whose
+  // cp.async copies are tracked by a barrier must not exit before they land and its deferred
+  // arrival is made; Q's land when q_full's phase completes, and the consumers release a
+  // stage only after waiting on its full barrier, so once every stage of the last round is
+  // released no K/V copy or TMA box is in flight. (TMA boxes complete without their issuing
+  // thread, but the lane that issued them waits too, as FA3's does.)
   if constexpr (!L::kQTma) {
     if (FT_WS_PLANTED_BUG != 13) mbarrier_wait_parity(q_full, 0);
   }
-  if constexpr (L::kKvByCpAsync) {
-    if (FT_WS_PLANTED_BUG != 13) {
-      for (int j = n_tiles > kStages ? n_tiles - kStages : 0; j < n_tiles; ++j)
-        mbarrier_wait_parity(&b.empty[j % kStages], static_cast<unsigned>(j / kStages) & 1u);
-    }
+  if (FT_WS_PLANTED_BUG != 13) {
+    for (int j = n_tiles > kStages ? n_tiles - kStages : 0; j < n_tiles; ++j)
+      mbarrier_wait_parity(&b.empty[j % kStages], static_cast<unsigned>(j / kStages) & 1u);
   }
 }
 
