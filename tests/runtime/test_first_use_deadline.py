@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -218,6 +219,19 @@ def test_check_gpu_lists_checks_and_records_the_served_kernels(
     entries = listed.output.split()
     served = families.render(*_served(causal=True))
     assert served.entry in entries and all(e.startswith("flashtune_fwd90a") for e in entries)
+    from flashtune.toolchain import compiler
+
+    compiled: list[tuple[str, str]] = []
+
+    def compile_pairs(pairs: list[tuple[KernelSource, str]]) -> list[SimpleNamespace]:
+        compiled.extend((source.entry, arch) for source, arch in pairs)
+        return [SimpleNamespace(ok=True) for _ in pairs]
+
+    monkeypatch.setattr(compiler, "compile_pairs", compile_pairs)
+    built = CliRunner().invoke(app, ["check", "--gpu", "--compile-only"])
+    assert built.exit_code == 0 and f"compiled {len(entries)} of {len(entries)}" in built.output
+    assert compiled == [(e, "sm_90a") for e in entries]
+    assert first_use.recorded(VIRTUAL, served) is None  # compiled, nothing checked
     done = CliRunner().invoke(app, ["check", "--gpu", "--only", served.entry])
     assert done.exit_code == 0 and "pass" in done.output, done.output
     said = first_use.recorded(VIRTUAL, served)
