@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _attention_impls import IMPLS, Timer, Unavailable  # noqa: E402
+from _attention_impls import IMPLS, Prepared, Timer, Unavailable  # noqa: E402
 from _common import (  # noqa: E402
     Deadline,
     Stats,
@@ -122,19 +122,19 @@ def _variant(name: str, case: Case) -> tuple[Callable[[], object], str]:
     return launch.run, config.key()
 
 
-def _prepare(impl: str, case: Case, tensors: tuple[Any, Any, Any]
-             ) -> tuple[Callable[[], object], str]:
+def _prepare(impl: str, case: Case, tensors: tuple[Any, Any, Any]) -> Prepared:
+    """``impl`` bound to the case's tensors (a variant to inputs of its own)."""
     q, k, v = tensors
     if impl in BASELINES:
-        prepared = IMPLS[impl].prepare(q, k, v, case.causal)
-        return prepared.fn, prepared.config
+        return IMPLS[impl].prepare(q, k, v, case.causal)
     if impl == "serving":
         import flashtune
 
         decision = flashtune.explain(q, k, v, causal=case.causal)
-        return (lambda: flashtune.attention(q, k, v, causal=case.causal),
-                f"{decision.problem.op} {decision.config.key()}")
-    return _variant(impl, case)
+        return Prepared(lambda: flashtune.attention(q, k, v, causal=case.causal),
+                        f"{decision.problem.op} {decision.config.key()}")
+    fn, config = _variant(impl, case)
+    return Prepared(fn, config)  # type: ignore[arg-type]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -183,8 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    "causal": case.causal, "impl": impl, "config": "",
                                    "ms": "", "tflops": "", "status": "ok"}
             try:
-                fn, row["config"] = _prepare(impl, case, tensors)  # type: ignore[arg-type]
-                ms = Stats.of(timer.time(fn, flush)).median
+                prepared = _prepare(impl, case, tensors)  # type: ignore[arg-type]
+                row["config"] = prepared.config
+                with prepared.context():  # e.g. SDPA's backend selection
+                    ms = Stats.of(timer.time(prepared.fn, flush)).median
                 row["ms"], row["tflops"] = f"{ms:.4f}", f"{case.flops() / ms / 1e9:.1f}"
             except Unavailable as exc:
                 row["status"] = f"n/a: {exc}"
