@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# One command for a lent GPU, with no network: install the carried wheels, a smoke run first
-# (one kernel per family compiled, launched, checked against torch and timed against SDPA's
-# flash backend), then the GPU test tier, a short real tune, a subset of the attention sweep
-# and the host-side figures. Every stage and every external command is time-limited, a
-# failed or timed-out stage never loses the others' results, and the whole run stays inside
-# a global budget (default 480 s, the install included). The stage plan with its caps is
-# printed first (--plan prints only that).
+# One command for a lent GPU, with no network: install the carried wheels; a canary first
+# (each arch-specific kernel's first-use check in its own process with a timeout, results
+# recorded so no later stage checks again; if one fails or hangs, every later stage runs with
+# FLASHTUNE_ARCH_SPECIFIC=0 and the summary says so); the serving forward at full-chip shapes
+# against SDPA's flash and cuDNN backends (benchmarks/serving_fwd.py); a smoke run (one
+# kernel per family compiled, launched, checked against torch and timed against SDPA's flash
+# backend), then the GPU test tier (the Hopper tests first), a short real tune, a subset of
+# the attention sweep and the host-side figures. Most valuable first: every stage and every
+# external command is time-limited, a failed or timed-out stage never loses the others'
+# results, and the whole run stays inside a global budget (default 780 s, the install
+# included, so that a 15-minute device allowance keeps two minutes for the machine's start
+# and the transfers). The stage plan with its caps is printed first (--plan prints only that).
 #
 #   bash benchmarks/gpu_check.sh [--dry] [--budget SECONDS] [--tar FILE] OUTDIR
 #   bash benchmarks/gpu_check.sh --plan [--budget SECONDS]
@@ -49,24 +54,30 @@
 set -uo pipefail
 
 GC_REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-GC_DEFAULT_BUDGET=480
+GC_DEFAULT_BUDGET=780
+# Seconds each arch-specific kernel's canary process may take (compile and check), and the
+# first-use deadline of its check inside that.
+GC_CANARY_KERNEL_S=${GC_CANARY_KERNEL_S:-40}
+GC_CANARY_CHECK_S=${GC_CANARY_CHECK_S:-20}
 # The stage plan: name|cap in seconds|what it does. The caps add up, with GC_RESERVE_S, to at
 # most GC_DEFAULT_BUDGET, so every stage gets its whole cap in a full-length run.
 GC_PLAN=(
   "install|30|install the carried wheels for this Python, check every requirement"
   "env|20|versions, the GPU and the NVRTC flashtune finds (env.json)"
   "nvidia-smi|10|the driver's view of the GPU"
+  "canary|150|each sm_90a kernel's first-use check alone, ${GC_CANARY_KERNEL_S}s each (canary.log)"
+  "serving|230|the serving forward at full-chip shapes vs sdpa-flash and sdpa-cudnn"
   "smoke|30|each family: one kernel compiled, launched, checked, timed vs SDPA flash"
-  "precompile|35|every default kernel for the GPU's arch, compiled in parallel"
-  "gpu-tests|140|pytest -m gpu, all but the tuner (junit: gpu-tests.xml)"
+  "gpu-tests|120|pytest -m gpu, the Hopper ones first, all but the tuner (gpu-tests.xml)"
   "gpu-tests-tuner|60|pytest -m gpu tests/tuner: a real tune the dispatcher serves"
-  "tune|60|flashtune tune of one problem (the results' tuning.db)"
-  "sweep|40|a subset of the attention sweep against the baselines"
+  "precompile|35|every default kernel for the GPU's arch, compiled in parallel"
+  "tune|30|flashtune tune of one problem (the results' tuning.db)"
+  "sweep|20|a subset of the attention sweep against the baselines"
   "decode|20|a short decode sweep: GB/s and share of the copy peak, vs SDPA and flash-attn"
-  "host|20|host-side figures (host.json)"
+  "host|10|host-side figures (host.json)"
 )
 # The problem tuned for real, and the sweep subset that shows it next to the baselines.
-GC_TUNE_ARGS=(--head-dim 128 --dtype bf16 --seqlens 4096 --trials 12)
+GC_TUNE_ARGS=(--head-dim 128 --dtype bf16 --seqlens 4096 --trials 6)
 GC_SWEEP_ARGS=(--subset --dtypes bf16 --head-dims 128 --repeats 20)
 GC_DECODE_ARGS=(--batches 1,64 --cache-lens 4096,65536 --groups 8 --page-sizes none,16,256
                 --query-rows 1 --repeats 10)
@@ -285,6 +296,14 @@ gc_finish() {  # print the smoke lines, the summary and the sweep table, pack OU
     echo "---- host ----"
     tail -n 14 "$GC_OUT/logs/host.log"
   fi
+  if [[ -f "$GC_OUT/logs/canary.log" ]]; then
+    echo "---- canary ----"
+    grep -E '^canary ' "$GC_OUT/logs/canary.log" | sed 's/^/  /'
+  fi
+  if [[ -f "$GC_OUT/logs/serving.log" ]] && grep -q "serving forward, TFLOP/s" "$GC_OUT/logs/serving.log"; then
+    echo "---- serving forward (TFLOP/s; ratio to sdpa-flash / sdpa-cudnn) ----"
+    sed -n '/serving forward, TFLOP\/s/,$p' "$GC_OUT/logs/serving.log"
+  fi
   echo "================ gpu_check summary ($(($(date +%s) - GC_START))s of ${GC_BUDGET_S}s) ================"
   timeout 10 column -t -s $'\t' "$GC_SUMMARY" 2>/dev/null || cat "$GC_SUMMARY"
   if [[ -n "$tarball" ]]; then
@@ -304,12 +323,59 @@ gc_fetch_wheels() {  # with network, from a fresh clone: python3 and pip are eno
     --dest "${GC_WHEEL_DIR:-$GC_REPO/.whl}"
 }
 
+# gc_canary STATUS_FILE: the arch-specific kernels the runtime would serve, compiled in one
+# process (nothing launched), then each one's first-use check in a process of its own under
+# GC_CANARY_KERNEL_S (a hung kernel costs its own process only; results are recorded in the
+# kernel cache, so later stages do not check again). Writes "ok" or "failed: WHAT" to
+# STATUS_FILE; fails when a kernel fails, hangs or times out.
+gc_canary() {
+  local status="$1" entries entry rc bad=()
+  echo "failed: the canary did not finish" >"$status"
+  entries=$("$GC_PY" -m flashtune.cli check --gpu --list) || {
+    echo "failed: cannot list the arch-specific kernels" >"$status"; return 1; }
+  echo "arch-specific kernels: $(wc -w <<<"$entries")"
+  [[ -z "$entries" ]] && { echo "ok" >"$status"; return 0; }
+  "$GC_PY" -m flashtune.cli check --gpu --compile-only || {
+    echo "failed: an arch-specific kernel does not compile" >"$status"; return 1; }
+  for entry in $entries; do
+    timeout --kill-after=5 "$GC_CANARY_KERNEL_S" "$GC_PY" -m flashtune.cli check --gpu \
+      --only "$entry" --timeout "$GC_CANARY_CHECK_S"
+    rc=$?
+    case $rc in
+      0) echo "canary $entry: pass" ;;
+      124 | 137) echo "canary $entry: killed after ${GC_CANARY_KERNEL_S}s"
+        bad+=("$entry (killed after ${GC_CANARY_KERNEL_S}s)") ;;
+      2) echo "canary $entry: HUNG"; bad+=("$entry (hung)") ;;
+      *) echo "canary $entry: FAILED (exit $rc)"; bad+=("$entry (exit $rc)") ;;
+    esac
+  done
+  if ((${#bad[@]})); then
+    echo "failed: ${bad[*]}" >"$status"
+    return 1
+  fi
+  echo "ok" >"$status"
+}
+
+# After the canary: with anything but "ok" in STATUS_FILE, every later stage runs with
+# FLASHTUNE_ARCH_SPECIFIC=0 (the portable kernels), and the summary says so.
+gc_after_canary() {
+  local said
+  said=$(cat "$1" 2>/dev/null || echo "failed: no canary status")
+  if [[ "$said" != ok ]]; then
+    export FLASHTUNE_ARCH_SPECIFIC=0
+    gc_record arch-specific "off" 0 "canary $said: later stages run with FLASHTUNE_ARCH_SPECIFIC=0"
+  fi
+}
+
 # The GPU tests: one process (-n 0: the default run's xdist workers would share the GPU and
 # its timings), each outcome in the log as it ends; a hung test or a module that fails to
 # import fails alone. At a stage's cap they get SIGINT (GC_STAGE_SIGNAL=INT; timeout hands
 # it on even to a run started with SIGINT ignored), so pytest stops and writes its report.
 GC_GPU_TEST_OPTS=(-m gpu -n 0 -v -p no:cacheprovider -o timeout=60 --durations=10
   --continue-on-collection-errors)
+# Collected first (pytest drops the duplicates of the tests/ walk that follows).
+GC_GPU_TESTS_FIRST=("$GC_REPO/tests/families/test_hopper_ws.py"
+  "$GC_REPO/tests/families/test_hopper_family.py" "$GC_REPO/tests/api/test_api_gpu.py")
 
 gc_main() {
   local dry="${FLASHTUNE_GPU_CHECK_DRY:-0}" budget=$GC_DEFAULT_BUDGET tarball="" out=""
@@ -323,6 +389,7 @@ gc_main() {
       --fetch-wheels) gc_fetch_wheels; return $? ;;
       --internal-install-wheels) gc_python; gc_install_wheels "$2"; return $? ;;
       --internal-check-options) shift; gc_python; gc_check_options "$@"; return $? ;;
+      --internal-canary) gc_python; gc_canary "$2"; return $? ;;
       -h | --help) awk 'NR > 1 && !/^#/ {exit} NR > 1' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
         return 0 ;;
       -*) echo "error: unknown option $1 (see --help)" >&2; return 2 ;;
@@ -377,17 +444,21 @@ gc_main() {
   local smoke=(--json "$GC_OUT/smoke.json" --budget "$(($(gc_cap smoke) - 5))")
 
   if [[ -n "$arch" ]]; then
+    gc_planned canary "${self[@]}" --internal-canary "$GC_OUT/canary.status"
+    gc_after_canary "$GC_OUT/canary.status"
+    gc_planned serving "$GC_PY" "$GC_REPO/benchmarks/serving_fwd.py" --out "$GC_OUT/serving" \
+      --time-budget "$(gc_inner "$(gc_cap serving)" 20)"
     gc_planned smoke "$GC_PY" "$GC_REPO/benchmarks/gpu_smoke.py" "${smoke[@]}"
     gc_show_smoke smoke
-    gc_planned precompile "$GC_PY" -m flashtune.cli precompile \
-      --arch "$(gc_precompile_arch "$arch")" --all-defaults --out "$(gc_precompile_dir)"
     # The tests keep their own database (never the results'); the tuner's test runs in a
-    # stage of its own, so the others' cap cannot take it.
+    # stage of its own, so the others' cap cannot take it. The Hopper tests come first.
     GC_STAGE_SIGNAL=INT gc_planned gpu-tests env -u FLASHTUNE_DB "$GC_PY" -m pytest \
-      "${GC_GPU_TEST_OPTS[@]}" --junitxml="$GC_OUT/gpu-tests.xml" "$GC_REPO/tests" \
-      --ignore="$GC_REPO/tests/tuner"
+      "${GC_GPU_TEST_OPTS[@]}" --junitxml="$GC_OUT/gpu-tests.xml" "${GC_GPU_TESTS_FIRST[@]}" \
+      "$GC_REPO/tests" --ignore="$GC_REPO/tests/tuner"
     GC_STAGE_SIGNAL=INT gc_planned gpu-tests-tuner env -u FLASHTUNE_DB "$GC_PY" -m pytest \
       "${GC_GPU_TEST_OPTS[@]}" --junitxml="$GC_OUT/gpu-tests-tuner.xml" "$GC_REPO/tests/tuner"
+    gc_planned precompile "$GC_PY" -m flashtune.cli precompile \
+      --arch "$(gc_precompile_arch "$arch")" --all-defaults --out "$(gc_precompile_dir)"
     # Each tool gets its own budget inside its stage's, so it stops cleanly and reports.
     gc_planned tune "$GC_PY" -m flashtune.cli tune "${GC_TUNE_ARGS[@]}" \
       --budget "$(gc_inner "$(gc_cap tune)" 15)"
@@ -403,6 +474,12 @@ gc_main() {
     # Plumbing: the smoke kernels compile, the GPU tests collect, the options the GPU run
     # passes exist, the sweep plans.
     local cap=$GC_DRY_CAP_S
+    # The canary's kernels, as the emulator's virtual sm_90a lists them; the serving plan.
+    gc_stage canary-list "$cap" env FLASHTUNE_BACKEND=emulator FLASHTUNE_EMULATOR_ARCH=sm_90a \
+      "$GC_PY" -m flashtune.cli check --gpu --list
+    gc_skip canary "$why"
+    gc_stage serving-plan "$cap" "$GC_PY" "$GC_REPO/benchmarks/serving_fwd.py" --plan-only
+    gc_skip serving "$why"
     gc_stage smoke-compile "$cap" "$GC_PY" "$GC_REPO/benchmarks/gpu_smoke.py" --dry \
       --arch "$GC_DRY_ARCH"
     gc_show_smoke smoke-compile

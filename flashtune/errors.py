@@ -92,6 +92,15 @@ class DeviceError(FlashtuneError, RuntimeError):
     """No usable CUDA device, or a launch failed on it."""
 
 
+class KernelHung(DeviceError):
+    """A kernel did not finish within its deadline (an arch-specific kernel's first-use
+    check): it is hung, and the device it runs on cannot be used by this process any more."""
+
+
+class CheckDuringCapture(FlashtuneError, RuntimeError):
+    """A first-use check was needed inside CUDA-graph capture, where it cannot run."""
+
+
 class EmulatorError(FlashtuneError, RuntimeError):
     """The CPU emulator detected a fault in a kernel (bad address, poison read, ...)."""
 

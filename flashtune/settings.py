@@ -268,6 +268,13 @@ ARCH_SPECIFIC: Setting[bool] = Setting(
     "before its first call (a failure turns them off for the process, with a warning); 0: the "
     "portable mma.sync kernels only",
 )
+FIRST_USE_TIMEOUT_S: Setting[float] = Setting(
+    "FLASHTUNE_FIRST_USE_TIMEOUT_S",
+    _seconds_in(0.0, 3600.0),
+    lambda: 60.0,
+    "seconds the first-use check of an arch-specific kernel waits for it to finish before it "
+    "reports the kernel as hung, in (0, 3600]",
+)
 EMULATOR_ASAN: Setting[bool] = Setting(
     "FLASHTUNE_EMULATOR_ASAN",
     _parse_bool,
@@ -318,6 +325,7 @@ ALL: tuple[Setting[object], ...] = (  # type: ignore[assignment]
     HOST_CXX,
     EMULATOR_ARCH,
     ARCH_SPECIFIC,
+    FIRST_USE_TIMEOUT_S,
     EMULATOR_ASAN,
     EMULATOR_TIMEOUT_S,
     COMPILE_WORKERS,

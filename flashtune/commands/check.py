@@ -130,6 +130,23 @@ def check_command(
         "--seed", help="Seed of the random inputs (default: a fresh one, printed).")] = None,
     no_compile: Annotated[bool, typer.Option(
         "--no-compile", help="Skip NVRTC; only run the emulator.")] = False,
+    gpu: Annotated[bool, typer.Option(
+        "--gpu", help="Instead: run ahead, on this GPU, the first-use check of every "
+                      "arch-specific kernel the runtime would serve, and record the results "
+                      "(a serving process then needs no check). Other options are ignored.")
+    ] = False,
+    recheck: Annotated[bool, typer.Option(
+        "--recheck", help="With --gpu: check kernels recorded before again.")] = False,
+    list_kernels: Annotated[bool, typer.Option(
+        "--list", help="With --gpu: print the kernels that would be checked.")] = False,
+    compile_only: Annotated[bool, typer.Option(
+        "--compile-only", help="With --gpu: compile them into the cache; launch nothing.")
+    ] = False,
+    only: Annotated[list[str] | None, typer.Option(
+        "--only", help="With --gpu: check this kernel entry only (repeatable).")] = None,
+    timeout: Annotated[float | None, typer.Option(
+        "--timeout", min=0.001, help="With --gpu: seconds before a kernel counts as hung "
+                                     "(default FLASHTUNE_FIRST_USE_TIMEOUT_S).")] = None,
 ) -> None:
     """Compile a kernel with NVRTC, run it in the CPU emulator and compare with float64.
 
@@ -137,7 +154,16 @@ def check_command(
 
     Exits with status 1 if any kernel fails to compile, faults in the emulator (bad address,
     race, deadlock) or misses the tolerance. Register spills are shown, not failures.
+
+    With --gpu: the first-use checks of the arch-specific kernels on this GPU, recorded
+    (commands/check_gpu.py); status 1 if one fails, 2 if one hangs.
     """
+    if gpu:
+        from flashtune.commands.check_gpu import check_gpu
+
+        check_gpu(recheck=recheck, list_only=list_kernels, only=only, timeout_s=timeout,
+                  compile_only=compile_only)
+        return
     from flashtune import families
     from flashtune.runtime.backends.emulator import Schedule
 

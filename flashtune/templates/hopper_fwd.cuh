@@ -203,15 +203,17 @@ template <class Tr, class Schedule>
 __device__ __forceinline__ void issue_qk(unsigned q_addr, unsigned k_addr,
                                          float (&s_view)[Tr::kBlockN / 2],
                                          const Schedule& schedule) {
+  // Each operand's descriptor is built once; a k-step moves it by a constant.
+  const unsigned long long q_desc = wgmma_desc(q_addr, 16, 1024, kSwizzle128B);
+  const unsigned long long k_desc = wgmma_desc(k_addr, 16, 1024, kSwizzle128B);
   schedule.before_qk();
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < Tr::kQkSteps; ++ks) {
     const unsigned off = (ks % 4) * 32;
     wgmma_ss<Tr::kBlockN, Tr::kBf16, false, false>(
-        s_view, wgmma_desc(q_addr + (ks / 4) * Tr::kBlockM * 128 + off, 16, 1024, kSwizzle128B),
-        wgmma_desc(k_addr + (ks / 4) * Tr::kPanelRows * 128 + off, 16, 1024, kSwizzle128B),
-        ks > 0);
+        s_view, wgmma_desc_add(q_desc, (ks / 4) * Tr::kBlockM * 128 + off),
+        wgmma_desc_add(k_desc, (ks / 4) * Tr::kPanelRows * 128 + off), ks > 0);
   }
   wgmma_commit();
   schedule.after_qk();
@@ -231,12 +233,12 @@ __device__ __forceinline__ void softmax_issue_pv(unsigned v_addr, float (&acc_s)
   wgmma_fence_operands(reinterpret_cast<float(&)[Tr::kBlockN / 2]>(acc_s));
   unsigned p[1][Tr::kPvSteps][4];
   softmax.template update<kFirst>(acc_s, p, acc_o, scale_log2, mask);
+  const unsigned long long v_desc = wgmma_desc(v_addr, Tr::kPanelRows * 128, 1024, kSwizzle128B);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < Tr::kPvSteps; ++kk) {
-    wgmma_rs<Tr::kHeadDim, Tr::kBf16, true>(
-        o_view, p[0][kk],
-        wgmma_desc(v_addr + kk * 16 * 128, Tr::kPanelRows * 128, 1024, kSwizzle128B), 1);
+    wgmma_rs<Tr::kHeadDim, Tr::kBf16, true>(o_view, p[0][kk],
+                                            wgmma_desc_add(v_desc, kk * 16 * 128), 1);
   }
   wgmma_commit();
 }

@@ -10,11 +10,14 @@
 // lane 0 of warp 0, which first declares the stage's TMA bytes with arrive.expect_tx; a
 // cp.async operand is copied by all 128 producer threads into the same swizzled layout
 // (rows past the sequence zero-filled), each arriving with cp.async.mbarrier.arrive.noinc
-// once its copies have landed. So a full barrier counts one arrival if some operand of the
-// stage comes by TMA and 128 more if some comes by cp.async. With TMA alone warps 1..3 return
-// at once and the producer keeps FA3's registers; with cp.async it keeps 40 beside two or
-// three consumers (WsRegisters), and the consumers fence the proxies after each wait
-// (cp.async writes are generic-proxy ones, wgmma reads async-proxy).
+// once its copies have landed. Every loading thread waits before it exits until the
+// consumers released every stage of the last round (FA3's producer tail: no copy, box or
+// deferred arrival is left in flight by an exited thread). So a full barrier counts one
+// arrival if some operand of the stage comes by TMA and 128 more if some comes by cp.async.
+// With TMA alone warps 1..3 return at once and the producer keeps FA3's registers; with
+// cp.async it keeps 40 beside two or three consumers (WsRegisters), and the consumers fence
+// the proxies after each wait (cp.async writes are generic-proxy ones, wgmma reads
+// async-proxy).
 // Consumers: after setmaxnreg.inc, each warpgroup waits for Q, then per key tile waits on the
 // stage's full barrier, computes S = Q K^T, the online softmax and O += P V by wgmma
 // (tile_math of hopper_fwd.cuh, the same math as the cp.async kernel) and releases the stage:
@@ -51,7 +54,8 @@
 // consumers) the third consumer warpgroup skips setmaxnreg, 9 (three consumers) the split of
 // two consumers (24 / 240), 10 (overlap) the wait for the next tile's S after its first read,
 // 11 (overlap) wait_group<1> where <0> is needed (O += P V still in flight), 12 (K or V by
-// cp.async) producer warp 0 never arrives on a stage's full barrier.
+// cp.async) producer warp 0 never arrives on a stage's full barrier, 13 (some operand by
+// cp.async) the producer exits with copies in flight (no producer tail).
 #pragma once
 
 #include "hopper_fwd.cuh"
@@ -140,7 +144,13 @@ __device__ __forceinline__ void ws_produce(const HopperBlock<Tr>& b,
                                     b.seqlen_q - b.m0, pt);
     cp_async_mbarrier_arrive(q_full);
   }
-  if (!L::kKvByCpAsync && !leader) return;
+  if (!L::kKvByCpAsync && !leader) {
+    // Q's copies (and their deferred arrival) are complete before the thread exits.
+    if constexpr (!L::kQTma) {
+      if (FT_WS_PLANTED_BUG != 13) mbarrier_wait_parity(q_full, 0);
+    }
+    return;
+  }
   const int n_tiles = b.range.n_tiles;
   for (int j = 0; j < n_tiles; ++j) {
     const int s = j % kStages;
@@ -169,6 +179,19 @@ __device__ __forceinline__ void ws_produce(const HopperBlock<Tr>& b,
                                     valid, pt);
       if (FT_WS_PLANTED_BUG != 12 || pt >= 32) cp_async_mbarrier_arrive(&b.full[s]);
     }
+  }
+  // The producer tail (FA3's): no producer thread exits with a load in flight. A thread whose
+  // cp.async copies are tracked by a barrier must not exit before they land and its deferred
+  // arrival is made; Q's land when q_full's phase completes, and the consumers release a
+  // stage only after waiting on its full barrier, so once every stage of the last round is
+  // released no K/V copy or TMA box is in flight. (TMA boxes complete without their issuing
+  // thread, but the lane that issued them waits too, as FA3's does.)
+  if constexpr (!L::kQTma) {
+    if (FT_WS_PLANTED_BUG != 13) mbarrier_wait_parity(q_full, 0);
+  }
+  if (FT_WS_PLANTED_BUG != 13) {
+    for (int j = n_tiles > kStages ? n_tiles - kStages : 0; j < n_tiles; ++j)
+      mbarrier_wait_parity(&b.empty[j % kStages], static_cast<unsigned>(j / kStages) & 1u);
   }
 }
 

@@ -33,6 +33,16 @@ __device__ __forceinline__ unsigned long long wgmma_desc(unsigned smem_addr, uns
          static_cast<unsigned long long>(swizzle & 3) << 62;
 }
 
+// ``desc`` moved on by ``bytes`` (a multiple of 16): its start-address field grows by
+// bytes / 16, one integer add (an immediate where ``bytes`` is a constant), so a kernel builds
+// each buffer's descriptor once and advances it per k-step (FA3's 2 uniform instructions per
+// HGMMA instead of a descriptor built per call). Exact while the moved address stays in the
+// 256 KiB shared window: the 14-bit field cannot carry into the reserved bits above it.
+__device__ __forceinline__ unsigned long long wgmma_desc_add(unsigned long long desc,
+                                                             unsigned bytes) {
+  return desc + (bytes >> 4);
+}
+
 }  // namespace ft
 
 #if defined(FLASHTUNE_EMULATOR)

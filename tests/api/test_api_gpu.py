@@ -115,7 +115,7 @@ def test_cc90_serves_the_sm90a_forward_unless_it_opts_out(head_dim: int,
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm_90a forward serves compute capability 9.0 only")
     q, k, v = _cuda(2, 1000, 1000, 8, 2, head_dim)
-    for opted_out, op in ((False, "fwd90a"), (True, "fwd")):
+    for opted_out, op in ((False, "fwd90aws"), (True, "fwd")):
         if opted_out:
             monkeypatch.setenv("FLASHTUNE_ARCH_SPECIFIC", "0")
         else:

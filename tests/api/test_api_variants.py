@@ -248,6 +248,6 @@ def test_the_sm90a_forward_leaves_feature_problems_to_the_mma_forward(name: str)
     served by the mma.sync forward, a plain one by the wgmma forward."""
     arch = get_arch("sm_90a")
     plain = Problem(64, DType.FP16)
-    assert families.served_problem(plain, arch).op == "fwd90a"
+    assert families.served_problem(plain, arch).op == "fwd90aws"
     featured = Problem(64, DType.FP16, **{name: True})  # type: ignore[arg-type]
     assert families.served_problem(featured, arch) == featured

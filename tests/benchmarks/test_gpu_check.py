@@ -44,7 +44,8 @@ def _summary(out: Path) -> dict[str, dict[str, str]]:
         return {row["stage"]: row for row in csv.DictReader(f, delimiter="\t")}
 
 
-DRY_STAGES = ["install", "env", "nvidia-smi", "smoke-compile", "smoke", "precompile-d64",
+DRY_STAGES = ["install", "env", "nvidia-smi", "canary-list", "canary", "serving-plan",
+              "serving", "smoke-compile", "smoke", "precompile-d64",
               "precompile", "gpu-tests-collect", "gpu-tests", "gpu-tests-tuner",
               "tune-options", "tune", "sweep-plan", "sweep", "decode-plan", "decode", "host"]
 
@@ -55,18 +56,19 @@ def test_dry_run_writes_every_file(tmp_path: Path) -> None:
     proc = _run(["bash", str(SCRIPT), "--dry", "--tar", str(tarball), str(out)], tmp_path, 300)
     stages = _summary(out)
     assert list(stages) == DRY_STAGES, proc.stdout
-    for name in ("install", "env", "smoke-compile", "precompile-d64", "gpu-tests-collect",
-                 "tune-options", "sweep-plan", "decode-plan"):
+    for name in ("install", "env", "canary-list", "serving-plan", "smoke-compile",
+                 "precompile-d64", "gpu-tests-collect", "tune-options", "sweep-plan",
+                 "decode-plan"):
         assert stages[name]["status"] == "passed", (name, stages[name], proc.stdout)
-    for name in ("smoke", "precompile", "gpu-tests", "gpu-tests-tuner", "tune", "sweep",
-                 "decode", "host"):
+    for name in ("canary", "serving", "smoke", "precompile", "gpu-tests", "gpu-tests-tuner",
+                 "tune", "sweep", "decode", "host"):
         assert stages[name]["status"] == "skipped"
         assert "dry run" in stages[name]["note"]
     assert stages["nvidia-smi"]["status"] in ("passed", "skipped")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # The plan with its caps comes first; the smoke lines, then the summary, then the tarball.
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("stage plan (caps in seconds; budget 480 s)")
+    assert lines[0].startswith("stage plan (caps in seconds; budget 780 s)")
     assert any(line.split() == ["smoke", "30", *line.split()[2:]] for line in lines[:15])
     summary = lines.index(next(line for line in lines if "gpu_check summary" in line))
     for family in ("forward", "lse"):  # one smoke line per kernel family
@@ -74,6 +76,14 @@ def test_dry_run_writes_every_file(tmp_path: Path) -> None:
                  if line.startswith(f"  smoke {family} ") and "compiled for sm_90" in line]
         assert smoke and smoke[-1] < summary, proc.stdout
     assert "packed" in lines[-1]
+    # the canary's kernels (the sm_90a forward's, as a cc 9.0 GPU serves them), the plan of
+    # the serving forward at full-chip shapes
+    said = (out / "logs" / "canary-list.log").read_text().split()
+    listed = [word for word in said if word.startswith("flashtune_")]  # logs aside
+    assert listed and all(e.startswith("flashtune_fwd90aws_") for e in listed), said
+    serving = (out / "logs" / "serving-plan.log").read_text()
+    assert "18 cases x serving, sdpa-flash, sdpa-cudnn, pingpong, overlap, n176" in serving
+    assert "b4 h16 n8192 d256 full" in serving
     with (out / "sweep" / "attention.csv").open() as f:
         plan = list(csv.DictReader(f))
     assert plan and {r["status"] for r in plan} == {"planned"}
@@ -102,14 +112,56 @@ def test_the_plan_fits_the_default_budget(tmp_path: Path) -> None:
     first, *plan = proc.stdout.splitlines()
     total, budget = map(int, first.split())
     caps = {line.split("|")[0]: int(line.split("|")[1]) for line in plan}
-    assert budget == 480 and total <= budget  # 8 minutes, the install included
+    # 13 minutes, the install included: a 15-minute device allowance keeps 2 for the start
+    assert budget == 780 and total <= budget
     assert total == sum(caps.values()) + 15
-    assert list(caps)[:4] == ["install", "env", "nvidia-smi", "smoke"]  # smoke first on GPU
+    # on a GPU: the canary first, then the serving forward's timings, then the rest
+    assert list(caps)[:6] == ["install", "env", "nvidia-smi", "canary", "serving", "smoke"]
     assert caps["smoke"] <= 30 and caps["gpu-tests-tuner"] >= 60
     shown = _run(["bash", str(SCRIPT), "--plan"], tmp_path, 30).stdout
     for name, cap in caps.items():
         assert re.search(rf"^  {re.escape(name)} +{cap} ", shown, re.M), shown
     assert re.search(rf"^  total +{total}$", shown, re.M)
+
+
+def test_a_failing_canary_turns_the_arch_specific_kernels_off_for_later_stages(
+        tmp_path: Path) -> None:
+    """Each kernel's check in its own process: one that never ends is killed at its cap,
+    the canary fails naming it, and the stages after it run with FLASHTUNE_ARCH_SPECIFIC=0
+    (the summary says so)."""
+    fake = tmp_path / "fake-python"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    'case "$*" in\n'
+                    '  *--list*) echo k-good; echo k-hung ;;\n'
+                    '  *--compile-only*) echo compiled ;;\n'
+                    '  *"--only k-hung"*) sleep 60 ;;\n'
+                    "esac\n")
+    fake.chmod(0o755)
+    out = tmp_path / "o"
+    proc = _run_stages(tmp_path, f"""
+        GC_RESERVE_S=0 GC_MIN_STAGE_S=1
+        export GC_CANARY_KERNEL_S=2 GC_PY="{fake}"
+        gc_init "{out}" 50
+        gc_stage canary 30 bash "{SCRIPT}" --internal-canary "{out}/canary.status"
+        gc_after_canary "{out}/canary.status"
+        gc_stage later 10 bash -c 'echo "arch-specific=$FLASHTUNE_ARCH_SPECIFIC"'
+        gc_finish ""
+    """)
+    stages = _summary(out)
+    assert stages["canary"]["status"] == "failed", proc.stdout
+    log = (out / "logs" / "canary.log").read_text()
+    assert "canary k-good: pass" in log and "canary k-hung: killed after 2s" in log, log
+    assert stages["arch-specific"]["status"] == "off"
+    assert "k-hung (killed after 2s)" in stages["arch-specific"]["note"]
+    assert "FLASHTUNE_ARCH_SPECIFIC=0" in stages["arch-specific"]["note"]
+    assert (out / "logs" / "later.log").read_text() == "arch-specific=0\n"
+    # a canary that passes leaves them on
+    (out / "canary.status").write_text("ok\n")
+    again = _run_stages(tmp_path, f"""
+        gc_init "{tmp_path / 'o2'}" 50
+        gc_after_canary "{out}/canary.status"; echo "arch-specific=${{FLASHTUNE_ARCH_SPECIFIC:-on}}"
+    """)
+    assert "arch-specific=on" in again.stdout
 
 
 def test_gpu_arch_comes_from_env_json(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem, P
 from flashtune.db.records import BestEntry
 from flashtune.errors import CompileError, InvalidConfig, InvalidProblem
 from flashtune.families.fwd import ForwardFamily
-from flashtune.families.hopper import HOPPER_FORWARD
+from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
 from flashtune.runtime.device import DeviceInfo
 from flashtune.runtime.dispatch import Dispatcher, Tier
 from flashtune.runtime.precompile import artifact_name, load_shipped, precompile
@@ -165,7 +165,7 @@ def test_without_an_sm90a_family_cc90_gets_the_forward(no_hopper: None) -> None:
 
 
 def test_the_builtin_sm90a_forward_serves_cc90_gpus_only() -> None:
-    served = replace(PROBLEM, op=HOPPER_FORWARD.op)
+    served = replace(PROBLEM, op=HOPPER_WS_FORWARD.op)
     for arch in ("sm_90", "sm_90a"):
         assert _decide(PROBLEM, arch) == served, arch
     for arch in ("sm_80", "sm_89", "sm_100"):
@@ -189,7 +189,7 @@ def test_virtual_devices_run_sm90a_families_only_when_named_sm90a() -> None:
     generic = Dispatcher(_NoTuned).decide(bucket, DeviceInfo.virtual("sm_90"))
     assert generic.problem == PROBLEM
     specific = Dispatcher(_NoTuned).decide(bucket, DeviceInfo.virtual("sm_90a"))
-    assert specific.problem == replace(PROBLEM, op=HOPPER_FORWARD.op)
+    assert specific.problem == replace(PROBLEM, op=HOPPER_WS_FORWARD.op)
 
 
 def test_sm90a_family_configs_are_ruled_out_elsewhere(hopper: HopperStandIn) -> None:

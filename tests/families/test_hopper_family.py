@@ -65,9 +65,10 @@ def _config(block_m: int, block_n: int, stages: int) -> KernelConfig:
 # ------------------------------------------------------------------ registry and rules
 
 
-def test_registered_as_the_sm90a_family_serving_the_forward() -> None:
+def test_registered_as_an_sm90a_family_the_warp_specialised_one_serving_the_forward() -> None:
     assert families.get("fwd90a") is HOPPER_FORWARD
-    assert HOPPER_FORWARD.target_arch == "sm_90a" and HOPPER_FORWARD.serves == "fwd"
+    assert HOPPER_FORWARD.target_arch == "sm_90a" and HOPPER_FORWARD.serves is None
+    assert HOPPER_WS_FORWARD.target_arch == "sm_90a" and HOPPER_WS_FORWARD.serves == "fwd"
     source = families.render(_problem(128, DType.BF16, True), _config(128, 128, 2))
     assert source.target == "sm_90a" and source.threads == 256
     with pytest.raises(InvalidProblem, match="head dims"):
@@ -311,7 +312,7 @@ def test_attention_on_the_emulator_runs_it_only_as_sm90a(monkeypatch: pytest.Mon
     assert flashtune.explain(q, k, v, causal=True).problem.op == "fwd"  # the default sm_90
     monkeypatch.setenv("FLASHTUNE_EMULATOR_ARCH", "sm_90a")
     decision = flashtune.explain(q, k, v, causal=True)
-    assert decision.problem.op == "fwd90a" and decision.arch == "sm_90a"
+    assert decision.problem.op == "fwd90aws" and decision.arch == "sm_90a"
     out, lse = flashtune.attention(q, k, v, causal=True, return_lse=True)
     ref_o, ref_lse = attention_reference(q, k, v, True, 64 ** -0.5)
     assert torch.allclose(out.double(), ref_o, atol=2.5e-2, rtol=2.5e-2)
@@ -324,17 +325,17 @@ def test_attention_on_the_emulator_runs_it_only_as_sm90a(monkeypatch: pytest.Mon
 def test_precompile_plans_name_the_serving_family_for_sm90a() -> None:
     generic = Problem(64, DType.FP16)
     odd = Problem(96, DType.FP16)
-    served = _problem(64, DType.FP16, False)
+    served = Problem(64, DType.FP16, op=HOPPER_WS_FORWARD.op)
     # the sm_90a family's kernel, and the portable one a device refused it falls back to
     portable = (generic, default_config(generic, "sm_90"))
     planned = default_kernels("sm_90a", [generic, odd])
     assert [p for p, _ in planned] == [served, generic, odd]
-    assert planned[0][1] == HOPPER_FORWARD.default_config(served, SM90A)
+    assert planned[0][1] == HOPPER_WS_FORWARD.default_config(served, SM90A)
     assert planned[1] == portable
     assert [p for p, _ in default_kernels("sm_90", [generic])] == [generic]
     device = DeviceInfo.virtual("sm_90a")
     pairs = planned_kernels(device, [generic], [1024], dispatcher=Dispatcher(lambda: _NoTuned()))
-    assert pairs == [(served, HOPPER_FORWARD.default_config(served, SM90A)), portable]
+    assert pairs == [(served, HOPPER_WS_FORWARD.default_config(served, SM90A)), portable]
 
 
 class _NoTuned:
@@ -351,13 +352,13 @@ def _compile_cli(*args: str) -> str:
 
 def test_cli_compile_for_sm90a_compiles_the_serving_family() -> None:
     out = _compile_cli()
-    assert "fwd90a_d64_fp16_causal: NVRTC resource usage" in out
+    assert "fwd90aws_d64_fp16_causal: NVRTC resource usage" in out
     assert "m128_n128_w8_s2" in out and " ok " in out
 
 
 @pytest.mark.sweep
 def test_cli_compile_all_for_sm90a_lists_the_space() -> None:
-    out = _compile_cli("--all")
+    out = _compile_cli("--all", "--op", "fwd90a")
     passing = HOPPER_FORWARD.candidates(_problem(64, DType.FP16, True), SM90A)
     assert "space of fwd90a_d64_fp16_causal on sm_90a: 117 declared points" in out
     assert out.count(" ok ") == len(passing) == out.count(" 0/0 ")  # no spills

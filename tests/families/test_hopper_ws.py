@@ -67,11 +67,12 @@ def _overlap(config: KernelConfig) -> KernelConfig:
     return dataclasses.replace(config, extras=(*config.extras, (space.OVERLAP, 1)))
 
 
-def test_registered_beside_the_cp_async_family_serving_nothing_yet() -> None:
+def test_registered_as_the_family_serving_the_forward_beside_the_cp_async_one() -> None:
     assert families.get("fwd90aws") is HOPPER_WS_FORWARD
-    assert HOPPER_WS_FORWARD.serves is None and HOPPER_WS_FORWARD.target_arch == "sm_90a"
+    assert HOPPER_WS_FORWARD.serves == "fwd" and HOPPER_WS_FORWARD.target_arch == "sm_90a"
+    assert HOPPER_FORWARD.serves is None  # kept to tune and compare with
     generic = Problem(128, DType.BF16)
-    assert families.served_problem(generic, SM90A).op == HOPPER_FORWARD.op
+    assert families.served_problem(generic, SM90A).op == HOPPER_WS_FORWARD.op
     problem = _problem(128, DType.BF16, True)
     config = HOPPER_WS_FORWARD.default_config(problem, SM90A)
     assert config == HOPPER_FORWARD.default_config(dataclasses.replace(problem, op="fwd90a"),
@@ -301,11 +302,13 @@ BUG_OVERLAP = _overlap(BUG_CONFIG)
 #: Q and K by cp.async, V by TMA: Q's barrier counts the producer's 128 threads, a stage's
 #: full barrier the TMA arrival and 128 cp.async ones.
 BUG_CPASYNC = _loads(BUG_CONFIG, loadq="cpasync", loadk="cpasync")
+#: Q alone by cp.async: the producer's warps 1..3 have no K/V work after Q.
+BUG_CPASYNC_Q = _loads(BUG_CONFIG, loadq="cpasync")
 
 
 def _run_planted(bug: int, *, box_rows: int | None = None,
                  schedule: Schedule = Schedule.FORWARD,
-                 config: KernelConfig = BUG_CONFIG) -> None:
+                 config: KernelConfig = BUG_CONFIG, shape: Shape = BUG_SHAPE) -> None:
     family = HOPPER_WS_FORWARD
     problem = _problem(64, DType.FP16, False, family)
     source = families.render(problem, config)
@@ -314,9 +317,9 @@ def _run_planted(bug: int, *, box_rows: int | None = None,
                                                       f"-DFT_WS_PLANTED_BUG={bug}"))
     kernel = EmulatorBackend(options=LaunchOptions(schedule=schedule, hang_timeout_s=120)
                              ).load(source)
-    inputs = family.random_inputs(problem, BUG_SHAPE, "cpu", seed=SEED)
-    outputs = family.empty_outputs(problem, BUG_SHAPE, inputs, poison=True)
-    plan = family.launch_plan(problem, config, BUG_SHAPE, inputs, outputs)
+    inputs = family.random_inputs(problem, shape, "cpu", seed=SEED)
+    outputs = family.empty_outputs(problem, shape, inputs, poison=True)
+    plan = family.launch_plan(problem, config, shape, inputs, outputs)
     args = list(plan.args)
     if box_rows is not None:  # the K map with a box of box_rows rows instead of block_n
         kind, value = args[-2]
@@ -325,12 +328,12 @@ def _run_planted(bug: int, *, box_rows: int | None = None,
     kernel.launch(plan.grid, args)
     if not bug and box_rows is None:
         ref = family.reference(problem, inputs)
-        verdict = family.compare(problem, BUG_SHAPE, outputs, ref)
+        verdict = family.compare(problem, shape, outputs, ref)
         assert verdict.ok, verdict.message
 
 
 @pytest.mark.parametrize("config", [BUG_CONFIG, BUG_PINGPONG, BUG_THREE, BUG_OVERLAP,
-                                    BUG_CPASYNC],
+                                    BUG_CPASYNC, BUG_CPASYNC_Q],
                          ids=lambda c: c.key())
 def test_the_bug_harness_passes_without_a_bug(config: KernelConfig) -> None:
     _run_planted(0, config=config)
@@ -435,6 +438,24 @@ def test_cp_async_producer_warp_that_never_arrives_deadlocks_naming_the_count() 
     with pytest.raises(EmulatorDeadlock, match=r"for phase 0 \(parity 0\) to complete: 32 of "
                        r"129 arrivals missing"):
         _run_planted(12, config=BUG_CPASYNC)
+
+
+def test_producer_exit_with_copies_in_flight_is_caught() -> None:
+    """Planted: no producer tail. A producer thread arrives on the last stage's full barrier
+    (a deferred cp.async arrival) and returns while its copies are still in flight; with Q
+    alone by cp.async, the producer's warps 1..3 return right after Q's copies."""
+    with pytest.raises(EmulatorError, match=r"thread \d+ returned with cp.async copies in flight "
+                       r"\(the one at .*\), tracked by cp.async_mbarrier_arrive on the mbarrier "
+                       r"at dynamic shared memory offset \d+, whose phase \d+ has not completed"):
+        _run_planted(13, config=BUG_CPASYNC)
+    with pytest.raises(EmulatorError, match=r"returned with cp.async copies in flight"):
+        _run_planted(13, config=BUG_CPASYNC_Q)
+
+
+def test_a_producer_with_one_key_tile_waits_for_its_q_copies() -> None:
+    """Q by cp.async, K and V by TMA, one key tile and more stages: the TMA-issuing lane has
+    no stage to wait for and must still wait for its Q copies before it exits."""
+    _run_planted(0, config=BUG_CPASYNC_Q, shape=Shape(1, 2, 1, 70, 40))
 
 
 # ------------------------------------------------------------------ GPU

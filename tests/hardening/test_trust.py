@@ -65,7 +65,7 @@ def invented_bundle(tmp_path: Path) -> Path:
     and one for P as the sm_90a family that serves it there (what explain shows)."""
     return _bundle_of(tmp_path / "invented.json", INVENTED,
                       [trial(INVENTED, P, N, SLOW, median_ms=0.9, rng=random.Random(1)),
-                       trial(INVENTED, replace(P, op="fwd90a"), N, KernelConfig(128, 64, 8, 2),
+                       trial(INVENTED, replace(P, op="fwd90aws"), N, KernelConfig(128, 64, 8, 2),
                              median_ms=0.5, rng=random.Random(2))])
 
 

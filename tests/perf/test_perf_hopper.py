@@ -200,6 +200,12 @@ def test_main_loop_hgmma_count_times_flops_is_the_tile(
     assert cp.kernel_mix.by_opcode.get("ARRIVES.LDGSTSBAR.64.ARVCNT", 0) > 0
     # The ws block has a producer warpgroup more than its compute warps.
     assert pp.occupancy.warps_per_block == pp.config.num_warps + 4
+    # Descriptors built once per operand buffer and moved by an immediate per k-step: the
+    # d128 128 x 128 loop within FlashAttention-3's causal 128 x 128 one (469 instructions,
+    # 65 integer/address ones: shared/reference/fa3-sass-facts.md); a descriptor built per
+    # HGMMA cost about 6 uniform instructions each and overran both.
+    assert pp.loop_mix.total <= 469 and pp.loop_mix.by_category["int"] <= 65, (
+        pp.loop_mix.total, pp.loop_mix.by_category["int"])
 
 
 def test_profile_cli_json_and_table(profiles: dict[str, KernelProfile]) -> None:

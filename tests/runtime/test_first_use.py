@@ -1,6 +1,6 @@
 """The first-use check of arch-specific kernels (runtime/first_use.py), on the emulator's
-virtual sm_90a device: a kernel of the sm_90a forward is verified against float64 once before
-it first serves a call; a kernel that fails it (a mismatch, or an error) turns the
+virtual sm_90a device: a kernel of the sm_90a forward (fwd90aws) is verified against float64
+once before it first serves a call; a kernel that fails it (a mismatch, or an error) turns the
 arch-specific families off for the device, with a warning, and the call is served by the
 mma.sync forward, correctly; so does one that cannot be built or loaded."""
 
@@ -18,7 +18,7 @@ from flashtune.codegen.spec import KernelSource, Shape
 from flashtune.errors import CompileError, EmulatorError
 from flashtune.families.base import Verdict
 from flashtune.families.fwd.reference import attention_reference
-from flashtune.runtime import first_use, launch, plans
+from flashtune.runtime import backends, first_use, launch, plans
 from flashtune.runtime.backends.base import LoadedKernel
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
@@ -76,9 +76,9 @@ def test_an_sm90a_kernel_is_checked_once_before_it_serves(
         monkeypatch: pytest.MonkeyPatch) -> None:
     seen = _spy(monkeypatch, None)
     q, k, v = _inputs()
-    assert flashtune.explain(q, k, v, causal=True).problem.op == "fwd90a"
+    assert flashtune.explain(q, k, v, causal=True).problem.op == "fwd90aws"
     _matches_float64(q, k, v)
-    assert len(seen) == 1 and seen[0].startswith("flashtune_fwd90a_d64_bf16_causal_"), seen
+    assert len(seen) == 1 and seen[0].startswith("flashtune_fwd90aws_d64_bf16_causal_"), seen
     # the same kernel for another sequence bucket: a new plan, not a second check
     plans.clear_caches()
     _matches_float64(*_inputs(seqlen_q=150))
@@ -96,7 +96,7 @@ def test_a_failing_check_serves_the_mma_sync_forward_with_a_warning(
     q, k, v = _inputs()
     with caplog.at_level(logging.WARNING, logger="flashtune.runtime.first_use"):
         _matches_float64(q, k, v)
-    assert len(seen) == 1 and seen[0].startswith("flashtune_fwd90a_"), seen
+    assert len(seen) == 1 and seen[0].startswith("flashtune_fwd90aws_"), seen
     said = str(failure.message if isinstance(failure, Verdict) else failure)
     warned = [r.getMessage() for r in caplog.records]
     assert any(seen[0] in w and said in w and "FLASHTUNE_ARCH_SPECIFIC=0" in w
@@ -114,7 +114,7 @@ def test_an_sm90a_kernel_that_cannot_be_loaded_gives_way_to_the_portable_one(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """E.g. no NVRTC beside a precompiled directory of the portable kernels only: the load
     error is said once, and the mma.sync forward serves."""
-    real = plans.get_backend
+    real = backends.get_backend
 
     class NoSm90a:
         def __init__(self, name: str) -> None:

@@ -74,7 +74,7 @@ def test_cc90_serves_the_sm90a_family_unless_only_the_mma_sync_one_is_tuned_here
     none, this device's own tuned mma.sync config (measured and verified here) is served
     rather than the sm_90a family's untuned default, but another GPU's is not."""
     h100 = Dev(A, "sm_90", arch_specific_kernels=True)
-    hopper = "fwd90a_d64_fp16_full"
+    hopper = "fwd90aws_d64_fp16_full"
     mine = [best_entry(A, "sm_90", PKEY, 1024, "m128_n64_w4_s2")]
     assert _decide(mine, 1024, h100) == (Tier.EXACT, "m128_n64_w4_s2", 1024)
     assert _decide(mine, 4096, h100) == (Tier.NEAREST, "m128_n64_w4_s2", 1024)
@@ -86,7 +86,7 @@ def test_cc90_serves_the_sm90a_family_unless_only_the_mma_sync_one_is_tuned_here
     theirs = [best_entry(B, "sm_90", PKEY, 1024, "m128_n64_w4_s2")]
     tier, config, _ = _decide(theirs, 1024, h100)
     assert tier is Tier.DEFAULT and config == default_config(
-        Problem(64, DType.FP16, op="fwd90a"), "sm_90").key()
+        Problem(64, DType.FP16, op="fwd90aws"), "sm_90").key()
 
 
 def test_default_table_when_nothing_applies() -> None:

@@ -37,7 +37,7 @@ from flashtune.toolchain import cuda as toolchain
 PROBLEM = Problem(head_dim=64, dtype=DType.FP16)
 CONFIG = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 OTHER = KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
-HOPPER = Problem(head_dim=64, dtype=DType.FP16, op="fwd90a")
+HOPPER = Problem(head_dim=64, dtype=DType.FP16, op="fwd90aws")
 HOPPER_TUNED = KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
 
 
@@ -209,8 +209,8 @@ def test_cli_explain(tmp_path: Path) -> None:
     assert "fwd_d64_fp16_full_n2048" in result.output and OTHER.key() in result.output
     result = runner.invoke(app, [*base, "--device", "NVIDIA H200"])  # sm_90a by default
     assert result.exit_code == 0, result.output
-    for text in ("fwd90a_d64_fp16_full_n2048", "NVIDIA H200 (sm_90)", "tier:     exact",
-                 HOPPER_TUNED.key(), "kernel:   flashtune_fwd90a_d64_fp16_full_m64_n64_w4_s2",
+    for text in ("fwd90aws_d64_fp16_full_n2048", "NVIDIA H200 (sm_90)", "tier:     exact",
+                 HOPPER_TUNED.key(), "kernel:   flashtune_fwd90aws_d64_fp16_full_m64_n64_w4_s2",
                  "precompiled cubin absent",
                  "origin:   tuned into this database on host"):
         assert text in result.output, result.output

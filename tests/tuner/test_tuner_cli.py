@@ -95,18 +95,18 @@ def test_dry_run_for_sm90a_tunes_the_family_that_serves_the_forward_there(db_url
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     said = " ".join(result.output.split())
-    assert "note: on virtual-sm_90a the fwd90a family serves fwd calls, so it is the one " \
-           "tuned (fwd90a_d64_bf16_full); --arch sm_90 tunes the portable one" in said, said
-    assert "fwd90a_d64_bf16_full_n128: PREDICTED ranking (cost model fa3-wgmma-1/" in said
+    assert "note: on virtual-sm_90a the fwd90aws family serves fwd calls, so it is the one " \
+           "tuned (fwd90aws_d64_bf16_full); --arch sm_90 tunes the portable one" in said, said
+    assert "fwd90aws_d64_bf16_full_n128: PREDICTED ranking (cost model fa3-wgmma-1/" in said
     with TuningStore(db_url) as store:
         trials = store.trials(device="virtual-sm_90a")
-    assert trials and {t.problem.key for t in trials} == {"fwd90a_d64_bf16_full"}
+    assert trials and {t.problem.key for t in trials} == {"fwd90aws_d64_bf16_full"}
     featured = runner.invoke(app, [*args[:-2], "--features", "window", "--db", db_url])
     assert featured.exit_code == 0, featured.output
     assert "note:" not in featured.output
     with TuningStore(db_url) as store:
         keys = {t.problem.key for t in store.trials(device="virtual-sm_90a")}
-    assert keys == {"fwd90a_d64_bf16_full", "fwd_d64_bf16_local"}, keys
+    assert keys == {"fwd90aws_d64_bf16_full", "fwd_d64_bf16_local"}, keys
 
 
 def test_unknown_features_are_refused_with_the_choices(db_url: str) -> None:

@@ -1,7 +1,8 @@
 """The sm_90a forward family: FlashAttention's forward on wgmma for compute capability 9.0.
 
-Same arguments, outputs, reference and tolerances as the mma.sync forward (it serves "fwd"
-calls on cc 9.0 devices through ``families.served_problem``); S = Q K^T by wgmma with Q and K in
+Same arguments, outputs, reference and tolerances as the mma.sync forward; it serves no op
+(the warp-specialised family, ``ws.py``, serves "fwd" on cc 9.0 devices): a family to tune,
+profile and compare (``--op fwd90a``). S = Q K^T by wgmma with Q and K in
 128-byte-swizzled shared memory, P V by wgmma with P in registers and V MN-major in shared
 memory, K/V tiles by cp.async into a stage ring guarded by full/empty mbarriers
 (templates/hopper_fwd.cuh). Head dims 64, 128 and 256; one to three warpgroups of 64 query
@@ -24,14 +25,14 @@ from flashtune.families.hopper import space
 
 
 class HopperForwardFamily(ForwardFamily):
-    """The attention forward on wgmma (sm_90a), serving ``fwd`` on cc 9.0 devices."""
+    """The attention forward on wgmma (sm_90a) with cp.async consumers (serves no op)."""
 
     op = "fwd90a"
     title = "attention forward on wgmma for sm_90a (O and LSE)"
     template = "hopper_fwd.cu.jinja"
     dtypes = SAME_16BIT
     target_arch: ClassVar[str | None] = "sm_90a"
-    serves: ClassVar[str | None] = "fwd"
+    serves: ClassVar[str | None] = None
     #: No attention features yet: problems with them are served by the mma.sync forward
     #: (``families.served_problem`` skips a family that refuses a problem).
     features: ClassVar[frozenset[str]] = frozenset()

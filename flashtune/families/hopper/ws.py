@@ -17,8 +17,10 @@ tensor maps after the forward's arguments, built here from the launch's tensors 
 by the backend (runtime.tma); an operand loaded by cp.async ignores its map.
 
 The config's num_warps counts the consumer warps (block_m / 16, as in ``fwd90a``); the block
-has a producer warpgroup more (``threads``). It serves no op yet: ``fwd90a`` keeps serving the
-forward on cc 9.0 devices until this family is measured there.
+has a producer warpgroup more (``threads``). It serves the forward on compute capability 9.0
+devices (``serves``), each kernel checked against float64 on the device before its first
+call (runtime.first_use; a failure falls back to the portable mma.sync forward). ``fwd90a``
+serves nothing: it stays a family to tune and compare with.
 
 The ping-pong kernels alone are a restriction of this family's space, not a family:
 ``--fix pingpong=1`` for ``flashtune tune``, ``profile``, ``compile``, ``space`` and
@@ -82,7 +84,7 @@ class HopperWsForwardFamily(HopperForwardFamily):
     title = ("attention forward for sm_90a, warp-specialised: TMA or cp.async producer, wgmma "
              "consumers")
     template = "hopper_fwd_ws.cu.jinja"
-    serves: ClassVar[str | None] = None
+    serves: ClassVar[str | None] = "fwd"
     abi: ClassVar[EntryAbi | None] = WS_ABI
 
     def space(self, problem: Problem) -> ParamSpace:

@@ -77,6 +77,7 @@ struct Copy {
     uint32_t nwords;
     uint32_t data[4];
     ftemu_loc loc;
+    bool tma = false;  // a TMA box's part: it completes without its issuing thread
 };
 
 struct Region {
@@ -323,6 +324,8 @@ void setmaxnreg_end_block(Launch& L);
 
 // warp.cpp
 void on_lane_exit(Thread& t);
+// Fails when the exiting thread's copies are still tracked by an uncompleted mbarrier phase.
+void mbarrier_on_exit(const Thread& t);
 std::string describe_collective(const Collective& c);
 
 }  // namespace ftemu

@@ -19,6 +19,10 @@
 //    completes. A barrier that completed two phases while a thread waited on the first of
 //    them is an error (the waiter fell a phase behind: it would miss its phase on a GPU).
 //  * no runnable thread while some wait: a deadlock, named by barrier, phase and counts.
+//  * a thread that exits while cp.async copies it issued are tracked by a phase that has not
+//    completed is an error: its deferred arrival (cp.async.mbarrier.arrive.noinc) and its
+//    writes would still be pending after it is gone (wait first, e.g. until the consumers
+//    released every stage).
 //  * an arrival beyond the init count, a transaction count outside +-(2^20 - 1), a count
 //    outside 1 .. 2^20 - 1 and a misaligned or non-shared object are errors.
 #include <cstring>
@@ -136,6 +140,20 @@ void add_tx(const void* bar, MBarrier& b, int64_t delta, const char* op, ftemu_l
 }
 
 }  // namespace
+
+void mbarrier_on_exit(const Thread& t) {
+    const Launch& L = *g_launch;
+    for (const auto& [addr, b] : L.mbarriers)
+        for (const Copy& c : b.copies)
+            if (!c.tma && c.space->owner[c.word] == t.tid)
+                fail(FTEMU_ERROR, format(
+                    "thread %u returned with cp.async copies in flight (the one at %s), tracked "
+                    "by cp.async_mbarrier_arrive on %s, whose phase %llu has not completed: the "
+                    "thread must not exit before its copies land (wait on that barrier, or "
+                    "until every stage it filled is released)", t.tid, at(c.loc).c_str(),
+                    name_of(reinterpret_cast<const void*>(addr)).c_str(),
+                    static_cast<unsigned long long>(b.phase)));
+}
 
 void mbarrier_track_tma(void* bar, std::vector<Copy>&& copies, int64_t bytes, ftemu_loc loc) {
     MBarrier& b = lookup(bar, "tma_load", loc);

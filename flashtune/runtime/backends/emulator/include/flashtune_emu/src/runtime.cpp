@@ -214,6 +214,7 @@ static std::string threads_at_barrier(const Launch& L) {
 [[noreturn]] static void thread_exit(Thread& me) {
     Launch& L = *g_launch;
     check_async_errors();
+    mbarrier_on_exit(me);
     land_all(me);  // copies never waited for still complete; published by the next barrier
     make_blocked(me, TState::Exited);
     --L.live;

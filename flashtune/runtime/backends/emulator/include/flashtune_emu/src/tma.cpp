@@ -139,6 +139,7 @@ extern "C" FTEMU_API void ftemu_tma_load(void* dst, const void* map, int rank, c
             c.word = static_cast<uint32_t>(sp->word_of(to));
             c.nwords = 4;
             c.loc = loc;
+            c.tma = true;
             auto* out = reinterpret_cast<unsigned char*>(c.data);
             const unsigned per = 16 / m.elem_bytes;
             for (unsigned e = 0; e < per; ++e) {
