@@ -221,6 +221,7 @@ BUILTIN: tuple[Feature, ...] = (
     Feature("softcap", "softcap", "logit softcapping (softcap)"),
     Feature("alibi", "alibi", "ALiBi biases (alibi_slopes)"),
     Feature("varlen", "varlen", "variable-length batches (attention_varlen)"),
+    Feature("dropout", "dropout", "attention dropout (dropout_p)"),
 )
 for _builtin in BUILTIN:
     register_feature(_builtin)

@@ -1,5 +1,5 @@
-// The run-time values of the attention features (sliding window, softcap, ALiBi, varlen)
-// that the forward and backward kernels take, in one struct.
+// The run-time values of the attention features (sliding window, softcap, ALiBi, varlen,
+// dropout) that the forward and backward kernels take, in one struct.
 #pragma once
 
 namespace ft {
@@ -18,6 +18,10 @@ struct VariantArgs {
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;
   int max_seqlen_q = 0;  // the longest query sequence (sizes the grid)
+  // Dropout (dropout.cuh): the generator's seed and offset, and the probability p (< 1).
+  long long dropout_seed = 0;
+  long long dropout_offset = 0;
+  float dropout_p = 0.0f;
 
   // The window's sizes with "all" as the largest size that can matter (so that row and key
   // arithmetic stays in 32 bits): left = seqlen_k, right = seqlen_q.

@@ -13,7 +13,8 @@ S by cap * tanh(S / cap); ALiBi adds -slope[b, h] * |i + Nk - Nq - j| (after the
 Declared score modifications (``codegen.score_mods``) then apply in key order to the scaled
 (capped, biased) scores, with the batch, query head, row and key of each score. Varlen
 (``varlen_reference``): each sequence of a packed batch on its own (its batch index: its
-number in the pack).
+number in the pack). Dropout (``dropout``): P becomes P M / (1 - p) before P V, M the kept
+mask of ``fwd.dropout.kept_mask``; the LSE is the undropped softmax's.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING
 from flashtune._lazy import lazy_module
 from flashtune.codegen.score_mods import ScoreMod
 from flashtune.families.checks import causal_visible
+from flashtune.families.fwd.args import DropoutArgs
+from flashtune.families.fwd.dropout import kept_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -92,12 +95,25 @@ def scaled_scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, 
     return scores
 
 
+def dropped(probs: torch.Tensor, dropout: DropoutArgs, first_batch: int = 0, row0: int = 0,
+            seqlen_q: int | None = None) -> torch.Tensor:
+    """float64 P M / (1 - p) of probabilities (B, Hq, rows, Nk) holding rows ``row0`` on of
+    a query sequence of ``seqlen_q`` rows (default: all), batches from ``first_batch``."""
+    batch, heads, rows, seqlen_k = probs.shape
+    kept = kept_tensor(dropout.seed, dropout.offset, dropout.p, heads,
+                       rows if seqlen_q is None else seqlen_q, seqlen_k,
+                       range(first_batch, first_batch + batch), probs.device)
+    scale = 1.0 / (1.0 - float(torch.tensor(dropout.p, dtype=torch.float32)))
+    return probs * kept[:, :, row0:row0 + rows].to(probs.dtype) * scale
+
+
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                         scale: float, *, window: tuple[int, int] = (-1, -1),
                         softcap: float | None = None,
                         alibi_slopes: torch.Tensor | None = None,
                         mods: Sequence[ScoreMod] = (), mod_values: Mapping[str, float] = {},
-                        first_batch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                        first_batch: int = 0, dropout: DropoutArgs | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 O (B, Nq, Hq, D) and LSE (B, Hq, Nq) from (B, N, H, D) tensors, with the
     features of the module doc (causal and a window combine: both masks apply); ``mods``
     take their params from ``mod_values`` and see batch indices from ``first_batch``."""
@@ -111,6 +127,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     lse = torch.logsumexp(scores, dim=-1)
     empty = torch.isneginf(lse)
     probs = torch.exp(scores - lse.masked_fill(empty, 0.0)[..., None])
+    if dropout is not None:
+        probs = dropped(probs, dropout, first_batch)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vd)
     return out, lse.masked_fill(empty, float("inf"))
 
@@ -119,7 +137,8 @@ def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, causal: bool,
                      scale: float, *, window: tuple[int, int] = (-1, -1),
                      softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
-                     mods: Sequence[ScoreMod] = (), mod_values: Mapping[str, float] = {}
+                     mods: Sequence[ScoreMod] = (), mod_values: Mapping[str, float] = {},
+                     dropout: DropoutArgs | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 O (total_q, Hq, D) and LSE (Hq, total_q) of packed (total, H, D) tensors:
     sequence b is rows cu_seqlens[b] to cu_seqlens[b + 1] - 1, attended on its own (a
@@ -138,7 +157,8 @@ def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         o_b, lse_b = attention_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal,
                                          scale, window=window, softcap=softcap,
                                          alibi_slopes=slopes, mods=mods,
-                                         mod_values=mod_values, first_batch=b)
+                                         mod_values=mod_values, first_batch=b,
+                                         dropout=dropout)
         out[q0:q1] = o_b[0]
         lse[:, q0:q1] = lse_b[0]
     return out, lse

@@ -4,7 +4,7 @@ run-time values a launch passes, and random values for verification.
 A Problem's feature switches (``window``, ``softcap``, ``alibi``) are compiled in; their
 values (window sizes, the cap, the slopes) are run-time arguments (``args.feature_values``).
 In an ``Inputs`` they are the scalars ``window_left``, ``window_right``, ``softcap``,
-``max_seqlen_q`` and the tensors ``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``. A
+``max_seqlen_q``, ``dropout_seed``, ``dropout_offset``, ``dropout_p`` and the tensors ``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``. A
 varlen launch's q, k, v are packed as (1, total rows, heads, head_dim); ``Shape`` then gives
 the number of sequences and the longest query and key sequences.
 """
@@ -21,7 +21,8 @@ from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.score_mods import functor_values, render_functor
 from flashtune.codegen.spec import FEATURES, Problem, Shape, ShapeLike
 from flashtune.families.base import Inputs, random_rows
-from flashtune.families.fwd.args import VarlenArgs
+from flashtune.families.fwd.args import DropoutArgs, VarlenArgs
+from flashtune.families.fwd.dropout import DROPOUT_PS
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +35,7 @@ SOFTCAPS = (5.0, 30.0, 50.0)
 
 #: Template parameter of each feature switch.
 _TEMPLATE_NAMES = {"window": "local", "softcap": "softcap", "alibi": "alibi",
-                   "varlen": "varlen"}
+                   "varlen": "varlen", "dropout": "dropout"}
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class VariantValues:
     varlen: VarlenArgs | None = None
     #: The params of declared score modifications (``codegen.score_mods``) by name.
     mods: Mapping[str, float] = field(default_factory=dict)
+    dropout: DropoutArgs | None = None
 
     @classmethod
     def of(cls, inputs: Inputs) -> VariantValues:
@@ -57,8 +59,10 @@ class VariantValues:
                   if "cu_seqlens_q" in t else None)
         mods = {p.name: s[p.name] for _, mod in mods_of(FEATURES) for p in mod.params
                 if p.name in s}
+        dropout = (DropoutArgs(int(s["dropout_seed"]), int(s["dropout_offset"]),
+                               float(s["dropout_p"])) if "dropout_seed" in s else None)
         return cls((int(s.get("window_left", -1)), int(s.get("window_right", -1))),
-                   float(s.get("softcap", 0.0)), t.get("alibi_slopes"), varlen, mods)
+                   float(s.get("softcap", 0.0)), t.get("alibi_slopes"), varlen, mods, dropout)
 
     def only(self, problem: Problem) -> VariantValues:
         """These values with those of features ``problem`` does not switch on reset."""
@@ -68,7 +72,8 @@ class VariantValues:
                              self.varlen if problem.varlen else None,
                              {p.name: self.mods[p.name]
                               for _, mod in mods_of(problem.features)
-                              for p in mod.params if p.name in self.mods})
+                              for p in mod.params if p.name in self.mods},
+                             self.dropout if problem.dropout else None)
 
 
 def template_params(problem: Problem) -> dict[str, TemplateValue]:
@@ -89,8 +94,8 @@ def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
                   device: torch.device | str) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """Random feature values for ``problem`` (scalars, tensors), drawn with ``gen``: window
     sizes from WINDOW_SIZES (not both unbounded), a cap from SOFTCAPS, ALiBi slopes in
-    [0, 1) of shape (batch, heads_q), and each declared score modification's params from
-    their ``draws``."""
+    [0, 1) of shape (batch, heads_q), a dropout seed (64 bits), offset and p (from
+    DROPOUT_PS), and each declared score modification's params from their ``draws``."""
     scalars: dict[str, float] = {}
     tensors: dict[str, torch.Tensor] = {}
 
@@ -107,6 +112,10 @@ def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
     if problem.alibi:
         tensors["alibi_slopes"] = torch.rand(shape.batch, shape.heads_q, generator=gen,
                                              device=device)
+    if problem.dropout:
+        words = torch.randint(2**31, (4,), generator=gen, device=device).tolist()
+        scalars.update(dropout_seed=words[0] << 33 | words[1] << 2 | words[2] & 3,
+                       dropout_offset=words[3], dropout_p=pick(DROPOUT_PS))
     for _, mod in mods_of(problem.features):
         for p in mod.params:
             scalars[p.name] = pick(p.draws) if p.type == "float" else int(pick(p.draws))
