@@ -20,12 +20,14 @@ window's query tiles outside it are skipped, softcap's tanh is differentiated).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal, overload
 
 import torch
 
 from flashtune.api import backward as _bwd
 from flashtune.api import forward as _fwd
+from flashtune.api import dropout as _dropout
 from flashtune.api.limits import check_softmax_scale
 from flashtune.api.sdpa_causal import top_left_forward
 from flashtune.api.validate import check_attention_inputs
@@ -37,6 +39,7 @@ from flashtune.api.variants import (
     resolve,
 )
 from flashtune.errors import BackwardNotAvailable, InvalidInput
+from flashtune.families.fwd.args import DropoutArgs
 from flashtune.runtime import plans
 from flashtune.runtime.dispatch import Decision
 
@@ -48,20 +51,34 @@ BWD_OP_NAME = "flashtune::attention_bwd"
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   softmax_scale: float, backend: str, deterministic: bool = False,
                   window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                  alibi_slopes: torch.Tensor | None = None
+                  alibi_slopes: torch.Tensor | None = None, dropout_p: float = 0.0,
+                  dropout_seed: int = 0, dropout_offset: int = 0
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (B, Nq, Hq, D) and LSE (B, Hq, Nq, float32) of validated inputs. ``deterministic``
     only matters to the backward (it is an argument here so the autograd formula sees it).
-    The features are those of a resolved ``variants.Variant`` (defaults: off)."""
-    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes)
+    The features are those of a resolved ``variants.Variant`` (defaults: off); the dropout's
+    seed is its 64 bits as a signed int (``DropoutArgs.signed_seed``)."""
+    variant = _variant(causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                       dropout_seed, dropout_offset)
     return _fwd.forward(q, k, v, causal, softmax_scale, backend, variant)
+
+
+def _variant(causal: bool, window_left: int, window_right: int, softcap: float,
+             alibi_slopes: torch.Tensor | None, dropout_p: float, dropout_seed: int,
+             dropout_offset: int) -> Variant:
+    """The Variant of the ops' feature arguments."""
+    dropout = (DropoutArgs(dropout_seed % 2**64, dropout_offset, dropout_p) if dropout_p > 0.0
+               else None)
+    return Variant(causal, (window_left, window_right), softcap, alibi_slopes,
+                   dropout=dropout)
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                         softmax_scale: float, backend: str, deterministic: bool = False,
                         window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                        alibi_slopes: torch.Tensor | None = None
+                        alibi_slopes: torch.Tensor | None = None, dropout_p: float = 0.0,
+                        dropout_seed: int = 0, dropout_offset: int = 0
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seqlen_q, heads_q, _ = q.shape
     return (torch.empty_like(q),
@@ -73,10 +90,13 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                   out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
                   causal: bool, softmax_scale: float, deterministic: bool, backend: str,
                   window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                  alibi_slopes: torch.Tensor | None = None
+                  alibi_slopes: torch.Tensor | None = None, dropout_p: float = 0.0,
+                  dropout_seed: int = 0, dropout_offset: int = 0
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV of the forward that produced ``out`` and ``lse``, with its features."""
-    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes)
+    """dQ, dK, dV of the forward that produced ``out`` and ``lse``, with its features (the
+    dropout's mask drawn again from its seed and offset)."""
+    variant = _variant(causal, window_left, window_right, softcap, alibi_slopes, dropout_p,
+                       dropout_seed, dropout_offset)
     return _bwd.backward(grad_out, q, k, v, out, lse, grad_lse, causal, softmax_scale,
                          deterministic, backend, variant)
 
@@ -87,15 +107,18 @@ def _attention_bwd_fake(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                         grad_lse: torch.Tensor | None, causal: bool, softmax_scale: float,
                         deterministic: bool, backend: str, window_left: int = -1,
                         window_right: int = -1, softcap: float = 0.0,
-                        alibi_slopes: torch.Tensor | None = None
+                        alibi_slopes: torch.Tensor | None = None, dropout_p: float = 0.0,
+                        dropout_seed: int = 0, dropout_offset: int = 0
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     q, k, v, causal, softmax_scale, backend, deterministic = inputs[:7]
-    window_left, window_right, softcap, alibi_slopes = inputs[7:]
-    ctx.features = Variant(causal, (window_left, window_right), softcap, alibi_slopes).features
+    window_left, window_right, softcap, alibi_slopes = inputs[7:11]
+    ctx.dropout = tuple(inputs[11:]) or (0.0, 0, 0)
+    ctx.features = _variant(causal, window_left, window_right, softcap, alibi_slopes,
+                            *ctx.dropout).features
     ctx.window = (window_left, window_right)
     ctx.softcap = softcap
     out, lse = output
@@ -109,15 +132,16 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
               ) -> tuple[Any, ...]:
     """Gradients of (q, k, v, causal, softmax_scale, backend, deterministic, window_left,
-    window_right, softcap, alibi_slopes); FeatureNotSupported for features the backward
-    families do not implement."""
+    window_right, softcap, alibi_slopes, dropout_p, dropout_seed, dropout_offset);
+    FeatureNotSupported for features the backward families do not implement."""
     q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
     refuse_unsupported("bwddet" if ctx.deterministic else "bwd", ctx.features, q,
                        "flashtune.attention's backward pass")
     dq, dk, dv = attention_bwd(grad_out, q, k, v, out, lse, grad_lse, ctx.causal,
                                ctx.softmax_scale, ctx.deterministic, ctx.backend,
-                               ctx.window[0], ctx.window[1], ctx.softcap, alibi_slopes)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+                               ctx.window[0], ctx.window[1], ctx.softcap, alibi_slopes,
+                               *ctx.dropout)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -177,7 +201,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               softmax_scale: float | None = ..., return_lse: Literal[False] = ...,
               backend: str | None = ..., deterministic: bool | None = ...,
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
-              alibi_slopes: torch.Tensor | None = ...) -> torch.Tensor: ...
+              alibi_slopes: torch.Tensor | None = ..., dropout_p: float = ...,
+              return_dropout_mask: Literal[False] = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -185,7 +210,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               softmax_scale: float | None = ..., return_lse: Literal[True],
               backend: str | None = ..., deterministic: bool | None = ...,
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
-              alibi_slopes: torch.Tensor | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+              alibi_slopes: torch.Tensor | None = ..., dropout_p: float = ...,
+              return_dropout_mask: Literal[False] = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @overload
@@ -193,8 +219,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               softmax_scale: float | None = ..., return_lse: bool,
               backend: str | None = ..., deterministic: bool | None = ...,
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
-              alibi_slopes: torch.Tensor | None = ...
+              alibi_slopes: torch.Tensor | None = ..., dropout_p: float = ...,
+              return_dropout_mask: Literal[False] = ...
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
+              softmax_scale: float | None = ..., return_lse: bool = ...,
+              backend: str | None = ..., deterministic: bool | None = ...,
+              window_size: tuple[int, int] = ..., softcap: float | None = ...,
+              alibi_slopes: torch.Tensor | None = ..., dropout_p: float = ...,
+              return_dropout_mask: Literal[True]) -> tuple[torch.Tensor, ...]: ...
 
 
 def attention(
@@ -210,7 +246,9 @@ def attention(
     window_size: tuple[int, int] = NO_WINDOW,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    dropout_p: float = 0.0,
+    return_dropout_mask: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Scaled dot-product attention in flash-attn's layout.
 
     q is (B, Nq, Hq, D); k and v are (B, Nk, Hkv, D) with Hq a multiple of Hkv (grouped-query
@@ -236,8 +274,15 @@ def attention(
     ``softcap``: scores s become softcap * tanh(s / softcap) (None or 0.0, flash-attn's
     default: off, the plain kernel; else > 0).
     ``alibi_slopes``: float32 (Hq,) or (B, Hq) on q's device; scores get the bias
-    -slope * |i + Nk - Nq - j|. Each is a compile-time variant of the kernel (its own
-    tuning key), not a run-time branch.
+    -slope * |i + Nk - Nq - j|.
+    ``dropout_p``: FlashAttention-2's attention dropout (training): each softmax probability
+    is zeroed with probability ``dropout_p`` and the kept ones scaled by 1 / (1 - dropout_p)
+    (the LSE is the undropped softmax's); the mask is drawn from torch's default generator
+    of the tensors' device (``api.dropout``: same seed, same output; each call draws anew)
+    and drawn again, never stored, by the backward. ``return_dropout_mask=True`` appends
+    the kept mask, bool (B, Hq, Nq, Nk), drawn on the host with the kernels' definition
+    (for testing: it costs B Hq Nq Nk bytes). Each feature is a compile-time variant of the
+    kernel (its own tuning key), not a run-time branch.
     """
     dim = None
     if isinstance(q, torch.Tensor) and not q.is_nested and q.dim() and q.shape[-1] % 8:
@@ -248,22 +293,36 @@ def attention(
     scale = check_softmax_scale(softmax_scale, dim or q.shape[3])
     ordered = _deterministic(deterministic)
     name = "" if backend is None else backend
-    if window_size == NO_WINDOW and softcap is None and alibi_slopes is None:
+    p = 0.0 if isinstance(dropout_p, float) and dropout_p == 0.0 else (
+        _dropout.check_dropout_p(dropout_p))
+    if window_size == NO_WINDOW and softcap is None and alibi_slopes is None and not p:
         variant = None
     else:
         variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
                           (q.shape[1], k.shape[1]))
+        if p:
+            variant = dataclasses.replace(variant, dropout=_dropout.draw(
+                q.device, q.shape[0] * q.shape[2], p))
         causal = variant.causal
     if not _needs_grad(q, k, v) and direct_call_ok(q, k, v, alibi_slopes):
         out, lse = _fwd.forward(q, k, v, causal, scale, name, variant)
     elif variant is None:
         out, lse = attention_fwd(q, k, v, causal, scale, name, ordered)
     else:
+        drop = variant.dropout
         out, lse = attention_fwd(q, k, v, causal, scale, name, ordered, *variant.window,
-                                 variant.softcap, variant.alibi_slopes)
+                                 variant.softcap, variant.alibi_slopes,
+                                 *((drop.p, drop.signed_seed, drop.offset) if drop else ()))
     if dim is not None:
         out = out[..., :dim]
-    return (out, lse) if return_lse else out
+    result = (out, lse) if return_lse else (out,)
+    if return_dropout_mask:
+        if variant is None or variant.dropout is None:
+            raise InvalidInput("return_dropout_mask=True needs dropout_p > 0 (there is no "
+                               "mask without dropout)")
+        result += (_dropout.mask_of(variant.dropout, q.shape[0], q.shape[2], q.shape[1],
+                                    k.shape[1], q.device),)
+    return result if len(result) > 1 else out
 
 
 def _sdpa_unsupported(what: str, fix: str) -> InvalidInput:
@@ -285,12 +344,13 @@ def scaled_dot_product_attention(
 ) -> torch.Tensor:
     """A drop-in for torch.nn.functional.scaled_dot_product_attention on (B, H, N, D) inputs.
 
-    Supported: 4-D fp16/bf16 inputs, ``is_causal``, ``scale``, and ``enable_gqa`` (Hq a
+    Supported: 4-D fp16/bf16 inputs, ``is_causal``, ``scale``, ``dropout_p`` (as in
+    ``attention``; torch's own kernels draw other masks) and ``enable_gqa`` (Hq a
     multiple of Hkv). ``is_causal`` has torch's meaning: the mask is aligned to the top-left
     corner (query i sees key j iff j <= i), which for L != S is not ``attention``'s
     bottom-right ``causal``; it is served as two calls (``api.sdpa_causal``; gradients
-    included). Not supported (InvalidInput saying so): ``attn_mask``, ``dropout_p`` other
-    than 0, and Hq != Hkv without ``enable_gqa``. The inputs are passed as transposed views
+    included). Not supported (InvalidInput saying so): ``attn_mask`` and Hq != Hkv without
+    ``enable_gqa``. The inputs are passed as transposed views
     and the result is a transposed view: nothing is copied (but for L > S with
     ``is_causal``, whose two row blocks are concatenated). ``backend`` is
     as in ``attention``; gradients flow as there (deterministic when
@@ -299,9 +359,6 @@ def scaled_dot_product_attention(
     if attn_mask is not None:
         raise _sdpa_unsupported("attn_mask", "use is_causal=True for a causal mask, or "
                                 "torch.nn.functional.scaled_dot_product_attention for others")
-    if dropout_p != 0.0:
-        raise _sdpa_unsupported(f"dropout_p={dropout_p}", "flashtune has no attention "
-                                "dropout; expected dropout_p=0.0")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -317,11 +374,12 @@ def scaled_dot_product_attention(
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
                    ) -> tuple[torch.Tensor, torch.Tensor]:
             return attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True,
-                             backend=backend)
+                             backend=backend, dropout_p=dropout_p)
 
         out, _ = top_left_forward(attend, q, k, v)
     else:
-        out = attention(q, k, v, causal=is_causal, softmax_scale=scale, backend=backend)
+        out = attention(q, k, v, causal=is_causal, softmax_scale=scale, backend=backend,
+                        dropout_p=dropout_p)
     return out.transpose(1, 2)
 
 
