@@ -6,7 +6,8 @@ As in flash-attn, each call draws from torch's default generator of the tensors'
 CUDA device (a Philox generator) the call takes the generator's seed and current offset and
 advances the offset past the batch * heads_q streams it draws from (rounded up to a multiple
 of 4, as torch's Philox offsets are). The CPU generator (the emulator's tensors) has no
-offset: the call draws a 64-bit seed from it instead, with offset 0. The mask itself is
+offset: the call draws a 64-bit seed from it instead (``torch.randint(2**32, (2,))``, the
+high word first), with offset 0. The mask itself is
 defined in ``templates/dropout.cuh`` (and drawn on the host by ``families.fwd.dropout``).
 """
 

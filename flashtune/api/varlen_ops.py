@@ -10,10 +10,12 @@ backward through the call raises FeatureNotSupported.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal, overload
 
 import torch
 
+from flashtune.api import dropout as _dropout
 from flashtune.api import forward as _fwd
 from flashtune.api.limits import check_softmax_scale
 from flashtune.api.ops import direct_call_ok
@@ -26,7 +28,7 @@ from flashtune.api.variants import (
     resolve,
 )
 from flashtune.errors import InvalidInput
-from flashtune.families.fwd.args import VarlenArgs
+from flashtune.families.fwd.args import DropoutArgs, VarlenArgs
 
 OP_NAME = "flashtune::attention_varlen_fwd"
 
@@ -44,11 +46,16 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          max_seqlen_q: int, max_seqlen_k: int, causal: bool,
                          softmax_scale: float, backend: str, window_left: int,
                          window_right: int, softcap: float,
-                         alibi_slopes: torch.Tensor | None
+                         alibi_slopes: torch.Tensor | None, dropout_p: float = 0.0,
+                         dropout_seed: int = 0, dropout_offset: int = 0
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O (total_q, Hq, D) and LSE (Hq, total_q) of validated, resolved inputs."""
+    """O (total_q, Hq, D) and LSE (Hq, total_q) of validated, resolved inputs (the
+    dropout's seed as a signed int64, ``DropoutArgs.signed_seed``)."""
     varlen = VarlenArgs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes, varlen)
+    dropout = (DropoutArgs(dropout_seed % 2**64, dropout_offset, dropout_p)
+               if dropout_p > 0.0 else None)
+    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes, varlen,
+                      dropout=dropout)
     return _run(q, k, v, variant, softmax_scale, backend)
 
 
@@ -56,7 +63,8 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
           softmax_scale: float, backend: str, window_left: int, window_right: int,
-          softcap: float, alibi_slopes: torch.Tensor | None
+          softcap: float, alibi_slopes: torch.Tensor | None, dropout_p: float = 0.0,
+          dropout_seed: int = 0, dropout_offset: int = 0
           ) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
@@ -84,7 +92,7 @@ def attention_varlen(
     causal: bool = ..., softmax_scale: float | None = ...,
     window_size: tuple[int, int] = ..., softcap: float | None = ...,
     alibi_slopes: torch.Tensor | None = ..., return_lse: Literal[False] = ...,
-    backend: str | None = ...) -> torch.Tensor: ...
+    backend: str | None = ..., dropout_p: float = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -93,7 +101,8 @@ def attention_varlen(
     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
     return_lse: Literal[True], causal: bool = ..., softmax_scale: float | None = ...,
     backend: str | None = ..., window_size: tuple[int, int] = ...,
-    softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...
+    softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...,
+    dropout_p: float = ...
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -113,6 +122,7 @@ def attention_varlen(
     alibi_slopes: torch.Tensor | None = None,
     return_lse: bool = False,
     backend: str | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over a batch of sequences of different lengths, packed (flash-attn's
     ``flash_attn_varlen_func`` layout).
@@ -128,6 +138,7 @@ def attention_varlen(
     FLASHTUNE_CHECK_INPUTS=1). ``causal`` aligns each sequence's diagonal to its
     bottom-right corner; ``softmax_scale``, ``window_size``, ``softcap`` and
     ``alibi_slopes`` ((Hq,) or (batch, Hq) float32) are as in ``attention``, per sequence.
+    ``dropout_p`` as in ``attention`` (sequence b of the pack is the mask's batch b).
     Returns O (total_q, Hq, D) and, with ``return_lse``, the float32 LSE (Hq, total_q).
     Forward only: a backward raises FeatureNotSupported.
     """
@@ -142,6 +153,11 @@ def attention_varlen(
     varlen = VarlenArgs(cu_q, cu_k, longest_q, longest_k)
     variant = resolve(causal, window_size, softcap, alibi_slopes, q, varlen.batch,
                       (longest_q, longest_k), varlen)
+    p = _dropout.check_dropout_p(dropout_p)
+    if p:
+        variant = dataclasses.replace(variant, dropout=_dropout.draw(
+            q.device, varlen.batch * q.shape[1], p))
+    drop = variant.dropout
     name = "" if backend is None else backend
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if not needs_grad and direct_call_ok(q, k, v, cu_q, cu_k, variant.alibi_slopes):
@@ -149,7 +165,9 @@ def attention_varlen(
     else:
         out, lse = attention_varlen_fwd(q, k, v, cu_q, cu_k, longest_q, longest_k,
                                         variant.causal, scale, name, *variant.window,
-                                        variant.softcap, variant.alibi_slopes)
+                                        variant.softcap, variant.alibi_slopes,
+                                        *((drop.p, drop.signed_seed, drop.offset) if drop
+                                          else ()))
     if dim is not None:
         out = out[..., :dim]
     return (out, lse) if return_lse else out
