@@ -26,8 +26,8 @@ from typing import Any, Literal, overload
 import torch
 
 from flashtune.api import backward as _bwd
-from flashtune.api import forward as _fwd
 from flashtune.api import dropout as _dropout
+from flashtune.api import forward as _fwd
 from flashtune.api.limits import check_softmax_scale
 from flashtune.api.sdpa_causal import top_left_forward
 from flashtune.api.validate import check_attention_inputs
@@ -295,6 +295,9 @@ def attention(
     name = "" if backend is None else backend
     p = 0.0 if isinstance(dropout_p, float) and dropout_p == 0.0 else (
         _dropout.check_dropout_p(dropout_p))
+    if return_dropout_mask and not p:
+        raise InvalidInput("return_dropout_mask=True needs dropout_p > 0 (there is no mask "
+                           "without dropout)")
     if window_size == NO_WINDOW and softcap is None and alibi_slopes is None and not p:
         variant = None
     else:
@@ -315,11 +318,8 @@ def attention(
                                  *((drop.p, drop.signed_seed, drop.offset) if drop else ()))
     if dim is not None:
         out = out[..., :dim]
-    result = (out, lse) if return_lse else (out,)
-    if return_dropout_mask:
-        if variant is None or variant.dropout is None:
-            raise InvalidInput("return_dropout_mask=True needs dropout_p > 0 (there is no "
-                               "mask without dropout)")
+    result: tuple[torch.Tensor, ...] = (out, lse) if return_lse else (out,)
+    if return_dropout_mask and variant is not None and variant.dropout is not None:
         result += (_dropout.mask_of(variant.dropout, q.shape[0], q.shape[2], q.shape[1],
                                     k.shape[1], q.device),)
     return result if len(result) > 1 else out

@@ -34,7 +34,7 @@ from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
 pytestmark = pytest.mark.emulator
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
-SPLIT = {"dqmode": "split"}
+SPLIT = (("dqmode", "split"),)
 
 #: Feature switches besides dropout: alone, with causal, and together.
 FEATURES: list[dict[str, bool]] = [
@@ -42,7 +42,7 @@ FEATURES: list[dict[str, bool]] = [
     {"alibi": True, "causal": True}, {"window": True, "softcap": True, "alibi": True}]
 SHAPES = [Shape(1, 2, 1, 77, 70), Shape(2, 4, 2, 45, 61), Shape(1, 1, 1, 33, 100)]
 CONFIGS = {"fwd": [KernelConfig(64, 64, 4, 1), KernelConfig(32, 32, 2, 2)],
-           "bwd": [KernelConfig(64, 64, 4, 1, extras={"dqmode": "atomic"}),
+           "bwd": [KernelConfig(64, 64, 4, 1, extras=(("dqmode", "atomic"),)),
                    KernelConfig(32, 32, 2, 2, extras=SPLIT)],
            "bwddet": [KernelConfig(32, 32, 2, 2, extras=SPLIT),
                       KernelConfig(64, 32, 4, 2, extras=SPLIT)]}
@@ -136,12 +136,14 @@ def _backward_reference(problem: Problem, shape: Shape, inputs: Inputs
 
 def _id(case: Case) -> str:
     op, switches, dtype, config, shape = case
-    return f"{op}-{'-'.join(sorted(switches)) or 'plain'}-{dtype.value}-{config.key()}-{shape.key()}"
+    names = "-".join(sorted(switches)) or "plain"
+    return f"{op}-{names}-{dtype.value}-{config.key()}-{shape.key()}"
 
 
 def _run(case: Case) -> None:
     op, switches, dtype, config, shape = case
-    problem = Problem(32, dtype, op=op, dropout=True, **switches)
+    problem = Problem(32, dtype, op=op, causal=switches.get("causal", False),
+                      features=("dropout", *(n for n in switches if n != "causal")))
     seed = random.Random(f"{SEED}-{_id(case)}").randrange(2**31)
     inputs = _inputs(problem, shape, seed)
     outputs = _launch(problem, config, shape, inputs)
@@ -159,11 +161,10 @@ def _grid() -> list[Case]:
 
 
 def _sample() -> list[Case]:
-    """Two feature sets per op, each on a dtype, config and shape drawn from the seed."""
+    """One feature set per op, on a dtype, config and shape drawn from the seed."""
     rng = random.Random(SEED)
-    return [(op, switches, rng.choice(list(DType)), rng.choice(CONFIGS[op]),
-             rng.choice(SHAPES))
-            for op in CONFIGS for switches in rng.sample(FEATURES, 2)]
+    return [(op, rng.choice(FEATURES), rng.choice(list(DType)), rng.choice(CONFIGS[op]),
+             rng.choice(SHAPES)) for op in CONFIGS]
 
 
 @pytest.mark.parametrize("case", _sample(), ids=_id)
@@ -178,7 +179,7 @@ def test_dropout_grid_matches_float64_with_the_tests_mask(case: Case) -> None:
 
 
 def test_same_seed_is_bitwise_equal_and_another_offset_draws_another_mask() -> None:
-    problem = Problem(32, DType.FP16, op="fwd", dropout=True, causal=True)
+    problem = Problem(32, DType.FP16, op="fwd", features=("dropout",), causal=True)
     config, shape = KernelConfig(32, 32, 2, 2), Shape(1, 2, 1, 40, 40)
     inputs = _inputs(problem, shape, SEED)
     first = _launch(problem, config, shape, inputs)
@@ -195,8 +196,8 @@ def test_same_seed_is_bitwise_equal_and_another_offset_draws_another_mask() -> N
 
 
 def test_deterministic_backward_is_bitwise_equal_over_block_orders_with_dropout() -> None:
-    problem = Problem(32, DType.BF16, op="bwddet", dropout=True, window=True, softcap=True,
-                      alibi=True)
+    problem = Problem(32, DType.BF16, op="bwddet",
+                      features=("dropout", "window", "softcap", "alibi"))
     config, shape = KernelConfig(32, 32, 2, 2, extras=SPLIT), Shape(1, 4, 2, 100, 130)
     inputs = _inputs(problem, shape, SEED)
     runs = [_launch(problem, config, shape, inputs, LaunchOptions(block_order_seed=s))

@@ -168,7 +168,8 @@ ExtraValues = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor"],
 
 def feature_values(problem: Problem, variant: VariantLike | None) -> dict[str, object]:
     """The packer inputs of ``problem``'s feature switches from the call's values.
-    ``dropout`` is required when ``problem.dropout``. ``alibi_slopes``: float32 (heads_q,) or (batch, heads_q) with a contiguous last dim
+    ``dropout`` is required with the ``dropout`` switch. ``alibi_slopes``: float32
+    (heads_q,) or (batch, heads_q) with a contiguous last dim
     (required when ``problem.alibi``); ``varlen`` is required when ``problem.varlen``."""
     out: dict[str, object] = {}
     if problem.window:
@@ -191,7 +192,7 @@ def feature_values(problem: Problem, variant: VariantLike | None) -> dict[str, o
         out["cu_seqlens_q"] = varlen.cu_seqlens_q
         out["cu_seqlens_k"] = varlen.cu_seqlens_k
         out["max_seqlen_q"] = varlen.max_seqlen_q
-    if problem.dropout:
+    if problem.has("dropout"):
         dropout = None if variant is None else variant.dropout
         if dropout is None:
             raise InvalidInput(f"{problem.key()} needs the dropout's seed, offset and p")

@@ -4,7 +4,8 @@ run-time values a launch passes, and random values for verification.
 A Problem's feature switches (``window``, ``softcap``, ``alibi``) are compiled in; their
 values (window sizes, the cap, the slopes) are run-time arguments (``args.feature_values``).
 In an ``Inputs`` they are the scalars ``window_left``, ``window_right``, ``softcap``,
-``max_seqlen_q``, ``dropout_seed``, ``dropout_offset``, ``dropout_p`` and the tensors ``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``. A
+``max_seqlen_q``, ``dropout_seed``, ``dropout_offset``, ``dropout_p`` and the tensors
+``alibi_slopes``, ``cu_seqlens_q``, ``cu_seqlens_k``. A
 varlen launch's q, k, v are packed as (1, total rows, heads, head_dim); ``Shape`` then gives
 the number of sequences and the longest query and key sequences.
 """
@@ -73,7 +74,7 @@ class VariantValues:
                              {p.name: self.mods[p.name]
                               for _, mod in mods_of(problem.features)
                               for p in mod.params if p.name in self.mods},
-                             self.dropout if problem.dropout else None)
+                             self.dropout if problem.has("dropout") else None)
 
 
 def template_params(problem: Problem) -> dict[str, TemplateValue]:
@@ -112,7 +113,7 @@ def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
     if problem.alibi:
         tensors["alibi_slopes"] = torch.rand(shape.batch, shape.heads_q, generator=gen,
                                              device=device)
-    if problem.dropout:
+    if problem.has("dropout"):
         words = torch.randint(2**31, (4,), generator=gen, device=device).tolist()
         scalars.update(dropout_seed=words[0] << 33 | words[1] << 2 | words[2] & 3,
                        dropout_offset=words[3], dropout_p=pick(DROPOUT_PS))
