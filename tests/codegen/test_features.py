@@ -35,11 +35,13 @@ def bias() -> Iterator[Feature]:
 
 
 def test_builtin_features_keep_their_names_words_and_order() -> None:
-    assert tuple(FEATURES) == ("window", "softcap", "alibi", "varlen")
-    assert [f.word for f in BUILTIN] == ["local", "softcap", "alibi", "varlen"]
+    assert tuple(FEATURES) == ("window", "softcap", "alibi", "varlen", "dropout")
+    assert [f.word for f in BUILTIN] == ["local", "softcap", "alibi", "varlen", "dropout"]
     assert FEATURE_NAMES["window"] == "sliding-window attention (window_size)"
     assert Problem(64, DType.FP16, window=True, softcap=True, alibi=True,
                    varlen=True).key() == "fwd_d64_fp16_local_softcap_alibi_varlen"
+    assert Problem(64, DType.FP16, causal=True, features=("dropout", "alibi")).key() == (
+        "fwd_d64_fp16_causal_alibi_dropout")
 
 
 def test_a_registered_feature_is_a_switch_with_a_key_and_a_dict_field(bias: Feature) -> None:
@@ -95,7 +97,8 @@ def test_after_removal_the_feature_is_unknown_again() -> None:
     with pytest.raises(InvalidProblem, match="'bias' is not a feature word"):
         Problem.from_key(key)
     with pytest.raises(InvalidProblem, match=r"'bias' is not an attention feature; expected "
-                                             r"one of \['window', 'softcap', 'alibi', 'varlen'\]"):
+                                             r"one of \['window', 'softcap', 'alibi', 'varlen', "
+                                             r"'dropout'\]"):
         Problem(64, DType.FP16, bias=True)
     with pytest.raises(AttributeError):
         _ = Problem(64, DType.FP16).bias
@@ -149,7 +152,7 @@ def test_a_mask_feature_takes_the_mask_slot_of_the_key() -> None:
 def test_bad_declarations_are_refused(make, needle: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(InvalidProblem, match=needle):
         register_feature(make())
-    assert tuple(FEATURES) == ("window", "softcap", "alibi", "varlen")
+    assert tuple(FEATURES) == ("window", "softcap", "alibi", "varlen", "dropout")
 
 
 def test_builtins_cannot_be_removed() -> None:

@@ -12,22 +12,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from flashtune._lazy import lazy_module
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 else:
+    np = lazy_module("numpy", globals())
     torch = lazy_module("torch", globals())
 
 #: Dropout probabilities verification draws from (flash-attn's tests use 0.17).
 DROPOUT_PS = (0.1, 0.17, 0.5)
 
-_M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85
-_LOW = np.uint64(0xFFFFFFFF)
-_SHIFT = np.uint64(32)
+_LOW = 0xFFFFFFFF
 
 
 def philox4x32_10(counter: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
@@ -35,13 +34,14 @@ def philox4x32_10(counter: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
     """Philox 4x32-10 (Random123's constants) of broadcastable uint32 counter words and a
     (key0, key1) key; the four output words as uint32 arrays."""
     c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in counter)
-    k0, k1 = key[0] & 0xFFFFFFFF, key[1] & 0xFFFFFFFF
+    m0, m1, low, shift = (np.uint64(x) for x in (_M0, _M1, _LOW, 32))
+    k0, k1 = key[0] & _LOW, key[1] & _LOW
     for round_ in range(10):
         if round_:
-            k0, k1 = (k0 + _W0) & 0xFFFFFFFF, (k1 + _W1) & 0xFFFFFFFF
-        p0, p1 = _M0 * c0, _M1 * c2
-        c0, c1, c2, c3 = (((p1 >> _SHIFT) ^ c1 ^ np.uint64(k0)) & _LOW, p1 & _LOW,
-                          ((p0 >> _SHIFT) ^ c3 ^ np.uint64(k1)) & _LOW, p0 & _LOW)
+            k0, k1 = (k0 + _W0) & _LOW, (k1 + _W1) & _LOW
+        p0, p1 = m0 * c0, m1 * c2
+        c0, c1, c2, c3 = (((p1 >> shift) ^ c1 ^ np.uint64(k0)) & low, p1 & low,
+                          ((p0 >> shift) ^ c3 ^ np.uint64(k1)) & low, p0 & low)
     return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
 
 
@@ -62,8 +62,8 @@ def kept_mask(seed: int, offset: int, p: float, heads_q: int, seqlen_q: int, seq
     j = np.arange(seqlen_k, dtype=np.uint64)[None, None, None, :]
     stream = (np.uint64(offset) + b * np.uint64(heads_q) + h) & np.uint64(2**64 - 1)
     pair = (i >> np.uint64(4)) * np.uint64(8) + (i & np.uint64(7))
-    words = philox4x32_10((j >> np.uint64(1), pair, stream & _LOW, stream >> _SHIFT),
-                          (seed & 0xFFFFFFFF, seed >> 32))
+    words = philox4x32_10((j >> np.uint64(1), pair, stream & np.uint64(_LOW),
+                           stream >> np.uint64(32)), (seed & _LOW, seed >> 32))
     which = ((i >> np.uint64(3)) & np.uint64(1)) * np.uint64(2) + (j & np.uint64(1))
     shape = np.broadcast_shapes(*(w.shape for w in words), which.shape)
     stacked = np.stack([np.broadcast_to(w, shape) for w in words])
