@@ -15,7 +15,9 @@ gradient flowing into the LSE output (``return_lse=True``) is included.
 
 Attention features (``window_size``, ``softcap``, ``alibi_slopes``; api/variants.py) have
 their gradients too: the backward kernels take the forward's feature values (a sliding
-window's query tiles outside it are skipped, softcap's tanh is differentiated).
+window's query tiles outside it are skipped, softcap's tanh is differentiated). Dropout
+(``dropout_p``; api/dropout.py) passes its seed and offset through both ops, so the
+backward draws the forward's mask again.
 """
 
 from __future__ import annotations
