@@ -113,7 +113,7 @@ def test_dropout_gradients_grid(case) -> None:  # type: ignore[no-untyped-def]
 
 def _qkv(seed: int, shape: ShapeTuple = (1, 40, 40, 2, 1)) -> tuple[torch.Tensor, ...]:
     inputs, _ = make_inputs(shape, 32, torch.float16, seed)
-    return inputs
+    return tuple(inputs)
 
 
 def test_same_torch_seed_is_bitwise_equal_and_each_call_draws_a_new_mask() -> None:

@@ -156,7 +156,7 @@ def test_attention_dropout_trains_like_plain_attention_with_the_same_mask() -> N
         batch, heads, n, _ = query.shape
         group = heads // key.shape[1]
         k, v = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
-        scores = torch.einsum("bhqd,bhkd->bhqk", query, k) * scaling
+        scores = torch.einsum("bhqd,bhkd->bhqk", query, k) * (scaling or 1.0)
         causal = torch.ones(n, n, dtype=torch.bool).tril()
         probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
         if dropout:
