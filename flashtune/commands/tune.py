@@ -53,8 +53,8 @@ def tune_command(
     causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Causal mask.")] = False,
     features: Annotated[str | None, typer.Option(
         "--features", help="Attention features compiled in, comma-separated: window, "
-                           "softcap, alibi, varlen (each its own tuning key; default: "
-                           "none).")] = None,
+                           "softcap, alibi, varlen, dropout (each its own tuning key; "
+                           "default: none).")] = None,
     seqlens: Annotated[str, typer.Option(
         "--seqlens", help="Sequence lengths whose buckets to tune, e.g. 1024,4096,16k.")
     ] = "1024,4096,16384",
