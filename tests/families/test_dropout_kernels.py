@@ -221,3 +221,16 @@ def test_kept_fraction_is_within_a_binomial_bound(p: float) -> None:
         n = kept.numel()
         bound = 6 * math.sqrt(p * (1 - p) / n)
         assert abs(float(kept.double().mean()) - (1 - p)) <= bound, (p, n)
+
+
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_dropout_defaults_compile_with_nvrtc_without_spills(op: str) -> None:
+    """The head-dim-128 defaults with dropout compile for sm_80 with NVRTC and keep their
+    registers (the Philox rounds are a loop, see dropout.cuh)."""
+    from flashtune.codegen.arch import get_arch
+    from flashtune.toolchain.compiler import compile_source
+
+    problem = Problem(128, DType.BF16, op=op, causal=True, features=("dropout",))
+    config = families.of(problem).default_config(problem, get_arch("sm_80"))
+    kernel = compile_source(families.render(problem, config), "sm_80")
+    assert kernel.resources.registers > 0 and kernel.resources.spill_bytes == 0
