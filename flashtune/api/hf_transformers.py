@@ -10,6 +10,8 @@ and logit softcaps (``softcap``) become the kernel's features, as do gpt-oss's a
 sinks (``s_aux``, one logit per query head, passed on as ``sinks`` in float32 with its
 gradient); GQA is native. The padding
 mask is transformers' flash-attention one (a 2-D mask, or None when nothing is padded).
+Attention dropout (``dropout``: the config's ``attention_dropout`` in train mode, 0 in eval
+mode, as transformers passes it) is the kernels' ``dropout_p``.
 Training: a batch without padding has gradients (windows, softcaps and sinks included); a padded
 batch runs on the varlen kernel, whose backward raises FeatureNotSupported.
 
@@ -40,7 +42,8 @@ def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      padding: torch.Tensor | None, *, causal: bool, scaling: float | None,
                      window: tuple[int, int], softcap: float | None,
-                     backend: str | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     backend: str | None, sinks: torch.Tensor | None = None,
+                     dropout_p: float = 0.0) -> torch.Tensor:
     """(B, Nq, Hq, D) attention output of transformers' (B, H, N, D) query, key and value,
     with ``padding`` (B, Nk) True on real tokens (its last Nq columns are the queries'), or
     None; padded query rows get zeros. ``sinks``: float32 (Hq,) or None."""
@@ -49,7 +52,7 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if padding is None:  # every row is a whole sequence: the batched op (it has a backward)
         out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                         causal=causal, softmax_scale=scaling, window_size=window,
-                        softcap=softcap, backend=backend, sinks=sinks)
+                        softcap=softcap, backend=backend, sinks=sinks, dropout_p=dropout_p)
         assert isinstance(out, torch.Tensor)
         return out
     q = query.transpose(1, 2).reshape(batch * seqlen_q, heads_q, dim)
@@ -66,7 +69,7 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                               v[rows_k].contiguous(), _cumulative(lens_q), _cumulative(lens_k),
                               int(lens_q.max()), int(lens_k.max()), causal=causal,
                               softmax_scale=scaling, window_size=window, softcap=softcap,
-                              backend=backend, sinks=sinks)
+                              backend=backend, sinks=sinks, dropout_p=dropout_p)
     out = packed.new_zeros(batch * seqlen_q, heads_q, packed.shape[-1])
     out[rows_q] = packed
     return out.reshape(batch, seqlen_q, heads_q, -1)
@@ -93,9 +96,6 @@ def make_attention_function(backend: str | None = None) -> Any:
                             sliding_window: int | None = None, softcap: float | None = None,
                             is_causal: bool | None = None, **kwargs: Any
                             ) -> tuple[torch.Tensor, None]:
-        if dropout:
-            raise InvalidInput(f"attention dropout {dropout} is not supported by flashtune; "
-                               "call model.eval() (or set the config's attention_dropout to 0)")
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         window = NO_WINDOW
         if sliding_window is not None and sliding_window > 0:
@@ -107,7 +107,7 @@ def make_attention_function(backend: str | None = None) -> Any:
         sinks = s_aux.to(torch.float32) if isinstance(s_aux, torch.Tensor) else None
         out = varlen_attention(query, key, value, attention_mask, causal=causal,
                                scaling=scaling, window=window, softcap=softcap or None,
-                               backend=backend, sinks=sinks)
+                               backend=backend, sinks=sinks, dropout_p=float(dropout))
         return out.to(dtype), None
 
     return flashtune_attention

@@ -15,16 +15,20 @@ gradient flowing into the LSE output (``return_lse=True``) is included.
 
 Attention features (``window_size``, ``softcap``, ``alibi_slopes``; api/variants.py) have
 their gradients too: the backward kernels take the forward's feature values (a sliding
-window's query tiles outside it are skipped, softcap's tanh is differentiated).
+window's query tiles outside it are skipped, softcap's tanh is differentiated). Dropout
+(``dropout_p``; api/dropout.py) passes its seed and offset through both ops, so the
+backward draws the forward's mask again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal, overload
 
 import torch
 
 from flashtune.api import backward as _bwd
+from flashtune.api import dropout as _dropout
 from flashtune.api import forward as _fwd
 from flashtune.api.flex import (
     MaskModFn,
@@ -45,6 +49,7 @@ from flashtune.api.variants import (
     resolve,
 )
 from flashtune.errors import BackwardNotAvailable, InvalidInput
+from flashtune.families.fwd.args import DropoutArgs
 from flashtune.runtime import plans
 from flashtune.runtime.dispatch import Decision
 
@@ -56,14 +61,26 @@ BWD_OP_NAME = "flashtune::attention_bwd"
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   softmax_scale: float, backend: str, deterministic: bool = False,
                   window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                  alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+                  alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                  dropout_p: float = 0.0, dropout_seed: int = 0, dropout_offset: int = 0
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (B, Nq, Hq, D) and LSE (B, Hq, Nq, float32) of validated inputs. ``deterministic``
     only matters to the backward (it is an argument here so the autograd formula sees it).
-    The features are those of a resolved ``variants.Variant`` (defaults: off)."""
-    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes,
-                      sinks=sinks)
+    The features are those of a resolved ``variants.Variant`` (defaults: off); the dropout's
+    seed is its 64 bits as a signed int (``DropoutArgs.signed_seed``)."""
+    variant = _variant(causal, window_left, window_right, softcap, alibi_slopes, sinks,
+                       dropout_p, dropout_seed, dropout_offset)
     return _fwd.forward(q, k, v, causal, softmax_scale, backend, variant)
+
+
+def _variant(causal: bool, window_left: int, window_right: int, softcap: float,
+             alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None, dropout_p: float,
+             dropout_seed: int, dropout_offset: int) -> Variant:
+    """The Variant of the ops' feature arguments."""
+    dropout = (DropoutArgs(dropout_seed % 2**64, dropout_offset, dropout_p) if dropout_p > 0.0
+               else None)
+    return Variant(causal, (window_left, window_right), softcap, alibi_slopes, sinks=sinks,
+                   dropout=dropout)
 
 
 @attention_fwd.register_fake
@@ -71,7 +88,8 @@ def _attention_fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                         softmax_scale: float, backend: str, deterministic: bool = False,
                         window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
                         alibi_slopes: torch.Tensor | None = None,
-                        sinks: torch.Tensor | None = None
+                        sinks: torch.Tensor | None = None, dropout_p: float = 0.0,
+                        dropout_seed: int = 0, dropout_offset: int = 0
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seqlen_q, heads_q, _ = q.shape
     return (torch.empty_like(q),
@@ -83,12 +101,14 @@ def attention_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                   out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
                   causal: bool, softmax_scale: float, deterministic: bool, backend: str,
                   window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                  alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+                  alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                  dropout_p: float = 0.0, dropout_seed: int = 0, dropout_offset: int = 0
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dQ, dK, dV of the forward that produced ``out`` and ``lse``, with its features, and
-    the gradient of ``sinks`` (an empty float32 tensor without sinks)."""
-    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes,
-                      sinks=sinks)
+    """dQ, dK, dV of the forward that produced ``out`` and ``lse``, with its features (the
+    dropout's mask drawn again from its seed and offset), and the gradient of ``sinks`` (an
+    empty float32 tensor without sinks)."""
+    variant = _variant(causal, window_left, window_right, softcap, alibi_slopes, sinks,
+                       dropout_p, dropout_seed, dropout_offset)
     dq, dk, dv, dsinks = _bwd.backward(grad_out, q, k, v, out, lse, grad_lse, causal,
                                        softmax_scale, deterministic, backend, variant)
     return dq, dk, dv, q.new_empty(0, dtype=torch.float32) if dsinks is None else dsinks
@@ -101,7 +121,8 @@ def _attention_bwd_fake(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                         deterministic: bool, backend: str, window_left: int = -1,
                         window_right: int = -1, softcap: float = 0.0,
                         alibi_slopes: torch.Tensor | None = None,
-                        sinks: torch.Tensor | None = None
+                        sinks: torch.Tensor | None = None, dropout_p: float = 0.0,
+                        dropout_seed: int = 0, dropout_offset: int = 0
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dsinks = (q.new_empty(0, dtype=torch.float32) if sinks is None
               else torch.empty_like(sinks, dtype=torch.float32))
@@ -110,9 +131,10 @@ def _attention_bwd_fake(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     q, k, v, causal, softmax_scale, backend, deterministic = inputs[:7]
-    window_left, window_right, softcap, alibi_slopes, sinks = inputs[7:]
-    ctx.features = Variant(causal, (window_left, window_right), softcap, alibi_slopes,
-                           sinks=sinks).features
+    window_left, window_right, softcap, alibi_slopes, sinks = inputs[7:12]
+    ctx.dropout = tuple(inputs[12:]) or (0.0, 0, 0)
+    ctx.features = _variant(causal, window_left, window_right, softcap, alibi_slopes, sinks,
+                            *ctx.dropout).features
     ctx.window = (window_left, window_right)
     ctx.softcap = softcap
     out, lse = output
@@ -126,17 +148,17 @@ def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
               ) -> tuple[Any, ...]:
     """Gradients of (q, k, v, causal, softmax_scale, backend, deterministic, window_left,
-    window_right, softcap, alibi_slopes, sinks); FeatureNotSupported for features the
-    backward families do not implement."""
+    window_right, softcap, alibi_slopes, sinks, dropout_p, dropout_seed, dropout_offset);
+    FeatureNotSupported for features the backward families do not implement."""
     q, k, v, out, lse, alibi_slopes, sinks = ctx.saved_tensors
     refuse_unsupported("bwddet" if ctx.deterministic else "bwd", ctx.features, q,
                        "flashtune.attention's backward pass")
     dq, dk, dv, dsinks = attention_bwd(grad_out, q, k, v, out, lse, grad_lse, ctx.causal,
                                        ctx.softmax_scale, ctx.deterministic, ctx.backend,
                                        ctx.window[0], ctx.window[1], ctx.softcap,
-                                       alibi_slopes, sinks)
+                                       alibi_slopes, sinks, *ctx.dropout)
     return (dq, dk, dv, None, None, None, None, None, None, None, None,
-            dsinks if sinks is not None else None)
+            dsinks if sinks is not None else None, None, None, None)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -198,7 +220,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
               alibi_slopes: torch.Tensor | None = ...,
               sinks: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
-              mask_mod: MaskModFn | None = ...) -> torch.Tensor: ...
+              mask_mod: MaskModFn | None = ..., dropout_p: float = ...,
+              return_dropout_mask: Literal[False] = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -208,7 +231,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
               alibi_slopes: torch.Tensor | None = ...,
               sinks: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
-              mask_mod: MaskModFn | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+              mask_mod: MaskModFn | None = ..., dropout_p: float = ...,
+              return_dropout_mask: Literal[False] = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @overload
@@ -217,8 +241,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               backend: str | None = ..., deterministic: bool | None = ...,
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
               alibi_slopes: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
-              score_mod: ScoreModFn | None = ..., mask_mod: MaskModFn | None = ...
+              score_mod: ScoreModFn | None = ..., mask_mod: MaskModFn | None = ...,
+              dropout_p: float = ..., return_dropout_mask: Literal[False] = ...
               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
+              softmax_scale: float | None = ..., return_lse: bool = ...,
+              backend: str | None = ..., deterministic: bool | None = ...,
+              window_size: tuple[int, int] = ..., softcap: float | None = ...,
+              alibi_slopes: torch.Tensor | None = ..., dropout_p: float = ...,
+              return_dropout_mask: Literal[True]) -> tuple[torch.Tensor, ...]: ...
 
 
 def attention(
@@ -237,7 +271,9 @@ def attention(
     sinks: torch.Tensor | None = None,
     score_mod: ScoreModFn | None = None,
     mask_mod: MaskModFn | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    dropout_p: float = 0.0,
+    return_dropout_mask: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Scaled dot-product attention in flash-attn's layout.
 
     q is (B, Nq, Hq, D); k and v are (B, Nk, Hkv, D) with Hq a multiple of Hkv (grouped-query
@@ -267,15 +303,22 @@ def attention(
     sinks, which may require grad): one logit per query head, not scaled, joins each row's
     softmax denominator and contributes no value, O = sum_j exp(s_j) v_j / (exp(sink) +
     sum_j exp(s_j)), and the LSE includes it (a row that sees no key gets O = 0 and
-    LSE = sink). Each is a compile-time variant of the kernel (its own tuning key), not a
-    run-time branch.
+    LSE = sink).
+    ``dropout_p``: FlashAttention-2's attention dropout (training): each softmax probability
+    is zeroed with probability ``dropout_p`` and the kept ones scaled by 1 / (1 - dropout_p)
+    (the LSE is the undropped softmax's); the mask is drawn from torch's default generator
+    of the tensors' device (``api.dropout``: same seed, same output; each call draws anew)
+    and drawn again, never stored, by the backward. ``return_dropout_mask=True`` appends
+    the kept mask, bool (B, Hq, Nq, Nk), drawn on the host with the kernels' definition
+    (for testing: it costs B Hq Nq Nk bytes). Each feature is a compile-time variant of the
+    kernel (its own tuning key), not a run-time branch.
 
     ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)``:
     FlexAttention's modifications (``flashtune.flex_attention``), traced into the kernel
     (``codegen.trace``; h is the query head, the indices are positions within the
     sequences); applied after softcap and ALiBi, and a masked key stays hidden whatever they
     return. The forward only: inputs (sinks included) that require grad raise
-    BackwardNotAvailable.
+    BackwardNotAvailable, and dropout does not combine with them.
     """
     dim = None
     if isinstance(q, torch.Tensor) and not q.is_nested and q.dim() and q.shape[-1] % 8:
@@ -286,7 +329,16 @@ def attention(
     scale = check_softmax_scale(softmax_scale, dim or q.shape[3])
     ordered = _deterministic(deterministic)
     name = "" if backend is None else backend
+    p = 0.0 if isinstance(dropout_p, float) and dropout_p == 0.0 else (
+        _dropout.check_dropout_p(dropout_p))
+    if return_dropout_mask and not p:
+        raise InvalidInput("return_dropout_mask=True needs dropout_p > 0 (there is no mask "
+                           "without dropout)")
     if score_mod is not None or mask_mod is not None:
+        if p:
+            raise InvalidInput(f"dropout_p={dropout_p} with a score_mod or mask_mod: "
+                               "modified attention has a forward pass only, and dropout is "
+                               "for training; expected dropout_p=0.0")
         modified = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
                            (q.shape[1], k.shape[1]), sinks=sinks)
         if modified.sinks is not None and modified.sinks.requires_grad:
@@ -295,11 +347,15 @@ def attention(
         if dim is not None:
             out = out[..., :dim]
         return (out, lse) if return_lse else out
-    if window_size == NO_WINDOW and softcap is None and alibi_slopes is None and sinks is None:
+    if (window_size == NO_WINDOW and softcap is None and alibi_slopes is None and sinks is None
+            and not p):
         variant = None
     else:
         variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
                           (q.shape[1], k.shape[1]), sinks=sinks)
+        if p:
+            variant = dataclasses.replace(variant, dropout=_dropout.draw(
+                q.device, q.shape[0] * q.shape[2], p))
         causal = variant.causal
     needs_grad = _needs_grad(q, k, v) or (torch.is_grad_enabled() and sinks is not None
                                           and sinks.requires_grad)
@@ -308,11 +364,17 @@ def attention(
     elif variant is None:
         out, lse = attention_fwd(q, k, v, causal, scale, name, ordered)
     else:
+        drop = variant.dropout
         out, lse = attention_fwd(q, k, v, causal, scale, name, ordered, *variant.window,
-                                 variant.softcap, variant.alibi_slopes, variant.sinks)
+                                 variant.softcap, variant.alibi_slopes, variant.sinks,
+                                 *((drop.p, drop.signed_seed, drop.offset) if drop else ()))
     if dim is not None:
         out = out[..., :dim]
-    return (out, lse) if return_lse else out
+    result: tuple[torch.Tensor, ...] = (out, lse) if return_lse else (out,)
+    if return_dropout_mask and variant is not None and variant.dropout is not None:
+        result += (_dropout.mask_of(variant.dropout, q.shape[0], q.shape[2], q.shape[1],
+                                    k.shape[1], q.device),)
+    return result if len(result) > 1 else out
 
 
 def _sdpa_unsupported(what: str, fix: str) -> InvalidInput:
@@ -334,14 +396,15 @@ def scaled_dot_product_attention(
 ) -> torch.Tensor:
     """A drop-in for torch.nn.functional.scaled_dot_product_attention on (B, H, N, D) inputs.
 
-    Supported: 4-D fp16/bf16 inputs, ``is_causal``, ``scale``, and ``enable_gqa`` (Hq a
+    Supported: 4-D fp16/bf16 inputs, ``is_causal``, ``scale``, ``dropout_p`` (as in
+    ``attention``; torch's own kernels draw other masks) and ``enable_gqa`` (Hq a
     multiple of Hkv). ``is_causal`` has torch's meaning: the mask is aligned to the top-left
     corner (query i sees key j iff j <= i), which for L != S is not ``attention``'s
     bottom-right ``causal``; it is served as two calls (``api.sdpa_causal``; gradients
-    included). Not supported (InvalidInput saying so): ``dropout_p`` other than 0,
-    ``attn_mask`` with ``is_causal``, and Hq != Hkv without ``enable_gqa``. The inputs are
-    passed as transposed views and the result is a transposed view: nothing is copied (but
-    for L > S with ``is_causal``, whose two row blocks are concatenated). ``backend`` is
+    included). Not supported (InvalidInput saying so): ``attn_mask`` with ``is_causal``, and
+    Hq != Hkv without ``enable_gqa``. The inputs are passed as transposed views and the
+    result is a transposed view: nothing is copied (but for L > S with ``is_causal``, whose
+    two row blocks are concatenated). ``backend`` is
     as in ``attention``; gradients flow as there (deterministic when
     ``torch.use_deterministic_algorithms(True)`` is set).
 
@@ -351,15 +414,16 @@ def scaled_dot_product_attention(
     O = 0 (torch's math path gives NaN there). A mask that requires grad raises
     BackwardNotAvailable.
     """
-    if dropout_p != 0.0:
-        raise _sdpa_unsupported(f"dropout_p={dropout_p}", "flashtune has no attention "
-                                "dropout; expected dropout_p=0.0")
     check_bhsd(query, key, value, enable_gqa)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if attn_mask is not None:
         if is_causal:
             raise _sdpa_unsupported("attn_mask together with is_causal", "fold the causal "
                                     "mask into attn_mask (torch refuses the pair too)")
+        if dropout_p != 0.0:
+            raise _sdpa_unsupported(f"attn_mask together with dropout_p={dropout_p}",
+                                    "a masked call is served forward only; expected "
+                                    "dropout_p=0.0 with attn_mask")
         if torch.is_grad_enabled() and attn_mask.requires_grad:
             raise BackwardNotAvailable("a float attn_mask that requires grad needs the "
                                        "backward through score modifications, which "
@@ -374,11 +438,12 @@ def scaled_dot_product_attention(
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
                    ) -> tuple[torch.Tensor, torch.Tensor]:
             return attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True,
-                             backend=backend)
+                             backend=backend, dropout_p=dropout_p)
 
         out, _ = top_left_forward(attend, q, k, v)
     else:
-        out = attention(q, k, v, causal=is_causal, softmax_scale=scale, backend=backend)
+        out = attention(q, k, v, causal=is_causal, softmax_scale=scale, backend=backend,
+                        dropout_p=dropout_p)
     return out.transpose(1, 2)
 
 

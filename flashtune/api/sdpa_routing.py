@@ -125,7 +125,9 @@ class _Kernels:
 
     def _check_forward(self, dropout_p: float, return_debug_mask: bool) -> None:
         if dropout_p != 0.0:
-            raise _refused(f"dropout_p={dropout_p} (flashtune has no attention dropout)")
+            raise _refused(f"dropout_p={dropout_p} (torch's operators carry their own "
+                           "generator state; flashtune's dropout is flashtune.attention's "
+                           "and flashtune.scaled_dot_product_attention's dropout_p)")
         if return_debug_mask:
             raise _refused("return_debug_mask=True")
 
@@ -247,7 +249,9 @@ class _Kernels:
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """dQ, dK, dV of (B, N, H, D) views (the forward ran flashtune on them)."""
         if dropout_p != 0.0:
-            raise _refused(f"dropout_p={dropout_p} (flashtune has no attention dropout)")
+            raise _refused(f"dropout_p={dropout_p} (torch's operators carry their own "
+                           "generator state; flashtune's dropout is flashtune.attention's "
+                           "and flashtune.scaled_dot_product_attention's dropout_p)")
         head_dim = q.shape[-1]
         if head_dim % 8:
             raise _refused(f"head dim {head_dim} in the backward (expected a multiple of 8, "

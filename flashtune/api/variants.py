@@ -23,7 +23,7 @@ from flashtune import families
 from flashtune.codegen.spec import MAX_HEAD_DIM, Problem
 from flashtune.errors import FeatureNotSupported, InvalidInput
 from flashtune.families.base import element_type
-from flashtune.families.fwd.args import VarlenArgs
+from flashtune.families.fwd.args import DropoutArgs, VarlenArgs
 
 NO_WINDOW = (-1, -1)
 
@@ -47,13 +47,15 @@ class Variant:
     #: The features of traced score and mask modifications (``api.flex``), registered
     #: after the built-ins, so last in key order.
     traced: tuple[str, ...] = ()
+    #: The dropout's seed, offset and p (None: no dropout).
+    dropout: DropoutArgs | None = None
 
     @property
     def features(self) -> tuple[str, ...]:
         """The Problem feature switches this call needs, in key order."""
         on = (("window", self.window != NO_WINDOW), ("softcap", self.softcap > 0.0),
               ("alibi", self.alibi_slopes is not None), ("varlen", self.varlen is not None),
-              ("sinks", self.sinks is not None))
+              ("sinks", self.sinks is not None), ("dropout", self.dropout is not None))
         return tuple(name for name, flag in on if flag) + self.traced
 
 

@@ -10,10 +10,12 @@ backward through the call raises FeatureNotSupported.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal, overload
 
 import torch
 
+from flashtune.api import dropout as _dropout
 from flashtune.api import forward as _fwd
 from flashtune.api.flex import MaskModFn, ScoreModFn, modified_forward, refuse_grad
 from flashtune.api.limits import check_softmax_scale
@@ -27,7 +29,7 @@ from flashtune.api.variants import (
     resolve,
 )
 from flashtune.errors import InvalidInput
-from flashtune.families.fwd.args import VarlenArgs
+from flashtune.families.fwd.args import DropoutArgs, VarlenArgs
 
 OP_NAME = "flashtune::attention_varlen_fwd"
 
@@ -46,12 +48,16 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          softmax_scale: float, backend: str, window_left: int,
                          window_right: int, softcap: float,
                          alibi_slopes: torch.Tensor | None,
-                         sinks: torch.Tensor | None = None
+                         sinks: torch.Tensor | None = None, dropout_p: float = 0.0,
+                         dropout_seed: int = 0, dropout_offset: int = 0
                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O (total_q, Hq, D) and LSE (Hq, total_q) of validated, resolved inputs."""
+    """O (total_q, Hq, D) and LSE (Hq, total_q) of validated, resolved inputs (the
+    dropout's seed as a signed int64, ``DropoutArgs.signed_seed``)."""
     varlen = VarlenArgs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    dropout = (DropoutArgs(dropout_seed % 2**64, dropout_offset, dropout_p)
+               if dropout_p > 0.0 else None)
     variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes, varlen,
-                      sinks=sinks)
+                      sinks=sinks, dropout=dropout)
     return _run(q, k, v, variant, softmax_scale, backend)
 
 
@@ -60,7 +66,9 @@ def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch
           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
           softmax_scale: float, backend: str, window_left: int, window_right: int,
           softcap: float, alibi_slopes: torch.Tensor | None,
-          sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          sinks: torch.Tensor | None = None, dropout_p: float = 0.0,
+          dropout_seed: int = 0, dropout_offset: int = 0
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
@@ -89,7 +97,8 @@ def attention_varlen(
     window_size: tuple[int, int] = ..., softcap: float | None = ...,
     alibi_slopes: torch.Tensor | None = ..., return_lse: Literal[False] = ...,
     backend: str | None = ..., sinks: torch.Tensor | None = ...,
-    score_mod: ScoreModFn | None = ..., mask_mod: MaskModFn | None = ...) -> torch.Tensor: ...
+    score_mod: ScoreModFn | None = ..., mask_mod: MaskModFn | None = ...,
+    dropout_p: float = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -100,7 +109,8 @@ def attention_varlen(
     backend: str | None = ..., window_size: tuple[int, int] = ...,
     softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...,
     sinks: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
-    mask_mod: MaskModFn | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+    mask_mod: MaskModFn | None = ..., dropout_p: float = ...
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention_varlen(
@@ -122,6 +132,7 @@ def attention_varlen(
     sinks: torch.Tensor | None = None,
     score_mod: ScoreModFn | None = None,
     mask_mod: MaskModFn | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over a batch of sequences of different lengths, packed (flash-attn's
     ``flash_attn_varlen_func`` layout).
@@ -138,6 +149,7 @@ def attention_varlen(
     bottom-right corner; ``softmax_scale``, ``window_size``, ``softcap``,
     ``alibi_slopes`` ((Hq,) or (batch, Hq) float32) and ``sinks`` ((Hq,) float32; a query
     row with no keys then gets LSE = sink) are as in ``attention``, per sequence.
+    ``dropout_p`` as in ``attention`` (sequence b of the pack is the mask's batch b).
     Returns O (total_q, Hq, D) and, with ``return_lse``, the float32 LSE (Hq, total_q).
     Forward only: a backward raises FeatureNotSupported. ``score_mod`` and ``mask_mod`` are
     as in ``attention``, per sequence: ``b`` is the sequence's index and ``q_idx``,
@@ -154,6 +166,15 @@ def attention_varlen(
     varlen = VarlenArgs(cu_q, cu_k, longest_q, longest_k)
     variant = resolve(causal, window_size, softcap, alibi_slopes, q, varlen.batch,
                       (longest_q, longest_k), varlen, sinks)
+    p = _dropout.check_dropout_p(dropout_p)
+    if p and (score_mod is not None or mask_mod is not None):
+        raise InvalidInput(f"dropout_p={dropout_p} with a score_mod or mask_mod: modified "
+                           "attention has a forward pass only, and dropout is for training; "
+                           "expected dropout_p=0.0")
+    if p:
+        variant = dataclasses.replace(variant, dropout=_dropout.draw(
+            q.device, varlen.batch * q.shape[1], p))
+    drop = variant.dropout
     name = "" if backend is None else backend
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, variant.sinks))
@@ -170,7 +191,9 @@ def attention_varlen(
         out, lse = attention_varlen_fwd(q, k, v, cu_q, cu_k, longest_q, longest_k,
                                         variant.causal, scale, name, *variant.window,
                                         variant.softcap, variant.alibi_slopes,
-                                        variant.sinks)
+                                        variant.sinks,
+                                        *((drop.p, drop.signed_seed, drop.offset) if drop
+                                          else ()))
     if dim is not None:
         out = out[..., :dim]
     return (out, lse) if return_lse else out

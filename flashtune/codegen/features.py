@@ -225,6 +225,7 @@ BUILTIN: tuple[Feature, ...] = (
     # gpt-oss's sinks: a learnable logit per query head that joins each row's softmax
     # denominator (after the existing words, so that every existing key is unchanged).
     Feature("sinks", "sinks", "attention sinks (sinks)"),
+    Feature("dropout", "dropout", "attention dropout (dropout_p)"),
 )
 for _builtin in BUILTIN:
     register_feature(_builtin)

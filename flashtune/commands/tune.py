@@ -53,7 +53,7 @@ def tune_command(
     causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Causal mask.")] = False,
     features: Annotated[str | None, typer.Option(
         "--features", help="Attention features compiled in, comma-separated: window, "
-                           "softcap, alibi, varlen, sinks (each its own tuning key; "
+                           "softcap, alibi, varlen, sinks, dropout (each its own tuning key; "
                            "default: none).")] = None,
     seqlens: Annotated[str, typer.Option(
         "--seqlens", help="Sequence lengths whose buckets to tune, e.g. 1024,4096,16k.")

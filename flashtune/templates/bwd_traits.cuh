@@ -52,6 +52,7 @@ struct BwdTraits {
   static constexpr bool kLocal = Local;
   static constexpr bool kSoftcap = Softcap;
   static constexpr bool kAlibi = Alibi;
+  static constexpr bool kDropout = false;  // on in WithDropout<...> (dropout.cuh)
   static_assert(!(Causal && Local), "a causal sliding window is the window (left, 0)");
   // dQ: true = each block adds into its own float32 slice in a fixed order (deterministic),
   // false = float32 atomics into one accumulator.

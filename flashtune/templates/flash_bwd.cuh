@@ -11,6 +11,8 @@
 // this step's math). P is recomputed from the LSE: P = exp2(S scale log2(e) - LSE log2(e)),
 // zero where masked (so a row that sees no key, LSE = +inf, gives P = 0, never NaN).
 // dV += P^T dO with P rounded to the input type; dP = dO V^T; dS = P (dP - D);
+// with dropout (dropout.cuh: the forward's mask drawn again), P M / (1 - p) in dV and
+// dS = P (dP M / (1 - p) - D);
 // dK += dS^T Q; dQ += dS K. dK is scaled by softmax_scale once at the end; dQ is scaled by
 // the convert kernel. dK and dV of a kv head sum every query head of its group in float32
 // registers, so GQA needs no expanded copies.
@@ -26,6 +28,7 @@
 #include "bwd_gemm.cuh"
 #include "bwd_tile.cuh"
 #include "bwd_traits.cuh"
+#include "dropout.cuh"
 #include "variant_args.cuh"
 
 namespace ft {
@@ -50,7 +53,7 @@ __device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
                                            typename Tr::Element* sp, typename Tr::Element* sds,
                                            int row0, int col0, bool masked, int seqlen_q,
                                            int seqlen_k, float scale_log2, int lane,
-                                           const BwdScoreArgs& fa) {
+                                           const BwdScoreArgs& fa, const DropoutSite& drop) {
   constexpr float kLog2e = 1.44269504088896340736f;
   constexpr int kSteps = Tr::kHeadDimMma / 16;
   float s[Tr::kMTiles][Tr::kKeyTiles][4];
@@ -65,6 +68,14 @@ __device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
   const int t = lane % 4;
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+    // Dropout: the kept bits of the lane's rows (h = 0, 1) and keys of each key tile.
+    unsigned kept[Tr::kDropout ? Tr::kKeyTiles : 1];
+    if constexpr (Tr::kDropout) {
+#pragma unroll
+      for (int nt = 0; nt < Tr::kKeyTiles; ++nt) {
+        kept[nt] = drop.kept(row0 + mt * 16 + g, col0 + nt * 8 + 2 * t);
+      }
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = mt * 16 + g + 8 * h;  // row within the warp's rows
@@ -93,6 +104,14 @@ __device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
         for (int e = 0; e < 2; ++e) {
           const int col = nt * 8 + 2 * t + e;
           const bool seen = col < visible && (!Tr::kLocal || col >= first);
+          // Dropout: dP of a dropped element is 0, a kept one's is scaled by 1 / (1 - p)
+          // (dS = P (dP M / (1 - p) - D)); dV's P is P M / (1 - p).
+          float dpe = dp[mt][nt][2 * h + e];
+          bool keep = true;
+          if constexpr (Tr::kDropout) {
+            keep = (kept[nt] >> (2 * h + e)) & 1u;
+            dpe = keep ? dpe * drop.scale : 0.0f;
+          }
           if constexpr (Tr::kSoftcap || Tr::kAlibi) {
             // The forward's scores in natural-log units: cap tanh(scale s / cap), then the
             // bias -slope |i + Nk - Nq - j|; softcap's derivative scales dS.
@@ -110,11 +129,12 @@ __device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
               x += fa.neg_slope * static_cast<float>(d < 0 ? -d : d);
             }
             p[e] = seen ? exp2f_fast(x * kLog2e - lse_log2) : 0.0f;
-            ds[e] = p[e] * (dp[mt][nt][2 * h + e] - dsum) * dtanh;
+            ds[e] = p[e] * (dpe - dsum) * dtanh;
           } else {
             p[e] = seen ? exp2f_fast(s[mt][nt][2 * h + e] * scale_log2 - lse_log2) : 0.0f;
-            ds[e] = p[e] * (dp[mt][nt][2 * h + e] - dsum);
+            ds[e] = p[e] * (dpe - dsum);
           }
+          if constexpr (Tr::kDropout) p[e] = keep ? p[e] * drop.scale : 0.0f;
         }
         const int at = r * Tr::kPRowStride + nt * 8 + 2 * t;
         *reinterpret_cast<unsigned*>(sp + at) = Tr::Ops::pack(p[0], p[1]);
@@ -237,6 +257,8 @@ __device__ __forceinline__ void flash_bwd(
     fa.cap = var.softcap;
     fa.tanh_scale = softmax_scale / var.softcap;
   }
+  DropoutSite drop;
+  if constexpr (Tr::kDropout) drop.init(var.dropout_seed, var.dropout_offset, var.dropout_p);
   for (int n_block = static_cast<int>(blockIdx.x); n_block < n_blocks;
        n_block += static_cast<int>(gridDim.x)) {
     const int n0 = n_block * kBlockN;
@@ -309,11 +331,14 @@ __device__ __forceinline__ void flash_bwd(
       if constexpr (Tr::kAlibi) {
         fa.neg_slope = -var.alibi_slopes[batch * var.alibi_batch_stride + head];
       }
+      if constexpr (Tr::kDropout) {
+        drop.at(static_cast<unsigned long long>(var.dropout_offset), batch, heads_q, head);
+      }
       bwd_scores<Tr>(sq_buf + warp_row0 * Tr::kRowStride, sdo_buf + warp_row0 * Tr::kRowStride,
                      sk, sv, slse + buf * kBlockM + warp_row0,
                      sdsum + buf * kBlockM + warp_row0, sp + warp_row0 * Tr::kPRowStride,
                      sds + warp_row0 * Tr::kPRowStride, m0 + warp_row0, n0, masked, seqlen_q,
-                     seqlen_k, scale_log2, lane, fa);
+                     seqlen_k, scale_log2, lane, fa, drop);
       block_sync();  // sP and sdS are complete
 
       // dV += P^T dO and dK += dS^T Q over this step's query rows.

@@ -202,6 +202,12 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, t
     loop.transform.full_begin = full_lo * kBlockN;
     loop.transform.full_end = full_hi * kBlockN;
   }
+  if constexpr (Tr::kDropout) {
+    loop.dropout.site.init(a.var.dropout_seed, a.var.dropout_offset, a.var.dropout_p);
+    loop.dropout.site.at(loop.dropout.site.stream, batch, a.heads_q, head);
+    loop.dropout.row0 = m0 + warp_row0 + lane / 4;
+    loop.dropout.col_lane = 2 * (lane % 4);
+  }
   loop.q.rows = sq + Tr::Smem::offset(warp_row0, 0);
   const int first_rows = seqlen_k - tile * kBlockN;
   loop.prologue(sq, q_bh, a.q_row_stride, m0, seqlen_q, tile, first_rows);
@@ -261,6 +267,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, t
   } else {
     loop.softmax.finalize(inv_sum, row_lse);
   }
+  if constexpr (Tr::kDropout) loop.dropout.scale_rows(inv_sum);  // kept P: 1 / (1 - p)
   float* const lse_bh = lse_rows();
   const int g = lane / 4;
   const int t = lane % 4;

@@ -16,6 +16,7 @@
 //     runs one tile ahead of V, since a step reads K of the next tile).
 #pragma once
 
+#include "dropout.cuh"
 #include "fwd_traits.cuh"
 #include "softmax.cuh"
 #include "tile_io.cuh"
@@ -47,6 +48,7 @@ struct FwdMainloop {
   float s_next[Tr::kMTiles][Tr::kSTiles][4];  // pipelined: scores of the next step's tile
   ScoreTransform<Tr> transform;  // softcap, ALiBi (Tr::kTransformed)
   int low_tile;  // local, a block mask's tile ranges: the lowest key tile walked (0 otherwise)
+  typename detail::Select<Tr::kDropout, FwdDropout<Tr>, NoFwdDropout>::type dropout;
 
   // The lowest key tile walked: no copy or Q K^T goes below it.
   __device__ __forceinline__ int low() const {
@@ -173,6 +175,7 @@ struct FwdMainloop {
     } else {
       softmax.template update<kFirst>(s, p, acc_o, scale_log2, NoMask());
     }
+    if constexpr (Tr::kDropout) dropout.apply(p, tile * Tr::kBlockN);
     if constexpr (!Tr::kOneBarrier) {
       cp_async_wait<0>();
       block_sync();  // V landed; every warp is done reading K

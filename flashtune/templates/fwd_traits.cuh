@@ -98,6 +98,7 @@ struct FwdTraits {
   static constexpr bool kAlibi = Alibi;
   static constexpr bool kVarlen = Varlen;
   static constexpr bool kSinks = Sinks;
+  static constexpr bool kDropout = false;  // on in WithDropout<...> (dropout.cuh)
   // Whether scores are transformed before the softmax (softcap, ALiBi, declared mods).
   static constexpr bool kTransformed = Softcap || Alibi || Mods::kOn;
   static constexpr int kThreads = 32 * NumWarps;

@@ -1,6 +1,5 @@
 // The run-time values of the attention features (sliding window, softcap, ALiBi, varlen,
-// sinks)
-// that the forward and backward kernels take, in one struct.
+// sinks, dropout) that the forward and backward kernels take, in one struct.
 #pragma once
 
 namespace ft {
@@ -22,6 +21,10 @@ struct VariantArgs {
   // Sinks: float32 (heads_q,), one logit per query head joined to every row's softmax
   // denominator (sinks.cuh).
   const float* sinks = nullptr;
+  // Dropout (dropout.cuh): the generator's seed and offset, and the probability p (< 1).
+  long long dropout_seed = 0;
+  long long dropout_offset = 0;
+  float dropout_p = 0.0f;
 
   // The window's sizes with "all" as the largest size that can matter (so that row and key
   // arithmetic stays in 32 bits): left = seqlen_k, right = seqlen_q.

@@ -7,6 +7,8 @@ without the feature (no window, no softcap) are far off, so the comparison sees 
 the feature ran. Mistral and Gemma 2 also train a few steps without padding (windows and
 softcaps in the backward) and follow eager attention's losses and gradients, as does a tiny
 gpt-oss (attention sinks through ``s_aux``, with its sliding and full layers and its MoE).
+A tiny Llama trains with attention dropout against plain attention with the tests' own
+dropout mask.
 
 Skipped without transformers (an optional extra: ``pip install flashtune[transformers]``).
 """
@@ -185,3 +187,45 @@ def test_tiny_gpt_oss_trains_like_eager_attention() -> None:
     off = max(float((plain_grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-12))
               for n in ref_grads if not n.endswith("self_attn.sinks"))
     assert off > 5 * worst, f"gpt-oss: without its sinks the gradients are off by {off:.3g}"
+
+
+def test_attention_dropout_trains_like_plain_attention_with_the_same_mask() -> None:
+    """A tiny Llama with ``attention_dropout`` in train mode: flashtune's losses and first
+    gradients follow a plain PyTorch attention that draws its seed from torch's generator
+    as the API does and its mask with the tests' own Philox (``dropout_philox``)."""
+    from dropout_philox import float32, mask
+    from transformers import AttentionInterface
+
+    def plain(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+              scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        batch, heads, n, _ = query.shape
+        group = heads // key.shape[1]
+        k, v = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+        scores = torch.einsum("bhqd,bhkd->bhqk", query, k) * (scaling or 1.0)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        if dropout:
+            high, low = torch.randint(2**32, (2,), dtype=torch.int64).tolist()
+            kept = mask(int(high) << 32 | int(low), 0, dropout, range(batch), heads, n, n)
+            probs = probs * kept * (1.0 / (1.0 - float32(dropout)))
+        return torch.einsum("bhqk,bhkd->bqhd", probs, v), None
+
+    AttentionInterface.register("plaindrop", plain)
+    impl = flashtune.register_transformers(backend="emulator")
+    torch.manual_seed(2)
+    cfg = _tiny("llama", initializer_range=0.1, attention_dropout=0.3, num_hidden_layers=1)
+    state = transformers.AutoModelForCausalLM.from_config(cfg).state_dict()
+    ids = torch.randint(0, 128, (2, 13))
+    torch.manual_seed(3)
+    ref_losses, ref_grads = _train(cfg, "plaindrop", state, ids, 2)
+    torch.manual_seed(3)
+    losses, grads = _train(cfg, impl, state, ids, 2)
+    torch.manual_seed(4)
+    other_losses, _ = _train(cfg, impl, state, ids, 1)
+    for step, (got, ref) in enumerate(zip(losses, ref_losses, strict=True)):
+        assert abs(got - ref) <= 2e-3 * abs(ref), f"step {step}: loss {got} vs {ref}"
+    assert abs(other_losses[0] - ref_losses[0]) > 1e-2 * abs(ref_losses[0])  # another mask
+    worst = max(float((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-12))
+                for n in ref_grads)
+    assert worst <= 3e-2, f"worst relative gradient error {worst:.3g}"

@@ -255,10 +255,10 @@ class TestSdpaArguments:
             flashtune.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(rows, 24),
                                                    is_causal=True)
 
-    def test_dropout(self) -> None:
+    def test_dropout_of_one(self) -> None:
         q, k, v = self._bhnd()
-        with pytest.raises(InvalidInput, match="dropout_p=0.1.*dropout_p=0.0"):
-            flashtune.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        with pytest.raises(InvalidInput, match=r"dropout_p=1.0 is not in \[0, 1\)"):
+            flashtune.scaled_dot_product_attention(q, k, v, dropout_p=1.0)
 
     def test_gqa_needs_enable_gqa(self) -> None:
         q, k, v = self._bhnd()

@@ -179,7 +179,7 @@ def test_every_family_serves_or_refuses_each_feature(family: str) -> None:
             arch = get_arch(impl.target_arch or "sm_80")
             impl.render(problem, impl.default_config(Problem(64, DType.FP16, op=family), arch))
         keyword = {"window": "window_size", "softcap": "softcap", "alibi": "alibi_slopes",
-                   "varlen": "attention_varlen", "sinks": "sinks"}[name]
+                   "varlen": "attention_varlen", "sinks": "sinks", "dropout": "dropout_p"}[name]
         assert f"({keyword})" in str(info.value)
 
 

@@ -35,11 +35,14 @@ def bias() -> Iterator[Feature]:
 
 
 def test_builtin_features_keep_their_names_words_and_order() -> None:
-    assert tuple(FEATURES) == ("window", "softcap", "alibi", "varlen", "sinks")
-    assert [f.word for f in BUILTIN] == ["local", "softcap", "alibi", "varlen", "sinks"]
+    assert tuple(FEATURES) == ("window", "softcap", "alibi", "varlen", "sinks", "dropout")
+    assert [f.word for f in BUILTIN] == ["local", "softcap", "alibi", "varlen", "sinks",
+                                         "dropout"]
     assert FEATURE_NAMES["window"] == "sliding-window attention (window_size)"
     assert Problem(64, DType.FP16, window=True, softcap=True, alibi=True,
                    varlen=True).key() == "fwd_d64_fp16_local_softcap_alibi_varlen"
+    assert Problem(64, DType.FP16, causal=True, features=("dropout", "alibi")).key() == (
+        "fwd_d64_fp16_causal_alibi_dropout")
 
 
 def test_a_registered_feature_is_a_switch_with_a_key_and_a_dict_field(bias: Feature) -> None:
@@ -96,7 +99,7 @@ def test_after_removal_the_feature_is_unknown_again() -> None:
         Problem.from_key(key)
     with pytest.raises(InvalidProblem, match=r"'bias' is not an attention feature; expected "
                                              r"one of \['window', 'softcap', 'alibi', 'varlen', "
-                                             r"'sinks'\]"):
+                                             r"'sinks', 'dropout'\]"):
         Problem(64, DType.FP16, bias=True)
     with pytest.raises(AttributeError):
         _ = Problem(64, DType.FP16).bias
@@ -150,7 +153,7 @@ def test_a_mask_feature_takes_the_mask_slot_of_the_key() -> None:
 def test_bad_declarations_are_refused(make, needle: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(InvalidProblem, match=needle):
         register_feature(make())
-    assert tuple(FEATURES) == ("window", "softcap", "alibi", "varlen", "sinks")
+    assert tuple(FEATURES) == ("window", "softcap", "alibi", "varlen", "sinks", "dropout")
 
 
 def test_builtins_cannot_be_removed() -> None:

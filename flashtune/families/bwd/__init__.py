@@ -57,7 +57,7 @@ class BackwardFamily(KernelFamily):
     title = "attention backward (FlashAttention-2: dK, dV and the float32 dQ accumulator)"
     template = "flash_bwd.cu.jinja"
     dtypes = SAME_16BIT
-    features = frozenset({"window", "softcap", "alibi"})
+    features = frozenset({"window", "softcap", "alibi", "dropout"})
     abi: ClassVar[EntryAbi | None] = args.MAIN_ABI
     #: True for the family whose every config is deterministic.
     deterministic = False

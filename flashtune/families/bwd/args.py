@@ -10,7 +10,7 @@ Main kernel (``flash_bwd.cu.jinja``):
     then the features' values, those of the Problem's switches only (the forward's, by the
     same names: ``fwd.args.feature_values``): window: window_left, window_right (int32);
     softcap: softcap (float32); alibi: alibi_slopes (const float*), alibi_batch_stride
-    (int64).
+    (int64); dropout: dropout_seed, dropout_offset (int64), dropout_p (float32).
 
 Preprocess (``bwd_pre.cu.jinja``): o, do (const T*), dsum, dq_accum (float*), seqlen_q,
 heads_q, dq_slices (int32), o and do strides (6 x int64).
@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from flashtune.codegen.abi import Element, EntryAbi, scalar, size, strides, tensor
+from flashtune.families.fwd.args import DROPOUT_ARGS
 from flashtune.families.launch_args import grid
 
 _Q, _KV, _O, _F, _I = Element.Q, Element.KV, Element.O, Element.FLOAT, Element.INT
@@ -48,6 +49,7 @@ MAIN_ABI = EntryAbi("flash_bwd", (
     scalar("softcap", _F, feature="softcap"),
     tensor("alibi_slopes", _F, const=True, feature="alibi", wrap=True),
     scalar("alibi_batch_stride", Element.INT64, feature="alibi"),
+    *DROPOUT_ARGS,
 ))
 
 #: The preprocess kernel's arguments (``bwd_pre.cu.jinja``).

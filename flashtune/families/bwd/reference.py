@@ -12,7 +12,8 @@ LSE and the preprocess's D = rowsum(dO O)), so the reference uses the very same 
 Features (the forward's: ``fwd.reference.scaled_scores``): S is then the forward's scores
 (softcapped, ALiBi-biased, masked by the window), and with softcap dS carries the tanh's
 derivative: dS = P (dP - D) (1 - tanh^2(scale q.k / cap)), the gradient with respect to
-scale Q K^T (the bias has derivative 1).
+scale Q K^T (the bias has derivative 1). Dropout (the forward's mask M drawn again,
+``fwd.reference.dropped``): dV = (P M / (1 - p))^T dO and dS = P (dP M / (1 - p) - D).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from flashtune._lazy import lazy_module
 from flashtune.codegen.spec import DType
-from flashtune.families.fwd.reference import scaled_scores
+from flashtune.families.fwd.reference import dropped, scaled_scores
 from flashtune.families.fwd.variants import VariantValues
 
 if TYPE_CHECKING:
@@ -68,6 +69,8 @@ def softmax_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
         part = torch.logsumexp(scores, dim=-1)
         empty = torch.isneginf(part)
         probs = torch.exp(scores - part.masked_fill(empty, 0.0)[..., None])
+        if values.dropout is not None:
+            probs = dropped(probs, values.dropout, row0=r0, seqlen_q=seqlen_q)
         out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
         lse[:, :, r0:r1] = part.masked_fill(empty, float("inf"))
         dsum[:, :, r0:r1] = (out * dout[:, r0:r1].float()).sum(-1).transpose(1, 2)
@@ -100,14 +103,18 @@ def backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     visible = torch.isfinite(lse64).expand_as(probs) & torch.isfinite(scores)
     probs = probs.masked_fill(~visible, 0.0)
     dprobs = torch.einsum("bqhd,bkhd->bhqk", dod, ve)
-    dscores = probs * (dprobs - dsum.to(torch.float64)[..., None])
+    undropped = probs
+    if values.dropout is not None:  # P M / (1 - p) in dV and in dP's place in dS
+        probs = dropped(probs, values.dropout)
+        dprobs = dropped(dprobs, values.dropout)
+    dscores = undropped * (dprobs - dsum.to(torch.float64)[..., None])
     if values.softcap:
         slope = 1.0 - torch.tanh(torch.einsum("bqhd,bkhd->bhqk", qd, ke) * scale
                                  / values.softcap) ** 2
         dscores = dscores * slope
-        probs_bound = probs * slope
+        probs_bound = undropped * slope
     else:
-        probs_bound = probs
+        probs_bound = undropped
 
     def per_kv_head(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(batch, seqlen_k, heads_kv, group, dim).sum(3)
@@ -118,8 +125,9 @@ def backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     info = torch.finfo(q.dtype) if q.dtype.is_floating_point else torch.finfo(torch.float32)
     tiny = info.smallest_normal * info.eps / 2
     seen = visible.to(torch.float64)
-    ds_bound = probs_bound * (torch.einsum("bqhd,bkhd->bhqk", dod.abs(), ve.abs())
-                        + dsum.to(torch.float64).abs()[..., None])
+    kept_scale = 1.0 / (1.0 - values.dropout.p) if values.dropout is not None else 1.0
+    ds_bound = probs_bound * (torch.einsum("bqhd,bkhd->bhqk", dod.abs(), ve.abs()) * kept_scale
+                              + dsum.to(torch.float64).abs()[..., None])
     return {
         "dk": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", dscores, qd)) * scale,
         "dv": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", probs, dod)),

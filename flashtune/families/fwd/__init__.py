@@ -48,7 +48,7 @@ class ForwardFamily(KernelFamily):
     title = "attention forward (FlashAttention-2: O and LSE)"
     template = "flash_fwd.cu.jinja"
     dtypes = SAME_16BIT
-    features = frozenset({"window", "softcap", "alibi", "varlen", "sinks"})
+    features = frozenset({"window", "softcap", "alibi", "varlen", "sinks", "dropout"})
     score_mods = True
     abi: ClassVar[EntryAbi | None] = args.FWD_ABI
 
@@ -160,13 +160,15 @@ class ForwardFamily(KernelFamily):
                                       problem.causal, inputs.scalars["softmax_scale"],
                                       window=values.window, softcap=values.softcap or None,
                                       alibi_slopes=values.alibi_slopes, mods=mods,
-                                      mod_values=values.mods, sinks=values.sinks)
+                                      mod_values=values.mods, sinks=values.sinks,
+                                      dropout=values.dropout)
             return {"o": o[None], "lse": lse[None]}
         o, lse = attention_reference(t["q"], t["k"], t["v"], problem.causal,
                                      inputs.scalars["softmax_scale"], window=values.window,
                                      softcap=values.softcap or None,
                                      alibi_slopes=values.alibi_slopes, mods=mods,
-                                     mod_values=values.mods, sinks=values.sinks)
+                                     mod_values=values.mods, sinks=values.sinks,
+                                     dropout=values.dropout)
         return {"o": o, "lse": lse}
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,

@@ -10,7 +10,9 @@ expected signature are generated from it (``codegen.abi``).
       window: window_left, window_right (int32; -1 unbounded);
       softcap: softcap (float32, > 0);
       alibi: alibi_slopes (const float*), alibi_batch_stride (int64; 0 for (heads_q,) slopes);
-      varlen: cu_seqlens_q, cu_seqlens_k (const int*), max_seqlen_q (int32); Q, K, V and O
+      varlen: cu_seqlens_q, cu_seqlens_k (const int*), max_seqlen_q (int32), see below;
+      dropout: dropout_seed, dropout_offset (int64), dropout_p (float32, in [0, 1));
+      with varlen, Q, K, V and O
         are then (1, total rows, heads, head_dim) (flash-attn's packed (total, heads, dim)
         with a batch dim of 1), seqlen_q and seqlen_k their total rows, the LSE
         (heads_q, total rows of Q), and the grid (ceil(max_seqlen_q / block_m), heads_q,
@@ -57,6 +59,14 @@ else:
 _Q, _KV, _O, _F, _I, _L = (Element.Q, Element.KV, Element.O, Element.FLOAT, Element.INT,
                            Element.INT64)
 
+#: The dropout's run-time values (templates/dropout.cuh), the forward's and the backward's:
+#: the generator's seed and offset (int64; the seed's 64 bits as a signed value) and p.
+DROPOUT_ARGS = (
+    scalar("dropout_seed", _L, feature="dropout", wrap=True),
+    scalar("dropout_offset", _L, feature="dropout"),
+    scalar("dropout_p", _F, feature="dropout"),
+)
+
 #: The forward's kernel arguments (the mma.sync and the sm_90a forwards).
 FWD_ABI = EntryAbi("flash_fwd", score_mods=True, args=(
     tensor("q", _Q, const=True), tensor("k", _KV, const=True),
@@ -73,6 +83,7 @@ FWD_ABI = EntryAbi("flash_fwd", score_mods=True, args=(
     tensor("cu_seqlens_k", _I, const=True, feature="varlen"),
     scalar("max_seqlen_q", _I, feature="varlen", wrap=True),
     tensor("sinks", _F, const=True, feature="sinks", wrap=True),
+    *DROPOUT_ARGS,
 ))
 
 #: The plain forward's packer: (q, k, v, o, lse, softmax_scale) -> packed arguments.
@@ -94,6 +105,31 @@ class VarlenArgs:
         return int(self.cu_seqlens_q.shape[0]) - 1
 
 
+@dataclass(frozen=True)
+class DropoutArgs:
+    """The run-time values of a dropout launch (templates/dropout.cuh): the generator's
+    ``seed`` (an unsigned 64-bit value), its ``offset`` (the first of the batch * heads_q
+    streams the launch draws from) and the probability ``p`` in [0, 1) of dropping an
+    element."""
+
+    seed: int
+    offset: int
+    p: float
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.seed < 2**64:
+            raise InvalidInput(f"dropout seed={self.seed} must be in [0, 2**64)")
+        if not 0 <= self.offset < 2**63:
+            raise InvalidInput(f"dropout offset={self.offset} must be in [0, 2**63)")
+        if not 0.0 <= self.p < 1.0:
+            raise InvalidInput(f"dropout p={self.p} must be in [0, 1)")
+
+    @property
+    def signed_seed(self) -> int:
+        """The seed's 64 bits as the kernel's signed int64 argument."""
+        return self.seed - 2**64 if self.seed >= 2**63 else self.seed
+
+
 class VariantLike(Protocol):
     """The run-time values of a call's features (``variants.VariantValues``, the runtime's
     ``Variant``)."""
@@ -110,6 +146,8 @@ class VariantLike(Protocol):
     def mods(self) -> Mapping[str, object]: ...
     @property
     def sinks(self) -> torch.Tensor | None: ...
+    @property
+    def dropout(self) -> DropoutArgs | None: ...
 
 
 Grid = tuple[int, int, int]
@@ -136,7 +174,8 @@ def feature_values(problem: Problem, variant: VariantLike | None) -> dict[str, o
     """The packer inputs of ``problem``'s feature switches from the call's values.
     ``alibi_slopes``: float32 (heads_q,) or (batch, heads_q) with a contiguous last dim
     (required when ``problem.alibi``); ``varlen`` is required when ``problem.varlen``;
-    ``sinks``: contiguous float32 (heads_q,) (required when ``problem.sinks``)."""
+    ``sinks``: contiguous float32 (heads_q,) (required when ``problem.sinks``); ``dropout``
+    is required with the ``dropout`` switch."""
     out: dict[str, object] = {}
     if problem.window:
         window = (-1, -1) if variant is None else variant.window
@@ -163,6 +202,13 @@ def feature_values(problem: Problem, variant: VariantLike | None) -> dict[str, o
         if sinks is None:
             raise InvalidInput(f"{problem.key()} needs sinks: a float32 tensor (heads_q,)")
         out["sinks"] = sinks
+    if problem.has("dropout"):
+        dropout = None if variant is None else variant.dropout
+        if dropout is None:
+            raise InvalidInput(f"{problem.key()} needs the dropout's seed, offset and p")
+        out["dropout_seed"] = dropout.signed_seed
+        out["dropout_offset"] = dropout.offset
+        out["dropout_p"] = dropout.p
     for name, mod in mods_of(problem.features):
         for p in mod.params:
             if variant is None or p.name not in variant.mods:

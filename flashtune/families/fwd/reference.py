@@ -15,7 +15,9 @@ Declared score modifications (``codegen.score_mods``) then apply in key order to
 (``varlen_reference``): each sequence of a packed batch on its own (its batch index: its
 number in the pack). Sinks (gpt-oss): a logit per query head, not scaled, joins each row's
 softmax denominator and contributes no value: LSE = log(exp(sink) + sum exp(S)), O = P V
-with P = exp(S - LSE); a row that sees no key then has O = 0 and LSE = sink.
+with P = exp(S - LSE); a row that sees no key then has O = 0 and LSE = sink. Dropout
+(``dropout``): P becomes P M / (1 - p) before P V, M the kept mask of
+``fwd.dropout.kept_mask``; the LSE is the undropped softmax's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import TYPE_CHECKING
 from flashtune._lazy import lazy_module
 from flashtune.codegen.score_mods import ScoreMod
 from flashtune.families.checks import causal_visible
+from flashtune.families.fwd.args import DropoutArgs
+from flashtune.families.fwd.dropout import kept_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -94,12 +98,25 @@ def scaled_scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, 
     return scores
 
 
+def dropped(probs: torch.Tensor, dropout: DropoutArgs, first_batch: int = 0, row0: int = 0,
+            seqlen_q: int | None = None) -> torch.Tensor:
+    """float64 P M / (1 - p) of probabilities (B, Hq, rows, Nk) holding rows ``row0`` on of
+    a query sequence of ``seqlen_q`` rows (default: all), batches from ``first_batch``."""
+    batch, heads, rows, seqlen_k = probs.shape
+    kept = kept_tensor(dropout.seed, dropout.offset, dropout.p, heads,
+                       rows if seqlen_q is None else seqlen_q, seqlen_k,
+                       range(first_batch, first_batch + batch), probs.device)
+    scale = 1.0 / (1.0 - float(torch.tensor(dropout.p, dtype=torch.float32)))
+    return probs * kept[:, :, row0:row0 + rows].to(probs.dtype) * scale
+
+
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                         scale: float, *, window: tuple[int, int] = (-1, -1),
                         softcap: float | None = None,
                         alibi_slopes: torch.Tensor | None = None,
                         mods: Sequence[ScoreMod] = (), mod_values: Mapping[str, object] = {},
-                        first_batch: int = 0, sinks: torch.Tensor | None = None
+                        first_batch: int = 0, sinks: torch.Tensor | None = None,
+                        dropout: DropoutArgs | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 O (B, Nq, Hq, D) and LSE (B, Hq, Nq) from (B, N, H, D) tensors, with the
     features of the module doc (causal and a window combine: both masks apply); ``mods``
@@ -117,6 +134,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
         lse = torch.logaddexp(lse, sinks.to(device=lse.device, dtype=lse.dtype)[:, None])
     empty = torch.isneginf(lse)
     probs = torch.exp(scores - lse.masked_fill(empty, 0.0)[..., None])
+    if dropout is not None:
+        probs = dropped(probs, dropout, first_batch)
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vd)
     return out, lse.masked_fill(empty, float("inf"))
 
@@ -126,7 +145,7 @@ def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float, *, window: tuple[int, int] = (-1, -1),
                      softcap: float | None = None, alibi_slopes: torch.Tensor | None = None,
                      mods: Sequence[ScoreMod] = (), mod_values: Mapping[str, object] = {},
-                     sinks: torch.Tensor | None = None
+                     sinks: torch.Tensor | None = None, dropout: DropoutArgs | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 O (total_q, Hq, D) and LSE (Hq, total_q) of packed (total, H, D) tensors:
     sequence b is rows cu_seqlens[b] to cu_seqlens[b + 1] - 1, attended on its own (a
@@ -150,7 +169,8 @@ def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         o_b, lse_b = attention_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal,
                                          scale, window=window, softcap=softcap,
                                          alibi_slopes=slopes, mods=mods,
-                                         mod_values=mod_values, first_batch=b, sinks=sinks)
+                                         mod_values=mod_values, first_batch=b, sinks=sinks,
+                                         dropout=dropout)
         out[q0:q1] = o_b[0]
         lse[:, q0:q1] = lse_b[0]
     return out, lse

@@ -1,10 +1,11 @@
 """The forward's attention features on the family side: what the template binds, the
 run-time values a launch passes, and random values for verification.
 
-A Problem's feature switches (``window``, ``softcap``, ``alibi``, ``sinks``) are compiled
-in; their values (window sizes, the cap, the slopes, the sinks) are run-time arguments
-(``args.feature_values``). In an ``Inputs`` they are the scalars ``window_left``,
-``window_right``, ``softcap``, ``max_seqlen_q`` and the tensors ``alibi_slopes``,
+A Problem's feature switches (``window``, ``softcap``, ``alibi``, ``sinks``, ``dropout``)
+are compiled in; their values (window sizes, the cap, the slopes, the sinks, the dropout's
+seed, offset and p) are run-time arguments (``args.feature_values``). In an ``Inputs`` they
+are the scalars ``window_left``, ``window_right``, ``softcap``, ``max_seqlen_q``,
+``dropout_seed``, ``dropout_offset``, ``dropout_p`` and the tensors ``alibi_slopes``,
 ``cu_seqlens_q``, ``cu_seqlens_k``, ``sinks``. A
 varlen launch's q, k, v are packed as (1, total rows, heads, head_dim); ``Shape`` then gives
 the number of sequences and the longest query and key sequences.
@@ -22,7 +23,8 @@ from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.score_mods import POINTER_TYPES, functor_values, render_functor
 from flashtune.codegen.spec import FEATURES, Problem, Shape, ShapeLike
 from flashtune.families.base import Inputs, random_rows
-from flashtune.families.fwd.args import VarlenArgs
+from flashtune.families.fwd.args import DropoutArgs, VarlenArgs
+from flashtune.families.fwd.dropout import DROPOUT_PS
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +37,7 @@ SOFTCAPS = (5.0, 30.0, 50.0)
 
 #: Template parameter of each feature switch.
 _TEMPLATE_NAMES = {"window": "local", "softcap": "softcap", "alibi": "alibi",
-                   "varlen": "varlen", "sinks": "sinks"}
+                   "varlen": "varlen", "sinks": "sinks", "dropout": "dropout"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class VariantValues:
     mods: Mapping[str, object] = field(default_factory=dict)
     #: Attention sinks: float32 (heads_q,).
     sinks: torch.Tensor | None = None
+    dropout: DropoutArgs | None = None
 
     @classmethod
     def of(cls, inputs: Inputs) -> VariantValues:
@@ -62,9 +65,11 @@ class VariantValues:
         mods: dict[str, object] = {p.name: s[p.name] if p.name in s else t[p.name]
                                    for _, mod in mods_of(FEATURES) for p in mod.params
                                    if p.name in s or p.name in t}
+        dropout = (DropoutArgs(int(s["dropout_seed"]), int(s["dropout_offset"]),
+                               float(s["dropout_p"])) if "dropout_seed" in s else None)
         return cls((int(s.get("window_left", -1)), int(s.get("window_right", -1))),
                    float(s.get("softcap", 0.0)), t.get("alibi_slopes"), varlen, mods,
-                   t.get("sinks"))
+                   t.get("sinks"), dropout)
 
     def only(self, problem: Problem) -> VariantValues:
         """These values with those of features ``problem`` does not switch on reset."""
@@ -75,7 +80,8 @@ class VariantValues:
                              {p.name: self.mods[p.name]
                               for _, mod in mods_of(problem.features)
                               for p in mod.params if p.name in self.mods},
-                             self.sinks if problem.sinks else None)
+                             self.sinks if problem.sinks else None,
+                             self.dropout if problem.has("dropout") else None)
 
 
 def template_params(problem: Problem) -> dict[str, TemplateValue]:
@@ -96,10 +102,10 @@ def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
                   device: torch.device | str) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """Random feature values for ``problem`` (scalars, tensors), drawn with ``gen``: window
     sizes from WINDOW_SIZES (not both unbounded), a cap from SOFTCAPS, ALiBi slopes in
-    [0, 1) of shape (batch, heads_q), sinks (``random_sinks``), and each declared score
-    modification's params from their ``draws`` (a captured tensor: random values, normal
-    floats or ints in [0, 4), of the sizes its ``dims`` params drew; a block mask's tile
-    ranges: every key tile)."""
+    [0, 1) of shape (batch, heads_q), sinks (``random_sinks``), a dropout seed (64 bits),
+    offset and p (from DROPOUT_PS), and each declared score modification's params from
+    their ``draws`` (a captured tensor: random values, normal floats or ints in [0, 4), of
+    the sizes its ``dims`` params drew; a block mask's tile ranges: every key tile)."""
     scalars: dict[str, float] = {}
     tensors: dict[str, torch.Tensor] = {}
 
@@ -118,6 +124,10 @@ def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
                                              device=device)
     if problem.sinks:
         tensors["sinks"] = random_sinks(shape.heads_q, gen, device)
+    if problem.has("dropout"):
+        words = torch.randint(2**31, (4,), generator=gen, device=device).tolist()
+        scalars.update(dropout_seed=words[0] << 33 | words[1] << 2 | words[2] & 3,
+                       dropout_offset=words[3], dropout_p=pick(DROPOUT_PS))
     for _, mod in mods_of(problem.features):
         for p in mod.params:
             if p.type not in POINTER_TYPES:
