@@ -110,7 +110,8 @@ def test_feature_arguments_follow_their_switch() -> None:
 
 
 def test_optional_tensors_pack_as_null_with_defaults() -> None:
-    """The decode kernel without appended rows and without a block table."""
+    """The decode kernel without appended rows, a block table, a split table or direct
+    outputs."""
     q = torch.zeros(2, 3, 4, 64, dtype=torch.float16)
     k_cache = torch.zeros(2, 32, 2, 64, dtype=torch.float16)
     v_cache = torch.zeros(2, 32, 2, 64, dtype=torch.float16)
@@ -120,10 +121,11 @@ def test_optional_tensors_pack_as_null_with_defaults() -> None:
                             status, num_splits=3, softmax_scale=0.5, trap_on_error=True)
     values = [value for _, value in args]
     assert values[3:6] == [0, 0, 0]                      # k_new, v_new, block_table
-    assert values[10:19] == [3, 0, 4, 2, 3, 32, 1, 2, 1]  # seqlen_q .. trap_on_error
-    assert values[19:22] == list(q.stride()[:3])
-    assert values[22:25] == list(k_cache.stride()[:3])
-    assert values[28:35] == [0] * 7 and values[35] == 0.5  # kn, vn, bt strides; the scale
+    assert values[10:13] == [0, 0, 0]                    # split_table, o, lse
+    assert values[13:23] == [3, 0, 4, 2, 3, 0, 32, 1, 2, 1]  # seqlen_q .. trap_on_error
+    assert values[23:26] == list(q.stride()[:3])
+    assert values[26:29] == list(k_cache.stride()[:3])
+    assert values[32:42] == [0] * 10 and values[42] == 0.5  # kn, vn, o, bt strides; the scale
     assert len(args) == len(families.get("decode").abi.active())  # type: ignore[union-attr]
 
 
