@@ -35,6 +35,27 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     return torch.einsum("bhqk,bkhd->bqhd", probs, v), lse
 
 
+def feature_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   window: tuple[int, int], softcap: float | None, slopes: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flash-attn's scores of (B, N, H, D) tensors in plain, differentiable PyTorch, in the
+    inputs' dtype: scaled, softcapped, then biased (ALiBi), not masked; with the keys each
+    row sees (Nq, Nk) (the causal mask is the window (left, 0)) and V repeated over each
+    GQA group: (scores (B, Hq, Nq, Nk), visible, v)."""
+    from flashtune.families.fwd.reference import alibi_bias, window_visible
+
+    group = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    nq, nk = q.shape[1], k.shape[1]
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if slopes is not None:
+        scores = scores + alibi_bias(slopes, q.shape[0], nq, nk).to(scores.dtype)
+    visible = window_visible(nq, nk, *((window[0], 0) if causal else window))
+    return scores, visible, v
+
+
 def gradients(fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
               dout: torch.Tensor) -> Grads:
     """Output and dq, dk, dv of ``fn`` on fresh leaf copies of ``inputs`` for ``dout``."""

@@ -14,10 +14,9 @@ import random
 
 import pytest
 import torch
-from grad_helpers import ShapeTuple, gradients, make_inputs
+from grad_helpers import ShapeTuple, feature_scores, gradients, make_inputs
 
 import flashtune
-from flashtune.families.fwd.reference import alibi_bias, window_visible
 
 pytestmark = pytest.mark.emulator
 
@@ -39,15 +38,7 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     """The attention of flash-attn's definition in plain, differentiable PyTorch, in the
     inputs' dtype: scores softcapped, then biased, then masked (a row that sees no key
     gives 0)."""
-    group = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    nq, nk = q.shape[1], k.shape[1]
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    if slopes is not None:
-        scores = scores + alibi_bias(slopes, q.shape[0], nq, nk).to(scores.dtype)
-    visible = window_visible(nq, nk, *((window[0], 0) if causal else window))
+    scores, visible, v = feature_scores(q, k, v, causal, window, softcap, slopes)
     seen = visible.any(-1)[:, None]
     scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~seen, 0.0)
     probs = torch.softmax(scores, dim=-1).masked_fill(~seen, 0.0)

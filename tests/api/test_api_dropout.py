@@ -19,12 +19,11 @@ import random
 import pytest
 import torch
 from dropout_philox import float32, mask
-from grad_helpers import ShapeTuple, gradients, make_inputs
+from grad_helpers import ShapeTuple, feature_scores, gradients, make_inputs
 
 import flashtune
 from flashtune.api.hf_transformers import make_attention_function
 from flashtune.errors import InvalidInput
-from flashtune.families.fwd.reference import alibi_bias, window_visible
 
 pytestmark = pytest.mark.emulator
 
@@ -52,15 +51,7 @@ def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
                     ) -> torch.Tensor:
     """flash-attn's attention with dropout in plain, differentiable PyTorch, in the inputs'
     dtype: P M / (1 - p) for the mask ``kept`` (B, Hq, Nq, Nk)."""
-    group = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    nq, nk = q.shape[1], k.shape[1]
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    if slopes is not None:
-        scores = scores + alibi_bias(slopes, q.shape[0], nq, nk).to(scores.dtype)
-    visible = window_visible(nq, nk, *((window[0], 0) if causal else window))
+    scores, visible, v = feature_scores(q, k, v, causal, window, softcap, slopes)
     seen = visible.any(-1)[:, None]
     scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~seen, 0.0)
     probs = torch.softmax(scores, dim=-1).masked_fill(~seen, 0.0)

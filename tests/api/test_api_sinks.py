@@ -20,11 +20,10 @@ from typing import Any
 
 import pytest
 import torch
-from grad_helpers import ShapeTuple, make_inputs
+from grad_helpers import ShapeTuple, feature_scores, make_inputs
 
 import flashtune
 from flashtune.errors import FeatureNotSupported, InvalidInput
-from flashtune.families.fwd.reference import alibi_bias, window_visible
 
 pytestmark = pytest.mark.emulator
 
@@ -38,17 +37,9 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     """O and LSE of (B, N, H, D) tensors with sinks (H,), in the inputs' dtype,
     differentiable: softcapped, biased, masked scores with the sink appended as a column,
     softmax, the sink's column dropped (a row that sees no key gets O = 0, LSE = sink)."""
-    group = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    nq, nk = q.shape[1], k.shape[1]
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    if slopes is not None:
-        scores = scores + alibi_bias(slopes, q.shape[0], nq, nk).to(scores.dtype)
-    visible = window_visible(nq, nk, *((window[0], 0) if causal else window))
+    scores, visible, v = feature_scores(q, k, v, causal, window, softcap, slopes)
     scores = scores.masked_fill(~visible, float("-inf"))
-    column = sinks.to(scores.dtype)[None, :, None, None].expand(q.shape[0], -1, nq, 1)
+    column = sinks.to(scores.dtype)[None, :, None, None].expand(q.shape[0], -1, q.shape[1], 1)
     combined = torch.cat([scores, column], dim=-1)
     probs = torch.softmax(combined, dim=-1)[..., :-1]
     return torch.einsum("bhqk,bkhd->bqhd", probs, v), torch.logsumexp(combined, dim=-1)
