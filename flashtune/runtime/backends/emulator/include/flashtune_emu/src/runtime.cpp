@@ -11,6 +11,7 @@
 #include "internal.h"
 
 #if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #define FTEMU_ASAN 1
 #else
@@ -354,6 +355,14 @@ static bool allocate(Launch& L) {
 }
 
 static void release(Launch& L) {
+#if FTEMU_ASAN
+    // The fibers' frames that never returned leave red zones in the stacks' shadow (and the
+    // arena may hold poisoned slack); the process may map these pages again for anything
+    // (the interpreter's allocator, say), whose writes would then be reported as
+    // stack-buffer-underflows, so the shadow is cleared before the pages go back.
+    if (L.stacks_map) __asan_unpoison_memory_region(L.stacks_map, L.stacks_map_bytes);
+    if (L.arena_map) __asan_unpoison_memory_region(L.arena_map, L.arena_map_bytes);
+#endif
     if (L.stacks_map) munmap(L.stacks_map, L.stacks_map_bytes);
     if (L.arena_map) munmap(L.arena_map, L.arena_map_bytes);
     else if (L.asan) std::free(L.dyn.base);
