@@ -39,8 +39,27 @@ class DType(str, Enum):
         return self.element.itemsize
 
 
+class Fp8Type(str, Enum):
+    """An 8-bit floating-point storage type (OCP FP8), by its key word.
+
+    Not a ``DType`` yet: no family takes FP8 operands, and every DType is a legal operand
+    type of some family (tests and the default rule enumerate DType). What exists is the
+    table row and the conversions (``templates/fp8.cuh``, modelled bit-exactly by the
+    emulator), the pieces an FP8 operand will be built from.
+    """
+
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+
+    @property
+    def element(self) -> ElementType:
+        """This type's row of ``FP8_ELEMENTS``: every spelling of it."""
+        return FP8_ELEMENTS[self]
+
+
 _CPP_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_:]*$")
 _WORD_RE = re.compile(r"^[a-z][a-z0-9]*$")
+_TORCH_RE = re.compile(r"^[a-z][a-z0-9_]*$")  # torch spells float8_e4m3fn with '_'
 
 
 @dataclass(frozen=True)
@@ -64,8 +83,9 @@ class ElementType:
     def __post_init__(self) -> None:
         if not _CPP_RE.match(self.cpp):
             raise InvalidProblem(f"C++ type {self.cpp!r} is not a type name")
-        for what, word in (("ptx", self.ptx), ("torch", self.torch)):
-            if not _WORD_RE.match(word):
+        for what, word, pattern in (("ptx", self.ptx, _WORD_RE),
+                                    ("torch", self.torch, _TORCH_RE)):
+            if not pattern.match(word):
                 raise InvalidProblem(f"{what} name {word!r} of {self.cpp} is not a lowercase word")
         if self.itemsize != self.tma.itemsize:
             raise InvalidProblem(f"{self.cpp} has {self.itemsize} bytes but its TMA type "
@@ -81,7 +101,16 @@ ELEMENTS: dict[DType, ElementType] = {
 }
 if set(ELEMENTS) != set(DType):
     raise ImportError(f"ELEMENTS has no row for {sorted(set(DType) - set(ELEMENTS))}")
-for _dtype in DType:
+#: The FP8 rows: TMA has no FP8 data type, so FP8 tiles travel as UINT8 (as in FA3).
+FP8_ELEMENTS: dict[Fp8Type, ElementType] = {
+    Fp8Type.E4M3: ElementType(cpp="__nv_fp8_e4m3", ptx="e4m3", torch="float8_e4m3fn",
+                              tma=TmaDType.UINT8, itemsize=1),
+    Fp8Type.E5M2: ElementType(cpp="__nv_fp8_e5m2", ptx="e5m2", torch="float8_e5m2",
+                              tma=TmaDType.UINT8, itemsize=1),
+}
+if set(FP8_ELEMENTS) != set(Fp8Type):
+    raise ImportError(f"FP8_ELEMENTS has no row for {sorted(set(Fp8Type) - set(FP8_ELEMENTS))}")
+for _dtype in (*DType, *Fp8Type):
     if not _WORD_RE.match(_dtype.value):  # a key part: no '_' or '-'
         raise ImportError(f"DType {_dtype.name} = {_dtype.value!r} is not a lowercase word")
 
