@@ -57,16 +57,34 @@ def feature_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 
 
 def gradients(fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
-              dout: torch.Tensor) -> Grads:
-    """Output and dq, dk, dv of ``fn`` on fresh leaf copies of ``inputs`` for ``dout``."""
+              dout: torch.Tensor, names: tuple[str, ...] = ("dq", "dk", "dv")) -> Grads:
+    """Output and the gradients (``names``, one per input: dq, dk, dv) of ``fn`` on fresh
+    leaf copies of ``inputs`` for ``dout``."""
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     out = fn(*leaves)
     out.backward(dout.to(out.dtype))
     grads: Grads = {"out": out.detach()}
-    for name, leaf in zip(("dq", "dk", "dv"), leaves, strict=True):
+    for name, leaf in zip(names, leaves, strict=True):
         assert leaf.grad is not None, name
         grads[name] = leaf.grad
     return grads
+
+
+def within_rule(got: Grads, low: Grads, exact: Grads, where: str) -> dict[str, float]:
+    """flash-attn's rule on every entry of ``got``: max|got - exact| at most 3x max|low -
+    exact| (``low``: plain PyTorch in the low precision, ``exact``: float64); asserts each
+    entry is finite and within the rule, and returns the ratios."""
+    ratios = {}
+    for name in got:
+        assert torch.isfinite(got[name]).all(), f"{where}: {name} is not finite"
+        ours_err = float((got[name].double() - exact[name]).abs().max())
+        plain_err = float((low[name].double() - exact[name]).abs().max())
+        ratios[name] = (ours_err / plain_err if plain_err > 0
+                        else 0.0 if ours_err == 0 else math.inf)
+    print(f"{where}: error / plain-PyTorch error", {n: round(r, 3) for n, r in ratios.items()})
+    for name, ratio in ratios.items():
+        assert ratio <= 3.0, f"{where}: {name} error is {ratio:.2f}x plain PyTorch's (> 3x)"
+    return ratios
 
 
 def make_inputs(shape: ShapeTuple, head_dim: int, dtype: torch.dtype, seed: int,
@@ -106,15 +124,5 @@ def error_ratios(shape: ShapeTuple, head_dim: int, dtype: torch.dtype, causal: b
     got = gradients(ours, inputs, dout)
     low = gradients(plain, inputs, dout)
     exact = gradients(plain, tuple(t.double() for t in inputs), dout)
-    ratios = {}
-    where = f"shape {shape} d{head_dim} {dtype} causal={causal} seed={seed}"
-    for name in ("out", "dq", "dk", "dv"):
-        assert torch.isfinite(got[name]).all(), f"{where}: {name} is not finite"
-        ours_err = float((got[name].double() - exact[name]).abs().max())
-        plain_err = float((low[name].double() - exact[name]).abs().max())
-        ratios[name] = (ours_err / plain_err if plain_err > 0
-                        else 0.0 if ours_err == 0 else math.inf)
-    print(f"{where}: error / plain-PyTorch error", {n: round(r, 3) for n, r in ratios.items()})
-    for name, ratio in ratios.items():
-        assert ratio <= 3.0, f"{where}: {name} error is {ratio:.2f}x plain PyTorch's (> 3x)"
-    return ratios
+    return within_rule(got, low, exact,
+                       f"shape {shape} d{head_dim} {dtype} causal={causal} seed={seed}")
