@@ -336,7 +336,16 @@ _EXTRA_NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,15}$")
 #: A further knob's value: an int (0/1 for a switch) or a lowercase word (a named mode).
 ExtraValue = int | str
 _EXTRA_WORD_RE = re.compile(r"^[a-z][a-z0-9]{0,15}$")
-_BASE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
+#: The fields every config has (the rest of a config is its extras).
+BASE_FIELDS = ("block_m", "block_n", "num_warps", "num_stages")
+
+
+def knob_name_error(name: str) -> str | None:
+    """Why ``name`` cannot name a further knob (``KernelConfig.extras``), or None."""
+    if not _EXTRA_NAME_RE.match(name) or name in BASE_FIELDS:
+        return (f"extra knob name {name!r} is illegal; expected lowercase letters and digits "
+                "(e.g. 'splitsize'), not one of the base fields")
+    return None
 
 
 def _normalise_extras(extras: object) -> tuple[tuple[str, ExtraValue], ...]:
@@ -346,9 +355,9 @@ def _normalise_extras(extras: object) -> tuple[tuple[str, ExtraValue], ...]:
     except (TypeError, ValueError):
         raise InvalidConfig(f"extras={extras!r} must be a mapping of knob name -> value") from None
     for name, value in pairs:
-        if not _EXTRA_NAME_RE.match(name) or name in _BASE_FIELDS:
-            raise InvalidConfig(f"extra knob name {name!r} is illegal; expected lowercase "
-                                "letters and digits, not one of the base fields")
+        why = knob_name_error(name)
+        if why is not None:
+            raise InvalidConfig(why)
         if isinstance(value, bool):
             raise InvalidConfig(f"extra knob {name}={value!r}: write switches as 0 or 1")
         if isinstance(value, int):
@@ -381,7 +390,7 @@ class KernelConfig:
     extras: tuple[tuple[str, ExtraValue], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in _BASE_FIELDS:
+        for name in BASE_FIELDS:
             _check_int(getattr(self, name), name, InvalidConfig)
         object.__setattr__(self, "extras", _normalise_extras(self.extras))
         if self.num_warps not in LEGAL_WARPS:
@@ -439,19 +448,19 @@ class KernelConfig:
 
     def to_dict(self) -> dict[str, ExtraValue]:
         """Flat fields: the four base ones and every extra knob by name."""
-        out: dict[str, ExtraValue] = {f: getattr(self, f) for f in _BASE_FIELDS}
+        out: dict[str, ExtraValue] = {f: getattr(self, f) for f in BASE_FIELDS}
         out.update(self.extras)
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> KernelConfig:
         """Inverse of ``to_dict``: the four base fields are required, others are extras."""
-        missing = set(_BASE_FIELDS) - set(data)
+        missing = set(BASE_FIELDS) - set(data)
         if missing:
             raise InvalidConfig(f"config fields missing: {sorted(missing)}; expected "
-                                f"{list(_BASE_FIELDS)} plus any extra knobs")
-        extras = tuple((k, v) for k, v in data.items() if k not in _BASE_FIELDS)
-        return cls(**{k: data[k] for k in _BASE_FIELDS}, extras=extras)
+                                f"{list(BASE_FIELDS)} plus any extra knobs")
+        extras = tuple((k, v) for k, v in data.items() if k not in BASE_FIELDS)
+        return cls(**{k: data[k] for k in BASE_FIELDS}, extras=extras)
 
 
 class ShapeLike(Protocol):

@@ -28,11 +28,13 @@ from flashtune.codegen.features import feature
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue, render_template
 from flashtune.codegen.spec import (
+    BASE_FIELDS,
     KernelConfig,
     KernelSource,
     Problem,
     Shape,
     ShapeLike,
+    knob_name_error,
 )
 from flashtune.errors import FeatureNotSupported, InvalidConfig, InvalidProblem
 
@@ -295,9 +297,16 @@ class KernelFamily(ABC):
         """The family's static rules: why ``config`` cannot run, each naming its reason."""
 
     def search_space(self, problem: Problem) -> list[KernelConfig]:
-        """Every structurally legal config of ``space(problem)``, in a stable order."""
+        """Every structurally legal config of ``space(problem)``, in a stable order;
+        InvalidConfig when the space declares a knob no config can carry (a misnamed knob
+        would otherwise leave the space silently empty)."""
+        space = self.space(problem)
+        bad = [why for name in space.names if name not in BASE_FIELDS
+               for why in (knob_name_error(name),) if why is not None]
+        if bad:
+            raise InvalidConfig(f"the {self.op!r} family's space: {'; '.join(bad)}")
         out: list[KernelConfig] = []
-        for point in self.space(problem).points():
+        for point in space.points():
             try:
                 out.append(self.config(point))
             except InvalidConfig:

@@ -151,3 +151,24 @@ def test_cli_lists_shows_compiles_and_checks_the_second_family() -> None:
     assert checked.exit_code == 0, checked.output
     bad = runner.invoke(app, ["show", "--op", "nope"])
     assert bad.exit_code == 2 and "no kernel family" in " ".join(bad.output.split())
+
+
+def test_a_misnamed_knob_is_refused_not_an_empty_space() -> None:
+    """A knob whose name no config can carry (an underscore) makes every point illegal; the
+    space says so instead of being silently empty, and a well-named knob is served."""
+    from flashtune.codegen.params import Param, ParamSpace
+    from flashtune.errors import InvalidConfig
+    from flashtune.families.lse import SPACE, RowLseFamily
+
+    def family_with(knob: str) -> RowLseFamily:
+        class WithKnob(RowLseFamily):
+            def space(self, problem: Problem) -> ParamSpace:
+                return ParamSpace((*SPACE.params, Param(knob, (0, 1))))
+        return WithKnob()
+
+    problem = Problem(64, DType.FP16, op="lse")
+    with pytest.raises(InvalidConfig, match=r"'split_size' is illegal; expected lowercase"):
+        family_with("split_size").search_space(problem)
+    configs = family_with("splitsize").search_space(problem)
+    assert len(configs) == 2 * len(LSE.search_space(problem))
+    assert {c.extra("splitsize", -1) for c in configs} == {0, 1}
