@@ -58,7 +58,7 @@ __device__ __forceinline__ void combine_splits(
 #pragma unroll
     for (int k = 0; k < kSplitRegs; ++k) {
       const int s = 32 * k + lane;
-      part_lse[k] = s < num_splits ? lse_part[static_cast<long long>(s) * rows + row]
+      part_lse[k] = s < num_splits ? __ldg(lse_part + static_cast<long long>(s) * rows + row)
                                    : -INFINITY;
       if (part_lse[k] != part_lse[k]) {
         bad = 1.0f;
@@ -107,9 +107,9 @@ __device__ __forceinline__ void combine_splits(
         for (int lane_s = 0; lane_s < 32 && 32 * k + lane_s < num_splits; ++lane_s) {
           const float w = shfl_sync(0xffffffffu, weight[k], lane_s);
           if (w != 0.0f && col < HeadDim) {
-            const float4 part = *reinterpret_cast<const float4*>(
+            const float4 part = __ldg(reinterpret_cast<const float4*>(
                 o_part + (static_cast<long long>(32 * k + lane_s) * rows + row) * HeadDim +
-                col);
+                col));
             acc[0] += w * part.x;
             acc[1] += w * part.y;
             acc[2] += w * part.z;

@@ -7,9 +7,9 @@ combine. (At head dim 256 more than 128 packed rows stay in two row blocks: a 16
 has no registers for its accumulators.) A seeded sample runs by default, the whole grid
 behind the sweep marker.
 
-The combine's reads of the partials are plain loads, which the emulator does not count:
-that each partial is read once is the combine kernel's structure (one pass over the splits
-per row, templates/combine_splits.cuh), not a counted figure."""
+The combine reads each partial once: every partial LSE, and the partial O of every split
+whose weight is not zero (an empty split's O is never read), counted by the emulator at the
+combine's ``__ldg`` loads."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from flashtune import families
 from flashtune.api import decode as api_decode
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, Problem, Shape
+from flashtune.families.combine import COMBINE
 from flashtune.families.decode import DECODE, DecodeCase
 from flashtune.families.decode.space import covering_config
 from flashtune.families.decode.splits import split_range
@@ -190,3 +191,27 @@ def test_the_largest_covering_tile_compiles_with_nvrtc_without_spills(arch: str,
     assert config.block_m == 256
     kernel = compile_source(families.render(problem, config), arch)
     assert kernel.resources.spill_bytes == 0 and kernel.resources.registers > 0
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("num_splits", (1, 3, 33, 128))
+@pytest.mark.parametrize("dim", (64, 256))
+def test_the_combine_reads_each_partial_once(num_splits: int, dim: int) -> None:
+    """Bytes the combine reads = every partial LSE once + the partial O of every non-empty
+    split once (random partials, a third of the splits empty, some rows with none)."""
+    problem = Problem(dim, DType.BF16, op="combine")
+    shape = Shape(2, 4, 4, 3, 1)
+    inputs = COMBINE.random_inputs(problem, shape, "cpu", seed=SEED + num_splits + dim,
+                                   num_splits=num_splits)
+    kernel = EmulatorBackend(options=LaunchOptions(counters=True)).load(
+        families.render(problem, COMBINE.default_config(problem, get_arch("sm_80"))))
+    launch = prepare(kernel, shape, "cpu", inputs=inputs, poison=True)
+    launch.run()
+    got = kernel.last_counters
+    verdict = launch.verdict()
+    assert got is not None and verdict.ok, verdict.message
+    lse = inputs.tensors["lse_part"]
+    nonempty = int(torch.isfinite(lse).sum())
+    assert 0 < nonempty < lse.numel()
+    assert got.ldg_bytes == 4 * lse.numel() + 4 * dim * nonempty, (got.ldg_bytes, nonempty)
+    assert got.cp_async_bytes == 0

@@ -12,9 +12,11 @@ What is counted, at the emulator's primitives (abi.h ``ftemu_counters``):
   words in one of the 32 banks (the n of an n-way conflict; 1 = conflict-free);
 * mma (m16n8k16 warp instructions), warp shuffles, completed ``__syncthreads``, and mma per
   block (the block's share of the work: causal imbalance shows here);
+* read-only global loads through ``__ldg``: their bytes (the split combine reads the
+  partials that way, so its reads are counted);
 * per call site (file:line) of cp.async and ldmatrix, the same figures.
 
-Plain loads and stores through pointers are host memory accesses and are not counted (the
+Other loads and stores through pointers are host memory accesses and are not counted (the
 forward kernel writes O and LSE that way).
 """
 
@@ -77,6 +79,7 @@ class EmulatorCounters:
     mma_count: int
     shfl_count: int
     barrier_count: int
+    ldg_bytes: int
     block_mma: tuple[int, ...]  # per block, grid x fastest
     sites: tuple[SiteCounters, ...]
     sites_dropped: int = 0

@@ -56,7 +56,7 @@ COUNTER_FIELDS = (
     "cp_async_copies", "cp_async_requests", "cp_async_bytes", "cp_async_fill_bytes",
     "cp_async_sectors", "cp_async_min_sectors", "cp_async_smem_phases",
     "cp_async_smem_wavefronts", "ldmatrix_count", "ldmatrix_phases", "ldmatrix_wavefronts",
-    "mma_count", "shfl_count", "barrier_count",
+    "mma_count", "shfl_count", "barrier_count", "ldg_bytes",
 )
 
 

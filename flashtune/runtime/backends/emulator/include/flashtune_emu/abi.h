@@ -67,6 +67,7 @@ struct ftemu_counters {
     unsigned long long mma_count;          // warp instructions (m16n8k16)
     unsigned long long shfl_count;         // warp shuffles
     unsigned long long barrier_count;      // completed __syncthreads, all blocks
+    unsigned long long ldg_bytes;          // bytes read from global memory by __ldg
     unsigned long long* block_mma;         // mma per block, x fastest (caller's; may be null)
     unsigned long long block_mma_len;
     unsigned nsites;
@@ -155,6 +156,8 @@ FTEMU_API unsigned ftemu_shfl(int mode, unsigned mask, unsigned value, int arg, 
 FTEMU_API unsigned ftemu_vote(int mode, unsigned mask, int predicate, ftemu_loc loc);
 
 FTEMU_API void ftemu_syncthreads(ftemu_loc loc);
+// Counts a read-only global load of `bytes` (__ldg) while counters are on.
+FTEMU_API void ftemu_count_ldg(unsigned bytes);
 FTEMU_API void ftemu_syncwarp(unsigned mask, ftemu_loc loc);
 FTEMU_API unsigned ftemu_cvta_shared(const void* ptr, ftemu_loc loc);
 

@@ -230,7 +230,10 @@ inline unsigned __brev(unsigned x) {
     return r;
 }
 template <class T>
-inline T __ldg(const T* p) { return *p; }
+inline T __ldg(const T* p) {
+    ftemu_count_ldg(sizeof(T));
+    return *p;
+}
 inline long long clock64() {
     return std::chrono::steady_clock::now().time_since_epoch().count();
 }

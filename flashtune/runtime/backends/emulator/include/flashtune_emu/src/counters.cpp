@@ -1,4 +1,4 @@
-// Launch counters: global traffic and coalescing of cp.async, shared-memory bank conflicts of
+// Launch counters: global traffic of cp.async and __ldg, coalescing of cp.async, shared-memory bank conflicts of
 // ldmatrix and cp.async writes, mma / shuffle / barrier counts and mma per block.
 //
 // Called only while the caller asked for counters (one branch on g_launch->counters at each
@@ -175,3 +175,7 @@ void counters_end_block(Launch& L) {
 }
 
 }  // namespace ftemu
+
+extern "C" FTEMU_API void ftemu_count_ldg(unsigned bytes) {
+    if (ftemu::g_launch && ftemu::g_launch->counters) ftemu::g_launch->counters->ldg_bytes += bytes;
+}
