@@ -29,10 +29,13 @@ that surfaces at the next synchronisation (without the setting, the only check t
 with it for the message; a trap loses the CUDA context, cache included). Without the setting
 shared pages are not looked for on a GPU: that would cost a synchronisation per call.
 
-The two kernels' plans (``runtime.plans``; bucketed by the cache capacity) are memoised with
-every other op's. Attention sinks join where the final O and LSE are written: the combine
-kernel of a ``sinks`` problem (the splits' partial LSEs leave the sink out, so the decode
-kernel is the one without sinks).
+The two kernels' plans (``runtime.plans``) are memoised with every other op's. The decode
+kernel's bucket is the cache capacity and the call's shape class (``shape_class_of``: its
+GQA group, query rows and page size, ``families.decode.shape_class``), so a class tuned on
+its own serves its calls and any other class takes the bucket tuned without one; the
+combine's is the capacity alone. Attention sinks join where the final O and LSE are
+written: the combine kernel of a ``sinks`` problem (the splits' partial LSEs leave the
+sink out, so the decode kernel is the one without sinks).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from flashtune.errors import InvalidInput
 from flashtune.families.combine import combine_grid, pack_combine_args
 from flashtune.families.decode import NOMINAL_SMS
 from flashtune.families.decode.args import decode_grid, m_blocks, pack_decode_args
+from flashtune.families.decode.shape_class import ShapeClass
 from flashtune.families.decode.space import config_split_size, config_splits, covering_config
 from flashtune.families.decode.splits import (
     DEFAULT_SPLIT_TABLE,
@@ -62,37 +66,47 @@ from flashtune.runtime.dispatch import Decision
 from flashtune.runtime.plans import Plan, clear_caches
 
 __all__ = ["INVARIANT_BUCKET", "choose_splits", "clear_caches", "covering_plan", "decide",
-           "decode_problems", "default_num_splits", "plan_for", "run_decode", "split_mode",
-           "tuned_split_table"]
+           "decode_problems", "default_num_splits", "plan_for", "run_decode", "shape_class_of",
+           "split_mode", "tuned_split_table"]
 
 #: The sequence bucket whose tile batch-invariant calls run, whatever the capacity (the
 #: capacity follows the longest sequence of a batch, so it must not pick the tile).
 INVARIANT_BUCKET = MAX_SEQ_BUCKET
 
 
-def decode_problems(q: torch.Tensor, causal: bool, capacity: int
+def shape_class_of(layout: KvCacheLayout) -> str:
+    """The shape class of a call (``families.decode.shape_class``): its GQA group, query
+    rows and page size (an unpaged cache: none), each rounded up to a power of two."""
+    return ShapeClass.of_call(layout.heads_q // layout.heads_kv, layout.seqlen_q,
+                              layout.page_size if layout.paged else None).word
+
+
+def decode_problems(q: torch.Tensor, causal: bool, capacity: int, shape_class: str = ""
                     ) -> tuple[ProblemBucket, ProblemBucket]:
-    """The tuning buckets of the two kernels of a call (by cache capacity)."""
-    return (plans.problem_bucket(q, causal, "decode", (), capacity),
+    """The tuning buckets of the two kernels of a call (by cache capacity, and the decode
+    kernel's by the call's shape class)."""
+    return (plans.problem_bucket(q, causal, "decode", (), capacity, shape_class),
             plans.problem_bucket(q, False, "combine", (), capacity))
 
 
 def decide(q: torch.Tensor, causal: bool, capacity: int, backend: str | None,
-           arch: str | None = None) -> tuple[Decision, Decision]:
+           arch: str | None = None, shape_class: str = "") -> tuple[Decision, Decision]:
     """The dispatcher's decisions for the decode and combine kernels of a call (nothing is
     loaded); ``arch`` asks about a virtual GPU of that arch."""
-    decode, _ = plans.decide(q, causal, backend, "decode", (), capacity, arch)
+    decode, _ = plans.decide(q, causal, backend, "decode", (), capacity, arch,
+                             shape_class=shape_class)
     combine, _ = plans.decide(q, False, backend, "combine", (), capacity, arch)
     return decode, combine
 
 
 def plan_for(q: torch.Tensor, causal: bool, capacity: int, backend: str,
-             features: tuple[str, ...] = ()) -> tuple[Plan, Plan]:
+             features: tuple[str, ...] = (), shape_class: str = "") -> tuple[Plan, Plan]:
     """The memoised plans of the decode and combine kernels of this call with the feature
-    switches ``features`` (the decode kernel's but sinks, the combine's only sinks)."""
+    switches ``features`` (the decode kernel's but sinks, the combine's only sinks) and the
+    call's ``shape_class``."""
     combine = ("sinks",) if "sinks" in features else ()
     return (plans.plan_for(q, causal, backend, "decode", kernel_features("decode", features),
-                           capacity),
+                           capacity, shape_class),
             plans.plan_for(q, False, backend, "combine", combine, capacity))
 
 
@@ -117,13 +131,14 @@ def covering_plan(plan: Plan, q: torch.Tensor, heads_kv: int, backend: str) -> P
 
 
 def tuned_split_table(q: torch.Tensor, causal: bool, backend: str,
-                      features: tuple[str, ...] = ()) -> tuple[SplitTable, bool]:
-    """The split table of this problem and whether any of it is tuned: each sequence
-    bucket's tuned ``splitsize`` (raised, as the tuner timed it, where the bucket's lengths
-    would need more than MAX_SPLITS pieces: ``splits.fitting_split_size``), else
+                      features: tuple[str, ...] = (), shape_class: str = ""
+                      ) -> tuple[SplitTable, bool]:
+    """The split table of this problem and shape class and whether any of it is tuned: each
+    sequence bucket's tuned ``splitsize`` (raised, as the tuner timed it, where the bucket's
+    lengths would need more than MAX_SPLITS pieces: ``splits.fitting_split_size``), else
     DEFAULT_SPLIT_TABLE's size for the bucket, adjacent buckets of one
     size merged; memoised (the dispatcher is asked once per bucket, on the first call)."""
-    key = (backend, q.get_device(), q.dtype, q.shape[3], causal, features)
+    key = (backend, q.get_device(), q.dtype, q.shape[3], causal, features, shape_class)
     found = _tables.get(key)
     if found is not None:
         return found
@@ -131,7 +146,8 @@ def tuned_split_table(q: torch.Tensor, causal: bool, backend: str,
     tuned = False
     bucket = MIN_SEQ_BUCKET
     while bucket <= MAX_SEQ_BUCKET:
-        decision, _ = plans.decide(q, causal, backend or None, "decode", features, bucket)
+        decision, _ = plans.decide(q, causal, backend or None, "decode", features, bucket,
+                                   shape_class=shape_class)
         size = config_split_size(decision.config)
         if size > 0:  # as it was timed: raised where the bucket needs more than MAX_SPLITS
             tuned = True
@@ -225,15 +241,16 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            "keys for its own length; pass num_splits=None")
     name = backend or settings.BACKEND.get()
     features = variant.features if variant is not None else ()
+    shape_class = shape_class_of(layout)
     decode, combine = plan_for(q, causal, INVARIANT_BUCKET if batch_invariant
-                               else layout.capacity, name, features)
+                               else layout.capacity, name, features, shape_class)
     decode = covering_plan(decode, q, layout.heads_kv, name)
     sinks = variant.sinks if variant is not None else None
     features = decode.source.problem.features  # the decode kernel's (sinks: the combine's)
     config = decode.source.config
     table = None
     if not num_splits:
-        tuned, any_tuned = tuned_split_table(q, causal, name, features)
+        tuned, any_tuned = tuned_split_table(q, causal, name, features, shape_class)
         table = tuned if batch_invariant or any_tuned else None
     split_table, splits = split_mode(num_splits, config, layout,
                                      decode.sm_count or NOMINAL_SMS, table)

@@ -258,4 +258,5 @@ def explain_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         from flashtune.runtime.plans import emulator_arch
 
         arch = emulator_arch()
-    return _decode.decide(q, causal, layout.capacity, backend, arch)
+    return _decode.decide(q, causal, layout.capacity, backend, arch,
+                          _decode.shape_class_of(layout))

@@ -301,10 +301,17 @@ def _problem_of_key(key: str, features_generation: int) -> Problem:
 
 @dataclass(frozen=True)
 class ProblemBucket:
-    """A Problem plus a power-of-two sequence-length bucket: the unit of tuning."""
+    """A Problem plus a power-of-two sequence-length bucket: the unit of tuning.
+
+    ``shape_class``: a family's word for the class of call shapes within the bucket that
+    are tuned apart ("" for none, every family but decoding: ``families.decode.shape_class``
+    names a GQA group, query rows and page size, e.g. ``g8q4p16``); its key is the bucket
+    key's last word (``decode_d128_bf16_n4096_g8q4p16``).
+    """
 
     problem: Problem
     seqlen: int
+    shape_class: str = ""
 
     def __post_init__(self) -> None:
         n = _check_int(self.seqlen, "seqlen bucket", InvalidProblem)
@@ -312,17 +319,29 @@ class ProblemBucket:
             raise InvalidProblem(
                 f"seqlen bucket {n} is not a power of two in [{MIN_SEQ_BUCKET}, {MAX_SEQ_BUCKET}]"
             )
+        if not isinstance(self.shape_class, str) or (
+                self.shape_class and not SHAPE_CLASS_RE.match(self.shape_class)):
+            raise InvalidProblem(f"shape class {self.shape_class!r} is malformed; expected "
+                                 "'' or a lowercase word of letters and digits, e.g. 'g8q4p16'")
 
     def key(self) -> str:
-        return f"{self.problem.key()}_n{self.seqlen}"
+        tail = f"_{self.shape_class}" if self.shape_class else ""
+        return f"{self.problem.key()}_n{self.seqlen}{tail}"
 
     @classmethod
     def from_key(cls, key: str) -> ProblemBucket:
-        head, sep, n = key.rpartition("_n")
-        if not sep or not n.isdigit():
+        found = _BUCKET_KEY_RE.match(key)
+        if found is None:
             raise InvalidProblem(f"bucket key {key!r} is malformed; expected e.g. "
                                  "'fwd_d128_bf16_causal_n4096'")
-        return cls(Problem.from_key(head), int(n))
+        return cls(Problem.from_key(found["problem"]), int(found["n"]),
+                   found["shape_class"] or "")
+
+
+#: A shape class word (``ProblemBucket.shape_class``).
+SHAPE_CLASS_RE = re.compile(r"^[a-z][a-z0-9]{0,23}$")
+_BUCKET_KEY_RE = re.compile(
+    r"^(?P<problem>.+)_n(?P<n>[0-9]+)(?:_(?P<shape_class>[a-z][a-z0-9]*))?$")
 
 
 #: Warps per block. 12 is three warpgroups of 4 (block_m 192 with one warpgroup per 64 rows,

@@ -52,7 +52,8 @@ def _time(measurer: Measurer, entry: BestEntry, verify_cap: int | None
 
     bucket, config = entry.trial.problem_bucket(), entry.trial.kernel_config()
     shapes = make_workload(bucket, verify_cap=verify_cap or 1024).shapes
-    timings = measurer.time(bucket.problem, config, shapes, TimingPlan())
+    timings = measurer.time(bucket.problem, config, shapes,
+                            TimingPlan(shape_class=bucket.shape_class))
     measured = geomean([t.median_ms for t in timings])
     ratio = measured / entry.median_ms
     flag = ("" if 1 / TIMING_RATIO_WARN <= ratio <= TIMING_RATIO_WARN

@@ -58,6 +58,12 @@ def tune_command(
     seqlens: Annotated[str, typer.Option(
         "--seqlens", help="Sequence lengths whose buckets to tune, e.g. 1024,4096,16k.")
     ] = "1024,4096,16384",
+    shape_classes: Annotated[str | None, typer.Option(
+        "--shape-classes", help="Classes of call shapes tuned apart in each bucket, "
+                                "comma-separated; decoding's are g<group>q<rows>p<page> "
+                                "(page 0: unpaged), e.g. g8q4p16,g1q1p0; 'none' tunes one "
+                                "bucket for every shape (default: the family's own: "
+                                "decoding's g1q1p16,g4q1p16,g8q1p16,g8q4p16).")] = None,
     batch_heads: Annotated[str | None, typer.Option(
         "--batch-heads", help="BATCHxHEADS pairs timed per bucket, e.g. 4x16,1x32 (default: "
                               "the standard sweep, hidden 2048 and ~16k tokens).")] = None,
@@ -140,6 +146,7 @@ def tune_command(
         families.of(problem).check_problem(problem)  # unknown op, missing feature
         lengths = parse_seqlens(seqlens)
         pairs = parse_batch_heads(batch_heads)
+        classes = parse_shape_classes(shape_classes, families.of(problem).default_shape_classes)
         options = TuneOptions(
             trials=40 if trials is None else trials,
             budget_s=parse_budget(budget) if budget else None,
@@ -164,12 +171,13 @@ def tune_command(
         # the status line follows one process's phases; workers report through the database
         progress = RichProgress(options.trials, phases=workers == 1 or dry_run)
         if dry_run:
-            summaries = _run_local(problem, lengths, pairs, options, db, progress,
+            summaries = _run_local(problem, lengths, classes, pairs, options, db, progress,
                                    dry_arch=arch or "sm_90")
         elif workers > 1:
-            summaries = _run_workers(problem, lengths, pairs, options, db, workers, progress)
+            summaries = _run_workers(problem, lengths, classes, pairs, options, db, workers,
+                                     progress)
         else:
-            summaries = _run_local(problem, lengths, pairs, options, db, progress,
+            summaries = _run_local(problem, lengths, classes, pairs, options, db, progress,
                                    dry_arch=None)
     except (FlashtuneError, ValueError) as exc:
         raise fail(str(exc)) from None
@@ -277,9 +285,23 @@ def parse_features(text: str | None) -> dict[str, bool]:
     return dict.fromkeys(names, True)
 
 
-def _run_local(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHeads, ...],
-               options: TuneOptions, db: str | None, progress: RichProgress, *,
-               dry_arch: str | None) -> list[BucketSummary]:
+def parse_shape_classes(text: str | None, defaults: tuple[str, ...]) -> tuple[str, ...]:
+    """``--shape-classes``: the named classes ('none': none), ``defaults`` when not given
+    (each is checked against the family when its buckets are made)."""
+    if text is None:
+        return defaults
+    words = tuple(w.strip() for w in text.split(",") if w.strip())
+    if words == ("none",):
+        return ()
+    if not words or "none" in words:
+        raise TuningError(f"--shape-classes {text!r}: expected class words separated by "
+                          "commas (e.g. g8q4p16,g1q1p0), or 'none'")
+    return words
+
+
+def _run_local(problem: Problem, lengths: tuple[int, ...], classes: tuple[str, ...],
+               pairs: tuple[BatchHeads, ...], options: TuneOptions, db: str | None,
+               progress: RichProgress, *, dry_arch: str | None) -> list[BucketSummary]:
     from flashtune.tuner.driver import tune
     from flashtune.tuner.measure.factory import DEFAULT_DRY_RUN_ARCH
 
@@ -287,12 +309,12 @@ def _run_local(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHea
         return tune(problem.head_dim, problem.dtype, problem.causal, lengths, op=problem.op,
                     features=problem.features, dry_run=dry_arch is not None,
                     arch=dry_arch or DEFAULT_DRY_RUN_ARCH, db=db, options=options,
-                    batch_heads=pairs, observer=progress)
+                    batch_heads=pairs, observer=progress, shape_classes=classes)
 
 
-def _run_workers(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchHeads, ...],
-                 options: TuneOptions, db: str | None, workers: int, progress: RichProgress
-                 ) -> list[BucketSummary]:
+def _run_workers(problem: Problem, lengths: tuple[int, ...], classes: tuple[str, ...],
+                 pairs: tuple[BatchHeads, ...], options: TuneOptions, db: str | None,
+                 workers: int, progress: RichProgress) -> list[BucketSummary]:
     """One worker process per GPU; the live table follows the database."""
     import torch
 
@@ -309,7 +331,8 @@ def _run_workers(problem: Problem, lengths: tuple[int, ...], pairs: tuple[BatchH
     info = DeviceInfo.current(0)
     spec = WorkerSpec(
         head_dim=problem.head_dim, dtype=problem.dtype.value, causal=problem.causal,
-        op=problem.op, features=problem.features, seqlens=lengths, db=db or "",
+        op=problem.op, features=problem.features, seqlens=lengths, shape_classes=classes,
+        db=db or "",
         measurer="cuda",
         batch_heads=tuple((p.batch, p.heads) for p in pairs), options=options)
     with progress:

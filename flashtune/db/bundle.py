@@ -15,7 +15,7 @@ Layout (``schema_version`` 1)::
       "trials":   [{"uid", "device", "problem", "seqlen", "config", "status", "median_ms",
                     "min_ms", "max_ms", "count", "tflops", "predicted_ms", "error",
                     "template_digest", "flashtune_version", "host", "study",
-                    "created_at"}],
+                    "created_at", "shape_class" (only when not '')}],
       "best": ["<trial uid>", ...],           # the best trial of each bucket
       "template_digests": ["..."]             # every digest the trials were measured on
     }
@@ -79,7 +79,11 @@ _OPTIONAL_TOP: frozenset[str] = frozenset()
 _DEVICE_FIELDS = tuple(f.name for f in fields(DeviceRecord))
 _TRIAL_FIELDS = ("uid", "device", "problem", "seqlen", "config", "status", "median_ms",
                  "min_ms", "max_ms", "count", "tflops", "predicted_ms", "error",
-                 "template_digest", "flashtune_version", "host", "study", "created_at")
+                 "template_digest", "flashtune_version", "host", "study", "created_at",
+                 "shape_class")
+#: Written only when not '', so the content (and its digest) of a bundle without shape
+#: classes is what it was before they existed.
+_OPTIONAL_TRIAL_FIELDS = frozenset({"shape_class"})
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,7 @@ def _trial_dict(trial: TrialRecord) -> dict[str, Any]:
         "error": trial.error, "template_digest": trial.template_digest,
         "flashtune_version": trial.flashtune_version, "host": trial.host,
         "study": trial.study, "created_at": trial.created_at.isoformat(),
+        **({"shape_class": trial.shape_class} if trial.shape_class else {}),
     }
 
 
@@ -346,7 +351,7 @@ def _from_json(data: object) -> Bundle:
     configs = _keyed_table(top["configs"], "configs")
     trials = []
     for i, item in enumerate(_list(top["trials"], "trials")):
-        obj = _object(item, f"trials[{i}]", _TRIAL_FIELDS)
+        obj = _object(item, f"trials[{i}]", _TRIAL_FIELDS, _OPTIONAL_TRIAL_FIELDS)
         trials.append(_at(f"trials[{i}]", _trial, obj, problems, configs))
     best = _list(top["best"], "best")
     for i, uid in enumerate(best):
@@ -417,7 +422,7 @@ def check_bundle(bundle: Bundle) -> None:
         reason = semantic_problem(trial) or physics_problem(trial, devices[trial.device])
         if reason is not None:
             raise BundleError(reason)
-    buckets: set[tuple[str, str, int]] = set()
+    buckets: set[tuple[str, str, int, str]] = set()
     for uid in sorted(bundle.best):
         best = uids.get(uid)
         if best is None:
@@ -425,7 +430,7 @@ def check_bundle(bundle: Bundle) -> None:
         if not best.can_be_best:
             raise BundleError(f"best trial {uid} has status {best.status.value!r}; only 'ok' "
                               "trials with a time can be best")
-        bucket = (best.device, best.problem.key, best.seqlen)
+        bucket = (best.device, best.problem.key, best.seqlen, best.shape_class)
         if bucket in buckets:
             raise BundleError(f"two best trials for {best.device!r} {best.bucket}")
         buckets.add(bucket)

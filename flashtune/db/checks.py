@@ -21,7 +21,7 @@ def semantic_problem(trial: TrialRecord) -> str | None:
     try:
         problem = Problem.from_dict(trial.problem.as_dict())
         config = KernelConfig.from_dict(trial.config.as_dict())
-        ProblemBucket(problem, trial.seqlen)
+        ProblemBucket(problem, trial.seqlen, trial.shape_class)
     except (FlashtuneError, KeyError, TypeError) as exc:
         return f"trial {trial.uid}: {exc}"
     for kind, canonical, keyed in (("problem", problem.key(), trial.problem),

@@ -80,7 +80,7 @@ class TrialRow(Base):
     __tablename__ = "ft_trials"
     __table_args__ = (
         CheckConstraint(STATUS_CHECK, name="status"),
-        Index("ix_ft_trials_bucket", "device_id", "problem_id", "seqlen"),
+        Index("ix_ft_trials_bucket", "device_id", "problem_id", "seqlen", "shape_class"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -88,6 +88,8 @@ class TrialRow(Base):
     device_id: Mapped[int] = mapped_column(ForeignKey("ft_devices.id"))
     problem_id: Mapped[int] = mapped_column(ForeignKey("ft_problems.id"))
     seqlen: Mapped[int] = mapped_column(Integer)
+    #: The bucket's shape class (``ProblemBucket.shape_class``; '' for none).
+    shape_class: Mapped[str] = mapped_column(String(32), server_default="")
     config_id: Mapped[int] = mapped_column(ForeignKey("ft_configs.id"))
     status: Mapped[str] = mapped_column(String(24))
     median_ms: Mapped[float | None] = mapped_column(Double)
@@ -139,7 +141,7 @@ class VerificationRow(Base):
 
 
 class BestRow(Base):
-    """The best ok trial per (device, problem, seqlen bucket).
+    """The best ok trial per (device, problem, seqlen bucket, shape class).
 
     ``median_ms`` repeats the trial's median so that "replace only if faster" is a single
     atomic upsert, safe under concurrent writers on any backend.
@@ -150,5 +152,6 @@ class BestRow(Base):
     device_id: Mapped[int] = mapped_column(ForeignKey("ft_devices.id"), primary_key=True)
     problem_id: Mapped[int] = mapped_column(ForeignKey("ft_problems.id"), primary_key=True)
     seqlen: Mapped[int] = mapped_column(Integer, primary_key=True)
+    shape_class: Mapped[str] = mapped_column(String(32), primary_key=True, server_default="")
     trial_id: Mapped[int] = mapped_column(ForeignKey("ft_trials.id"))
     median_ms: Mapped[float] = mapped_column(Double)

@@ -23,7 +23,7 @@ from importlib import metadata
 from typing import Literal, Protocol
 
 from flashtune.codegen.arch import ArchSpec, get_arch
-from flashtune.codegen.spec import KernelConfig, Problem, ProblemBucket
+from flashtune.codegen.spec import SHAPE_CLASS_RE, KernelConfig, Problem, ProblemBucket
 from flashtune.errors import InvalidConfig
 
 #: JSON scalars allowed as values of problem/config fields.
@@ -323,13 +323,14 @@ class DeviceRecord:
 
 @dataclass(frozen=True)
 class TrialRecord:
-    """One measured (or failed) config for a (device, problem, seqlen bucket).
+    """One measured (or failed) config for a (device, problem, seqlen bucket, shape class).
 
     Timings are in milliseconds: ``median_ms``/``min_ms``/``max_ms`` over ``count`` timed
     runs. ``template_digest`` is the digest of the kernel source that was measured
     (``KernelSource.digest``); ``uid`` identifies the trial across databases and bundles.
     ``error`` must be printable text of bounded length: pass raw compiler or runtime output
-    through ``truncate_error`` first.
+    through ``truncate_error`` first. ``shape_class``: the bucket's class of call shapes
+    (``ProblemBucket.shape_class``; '' for none).
     """
 
     device: str
@@ -338,6 +339,7 @@ class TrialRecord:
     config: Keyed
     status: TrialStatus
     template_digest: str
+    shape_class: str = ""
     median_ms: float | None = None
     min_ms: float | None = None
     max_ms: float | None = None
@@ -356,6 +358,10 @@ class TrialRecord:
         if not isinstance(self.problem, Keyed) or not isinstance(self.config, Keyed):
             raise ValueError("problem and config must be Keyed values (use Keyed.of(...))")
         check_int(self.seqlen, "seqlen", 1, MAX_SEQLEN)
+        if not isinstance(self.shape_class, str) or (
+                self.shape_class and not SHAPE_CLASS_RE.match(self.shape_class)):
+            raise ValueError(f"shape_class={self.shape_class!r} is malformed; expected '' or a "
+                             "lowercase word of letters and digits, e.g. 'g8q4p16'")
         try:
             object.__setattr__(self, "status", TrialStatus(self.status))
         except ValueError:
@@ -395,11 +401,12 @@ class TrialRecord:
 
     @property
     def bucket(self) -> str:
-        return f"{self.problem.key}_n{self.seqlen}"
+        tail = f"_{self.shape_class}" if self.shape_class else ""
+        return f"{self.problem.key}_n{self.seqlen}{tail}"
 
     def problem_bucket(self) -> ProblemBucket:
         """The trial's bucket as codegen's value (raises InvalidProblem when illegal)."""
-        return ProblemBucket(Problem.from_key(self.problem.key), self.seqlen)
+        return ProblemBucket(Problem.from_key(self.problem.key), self.seqlen, self.shape_class)
 
     def kernel_config(self) -> KernelConfig:
         """The trial's config as codegen's value (raises InvalidConfig when illegal)."""
@@ -456,7 +463,8 @@ State = Literal["current", "reverified", "stale", "failed"]
 
 @dataclass(frozen=True)
 class BestEntry:
-    """The best trial of one (device, problem, seqlen bucket), with the device's arch.
+    """The best trial of one (device, problem, seqlen bucket, shape class), with the
+    device's arch.
 
     ``provenance`` is None for results tuned into this database, else the import they came
     from. ``verified`` / ``refuted``: the template digests on which ``flashtune db verify``
@@ -507,6 +515,10 @@ class BestEntry:
     @property
     def seqlen(self) -> int:
         return self.trial.seqlen
+
+    @property
+    def shape_class(self) -> str:
+        return self.trial.shape_class
 
     @property
     def config(self) -> Keyed:

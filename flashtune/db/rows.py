@@ -175,7 +175,8 @@ class Writer:
             raise DatabaseError(reason)
         row = TrialRow(
             uid=trial.uid, device_id=dev, problem_id=self.keyed(ProblemRow, trial.problem),
-            seqlen=trial.seqlen, config_id=self.keyed(ConfigRow, trial.config),
+            seqlen=trial.seqlen, shape_class=trial.shape_class,
+            config_id=self.keyed(ConfigRow, trial.config),
             status=trial.status.value, median_ms=trial.median_ms, min_ms=trial.min_ms,
             max_ms=trial.max_ms, count=trial.count, tflops=trial.tflops,
             predicted_ms=trial.predicted_ms, error=trial.error,
@@ -196,12 +197,14 @@ class Writer:
         """
         if row.status != TrialStatus.OK.value or row.median_ms is None:
             return False
-        key = {"device_id": row.device_id, "problem_id": row.problem_id, "seqlen": row.seqlen}
+        key = {"device_id": row.device_id, "problem_id": row.problem_id, "seqlen": row.seqlen,
+               "shape_class": row.shape_class}
         if replace != "always" and self.installed is not None:
             old = self.session.execute(
                 sa.select(TrialRow).join(BestRow, BestRow.trial_id == TrialRow.id)
                 .where(BestRow.device_id == row.device_id, BestRow.problem_id == row.problem_id,
-                       BestRow.seqlen == row.seqlen)).scalar_one_or_none()
+                       BestRow.seqlen == row.seqlen, BestRow.shape_class == row.shape_class)
+            ).scalar_one_or_none()
             if old is not None:
                 new_current, old_current = self._current(row), self._current(old)
                 if new_current and not old_current:
@@ -281,7 +284,8 @@ def _trial_query() -> sa.Select[TrialRow, DeviceRow, ProblemRow, ConfigRow]:
 
 
 def _filters(devices: Sequence[str], problems: Sequence[str], seqlen: int | None,
-             uids: Sequence[str]) -> list[sa.ColumnElement[bool]]:
+             uids: Sequence[str], shape_class: str | None = None
+             ) -> list[sa.ColumnElement[bool]]:
     """Conditions on a ``_trial_query`` for every non-empty filter (none: match all)."""
     found: list[sa.ColumnElement[bool]] = []
     if devices:
@@ -290,6 +294,8 @@ def _filters(devices: Sequence[str], problems: Sequence[str], seqlen: int | None
         found.append(ProblemRow.key.in_(problems))
     if seqlen is not None:
         found.append(TrialRow.seqlen == seqlen)
+    if shape_class is not None:
+        found.append(TrialRow.shape_class == shape_class)
     if uids:
         found.append(TrialRow.uid.in_(uids))
     return found
@@ -306,6 +312,7 @@ def _build_trial(row: TrialRow, dev: DeviceRow, prob: ProblemRow,
                  conf: ConfigRow) -> TrialRecord:
     return TrialRecord(
         device=dev.name, problem=Keyed.from_mapping(prob.key, prob.fields), seqlen=row.seqlen,
+        shape_class=row.shape_class,
         config=Keyed.from_mapping(conf.key, conf.fields), status=TrialStatus(row.status),
         template_digest=row.template_digest, median_ms=row.median_ms, min_ms=row.min_ms,
         max_ms=row.max_ms, count=row.count, tflops=row.tflops, predicted_ms=row.predicted_ms,
@@ -317,9 +324,11 @@ def _build_trial(row: TrialRow, dev: DeviceRow, prob: ProblemRow,
 def select_trials(session: Session, *, devices: Sequence[str] = (),
                   problems: Sequence[str] = (), seqlen: int | None = None,
                   statuses: Sequence[TrialStatus] = (), uids: Sequence[str] = (),
-                  limit: int | None = None) -> list[TrialRecord]:
-    """Trials matching every given filter (empty filters match all), oldest first."""
-    stmt = _trial_query().where(*_filters(devices, problems, seqlen, uids))
+                  limit: int | None = None, shape_class: str | None = None
+                  ) -> list[TrialRecord]:
+    """Trials matching every given filter (empty filters, a None ``shape_class``: match
+    all), oldest first."""
+    stmt = _trial_query().where(*_filters(devices, problems, seqlen, uids, shape_class))
     if statuses:
         stmt = stmt.where(TrialRow.status.in_([s.value for s in statuses]))
     stmt = stmt.order_by(TrialRow.created_at, TrialRow.uid).limit(limit)
@@ -330,16 +339,18 @@ def select_best(session: Session, *, devices: Sequence[str] = (),
                 problems: Sequence[str] = (), seqlen: int | None = None,
                 cc: tuple[int, int] | None = None,
                 uids: Sequence[str] = (),
-                where: Sequence[sa.ColumnElement[bool]] = ()) -> list[BestEntry]:
-    """Best entries matching every given filter, ordered by device, problem and seqlen.
-    ``where``: further conditions on the trial, its device and its import (ImportRow)."""
+                where: Sequence[sa.ColumnElement[bool]] = (),
+                shape_class: str | None = None) -> list[BestEntry]:
+    """Best entries matching every given filter, ordered by device, problem, seqlen and
+    shape class. ``where``: further conditions on the trial, its device and its import
+    (ImportRow)."""
     stmt = (_trial_query().add_columns(BestRow.trial_id)
             .join(BestRow, BestRow.trial_id == TrialRow.id)
-            .where(*_filters(devices, problems, seqlen, uids), *where))
+            .where(*_filters(devices, problems, seqlen, uids, shape_class), *where))
     if cc is not None:
         stmt = stmt.where(DeviceRow.cc_major == cc[0], DeviceRow.cc_minor == cc[1])
     stmt = (stmt.add_columns(ImportRow).outerjoin(ImportRow, TrialRow.import_id == ImportRow.id)
-            .order_by(DeviceRow.name, ProblemRow.key, TrialRow.seqlen))
+            .order_by(DeviceRow.name, ProblemRow.key, TrialRow.seqlen, TrialRow.shape_class))
     found = [(row, _to_trial(row, dev, prob, conf), f"sm_{dev.cc_major}{dev.cc_minor}", imp)
              for row, dev, prob, conf, _, imp in session.execute(stmt)]
     verdicts = _verdicts(session, [row.id for row, _, _, _ in found])
@@ -384,15 +395,15 @@ def select_devices(session: Session, names: Sequence[str] = ()) -> list[DeviceRe
     return [device_to_record(row) for row in session.execute(stmt).scalars()]
 
 
-def outcomes(session: Session, device: str, problem: str,
-             seqlen: int) -> list[tuple[str, str, TrialStatus]]:
+def outcomes(session: Session, device: str, problem: str, seqlen: int,
+             shape_class: str = "") -> list[tuple[str, str, TrialStatus]]:
     """(config key, template digest, status) of every trial in this bucket, deduplicated."""
     stmt = (sa.select(ConfigRow.key, TrialRow.template_digest, TrialRow.status).distinct()
             .join(TrialRow, TrialRow.config_id == ConfigRow.id)
             .join(DeviceRow, TrialRow.device_id == DeviceRow.id)
             .join(ProblemRow, TrialRow.problem_id == ProblemRow.id)
             .where(DeviceRow.name == device, ProblemRow.key == problem,
-                   TrialRow.seqlen == seqlen))
+                   TrialRow.seqlen == seqlen, TrialRow.shape_class == shape_class))
     return [(key, digest, TrialStatus(status))
             for key, digest, status in session.execute(stmt)]
 

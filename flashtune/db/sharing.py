@@ -237,7 +237,8 @@ def _write(session: Session, bundle: Bundle, report: ShareReport, replace: str,
     for uid in sorted(bundle.best):
         row = trial_rows[uid]
         before = session.execute(sa.select(BestRow.trial_id).filter_by(
-            device_id=row.device_id, problem_id=row.problem_id, seqlen=row.seqlen)).scalar()
+            device_id=row.device_id, problem_id=row.problem_id, seqlen=row.seqlen,
+            shape_class=row.shape_class)).scalar()
         if before is not None and before != row.id and keep_local and session.execute(
                 sa.select(TrialRow.import_id).where(TrialRow.id == before)).scalar() is None:
             report.skipped["best"] += 1  # measured here: an import never displaces it

@@ -187,12 +187,14 @@ class TuningStore:
 
     def trials(self, *, device: str | None = None, problem: str | None = None,
                seqlen: int | None = None, status: TrialStatus | None = None,
-               limit: int | None = None) -> list[TrialRecord]:
-        """Trials matching the given filters, oldest first."""
+               limit: int | None = None, shape_class: str | None = None
+               ) -> list[TrialRecord]:
+        """Trials matching the given filters (a None filter matches all), oldest first."""
         with session_scope(self.engine, write=False, action="reading trials") as session:
             return rows.select_trials(
                 session, devices=[device] if device else [], problems=[problem] if problem else [],
-                seqlen=seqlen, statuses=[status] if status else [], limit=limit)
+                seqlen=seqlen, statuses=[status] if status else [], limit=limit,
+                shape_class=shape_class)
 
     def best_entries(self, *, device: str | None = None, problem: str | None = None,
                      seqlen: int | None = None, arch: str | None = None) -> list[BestEntry]:
@@ -216,36 +218,43 @@ class TuningStore:
         """Every best entry at once (the dispatcher reads this once per process)."""
         return self.best_entries()
 
-    def best(self, device: str, problem: str, seqlen: int) -> BestEntry | None:
-        """The best entry of exactly this bucket on this device."""
-        found = self.best_entries(device=device, problem=problem, seqlen=seqlen)
+    def best(self, device: str, problem: str, seqlen: int,
+             shape_class: str = "") -> BestEntry | None:
+        """The best entry of exactly this bucket (and shape class) on this device."""
+        found = [e for e in self.best_entries(device=device, problem=problem, seqlen=seqlen)
+                 if e.shape_class == shape_class]
         return found[0] if found else None
 
-    def nearest_best(self, device: str, problem: str, seqlen: int) -> BestEntry | None:
-        """This device's best entry for ``problem`` in the bucket nearest in log2(seqlen)."""
-        return nearest(self.best_entries(device=device, problem=problem), seqlen)
+    def nearest_best(self, device: str, problem: str, seqlen: int,
+                     shape_class: str = "") -> BestEntry | None:
+        """This device's best entry for ``problem`` and ``shape_class`` in the bucket
+        nearest in log2(seqlen)."""
+        return nearest([e for e in self.best_entries(device=device, problem=problem)
+                        if e.shape_class == shape_class], seqlen)
 
     def family_best(self, arch: str, problem: str, seqlen: int, *,
-                    exclude_device: str | None = None) -> BestEntry | None:
+                    exclude_device: str | None = None,
+                    shape_class: str = "") -> BestEntry | None:
         """The nearest-bucket best entry of another device of the same arch (e.g. sm_90)."""
         entries = [e for e in self.best_entries(arch=arch, problem=problem)
-                   if e.device != exclude_device]
+                   if e.device != exclude_device and e.shape_class == shape_class]
         return nearest(entries, seqlen)
 
-    def lookup(self, *, device: str, arch: str, problem: str, seqlen: int) -> Match | None:
+    def lookup(self, *, device: str, arch: str, problem: str, seqlen: int,
+               shape_class: str = "") -> Match | None:
         """Exact, else nearest bucket on this device, else the same arch (lookup.py)."""
         with session_scope(self.engine, write=False, action="looking up a config") as session:
             entries = rows.select_best(session, problems=[problem],
                                        cc=get_arch(arch).compute_capability)
             entries += rows.select_best(session, devices=[device], problems=[problem])
         return resolve(entries, device=device, arch=arch, problem=problem, seqlen=seqlen,
-                       installed=self.installed)
+                       shape_class=shape_class, installed=self.installed)
 
-    def outcomes(self, device: str, problem: str,
-                 seqlen: int) -> dict[str, dict[str, frozenset[TrialStatus]]]:
+    def outcomes(self, device: str, problem: str, seqlen: int,
+                 shape_class: str = "") -> dict[str, dict[str, frozenset[TrialStatus]]]:
         """config key -> template digest -> statuses seen, for every trial of the bucket."""
         with session_scope(self.engine, write=False, action="reading trial outcomes") as session:
-            found = rows.outcomes(session, device, problem, seqlen)
+            found = rows.outcomes(session, device, problem, seqlen, shape_class)
         result: dict[str, dict[str, set[TrialStatus]]] = {}
         for key, digest, status in found:
             result.setdefault(key, {}).setdefault(digest, set()).add(status)
@@ -253,17 +262,20 @@ class TuningStore:
                 for key, by_digest in result.items()}
 
     def tried_configs(self, device: str, problem: str, seqlen: int, *,
-                      template_digest: str | None = None) -> frozenset[str]:
+                      template_digest: str | None = None,
+                      shape_class: str = "") -> frozenset[str]:
         """Config keys with any trial in the bucket (only with this digest, if given)."""
-        return frozenset(key for key, by_digest in self.outcomes(device, problem, seqlen).items()
+        found = self.outcomes(device, problem, seqlen, shape_class)
+        return frozenset(key for key, by_digest in found.items()
                          if template_digest is None or template_digest in by_digest)
 
     def failed_configs(self, device: str, problem: str, seqlen: int, *,
-                       template_digest: str | None = None) -> frozenset[str]:
+                       template_digest: str | None = None,
+                       shape_class: str = "") -> frozenset[str]:
         """Config keys known to fail in the bucket (invalid, compile/runtime failure, wrong
         result), only with this digest if given. The tuner never retries these."""
         return frozenset(
-            key for key, by_digest in self.outcomes(device, problem, seqlen).items()
+            key for key, by_digest in self.outcomes(device, problem, seqlen, shape_class).items()
             if any(statuses & FAILED_STATUSES for digest, statuses in by_digest.items()
                    if template_digest is None or digest == template_digest))
 

@@ -384,11 +384,31 @@ class KernelFamily(ABC):
         return inputs
 
     def tuning_shapes(self, problem: Problem, seqlen: int,
-                      batch_heads: Sequence[tuple[int, int]]) -> tuple[list[Shape], Shape] | None:
-        """The shapes a tuning bucket of ``seqlen`` is timed on and the shape it is verified
-        on, or None for the forward's (square shapes of the standard sweep).
-        ``batch_heads``: the (batch, heads) pairs asked for, () for the family's own."""
+                      batch_heads: Sequence[tuple[int, int]], shape_class: str = ""
+                      ) -> tuple[list[Shape], Shape] | None:
+        """The shapes a tuning bucket of ``seqlen`` (and ``shape_class``) is timed on and
+        the shape it is verified on, or None for the forward's (square shapes of the
+        standard sweep). ``batch_heads``: the (batch, heads) pairs asked for, () for the
+        family's own."""
         return None
+
+    def timing_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
+                      shape_class: str = "") -> Inputs:
+        """The inputs a tuning run times ``shape`` of a bucket of ``shape_class`` on
+        (default: ``random_inputs``; decoding lays out the cache as the class says)."""
+        return self.random_inputs(problem, shape, device)
+
+    #: The shape classes ``flashtune tune`` tunes when none are named (none: one bucket
+    #: for every call shape).
+    default_shape_classes: ClassVar[tuple[str, ...]] = ()
+
+    def check_shape_class(self, problem: Problem, shape_class: str) -> None:
+        """Raise InvalidProblem unless ``shape_class`` is one of this family's classes of
+        call shapes tuned apart (``ProblemBucket.shape_class``); a family has none but ''
+        unless it says otherwise (decoding)."""
+        if shape_class:
+            raise InvalidProblem(f"the {self.op!r} family tunes no shape classes, got "
+                                 f"{shape_class!r}; leave the shape class out")
 
     @abstractmethod
     def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,

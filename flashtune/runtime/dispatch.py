@@ -28,6 +28,7 @@ kernel sources is skipped, with one warning per distinct reason (and at most
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -128,7 +129,8 @@ class Decision:
         if self.entry is not None:
             e = self.entry
             speed = f", {e.trial.tflops:.1f} TFLOP/s" if e.trial.tflops is not None else ""
-            lines.append(f"source:   {e.device} ({e.arch}), bucket n{e.seqlen}, median "
+            shape = f" {e.shape_class}" if e.shape_class else ""
+            lines.append(f"source:   {e.device} ({e.arch}), bucket n{e.seqlen}{shape}, median "
                          f"{e.median_ms:.4g} ms{speed}, template {e.trial.template_digest[:12]}")
         return "\n".join(lines)
 
@@ -145,7 +147,7 @@ def usable_config(entry: BestEntry) -> KernelConfig | str:
         problem = Problem.from_key(entry.problem)
         config = KernelConfig.from_key(entry.config.key)
         spec = get_arch(entry.arch)
-        ProblemBucket(problem, entry.seqlen)
+        ProblemBucket(problem, entry.seqlen, entry.shape_class)
     except FlashtuneError as exc:
         return str(exc)
     reason = families.of(problem).static_check(problem, config, spec)
@@ -155,15 +157,15 @@ def usable_config(entry: BestEntry) -> KernelConfig | str:
     return config if stale is None else stale
 
 
-def _entry_key(entry: BestEntry) -> tuple[str, str, int]:
-    return (entry.device, entry.problem, entry.seqlen)
+def _entry_key(entry: BestEntry) -> tuple[str, str, int, str]:
+    return (entry.device, entry.problem, entry.seqlen, entry.shape_class)
 
 
 class _Tuned:
     """The usable tuned entries of one device, indexed for lookups without the database."""
 
     def __init__(self, entries: Iterable[BestEntry]) -> None:
-        self.configs: dict[tuple[str, str, int], KernelConfig] = {}
+        self.configs: dict[tuple[str, str, int, str], KernelConfig] = {}
         usable: list[BestEntry] = []
         skipped: dict[str, list[BestEntry]] = {}  # reason -> its entries, in order
         for entry in entries:
@@ -229,7 +231,8 @@ class Dispatcher:
         tuned = self._load(device.name, arch)
         served = served_problem(bucket.problem, device)
         if served != bucket.problem:  # an arch-specific family (sm_90a) serves this device
-            decision = self._lookup(tuned, ProblemBucket(served, bucket.seqlen), device, arch)
+            decision = self._lookup(tuned, dataclasses.replace(bucket, problem=served), device,
+                                    arch)
             if decision is not None:
                 return decision
             # Nothing tuned for it: a config of the op's own family tuned on this very device
@@ -237,7 +240,7 @@ class Dispatcher:
             own = self._lookup(tuned, bucket, device, arch)
             if own is not None and own.tier in (Tier.EXACT, Tier.NEAREST):
                 return own
-            bucket = ProblemBucket(served, bucket.seqlen)
+            bucket = dataclasses.replace(bucket, problem=served)
         decision = self._lookup(tuned, bucket, device, arch)
         if decision is not None:
             return decision
@@ -249,7 +252,8 @@ class Dispatcher:
                ) -> Decision | None:
         """The tuned config of ``bucket`` the lookup tiers find for ``device``, or None."""
         match = tuned.index.lookup(device=device.name, arch=arch,
-                                   problem=bucket.problem.key(), seqlen=bucket.seqlen)
+                                   problem=bucket.problem.key(), seqlen=bucket.seqlen,
+                                   shape_class=bucket.shape_class)
         if match is None:
             return None
         config = tuned.configs[_entry_key(match.entry)]

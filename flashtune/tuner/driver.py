@@ -16,6 +16,7 @@ statically impossible configs, which never run) carries its prediction in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -92,9 +93,16 @@ def _default(problem: Problem, arch: ArchSpec) -> KernelConfig | None:
         return None
 
 
-def buckets_of(problem: Problem, seqlens: Sequence[int]) -> list[ProblemBucket]:
-    """The distinct buckets of ``seqlens``, in ascending order."""
-    return sorted({problem.bucket(n, n) for n in seqlens}, key=lambda b: b.seqlen)
+def buckets_of(problem: Problem, seqlens: Sequence[int],
+               shape_classes: Sequence[str] = ()) -> list[ProblemBucket]:
+    """The distinct buckets of ``seqlens`` (each of ``shape_classes``, checked by the
+    problem's family; none: the bucket without a class), by length, then class."""
+    family = families.of(problem)
+    for shape_class in shape_classes:
+        family.check_shape_class(problem, shape_class)
+    found = {dataclasses.replace(problem.bucket(n, n), shape_class=c)
+             for n in seqlens for c in (shape_classes or ("",))}
+    return sorted(found, key=lambda b: (b.seqlen, b.shape_class))
 
 
 def prepare_study(store: TuningStore, name: str, options: TuneOptions,
@@ -383,11 +391,12 @@ def tune(head_dim: int, dtype: DType | str = "bf16", causal: bool = False,
          measurer: Measurer | None = None, dry_run: bool = False,
          arch: str = "sm_90", db: str | None = None, options: TuneOptions | None = None,
          batch_heads: Sequence[BatchHeads] = (), observer: Observer | None = None,
-         verify_cap: int | None = None, op: str = "fwd", features: Sequence[str] = ()
-         ) -> list[BucketSummary]:
+         verify_cap: int | None = None, op: str = "fwd", features: Sequence[str] = (),
+         shape_classes: Sequence[str] = ()) -> list[BucketSummary]:
     """Tune the ``op`` family's kernel (default: the forward) of (head_dim, dtype, causal)
     with the attention ``features`` compiled in (codegen.spec.FEATURES; their own tuning
-    keys) for each bucket of ``seqlens``.
+    keys) for each bucket of ``seqlens`` (and each of ``shape_classes``, for a family that
+    tunes classes of call shapes apart: decoding's ``g8q4p16``).
 
     Measures on the current GPU (TuningError without one), or with ``dry_run`` compiles for
     ``arch`` and verifies in the CPU emulator, untimed; ``measurer`` overrides both (see
@@ -406,4 +415,4 @@ def tune(head_dim: int, dtype: DType | str = "bf16", causal: bool = False,
         verify_cap = DRY_RUN_VERIFY_CAP
     with TuningStore(db) as store:
         tuner = Tuner(measurer, store, options, observer, batch_heads, verify_cap)
-        return tuner.run(buckets_of(problem, seqlens))
+        return tuner.run(buckets_of(problem, seqlens, shape_classes))

@@ -48,7 +48,8 @@ class ResultLog:
         """Config key -> the status to reuse, for configs already settled with their current
         source: a failure (never retried), or ``verified_untimed`` (dry runs skip those)."""
         problem = self.bucket.problem
-        found = self.store.outcomes(self.device.name, problem.key(), self.bucket.seqlen)
+        found = self.store.outcomes(self.device.name, problem.key(), self.bucket.seqlen,
+                                    self.bucket.shape_class)
         out: dict[str, TrialStatus] = {}
         for key, by_digest in found.items():
             try:
@@ -75,6 +76,7 @@ class ResultLog:
             device=self.device.name,
             problem=Keyed.of(problem),
             seqlen=self.bucket.seqlen,
+            shape_class=self.bucket.shape_class,
             config=Keyed.of(result.config),
             status=result.status,
             template_digest=source_digest(problem, result.config),
@@ -132,6 +134,8 @@ def warm_start_scores(store: TuningStore, device: str, bucket: ProblemBucket
     scale) of the same problem: a config's rank carries over between nearby buckets."""
     rows = store.trials(device=device, problem=bucket.problem.key(), status=TrialStatus.OK)
     timed = [r for r in rows if r.tflops is not None and r.tflops > 0]
+    same_class = [r for r in timed if r.shape_class == bucket.shape_class]
+    timed = same_class or timed  # another class's ranks still beat none
     if not timed:
         return {}, (f"warm start from {device}: no timed results of {bucket.problem.key()} "
                     "in the database; searching without it")

@@ -76,6 +76,7 @@ class WorkerSpec:
     options: TuneOptions = TuneOptions()
     verify_cap: int | None = None
     features: tuple[str, ...] = ()
+    shape_classes: tuple[str, ...] = ()
 
     @property
     def problem(self) -> Problem:
@@ -96,6 +97,7 @@ class WorkerSpec:
         data["seqlens"] = tuple(data["seqlens"])
         data["batch_heads"] = tuple(tuple(bh) for bh in data["batch_heads"])
         data["features"] = tuple(data.get("features", ()))
+        data["shape_classes"] = tuple(data.get("shape_classes", ()))
         return cls(**data)
 
     def with_options(self, **changes: Any) -> WorkerSpec:
@@ -114,7 +116,8 @@ def run_spec(spec: WorkerSpec, observer: Observer | None = None) -> list[BucketS
     return tune(spec.head_dim, spec.dtype, spec.causal, spec.seqlens, op=spec.op,
                 measurer=spec.make_measurer(), db=spec.db, options=spec.options,
                 batch_heads=[BatchHeads(b, h) for b, h in spec.batch_heads],
-                observer=observer, verify_cap=spec.verify_cap, features=spec.features)
+                observer=observer, verify_cap=spec.verify_cap, features=spec.features,
+                shape_classes=spec.shape_classes)
 
 
 def start_worker(spec: WorkerSpec, env: Mapping[str, str] | None = None
@@ -199,7 +202,7 @@ def tune_parallel(spec: WorkerSpec, count: int, *, device: str, arch: ArchSpec,
     problem = spec.problem
     with TuningStore(spec.db or None) as store:
         url = store.url.render_as_string(hide_password=False)
-        buckets = buckets_of(problem, spec.seqlens)
+        buckets = buckets_of(problem, spec.seqlens, spec.shape_classes)
         options = spec.options
         names = [study_name(device, b, templates_digest(), options.study_prefix,
                             options.fixed) for b in buckets]
@@ -216,7 +219,8 @@ def tune_parallel(spec: WorkerSpec, count: int, *, device: str, arch: ArchSpec,
         def poll() -> None:
             for s in summaries:
                 summarize_records(s, store.trials(device=device, problem=problem.key(),
-                                                  seqlen=s.bucket.seqlen), static)
+                                                  seqlen=s.bucket.seqlen,
+                                                  shape_class=s.bucket.shape_class), static)
                 if observer is not None:
                     observer.bucket_finished(s)
 
@@ -227,7 +231,7 @@ def tune_parallel(spec: WorkerSpec, count: int, *, device: str, arch: ArchSpec,
         poll()
         storage = open_storage(url, options.heartbeat)
         for s, name in zip(summaries, names, strict=True):
-            best = store.best(device, problem.key(), s.bucket.seqlen)
+            best = store.best(device, problem.key(), s.bucket.seqlen, s.bucket.shape_class)
             if best is not None:
                 s.winner = KernelConfig.from_key(best.config.key)
                 s.winner_tflops = best.trial.tflops

@@ -57,7 +57,7 @@ def _tables(url: str) -> set[str]:
 
 def test_migrations_create_exactly_the_models(db_url: str) -> None:
     with TuningStore(db_url) as store:
-        assert store.schema.current == head_revision() == "0002"
+        assert store.schema.current == head_revision() == "0003"
         with store.engine.connect() as conn:
             context = MigrationContext.configure(conn, opts={"version_table": VERSION_TABLE})
             assert compare_metadata(context, Base.metadata) == []

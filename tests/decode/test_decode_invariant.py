@@ -198,8 +198,10 @@ def test_the_split_table_is_built_from_the_tuned_buckets(monkeypatch: pytest.Mon
     real = plans.decide
 
     def decide(q: torch.Tensor, causal: bool, backend: str | None, op: str,
-               features: tuple[str, ...], seqlen: int, arch: str | None = None) -> Any:
-        decision, entry = real(q, causal, backend, op, features, seqlen, arch)
+               features: tuple[str, ...], seqlen: int, arch: str | None = None,
+               shape_class: str = "") -> Any:
+        decision, entry = real(q, causal, backend, op, features, seqlen, arch,
+                               shape_class=shape_class)
         size = 1024 if seqlen <= 4096 else 256 if seqlen == 1 << 20 else 0
         if not size:
             return decision, entry

@@ -35,6 +35,7 @@ from flashtune.families.decode import space
 from flashtune.families.decode.args import DECODE_ABI, decode_grid, pack_decode_args
 from flashtune.families.decode.inputs import DecodeCase, draw_case, make_inputs
 from flashtune.families.decode.reference import decode_reference
+from flashtune.families.decode.shape_class import DEFAULT_CLASSES, ShapeClass
 from flashtune.families.decode.splits import SplitTable, fitting_split_size, heuristic_splits
 from flashtune.families.decode.status import STATUS_WORDS, describe
 from flashtune.families.fwd import variants
@@ -88,6 +89,7 @@ class DecodeFamily(KernelFamily):
     dtypes = SAME_16BIT
     features = frozenset({"window", "softcap", "alibi"})
     abi: ClassVar[EntryAbi | None] = DECODE_ABI
+    default_shape_classes = DEFAULT_CLASSES
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.SPACE
@@ -129,12 +131,28 @@ class DecodeFamily(KernelFamily):
         return Inputs(tensors, {**inputs.scalars, "num_splits": splits})
 
     def tuning_shapes(self, problem: Problem, seqlen: int,
-                      batch_heads: Sequence[tuple[int, int]]) -> tuple[list[Shape], Shape]:
-        """One new query row per sequence over caches of ``seqlen`` and 3/4 of it, at each
-        (batch, heads_q) pair (default TUNING_BATCH_HEADS; batches cut to TUNING_TOKENS
-        cached rows in all), GQA group TUNING_GROUP, and the TUNING_SERVING (group, query
-        rows) at ``seqlen``; verified on a small cache that spans several key tiles."""
+                      batch_heads: Sequence[tuple[int, int]], shape_class: str = ""
+                      ) -> tuple[list[Shape], Shape]:
+        """Over caches of ``seqlen`` and 3/4 of it, at each (batch, heads_q) pair (default
+        TUNING_BATCH_HEADS; batches cut to TUNING_TOKENS cached rows in all): a bucket of a
+        shape class at its group and query rows (heads raised to a multiple of the
+        group), verified at them; a bucket without one at one new query row, GQA group
+        TUNING_GROUP, and the TUNING_SERVING (group, query rows) at ``seqlen``, verified
+        on a small cache that spans several key tiles."""
+        verify_len = min(seqlen, VERIFY_CACHE)
         shapes: list[Shape] = []
+        if shape_class:
+            cls = ShapeClass.parse(shape_class)
+            g, rows = cls.group, cls.rows
+            for batch, heads in batch_heads or TUNING_BATCH_HEADS:
+                heads = -(-heads // g) * g
+                for length in (seqlen, max(1, seqlen * 3 // 4)):
+                    fitting = max(1, min(batch, TUNING_TOKENS // length))
+                    shape = Shape(fitting, heads, heads // g, rows, length)
+                    if shape not in shapes:
+                        shapes.append(shape)
+            heads_kv = 1 if g >= 8 else 2  # emulator time: MQA for the large groups
+            return shapes, Shape(2, g * heads_kv, heads_kv, rows, verify_len)
         for batch, heads in batch_heads or TUNING_BATCH_HEADS:
             group = TUNING_GROUP if heads % TUNING_GROUP == 0 else 1
             kinds = [(group, 1, seqlen), (group, 1, max(1, seqlen * 3 // 4))]
@@ -144,7 +162,23 @@ class DecodeFamily(KernelFamily):
                 shape = Shape(fitting, heads, heads // g, rows, length)
                 if shape not in shapes:
                     shapes.append(shape)
-        return shapes, Shape(2, 8, 2, 2, min(seqlen, VERIFY_CACHE))
+        return shapes, Shape(2, 8, 2, 2, verify_len)
+
+    def check_shape_class(self, problem: Problem, shape_class: str) -> None:
+        """Decoding's classes are ``shape_class.ShapeClass`` words (``g8q4p16``)."""
+        if shape_class:
+            ShapeClass.parse(shape_class)
+
+    def timing_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
+                      shape_class: str = "") -> Inputs:
+        """Random inputs over the class's page size (a bucket without a class: drawn as a
+        verification draws it), the heuristic split count for ``device``."""
+        if not shape_class:
+            return self.random_inputs(problem, shape, device)
+        page = ShapeClass.parse(shape_class).page_size
+        case = draw_case(shape, generator(device, None), page_sizes=(page,), append=True,
+                         num_splits=nominal_splits(shape, device_sms(device)))
+        return self.random_inputs(problem, shape, device, case=case)
 
     def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
         return space.static_check(problem, config, arch)

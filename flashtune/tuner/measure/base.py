@@ -85,11 +85,14 @@ class ShapeTiming:
 
 @dataclass(frozen=True)
 class TimingPlan:
-    """How to time: warm-up launches, timed repeats, and whether to flush L2 before each."""
+    """How to time: warm-up launches, timed repeats, whether to flush L2 before each, and
+    the shape class of the bucket the inputs are laid out for (``ProblemBucket.shape_class``:
+    ``KernelFamily.timing_inputs``; set per bucket by the tuner)."""
 
     warmup: int = 3
     repeats: int = 20
     flush_l2: bool = True
+    shape_class: str = ""
 
     def __post_init__(self) -> None:
         if self.warmup < 0 or self.repeats < 1:

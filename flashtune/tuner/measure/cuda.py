@@ -55,7 +55,7 @@ class CudaMeasurer:
         self._flush = torch.empty(l2_flush_bytes(self.torch_device), dtype=torch.uint8,
                                   device=self.torch_device)
         self._context_lost: str | None = None
-        self._inputs: dict[tuple[Problem, Shape], Inputs] = {}
+        self._inputs: dict[tuple[Problem, Shape, str], Inputs] = {}
 
     @property
     def device(self) -> DeviceRecord:
@@ -112,12 +112,12 @@ class CudaMeasurer:
 
     def _time_shape(self, kernel: LoadedKernel, problem: Problem, config: KernelConfig,
                     shape: Shape, plan: TimingPlan) -> ShapeTiming:
-        key = (problem, shape)
+        key = (problem, shape, plan.shape_class)
         if key not in self._inputs:  # timing inputs do not depend on the config: draw once
             if len(self._inputs) >= MAX_CACHED_INPUTS:  # a new bucket: free the old ones
                 self._inputs.clear()
-            self._inputs[key] = families.of(problem).random_inputs(problem, shape,
-                                                                  self.torch_device)
+            self._inputs[key] = families.of(problem).timing_inputs(
+                problem, shape, self.torch_device, plan.shape_class)
         # Outputs, grid and arguments are made and converted once, outside the timed
         # interval: the events bracket the bound launch alone, as the torch API runs it.
         launch = prepare(kernel, shape, self.torch_device, inputs=self._inputs[key],

@@ -6,6 +6,7 @@ not ``timed`` never yields a timing (its results are ``verified_untimed``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -122,7 +123,8 @@ def evaluate(measurer: Measurer, workload: Workload, config: KernelConfig,
         return TrialResult(config, TrialStatus.VERIFIED_UNTIMED,
                            max_abs_error=verdict.max_abs_error, registers=regs, spill_bytes=spilled)
     try:
-        timings = measurer.time(problem, config, workload.shapes, plan)
+        timings = measurer.time(problem, config, workload.shapes,
+                                dataclasses.replace(plan, shape_class=workload.bucket.shape_class))
     except KERNEL_FAILURES as exc:
         return TrialResult(config, TrialStatus.RUNTIME_FAILED,
                            error=truncate_error(f"{type(exc).__name__}: {exc}"),

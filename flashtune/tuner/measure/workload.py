@@ -134,7 +134,7 @@ def make_workload(bucket: ProblemBucket, batch_heads: Sequence[BatchHeads] = (),
     """Representative shapes of ``bucket``: each fraction of N, at each batch-heads pair."""
     problem, top = bucket.problem, bucket.seqlen
     own = families.of(problem).tuning_shapes(
-        problem, top, [(bh.batch, bh.heads) for bh in batch_heads])
+        problem, top, [(bh.batch, bh.heads) for bh in batch_heads], bucket.shape_class)
     if own is not None:
         return Workload(bucket, tuple(own[0]), own[1])
     shapes: list[Shape] = []

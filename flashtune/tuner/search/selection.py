@@ -12,6 +12,7 @@ depend on the order in which the search happened to find them.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,8 +80,9 @@ def remeasure(measurer: Measurer, workload: Workload,
             if config in failed:
                 continue
             try:
-                samples[config].append(measurer.time(workload.problem, config, workload.shapes,
-                                                    plan))
+                samples[config].append(measurer.time(
+                    workload.problem, config, workload.shapes,
+                    dataclasses.replace(plan, shape_class=workload.bucket.shape_class)))
             except KERNEL_FAILURES as exc:
                 failed[config] = f"failed when re-measured: {type(exc).__name__}: {exc}"
     out: list[TrialResult] = []
