@@ -187,11 +187,12 @@ def test_varlen_dropout_matches_float64_per_sequence() -> None:
         q0, k0 = q0 + nq, k0 + nk
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("deterministic", [random.Random(SEED).choice([False, True])])
 def test_varlen_dropout_gradients_follow_flash_attn_rule(deterministic: bool) -> None:
     """attention_varlen(dropout_p=) gradients against float64 autograd per sequence with
     the tests' own mask (sequence b of the pack is the mask's batch b): GQA, causal, a
-    sequence with no queries and one with no keys."""
+    sequence with no queries and one with no keys; atomic or deterministic dQ drawn from the
+    run's seed."""
     lens_q, lens_k, p = [17, 0, 40, 6], [23, 5, 40, 0], 0.17
     seed = random.Random(f"{SEED}-varlen-{deterministic}").randrange(2**31)
     inputs, dout, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, 32, torch.bfloat16, seed)
