@@ -1,9 +1,11 @@
 """Test helpers of the backward pass: a differentiable attention written in plain PyTorch
 (float64 reference, or the input dtype for flash-attn's error rule), gradients of a
-function, seeded inputs, and the error-ratio check."""
+function, seeded inputs (dense and packed), a packed attention made of a dense one per
+sequence, and the error-ratio check."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 
@@ -126,3 +128,40 @@ def error_ratios(shape: ShapeTuple, head_dim: int, dtype: torch.dtype, causal: b
     exact = gradients(plain, tuple(t.double() for t in inputs), dout)
     return within_rule(got, low, exact,
                        f"shape {shape} d{head_dim} {dtype} causal={causal} seed={seed}")
+
+
+def packed_inputs(lens_q: list[int], lens_k: list[int], heads_q: int, heads_kv: int,
+                  head_dim: int, dtype: torch.dtype, seed: int
+                  ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded standard-normal packed (q, k, v) ((total, H, D), flash-attn's varlen layout),
+    dO, and the int32 cumulative lengths of ``lens_q`` and ``lens_k``."""
+    (q, k, v), dout = make_inputs((1, sum(lens_q), sum(lens_k), heads_q, heads_kv), head_dim,
+                                  dtype, seed)
+
+    def cumulative(lengths: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+
+    return (q[0], k[0], v[0]), dout[0], cumulative(lens_q), cumulative(lens_k)
+
+
+def per_sequence(attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int],
+                                  torch.Tensor],
+                 cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
+                 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A packed attention (total, H, D) -> (total_q, Hq, D) made of a dense one:
+    ``attend(q, k, v, b)`` on sequence b's (1, N, H, D) rows, the outputs concatenated
+    (zeros for a sequence with no keys, none for one with no queries)."""
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+
+    def packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        parts = []
+        for b in range(len(cq) - 1):
+            rows, keys = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+            if rows.start == rows.stop:
+                continue
+            if keys.start == keys.stop:
+                parts.append(torch.zeros_like(q[rows]))
+            else:
+                parts.append(attend(q[None, rows], k[None, keys], v[None, keys], b)[0])
+        return torch.cat(parts)
+    return packed

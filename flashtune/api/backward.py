@@ -15,6 +15,12 @@ about one slice per SM over the batch and kv heads), so memory stays linear in t
 length. A gradient of the LSE output (``return_lse=True``) enters as D - dLSE: the
 derivative of LSE with respect to the scores is P, so dS = P (dP - D + dLSE).
 
+Varlen (packed sequences, ``attention_varlen``): the tensors come in the forward's packed
+layout with a batch dim of 1 (q (1, total_q, Hq, D), the LSE (1, Hq, total_q)); D and the
+accumulator follow it, the preprocess and the convert run over the pack's rows as one
+sequence, and the main kernel's grid and dQ slices count the sequences and the longest key
+sequence (the kernel reads each sequence's rows from the cumulative lengths).
+
 Attention sinks need no kernel of their own: the forward's LSE includes the sink, so the
 kernels' P = exp(S - LSE) is already the probability with the sink in the denominator, and
 dS = P (dP - D) holds as is. The sink's gradient is d sink_h = -sum over (batch, rows of head
@@ -65,12 +71,18 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     """dQ, dK, dV (like q, k, v) of the forward that produced ``out`` and ``lse`` from
     validated q, k, v, given dO (and optionally the gradient of the LSE), with the
     forward's features ``variant`` (None: none), and the float32 gradient of its sinks
-    (None without sinks). ``backend`` "" means the FLASHTUNE_BACKEND setting."""
+    (None without sinks). ``backend`` "" means the FLASHTUNE_BACKEND setting. With varlen,
+    every tensor is in the packed layout of the module doc."""
     name = backend or settings.BACKEND.get()
     dout, out = _kernel_ready(dout), _kernel_ready(out)
     batch, seqlen_q, heads_q, head_dim = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
-    longest = max(seqlen_q, seqlen_k)
+    # The main kernel's blocks: per (sequence, kv head), over the longest key sequence.
+    sequences, keys, longest = batch, seqlen_k, max(seqlen_q, seqlen_k)
+    varlen = variant.varlen if variant is not None else None
+    if varlen is not None:
+        sequences, keys = varlen.batch, varlen.max_seqlen_k or seqlen_k
+        longest = max(varlen.max_seqlen_q, keys)
     op = "bwddet" if deterministic else "bwd"
     features = kernel_features(op, variant.features) if variant is not None else ()
     main = plan_for(q, causal, name, op, features, longest)
@@ -78,7 +90,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     convert = plan_for(q, False, name, "bwdsum", (), longest)
     config = main.source.config
     split = space.dq_mode(config) == space.DQ_SPLIT
-    slices = (space.dq_slices(_sm_count(q.device), batch, heads_kv, seqlen_k, config.block_n)
+    slices = (space.dq_slices(_sm_count(q.device), sequences, heads_kv, keys, config.block_n)
               if split else 1)
 
     dsum = torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=q.device)
@@ -90,13 +102,14 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         dsum.sub_(grad_lse)
 
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    _launch(main, args.main_grid(seqlen_k, heads_kv, batch, config.block_n,
+    _launch(main, args.main_grid(keys, heads_kv, sequences, config.block_n,
                                  slices if split else None),
             args.main_args(q, k, v, dout, lse, dsum, dk, dv, accum, softmax_scale)
             if not features else
-            args.MAIN_ABI.packer(features)(q, k, v, dout, lse, dsum, dk, dv, accum,
-                                           softmax_scale, **feature_values(
-                                               main.source.problem, variant)))
+            args.MAIN_ABI.pack({"q": q, "k": k, "v": v, "dout": dout, "lse": lse,
+                                "dsum": dsum, "dk": dk, "dv": dv, "dq_accum": accum,
+                                "softmax_scale": softmax_scale,
+                                **feature_values(main.source.problem, variant)}, features))
 
     dq = torch.empty_like(q)
     _launch(convert, args.row_grid(seqlen_q, heads_q, batch, convert.block_m),

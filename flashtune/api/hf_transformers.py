@@ -12,8 +12,14 @@ gradient); GQA is native. The padding
 mask is transformers' flash-attention one (a 2-D mask, or None when nothing is padded).
 Attention dropout (``dropout``: the config's ``attention_dropout`` in train mode, 0 in eval
 mode, as transformers passes it) is the kernels' ``dropout_p``.
-Training: a batch without padding has gradients (windows, softcaps and sinks included); a padded
-batch runs on the varlen kernel, whose backward raises FeatureNotSupported.
+Packed sequences (padding-free training: one row of several sequences back to back, as
+``DataCollatorWithFlattening`` makes) run on ``attention_varlen`` with each sequence on its
+own: the sequences are those of transformers' flash-attention kwargs (``cu_seq_lens_q``,
+``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``) when it passes them, else those of
+``position_ids`` (a sequence starts wherever the position does not follow the previous one,
+the rule of transformers' masks for eager attention).
+Training: every path has gradients (windows, softcaps, sinks and dropout included), padded
+and packed batches through the varlen backward.
 
 The default name is ``"ftune"``, not ``"flashtune"``: transformers takes every implementation
 name that contains "flash" for a FlashAttention kernel package and tries to load one
@@ -39,17 +45,57 @@ def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
 
 
+#: The packed batch of one call: cumulative lengths of the query and key sequences (int32,
+#: on the tensors' device) and the longest of each.
+Packing = tuple[torch.Tensor, torch.Tensor, int, int]
+
+
+def packing(query: torch.Tensor, key: torch.Tensor, padding: torch.Tensor | None,
+            kwargs: dict[str, Any]) -> Packing | None:
+    """The sequences of a packed batch (one row of (1, H, N, D) query and key, no padding
+    mask) from transformers' flash-attention kwargs or ``position_ids`` (see the module
+    doc); None when the call is not packed."""
+    if padding is not None or query.shape[0] != 1:
+        return None
+    cu_q, cu_k, max_q, max_k = (kwargs.get(n) for n in (
+        "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"))
+    if (isinstance(cu_q, torch.Tensor) and isinstance(cu_k, torch.Tensor)
+            and max_q is not None and max_k is not None):
+        return (cu_q.to(device=query.device, dtype=torch.int32),
+                cu_k.to(device=key.device, dtype=torch.int32), int(max_q), int(max_k))
+    positions = kwargs.get("position_ids")
+    if not isinstance(positions, torch.Tensor) or positions.shape[-1] != query.shape[2]:
+        return None
+    positions = positions.reshape(-1)
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[1:] = positions[1:] != positions[:-1] + 1
+    if query.shape[2] != key.shape[2] or int(starts.sum()) < 2:
+        return None
+    cu = torch.nn.functional.pad(starts.nonzero().squeeze(1).to(torch.int32), (0, 1),
+                                 value=positions.numel())
+    longest = int(cu.diff().max())
+    return cu.to(query.device), cu.to(query.device), longest, longest
+
+
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      padding: torch.Tensor | None, *, causal: bool, scaling: float | None,
                      window: tuple[int, int], softcap: float | None,
                      backend: str | None, sinks: torch.Tensor | None = None,
-                     dropout_p: float = 0.0) -> torch.Tensor:
+                     dropout_p: float = 0.0, sequences: Packing | None = None
+                     ) -> torch.Tensor:
     """(B, Nq, Hq, D) attention output of transformers' (B, H, N, D) query, key and value,
     with ``padding`` (B, Nk) True on real tokens (its last Nq columns are the queries'), or
-    None; padded query rows get zeros. ``sinks``: float32 (Hq,) or None."""
+    None; padded query rows get zeros. ``sinks``: float32 (Hq,) or None. ``sequences``: the
+    sequences of a packed batch of one row (``packing``), attended each on its own."""
     batch, heads_q, seqlen_q, dim = query.shape
     seqlen_k = key.shape[2]
-    if padding is None:  # every row is a whole sequence: the batched op (it has a backward)
+    if sequences is not None:
+        out = attention_varlen(query[0].transpose(0, 1), key[0].transpose(0, 1),
+                               value[0].transpose(0, 1), *sequences, causal=causal,
+                               softmax_scale=scaling, window_size=window, softcap=softcap,
+                               backend=backend, sinks=sinks, dropout_p=dropout_p)
+        return out[None]
+    if padding is None:  # every row is a whole sequence: the batched op
         out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                         causal=causal, softmax_scale=scaling, window_size=window,
                         softcap=softcap, backend=backend, sinks=sinks, dropout_p=dropout_p)
@@ -107,7 +153,8 @@ def make_attention_function(backend: str | None = None) -> Any:
         sinks = s_aux.to(torch.float32) if isinstance(s_aux, torch.Tensor) else None
         out = varlen_attention(query, key, value, attention_mask, causal=causal,
                                scaling=scaling, window=window, softcap=softcap or None,
-                               backend=backend, sinks=sinks, dropout_p=float(dropout))
+                               backend=backend, sinks=sinks, dropout_p=float(dropout),
+                               sequences=packing(query, key, attention_mask, kwargs))
         return out.to(dtype), None
 
     return flashtune_attention

@@ -184,7 +184,7 @@ def _needs_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-def _deterministic(value: object) -> bool:
+def deterministic_flag(value: object) -> bool:
     """``deterministic`` as a bool: None follows torch.are_deterministic_algorithms_enabled()."""
     if value is None:
         return bool(torch.are_deterministic_algorithms_enabled())
@@ -327,7 +327,7 @@ def attention(
     if not isinstance(causal, bool):
         raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
     scale = check_softmax_scale(softmax_scale, dim or q.shape[3])
-    ordered = _deterministic(deterministic)
+    ordered = deterministic_flag(deterministic)
     name = "" if backend is None else backend
     p = 0.0 if isinstance(dropout_p, float) and dropout_p == 0.0 else (
         _dropout.check_dropout_p(dropout_p))

@@ -13,8 +13,8 @@ flashtune to that registry and activates nothing::
 From then on, every call torch sends to its flash backend runs flashtune's kernels:
 ``scaled_dot_product_attention`` when torch picks the flash backend (fp16/bf16 CUDA inputs;
 force it with ``torch.nn.attention.sdpa_kernel(SDPBackend.FLASH_ATTENTION)``) with its
-backward, and ``torch.nn.attention.varlen.varlen_attn`` (packed sequences, sliding windows;
-forward only, as in ``flashtune.attention_varlen``). SDPA's ``is_causal`` keeps torch's
+backward, and ``torch.nn.attention.varlen.varlen_attn`` (packed sequences, sliding windows)
+with its backward, as in ``flashtune.attention_varlen``. SDPA's ``is_causal`` keeps torch's
 meaning for L != S (the mask aligned to the top-left corner, served by ``api.sdpa_causal``
 forward and backward; ``_flash_attention_forward``'s ``is_causal`` is flash-attn's
 bottom-right one, as torch's own kernel has it). Calls flashtune does not serve (dropout, a
@@ -32,9 +32,10 @@ from flashtune.api import backward as _bwd
 from flashtune.api.limits import check_softmax_scale
 from flashtune.api.ops import attention
 from flashtune.api.sdpa_causal import top_left_backward, top_left_forward
-from flashtune.api.variants import refuse_unsupported, resolve
+from flashtune.api.variants import Variant, refuse_unsupported, resolve
 from flashtune.api.varlen_ops import attention_varlen
 from flashtune.errors import FeatureNotSupported, InvalidInput
+from flashtune.families.fwd.args import VarlenArgs
 
 #: The name flashtune registers under (``activate_flash_attention_impl(IMPL_NAME)``).
 IMPL_NAME = "flashtune"
@@ -167,7 +168,7 @@ class _Kernels:
         def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      o: torch.Tensor, lse: torch.Tensor, causal: bool
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            return self._backward(dout, q, k, v, o, lse, dropout_p, causal, scale)
+            return self._backward(dout, q, k, v, o, lse, dropout_p, Variant(causal), scale)
 
         if is_causal and q.shape[1] != k.shape[1]:  # SDPA's top-left mask
             grads = top_left_backward(backward, dout, q, k, v, o, logsumexp)
@@ -232,22 +233,31 @@ class _Kernels:
                        scale: float | None = None, window_size_left: int | None = None,
                        window_size_right: int | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """aten::_flash_attention_backward: dense calls without a window (the features the
-        backward families implement); FeatureNotSupported for the others."""
-        packed = cum_seq_q is not None and cum_seq_q.numel() > 0
+        """aten::_flash_attention_backward: dense (B, N, H, D) or packed (total, H, D) calls,
+        with a causal mask or a sliding window (the features the forward served)."""
+        varlen = None
+        if cum_seq_q is not None and cum_seq_q.numel() > 0:
+            if cum_seq_k is None:
+                raise InvalidInput("cum_seq_q is given but cum_seq_k is None; packed "
+                                   "sequences need both cumulative-length tensors")
+            varlen = VarlenArgs(cum_seq_q, cum_seq_k, int(max_q), int(max_k))
+        longest = ((int(max_q), int(max_k)) if varlen is not None
+                   else (query.shape[-3], key.shape[-3]))
         variant = resolve(is_causal, _window(window_size_left, window_size_right), None, None,
-                          query, 1, None if packed else (query.shape[-3], key.shape[-3]))
-        features = variant.features + (("varlen",) if packed else ())
-        refuse_unsupported("bwd", features, query, "torch's flash-attention backward "
-                           "routed to flashtune")
+                          query, 1, longest, varlen)
+        deterministic = bool(torch.are_deterministic_algorithms_enabled())
+        refuse_unsupported("bwddet" if deterministic else "bwd", variant.features, query,
+                           "torch's flash-attention backward routed to flashtune")
         return self._backward(grad_out, query, key, value, out, logsumexp, dropout_p,
-                              variant.causal, scale)
+                              variant, scale)
 
     def _backward(self, grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dropout_p: float,
-                  causal: bool, scale: float | None
+                  variant: Variant, scale: float | None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """dQ, dK, dV of (B, N, H, D) views (the forward ran flashtune on them)."""
+        """dQ, dK, dV of (B, N, H, D) views, or of packed (total, H, D) tensors with an LSE
+        (H, total) when ``variant`` is varlen (the forward ran flashtune on them), with the
+        forward's features ``variant``."""
         if dropout_p != 0.0:
             raise _refused(f"dropout_p={dropout_p} (torch's operators carry their own "
                            "generator state; flashtune's dropout is flashtune.attention's "
@@ -258,8 +268,13 @@ class _Kernels:
                            "as torch's SDPA pads it)")
         softmax_scale = check_softmax_scale(scale, head_dim)
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
-        dq, dk, dv, _ = _bwd.backward(grad_out, q, k, v, out, lse, None, causal,
+        if variant.varlen is not None:  # the backward's packed layout: a batch dim of 1
+            grad_out, q, k, v, out, lse = (t.unsqueeze(0) for t in (grad_out, q, k, v, out,
+                                                                    lse))
+        dq, dk, dv, _ = _bwd.backward(grad_out, q, k, v, out, lse, None, variant.causal,
                                       softmax_scale,
                                       bool(torch.are_deterministic_algorithms_enabled()),
-                                      self.backend)
+                                      self.backend, variant)
+        if variant.varlen is not None:
+            return dq[0], dk[0], dv[0]
         return dq, dk, dv

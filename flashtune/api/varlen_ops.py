@@ -4,8 +4,13 @@ the rows, in flash-attn's varlen layout.
 The call is the custom op ``flashtune::attention_varlen_fwd`` (with a fake implementation,
 so torch.compile traces it as one node); a plain eager call with nothing observing
 operators calls the implementation directly. The kernel reads the cumulative lengths on the
-device: nothing synchronises with the host. There is no varlen backward kernel yet: a
-backward through the call raises FeatureNotSupported.
+device: nothing synchronises with the host.
+
+Gradients: the op's autograd formula runs the backward kernels on the packed tensors
+through a second custom op, ``flashtune::attention_varlen_bwd`` (with a fake
+implementation, so torch.compile traces the backward graph too): dQ, dK, dV, the sinks'
+gradient, with the forward's features (dropout's mask drawn again from its seed and
+offset); ``deterministic`` as in ``flashtune.attention``.
 """
 
 from __future__ import annotations
@@ -15,11 +20,12 @@ from typing import Any, Literal, overload
 
 import torch
 
+from flashtune.api import backward as _bwd
 from flashtune.api import dropout as _dropout
 from flashtune.api import forward as _fwd
 from flashtune.api.flex import MaskModFn, ScoreModFn, modified_forward, refuse_grad
 from flashtune.api.limits import check_softmax_scale
-from flashtune.api.ops import direct_call_ok
+from flashtune.api.ops import deterministic_flag, direct_call_ok
 from flashtune.api.validate_varlen import check_varlen_inputs
 from flashtune.api.variants import (
     NO_WINDOW,
@@ -32,6 +38,19 @@ from flashtune.errors import InvalidInput
 from flashtune.families.fwd.args import DropoutArgs, VarlenArgs
 
 OP_NAME = "flashtune::attention_varlen_fwd"
+BWD_OP_NAME = "flashtune::attention_varlen_bwd"
+
+
+def _variant(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+             max_seqlen_k: int, causal: bool, window_left: int, window_right: int,
+             softcap: float, alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
+             dropout_p: float, dropout_seed: int, dropout_offset: int) -> Variant:
+    """The Variant of the ops' arguments (the dropout's seed as a signed int64)."""
+    varlen = VarlenArgs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    dropout = (DropoutArgs(dropout_seed % 2**64, dropout_offset, dropout_p)
+               if dropout_p > 0.0 else None)
+    return Variant(causal, (window_left, window_right), softcap, alibi_slopes, varlen,
+                   sinks=sinks, dropout=dropout)
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
@@ -49,15 +68,14 @@ def attention_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          window_right: int, softcap: float,
                          alibi_slopes: torch.Tensor | None,
                          sinks: torch.Tensor | None = None, dropout_p: float = 0.0,
-                         dropout_seed: int = 0, dropout_offset: int = 0
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         dropout_seed: int = 0, dropout_offset: int = 0,
+                         deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """O (total_q, Hq, D) and LSE (Hq, total_q) of validated, resolved inputs (the
-    dropout's seed as a signed int64, ``DropoutArgs.signed_seed``)."""
-    varlen = VarlenArgs(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    dropout = (DropoutArgs(dropout_seed % 2**64, dropout_offset, dropout_p)
-               if dropout_p > 0.0 else None)
-    variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes, varlen,
-                      sinks=sinks, dropout=dropout)
+    dropout's seed as a signed int64, ``DropoutArgs.signed_seed``). ``deterministic`` only
+    matters to the backward (an argument here so the autograd formula sees it)."""
+    variant = _variant(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                       window_left, window_right, softcap, alibi_slopes, sinks, dropout_p,
+                       dropout_seed, dropout_offset)
     return _run(q, k, v, variant, softmax_scale, backend)
 
 
@@ -67,23 +85,76 @@ def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch
           softmax_scale: float, backend: str, window_left: int, window_right: int,
           softcap: float, alibi_slopes: torch.Tensor | None,
           sinks: torch.Tensor | None = None, dropout_p: float = 0.0,
-          dropout_seed: int = 0, dropout_offset: int = 0
+          dropout_seed: int = 0, dropout_offset: int = 0, deterministic: bool = False
           ) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
+@torch.library.custom_op(BWD_OP_NAME, mutates_args=())
+def attention_varlen_bwd(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                         grad_lse: torch.Tensor | None, cu_seqlens_q: torch.Tensor,
+                         cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                         causal: bool, softmax_scale: float, deterministic: bool,
+                         backend: str, window_left: int, window_right: int, softcap: float,
+                         alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
+                         dropout_p: float, dropout_seed: int, dropout_offset: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ (total_q, Hq, D), dK, dV (total_k, Hkv, D) of the forward that produced ``out``
+    and ``lse`` (Hq, total_q), with its features, and the gradient of ``sinks`` (an empty
+    float32 tensor without sinks)."""
+    variant = _variant(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                       window_left, window_right, softcap, alibi_slopes, sinks, dropout_p,
+                       dropout_seed, dropout_offset)
+    dq, dk, dv, dsinks = _bwd.backward(
+        grad_out.unsqueeze(0), q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+        out.unsqueeze(0), lse.unsqueeze(0), None if grad_lse is None else grad_lse.unsqueeze(0),
+        causal, softmax_scale, deterministic, backend, variant)
+    return (dq[0], dk[0], dv[0],
+            q.new_empty(0, dtype=torch.float32) if dsinks is None else dsinks)
+
+
+@attention_varlen_bwd.register_fake
+def _bwd_fake(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
+              cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+              max_seqlen_k: int, causal: bool, softmax_scale: float, deterministic: bool,
+              backend: str, window_left: int, window_right: int, softcap: float,
+              alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None,
+              dropout_p: float, dropout_seed: int, dropout_offset: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dsinks = (q.new_empty(0, dtype=torch.float32) if sinks is None
+              else torch.empty_like(sinks, dtype=torch.float32))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
+
+
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    ctx.features = Variant(inputs[7], (inputs[10], inputs[11]), inputs[12], inputs[13],
-                           VarlenArgs(inputs[3], inputs[4], inputs[5], inputs[6]),
-                           sinks=inputs[14]).features
-    ctx.q_meta = inputs[0].new_empty((0, *inputs[0].shape[1:]), device="meta")
+    (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, backend, window_left, window_right,
+     softcap, alibi_slopes) = inputs[:14]
+    sinks = inputs[14] if len(inputs) > 14 else None
+    ctx.dropout = tuple(inputs[15:18]) or (0.0, 0, 0)
+    ctx.deterministic = bool(inputs[18]) if len(inputs) > 18 else False
+    ctx.scalars = (max_q, max_k, causal, scale, ctx.deterministic, backend, window_left,
+                   window_right, softcap)
+    ctx.features = _variant(cu_q, cu_k, max_q, max_k, causal, window_left, window_right,
+                            softcap, alibi_slopes, sinks, *ctx.dropout).features
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks)
 
 
 def _backward(ctx: Any, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
               ) -> tuple[Any, ...]:
-    refuse_unsupported("bwd", ctx.features, ctx.q_meta, "flashtune.attention_varlen's "
-                       "backward pass")
-    raise AssertionError("unreachable: the backward family refuses varlen")
+    """Gradients of the forward op's inputs: q, k, v and sinks (None for the others);
+    FeatureNotSupported for features the backward families do not implement."""
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, sinks = ctx.saved_tensors
+    max_q, max_k, causal, scale, deterministic, backend, left, right, softcap = ctx.scalars
+    refuse_unsupported("bwddet" if deterministic else "bwd", ctx.features, q.unsqueeze(0),
+                       "flashtune.attention_varlen's backward pass")
+    dq, dk, dv, dsinks = attention_varlen_bwd(
+        grad_out, q, k, v, out, lse, grad_lse, cu_q, cu_k, max_q, max_k, causal, scale,
+        deterministic, backend, left, right, softcap, alibi_slopes, sinks, *ctx.dropout)
+    return (dq, dk, dv, *(None,) * 11, dsinks if sinks is not None else None,
+            None, None, None, None)
 
 
 attention_varlen_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -98,7 +169,7 @@ def attention_varlen(
     alibi_slopes: torch.Tensor | None = ..., return_lse: Literal[False] = ...,
     backend: str | None = ..., sinks: torch.Tensor | None = ...,
     score_mod: ScoreModFn | None = ..., mask_mod: MaskModFn | None = ...,
-    dropout_p: float = ...) -> torch.Tensor: ...
+    dropout_p: float = ..., deterministic: bool | None = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -109,8 +180,8 @@ def attention_varlen(
     backend: str | None = ..., window_size: tuple[int, int] = ...,
     softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...,
     sinks: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
-    mask_mod: MaskModFn | None = ..., dropout_p: float = ...
-) -> tuple[torch.Tensor, torch.Tensor]: ...
+    mask_mod: MaskModFn | None = ..., dropout_p: float = ...,
+    deterministic: bool | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention_varlen(
@@ -133,6 +204,7 @@ def attention_varlen(
     score_mod: ScoreModFn | None = None,
     mask_mod: MaskModFn | None = None,
     dropout_p: float = 0.0,
+    deterministic: bool | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over a batch of sequences of different lengths, packed (flash-attn's
     ``flash_attn_varlen_func`` layout).
@@ -151,9 +223,11 @@ def attention_varlen(
     row with no keys then gets LSE = sink) are as in ``attention``, per sequence.
     ``dropout_p`` as in ``attention`` (sequence b of the pack is the mask's batch b).
     Returns O (total_q, Hq, D) and, with ``return_lse``, the float32 LSE (Hq, total_q).
-    Forward only: a backward raises FeatureNotSupported. ``score_mod`` and ``mask_mod`` are
-    as in ``attention``, per sequence: ``b`` is the sequence's index and ``q_idx``,
-    ``kv_idx`` positions within it.
+    Gradients flow to q, k, v and ``sinks`` (and through the LSE when it is returned and
+    used), with every feature above; ``deterministic`` as in ``attention`` (None follows
+    ``torch.use_deterministic_algorithms``). ``score_mod`` and ``mask_mod`` are as in
+    ``attention``, per sequence (``b`` is the sequence's index and ``q_idx``, ``kv_idx``
+    positions within it): forward only, as there.
     """
     dim = None
     if isinstance(q, torch.Tensor) and not q.is_nested and q.dim() and q.shape[-1] % 8:
@@ -163,6 +237,7 @@ def attention_varlen(
     if not isinstance(causal, bool):
         raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
     scale = check_softmax_scale(softmax_scale, dim or q.shape[2])
+    ordered = deterministic_flag(deterministic)
     varlen = VarlenArgs(cu_q, cu_k, longest_q, longest_k)
     variant = resolve(causal, window_size, softcap, alibi_slopes, q, varlen.batch,
                       (longest_q, longest_k), varlen, sinks)
@@ -193,7 +268,7 @@ def attention_varlen(
                                         variant.softcap, variant.alibi_slopes,
                                         variant.sinks,
                                         *((drop.p, drop.signed_seed, drop.offset) if drop
-                                          else ()))
+                                          else (0.0, 0, 0)), ordered)
     if dim is not None:
         out = out[..., :dim]
     return (out, lse) if return_lse else out

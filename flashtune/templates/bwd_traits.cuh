@@ -33,10 +33,12 @@ __host__ __device__ constexpr int const_min(int a, int b) { return a < b ? a : b
 //
 // Attention features (the forward's, flash_fwd.cuh; each compiled in or out): Local, a
 // sliding window (query tiles outside the window of every key of a tile are not visited);
-// Softcap (the scores' tanh, and its derivative in dS); Alibi (the forward's bias).
+// Softcap (the scores' tanh, and its derivative in dS); Alibi (the forward's bias); Varlen
+// (sequences packed along the rows, cu_seqlens on the device: a block's batch index is its
+// sequence, and every mask and length is that sequence's).
 template <typename Element_, int HeadDim, int BlockM, int BlockN, int NumWarps,
           int NumStages, bool Causal, bool DqSplit, int RowPad, bool Local = false,
-          bool Softcap = false, bool Alibi = false>
+          bool Softcap = false, bool Alibi = false, bool Varlen = false>
 struct BwdTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
@@ -52,6 +54,7 @@ struct BwdTraits {
   static constexpr bool kLocal = Local;
   static constexpr bool kSoftcap = Softcap;
   static constexpr bool kAlibi = Alibi;
+  static constexpr bool kVarlen = Varlen;
   static constexpr bool kDropout = false;  // on in WithDropout<...> (dropout.cuh)
   static_assert(!(Causal && Local), "a causal sliding window is the window (left, 0)");
   // dQ: true = each block adds into its own float32 slice in a fixed order (deterministic),

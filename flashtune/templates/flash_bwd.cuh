@@ -23,6 +23,14 @@
 // dQ accumulator: contiguous float32 (slices, batch, heads_q, seqlen_q, dim), zeroed before
 // the launch (the preprocess kernel does it); atomic mode adds into slice 0, the
 // deterministic mode block x into slice x.
+//
+// Varlen (the forward's packed layout): Q, dO (1, total_q, heads_q, dim), K, V, dK, dV (1,
+// total_k, heads_kv, dim), LSE and D (1, heads_q, total_q), the accumulator (slices, 1,
+// heads_q, total_q, dim); seqlen_q and seqlen_k are the totals. The grid's batch index is
+// the sequence: rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 (keys likewise), and every
+// length, mask, ALiBi distance and dropout position below is that sequence's. Blocks past a
+// sequence's last key tile (the grid is sized by the longest) do nothing; a sequence with no
+// query rows stores dK = dV = 0, one with no keys leaves its rows of the accumulator at 0.
 #pragma once
 
 #include "bwd_gemm.cuh"
@@ -221,14 +229,37 @@ __device__ __forceinline__ void flash_bwd(
   const int warp = warp_id();
   const float scale_log2 = softmax_scale * kLog2e;
 
-  const Element* k_bh = k + batch * k_batch_stride + kv_head * k_head_stride;
-  const Element* v_bh = v + batch * v_batch_stride + kv_head * v_head_stride;
-  Element* dk_bh = dk + batch * dk_batch_stride + kv_head * dk_head_stride;
-  Element* dv_bh = dv + batch * dv_batch_stride + kv_head * dv_head_stride;
+  // Row 0 of this sequence in the (packed or batched) tensors. The LSE, D and accumulator
+  // rows of query head h start at stats_row0 + h * stats_rows.
+  long long q_row0 = batch * q_batch_stride;
+  long long do_row0 = batch * do_batch_stride;
+  long long k_row0 = batch * k_batch_stride;
+  long long v_row0 = batch * v_batch_stride;
+  long long dk_row0 = batch * dk_batch_stride;
+  long long dv_row0 = batch * dv_batch_stride;
+  long long stats_row0 = batch_rows(batch, heads_q, seqlen_q);
+  const long long stats_rows = seqlen_q;  // the whole pack's rows per head when varlen
+  const int batches = Tr::kVarlen ? 1 : static_cast<int>(gridDim.z);
+  if constexpr (Tr::kVarlen) {
+    const int q_start = var.cu_seqlens_q[batch];
+    const int k_start = var.cu_seqlens_k[batch];
+    seqlen_q = var.cu_seqlens_q[batch + 1] - q_start;
+    seqlen_k = var.cu_seqlens_k[batch + 1] - k_start;
+    q_row0 = q_start * q_row_stride;
+    do_row0 = q_start * do_row_stride;
+    k_row0 = k_start * k_row_stride;
+    v_row0 = k_start * v_row_stride;
+    dk_row0 = k_start * dk_row_stride;
+    dv_row0 = k_start * dv_row_stride;
+    stats_row0 = q_start;
+  }
+  const Element* k_bh = k + k_row0 + kv_head * k_head_stride;
+  const Element* v_bh = v + v_row0 + kv_head * v_head_stride;
+  Element* dk_bh = dk + dk_row0 + kv_head * dk_head_stride;
+  Element* dv_bh = dv + dv_row0 + kv_head * dv_head_stride;
   // Slice of the dQ accumulator this block adds into.
   const long long slice = Tr::kDqSplit ? static_cast<long long>(blockIdx.x) : 0;
-  float* dq_slice =
-      dq_accum + slice * batch_rows(static_cast<int>(gridDim.z), heads_q, seqlen_q) * Tr::kHeadDim;
+  float* dq_slice = dq_accum + slice * batches * heads_q * stats_rows * Tr::kHeadDim;
 
   FT_DYNAMIC_SMEM(unsigned char, smem);
   Element* const base = reinterpret_cast<Element*>(smem);
@@ -284,14 +315,12 @@ __device__ __forceinline__ void flash_bwd(
       const int head = kv_head * group + s / m_count;
       const int m0 = (m_first + s % m_count) * kBlockM;
       const int buf = s % kStages;
-      copy_tile_async<Tr, kBlockM>(sq + buf * Tr::kQElems,
-                                   q + batch * q_batch_stride + head * q_head_stride,
+      copy_tile_async<Tr, kBlockM>(sq + buf * Tr::kQElems, q + q_row0 + head * q_head_stride,
                                    q_row_stride, m0, seqlen_q, tid);
       copy_tile_async<Tr, kBlockM>(sdo + buf * Tr::kQElems,
-                                   dout + batch * do_batch_stride + head * do_head_stride,
-                                   do_row_stride, m0, seqlen_q, tid);
-      const long long stats = batch_rows(batch, heads_q, seqlen_q) +
-                              static_cast<long long>(head) * seqlen_q;
+                                   dout + do_row0 + head * do_head_stride, do_row_stride, m0,
+                                   seqlen_q, tid);
+      const long long stats = stats_row0 + head * stats_rows;
       copy_stats_async<Tr, kBlockM>(slse + buf * kBlockM, lse + stats, m0, seqlen_q, tid);
       copy_stats_async<Tr, kBlockM>(sdsum + buf * kBlockM, dsum + stats, m0, seqlen_q, tid);
     };
@@ -347,8 +376,7 @@ __device__ __forceinline__ void flash_bwd(
       warp_mma<typename Tr::Ops, Tr::kKvTiles, Tr::kKvDimTiles, kBlockM / 16, true, true>(
           acc_dk, sds + warp_key0, Tr::kPRowStride, sq_buf + warp_col0, Tr::kRowStride, lane);
       // dQ += dS K for the warp's own rows.
-      float* dq_head = dq_slice + (batch_rows(batch, heads_q, seqlen_q) +
-                                   static_cast<long long>(head) * seqlen_q) * Tr::kHeadDim;
+      float* dq_head = dq_slice + (stats_row0 + head * stats_rows) * Tr::kHeadDim;
       bwd_dq<Tr, 0>(dq_head, sds + warp_row0 * Tr::kPRowStride, sk, m0 + warp_row0,
                     seqlen_q, lane);
 

@@ -1,6 +1,6 @@
 """Attention dropout through the API: ``flashtune.attention(dropout_p=...)`` forward and
-gradients, ``attention_varlen``, the SDPA drop-in's ``dropout_p`` and the transformers
-integration's ``dropout``, run by the CPU emulator.
+gradients, ``attention_varlen`` (forward and gradients), the SDPA drop-in's ``dropout_p``
+and the transformers integration's ``dropout``, run by the CPU emulator.
 
 The mask of a call is drawn by the tests' own Philox (``dropout_philox``) from the seed the
 API takes from torch's CPU generator (its documented draw: two 32-bit words, high first,
@@ -18,7 +18,15 @@ import random
 import pytest
 import torch
 from dropout_philox import float32, mask
-from grad_helpers import ShapeTuple, feature_scores, gradients, make_inputs, within_rule
+from grad_helpers import (
+    ShapeTuple,
+    feature_scores,
+    gradients,
+    make_inputs,
+    packed_inputs,
+    per_sequence,
+    within_rule,
+)
 
 import flashtune
 from flashtune.api.hf_transformers import make_attention_function
@@ -177,3 +185,33 @@ def test_varlen_dropout_matches_float64_per_sequence() -> None:
         err = (out[q0:q0 + nq].double() - ref).abs().max() if nq else torch.tensor(0.0)
         assert float(err) <= 4e-3, (b, float(err))
         q0, k0 = q0 + nq, k0 + nk
+
+
+@pytest.mark.parametrize("deterministic", [random.Random(SEED).choice([False, True])])
+def test_varlen_dropout_gradients_follow_flash_attn_rule(deterministic: bool) -> None:
+    """attention_varlen(dropout_p=) gradients against float64 autograd per sequence with
+    the tests' own mask (sequence b of the pack is the mask's batch b): GQA, causal, a
+    sequence with no queries and one with no keys; atomic or deterministic dQ drawn from the
+    run's seed."""
+    lens_q, lens_k, p = [17, 0, 40, 6], [23, 5, 40, 0], 0.17
+    seed = random.Random(f"{SEED}-varlen-{deterministic}").randrange(2**31)
+    inputs, dout, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, 32, torch.bfloat16, seed)
+    drawn = call_seed(seed)
+
+    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(seed)
+        out = flashtune.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                         causal=True, dropout_p=p, backend="emulator",
+                                         deterministic=deterministic)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: int) -> torch.Tensor:
+        kept = mask(drawn, 0, p, range(b, b + 1), q.shape[2], q.shape[1], k.shape[1])
+        return plain_attention(q, k, v, True, (-1, -1), None, None, kept, p)
+
+    plain = per_sequence(dense, cu_q, cu_k)
+    got = gradients(ours, inputs, dout)
+    low = gradients(plain, inputs, dout)
+    exact = gradients(plain, tuple(t.double() for t in inputs), dout)
+    within_rule(got, low, exact, f"varlen dropout deterministic={deterministic} seed={seed}")

@@ -3,8 +3,9 @@
 On this machine the operators' CPU dispatch key stands in for the CUDA key the opt-in
 registers (the same kernels, run by the emulator): SDPA's flash operator and its backward
 through autograd against float64 with flash-attn's 3x rule, torch's own ``varlen_attn``
-(packed sequences, causal and sliding windows) against the float64 reference per sequence,
-and the refusals. The registration itself is checked on the CUDA key: activated it holds
+(packed sequences, causal and sliding windows) against the float64 reference per sequence
+and its gradients (flash-attn's rule against float64 autograd per sequence), and the
+refusals. The registration itself is checked on the CUDA key: activated it holds
 flashtune's kernels, restored it does not. The GPU test runs SDPA end to end on a GPU.
 """
 
@@ -18,7 +19,14 @@ from typing import Any
 
 import pytest
 import torch
-from grad_helpers import error_ratios
+from grad_helpers import (
+    error_ratios,
+    feature_scores,
+    gradients,
+    packed_inputs,
+    per_sequence,
+    within_rule,
+)
 from runtime_helpers import check_varlen_outputs
 
 import flashtune
@@ -188,14 +196,33 @@ def test_torch_varlen_attn_runs_on_flashtune() -> None:
 
 @pytest.mark.emulator
 @pytest.mark.usefixtures("dispatcher", "routed_cpu")
-def test_a_backward_through_routed_varlen_is_refused() -> None:
+@pytest.mark.parametrize("window", [random.Random(SEED).choice([(-1, 0), (12, 3)])], ids=str)
+def test_gradients_through_routed_varlen_follow_flash_attns_rule(
+        window: tuple[int, int]) -> None:
+    """torch's varlen_attn backward (its own autograd formula calling the routed
+    _flash_attention_backward) on packed sequences, a zero-length one included, against
+    float64 autograd per sequence; causal or a sliding window, drawn from the run's seed."""
     from torch.nn.attention.varlen import varlen_attn
 
-    q, k, v, cu = _packed([5, 0, 9], 2, 32, torch.float16, SEED)
-    leaves = [t.requires_grad_(True) for t in (q, k, v)]
-    out = varlen_attn(*leaves, cu, cu, 9, 9, window_size=(-1, 0))
-    with pytest.raises(FeatureNotSupported, match="varlen"):
-        out.sum().backward()
+    lens = [30, 0, 9, 41]
+    seed = random.Random(f"{SEED}-{window}").randrange(2**31)
+    inputs, dout, cu, _ = packed_inputs(lens, lens, 2, 2, 32, torch.float16, seed)
+
+    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = varlen_attn(q, k, v, cu, cu, max(lens), max(lens), window_size=window)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: int) -> torch.Tensor:
+        scores, visible, v = feature_scores(q, k, v, False, window, None, None)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v)
+
+    plain = per_sequence(dense, cu, cu)
+    got = gradients(ours, inputs, dout)
+    low = gradients(plain, inputs, dout)
+    exact = gradients(plain, tuple(t.double() for t in inputs), dout)
+    within_rule(got, low, exact, f"routed varlen window={window} seed={seed}")
 
 
 @pytest.mark.usefixtures("routed_cpu")

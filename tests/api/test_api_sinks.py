@@ -3,7 +3,7 @@ v and the sinks through ``flashtune.attention`` (alone and with causal masks, wi
 softcaps, ALiBi and GQA) held to flash-attn's rule against float64 autograd (each error at
 most 3x that of the same attention in plain PyTorch in the input dtype), deterministic
 gradients (the sinks' included) bitwise equal over shuffled block orders, the varlen
-forward, decoding over paged and unpaged caches, and the refusals of bad sinks.
+forward and gradients, decoding over paged and unpaged caches, and the refusals of bad sinks.
 
 The plain attention here is gpt-oss's eager definition (the sink appended as one more
 column of the scores, softmaxed, then dropped), written independently of the kernels and
@@ -19,10 +19,17 @@ from typing import Any
 
 import pytest
 import torch
-from grad_helpers import ShapeTuple, feature_scores, gradients, make_inputs, within_rule
+from grad_helpers import (
+    ShapeTuple,
+    feature_scores,
+    gradients,
+    make_inputs,
+    per_sequence,
+    within_rule,
+)
 
 import flashtune
-from flashtune.errors import FeatureNotSupported, InvalidInput
+from flashtune.errors import InvalidInput
 
 pytestmark = pytest.mark.emulator
 
@@ -157,7 +164,8 @@ def test_the_lse_includes_the_sink_and_its_gradient_flows() -> None:
 
 def test_varlen_with_sinks_matches_each_sequence() -> None:
     """attention_varlen(sinks=) against each sequence on its own (a zero-length key
-    sequence: O = 0 and LSE = sink); its backward is refused naming varlen."""
+    sequence: O = 0 and LSE = sink), and its gradients (the sinks' included, summed over
+    every sequence's rows) within flash-attn's rule of float64 autograd per sequence."""
     gen = torch.Generator().manual_seed(SEED)
     lens_q, lens_k = [9, 0, 30, 4], [12, 0, 25, 0]
     q = torch.randn(sum(lens_q), 4, 32, generator=gen).half()
@@ -176,10 +184,25 @@ def test_varlen_with_sinks_matches_each_sequence() -> None:
                                         v[None, k0:k1].double(), sinks.double(), causal=True)
         assert float((out[q0:q1].double() - ref_o[0]).abs().max()) < 4e-3, b
         assert float((lse[:, q0:q1].double() - ref_lse[0]).abs().max()) < 1e-3, b
-    with pytest.raises(FeatureNotSupported, match="varlen"):
-        out = flashtune.attention_varlen(q.requires_grad_(True), k, v, cu_q, cu_k, 30, 25,
-                                         sinks=sinks, backend="emulator")
-        torch.autograd.backward(out.sum())
+
+    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
+             ) -> torch.Tensor:
+        out = flashtune.attention_varlen(q, k, v, cu_q, cu_k, 30, 25, causal=True, sinks=s,
+                                         backend="emulator")
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: torch.Tensor
+              ) -> torch.Tensor:
+        return per_sequence(lambda qb, kb, vb, b: sink_attention(qb, kb, vb, s, True)[0],
+                            cu_q, cu_k)(q, k, v)
+
+    dout = torch.randn(q.shape, generator=gen).half()
+    got = gradients(ours, (q, k, v, sinks), dout, WITH_SINKS)
+    low = gradients(plain, (q, k, v, sinks.half()), dout, WITH_SINKS)
+    exact = gradients(plain, (q.double(), k.double(), v.double(), sinks.double()), dout,
+                      WITH_SINKS)
+    within_rule(got, low, exact, f"varlen sinks seed={SEED}")
 
 
 @pytest.mark.parametrize(("sinks", "match"), [

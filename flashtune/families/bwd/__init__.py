@@ -7,10 +7,15 @@ dK and dV stay in float32 registers, dQ is added to a float32 accumulator in glo
 (D = rowsum(dO O), the accumulator zeroed) and the convert (the accumulator's slices summed
 in a fixed order, scaled, rounded). ``bwd`` tunes the dQ mode too (float32 atomics or
 per-block slices); ``bwddet`` serves ``deterministic=True`` and only has the slices.
+
+Varlen: the forward's packed layout (``fwd.variants.random_varlen``: q, k, v, dO (1, total
+rows, heads, dim), LSE and D (1, heads_q, total_q)); ``Shape`` then gives the number of
+sequences and the longest query and key sequences, which size the main kernel's grid.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, ClassVar
 
 from flashtune._lazy import lazy_module
@@ -40,6 +45,8 @@ from flashtune.families.bwd.reference import (
     UNIT_ROUNDOFF,
     backward_reference,
     softmax_stats,
+    varlen_backward_reference,
+    varlen_stats,
 )
 from flashtune.families.fwd import variants
 from flashtune.families.fwd.args import feature_values
@@ -57,7 +64,7 @@ class BackwardFamily(KernelFamily):
     title = "attention backward (FlashAttention-2: dK, dV and the float32 dQ accumulator)"
     template = "flash_bwd.cu.jinja"
     dtypes = SAME_16BIT
-    features = frozenset({"window", "softcap", "alibi", "dropout"})
+    features = frozenset({"window", "softcap", "alibi", "varlen", "dropout"})
     abi: ClassVar[EntryAbi | None] = args.MAIN_ABI
     #: True for the family whose every config is deterministic.
     deterministic = False
@@ -94,25 +101,36 @@ class BackwardFamily(KernelFamily):
 
     def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       seed: int | None = None) -> Inputs:
-        """Random q, k, v, dO, the features' values (the forward's draws) and the
-        forward's LSE and D of them."""
+        """Random q, k, v, dO (packed, for varlen: ``variants.random_varlen``), the
+        features' values (the forward's draws) and the forward's LSE and D of them."""
         gen = generator(device, seed)
-        q, dout, k, v = (random_rows(problem, shape, n, h, gen, device) for n, h in (
-            (shape.seqlen_q, shape.heads_q), (shape.seqlen_q, shape.heads_q),
-            (shape.seqlen_k, shape.heads_kv), (shape.seqlen_k, shape.heads_kv)))
         scale = problem.head_dim ** -0.5
         scalars, extra = variants.random_values(problem, shape, gen, device)
-        inputs = Inputs({"q": q, "k": k, "v": v, "do": dout, **extra},
-                        {"softmax_scale": scale, **scalars})
-        lse, dsum = softmax_stats(q, k, v, dout, problem.causal, scale,
-                                  values=variants.VariantValues.of(inputs).only(problem))
+        if problem.varlen:
+            tensors, scalars["max_seqlen_q"] = variants.random_varlen(problem, shape, gen,
+                                                                      device)
+            q = tensors["q"]
+            tensors["do"] = random_rows(problem, dataclasses.replace(shape, batch=1),
+                                        q.shape[1], shape.heads_q, gen, device)
+        else:
+            q, dout, k, v = (random_rows(problem, shape, n, h, gen, device) for n, h in (
+                (shape.seqlen_q, shape.heads_q), (shape.seqlen_q, shape.heads_q),
+                (shape.seqlen_k, shape.heads_kv), (shape.seqlen_k, shape.heads_kv)))
+            tensors = {"q": q, "k": k, "v": v, "do": dout}
+        inputs = Inputs({**tensors, **extra}, {"softmax_scale": scale, **scalars})
+        values = variants.VariantValues.of(inputs).only(problem)
+        t = inputs.tensors
+        stats = varlen_stats if problem.varlen else softmax_stats
+        lse, dsum = stats(t["q"], t["k"], t["v"], t["do"], problem.causal, scale,
+                          values=values)
         return Inputs({**inputs.tensors, "lse": lse, "dsum": dsum}, inputs.scalars)
 
     def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
                       poison: bool) -> dict[str, torch.Tensor]:
         """dK and dV (NaN when poisoned) and the dQ accumulator, zeroed as the kernel's
         contract requires, with as many slices as the split mode can use on this device
-        (atomic configs add into slice 0 only)."""
+        (atomic configs add into slice 0 only); varlen: the packed layout's (one batch of
+        the pack's rows)."""
         t = inputs.tensors
         slices = space.dq_slices(sm_count(t["q"].device), shape.batch, shape.heads_kv,
                                  shape.seqlen_k, min(space.BLOCK_N))
@@ -120,8 +138,9 @@ class BackwardFamily(KernelFamily):
         if poison:
             dk.fill_(float("nan"))
             dv.fill_(float("nan"))
-        accum = torch.zeros(slices, shape.batch, shape.heads_q, shape.seqlen_q,
-                            problem.head_dim, dtype=torch.float32, device=t["q"].device)
+        batch, rows = t["q"].shape[:2]
+        accum = torch.zeros(slices, batch, shape.heads_q, rows, problem.head_dim,
+                            dtype=torch.float32, device=t["q"].device)
         return {"dk": dk, "dv": dv, "dq_accum": accum}
 
     def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
@@ -140,9 +159,10 @@ class BackwardFamily(KernelFamily):
 
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
         t = inputs.tensors
-        return backward_reference(t["q"], t["k"], t["v"], t["do"], t["lse"], t["dsum"],
-                                  problem.causal, inputs.scalars["softmax_scale"],
-                                  variants.VariantValues.of(inputs).only(problem))
+        reference = varlen_backward_reference if problem.varlen else backward_reference
+        return reference(t["q"], t["k"], t["v"], t["do"], t["lse"], t["dsum"], problem.causal,
+                         inputs.scalars["softmax_scale"],
+                         variants.VariantValues.of(inputs).only(problem))
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
                 reference: Tensors) -> Verdict:

@@ -10,7 +10,8 @@ Main kernel (``flash_bwd.cu.jinja``):
     then the features' values, those of the Problem's switches only (the forward's, by the
     same names: ``fwd.args.feature_values``): window: window_left, window_right (int32);
     softcap: softcap (float32); alibi: alibi_slopes (const float*), alibi_batch_stride
-    (int64); dropout: dropout_seed, dropout_offset (int64), dropout_p (float32).
+    (int64); varlen: cu_seqlens_q, cu_seqlens_k (const int*, batch + 1 each); dropout:
+    dropout_seed, dropout_offset (int64), dropout_p (float32).
 
 Preprocess (``bwd_pre.cu.jinja``): o, do (const T*), dsum, dq_accum (float*), seqlen_q,
 heads_q, dq_slices (int32), o and do strides (6 x int64).
@@ -21,6 +22,12 @@ dq_slices (int32), dq strides (3 x int64), softmax_scale (float32).
 Q, dO, O, dQ are (batch, seqlen_q, heads_q, dim); K, V, dK, dV (batch, seqlen_k, heads_kv,
 dim), each with a contiguous last dim; LSE and D are contiguous float32 (batch, heads_q,
 seqlen_q); the dQ accumulator is contiguous float32 (slices, batch, heads_q, seqlen_q, dim).
+With varlen they are the forward's packed layout: a batch dim of 1 and seqlen_q, seqlen_k the
+total rows (Q, dO, O, dQ (1, total_q, heads_q, dim), K, V, dK, dV (1, total_k, heads_kv,
+dim), LSE and D (1, heads_q, total_q), the accumulator (slices, 1, heads_q, total_q, dim)),
+and the main kernel's grid is (key tiles of the longest key sequence, or the dQ slices,
+kv heads, number of sequences). The preprocess and the convert are row-wise with no mask,
+so a packed batch is to them the batch of one sequence of total_q rows.
 The packers run on every backward call: they are the ABIs' generated straight-line code.
 """
 
@@ -29,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 
 from flashtune.codegen.abi import Element, EntryAbi, scalar, size, strides, tensor
-from flashtune.families.fwd.args import DROPOUT_ARGS
+from flashtune.families.fwd.args import DROPOUT_ARGS, VARLEN_ARGS
 from flashtune.families.launch_args import grid
 
 _Q, _KV, _O, _F, _I = Element.Q, Element.KV, Element.O, Element.FLOAT, Element.INT
@@ -49,6 +56,7 @@ MAIN_ABI = EntryAbi("flash_bwd", (
     scalar("softcap", _F, feature="softcap"),
     tensor("alibi_slopes", _F, const=True, feature="alibi", wrap=True),
     scalar("alibi_batch_stride", Element.INT64, feature="alibi"),
+    *VARLEN_ARGS,
     *DROPOUT_ARGS,
 ))
 

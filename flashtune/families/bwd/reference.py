@@ -14,10 +14,16 @@ Features (the forward's: ``fwd.reference.scaled_scores``): S is then the forward
 derivative: dS = P (dP - D) (1 - tanh^2(scale q.k / cap)), the gradient with respect to
 scale Q K^T (the bias has derivative 1). Dropout (the forward's mask M drawn again,
 ``fwd.reference.dropped``): dV = (P M / (1 - p))^T dO and dS = P (dP M / (1 - p) - D).
+Varlen (``varlen_stats``, ``varlen_backward_reference``): each sequence of the pack on its
+own, with its number in the pack as its batch index (ALiBi's slopes, dropout's mask), its
+results placed in the packed layout; rows of a sequence with no keys and keys of one with
+no queries get zero gradients.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from flashtune._lazy import lazy_module
@@ -50,11 +56,12 @@ def _expand(t: torch.Tensor, group: int) -> torch.Tensor:
 
 def softmax_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                   causal: bool, scale: float, *, values: VariantValues = NO_VALUES,
-                  budget_bytes: int = 1 << 28) -> tuple[torch.Tensor, torch.Tensor]:
+                  budget_bytes: int = 1 << 28, first_batch: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward's LSE and D = rowsum(dO O), float32 (B, Hq, Nq), computed in float32 on
     the inputs' device a block of query rows at a time (no more than ``budget_bytes`` of
-    scores at once), for inputs of any size, with the features' ``values``. Rows that see
-    no key: LSE = +inf, D = 0."""
+    scores at once), for inputs of any size, with the features' ``values`` (the dropout's
+    batches from ``first_batch``). Rows that see no key: LSE = +inf, D = 0."""
     batch, seqlen_q, heads_q, _ = q.shape
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     kf = _expand(k.float(), heads_q // heads_kv)
@@ -70,7 +77,7 @@ def softmax_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
         empty = torch.isneginf(part)
         probs = torch.exp(scores - part.masked_fill(empty, 0.0)[..., None])
         if values.dropout is not None:
-            probs = dropped(probs, values.dropout, row0=r0, seqlen_q=seqlen_q)
+            probs = dropped(probs, values.dropout, first_batch, row0=r0, seqlen_q=seqlen_q)
         out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
         lse[:, :, r0:r1] = part.masked_fill(empty, float("inf"))
         dsum[:, :, r0:r1] = (out * dout[:, r0:r1].float()).sum(-1).transpose(1, 2)
@@ -84,9 +91,10 @@ def _keywords(values: VariantValues) -> dict[str, Any]:
 
 def backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        dout: torch.Tensor, lse: torch.Tensor, dsum: torch.Tensor,
-                       causal: bool, scale: float, values: VariantValues = NO_VALUES
-                       ) -> dict[str, torch.Tensor]:
-    """float64 dK, dV (B, Nk, Hkv, D) and the unscaled dQ sum dS K (B, Hq, Nq, D), and
+                       causal: bool, scale: float, values: VariantValues = NO_VALUES,
+                       first_batch: int = 0) -> dict[str, torch.Tensor]:
+    """float64 dK, dV (B, Nk, Hkv, D) and the unscaled dQ sum dS K (B, Hq, Nq, D) (the
+    dropout's batches from ``first_batch``), and
     for each the absolute allowance of subnormal roundings (``dk_floor``, ...) and the same
     sums over absolute values (``dk_bound``, ...): P |dO| for dV, and for
     dK and dQ the products with |dS|'s own bound P (|dO| |V|^T + |D|), which also covers
@@ -105,8 +113,8 @@ def backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dprobs = torch.einsum("bqhd,bkhd->bhqk", dod, ve)
     undropped = probs
     if values.dropout is not None:  # P M / (1 - p) in dV and in dP's place in dS
-        probs = dropped(probs, values.dropout)
-        dprobs = dropped(dprobs, values.dropout)
+        probs = dropped(probs, values.dropout, first_batch)
+        dprobs = dropped(dprobs, values.dropout, first_batch)
     dscores = undropped * (dprobs - dsum.to(torch.float64)[..., None])
     if values.softcap:
         slope = 1.0 - torch.tanh(torch.einsum("bqhd,bkhd->bhqk", qd, ke) * scale
@@ -139,3 +147,63 @@ def backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         "dv_floor": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", seen, dod.abs())) * tiny,
         "dq_accum_floor": torch.einsum("bhqk,bkhd->bhqd", seen, ke.abs()) * tiny,
     }
+
+
+def _sequences(values: VariantValues) -> Iterator[tuple[int, slice, slice, VariantValues]]:
+    """(number, query rows, key rows, its values) of each sequence of a varlen pack: the
+    values with the sequence's row of (batch, Hq) ALiBi slopes and no varlen."""
+    assert values.varlen is not None, "a varlen reference needs the cumulative lengths"
+    cq = values.varlen.cu_seqlens_q.tolist()
+    ck = values.varlen.cu_seqlens_k.tolist()
+    slopes = values.alibi_slopes
+    for b in range(len(cq) - 1):
+        own = slopes[b:b + 1] if slopes is not None and slopes.dim() == 2 else slopes
+        yield (b, slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1]),
+               dataclasses.replace(values, alibi_slopes=own, varlen=None))
+
+
+def varlen_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                 causal: bool, scale: float, values: VariantValues
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``softmax_stats`` of a packed batch (q, dO (1, total_q, Hq, D), k, v (1, total_k,
+    Hkv, D)): LSE and D float32 (1, Hq, total_q), each sequence on its own (rows of a
+    sequence with no keys: LSE = +inf, D = 0)."""
+    lse = torch.full((1, q.shape[2], q.shape[1]), float("inf"), dtype=torch.float32,
+                     device=q.device)
+    dsum = torch.zeros_like(lse)
+    for b, rows, keys, own in _sequences(values):
+        if rows.start == rows.stop or keys.start == keys.stop:
+            continue
+        lse[:, :, rows], dsum[:, :, rows] = softmax_stats(
+            q[:, rows], k[:, keys], v[:, keys], dout[:, rows], causal, scale, values=own,
+            first_batch=b)
+    return lse, dsum
+
+
+def varlen_backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              dout: torch.Tensor, lse: torch.Tensor, dsum: torch.Tensor,
+                              causal: bool, scale: float, values: VariantValues
+                              ) -> dict[str, torch.Tensor]:
+    """``backward_reference`` of a packed batch (layouts of ``varlen_stats``; dK, dV (1,
+    total_k, Hkv, D), the dQ sum (1, Hq, total_q, D) and their bounds and floors alike):
+    each sequence on its own, zeros where a sequence has no queries or no keys."""
+    heads_q, dim = q.shape[2], q.shape[3]
+    out = {}
+    for name, like in (("dk", k), ("dv", k)):
+        for suffix in ("", "_bound", "_floor"):
+            out[name + suffix] = torch.zeros(like.shape, dtype=torch.float64, device=q.device)
+    for suffix in ("", "_bound", "_floor"):
+        out["dq_accum" + suffix] = torch.zeros(1, heads_q, q.shape[1], dim,
+                                               dtype=torch.float64, device=q.device)
+    for b, rows, keys, own in _sequences(values):
+        if rows.start == rows.stop or keys.start == keys.stop:
+            continue
+        part = backward_reference(q[:, rows], k[:, keys], v[:, keys], dout[:, rows],
+                                  lse[:, :, rows], dsum[:, :, rows], causal, scale, own,
+                                  first_batch=b)
+        for name, value in part.items():
+            if name.startswith("dq_accum"):
+                out[name][:, :, rows] = value
+            else:
+                out[name][:, keys] = value
+    return out

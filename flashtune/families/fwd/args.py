@@ -67,6 +67,13 @@ DROPOUT_ARGS = (
     scalar("dropout_p", _F, feature="dropout"),
 )
 
+#: The varlen switch's packed-batch arguments, the forward's and the backward's: the int32
+#: cumulative lengths of the query and key sequences (batch + 1 each, on the device).
+VARLEN_ARGS = (
+    tensor("cu_seqlens_q", _I, const=True, feature="varlen", wrap=True),
+    tensor("cu_seqlens_k", _I, const=True, feature="varlen"),
+)
+
 #: The forward's kernel arguments (the mma.sync and the sm_90a forwards).
 FWD_ABI = EntryAbi("flash_fwd", score_mods=True, args=(
     tensor("q", _Q, const=True), tensor("k", _KV, const=True),
@@ -79,8 +86,7 @@ FWD_ABI = EntryAbi("flash_fwd", score_mods=True, args=(
     scalar("softcap", _F, feature="softcap"),
     tensor("alibi_slopes", _F, const=True, feature="alibi", wrap=True),
     scalar("alibi_batch_stride", _L, feature="alibi"),
-    tensor("cu_seqlens_q", _I, const=True, feature="varlen", wrap=True),
-    tensor("cu_seqlens_k", _I, const=True, feature="varlen"),
+    *VARLEN_ARGS,
     scalar("max_seqlen_q", _I, feature="varlen", wrap=True),
     tensor("sinks", _F, const=True, feature="sinks", wrap=True),
     *DROPOUT_ARGS,
