@@ -14,6 +14,7 @@ from rich.text import Text
 
 from flashtune import settings
 from flashtune.codegen.spec import FEATURES, Problem
+from flashtune.commands.modifications import MaskModOpt, ScoreModOpt, with_modifications
 from flashtune.commands.options import DEFAULT_DTYPE, DbOpt, FixOpt, fail
 from flashtune.db.records import printable
 from flashtune.errors import DeviceError, FlashtuneError, TuningError
@@ -121,9 +122,12 @@ def tune_command(
                                          "of tuning.")
     ] = None,
     fix: FixOpt = None,
+    score_mod: ScoreModOpt = None,
+    mask_mod: MaskModOpt = None,
 ) -> None:
     """Tune a kernel family (default: the forward) on this GPU; store each bucket's winner.
 
+    --score-mod / --mask-mod tune a traced modification (its own tuning key, as a feature).
     With --replay FILE the same search runs against a recorded landscape of any kernel."""
     from flashtune import families
     from flashtune.commands.tune_progress import RichProgress
@@ -144,6 +148,13 @@ def tune_command(
         problem = Problem.from_dict({"head_dim": head_dim, "dtype": dtype, "causal": causal,
                                      "op": op, **parse_features(features)})
         families.of(problem).check_problem(problem)  # unknown op, missing feature
+        problem = with_modifications(problem, score_mod, mask_mod)
+        if problem.features and (score_mod or mask_mod):
+            families.of(problem).check_problem(problem)  # a family without modifications
+        traced = bool(score_mod or mask_mod)
+        if traced and workers != 1:
+            raise TuningError("a traced modification is registered in this process only: "
+                              "tune it with --workers 1")
         lengths = parse_seqlens(seqlens)
         pairs = parse_batch_heads(batch_heads)
         classes = parse_shape_classes(shape_classes, families.of(problem).default_shape_classes)
@@ -151,8 +162,10 @@ def tune_command(
             trials=40 if trials is None else trials,
             budget_s=parse_budget(budget) if budget else None,
             sampler=sampler, seed=seed, study_prefix=study, resume=resume,
-            compile_workers=(settings.COMPILE_WORKERS.get() if compile_workers is None
-                             else compile_workers),
+            # a traced modification is registered here only: its kernels compile in this
+            # process, not in compile workers
+            compile_workers=0 if traced else (settings.COMPILE_WORKERS.get()
+                                              if compile_workers is None else compile_workers),
             max_spill_bytes=max_spill_bytes, tie_tolerance=tie_tolerance,
             prune_predicted=prune_predicted, cost_model_gpu=cost_model_gpu,
             warm_start_from=warm_start_from)

@@ -59,3 +59,25 @@ def test_an_unsupported_operation_and_a_bad_name_are_usage_errors(mods: str) -> 
     assert result.exit_code == 2 and "has no function 'missing'" in result.output
     result = runner.invoke(app, ["show", "--mask-mod", "no_colon"], env=ENV)
     assert result.exit_code == 2 and "is not MODULE:FUNCTION" in result.output
+
+
+@pytest.mark.emulator
+def test_tune_verifies_and_stores_a_modification_as_its_own_bucket(mods: str,
+                                                                   tmp_path: Path) -> None:
+    """``tune --score-mod/--mask-mod --dry-run``: the traced problem is its own tuning key
+    (``flex`` + digest), its candidates compile in this process and are verified against
+    the modification's float64 reference in the emulator, and the trials are stored under
+    that key; more than one worker is refused."""
+    from flashtune.db import TuningStore
+
+    db = f"sqlite:///{tmp_path / 't.db'}"
+    args = ["tune", "--head-dim", "64", "--dtype", "fp16", "--seqlens", "128", "--trials",
+            "1", "--score-mod", f"{mods}:bias", "--mask-mod", f"{mods}:window", "--db", db]
+    result = runner.invoke(app, [*args, "--dry-run"], env=ENV)
+    assert result.exit_code == 0, result.output
+    with TuningStore(db) as store:
+        trials = store.trials()
+    assert trials and {t.problem.key.rsplit("_", 1)[-1][:4] for t in trials} == {"flex"}
+    assert any(t.status.value == "verified_untimed" for t in trials), trials
+    refused = runner.invoke(app, [*args, "--workers", "2"], env=ENV)
+    assert refused.exit_code == 1 and "--workers 1" in " ".join(refused.output.split())
