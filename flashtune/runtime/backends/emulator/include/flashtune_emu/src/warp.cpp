@@ -5,7 +5,9 @@
 // reads the lanes' operands and writes their results; counting hooks (mma, shuffle and
 // ldmatrix counts, bank conflicts of the row addresses) belong in the compute functions and
 // do not change results.
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "internal.h"
 
@@ -13,7 +15,10 @@ namespace ftemu {
 
 static const char* op_name(Op op, int kind) {
     switch (op) {
-        case Op::Mma: return kind == FTEMU_MMA_BF16 ? "mma_m16n8k16_bf16" : "mma_m16n8k16_f16";
+        case Op::Mma:
+            return kind == FTEMU_MMA_E4M3   ? "mma_m16n8k32_e4m3"
+                   : kind == FTEMU_MMA_BF16 ? "mma_m16n8k16_bf16"
+                                            : "mma_m16n8k16_f16";
         case Op::Ldmatrix: {
             static const char* names[2][5] = {
                 {"", "ldmatrix_x1", "ldmatrix_x2", "", "ldmatrix_x4"},
@@ -105,8 +110,72 @@ static void check_poison(const Collective& c, unsigned warp) {
     }
 }
 
+// The value of one OCP e4m3 code (exact in float): 4 exponent bits of bias 7, 3 mantissa
+// bits, denormals below 2^-6, no infinities, S.1111.111 the only NaNs.
+static float e4m3_to_float(uint8_t code) {
+    const int e = (code >> 3) & 15;
+    const int m = code & 7;
+    float v;
+    if (e == 15 && m == 7)
+        v = std::numeric_limits<float>::quiet_NaN();
+    else if (e == 0)
+        v = std::ldexp(static_cast<float>(m), -9);
+    else
+        v = std::ldexp(static_cast<float>(8 + m), e - 10);
+    return (code & 0x80) ? -v : v;
+}
+
+// mma.m16n8k32 with e4m3 A and B (PTX ISA, "matrix fragments for mma.m16n8k32", 8-bit
+// types): A register r of a lane holds row g (r even) or g + 8 (r odd), columns
+// 4 t + 16 (r / 2) + byte; B register r holds rows (k) 4 t + 16 r + byte of column g. Every
+// product of two e4m3 values is exact in double, and so is the sum of 32 of them (all are
+// multiples of 2^-18 below 2^18); the accumulator C is added in double and the result
+// rounded to float once, as the 16-bit model does.
+static void compute_mma_e4m3(const Collective& c) {
+    float A[16][32], B[32][8], C[16][8];
+    for (unsigned lane = 0; lane < 32; ++lane) {
+        unsigned g = lane >> 2, t = lane & 3;
+        const auto* a = static_cast<const unsigned*>(c.lanes[lane].in0);
+        const auto* b = static_cast<const unsigned*>(c.lanes[lane].in1);
+        const auto* cc = static_cast<const float*>(c.lanes[lane].in2);
+        for (unsigned r = 0; r < 4; ++r)
+            for (unsigned byte = 0; byte < 4; ++byte)
+                A[g + 8 * (r & 1)][4 * t + 16 * (r >> 1) + byte] =
+                    e4m3_to_float(static_cast<uint8_t>(a[r] >> (8 * byte)));
+        for (unsigned r = 0; r < 2; ++r)
+            for (unsigned byte = 0; byte < 4; ++byte)
+                B[4 * t + 16 * r + byte][g] =
+                    e4m3_to_float(static_cast<uint8_t>(b[r] >> (8 * byte)));
+        C[g][2 * t] = cc[0];
+        C[g][2 * t + 1] = cc[1];
+        C[g + 8][2 * t] = cc[2];
+        C[g + 8][2 * t + 1] = cc[3];
+    }
+    float D[16][8];
+    for (int i = 0; i < 16; ++i) {
+        for (int j = 0; j < 8; ++j) {
+            double acc = 0.0;
+            for (int k = 0; k < 32; ++k)
+                acc += static_cast<double>(A[i][k]) * static_cast<double>(B[k][j]);
+            D[i][j] = static_cast<float>(acc + static_cast<double>(C[i][j]));
+        }
+    }
+    for (unsigned lane = 0; lane < 32; ++lane) {
+        unsigned g = lane >> 2, t = lane & 3;
+        auto* d = static_cast<float*>(c.lanes[lane].out);
+        d[0] = D[g][2 * t];
+        d[1] = D[g][2 * t + 1];
+        d[2] = D[g + 8][2 * t];
+        d[3] = D[g + 8][2 * t + 1];
+    }
+}
+
 static void compute_mma(const Collective& c, unsigned warp) {
     if (g_launch->cfg->checks & FTEMU_CHECK_POISON_OPERANDS) check_poison(c, warp);
+    if (c.kind == FTEMU_MMA_E4M3) {
+        compute_mma_e4m3(c);
+        return;
+    }
     const float* h = half_table();
     bool bf16 = c.kind == FTEMU_MMA_BF16;
     auto cvt = [&](uint16_t v) { return bf16 ? bf16_to_float(v) : h[v]; };
@@ -352,6 +421,13 @@ extern "C" FTEMU_API void ftemu_mma_m16n8k16(int kind, float* d, const unsigned*
                                              const unsigned* b, const float* c, ftemu_loc loc) {
     if (kind != FTEMU_MMA_F16 && kind != FTEMU_MMA_BF16)
         fail(FTEMU_ERROR, format("mma at %s: unknown kind %d", at(loc).c_str(), kind));
+    join(Op::Mma, kind, 32, 0xffffffffu, loc, LaneArgs{d, a, b, c, 0, 0});
+}
+
+extern "C" FTEMU_API void ftemu_mma_m16n8k32(int kind, float* d, const unsigned* a,
+                                             const unsigned* b, const float* c, ftemu_loc loc) {
+    if (kind != FTEMU_MMA_E4M3)
+        fail(FTEMU_ERROR, format("mma m16n8k32 at %s: unknown kind %d", at(loc).c_str(), kind));
     join(Op::Mma, kind, 32, 0xffffffffu, loc, LaneArgs{d, a, b, c, 0, 0});
 }
 
