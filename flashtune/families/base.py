@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import EntryAbi, PackedArgs
 from flashtune.codegen.arch import ArchSpec, get_arch
-from flashtune.codegen.dtypes import DType, Dtypes
+from flashtune.codegen.dtypes import DType, Dtypes, Operand
 from flashtune.codegen.features import feature
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue, render_template
@@ -47,8 +47,9 @@ else:
 Tensors = Mapping[str, "torch.Tensor"]
 
 
-def torch_dtype(dtype: DType) -> torch.dtype:
-    """The torch element type of ``dtype`` (its row of ``codegen.dtypes.ELEMENTS``)."""
+def torch_dtype(dtype: Operand) -> torch.dtype:
+    """The torch element type of ``dtype`` (its row of ``codegen.dtypes.ELEMENTS`` or
+    ``FP8_ELEMENTS``)."""
     found: torch.dtype = getattr(torch, dtype.element.torch)
     return found
 

@@ -174,7 +174,7 @@ class ForwardFamily(KernelFamily):
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
                 reference: Tensors) -> Verdict:
         return compare_outputs(problem, shape, outputs, reference,
-                               o_and_lse_checks(problem.dtype))
+                               o_and_lse_checks(problem.dtypes.o))
 
     def flops(self, problem: Problem, shape: ShapeLike) -> float:
         """4 B Nq Nk H D (two matmuls), halved when causal: the field's convention."""
