@@ -9,9 +9,10 @@ nothing else in flashtune spells a type out. A DType without a row fails at impo
 operand type (Q, K/V), never an output's, and never every operand's. An ``Operand`` is either.
 
 ``Dtypes`` is what a Problem names per operand: the element type of Q, of K and V (one type:
-they are loaded by the same pipeline), and of O (a DType: outputs are 16-bit). Every kernel accumulates in float32 (the
-MMA accumulator, the softmax statistics and the LSE), whatever its operands; that is part of
-each family's kernel, not of a Problem, until a family offers another accumulator.
+they are loaded by the same pipeline), and of O (a DType: outputs are 16-bit). Every kernel
+accumulates in float32 (the MMA accumulator, the softmax statistics and the LSE), whatever
+its operands; that is part of each family's kernel, not of a Problem, until a family offers
+another accumulator.
 """
 
 from __future__ import annotations
@@ -162,6 +163,16 @@ def as_operand(value: object, what: str = "dtype") -> Operand:
     raise InvalidProblem(f"{what}={value!r} is not supported; expected one of {legal}")
 
 
+def as_output(value: object, what: str = "o dtype") -> DType:
+    """``value`` as the DType of an output; an FP8 type is refused naming the 16-bit ones."""
+    o = as_operand(value, what)
+    if isinstance(o, Fp8Type):
+        raise InvalidProblem(f"{what}={o.value!r}: the output is a 16-bit type; expected "
+                             f"one of {[d.value for d in DType]} (with FP8 inputs, name it "
+                             "as out_dtype)")
+    return o
+
+
 def is_fp8(dtype: Operand) -> bool:
     """Whether ``dtype`` is an 8-bit floating-point type."""
     return isinstance(dtype, Fp8Type)
@@ -172,7 +183,8 @@ class Dtypes:
     """The element types of one problem's operands: Q, K and V (one type), O.
 
     Q and K/V may be FP8 (``Fp8Type``); O is a 16-bit type (an FP8 O is refused, naming the
-    fix), so an FP8 problem never has one type for all operands. ``word`` is its key part: the type's word when all three are the same (``bf16``, the key
+    fix), so an FP8 problem never has one type for all operands. ``word`` is its key part:
+    the type's word when all three are the same (``bf16``, the key
     of every problem before per-operand types existed), else the three words joined by
     ``-`` in the order q, kv, o (``bf16-fp16-bf16``); ``parse`` inverts it.
     """
@@ -184,12 +196,7 @@ class Dtypes:
     def __post_init__(self) -> None:
         for name in ("q", "kv"):
             object.__setattr__(self, name, as_operand(getattr(self, name), f"{name} dtype"))
-        o = as_operand(self.o, "o dtype")
-        if isinstance(o, Fp8Type):
-            raise InvalidProblem(f"o dtype={o.value!r}: the output is a 16-bit type; expected "
-                                 f"one of {[d.value for d in DType]} (with FP8 inputs, name "
-                                 "it as out_dtype)")
-        object.__setattr__(self, "o", o)
+        object.__setattr__(self, "o", as_output(self.o))
 
     @classmethod
     def same(cls, dtype: Operand | str) -> Dtypes:

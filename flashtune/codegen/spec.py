@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from flashtune.codegen.dtypes import DType as DType  # re-exported: Problem's field type
-from flashtune.codegen.dtypes import Dtypes, Operand, as_dtype, as_operand
+from flashtune.codegen.dtypes import Dtypes, Operand, as_operand, as_output
 from flashtune.codegen.features import (
     MASK_WORDS,
     FeatureNames,
@@ -202,7 +202,8 @@ class Problem:
         """The element types of Q, K/V and O."""
         if self.kv_dtype is None and self.o_dtype is None:
             return Dtypes.same(self.dtype)
-        return Dtypes(self.dtype, self.kv_dtype or self.dtype, as_dtype(self.o_dtype or self.dtype, "o_dtype"))
+        return Dtypes(self.dtype, self.kv_dtype or self.dtype,
+                      as_output(self.o_dtype or self.dtype, "o dtype"))
 
     @property
     def padded_head_dim(self) -> int:
