@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from flashtune._lazy import lazy_module
-from flashtune.codegen.abi import EntryAbi, PackedArgs
+from flashtune.codegen.abi import OPERAND_ALIASES, EntryAbi, PackedArgs
+from flashtune.codegen.abi import Element as AbiElement
 from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.dtypes import DType, Dtypes, Operand
 from flashtune.codegen.features import feature
@@ -238,6 +239,9 @@ class KernelFamily(ABC):
     #: parameter, the packers and the emulator's expected signature come from it. None for
     #: a family whose template spells its parameter list itself.
     abi: ClassVar[EntryAbi | None] = None
+    #: The template's type name of each operand's elements in the rendered ``signature``
+    #: (all ``Element`` by default; the FP8 forward's inputs are ``Fp8``).
+    abi_aliases: ClassVar[Mapping[AbiElement, str]] = OPERAND_ALIASES
 
     # ---------------------------------------------------------------- problems
 
@@ -359,7 +363,7 @@ class KernelFamily(ABC):
         problem's feature switches as ``signature``."""
         params = self.template_params(problem, config)
         if self.abi is not None:
-            params["signature"] = self.abi.signature(problem.features)
+            params["signature"] = self.abi.signature(problem.features, self.abi_aliases)
         return params
 
     def render(self, problem: Problem, config: KernelConfig) -> KernelSource:
