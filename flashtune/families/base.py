@@ -24,7 +24,7 @@ from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import OPERAND_ALIASES, EntryAbi, PackedArgs
 from flashtune.codegen.abi import Element as AbiElement
 from flashtune.codegen.arch import ArchSpec, get_arch
-from flashtune.codegen.dtypes import DType, Dtypes, Operand
+from flashtune.codegen.dtypes import DType, Dtypes, Fp8Type, Operand
 from flashtune.codegen.features import feature
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue, render_template
@@ -63,6 +63,15 @@ def element_type(dtype: torch.dtype) -> DType:
     legal = " or ".join(f"torch.{d.element.torch}" for d in DType)
     raise InvalidProblem(f"dtype {dtype} is not an element type of the kernels; expected "
                          f"{legal}")
+
+
+def operand_type(dtype: torch.dtype) -> Operand:
+    """The Operand of a torch element type: a DType, or an FP8 type (an input's only);
+    InvalidProblem naming the legal ones otherwise."""
+    for candidate in Fp8Type:
+        if torch_dtype(candidate) == dtype:
+            return candidate
+    return element_type(dtype)
 
 
 def element_params(problem: Problem) -> dict[str, TemplateValue]:
