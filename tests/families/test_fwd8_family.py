@@ -153,3 +153,13 @@ def test_default_kernels_compile(arch: str) -> None:
         kernel = compile_source(families.render(p, config), arch)
         if arch == "sm_89":
             assert kernel.resources.spill_stores == 0 and kernel.resources.spill_loads == 0
+
+
+def test_the_command_line_names_the_fp8_problem_by_its_output_type() -> None:
+    """``--op fwd8 --dtype bf16``: e4m3 Q, K, V and a bf16 O (show, compile, check, space,
+    profile); the 16-bit families keep one type for every operand."""
+    from flashtune.commands.codegen import parse_problem
+
+    assert parse_problem("fwd8", 128, DType.BF16, True).key() == (
+        "fwd8_d128_e4m3-e4m3-bf16_causal")
+    assert parse_problem("fwd", 128, DType.BF16, True).key() == "fwd_d128_bf16_causal"
