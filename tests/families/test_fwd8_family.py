@@ -27,6 +27,8 @@ from flashtune.codegen.dtypes import DType, Fp8Type
 from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.errors import InvalidConfig, InvalidProblem
 from flashtune.families.fwd8 import FORWARD_FP8, RANDOM_DESCALE
+from flashtune.perf.sass.disasm import disassemble
+from flashtune.perf.sass.parse import categorize
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
 from flashtune.toolchain.compiler import compile_source
 
@@ -145,14 +147,20 @@ def test_head_dims_off_the_k32_step_and_16bit_inputs_are_refused() -> None:
 @pytest.mark.parametrize("arch", ["sm_89", "sm_90"])
 def test_default_kernels_compile(arch: str) -> None:
     """NVRTC and ptxas accept the m16n8k32 e4m3 mma and the FP8 conversions for both
-    archs; on sm_89 the default configs of two head dims hold their registers (sm_90's
-    ptxas needs more registers for the same code: some defaults spill there)."""
+    archs; on sm_89 the default configs of two head dims hold their registers and Q K^T is
+    the native QMMA (sm_90's ptxas emulates the FP8 mma.sync with more registers: some
+    defaults spill there)."""
     for head_dim, out in ((64, DType.BF16), (128, DType.FP16)):
         p = problem(head_dim, out, True)
         config = FORWARD_FP8.default_config(p, get_arch(arch))
         kernel = compile_source(families.render(p, config), arch)
         if arch == "sm_89":
             assert kernel.resources.spill_stores == 0 and kernel.resources.spill_loads == 0
+            # Ada's FP8 tensor-core instruction, counted as 16 x 8 x 32 mma work; sm_90's
+            # ptxas lowers the same mma.sync to conversions and HMMA.16816 pairs.
+            sass = disassemble(kernel.cubin)
+            assert "QMMA.16832.F32.E4M3.E4M3" in sass
+            assert categorize("QMMA.16832.F32.E4M3.E4M3") == "mma"
 
 
 def test_the_command_line_names_the_fp8_problem_by_its_output_type() -> None:
