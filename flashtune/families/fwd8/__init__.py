@@ -11,6 +11,9 @@ are the 16-bit forward's of the same head dim and O type (same tiles, same share
 Q and K rows take half of the 16-bit rows), plus two rules: an arch with FP8 mma (sm_89 or
 later) and a head dim that is a multiple of 32 (one k32 step covers 32 values).
 
+SASS (NVRTC 13): on sm_89 Q K^T is QMMA.16832.F32.E4M3.E4M3; sm_90's ptxas lowers the same
+mma.sync to F2FP e4m3 unpacks and HMMA.16816 pairs, so there it saves bandwidth only.
+
 Numerics: the output is the attention of the dequantised inputs ``q_descale * q`` etc. with
 the 16-bit forward's roundings (P and O in the O type, fp32 accumulation), so the 16-bit
 forward's tolerances of O's type apply against the float64 attention of those inputs.
