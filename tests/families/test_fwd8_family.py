@@ -61,6 +61,18 @@ def run(p: Problem, config: KernelConfig, shape: Shape, seed: int) -> None:
     assert verdict.ok, f"{p.key()} {config.key()} {shape} seed={seed}: {verdict.message}"
 
 
+def _id(value: object) -> str:
+    """A readable test id part: a config's key, a shape's sizes, a type's word."""
+    if isinstance(value, KernelConfig):
+        return value.key()
+    if isinstance(value, Shape):
+        return (f"b{value.batch}h{value.heads_q}kv{value.heads_kv}q{value.seqlen_q}"
+                f"k{value.seqlen_k}")
+    if isinstance(value, DType):
+        return value.value
+    return str(value)
+
+
 def _grid() -> list[tuple[int, DType, bool, KernelConfig, Shape]]:
     return [(d, o, causal, c, s) for d, o, causal, c, s in itertools.product(
         HEAD_DIMS, DType, (False, True), CONFIGS, SHAPES)
@@ -78,7 +90,7 @@ SAMPLE = [(*row, _SEED + i) for i, row in enumerate(
 
 @pytest.mark.emulator
 @pytest.mark.parametrize("head_dim, out, causal, config, shape, seed", SAMPLE,
-                         ids=lambda v: str(v) if isinstance(v, int) else None)
+                         ids=lambda v: _id(v))
 def test_fp8_forward_matches_float64_of_the_dequantised_inputs(
         head_dim: int, out: DType, causal: bool, config: KernelConfig, shape: Shape,
         seed: int) -> None:
@@ -95,7 +107,7 @@ def test_fp8_forward_rows_that_see_no_key_and_gqa() -> None:
 
 @pytest.mark.emulator
 @pytest.mark.sweep
-@pytest.mark.parametrize("head_dim, out, causal, config, shape", _GRID)
+@pytest.mark.parametrize("head_dim, out, causal, config, shape", _GRID, ids=lambda v: _id(v))
 def test_fp8_forward_grid(head_dim: int, out: DType, causal: bool, config: KernelConfig,
                           shape: Shape) -> None:
     run(problem(head_dim, out, causal), config, shape, _SEED)
