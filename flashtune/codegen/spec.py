@@ -88,7 +88,9 @@ class Problem:
     ``o_dtype`` (O) are None when they are ``dtype`` (a value equal to ``dtype`` is stored
     as None, so equal problems compare equal and ``dataclasses.replace(p, dtype=...)`` keeps
     a uniform problem uniform). Read them as ``dtypes`` (a ``Dtypes``: q, kv, o). A family
-    declares the combinations it accepts (``KernelFamily.dtypes``).
+    declares the combinations it accepts (``KernelFamily.dtypes``). Q and K/V may be FP8
+    (``Fp8Type``, the FP8 forward's ``fwd8_d128_e4m3-e4m3-bf16_causal``); O never is, so an
+    FP8 problem names its 16-bit ``o_dtype`` (refused at construction otherwise).
 
     Feature switches (each compiled in or out; off, the kernel is the plain one):
       causal: key j is hidden from query i unless j <= i + Nk - Nq (bottom-right aligned);
