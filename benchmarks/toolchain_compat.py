@@ -33,7 +33,7 @@ add_benchmarks_to_path()
 from flashtune import families  # noqa: E402
 from flashtune.codegen.arch import get_arch  # noqa: E402
 from flashtune.codegen.spec import COMPILED_HEAD_DIMS, DType, KernelSource, Problem  # noqa: E402
-from flashtune.errors import InvalidProblem  # noqa: E402
+from flashtune.errors import InvalidConfig, InvalidProblem  # noqa: E402
 from flashtune.families.base import KernelFamily  # noqa: E402
 from flashtune.toolchain import nvrtc  # noqa: E402
 from flashtune.toolchain.cache import ArtifactCache  # noqa: E402
@@ -42,22 +42,25 @@ from flashtune.toolchain.cuda import Toolchain, find_toolchain  # noqa: E402
 
 
 def default_sources(family: KernelFamily, arch: str) -> list[KernelSource]:
-    """The family's default config of every compiled head dim, dtype and mask it serves;
-    none for a family built for an arch-specific target that ``arch`` cannot run (sm_90a
-    code on sm_80)."""
+    """The family's default config of every compiled head dim, element types and mask it
+    serves; none for a family built for an arch-specific target that ``arch`` cannot run
+    (sm_90a code on sm_80), nor for the problems a family refuses on ``arch`` (FP8 below
+    sm_89, FP8 head dims off its k step)."""
     spec = get_arch(arch)
     if family.target_arch is not None and not get_arch(family.target_arch).runs_on(spec):
         return []
     sources = []
     for head_dim in COMPILED_HEAD_DIMS:
-        for dtype in DType:
+        for dtypes in sorted(family.dtypes, key=lambda d: (list(DType).index(d.o), str(d))):
             for causal in (False, True):
-                problem = Problem(head_dim=head_dim, dtype=dtype, causal=causal, op=family.op)
                 try:
+                    problem = Problem(head_dim=head_dim, dtype=dtypes.q, causal=causal,
+                                      op=family.op, kv_dtype=dtypes.kv, o_dtype=dtypes.o)
                     family.check_problem(problem)
-                except InvalidProblem:
+                    config = family.default_config(problem, spec)
+                except (InvalidProblem, InvalidConfig):
                     continue
-                sources.append(family.render(problem, family.default_config(problem, spec)))
+                sources.append(family.render(problem, config))
     return sources
 
 

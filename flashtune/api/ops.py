@@ -30,6 +30,7 @@ import torch
 from flashtune.api import backward as _bwd
 from flashtune.api import dropout as _dropout
 from flashtune.api import forward as _fwd
+from flashtune.api import fp8 as _fp8
 from flashtune.api.flex import (
     MaskModFn,
     ScoreModFn,
@@ -215,7 +216,9 @@ def direct_call_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
-              softmax_scale: float | None = ..., return_lse: Literal[False] = ...,
+              softmax_scale: float | None = ..., q_descale: torch.Tensor | None = ...,
+              k_descale: torch.Tensor | None = ..., v_descale: torch.Tensor | None = ...,
+              out_dtype: torch.dtype | None = ..., return_lse: Literal[False] = ...,
               backend: str | None = ..., deterministic: bool | None = ...,
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
               alibi_slopes: torch.Tensor | None = ...,
@@ -226,7 +229,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
-              softmax_scale: float | None = ..., return_lse: Literal[True],
+              softmax_scale: float | None = ..., q_descale: torch.Tensor | None = ...,
+              k_descale: torch.Tensor | None = ..., v_descale: torch.Tensor | None = ...,
+              out_dtype: torch.dtype | None = ..., return_lse: Literal[True],
               backend: str | None = ..., deterministic: bool | None = ...,
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
               alibi_slopes: torch.Tensor | None = ...,
@@ -237,7 +242,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
-              softmax_scale: float | None = ..., return_lse: bool,
+              softmax_scale: float | None = ..., q_descale: torch.Tensor | None = ...,
+              k_descale: torch.Tensor | None = ..., v_descale: torch.Tensor | None = ...,
+              out_dtype: torch.dtype | None = ..., return_lse: bool,
               backend: str | None = ..., deterministic: bool | None = ...,
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
               alibi_slopes: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
@@ -248,7 +255,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
 @overload
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = ...,
-              softmax_scale: float | None = ..., return_lse: bool = ...,
+              softmax_scale: float | None = ..., q_descale: torch.Tensor | None = ...,
+              k_descale: torch.Tensor | None = ..., v_descale: torch.Tensor | None = ...,
+              out_dtype: torch.dtype | None = ..., return_lse: bool = ...,
               backend: str | None = ..., deterministic: bool | None = ...,
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
               alibi_slopes: torch.Tensor | None = ..., dropout_p: float = ...,
@@ -273,6 +282,10 @@ def attention(
     mask_mod: MaskModFn | None = None,
     dropout_p: float = 0.0,
     return_dropout_mask: bool = False,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Scaled dot-product attention in flash-attn's layout.
 
@@ -320,6 +333,21 @@ def attention(
     return. The forward only: inputs (sinks included) that require grad raise
     BackwardNotAvailable, and dropout does not combine with them.
     """
+    descales = (q_descale, k_descale, v_descale)
+    if _fp8.is_fp8(q):
+        _fp8.refuse_features(window_size=window_size != NO_WINDOW, softcap=bool(softcap),
+                             alibi_slopes=alibi_slopes is not None, sinks=sinks is not None,
+                             score_mod=score_mod is not None, mask_mod=mask_mod is not None,
+                             dropout_p=dropout_p != 0.0,
+                             return_dropout_mask=return_dropout_mask)
+        if not isinstance(causal, bool):
+            raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
+        out8, lse8 = _fp8.fp8_forward(q, k, v, causal, softmax_scale,
+                                      "" if backend is None else backend, descales, out_dtype)
+        return (out8, lse8) if return_lse else out8
+    if isinstance(q, torch.Tensor) and (out_dtype is not None or any(
+            d is not None for d in descales)):
+        _fp8.refuse_fp8_arguments(q, descales, out_dtype)
     dim = None
     if isinstance(q, torch.Tensor) and not q.is_nested and q.dim() and q.shape[-1] % 8:
         q, k, v, dim = pad_head_dim(q, k, v)  # any head dim: one zero-padded copy each

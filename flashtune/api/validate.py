@@ -197,3 +197,41 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     _check_shapes(q, k, v)
     _check_strides(q, k, v)
     raise AssertionError("check_attention_inputs: fast and detailed checks disagree")
+
+
+#: The FP8 inputs the FP8 forward takes (``families/fwd8``).
+FP8_DTYPES = (torch.float8_e4m3fn,)
+#: The FP8 forward's head dims are multiples of one mma k step.
+FP8_HEAD_DIM_STEP = 32
+
+
+def check_fp8_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise InvalidInput unless e4m3 q (B, Nq, Hq, D) and k, v (B, Nk, Hkv, D) can be
+    served by the FP8 forward: ``check_attention_inputs``' checks with e4m3 for the dtype, a
+    head dim that is a multiple of 32 and strides that are multiples of 16 elements (16
+    bytes)."""
+    _check_types(q, k, v)
+    _check_layout(q, k, v)
+    _check_rank(q, k, v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in FP8_DTYPES:
+            raise InvalidInput(
+                f"{name} has dtype {t.dtype} but the FP8 forward takes torch.float8_e4m3fn q, "
+                f"k and v; convert it with {name}.to(torch.float8_e4m3fn) (and pass its "
+                f"{name}_descale), or pass 16-bit q, k and v without descale factors")
+    _check_devices(q, k, v)
+    _check_shapes(q, k, v)
+    head_dim = q.shape[3]
+    if head_dim % FP8_HEAD_DIM_STEP:
+        hint = FP8_HEAD_DIM_STEP * math.ceil(head_dim / FP8_HEAD_DIM_STEP)
+        raise InvalidInput(f"head_dim={head_dim} is not supported by the FP8 forward; expected "
+                           f"a multiple of {FP8_HEAD_DIM_STEP}: pad q, k and v with zeros to "
+                           f"{hint} (softmax_scale=1/sqrt({head_dim}) keeps the scaling)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        bad = t.stride(-1) != 1 or any(
+            t.shape[dim] > 1 and t.stride(dim) % 16 for dim in range(3))
+        if bad:
+            raise InvalidInput(
+                f"{name} has strides {tuple(t.stride())}; expected 1 in the last dim and "
+                "multiples of 16 elements in the others (the kernel loads 16-byte chunks of "
+                f"FP8 values). Call {name}.contiguous() first")

@@ -5,10 +5,14 @@
 its PTX operand type (mma.sync / wgmma), its torch dtype, its TMA data type and its bytes, so
 nothing else in flashtune spells a type out. A DType without a row fails at import.
 
+``Fp8Type`` names an 8-bit floating-point type (OCP e4m3 and e5m2, ``FP8_ELEMENTS``): an input
+operand type (Q, K/V), never an output's, and never every operand's. An ``Operand`` is either.
+
 ``Dtypes`` is what a Problem names per operand: the element type of Q, of K and V (one type:
-they are loaded by the same pipeline), and of O. Every kernel accumulates in float32 (the
-MMA accumulator, the softmax statistics and the LSE), whatever its operands; that is part of
-each family's kernel, not of a Problem, until a family offers another accumulator.
+they are loaded by the same pipeline), and of O (a DType: outputs are 16-bit). Every kernel
+accumulates in float32 (the MMA accumulator, the softmax statistics and the LSE), whatever
+its operands; that is part of each family's kernel, not of a Problem, until a family offers
+another accumulator.
 """
 
 from __future__ import annotations
@@ -42,10 +46,11 @@ class DType(str, Enum):
 class Fp8Type(str, Enum):
     """An 8-bit floating-point storage type (OCP FP8), by its key word.
 
-    Not a ``DType`` yet: no family takes FP8 operands, and every DType is a legal operand
-    type of some family (tests and the default rule enumerate DType). What exists is the
-    table row and the conversions (``templates/fp8.cuh``, modelled bit-exactly by the
-    emulator), the pieces an FP8 operand will be built from.
+    Not a ``DType``: every DType is the type of all operands of some family (tests and the
+    default rule enumerate DType), while an FP8 type is only an input's (Q, K/V), beside a
+    16-bit O (``Dtypes``). The FP8 forward (``families/fwd8``) takes e4m3 Q, K and V on
+    mma.sync m16n8k32; the conversions are ``templates/fp8.cuh``, modelled bit-exactly by
+    the emulator.
     """
 
     E4M3 = "e4m3"
@@ -56,6 +61,14 @@ class Fp8Type(str, Enum):
         """This type's row of ``FP8_ELEMENTS``: every spelling of it."""
         return FP8_ELEMENTS[self]
 
+    @property
+    def itemsize(self) -> int:
+        """Bytes of one element."""
+        return self.element.itemsize
+
+
+#: The element type of one operand: a 16-bit type, or (Q, K/V only) an FP8 type.
+Operand = DType | Fp8Type
 
 _CPP_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_:]*$")
 _WORD_RE = re.compile(r"^[a-z][a-z0-9]*$")
@@ -135,27 +148,70 @@ def as_dtype(value: object, what: str = "dtype") -> DType:
     return dtype
 
 
+def as_operand(value: object, what: str = "dtype") -> Operand:
+    """``value`` (a DType, an Fp8Type or the key word of either) as an Operand;
+    InvalidProblem naming the legal ones."""
+    if isinstance(value, (DType, Fp8Type)):
+        return value
+    for cls in (DType, Fp8Type):
+        try:
+            found: Operand = cls(value)
+            return found
+        except ValueError:
+            pass
+    legal = [m.value for m in (*DType, *Fp8Type)]
+    raise InvalidProblem(f"{what}={value!r} is not supported; expected one of {legal}")
+
+
+def as_output(value: object, what: str = "o dtype") -> DType:
+    """``value`` as the DType of an output; an FP8 type is refused naming the 16-bit ones."""
+    o = as_operand(value, what)
+    if isinstance(o, Fp8Type):
+        raise InvalidProblem(f"{what}={o.value!r}: the output is a 16-bit type; expected "
+                             f"one of {[d.value for d in DType]} (with FP8 inputs, name it "
+                             "as out_dtype)")
+    return o
+
+
+def is_fp8(dtype: Operand) -> bool:
+    """Whether ``dtype`` is an 8-bit floating-point type."""
+    return isinstance(dtype, Fp8Type)
+
+
 @dataclass(frozen=True)
 class Dtypes:
     """The element types of one problem's operands: Q, K and V (one type), O.
 
-    ``word`` is its key part: the type's word when all three are the same (``bf16``, the key
+    Q and K/V may be FP8 (``Fp8Type``); O is a 16-bit type (an FP8 O is refused, naming the
+    fix), so an FP8 problem never has one type for all operands. ``word`` is its key part:
+    the type's word when all three are the same (``bf16``, the key
     of every problem before per-operand types existed), else the three words joined by
     ``-`` in the order q, kv, o (``bf16-fp16-bf16``); ``parse`` inverts it.
     """
 
-    q: DType
-    kv: DType
+    q: Operand
+    kv: Operand
     o: DType
 
     def __post_init__(self) -> None:
-        for name in ("q", "kv", "o"):
-            object.__setattr__(self, name, as_dtype(getattr(self, name), f"{name} dtype"))
+        for name in ("q", "kv"):
+            object.__setattr__(self, name, as_operand(getattr(self, name), f"{name} dtype"))
+        object.__setattr__(self, "o", as_output(self.o))
 
     @classmethod
-    def same(cls, dtype: DType | str) -> Dtypes:
-        """Every operand of type ``dtype``."""
-        return _SAME[as_dtype(dtype)]
+    def same(cls, dtype: Operand | str) -> Dtypes:
+        """Every operand of type ``dtype`` (a 16-bit type: an FP8 type is an input's only)."""
+        operand = as_operand(dtype)
+        if isinstance(operand, Fp8Type):
+            raise InvalidProblem(f"dtype={operand.value!r} for every operand: O is a 16-bit "
+                                 f"type; expected o_dtype (out_dtype) one of "
+                                 f"{[d.value for d in DType]} beside {operand.value} inputs")
+        return _SAME[operand]
+
+    @property
+    def fp8(self) -> bool:
+        """Whether an input operand (Q or K/V) is FP8."""
+        return is_fp8(self.q) or is_fp8(self.kv)
 
     @property
     def uniform(self) -> bool:
@@ -166,7 +222,7 @@ class Dtypes:
     def word(self) -> str:
         """The key part: ``fp16``, or ``q-kv-o`` when the operands differ."""
         if self.uniform:
-            return self.q.value
+            return f"{self.q.value}"
         return f"{self.q.value}-{self.kv.value}-{self.o.value}"
 
     @classmethod
@@ -174,20 +230,26 @@ class Dtypes:
         """The Dtypes whose ``word`` is ``word``; InvalidProblem saying what is expected."""
         parts = word.split("-")
         legal = [d.value for d in DType]
-        if len(parts) not in (1, 3) or any(p not in legal for p in parts):
-            raise InvalidProblem(f"element types {word!r} are not one of {legal} nor three of "
-                                 "them as q-kv-o (e.g. 'bf16-fp16-bf16')")
+        inputs = legal + [d.value for d in Fp8Type]
+        if (len(parts) not in (1, 3) or any(p not in inputs for p in parts[:2])
+                or parts[-1] not in legal):
+            raise InvalidProblem(f"element types {word!r} are not one of {legal} nor three "
+                                 f"types as q-kv-o, q and kv of {inputs}, o of {legal} (e.g. "
+                                 "'bf16-fp16-bf16', 'e4m3-e4m3-bf16')")
         if len(parts) == 1:
             return cls.same(parts[0])
-        return cls(DType(parts[0]), DType(parts[1]), DType(parts[2]))
+        return cls(as_operand(parts[0]), as_operand(parts[1]), DType(parts[2]))
 
     def __str__(self) -> str:
         """For messages: ``fp16`` (every operand) or ``q=bf16 kv=fp16 o=bf16``."""
         if self.uniform:
-            return self.q.value
+            return f"{self.q.value}"
         return f"q={self.q.value} kv={self.kv.value} o={self.o.value}"
 
 
 _SAME = {dtype: Dtypes(dtype, dtype, dtype) for dtype in DType}
-#: Every operand fp16, or every operand bf16: what each family accepts today.
+#: Every operand fp16, or every operand bf16: what each 16-bit family accepts.
 SAME_16BIT: frozenset[Dtypes] = frozenset({Dtypes.same(DType.FP16), Dtypes.same(DType.BF16)})
+#: e4m3 Q, K and V with an fp16 or a bf16 O: what the FP8 forward accepts.
+E4M3_INPUTS: frozenset[Dtypes] = frozenset(Dtypes(Fp8Type.E4M3, Fp8Type.E4M3, o)
+                                           for o in DType)

@@ -92,7 +92,9 @@ def translation_unit(source: KernelSource) -> str:
 
 
 def entry_name(problem: Problem, config: KernelConfig) -> str:
-    return f"flashtune_{problem.key()}_{config.key().replace('-', '_')}"
+    """The kernel's C identifier: the problem's and the config's keys, '-' (per-operand
+    element types, negative knob values) spelled '_'."""
+    return f"flashtune_{problem.key()}_{config.key()}".replace("-", "_")
 
 
 def _digest(body: str, headers: dict[str, str], options: tuple[str, ...]) -> str:

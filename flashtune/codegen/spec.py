@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from flashtune.codegen.dtypes import DType as DType  # re-exported: Problem's field type
-from flashtune.codegen.dtypes import Dtypes, as_dtype
+from flashtune.codegen.dtypes import Dtypes, Operand, as_operand, as_output
 from flashtune.codegen.features import (
     MASK_WORDS,
     FeatureNames,
@@ -88,7 +88,9 @@ class Problem:
     ``o_dtype`` (O) are None when they are ``dtype`` (a value equal to ``dtype`` is stored
     as None, so equal problems compare equal and ``dataclasses.replace(p, dtype=...)`` keeps
     a uniform problem uniform). Read them as ``dtypes`` (a ``Dtypes``: q, kv, o). A family
-    declares the combinations it accepts (``KernelFamily.dtypes``).
+    declares the combinations it accepts (``KernelFamily.dtypes``). Q and K/V may be FP8
+    (``Fp8Type``, the FP8 forward's ``fwd8_d128_e4m3-e4m3-bf16_causal``); O never is, so an
+    FP8 problem names its 16-bit ``o_dtype`` (refused at construction otherwise).
 
     Feature switches (each compiled in or out; off, the kernel is the plain one):
       causal: key j is hidden from query i unless j <= i + Nk - Nq (bottom-right aligned);
@@ -106,29 +108,30 @@ class Problem:
     """
 
     head_dim: int
-    dtype: DType
+    dtype: Operand
     causal: bool = False
     op: str = "fwd"
     features: tuple[str, ...] = ()
-    kv_dtype: DType | None = None
-    o_dtype: DType | None = None
+    kv_dtype: Operand | None = None
+    o_dtype: Operand | None = None
 
-    def __init__(self, head_dim: int, dtype: DType | str, causal: bool = False,
+    def __init__(self, head_dim: int, dtype: Operand | str, causal: bool = False,
                  op: str = "fwd", *, features: Iterable[str] = (),
-                 kv_dtype: DType | str | None = None, o_dtype: DType | str | None = None,
+                 kv_dtype: Operand | str | None = None, o_dtype: Operand | str | None = None,
                  **switches: bool) -> None:
         """``features``: names of registered features to switch on; ``switches``: a feature
         by its name (``window=True``; ``False`` switches one of ``features`` off)."""
-        q = as_dtype(dtype)
+        q = as_operand(dtype)
         set_ = object.__setattr__
         set_(self, "head_dim", head_dim)
         set_(self, "dtype", q)
         set_(self, "causal", causal)
         set_(self, "op", op)
         for name, given in (("kv_dtype", kv_dtype), ("o_dtype", o_dtype)):
-            other = None if given is None else as_dtype(given, name)
+            other = None if given is None else as_operand(given, name)
             set_(self, name, None if other is q else other)
         self._validate()
+        self.dtypes  # noqa: B018  (an FP8 output, or FP8 for every operand, is refused here)
         if isinstance(features, str):
             raise InvalidProblem(f"features={features!r} must be a collection of feature "
                                  f"names, e.g. ({features!r},)")
@@ -201,7 +204,8 @@ class Problem:
         """The element types of Q, K/V and O."""
         if self.kv_dtype is None and self.o_dtype is None:
             return Dtypes.same(self.dtype)
-        return Dtypes(self.dtype, self.kv_dtype or self.dtype, self.o_dtype or self.dtype)
+        return Dtypes(self.dtype, self.kv_dtype or self.dtype,
+                      as_output(self.o_dtype or self.dtype, "o dtype"))
 
     @property
     def padded_head_dim(self) -> int:

@@ -26,12 +26,13 @@ def _builtins() -> None:
     from flashtune.families.combine import COMBINE
     from flashtune.families.decode import DECODE
     from flashtune.families.fwd import FORWARD
+    from flashtune.families.fwd8 import FORWARD_FP8
     from flashtune.families.hopper import HOPPER_FORWARD
     from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
     from flashtune.families.lse import LSE
 
     for family in (FORWARD, BACKWARD, BACKWARD_DETERMINISTIC, PREPROCESS, CONVERT, LSE,
-                   DECODE, COMBINE, HOPPER_FORWARD, HOPPER_WS_FORWARD):
+                   DECODE, COMBINE, HOPPER_FORWARD, HOPPER_WS_FORWARD, FORWARD_FP8):
         _families.setdefault(family.op, family)
 
 

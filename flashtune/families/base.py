@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from flashtune._lazy import lazy_module
-from flashtune.codegen.abi import EntryAbi, PackedArgs
+from flashtune.codegen.abi import OPERAND_ALIASES, EntryAbi, PackedArgs
+from flashtune.codegen.abi import Element as AbiElement
 from flashtune.codegen.arch import ArchSpec, get_arch
-from flashtune.codegen.dtypes import DType, Dtypes
+from flashtune.codegen.dtypes import DType, Dtypes, Fp8Type, Operand
 from flashtune.codegen.features import feature
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue, render_template
@@ -47,8 +48,9 @@ else:
 Tensors = Mapping[str, "torch.Tensor"]
 
 
-def torch_dtype(dtype: DType) -> torch.dtype:
-    """The torch element type of ``dtype`` (its row of ``codegen.dtypes.ELEMENTS``)."""
+def torch_dtype(dtype: Operand) -> torch.dtype:
+    """The torch element type of ``dtype`` (its row of ``codegen.dtypes.ELEMENTS`` or
+    ``FP8_ELEMENTS``)."""
     found: torch.dtype = getattr(torch, dtype.element.torch)
     return found
 
@@ -61,6 +63,15 @@ def element_type(dtype: torch.dtype) -> DType:
     legal = " or ".join(f"torch.{d.element.torch}" for d in DType)
     raise InvalidProblem(f"dtype {dtype} is not an element type of the kernels; expected "
                          f"{legal}")
+
+
+def operand_type(dtype: torch.dtype) -> Operand:
+    """The Operand of a torch element type: a DType, or an FP8 type (an input's only);
+    InvalidProblem naming the legal ones otherwise."""
+    for candidate in Fp8Type:
+        if torch_dtype(candidate) == dtype:
+            return candidate
+    return element_type(dtype)
 
 
 def element_params(problem: Problem) -> dict[str, TemplateValue]:
@@ -237,6 +248,9 @@ class KernelFamily(ABC):
     #: parameter, the packers and the emulator's expected signature come from it. None for
     #: a family whose template spells its parameter list itself.
     abi: ClassVar[EntryAbi | None] = None
+    #: The template's type name of each operand's elements in the rendered ``signature``
+    #: (all ``Element`` by default; the FP8 forward's inputs are ``Fp8``).
+    abi_aliases: ClassVar[Mapping[AbiElement, str]] = OPERAND_ALIASES
 
     # ---------------------------------------------------------------- problems
 
@@ -358,7 +372,7 @@ class KernelFamily(ABC):
         problem's feature switches as ``signature``."""
         params = self.template_params(problem, config)
         if self.abi is not None:
-            params["signature"] = self.abi.signature(problem.features)
+            params["signature"] = self.abi.signature(problem.features, self.abi_aliases)
         return params
 
     def render(self, problem: Problem, config: KernelConfig) -> KernelSource:

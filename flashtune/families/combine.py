@@ -160,7 +160,7 @@ class CombineFamily(RowFamily):
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
                 reference: Tensors) -> Verdict:
         return compare_outputs(problem, shape, outputs, reference,
-                               [("O", "o", O_TOLERANCE[problem.dtype]),
+                               [("O", "o", O_TOLERANCE[problem.dtypes.o]),
                                 ("LSE", "lse", LSE_TOLERANCE)])
 
     def flops(self, problem: Problem, shape: ShapeLike) -> float:

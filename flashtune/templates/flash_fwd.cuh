@@ -40,6 +40,9 @@
 // row of the block sees, masking those that cross an edge of a row's window; softcap and
 // ALiBi transform each tile's scores before its mask (ScoreTransform, softmax.cuh); sinks
 // join each row's softmax denominator where the rows are finalised (sinks.cuh).
+//
+// FP8 (Tr::kFp8, fwd_fp8.cuh): e4m3 Q, K, V (In: two values per 16-bit word), a 16-bit O,
+// and the descale factors in FwdParams::scales.
 #pragma once
 
 #include "fwd_mainloop.cuh"
@@ -50,13 +53,19 @@ namespace ft {
 
 enum class BlockOrder { kPlain, kHeadsInner, kLongestFirst };
 
+// The FP8 forward's descale factors (fwd_fp8.cuh); a 16-bit forward has none.
+struct Fp8Scales;
+struct NoFp8Scales {};
+
 // The kernel's arguments (see the entry point in flash_fwd.cu.jinja); `mods` holds the
-// params of the declared score modifications.
-template <class Element, class Mods = NoScoreMods>
+// params of the declared score modifications; In is the inputs' type (Element, or 16-bit
+// words of two e4m3 values with `scales` their descale factors).
+template <class Element, class Mods = NoScoreMods, class In = Element,
+          class Scales = NoFp8Scales>
 struct FwdParams {
-  const Element* __restrict__ q;
-  const Element* __restrict__ k;
-  const Element* __restrict__ v;
+  const In* __restrict__ q;
+  const In* __restrict__ k;
+  const In* __restrict__ v;
   Element* __restrict__ o;
   float* __restrict__ lse;
   int seqlen_q, seqlen_k, heads_q, heads_kv;
@@ -67,13 +76,19 @@ struct FwdParams {
   float softmax_scale;
   VariantArgs var;
   Mods mods;
+  Scales scales;
 };
+
+template <class Tr>
+using FwdParamsOf = FwdParams<typename Tr::Element, typename Tr::Mods, typename Tr::In,
+                              typename detail::Select<Tr::kFp8, Fp8Scales, NoFp8Scales>::type>;
 
 // One block's work: kBlockM query rows from m_block * kBlockM of one (batch, head).
 template <class Tr>
-__device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, typename Tr::Mods>& a,
-                                         int m_block, int head, int batch, unsigned char* smem) {
+__device__ __forceinline__ void fwd_tile(const FwdParamsOf<Tr>& a, int m_block, int head,
+                                         int batch, unsigned char* smem) {
   using Element = typename Tr::Element;
+  using In = typename Tr::In;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
   int seqlen_q = a.seqlen_q;
@@ -94,12 +109,12 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, t
 
   // Row 0 of this (batch, head) in each tensor (64-bit offsets). The outputs' are formed
   // where they are written, so that they hold no registers across the main loop.
-  const Element* q_bh = a.q + (Tr::kVarlen ? q_start * a.q_row_stride : batch * a.q_batch_stride) +
-                        head * a.q_head_stride;
-  const Element* k_bh = a.k + (Tr::kVarlen ? k_start * a.k_row_stride : batch * a.k_batch_stride) +
-                        kv_head * a.k_head_stride;
-  const Element* v_bh = a.v + (Tr::kVarlen ? k_start * a.v_row_stride : batch * a.v_batch_stride) +
-                        kv_head * a.v_head_stride;
+  const In* q_bh = a.q + (Tr::kVarlen ? q_start * a.q_row_stride : batch * a.q_batch_stride) +
+                   head * a.q_head_stride;
+  const In* k_bh = a.k + (Tr::kVarlen ? k_start * a.k_row_stride : batch * a.k_batch_stride) +
+                   kv_head * a.k_head_stride;
+  const In* v_bh = a.v + (Tr::kVarlen ? k_start * a.v_row_stride : batch * a.v_batch_stride) +
+                   kv_head * a.v_head_stride;
   auto o_rows = [&]() {
     return a.o + (Tr::kVarlen ? q_start * a.o_row_stride : batch * a.o_batch_stride) +
            head * a.o_head_stride;
@@ -168,18 +183,26 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, t
     if (first_masked_tile < n_begin / kBlockN) first_masked_tile = n_begin / kBlockN;
   }
 
-  Element* const sq = reinterpret_cast<Element*>(smem);
+  Element* const sq = reinterpret_cast<Element*>(smem);  // Q's rows; O's at the end
+  In* const sq_in = reinterpret_cast<In*>(smem);
   const int warp_row0 = warp * Tr::kWarpRows;
   int tile = n_tiles - 1;
-  FwdMainloop<Tr> loop{sq + Tr::kKOffset,
+  // FP8: the scores are those of the dequantised Q and K (descale factors of this batch
+  // and KV head).
+  float score_scale = Tr::kSoftcap ? a.var.softcap : a.softmax_scale;
+  if constexpr (Tr::kFp8) {
+    const int bh = batch * a.heads_kv + kv_head;
+    score_scale *= a.scales.q[bh] * a.scales.k[bh];
+  }
+  FwdMainloop<Tr> loop{sq_in + Tr::kKOffset,
                        sq + Tr::kVOffset,
                        {},
                        LaneOffsets<Tr>(lane),
-                       TileStream<Tr>(k_bh, a.k_row_stride, tile, tid),
-                       TileStream<Tr>(v_bh, a.v_row_stride, tile, tid),
+                       TileStream<InRows<Tr>>(k_bh, a.k_row_stride, tile, tid),
+                       VStream<Tr>(v_bh, a.v_row_stride, tile, tid),
                        tid,
                        0,
-                       (Tr::kSoftcap ? a.var.softcap : a.softmax_scale) * 1.44269504088896340736f,
+                       score_scale * 1.44269504088896340736f,
                        {},
                        {},
                        {},
@@ -208,9 +231,9 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, t
     loop.dropout.row0 = m0 + warp_row0 + lane / 4;
     loop.dropout.col_lane = 2 * (lane % 4);
   }
-  loop.q.rows = sq + Tr::Smem::offset(warp_row0, 0);
+  loop.q.rows = sq_in + Tr::Smem::offset(warp_row0, 0);
   const int first_rows = seqlen_k - tile * kBlockN;
-  loop.prologue(sq, q_bh, a.q_row_stride, m0, seqlen_q, tile, first_rows);
+  loop.prologue(sq_in, q_bh, a.q_row_stride, m0, seqlen_q, tile, first_rows);
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
@@ -268,6 +291,14 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, t
     loop.softmax.finalize(inv_sum, row_lse);
   }
   if constexpr (Tr::kDropout) loop.dropout.scale_rows(inv_sum);  // kept P: 1 / (1 - p)
+  if constexpr (Tr::kFp8) {  // O of the dequantised V
+    const float v_descale = a.scales.v[batch * a.heads_kv + kv_head];
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+      inv_sum[mt][0] *= v_descale;
+      inv_sum[mt][1] *= v_descale;
+    }
+  }
   float* const lse_bh = lse_rows();
   const int g = lane / 4;
   const int t = lane % 4;
@@ -292,8 +323,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<typename Tr::Element, t
 
 // The kernel: maps the launch grid to tiles (kOrder, kPersistent) and runs fwd_tile.
 template <class Tr, BlockOrder kOrder = BlockOrder::kPlain, bool kPersistent = false>
-__device__ __forceinline__ void flash_fwd(
-    const FwdParams<typename Tr::Element, typename Tr::Mods>& a) {
+__device__ __forceinline__ void flash_fwd(const FwdParamsOf<Tr>& a) {
   static_assert(!(kPersistent && kOrder == BlockOrder::kHeadsInner),
                 "a persistent block walks the query blocks of one head: plain or "
                 "longest-first order");

@@ -24,6 +24,19 @@
 
 namespace ft {
 
+// The FP8 forward's copy traits of Q and K and its V stream (fwd_fp8.cuh, included by the
+// kernels that use them).
+template <class Tr>
+struct Fp8RowsView;
+template <class Tr>
+struct Fp8VStream;
+
+// The copy traits of Q's and K's rows, and the stream of V tiles, of traits Tr.
+template <class Tr>
+using InRows = typename detail::Select<Tr::kFp8, Fp8RowsView<Tr>, Tr>::type;
+template <class Tr>
+using VStream = typename detail::Select<Tr::kFp8, Fp8VStream<Tr>, TileStream<Tr>>::type;
+
 // Whether a pipelined step computes Q K^T of a next tile: always, never (the last tile) or
 // when there is one (steps that may or may not be the last).
 enum class Next { kAlways, kNever, kIfAny };
@@ -31,14 +44,15 @@ enum class Next { kAlways, kNever, kIfAny };
 template <class Tr>
 struct FwdMainloop {
   using Element = typename Tr::Element;
+  using In = typename Tr::In;
   static constexpr int kStages = Tr::kNumStages;
 
-  Element* sk;                 // K stage buffers
+  In* sk;                      // K stage buffers
   Element* sv;                 // V stage buffers
   QOperand<Tr> q;              // the A operand of Q K^T (shared memory or registers)
   LaneOffsets<Tr> lanes;
-  TileStream<Tr> k_in;
-  TileStream<Tr> v_in;
+  TileStream<InRows<Tr>> k_in;
+  VStream<Tr> v_in;
   int tid;
   int stage;                   // element offset of the stage buffers of the previous step
   float scale_log2;
@@ -73,10 +87,10 @@ struct FwdMainloop {
   // Copies before the loop: Q and the first tile walked (bounds-checked: first_rows of its
   // rows exist), then the next (whole) tiles up to the pipeline depth; first_tile is the
   // first tile's index. Pipelined, it also computes the first tile's scores.
-  __device__ __forceinline__ void prologue(Element* sq, const Element* q_bh,
+  __device__ __forceinline__ void prologue(In* sq, const In* q_bh,
                                            long long q_row_stride, int m0, int seqlen_q,
                                            int first_tile, int first_rows) {
-    load_rows_checked<Tr, Tr::kBlockM>(sq, q_bh, q_row_stride, m0, seqlen_q, tid);
+    load_rows_checked<InRows<Tr>, Tr::kBlockM>(sq, q_bh, q_row_stride, m0, seqlen_q, tid);
     k_in.template load<true>(sk, first_rows, tid);
     if constexpr (Tr::kPipelined) {
       // K_0 (with Q), V_0, K_1, V_1, ..., V_{S-2}, K_{S-1}: one group each.

@@ -80,6 +80,11 @@ struct FwdTraits {
   using Element = Element_;
   using Mods = Mods_;
   using Ops = TensorOps<Element>;
+  // The inputs Q, K, V: Element here; two e4m3 values per 16-bit word in WithFp8
+  // (fwd_fp8.cuh), which also replaces Q K^T's mma and its k steps.
+  static constexpr bool kFp8 = false;
+  using In = Element;
+  using QkOps = Ops;
   using Smem = typename detail::Layout<HeadDimPadded / 8, Swizzle>::type;
   static constexpr bool kSwizzle = Swizzle;
   static constexpr bool kQInRegs = QInRegs;

@@ -8,6 +8,24 @@
 
 namespace ft {
 
+namespace detail {
+template <class...>
+using Void = void;
+// The type of Q's and K's elements in shared memory and Q K^T's mma of traits Tr: Tr::In
+// and Tr::QkOps where Tr declares them (the forward's traits, FP8 included), else the
+// 16-bit Element and its Ops (decoding's traits).
+template <class Tr, class = void>
+struct QkInputs {
+  using In = typename Tr::Element;
+  using Ops = typename Tr::Ops;
+};
+template <class Tr>
+struct QkInputs<Tr, Void<typename Tr::In>> {
+  using In = typename Tr::In;
+  using Ops = typename Tr::QkOps;
+};
+}  // namespace detail
+
 // The shared-memory offsets each lane addresses in the ldmatrix loads of one warp, from the
 // start of a tile; computed once per thread and kept in registers, so a tile's loads cost
 // no index math (one offset for padded rows, a few for swizzled ones: ChunkRun).
@@ -44,7 +62,7 @@ struct LaneOffsets {
 // Q as the A operand of Q K^T, re-read from shared memory every tile.
 template <class Tr>
 struct QFromSmem {
-  const typename Tr::Element* rows;  // this warp's first Q row in shared memory
+  const typename detail::QkInputs<Tr>::In* rows;  // this warp's first Q row in shared memory
 
   __device__ __forceinline__ void prepare(const LaneOffsets<Tr>&) {}
   __device__ __forceinline__ void fragment(unsigned (&a)[4], int mt, int kk,
@@ -57,7 +75,7 @@ struct QFromSmem {
 // held in registers.
 template <class Tr>
 struct QInRegisters {
-  const typename Tr::Element* rows;
+  const typename detail::QkInputs<Tr>::In* rows;
   unsigned frag[Tr::kMTiles][Tr::kQkSteps][4];
 
   __device__ __forceinline__ void prepare(const LaneOffsets<Tr>& lanes) {
@@ -79,13 +97,14 @@ struct QInRegisters {
 template <class Tr>
 using QOperand = typename detail::Select<Tr::kQInRegs, QInRegisters<Tr>, QFromSmem<Tr>>::type;
 
-// S = Q_w K^T for the warp's kWarpRows query rows and the tile's kBlockN keys.
-// sk: the K tile. s[mt][nt] is the C fragment of rows 16 mt.., keys 8 nt.. (c0,c1: row g;
+// S = Q_w K^T for the warp's kWarpRows query rows and the tile's kBlockN keys, in k steps
+// of Tr::QkOps's mma (k16 for 16-bit inputs, k32 for e4m3: the same ldmatrix recipes on
+// 16-bit words). sk: the K tile. s[mt][nt] is the C fragment of rows 16 mt.., keys 8 nt.. (c0,c1: row g;
 // c2,c3: row g+8; columns 2t, 2t+1).
 template <class Tr>
 __device__ __forceinline__ void gemm_qk(float (&s)[Tr::kMTiles][Tr::kSTiles][4],
                                         const QOperand<Tr>& q,
-                                        const typename Tr::Element* sk,
+                                        const typename detail::QkInputs<Tr>::In* sk,
                                         const LaneOffsets<Tr>& lanes) {
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
@@ -108,8 +127,8 @@ __device__ __forceinline__ void gemm_qk(float (&s)[Tr::kMTiles][Tr::kSTiles][4],
       const unsigned b_hi[2] = {b[2], b[3]};
 #pragma unroll
       for (int mt = 0; mt < Tr::kMTiles; ++mt) {
-        Tr::Ops::mma(s[mt][2 * np], a[mt], b_lo, s[mt][2 * np]);
-        Tr::Ops::mma(s[mt][2 * np + 1], a[mt], b_hi, s[mt][2 * np + 1]);
+        detail::QkInputs<Tr>::Ops::mma(s[mt][2 * np], a[mt], b_lo, s[mt][2 * np]);
+        detail::QkInputs<Tr>::Ops::mma(s[mt][2 * np + 1], a[mt], b_hi, s[mt][2 * np + 1]);
       }
     }
   }

@@ -170,14 +170,17 @@ def test_every_family_serves_or_refuses_each_feature(family: str) -> None:
     """No family silently computes plain attention for a feature problem: it implements the
     feature (renders with it) or refuses it naming the feature and itself."""
     impl = families.get(family)
+    dtypes = min(impl.dtypes, key=str)  # fp16 where the family takes it
     for name in FEATURES:
-        problem = Problem(64, DType.FP16, op=family, **{name: True})  # type: ignore[arg-type]
+        problem = Problem(64, dtypes.q, op=family, kv_dtype=dtypes.kv, o_dtype=dtypes.o,
+                          **{name: True})  # type: ignore[arg-type]
         if name in impl.features:
             impl.check_problem(problem)
             continue
         with pytest.raises(FeatureNotSupported, match=f"'{family}' kernel family") as info:
-            arch = get_arch(impl.target_arch or "sm_80")
-            impl.render(problem, impl.default_config(Problem(64, DType.FP16, op=family), arch))
+            arch = get_arch(impl.target_arch or ("sm_89" if family == "fwd8" else "sm_80"))
+            plain = Problem(64, dtypes.q, op=family, kv_dtype=dtypes.kv, o_dtype=dtypes.o)
+            impl.render(problem, impl.default_config(plain, arch))
         keyword = {"window": "window_size", "softcap": "softcap", "alibi": "alibi_slopes",
                    "varlen": "attention_varlen", "sinks": "sinks", "dropout": "dropout_p"}[name]
         assert f"({keyword})" in str(info.value)

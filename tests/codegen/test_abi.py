@@ -44,16 +44,18 @@ def test_every_family_renders_its_declared_signature() -> None:
         if family.abi is None:
             continue
         for features in [(), *((name,) for name in sorted(family.features))]:
-            problem = Problem(64, DType.FP16, op=family.op, **dict.fromkeys(features, True))
+            dtypes = min(family.dtypes, key=str)  # fp16 where the family takes it
+            problem = Problem(64, dtypes.q, op=family.op, kv_dtype=dtypes.kv, o_dtype=dtypes.o,
+                              **dict.fromkeys(features, True))
             source = family.render(problem, family.default_config(problem, _arch(family)))
             assert _rendered_params(source.code, source.entry) == family.abi.signature(
-                problem.features), (family.op, features)
+                problem.features, family.abi_aliases), (family.op, features)
             codes = family.abi.emulator_signature(problem.features)
             assert len(codes) == len(family.abi.active(problem.features))
 
 
 def _arch(family: KernelFamily) -> ArchSpec:
-    return get_arch(family.target_arch or "sm_80")
+    return get_arch(family.target_arch or ("sm_89" if family.op == "fwd8" else "sm_80"))
 
 
 def test_a_changed_declaration_changes_signature_packer_and_emulator_codes() -> None:

@@ -85,7 +85,7 @@ def test_non_canonical_or_unknown_element_types_in_a_key_are_malformed(key: str)
 
 def test_bad_operand_dtype_says_what_is_expected() -> None:
     with pytest.raises(InvalidProblem, match=r"kv_dtype='fp8' is not supported; expected one "
-                                             r"of \['fp16', 'bf16'\]"):
+                                             r"of \['fp16', 'bf16', 'e4m3', 'e5m2'\]"):
         Problem(64, DType.FP16, kv_dtype="fp8")
     with pytest.raises(InvalidProblem, match="unknown problem field"):
         Problem.from_dict({"head_dim": 64, "dtype": "fp16", "acc_dtype": "fp32"})
@@ -108,8 +108,11 @@ def test_every_family_declares_its_dtypes_and_refuses_others_by_name() -> None:
 
 
 def test_the_builtin_families_take_one_16_bit_type_for_every_operand() -> None:
+    """... but the FP8 forward, which takes e4m3 inputs and a 16-bit O."""
+    from flashtune.codegen.dtypes import E4M3_INPUTS
+
     for family in families.all_families():
-        assert family.dtypes == SAME_16BIT, family.op
+        assert family.dtypes == (E4M3_INPUTS if family.op == "fwd8" else SAME_16BIT), family.op
     with pytest.raises(InvalidProblem, match=r"it takes: bf16, fp16 \(one word"):
         families.get("fwd").check_problem(Problem(128, DType.BF16, kv_dtype=DType.FP16))
 
@@ -153,3 +156,23 @@ def test_minimum_bytes_use_the_narrowest_operand() -> None:
     mixed = Problem(64, DType.FP16, kv_dtype=DType.BF16)
     assert min_bytes(mixed, 4096) == min_bytes(plain, 4096)
 
+
+
+def test_fp8_inputs_have_their_own_key_and_a_16bit_output() -> None:
+    """e4m3 Q and K/V beside a 16-bit O: three words in the key (a key of its own), parsed
+    back; an FP8 output, or FP8 for every operand, is refused naming out_dtype."""
+    from flashtune.codegen.dtypes import E4M3_INPUTS, Fp8Type
+
+    for o in DType:
+        problem = Problem(128, "e4m3", op="fwd8", causal=True, o_dtype=o)
+        assert problem.key() == f"fwd8_d128_e4m3-e4m3-{o.value}_causal"
+        assert Problem.from_key(problem.key()) == problem
+        assert problem.dtypes in E4M3_INPUTS and problem.dtypes.fp8
+        assert problem.dtype.itemsize == 1
+    assert not Problem(64, DType.BF16).dtypes.fp8
+    with pytest.raises(InvalidProblem, match=r"o_dtype \(out_dtype\) one of \['fp16', 'bf16'\]"):
+        Problem(64, Fp8Type.E4M3)
+    with pytest.raises(InvalidProblem, match=r"o dtype='e4m3': the output is a 16-bit type"):
+        Problem(64, DType.BF16, o_dtype="e4m3")
+    with pytest.raises(InvalidProblem, match="q and kv of"):
+        Problem.from_key("fwd8_d64_e4m3-e4m3-e4m3_full")

@@ -62,7 +62,7 @@ def test_padded_head_dim_is_the_next_compiled_size() -> None:
         ({"head_dim": 0, "dtype": "fp16"}, "multiple of 8"),
         ({"head_dim": 64.0, "dtype": "fp16"}, "must be an int"),
         ({"head_dim": True, "dtype": "fp16"}, "must be an int"),
-        ({"head_dim": 64, "dtype": "fp32"}, "expected one of ['fp16', 'bf16']"),
+        ({"head_dim": 64, "dtype": "fp32"}, "expected one of ['fp16', 'bf16', 'e4m3', 'e5m2']"),
         ({"head_dim": 64, "dtype": "fp16", "causal": 1}, "causal must be a bool"),
         ({"head_dim": 64, "dtype": "fp16", "op": "Bad-Op"}, "not a kernel family name"),
         ({"head_dim": 64, "dtype": "fp16", "op": 3}, "not a kernel family name"),

@@ -172,7 +172,7 @@ class BackwardFamily(KernelFamily):
         their value."""
         got = {"dk": outputs["dk"], "dv": outputs["dv"],
                "dq_accum": outputs["dq_accum"].to(torch.float64).sum(0)}
-        factor, u = BOUND_FACTOR[problem.dtype], UNIT_ROUNDOFF[problem.dtype]
+        factor, u = BOUND_FACTOR[problem.dtypes.o], UNIT_ROUNDOFF[problem.dtypes.o]
         worst, main_rel, wrong = 0.0, 0.0, []
         for name, value in got.items():
             stored = Tolerance(1e-7, 0.0 if name == "dq_accum" else u)

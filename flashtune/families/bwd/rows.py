@@ -149,7 +149,7 @@ class ConvertFamily(RowFamily):
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
                 reference: Tensors) -> Verdict:
         return compare_outputs(problem, shape, outputs, reference,
-                               [("dQ", "dq", DQ_TOLERANCE[problem.dtype])])
+                               [("dQ", "dq", DQ_TOLERANCE[problem.dtypes.o])])
 
     def flops(self, problem: Problem, shape: ShapeLike) -> float:
         """One multiply (the scale) and one add of the first slice per element; each further

@@ -272,7 +272,7 @@ class DecodeFamily(KernelFamily):
                 caches.append(f"{name}: {int((~same).sum())} elements differ from the cache "
                               "with the new rows appended")
         return compare_outputs(problem, shape, outputs, reference,
-                               o_and_lse_checks(problem.dtype, "o_part", "lse_part",
+                               o_and_lse_checks(problem.dtypes.o, "o_part", "lse_part",
                                                 "partial "), caches)
 
     def flops(self, problem: Problem, shape: ShapeLike) -> float:

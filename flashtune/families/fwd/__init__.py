@@ -144,11 +144,18 @@ class ForwardFamily(KernelFamily):
         grid, packed = self.hot_packer(problem, config)(
             t["q"], t["k"], t["v"], outputs["o"], outputs["lse"],
             inputs.scalars["softmax_scale"], variants.VariantValues.of(inputs))
+        return LaunchPlan(self.sized_grid(config, grid, t["q"].device), packed)
+
+    @staticmethod
+    def sized_grid(config: KernelConfig, grid: args.Grid, device: torch.device
+                   ) -> args.Grid:
+        """The launch grid of ``config``: ``grid`` (one block per query tile), or for a
+        persistent kernel the device's SMs times its resident blocks (fewer in x)."""
         if knobs.knob(config, knobs.PERSISTENT):
             blocks_per_sm = max(args.PERSISTENT_BLOCKS_PER_SM,
                                 int(knobs.knob(config, knobs.MINBLOCKS)))
-            grid = persistent_grid(grid, sm_count(t["q"].device), blocks_per_sm)
-        return LaunchPlan(grid, packed)
+            return persistent_grid(grid, sm_count(device), blocks_per_sm)
+        return grid
 
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
         t = inputs.tensors
@@ -174,7 +181,7 @@ class ForwardFamily(KernelFamily):
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
                 reference: Tensors) -> Verdict:
         return compare_outputs(problem, shape, outputs, reference,
-                               o_and_lse_checks(problem.dtype))
+                               o_and_lse_checks(problem.dtypes.o))
 
     def flops(self, problem: Problem, shape: ShapeLike) -> float:
         """4 B Nq Nk H D (two matmuls), halved when causal: the field's convention."""

@@ -165,7 +165,7 @@ def _build(problem: Problem, config: KernelConfig, result: CompileResult, floor:
     arch = result.arch
     if result.kernel is None:
         why = result.failure.message.splitlines()[0] if result.failure else "failed"
-        return Build(arch, problem.dtype, 0, 0, 0, (f"no compile for {arch}: {why}",)), None
+        return Build(arch, problem.dtypes.o, 0, 0, 0, (f"no compile for {arch}: {why}",)), None
     kernel = result.kernel
     res = kernel.resources
     function = sass_listing(kernel.cubin, arch).function(result.source.entry)
@@ -187,7 +187,7 @@ def _build(problem: Problem, config: KernelConfig, result: CompileResult, floor:
             loops.unmasked.static > fa2.instructions):
         problems.append(f"unmasked loop {loops.unmasked.static} instructions on {arch}, "
                         f"over FA2's {fa2.instructions}")
-    return (Build(arch, problem.dtype, res.registers, blocks, local, tuple(problems)),
+    return (Build(arch, problem.dtypes.o, res.registers, blocks, local, tuple(problems)),
             function)
 
 

@@ -38,7 +38,8 @@ CATEGORIES: tuple[str, ...] = (
 #: other category takes one issue slot per instruction (``InstructionMix.issue_only``).
 PIPE_CATEGORIES: frozenset[str] = frozenset(
     {"mma", "wgmma", "mufu", "fp32", "convert", "shfl", "ldl", "stl"})
-_MMA = {"HMMA", "IMMA", "DMMA", "BMMA"}
+#: QMMA: Ada's FP8 mma.sync (sm_89; sm_90's ptxas lowers FP8 mma.sync to HMMA.16816 pairs).
+_MMA = {"HMMA", "QMMA", "IMMA", "DMMA", "BMMA"}
 _FP32 = {"FFMA", "FADD", "FMUL", "FMNMX", "FSEL", "FSETP", "FSET", "FCHK", "FSWZADD",
          "HADD2", "HMUL2", "HFMA2", "HMNMX2", "HSETP2"}
 _CONVERT = {"F2F", "F2FP", "F2I", "I2F", "I2FP", "F2IP", "FRND"}
@@ -61,8 +62,9 @@ _WIDTH_TOKENS = {"U8": 8, "S8": 8, "U16": 16, "S16": 16, "32": 32, "64": 64, "12
                  "256": 256}
 #: Bytes one warp-wide ldmatrix moves, by its matrix count suffix (.1/.2/.4 x 8x8 x 16 bit).
 LDSM_BYTES = {"1": 128, "2": 256, "4": 512}
-#: FLOPs of one warp-wide HMMA by shape token.
-HMMA_FLOPS = {"16816": 2 * 16 * 8 * 16, "1688": 2 * 16 * 8 * 8, "884": 2 * 8 * 8 * 4}
+#: FLOPs of one warp-wide HMMA (or FP8 QMMA: 16832) by shape token.
+HMMA_FLOPS = {"16816": 2 * 16 * 8 * 16, "1688": 2 * 16 * 8 * 8, "884": 2 * 8 * 8 * 4,
+              "16832": 2 * 16 * 8 * 32}
 #: Warps of the warpgroup that issues one wgmma (each computes 16 of its 64 rows).
 WARPGROUP_WARPS = 4
 _GMMA_SHAPE = re.compile(r"(\d+)x(\d+)x(\d+)")
@@ -166,8 +168,9 @@ class Instruction:
 
     @property
     def tensor_flops(self) -> int:
-        """FLOPs of the whole instruction: warp-wide for HMMA, warpgroup-wide for a wgmma."""
-        if self.base == "HMMA":
+        """FLOPs of the whole instruction: warp-wide for HMMA and QMMA, warpgroup-wide for
+        a wgmma."""
+        if self.base in ("HMMA", "QMMA"):
             return next((HMMA_FLOPS[m] for m in self.modifiers if m in HMMA_FLOPS), 0)
         return wgmma_flops(self.opcode)
 

@@ -5,7 +5,9 @@
 // reads the lanes' operands and writes their results; counting hooks (mma, shuffle and
 // ldmatrix counts, bank conflicts of the row addresses) belong in the compute functions and
 // do not change results.
+#include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "internal.h"
 
@@ -13,7 +15,10 @@ namespace ftemu {
 
 static const char* op_name(Op op, int kind) {
     switch (op) {
-        case Op::Mma: return kind == FTEMU_MMA_BF16 ? "mma_m16n8k16_bf16" : "mma_m16n8k16_f16";
+        case Op::Mma:
+            return kind == FTEMU_MMA_E4M3   ? "mma_m16n8k32_e4m3"
+                   : kind == FTEMU_MMA_BF16 ? "mma_m16n8k16_bf16"
+                                            : "mma_m16n8k16_f16";
         case Op::Ldmatrix: {
             static const char* names[2][5] = {
                 {"", "ldmatrix_x1", "ldmatrix_x2", "", "ldmatrix_x4"},
@@ -105,17 +110,82 @@ static void check_poison(const Collective& c, unsigned warp) {
     }
 }
 
-static void compute_mma(const Collective& c, unsigned warp) {
-    if (g_launch->cfg->checks & FTEMU_CHECK_POISON_OPERANDS) check_poison(c, warp);
-    const float* h = half_table();
-    bool bf16 = c.kind == FTEMU_MMA_BF16;
-    auto cvt = [&](uint16_t v) { return bf16 ? bf16_to_float(v) : h[v]; };
-    float A[16][16], B[16][8], C[16][8];
+// The value of one OCP e4m3 code (exact in float): 4 exponent bits of bias 7, 3 mantissa
+// bits, denormals below 2^-6, no infinities, S.1111.111 the only NaNs.
+static float e4m3_to_float(uint8_t code) {
+    const int e = (code >> 3) & 15;
+    const int m = code & 7;
+    float v;
+    if (e == 15 && m == 7)
+        v = std::numeric_limits<float>::quiet_NaN();
+    else if (e == 0)
+        v = std::ldexp(static_cast<float>(m), -9);
+    else
+        v = std::ldexp(static_cast<float>(8 + m), e - 10);
+    return (code & 0x80) ? -v : v;
+}
+
+// D = A B + C of one m16n8kK mma, from the operands gathered into A (16 x K), B (K x 8)
+// and C, written to the lanes' D fragments (row g: d0, d1; row g + 8: d2, d3; columns 2 t,
+// 2 t + 1). Every product of two 16-bit or two 8-bit floats is exact in double, and so is
+// the sum of K of them: the sum is formed in double and rounded to float once.
+template <int K>
+static void mma_product(const Collective& c, const float (&A)[16][K], const float (&B)[K][8]) {
+    float C[16][8];
+    for (unsigned lane = 0; lane < 32; ++lane) {
+        unsigned g = lane >> 2, t = lane & 3;
+        const auto* cc = static_cast<const float*>(c.lanes[lane].in2);
+        for (unsigned i = 0; i < 4; ++i) C[g + 8 * (i >> 1)][2 * t + (i & 1)] = cc[i];
+    }
+    for (unsigned lane = 0; lane < 32; ++lane) {
+        unsigned g = lane >> 2, t = lane & 3;
+        auto* d = static_cast<float*>(c.lanes[lane].out);
+        for (unsigned i = 0; i < 4; ++i) {
+            const unsigned row = g + 8 * (i >> 1), col = 2 * t + (i & 1);
+            double acc = 0.0;
+            for (int k = 0; k < K; ++k)
+                acc += static_cast<double>(A[row][k]) * static_cast<double>(B[k][col]);
+            d[i] = static_cast<float>(acc + static_cast<double>(C[row][col]));
+        }
+    }
+}
+
+// mma.m16n8k32 with e4m3 A and B (PTX ISA, "matrix fragments for mma.m16n8k32", 8-bit
+// types): A register r of a lane holds row g (r even) or g + 8 (r odd), columns
+// 4 t + 16 (r / 2) + byte; B register r holds rows (k) 4 t + 16 r + byte of column g. The
+// products are multiples of 2^-18 below 2^18, so their sum of 32 is exact in double.
+static void compute_mma_e4m3(const Collective& c) {
+    float A[16][32], B[32][8];
     for (unsigned lane = 0; lane < 32; ++lane) {
         unsigned g = lane >> 2, t = lane & 3;
         const auto* a = static_cast<const unsigned*>(c.lanes[lane].in0);
         const auto* b = static_cast<const unsigned*>(c.lanes[lane].in1);
-        const auto* cc = static_cast<const float*>(c.lanes[lane].in2);
+        for (unsigned r = 0; r < 4; ++r)
+            for (unsigned byte = 0; byte < 4; ++byte)
+                A[g + 8 * (r & 1)][4 * t + 16 * (r >> 1) + byte] =
+                    e4m3_to_float(static_cast<uint8_t>(a[r] >> (8 * byte)));
+        for (unsigned r = 0; r < 2; ++r)
+            for (unsigned byte = 0; byte < 4; ++byte)
+                B[4 * t + 16 * r + byte][g] =
+                    e4m3_to_float(static_cast<uint8_t>(b[r] >> (8 * byte)));
+    }
+    mma_product<32>(c, A, B);
+}
+
+static void compute_mma(const Collective& c, unsigned warp) {
+    if (g_launch->cfg->checks & FTEMU_CHECK_POISON_OPERANDS) check_poison(c, warp);
+    if (c.kind == FTEMU_MMA_E4M3) {
+        compute_mma_e4m3(c);
+        return;
+    }
+    const float* h = half_table();
+    bool bf16 = c.kind == FTEMU_MMA_BF16;
+    auto cvt = [&](uint16_t v) { return bf16 ? bf16_to_float(v) : h[v]; };
+    float A[16][16], B[16][8];
+    for (unsigned lane = 0; lane < 32; ++lane) {
+        unsigned g = lane >> 2, t = lane & 3;
+        const auto* a = static_cast<const unsigned*>(c.lanes[lane].in0);
+        const auto* b = static_cast<const unsigned*>(c.lanes[lane].in1);
         const unsigned rows[4] = {g, g + 8, g, g + 8};
         const unsigned cols[4] = {2 * t, 2 * t, 2 * t + 8, 2 * t + 8};
         for (int r = 0; r < 4; ++r) {
@@ -126,29 +196,8 @@ static void compute_mma(const Collective& c, unsigned warp) {
             B[2 * t + 8 * r][g] = cvt(static_cast<uint16_t>(b[r]));
             B[2 * t + 8 * r + 1][g] = cvt(static_cast<uint16_t>(b[r] >> 16));
         }
-        C[g][2 * t] = cc[0];
-        C[g][2 * t + 1] = cc[1];
-        C[g + 8][2 * t] = cc[2];
-        C[g + 8][2 * t + 1] = cc[3];
     }
-    // Products of two 16-bit floats are exact; the sum is formed in double and rounded once.
-    float D[16][8];
-    for (int i = 0; i < 16; ++i) {
-        for (int j = 0; j < 8; ++j) {
-            double acc = 0.0;
-            for (int k = 0; k < 16; ++k)
-                acc += static_cast<double>(A[i][k]) * static_cast<double>(B[k][j]);
-            D[i][j] = static_cast<float>(acc + static_cast<double>(C[i][j]));
-        }
-    }
-    for (unsigned lane = 0; lane < 32; ++lane) {
-        unsigned g = lane >> 2, t = lane & 3;
-        auto* d = static_cast<float*>(c.lanes[lane].out);
-        d[0] = D[g][2 * t];
-        d[1] = D[g][2 * t + 1];
-        d[2] = D[g + 8][2 * t];
-        d[3] = D[g + 8][2 * t + 1];
-    }
+    mma_product<16>(c, A, B);
 }
 
 static void compute_ldmatrix(const Collective& c, unsigned warp) {
@@ -352,6 +401,13 @@ extern "C" FTEMU_API void ftemu_mma_m16n8k16(int kind, float* d, const unsigned*
                                              const unsigned* b, const float* c, ftemu_loc loc) {
     if (kind != FTEMU_MMA_F16 && kind != FTEMU_MMA_BF16)
         fail(FTEMU_ERROR, format("mma at %s: unknown kind %d", at(loc).c_str(), kind));
+    join(Op::Mma, kind, 32, 0xffffffffu, loc, LaneArgs{d, a, b, c, 0, 0});
+}
+
+extern "C" FTEMU_API void ftemu_mma_m16n8k32(int kind, float* d, const unsigned* a,
+                                             const unsigned* b, const float* c, ftemu_loc loc) {
+    if (kind != FTEMU_MMA_E4M3)
+        fail(FTEMU_ERROR, format("mma m16n8k32 at %s: unknown kind %d", at(loc).c_str(), kind));
     join(Op::Mma, kind, 32, 0xffffffffu, loc, LaneArgs{d, a, b, c, 0, 0});
 }
 

@@ -1,0 +1,215 @@
+"""The FP8 forward on mma.sync (sm_89 and later): e4m3 Q, K and V with descale factors, a
+16-bit O and the float32 LSE, as FlashAttention-3's FP8 forward takes them.
+
+The forward's kernel with ``fp8`` on (``templates/fwd_fp8.cuh``): Q K^T on mma.sync m16n8k32
+e4m3 (exact products, fp32 sums); V dequantised on chip (exactly: every e4m3 value is an
+fp16 and a bf16 value) into the 16-bit V stage buffers, and P V in O's 16-bit type, P rounded
+to it as in the 16-bit forward; the descale factors (float32 ``(batch, heads_kv)``)
+applied in fp32: ``q_descale * k_descale`` to the scores (so the LSE is that of the
+dequantised inputs) and ``v_descale`` to O. The space, the static rules and the defaults
+are the 16-bit forward's of the same head dim and O type (same tiles, same shared memory:
+Q and K rows take half of the 16-bit rows), plus two rules: an arch with FP8 mma (sm_89 or
+later) and a head dim that is a multiple of 32 (one k32 step covers 32 values).
+
+SASS (NVRTC 13): on sm_89 Q K^T is QMMA.16832.F32.E4M3.E4M3; sm_90's ptxas lowers the same
+mma.sync to F2FP e4m3 unpacks and HMMA.16816 pairs, so there it saves bandwidth only.
+
+Numerics: the output is the attention of the dequantised inputs ``q_descale * q`` etc. with
+the 16-bit forward's roundings (P and O in the O type, fp32 accumulation), so the 16-bit
+forward's tolerances of O's type apply against the float64 attention of those inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from flashtune._lazy import lazy_module
+from flashtune.codegen.abi import OPERAND_ALIASES, Element, EntryAbi, PackedArgs, tensor
+from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.dtypes import E4M3_INPUTS
+from flashtune.codegen.render import TemplateValue
+from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
+from flashtune.errors import InvalidConfig, InvalidInput
+from flashtune.families.base import Inputs, LaunchPlan, Tensors, generator, torch_dtype
+from flashtune.families.fwd import ForwardFamily
+from flashtune.families.fwd.args import FWD_ABI, Grid, VariantLike
+from flashtune.families.fwd.reference import attention_reference
+from flashtune.families.registers import accumulator_registers
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = lazy_module("torch", globals())
+
+#: The descale factors' arguments, after the forward's: float32 (batch, heads_kv), contiguous.
+DESCALES = ("q_descale", "k_descale", "v_descale")
+FWD8_ABI = FWD_ABI.extended("flash_fwd8", *(
+    tensor(name, Element.FLOAT, const=True, wrap=i == 0) for i, name in enumerate(DESCALES)))
+#: The template's types of the operands: e4m3 bytes in, O's 16-bit Element out.
+FP8_ALIASES: Mapping[Element, str] = {**OPERAND_ALIASES, Element.Q: "Fp8", Element.KV: "Fp8"}
+#: The first arch with FP8 mma.sync (Ada, sm_89; Hopper's sm_90 has it too).
+MIN_FP8_ARCH = (8, 9)
+#: Descale factors of random inputs are drawn from [lo, hi): away from 1 so that a descale
+#: applied twice, or to the wrong operand, shows.
+RANDOM_DESCALE = (0.25, 4.0)
+
+
+#: q_descale, k_descale, v_descale of one call.
+Descales = tuple["torch.Tensor", ...]
+
+
+class Fp8Packer(Protocol):
+    """The FP8 forward's hot-path packer: ``FwdPacker``'s convention (it is one) with the
+    call's descale factors, which it requires."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 lse: torch.Tensor, softmax_scale: float, variant: VariantLike | None = None,
+                 descales: Descales | None = None) -> tuple[Grid, PackedArgs]: ...
+
+
+#: The accumulator registers (O and S fragments) from which the FP8 kernel spills: measured
+#: with NVRTC 13 on sm_90 (m128 n128 w4 at head dim 64, m64 n64 w2 at 128: 132 and 36
+#: spill stores where the 16-bit kernel has at most 4).
+MAX_ACCUMULATORS = 192
+#: Defaults where the 16-bit forward's holds too many accumulators, in order.
+FALLBACKS = (KernelConfig(64, 64, 4, 2), KernelConfig(64, 32, 4, 2), KernelConfig(64, 32, 4, 1))
+
+
+def twin(problem: Problem) -> Problem:
+    """The 16-bit forward problem of the same head dim and mask whose type is O's: its
+    space, rules, defaults and template parameters are this family's."""
+    return Problem(problem.head_dim, problem.dtypes.o, causal=problem.causal,
+                   features=problem.features)
+
+
+class Fp8ForwardFamily(ForwardFamily):
+    """The attention forward with e4m3 inputs (``flashtune.attention`` on float8_e4m3fn)."""
+
+    op = "fwd8"
+    title = "FP8 attention forward (e4m3 Q, K, V with descale factors; mma.sync)"
+    dtypes = E4M3_INPUTS
+    features = frozenset()
+    score_mods = False
+    abi: ClassVar[EntryAbi | None] = FWD8_ABI
+    abi_aliases: ClassVar[Mapping[Element, str]] = FP8_ALIASES
+
+    @staticmethod
+    def refusal(problem: Problem, arch: ArchSpec) -> str | None:
+        """Why no config of this family runs ``problem`` on ``arch``: an arch without FP8
+        mma, or a head dim off the k32 step; None when some may."""
+        if arch.compute_capability < MIN_FP8_ARCH:
+            return (f"{arch.name} has no FP8 tensor cores (mma.sync e4m3 needs sm_89 or "
+                    f"later); compile for sm_89 or sm_90, or use bf16/fp16 inputs on "
+                    f"{arch.name}")
+        if problem.head_dim % 32:
+            return (f"head_dim={problem.head_dim}: the FP8 forward takes head dims that are "
+                    "multiples of 32 (one mma k step); pad q, k and v with zeros to "
+                    f"{-(-problem.head_dim // 32) * 32}")
+        return None
+
+    def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
+        why = self.refusal(problem, arch)
+        if why is None and accumulator_registers(problem, config) >= MAX_ACCUMULATORS:
+            why = (f"accumulators of {accumulator_registers(problem, config)} registers per "
+                   f"thread: at {MAX_ACCUMULATORS} or more the FP8 kernel spills (the V "
+                   "dequantisation and the FP8 fragments need more than the 16-bit kernel's "
+                   "margin); use fewer rows per warp or a narrower key tile")
+        return why or super().rules(twin(problem), config, arch)
+
+    def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
+        """The 16-bit forward's default of the same head dim and O type where this family's
+        rules pass it, else the first of ``FALLBACKS`` that they pass."""
+        why = self.refusal(problem, arch)
+        if why is not None:
+            raise InvalidConfig(f"no config runs {problem.key()} on {arch.name}: {why}")
+        for config in (super().default_config(twin(problem), arch), *FALLBACKS):
+            if self.static_check(problem, config, arch) is None:
+                return config
+        raise InvalidConfig(f"no default config fits {problem.key()} on {arch.name}: the "
+                            f"16-bit default and {[c.key() for c in FALLBACKS]} are ruled "
+                            "out; tune this problem")
+
+    def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
+        config = self.default_config(problem, arch)
+        if config == super().default_config(twin(problem), arch):
+            return ("the 16-bit forward's default of the same head dim: "
+                    + super().default_reason(twin(problem), arch))
+        return (f"{config.key()}: the first fallback under {MAX_ACCUMULATORS} accumulator "
+                "registers (the 16-bit forward's default holds more)")
+
+    def template_params(self, problem: Problem, config: KernelConfig
+                        ) -> dict[str, TemplateValue]:
+        return {**super().template_params(twin(problem), config), "fp8": True}
+
+    def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
+        return super().smem_bytes(twin(problem), config)
+
+    def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
+                      seed: int | None = None) -> Inputs:
+        """The forward's random normal q, k, v rounded to e4m3, and descale factors drawn
+        from ``RANDOM_DESCALE`` per (batch, KV head)."""
+        inputs = super().random_inputs(problem, shape, device, seed)
+        gen = generator(device, None if seed is None else seed + 1)
+        lo, hi = RANDOM_DESCALE
+        descales = {name: lo + (hi - lo) * torch.rand(shape.batch, shape.heads_kv,
+                                                      generator=gen, device=device)
+                    for name in DESCALES}
+        return Inputs({**inputs.tensors, **descales}, inputs.scalars)
+
+    def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
+                      poison: bool) -> dict[str, torch.Tensor]:
+        out = super().empty_outputs(problem, shape, inputs, poison=poison)
+        o = torch.empty(out["o"].shape, dtype=torch_dtype(problem.dtypes.o),
+                        device=out["o"].device)
+        if poison:
+            o.fill_(float("nan"))
+        return {**out, "o": o}
+
+    def hot_packer(self, problem: Problem, config: KernelConfig) -> Fp8Packer:
+        """The forward's calling convention plus the descale factors (required)."""
+        pack = FWD8_ABI.packer(problem.features)
+        block_m = config.block_m
+
+        def fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                lse: torch.Tensor, softmax_scale: float, variant: VariantLike | None = None,
+                descales: Descales | None = None) -> tuple[Grid, PackedArgs]:
+            if descales is None:
+                raise InvalidInput("the FP8 forward needs q_descale, k_descale and v_descale "
+                                   "(float32 (batch, heads_kv))")
+            batch, seqlen_q, heads_q, _ = q.shape
+            return ((-(-seqlen_q // block_m), heads_q, batch),
+                    pack(q, k, v, o, lse, softmax_scale, *descales))
+        return fp8
+
+    def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
+                    inputs: Inputs, outputs: Tensors) -> LaunchPlan:
+        t = inputs.tensors
+        grid, packed = self.hot_packer(problem, config)(
+            t["q"], t["k"], t["v"], outputs["o"], outputs["lse"],
+            inputs.scalars["softmax_scale"], descales=tuple(t[n] for n in DESCALES))
+        return LaunchPlan(self.sized_grid(config, grid, t["q"].device), packed)
+
+    def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
+        """The float64 attention of the dequantised inputs: each e4m3 value times its
+        (batch, KV head)'s descale factor (a query head takes its KV head's)."""
+        t = inputs.tensors
+        heads_q, heads_kv = t["q"].shape[2], t["k"].shape[2]
+        group = heads_q // heads_kv
+        q_scale = t["q_descale"].to(torch.float64).repeat_interleave(group, dim=1)
+        q = t["q"].to(torch.float64) * q_scale[:, None, :, None]
+        k, v = (t[name].to(torch.float64) * t[f"{name}_descale"].to(torch.float64)[
+            :, None, :, None] for name in ("k", "v"))
+        o, lse = attention_reference(q, k, v, problem.causal, inputs.scalars["softmax_scale"])
+        return {"o": o, "lse": lse}
+
+    def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
+        """Q, K, V read once (1 byte a value), O written once (2 bytes) and the LSE."""
+        d = problem.head_dim
+        q_rows = shape.batch * shape.heads_q * shape.seqlen_q
+        kv_rows = shape.batch * shape.heads_kv * shape.seqlen_k
+        o_bytes = problem.dtypes.o.itemsize
+        return float(q_rows * d * (1 + o_bytes) + 2 * kv_rows * d + 4 * q_rows)
+
+
+FORWARD_FP8 = Fp8ForwardFamily()
