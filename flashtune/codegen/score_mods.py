@@ -95,10 +95,13 @@ class ScoreMod:
     #: False hides the key. Evaluated only on the key tiles a ``tiles`` param marks partial
     #: (so it needs one); ``reference`` includes it.
     mask: str = ""
+    #: A C++ float expression of the same names: d(cuda) / d(score), the factor the
+    #: backward multiplies dS by. Empty: the modification has no backward.
+    grad: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", tuple(self.params))
-        for text in (self.cuda, self.mask or "true"):
+        for text in (self.cuda, self.mask or "true", self.grad or "1.0f"):
             if not text.strip() or any(c in text for c in ";{}\n"):
                 raise InvalidProblem(f"score modification {text!r} must be one C++ "
                                      "expression (no ';', braces or line breaks), e.g. "
