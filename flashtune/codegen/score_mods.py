@@ -153,11 +153,26 @@ def render_functor(mods: Sequence[tuple[str, ScoreMod]]) -> str:
             f"{unused}"
             f"    return {' && '.join(f'({m})' for m in masks) or 'true'};\n"
             "  }\n") if tiles else ""
+    differentiable = all(mod.grad for _, mod in mods)
+    # The chain rule over the modifications in key order: each one's slope at the score it
+    # is given, times the slopes before it.
+    chain = "".join(f"    slope *= ({mod.grad});  // {name}\n"
+                    f"    score = ({mod.cuda});\n" for name, mod in mods)
+    grad = ("  // d(operator()) / d(score) at the same arguments (the backward's slope).\n"
+            "  __device__ __forceinline__ float grad(float score, int batch, int head,\n"
+            "                                        int q_idx, int kv_idx) const {\n"
+            f"{unused}"
+            "    float slope = 1.0f;\n"
+            f"{chain}"
+            "    (void)score;\n"
+            "    return slope;\n"
+            "  }\n") if differentiable else ""
     return ("// The problem's declared score modifications (codegen.score_mods), in key order,\n"
             "// on the scaled score of query row q_idx and key kv_idx of (batch, head).\n"
             "struct ScoreMods {\n"
             "  static constexpr bool kOn = true;\n"
             f"  static constexpr bool kTileRanges = {'true' if tiles else 'false'};\n"
+            f"  static constexpr bool kGrad = {'true' if differentiable else 'false'};\n"
             f"{members}"
             f"{ranges}"
             f"{keep}"
@@ -166,6 +181,7 @@ def render_functor(mods: Sequence[tuple[str, ScoreMod]]) -> str:
             f"{unused}{steps}"
             "    return score;\n"
             "  }\n"
+            f"{grad}"
             "};")
 
 

@@ -16,7 +16,11 @@ from typing import Any
 
 import pytest
 import torch
-from flex_fixtures import forget_traced_features  # noqa: F401  (autouse, by name)
+from flex_fixtures import (  # noqa: F401  (forget_traced_features: autouse)
+    forget_traced_features,
+    four_documents,
+    with_ranges,
+)
 
 import flashtune
 from flashtune.api import flex_mods
@@ -26,7 +30,6 @@ from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.codegen.trace import trace
 from flashtune.errors import BackwardNotAvailable
 from flashtune.families import render
-from flashtune.families.base import Inputs
 from flashtune.families.fwd import FORWARD
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
 
@@ -185,13 +188,7 @@ def _skip_case(flash: bool) -> None:
     (skipping off) the counters differ while the outputs stay the same; and the mask is
     evaluated on partial tiles only (marking every tile full changes the result)."""
     n, dim, config = 256, 32, KernelConfig(64, 32, 4, 2)
-    gen = torch.Generator().manual_seed(_SEED)
-    first = 128 + int(torch.randint(0, 33, (), generator=gen))
-    cuts = [first, *sorted((first + 1 + torch.randperm(n - first - 2, generator=gen)[:2])
-                           .tolist())]
-    docs = torch.zeros(n, dtype=torch.int64)
-    for cut in cuts:
-        docs[cut:] += 1
+    cuts, docs = four_documents(n, _SEED)
     mask_mod = flex_mods.document(docs)
     if flash:  # the same mask in FlashMask's form
         ends = torch.tensor([*cuts, n])[torch.searchsorted(torch.tensor(cuts), torch.arange(n),
@@ -209,13 +206,7 @@ def _skip_case(flash: bool) -> None:
 
     def launch(ranges: torch.Tensor, check: bool = True
                ) -> tuple[dict[str, torch.Tensor], list[int]]:
-        values: dict[str, Any] = traced.values(torch.device("cpu"))
-        values[traced.ranges_param] = ranges
-        values.update({f"{traced.ranges_param}_n{j}": int(s)
-                       for j, s in enumerate(ranges.shape[:3])})
-        tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
-        scalars = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
-        inputs = Inputs(dict(drawn.tensors) | tensors, dict(drawn.scalars) | scalars)
+        inputs = with_ranges(traced, ranges, drawn)
         outputs = FORWARD.empty_outputs(problem, shape, inputs, poison=True)
         plan = FORWARD.launch_plan(problem, config, shape, inputs, outputs)
         kernel.launch(plan.grid, plan.args)
