@@ -187,9 +187,9 @@ def captured_grads(expression: Node, captured: Sequence[torch.Tensor], wanted: I
 
     Per distinct load of a wanted tensor: its derivative tree evaluated on the dense grid
     (``score``: the unmodified scaled scores (B, Hq, Nq, Nk), needed only when a derivative
-    reads the score; None otherwise), times ``dscore``, added into the element the load
-    reads with ``index_put_(accumulate=True)``. That reduction depends on the values only,
-    not on the order anything ran in: the same buffer gives the same bits."""
+    reads the score; None otherwise), times ``dscore``, summed per element the load reads
+    (``fixed_order_sum``): the same buffer gives the same bits on every run and device
+    schedule, with no atomics."""
     slots = frozenset(wanted)
     batch, heads, rows, keys = dscore.shape
     device = dscore.device
@@ -200,14 +200,13 @@ def captured_grads(expression: Node, captured: Sequence[torch.Tensor], wanted: I
               "score": (score.to(torch.float64) if score is not None
                         else torch.full((), math.nan, dtype=torch.float64, device=device))}
     values = [t.detach().to(device) for t in captured]
-    grads = {s: torch.zeros(captured[s].numel(), dtype=torch.float64, device=device)
-             for s in slots}
+    parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {s: [] for s in slots}
     upstream = dscore.to(torch.float64)
     for load in float_loads(expression, slots):
         slope = derivative(expression, load)
         if slope is None:
             continue
-        if score is None and _reads_score(slope):
+        if score is None and reads_score(slope):
             raise InvalidInput("the derivative by a captured tensor reads the score; pass "
                                "the unmodified scaled scores as score=")
         contribution = upstream * evaluate(slope, leaves, values)
@@ -215,10 +214,36 @@ def captured_grads(expression: Node, captured: Sequence[torch.Tensor], wanted: I
         contribution = torch.where(upstream == 0, 0.0, contribution)
         index = _flat_index(load, leaves, values, tuple(captured[load.slot].shape))
         shape = (index + torch.zeros_like(contribution, dtype=torch.int64)).shape
-        grads[load.slot].index_put_((index.expand(shape).reshape(-1),),
-                                    contribution.expand(shape).reshape(-1), accumulate=True)
-    return {s: g.view(captured[s].shape) for s, g in grads.items()}
+        parts[load.slot].append((index.expand(shape).reshape(-1),
+                                 contribution.expand(shape).reshape(-1)))
+    out = {}
+    for slot, found in parts.items():
+        size = captured[slot].numel()
+        if not found:
+            out[slot] = torch.zeros(captured[slot].shape, dtype=torch.float64, device=device)
+            continue
+        out[slot] = fixed_order_sum(torch.cat([i for i, _ in found]),
+                                    torch.cat([c for _, c in found]),
+                                    size).view(captured[slot].shape)
+    return out
 
 
-def _reads_score(n: Node) -> bool:
-    return n.op == "score" or any(_reads_score(m) for m in n.args)
+def fixed_order_sum(index: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
+    """float64 (size,): per element the sum of ``values`` whose ``index`` is it, in a fixed
+    order: the pairs stably sorted by index, a running sum (a scan) over them, and each
+    element's sum the difference of the scan at its run's ends; every element is then
+    written once. No step depends on the order threads run in."""
+    order = torch.sort(index, stable=True)
+    sorted_index, scan = order.values, torch.cumsum(values[order.indices], dim=0)
+    last = torch.ones_like(sorted_index, dtype=torch.bool)
+    last[:-1] = sorted_index[1:] != sorted_index[:-1]
+    ends = scan[last]
+    sums = torch.diff(ends, prepend=ends.new_zeros(1))
+    out = torch.zeros(size, dtype=torch.float64, device=values.device)
+    out[sorted_index[last]] = sums
+    return out
+
+
+def reads_score(n: Node | None) -> bool:
+    """Whether tree ``n`` reads the score leaf."""
+    return n is not None and (n.op == "score" or any(reads_score(m) for m in n.args))

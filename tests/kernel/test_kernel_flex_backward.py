@@ -20,7 +20,7 @@ import torch
 from flex_fixtures import (  # noqa: F401  (forget_traced_features: autouse)
     forget_traced_features,
     four_documents,
-    with_ranges,
+    launch_with_ranges,
 )
 
 from flashtune.api import flex_mods
@@ -121,14 +121,9 @@ def test_a_block_mask_skips_the_empty_tiles_in_the_backward() -> None:
         render(problem, config))
 
     def launch(ranges: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[int], bool]:
-        inputs = with_ranges(traced, ranges, drawn)
-        outputs = family.empty_outputs(problem, shape, inputs, poison=True)
-        plan = family.launch_plan(problem, config, shape, inputs, outputs)
-        kernel.launch(plan.grid, plan.args)
-        verdict = family.compare(problem, shape, outputs, family.reference(problem, inputs))
-        counters = getattr(kernel, "last_counters", None)
-        assert counters is not None
-        return outputs, list(counters.block_mma), verdict.ok
+        outputs, counts, verdict = launch_with_ranges(family, problem, config, shape, kernel,
+                                                      traced, ranges, drawn)
+        return outputs, counts, verdict.ok
 
     ranges = block_mask.tiles(config.block_m, config.block_n, torch.device("cpu"),
                               columns=True)
