@@ -10,7 +10,8 @@ key tiles [lo, hi) each query tile sees and the full ones among them (``tiles``;
 per tile size): the kernel walks only [lo, hi) (a key tile outside is never loaded or
 computed), and evaluates the traced ``mask_mod`` only on the walked tiles that are not
 full. A query tile that sees no key is written as
-empty rows without a loop.
+empty rows without a loop. The backward walks the same blocks by key tile (``tiles(...,
+columns=True)``: per key tile the query tiles that hold a row seeing one of its keys).
 """
 
 from __future__ import annotations
