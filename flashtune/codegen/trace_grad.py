@@ -229,18 +229,25 @@ def captured_grads(expression: Node, captured: Sequence[torch.Tensor], wanted: I
 
 
 def fixed_order_sum(index: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
-    """float64 (size,): per element the sum of ``values`` whose ``index`` is it, in a fixed
-    order: the pairs stably sorted by index, a running sum (a scan) over them, and each
-    element's sum the difference of the scan at its run's ends; every element is then
-    written once. No step depends on the order threads run in."""
+    """float64 (size,): per element the sum of ``values`` whose ``index`` is it, in an order
+    fixed by the data alone: the pairs stably sorted by index, then a segmented scan by
+    doubling (step d adds the partial sum d places back when it is of the same element; a
+    fixed tree of elementwise float64 additions), then each element written once from the
+    last place of its run. No atomics and no float scan of torch's (whose CUDA form is not
+    deterministic), so ``torch.use_deterministic_algorithms`` accepts every step."""
     order = torch.sort(index, stable=True)
-    sorted_index, scan = order.values, torch.cumsum(values[order.indices], dim=0)
-    last = torch.ones_like(sorted_index, dtype=torch.bool)
-    last[:-1] = sorted_index[1:] != sorted_index[:-1]
-    ends = scan[last]
-    sums = torch.diff(ends, prepend=ends.new_zeros(1))
+    keys = order.values
+    sums = values[order.indices].to(torch.float64)
+    step = 1
+    while step < keys.numel():
+        same = keys[step:] == keys[:-step]
+        sums = torch.cat((sums[:step], torch.where(same, sums[step:] + sums[:-step],
+                                                   sums[step:])))
+        step *= 2
+    last = torch.ones_like(keys, dtype=torch.bool)
+    last[:-1] = keys[1:] != keys[:-1]
     out = torch.zeros(size, dtype=torch.float64, device=values.device)
-    out[sorted_index[last]] = sums
+    out[keys[last]] = sums[last]
     return out
 
 

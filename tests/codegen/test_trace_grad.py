@@ -18,7 +18,12 @@ import torch
 from flashtune.api import flex_mods
 from flashtune.codegen.trace import trace
 from flashtune.codegen.trace_expr import LEAVES, evaluate
-from flashtune.codegen.trace_grad import NotDifferentiable, captured_grads, derivative
+from flashtune.codegen.trace_grad import (
+    NotDifferentiable,
+    captured_grads,
+    derivative,
+    fixed_order_sum,
+)
 
 _SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
 B, H, L, S = 2, 3, 19, 23
@@ -123,3 +128,17 @@ def test_the_slopes_cuda_holds_no_user_text() -> None:
                          "float", "f"} or re.fullmatch(rf"{traced.name}_t\d+(_n\d+)?",
                                                        token), token
     assert "system" not in cuda
+
+
+def test_the_fixed_order_sum_sums_per_element_and_ignores_thread_order() -> None:
+    gen = torch.Generator().manual_seed(_SEED)
+    index = torch.randint(0, 37, (5000,), generator=gen)
+    index[:700] = 3  # one long run
+    values = torch.randn(5000, generator=gen, dtype=torch.float64)
+    got = fixed_order_sum(index, values, 40)
+    want = torch.zeros(40, dtype=torch.float64).index_add_(0, index, values)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert (got[37:] == 0).all()
+    assert torch.equal(fixed_order_sum(index, values, 40), got)
+    one = fixed_order_sum(index[:1], values[:1], 40)  # a single pair: no doubling step
+    assert one[3] == values[0] and one.count_nonzero() == 1
