@@ -57,6 +57,10 @@ CASES: dict[str, Case] = {
     "flashmask-bidirectional": lambda h, n, g: ([], lambda: flex_mods.softcap(4.0),
                                                 random_flashmask(h, n, g, False)),
     "global-tokens": lambda h, n, g: ([], _none, flex_mods.global_tokens(5, 20)),
+    # A learned per-head temperature: its gradient reads the score itself.
+    "temperature-causal": lambda h, n, g: ([torch.rand(h, generator=g) + 0.5],
+                                           lambda t: lambda s, b, hh, q, k: s * t[hh],
+                                           flex_mods.causal),
 }
 _SAMPLED = random.Random(f"{_SEED}-grad").choice([*sorted(CASES), "sdpa-float"])
 
@@ -68,8 +72,10 @@ def _flex_case(name: str, dtype: torch.dtype, seed: int, deterministic: bool) ->
     q = torch.randn(batch, heads, n, dim, generator=gen).to(dtype)
     k, v = (torch.randn(batch, heads_kv, n, dim, generator=gen).to(dtype) for _ in "kv")
     dout = torch.randn(batch, heads, n, dim, generator=gen).to(dtype)
+    # Per head (FlashMask's columns vary with it): the backward's tile ranges then differ
+    # between the query heads of a kv head.
     block_mask = (None if mask_mod is None
-                  else flashtune.create_block_mask(mask_mod, None, None, n, n))
+                  else flashtune.create_block_mask(mask_mod, None, heads, n, n))
     names = ("dq", "dk", "dv", *(f"learned{i}" for i in range(len(learned))))
 
     def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *t: torch.Tensor

@@ -62,12 +62,15 @@ CONFIGS = {"bwd": KernelConfig(32, 32, 2, 2, extras=(("dqmode", "atomic"),)),
            "bwddet": KernelConfig(32, 32, 2, 2, extras=(("dqmode", "split"),))}
 
 
-def _verify(score: str, mask: str, op: str, tiles: bool, seed: int) -> None:
+def _verify(score: str, mask: str, op: str, tiles: bool, seed: int,
+            **builtins: bool) -> None:
+    """One launch against the reference; ``builtins``: flash-attn's features (causal,
+    window, softcap, alibi) switched on under the modification."""
     traced = trace(SCORES[score], MASKS[mask], tiles=tiles)
     family: BackwardFamily = FAMILIES[op]
-    problem = Problem(64, DType.FP16, op=op, features=[traced_feature(traced)])
+    problem = Problem(64, DType.FP16, op=op, features=[traced_feature(traced)], **builtins)
     shape = Shape(2, H, 2, 70, N)
-    where = f"{score}+{mask} {op} tiles={tiles} seed={seed}"
+    where = f"{score}+{mask} {op} tiles={tiles} {builtins} seed={seed}"
     config = CONFIGS[op]
     kernel = EmulatorBackend().load(render(problem, config))
     inputs = family.random_inputs(problem, shape, "cpu", seed)
@@ -79,7 +82,7 @@ def _verify(score: str, mask: str, op: str, tiles: bool, seed: int) -> None:
     verdict = family.compare(problem, shape, outputs, family.reference(problem, inputs))
     assert verdict.ok, f"{where}: {verdict.message}"
     # Control: without the modification the reference differs (the kernel applied it).
-    plain = Problem(64, DType.FP16, op=op)
+    plain = Problem(64, DType.FP16, op=op, **builtins)
     control = family.reference(plain, inputs)
     got = outputs["dk"].double()
     assert (got - control["dk"]).abs().max() > 10 * (got - family.reference(
@@ -93,6 +96,14 @@ def test_a_sampled_modification_in_the_backward(op: str) -> None:
     _verify(score, mask, op, rng.random() < 0.5, rng.randrange(2**31))
 
 
+def test_a_modification_over_the_built_in_features() -> None:
+    """Softcap and ALiBi (flash-attn's) before a learned scale, under a causal mask and a
+    document mask: the slopes chain (dS carries tanh's and the modification's)."""
+    rng = random.Random(f"{_SEED}-builtins")
+    _verify("learned-scale", "document", rng.choice(sorted(FAMILIES)), rng.random() < 0.5,
+            rng.randrange(2**31), causal=True, softcap=True, alibi=True)
+
+
 @pytest.mark.sweep
 @pytest.mark.parametrize("op", sorted(FAMILIES))
 @pytest.mark.parametrize(("score", "mask"), CASES, ids=[f"{s}+{m}" for s, m in CASES])
@@ -102,7 +113,18 @@ def test_every_modification_in_the_backward(score: str, mask: str, op: str) -> N
 
 
 def test_a_block_mask_skips_the_empty_tiles_in_the_backward() -> None:
-    """Causal document masking (4 documents, the first holding full tiles) through the
+    _skip_case(random.Random(f"{_SEED}-skip").random() < 0.5)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("flash", [False, True], ids=["document-ids", "flashmask"])
+def test_block_masks_skip_the_empty_tiles_in_the_backward_in_both_forms(flash: bool) -> None:
+    _skip_case(flash)
+
+
+def _skip_case(flash: bool) -> None:
+    """Causal document masking (4 documents, the first holding full tiles), as document ids
+    or in FlashMask's column form (``flash``), through the
     atomic backward, one block per key tile: with the mask's column ranges each block's
     tensor-core count is its number of query tiles that see one of its keys (counted from
     the dense mask) times one step's count; walking every query tile costs more and gives
@@ -112,6 +134,10 @@ def test_a_block_mask_skips_the_empty_tiles_in_the_backward() -> None:
     family, config = FAMILIES[op], CONFIGS[op]
     cuts, docs = four_documents(n, _SEED)
     mask_mod = flex_mods.document(docs)
+    if flash:  # the same mask in FlashMask's form
+        ends = torch.tensor([*cuts, n])[torch.searchsorted(torch.tensor(cuts), torch.arange(n),
+                                                           right=True)]
+        mask_mod = flex_mods.flashmask(ends)
     block_mask = create_block_mask(mask_mod, 1, 1, n, n)
     traced = trace(None, mask_mod, tiles=True)
     problem = Problem(dim, DType.FP16, op=op, features=[traced_feature(traced)])
