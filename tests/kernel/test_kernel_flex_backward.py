@@ -28,6 +28,7 @@ from flashtune.api.block_mask import create_block_mask
 from flashtune.api.flex import traced_feature
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.codegen.trace import trace
+from flashtune.errors import FeatureNotSupported
 from flashtune.families import render
 from flashtune.families.bwd import BACKWARD, BACKWARD_DETERMINISTIC, BackwardFamily
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
@@ -178,3 +179,13 @@ def _skip_case(flash: bool) -> None:
     all_full[..., 2], all_full[..., 3] = ranges[..., 0], ranges[..., 1]
     _, _, ok = launch(all_full)
     assert not ok, f"cuts={cuts}: the mask was applied on full tiles"
+
+
+def test_a_modification_without_a_derivative_is_refused_by_the_backward() -> None:
+    def stepped(s: Any, b: Any, h: Any, q: Any, k: Any) -> Any:
+        return s + (s * 4.0) // 1.0
+
+    name = traced_feature(trace(stepped))
+    for op, family in FAMILIES.items():
+        with pytest.raises(FeatureNotSupported, match=rf"{name}.*declare none.*score_slope"):
+            family.check_problem(Problem(64, DType.FP16, op=op, features=[name]))
