@@ -178,6 +178,10 @@ def _flat_index(load: Node, leaves: dict[str, torch.Tensor], captured: list[torc
     return flat
 
 
+#: Score positions one step of ``captured_grads`` reduces at once (bounds its memory).
+CHUNK_ELEMENTS = 1 << 22
+
+
 def captured_grads(expression: Node, captured: Sequence[torch.Tensor], wanted: Iterable[int],
                    dscore: torch.Tensor, score: torch.Tensor | None = None,
                    first_batch: int = 0) -> dict[int, torch.Tensor]:
@@ -188,20 +192,14 @@ def captured_grads(expression: Node, captured: Sequence[torch.Tensor], wanted: I
     Per distinct load of a wanted tensor: its derivative tree evaluated on the dense grid
     (``score``: the unmodified scaled scores (B, Hq, Nq, Nk), needed only when a derivative
     reads the score; None otherwise), times ``dscore``, summed per element the load reads
-    (``fixed_order_sum``): the same buffer gives the same bits on every run and device
-    schedule, with no atomics."""
+    (``fixed_order_sum``), a block of query rows at a time (at most ``CHUNK_ELEMENTS``
+    positions), the blocks' sums added in order: the same buffer gives the same bits on
+    every run and device schedule, with no atomics."""
     slots = frozenset(wanted)
     batch, heads, rows, keys = dscore.shape
     device = dscore.device
-    leaves = {"batch": torch.arange(first_batch, first_batch + batch, device=device)
-              .view(-1, 1, 1, 1), "head": torch.arange(heads, device=device).view(1, -1, 1, 1),
-              "q_idx": torch.arange(rows, device=device).view(1, 1, -1, 1),
-              "kv_idx": torch.arange(keys, device=device).view(1, 1, 1, -1),
-              "score": (score.to(torch.float64) if score is not None
-                        else torch.full((), math.nan, dtype=torch.float64, device=device))}
     values = [t.detach().to(device) for t in captured]
-    parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {s: [] for s in slots}
-    upstream = dscore.to(torch.float64)
+    slopes = []
     for load in float_loads(expression, slots):
         slope = derivative(expression, load)
         if slope is None:
@@ -209,23 +207,35 @@ def captured_grads(expression: Node, captured: Sequence[torch.Tensor], wanted: I
         if score is None and reads_score(slope):
             raise InvalidInput("the derivative by a captured tensor reads the score; pass "
                                "the unmodified scaled scores as score=")
-        contribution = upstream * evaluate(slope, leaves, values)
-        # A hidden position (dscore 0) adds nothing, whatever its slope (inf, NaN).
-        contribution = torch.where(upstream == 0, 0.0, contribution)
-        index = _flat_index(load, leaves, values, tuple(captured[load.slot].shape))
-        shape = (index + torch.zeros_like(contribution, dtype=torch.int64)).shape
-        parts[load.slot].append((index.expand(shape).reshape(-1),
-                                 contribution.expand(shape).reshape(-1)))
-    out = {}
-    for slot, found in parts.items():
-        size = captured[slot].numel()
-        if not found:
-            out[slot] = torch.zeros(captured[slot].shape, dtype=torch.float64, device=device)
-            continue
-        out[slot] = fixed_order_sum(torch.cat([i for i, _ in found]),
-                                    torch.cat([c for _, c in found]),
-                                    size).view(captured[slot].shape)
-    return out
+        slopes.append((load, slope))
+    out = {s: torch.zeros(captured[s].numel(), dtype=torch.float64, device=device)
+           for s in slots}
+    step = max(1, CHUNK_ELEMENTS // max(1, batch * heads * keys))
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        leaves = {
+            "batch": torch.arange(first_batch, first_batch + batch, device=device)
+            .view(-1, 1, 1, 1), "head": torch.arange(heads, device=device).view(1, -1, 1, 1),
+            "q_idx": torch.arange(r0, r1, device=device).view(1, 1, -1, 1),
+            "kv_idx": torch.arange(keys, device=device).view(1, 1, 1, -1),
+            "score": (score[:, :, r0:r1].to(torch.float64) if score is not None
+                      else torch.full((), math.nan, dtype=torch.float64, device=device))}
+        upstream = dscore[:, :, r0:r1].to(torch.float64)
+        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {s: [] for s in slots}
+        for load, slope in slopes:
+            contribution = upstream * evaluate(slope, leaves, values)
+            # A hidden position (dscore 0) adds nothing, whatever its slope (inf, NaN).
+            contribution = torch.where(upstream == 0, 0.0, contribution)
+            index = _flat_index(load, leaves, values, tuple(captured[load.slot].shape))
+            shape = (index + torch.zeros_like(contribution, dtype=torch.int64)).shape
+            parts[load.slot].append((index.expand(shape).reshape(-1),
+                                     contribution.expand(shape).reshape(-1)))
+        for slot, found in parts.items():
+            if found:
+                out[slot] += fixed_order_sum(torch.cat([i for i, _ in found]),
+                                             torch.cat([c for _, c in found]),
+                                             captured[slot].numel())
+    return {s: g.view(captured[s].shape) for s, g in out.items()}
 
 
 def fixed_order_sum(index: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:

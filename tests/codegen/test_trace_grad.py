@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from flashtune.api import flex_mods
+from flashtune.codegen import trace_grad
 from flashtune.codegen.trace import trace
 from flashtune.codegen.trace_expr import LEAVES, evaluate
 from flashtune.codegen.trace_grad import (
@@ -142,3 +143,21 @@ def test_the_fixed_order_sum_sums_per_element_and_ignores_thread_order() -> None
     assert torch.equal(fixed_order_sum(index, values, 40), got)
     one = fixed_order_sum(index[:1], values[:1], 40)  # a single pair: no doubling step
     assert one[3] == values[0] and one.count_nonzero() == 1
+
+
+def test_captured_gradients_are_the_same_a_block_of_rows_at_a_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(_SEED)
+    score_mod, tensors = _cases(gen)["learned-scale"]
+    score, *_ = _grid(gen)
+    for t in tensors:
+        t.requires_grad_(True)
+    traced = trace(score_mod)
+    upstream = torch.randn(B, H, L, S, generator=gen, dtype=torch.float64)
+    whole = captured_grads(traced.expression, traced.captured, traced.grad_slots(), upstream,
+                           score)
+    monkeypatch.setattr(trace_grad, "CHUNK_ELEMENTS", B * H * S * 3)  # 3 rows at a time
+    blocks = captured_grads(traced.expression, traced.captured, traced.grad_slots(),
+                            upstream, score)
+    for slot in traced.grad_slots():
+        torch.testing.assert_close(blocks[slot], whole[slot], rtol=1e-12, atol=1e-12)
