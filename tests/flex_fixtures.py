@@ -39,9 +39,11 @@ def with_ranges(traced: TracedMod, ranges: torch.Tensor, drawn: Inputs) -> Input
     return Inputs(dict(drawn.tensors) | tensors, dict(drawn.scalars) | scalars)
 
 
-def four_documents(n: int, seed: int) -> tuple[list[int], torch.Tensor]:
-    """The cuts and document ids (n,) of 4 packed documents, the first long enough (at
-    least n / 2 positions) to hold full tiles, the other cuts drawn with ``seed``."""
+def four_documents(n: int, seed: int, flash: bool = False
+                   ) -> tuple[list[int], torch.Tensor, Callable[..., Any]]:
+    """The cuts, document ids (n,) and causal document mask of 4 packed documents, the
+    first long enough (at least n / 2 positions) to hold full tiles, the other cuts drawn
+    with ``seed``; ``flash``: the same mask in FlashMask's column form."""
     gen = torch.Generator().manual_seed(seed)
     first = n // 2 + int(torch.randint(0, n // 8 + 1, (), generator=gen))
     cuts = [first, *sorted((first + 1 + torch.randperm(n - first - 2, generator=gen)[:2])
@@ -49,7 +51,11 @@ def four_documents(n: int, seed: int) -> tuple[list[int], torch.Tensor]:
     docs = torch.zeros(n, dtype=torch.int64)
     for cut in cuts:
         docs[cut:] += 1
-    return cuts, docs
+    if not flash:
+        return cuts, docs, flex_mods.document(docs)
+    ends = torch.tensor([*cuts, n])[torch.searchsorted(torch.tensor(cuts), torch.arange(n),
+                                                       right=True)]
+    return cuts, docs, flex_mods.flashmask(ends)
 
 
 Fn = Callable[..., Any] | None

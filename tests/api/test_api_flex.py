@@ -148,12 +148,7 @@ def _skip_case(flash: bool) -> None:
     (skipping off) the counters differ while the outputs stay the same; and the mask is
     evaluated on partial tiles only (marking every tile full changes the result)."""
     n, dim, config = 256, 32, KernelConfig(64, 32, 4, 2)
-    cuts, docs = four_documents(n, _SEED)
-    mask_mod = flex_mods.document(docs)
-    if flash:  # the same mask in FlashMask's form
-        ends = torch.tensor([*cuts, n])[torch.searchsorted(torch.tensor(cuts), torch.arange(n),
-                                                           right=True)]
-        mask_mod = flex_mods.flashmask(ends)
+    cuts, docs, mask_mod = four_documents(n, _SEED, flash)
     block_mask = create_block_mask(mask_mod, 1, 1, n, n)
     traced = trace(None, mask_mod, tiles=True)
     problem = Problem(dim, DType.FP16, features=[traced_feature(traced)])
