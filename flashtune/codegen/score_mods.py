@@ -157,14 +157,15 @@ def render_functor(mods: Sequence[tuple[str, ScoreMod]]) -> str:
     # The chain rule over the modifications in key order: each one's slope at the score it
     # is given, times the slopes before it.
     chain = "".join(f"    slope *= ({mod.grad});  // {name}\n"
-                    f"    score = ({mod.cuda});\n" for name, mod in mods)
+                    + (f"    score = ({mod.cuda});\n" if i + 1 < len(mods) else "")
+                    for i, (name, mod) in enumerate(mods))
     grad = ("  // d(operator()) / d(score) at the same arguments (the backward's slope).\n"
             "  __device__ __forceinline__ float grad(float score, int batch, int head,\n"
             "                                        int q_idx, int kv_idx) const {\n"
             f"{unused}"
+            "    (void)score;\n"
             "    float slope = 1.0f;\n"
             f"{chain}"
-            "    (void)score;\n"
             "    return slope;\n"
             "  }\n") if differentiable else ""
     return ("// The problem's declared score modifications (codegen.score_mods), in key order,\n"

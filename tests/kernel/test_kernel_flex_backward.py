@@ -26,6 +26,13 @@ from flex_fixtures import (  # noqa: F401  (forget_traced_features: autouse)
 from flashtune.api import flex_mods
 from flashtune.api.block_mask import create_block_mask
 from flashtune.api.flex import traced_feature
+from flashtune.codegen.features import (
+    Feature,
+    mods_of,
+    register_feature,
+    unregister_feature,
+)
+from flashtune.codegen.score_mods import ModParam, ScoreMod
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.codegen.trace import trace
 from flashtune.errors import FeatureNotSupported
@@ -184,3 +191,34 @@ def test_a_modification_without_a_derivative_is_refused_by_the_backward() -> Non
     for op, family in FAMILIES.items():
         with pytest.raises(FeatureNotSupported, match=rf"{name}.*declare none.*score_slope"):
             family.check_problem(Problem(64, DType.FP16, op=op, features=[name]))
+
+
+#: Two declared modifications with their derivatives, applied in key order: a scale, then
+#: a tanh; the backward's slope is their chain, tanh'(w s) w.
+_SCALE = Feature("bwdscale", "bwdscale", "a scaled score (test)", score=ScoreMod(
+    "score * w", lambda score, b, h, q_idx, kv_idx, w: score * w,
+    (ModParam("w", draws=(0.5, 1.5)),), grad="w"))
+_TANH = Feature("bwdtanh", "bwdtanh", "a tanh of the score (test)", score=ScoreMod(
+    "2.0f * tanhf(score)", lambda score, b, h, q_idx, kv_idx: 2.0 * torch.tanh(score),
+    grad="2.0f * (1.0f - tanhf(score) * tanhf(score))"))
+
+
+def test_declared_modifications_chain_their_slopes_in_key_order() -> None:
+    register_feature(_SCALE)
+    register_feature(_TANH)
+    try:
+        op = random.Random(f"{_SEED}-chain").choice(sorted(FAMILIES))
+        family, config = FAMILIES[op], CONFIGS[op]
+        problem = Problem(64, DType.FP16, op=op, features=["bwdscale", "bwdtanh"])
+        assert [name for name, _ in mods_of(problem.features)] == ["bwdscale", "bwdtanh"]
+        shape = Shape(1, 2, 1, 50, 70)
+        kernel = EmulatorBackend().load(render(problem, config))
+        inputs = family.random_inputs(problem, shape, "cpu", _SEED)
+        outputs = family.empty_outputs(problem, shape, inputs, poison=True)
+        plan = family.launch_plan(problem, config, shape, inputs, outputs)
+        kernel.launch(plan.grid, plan.args)
+        verdict = family.compare(problem, shape, outputs, family.reference(problem, inputs))
+        assert verdict.ok, f"{op} seed={_SEED}: {verdict.message}"
+    finally:
+        unregister_feature(_TANH.name)
+        unregister_feature(_SCALE.name)
