@@ -29,6 +29,7 @@ from grad_helpers import Grads, gradients, within_rule
 import flashtune
 from flashtune.api import flex_mods
 from flashtune.codegen.trace_grad import NotDifferentiable
+from flashtune.errors import BackwardNotAvailable
 
 pytestmark = pytest.mark.emulator
 
@@ -194,3 +195,12 @@ def test_an_operation_without_a_derivative_is_refused_before_running() -> None:
         flashtune.flex_attention(q, q.detach(), q.detach(), stepped, backend="emulator")
     with torch.no_grad():  # the forward serves it
         flashtune.flex_attention(q, q, q, stepped, backend="emulator")
+
+
+@pytest.mark.usefixtures("dispatcher")
+def test_varlen_gradients_through_a_modification_are_refused_not_wrong() -> None:
+    q = torch.randn(20, 2, 32, dtype=torch.float16, requires_grad=True)
+    cu = torch.tensor([0, 8, 20], dtype=torch.int32)
+    with pytest.raises(BackwardNotAvailable, match="varlen attention with a score_mod"):
+        flashtune.attention_varlen(q, q.detach(), q.detach(), cu, cu, 12, 12,
+                                   score_mod=flex_mods.softcap(5.0), backend="emulator")
