@@ -1,11 +1,14 @@
-"""A block mask's build cost and the tiles it lets the forward skip, for document masking.
+"""A block mask's build cost and the tiles it lets the forward and the backward skip, for
+document masking.
 
 A causal document mask over one packed sequence of ``--tokens`` tokens (8192 by default) cut
 into documents of random lengths (seeded) is built with ``flashtune.create_block_mask``
 (median of ``--repeats`` builds), and, for the query and key tile sizes of the forward's
 default configs, the key tiles each query tile walks are counted against the dense count
 (every query tile walking every key tile), with the walked tiles that are full (the kernel
-evaluates no mask there). torch's own ``create_block_mask`` on the same
+evaluates no mask there); and, for the tiles of the backward's default configs (``bwd``),
+the query tiles each key tile walks (the block mask's column form). torch's own
+``create_block_mask`` on the same
 mask is timed beside it when torch has it.
 
 All figures are CPU figures on this host: build times in milliseconds of host time, and tile
@@ -39,6 +42,7 @@ from flashtune.api import flex_mods  # noqa: E402
 from flashtune.api.block_mask import create_block_mask  # noqa: E402
 from flashtune.codegen.arch import ARCHS  # noqa: E402
 from flashtune.codegen.spec import DType, Problem  # noqa: E402
+from flashtune.families.bwd import BACKWARD  # noqa: E402
 from flashtune.families.fwd import FORWARD  # noqa: E402
 
 
@@ -53,11 +57,13 @@ def documents(tokens: int, count: int, seed: int) -> torch.Tensor:
     return ids
 
 
-def tile_sizes(head_dim: int) -> list[tuple[str, int, int]]:
-    """(arch, block_m, block_n) of the forward's default configs for this head dim."""
+def tile_sizes(head_dim: int, op: str = "fwd") -> list[tuple[str, int, int]]:
+    """(arch, block_m, block_n) of the default configs of the forward (``op`` "fwd") or of
+    the backward's main kernel ("bwd") for this head dim."""
+    family = FORWARD if op == "fwd" else BACKWARD
     out = []
     for arch in ("sm_80", "sm_90"):
-        config = FORWARD.default_config(Problem(head_dim, DType.FP16), ARCHS[arch])
+        config = family.default_config(Problem(head_dim, DType.FP16, op=op), ARCHS[arch])
         out.append((arch, config.block_m, config.block_n))
     return out
 
@@ -71,18 +77,22 @@ def measure(tokens: int, count: int, repeats: int, seed: int, head_dim: int = 12
         start = time.perf_counter()
         mask = create_block_mask(mask_mod, None, None, tokens, tokens)
         times.append(time.perf_counter() - start)
-    rows = []
-    for arch, block_m, block_n in tile_sizes(head_dim):
-        ranges = mask.tiles(block_m, block_n, torch.device("cpu"))
-        walked = int((ranges[..., 1] - ranges[..., 0]).sum())
-        full = int((ranges[..., 3] - ranges[..., 2]).sum())
-        dense = -(-tokens // block_m) * -(-tokens // block_n)
-        rows.append({"arch": arch, "block_m": block_m, "block_n": block_n,
-                     "tiles_walked": walked, "tiles_full": full, "tiles_dense": dense,
-                     "skipped_fraction": 1 - walked / dense})
+    tables = {}
+    for op in ("fwd", "bwd"):
+        rows = []
+        for arch, block_m, block_n in tile_sizes(head_dim, op):
+            ranges = mask.tiles(block_m, block_n, torch.device("cpu"), columns=op == "bwd")
+            walked = int((ranges[..., 1] - ranges[..., 0]).sum())
+            full = int((ranges[..., 3] - ranges[..., 2]).sum())
+            dense = -(-tokens // block_m) * -(-tokens // block_n)
+            rows.append({"arch": arch, "block_m": block_m, "block_n": block_n,
+                         "tiles_walked": walked, "tiles_full": full, "tiles_dense": dense,
+                         "skipped_fraction": 1 - walked / dense})
+        tables[op] = rows
     result: dict[str, Any] = {"tokens": tokens, "documents": count, "seed": seed,
                               "build_ms_median": 1e3 * statistics.median(times),
-                              "tiles": rows, "figures": "CPU host time; no GPU timing"}
+                              "tiles": tables["fwd"], "backward_tiles": tables["bwd"],
+                              "figures": "CPU host time; no GPU timing"}
     try:
         from torch.nn.attention.flex_attention import create_block_mask as torch_build
     except ImportError:
@@ -118,6 +128,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  {row['arch']} default tiles {row['block_m']}x{row['block_n']}: "
               f"{row['tiles_walked']} of {row['tiles_dense']} tiles walked "
               f"({row['tiles_full']} of them full: no mask evaluated), "
+              f"{100 * row['skipped_fraction']:.1f}% skipped")
+    for row in result["backward_tiles"]:
+        print(f"  {row['arch']} backward default tiles {row['block_m']}x{row['block_n']}: "
+              f"{row['tiles_walked']} of {row['tiles_dense']} tiles walked "
+              f"({row['tiles_full']} of them full), "
               f"{100 * row['skipped_fraction']:.1f}% skipped")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))

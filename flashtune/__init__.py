@@ -18,7 +18,7 @@ _EXPORTS: dict[str, str] = {
     "explain": "flashtune.api.ops",
     "attention_with_kvcache": "flashtune.api.kvcache_ops",
     "attention_varlen": "flashtune.api.varlen_ops",
-    "flex_attention": "flashtune.api.flex",
+    "flex_attention": "flashtune.api.flex_call",
     "create_block_mask": "flashtune.api.block_mask",
     "BlockMask": "flashtune.api.block_mask",
     "register_transformers": "flashtune.api.hf_transformers",
@@ -66,7 +66,7 @@ __all__ = [
 if TYPE_CHECKING:
     from flashtune import families
     from flashtune.api.block_mask import BlockMask, create_block_mask
-    from flashtune.api.flex import flex_attention
+    from flashtune.api.flex_call import flex_attention
     from flashtune.api.hf_transformers import register_transformers
     from flashtune.api.kvcache_ops import attention_with_kvcache, explain_kvcache
     from flashtune.api.ops import (

@@ -66,13 +66,15 @@ def _launch(plan: Plan, grid: tuple[int, int, int], packed: PackedArgs) -> None:
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
              causal: bool, softmax_scale: float, deterministic: bool, backend: str,
-             variant: Variant | None = None
+             variant: Variant | None = None, dscore: torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dQ, dK, dV (like q, k, v) of the forward that produced ``out`` and ``lse`` from
     validated q, k, v, given dO (and optionally the gradient of the LSE), with the
     forward's features ``variant`` (None: none), and the float32 gradient of its sinks
     (None without sinks). ``backend`` "" means the FLASHTUNE_BACKEND setting. With varlen,
-    every tensor is in the packed layout of the module doc."""
+    every tensor is in the packed layout of the module doc. With traced modifications
+    (``variant.traced``), ``dscore`` (zeroed float32 (B, Hq, Nq, Nk), or None) receives the
+    gradient by the modified scores (``api.flex_grad``)."""
     name = backend or settings.BACKEND.get()
     dout, out = _kernel_ready(dout), _kernel_ready(out)
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -109,7 +111,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
             args.MAIN_ABI.pack({"q": q, "k": k, "v": v, "dout": dout, "lse": lse,
                                 "dsum": dsum, "dk": dk, "dv": dv, "dq_accum": accum,
                                 "softmax_scale": softmax_scale,
-                                **feature_values(main.source.problem, variant)}, features))
+                                **feature_values(main.source.problem, variant),
+                                **({"dscore": dscore} if variant is not None
+                                   and variant.traced else {})}, features))
 
     dq = torch.empty_like(q)
     _launch(convert, args.row_grid(seqlen_q, heads_q, batch, convert.block_m),

@@ -10,7 +10,8 @@ key tiles [lo, hi) each query tile sees and the full ones among them (``tiles``;
 per tile size): the kernel walks only [lo, hi) (a key tile outside is never loaded or
 computed), and evaluates the traced ``mask_mod`` only on the walked tiles that are not
 full. A query tile that sees no key is written as
-empty rows without a loop.
+empty rows without a loop. The backward walks the same blocks by key tile (``tiles(...,
+columns=True)``: per key tile the query tiles that hold a row seeing one of its keys).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class BlockMask:
     shape: tuple[int, int, int, int]
     block: int
     counts: torch.Tensor
-    _tiles: dict[tuple[int, int, str], torch.Tensor] = field(default_factory=dict,
+    _tiles: dict[tuple[int, int, str, bool], torch.Tensor] = field(default_factory=dict,
                                                               repr=False)
 
     def kinds(self) -> torch.Tensor:
@@ -68,13 +69,16 @@ class BlockMask:
                                "expected equal lengths and B, H equal or 1. Make one with "
                                "flashtune.create_block_mask for these sizes")
 
-    def tiles(self, block_m: int, block_n: int, device: torch.device) -> torch.Tensor:
+    def tiles(self, block_m: int, block_n: int, device: torch.device,
+              columns: bool = False) -> torch.Tensor:
         """int32 (Bm, Hm, ceil(Q_LEN / block_m), 4): per query tile of ``block_m`` rows the
         key tiles [lo, hi) of ``block_n`` keys that hold a visible position (lo = hi: none),
         and [full_lo, full_hi), the key tiles every row sees whole when they are one run
         (else none: the mask is then evaluated on every walked tile). Both sizes must be
-        multiples of the block."""
-        key = (block_m, block_n, str(device))
+        multiples of the block. ``columns``: the backward's form, (Bm, Hm,
+        ceil(KV_LEN / block_n), 4), per key tile the query tiles [lo, hi) that hold a row
+        seeing one of its keys and the full ones among them."""
+        key = (block_m, block_n, str(device), columns)
         found = self._tiles.get(key)
         if found is not None:
             return found
@@ -82,11 +86,14 @@ class BlockMask:
             raise InvalidInput(f"kernel tiles {block_m} x {block_n} are not multiples of the "
                                f"block mask's BLOCK_SIZE={self.block}; use BLOCK_SIZE=16")
         fm, fn = block_m // self.block, block_n // self.block
-        c = self.counts
+        c, kinds = self.counts, self.kinds()
+        if columns:  # the same walk over the transposed blocks
+            fm, fn = fn, fm
+            c, kinds = c.transpose(2, 3), kinds.transpose(2, 3)
         pad_m, pad_n = -c.shape[2] % fm, -c.shape[3] % fn
         c = torch.nn.functional.pad(c, (0, pad_n, 0, pad_m))
         bm, hm, nm, nn = c.shape
-        any_visible = (c.view(bm, hm, nm // fm, fm, nn // fn, fn).sum(dim=(3, 5)) > 0)
+        any_visible = (c.reshape(bm, hm, nm // fm, fm, nn // fn, fn).sum(dim=(3, 5)) > 0)
         cols = torch.arange(nn // fn, dtype=torch.int32)
         big = torch.iinfo(torch.int32).max
         lo = torch.where(any_visible, cols, big).amin(dim=-1)
@@ -94,8 +101,8 @@ class BlockMask:
         lo = torch.where(hi == 0, 0, lo)
         # Full kernel tiles: every block full; blocks past the ends count as full (the
         # kernel hides those positions itself).
-        kinds = torch.nn.functional.pad(self.kinds(), (0, pad_n, 0, pad_m), value=2)
-        full = (kinds.view(bm, hm, nm // fm, fm, nn // fn, fn) == 2).all(dim=5).all(dim=3)
+        kinds = torch.nn.functional.pad(kinds, (0, pad_n, 0, pad_m), value=2)
+        full = (kinds.reshape(bm, hm, nm // fm, fm, nn // fn, fn) == 2).all(dim=5).all(dim=3)
         full_lo = torch.where(full, cols, big).amin(dim=-1)
         full_hi = torch.where(full, cols + 1, 0).amax(dim=-1)
         one_run = full.sum(dim=-1) == full_hi - full_lo

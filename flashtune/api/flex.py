@@ -1,13 +1,14 @@
-"""FlexAttention's programming model on flashtune's forward kernel: ``flex_attention`` in
-FlexAttention's (B, H, S, D) layout, and the traced modifications behind ``attention``'s
-``score_mod`` and ``mask_mod``.
+"""FlexAttention's programming model on flashtune's kernels: the traced modifications
+behind ``attention``'s ``score_mod`` and ``mask_mod``, ``flex_attention``'s
+(``api.flex_call``) and SDPA's ``attn_mask``.
 
 A call traces its ``score_mod`` and ``mask_mod`` (``codegen.trace``) into one score
 modification, registers it once per process as a feature named by its digest (so its
 kernels are keyed, cached and tuned like a built-in feature's) and runs the mma.sync forward
 with it; captured tensors are passed as kernel arguments on every call (their values may
-change between calls; their number, dims and kinds are part of the key). The forward only:
-inputs that require grad are refused (BackwardNotAvailable), and so is decoding.
+change between calls; their number, dims and kinds are part of the key). Gradients flow to
+q, k, v and the captured float tensors that require grad (``api.flex_grad``); varlen calls
+with a modification are forward only (BackwardNotAvailable), and so is decoding.
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ import torch
 from flashtune import settings
 from flashtune.api import forward as _fwd
 from flashtune.api.block_mask import BlockMask
-from flashtune.api.limits import check_softmax_scale
-from flashtune.api.validate import check_attention_inputs
-from flashtune.api.variants import Variant, pad_head_dim
+from flashtune.api.flex_grad import ModifiedCall, attend, needs_grad
+from flashtune.api.variants import Variant
 from flashtune.codegen.features import Feature, feature, register_feature
 from flashtune.codegen.trace import TracedMod, trace
 from flashtune.errors import BackwardNotAvailable, InvalidInput, InvalidProblem
@@ -48,25 +48,28 @@ def traced_feature(traced: TracedMod) -> str:
     return traced.name
 
 
-def refuse_grad(*tensors: torch.Tensor) -> None:
-    """BackwardNotAvailable when grad mode is on and one of ``tensors`` requires grad: a
-    modified call has a forward pass only."""
+def refuse_grad(*tensors: torch.Tensor, what: str = "this modified call") -> None:
+    """BackwardNotAvailable when grad mode is on and one of ``tensors`` requires grad: for
+    the modified calls that have a forward pass only (``what``)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise BackwardNotAvailable(
-            "attention with a score_mod, mask_mod or block_mask has a forward pass only in "
-            "flashtune so far; expected inputs that do not require grad. Call it under "
-            "torch.no_grad() or pass detached tensors")
+            f"{what} has a forward pass only in flashtune so far; expected inputs that do "
+            "not require grad. Call it under torch.no_grad() or pass detached tensors")
 
 
 def modified_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
                      scale: float, backend: str, score_mod: ScoreModFn | None,
-                     mask_mod: MaskModFn | None, block_mask: BlockMask | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     mask_mod: MaskModFn | None, block_mask: BlockMask | None = None,
+                     deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """O and LSE of validated flash-attn-layout inputs with ``variant``'s features and the
-    traced ``score_mod`` / ``mask_mod`` (the forward only); ``block_mask``: the kernel walks
-    only the key tiles it marks non-empty (its ``mask_mod`` is then the one traced)."""
-    refuse_grad(q, k, v)
+    traced ``score_mod`` / ``mask_mod``; ``block_mask``: the kernels walk only the tiles it
+    marks non-empty (its ``mask_mod`` is then the one traced). Recorded for autograd when
+    q, k, v or a captured float tensor requires grad (``api.flex_grad``; the backward is
+    deterministic with ``deterministic``); varlen calls are forward only."""
     traced = trace(score_mod, mask_mod, tiles=block_mask is not None)
+    if variant.varlen is not None:
+        refuse_grad(q, k, v, *traced.captured, what="varlen attention with a score_mod or "
+                    "mask_mod")
     name = traced_feature(traced)
     values = traced.values(q.device)
     with_mod = replace(variant, traced=(name,), mods=values)
@@ -78,6 +81,9 @@ def modified_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant:
         values[traced.ranges_param] = ranges
         values.update({f"{traced.ranges_param}_n{j}": int(n)
                        for j, n in enumerate(ranges.shape[:3])})
+    if needs_grad(q, k, v, traced):
+        return attend(ModifiedCall(traced, with_mod, block_mask, variant.causal, scale,
+                                   backend, deterministic), q, k, v)
     return _fwd.forward(q, k, v, variant.causal, scale, backend, with_mod)
 
 
@@ -94,51 +100,6 @@ def check_bhsd(query: object, key: object, value: object, enable_gqa: bool) -> N
         raise InvalidInput(f"query has {query.shape[1]} heads but key/value have "
                            f"{key.shape[1]}; expected equal head counts, or enable_gqa=True "
                            "for grouped-query attention")
-
-
-def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   score_mod: ScoreModFn | None = None, block_mask: BlockMask | None = None,
-                   scale: float | None = None, enable_gqa: bool = False,
-                   return_lse: bool = False, *, backend: str | None = None
-                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``torch.nn.attention.flex_attention.flex_attention``'s forward on flashtune's kernels.
-
-    query (B, Hq, L, D), key and value (B, Hkv, S, D), fp16 or bf16 (Hq a multiple of Hkv
-    with ``enable_gqa``); ``score_mod(score, b, h, q_idx, kv_idx)`` returns the new scaled
-    score; ``block_mask`` (``create_block_mask``) hides the keys its ``mask_mod`` rejects
-    and lets the kernel skip the key tiles it marks empty. ``scale`` defaults to
-    1/sqrt(D). Returns O (B, Hq, L, D) (a transposed view), and with ``return_lse`` the
-    natural-log LSE (B, Hq, L) float32; a row that sees no key has O = 0 and LSE = -inf, as
-    in FlexAttention. ``backend``: as in ``flashtune.attention`` (``"emulator"`` runs CPU
-    tensors). The forward only: inputs that require grad raise BackwardNotAvailable.
-    """
-    check_bhsd(query, key, value, enable_gqa)
-    if block_mask is not None and not isinstance(block_mask, BlockMask):
-        raise InvalidInput(f"block_mask is a {type(block_mask).__name__}; expected a "
-                           "flashtune BlockMask from flashtune.create_block_mask")
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    dim = None
-    if q.shape[-1] % 8:
-        q, k, v, dim = pad_head_dim(q, k, v)
-    check_attention_inputs(q, k, v)
-    softmax_scale = check_softmax_scale(scale, dim or q.shape[3])
-    name = "" if backend is None else backend
-    variant = Variant(False)
-    if block_mask is not None:
-        block_mask.check_call(q.shape[0], q.shape[2], q.shape[1], k.shape[1])
-    mask_mod = block_mask.mask_mod if block_mask is not None else None
-    if score_mod is None and mask_mod is None:
-        refuse_grad(q, k, v)
-        out, lse = _fwd.forward(q, k, v, False, softmax_scale, name, variant)
-    else:
-        out, lse = modified_forward(q, k, v, variant, softmax_scale, name, score_mod,
-                                    mask_mod, block_mask)
-    if dim is not None:
-        out = out[..., :dim]
-    out = out.transpose(1, 2)
-    if not return_lse:
-        return out
-    return out, torch.where(lse == float("inf"), float("-inf"), lse)
 
 
 def attn_mask_mods(attn_mask: torch.Tensor, shape: tuple[int, int, int, int]

@@ -330,8 +330,9 @@ def attention(
     FlexAttention's modifications (``flashtune.flex_attention``), traced into the kernel
     (``codegen.trace``; h is the query head, the indices are positions within the
     sequences); applied after softcap and ALiBi, and a masked key stays hidden whatever they
-    return. The forward only: inputs (sinks included) that require grad raise
-    BackwardNotAvailable, and dropout does not combine with them.
+    return. Gradients flow through them to q, k, v and to the float tensors they capture
+    that require grad (``api.flex_grad``); sinks that require grad raise
+    BackwardNotAvailable with them, and dropout does not combine with them.
     """
     descales = (q_descale, k_descale, v_descale)
     if _fp8.is_fp8(q):
@@ -364,14 +365,15 @@ def attention(
                            "without dropout)")
     if score_mod is not None or mask_mod is not None:
         if p:
-            raise InvalidInput(f"dropout_p={dropout_p} with a score_mod or mask_mod: "
-                               "modified attention has a forward pass only, and dropout is "
-                               "for training; expected dropout_p=0.0")
+            raise InvalidInput(f"dropout_p={dropout_p} with a score_mod or mask_mod: the "
+                               "modified kernels have no dropout; expected dropout_p=0.0")
         modified = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
                            (q.shape[1], k.shape[1]), sinks=sinks)
         if modified.sinks is not None and modified.sinks.requires_grad:
-            refuse_grad(modified.sinks)
-        out, lse = modified_forward(q, k, v, modified, scale, name, score_mod, mask_mod)
+            refuse_grad(modified.sinks, what="attention with sinks that require grad and a "
+                        "score_mod or mask_mod")
+        out, lse = modified_forward(q, k, v, modified, scale, name, score_mod, mask_mod,
+                                    deterministic=ordered)
         if dim is not None:
             out = out[..., :dim]
         return (out, lse) if return_lse else out
@@ -437,10 +439,10 @@ def scaled_dot_product_attention(
     ``torch.use_deterministic_algorithms(True)`` is set).
 
     ``attn_mask`` (bool: True attends; or floating: added to the scaled scores),
-    broadcastable to (B, H, L, S), is served forward only, as a captured tensor read by a
-    traced modification (``api.flex.attn_mask_mods``); a query row that sees no key gets
-    O = 0 (torch's math path gives NaN there). A mask that requires grad raises
-    BackwardNotAvailable.
+    broadcastable to (B, H, L, S), is served as a captured tensor read by a traced
+    modification (``api.flex.attn_mask_mods``); a query row that sees no key gets O = 0
+    (torch's math path gives NaN there). Gradients flow to q, k, v and to a float mask that
+    requires grad (summed over its broadcast dims).
     """
     check_bhsd(query, key, value, enable_gqa)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -450,12 +452,8 @@ def scaled_dot_product_attention(
                                     "mask into attn_mask (torch refuses the pair too)")
         if dropout_p != 0.0:
             raise _sdpa_unsupported(f"attn_mask together with dropout_p={dropout_p}",
-                                    "a masked call is served forward only; expected "
+                                    "the modified kernels have no dropout; expected "
                                     "dropout_p=0.0 with attn_mask")
-        if torch.is_grad_enabled() and attn_mask.requires_grad:
-            raise BackwardNotAvailable("a float attn_mask that requires grad needs the "
-                                       "backward through score modifications, which "
-                                       "flashtune has not got yet; pass attn_mask.detach()")
         shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         score_mod, mask_mod = attn_mask_mods(attn_mask, shape)
         out = attention(q, k, v, softmax_scale=scale, backend=backend, score_mod=score_mod,

@@ -13,7 +13,8 @@ must agree with the kernel's parameter list is generated from that one declarati
 
 An entry that takes declared score modifications (``score_mods=True``) has, after its own
 arguments, the params of the problem's modifications (``codegen.score_mods``), in key order:
-a feature declared with a ``ScoreMod`` adds its arguments with no edit of any ABI.
+a feature declared with a ``ScoreMod`` adds its arguments with no edit of any ABI. An
+argument declared with ``feature=WITH_SCORE_MODS`` is there when the problem has any.
 
 Packed arguments are (ArgType, value) pairs in the kernel's parameter order; every backend
 converts them the same way (a 64-bit pointer, a 32-bit or 64-bit integer, a 32-bit float),
@@ -240,6 +241,9 @@ def strides(prefix: str, input: str | None = None, names: Iterable[str] = ROW_ST
                  for dim, name in enumerate(names))
 
 
+#: The ``feature`` of an argument that kernels with declared score modifications take.
+WITH_SCORE_MODS = "*score_mods"
+
 _INDENT = "    "
 _ZEROS = (0,) * 8
 
@@ -269,7 +273,9 @@ class EntryAbi:
 
     def active(self, features: Collection[str] = ()) -> tuple[Arg, ...]:
         """The arguments of a kernel with the feature switches ``features`` on."""
-        own = tuple(a for a in self.args if a.feature is None or a.feature in features)
+        modified = self.score_mods and bool(_features.mods_of(features))
+        own = tuple(a for a in self.args if a.feature is None or a.feature in features
+                    or (modified and a.feature == WITH_SCORE_MODS))
         if not self.score_mods:
             return own
         return own + tuple(

@@ -95,10 +95,13 @@ class ScoreMod:
     #: False hides the key. Evaluated only on the key tiles a ``tiles`` param marks partial
     #: (so it needs one); ``reference`` includes it.
     mask: str = ""
+    #: A C++ float expression of the same names: d(cuda) / d(score), the factor the
+    #: backward multiplies dS by. Empty: the modification has no backward.
+    grad: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", tuple(self.params))
-        for text in (self.cuda, self.mask or "true"):
+        for text in (self.cuda, self.mask or "true", self.grad or "1.0f"):
             if not text.strip() or any(c in text for c in ";{}\n"):
                 raise InvalidProblem(f"score modification {text!r} must be one C++ "
                                      "expression (no ';', braces or line breaks), e.g. "
@@ -150,11 +153,27 @@ def render_functor(mods: Sequence[tuple[str, ScoreMod]]) -> str:
             f"{unused}"
             f"    return {' && '.join(f'({m})' for m in masks) or 'true'};\n"
             "  }\n") if tiles else ""
+    differentiable = all(mod.grad for _, mod in mods)
+    # The chain rule over the modifications in key order: each one's slope at the score it
+    # is given, times the slopes before it.
+    chain = "".join(f"    slope *= ({mod.grad});  // {name}\n"
+                    + (f"    score = ({mod.cuda});\n" if i + 1 < len(mods) else "")
+                    for i, (name, mod) in enumerate(mods))
+    grad = ("  // d(operator()) / d(score) at the same arguments (the backward's slope).\n"
+            "  __device__ __forceinline__ float grad(float score, int batch, int head,\n"
+            "                                        int q_idx, int kv_idx) const {\n"
+            f"{unused}"
+            "    (void)score;\n"
+            "    float slope = 1.0f;\n"
+            f"{chain}"
+            "    return slope;\n"
+            "  }\n") if differentiable else ""
     return ("// The problem's declared score modifications (codegen.score_mods), in key order,\n"
             "// on the scaled score of query row q_idx and key kv_idx of (batch, head).\n"
             "struct ScoreMods {\n"
             "  static constexpr bool kOn = true;\n"
             f"  static constexpr bool kTileRanges = {'true' if tiles else 'false'};\n"
+            f"  static constexpr bool kGrad = {'true' if differentiable else 'false'};\n"
             f"{members}"
             f"{ranges}"
             f"{keep}"
@@ -163,6 +182,7 @@ def render_functor(mods: Sequence[tuple[str, ScoreMod]]) -> str:
             f"{unused}{steps}"
             "    return score;\n"
             "  }\n"
+            f"{grad}"
             "};")
 
 

@@ -41,7 +41,7 @@ import math
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -58,6 +58,7 @@ from flashtune.codegen.trace_expr import (
     evaluate,
     render,
 )
+from flashtune.codegen.trace_grad import ZERO, NotDifferentiable, derivative
 from flashtune.errors import InvalidInput
 
 _INT32 = 2**31 - 1
@@ -148,6 +149,15 @@ def _common(a: Node, b: Node) -> str:
     return INT
 
 
+def _located(make: Callable[..., Sym]) -> Callable[..., Sym]:
+    """``make`` whose result node records the user's line (for the backward's messages)."""
+    def located(*args: object) -> Sym:
+        out = make(*args)
+        return Sym(replace(out.node, line=_where_in_user_code()))
+    return located
+
+
+@_located
 def _binary(op: str, x: object, y: object) -> Sym:
     a, b = _const(x), _const(y)
     if op in ARITH or op in ("floordiv", "mod", "min", "max"):
@@ -166,6 +176,7 @@ def _binary(op: str, x: object, y: object) -> Sym:
     raise _refuse(f"the operation {op!r}", "see flashtune.codegen.trace for the set")
 
 
+@_located
 def _unary(op: str, x: object) -> Sym:
     a = _const(x)
     if op == "neg":
@@ -349,6 +360,25 @@ class TracedMod:
     #: mask, which the kernel evaluates only on the tiles the ranges mark partial.
     tiles: bool = False
     mask_cuda: str = ""
+    #: The score part alone (without the mask); None: ``expression`` has no mask.
+    modified: Node | None = None
+
+    def score_slope(self) -> Node:
+        """d(the modified score) / d(score) as a tree (``codegen.trace_grad``): the factor
+        the backward multiplies dS by. Where the mask hides a key P is 0, so the score
+        part's slope serves. NotDifferentiable naming an operation without one."""
+        part = self.modified if self.modified is not None else self.expression
+        return derivative(part, LEAVES["score"]) or ZERO
+
+    def grad_cuda(self) -> str:
+        """``score_slope`` as the CUDA expression of the backward's hook."""
+        return render(self.score_slope(), self.name,
+                      tuple(t.dim() for t in self.captured))
+
+    def grad_slots(self) -> tuple[int, ...]:
+        """The captured float tensors that require grad (their slots)."""
+        return tuple(i for i, t in enumerate(self.captured)
+                     if t.is_floating_point() and t.requires_grad)
 
     @property
     def ranges_param(self) -> str:
@@ -386,7 +416,11 @@ class TracedMod:
                       "kv_idx": kv_idx.to(torch.int64)}
             return evaluate(expression, leaves, [values[c] for c in captured])
 
-        return ScoreMod(self.cuda, reference, self.params, self.mask_cuda)
+        try:
+            grad = self.grad_cuda()
+        except NotDifferentiable:
+            grad = ""  # the forward serves it; a backward refuses it (naming the op)
+        return ScoreMod(self.cuda, reference, self.params, self.mask_cuda, grad)
 
     def values(self, device: torch.device) -> dict[str, object]:
         """The params of one call: each captured tensor contiguous as float32 or int32 on
@@ -438,11 +472,12 @@ def trace(score_mod: Mod | None = None, mask_mod: Mod | None = None, *,
     name = "flex" + digest[:12]
     if not tiles:
         return TracedMod(score.node, tuple(tracer.captured), name,
-                         render(score.node, name, dims))
+                         render(score.node, name, dims), modified=modified.node)
     # With tile ranges the mask is a hook of its own, evaluated on partial tiles only.
     return TracedMod(score.node, tuple(tracer.captured), name,
                      render(modified.node, name, dims), True,
-                     render(keep.node, name, dims) if keep is not None else "true")
+                     render(keep.node, name, dims) if keep is not None else "true",
+                     modified.node)
 
 
 def _result(value: object, what: str, kind: str) -> Sym:

@@ -10,7 +10,7 @@ tensors in float64: the reference the forward family verifies a traced modificat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,13 +22,15 @@ FLOAT, INT, BOOL = "float", "int", "bool"
 class Node:
     """One operation of a traced expression: ``op`` with operand nodes ``args``, its
     ``kind`` (float, int or bool); ``value`` for a constant, ``slot`` for a captured load
-    (the index of the tensor among the captured ones)."""
+    (the index of the tensor among the captured ones); ``line``: where the user's function
+    did it (messages only: neither compared nor rendered)."""
 
     op: str
     args: tuple[Node, ...]
     kind: str
     value: float | int | bool | None = None
     slot: int = -1
+    line: str = field(default="", compare=False)
 
 
 #: The hook arguments, as leaf nodes; the unary float functions, comparisons and arithmetic

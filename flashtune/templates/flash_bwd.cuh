@@ -17,6 +17,12 @@
 // the convert kernel. dK and dV of a kv head sum every query head of its group in float32
 // registers, so GQA needs no expanded copies.
 //
+// Declared score modifications (Mods: the functor codegen.score_mods renders, NoScoreMods
+// for none) apply when P is recomputed, and dS carries their slope (Mods::grad); with a
+// block mask's column ranges (Mods::kTileRanges: per key tile the query tiles [lo, hi)
+// holding a row that sees one of its keys, api.block_mask's columns form) a block walks
+// only those query tiles and evaluates the mask only on the partial ones.
+//
 // Tensors: Q, dO (batch, seqlen_q, heads_q, dim); K, V, dK, dV (batch, seqlen_k, heads_kv,
 // dim); strides in elements, last dim contiguous, base pointers 16-byte aligned and row
 // strides multiples of 8 elements. LSE, D: contiguous float32 (batch, heads_q, seqlen_q).
@@ -37,6 +43,7 @@
 #include "bwd_tile.cuh"
 #include "bwd_traits.cuh"
 #include "dropout.cuh"
+#include "flex_ops.cuh"
 #include "variant_args.cuh"
 
 namespace ft {
@@ -52,7 +59,15 @@ struct BwdScoreArgs {
 };
 
 // Step 1 for one warp: P and dS of its query rows over the key tile, into sP and sdS.
-template <class Tr>
+// Declared score modifications (Mods, codegen.score_mods): P is recomputed from the
+// modified score mods(x) (x the scaled score after softcap and ALiBi; on a block mask's
+// partial tile, -inf where mods.keep hides the key) and dS carries mods.grad(x), the
+// modification's slope. With a `dscore` buffer (row 0 of the (batch, head) slice of a
+// float32 (B, Hq, Nq, Nk) tensor, zeroed by the caller) each visible element's gradient by
+// the modified score, P (dP - D), is also stored there: every element by exactly one block,
+// so the buffer holds the same bits in every block order (captured tensors' gradients are
+// reduced from it, codegen.trace_grad).
+template <class Tr, class Mods>
 __device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
                                            const typename Tr::Element* sdo,
                                            const typename Tr::Element* sk,
@@ -61,7 +76,9 @@ __device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
                                            typename Tr::Element* sp, typename Tr::Element* sds,
                                            int row0, int col0, bool masked, int seqlen_q,
                                            int seqlen_k, float scale_log2, int lane,
-                                           const BwdScoreArgs& fa, const DropoutSite& drop) {
+                                           const BwdScoreArgs& fa, const DropoutSite& drop,
+                                           const Mods& mods, int batch, int head, bool partial,
+                                           float* dscore) {
   constexpr float kLog2e = 1.44269504088896340736f;
   constexpr int kSteps = Tr::kHeadDimMma / 16;
   float s[Tr::kMTiles][Tr::kKeyTiles][4];
@@ -120,9 +137,10 @@ __device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
             keep = (kept[nt] >> (2 * h + e)) & 1u;
             dpe = keep ? dpe * drop.scale : 0.0f;
           }
-          if constexpr (Tr::kSoftcap || Tr::kAlibi) {
+          if constexpr (Tr::kSoftcap || Tr::kAlibi || Mods::kOn) {
             // The forward's scores in natural-log units: cap tanh(scale s / cap), then the
-            // bias -slope |i + Nk - Nq - j|; softcap's derivative scales dS.
+            // bias -slope |i + Nk - Nq - j|, then the modifications; softcap's and the
+            // modifications' derivatives scale dS.
             float x = s[mt][nt][2 * h + e];
             float dtanh = 1.0f;
             if constexpr (Tr::kSoftcap) {
@@ -136,8 +154,29 @@ __device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
               const int d = row0 + r + seqlen_k - seqlen_q - (col0 + col);
               x += fa.neg_slope * static_cast<float>(d < 0 ? -d : d);
             }
-            p[e] = seen ? exp2f_fast(x * kLog2e - lse_log2) : 0.0f;
-            ds[e] = p[e] * (dpe - dsum) * dtanh;
+            if constexpr (Mods::kOn) {
+              const int q_idx = row0 + r;
+              const int kv_idx = col0 + col;
+              bool kept_by_mask = true;
+              if constexpr (Mods::kTileRanges) {
+                kept_by_mask = !partial || mods.keep(batch, head, q_idx, kv_idx);
+              }
+              float slope = 0.0f;
+              if constexpr (Mods::kGrad) {
+                if (seen && kept_by_mask) slope = mods.grad(x, batch, head, q_idx, kv_idx);
+              }
+              x = kept_by_mask ? mods(x, batch, head, q_idx, kv_idx) : -INFINITY;
+              p[e] = seen ? exp2f_fast(x * kLog2e - lse_log2) : 0.0f;
+              const float dmod = p[e] * (dpe - dsum);
+              if (dscore != nullptr && seen) {
+                dscore[static_cast<long long>(q_idx) * seqlen_k + kv_idx] = dmod;
+              }
+              // A hidden key (P = 0) passes nothing, whatever the slope there (inf, NaN).
+              ds[e] = p[e] == 0.0f ? 0.0f : dmod * slope * dtanh;
+            } else {
+              p[e] = seen ? exp2f_fast(x * kLog2e - lse_log2) : 0.0f;
+              ds[e] = p[e] * (dpe - dsum) * dtanh;
+            }
           } else {
             p[e] = seen ? exp2f_fast(s[mt][nt][2 * h + e] * scale_log2 - lse_log2) : 0.0f;
             ds[e] = p[e] * (dpe - dsum);
@@ -201,7 +240,7 @@ __device__ __forceinline__ void bwd_dq(float* acc, const typename Tr::Element* s
   }
 }
 
-template <class Tr>
+template <class Tr, class Mods = NoScoreMods>
 __device__ __forceinline__ void flash_bwd(
     const typename Tr::Element* __restrict__ q, const typename Tr::Element* __restrict__ k,
     const typename Tr::Element* __restrict__ v, const typename Tr::Element* __restrict__ dout,
@@ -214,7 +253,8 @@ __device__ __forceinline__ void flash_bwd(
     long long do_batch_stride, long long do_row_stride, long long do_head_stride,
     long long dk_batch_stride, long long dk_row_stride, long long dk_head_stride,
     long long dv_batch_stride, long long dv_row_stride, long long dv_head_stride,
-    float softmax_scale, const VariantArgs& var = VariantArgs{}) {
+    float softmax_scale, const VariantArgs& var = VariantArgs{}, const Mods& mods = Mods{},
+    float* __restrict__ dscore = nullptr) {
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
@@ -307,6 +347,26 @@ __device__ __forceinline__ void flash_bwd(
       const int end = last_row < 0 ? 0 : last_row / kBlockM + 1;
       m_end = end < m_blocks ? end : m_blocks;
     }
+    if constexpr (Mods::kTileRanges) {
+      // A block mask's hook (api.block_mask, in its column form for the backward): only
+      // query tiles [lo, hi) hold a row that sees a key of this tile (the union over the
+      // group's query heads); the others are never loaded or computed.
+      int lo = m_blocks;
+      int hi = 0;
+      for (int g = 0; g < group; ++g) {
+        int g_lo = 0;
+        int g_hi = 0;
+        int full_lo = 0;
+        int full_hi = 0;
+        mods.tile_range(batch, kv_head * group + g, n_block, g_lo, g_hi, full_lo, full_hi);
+        if (g_hi > g_lo) {
+          lo = g_lo < lo ? g_lo : lo;
+          hi = g_hi > hi ? g_hi : hi;
+        }
+      }
+      m_first = m_first > lo ? m_first : lo;
+      m_end = m_end < hi ? m_end : hi;
+    }
     const int m_count = m_end > m_first ? m_end - m_first : 0;
     const int steps = group * m_count;
 
@@ -363,11 +423,29 @@ __device__ __forceinline__ void flash_bwd(
       if constexpr (Tr::kDropout) {
         drop.at(static_cast<unsigned long long>(var.dropout_offset), batch, heads_q, head);
       }
+      // A block mask's full tiles (every row sees every key) skip the mask's evaluation.
+      bool partial = true;
+      if constexpr (Mods::kTileRanges) {
+        int lo = 0;
+        int hi = 0;
+        int full_lo = 0;
+        int full_hi = 0;
+        mods.tile_range(batch, head, n_block, lo, hi, full_lo, full_hi);
+        partial = m0 / kBlockM < full_lo || m0 / kBlockM >= full_hi;
+      }
+      float* dscore_bh = nullptr;
+      if constexpr (Mods::kOn) {
+        if (dscore != nullptr) {
+          dscore_bh = dscore + (batch_rows(batch, heads_q, seqlen_q) +
+                                static_cast<long long>(head) * seqlen_q) * seqlen_k;
+        }
+      }
       bwd_scores<Tr>(sq_buf + warp_row0 * Tr::kRowStride, sdo_buf + warp_row0 * Tr::kRowStride,
                      sk, sv, slse + buf * kBlockM + warp_row0,
                      sdsum + buf * kBlockM + warp_row0, sp + warp_row0 * Tr::kPRowStride,
                      sds + warp_row0 * Tr::kPRowStride, m0 + warp_row0, n0, masked, seqlen_q,
-                     seqlen_k, scale_log2, lane, fa, drop);
+                     seqlen_k, scale_log2, lane, fa, drop, mods, batch, head, partial,
+                     dscore_bh);
       block_sync();  // sP and sdS are complete
 
       // dV += P^T dO and dK += dS^T Q over this step's query rows.

@@ -9,6 +9,14 @@
 #pragma once
 
 namespace ft {
+
+// No declared score modifications (the kernel applies none).
+struct NoScoreMods {
+  static constexpr bool kOn = false;
+  static constexpr bool kTileRanges = false;  // no block mask's key tile ranges
+  static constexpr bool kGrad = false;        // no backward hook (grad)
+};
+
 namespace flex {
 
 __device__ __forceinline__ int floordiv(int a, int b) {

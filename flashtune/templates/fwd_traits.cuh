@@ -36,12 +36,6 @@ struct Layout<RowChunks, true> {
 };
 }  // namespace detail
 
-// No declared score modifications (the kernel applies none).
-struct NoScoreMods {
-  static constexpr bool kOn = false;
-  static constexpr bool kTileRanges = false;  // no block mask's key tile ranges
-};
-
 // One variant of the FlashAttention-2 forward kernel.
 //
 // HeadDim is the real head dim (a multiple of 8); HeadDimPadded the compiled tile dim that

@@ -16,7 +16,16 @@ from typing import Any
 
 import pytest
 import torch
-from flex_fixtures import forget_traced_features  # noqa: F401  (autouse, by name)
+from flex_fixtures import (  # noqa: F401  (forget_traced_features: autouse)
+    Fn,
+    dense,
+    docs_of,
+    forget_traced_features,
+    four_documents,
+    grid,
+    launch_with_ranges,
+    random_flashmask,
+)
 
 import flashtune
 from flashtune.api import flex_mods
@@ -24,49 +33,29 @@ from flashtune.api.block_mask import create_block_mask
 from flashtune.api.flex import traced_feature
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.codegen.trace import trace
-from flashtune.errors import BackwardNotAvailable
 from flashtune.families import render
-from flashtune.families.base import Inputs
 from flashtune.families.fwd import FORWARD
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
 
 pytestmark = pytest.mark.emulator
 
 _SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
-Fn = Callable[..., Any] | None
 #: (score_mod, mask_mod) of a case, made from (heads, sequence length, generator).
 Case = Callable[[int, int, torch.Generator], tuple[Fn, Fn]]
 
 
-def _docs(n: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.sort(torch.randint(0, 5, (n,), generator=gen)).values
-
-
-def _flashmask(heads: int, n: int, gen: torch.Generator, causal: bool) -> Fn:
-    """Random FlashMask columns: per head, hidden lower ranges from below the diagonal
-    (and, bidirectional, hidden upper ranges from row 0 or above the diagonal)."""
-    cols = torch.arange(n)
-    lts = cols + torch.randint(0, 40, (heads, n), generator=gen)
-    lte = lts + torch.randint(0, 60, (heads, n), generator=gen)
-    if causal:
-        return flex_mods.flashmask(lts, lte)
-    ute = torch.minimum(cols, torch.randint(0, n, (n,), generator=gen))
-    uts = ute - torch.randint(0, 30, (n,), generator=gen)
-    return flex_mods.flashmask(lts, lte, uts, ute, causal=False)
-
-
 CASES: dict[str, Case] = {
-    "flashmask-causal": lambda h, n, g: (None, _flashmask(h, n, g, True)),
+    "flashmask-causal": lambda h, n, g: (None, random_flashmask(h, n, g, True)),
     "flashmask-bidirectional": lambda h, n, g: (flex_mods.softcap(4.0),
-                                                _flashmask(h, n, g, False)),
+                                                random_flashmask(h, n, g, False)),
     "t5-causal": lambda h, n, g: (flex_mods.t5_relative_bias(torch.randn(h, 32, generator=g),
                                                              n, 64), flex_mods.causal),
     "alibi-sliding-window": lambda h, n, g: (flex_mods.alibi(torch.rand(h, generator=g)),
                                              flex_mods.sliding_window_causal(40)),
     "softcap-document": lambda h, n, g: (flex_mods.softcap(2.0),
-                                         flex_mods.document(_docs(n, g))),
+                                         flex_mods.document(docs_of(n, g))),
     "document-bidirectional": lambda h, n, g: (None,
-                                               flex_mods.document(_docs(n, g), causal=False)),
+                                               flex_mods.document(docs_of(n, g), causal=False)),
     "prefix-lm": lambda h, n, g: (None, flex_mods.prefix_lm(torch.tensor([17, 90]))),
     "global-tokens": lambda h, n, g: (None, flex_mods.global_tokens(5, 20)),
     "dilated-window": lambda h, n, g: (None, flex_mods.dilated_window(12, 3)),
@@ -75,32 +64,6 @@ CASES: dict[str, Case] = {
 }
 #: The default run draws one case: a ready modification, or SDPA's bool or float attn_mask.
 _SAMPLED = random.Random(_SEED).choice([*sorted(CASES), "sdpa-bool", "sdpa-float"])
-
-
-def _grid(batch: int, heads: int, nq: int, nk: int) -> tuple[torch.Tensor, ...]:
-    return (torch.arange(batch).view(-1, 1, 1, 1), torch.arange(heads).view(1, -1, 1, 1),
-            torch.arange(nq).view(1, 1, -1, 1), torch.arange(nk).view(1, 1, 1, -1))
-
-
-def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, score_mod: Fn,
-          mask_mod: Fn, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """O and LSE with the functions applied to the dense score matrix, computed in
-    ``dtype`` ((B, H, L, D) inputs; a row that sees no key: O = 0, LSE = -inf)."""
-    groups = q.shape[1] // k.shape[1]
-    q, k, v = (t.to(dtype) for t in (q, k, v))
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    b, h, i, j = _grid(*s.shape)
-    if score_mod is not None:
-        s = score_mod(s, b, h, i, j).to(dtype)
-    if mask_mod is not None:
-        s = s.masked_fill(~mask_mod(b, h, i, j).expand(s.shape), float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isinf(m), 0.0, m)
-    p = torch.exp(s - m)
-    total = p.sum(-1, keepdim=True)
-    o = torch.where(total > 0, (p @ v) / total, 0.0)
-    return o, (m + torch.log(total)).squeeze(-1)
 
 
 def _run_case(name: str, dtype: torch.dtype, seed: int) -> None:
@@ -185,18 +148,7 @@ def _skip_case(flash: bool) -> None:
     (skipping off) the counters differ while the outputs stay the same; and the mask is
     evaluated on partial tiles only (marking every tile full changes the result)."""
     n, dim, config = 256, 32, KernelConfig(64, 32, 4, 2)
-    gen = torch.Generator().manual_seed(_SEED)
-    first = 128 + int(torch.randint(0, 33, (), generator=gen))
-    cuts = [first, *sorted((first + 1 + torch.randperm(n - first - 2, generator=gen)[:2])
-                           .tolist())]
-    docs = torch.zeros(n, dtype=torch.int64)
-    for cut in cuts:
-        docs[cut:] += 1
-    mask_mod = flex_mods.document(docs)
-    if flash:  # the same mask in FlashMask's form
-        ends = torch.tensor([*cuts, n])[torch.searchsorted(torch.tensor(cuts), torch.arange(n),
-                                                           right=True)]
-        mask_mod = flex_mods.flashmask(ends)
+    cuts, docs, mask_mod = four_documents(n, _SEED, flash)
     block_mask = create_block_mask(mask_mod, 1, 1, n, n)
     traced = trace(None, mask_mod, tiles=True)
     problem = Problem(dim, DType.FP16, features=[traced_feature(traced)])
@@ -204,33 +156,22 @@ def _skip_case(flash: bool) -> None:
     drawn = FORWARD.random_inputs(problem, shape, "cpu", _SEED)
     kernel = EmulatorBackend(options=LaunchOptions(counters=True)).load(
         render(problem, config))
-    visible = mask_mod(*_grid(1, 1, n, n))[0, 0]
-    assert torch.equal(visible, flex_mods.document(docs)(*_grid(1, 1, n, n))[0, 0])
+    visible = mask_mod(*grid(1, 1, n, n))[0, 0]
+    assert torch.equal(visible, flex_mods.document(docs)(*grid(1, 1, n, n))[0, 0])
 
     def launch(ranges: torch.Tensor, check: bool = True
                ) -> tuple[dict[str, torch.Tensor], list[int]]:
-        values: dict[str, Any] = traced.values(torch.device("cpu"))
-        values[traced.ranges_param] = ranges
-        values.update({f"{traced.ranges_param}_n{j}": int(s)
-                       for j, s in enumerate(ranges.shape[:3])})
-        tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
-        scalars = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
-        inputs = Inputs(dict(drawn.tensors) | tensors, dict(drawn.scalars) | scalars)
-        outputs = FORWARD.empty_outputs(problem, shape, inputs, poison=True)
-        plan = FORWARD.launch_plan(problem, config, shape, inputs, outputs)
-        kernel.launch(plan.grid, plan.args)
-        verdict = FORWARD.compare(problem, shape, outputs, FORWARD.reference(problem, inputs))
-        counters = getattr(kernel, "last_counters", None)
-        assert counters is not None
+        outputs, counts, verdict = launch_with_ranges(FORWARD, problem, config, shape, kernel,
+                                                      traced, ranges, drawn)
         if not check:
             assert not verdict.ok, f"cuts={cuts}: the mask was applied on full tiles"
-            return outputs, list(counters.block_mma)
+            return outputs, counts
         assert verdict.ok, f"cuts={cuts}: {verdict.message}"
-        q, k, v = (inputs.tensors[x].transpose(1, 2) for x in "qkv")
-        ref, _ = dense(q, k, v, float(inputs.scalars["softmax_scale"]), None, mask_mod,
+        q, k, v = (drawn.tensors[x].transpose(1, 2) for x in "qkv")
+        ref, _ = dense(q, k, v, float(drawn.scalars["softmax_scale"]), None, mask_mod,
                        torch.float64)
         assert (outputs["o"].transpose(1, 2).double() - ref).abs().max() < 2e-3, cuts
-        return outputs, list(counters.block_mma)
+        return outputs, counts
 
     ranges = block_mask.tiles(config.block_m, config.block_n, torch.device("cpu"))
     assert int((ranges[..., 3] - ranges[..., 2]).sum()) > 0, f"cuts={cuts}: no full tiles"
@@ -260,14 +201,6 @@ def test_block_masks_are_reused_and_cheap() -> None:
     assert 0.8 < mask.sparsity() < 1.0
     kinds = mask.kinds()
     assert set(torch.unique(kinds).tolist()) == {0, 1, 2}
-
-
-@pytest.mark.usefixtures("dispatcher")
-def test_gradients_are_refused_not_wrong() -> None:
-    q = torch.randn(1, 1, 16, 32, dtype=torch.float16, requires_grad=True)
-    with pytest.raises(BackwardNotAvailable, match="forward pass only"):
-        flashtune.flex_attention(q, q.detach(), q.detach(), flex_mods.softcap(5.0),
-                                 backend="emulator")
 
 
 def _sdpa_case(kind: str, seed: int) -> None:

@@ -1,5 +1,6 @@
 """benchmarks/block_mask.py: the tile counts it reports are the mask's (checked against a
-brute-force count on the dense mask), and it prints its figures labelled as CPU figures."""
+brute-force count on the dense mask, for the forward's query tiles and the backward's key
+tiles), and it prints its figures labelled as CPU figures."""
 
 from __future__ import annotations
 
@@ -26,6 +27,15 @@ def test_the_counts_are_the_masks(tmp_path: Path, capsys: pytest.CaptureFixture[
         for m0 in range(0, 640, bm):
             cols = visible[m0:m0 + bm].any(0).nonzero().flatten()
             walked += 0 if cols.numel() == 0 else int(cols.max()) // bn - int(cols.min()) // bn + 1
+        assert row["tiles_walked"] == walked
+        assert row["tiles_dense"] == -(-640 // bm) * -(-640 // bn)
+        assert 0 < row["skipped_fraction"] < 1
+    for row in result["backward_tiles"]:  # per key tile, the query tiles it walks
+        bm, bn = row["block_m"], row["block_n"]
+        walked = 0
+        for n0 in range(0, 640, bn):
+            rows = visible[:, n0:n0 + bn].any(1).nonzero().flatten()
+            walked += 0 if rows.numel() == 0 else int(rows.max()) // bm - int(rows.min()) // bm + 1
         assert row["tiles_walked"] == walked
         assert row["tiles_dense"] == -(-640 // bm) * -(-640 // bn)
         assert 0 < row["skipped_fraction"] < 1

@@ -11,6 +11,12 @@ per-block slices); ``bwddet`` serves ``deterministic=True`` and only has the sli
 Varlen: the forward's packed layout (``fwd.variants.random_varlen``: q, k, v, dO (1, total
 rows, heads, dim), LSE and D (1, heads_q, total_q)); ``Shape`` then gives the number of
 sequences and the longest query and key sequences, which size the main kernel's grid.
+
+Declared score modifications (``codegen.score_mods``, traced ones included) are served
+when each has its derivative (``ScoreMod.grad``): P is recomputed from the modified
+scores, dS carries their slope, a block mask's column ranges skip query tiles, and the
+optional ``dscore`` output receives the gradient by the modified score (the reduction of
+captured tensors' gradients reads it).
 """
 
 from __future__ import annotations
@@ -22,9 +28,12 @@ from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import EntryAbi
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.dtypes import SAME_16BIT
+from flashtune.codegen.features import mods_of
 from flashtune.codegen.params import ParamSpace
 from flashtune.codegen.render import TemplateValue
+from flashtune.codegen.score_mods import ScoreMod
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
+from flashtune.errors import FeatureNotSupported
 from flashtune.families.base import (
     Inputs,
     KernelFamily,
@@ -66,8 +75,21 @@ class BackwardFamily(KernelFamily):
     dtypes = SAME_16BIT
     features = frozenset({"window", "softcap", "alibi", "varlen", "dropout"})
     abi: ClassVar[EntryAbi | None] = args.MAIN_ABI
+    score_mods = True
     #: True for the family whose every config is deterministic.
     deterministic = False
+
+    def check_problem(self, problem: Problem) -> None:
+        """The base checks, and FeatureNotSupported for a declared score modification
+        without a derivative (its ``grad`` is empty)."""
+        super().check_problem(problem)
+        lacking = [name for name, mod in mods_of(problem.features) if not mod.grad]
+        if lacking:
+            raise FeatureNotSupported(
+                f"the {self.op!r} kernel family needs the derivative of every score "
+                f"modification; {lacking} declare none (ScoreMod.grad). A traced one has "
+                "none when it uses an operation the backward cannot differentiate: trace it "
+                "with codegen.trace and call score_slope() for the operation and line")
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.DETERMINISTIC_SPACE if self.deterministic else space.SPACE
@@ -120,9 +142,12 @@ class BackwardFamily(KernelFamily):
         inputs = Inputs({**tensors, **extra}, {"softmax_scale": scale, **scalars})
         values = variants.VariantValues.of(inputs).only(problem)
         t = inputs.tensors
-        stats = varlen_stats if problem.varlen else softmax_stats
-        lse, dsum = stats(t["q"], t["k"], t["v"], t["do"], problem.causal, scale,
-                          values=values)
+        if problem.varlen:
+            lse, dsum = varlen_stats(t["q"], t["k"], t["v"], t["do"], problem.causal, scale,
+                                     values=values)
+        else:
+            lse, dsum = softmax_stats(t["q"], t["k"], t["v"], t["do"], problem.causal, scale,
+                                      values=values, mods=_mods(problem))
         return Inputs({**inputs.tensors, "lse": lse, "dsum": dsum}, inputs.scalars)
 
     def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
@@ -141,14 +166,19 @@ class BackwardFamily(KernelFamily):
         batch, rows = t["q"].shape[:2]
         accum = torch.zeros(slices, batch, shape.heads_q, rows, problem.head_dim,
                             dtype=torch.float32, device=t["q"].device)
-        return {"dk": dk, "dv": dv, "dq_accum": accum}
+        if not _mods(problem):
+            return {"dk": dk, "dv": dv, "dq_accum": accum}
+        # Zeroed as the contract requires: hidden elements are never written.
+        dscore = torch.zeros(shape.batch, shape.heads_q, shape.seqlen_q, shape.seqlen_k,
+                             dtype=torch.float32, device=t["q"].device)
+        return {"dk": dk, "dv": dv, "dq_accum": accum, "dscore": dscore}
 
     def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
                     inputs: Inputs, outputs: Tensors) -> LaunchPlan:
         t = inputs.tensors
         values = {"q": t["q"], "k": t["k"], "v": t["v"], "dout": t["do"], "lse": t["lse"],
                   "dsum": t["dsum"], "dk": outputs["dk"], "dv": outputs["dv"],
-                  "dq_accum": outputs["dq_accum"],
+                  "dq_accum": outputs["dq_accum"], "dscore": outputs.get("dscore"),
                   "softmax_scale": inputs.scalars["softmax_scale"],
                   **feature_values(problem, variants.VariantValues.of(inputs))}
         packed = args.MAIN_ABI.pack(values, problem.features)
@@ -159,10 +189,15 @@ class BackwardFamily(KernelFamily):
 
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
         t = inputs.tensors
-        reference = varlen_backward_reference if problem.varlen else backward_reference
-        return reference(t["q"], t["k"], t["v"], t["do"], t["lse"], t["dsum"], problem.causal,
-                         inputs.scalars["softmax_scale"],
-                         variants.VariantValues.of(inputs).only(problem))
+        if problem.varlen:
+            return varlen_backward_reference(t["q"], t["k"], t["v"], t["do"], t["lse"],
+                                             t["dsum"], problem.causal,
+                                             inputs.scalars["softmax_scale"],
+                                             variants.VariantValues.of(inputs).only(problem))
+        return backward_reference(t["q"], t["k"], t["v"], t["do"], t["lse"], t["dsum"],
+                                  problem.causal, inputs.scalars["softmax_scale"],
+                                  variants.VariantValues.of(inputs).only(problem),
+                                  mods=_mods(problem))
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
                 reference: Tensors) -> Verdict:
@@ -172,10 +207,12 @@ class BackwardFamily(KernelFamily):
         their value."""
         got = {"dk": outputs["dk"], "dv": outputs["dv"],
                "dq_accum": outputs["dq_accum"].to(torch.float64).sum(0)}
+        if "dscore" in outputs:
+            got["dscore"] = outputs["dscore"]
         factor, u = BOUND_FACTOR[problem.dtypes.o], UNIT_ROUNDOFF[problem.dtypes.o]
         worst, main_rel, wrong = 0.0, 0.0, []
         for name, value in got.items():
-            stored = Tolerance(1e-7, 0.0 if name == "dq_accum" else u)
+            stored = Tolerance(1e-7, 0.0 if name in ("dq_accum", "dscore") else u)
             err, fro, msg = close_enough(name, value, reference[name], stored,
                                          factor * reference[f"{name}_bound"]
                                          + reference[f"{name}_floor"])
@@ -201,6 +238,11 @@ class BackwardFamily(KernelFamily):
         q_rows = shape.batch * shape.heads_q * shape.seqlen_q
         kv_rows = shape.batch * shape.heads_kv * shape.seqlen_k
         return float(2 * q_rows * d * e + 4 * kv_rows * d * e + 8 * q_rows + 4 * q_rows * d)
+
+
+def _mods(problem: Problem) -> list[ScoreMod]:
+    """The problem's declared score modifications, in key order."""
+    return [mod for _, mod in mods_of(problem.features)]
 
 
 class DeterministicBackwardFamily(BackwardFamily):

@@ -11,7 +11,9 @@ Main kernel (``flash_bwd.cu.jinja``):
     same names: ``fwd.args.feature_values``): window: window_left, window_right (int32);
     softcap: softcap (float32); alibi: alibi_slopes (const float*), alibi_batch_stride
     (int64); varlen: cu_seqlens_q, cu_seqlens_k (const int*, batch + 1 each); dropout:
-    dropout_seed, dropout_offset (int64), dropout_p (float32).
+    dropout_seed, dropout_offset (int64), dropout_p (float32); with declared score
+    modifications, dscore (float*, may be null: float32 (B, Hq, Nq, Nk), zeroed, receives
+    the gradients by the modified scores) and then the modifications' params, in key order.
 
 Preprocess (``bwd_pre.cu.jinja``): o, do (const T*), dsum, dq_accum (float*), seqlen_q,
 heads_q, dq_slices (int32), o and do strides (6 x int64).
@@ -35,7 +37,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from flashtune.codegen.abi import Element, EntryAbi, scalar, size, strides, tensor
+from flashtune.codegen.abi import (
+    WITH_SCORE_MODS,
+    Element,
+    EntryAbi,
+    scalar,
+    size,
+    strides,
+    tensor,
+)
 from flashtune.families.fwd.args import DROPOUT_ARGS, VARLEN_ARGS
 from flashtune.families.launch_args import grid
 
@@ -58,7 +68,8 @@ MAIN_ABI = EntryAbi("flash_bwd", (
     scalar("alibi_batch_stride", Element.INT64, feature="alibi"),
     *VARLEN_ARGS,
     *DROPOUT_ARGS,
-))
+    tensor("dscore", _F, optional=True, feature=WITH_SCORE_MODS, wrap=True),
+), score_mods=True)
 
 #: The preprocess kernel's arguments (``bwd_pre.cu.jinja``).
 PRE_ABI = EntryAbi("bwd_pre", (

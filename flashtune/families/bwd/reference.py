@@ -18,15 +18,21 @@ Varlen (``varlen_stats``, ``varlen_backward_reference``): each sequence of the p
 own, with its number in the pack as its batch index (ALiBi's slopes, dropout's mask), its
 results placed in the packed layout; rows of a sequence with no keys and keys of one with
 no queries get zero gradients.
+Declared score modifications (``mods``, applied to the scaled scores after softcap and
+ALiBi): P is the modified scores' and dS = P (dP - D) m'(x), m' the modifications' slope at
+the unmodified score x, taken by torch autograd of their float64 reference (independent of
+the derivative trees the kernels are rendered from); ``dscore`` is P (dP - D), the
+gradient by the modified score.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from flashtune._lazy import lazy_module
+from flashtune.codegen.score_mods import ScoreMod
 from flashtune.codegen.spec import DType
 from flashtune.families.fwd.reference import dropped, scaled_scores
 from flashtune.families.fwd.variants import VariantValues
@@ -56,7 +62,8 @@ def _expand(t: torch.Tensor, group: int) -> torch.Tensor:
 
 def softmax_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                   causal: bool, scale: float, *, values: VariantValues = NO_VALUES,
-                  budget_bytes: int = 1 << 28, first_batch: int = 0
+                  budget_bytes: int = 1 << 28, first_batch: int = 0,
+                  mods: Sequence[ScoreMod] = ()
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward's LSE and D = rowsum(dO O), float32 (B, Hq, Nq), computed in float32 on
     the inputs' device a block of query rows at a time (no more than ``budget_bytes`` of
@@ -72,7 +79,8 @@ def softmax_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch
     for r0 in range(0, seqlen_q, rows):
         r1 = min(seqlen_q, r0 + rows)
         scores = scaled_scores(q[:, r0:r1].float(), kf, scale, causal, **_keywords(values),
-                               row0=r0, seqlen_q=seqlen_q)
+                               mods=mods, mod_values=values.mods, row0=r0,
+                               seqlen_q=seqlen_q)
         part = torch.logsumexp(scores, dim=-1)
         empty = torch.isneginf(part)
         probs = torch.exp(scores - part.masked_fill(empty, 0.0)[..., None])
@@ -89,10 +97,29 @@ def _keywords(values: VariantValues) -> dict[str, Any]:
             "alibi_slopes": values.alibi_slopes}
 
 
+def mod_slope(unmodified: torch.Tensor, mods: Sequence[ScoreMod],
+              mod_values: dict[str, object]) -> torch.Tensor:
+    """d(mods applied in order) / d(score) at the float64 scores ``unmodified`` (B, Hq, Nq,
+    Nk), by torch autograd of the modifications' references (0 where a mask hides)."""
+    b, h, nq, nk = unmodified.shape
+    device = unmodified.device
+    batch, head, row, key = (
+        torch.arange(n, device=device).view([-1 if i == d else 1 for i in range(4)])
+        for d, n in enumerate((b, h, nq, nk)))
+    x = unmodified.detach().requires_grad_(True)
+    with torch.enable_grad():
+        out = x
+        for mod in mods:
+            out = mod.apply(out, batch, head, row, key, mod_values)
+        (slope,) = torch.autograd.grad(out, x, torch.ones_like(out), allow_unused=True)
+    return torch.zeros_like(x) if slope is None else slope.detach()
+
+
 def backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        dout: torch.Tensor, lse: torch.Tensor, dsum: torch.Tensor,
                        causal: bool, scale: float, values: VariantValues = NO_VALUES,
-                       first_batch: int = 0) -> dict[str, torch.Tensor]:
+                       first_batch: int = 0, mods: Sequence[ScoreMod] = ()
+                       ) -> dict[str, torch.Tensor]:
     """float64 dK, dV (B, Nk, Hkv, D) and the unscaled dQ sum dS K (B, Hq, Nq, D) (the
     dropout's batches from ``first_batch``), and
     for each the absolute allowance of subnormal roundings (``dk_floor``, ...) and the same
@@ -105,7 +132,8 @@ def backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
     ke, ve = _expand(kd, group), _expand(vd, group)
-    scores = scaled_scores(qd, ke, scale, causal, **_keywords(values))
+    scores = scaled_scores(qd, ke, scale, causal, **_keywords(values), mods=mods,
+                           mod_values=values.mods)
     lse64 = lse.to(torch.float64)[..., None]
     probs = torch.exp(scores - lse64.masked_fill(torch.isinf(lse64), 0.0))
     visible = torch.isfinite(lse64).expand_as(probs) & torch.isfinite(scores)
@@ -116,13 +144,21 @@ def backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         probs = dropped(probs, values.dropout, first_batch)
         dprobs = dropped(dprobs, values.dropout, first_batch)
     dscores = undropped * (dprobs - dsum.to(torch.float64)[..., None])
+    dmodified = dscores
+    mod_slope_abs: torch.Tensor | float = 1.0
+    if mods:
+        slope = mod_slope(scaled_scores(qd, ke, scale, False, **_keywords(values)), mods,
+                          dict(values.mods))
+        slope = torch.where(undropped == 0, 0.0, slope)
+        dscores = dscores * slope
+        mod_slope_abs = slope.abs()
     if values.softcap:
         slope = 1.0 - torch.tanh(torch.einsum("bqhd,bkhd->bhqk", qd, ke) * scale
                                  / values.softcap) ** 2
         dscores = dscores * slope
-        probs_bound = undropped * slope
+        probs_bound = undropped * slope * mod_slope_abs
     else:
-        probs_bound = undropped
+        probs_bound = undropped * mod_slope_abs
 
     def per_kv_head(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(batch, seqlen_k, heads_kv, group, dim).sum(3)
@@ -136,7 +172,11 @@ def backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kept_scale = 1.0 / (1.0 - values.dropout.p) if values.dropout is not None else 1.0
     ds_bound = probs_bound * (torch.einsum("bqhd,bkhd->bhqk", dod.abs(), ve.abs()) * kept_scale
                               + dsum.to(torch.float64).abs()[..., None])
-    return {
+    out = {} if not mods else {
+        "dscore": dmodified, "dscore_floor": seen * tiny,
+        "dscore_bound": undropped * (torch.einsum("bqhd,bkhd->bhqk", dod.abs(), ve.abs())
+                                     * kept_scale + dsum.to(torch.float64).abs()[..., None])}
+    return out | {
         "dk": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", dscores, qd)) * scale,
         "dv": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", probs, dod)),
         "dq_accum": torch.einsum("bhqk,bkhd->bhqd", dscores, ke),
