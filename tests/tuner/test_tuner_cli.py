@@ -116,11 +116,11 @@ def test_unknown_features_are_refused_with_the_choices(db_url: str) -> None:
     assert "unknown rope; expected a comma-separated subset of window, softcap, alibi, " \
         "varlen" in " ".join(result.output.split()), result.output
     # a feature the family lacks is refused before any bucket is opened
-    result = runner.invoke(app, ["tune", "--op", "bwd", "--head-dim", "64", "--features",
+    result = runner.invoke(app, ["tune", "--op", "decode", "--head-dim", "64", "--features",
                                  "varlen", "--dry-run", "--db", db_url])
     assert result.exit_code == 1
     assert "does not implement variable-length batches" in " ".join(result.output.split())
-    assert "bwd_d64" not in result.output, result.output
+    assert "decode_d64" not in result.output, result.output
 
 
 def test_a_backward_with_a_window_dry_runs_without_a_cost_model(db_url: str) -> None:
