@@ -188,7 +188,8 @@ def test_the_command_line_names_the_fp8_problem_by_its_output_type() -> None:
 #: The features the FP8 forward compiles with the 16-bit forward's hooks: each alone and all
 #: together (softcap and ALiBi take the dequantised scores' scale, flash_fwd.cuh's qk_scale).
 FEATURE_SETS = (frozenset({"window"}), frozenset({"softcap"}), frozenset({"alibi"}),
-                frozenset({"window", "softcap", "alibi"}))
+                frozenset({"window", "softcap", "alibi"}), frozenset({"varlen"}),
+                frozenset({"sinks"}), frozenset({"varlen", "sinks", "alibi", "softcap"}))
 
 
 def feature_problem(head_dim: int, out: DType, causal: bool, features: frozenset[str]
@@ -234,9 +235,7 @@ def test_fp8_forward_features_grid(head_dim: int, out: DType, causal: bool,
     run(feature_problem(head_dim, out, causal, features), config, shape, 7)
 
 
-@pytest.mark.parametrize("feature, words", [("varlen", "variable-length batches"),
-                                            ("sinks", "attention sinks"),
-                                            ("dropout", "attention dropout")])
+@pytest.mark.parametrize("feature, words", [("dropout", "attention dropout")])
 def test_features_without_an_fp8_path_are_refused(feature: str, words: str) -> None:
     with pytest.raises(FeatureNotSupported, match=rf"'fwd8' kernel family .* does not "
                        rf"implement {words}"):

@@ -89,8 +89,9 @@ class Fp8ForwardFamily(ForwardFamily):
     title = "FP8 attention forward (e4m3 Q, K, V with descale factors; mma.sync)"
     dtypes = E4M3_INPUTS
     #: The 16-bit forward's features whose hooks take the dequantised scores' scale
-    #: (flash_fwd.cuh's qk_scale): varlen, sinks and dropout are not compiled with FP8.
-    features = frozenset({"window", "softcap", "alibi"})
+    #: (flash_fwd.cuh's qk_scale), varlen (descales per sequence) and sinks; dropout is
+    #: not compiled with FP8.
+    features = frozenset({"window", "softcap", "alibi", "varlen", "sinks"})
     score_mods = False
     abi: ClassVar[EntryAbi | None] = FWD8_ABI
     abi_aliases: ClassVar[Mapping[Element, str]] = FP8_ALIASES
@@ -183,6 +184,9 @@ class Fp8ForwardFamily(ForwardFamily):
                 "q": q, "k": k, "v": v, "o": o, "lse": lse, "softmax_scale": softmax_scale,
                 **feature_values(problem, variant), **dict(zip(DESCALES, descales, strict=True))}
             batch, seqlen_q, heads_q, _ = q.shape
+            varlen = variant.varlen if variant is not None and problem.varlen else None
+            if varlen is not None:
+                batch, seqlen_q = varlen.batch, varlen.max_seqlen_q
             return ((-(-seqlen_q // block_m), heads_q, batch),
                     pack(*(values[n] for n in names)))
         return fp8
@@ -203,10 +207,20 @@ class Fp8ForwardFamily(ForwardFamily):
         t = inputs.tensors
         heads_q, heads_kv = t["q"].shape[2], t["k"].shape[2]
         group = heads_q // heads_kv
-        q_scale = t["q_descale"].to(torch.float64).repeat_interleave(group, dim=1)
-        q = t["q"].to(torch.float64) * q_scale[:, None, :, None]
-        k, v = (t[name].to(torch.float64) * t[f"{name}_descale"].to(torch.float64)[
-            :, None, :, None] for name in ("k", "v"))
+
+        def rows(name: str, cu: str) -> torch.Tensor:
+            """The descale factor of each row (batch or packed row, 1, heads): varlen's
+            sequence i scales rows cu[i]:cu[i + 1]."""
+            scale = t[f"{name}_descale"].to(torch.float64)
+            if name == "q":
+                scale = scale.repeat_interleave(group, dim=1)
+            if cu not in t:
+                return scale[:, None, :, None]
+            lengths = (t[cu][1:] - t[cu][:-1]).to(torch.int64)
+            return scale.repeat_interleave(lengths, dim=0)[None, :, :, None]
+
+        q = t["q"].to(torch.float64) * rows("q", "cu_seqlens_q")
+        k, v = (t[name].to(torch.float64) * rows(name, "cu_seqlens_k") for name in ("k", "v"))
         return super().reference(problem, Inputs({**t, "q": q, "k": k, "v": v},
                                                  inputs.scalars))
 
