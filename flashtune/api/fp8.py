@@ -5,7 +5,7 @@ descale factors, served by the FP8 forward (``families/fwd8``; sm_89 and later).
 device (None: 1.0), positive and finite: the attention is that of the dequantised inputs
 ``q_descale[b, h // group] * q`` etc. ``out_dtype``: O's type, torch.bfloat16 (the
 default, as FA3) or torch.float16. The LSE is float32 (batch, heads_q, seqlen_q) as for
-16-bit inputs. Causal, GQA/MQA, ``window_size``, ``softcap`` and ``alibi_slopes`` are
+16-bit inputs. Causal, GQA/MQA, ``window_size``, ``softcap``, ``alibi_slopes`` and ``sinks`` are
 served (softcap and ALiBi act on the scores of the dequantised inputs); the other features
 are refused by name.
 Forward only (e4m3 tensors carry no gradient).
@@ -89,7 +89,7 @@ def refuse_features(**given: bool) -> None:
     if asked:
         raise FeatureNotSupported(
             f"the FP8 forward (torch.float8_e4m3fn inputs) implements causal masks, GQA/MQA, "
-            f"window_size, softcap and alibi_slopes, not {', '.join(asked)}; pass 16-bit "
+            f"window_size, softcap, alibi_slopes and sinks, not {', '.join(asked)}; pass 16-bit "
             "q, k and v for those")
 
 
