@@ -5,7 +5,9 @@ descale factors, served by the FP8 forward (``families/fwd8``; sm_89 and later).
 device (None: 1.0), positive and finite: the attention is that of the dequantised inputs
 ``q_descale[b, h // group] * q`` etc. ``out_dtype``: O's type, torch.bfloat16 (the
 default, as FA3) or torch.float16. The LSE is float32 (batch, heads_q, seqlen_q) as for
-16-bit inputs. Causal and GQA/MQA are served; the other features are refused by name.
+16-bit inputs. Causal, GQA/MQA, ``window_size``, ``softcap``, ``alibi_slopes`` and ``sinks`` are
+served (softcap and ALiBi act on the scores of the dequantised inputs); the other features
+are refused by name.
 Forward only (e4m3 tensors carry no gradient).
 """
 
@@ -16,6 +18,7 @@ import torch
 from flashtune import settings
 from flashtune.api.limits import check_softmax_scale
 from flashtune.api.validate import FP8_DTYPES, check_fp8_attention_inputs
+from flashtune.api.variants import Variant
 from flashtune.errors import FeatureNotSupported, FlashtuneError, InvalidInput
 from flashtune.families.fwd8 import DESCALES
 from flashtune.runtime import plans
@@ -85,24 +88,27 @@ def refuse_features(**given: bool) -> None:
     asked = [name for name, on in given.items() if on]
     if asked:
         raise FeatureNotSupported(
-            f"the FP8 forward (torch.float8_e4m3fn inputs) implements causal masks and "
-            f"GQA/MQA only, not {', '.join(asked)}; pass 16-bit q, k and v for those")
+            f"the FP8 forward (torch.float8_e4m3fn inputs) implements causal masks, GQA/MQA, "
+            f"window_size, softcap, alibi_slopes and sinks, not {', '.join(asked)}; pass 16-bit "
+            "q, k and v for those")
 
 
-def fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+def fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
                 softmax_scale: float | None, backend: str,
                 descales: tuple[object, object, object], out_dtype: object
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (B, Nq, Hq, D) of ``out_dtype`` and the float32 LSE (B, Hq, Nq) of e4m3 inputs,
-    launched on the current stream. ``softmax_scale`` None: 1/sqrt(D); ``backend`` "" means
-    the FLASHTUNE_BACKEND setting."""
+    launched on the current stream. ``variant``: the call's validated mask and features
+    (``api.variants.resolve``); ``softmax_scale`` None: 1/sqrt(D); ``backend`` "" means the
+    FLASHTUNE_BACKEND setting."""
     check_fp8_attention_inputs(q, k, v)
     scale = check_softmax_scale(softmax_scale, q.shape[3])
     out_type = check_out_dtype(out_dtype)
     scales = tuple(check_descale(name, value, q, k)
                    for name, value in zip(DESCALES, descales, strict=True))
     name = backend or settings.BACKEND.get()
-    plan = plans.plan_for(q, causal, name, "fwd8", (), max(q.shape[1], k.shape[1]),
+    plan = plans.plan_for(q, variant.causal, name, "fwd8", variant.features,
+                          max(q.shape[1], k.shape[1]),
                           o_dtype=out_type)
     batch, seqlen_q, heads_q, head_dim = q.shape
     out = torch.empty(batch, seqlen_q, heads_q, head_dim, dtype=out_type, device=q.device)
@@ -110,7 +116,7 @@ def fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     if plan.pack is None:
         raise FlashtuneError(f"the {plan.decision.problem.op!r} kernel family supplies no "
                              "hot-path packer")
-    grid, args = plan.pack(q, k, v, out, lse, scale, None, descales=scales)
+    grid, args = plan.pack(q, k, v, out, lse, scale, variant, descales=scales)
     bad = [n for n, t in (("q", q), ("k", k), ("v", v)) if t.data_ptr() % 16]
     if bad:
         raise InvalidInput(f"{', '.join(bad)} start(s) at an address that is not 16-byte "

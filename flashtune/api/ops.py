@@ -41,7 +41,7 @@ from flashtune.api.flex import (
 )
 from flashtune.api.limits import check_softmax_scale
 from flashtune.api.sdpa_causal import top_left_forward
-from flashtune.api.validate import check_attention_inputs
+from flashtune.api.validate import check_attention_inputs, check_fp8_attention_inputs
 from flashtune.api.variants import (
     NO_WINDOW,
     Variant,
@@ -336,14 +336,15 @@ def attention(
     """
     descales = (q_descale, k_descale, v_descale)
     if _fp8.is_fp8(q):
-        _fp8.refuse_features(window_size=window_size != NO_WINDOW, softcap=bool(softcap),
-                             alibi_slopes=alibi_slopes is not None, sinks=sinks is not None,
-                             score_mod=score_mod is not None, mask_mod=mask_mod is not None,
+        _fp8.refuse_features(score_mod=score_mod is not None, mask_mod=mask_mod is not None,
                              dropout_p=dropout_p != 0.0,
                              return_dropout_mask=return_dropout_mask)
         if not isinstance(causal, bool):
             raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
-        out8, lse8 = _fp8.fp8_forward(q, k, v, causal, softmax_scale,
+        check_fp8_attention_inputs(q, k, v)
+        variant8 = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
+                           (q.shape[1], k.shape[1]), sinks=sinks)
+        out8, lse8 = _fp8.fp8_forward(q, k, v, variant8, softmax_scale,
                                       "" if backend is None else backend, descales, out_dtype)
         return (out8, lse8) if return_lse else out8
     if isinstance(q, torch.Tensor) and (out_dtype is not None or any(

@@ -187,13 +187,16 @@ __device__ __forceinline__ void fwd_tile(const FwdParamsOf<Tr>& a, int m_block, 
   In* const sq_in = reinterpret_cast<In*>(smem);
   const int warp_row0 = warp * Tr::kWarpRows;
   int tile = n_tiles - 1;
-  // FP8: the scores are those of the dequantised Q and K (descale factors of this batch
-  // and KV head).
-  float score_scale = Tr::kSoftcap ? a.var.softcap : a.softmax_scale;
+  // qk_scale: the softmax scale of the raw Q K^T, so that softcap, ALiBi and the score
+  // modifications all see the scores of the dequantised Q and K (FP8: times this batch and
+  // KV head's descale factors); unit: the scale the softmax applies to the transformed
+  // scores (the cap with softcap, whose tanh already took qk_scale).
+  float qk_scale = a.softmax_scale;
   if constexpr (Tr::kFp8) {
     const int bh = batch * a.heads_kv + kv_head;
-    score_scale *= a.scales.q[bh] * a.scales.k[bh];
+    qk_scale *= a.scales.q[bh] * a.scales.k[bh];
   }
+  const float unit = Tr::kSoftcap ? a.var.softcap : qk_scale;
   FwdMainloop<Tr> loop{sq_in + Tr::kKOffset,
                        sq + Tr::kVOffset,
                        {},
@@ -202,19 +205,17 @@ __device__ __forceinline__ void fwd_tile(const FwdParamsOf<Tr>& a, int m_block, 
                        VStream<Tr>(v_bh, a.v_row_stride, tile, tid),
                        tid,
                        0,
-                       score_scale * 1.44269504088896340736f,
+                       unit * 1.44269504088896340736f,
                        {},
                        {},
                        {},
                        {}};
   if constexpr (Tr::kLocal || Tr::Mods::kTileRanges) loop.low_tile = n_begin / kBlockN;
-  if constexpr (Tr::kSoftcap) loop.transform.tanh_scale = a.softmax_scale / a.var.softcap;
+  if constexpr (Tr::kSoftcap) loop.transform.tanh_scale = qk_scale / a.var.softcap;
   if constexpr (Tr::kAlibi) {
-    const float unit = Tr::kSoftcap ? a.var.softcap : a.softmax_scale;
     loop.transform.neg_slope = -a.var.alibi_slopes[batch * a.var.alibi_batch_stride + head] / unit;
   }
   if constexpr (Tr::Mods::kOn) {
-    const float unit = Tr::kSoftcap ? a.var.softcap : a.softmax_scale;
     loop.transform.mods = a.mods;
     loop.transform.unit = unit;
     loop.transform.inv_unit = 1.0f / unit;

@@ -138,14 +138,34 @@ def test_fp8_beside_16bit_tensors_and_odd_head_dims_are_refused() -> None:
         flashtune.attention(strided, k, v, backend="emulator")
 
 
-@pytest.mark.parametrize("feature", [{"window_size": (4, 0)}, {"softcap": 30.0},
-                                     {"dropout_p": 0.1}])
+@pytest.mark.parametrize("feature", [{"dropout_p": 0.1}])
 def test_features_the_fp8_forward_lacks_are_refused(feature: dict[str, object]) -> None:
     q, k, v, *_ = _fp8()
     name = next(iter(feature))
-    with pytest.raises(FeatureNotSupported, match=rf"causal masks and GQA/MQA only, not "
-                                                  rf"{name}"):
+    with pytest.raises(FeatureNotSupported, match=rf"alibi_slopes and sinks, "
+                                                  rf"not {name}"):
         flashtune.attention(q, k, v, backend="emulator", **feature)  # type: ignore[call-overload]
+
+
+@pytest.mark.emulator
+def test_fp8_attention_with_window_softcap_alibi_matches_float64() -> None:
+    """GQA 4:2, a window (20, 5), softcap 30, sinks and per-(batch, head) ALiBi slopes on the
+    dequantised scores (the descales, drawn away from 1, would show if softcap or ALiBi saw
+    the raw ones), O in fp16."""
+    q, k, v, qd, kd, vd = inputs(2, 70, 45, 4, 2, 64, SEED)
+    slopes = torch.rand(2, 4, generator=torch.Generator().manual_seed(SEED + 1))
+    sinks = torch.tensor([0.5, 8.0, -2.0, 3.0])
+    o, lse = flashtune.attention(q, k, v, window_size=(20, 5), softcap=30.0,
+                                 alibi_slopes=slopes, sinks=sinks, q_descale=qd, k_descale=kd,
+                                 v_descale=vd, out_dtype=torch.float16, return_lse=True,
+                                 backend="emulator")
+    group = q.shape[2] // k.shape[2]
+    per_q = qd.double().repeat_interleave(group, dim=1)
+    ref_o, ref_lse = attention_reference(
+        q.double() * per_q[:, None, :, None], k.double() * kd.double()[:, None, :, None],
+        v.double() * vd.double()[:, None, :, None], False, 64 ** -0.5, window=(20, 5),
+        softcap=30.0, alibi_slopes=slopes, sinks=sinks)
+    assert_within(o, lse, ref_o, ref_lse, SEED)
 
 
 def test_an_arch_without_fp8_mma_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,7 +25,7 @@ from flashtune import families
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.dtypes import DType, Fp8Type
 from flashtune.codegen.spec import KernelConfig, Problem, Shape
-from flashtune.errors import InvalidConfig, InvalidProblem
+from flashtune.errors import FeatureNotSupported, InvalidConfig, InvalidProblem
 from flashtune.families.fwd8 import FORWARD_FP8, RANDOM_DESCALE
 from flashtune.perf.sass.disasm import disassemble
 from flashtune.perf.sass.parse import categorize
@@ -183,3 +183,61 @@ def test_the_command_line_names_the_fp8_problem_by_its_output_type() -> None:
     assert parse_problem("fwd8", 128, DType.BF16, True).key() == (
         "fwd8_d128_e4m3-e4m3-bf16_causal")
     assert parse_problem("fwd", 128, DType.BF16, True).key() == "fwd_d128_bf16_causal"
+
+
+#: The features the FP8 forward compiles with the 16-bit forward's hooks: each alone and all
+#: together (softcap and ALiBi take the dequantised scores' scale, flash_fwd.cuh's qk_scale).
+FEATURE_SETS = (frozenset({"window"}), frozenset({"softcap"}), frozenset({"alibi"}),
+                frozenset({"window", "softcap", "alibi"}), frozenset({"varlen"}),
+                frozenset({"sinks"}), frozenset({"varlen", "sinks", "alibi", "softcap"}))
+
+
+def feature_problem(head_dim: int, out: DType, causal: bool, features: frozenset[str]
+                    ) -> Problem:
+    return Problem(head_dim, Fp8Type.E4M3, causal=causal, op="fwd8", o_dtype=out,
+                   features=features)
+
+
+def _feature_grid() -> list[tuple[int, DType, bool, frozenset[str], KernelConfig, Shape]]:
+    return [(d, o, causal, f, c, s) for d, o, causal, f, c, s in itertools.product(
+        (64, 128), DType, (False, True), FEATURE_SETS, CONFIGS[:2], SHAPES)
+        if not (causal and "window" in f)  # a causal window is the window (left, 0)
+        and FORWARD_FP8.static_check(feature_problem(d, o, causal, f), c,
+                                    get_arch("sm_89")) is None]
+
+
+_FEATURE_GRID = _feature_grid()
+#: The default run: one row per feature set, chosen by the session's seed (in the id).
+FEATURE_SAMPLE = [(*random.Random(_SEED + 10 + i).choice(
+    [r for r in _FEATURE_GRID if r[3] == f]), _SEED + 10 + i)
+    for i, f in enumerate(FEATURE_SETS)]
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("head_dim, out, causal, features, config, shape, seed",
+                         FEATURE_SAMPLE, ids=lambda v: "+".join(sorted(v))
+                         if isinstance(v, frozenset) else _id(v))
+def test_fp8_forward_with_window_softcap_alibi_matches_float64(
+        head_dim: int, out: DType, causal: bool, features: frozenset[str],
+        config: KernelConfig, shape: Shape, seed: int) -> None:
+    print(f"seed={seed}")
+    run(feature_problem(head_dim, out, causal, features), config, shape, seed)
+
+
+@pytest.mark.emulator
+@pytest.mark.sweep
+@pytest.mark.parametrize("head_dim, out, causal, features, config, shape", _FEATURE_GRID,
+                         ids=lambda v: "+".join(sorted(v))
+                         if isinstance(v, frozenset) else _id(v))
+def test_fp8_forward_features_grid(head_dim: int, out: DType, causal: bool,
+                                   features: frozenset[str], config: KernelConfig,
+                                   shape: Shape) -> None:
+    run(feature_problem(head_dim, out, causal, features), config, shape, 7)
+
+
+@pytest.mark.parametrize("feature, words", [("dropout", "attention dropout")])
+def test_features_without_an_fp8_path_are_refused(feature: str, words: str) -> None:
+    with pytest.raises(FeatureNotSupported, match=rf"'fwd8' kernel family .* does not "
+                       rf"implement {words}"):
+        families.render(feature_problem(64, DType.BF16, False, frozenset({feature})),
+                        KernelConfig(64, 32, 4, 2))

@@ -32,9 +32,8 @@ from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.errors import InvalidConfig, InvalidInput
 from flashtune.families.base import Inputs, LaunchPlan, Tensors, generator, torch_dtype
-from flashtune.families.fwd import ForwardFamily
-from flashtune.families.fwd.args import FWD_ABI, Grid, VariantLike
-from flashtune.families.fwd.reference import attention_reference
+from flashtune.families.fwd import ForwardFamily, variants
+from flashtune.families.fwd.args import FWD_ABI, Grid, VariantLike, feature_values
 from flashtune.families.registers import accumulator_registers
 
 if TYPE_CHECKING:
@@ -89,7 +88,10 @@ class Fp8ForwardFamily(ForwardFamily):
     op = "fwd8"
     title = "FP8 attention forward (e4m3 Q, K, V with descale factors; mma.sync)"
     dtypes = E4M3_INPUTS
-    features = frozenset()
+    #: The 16-bit forward's features whose hooks take the dequantised scores' scale
+    #: (flash_fwd.cuh's qk_scale), varlen (descales per sequence) and sinks; dropout is
+    #: not compiled with FP8.
+    features = frozenset({"window", "softcap", "alibi", "varlen", "sinks"})
     score_mods = False
     abi: ClassVar[EntryAbi | None] = FWD8_ABI
     abi_aliases: ClassVar[Mapping[Element, str]] = FP8_ALIASES
@@ -169,6 +171,7 @@ class Fp8ForwardFamily(ForwardFamily):
     def hot_packer(self, problem: Problem, config: KernelConfig) -> Fp8Packer:
         """The forward's calling convention plus the descale factors (required)."""
         pack = FWD8_ABI.packer(problem.features)
+        names = FWD8_ABI.inputs(problem.features)
         block_m = config.block_m
 
         def fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
@@ -177,9 +180,15 @@ class Fp8ForwardFamily(ForwardFamily):
             if descales is None:
                 raise InvalidInput("the FP8 forward needs q_descale, k_descale and v_descale "
                                    "(float32 (batch, heads_kv))")
+            values: dict[str, object] = {
+                "q": q, "k": k, "v": v, "o": o, "lse": lse, "softmax_scale": softmax_scale,
+                **feature_values(problem, variant), **dict(zip(DESCALES, descales, strict=True))}
             batch, seqlen_q, heads_q, _ = q.shape
+            varlen = variant.varlen if variant is not None and problem.varlen else None
+            if varlen is not None:
+                batch, seqlen_q = varlen.batch, varlen.max_seqlen_q
             return ((-(-seqlen_q // block_m), heads_q, batch),
-                    pack(q, k, v, o, lse, softmax_scale, *descales))
+                    pack(*(values[n] for n in names)))
         return fp8
 
     def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
@@ -187,21 +196,33 @@ class Fp8ForwardFamily(ForwardFamily):
         t = inputs.tensors
         grid, packed = self.hot_packer(problem, config)(
             t["q"], t["k"], t["v"], outputs["o"], outputs["lse"],
-            inputs.scalars["softmax_scale"], descales=tuple(t[n] for n in DESCALES))
+            inputs.scalars["softmax_scale"], variants.VariantValues.of(inputs),
+            descales=tuple(t[n] for n in DESCALES))
         return LaunchPlan(self.sized_grid(config, grid, t["q"].device), packed)
 
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
-        """The float64 attention of the dequantised inputs: each e4m3 value times its
-        (batch, KV head)'s descale factor (a query head takes its KV head's)."""
+        """The 16-bit forward's float64 reference (with the problem's features) of the
+        dequantised inputs: each e4m3 value times its (batch, KV head)'s descale factor (a
+        query head takes its KV head's)."""
         t = inputs.tensors
         heads_q, heads_kv = t["q"].shape[2], t["k"].shape[2]
         group = heads_q // heads_kv
-        q_scale = t["q_descale"].to(torch.float64).repeat_interleave(group, dim=1)
-        q = t["q"].to(torch.float64) * q_scale[:, None, :, None]
-        k, v = (t[name].to(torch.float64) * t[f"{name}_descale"].to(torch.float64)[
-            :, None, :, None] for name in ("k", "v"))
-        o, lse = attention_reference(q, k, v, problem.causal, inputs.scalars["softmax_scale"])
-        return {"o": o, "lse": lse}
+
+        def rows(name: str, cu: str) -> torch.Tensor:
+            """The descale factor of each row (batch or packed row, 1, heads): varlen's
+            sequence i scales rows cu[i]:cu[i + 1]."""
+            scale = t[f"{name}_descale"].to(torch.float64)
+            if name == "q":
+                scale = scale.repeat_interleave(group, dim=1)
+            if cu not in t:
+                return scale[:, None, :, None]
+            lengths = (t[cu][1:] - t[cu][:-1]).to(torch.int64)
+            return scale.repeat_interleave(lengths, dim=0)[None, :, :, None]
+
+        q = t["q"].to(torch.float64) * rows("q", "cu_seqlens_q")
+        k, v = (t[name].to(torch.float64) * rows(name, "cu_seqlens_k") for name in ("k", "v"))
+        return super().reference(problem, Inputs({**t, "q": q, "k": k, "v": v},
+                                                 inputs.scalars))
 
     def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
         """Q, K, V read once (1 byte a value), O written once (2 bytes) and the LSE."""
