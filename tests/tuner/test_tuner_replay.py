@@ -439,3 +439,13 @@ def test_packaged_landscapes_replay_by_name_from_a_clone(tmp_path: Path,
     with pytest.raises(TuningError, match=r"convolution_A100', 'convolution_A6000"):
         resolve_landscape("convolution_H100")
     assert resolve_landscape(tmp_path / "x.json.gz") == tmp_path / "x.json.gz"  # a path
+
+
+def test_benchmark_overhead_times_every_proposal_of_a_long_run(landscapes: Path) -> None:
+    search_efficiency = _search_efficiency()
+    path = str(landscapes / "bowl_GPUA.json.gz")
+    o = search_efficiency.overhead(path, "random", trials=30)
+    land = Landscape.load(path)
+    assert o.landscape == "bowl_GPUA" and o.configs == len(land.space.legal)
+    assert o.proposals >= 30  # one per measured config, plus any refused re-proposals
+    assert 0.0 <= o.mean_s <= o.p95_s <= o.max_s < 1.0
