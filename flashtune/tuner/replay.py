@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -59,6 +60,10 @@ class ReplaySummary:
     trials: int | None
     warm_start: str | None = None
     trace: list[TracePoint] = field(default_factory=list)
+    #: CPU seconds of each proposal (the strategy's own decision plus the loop's screening)
+    proposal_s: list[float] = field(default_factory=list)
+    #: whether those seconds were charged to the simulated clock
+    charged_proposals: bool = False
 
     @property
     def clock_s(self) -> float:
@@ -116,15 +121,45 @@ def warm_start_prior(landscape: Landscape, source: Landscape) -> tuple[Prior, st
     return prior, note
 
 
+class _TimedProposer:
+    """The search with each proposal's CPU time recorded in ``summary.proposal_s`` and,
+    when ``charge``, added to the simulated clock: a strategy whose decisions take
+    seconds then pays for them as a real tuning run does (the GPU idles meanwhile)."""
+
+    def __init__(self, search: OptunaSearch[Config], measurement: RecordedMeasurer,
+                 summary: ReplaySummary, charge: bool) -> None:
+        self._search = search
+        self._measurement = measurement
+        self._summary = summary
+        self._charge = charge
+
+    def propose(self) -> Proposal[Config] | None:
+        # process time, not wall time: other processes on a shared machine do not count
+        start = time.process_time()
+        proposal = self._search.propose()
+        spent = time.process_time() - start
+        self._summary.proposal_s.append(spent)
+        if self._charge:
+            self._measurement.clock_s += spent
+        return proposal
+
+    def tell(self, proposal: Proposal[Config], result: RecordedResult) -> None:
+        self._search.tell(proposal, result)
+
+    def abandon(self, proposal: Proposal[Config]) -> None:
+        self._search.abandon(proposal)
+
+
 def replay(landscape: Landscape, *, sampler: str | SamplerFactory = "guided",
            seed: int | None = 0, budget_s: float | None = None, trials: int | None = None,
            prior: Prior | None = None, warm_start: str | None = None,
-           stop_at: float | None = None, observer: ReplayObserver | None = None
-           ) -> ReplaySummary:
+           stop_at: float | None = None, observer: ReplayObserver | None = None,
+           charge_proposals: bool = False) -> ReplaySummary:
     """Run the search on ``landscape`` until ``budget_s`` simulated seconds or ``trials``
     distinct configs are spent (or the space is exhausted, or a result at least as good as
     ``stop_at`` is found). ``sampler``: a ``--sampler`` name or a factory; ``warm_start``
-    labels the prior in the summary."""
+    labels the prior in the summary. Each proposal's CPU time is recorded
+    (``proposal_s``); ``charge_proposals`` also adds it to the simulated clock."""
     if budget_s is None and trials is None:
         raise TuningError("a replay needs a budget: a time (--budget 5% or 10m) or --trials")
     space = landscape.space
@@ -144,7 +179,8 @@ def replay(landscape: Landscape, *, sampler: str | SamplerFactory = "guided",
                           grid=sampler == "grid", seed=seed, budget=trials,
                           record_values=False)
     measurement = RecordedMeasurer(landscape.records, landscape.path.name)
-    summary = ReplaySummary(landscape, name, budget_s, trials, warm_start)
+    summary = ReplaySummary(landscape, name, budget_s, trials, warm_start,
+                            charged_proposals=charge_proposals)
     observer = observer or ReplayObserver()
     better: Callable[[float, float], bool] = ((lambda a, b: a < b) if landscape.minimize
                                               else (lambda a, b: a > b))
@@ -165,7 +201,9 @@ def replay(landscape: Landscape, *, sampler: str | SamplerFactory = "guided",
                            budget_s, measurement.now, lambda: done)
     observer.started(summary)
     try:
-        run_pipeline(measurement, search, limits, depth=1, on_result=on_result)
+        run_pipeline(measurement, _TimedProposer(search, measurement, summary,
+                                                 charge_proposals),
+                     limits, depth=1, on_result=on_result)
     finally:
         search.close()
     return summary

@@ -46,25 +46,13 @@ Prior = Mapping[tuple[int, ...], float]
 C = TypeVar("C")
 
 
-class GuidedSampler(optuna.samplers.BaseSampler):
-    """See the module docstring. ``n_init`` overrides the initial design's size."""
+class SpaceSampler(optuna.samplers.BaseSampler):
+    """A sampler that decides whole points of ``space``: every choice is sampled together
+    (relative sampling); a parameter asked outside it gets a seeded random value."""
 
-    def __init__(self, space: SearchSpace, *, seed: int | None = None,
-                 prior: Prior | None = None, n_init: int | None = None) -> None:
+    def __init__(self, space: SearchSpace, seed: int | None) -> None:
         self.space = space
-        legal = space.legal
-        rows = np.array(legal, dtype=np.int64).reshape(len(legal), len(space.names))
-        scores = None
-        if prior is not None:
-            scores = np.array([prior.get(p, math.nan) for p in legal], dtype=np.float64)
-        self.search = GuidedSearch(space.cardinalities, rows, seed=seed, prior=scores,
-                                   n_init=n_init)
         self._fallback = optuna.samplers.RandomSampler(seed=seed)
-        self._scan = TrialScan()
-        self._values: dict[int, float] = {}  # row -> objective (NaN: failed)
-        self._costs: dict[int, float] = {}  # row -> seconds its measurement took
-        self._blocked: set[int] = set()  # rows never to propose again (model-pruned)
-        self._study_id: int | None = None
 
     def reseed_rng(self) -> None:
         self._fallback.reseed_rng()
@@ -72,6 +60,30 @@ class GuidedSampler(optuna.samplers.BaseSampler):
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial
                                     ) -> dict[str, BaseDistribution]:
         return dict(self.space.distributions())
+
+    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
+                           param_distribution: BaseDistribution) -> Any:
+        return self._fallback.sample_independent(study, trial, param_name, param_distribution)
+
+
+class GuidedSampler(SpaceSampler):
+    """See the module docstring. ``n_init`` overrides the initial design's size."""
+
+    def __init__(self, space: SearchSpace, *, seed: int | None = None,
+                 prior: Prior | None = None, n_init: int | None = None) -> None:
+        super().__init__(space, seed)
+        legal = space.legal
+        rows = np.array(legal, dtype=np.int64).reshape(len(legal), len(space.names))
+        scores = None
+        if prior is not None:
+            scores = np.array([prior.get(p, math.nan) for p in legal], dtype=np.float64)
+        self.search = GuidedSearch(space.cardinalities, rows, seed=seed, prior=scores,
+                                   n_init=n_init)
+        self._scan = TrialScan()
+        self._values: dict[int, float] = {}  # row -> objective (NaN: failed)
+        self._costs: dict[int, float] = {}  # row -> seconds its measurement took
+        self._blocked: set[int] = set()  # rows never to propose again (model-pruned)
+        self._study_id: int | None = None
 
     def sample_relative(self, study: optuna.Study, trial: FrozenTrial,
                         search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
@@ -89,10 +101,6 @@ class GuidedSampler(optuna.samplers.BaseSampler):
         choices = self.space.choices
         return {name: int(v) for name, v in zip(self.space.names, self.search.rows[row],
                                                 strict=True) if name in choices}
-
-    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
-                           param_distribution: BaseDistribution) -> Any:
-        return self._fallback.sample_independent(study, trial, param_name, param_distribution)
 
     # ------------------------------------------------------------------ observations
 
