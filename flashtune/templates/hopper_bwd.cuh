@@ -136,20 +136,31 @@ __device__ __forceinline__ void store_rows_scaled(typename Tr::Element* out, lon
   }
 }
 
+// The main kernel's arguments (the mma.sync backward's, flash_bwd.cu.jinja without features).
+template <typename Element>
+struct BwdParams {
+  const Element* __restrict__ q;
+  const Element* __restrict__ k;
+  const Element* __restrict__ v;
+  const Element* __restrict__ dout;
+  const float* __restrict__ lse;
+  const float* __restrict__ dsum;
+  Element* __restrict__ dk;
+  Element* __restrict__ dv;
+  float* __restrict__ dq_accum;
+  int seqlen_q, seqlen_k, heads_q, heads_kv;
+  long long q_batch_stride, q_row_stride, q_head_stride;
+  long long k_batch_stride, k_row_stride, k_head_stride;
+  long long v_batch_stride, v_row_stride, v_head_stride;
+  long long do_batch_stride, do_row_stride, do_head_stride;
+  long long dk_batch_stride, dk_row_stride, dk_head_stride;
+  long long dv_batch_stride, dv_row_stride, dv_head_stride;
+  float softmax_scale;
+};
+
+// The key tiles blockIdx.x, + gridDim.x, ... of kv head blockIdx.y, batch blockIdx.z.
 template <class Tr>
-__device__ __forceinline__ void hopper_bwd(
-    const typename Tr::Element* __restrict__ q, const typename Tr::Element* __restrict__ k,
-    const typename Tr::Element* __restrict__ v, const typename Tr::Element* __restrict__ dout,
-    const float* __restrict__ lse, const float* __restrict__ dsum,
-    typename Tr::Element* __restrict__ dk, typename Tr::Element* __restrict__ dv,
-    float* __restrict__ dq_accum, int seqlen_q, int seqlen_k, int heads_q, int heads_kv,
-    long long q_batch_stride, long long q_row_stride, long long q_head_stride,
-    long long k_batch_stride, long long k_row_stride, long long k_head_stride,
-    long long v_batch_stride, long long v_row_stride, long long v_head_stride,
-    long long do_batch_stride, long long do_row_stride, long long do_head_stride,
-    long long dk_batch_stride, long long dk_row_stride, long long dk_head_stride,
-    long long dv_batch_stride, long long dv_row_stride, long long dv_head_stride,
-    float softmax_scale) {
+__device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>& a) {
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kD = Tr::kHeadDim;
@@ -165,19 +176,20 @@ __device__ __forceinline__ void hopper_bwd(
 
   const int kv_head = static_cast<int>(blockIdx.y);
   const int batch = static_cast<int>(blockIdx.z);
-  const int group = heads_q / heads_kv;
+  const int group = a.heads_q / a.heads_kv;
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = lane_id();
   const int wg = tid / 128;            // this warpgroup: keys 64 wg .. of the tile
   const int warp = (tid % 128) / 32;   // warp within the warpgroup: accumulator rows 16 warp..
-  const float scale_log2 = softmax_scale * kLog2e;
-  const long long bh_rows = static_cast<long long>(gridDim.z) * heads_q * seqlen_q;
-  float* const dq_slice = dq_accum + (Tr::kDqSplit ? blockIdx.x : 0) * bh_rows * kD;
+  const float scale_log2 = a.softmax_scale * kLog2e;
+  const long long bh_rows = static_cast<long long>(gridDim.z) * a.heads_q * a.seqlen_q;
+  float* const dq_slice = a.dq_accum + (Tr::kDqSplit ? blockIdx.x : 0) * bh_rows * kD;
 
-  const typename Tr::Element* k_bh = k + batch * k_batch_stride + kv_head * k_head_stride;
-  const typename Tr::Element* v_bh = v + batch * v_batch_stride + kv_head * v_head_stride;
-  const int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
-  const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
+  using Element = typename Tr::Element;
+  const Element* k_bh = a.k + batch * a.k_batch_stride + kv_head * a.k_head_stride;
+  const Element* v_bh = a.v + batch * a.v_batch_stride + kv_head * a.v_head_stride;
+  const int n_blocks = (a.seqlen_k + kBlockN - 1) / kBlockN;
+  const int m_blocks = (a.seqlen_q + kBlockM - 1) / kBlockM;
 
   // Shared-window addresses: this warpgroup's 64 K and V rows (A of S^T and dP^T), the
   // whole K tile, Q, dO and dS.
@@ -192,17 +204,18 @@ __device__ __forceinline__ void hopper_bwd(
     const int n0 = n_block * kBlockN;
     int m_first = 0;
     if constexpr (Tr::kCausal) {
-      const int first_row = n0 - (seqlen_k - seqlen_q);
+      const int first_row = n0 - (a.seqlen_k - a.seqlen_q);
       m_first = first_row > 0 ? first_row / kBlockM : 0;
     }
     const int m_count = m_blocks > m_first ? m_blocks - m_first : 0;
     const int steps = group * m_count;
 
     block_sync();  // every warpgroup is done with the previous key tile's K and V
-    load_tile<Tr, kBlockN>(smem + Tr::kKOffset, k_bh + static_cast<long long>(n0) * k_row_stride,
-                           k_row_stride, seqlen_k - n0, tid);
-    load_tile<Tr, kBlockN>(smem + Tr::kVOffset, v_bh + static_cast<long long>(n0) * v_row_stride,
-                           v_row_stride, seqlen_k - n0, tid);
+    const long long key_row = n0;
+    load_tile<Tr, kBlockN>(smem + Tr::kKOffset, k_bh + key_row * a.k_row_stride, a.k_row_stride,
+                           a.seqlen_k - n0, tid);
+    load_tile<Tr, kBlockN>(smem + Tr::kVOffset, v_bh + key_row * a.v_row_stride, a.v_row_stride,
+                           a.seqlen_k - n0, tid);
 
     float acc_dk[kD / 2];
     float acc_dv[kD / 2];
@@ -215,22 +228,22 @@ __device__ __forceinline__ void hopper_bwd(
     for (int s = 0; s < steps; ++s) {
       const int head = kv_head * group + s / m_count;
       const int m0 = (m_first + s % m_count) * kBlockM;
-      const long long stats = (static_cast<long long>(batch) * heads_q + head) * seqlen_q;
+      const long long stats = (static_cast<long long>(batch) * a.heads_q + head) * a.seqlen_q;
       if (s > 0) block_sync();  // every warpgroup is done with the previous Q, dO and dS
       load_tile<Tr, kBlockM>(smem + Tr::kQOffset,
-                             q + batch * q_batch_stride + head * q_head_stride +
-                                 static_cast<long long>(m0) * q_row_stride,
-                             q_row_stride, seqlen_q - m0, tid);
+                             a.q + batch * a.q_batch_stride + head * a.q_head_stride +
+                                 static_cast<long long>(m0) * a.q_row_stride,
+                             a.q_row_stride, a.seqlen_q - m0, tid);
       load_tile<Tr, kBlockM>(smem + Tr::kDoOffset,
-                             dout + batch * do_batch_stride + head * do_head_stride +
-                                 static_cast<long long>(m0) * do_row_stride,
-                             do_row_stride, seqlen_q - m0, tid);
+                             a.dout + batch * a.do_batch_stride + head * a.do_head_stride +
+                                 static_cast<long long>(m0) * a.do_row_stride,
+                             a.do_row_stride, a.seqlen_q - m0, tid);
       cp_async_commit();
       if (tid < kBlockM) {
         // A row past seqlen_q sees no key: LSE +inf makes its P 0 before the mask does.
-        const bool in = m0 + tid < seqlen_q;
-        slse[tid] = in ? lse[stats + m0 + tid] * kLog2e : INFINITY;
-        sdsum[tid] = in ? dsum[stats + m0 + tid] : 0.0f;
+        const bool in = m0 + tid < a.seqlen_q;
+        slse[tid] = in ? a.lse[stats + m0 + tid] * kLog2e : INFINITY;
+        sdsum[tid] = in ? a.dsum[stats + m0 + tid] : 0.0f;
       }
       cp_async_wait<0>();
       fence_proxy_async();  // this thread's cp.async writes (generic proxy) before wgmma reads
@@ -248,15 +261,15 @@ __device__ __forceinline__ void hopper_bwd(
       wgmma_fence_operands(acc_s);
       wgmma_fence_operands(acc_dp);
 
-      // P^T and dS^T in place of S^T and dP^T: element v is key key0 + 8 ((v >> 1) & 1),
-      // query m0 + 8 (v >> 2) + 2 (lane % 4) + (v & 1).
+      // P^T and dS^T in place of S^T and dP^T: element e is key key0 + 8 ((e >> 1) & 1),
+      // query m0 + 8 (e >> 2) + 2 (lane % 4) + (e & 1).
 #pragma unroll
       for (int e = 0; e < kBlockM / 2; ++e) {
         const int key = key0 + 8 * ((e >> 1) & 1);
         const int col = 8 * (e >> 2) + 2 * (lane % 4) + (e & 1);
         const int row = m0 + col;
-        bool seen = key < seqlen_k && row < seqlen_q;
-        if constexpr (Tr::kCausal) seen = seen && key <= row + seqlen_k - seqlen_q;
+        bool seen = key < a.seqlen_k && row < a.seqlen_q;
+        if constexpr (Tr::kCausal) seen = seen && key <= row + a.seqlen_k - a.seqlen_q;
         const float p = seen ? exp2f_fast(acc_s[e] * scale_log2 - slse[col]) : 0.0f;
         acc_s[e] = p;
         acc_dp[e] = p * (acc_dp[e] - sdsum[col]);
@@ -312,7 +325,7 @@ __device__ __forceinline__ void hopper_bwd(
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = 16 * warp + lane / 4 + 8 * h;
-        if (m0 + row >= seqlen_q) continue;
+        if (m0 + row >= a.seqlen_q) continue;
         float* dst = dq_head + row * kD + 2 * (lane % 4);
 #pragma unroll
         for (int nt = 0; nt < Tr::kDqCols / 8; ++nt) {
@@ -332,10 +345,11 @@ __device__ __forceinline__ void hopper_bwd(
     cp_async_wait_all();  // nothing in flight (also when there were no steps)
 
     const int key_row0 = n0 + 64 * wg;
-    store_rows_scaled<Tr>(dk + batch * dk_batch_stride + kv_head * dk_head_stride, dk_row_stride,
-                          acc_dk, key_row0, seqlen_k, softmax_scale, warp, lane);
-    store_rows_scaled<Tr>(dv + batch * dv_batch_stride + kv_head * dv_head_stride, dv_row_stride,
-                          acc_dv, key_row0, seqlen_k, 1.0f, warp, lane);
+    store_rows_scaled<Tr>(a.dk + batch * a.dk_batch_stride + kv_head * a.dk_head_stride,
+                          a.dk_row_stride, acc_dk, key_row0, a.seqlen_k, a.softmax_scale, warp,
+                          lane);
+    store_rows_scaled<Tr>(a.dv + batch * a.dv_batch_stride + kv_head * a.dv_head_stride,
+                          a.dv_row_stride, acc_dv, key_row0, a.seqlen_k, 1.0f, warp, lane);
   }
 }
 
