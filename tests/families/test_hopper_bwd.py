@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import re
 
 import pytest
 import torch
@@ -250,3 +251,35 @@ def test_atomic_mode_sums_in_block_order_within_tolerance() -> None:
     assert any(not torch.equal(r["dq_accum"], runs[0]["dq_accum"]) for r in runs[1:])
     for r in runs[1:]:
         assert torch.equal(r["dk"], runs[0]["dk"]) and torch.equal(r["dv"], runs[0]["dv"])
+
+
+# ------------------------------------------------------------------ command line
+
+
+def test_cli_shows_compiles_and_profiles_it_beside_fa3s_backward() -> None:
+    """``show`` and ``compile`` of the sm_90a default; ``profile`` counts every warp of the
+    block as a compute warp (10.5 MFLOP per iteration at head dim 128, as FA3's causal loop)
+    and prints FA3's backward loop from the reference facts with the ratio per tensor FLOP."""
+    from typer.testing import CliRunner
+
+    from flashtune.cli import app
+
+    runner = CliRunner()
+    common = ["--op", "bwd90a", "--arch", "sm_90a", "--head-dim", "128", "--dtype", "bf16",
+              "--causal"]
+    shown = runner.invoke(app, ["show", *common])
+    assert shown.exit_code == 0, shown.output
+    assert "ft::hopper_bwd<Traits>" in shown.output and "target: sm_90a only" in shown.output
+    compiled = runner.invoke(app, ["compile", *common])
+    assert compiled.exit_code == 0 and "m64_n128_w4_s1" in compiled.output, compiled.output
+    profiled = runner.invoke(app, ["profile", *common])
+    assert profiled.exit_code == 0, profiled.output
+    text = " ".join(profiled.output.split())  # the console wraps long lines
+    assert re.search(r"tensor FLOPs per iteration: 10485760 \(the warp's 1310720 x 8 compute",
+                     text), text
+    found = re.search(r"reference: FA3 backward, d128 bf16 causal, 64 x 128: 486 instructions "
+                      r"per warp per iteration for 1310720 tensor FLOPs; this kernel: (\d+) "
+                      r"for 1310720; instructions per tensor FLOP, this / reference = "
+                      r"(\d+\.\d\d)", text)
+    assert found is not None, text
+    assert float(found[2]) == pytest.approx(int(found[1]) / 486, abs=0.005)

@@ -62,6 +62,10 @@ class HopperBackwardFamily(BackwardFamily):
         """128 threads (a warpgroup) per 64 keys of the key tile."""
         return space.threads(config)
 
+    def compute_warps(self, problem: Problem, config: KernelConfig) -> int:
+        """Every warp of the block issues wgmma (no producer warpgroup)."""
+        return space.threads(config) // 32
+
     def point(self, config: KernelConfig) -> dict[str, Value]:
         return {"block_m": config.block_m, "block_n": config.block_n,
                 "num_stages": config.num_stages, "dqmode": space.dq_mode(config)}
