@@ -27,8 +27,8 @@
 // and a block barrier (no producer warpgroup, no TMA and no stage ring in this version).
 // dK is scaled by softmax_scale at the end, dQ by the convert kernel.
 //
-// FT_HOPPER_BWD_PLANTED_BUG (tests only; 0 in every rendered kernel): 1 leaves out the proxy
-// fence between the threads' dS stores and the wgmma that reads them.
+// FT_HOPPER_BWD_PLANTED_BUG (tests only; 0 in every rendered kernel): 1 leaves out the block
+// barrier between the dS stores and the dQ wgmma that reads every warpgroup's dS rows.
 #pragma once
 
 #include "hopper_fwd.cuh"  // load_tile (swizzled cp.async rows), wgmma.cuh
@@ -296,8 +296,8 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
             smem + Tr::kDsOffset + Tr::chunk_offset(kBlockM, col, key / 8) + (key % 8) * 2) =
             static_cast<unsigned short>(Tr::Ops::pack(acc_dp[e], 0.0f) & 0xFFFFu);
       }
-      if constexpr (FT_HOPPER_BWD_PLANTED_BUG != 1) fence_proxy_async();
-      block_sync();  // the whole dS tile is written
+      fence_proxy_async();  // this thread's dS stores (generic proxy) before wgmma reads
+      if constexpr (FT_HOPPER_BWD_PLANTED_BUG != 1) block_sync();  // the whole dS tile is written
 
       float acc_dq[Tr::kDqCols / 2];
       wgmma_fence();

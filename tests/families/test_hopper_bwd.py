@@ -9,6 +9,7 @@ the full grid."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import random
@@ -180,6 +181,22 @@ def _sweep_cases() -> list[Case]:
 @pytest.mark.parametrize("case", _sweep_cases(), ids=_case_id)
 def test_full_matrix_in_the_emulator(case: Case) -> None:
     _check(*case)
+
+
+@pytest.mark.emulator
+def test_a_missing_barrier_before_the_dq_wgmma_is_caught() -> None:
+    """Planted: no block barrier between the dS stores and the dQ wgmma, which reads both
+    warpgroups' rows of dS: in either thread order one warpgroup reads rows the other has
+    not written yet, and dQ comes out wrong (dK and dV, which take dS from registers, not)."""
+    problem = _problem(64, DType.FP16, False)
+    source = families.render(problem, _config(128))
+    source = dataclasses.replace(source,
+                                 options=(*source.options, "-DFT_HOPPER_BWD_PLANTED_BUG=1"))
+    for schedule in Schedule:
+        kernel = EmulatorBackend(options=LaunchOptions(schedule=schedule)).load(source)
+        verdict = verify(kernel, Shape(1, 1, 1, 64, 128), "cpu", seed=SEED)
+        assert not verdict.ok and "dq_accum" in verdict.message, (schedule, verdict.message)
+        assert "dk:" not in verdict.message and "dv:" not in verdict.message, verdict.message
 
 
 def _gradients(head_dim: int, dtype: DType, causal: bool, shape: Shape, config: KernelConfig,
