@@ -117,12 +117,13 @@ def _print(profile: KernelProfile) -> None:
     if per_iteration is not None and profile.loop_mix is not None:
         per_tile = profile.tensor_flops_per_tile
         console.print(f"main loop tensor FLOPs per iteration: {per_iteration} (the warp's "
-                      f"{profile.loop_mix.mma_flops} x {profile.config.num_warps} compute "
+                      f"{profile.loop_mix.mma_flops} x {profile.compute_warps} compute "
                       "warps)" + ("" if per_tile is None else
                                   f"; per K/V tile 4 x {profile.config.block_m} x "
                                   f"{profile.config.block_n} x head dim = {per_tile}"),
                       highlight=False)
     _print_loop_budget(console, profile)
+    _print_reference_loop(console, profile)
     occ = profile.occupancy
     waves = f"; {pred.waves:.2f} waves on {profile.gpu.sm_count} SMs" if pred else ""
     console.print(f"occupancy on {profile.arch}: {occ.blocks_per_sm} blocks/SM, "
@@ -168,6 +169,21 @@ def _print_loop_budget(console: Console, profile: KernelProfile) -> None:
     table.add_row("executed when no row max changed",
                   *(str(lp.executed_min) for lp in loops.values()))
     console.print(table)
+
+
+def _print_reference_loop(console: Console, profile: KernelProfile) -> None:
+    """The measured reference kernel's loop beside this one's, and their ratio per tensor
+    FLOP (the busiest loop the finder found: unmasked, else masked)."""
+    from flashtune.perf.sass.reference_loops import reference_loop
+
+    ref = reference_loop(profile.problem)
+    if ref is None or profile.loop_mix is None or profile.loop_mix.mma_flops == 0:
+        return
+    ours, flops = profile.loop_mix.total, profile.loop_mix.mma_flops
+    console.print(f"reference: {ref.kernel}: {ref.instructions} instructions per warp per "
+                  f"iteration for {ref.tensor_flops} tensor FLOPs; this kernel: {ours} for "
+                  f"{flops}; instructions per tensor FLOP, this / reference = "
+                  f"{ref.ratio(ours, flops):.2f}", highlight=False)
 
 
 def _print_counters(console: Console, profile: KernelProfile) -> None:

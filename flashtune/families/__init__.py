@@ -23,6 +23,7 @@ _families: dict[str, KernelFamily] = {}
 def _builtins() -> None:
     from flashtune.families.bwd import BACKWARD, BACKWARD_DETERMINISTIC
     from flashtune.families.bwd.rows import CONVERT, PREPROCESS
+    from flashtune.families.bwd90a import HOPPER_BACKWARD
     from flashtune.families.combine import COMBINE
     from flashtune.families.decode import DECODE
     from flashtune.families.fwd import FORWARD
@@ -32,7 +33,8 @@ def _builtins() -> None:
     from flashtune.families.lse import LSE
 
     for family in (FORWARD, BACKWARD, BACKWARD_DETERMINISTIC, PREPROCESS, CONVERT, LSE,
-                   DECODE, COMBINE, HOPPER_FORWARD, HOPPER_WS_FORWARD, FORWARD_FP8):
+                   DECODE, COMBINE, HOPPER_FORWARD, HOPPER_WS_FORWARD, FORWARD_FP8,
+                   HOPPER_BACKWARD):
         _families.setdefault(family.op, family)
 
 

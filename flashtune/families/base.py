@@ -366,6 +366,13 @@ class KernelFamily(ABC):
         says so here; the KernelSource carries the count, and every launch, the emulator,
         the resource check and the cost model read it from there or from this hook."""
         return config.threads
+
+    def compute_warps(self, problem: Problem, config: KernelConfig) -> int:
+        """Warps of one block that issue the tensor-core math (default: the config's warps;
+        a producer warpgroup does not). ``profile`` multiplies a warp's main-loop FLOPs by
+        it."""
+        return config.num_warps
+
     def render_params(self, problem: Problem, config: KernelConfig
                       ) -> dict[str, TemplateValue]:
         """``template_params`` and, with an ``abi``, the rendered parameter list of the

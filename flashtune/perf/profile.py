@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.errors import InvalidConfig
-from flashtune.families import render
+from flashtune.families import of, render
 from flashtune.perf.model.algorithm import mma_head_dim
 from flashtune.perf.model.baselines import PublishedFigure, published_figures
 from flashtune.perf.model.costmodel import DEFAULT_PARAMS, ModelParams, Prediction, predict
@@ -56,10 +56,15 @@ class KernelProfile:
     @property
     def tensor_flops_per_iteration(self) -> int | None:
         """Tensor FLOPs one main-loop iteration of the whole block computes (each warp's
-        share, HMMA or its quarter of a wgmma, times the config's compute warps)."""
+        share, HMMA or its quarter of a wgmma, times the block's compute warps)."""
         if self.loop_mix is None:
             return None
-        return self.loop_mix.mma_flops * self.config.num_warps
+        return self.loop_mix.mma_flops * self.compute_warps
+
+    @property
+    def compute_warps(self) -> int:
+        """Warps of the block that issue the tensor-core math (the family's count)."""
+        return of(self.problem).compute_warps(self.problem, self.config)
 
     @property
     def tensor_flops_per_tile(self) -> int | None:

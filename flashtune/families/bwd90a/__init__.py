@@ -1,0 +1,98 @@
+"""The sm_90a backward family: FlashAttention's backward main kernel on wgmma for compute
+capability 9.0 (``--op bwd90a``).
+
+Same arguments, outputs, reference and tolerances as the mma.sync backward (``bwd``), whose
+preprocess and convert row kernels surround it: one block per key tile (one warpgroup per 64
+keys) steps over the query tiles, with S^T = K Q^T and dP^T = V dO^T by wgmma from swizzled
+shared memory, P^T recomputed from the LSE, dV += P^T dO and dK += dS^T Q by wgmma with A
+from registers (kept in float32 registers across the query loop), and dQ = dS K by wgmma
+from the dS tile in shared memory, added to the float32 accumulator with atomics or, with
+``dqmode=split``, into the block's own slice (deterministic: bitwise equal over block
+orders). Loads are by all threads with cp.async (no producer warpgroup, TMA or stage ring in
+this version; templates/hopper_bwd.cuh). Head dims 64 and 128, causal with the query tiles
+above the diagonal skipped, GQA/MQA (dK, dV summed over the group in the block). It serves
+no op yet: a family to compile, verify and tune on sm_90a.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.params import ParamSpace, Point, Value
+from flashtune.codegen.render import TemplateValue
+from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.errors import InvalidConfig, InvalidProblem
+from flashtune.families.base import element_params
+from flashtune.families.bwd import BackwardFamily
+from flashtune.families.bwd90a import space
+
+
+class HopperBackwardFamily(BackwardFamily):
+    """The attention backward main kernel on wgmma (sm_90a); serves no op."""
+
+    op = "bwd90a"
+    title = "attention backward on wgmma for sm_90a (dK, dV and the float32 dQ accumulator)"
+    template = "hopper_bwd.cu.jinja"
+    target_arch: ClassVar[str | None] = "sm_90a"
+    serves: ClassVar[str | None] = None
+    #: No attention features yet: problems with them stay on the mma.sync backward.
+    features: ClassVar[frozenset[str]] = frozenset()
+
+    def check_problem(self, problem: Problem) -> None:
+        super().check_problem(problem)
+        if problem.head_dim not in space.HEAD_DIMS:
+            raise InvalidProblem(
+                f"head_dim={problem.head_dim}: the sm_90a backward takes head dims "
+                f"{space.HEAD_DIMS} (whole 128-byte swizzle panels, dK and dV in registers); "
+                "the mma.sync backward (op 'bwd') serves the others")
+
+    def space(self, problem: Problem) -> ParamSpace:
+        return space.SPACE
+
+    def config(self, point: Point) -> KernelConfig:
+        """The config of a point: num_warps is a warpgroup's 4 (one 16-row slab each of the
+        64-row query tile); the block has one such warpgroup per 64 keys (``threads``)."""
+        block_m = point["block_m"]
+        if not isinstance(block_m, int):
+            raise InvalidConfig(f"block_m={block_m!r} must be an int")
+        return KernelConfig.from_dict({**point, "num_warps": space.WARPS})
+
+    def threads(self, problem: Problem, config: KernelConfig) -> int:
+        """128 threads (a warpgroup) per 64 keys of the key tile."""
+        return space.threads(config)
+
+    def compute_warps(self, problem: Problem, config: KernelConfig) -> int:
+        """Every warp of the block issues wgmma (no producer warpgroup)."""
+        return space.threads(config) // 32
+
+    def point(self, config: KernelConfig) -> dict[str, Value]:
+        return {"block_m": config.block_m, "block_n": config.block_n,
+                "num_stages": config.num_stages, "dqmode": space.dq_mode(config)}
+
+    def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
+        return space.static_check(problem, config, arch)
+
+    def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
+        """Two warpgroups over 128 keys (FA3's block_n at head dims 64 and 128), query tiles
+        of 64 rows, dQ by float32 atomics."""
+        config = self.config({"block_m": 64, "block_n": 128, "num_stages": 1,
+                              "dqmode": space.DQ_ATOMIC})
+        return self.fitting(problem, config, arch)
+
+    def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
+        return ("two warpgroups over 128 keys and query tiles of 64 rows (FA3's sm90 tiles at "
+                "head dims 64 and 128); dQ by float32 atomics")
+
+    def template_params(self, problem: Problem, config: KernelConfig
+                        ) -> dict[str, TemplateValue]:
+        return {"head_dim": problem.head_dim, **element_params(problem),
+                "causal": problem.causal, "block_m": config.block_m,
+                "block_n": config.block_n,
+                "dq_split": space.dq_mode(config) == space.DQ_SPLIT}
+
+    def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
+        return space.smem_bytes(problem, config)
+
+
+HOPPER_BACKWARD = HopperBackwardFamily()
