@@ -23,7 +23,7 @@ _families: dict[str, KernelFamily] = {}
 def _builtins() -> None:
     from flashtune.families.bwd import BACKWARD, BACKWARD_DETERMINISTIC
     from flashtune.families.bwd.rows import CONVERT, PREPROCESS
-    from flashtune.families.bwd90a import HOPPER_BACKWARD
+    from flashtune.families.bwd90a import HOPPER_BACKWARD, HOPPER_BACKWARD_DETERMINISTIC
     from flashtune.families.combine import COMBINE
     from flashtune.families.decode import DECODE
     from flashtune.families.fwd import FORWARD
@@ -34,7 +34,7 @@ def _builtins() -> None:
 
     for family in (FORWARD, BACKWARD, BACKWARD_DETERMINISTIC, PREPROCESS, CONVERT, LSE,
                    DECODE, COMBINE, HOPPER_FORWARD, HOPPER_WS_FORWARD, FORWARD_FP8,
-                   HOPPER_BACKWARD):
+                   HOPPER_BACKWARD, HOPPER_BACKWARD_DETERMINISTIC):
         _families.setdefault(family.op, family)
 
 

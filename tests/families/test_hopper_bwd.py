@@ -17,7 +17,7 @@ import re
 
 import pytest
 import torch
-from grad_helpers import attention_reference, gradients, within_rule
+from grad_helpers import attention_reference, error_ratios, gradients, within_rule
 from hopper_sample import hgmma_shapes
 
 from flashtune import families
@@ -26,6 +26,7 @@ from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.errors import InvalidConfig, InvalidProblem
 from flashtune.families.base import torch_dtype
 from flashtune.families.bwd90a import HOPPER_BACKWARD, space
+from flashtune.runtime import plans
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
 from flashtune.runtime.launch import prepare, verify
 from flashtune.toolchain.compiler import compile_source
@@ -51,9 +52,18 @@ def _config(block_n: int, dqmode: str = space.DQ_ATOMIC) -> KernelConfig:
 # ------------------------------------------------------------------ registry and rules
 
 
-def test_registered_as_an_sm90a_family_serving_no_op() -> None:
+def test_registered_as_sm90a_families_serving_the_backward() -> None:
+    """bwd90a serves ``bwd`` and its deterministic restriction bwd90adet serves ``bwddet``
+    (the split dQ mode only: the atomic mode is refused naming why)."""
     assert families.get("bwd90a") is HOPPER_BACKWARD
-    assert HOPPER_BACKWARD.target_arch == "sm_90a" and HOPPER_BACKWARD.serves is None
+    assert HOPPER_BACKWARD.target_arch == "sm_90a" and HOPPER_BACKWARD.serves == "bwd"
+    det = families.get("bwd90adet")
+    assert det.target_arch == "sm_90a" and det.serves == "bwddet"
+    problem = _problem(128, DType.BF16, True)
+    assert {space.dq_mode(c) for c in det.candidates(problem, SM90A)} == {space.DQ_SPLIT}
+    assert space.dq_mode(det.default_config(problem, SM90A)) == space.DQ_SPLIT
+    why = det.static_check(problem, _config(128, space.DQ_ATOMIC), SM90A)
+    assert why is not None and "deterministic sm_90a backward needs dqmode='split'" in why
     source = families.render(_problem(128, DType.BF16, True), _config(128))
     assert source.target == "sm_90a" and source.threads == 256
     assert families.render(_problem(64, DType.FP16, False), _config(64)).threads == 128
@@ -300,3 +310,34 @@ def test_cli_shows_compiles_and_profiles_it_beside_fa3s_backward() -> None:
                       r"(\d+\.\d\d)", text)
     assert found is not None, text
     assert float(found[2]) == pytest.approx(int(found[1]) / 486, abs=0.005)
+
+
+# ------------------------------------------------------------------ serving
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("deterministic", (False, True), ids=("atomic", "deterministic"))
+def test_a_training_step_on_a_virtual_sm90a_runs_it_within_the_rule(
+        monkeypatch: pytest.MonkeyPatch, deterministic: bool) -> None:
+    """``flashtune.attention`` and ``loss.backward()`` on the emulator as a virtual sm_90a
+    device: the backward's main kernel is bwd90a (bwd90adet when deterministic), its
+    gradients within flash-attn's rule against float64 autograd (GQA, causal, odd lengths),
+    and as close to the mma.sync backward's (the same call on a virtual sm_90) as the rule
+    allows."""
+    rng = random.Random(f"{SEED}train{deterministic}")
+    dtype = torch_dtype(rng.choice(list(DType)))
+    shape, head_dim, seed = (1, 70, 90, 4, 2), rng.choice(HEAD_DIMS), rng.randrange(2**31)
+    monkeypatch.setenv("FLASHTUNE_BACKEND", "emulator")
+    served = {}
+    for arch in ("sm_90", "sm_90a"):
+        monkeypatch.setenv("FLASHTUNE_EMULATOR_ARCH", arch)
+        plans.clear_caches()
+        ratios = error_ratios(shape, head_dim, dtype, True, seed,
+                              deterministic=deterministic)
+        served[arch] = ({p.source.problem.op for p in plans.cached().values()}, ratios)
+    main = "bwd90adet" if deterministic else "bwd90a"
+    portable = "bwddet" if deterministic else "bwd"
+    assert main in served["sm_90a"][0] and portable not in served["sm_90a"][0], served
+    assert portable in served["sm_90"][0] and main not in served["sm_90"][0], served
+    for name in ("dq", "dk", "dv"):  # each within 3x plain PyTorch's error (error_ratios)
+        assert served["sm_90a"][1][name] <= 3.0 and served["sm_90"][1][name] <= 3.0

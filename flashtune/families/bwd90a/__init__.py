@@ -29,13 +29,13 @@ from flashtune.families.bwd90a import space
 
 
 class HopperBackwardFamily(BackwardFamily):
-    """The attention backward main kernel on wgmma (sm_90a); serves no op."""
+    """The attention backward main kernel on wgmma (sm_90a); serves ``bwd`` on cc 9.0."""
 
     op = "bwd90a"
     title = "attention backward on wgmma for sm_90a (dK, dV and the float32 dQ accumulator)"
     template = "hopper_bwd.cu.jinja"
     target_arch: ClassVar[str | None] = "sm_90a"
-    serves: ClassVar[str | None] = None
+    serves: ClassVar[str | None] = "bwd"
     #: No attention features yet: problems with them stay on the mma.sync backward.
     features: ClassVar[frozenset[str]] = frozenset()
 
@@ -48,7 +48,7 @@ class HopperBackwardFamily(BackwardFamily):
                 "the mma.sync backward (op 'bwd') serves the others")
 
     def space(self, problem: Problem) -> ParamSpace:
-        return space.SPACE
+        return space.DETERMINISTIC_SPACE if self.deterministic else space.SPACE
 
     def config(self, point: Point) -> KernelConfig:
         """The config of a point: num_warps is a warpgroup's 4 (one 16-row slab each of the
@@ -71,18 +71,20 @@ class HopperBackwardFamily(BackwardFamily):
                 "num_stages": config.num_stages, "dqmode": space.dq_mode(config)}
 
     def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
-        return space.static_check(problem, config, arch)
+        return space.static_check(problem, config, arch, deterministic=self.deterministic)
 
     def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
         """Two warpgroups over 128 keys (FA3's block_n at head dims 64 and 128), query tiles
-        of 64 rows, dQ by float32 atomics."""
-        config = self.config({"block_m": 64, "block_n": 128, "num_stages": 1,
-                              "dqmode": space.DQ_ATOMIC})
+        of 64 rows, dQ by float32 atomics (the deterministic family: slices)."""
+        mode = space.DQ_SPLIT if self.deterministic else space.DQ_ATOMIC
+        config = self.config({"block_m": 64, "block_n": 128, "num_stages": 1, "dqmode": mode})
         return self.fitting(problem, config, arch)
 
     def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
+        mode = ("per-block slices summed in a fixed order" if self.deterministic
+                else "float32 atomics")
         return ("two warpgroups over 128 keys and query tiles of 64 rows (FA3's sm90 tiles at "
-                "head dims 64 and 128); dQ by float32 atomics")
+                f"head dims 64 and 128); dQ by {mode}")
 
     def template_params(self, problem: Problem, config: KernelConfig
                         ) -> dict[str, TemplateValue]:
@@ -95,4 +97,16 @@ class HopperBackwardFamily(BackwardFamily):
         return space.smem_bytes(problem, config)
 
 
+class HopperDeterministicBackwardFamily(HopperBackwardFamily):
+    """The sm_90a backward main kernel of ``deterministic=True``: dQ in per-block slices
+    only (bitwise equal over block orders); serves ``bwddet`` on cc 9.0."""
+
+    op = "bwd90adet"
+    title = ("attention backward on wgmma for sm_90a, deterministic (dQ slices summed in a "
+             "fixed order)")
+    serves: ClassVar[str | None] = "bwddet"
+    deterministic = True
+
+
 HOPPER_BACKWARD = HopperBackwardFamily()
+HOPPER_BACKWARD_DETERMINISTIC = HopperDeterministicBackwardFamily()

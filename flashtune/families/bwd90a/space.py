@@ -23,7 +23,8 @@ from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.families.base import resource_reason
 from flashtune.families.bwd.space import DQ_ATOMIC, DQ_MODES, DQ_SPLIT, dq_mode
 
-__all__ = ["BLOCK_M", "BLOCK_N", "DQ_ATOMIC", "DQ_MODES", "DQ_SPLIT", "HEAD_DIMS", "SPACE",
+__all__ = ["BLOCK_M", "BLOCK_N", "DETERMINISTIC_SPACE", "DQ_ATOMIC", "DQ_MODES", "DQ_SPLIT",
+           "HEAD_DIMS", "SPACE",
            "WARPS", "accumulator_registers", "dq_mode", "smem_bytes", "static_check", "threads"]
 
 BLOCK_M = (64,)
@@ -33,6 +34,8 @@ HEAD_DIMS = (64, 128)
 
 SPACE = ParamSpace((Param("block_m", BLOCK_M), Param("block_n", BLOCK_N),
                     Param("num_stages", NUM_STAGES), Param("dqmode", DQ_MODES)))
+#: The deterministic family's space (``bwd90adet``): the split mode only.
+DETERMINISTIC_SPACE = ParamSpace((*SPACE.params[:3], Param("dqmode", (DQ_SPLIT,))))
 
 #: The tiles start on a 1024-byte boundary of the shared window (128B swizzle), found at run
 #: time: this much slack is allocated.
@@ -71,12 +74,16 @@ def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
     return problem.head_dim + config.block_m + config.block_m // 2 + dq_cols // 2
 
 
-def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
+def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
+                 deterministic: bool = False) -> str | None:
     """Why ``config`` cannot run ``problem`` on ``arch``, or None when it may (knobs the
     family does not declare are refused before: ``KernelFamily.static_check``)."""
     mode = dq_mode(config)
     if mode not in DQ_MODES:
         return f"dqmode={mode!r} is not a dQ mode; expected one of {list(DQ_MODES)}"
+    if deterministic and mode != DQ_SPLIT:
+        return (f"dqmode={mode!r} sums dQ with float32 atomics in an unspecified order; the "
+                f"deterministic sm_90a backward needs dqmode={DQ_SPLIT!r}")
     if config.block_m not in BLOCK_M or config.block_n not in BLOCK_N:
         return (f"block_m={config.block_m}, block_n={config.block_n}: the sm_90a backward "
                 f"takes block_m in {BLOCK_M} (the M of its dQ wgmma) and block_n in {BLOCK_N} "

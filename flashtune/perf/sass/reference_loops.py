@@ -40,7 +40,7 @@ FA3_BACKWARD_D128_BF16 = {
 }
 
 #: The ops whose loops compare with FA3's backward (the sm_90a backward families).
-_BACKWARD_OPS = frozenset({"bwd90a"})
+_BACKWARD_OPS = frozenset({"bwd90a", "bwd90adet"})
 
 
 def reference_loop(problem: Problem) -> ReferenceLoop | None:
