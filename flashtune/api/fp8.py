@@ -58,12 +58,15 @@ def check_out_dtype(out_dtype: object) -> torch.dtype:
     return out_dtype
 
 
-def check_descale(name: str, value: object, q: torch.Tensor, k: torch.Tensor
-                  ) -> torch.Tensor:
+def check_descale(name: str, value: object, q: torch.Tensor, k: torch.Tensor,
+                  sequences: int | None = None) -> torch.Tensor:
     """The descale factor ``name`` of a call: float32 (batch, heads_kv), contiguous, on q's
-    device (ones for None); InvalidInput naming what is wrong and what is expected."""
-    batch, heads_kv = q.shape[0], k.shape[2]
-    expected = f"a float32 tensor of shape (batch, heads_kv) = ({batch}, {heads_kv})"
+    device (ones for None); InvalidInput naming what is wrong and what is expected.
+    ``sequences``: a packed (varlen) call's number of sequences, each of which has its
+    factors (then q is (1, total_q, Hq, D))."""
+    batch, heads_kv = (q.shape[0] if sequences is None else sequences), k.shape[2]
+    rows = "batch" if sequences is None else "num_sequences"
+    expected = f"a float32 tensor of shape ({rows}, heads_kv) = ({batch}, {heads_kv})"
     if value is None:
         return torch.ones(batch, heads_kv, dtype=torch.float32, device=q.device)
     if not isinstance(value, torch.Tensor):
@@ -73,7 +76,8 @@ def check_descale(name: str, value: object, q: torch.Tensor, k: torch.Tensor
                            f"it with {name}.float()")
     if tuple(value.shape) != (batch, heads_kv):
         raise InvalidInput(f"{name} has shape {tuple(value.shape)}; expected {expected} "
-                           "(one factor per batch entry and KV head, as FlashAttention-3's)")
+                           f"(one factor per {'batch entry' if sequences is None else 'sequence'}"
+                           " and KV head, as FlashAttention-3's)")
     if value.device != q.device:
         raise InvalidInput(f"{name} is on {value.device} but q is on {q.device}; move it with "
                            f"{name}.to(q.device)")
@@ -99,16 +103,19 @@ def fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Vari
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (B, Nq, Hq, D) of ``out_dtype`` and the float32 LSE (B, Hq, Nq) of e4m3 inputs,
     launched on the current stream. ``variant``: the call's validated mask and features
-    (``api.variants.resolve``); ``softmax_scale`` None: 1/sqrt(D); ``backend`` "" means the
-    FLASHTUNE_BACKEND setting."""
+    (``api.variants.resolve``; with ``varlen`` q, k and v are packed as (1, total, H, D) and
+    the descales are per sequence); ``softmax_scale`` None: 1/sqrt(D); ``backend`` "" means
+    the FLASHTUNE_BACKEND setting."""
     check_fp8_attention_inputs(q, k, v)
     scale = check_softmax_scale(softmax_scale, q.shape[3])
     out_type = check_out_dtype(out_dtype)
-    scales = tuple(check_descale(name, value, q, k)
+    varlen = variant.varlen
+    scales = tuple(check_descale(name, value, q, k, None if varlen is None else varlen.batch)
                    for name, value in zip(DESCALES, descales, strict=True))
     name = backend or settings.BACKEND.get()
-    plan = plans.plan_for(q, variant.causal, name, "fwd8", variant.features,
-                          max(q.shape[1], k.shape[1]),
+    longest = (max(q.shape[1], k.shape[1]) if varlen is None
+               else max(varlen.max_seqlen_q, varlen.max_seqlen_k))
+    plan = plans.plan_for(q, variant.causal, name, "fwd8", variant.features, longest,
                           o_dtype=out_type)
     batch, seqlen_q, heads_q, head_dim = q.shape
     out = torch.empty(batch, seqlen_q, heads_q, head_dim, dtype=out_type, device=q.device)

@@ -10,6 +10,7 @@ synchronisation per call), so that a plain call never synchronises with the host
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 
 import torch
 
@@ -78,15 +79,19 @@ def _check_values(cu: torch.Tensor, name: str, total: int, longest: int,
 
 def check_varlen_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         cu_seqlens_q: object, cu_seqlens_k: object, max_seqlen_q: object,
-                        max_seqlen_k: object) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+                        max_seqlen_k: object,
+                        check: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+                        = check_attention_inputs
+                        ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) validated; InvalidInput with
     the fix otherwise. q is (total_q, Hq, D), k and v (total_k, Hkv, D) with non-empty
-    packed tensors (see the module doc for which value checks run)."""
+    packed tensors (see the module doc for which value checks run); ``check`` validates the
+    tensors as one batch entry (the FP8 forward passes its own)."""
     _check_packed(q, k, v)
     if q.shape[0] == 0 or k.shape[0] == 0:
         raise InvalidInput(f"q has {q.shape[0]} rows and k {k.shape[0]}; expected at least one "
                            "token in each packed tensor")
-    check_attention_inputs(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
+    check(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0))
     cu_q = _check_cu(cu_seqlens_q, "cu_seqlens_q", q)
     cu_k = _check_cu(cu_seqlens_k, "cu_seqlens_k", q)
     if cu_q.shape != cu_k.shape:

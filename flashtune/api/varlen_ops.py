@@ -23,9 +23,11 @@ import torch
 from flashtune.api import backward as _bwd
 from flashtune.api import dropout as _dropout
 from flashtune.api import forward as _fwd
+from flashtune.api import fp8 as _fp8
 from flashtune.api.flex import MaskModFn, ScoreModFn, modified_forward, refuse_grad
 from flashtune.api.limits import check_softmax_scale
 from flashtune.api.ops import deterministic_flag, direct_call_ok
+from flashtune.api.validate import check_fp8_attention_inputs
 from flashtune.api.validate_varlen import check_varlen_inputs
 from flashtune.api.variants import (
     NO_WINDOW,
@@ -169,7 +171,9 @@ def attention_varlen(
     alibi_slopes: torch.Tensor | None = ..., return_lse: Literal[False] = ...,
     backend: str | None = ..., sinks: torch.Tensor | None = ...,
     score_mod: ScoreModFn | None = ..., mask_mod: MaskModFn | None = ...,
-    dropout_p: float = ..., deterministic: bool | None = ...) -> torch.Tensor: ...
+    dropout_p: float = ..., deterministic: bool | None = ...,
+    q_descale: torch.Tensor | None = ..., k_descale: torch.Tensor | None = ...,
+    v_descale: torch.Tensor | None = ..., out_dtype: torch.dtype | None = ...) -> torch.Tensor: ...
 
 
 @overload
@@ -181,7 +185,9 @@ def attention_varlen(
     softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...,
     sinks: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
     mask_mod: MaskModFn | None = ..., dropout_p: float = ...,
-    deterministic: bool | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+    deterministic: bool | None = ...,
+    q_descale: torch.Tensor | None = ..., k_descale: torch.Tensor | None = ...,
+    v_descale: torch.Tensor | None = ..., out_dtype: torch.dtype | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention_varlen(
@@ -205,6 +211,10 @@ def attention_varlen(
     mask_mod: MaskModFn | None = None,
     dropout_p: float = 0.0,
     deterministic: bool | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over a batch of sequences of different lengths, packed (flash-attn's
     ``flash_attn_varlen_func`` layout).
@@ -228,7 +238,23 @@ def attention_varlen(
     ``torch.use_deterministic_algorithms``). ``score_mod`` and ``mask_mod`` are as in
     ``attention``, per sequence (``b`` is the sequence's index and ``q_idx``, ``kv_idx``
     positions within it): forward only, as there.
+
+    torch.float8_e4m3fn q, k and v go to the FP8 forward as in ``attention``, with
+    ``q_descale``, ``k_descale``, ``v_descale`` float32 (num_sequences, heads_kv) (one
+    factor per sequence and KV head; None: 1.0) and ``out_dtype`` (torch.bfloat16, the
+    default, or torch.float16); causal, GQA, ``window_size``, ``softcap``, ``alibi_slopes``
+    and ``sinks`` are served, forward only.
     """
+    descales = (q_descale, k_descale, v_descale)
+    if _fp8.is_fp8(q):
+        return _fp8_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           causal, softmax_scale, window_size, softcap, alibi_slopes,
+                           return_lse, backend, sinks, descales, out_dtype,
+                           modified=score_mod is not None or mask_mod is not None,
+                           dropout=dropout_p != 0.0)
+    if isinstance(q, torch.Tensor) and (out_dtype is not None or any(
+            d is not None for d in descales)):
+        _fp8.refuse_fp8_arguments(q, descales, out_dtype)
     dim = None
     if isinstance(q, torch.Tensor) and not q.is_nested and q.dim() and q.shape[-1] % 8:
         q, k, v, dim = pad_head_dim(q, k, v)  # any head dim: one zero-padded copy each
@@ -272,3 +298,28 @@ def attention_varlen(
     if dim is not None:
         out = out[..., :dim]
     return (out, lse) if return_lse else out
+
+
+def _fp8_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: object,
+                cu_seqlens_k: object, max_seqlen_q: object, max_seqlen_k: object,
+                causal: object, softmax_scale: float | None, window_size: tuple[int, int],
+                softcap: float | None, alibi_slopes: torch.Tensor | None, return_lse: bool,
+                backend: str | None, sinks: torch.Tensor | None,
+                descales: tuple[torch.Tensor | None, ...], out_dtype: torch.dtype | None, *,
+                modified: bool, dropout: bool
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``attention_varlen`` of e4m3 q, k, v: the FP8 forward over the pack (one batch entry
+    of total rows whose sequences the kernel reads from the cumulative lengths)."""
+    _fp8.refuse_features(score_mod=modified, mask_mod=modified, dropout_p=dropout)
+    cu_q, cu_k, longest_q, longest_k = check_varlen_inputs(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        check=check_fp8_attention_inputs)
+    if not isinstance(causal, bool):
+        raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
+    varlen = VarlenArgs(cu_q, cu_k, longest_q, longest_k)
+    variant = resolve(causal, window_size, softcap, alibi_slopes, q, varlen.batch,
+                      (longest_q, longest_k), varlen, sinks)
+    out, lse = _fp8.fp8_forward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), variant,
+                                softmax_scale, "" if backend is None else backend,
+                                (descales[0], descales[1], descales[2]), out_dtype)
+    return (out[0], lse[0]) if return_lse else out[0]

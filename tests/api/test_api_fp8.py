@@ -178,3 +178,56 @@ def test_an_arch_without_fp8_mma_is_refused_naming_it(monkeypatch: pytest.Monkey
             flashtune.attention(q, k, v, backend="emulator")
     finally:
         plans.clear_caches()
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+def test_fp8_attention_varlen_matches_float64_per_sequence(causal: bool) -> None:
+    """``attention_varlen`` of e4m3 packs: four sequences (one without queries, one without
+    keys: O = 0, LSE = +inf there), GQA 4:2, descales per (sequence, KV head), causal aligned
+    to each sequence's bottom-right corner; every row against float64 of its own sequence."""
+    seed = SEED + 7 + causal
+    gen = torch.Generator().manual_seed(seed)
+    lens_q, lens_k, heads_q, heads_kv, dim = [5, 0, 40, 9], [20, 7, 33, 0], 4, 2, 64
+    q, k, v = (torch.randn(sum(lens), heads, dim, generator=gen).to(E4M3)
+               for lens, heads in ((lens_q, heads_q), (lens_k, heads_kv), (lens_k, heads_kv)))
+    lo, hi = RANDOM_DESCALE
+    qd, kd, vd = (lo + (hi - lo) * torch.rand(len(lens_q), heads_kv, generator=gen)
+                  for _ in range(3))
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+                  for lens in (lens_q, lens_k))
+    o, lse = flashtune.attention_varlen(
+        q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal, q_descale=qd,
+        k_descale=kd, v_descale=vd, return_lse=True, backend="emulator")
+    assert o.dtype == torch.bfloat16 and o.shape == q.shape and lse.shape == (heads_q, len(q))
+    scale = dim ** -0.5
+    for b, (sq, sk) in enumerate(zip(lens_q, lens_k, strict=True)):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if sq == 0:
+            continue
+        if sk == 0:
+            assert bool((o[rows] == 0).all()) and bool((lse[:, rows] == float("inf")).all())
+            continue
+        ref_o, ref_lse = reference(q[None, rows], k[None, keys], v[None, keys], qd[b:b + 1],
+                                   kd[b:b + 1], vd[b:b + 1], causal, scale)
+        assert_within(o[None, rows], lse[None, :, rows], ref_o, ref_lse, seed)
+
+
+def test_fp8_attention_varlen_refusals_name_the_fix() -> None:
+    """Descales of the batch's shape instead of (num_sequences, heads_kv), a score_mod, and
+    FP8 arguments beside 16-bit packs are refused naming the argument."""
+    q, k, v = (torch.randn(12, h, 64).to(E4M3) for h in (4, 2, 2))
+    cu = torch.tensor([0, 4, 12], dtype=torch.int32)
+    with pytest.raises(InvalidInput, match=r"q_descale has shape \(1, 2\); expected a float32 "
+                                           r"tensor of shape \(num_sequences, heads_kv\) = "
+                                           r"\(2, 2\) \(one factor per sequence"):
+        flashtune.attention_varlen(q, k, v, cu, cu, 8, 8, q_descale=torch.ones(1, 2),
+                                   backend="emulator")
+    with pytest.raises(FeatureNotSupported, match="score_mod"):
+        flashtune.attention_varlen(q, k, v, cu, cu, 8, 8, score_mod=lambda s, b, h, i, j: s,
+                                   backend="emulator")
+    qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+    with pytest.raises(InvalidInput, match=r"out_dtype=torch.float16 with torch.bfloat16"):
+        flashtune.attention_varlen(qb, kb, vb, cu, cu, 8, 8, out_dtype=torch.float16,
+                                   backend="emulator")
