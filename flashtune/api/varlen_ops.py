@@ -187,7 +187,8 @@ def attention_varlen(
     mask_mod: MaskModFn | None = ..., dropout_p: float = ...,
     deterministic: bool | None = ...,
     q_descale: torch.Tensor | None = ..., k_descale: torch.Tensor | None = ...,
-    v_descale: torch.Tensor | None = ..., out_dtype: torch.dtype | None = ...) -> tuple[torch.Tensor, torch.Tensor]: ...
+    v_descale: torch.Tensor | None = ..., out_dtype: torch.dtype | None = ...
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention_varlen(
