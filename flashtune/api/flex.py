@@ -8,7 +8,8 @@ kernels are keyed, cached and tuned like a built-in feature's) and runs the mma.
 with it; captured tensors are passed as kernel arguments on every call (their values may
 change between calls; their number, dims and kinds are part of the key). Gradients flow to
 q, k, v and the captured float tensors that require grad (``api.flex_grad``); varlen calls
-with a modification are forward only (BackwardNotAvailable), and so is decoding.
+with a modification give q, k and v their gradients, not captured tensors
+(BackwardNotAvailable); decoding is forward only.
 """
 
 from __future__ import annotations
@@ -65,11 +66,19 @@ def modified_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant:
     traced ``score_mod`` / ``mask_mod``; ``block_mask``: the kernels walk only the tiles it
     marks non-empty (its ``mask_mod`` is then the one traced). Recorded for autograd when
     q, k, v or a captured float tensor requires grad (``api.flex_grad``; the backward is
-    deterministic with ``deterministic``); varlen calls are forward only."""
+    deterministic with ``deterministic``); varlen calls give no captured tensor a gradient
+    (BackwardNotAvailable)."""
     traced = trace(score_mod, mask_mod, tiles=block_mask is not None)
     if variant.varlen is not None:
-        refuse_grad(q, k, v, *traced.captured, what="varlen attention with a score_mod or "
-                    "mask_mod")
+        # dQ, dK and dV flow through packs; a captured tensor's gradient is reduced from a
+        # dense (B, Hq, Nq, Nk) dscore buffer, which a pack has no layout for.
+        if torch.is_grad_enabled() and traced.grad_slots():
+            raise BackwardNotAvailable(
+                "a captured tensor of this varlen call's score_mod requires grad, and "
+                "attention_varlen gives gradients to q, k and v only (a captured tensor's "
+                "gradient needs the dense (batch, heads, Nq, Nk) layout); expected captured "
+                "tensors that do not require grad (pass bias.detach()), or call attention "
+                "on padded (batch, seqlen, heads, head_dim) tensors for the bias's gradient")
     name = traced_feature(traced)
     values = traced.values(q.device)
     with_mod = replace(variant, traced=(name,), mods=values)

@@ -24,7 +24,7 @@ from flex_fixtures import (  # noqa: F401  (forget_traced_features: autouse)
     forget_traced_features,
     random_flashmask,
 )
-from grad_helpers import Grads, gradients, within_rule
+from grad_helpers import Grads, gradients, packed_inputs, per_sequence, within_rule
 
 import flashtune
 from flashtune.api import flex_mods
@@ -197,10 +197,53 @@ def test_an_operation_without_a_derivative_is_refused_before_running() -> None:
         flashtune.flex_attention(q, q, q, stepped, backend="emulator")
 
 
-@pytest.mark.usefixtures("dispatcher")
-def test_varlen_gradients_through_a_modification_are_refused_not_wrong() -> None:
-    q = torch.randn(20, 2, 32, dtype=torch.float16, requires_grad=True)
-    cu = torch.tensor([0, 8, 20], dtype=torch.int32)
-    with pytest.raises(BackwardNotAvailable, match="varlen attention with a score_mod"):
-        flashtune.attention_varlen(q, q.detach(), q.detach(), cu, cu, 12, 12,
-                                   score_mod=flex_mods.softcap(5.0), backend="emulator")
+@pytest.mark.usefixtures("dispatcher", "poisoned_outputs")
+@pytest.mark.parametrize("deterministic", (False, True), ids=("atomic", "deterministic"))
+def test_varlen_gradients_through_a_modification(deterministic: bool) -> None:
+    """attention_varlen with a score_mod and a mask_mod gives dQ, dK, dV within flash-attn's
+    rule against float64 autograd of the same functions applied per sequence (b its index,
+    q_idx and kv_idx positions within it), over a pack with an empty-query and an empty-key
+    sequence, GQA 4:2; a captured tensor that requires grad is refused naming the fix."""
+    seed = _SEED + 11 + deterministic
+    gen = torch.Generator().manual_seed(seed)
+    lens_q, lens_k, heads, heads_kv, dim = [33, 0, 70, 9], [50, 7, 70, 0], 4, 2, 64
+    (q, k, v), dout, cu_q, cu_k = packed_inputs(lens_q, lens_k, heads, heads_kv, dim,
+                                                torch.float16, seed)
+    slopes = torch.rand(heads, generator=gen)
+
+    def score_mod(s: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return s - slopes[h] * torch.abs(q_idx - kv_idx) / 8 + 0.25 * b
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return kv_idx <= q_idx + 3 * b
+
+    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = flashtune.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                         score_mod=score_mod, mask_mod=mask_mod,
+                                         deterministic=deterministic, backend="emulator")
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def plain(dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+        def attend(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, b: int
+                   ) -> torch.Tensor:
+            def at_b(s: Any, _: Any, h: Any, i: Any, j: Any) -> Any:
+                return score_mod(s, b, h, i, j)
+
+            def mask_b(_: Any, h: Any, i: Any, j: Any) -> Any:
+                return mask_mod(b, h, i, j)
+            bhsd = (t.transpose(1, 2) for t in (qb, kb, vb))
+            return dense(*bhsd, dim ** -0.5, at_b, mask_b, dtype)[0].transpose(1, 2)
+        return per_sequence(attend, cu_q, cu_k)
+
+    inputs = (q, k, v)
+    got = gradients(ours, inputs, dout)
+    low = gradients(plain(torch.float16), inputs, dout)
+    exact = gradients(plain(torch.float64), tuple(t.double() for t in inputs), dout)
+    within_rule(got, low, exact, f"varlen modified seed={seed}")
+    learned = slopes.clone().requires_grad_()
+    with pytest.raises(BackwardNotAvailable, match=r"captured tensor .* requires grad.*"
+                                                   r"bias.detach\(\)"):
+        flashtune.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
+                                   score_mod=lambda s, b, h, i, j: s + learned[h],
+                                   backend="emulator")
