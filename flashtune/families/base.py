@@ -121,6 +121,23 @@ class Inputs:
     scalars: Mapping[str, float]
 
 
+def timing_window(shape: ShapeLike) -> tuple[int, int]:
+    """The (left, right) window a tuning run times a window problem's ``shape`` with, and
+    the cost model predicts it with: a quarter of the keys to the left, none to the right,
+    as sliding-window models serve (Mistral's 4,096 keys of 16k-32k contexts). Verification
+    draws its windows at random instead."""
+    return max(1, shape.seqlen_k // 4), 0
+
+
+def with_timing_window(inputs: Inputs, shape: ShapeLike) -> Inputs:
+    """``inputs`` with their window sizes, if they have any, set to ``timing_window``."""
+    if "window_left" not in inputs.scalars:
+        return inputs
+    left, right = timing_window(shape)
+    return Inputs(inputs.tensors, {**inputs.scalars, "window_left": left,
+                                   "window_right": right})
+
+
 def generator(device: torch.device | str, seed: int | None) -> torch.Generator:
     """A torch generator on ``device`` seeded with ``seed`` (a fresh random one if None)."""
     gen = torch.Generator(device=device)
@@ -416,8 +433,9 @@ class KernelFamily(ABC):
     def timing_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       shape_class: str = "") -> Inputs:
         """The inputs a tuning run times ``shape`` of a bucket of ``shape_class`` on
-        (default: ``random_inputs``; decoding lays out the cache as the class says)."""
-        return self.random_inputs(problem, shape, device)
+        (default: ``random_inputs`` with a window problem's window set to ``timing_window``;
+        decoding lays out the cache as the class says)."""
+        return with_timing_window(self.random_inputs(problem, shape, device), shape)
 
     #: The shape classes ``flashtune tune`` tunes when none are named (none: one bucket
     #: for every call shape).

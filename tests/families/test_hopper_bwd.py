@@ -63,7 +63,7 @@ def test_registered_as_sm90a_families_serving_the_backward() -> None:
     assert {space.dq_mode(c) for c in det.candidates(problem, SM90A)} == {space.DQ_SPLIT}
     assert space.dq_mode(det.default_config(problem, SM90A)) == space.DQ_SPLIT
     why = det.static_check(problem, _config(128, space.DQ_ATOMIC), SM90A)
-    assert why is not None and "deterministic sm_90a backward needs dqmode='split'" in why
+    assert why is not None and "deterministic backward needs dqmode='split'" in why
     source = families.render(_problem(128, DType.BF16, True), _config(128))
     assert source.target == "sm_90a" and source.threads == 256
     assert families.render(_problem(64, DType.FP16, False), _config(64)).threads == 128

@@ -12,14 +12,19 @@ from test_perf_loops import TWO_LOOPS
 
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.families import render
-from flashtune.perf.model.algorithm import TileMix, analytic_tile_mix, tiles_per_query_block
+from flashtune.perf.model.algorithm import (
+    TileMix,
+    analytic_tile_mix,
+    block_tiles,
+    tiles_per_query_block,
+)
 from flashtune.perf.model.baselines import (
     FA2_D128_LOCAL_PER_TILE,
     fa2_local_per_tile,
     fa2_resources,
 )
 from flashtune.perf.model.costmodel import DEFAULT_PARAMS, predict
-from flashtune.perf.model.loopcost import kernel_loops, masked_tiles, rescale_probability
+from flashtune.perf.model.loopcost import kernel_loops, rescale_probability
 from flashtune.perf.sass.disasm import sass_listing
 from flashtune.perf.sass.loops import main_loop
 from flashtune.perf.sass.parse import parse_sass
@@ -60,10 +65,9 @@ def test_masked_tiles_match_a_brute_force_count(causal: bool, nq: int, nk: int) 
     problem = Problem(64, DType.FP16, causal=causal)
     config = KernelConfig(64, 32, 4, 2)
     shape = Shape(1, 1, 1, nq, nk)
-    tiles = tiles_per_query_block(problem, config, shape)
-    for m_block, count in enumerate(tiles):
-        assert masked_tiles(problem, config, shape, m_block, count) == _brute_masked(
-            problem, config, shape, m_block), (m_block, count)
+    for m_block, block in enumerate(block_tiles(problem, config, shape)):
+        assert block.low == 0
+        assert block.masked == _brute_masked(problem, config, shape, m_block), m_block
 
 
 def test_loop_charges_from_sass() -> None:

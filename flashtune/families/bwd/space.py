@@ -77,15 +77,24 @@ def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
     return dk_dv + max(s_dp, dq)
 
 
-def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
-                 deterministic: bool = False) -> str | None:
-    """Why ``config`` cannot run ``problem`` on ``arch``, or None when it may."""
+def dq_mode_reason(config: KernelConfig, deterministic: bool) -> str | None:
+    """Why ``config``'s dQ mode is refused (not a mode, or atomics in a deterministic
+    family), or None."""
     mode = dq_mode(config)
     if mode not in DQ_MODES:
         return f"dqmode={mode!r} is not a dQ mode; expected one of {list(DQ_MODES)}"
     if deterministic and mode != DQ_SPLIT:
         return (f"dqmode={mode!r} sums dQ with float32 atomics in an unspecified order; the "
                 f"deterministic backward needs dqmode={DQ_SPLIT!r}")
+    return None
+
+
+def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
+                 deterministic: bool = False) -> str | None:
+    """Why ``config`` cannot run ``problem`` on ``arch``, or None when it may."""
+    why = dq_mode_reason(config, deterministic)
+    if why is not None:
+        return why
     if config.num_stages not in NUM_STAGES:
         return f"num_stages={config.num_stages}: the kernel keeps one or two Q/dO buffers"
     over_keys, over_dim = warp_split(config)

@@ -21,7 +21,7 @@ from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.families.base import resource_reason
-from flashtune.families.bwd.space import DQ_ATOMIC, DQ_MODES, DQ_SPLIT, dq_mode
+from flashtune.families.bwd.space import DQ_ATOMIC, DQ_MODES, DQ_SPLIT, dq_mode, dq_mode_reason
 
 __all__ = ["BLOCK_M", "BLOCK_N", "DETERMINISTIC_SPACE", "DQ_ATOMIC", "DQ_MODES", "DQ_SPLIT",
            "HEAD_DIMS", "SPACE",
@@ -78,12 +78,9 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
                  deterministic: bool = False) -> str | None:
     """Why ``config`` cannot run ``problem`` on ``arch``, or None when it may (knobs the
     family does not declare are refused before: ``KernelFamily.static_check``)."""
-    mode = dq_mode(config)
-    if mode not in DQ_MODES:
-        return f"dqmode={mode!r} is not a dQ mode; expected one of {list(DQ_MODES)}"
-    if deterministic and mode != DQ_SPLIT:
-        return (f"dqmode={mode!r} sums dQ with float32 atomics in an unspecified order; the "
-                f"deterministic sm_90a backward needs dqmode={DQ_SPLIT!r}")
+    why = dq_mode_reason(config, deterministic)
+    if why is not None:
+        return why
     if config.block_m not in BLOCK_M or config.block_n not in BLOCK_N:
         return (f"block_m={config.block_m}, block_n={config.block_n}: the sm_90a backward "
                 f"takes block_m in {BLOCK_M} (the M of its dQ wgmma) and block_n in {BLOCK_N} "

@@ -30,20 +30,73 @@ def mma_head_dim(problem: Problem) -> int:
     return -(-problem.head_dim // 16) * 16
 
 
-def tiles_per_query_block(problem: Problem, config: KernelConfig,
-                          shape: ShapeLike) -> list[int]:
-    """K/V tiles each query block (blockIdx.x) visits, as the kernel computes them; the
-    causal diagonal is aligned to the bottom-right corner (row i sees key j iff
-    j <= i + Nk - Nq)."""
+#: A sliding window's (left, right) key counts; -1 is unbounded on that side.
+Window = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class BlockTiles:
+    """The key tiles one query block walks, [low, high), and how many of them run with a
+    mask (the first step always does: its tile can be partial)."""
+
+    low: int
+    high: int
+    masked: int
+
+    @property
+    def count(self) -> int:
+        return self.high - self.low
+
+    def key_rows(self, block_n: int, seqlen_k: int) -> int:
+        """Rows of K (and of V) the block loads: its tiles, the last one cut at Nk."""
+        return max(0, min(self.high * block_n, seqlen_k) - self.low * block_n)
+
+
+def block_tiles(problem: Problem, config: KernelConfig, shape: ShapeLike,
+                window: Window | None = None) -> list[BlockTiles]:
+    """Per query block (blockIdx.x), the key tiles the forward kernel walks and masks, as
+    templates/flash_fwd.cuh computes them: the causal diagonal and a window aligned to the
+    bottom-right corner (row i sees key j iff i + Nk - Nq - left <= j <= i + Nk - Nq +
+    right); a window problem skips the tiles left of every row's window and masks those
+    crossing either edge. ``window``: a window problem's sizes (None: unbounded, which the
+    kernel walks as full attention)."""
     nq, nk = shape.seqlen_q, shape.seqlen_k
+    bm, bn = config.block_m, config.block_n
+    local = problem.window
+    left, right = window if window is not None else (-1, -1)
+    left = nk if left < 0 or left > nk else left      # variant_args.cuh's left()
+    right = nq if right < 0 or right > nq else right  # and right()
     out = []
-    for m_block in range(math.ceil(nq / config.block_m)):
-        n_end = nk
-        if problem.causal:
-            m_end = min(nq, (m_block + 1) * config.block_m)
-            n_end = max(0, min(nk, m_end + nk - nq))
-        out.append(math.ceil(n_end / config.block_n))
+    for m_block in range(math.ceil(nq / bm)):
+        m0, m_end = m_block * bm, min(nq, (m_block + 1) * bm)
+        n_end, n_full, n_begin, n_full_begin = nk, nk, 0, 0
+        if problem.causal or local:
+            reach = right if local else 0
+            n_end = min(nk, m_end + nk - nq + reach)
+            n_full = min(nk, m0 + 1 + nk - nq + reach)
+        if local:
+            n_begin = max(0, m0 + nk - nq - left)
+            n_full_begin = max(0, m_end - 1 + nk - nq - left)
+        if n_end <= n_begin:
+            out.append(BlockTiles(0, 0, 0))
+            continue
+        high = math.ceil(n_end / bn)
+        low = n_begin // bn if local else 0
+        first_masked = 0 if n_full <= 0 else n_full // bn
+        if local:  # after the first step: right-edge tiles, whole ones, left-edge ones
+            left_masked_end = math.ceil(n_full_begin / bn)
+            masked = 1 + sum(1 for t in range(low, high - 1)
+                             if t >= first_masked or t < left_masked_end)
+        else:
+            masked = max(1, high - first_masked)
+        out.append(BlockTiles(low, high, masked))
     return out
+
+
+def tiles_per_query_block(problem: Problem, config: KernelConfig,
+                          shape: ShapeLike, window: Window | None = None) -> list[int]:
+    """How many K/V tiles each query block (blockIdx.x) visits (``block_tiles``)."""
+    return [b.count for b in block_tiles(problem, config, shape, window)]
 
 
 @dataclass(frozen=True)
@@ -128,21 +181,23 @@ class Traffic:
 
 
 def analytic_traffic(problem: Problem, config: KernelConfig, shape: ShapeLike,
-                     *, l2_bytes: int, resident_blocks: int) -> Traffic:
+                     *, l2_bytes: int, resident_blocks: int,
+                     window: Window | None = None) -> Traffic:
     """The algorithm's traffic: Q read once, O (and the LSE) written once, K and V read
     once per query block.
 
     At L2 every request counts. At DRAM K and V count once per kv head while the K/V of the
     heads in flight (about ``resident_blocks`` query blocks at a time, in launch order)
     fit in half the L2; beyond that the re-reads of later query blocks miss, in proportion.
+    ``window``: a window problem's sizes (``block_tiles``).
     """
     e = problem.dtype.itemsize
     d = problem.head_dim
     q_rows = shape.batch * shape.heads_q * shape.seqlen_q
     kv_bytes_per_head = 2 * shape.seqlen_k * d * e
     q_o = q_rows * d * e * 2 + q_rows * 4
-    tiles = tiles_per_query_block(problem, config, shape)
-    kv_requests = (sum(min(t * config.block_n, shape.seqlen_k) for t in tiles)
+    tiles = block_tiles(problem, config, shape, window)
+    kv_requests = (sum(b.key_rows(config.block_n, shape.seqlen_k) for b in tiles)
                    * 2 * d * e * shape.batch * shape.heads_q)
     group = shape.heads_q // shape.heads_kv
     unique_kv = shape.batch * shape.heads_kv * kv_bytes_per_head

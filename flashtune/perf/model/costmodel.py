@@ -48,14 +48,16 @@ from flashtune import families
 from flashtune.codegen.arch import SUBPARTITIONS_PER_SM
 from flashtune.codegen.spec import KernelConfig, Problem, ShapeLike
 from flashtune.errors import InvalidInput, OutOfResources
+from flashtune.families.base import timing_window
 from flashtune.perf.model.algorithm import (
     TileMix,
     Traffic,
+    Window,
     analytic_traffic,
+    block_tiles,
     check_shape,
     mma_head_dim,
     sass_tile_mix,
-    tiles_per_query_block,
 )
 from flashtune.perf.model.gpus import MMA_M16N8K16_FLOPS, GpuSpec, get_gpu
 from flashtune.perf.model.grid import makespan
@@ -274,6 +276,7 @@ def predict(
     counters: TrafficCounters | None = None,
     params: ModelParams = DEFAULT_PARAMS,
     local_per_tile: float | None = None,
+    window: Window | None = None,
 ) -> Prediction:
     """PREDICTED time of ``problem`` with ``config`` on ``shape`` on ``gpu``.
 
@@ -285,12 +288,18 @@ def predict(
     OutOfResources when no block of the kernel fits on an SM, InvalidProblem for a problem
     of another family than the forwards (the model describes a forward's main loop: the
     mma.sync forward's, or on the wgmma path, perf/model/wgmma.py, an sm_90a family's).
+    ``window``: a window problem's (left, right) sizes; the tiles left of every row's window
+    are not walked and those crossing an edge run masked (``algorithm.block_tiles``). None:
+    the window a tuning run times the shape with (``timing_window``).
     """
     path = model_path(problem, config)  # the one arch-specific choice (paths.py)
     check_shape(shape)
     spec = _gpu(gpu)
     notes: list[str] = []
-    tiles = tiles_per_query_block(problem, config, shape)
+    if problem.window and window is None:
+        window = timing_window(shape)
+    blocks = block_tiles(problem, config, shape, window)
+    tiles = [b.count for b in blocks]
     fn = sass if isinstance(sass, SassFunction) else None
     loops = (kernel_loops(fn, problem, config, path.analytic_mix(problem, config))
              if fn is not None else None)
@@ -318,7 +327,7 @@ def predict(
         # the unmasked loop's, both at the block's chance of a rescale.
         durations = []
         for t, (masked, masked_mix, unmasked_mix) in zip(
-                tiles, block_tile_mixes(loops, problem, config, shape, tiles), strict=True):
+                tiles, block_tile_mixes(loops, config, blocks), strict=True):
             masked_s = _cycles(masked_mix, problem, config, spec, occ, params,
                                conflict, path).per_tile / clock
             unmasked_s = _cycles(unmasked_mix, problem, config, spec, occ, params,
@@ -331,7 +340,7 @@ def predict(
     sched = makespan(durations, shape.batch * shape.heads_q, slots)
 
     traffic = analytic_traffic(problem, config, shape, l2_bytes=spec.l2_bytes,
-                               resident_blocks=slots)
+                               resident_blocks=slots, window=window)
     if counters is not None and counters.global_read_bytes is not None:
         write = (counters.global_write_bytes if counters.global_write_bytes is not None
                  else shape.batch * shape.heads_q * shape.seqlen_q * (problem.head_dim * e + 4))

@@ -14,8 +14,9 @@ from dataclasses import asdict, dataclass
 
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.errors import InvalidInput
-from flashtune.families import render
-from flashtune.perf.model.algorithm import tiles_per_query_block
+from flashtune.families import of, render
+from flashtune.families.base import timing_window
+from flashtune.perf.model.algorithm import Window, block_tiles
 from flashtune.perf.model.costmodel import TrafficCounters
 from flashtune.runtime.backends.emulator import EmulatorBackend, EmulatorCounters, LaunchOptions
 
@@ -23,13 +24,17 @@ from flashtune.runtime.backends.emulator import EmulatorBackend, EmulatorCounter
 SAMPLE_SEQLEN = 256
 
 
-def algorithm_read_bytes(problem: Problem, config: KernelConfig, shape: ShapeLike) -> int:
+def algorithm_read_bytes(problem: Problem, config: KernelConfig, shape: ShapeLike,
+                         window: Window | None = None) -> int:
     """Global bytes the forward kernel must read: Q once, and the K and V rows of every
-    tile each query block visits (a partial last tile counts its rows only)."""
+    tile each query block visits (a partial last tile counts its rows only). ``window``: a
+    window problem's sizes (None: ``timing_window``, what the sample runs with)."""
+    if problem.window and window is None:
+        window = timing_window(shape)
     row = problem.head_dim * problem.dtype.itemsize
     q = shape.batch * shape.heads_q * shape.seqlen_q * row
-    kv_rows = sum(min(t * config.block_n, shape.seqlen_k)
-                  for t in tiles_per_query_block(problem, config, shape))
+    kv_rows = sum(b.key_rows(config.block_n, shape.seqlen_k)
+                  for b in block_tiles(problem, config, shape, window))
     return q + 2 * kv_rows * row * shape.batch * shape.heads_q
 
 
@@ -64,7 +69,8 @@ def _run_sample(problem: Problem, config: KernelConfig, sample: Shape) -> Emulat
     from flashtune.runtime.launch import prepare  # imports torch: keep `flashtune.perf` light
 
     kernel = EmulatorBackend(options=LaunchOptions(counters=True)).load(render(problem, config))
-    prepare(kernel, sample, "cpu", poison=True).run()
+    inputs = of(problem).timing_inputs(problem, sample, "cpu")  # the timed window
+    prepare(kernel, sample, "cpu", inputs=inputs, poison=True).run()
     counters = kernel.last_counters
     assert counters is not None  # LaunchOptions(counters=True)
     return counters

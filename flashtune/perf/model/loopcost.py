@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from flashtune.codegen.spec import KernelConfig, Problem, ShapeLike
-from flashtune.perf.model.algorithm import TileMix, sass_tile_mix
+from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.perf.model.algorithm import BlockTiles, TileMix, sass_tile_mix
 from flashtune.perf.sass.loops import MainLoop, main_loops
 from flashtune.perf.sass.parse import InstructionMix, SassFunction
 
@@ -31,19 +31,6 @@ def rescale_probability(tiles: int, rows: int) -> float:
         return 0.0
     total = sum(1.0 - (1.0 - 1.0 / j) ** rows for j in range(2, tiles + 1))
     return total / (tiles - 1)
-
-
-def masked_tiles(problem: Problem, config: KernelConfig, shape: ShapeLike,
-                 m_block: int, tiles: int) -> int:
-    """Tiles of query block ``m_block`` (of ``tiles`` in all) that run with a mask."""
-    if tiles == 0:
-        return 0
-    nq, nk = shape.seqlen_q, shape.seqlen_k
-    n_full = nk
-    if problem.causal:
-        n_full = min(nk, m_block * config.block_m + 1 + nk - nq)
-    first_masked = 0 if n_full <= 0 else n_full // config.block_n
-    return max(1, tiles - first_masked)  # the first step always runs the masked body
 
 
 def _scaled(mix: TileMix, factor: float) -> TileMix:
@@ -123,15 +110,14 @@ def kernel_loops(fn: SassFunction, problem: Problem, config: KernelConfig,
     return KernelLoops(unmasked, masked, mask)
 
 
-def block_tile_mixes(loops: KernelLoops, problem: Problem, config: KernelConfig,
-                     shape: ShapeLike, tiles: list[int]) -> list[tuple[int, TileMix, TileMix]]:
+def block_tile_mixes(loops: KernelLoops, config: KernelConfig, blocks: list[BlockTiles]
+                     ) -> list[tuple[int, TileMix, TileMix]]:
     """Per query block: (masked tiles, masked-tile mix, unmasked-tile mix)."""
     rows = config.rows_per_warp
     out = []
-    for m_block, count in enumerate(tiles):
-        p = rescale_probability(count, rows)
-        masked = masked_tiles(problem, config, shape, m_block, count)
-        out.append((masked, loops.tile_mix(True, p), loops.tile_mix(False, p)))
+    for block in blocks:
+        p = rescale_probability(block.count, rows)
+        out.append((block.masked, loops.tile_mix(True, p), loops.tile_mix(False, p)))
     return out
 
 
