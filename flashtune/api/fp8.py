@@ -1,5 +1,5 @@
-"""FP8 attention through ``flashtune.attention``: e4m3 q, k, v with FlashAttention-3's
-descale factors, served by the FP8 forward (``families/fwd8``; sm_89 and later).
+"""FP8 attention through ``flashtune.attention``: e4m3 (or e5m2) q, k, v with
+FlashAttention-3's descale factors, served by the FP8 forward (``families/fwd8``; sm_89 and later).
 
 ``q_descale``, ``k_descale``, ``v_descale``: float32 ``(batch, heads_kv)`` tensors on q's
 device (None: 1.0), positive and finite: the attention is that of the dequantised inputs
@@ -8,7 +8,7 @@ default, as FA3) or torch.float16. The LSE is float32 (batch, heads_q, seqlen_q)
 16-bit inputs. Causal, GQA/MQA, ``window_size``, ``softcap``, ``alibi_slopes`` and ``sinks`` are
 served (softcap and ALiBi act on the scores of the dequantised inputs); the other features
 are refused by name.
-Forward only (e4m3 tensors carry no gradient).
+Forward only (FP8 tensors carry no gradient).
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ def refuse_fp8_arguments(q: torch.Tensor, descales: tuple[torch.Tensor | None, .
     for name, value in zip(DESCALES, descales, strict=True):
         if value is not None:
             raise InvalidInput(f"{name} is given but q has dtype {q.dtype}: descale factors "
-                               "are for torch.float8_e4m3fn q, k and v; drop it, or pass e4m3 "
-                               "inputs")
+                               "are for FP8 q, k and v (torch.float8_e4m3fn or float8_e5m2); "
+                               "drop it, or pass FP8 inputs")
     if out_dtype is not None and out_dtype != q.dtype:
         raise InvalidInput(f"out_dtype={out_dtype} with {q.dtype} inputs: O has the inputs' "
                            f"dtype; expected out_dtype=None or {q.dtype} (a different O type "
-                           "is for torch.float8_e4m3fn inputs)")
+                           "is for FP8 inputs)")
 
 
 def check_out_dtype(out_dtype: object) -> torch.dtype:
@@ -92,16 +92,16 @@ def refuse_features(**given: bool) -> None:
     asked = [name for name, on in given.items() if on]
     if asked:
         raise FeatureNotSupported(
-            f"the FP8 forward (torch.float8_e4m3fn inputs) implements causal masks, GQA/MQA, "
-            f"window_size, softcap, alibi_slopes and sinks, not {', '.join(asked)}; pass 16-bit "
-            "q, k and v for those")
+            f"the FP8 forward (torch.float8_e4m3fn or float8_e5m2 inputs) implements causal "
+            f"masks, GQA/MQA, window_size, softcap, alibi_slopes and sinks, not "
+            f"{', '.join(asked)}; pass 16-bit q, k and v for those")
 
 
 def fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
                 softmax_scale: float | None, backend: str,
                 descales: tuple[object, object, object], out_dtype: object
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O (B, Nq, Hq, D) of ``out_dtype`` and the float32 LSE (B, Hq, Nq) of e4m3 inputs,
+    """O (B, Nq, Hq, D) of ``out_dtype`` and the float32 LSE (B, Hq, Nq) of FP8 inputs,
     launched on the current stream. ``variant``: the call's validated mask and features
     (``api.variants.resolve``; with ``varlen`` q, k and v are packed as (1, total, H, D) and
     the descales are per sequence); ``softmax_scale`` None: 1/sqrt(D); ``backend`` "" means

@@ -200,25 +200,30 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
 
 
 #: The FP8 inputs the FP8 forward takes (``families/fwd8``).
-FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: The FP8 forward's head dims are multiples of one mma k step.
 FP8_HEAD_DIM_STEP = 32
 
 
 def check_fp8_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise InvalidInput unless e4m3 q (B, Nq, Hq, D) and k, v (B, Nk, Hkv, D) can be
-    served by the FP8 forward: ``check_attention_inputs``' checks with e4m3 for the dtype, a
-    head dim that is a multiple of 32 and strides that are multiples of 16 elements (16
-    bytes)."""
+    """Raise InvalidInput unless FP8 q (B, Nq, Hq, D) and k, v (B, Nk, Hkv, D) can be
+    served by the FP8 forward: ``check_attention_inputs``' checks with one FP8 format (e4m3
+    or e5m2) for the dtype, a head dim that is a multiple of 32 and strides that are
+    multiples of 16 elements (16 bytes)."""
     _check_types(q, k, v)
     _check_layout(q, k, v)
     _check_rank(q, k, v)
+    fmt = q.dtype if q.dtype in FP8_DTYPES else torch.float8_e4m3fn
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in FP8_DTYPES:
             raise InvalidInput(
-                f"{name} has dtype {t.dtype} but the FP8 forward takes torch.float8_e4m3fn q, "
-                f"k and v; convert it with {name}.to(torch.float8_e4m3fn) (and pass its "
-                f"{name}_descale), or pass 16-bit q, k and v without descale factors")
+                f"{name} has dtype {t.dtype} but the FP8 forward takes torch.float8_e4m3fn (or "
+                f"torch.float8_e5m2) q, k and v; convert it with {name}.to({fmt}) (and pass "
+                f"its {name}_descale), or pass 16-bit q, k and v without descale factors")
+        if t.dtype != q.dtype:
+            raise InvalidInput(
+                f"{name} has dtype {t.dtype} but q has {q.dtype}: the FP8 forward takes q, k "
+                f"and v of one FP8 format; convert {name} with {name}.to({q.dtype})")
     _check_devices(q, k, v)
     _check_shapes(q, k, v)
     head_dim = q.shape[3]

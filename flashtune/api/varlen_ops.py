@@ -240,9 +240,10 @@ def attention_varlen(
     ``attention``, per sequence (``b`` is the sequence's index and ``q_idx``, ``kv_idx``
     positions within it): forward only, as there.
 
-    torch.float8_e4m3fn q, k and v go to the FP8 forward as in ``attention``, with
-    ``q_descale``, ``k_descale``, ``v_descale`` float32 (num_sequences, heads_kv) (one
-    factor per sequence and KV head; None: 1.0) and ``out_dtype`` (torch.bfloat16, the
+    FP8 q, k and v (torch.float8_e4m3fn or float8_e5m2) go to the FP8 forward as in
+    ``attention``, with ``q_descale``, ``k_descale``, ``v_descale`` float32
+    (num_sequences, heads_kv) (one factor per sequence and KV head; None: 1.0) and
+    ``out_dtype`` (torch.bfloat16, the
     default, or torch.float16); causal, GQA, ``window_size``, ``softcap``, ``alibi_slopes``
     and ``sinks`` are served, forward only.
     """
@@ -309,7 +310,7 @@ def _fp8_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q:
                 descales: tuple[torch.Tensor | None, ...], out_dtype: torch.dtype | None, *,
                 modified: bool, dropout: bool
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``attention_varlen`` of e4m3 q, k, v: the FP8 forward over the pack (one batch entry
+    """``attention_varlen`` of FP8 q, k, v: the FP8 forward over the pack (one batch entry
     of total rows whose sequences the kernel reads from the cumulative lengths)."""
     _fp8.refuse_features(score_mod=modified, mask_mod=modified, dropout_p=dropout)
     cu_q, cu_k, longest_q, longest_k = check_varlen_inputs(

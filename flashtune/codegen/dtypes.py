@@ -250,6 +250,9 @@ class Dtypes:
 _SAME = {dtype: Dtypes(dtype, dtype, dtype) for dtype in DType}
 #: Every operand fp16, or every operand bf16: what each 16-bit family accepts.
 SAME_16BIT: frozenset[Dtypes] = frozenset({Dtypes.same(DType.FP16), Dtypes.same(DType.BF16)})
-#: e4m3 Q, K and V with an fp16 or a bf16 O: what the FP8 forward accepts.
+#: e4m3 Q, K and V with an fp16 or a bf16 O.
 E4M3_INPUTS: frozenset[Dtypes] = frozenset(Dtypes(Fp8Type.E4M3, Fp8Type.E4M3, o)
                                            for o in DType)
+#: Q, K and V of one FP8 format (e4m3 or e5m2) with an fp16 or a bf16 O: what the FP8
+#: forward accepts.
+FP8_INPUTS: frozenset[Dtypes] = frozenset(Dtypes(f, f, o) for f in Fp8Type for o in DType)

@@ -25,7 +25,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from flashtune.codegen.arch import ArchSpec, get_arch
-from flashtune.codegen.dtypes import Dtypes
+from flashtune.codegen.dtypes import Dtypes, Fp8Type
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
 from flashtune.commands.modifications import MaskModOpt, ScoreModOpt, with_modifications
 from flashtune.commands.options import (
@@ -120,16 +120,20 @@ def parse_fix(problem: Problem, texts: Sequence[str] | None) -> Fixed:
 def parse_problem(op: str, head_dim: int, dtype: DType, causal: bool) -> Problem:
     """The Problem of the options, served by a registered family (else a usage error).
     ``dtype`` is every operand's type, or O's for a family whose inputs have another type
-    (the FP8 forward: ``--op fwd8 --dtype bf16`` is e4m3 Q, K, V with a bf16 O)."""
+    (the FP8 forward: ``--op fwd8 --dtype bf16`` is e4m3 Q, K, V with a bf16 O; e5m2 inputs
+    are reached through the API)."""
     from flashtune import families
 
     try:
         family = families.get(op)
     except InvalidProblem as exc:
         raise typer.BadParameter(str(exc), param_hint="--op") from exc
-    inputs = [d for d in family.dtypes if d.o is dtype and not d.uniform]
+    # Several input types beside O's (FP8: e4m3 and e5m2): the first declared (e4m3, FA3's).
+    order = list(Fp8Type)
+    inputs = sorted((d for d in family.dtypes if d.o is dtype and not d.uniform),
+                    key=lambda d: order.index(d.q) if isinstance(d.q, Fp8Type) else -1)
     try:
-        if len(inputs) == 1 and Dtypes.same(dtype) not in family.dtypes:
+        if inputs and Dtypes.same(dtype) not in family.dtypes:
             return Problem(head_dim=head_dim, dtype=inputs[0].q, causal=causal, op=op,
                            kv_dtype=inputs[0].kv, o_dtype=dtype)
         return Problem(head_dim=head_dim, dtype=dtype, causal=causal, op=op)

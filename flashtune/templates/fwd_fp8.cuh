@@ -1,16 +1,17 @@
-// The FP8 forward on mma.sync (sm_89 and later): e4m3 Q, K and V, a 16-bit O. What differs
-// from the 16-bit forward, as traits and copy streams the main loop picks up (WithFp8):
+// The FP8 forward on mma.sync (sm_89 and later): e4m3 or e5m2 Q, K and V, a 16-bit O. What
+// differs from the 16-bit forward, as traits and copy streams the main loop picks up
+// (WithFp8):
 //
-//   Q K^T on mma.sync m16n8k32 e4m3 (exact products, fp32 sums). Q and K are copied to
-//     shared memory as they are (bytes, by cp.async); an FP8 row of D values is D / 2
-//     16-bit words, so the 16-bit copy and ldmatrix recipes run unchanged on words: an
-//     ldmatrix of a 16-byte half of an FP8 row yields exactly the m16n8k32 A and B
+//   Q K^T on mma.sync m16n8k32 of the Format (e4m3 or e5m2; exact products, fp32 sums). Q
+//     and K are copied to shared memory as they are (bytes, by cp.async); an FP8 row of D
+//     values is D / 2 16-bit words, so the 16-bit copy and ldmatrix recipes run unchanged on
+//     words: an ldmatrix of a 16-byte half of an FP8 row yields exactly the m16n8k32 A and B
 //     fragments (primitives.cuh). Q and K rows take the first half of the shared rows the
 //     16-bit kernel of head dim D lays out.
 //   P V in the 16-bit type of O (Element), with V dequantised on chip: each thread loads 16
-//     FP8 values of a V row from global memory, converts them exactly (every e4m3 value is
-//     an fp16 and a bf16 value) and stores them to the V stage buffer in the 16-bit layout,
-//     where the 16-bit P V (ldmatrix .trans, m16n8k16) reads them. P is rounded to Element,
+//     FP8 values of a V row from global memory, converts them exactly (every e4m3 and e5m2
+//     value is an fp16 and a bf16 value) and stores them to the V stage buffer in the 16-bit
+//     layout, where the 16-bit P V (ldmatrix .trans, m16n8k16) reads them. P is rounded to Element,
 //     as in the 16-bit kernel. (FP8 P V would need V transposed on chip: ldmatrix .trans has
 //     no 8-bit form before sm_100.)
 //   Descale factors (float32 (batch, heads_kv), as FA3's q_descale / k_descale / v_descale):
@@ -18,7 +19,7 @@
 //     dequantised Q and K), v_descale multiplies O with the row's 1 / sum, all in fp32.
 //     They must be positive and finite (the running max is taken over unscaled scores).
 //
-// Contract beyond the forward's (flash_fwd.cuh): q, k, v are e4m3 bytes passed as 16-bit
+// Contract beyond the forward's (flash_fwd.cuh): q, k, v are FP8 bytes passed as 16-bit
 // words (two values each); their strides are in words (the entry halves the element
 // strides), so every stride is a multiple of 16 values and the head dim a multiple of 32.
 #pragma once
@@ -35,21 +36,35 @@ struct Fp8Scales {
   const float* __restrict__ v;
 };
 
-// Q K^T's mma for e4m3 operands (an A/B register holds four values).
-struct Fp8QkOps {
+// The two OCP FP8 formats, each as Q K^T's mma (an A/B register holds four values) and the
+// exact conversion of two values of a V row to floats.
+struct E4m3Format {
   static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4],
                                              const unsigned (&b)[2], const float (&c)[4]) {
     mma_m16n8k32_e4m3(d, a, b, c);
   }
+  static __device__ __forceinline__ void to_float2(unsigned short v, float& lo, float& hi) {
+    e4m3x2_to_float2(v, lo, hi);
+  }
+};
+struct E5m2Format {
+  static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4],
+                                             const unsigned (&b)[2], const float (&c)[4]) {
+    mma_m16n8k32_e5m2(d, a, b, c);
+  }
+  static __device__ __forceinline__ void to_float2(unsigned short v, float& lo, float& hi) {
+    e5m2x2_to_float2(v, lo, hi);
+  }
 };
 
-// A forward's traits with e4m3 Q, K and V (Base: FwdTraits of the 16-bit O type and the
-// head dim D).
-template <class Base>
+// A forward's traits with FP8 Q, K and V of one Format (Base: FwdTraits of the 16-bit O type
+// and the head dim D).
+template <class Base, class Format = E4m3Format>
 struct WithFp8 : Base {
   static constexpr bool kFp8 = true;
-  using In = unsigned short;  // two e4m3 values
-  using QkOps = Fp8QkOps;
+  using In = unsigned short;  // two FP8 values
+  using QkOps = Format;
+  using Fp8Format = Format;
   static constexpr int kQkSteps = Base::kHeadDimMma / 32;  // k32 steps of Q K^T
   static_assert(Base::kHeadDim % 32 == 0, "FP8 head dims are multiples of 32");
 };
@@ -107,8 +122,8 @@ struct Fp8VStream {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float lo, hi;
-          e4m3x2_to_float2(static_cast<unsigned short>(words[w] >> (16 * h)), lo, hi);
-          out[2 * w + h] = Tr::Ops::pack(lo, hi);  // exact: e4m3 values are Element values
+          Tr::Fp8Format::to_float2(static_cast<unsigned short>(words[w] >> (16 * h)), lo, hi);
+          out[2 * w + h] = Tr::Ops::pack(lo, hi);  // exact: FP8 values are Element values
         }
       }
       uint4 first, second;

@@ -46,19 +46,22 @@ __device__ __forceinline__ void mma_m16n8k16_bf16(float (&d)[4], const unsigned 
         "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
 }
 
-// m16n8k32 with e4m3 A and B (sm_89 and later): each A/B register holds four 8-bit values,
-// A register r of a lane row g (+ 8 for odd r), columns 4 t + 16 (r / 2) + byte; B register
-// r rows 4 t + 16 r + byte of column g (byte 0 lowest). The ldmatrix recipes of the 16-bit
-// operands load exactly these fragments from rows of bytes.
-__device__ __forceinline__ void mma_m16n8k32_e4m3(float (&d)[4], const unsigned (&a)[4],
-                                                  const unsigned (&b)[2], const float (&c)[4]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
-        "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));
-}
+// m16n8k32 with e4m3 or e5m2 A and B (sm_89 and later): each A/B register holds four
+// 8-bit values, A register r of a lane row g (+ 8 for odd r), columns 4 t + 16 (r / 2) +
+// byte; B register r rows 4 t + 16 r + byte of column g (byte 0 lowest). The ldmatrix
+// recipes of the 16-bit operands load exactly these fragments from rows of bytes.
+#define FT_MMA_M16N8K32_FP8(name, type)                                                   \
+  __device__ __forceinline__ void name(float (&d)[4], const unsigned (&a)[4],             \
+                                       const unsigned (&b)[2], const float (&c)[4]) {     \
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.f32." type "." type ".f32 "             \
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n" \
+                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])                         \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),       \
+                   "f"(c[0]), "f"(c[1]), "f"(c[2]), "f"(c[3]));                           \
+  }
+FT_MMA_M16N8K32_FP8(mma_m16n8k32_e4m3, "e4m3")
+FT_MMA_M16N8K32_FP8(mma_m16n8k32_e5m2, "e5m2")
+#undef FT_MMA_M16N8K32_FP8
 
 // ---- ldmatrix: 8x8 b16 matrices from shared memory, one row address per lane -------------
 // The asm is volatile so that a load is never merged with one from the same address in an

@@ -116,7 +116,7 @@ def test_bad_out_dtype_and_fp8_arguments_on_16bit_inputs_are_refused() -> None:
     qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
     with pytest.raises(InvalidInput, match=r"k_descale is given but q has dtype "
                                            r"torch.bfloat16: descale factors are for "
-                                           r"torch.float8_e4m3fn"):
+                                           r"FP8 q, k and v \(torch.float8_e4m3fn"):
         flashtune.attention(qb, kb, vb, k_descale=qd, backend="emulator")
     with pytest.raises(InvalidInput, match=r"out_dtype=torch.float16 with torch.bfloat16 "
                                            r"inputs"):
@@ -126,9 +126,13 @@ def test_bad_out_dtype_and_fp8_arguments_on_16bit_inputs_are_refused() -> None:
 def test_fp8_beside_16bit_tensors_and_odd_head_dims_are_refused() -> None:
     q, k, v, *_ = _fp8()
     with pytest.raises(InvalidInput, match=r"v has dtype torch.bfloat16 but the FP8 forward "
-                                           r"takes torch.float8_e4m3fn q, k and v; convert "
+                                           r"takes torch.float8_e4m3fn \(or "
+                                           r"torch.float8_e5m2\) q, k and v; convert "
                                            r"it with v.to\(torch.float8_e4m3fn\)"):
         flashtune.attention(q, k, v.to(torch.bfloat16), backend="emulator")
+    with pytest.raises(InvalidInput, match=r"k has dtype torch.float8_e5m2 but q has "
+                                           r"torch.float8_e4m3fn: .* one FP8 format"):
+        flashtune.attention(q, k.float().to(torch.float8_e5m2), v, backend="emulator")
     q48, k48, v48, *_ = _fp8(48)
     with pytest.raises(InvalidInput, match=r"head_dim=48 .* multiple of 32: pad q, k and v "
                                            r"with zeros to 64"):
@@ -174,7 +178,7 @@ def test_an_arch_without_fp8_mma_is_refused_naming_it(monkeypatch: pytest.Monkey
     q, k, v, *_ = _fp8()
     try:
         with pytest.raises(InvalidConfig, match=r"sm_86 has no FP8 tensor cores \(mma.sync "
-                                                r"e4m3 needs sm_89 or later\)"):
+                                                r"e4m3/e5m2 needs sm_89 or later\)"):
             flashtune.attention(q, k, v, backend="emulator")
     finally:
         plans.clear_caches()
@@ -231,3 +235,18 @@ def test_fp8_attention_varlen_refusals_name_the_fix() -> None:
     with pytest.raises(InvalidInput, match=r"out_dtype=torch.float16 with torch.bfloat16"):
         flashtune.attention_varlen(qb, kb, vb, cu, cu, 8, 8, out_dtype=torch.float16,
                                    backend="emulator")
+
+
+@pytest.mark.emulator
+def test_e5m2_attention_matches_float64() -> None:
+    """torch.float8_e5m2 q, k and v (the e5m2 mma): GQA 4:2, causal, fp16 O, against
+    float64 of the e5m2 inputs times their descales."""
+    q, k, v, qd, kd, vd = inputs(1, 50, 70, 4, 2, 64, SEED + 3)
+    q, k, v = (t.float().to(torch.float8_e5m2) for t in (q, k, v))
+    o, lse = flashtune.attention(q, k, v, causal=True, q_descale=qd, k_descale=kd,
+                                 v_descale=vd, out_dtype=torch.float16, return_lse=True,
+                                 backend="emulator")
+    assert o.dtype == torch.float16
+    served = [p.source.problem.key() for p in plans.cached().values()]
+    assert "fwd8_d64_e5m2-e5m2-fp16_causal" in served, served
+    assert_within(o, lse, *reference(q, k, v, qd, kd, vd, True, 64 ** -0.5), SEED + 3)

@@ -1,5 +1,5 @@
-"""mma.sync m16n8k32 with e4m3 operands against float64, with fragments built in Python from
-the PTX ISA's 8-bit layout (written out here, independently of the emulator), and the
+"""mma.sync m16n8k32 with e4m3 (and e5m2) operands against float64, with fragments built in
+Python from the PTX ISA's 8-bit layout (written out here, independently of the emulator), and the
 ldmatrix recipe the FP8 forward uses: the 16-bit operand recipes applied to rows of bytes."""
 
 from __future__ import annotations
@@ -24,6 +24,17 @@ extern "C" __global__ void mma_frag(const unsigned* regs, const float* c, float*
   unsigned b[2] = {regs[lane * 6 + 4], regs[lane * 6 + 5]};
   float acc[4] = {c[lane * 4 + 0], c[lane * 4 + 1], c[lane * 4 + 2], c[lane * 4 + 3]};
   for (int i = 0; i < chain; ++i) ft::mma_m16n8k32_e4m3(acc, a, b, acc);
+  for (int i = 0; i < 4; ++i) d[lane * 4 + i] = acc[i];
+}
+
+extern "C" __global__ void mma_frag_e5m2(const unsigned* regs, const float* c, float* d,
+                                         int chain) {
+  int lane = threadIdx.x;
+  unsigned a[4] = {regs[lane * 6 + 0], regs[lane * 6 + 1], regs[lane * 6 + 2],
+                   regs[lane * 6 + 3]};
+  unsigned b[2] = {regs[lane * 6 + 4], regs[lane * 6 + 5]};
+  float acc[4] = {c[lane * 4 + 0], c[lane * 4 + 1], c[lane * 4 + 2], c[lane * 4 + 3]};
+  for (int i = 0; i < chain; ++i) ft::mma_m16n8k32_e5m2(acc, a, b, acc);
   for (int i = 0; i < 4; ++i) d[lane * 4 + i] = acc[i];
 }
 
@@ -52,7 +63,7 @@ extern "C" __global__ void mma_recipe(const unsigned char* a, const unsigned cha
 
 @pytest.fixture(scope="module")
 def module() -> EmulatedModule:
-    return build_module(SOURCE, ["mma_frag", "mma_recipe"])
+    return build_module(SOURCE, ["mma_frag", "mma_frag_e5m2", "mma_recipe"])
 
 
 def e4m3(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -167,3 +178,48 @@ def test_poison_operand_is_reported(module: EmulatedModule) -> None:
     with pytest.raises(EmulatorError, match=r"mma_m16n8k32_e4m3 .* operand b\[0\] of lane 9"):
         module["mma_frag"].launch(1, 32, [ptr(regs), ptr(np.zeros((32, 4), dtype=np.float32)),
                                           ptr(d), i32(1)])
+
+
+def e5m2(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The e5m2 codes of float64 values (torch's cast) and their float64 values."""
+    t = torch.from_numpy(x).to(torch.float8_e5m2)
+    return t.view(torch.uint8).numpy().copy(), t.to(torch.float64).numpy()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("chain", [1, 3])
+def test_e5m2_mma_matches_float64(module: EmulatedModule, seed: int, chain: int) -> None:
+    """e5m2 operands over its range (denormals below 2^-14 to values near its largest,
+    57344): within one float32 rounding per mma of the float64 product of the same values."""
+    rng = np.random.default_rng(seed + 10)
+    scale = 2.0 ** rng.integers(-16, 14, size=(16, 32))
+    a_codes, a_vals = e5m2(rng.standard_normal((16, 32)) * scale)
+    b_codes, b_vals = e5m2(rng.standard_normal((32, 8)) * 4)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    cfrag = np.array([[c[c_coords(lane, i)] for i in range(4)] for lane in range(32)],
+                     dtype=np.float32)
+    d = np.full((32, 4), np.nan, dtype=np.float32)
+    module["mma_frag_e5m2"].launch(1, 32, [ptr(fragments(a_codes, b_codes)), ptr(cfrag),
+                                           ptr(d), i32(chain)])
+    expected = chain * (a_vals @ b_vals) + c.astype(np.float64)
+    got = unfragment(d)
+    bound = chain * 2.0**-24 * (chain * np.abs(a_vals) @ np.abs(b_vals) + np.abs(c))
+    assert np.all(np.abs(got - expected) <= bound), (seed, np.abs(got - expected).max())
+
+
+def test_e5m2_infinity_and_nan(module: EmulatedModule) -> None:
+    """e5m2 has infinities (S.11111.00): inf x 1 stays inf, inf x 0 and the NaN codes give
+    NaN; the other rows see ones (0x3C)."""
+    a_codes = np.full((16, 32), 0x3C, dtype=np.uint8)  # 1.0
+    b_codes = np.full((32, 8), 0x3C, dtype=np.uint8)
+    a_codes[2, 4] = 0x7C   # +inf
+    a_codes[5, 0] = 0x7D   # NaN
+    b_codes[:, 7] = 0x00   # column 7 sees zeros
+    d = np.full((32, 4), 0.0, dtype=np.float32)
+    module["mma_frag_e5m2"].launch(1, 32, [ptr(fragments(a_codes, b_codes)),
+                                           ptr(np.zeros((32, 4), dtype=np.float32)), ptr(d),
+                                           i32(1)])
+    got = unfragment(d)
+    assert np.all(got[2, :7] == np.inf) and np.isnan(got[2, 7]) and np.all(np.isnan(got[5]))
+    others = np.setdiff1d(np.arange(16), [2, 5])
+    assert np.all(got[others, :7] == 32.0) and np.all(got[others, 7] == 0.0)

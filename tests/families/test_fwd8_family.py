@@ -44,14 +44,14 @@ CONFIGS = (KernelConfig(64, 32, 4, 2), KernelConfig(64, 64, 4, 1),
            KernelConfig(16, 16, 1, 2))
 
 
-def problem(head_dim: int, out: DType, causal: bool) -> Problem:
-    return Problem(head_dim, Fp8Type.E4M3, causal=causal, op="fwd8", o_dtype=out)
+def problem(head_dim: int, out: DType, causal: bool, fmt: Fp8Type = Fp8Type.E4M3) -> Problem:
+    return Problem(head_dim, fmt, causal=causal, op="fwd8", o_dtype=out)
 
 
 def run(p: Problem, config: KernelConfig, shape: Shape, seed: int) -> None:
     kernel = EmulatorBackend(options=LaunchOptions()).load(families.render(p, config))
     inputs = FORWARD_FP8.random_inputs(p, shape, "cpu", seed)
-    assert inputs.tensors["q"].dtype == torch.float8_e4m3fn
+    assert inputs.tensors["q"].dtype == getattr(torch, p.dtypes.q.element.torch)
     outputs = FORWARD_FP8.empty_outputs(p, shape, inputs, poison=True)
     assert outputs["o"].dtype == getattr(torch, p.dtypes.o.element.torch)
     assert torch.isnan(outputs["o"]).all() and torch.isnan(outputs["lse"]).all()
@@ -111,6 +111,32 @@ def test_fp8_forward_rows_that_see_no_key_and_gqa() -> None:
 def test_fp8_forward_grid(head_dim: int, out: DType, causal: bool, config: KernelConfig,
                           shape: Shape) -> None:
     run(problem(head_dim, out, causal), config, shape, _SEED)
+
+
+#: e5m2 inputs: a seeded row of the grid by default (both O types over the run's seeds), the
+#: grid's first two configs under -m sweep.
+E5M2_SAMPLE = [(*random.Random(f"{_SEED}e5m2").choice(_GRID), _SEED)]
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("head_dim, out, causal, config, shape, seed", E5M2_SAMPLE,
+                         ids=lambda v: _id(v))
+def test_e5m2_forward_matches_float64_of_the_dequantised_inputs(
+        head_dim: int, out: DType, causal: bool, config: KernelConfig, shape: Shape,
+        seed: int) -> None:
+    """e5m2 Q, K and V (Q K^T on the e5m2 mma, V dequantised exactly): the same bound as
+    e4m3's, against float64 of the e5m2-rounded inputs."""
+    print(f"seed={seed}")
+    run(problem(head_dim, out, causal, Fp8Type.E5M2), config, shape, seed)
+
+
+@pytest.mark.emulator
+@pytest.mark.sweep
+@pytest.mark.parametrize("head_dim, out, causal, config, shape",
+                         [r for r in _GRID if r[3] in CONFIGS[:2]], ids=lambda v: _id(v))
+def test_e5m2_forward_grid(head_dim: int, out: DType, causal: bool, config: KernelConfig,
+                           shape: Shape) -> None:
+    run(problem(head_dim, out, causal, Fp8Type.E5M2), config, shape, _SEED)
 
 
 def test_descale_factors_reach_the_reference() -> None:
@@ -173,6 +199,12 @@ def test_default_kernels_compile(arch: str) -> None:
             sass = disassemble(kernel.cubin)
             assert "QMMA.16832.F32.E4M3.E4M3" in sass
             assert categorize("QMMA.16832.F32.E4M3.E4M3") == "mma"
+    p = problem(128, DType.BF16, True, Fp8Type.E5M2)
+    kernel = compile_source(families.render(p, FORWARD_FP8.default_config(p, get_arch(arch))),
+                            arch)
+    if arch == "sm_89":
+        assert kernel.resources.spill_stores == 0 and kernel.resources.spill_loads == 0
+        assert "QMMA.16832.F32.E5M2.E5M2" in disassemble(kernel.cubin)
 
 
 def test_the_command_line_names_the_fp8_problem_by_its_output_type() -> None:

@@ -1,15 +1,17 @@
-"""The FP8 forward on mma.sync (sm_89 and later): e4m3 Q, K and V with descale factors, a
-16-bit O and the float32 LSE, as FlashAttention-3's FP8 forward takes them.
+"""The FP8 forward on mma.sync (sm_89 and later): e4m3 or e5m2 Q, K and V (one format) with
+descale factors, a 16-bit O and the float32 LSE, as FlashAttention-3's FP8 forward takes
+them (e5m2 beside it: the hardware has its mma too).
 
 The forward's kernel with ``fp8`` on (``templates/fwd_fp8.cuh``): Q K^T on mma.sync m16n8k32
-e4m3 (exact products, fp32 sums); V dequantised on chip (exactly: every e4m3 value is an
-fp16 and a bf16 value) into the 16-bit V stage buffers, and P V in O's 16-bit type, P rounded
-to it as in the 16-bit forward; the descale factors (float32 ``(batch, heads_kv)``)
-applied in fp32: ``q_descale * k_descale`` to the scores (so the LSE is that of the
-dequantised inputs) and ``v_descale`` to O. The space, the static rules and the defaults
-are the 16-bit forward's of the same head dim and O type (same tiles, same shared memory:
-Q and K rows take half of the 16-bit rows), plus two rules: an arch with FP8 mma (sm_89 or
-later) and a head dim that is a multiple of 32 (one k32 step covers 32 values).
+e4m3 or e5m2 (exact products, fp32 sums); V dequantised on chip (exactly: every e4m3 and
+e5m2 value is an fp16 and a bf16 value) into the 16-bit V stage buffers, and P V in O's
+16-bit type, P rounded to it as in the 16-bit forward; the descale factors (float32
+``(batch, heads_kv)``) applied in fp32: ``q_descale * k_descale`` to the scores (so the LSE
+is that of the dequantised inputs) and ``v_descale`` to O. The space, the static rules and
+the defaults are the 16-bit forward's of the same head dim and O type (same tiles, same
+shared memory: Q and K rows take half of the 16-bit rows), plus two rules: an arch with FP8
+mma (sm_89 or later) and a head dim that is a multiple of 32 (one k32 step covers 32
+values).
 
 SASS (NVRTC 13): on sm_89 Q K^T is QMMA.16832.F32.E4M3.E4M3; sm_90's ptxas lowers the same
 mma.sync to F2FP e4m3 unpacks and HMMA.16816 pairs, so there it saves bandwidth only.
@@ -27,7 +29,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import OPERAND_ALIASES, Element, EntryAbi, PackedArgs, tensor
 from flashtune.codegen.arch import ArchSpec
-from flashtune.codegen.dtypes import E4M3_INPUTS
+from flashtune.codegen.dtypes import FP8_INPUTS, Fp8Type
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.errors import InvalidConfig, InvalidInput
@@ -45,7 +47,7 @@ else:
 DESCALES = ("q_descale", "k_descale", "v_descale")
 FWD8_ABI = FWD_ABI.extended("flash_fwd8", *(
     tensor(name, Element.FLOAT, const=True, wrap=i == 0) for i, name in enumerate(DESCALES)))
-#: The template's types of the operands: e4m3 bytes in, O's 16-bit Element out.
+#: The template's types of the operands: FP8 bytes in, O's 16-bit Element out.
 FP8_ALIASES: Mapping[Element, str] = {**OPERAND_ALIASES, Element.Q: "Fp8", Element.KV: "Fp8"}
 #: The first arch with FP8 mma.sync (Ada, sm_89; Hopper's sm_90 has it too).
 MIN_FP8_ARCH = (8, 9)
@@ -83,11 +85,12 @@ def twin(problem: Problem) -> Problem:
 
 
 class Fp8ForwardFamily(ForwardFamily):
-    """The attention forward with e4m3 inputs (``flashtune.attention`` on float8_e4m3fn)."""
+    """The attention forward with FP8 inputs (``flashtune.attention`` on float8_e4m3fn or
+    float8_e5m2; Q, K and V of one format)."""
 
     op = "fwd8"
-    title = "FP8 attention forward (e4m3 Q, K, V with descale factors; mma.sync)"
-    dtypes = E4M3_INPUTS
+    title = "FP8 attention forward (e4m3 or e5m2 Q, K, V with descale factors; mma.sync)"
+    dtypes = FP8_INPUTS
     #: The 16-bit forward's features whose hooks take the dequantised scores' scale
     #: (flash_fwd.cuh's qk_scale), varlen (descales per sequence) and sinks; dropout is
     #: not compiled with FP8.
@@ -101,7 +104,7 @@ class Fp8ForwardFamily(ForwardFamily):
         """Why no config of this family runs ``problem`` on ``arch``: an arch without FP8
         mma, or a head dim off the k32 step; None when some may."""
         if arch.compute_capability < MIN_FP8_ARCH:
-            return (f"{arch.name} has no FP8 tensor cores (mma.sync e4m3 needs sm_89 or "
+            return (f"{arch.name} has no FP8 tensor cores (mma.sync e4m3/e5m2 needs sm_89 or "
                     f"later); compile for sm_89 or sm_90, or use bf16/fp16 inputs on "
                     f"{arch.name}")
         if problem.head_dim % 32:
@@ -142,15 +145,19 @@ class Fp8ForwardFamily(ForwardFamily):
 
     def template_params(self, problem: Problem, config: KernelConfig
                         ) -> dict[str, TemplateValue]:
-        return {**super().template_params(twin(problem), config), "fp8": True}
+        params: dict[str, TemplateValue] = {**super().template_params(twin(problem), config),
+                                            "fp8": True}
+        if problem.dtypes.q == Fp8Type.E5M2:
+            params["fp8_format"] = "e5m2"
+        return params
 
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
         return super().smem_bytes(twin(problem), config)
 
     def random_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       seed: int | None = None) -> Inputs:
-        """The forward's random normal q, k, v rounded to e4m3, and descale factors drawn
-        from ``RANDOM_DESCALE`` per (batch, KV head)."""
+        """The forward's random normal q, k, v rounded to the FP8 format, and descale factors
+        drawn from ``RANDOM_DESCALE`` per (batch, KV head)."""
         inputs = super().random_inputs(problem, shape, device, seed)
         gen = generator(device, None if seed is None else seed + 1)
         lo, hi = RANDOM_DESCALE
@@ -202,7 +209,7 @@ class Fp8ForwardFamily(ForwardFamily):
 
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
         """The 16-bit forward's float64 reference (with the problem's features) of the
-        dequantised inputs: each e4m3 value times its (batch, KV head)'s descale factor (a
+        dequantised inputs: each FP8 value times its (batch, KV head)'s descale factor (a
         query head takes its KV head's)."""
         t = inputs.tensors
         heads_q, heads_kv = t["q"].shape[2], t["k"].shape[2]

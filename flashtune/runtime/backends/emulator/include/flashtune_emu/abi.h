@@ -133,6 +133,7 @@ FTEMU_API const char* ftemu_runtime_version(void);
 #define FTEMU_MMA_F16 0
 #define FTEMU_MMA_BF16 1
 #define FTEMU_MMA_E4M3 2  // m16n8k32, e4m3 A and B (ftemu_mma_m16n8k32)
+#define FTEMU_MMA_E5M2 3  // m16n8k32, e5m2 A and B (ftemu_mma_m16n8k32)
 FTEMU_API void ftemu_mma_m16n8k16(int kind, float* d, const unsigned* a, const unsigned* b,
                         const float* c, ftemu_loc loc);
 FTEMU_API void ftemu_mma_m16n8k32(int kind, float* d, const unsigned* a, const unsigned* b,

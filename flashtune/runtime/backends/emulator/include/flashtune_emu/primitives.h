@@ -28,6 +28,13 @@ __device__ inline void mma_m16n8k32_e4m3(float (&d)[4], const unsigned (&a)[4],
     ftemu_mma_m16n8k32(FTEMU_MMA_E4M3, d, a, b, c, ::ftemu::to_loc(l));
 }
 
+// --- mma.sync.aligned.m16n8k32.row.col.f32.e5m2.e5m2.f32 ---
+__device__ inline void mma_m16n8k32_e5m2(float (&d)[4], const unsigned (&a)[4],
+                                         const unsigned (&b)[2], const float (&c)[4],
+                                         loc_t l = loc_t::current()) {
+    ftemu_mma_m16n8k32(FTEMU_MMA_E5M2, d, a, b, c, ::ftemu::to_loc(l));
+}
+
 // --- ldmatrix.sync.aligned.m8n8.{x1,x2,x4}{.trans}.shared.b16 ---
 __device__ inline void ldmatrix_x1(unsigned (&r)[1], const void* p, loc_t l = loc_t::current()) {
     ftemu_ldmatrix(1, 0, r, p, ::ftemu::to_loc(l));

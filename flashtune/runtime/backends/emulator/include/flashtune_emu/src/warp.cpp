@@ -17,6 +17,7 @@ static const char* op_name(Op op, int kind) {
     switch (op) {
         case Op::Mma:
             return kind == FTEMU_MMA_E4M3   ? "mma_m16n8k32_e4m3"
+                   : kind == FTEMU_MMA_E5M2 ? "mma_m16n8k32_e5m2"
                    : kind == FTEMU_MMA_BF16 ? "mma_m16n8k16_bf16"
                                             : "mma_m16n8k16_f16";
         case Op::Ldmatrix: {
@@ -125,6 +126,22 @@ static float e4m3_to_float(uint8_t code) {
     return (code & 0x80) ? -v : v;
 }
 
+// The value of one OCP e5m2 code (exact in float): 5 exponent bits of bias 15, 2 mantissa
+// bits, denormals below 2^-14, S.11111.00 infinities, S.11111.{01,10,11} NaNs.
+static float e5m2_to_float(uint8_t code) {
+    const int e = (code >> 2) & 31;
+    const int m = code & 3;
+    float v;
+    if (e == 31)
+        v = m == 0 ? std::numeric_limits<float>::infinity()
+                   : std::numeric_limits<float>::quiet_NaN();
+    else if (e == 0)
+        v = std::ldexp(static_cast<float>(m), -16);
+    else
+        v = std::ldexp(static_cast<float>(4 + m), e - 17);
+    return (code & 0x80) ? -v : v;
+}
+
 // D = A B + C of one m16n8kK mma, from the operands gathered into A (16 x K), B (K x 8)
 // and C, written to the lanes' D fragments (row g: d0, d1; row g + 8: d2, d3; columns 2 t,
 // 2 t + 1). Every product of two 16-bit or two 8-bit floats is exact in double, and so is
@@ -150,11 +167,13 @@ static void mma_product(const Collective& c, const float (&A)[16][K], const floa
     }
 }
 
-// mma.m16n8k32 with e4m3 A and B (PTX ISA, "matrix fragments for mma.m16n8k32", 8-bit
-// types): A register r of a lane holds row g (r even) or g + 8 (r odd), columns
-// 4 t + 16 (r / 2) + byte; B register r holds rows (k) 4 t + 16 r + byte of column g. The
-// products are multiples of 2^-18 below 2^18, so their sum of 32 is exact in double.
-static void compute_mma_e4m3(const Collective& c) {
+// mma.m16n8k32 with e4m3 or e5m2 A and B (PTX ISA, "matrix fragments for mma.m16n8k32",
+// 8-bit types): A register r of a lane holds row g (r even) or g + 8 (r odd), columns
+// 4 t + 16 (r / 2) + byte; B register r holds rows (k) 4 t + 16 r + byte of column g. e4m3
+// products are multiples of 2^-18 below 2^18, so their sum of 32 is exact in double; e5m2
+// products span 2^-32 .. 2^32, so the double sum is exact unless the terms' exponents differ
+// by more than double's 53 bits allow (then it is double's rounding, before float's).
+static void compute_mma_fp8(const Collective& c, float (*decode)(uint8_t)) {
     float A[16][32], B[32][8];
     for (unsigned lane = 0; lane < 32; ++lane) {
         unsigned g = lane >> 2, t = lane & 3;
@@ -163,19 +182,19 @@ static void compute_mma_e4m3(const Collective& c) {
         for (unsigned r = 0; r < 4; ++r)
             for (unsigned byte = 0; byte < 4; ++byte)
                 A[g + 8 * (r & 1)][4 * t + 16 * (r >> 1) + byte] =
-                    e4m3_to_float(static_cast<uint8_t>(a[r] >> (8 * byte)));
+                    decode(static_cast<uint8_t>(a[r] >> (8 * byte)));
         for (unsigned r = 0; r < 2; ++r)
             for (unsigned byte = 0; byte < 4; ++byte)
                 B[4 * t + 16 * r + byte][g] =
-                    e4m3_to_float(static_cast<uint8_t>(b[r] >> (8 * byte)));
+                    decode(static_cast<uint8_t>(b[r] >> (8 * byte)));
     }
     mma_product<32>(c, A, B);
 }
 
 static void compute_mma(const Collective& c, unsigned warp) {
     if (g_launch->cfg->checks & FTEMU_CHECK_POISON_OPERANDS) check_poison(c, warp);
-    if (c.kind == FTEMU_MMA_E4M3) {
-        compute_mma_e4m3(c);
+    if (c.kind == FTEMU_MMA_E4M3 || c.kind == FTEMU_MMA_E5M2) {
+        compute_mma_fp8(c, c.kind == FTEMU_MMA_E4M3 ? e4m3_to_float : e5m2_to_float);
         return;
     }
     const float* h = half_table();
@@ -406,7 +425,7 @@ extern "C" FTEMU_API void ftemu_mma_m16n8k16(int kind, float* d, const unsigned*
 
 extern "C" FTEMU_API void ftemu_mma_m16n8k32(int kind, float* d, const unsigned* a,
                                              const unsigned* b, const float* c, ftemu_loc loc) {
-    if (kind != FTEMU_MMA_E4M3)
+    if (kind != FTEMU_MMA_E4M3 && kind != FTEMU_MMA_E5M2)
         fail(FTEMU_ERROR, format("mma m16n8k32 at %s: unknown kind %d", at(loc).c_str(), kind));
     join(Op::Mma, kind, 32, 0xffffffffu, loc, LaneArgs{d, a, b, c, 0, 0});
 }
