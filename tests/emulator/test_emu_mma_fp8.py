@@ -16,25 +16,19 @@ pytestmark = pytest.mark.emulator
 SOURCE = r"""
 #include <cuda_fp16.h>
 
-// regs: 32 lanes x (4 A + 2 B) uint32; c, d: 32 lanes x 4 floats; `chain` mmas accumulate.
-extern "C" __global__ void mma_frag(const unsigned* regs, const float* c, float* d, int chain) {
+// regs: 32 lanes x (4 A + 2 B) uint32; c, d: 32 lanes x 4 floats; `chain` mmas accumulate;
+// e5m2: the operands' format (0: e4m3).
+extern "C" __global__ void mma_frag(const unsigned* regs, const float* c, float* d, int chain,
+                                    int e5m2) {
   int lane = threadIdx.x;
   unsigned a[4] = {regs[lane * 6 + 0], regs[lane * 6 + 1], regs[lane * 6 + 2],
                    regs[lane * 6 + 3]};
   unsigned b[2] = {regs[lane * 6 + 4], regs[lane * 6 + 5]};
   float acc[4] = {c[lane * 4 + 0], c[lane * 4 + 1], c[lane * 4 + 2], c[lane * 4 + 3]};
-  for (int i = 0; i < chain; ++i) ft::mma_m16n8k32_e4m3(acc, a, b, acc);
-  for (int i = 0; i < 4; ++i) d[lane * 4 + i] = acc[i];
-}
-
-extern "C" __global__ void mma_frag_e5m2(const unsigned* regs, const float* c, float* d,
-                                         int chain) {
-  int lane = threadIdx.x;
-  unsigned a[4] = {regs[lane * 6 + 0], regs[lane * 6 + 1], regs[lane * 6 + 2],
-                   regs[lane * 6 + 3]};
-  unsigned b[2] = {regs[lane * 6 + 4], regs[lane * 6 + 5]};
-  float acc[4] = {c[lane * 4 + 0], c[lane * 4 + 1], c[lane * 4 + 2], c[lane * 4 + 3]};
-  for (int i = 0; i < chain; ++i) ft::mma_m16n8k32_e5m2(acc, a, b, acc);
+  for (int i = 0; i < chain; ++i) {
+    if (e5m2) ft::mma_m16n8k32_e5m2(acc, a, b, acc);
+    else ft::mma_m16n8k32_e4m3(acc, a, b, acc);
+  }
   for (int i = 0; i < 4; ++i) d[lane * 4 + i] = acc[i];
 }
 
@@ -63,7 +57,7 @@ extern "C" __global__ void mma_recipe(const unsigned char* a, const unsigned cha
 
 @pytest.fixture(scope="module")
 def module() -> EmulatedModule:
-    return build_module(SOURCE, ["mma_frag", "mma_frag_e5m2", "mma_recipe"])
+    return build_module(SOURCE, ["mma_frag", "mma_recipe"])
 
 
 def e4m3(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -126,7 +120,7 @@ def test_e4m3_mma_matches_float64(module: EmulatedModule, seed: int, chain: int)
                      dtype=np.float32)
     d = np.full((32, 4), np.nan, dtype=np.float32)
     module["mma_frag"].launch(1, 32, [ptr(fragments(a_codes, b_codes)), ptr(cfrag), ptr(d),
-                                      i32(chain)])
+                                      i32(chain), i32(0)])
     expected = chain * (a_vals @ b_vals) + c.astype(np.float64)
     got = unfragment(d)
     bound = chain * 2.0**-24 * (chain * np.abs(a_vals) @ np.abs(b_vals) + np.abs(c))
@@ -142,7 +136,8 @@ def test_e4m3_mma_single_product_is_exact(module: EmulatedModule) -> None:
     b_codes[5, :] = 0x01   # 2^-9
     d = np.full((32, 4), np.nan, dtype=np.float32)
     module["mma_frag"].launch(1, 32, [ptr(fragments(a_codes, b_codes)),
-                                      ptr(np.zeros((32, 4), dtype=np.float32)), ptr(d), i32(1)])
+                                      ptr(np.zeros((32, 4), dtype=np.float32)), ptr(d), i32(1),
+                                      i32(0)])
     assert np.all(unfragment(d) == 448.0 * 2.0**-9)
 
 
@@ -152,7 +147,8 @@ def test_e4m3_nan_propagates(module: EmulatedModule) -> None:
     a_codes[3, 7] = 0x7F  # NaN in row 3
     d = np.full((32, 4), 0.0, dtype=np.float32)
     module["mma_frag"].launch(1, 32, [ptr(fragments(a_codes, b_codes)),
-                                      ptr(np.zeros((32, 4), dtype=np.float32)), ptr(d), i32(1)])
+                                      ptr(np.zeros((32, 4), dtype=np.float32)), ptr(d), i32(1),
+                                      i32(0)])
     got = unfragment(d)
     assert np.all(np.isnan(got[3])) and np.all(got[np.arange(16) != 3] == 32.0)
 
@@ -177,7 +173,7 @@ def test_poison_operand_is_reported(module: EmulatedModule) -> None:
     d = np.full((32, 4), np.nan, dtype=np.float32)
     with pytest.raises(EmulatorError, match=r"mma_m16n8k32_e4m3 .* operand b\[0\] of lane 9"):
         module["mma_frag"].launch(1, 32, [ptr(regs), ptr(np.zeros((32, 4), dtype=np.float32)),
-                                          ptr(d), i32(1)])
+                                          ptr(d), i32(1), i32(0)])
 
 
 def e5m2(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -199,8 +195,8 @@ def test_e5m2_mma_matches_float64(module: EmulatedModule, seed: int, chain: int)
     cfrag = np.array([[c[c_coords(lane, i)] for i in range(4)] for lane in range(32)],
                      dtype=np.float32)
     d = np.full((32, 4), np.nan, dtype=np.float32)
-    module["mma_frag_e5m2"].launch(1, 32, [ptr(fragments(a_codes, b_codes)), ptr(cfrag),
-                                           ptr(d), i32(chain)])
+    module["mma_frag"].launch(1, 32, [ptr(fragments(a_codes, b_codes)), ptr(cfrag), ptr(d),
+                                      i32(chain), i32(1)])
     expected = chain * (a_vals @ b_vals) + c.astype(np.float64)
     got = unfragment(d)
     bound = chain * 2.0**-24 * (chain * np.abs(a_vals) @ np.abs(b_vals) + np.abs(c))
@@ -216,9 +212,9 @@ def test_e5m2_infinity_and_nan(module: EmulatedModule) -> None:
     a_codes[5, 0] = 0x7D   # NaN
     b_codes[:, 7] = 0x00   # column 7 sees zeros
     d = np.full((32, 4), 0.0, dtype=np.float32)
-    module["mma_frag_e5m2"].launch(1, 32, [ptr(fragments(a_codes, b_codes)),
-                                           ptr(np.zeros((32, 4), dtype=np.float32)), ptr(d),
-                                           i32(1)])
+    module["mma_frag"].launch(1, 32, [ptr(fragments(a_codes, b_codes)),
+                                      ptr(np.zeros((32, 4), dtype=np.float32)), ptr(d), i32(1),
+                                      i32(1)])
     got = unfragment(d)
     assert np.all(got[2, :7] == np.inf) and np.isnan(got[2, 7]) and np.all(np.isnan(got[5]))
     others = np.setdiff1d(np.arange(16), [2, 5])
