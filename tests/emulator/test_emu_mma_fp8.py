@@ -67,6 +67,12 @@ def e4m3(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return t.view(torch.uint8).numpy().copy(), t.to(torch.float64).numpy()
 
 
+def e5m2(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The e5m2 codes of float64 values (torch's cast) and their float64 values."""
+    t = torch.from_numpy(x).to(torch.float8_e5m2)
+    return t.view(torch.uint8).numpy().copy(), t.to(torch.float64).numpy()
+
+
 def a_coords(lane: int, reg: int, byte: int) -> tuple[int, int]:
     """(row, k) of byte `byte` of A register `reg` of `lane` (PTX ISA, m16n8k32, .e4m3)."""
     g, t = lane // 4, lane % 4
@@ -106,21 +112,25 @@ def unfragment(d: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("chain", [1, 3])
-def test_e4m3_mma_matches_float64(module: EmulatedModule, seed: int, chain: int) -> None:
-    """Products of e4m3 values are exact and the sum is rounded to float once per mma, so
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_fp8_mma_matches_float64(module: EmulatedModule, seed: int, chain: int,
+                                 fmt: str) -> None:
+    """Products of FP8 values are exact and the sum is rounded to float once per mma, so
     the result is within one float32 rounding (2^-24 relative) per mma of the float64
-    product of the same e4m3 values. Inputs span e4m3's range: denormals (below 2^-6) to
-    values near its largest, 448."""
-    rng = np.random.default_rng(seed)
-    scale = 2.0 ** rng.integers(-9, 8, size=(16, 32))
-    a_codes, a_vals = e4m3(rng.standard_normal((16, 32)) * scale)
-    b_codes, b_vals = e4m3(rng.standard_normal((32, 8)) * 4)
+    product of the same values. Inputs span each format's range: e4m3's denormals (below
+    2^-6) to values near its largest, 448; e5m2's (below 2^-14) to near 57344."""
+    rng = np.random.default_rng(seed + 10 * (fmt == "e5m2"))
+    cast = e4m3 if fmt == "e4m3" else e5m2
+    low, high = (-9, 8) if fmt == "e4m3" else (-16, 14)
+    scale = 2.0 ** rng.integers(low, high, size=(16, 32))
+    a_codes, a_vals = cast(rng.standard_normal((16, 32)) * scale)
+    b_codes, b_vals = cast(rng.standard_normal((32, 8)) * 4)
     c = rng.standard_normal((16, 8)).astype(np.float32)
     cfrag = np.array([[c[c_coords(lane, i)] for i in range(4)] for lane in range(32)],
                      dtype=np.float32)
     d = np.full((32, 4), np.nan, dtype=np.float32)
     module["mma_frag"].launch(1, 32, [ptr(fragments(a_codes, b_codes)), ptr(cfrag), ptr(d),
-                                      i32(chain), i32(0)])
+                                      i32(chain), i32(fmt == "e5m2")])
     expected = chain * (a_vals @ b_vals) + c.astype(np.float64)
     got = unfragment(d)
     bound = chain * 2.0**-24 * (chain * np.abs(a_vals) @ np.abs(b_vals) + np.abs(c))
@@ -174,33 +184,6 @@ def test_poison_operand_is_reported(module: EmulatedModule) -> None:
     with pytest.raises(EmulatorError, match=r"mma_m16n8k32_e4m3 .* operand b\[0\] of lane 9"):
         module["mma_frag"].launch(1, 32, [ptr(regs), ptr(np.zeros((32, 4), dtype=np.float32)),
                                           ptr(d), i32(1), i32(0)])
-
-
-def e5m2(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The e5m2 codes of float64 values (torch's cast) and their float64 values."""
-    t = torch.from_numpy(x).to(torch.float8_e5m2)
-    return t.view(torch.uint8).numpy().copy(), t.to(torch.float64).numpy()
-
-
-@pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("chain", [1, 3])
-def test_e5m2_mma_matches_float64(module: EmulatedModule, seed: int, chain: int) -> None:
-    """e5m2 operands over its range (denormals below 2^-14 to values near its largest,
-    57344): within one float32 rounding per mma of the float64 product of the same values."""
-    rng = np.random.default_rng(seed + 10)
-    scale = 2.0 ** rng.integers(-16, 14, size=(16, 32))
-    a_codes, a_vals = e5m2(rng.standard_normal((16, 32)) * scale)
-    b_codes, b_vals = e5m2(rng.standard_normal((32, 8)) * 4)
-    c = rng.standard_normal((16, 8)).astype(np.float32)
-    cfrag = np.array([[c[c_coords(lane, i)] for i in range(4)] for lane in range(32)],
-                     dtype=np.float32)
-    d = np.full((32, 4), np.nan, dtype=np.float32)
-    module["mma_frag"].launch(1, 32, [ptr(fragments(a_codes, b_codes)), ptr(cfrag), ptr(d),
-                                      i32(chain), i32(1)])
-    expected = chain * (a_vals @ b_vals) + c.astype(np.float64)
-    got = unfragment(d)
-    bound = chain * 2.0**-24 * (chain * np.abs(a_vals) @ np.abs(b_vals) + np.abs(c))
-    assert np.all(np.abs(got - expected) <= bound), (seed, np.abs(got - expected).max())
 
 
 def test_e5m2_infinity_and_nan(module: EmulatedModule) -> None:
