@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 #: Exit status of a run stopped by a hung kernel (1: some kernel failed its check).
 HUNG_EXIT = 2
+#: The ops whose calls an arch-specific family may serve: the forward and both backwards.
+SERVED_OPS = ("fwd", "bwd", "bwddet")
 
 
 def _device() -> tuple[torch.device, DeviceInfo]:
@@ -53,16 +55,21 @@ def _device() -> tuple[torch.device, DeviceInfo]:
 
 
 def arch_specific_kernels(info: DeviceInfo) -> list[tuple[Problem, KernelConfig]]:
-    """The arch-specific kernels the runtime would serve on ``info`` (none on a device that
-    runs no arch-specific family)."""
+    """The arch-specific kernels the runtime would serve on ``info`` for the forward and
+    the backward (``SERVED_OPS``, in that order; none on a device that runs no
+    arch-specific family)."""
     import dataclasses
 
     from flashtune import families
     from flashtune.runtime.precompile import ALL_BUCKETS, all_problems, planned_kernels
 
     device = dataclasses.replace(info, arch_specific_kernels=True)
-    return [(p, c) for p, c in planned_kernels(device, all_problems(), ALL_BUCKETS)
-            if families.of(p).target_arch is not None]
+    found = []
+    for op in SERVED_OPS:  # the forward's first: a GPU check's serving stage needs them
+        found += [(p, c) for p, c in planned_kernels(device, all_problems(ops=(op,)),
+                                                     ALL_BUCKETS)
+                  if families.of(p).target_arch is not None]
+    return found
 
 
 def check_gpu(*, recheck: bool, list_only: bool, only: list[str] | None,

@@ -47,7 +47,8 @@ _OPS: dict[str, tuple[str, int]] = {
     "fwd": ("attention", 2), "fwd90a": ("attention", 2), "fwd90aws": ("attention", 2),
     "fwd8": ("attention", 2),
     "lse": ("attention", 1), "bwd": ("attention", 5),
-    "bwddet": ("attention", 5), "decode": ("query_row", 4), "combine": ("rows", 2),
+    "bwddet": ("attention", 5), "bwd90a": ("attention", 5), "bwd90adet": ("attention", 5),
+    "decode": ("query_row", 4), "combine": ("rows", 2),
     "bwdpre": ("rows", 2), "bwdsum": ("rows", 2),
 }
 

@@ -76,11 +76,13 @@ def test_dry_run_writes_every_file(tmp_path: Path) -> None:
                  if line.startswith(f"  smoke {family} ") and "compiled for sm_90" in line]
         assert smoke and smoke[-1] < summary, proc.stdout
     assert "packed" in lines[-1]
-    # the canary's kernels (the sm_90a forward's, as a cc 9.0 GPU serves them), the plan of
-    # the serving forward at full-chip shapes
+    # the canary's kernels (the sm_90a forward's, then the backward's, as a cc 9.0 GPU
+    # serves them), the plan of the serving forward at full-chip shapes
     said = (out / "logs" / "canary-list.log").read_text().split()
     listed = [word for word in said if word.startswith("flashtune_")]  # logs aside
-    assert listed and all(e.startswith("flashtune_fwd90aws_") for e in listed), said
+    kinds = [e.split("_")[1] for e in listed]
+    assert kinds and set(kinds) == {"fwd90aws", "bwd90a", "bwd90adet"}, said
+    assert kinds == sorted(kinds, key=lambda op: not op.startswith("fwd")), said
     serving = (out / "logs" / "serving-plan.log").read_text()
     assert "18 cases x serving, sdpa-flash, sdpa-cudnn, pingpong, overlap, n176" in serving
     assert "b4 h16 n8192 d256 full" in serving

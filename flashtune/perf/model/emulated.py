@@ -26,16 +26,19 @@ SAMPLE_SEQLEN = 256
 
 def algorithm_read_bytes(problem: Problem, config: KernelConfig, shape: ShapeLike,
                          window: Window | None = None) -> int:
-    """Global bytes the forward kernel must read: Q once, and the K and V rows of every
-    tile each query block visits (a partial last tile counts its rows only). ``window``: a
+    """Global bytes the forward kernel must read: Q once (the rows of blocks that see some
+    key), and the K and V rows of every tile each query block visits (a partial last tile
+    counts its rows only). ``window``: a
     window problem's sizes (None: ``timing_window``, what the sample runs with)."""
     if problem.window and window is None:
         window = timing_window(shape)
     row = problem.head_dim * problem.dtype.itemsize
-    q = shape.batch * shape.heads_q * shape.seqlen_q * row
-    kv_rows = sum(b.key_rows(config.block_n, shape.seqlen_k)
-                  for b in block_tiles(problem, config, shape, window))
-    return q + 2 * kv_rows * row * shape.batch * shape.heads_q
+    blocks = block_tiles(problem, config, shape, window)
+    # A block whose rows see no key writes its empty rows without loading Q.
+    q_rows = sum(min(shape.seqlen_q, (m + 1) * config.block_m) - m * config.block_m
+                 for m, b in enumerate(blocks) if b.count)
+    kv_rows = sum(b.key_rows(config.block_n, shape.seqlen_k) for b in blocks)
+    return (q_rows + 2 * kv_rows) * row * shape.batch * shape.heads_q
 
 
 def sample_shape(shape: ShapeLike) -> Shape:
