@@ -66,8 +66,9 @@ GC_PLAN=(
   "env|20|versions, the GPU and the NVRTC flashtune finds (env.json)"
   "nvidia-smi|10|the driver's view of the GPU"
   "canary|190|each sm_90a kernel's first-use check alone, forward then backward, ${GC_CANARY_KERNEL_S}s each (canary.log)"
-  "serving|200|the serving forward at full-chip shapes vs sdpa-flash and sdpa-cudnn"
+  "serving|170|the serving forward at full-chip shapes vs sdpa-flash and sdpa-cudnn"
   "smoke|30|each family: one kernel compiled, launched, checked, timed vs SDPA flash"
+  "backward|30|the training step (forward + backward, the sm_90a backward on cc 9.0) at 8k, causal d128 and d64, vs sdpa-flash"
   "gpu-tests|110|pytest -m gpu, the Hopper ones first, all but the tuner (gpu-tests.xml)"
   "gpu-tests-tuner|60|pytest -m gpu tests/tuner: a real tune the dispatcher serves"
   "precompile|35|every default kernel for the GPU's arch, compiled in parallel"
@@ -79,6 +80,9 @@ GC_PLAN=(
 # The problem tuned for real, and the sweep subset that shows it next to the baselines.
 GC_TUNE_ARGS=(--head-dim 128 --dtype bf16 --seqlens 4096 --trials 6)
 GC_SWEEP_ARGS=(--subset --dtypes bf16 --head-dims 128 --repeats 20)
+# The training step's line: batch 2 x 16 heads (d128; 32 at d64) at 8k, causal, fwd + bwd.
+GC_BACKWARD_ARGS=(--passes fwdbwd --dtypes bf16 --head-dims 128,64 --causal causal
+                  --seqlens 8192 --impls flashtune,sdpa-flash --warmup 2 --repeats 10)
 GC_DECODE_ARGS=(--batches 1,64 --cache-lens 4096,65536 --groups 8 --page-sizes none,16,256
                 --query-rows 1 --repeats 10)
 # Seconds kept back at the end for the summary and the tarball; shortest stage worth running.
@@ -450,6 +454,8 @@ gc_main() {
       --time-budget "$(gc_inner "$(gc_cap serving)" 20)"
     gc_planned smoke "$GC_PY" "$GC_REPO/benchmarks/gpu_smoke.py" "${smoke[@]}"
     gc_show_smoke smoke
+    gc_planned backward "$GC_PY" "$GC_REPO/benchmarks/attention.py" "${GC_BACKWARD_ARGS[@]}" \
+      --out "$GC_OUT/backward" --time-budget "$(gc_inner "$(gc_cap backward)" 5)"
     # The tests keep their own database (never the results'); the tuner's test runs in a
     # stage of its own, so the others' cap cannot take it. The Hopper tests come first.
     GC_STAGE_SIGNAL=INT gc_planned gpu-tests env -u FLASHTUNE_DB "$GC_PY" -m pytest \
@@ -484,6 +490,9 @@ gc_main() {
       --arch "$GC_DRY_ARCH"
     gc_show_smoke smoke-compile
     gc_skip smoke "$why"
+    gc_stage backward-plan "$cap" "$GC_PY" "$GC_REPO/benchmarks/attention.py" \
+      "${GC_BACKWARD_ARGS[@]}" --out "$GC_OUT/backward" --plan-only
+    gc_skip backward "$why"
     # The GPU run's command on the head dim 64 bf16 defaults only (a few kernels).
     gc_stage precompile-d64 "$cap" "$GC_PY" -m flashtune.cli precompile \
       --arch "$(gc_precompile_arch "$GC_DRY_ARCH")" --all-defaults --head-dim 64 \

@@ -45,7 +45,8 @@ def _summary(out: Path) -> dict[str, dict[str, str]]:
 
 
 DRY_STAGES = ["install", "env", "nvidia-smi", "canary-list", "canary", "serving-plan",
-              "serving", "smoke-compile", "smoke", "precompile-d64",
+              "serving", "smoke-compile", "smoke", "backward-plan", "backward",
+              "precompile-d64",
               "precompile", "gpu-tests-collect", "gpu-tests", "gpu-tests-tuner",
               "tune-options", "tune", "sweep-plan", "sweep", "decode-plan", "decode", "host"]
 
@@ -57,11 +58,11 @@ def test_dry_run_writes_every_file(tmp_path: Path) -> None:
     stages = _summary(out)
     assert list(stages) == DRY_STAGES, proc.stdout
     for name in ("install", "env", "canary-list", "serving-plan", "smoke-compile",
-                 "precompile-d64", "gpu-tests-collect", "tune-options", "sweep-plan",
-                 "decode-plan"):
+                 "backward-plan", "precompile-d64", "gpu-tests-collect", "tune-options",
+                 "sweep-plan", "decode-plan"):
         assert stages[name]["status"] == "passed", (name, stages[name], proc.stdout)
-    for name in ("canary", "serving", "smoke", "precompile", "gpu-tests", "gpu-tests-tuner",
-                 "tune", "sweep", "decode", "host"):
+    for name in ("canary", "serving", "smoke", "backward", "precompile", "gpu-tests",
+                 "gpu-tests-tuner", "tune", "sweep", "decode", "host"):
         assert stages[name]["status"] == "skipped"
         assert "dry run" in stages[name]["note"]
     assert stages["nvidia-smi"]["status"] in ("passed", "skipped")
@@ -90,6 +91,10 @@ def test_dry_run_writes_every_file(tmp_path: Path) -> None:
         plan = list(csv.DictReader(f))
     assert plan and {r["status"] for r in plan} == {"planned"}
     assert {(r["dtype"], r["head_dim"]) for r in plan} == {("bf16", "128")}
+    with (out / "backward" / "attention.csv").open() as f:  # the training step's line
+        plan = list(csv.DictReader(f))
+    assert {(r["pass"], r["head_dim"], r["causal"], r["seqlen"]) for r in plan} == {
+        ("fwdbwd", "128", "True", "8192"), ("fwdbwd", "64", "True", "8192")}, plan
     assert '"date_utc"' in (out / "env.json").read_text()
     install = (out / "logs" / "install.log").read_text()
     assert "skipping otherplatform-1.0" in install and "imports ok" in install
