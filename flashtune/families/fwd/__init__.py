@@ -77,7 +77,7 @@ class ForwardFamily(KernelFamily):
         return defaults.default_config(problem, arch)
 
     def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
-        return defaults.default_entry(problem, arch).reason
+        return defaults.default_reason(problem, arch)
 
     def template_params(self, problem: Problem, config: KernelConfig
                         ) -> dict[str, TemplateValue]:

@@ -33,7 +33,11 @@ out with why; where the rule changed an entry, the previous default's predicted 
 
 from __future__ import annotations
 
+import dataclasses
+
 from flashtune.codegen.arch import ArchClass, ArchSpec, arch_class, get_arch
+from flashtune.codegen.features import mods_of
+from flashtune.codegen.score_mods import POINTER_TYPES
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.errors import InvalidConfig
 from flashtune.families.defaults import DefaultEntry
@@ -222,6 +226,11 @@ DEFAULT_TABLE: tuple[DefaultEntry, ...] = tuple(
 )
 _BY_KEY: dict[tuple[ArchClass, int, bool], DefaultEntry] = {e.key: e for e in DEFAULT_TABLE}
 
+#: The widest key tile of a default whose score modification loads captured tensors: their
+#: index arithmetic and loads need registers the table's widest tiles leave no room for
+#: (d64's m128_n128: 184 B/thread of spills on sm_80 with a T5 bias; m128_n64: none).
+CAPTURED_MOD_BLOCK_N = 64
+
 #: Used only when an entry does not fit an arch (one with less shared memory than its
 #: class): the smallest tile of the space, 66 KB at head dim 256.
 FALLBACK = KernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
@@ -241,13 +250,38 @@ def default_entry(problem: Problem, arch: ArchSpec | str) -> DefaultEntry:
                             f"compiled head dim and mask must have one") from None
 
 
+def captures_tensors(problem: Problem) -> bool:
+    """Whether one of ``problem``'s score modifications loads captured tensors."""
+    return any(p.type in POINTER_TYPES for _, mod in mods_of(problem.features)
+               for p in mod.params)
+
+
+def _for_mods(problem: Problem, config: KernelConfig) -> KernelConfig:
+    """``config`` with its key tile narrowed to CAPTURED_MOD_BLOCK_N for a problem whose
+    modification loads captured tensors."""
+    if captures_tensors(problem) and config.block_n > CAPTURED_MOD_BLOCK_N:
+        return dataclasses.replace(config, block_n=CAPTURED_MOD_BLOCK_N)
+    return config
+
+
+def default_reason(problem: Problem, arch: ArchSpec | str) -> str:
+    """Why ``default_config`` chose what it did: the table entry's reason, and the key
+    tile's narrowing for a modification that loads captured tensors."""
+    entry = default_entry(problem, arch)
+    if _for_mods(problem, entry.config) == entry.config:
+        return entry.reason
+    return (f"{entry.reason}; its key tile narrowed to {CAPTURED_MOD_BLOCK_N} for a score "
+            "modification that loads captured tensors (their indices and loads take the "
+            "registers the wider tile leaves)")
+
+
 def default_config(problem: Problem, arch: ArchSpec | str) -> KernelConfig:
     """The config to run ``problem`` on ``arch`` (an ArchSpec or a name such as "sm_90")
     when nothing is tuned; it always passes ``static_check`` for that arch (an
     InvalidConfig says so when no config could)."""
     arch = _spec(arch)
     entry = default_entry(problem, arch)
-    for config in (entry.config, FALLBACK):
+    for config in (_for_mods(problem, entry.config), FALLBACK):
         if static_check(problem, config, arch) is None:
             return config
     why = static_check(problem, FALLBACK, arch)
