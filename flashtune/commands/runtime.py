@@ -135,11 +135,12 @@ def explain_command(
 
 
 def _problems(head_dims: list[int] | None, dtypes: list[DType] | None,
-              causal: bool | None, backward: bool = False) -> list[Problem]:
+              causal: bool | None, backward: bool = False, fp8: bool = False
+              ) -> list[Problem]:
     from flashtune.runtime.precompile import BACKWARD_OPS, all_problems
 
     masks = (False, True) if causal is None else (causal,)
-    ops = ("fwd", *BACKWARD_OPS) if backward else ("fwd",)
+    ops = ("fwd", *(BACKWARD_OPS if backward else ()), *(("fwd8",) if fp8 else ()))
     return all_problems(head_dims or COMPILED_HEAD_DIMS, dtypes or tuple(DType), masks, ops)
 
 
@@ -164,6 +165,9 @@ def precompile_command(
         "--backward/--no-backward", help="Also the backward pass's kernels (bwd, bwddet, "
                                          "bwdpre, bwdsum) of the selected problems.")
     ] = False,
+    fp8: Annotated[bool, typer.Option(
+        "--fp8/--no-fp8", help="Also the FP8 forward's kernels (e4m3 and e5m2 inputs with "
+                               "--dtype as O's type; sm_89 and later).")] = False,
     device: DeviceOpt = None,
     out: Annotated[Path | None, typer.Option(
         "--out", "--cache-dir", help="Directory to fill (read-only artifacts and their "
@@ -191,7 +195,7 @@ def precompile_command(
         raise fail("no output directory: give --out DIR (the directory to ship)")
     try:
         spec = get_arch(arch)
-        problems = _problems(head_dim, dtype, causal, backward)
+        problems = _problems(head_dim, dtype, causal, backward, fp8)
         if all_defaults:
             kernels = default_kernels(spec.name, problems)
         else:

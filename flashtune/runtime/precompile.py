@@ -388,21 +388,27 @@ def all_problems(head_dims: Iterable[int] = COMPILED_HEAD_DIMS,
                  ops: Iterable[str] = ("fwd",)) -> list[Problem]:
     """Every Problem of the given families (default: the forward), head dims, dtypes and
     masks; a family without a mask (the backward's row kernels) serves a causal call with
-    its causal=False problem."""
+    its causal=False problem. ``dtypes`` are O's types: a family whose inputs have other
+    types (the FP8 forward) gives a problem for each input type it declares beside them."""
     masks = tuple(causal)
     kinds = tuple(dtypes)
     found: dict[str, Problem] = {}
     for op in ops:
         family = families.get(op)
         for d, t, c in itertools.product(head_dims, kinds, masks):
-            for problem in (Problem(head_dim=d, dtype=t, causal=c, op=op),
-                            Problem(head_dim=d, dtype=t, causal=False, op=op)):
-                try:
-                    family.check_problem(problem)
-                except InvalidProblem:
-                    continue
-                found.setdefault(problem.key(), problem)
-                break
+            # O's type t; a family with inputs of other types (FP8) takes each it declares
+            inputs = sorted((x for x in family.dtypes if x.o is t and not x.uniform), key=str)
+            for q, kv in [(x.q, x.kv) for x in inputs] or [(t, t)]:
+                for problem in (Problem(head_dim=d, dtype=q, causal=c, op=op, kv_dtype=kv,
+                                        o_dtype=t),
+                                Problem(head_dim=d, dtype=q, causal=False, op=op,
+                                        kv_dtype=kv, o_dtype=t)):
+                    try:
+                        family.check_problem(problem)
+                    except InvalidProblem:
+                        continue
+                    found.setdefault(problem.key(), problem)
+                    break
     return list(found.values())
 
 

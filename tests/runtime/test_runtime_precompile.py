@@ -274,3 +274,25 @@ def test_backward_problems_for_precompiling() -> None:
                     "bwdpre_d64_bf16_full", "bwdsum_d64_bf16_full"}
     full = {p.key() for p in _problems([64], [DType.BF16], None, backward=True)}
     assert len(full) == 2 * 3 + 2
+
+
+def test_fp8_problems_for_precompiling(tmp_path: Path) -> None:
+    """--fp8 adds the FP8 forward with each input format beside --dtype as O's type; it
+    compiles for sm_89 and is refused on sm_80 naming the arch."""
+    from flashtune.commands.runtime import _problems
+
+    got = {p.key() for p in _problems([64], [DType.BF16], True, fp8=True)}
+    assert got == {"fwd_d64_bf16_causal", "fwd8_d64_e4m3-e4m3-bf16_causal",
+                   "fwd8_d64_e5m2-e5m2-bf16_causal"}
+    runner = CliRunner()
+    args = ["precompile", "--head-dim", "64", "--dtype", "bf16", "--causal", "--fp8",
+            "--all-defaults"]
+    result = runner.invoke(app, [*args, "--arch", "sm_89", "--out", str(tmp_path / "s")])
+    assert result.exit_code == 0, result.output
+    manifest = (tmp_path / "s" / "flashtune-precompiled.json").read_text()
+    for key in ("fwd_d64_bf16_causal", "fwd8_d64_e4m3_e4m3_bf16_causal",
+                "fwd8_d64_e5m2_e5m2_bf16_causal"):
+        assert f"flashtune_{key}_" in manifest, manifest[:500]
+    refused = runner.invoke(app, [*args, "--arch", "sm_80", "--out", str(tmp_path / "t")])
+    assert refused.exit_code == 1 and "sm_80 has no FP8 tensor cores" in " ".join(
+        refused.output.split()), refused.output
