@@ -41,14 +41,14 @@ MAX_THREADS = 512
 
 #: Defaults in order of preference; the first that passes the static rules on an arch wins.
 DEFAULTS: tuple[tuple[KernelConfig, str], ...] = (
-    (KernelConfig(64, 32, 4, 2, extras={COL_WARPS: 2}),
+    (KernelConfig(64, 32, 4, 2, extras=((COL_WARPS, 2),)),
      "64 packed rows (16 heads x 4 query rows, or 64 heads x 1: one latent read per "
      "split) on 4 x 2 warps (256 O columns, 136 accumulator registers per thread), "
      "32-key latent tiles in two buffers (160 KB)"),
-    (KernelConfig(32, 32, 2, 1, extras={COL_WARPS: 4}),
+    (KernelConfig(32, 32, 2, 1, extras=((COL_WARPS, 4),)),
      "32 packed rows on 2 x 4 warps (128 O columns each), one 32-key latent buffer: "
      "fits 99 KB of shared memory (sm_86, sm_89)"),
-    (KernelConfig(16, 16, 1, 1, extras={COL_WARPS: 2}),
+    (KernelConfig(16, 16, 1, 1, extras=((COL_WARPS, 2),)),
      "the smallest tile: 16 packed rows, 2 warps over O's columns, one 16-key buffer"),
 )
 
