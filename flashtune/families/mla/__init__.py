@@ -12,6 +12,7 @@ rows; ``Shape.heads_kv`` is 1 and ``Shape.seqlen_k`` the cache capacity per sequ
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from flashtune._lazy import lazy_module
@@ -49,6 +50,13 @@ else:
 ROPE_DIM = 64
 #: Page sizes a generic verification draws from (None: an unpaged cache).
 VERIFY_PAGE_SIZES: tuple[int | None, ...] = (None, 1, 3, 16, 64)
+#: What a tuning bucket is timed on by default: (batch, query heads), one query row each
+#: (DeepSeek's 16 heads per GPU under tensor parallelism, and all 128).
+TUNING_BATCH_HEADS = ((1, 16), (16, 16), (64, 16), (16, 128))
+#: Cached rows (sequences x length) a timed shape holds at most.
+TUNING_TOKENS = 1 << 20
+#: The cache length a tuning candidate is verified on (at most).
+VERIFY_CACHE = 300
 
 
 class MlaFamily(KernelFamily):
@@ -90,6 +98,20 @@ class MlaFamily(KernelFamily):
         if splits <= 0 or splits == inputs.scalars["num_splits"]:
             return inputs
         return Inputs(inputs.tensors, {**inputs.scalars, "num_splits": splits})
+
+    def tuning_shapes(self, problem: Problem, seqlen: int,
+                      batch_heads: Sequence[tuple[int, int]], shape_class: str = ""
+                      ) -> tuple[list[Shape], Shape]:
+        """Caches of ``seqlen`` and 3/4 of it at each (batch, heads_q) pair (default
+        TUNING_BATCH_HEADS; batches cut to TUNING_TOKENS cached rows), one query row;
+        verified on two sequences of 16 heads x 2 query rows over a small cache."""
+        shapes: list[Shape] = []
+        for batch, heads in batch_heads or TUNING_BATCH_HEADS:
+            for length in (seqlen, max(1, seqlen * 3 // 4)):
+                shape = Shape(max(1, min(batch, TUNING_TOKENS // length)), heads, 1, 1, length)
+                if shape not in shapes:
+                    shapes.append(shape)
+        return shapes, Shape(2, 16, 1, 2, min(seqlen, VERIFY_CACHE))
 
     def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
         return space.static_check(problem, config, arch)
