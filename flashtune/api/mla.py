@@ -18,6 +18,7 @@ import torch
 
 from flashtune import settings
 from flashtune.api.validate_kvcache import KvCacheLayout, check_cache_values
+from flashtune.api.variants import NO_WINDOW
 from flashtune.errors import InvalidInput
 from flashtune.families.decode.splits import MAX_SPLITS, heuristic_splits
 from flashtune.families.decode.status import STATUS_WORDS, describe
@@ -154,3 +155,34 @@ def merge_splits(o_part: torch.Tensor, lse_part: torch.Tensor
     # A split with LSE -inf has weight exp(-inf) = 0 (its O is 0); a NaN LSE spreads NaN.
     o = (weights.unsqueeze(-1) * o_part).sum(0)
     return o.permute(0, 2, 1, 3), torch.where(seen, lse, float("inf"))
+
+
+def attention_with_latent_cache(
+    q: torch.Tensor, k_cache: torch.Tensor, cache_seqlens: torch.Tensor, *,
+    block_table: torch.Tensor | None = None, k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None, causal: bool = False, softmax_scale: float | None = None,
+    num_splits: int | None = None, return_lse: bool = False, backend: str | None = None,
+    window_size: tuple[int, int] = NO_WINDOW, softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None, batch_invariant: bool | None = None,
+    sinks: torch.Tensor | None = None, head_dim_v: int | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``attention_with_kvcache`` with ``v_cache=None`` (FlashMLA's convention: V is the
+    first ``head_dim_v`` dims of ``k_cache``, 512 when None): ``mla_with_kvcache``, with
+    O, or O and the LSE with ``return_lse``. The options the MLA kernel has not got are
+    refused naming them: appending rows (k, v), a window, softcap, ALiBi, sinks and
+    batch-invariant splits."""
+    unsupported = [name for name, off in (
+        ("k and v (appending rows)", k is None and v is None),
+        ("window_size", tuple(window_size) == NO_WINDOW), ("softcap", not softcap),
+        ("alibi_slopes", alibi_slopes is None), ("sinks", sinks is None),
+        ("batch_invariant", not batch_invariant)) if not off]
+    if unsupported:
+        raise InvalidInput(f"v_cache=None (MLA decoding over a latent cache) does not take "
+                           f"{', '.join(unsupported)}; leave them out, or pass a v_cache "
+                           "for attention over separate K and V caches")
+    out, lse = mla_with_kvcache(q, k_cache, cache_seqlens, block_table=block_table,
+                                causal=causal, softmax_scale=softmax_scale,
+                                num_splits=num_splits,
+                                head_dim_v=NOPE_DIM if head_dim_v is None else head_dim_v,
+                                backend=backend)
+    return (out, lse) if return_lse else out

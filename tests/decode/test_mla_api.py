@@ -14,7 +14,7 @@ import torch
 from mla_cases import MlaCase
 from test_mla_decode import dense_reference
 
-from flashtune.api.mla import mla_with_kvcache
+from flashtune.api.mla import attention_with_latent_cache, mla_with_kvcache
 from flashtune.codegen.spec import DType
 from flashtune.errors import InvalidInput
 from flashtune.families.base import close_enough
@@ -38,9 +38,15 @@ def test_api_matches_float64(page_size: int | None, seqlen_q: int, splits: int) 
     rng = random.Random(f"{SEED}-api-{page_size}-{seqlen_q}")
     lengths = (150, rng.randrange(seqlen_q, 150), 0)
     t = _inputs(case, lengths, rng.randrange(1 << 30))
-    out, lse = mla_with_kvcache(t["q"], t["kv_cache"], t["cache_seqlens"],
-                                block_table=t.get("block_table"), causal=case.causal,
-                                num_splits=splits, backend="emulator")
+    if page_size is None:  # the entry attention_with_kvcache(v_cache=None) routes to
+        out, lse = attention_with_latent_cache(t["q"], t["kv_cache"], t["cache_seqlens"],
+                                               causal=case.causal, num_splits=splits,
+                                               return_lse=True, head_dim_v=512,
+                                               backend="emulator")
+    else:
+        out, lse = mla_with_kvcache(t["q"], t["kv_cache"], t["cache_seqlens"],
+                                    block_table=t.get("block_table"), causal=case.causal,
+                                    num_splits=splits, backend="emulator")
     assert out.shape == (3, seqlen_q, 16, 512) and out.dtype == torch.bfloat16
     cache, table = t["kv_cache"], t.get("block_table")
     for b, length in enumerate(lengths):
@@ -73,3 +79,16 @@ def test_api_refuses_bad_inputs_naming_the_expected_value() -> None:
     bad[0, 1] = 999
     with pytest.raises(InvalidInput, match=r"block_table\[0, 1\] = 999"):
         mla_with_kvcache(q, cache, lengths, block_table=bad, backend="emulator")
+
+
+def test_the_latent_entry_refuses_what_the_kernel_has_not_got() -> None:
+    case = MlaCase(DType.BF16, 16, 1, 16, 1)
+    t = _inputs(case, (40, 20, 0), SEED)
+    with pytest.raises(InvalidInput, match="window_size, softcap"):
+        attention_with_latent_cache(t["q"], t["kv_cache"], t["cache_seqlens"],
+                                    block_table=t["block_table"], window_size=(8, 0),
+                                    softcap=30.0, backend="emulator")
+    with pytest.raises(InvalidInput, match="k and v"):
+        attention_with_latent_cache(t["q"], t["kv_cache"], t["cache_seqlens"],
+                                    block_table=t["block_table"], k=t["q"], v=t["q"],
+                                    backend="emulator")
