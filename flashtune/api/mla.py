@@ -20,6 +20,7 @@ from flashtune import settings
 from flashtune.api.validate_kvcache import KvCacheLayout, check_cache_values
 from flashtune.api.variants import NO_WINDOW
 from flashtune.errors import InvalidInput
+from flashtune.families.decode import NOMINAL_SMS
 from flashtune.families.decode.splits import MAX_SPLITS, heuristic_splits
 from flashtune.families.decode.status import STATUS_WORDS, describe
 from flashtune.families.mla import ROPE_DIM
@@ -122,7 +123,7 @@ def mla_with_kvcache(q: torch.Tensor, kv_cache: torch.Tensor, cache_seqlens: tor
     config = plan.source.config
     batch, seqlen_q, heads_q, _ = q.shape
     splits = num_splits or heuristic_splits(
-        batch * -(-heads_q * seqlen_q // config.block_m), plan.sm_count or 132,
+        batch * -(-heads_q * seqlen_q // config.block_m), plan.sm_count or NOMINAL_SMS,
         -(-layout.capacity // _HEURISTIC_BLOCK_N))
     if not plan.on_gpu or settings.CHECK_INPUTS.get():
         check_cache_values(cache_seqlens, block_table, layout)
