@@ -46,6 +46,10 @@ def test_defaults_fit_each_arch_and_rules_name_their_reasons() -> None:
     many = KernelConfig(64, 64, 4, 1, extras={COL_WARPS: 1})
     reason = MLA.rules(PROBLEM, many, get_arch("sm_90"))
     assert reason is not None and "registers" in reason and COL_WARPS in reason
+    # Two m16 tiles per warp at 144 accumulators: 255 registers and a spill on sm_80 (NVRTC).
+    spills = KernelConfig(32, 64, 1, 1, extras={COL_WARPS: 4})
+    reason = MLA.rules(PROBLEM, spills, get_arch("sm_80"))
+    assert reason is not None and "144 registers" in reason
     odd = KernelConfig(16, 16, 1, 1, extras={COL_WARPS: 4})
     reason = MLA.rules(PROBLEM, odd, get_arch("sm_90"))
     assert reason is not None and "multiple of 32" in reason

@@ -34,8 +34,12 @@ SPACE = ParamSpace((Param("block_m", (16, 32, 64)), Param("block_n", (16, 32, 64
 ROW_PAD = 8
 #: Registers per SM (every arch the family serves): a block's threads share them.
 _REGS_PER_SM = 65536
-#: Registers per thread beyond the accumulators: A/B fragments, addresses, softmax state.
+#: Registers per thread beyond the accumulators: B fragments, addresses, softmax state, and
+#: per further m16 tile of a warp its Q/P fragments and their addresses (calibrated with
+#: NVRTC: two m16 tiles with 144 accumulator registers reach 255 registers and spill on
+#: sm_80 causal; with 136 they take 208; one m16 tile with 136 takes 232).
 _WORKING_REGISTERS = 48
+_WORKING_PER_M_TILE = 64
 #: The most threads a block has (the register file must hold them all at 128 each).
 MAX_THREADS = 512
 
@@ -116,12 +120,13 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec) -> str 
     if smem > arch.max_smem_per_block:
         return (f"shared memory {smem} B exceeds the {arch.name} per-block limit "
                 f"{arch.max_smem_per_block} B")
-    budget = min(arch.max_regs_per_thread, _REGS_PER_SM // count) - _WORKING_REGISTERS
+    working = _WORKING_REGISTERS + _WORKING_PER_M_TILE * (config.rows_per_warp // 16 - 1)
+    budget = min(arch.max_regs_per_thread, _REGS_PER_SM // count) - working
     acc = accumulator_registers(config)
     if acc > budget:
         return (f"accumulators need {acc} registers per thread, over the {budget} that "
-                f"{count} threads leave beside the {_WORKING_REGISTERS} working registers "
-                f"(raise {COL_WARPS} or lower block_m / num_warps)")
+                f"{count} threads leave beside {working} working registers (raise "
+                f"{COL_WARPS} or num_warps, or lower block_m)")
     return None
 
 
