@@ -31,10 +31,11 @@ def _builtins() -> None:
     from flashtune.families.hopper import HOPPER_FORWARD
     from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
     from flashtune.families.lse import LSE
+    from flashtune.families.mla import MLA
 
     for family in (FORWARD, BACKWARD, BACKWARD_DETERMINISTIC, PREPROCESS, CONVERT, LSE,
                    DECODE, COMBINE, HOPPER_FORWARD, HOPPER_WS_FORWARD, FORWARD_FP8,
-                   HOPPER_BACKWARD, HOPPER_BACKWARD_DETERMINISTIC):
+                   HOPPER_BACKWARD, HOPPER_BACKWARD_DETERMINISTIC, MLA):
         _families.setdefault(family.op, family)
 
 
