@@ -4,7 +4,11 @@
 // fixed order, scaled by softmax_scale, rounded) are the same row kernels.
 //
 // One block owns kBlockN keys of one (batch, kv head): one warpgroup (128 threads) per 64 of
-// them, kBlockN = 64 or 128. It steps over the query tiles of kBlockM = 64 rows, of every
+// them, kBlockN = 64 or 128, times kDimGroups: at head dims over 128, dK and dV of 64 keys
+// (head_dim / 2 float32 registers each per thread) do not fit one warpgroup's registers, so
+// two warpgroups share each 64 keys, each owning half of the head dim of dK and dV (both
+// compute the 64-key S^T and dP^T, over the whole head dim: the price of keeping P^T and
+// dS^T in registers as the A of dV and dK). It steps over the query tiles of kBlockM = 64 rows, of every
 // query head of the group, that can see its keys (causal: from the tile holding the first
 // row at or below the bottom-right-aligned diagonal). K and V are loaded once; per step,
 // every thread copies its share of Q, dO (cp.async) and of the LSE and D rows; then, in each
@@ -12,8 +16,8 @@
 //   S^T  = K Q^T    wgmma SS, A = K (K-major), B = Q (K-major), N = kBlockM
 //   dP^T = V dO^T   wgmma SS, A = V, B = dO, N = kBlockM
 //   P^T  = exp2(S^T scale log2(e) - LSE log2(e)), 0 where masked; dS^T = P^T (dP^T - D)
-//   dV  += P^T dO   wgmma RS, A = P^T from the accumulators, B = dO (MN-major), N = D
-//   dK  += dS^T Q   wgmma RS, A = dS^T, B = Q (MN-major), N = D
+//   dV  += P^T dO   wgmma RS, A = P^T from the accumulators, B = dO (MN-major), N = D / G
+//   dK  += dS^T Q   wgmma RS, A = dS^T, B = Q (MN-major), N = D / G (G = kDimGroups)
 // dK and dV stay in float32 registers across the whole query loop. dS is written to shared
 // memory transposed (queries x keys, the K-major A layout), and after a block barrier each
 // warpgroup computes its D / kWarpGroups columns of dQ = dS K (wgmma SS, A = dS, B = K
@@ -49,13 +53,18 @@ struct HopperBwdTraits {
   static constexpr int kBlockN = BlockN;
   static constexpr bool kCausal = Causal;
   static constexpr bool kDqSplit = DqSplit;
-  static constexpr int kWarpGroups = BlockN / 64;  // one per 64 keys
+  static constexpr int kKeyGroups = BlockN / 64;   // 64 keys each
+  static constexpr int kDimGroups = HeadDim > 128 ? 2 : 1;  // head-dim halves of dK and dV
+  static constexpr int kWarpGroups = kKeyGroups * kDimGroups;
+  static constexpr int kDkvCols = HeadDim / kDimGroups;  // dK and dV columns of a warpgroup
   static constexpr int kThreads = 128 * kWarpGroups;
   static constexpr int kChunks = HeadDim / 8;      // 16-byte chunks of a row (load_tile)
   static constexpr int kDimSteps = HeadDim / 16;   // k16 steps of S^T and dP^T
   static constexpr int kQSteps = kBlockM / 16;     // k16 steps of dV and dK
   static constexpr int kKeySteps = BlockN / 16;    // k16 steps of dQ
   static constexpr int kDqCols = HeadDim / kWarpGroups;  // dQ columns of one warpgroup
+  // dQ columns per wgmma: 64 when dK and dV are split (registers), else all of them.
+  static constexpr int kDqChunk = kDimGroups > 1 ? 64 : kDqCols;
   // Byte offsets from the 1024-byte-aligned base.
   static constexpr int kKvBytes = BlockN * HeadDim * 2;
   static constexpr int kQBytes = kBlockM * HeadDim * 2;
@@ -68,7 +77,7 @@ struct HopperBwdTraits {
   // Tiles, LSE and D rows, up to 1023 bytes to align the base.
   static constexpr int kSmemBytes = kStatsOffset + 2 * kBlockM * 4 + 1024;
 
-  static_assert(HeadDim == 64 || HeadDim == 128, "head dim: 64 or 128");
+  static_assert(HeadDim == 64 || HeadDim == 128 || HeadDim == 256, "head dim: 64, 128 or 256");
   static_assert(BlockN == 64 || BlockN == 128, "block_n: 64 or 128 (one warpgroup per 64 keys)");
   static_assert(kDqCols % 16 == 0, "a warpgroup's dQ columns: the N of a wgmma");
 
@@ -103,25 +112,26 @@ __device__ __forceinline__ void issue_ss_kmajor(float (&acc)[N / 2], unsigned a_
   }
 }
 
-// acc (64 x D) += A B over kSteps k16 steps, A from registers (a[kk]), B MN-major in shared
-// memory at b_addr (rows of D columns, b_rows rows per panel).
+// acc (64 x kDkvCols) += A B over kSteps k16 steps, A from registers (a[kk]), B MN-major in
+// shared memory at b_addr (its first column; rows of D columns, b_rows rows per panel).
 template <class Tr, int kSteps>
-__device__ __forceinline__ void issue_rs(float (&acc)[Tr::kHeadDim / 2],
+__device__ __forceinline__ void issue_rs(float (&acc)[Tr::kDkvCols / 2],
                                          const unsigned (&a)[kSteps][4], unsigned b_addr,
                                          int b_rows) {
   const unsigned long long b_desc = wgmma_desc(b_addr, b_rows * 128, 1024, kSwizzle128B);
 #pragma unroll
   for (int kk = 0; kk < kSteps; ++kk) {
-    wgmma_rs<Tr::kHeadDim, Tr::kBf16, true>(acc, a[kk], wgmma_desc_add(b_desc, kk * 16 * 128),
+    wgmma_rs<Tr::kDkvCols, Tr::kBf16, true>(acc, a[kk], wgmma_desc_add(b_desc, kk * 16 * 128),
                                             1);
   }
 }
 
-// Stores a warpgroup's 64 x D float32 accumulator (rows row0.. of the tensor, times scale)
-// in the element type; rows at and past `rows` are not written.
+// Stores a warpgroup's 64 x kDkvCols float32 accumulator (rows row0.. of the tensor, from
+// the column `out` points at, times scale) in the element type; rows at and past `rows` are
+// not written.
 template <class Tr>
 __device__ __forceinline__ void store_rows_scaled(typename Tr::Element* out, long long row_stride,
-                                                  const float (&acc)[Tr::kHeadDim / 2], int row0,
+                                                  const float (&acc)[Tr::kDkvCols / 2], int row0,
                                                   int rows, float scale, int warp, int lane) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -129,7 +139,7 @@ __device__ __forceinline__ void store_rows_scaled(typename Tr::Element* out, lon
     if (row >= rows) continue;
     typename Tr::Element* dst = out + row * row_stride + 2 * (lane % 4);
 #pragma unroll
-    for (int nt = 0; nt < Tr::kHeadDim / 8; ++nt) {
+    for (int nt = 0; nt < Tr::kDkvCols / 8; ++nt) {
       *reinterpret_cast<unsigned*>(dst + 8 * nt) =
           Tr::Ops::pack(acc[4 * nt + 2 * h] * scale, acc[4 * nt + 2 * h + 1] * scale);
     }
@@ -179,7 +189,13 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
   const int group = a.heads_q / a.heads_kv;
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = lane_id();
-  const int wg = tid / 128;            // this warpgroup: keys 64 wg .. of the tile
+  const int wg = tid / 128;            // this warpgroup: dQ columns kDqCols wg ..
+  // Keys 64 wg_key .. of the tile; dK and dV columns kDkvCols wg_dim .. (constants where
+  // the head dim is not split: fewer live registers).
+  const int wg_key = Tr::kDimGroups > 1 ? wg % Tr::kKeyGroups : wg;
+  const int wg_dim = Tr::kDimGroups > 1 ? wg / Tr::kKeyGroups : 0;
+  // Its first column of dO and Q (B of dV and dK): panel kDkvCols wg_dim / 64 of 64 rows.
+  const unsigned dkv_col_bytes = ((Tr::kDkvCols * wg_dim) / 64) * kBlockM * 128;
   const int warp = (tid % 128) / 32;   // warp within the warpgroup: accumulator rows 16 warp..
   const float scale_log2 = a.softmax_scale * kLog2e;
   const long long bh_rows = static_cast<long long>(gridDim.z) * a.heads_q * a.seqlen_q;
@@ -217,13 +233,13 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
     load_tile<Tr, kBlockN>(smem + Tr::kVOffset, v_bh + key_row * a.v_row_stride, a.v_row_stride,
                            a.seqlen_k - n0, tid);
 
-    float acc_dk[kD / 2];
-    float acc_dv[kD / 2];
+    float acc_dk[Tr::kDkvCols / 2];
+    float acc_dv[Tr::kDkvCols / 2];
 #pragma unroll
-    for (int i = 0; i < kD / 2; ++i) acc_dk[i] = acc_dv[i] = 0.0f;
+    for (int i = 0; i < Tr::kDkvCols / 2; ++i) acc_dk[i] = acc_dv[i] = 0.0f;
 
     // This thread's keys (accumulator rows of S^T, dK, dV): key0 and key0 + 8.
-    const int key0 = n0 + 64 * wg + 16 * warp + lane / 4;
+    const int key0 = n0 + 64 * wg_key + 16 * warp + lane / 4;
 
     for (int s = 0; s < steps; ++s) {
       const int head = kv_head * group + s / m_count;
@@ -252,9 +268,9 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
       float acc_s[kBlockM / 2];
       float acc_dp[kBlockM / 2];
       wgmma_fence();
-      issue_ss_kmajor<Tr, kBlockM, Tr::kDimSteps>(acc_s, k_addr + 64 * wg * 128, kBlockN, q_addr,
+      issue_ss_kmajor<Tr, kBlockM, Tr::kDimSteps>(acc_s, k_addr + 64 * wg_key * 128, kBlockN, q_addr,
                                                   kBlockM, false);
-      issue_ss_kmajor<Tr, kBlockM, Tr::kDimSteps>(acc_dp, v_addr + 64 * wg * 128, kBlockN,
+      issue_ss_kmajor<Tr, kBlockM, Tr::kDimSteps>(acc_dp, v_addr + 64 * wg_key * 128, kBlockN,
                                                   do_addr, kBlockM, false);
       wgmma_commit();
       wgmma_wait<0>();
@@ -282,14 +298,16 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
         pack_a<Tr>(acc_dp, kk, a_ds[kk]);
       }
       wgmma_fence();
-      issue_rs<Tr, Tr::kQSteps>(acc_dv, a_p, do_addr, kBlockM);
-      issue_rs<Tr, Tr::kQSteps>(acc_dk, a_ds, q_addr, kBlockM);
+      issue_rs<Tr, Tr::kQSteps>(acc_dv, a_p, do_addr + dkv_col_bytes, kBlockM);
+      issue_rs<Tr, Tr::kQSteps>(acc_dk, a_ds, q_addr + dkv_col_bytes, kBlockM);
       wgmma_commit();
 
-      // dS (queries x keys) into shared memory, the K-major A layout of dQ = dS K.
+      // dS (queries x keys) into shared memory, the K-major A layout of dQ = dS K (by the
+      // first of the warpgroups that hold the same keys).
 #pragma unroll
       for (int e = 0; e < kBlockM / 2; ++e) {
-        const int key = 64 * wg + 16 * warp + lane / 4 + 8 * ((e >> 1) & 1);
+        if (wg_dim != 0) break;
+        const int key = 64 * wg_key + 16 * warp + lane / 4 + 8 * ((e >> 1) & 1);
         const int col = 8 * (e >> 2) + 2 * (lane % 4) + (e & 1);
         // The low half of a rounded pair is the element (its row neighbour is in another row).
         *reinterpret_cast<unsigned short*>(
@@ -299,44 +317,57 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
       fence_proxy_async();  // this thread's dS stores (generic proxy) before wgmma reads
       if constexpr (FT_HOPPER_BWD_PLANTED_BUG != 1) block_sync();  // the whole dS tile is written
 
-      float acc_dq[Tr::kDqCols / 2];
-      wgmma_fence();
-      {
-        const unsigned long long a_desc = wgmma_desc(ds_addr, 16, 1024, kSwizzle128B);
-        // This warpgroup's dQ columns start at column kDqCols wg of K's rows: panel
-        // (kDqCols wg) / 64, 128 bytes a row, plus 2 bytes a column inside the panel.
-        const unsigned b_start = k_addr + ((Tr::kDqCols * wg) / 64) * kBlockN * 128 +
-                                 ((Tr::kDqCols * wg) % 64) * 2;
-        const unsigned long long b_desc = wgmma_desc(b_start, kBlockN * 128, 1024, kSwizzle128B);
-#pragma unroll
-        for (int ks = 0; ks < Tr::kKeySteps; ++ks) {
-          wgmma_ss<Tr::kDqCols, Tr::kBf16, false, true>(
-              acc_dq, wgmma_desc_add(a_desc, (ks / 4) * kBlockM * 128 + (ks % 4) * 32),
-              wgmma_desc_add(b_desc, ks * 16 * 128), ks > 0);
-        }
+      if constexpr (Tr::kDimGroups > 1) {
+        // dK and dV of the step first: their A fragments are free before dQ's accumulators
+        // are live (a thread's dK and dV leave no room for both).
+        wgmma_wait<0>();
+        wgmma_fence_operands(acc_dv);
+        wgmma_fence_operands(acc_dk);
       }
-      wgmma_commit();
-      wgmma_wait<0>();  // dQ, and dV and dK of this step
-      wgmma_fence_operands(acc_dq);
-      wgmma_fence_operands(acc_dv);
-      wgmma_fence_operands(acc_dk);
+      // This warpgroup's dQ columns (kDqCols wg ..) in chunks of kDqChunk columns, one
+      // accumulator at a time.
+#pragma unroll
+      for (int chunk = 0; chunk < Tr::kDqCols / Tr::kDqChunk; ++chunk) {
+        const int col = Tr::kDqCols * wg + Tr::kDqChunk * chunk;
+        float acc_dq[Tr::kDqChunk / 2];
+        wgmma_fence();
+        {
+          const unsigned long long a_desc = wgmma_desc(ds_addr, 16, 1024, kSwizzle128B);
+          // Column col of K's rows: panel col / 64, 128 bytes a row, plus 2 bytes a column
+          // inside the panel.
+          const unsigned b_start = k_addr + (col / 64) * kBlockN * 128 + (col % 64) * 2;
+          const unsigned long long b_desc =
+              wgmma_desc(b_start, kBlockN * 128, 1024, kSwizzle128B);
+#pragma unroll
+          for (int ks = 0; ks < Tr::kKeySteps; ++ks) {
+            wgmma_ss<Tr::kDqChunk, Tr::kBf16, false, true>(
+                acc_dq, wgmma_desc_add(a_desc, (ks / 4) * kBlockM * 128 + (ks % 4) * 32),
+                wgmma_desc_add(b_desc, ks * 16 * 128), ks > 0);
+          }
+        }
+        wgmma_commit();
+        wgmma_wait<0>();  // dQ, and dV and dK of this step
+        wgmma_fence_operands(acc_dq);
+        wgmma_fence_operands(acc_dv);
+        wgmma_fence_operands(acc_dk);
 
-      float* dq_head = dq_slice + (stats + m0) * kD + Tr::kDqCols * wg;
+        float* dq_head = dq_slice + (stats + m0) * kD + col;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = 16 * warp + lane / 4 + 8 * h;
-        if (m0 + row >= a.seqlen_q) continue;
-        float* dst = dq_head + row * kD + 2 * (lane % 4);
+        for (int h = 0; h < 2; ++h) {
+          const int row = 16 * warp + lane / 4 + 8 * h;
+          if (m0 + row >= a.seqlen_q) continue;
+          float* dst = dq_head + row * kD + 2 * (lane % 4);
 #pragma unroll
-        for (int nt = 0; nt < Tr::kDqCols / 8; ++nt) {
+          for (int nt = 0; nt < Tr::kDqChunk / 8; ++nt) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float value = acc_dq[4 * nt + 2 * h + e];
-            if constexpr (Tr::kDqSplit) {
-              // This block owns its slice and adds its key tiles one after another.
-              dst[8 * nt + e] += value;
-            } else {
-              atomic_add_f32(dst + 8 * nt + e, value);
+            for (int e = 0; e < 2; ++e) {
+              const float value = acc_dq[4 * nt + 2 * h + e];
+              if constexpr (Tr::kDqSplit) {
+                // This block owns its slice and adds its key tiles one after another.
+                dst[8 * nt + e] += value;
+              } else {
+                atomic_add_f32(dst + 8 * nt + e, value);
+              }
             }
           }
         }
@@ -344,11 +375,12 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
     }
     cp_async_wait_all();  // nothing in flight (also when there were no steps)
 
-    const int key_row0 = n0 + 64 * wg;
-    store_rows_scaled<Tr>(a.dk + batch * a.dk_batch_stride + kv_head * a.dk_head_stride,
+    const int key_row0 = n0 + 64 * wg_key;
+    const int col0 = Tr::kDkvCols * wg_dim;
+    store_rows_scaled<Tr>(a.dk + batch * a.dk_batch_stride + kv_head * a.dk_head_stride + col0,
                           a.dk_row_stride, acc_dk, key_row0, a.seqlen_k, a.softmax_scale, warp,
                           lane);
-    store_rows_scaled<Tr>(a.dv + batch * a.dv_batch_stride + kv_head * a.dv_head_stride,
+    store_rows_scaled<Tr>(a.dv + batch * a.dv_batch_stride + kv_head * a.dv_head_stride + col0,
                           a.dv_row_stride, acc_dv, key_row0, a.seqlen_k, 1.0f, warp, lane);
   }
 }

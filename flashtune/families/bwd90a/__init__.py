@@ -9,7 +9,8 @@ from registers (kept in float32 registers across the query loop), and dQ = dS K 
 from the dS tile in shared memory, added to the float32 accumulator with atomics or, with
 ``dqmode=split``, into the block's own slice (deterministic: bitwise equal over block
 orders). Loads are by all threads with cp.async (no producer warpgroup, TMA or stage ring in
-this version; templates/hopper_bwd.cuh). Head dims 64 and 128, causal with the query tiles
+this version; templates/hopper_bwd.cuh). Head dims 64, 128 and 256 (at 256, two warpgroups
+per 64 keys, each owning half of the head dim of dK and dV), causal with the query tiles
 above the diagonal skipped, GQA/MQA (dK, dV summed over the group in the block). It serves
 no op yet: a family to compile, verify and tune on sm_90a.
 """
@@ -60,11 +61,11 @@ class HopperBackwardFamily(BackwardFamily):
 
     def threads(self, problem: Problem, config: KernelConfig) -> int:
         """128 threads (a warpgroup) per 64 keys of the key tile."""
-        return space.threads(config)
+        return space.threads(problem, config)
 
     def compute_warps(self, problem: Problem, config: KernelConfig) -> int:
         """Every warp of the block issues wgmma (no producer warpgroup)."""
-        return space.threads(config) // 32
+        return space.threads(problem, config) // 32
 
     def point(self, config: KernelConfig) -> dict[str, Value]:
         return {"block_m": config.block_m, "block_n": config.block_n,
@@ -74,13 +75,19 @@ class HopperBackwardFamily(BackwardFamily):
         return space.static_check(problem, config, arch)
 
     def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
-        """Two warpgroups over 128 keys (FA3's block_n at head dims 64 and 128), query tiles
-        of 64 rows, dQ by float32 atomics."""
-        config = self.config({"block_m": 64, "block_n": 128, "num_stages": 1,
+        """Two warpgroups over 128 keys (FA3's block_n at head dims 64 and 128), or at head
+        dim 256 over 64 keys (each owning half of dK and dV; FA3's 64 x 64 tile at d256),
+        query tiles of 64 rows, dQ by float32 atomics."""
+        block_n = 64 if space.dim_groups(problem) > 1 else 128
+        config = self.config({"block_m": 64, "block_n": block_n, "num_stages": 1,
                               "dqmode": space.DQ_ATOMIC})
         return self.fitting(problem, config, arch)
 
     def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
+        if space.dim_groups(problem) > 1:
+            return ("two warpgroups over 64 keys, each owning half of the head dim of dK and "
+                    "dV, and query tiles of 64 rows (FA3's sm90 tile at head dim 256); dQ by "
+                    "float32 atomics")
         return ("two warpgroups over 128 keys and query tiles of 64 rows (FA3's sm90 tiles at "
                 "head dims 64 and 128); dQ by float32 atomics")
 
