@@ -31,11 +31,17 @@
 // and a block barrier (no producer warpgroup, no TMA and no stage ring in this version).
 // dK is scaled by softmax_scale at the end, dQ by the convert kernel.
 //
+// Features (the mma.sync backward's, VariantArgs): a sliding window (Local: key j visible
+// to row i when i + Nk - Nq - left <= j <= i + Nk - Nq + right; query tiles that see none of
+// the block's keys are never visited) and softcap (the score is cap tanh(scale s / cap); dS
+// carries the tanh's derivative 1 - tanh^2).
+//
 // FT_HOPPER_BWD_PLANTED_BUG (tests only; 0 in every rendered kernel): 1 leaves out the block
 // barrier between the dS stores and the dQ wgmma that reads every warpgroup's dS rows.
 #pragma once
 
 #include "hopper_fwd.cuh"  // load_tile (swizzled cp.async rows), wgmma.cuh
+#include "variant_args.cuh"
 
 #ifndef FT_HOPPER_BWD_PLANTED_BUG
 #define FT_HOPPER_BWD_PLANTED_BUG 0
@@ -43,7 +49,8 @@
 
 namespace ft {
 
-template <typename Element_, bool IsBf16, int HeadDim, int BlockN, bool Causal, bool DqSplit>
+template <typename Element_, bool IsBf16, int HeadDim, int BlockN, bool Causal, bool DqSplit,
+          bool Local = false, bool Softcap = false>
 struct HopperBwdTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
@@ -53,6 +60,8 @@ struct HopperBwdTraits {
   static constexpr int kBlockN = BlockN;
   static constexpr bool kCausal = Causal;
   static constexpr bool kDqSplit = DqSplit;
+  static constexpr bool kLocal = Local;
+  static constexpr bool kSoftcap = Softcap;
   static constexpr int kKeyGroups = BlockN / 64;   // 64 keys each
   static constexpr int kDimGroups = HeadDim > 128 ? 2 : 1;  // head-dim halves of dK and dV
   static constexpr int kWarpGroups = kKeyGroups * kDimGroups;
@@ -166,6 +175,7 @@ struct BwdParams {
   long long dk_batch_stride, dk_row_stride, dk_head_stride;
   long long dv_batch_stride, dv_row_stride, dv_head_stride;
   float softmax_scale;
+  VariantArgs var;  // the features' values (those of Local and Softcap are read)
 };
 
 // The key tiles blockIdx.x, + gridDim.x, ... of kv head blockIdx.y, batch blockIdx.z.
@@ -206,6 +216,10 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
   const Element* v_bh = a.v + batch * a.v_batch_stride + kv_head * a.v_head_stride;
   const int n_blocks = (a.seqlen_k + kBlockN - 1) / kBlockN;
   const int m_blocks = (a.seqlen_q + kBlockM - 1) / kBlockM;
+  // The window's clamped sizes (causal alone: right 0; neither: unused).
+  const int right = Tr::kLocal ? a.var.right(a.seqlen_q) : 0;
+  const int left = Tr::kLocal ? a.var.left(a.seqlen_k) : 0;
+  const float tanh_scale = Tr::kSoftcap ? a.softmax_scale / a.var.softcap : 0.0f;
 
   // Shared-window addresses: this warpgroup's 64 K and V rows (A of S^T and dP^T), the
   // whole K tile, Q, dO and dS.
@@ -218,12 +232,20 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
   for (int n_block = static_cast<int>(blockIdx.x); n_block < n_blocks;
        n_block += static_cast<int>(gridDim.x)) {
     const int n0 = n_block * kBlockN;
+    // The query tiles [m_first, m_end) hold the rows that see some key of this tile: rows
+    // i >= j - (Nk - Nq) - right (causal, local) and, local, i <= j - (Nk - Nq) + left.
     int m_first = 0;
-    if constexpr (Tr::kCausal) {
-      const int first_row = n0 - (a.seqlen_k - a.seqlen_q);
+    int m_end = m_blocks;
+    if constexpr (Tr::kCausal || Tr::kLocal) {
+      const int first_row = n0 - (a.seqlen_k - a.seqlen_q) - right;
       m_first = first_row > 0 ? first_row / kBlockM : 0;
     }
-    const int m_count = m_blocks > m_first ? m_blocks - m_first : 0;
+    if constexpr (Tr::kLocal) {
+      const int last_row = n0 + kBlockN - 1 - (a.seqlen_k - a.seqlen_q) + left;
+      const int end = last_row < 0 ? 0 : last_row / kBlockM + 1;
+      m_end = end < m_blocks ? end : m_blocks;
+    }
+    const int m_count = m_end > m_first ? m_end - m_first : 0;
     const int steps = group * m_count;
 
     block_sync();  // every warpgroup is done with the previous key tile's K and V
@@ -285,10 +307,21 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
         const int col = 8 * (e >> 2) + 2 * (lane % 4) + (e & 1);
         const int row = m0 + col;
         bool seen = key < a.seqlen_k && row < a.seqlen_q;
-        if constexpr (Tr::kCausal) seen = seen && key <= row + a.seqlen_k - a.seqlen_q;
-        const float p = seen ? exp2f_fast(acc_s[e] * scale_log2 - slse[col]) : 0.0f;
+        if constexpr (Tr::kCausal || Tr::kLocal) {
+          seen = seen && key <= row + a.seqlen_k - a.seqlen_q + right;
+        }
+        if constexpr (Tr::kLocal) seen = seen && key >= row + a.seqlen_k - a.seqlen_q - left;
+        float p;
+        float dtanh = 1.0f;  // the derivative of the capped score by the scaled one
+        if constexpr (Tr::kSoftcap) {
+          const float th = tanhf(acc_s[e] * tanh_scale);
+          p = seen ? exp2f_fast(a.var.softcap * th * kLog2e - slse[col]) : 0.0f;
+          dtanh = 1.0f - th * th;
+        } else {
+          p = seen ? exp2f_fast(acc_s[e] * scale_log2 - slse[col]) : 0.0f;
+        }
         acc_s[e] = p;
-        acc_dp[e] = p * (acc_dp[e] - sdsum[col]);
+        acc_dp[e] = p * (acc_dp[e] - sdsum[col]) * dtanh;
       }
       unsigned a_p[Tr::kQSteps][4];
       unsigned a_ds[Tr::kQSteps][4];

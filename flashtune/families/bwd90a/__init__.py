@@ -27,6 +27,7 @@ from flashtune.errors import InvalidConfig, InvalidProblem
 from flashtune.families.base import element_params
 from flashtune.families.bwd import BackwardFamily
 from flashtune.families.bwd90a import space
+from flashtune.families.fwd import variants
 
 
 class HopperBackwardFamily(BackwardFamily):
@@ -37,8 +38,11 @@ class HopperBackwardFamily(BackwardFamily):
     template = "hopper_bwd.cu.jinja"
     target_arch: ClassVar[str | None] = "sm_90a"
     serves: ClassVar[str | None] = None
-    #: No attention features yet: problems with them stay on the mma.sync backward.
-    features: ClassVar[frozenset[str]] = frozenset()
+    #: The sliding window and softcap; problems with other features stay on the mma.sync
+    #: backward.
+    features: ClassVar[frozenset[str]] = frozenset({"window", "softcap"})
+    #: No declared score modifications (their hooks are the mma.sync backward's).
+    score_mods = False
 
     def check_problem(self, problem: Problem) -> None:
         super().check_problem(problem)
@@ -96,7 +100,8 @@ class HopperBackwardFamily(BackwardFamily):
         return {"head_dim": problem.head_dim, **element_params(problem),
                 "causal": problem.causal, "block_m": config.block_m,
                 "block_n": config.block_n,
-                "dq_split": space.dq_mode(config) == space.DQ_SPLIT}
+                "dq_split": space.dq_mode(config) == space.DQ_SPLIT,
+                **variants.template_params(problem)}
 
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
         return space.smem_bytes(problem, config)
