@@ -34,7 +34,11 @@
 // Features (the mma.sync backward's, VariantArgs): a sliding window (Local: key j visible
 // to row i when i + Nk - Nq - left <= j <= i + Nk - Nq + right; query tiles that see none of
 // the block's keys are never visited) and softcap (the score is cap tanh(scale s / cap); dS
-// carries the tanh's derivative 1 - tanh^2).
+// carries the tanh's derivative 1 - tanh^2), and varlen (the mma.sync backward's packed
+// layout, flash_bwd.cuh: the grid's batch index is the sequence, rows cu_seqlens_q[b] ..
+// of the packed Q and dO and cu_seqlens_k[b] .. of K, V, dK and dV, LSE, D and accumulator
+// rows q_start .. of each head's total_q; blocks past a sequence's last key tile do nothing,
+// a sequence without query rows stores dK = dV = 0).
 //
 // FT_HOPPER_BWD_PLANTED_BUG (tests only; 0 in every rendered kernel): 1 leaves out the block
 // barrier between the dS stores and the dQ wgmma that reads every warpgroup's dS rows.
@@ -50,7 +54,7 @@
 namespace ft {
 
 template <typename Element_, bool IsBf16, int HeadDim, int BlockN, bool Causal, bool DqSplit,
-          bool Local = false, bool Softcap = false>
+          bool Local = false, bool Softcap = false, bool Varlen = false>
 struct HopperBwdTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
@@ -62,6 +66,7 @@ struct HopperBwdTraits {
   static constexpr bool kDqSplit = DqSplit;
   static constexpr bool kLocal = Local;
   static constexpr bool kSoftcap = Softcap;
+  static constexpr bool kVarlen = Varlen;
   static constexpr int kKeyGroups = BlockN / 64;   // 64 keys each
   static constexpr int kDimGroups = HeadDim > 128 ? 2 : 1;  // head-dim halves of dK and dV
   static constexpr int kWarpGroups = kKeyGroups * kDimGroups;
@@ -175,7 +180,7 @@ struct BwdParams {
   long long dk_batch_stride, dk_row_stride, dk_head_stride;
   long long dv_batch_stride, dv_row_stride, dv_head_stride;
   float softmax_scale;
-  VariantArgs var;  // the features' values (those of Local and Softcap are read)
+  VariantArgs var;  // the features' values (those of Local, Softcap and Varlen are read)
 };
 
 // The key tiles blockIdx.x, + gridDim.x, ... of kv head blockIdx.y, batch blockIdx.z.
@@ -208,17 +213,44 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
   const unsigned dkv_col_bytes = ((Tr::kDkvCols * wg_dim) / 64) * kBlockM * 128;
   const int warp = (tid % 128) / 32;   // warp within the warpgroup: accumulator rows 16 warp..
   const float scale_log2 = a.softmax_scale * kLog2e;
-  const long long bh_rows = static_cast<long long>(gridDim.z) * a.heads_q * a.seqlen_q;
+  const long long bh_rows = (Tr::kVarlen ? 1LL : static_cast<long long>(gridDim.z)) *
+                            a.heads_q * a.seqlen_q;
   float* const dq_slice = a.dq_accum + (Tr::kDqSplit ? blockIdx.x : 0) * bh_rows * kD;
 
+  // This sequence: its lengths and row 0 in the (packed or batched) tensors. The LSE, D and
+  // accumulator rows of query head h start at stats_row0 + h * stats_rows.
+  int seqlen_q = a.seqlen_q;
+  int seqlen_k = a.seqlen_k;
+  long long q_row0 = batch * a.q_batch_stride;
+  long long do_row0 = batch * a.do_batch_stride;
+  long long k_row0 = batch * a.k_batch_stride;
+  long long v_row0 = batch * a.v_batch_stride;
+  long long dk_row0 = batch * a.dk_batch_stride;
+  long long dv_row0 = batch * a.dv_batch_stride;
+  long long stats_row0 = static_cast<long long>(batch) * a.heads_q * a.seqlen_q;
+  const long long stats_rows = a.seqlen_q;  // the whole pack's rows per head when varlen
+  if constexpr (Tr::kVarlen) {
+    const int q_start = a.var.cu_seqlens_q[batch];
+    const int k_start = a.var.cu_seqlens_k[batch];
+    seqlen_q = a.var.cu_seqlens_q[batch + 1] - q_start;
+    seqlen_k = a.var.cu_seqlens_k[batch + 1] - k_start;
+    q_row0 = q_start * a.q_row_stride;
+    do_row0 = q_start * a.do_row_stride;
+    k_row0 = k_start * a.k_row_stride;
+    v_row0 = k_start * a.v_row_stride;
+    dk_row0 = k_start * a.dk_row_stride;
+    dv_row0 = k_start * a.dv_row_stride;
+    stats_row0 = q_start;
+  }
+
   using Element = typename Tr::Element;
-  const Element* k_bh = a.k + batch * a.k_batch_stride + kv_head * a.k_head_stride;
-  const Element* v_bh = a.v + batch * a.v_batch_stride + kv_head * a.v_head_stride;
-  const int n_blocks = (a.seqlen_k + kBlockN - 1) / kBlockN;
-  const int m_blocks = (a.seqlen_q + kBlockM - 1) / kBlockM;
+  const Element* k_bh = a.k + k_row0 + kv_head * a.k_head_stride;
+  const Element* v_bh = a.v + v_row0 + kv_head * a.v_head_stride;
+  const int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
+  const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
   // The window's clamped sizes (causal alone: right 0; neither: unused).
-  const int right = Tr::kLocal ? a.var.right(a.seqlen_q) : 0;
-  const int left = Tr::kLocal ? a.var.left(a.seqlen_k) : 0;
+  const int right = Tr::kLocal ? a.var.right(seqlen_q) : 0;
+  const int left = Tr::kLocal ? a.var.left(seqlen_k) : 0;
   const float tanh_scale = Tr::kSoftcap ? a.softmax_scale / a.var.softcap : 0.0f;
 
   // Shared-window addresses: this warpgroup's 64 K and V rows (A of S^T and dP^T), the
@@ -237,11 +269,11 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
     int m_first = 0;
     int m_end = m_blocks;
     if constexpr (Tr::kCausal || Tr::kLocal) {
-      const int first_row = n0 - (a.seqlen_k - a.seqlen_q) - right;
+      const int first_row = n0 - (seqlen_k - seqlen_q) - right;
       m_first = first_row > 0 ? first_row / kBlockM : 0;
     }
     if constexpr (Tr::kLocal) {
-      const int last_row = n0 + kBlockN - 1 - (a.seqlen_k - a.seqlen_q) + left;
+      const int last_row = n0 + kBlockN - 1 - (seqlen_k - seqlen_q) + left;
       const int end = last_row < 0 ? 0 : last_row / kBlockM + 1;
       m_end = end < m_blocks ? end : m_blocks;
     }
@@ -251,9 +283,9 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
     block_sync();  // every warpgroup is done with the previous key tile's K and V
     const long long key_row = n0;
     load_tile<Tr, kBlockN>(smem + Tr::kKOffset, k_bh + key_row * a.k_row_stride, a.k_row_stride,
-                           a.seqlen_k - n0, tid);
+                           seqlen_k - n0, tid);
     load_tile<Tr, kBlockN>(smem + Tr::kVOffset, v_bh + key_row * a.v_row_stride, a.v_row_stride,
-                           a.seqlen_k - n0, tid);
+                           seqlen_k - n0, tid);
 
     float acc_dk[Tr::kDkvCols / 2];
     float acc_dv[Tr::kDkvCols / 2];
@@ -266,20 +298,20 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
     for (int s = 0; s < steps; ++s) {
       const int head = kv_head * group + s / m_count;
       const int m0 = (m_first + s % m_count) * kBlockM;
-      const long long stats = (static_cast<long long>(batch) * a.heads_q + head) * a.seqlen_q;
+      const long long stats = stats_row0 + head * stats_rows;
       if (s > 0) block_sync();  // every warpgroup is done with the previous Q, dO and dS
       load_tile<Tr, kBlockM>(smem + Tr::kQOffset,
-                             a.q + batch * a.q_batch_stride + head * a.q_head_stride +
+                             a.q + q_row0 + head * a.q_head_stride +
                                  static_cast<long long>(m0) * a.q_row_stride,
-                             a.q_row_stride, a.seqlen_q - m0, tid);
+                             a.q_row_stride, seqlen_q - m0, tid);
       load_tile<Tr, kBlockM>(smem + Tr::kDoOffset,
-                             a.dout + batch * a.do_batch_stride + head * a.do_head_stride +
+                             a.dout + do_row0 + head * a.do_head_stride +
                                  static_cast<long long>(m0) * a.do_row_stride,
-                             a.do_row_stride, a.seqlen_q - m0, tid);
+                             a.do_row_stride, seqlen_q - m0, tid);
       cp_async_commit();
       if (tid < kBlockM) {
         // A row past seqlen_q sees no key: LSE +inf makes its P 0 before the mask does.
-        const bool in = m0 + tid < a.seqlen_q;
+        const bool in = m0 + tid < seqlen_q;
         slse[tid] = in ? a.lse[stats + m0 + tid] * kLog2e : INFINITY;
         sdsum[tid] = in ? a.dsum[stats + m0 + tid] : 0.0f;
       }
@@ -306,11 +338,11 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
         const int key = key0 + 8 * ((e >> 1) & 1);
         const int col = 8 * (e >> 2) + 2 * (lane % 4) + (e & 1);
         const int row = m0 + col;
-        bool seen = key < a.seqlen_k && row < a.seqlen_q;
+        bool seen = key < seqlen_k && row < seqlen_q;
         if constexpr (Tr::kCausal || Tr::kLocal) {
-          seen = seen && key <= row + a.seqlen_k - a.seqlen_q + right;
+          seen = seen && key <= row + seqlen_k - seqlen_q + right;
         }
-        if constexpr (Tr::kLocal) seen = seen && key >= row + a.seqlen_k - a.seqlen_q - left;
+        if constexpr (Tr::kLocal) seen = seen && key >= row + seqlen_k - seqlen_q - left;
         float p;
         float dtanh = 1.0f;  // the derivative of the capped score by the scaled one
         if constexpr (Tr::kSoftcap) {
@@ -388,7 +420,7 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = 16 * warp + lane / 4 + 8 * h;
-          if (m0 + row >= a.seqlen_q) continue;
+          if (m0 + row >= seqlen_q) continue;
           float* dst = dq_head + row * kD + 2 * (lane % 4);
 #pragma unroll
           for (int nt = 0; nt < Tr::kDqChunk / 8; ++nt) {
@@ -410,11 +442,11 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
 
     const int key_row0 = n0 + 64 * wg_key;
     const int col0 = Tr::kDkvCols * wg_dim;
-    store_rows_scaled<Tr>(a.dk + batch * a.dk_batch_stride + kv_head * a.dk_head_stride + col0,
-                          a.dk_row_stride, acc_dk, key_row0, a.seqlen_k, a.softmax_scale, warp,
+    store_rows_scaled<Tr>(a.dk + dk_row0 + kv_head * a.dk_head_stride + col0,
+                          a.dk_row_stride, acc_dk, key_row0, seqlen_k, a.softmax_scale, warp,
                           lane);
-    store_rows_scaled<Tr>(a.dv + batch * a.dv_batch_stride + kv_head * a.dv_head_stride + col0,
-                          a.dv_row_stride, acc_dv, key_row0, a.seqlen_k, 1.0f, warp, lane);
+    store_rows_scaled<Tr>(a.dv + dv_row0 + kv_head * a.dv_head_stride + col0,
+                          a.dv_row_stride, acc_dv, key_row0, seqlen_k, 1.0f, warp, lane);
   }
 }
 

@@ -1,7 +1,8 @@
 """The sm_90a backward (``bwd90a``) with the features it declares: sliding windows (query
 tiles outside the window of a key tile skipped; the causal window (left, 0) among them) and
 softcap (the tanh's derivative in dS), alone, softcap with causal masks, and together,
-over head dims 64, 128 and 256.
+over head dims 64, 128 and 256; and varlen (packs with zero-length sequences, alone, causal,
+with a window and softcap).
 
 Every case runs through the family (fresh inputs from a printed seed with the features'
 values, LSE and D of those features, NaN-poisoned outputs, the float64 reference) in both
@@ -22,6 +23,9 @@ import pytest
 import torch
 from feature_inputs import backward_inputs
 from grad_helpers import feature_scores, gradients, within_rule
+from test_bwd_varlen import FEATURES as VARLEN_FEATURES_OF
+from test_bwd_varlen import PACKS, autograd_reference, packed_inputs
+from test_bwd_varlen import _zero_parts as zero_parts
 
 from flashtune import families
 from flashtune.codegen.arch import get_arch
@@ -126,17 +130,17 @@ def _run_case(case: Case) -> None:
     _check(_problem(switches, head_dim, dtype), config, shape, window, cap, seed)
 
 
-def test_declares_window_and_softcap_and_refuses_the_others() -> None:
-    assert HOPPER_BACKWARD.features == frozenset({"window", "softcap"})
-    for switches in ({"alibi": True}, {"varlen": True}, {"dropout": True}):
+def test_declares_window_softcap_and_varlen_and_refuses_the_others() -> None:
+    assert HOPPER_BACKWARD.features == frozenset({"window", "softcap", "varlen"})
+    for switches in ({"alibi": True}, {"dropout": True}, {"sinks": True}):
         with pytest.raises(FeatureNotSupported):
             families.render(_problem(switches, 64, DType.FP16), _config(64))
 
 
 @pytest.mark.parametrize("head_dim", space.HEAD_DIMS)
-def test_nvrtc_compiles_both_features_for_sm90a_without_spills(head_dim: int) -> None:
+def test_nvrtc_compiles_every_feature_for_sm90a_without_spills(head_dim: int) -> None:
     dtype = random.Random(f"{SEED}nvrtc-features{head_dim}").choice(list(DType))
-    problem = _problem({"window": True, "softcap": True}, head_dim, dtype)
+    problem = _problem({"window": True, "softcap": True, "varlen": True}, head_dim, dtype)
     source = families.render(problem, HOPPER_BACKWARD.default_config(problem, SM90A))
     kernel = compile_source(source, "sm_90")
     assert kernel.arch == "sm_90a" and kernel.resources.spill_bytes == 0, kernel.resources
@@ -217,3 +221,82 @@ def test_a_narrow_window_skips_query_tiles() -> None:
         assert counters is not None
         counts[window] = counters.mma_count  # type: ignore[attr-defined]
     assert counts[(8, 8)] * 16 == counts[(-1, -1)] * 10, counts
+
+
+# ------------------------------------------------------------------ varlen
+
+#: The varlen features of the sm_90a backward (names of test_bwd_varlen.FEATURES).
+VARLEN_FEATURES = ("plain", "causal", "window", "window-softcap")
+VarlenCase = tuple[str, str, int, DType, KernelConfig]
+
+
+def _varlen_id(case: VarlenCase) -> str:
+    features, pack, head_dim, dtype, config = case
+    return f"varlen-{features}-{pack}-d{head_dim}-{dtype.value}-{config.key()}"
+
+
+def _run_varlen(case: VarlenCase, orders: tuple[int | None, ...] = (None,)) -> None:
+    """A pack with a zero-length sequence (test_bwd_varlen.PACKS) in both thread orders (and
+    the given block orders: bitwise equal to the first) against the family's float64
+    reference, itself checked against per-sequence float64 autograd; zero-length sequences
+    give exact zeros."""
+    features, pack, head_dim, dtype, config = case
+    switches, window = VARLEN_FEATURES_OF[features]
+    problem = _problem({"varlen": True, **switches}, head_dim, dtype)
+    seed = random.Random(f"{SEED}-{_varlen_id(case)}").randrange(2**31)
+    shape, inputs = packed_inputs(problem, PACKS[pack], window, seed)
+    reference = HOPPER_BACKWARD.reference(problem, inputs)
+    for name, value in autograd_reference(problem, inputs).items():
+        assert torch.allclose(reference[name], value, rtol=1e-4,
+                              atol=1e-5 * (float(value.abs().max()) or 1.0)), name
+    where = f"{_varlen_id(case)} {PACKS[pack]} seed={seed}"
+    runs = [_launch(problem, config, shape, inputs, LaunchOptions(schedule=schedule))[0]
+            for schedule in Schedule]
+    runs += [_launch(problem, config, shape, inputs, LaunchOptions(block_order_seed=order))[0]
+             for order in orders[1:]]
+    for outputs in runs:
+        verdict = HOPPER_BACKWARD.compare(problem, shape, outputs, reference)
+        assert verdict.ok, f"{where}: {verdict.message}"
+        zero_parts(inputs, outputs)
+    for other in runs[len(Schedule):]:
+        for name in ("dk", "dv", "dq_accum"):
+            assert torch.equal(other[name], runs[0][name]), f"{where}: {name}"
+
+
+def _varlen_sample() -> list[VarlenCase]:
+    """Causal at head dim 128 and window + softcap at 256 on their defaults, on packs and
+    dtypes drawn from the seed."""
+    rng = random.Random(f"{SEED}bwd90a-varlen")
+    out: list[VarlenCase] = []
+    for features, head_dim in (("causal", 128), ("window-softcap", 256)):
+        dtype = rng.choice(list(DType))
+        switches = VARLEN_FEATURES_OF[features][0]
+        problem = _problem({"varlen": True, **switches}, head_dim, dtype)
+        out.append((features, rng.choice(list(PACKS)), head_dim, dtype,
+                    HOPPER_BACKWARD.default_config(problem, SM90A)))
+    return out
+
+
+def _varlen_grid() -> list[VarlenCase]:
+    return [(features, pack, head_dim, dtype, config)
+            for features, pack, head_dim, dtype in itertools.product(
+                VARLEN_FEATURES, PACKS, space.HEAD_DIMS, DType)
+            for config in HOPPER_BACKWARD.candidates(
+                _problem({"varlen": True, **VARLEN_FEATURES_OF[features][0]}, head_dim,
+                         dtype), SM90A)]
+
+
+@pytest.mark.parametrize("case", _varlen_sample(), ids=_varlen_id)
+def test_varlen_matches_float64(case: VarlenCase) -> None:
+    _run_varlen(case)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("case", _varlen_grid(), ids=_varlen_id)
+def test_varlen_grid_matches_float64(case: VarlenCase) -> None:
+    _run_varlen(case)
+
+
+def test_varlen_split_mode_is_bitwise_equal_over_block_orders() -> None:
+    pack = random.Random(f"{SEED}varlen-det").choice(sorted(PACKS))
+    _run_varlen(("causal", pack, 64, DType.FP16, _config(64, space.DQ_SPLIT)), (None, 1, 2, 3))

@@ -38,9 +38,9 @@ class HopperBackwardFamily(BackwardFamily):
     template = "hopper_bwd.cu.jinja"
     target_arch: ClassVar[str | None] = "sm_90a"
     serves: ClassVar[str | None] = None
-    #: The sliding window and softcap; problems with other features stay on the mma.sync
-    #: backward.
-    features: ClassVar[frozenset[str]] = frozenset({"window", "softcap"})
+    #: The sliding window, softcap and varlen; problems with other features stay on the
+    #: mma.sync backward.
+    features: ClassVar[frozenset[str]] = frozenset({"window", "softcap", "varlen"})
     #: No declared score modifications (their hooks are the mma.sync backward's).
     score_mods = False
 
