@@ -11,8 +11,10 @@ from the dS tile in shared memory, added to the float32 accumulator with atomics
 orders). Loads are by all threads with cp.async (no producer warpgroup, TMA or stage ring in
 this version; templates/hopper_bwd.cuh). Head dims 64, 128 and 256 (at 256, two warpgroups
 per 64 keys, each owning half of the head dim of dK and dV), causal with the query tiles
-above the diagonal skipped, GQA/MQA (dK, dV summed over the group in the block). It serves
-no op yet: a family to compile, verify and tune on sm_90a.
+above the diagonal skipped, GQA/MQA (dK, dV summed over the group in the block), and the
+features window (query tiles outside a key tile's window skipped), softcap and varlen with
+the mma.sync backward's declarations. It serves no op yet: a family to compile, verify and
+tune on sm_90a.
 """
 
 from __future__ import annotations
