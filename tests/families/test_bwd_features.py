@@ -17,6 +17,7 @@ import random
 
 import pytest
 import torch
+from feature_inputs import backward_inputs
 
 from flashtune import families
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
@@ -44,17 +45,7 @@ def _inputs(problem: Problem, shape: Shape, window: tuple[int, int] | None, seed
             ) -> Inputs:
     """The family's random inputs, with ``window`` (when given) instead of the drawn one:
     redrawn with the family's LSE and D for that window."""
-    inputs = BACKWARD.random_inputs(problem, shape, "cpu", seed)
-    if window is None:
-        return inputs
-    from flashtune.families.bwd.reference import softmax_stats
-    from flashtune.families.fwd.variants import VariantValues
-    scalars = {**inputs.scalars, "window_left": window[0], "window_right": window[1]}
-    t = dict(inputs.tensors)
-    values = VariantValues.of(Inputs(t, scalars)).only(problem)
-    t["lse"], t["dsum"] = softmax_stats(t["q"], t["k"], t["v"], t["do"], problem.causal,
-                                        scalars["softmax_scale"], values=values)
-    return Inputs(t, scalars)
+    return backward_inputs(BACKWARD, problem, shape, seed, window)
 
 
 def _launch(problem: Problem, config: KernelConfig, shape: Shape, inputs: Inputs,

@@ -2,7 +2,7 @@
 and rules with reasons, NVRTC for sm_90a (no spills; HGMMA in the SASS), and numerics in the
 emulator: against the family's float64 reference (NaN-poisoned outputs, both thread orders)
 and against float64 autograd through plain PyTorch (flash-attn's error rule), over head dims
-64 and 128, fp16 and bf16, causal and not, GQA/MQA and odd lengths; the deterministic dQ mode
+64, 128 and 256, fp16 and bf16, causal and not, GQA/MQA and odd lengths; the deterministic dQ mode
 bitwise equal over the linear and three shuffled block orders. The default run takes a seeded
 sample (the seed is printed by the run; ``FLASHTUNE_TEST_SEED`` replays it); ``-m sweep``
 the full grid."""
@@ -67,7 +67,8 @@ def test_registered_as_sm90a_families_serving_the_backward() -> None:
     source = families.render(_problem(128, DType.BF16, True), _config(128))
     assert source.target == "sm_90a" and source.threads == 256
     assert families.render(_problem(64, DType.FP16, False), _config(64)).threads == 128
-    with pytest.raises(InvalidProblem, match=r"head dims \(64, 128\).*'bwd'"):
+    assert families.render(_problem(256, DType.BF16, False), _config(64)).threads == 256
+    with pytest.raises(InvalidProblem, match=r"head dims \(64, 128, 256\).*'bwd'"):
         families.render(_problem(96, DType.FP16, False), _config(64))
 
 
@@ -79,6 +80,13 @@ def test_space_rules_name_their_reasons() -> None:
                                                         _config(128, space.DQ_SPLIT)]
     spills = HOPPER_BACKWARD.static_check(large, _config(64), SM90A)
     assert spills is not None and "accumulators need 288 registers" in spills
+    # Head dim 256: two warpgroups per 64 keys; four (block_n 128) overflow the register file.
+    widest = _problem(256, DType.BF16, False)
+    assert HOPPER_BACKWARD.candidates(widest, SM90A) == [_config(64, space.DQ_ATOMIC),
+                                                         _config(64, space.DQ_SPLIT)]
+    regfile = HOPPER_BACKWARD.static_check(widest, _config(128), SM90A)
+    assert regfile is not None and "512 threads x 255 registers" in regfile, regfile
+    assert "65536" in regfile and "expected block_n 64" in regfile, regfile
     cases = {
         KernelConfig(64, 128, 4, 2): "num_stages=2",
         KernelConfig(64, 128, 2, 1): "num_warps=2",
@@ -98,7 +106,8 @@ def test_defaults_pass_the_rules() -> None:
     for head_dim, dtype, causal in itertools.product(HEAD_DIMS, DType, (False, True)):
         problem = _problem(head_dim, dtype, causal)
         config = HOPPER_BACKWARD.default_config(problem, SM90A)
-        assert config == _config(128) and config in HOPPER_BACKWARD.candidates(problem, SM90A)
+        assert config == _config(64 if head_dim > 128 else 128), config
+        assert config in HOPPER_BACKWARD.candidates(problem, SM90A)
         assert HOPPER_BACKWARD.smem_bytes(problem, config) <= SM90A.max_smem_per_block
 
 
@@ -113,10 +122,14 @@ def _compiled(head_dim: int, dtype: DType, causal: bool, config: KernelConfig) -
     found = hgmma_shapes(kernel.cubin)
     if found is None:
         return
-    # S^T and dP^T: N = 64 query rows; dV and dK: N = head_dim; dQ: its share of columns.
+    # S^T and dP^T: N = 64 query rows; dV and dK: N = the warpgroup's share of the head dim;
+    # dQ: its share of columns (64 at a time where the head dim is split).
+    problem = _problem(head_dim, dtype, causal)
+    dkv_cols = head_dim // space.dim_groups(problem)
+    dq_cols = 64 if space.dim_groups(problem) > 1 else head_dim * 64 // config.block_n
     assert found["64"] >= 2 * head_dim // 16, found
-    assert found[str(head_dim)] >= 2 * 64 // 16, found
-    assert found[str(head_dim * 64 // config.block_n)] >= config.block_n // 16, found
+    assert found[str(dkv_cols)] >= 2 * 64 // 16, found
+    assert found[str(dq_cols)] >= config.block_n // 16, found
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -236,7 +249,8 @@ def test_gradients_within_flash_attn_rule_against_float64_autograd(head_dim: int
     lengths): error at most 3x that of the same attention in the input dtype."""
     rng = random.Random(f"{SEED}autograd{head_dim}")
     dtype, shape = rng.choice(list(DType)), Shape(1, 4, 2, 70, 100)
-    got = _gradients(head_dim, dtype, True, shape, _config(128), seed=rng.randrange(2**31))
+    config = HOPPER_BACKWARD.default_config(_problem(head_dim, dtype, True), SM90A)
+    got = _gradients(head_dim, dtype, True, shape, config, seed=rng.randrange(2**31))
     scale = head_dim ** -0.5
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -253,14 +267,15 @@ def test_gradients_within_flash_attn_rule_against_float64_autograd(head_dim: int
 
 
 @pytest.mark.emulator
-def test_deterministic_mode_is_bitwise_equal_over_block_orders() -> None:
+@pytest.mark.parametrize("head_dim", (64, 256))
+def test_deterministic_mode_is_bitwise_equal_over_block_orders(head_dim: int) -> None:
     """GQA, causal, 3 key tiles (block_n 64) in 3 slices, 2 query heads per kv head: each
     block adds its key tiles into its own slice, whatever order the blocks run in (the
-    linear order and three shuffles)."""
-    rng = random.Random(f"{SEED}det")
+    linear order and three shuffles); at head dim 256 two warpgroups add their dQ columns."""
+    rng = random.Random(f"{SEED}det{head_dim}")
     dtype = rng.choice(list(DType))
     shape = Shape(1, 4, 2, 90, 150)
-    runs = [_gradients(64, dtype, True, shape, _config(64, space.DQ_SPLIT), order)
+    runs = [_gradients(head_dim, dtype, True, shape, _config(64, space.DQ_SPLIT), order)
             for order in (None, 1, 2, 3)]
     assert runs[0]["dq_accum"].shape[0] > 1
     for other in runs[1:]:

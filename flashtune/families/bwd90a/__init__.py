@@ -9,9 +9,12 @@ from registers (kept in float32 registers across the query loop), and dQ = dS K 
 from the dS tile in shared memory, added to the float32 accumulator with atomics or, with
 ``dqmode=split``, into the block's own slice (deterministic: bitwise equal over block
 orders). Loads are by all threads with cp.async (no producer warpgroup, TMA or stage ring in
-this version; templates/hopper_bwd.cuh). Head dims 64 and 128, causal with the query tiles
-above the diagonal skipped, GQA/MQA (dK, dV summed over the group in the block). It serves
-no op yet: a family to compile, verify and tune on sm_90a.
+this version; templates/hopper_bwd.cuh). Head dims 64, 128 and 256 (at 256, two warpgroups
+per 64 keys, each owning half of the head dim of dK and dV), causal with the query tiles
+above the diagonal skipped, GQA/MQA (dK, dV summed over the group in the block), and the
+features window (query tiles outside a key tile's window skipped), softcap and varlen with
+the mma.sync backward's declarations. It serves no op yet: a family to compile, verify and
+tune on sm_90a.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from flashtune.errors import InvalidConfig, InvalidProblem
 from flashtune.families.base import element_params
 from flashtune.families.bwd import BackwardFamily
 from flashtune.families.bwd90a import space
+from flashtune.families.fwd import variants
 
 
 class HopperBackwardFamily(BackwardFamily):
@@ -36,8 +40,11 @@ class HopperBackwardFamily(BackwardFamily):
     template = "hopper_bwd.cu.jinja"
     target_arch: ClassVar[str | None] = "sm_90a"
     serves: ClassVar[str | None] = "bwd"
-    #: No attention features yet: problems with them stay on the mma.sync backward.
-    features: ClassVar[frozenset[str]] = frozenset()
+    #: The sliding window, softcap and varlen; problems with other features stay on the
+    #: mma.sync backward.
+    features: ClassVar[frozenset[str]] = frozenset({"window", "softcap", "varlen"})
+    #: No declared score modifications (their hooks are the mma.sync backward's).
+    score_mods = False
 
     def check_problem(self, problem: Problem) -> None:
         super().check_problem(problem)
@@ -60,11 +67,11 @@ class HopperBackwardFamily(BackwardFamily):
 
     def threads(self, problem: Problem, config: KernelConfig) -> int:
         """128 threads (a warpgroup) per 64 keys of the key tile."""
-        return space.threads(config)
+        return space.threads(problem, config)
 
     def compute_warps(self, problem: Problem, config: KernelConfig) -> int:
         """Every warp of the block issues wgmma (no producer warpgroup)."""
-        return space.threads(config) // 32
+        return space.threads(problem, config) // 32
 
     def point(self, config: KernelConfig) -> dict[str, Value]:
         return {"block_m": config.block_m, "block_n": config.block_n,
@@ -74,15 +81,22 @@ class HopperBackwardFamily(BackwardFamily):
         return space.static_check(problem, config, arch, deterministic=self.deterministic)
 
     def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
-        """Two warpgroups over 128 keys (FA3's block_n at head dims 64 and 128), query tiles
-        of 64 rows, dQ by float32 atomics (the deterministic family: slices)."""
+        """Two warpgroups over 128 keys (FA3's block_n at head dims 64 and 128), or at head
+        dim 256 over 64 keys (each owning half of dK and dV; FA3's 64 x 64 tile at d256),
+        query tiles of 64 rows, dQ by float32 atomics (the deterministic family: slices)."""
+        block_n = 64 if space.dim_groups(problem) > 1 else 128
         mode = space.DQ_SPLIT if self.deterministic else space.DQ_ATOMIC
-        config = self.config({"block_m": 64, "block_n": 128, "num_stages": 1, "dqmode": mode})
+        config = self.config({"block_m": 64, "block_n": block_n, "num_stages": 1,
+                              "dqmode": mode})
         return self.fitting(problem, config, arch)
 
     def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
         mode = ("per-block slices summed in a fixed order" if self.deterministic
                 else "float32 atomics")
+        if space.dim_groups(problem) > 1:
+            return ("two warpgroups over 64 keys, each owning half of the head dim of dK and "
+                    "dV, and query tiles of 64 rows (FA3's sm90 tile at head dim 256); dQ by "
+                    f"{mode}")
         return ("two warpgroups over 128 keys and query tiles of 64 rows (FA3's sm90 tiles at "
                 f"head dims 64 and 128); dQ by {mode}")
 
@@ -91,7 +105,8 @@ class HopperBackwardFamily(BackwardFamily):
         return {"head_dim": problem.head_dim, **element_params(problem),
                 "causal": problem.causal, "block_m": config.block_m,
                 "block_n": config.block_n,
-                "dq_split": space.dq_mode(config) == space.DQ_SPLIT}
+                "dq_split": space.dq_mode(config) == space.DQ_SPLIT,
+                **variants.template_params(problem)}
 
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
         return space.smem_bytes(problem, config)
