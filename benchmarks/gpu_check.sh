@@ -65,7 +65,7 @@ GC_PLAN=(
   "install|30|install the carried wheels for this Python, check every requirement"
   "env|20|versions, the GPU and the NVRTC flashtune finds (env.json)"
   "nvidia-smi|10|the driver's view of the GPU"
-  "canary|190|each sm_90a kernel's first-use check alone, forward then backward, ${GC_CANARY_KERNEL_S}s each (canary.log)"
+  "canary|190|each sm_90a forward kernel's first-use check alone (${GC_CANARY_KERNEL_S}s each), then the backward's in one process (canary.log)"
   "serving|170|the serving forward at full-chip shapes vs sdpa-flash and sdpa-cudnn"
   "smoke|30|each family: one kernel compiled, launched, checked, timed vs SDPA flash"
   "backward|30|the training step (forward + backward, the sm_90a backward on cc 9.0) at 8k, causal d128 and d64, vs sdpa-flash"
@@ -341,16 +341,29 @@ gc_canary() {
   [[ -z "$entries" ]] && { echo "ok" >"$status"; return 0; }
   "$GC_PY" -m flashtune.cli check --gpu --compile-only || {
     echo "failed: an arch-specific kernel does not compile" >"$status"; return 1; }
+  # The forward's kernels one process each; the backward's (their entries name bwd) in one
+  # process, whose cap grows by a check's deadline per kernel (a hang stops it, named).
+  local forward=() backward=() group
   for entry in $entries; do
-    timeout --kill-after=5 "$GC_CANARY_KERNEL_S" "$GC_PY" -m flashtune.cli check --gpu \
-      --only "$entry" --timeout "$GC_CANARY_CHECK_S"
+    if [[ "$entry" == *_bwd* ]]; then backward+=("$entry"); else forward+=("$entry"); fi
+  done
+  local groups=("${forward[@]}")
+  ((${#backward[@]})) && groups+=("${backward[*]}")
+  for group in "${groups[@]}"; do
+    local only=() cap=$GC_CANARY_KERNEL_S name
+    for entry in $group; do only+=(--only "$entry"); done
+    ((${#only[@]} > 2)) && cap=$((GC_CANARY_KERNEL_S + (${#only[@]} / 2 - 1) * GC_CANARY_CHECK_S / 4))
+    name=$group
+    ((${#only[@]} > 2)) && name="the backward's $((${#only[@]} / 2)) kernels"
+    timeout --kill-after=5 "$cap" "$GC_PY" -m flashtune.cli check --gpu "${only[@]}" \
+      --timeout "$GC_CANARY_CHECK_S"
     rc=$?
     case $rc in
-      0) echo "canary $entry: pass" ;;
-      124 | 137) echo "canary $entry: killed after ${GC_CANARY_KERNEL_S}s"
-        bad+=("$entry (killed after ${GC_CANARY_KERNEL_S}s)") ;;
-      2) echo "canary $entry: HUNG"; bad+=("$entry (hung)") ;;
-      *) echo "canary $entry: FAILED (exit $rc)"; bad+=("$entry (exit $rc)") ;;
+      0) echo "canary $name: pass" ;;
+      124 | 137) echo "canary $name: killed after ${cap}s"
+        bad+=("$name (killed after ${cap}s)") ;;
+      2) echo "canary $name: HUNG"; bad+=("$name (hung)") ;;
+      *) echo "canary $name: FAILED (exit $rc)"; bad+=("$name (exit $rc)") ;;
     esac
   done
   if ((${#bad[@]})); then

@@ -133,15 +133,17 @@ def test_the_plan_fits_the_default_budget(tmp_path: Path) -> None:
 
 def test_a_failing_canary_turns_the_arch_specific_kernels_off_for_later_stages(
         tmp_path: Path) -> None:
-    """Each kernel's check in its own process: one that never ends is killed at its cap,
-    the canary fails naming it, and the stages after it run with FLASHTUNE_ARCH_SPECIFIC=0
-    (the summary says so)."""
+    """Each forward kernel's check in its own process (the backward's together in one): one
+    that never ends is killed at its cap, the canary fails naming it, and the stages after
+    it run with FLASHTUNE_ARCH_SPECIFIC=0 (the summary says so)."""
     fake = tmp_path / "fake-python"
     fake.write_text("#!/usr/bin/env bash\n"
                     'case "$*" in\n'
-                    '  *--list*) echo k-good; echo k-hung ;;\n'
+                    '  *--list*) echo k-good; echo k-hung; echo k_bwd_a; echo k_bwd_b ;;\n'
                     '  *--compile-only*) echo compiled ;;\n'
                     '  *"--only k-hung"*) sleep 60 ;;\n'
+                    '  *"--only k_bwd_a --only k_bwd_b"*) exit 0 ;;\n'
+                    '  *k_bwd*) exit 3 ;;\n'
                     "esac\n")
     fake.chmod(0o755)
     out = tmp_path / "o"
@@ -158,6 +160,8 @@ def test_a_failing_canary_turns_the_arch_specific_kernels_off_for_later_stages(
     assert stages["canary"]["status"] == "failed", proc.stdout
     log = (out / "logs" / "canary.log").read_text()
     assert "canary k-good: pass" in log and "canary k-hung: killed after 2s" in log, log
+    # the backward's kernels are checked together, in one process
+    assert "canary the backward's 2 kernels: pass" in log, log
     assert stages["arch-specific"]["status"] == "off"
     assert "k-hung (killed after 2s)" in stages["arch-specific"]["note"]
     assert "FLASHTUNE_ARCH_SPECIFIC=0" in stages["arch-specific"]["note"]
