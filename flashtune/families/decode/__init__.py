@@ -17,6 +17,7 @@ from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import EntryAbi
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.dtypes import SAME_16BIT
+from flashtune.codegen.features import mods_of
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
@@ -88,6 +89,9 @@ class DecodeFamily(KernelFamily):
     template = "decode_split.cu.jinja"
     dtypes = SAME_16BIT
     features = frozenset({"window", "softcap", "alibi"})
+    #: Declared score modifications (traced score_mod / mask_mod included) apply to every
+    #: score after softcap and ALiBi, with the row's absolute position as q_idx.
+    score_mods = True
     abi: ClassVar[EntryAbi | None] = DECODE_ABI
     default_shape_classes = DEFAULT_CLASSES
 
@@ -253,7 +257,8 @@ class DecodeFamily(KernelFamily):
 
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
         return decode_reference(inputs, problem.causal,
-                                variants.VariantValues.of(inputs).only(problem))
+                                variants.VariantValues.of(inputs).only(problem),
+                                tuple(mod for _, mod in mods_of(problem.features)))
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
                 reference: Tensors) -> Verdict:
