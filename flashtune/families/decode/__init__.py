@@ -21,6 +21,7 @@ from flashtune.codegen.features import mods_of
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
+from flashtune.errors import FeatureNotSupported
 from flashtune.families.base import (
     Inputs,
     KernelFamily,
@@ -94,6 +95,19 @@ class DecodeFamily(KernelFamily):
     score_mods = True
     abi: ClassVar[EntryAbi | None] = DECODE_ABI
     default_shape_classes = DEFAULT_CLASSES
+
+    def check_problem(self, problem: Problem) -> None:
+        """The base checks, and FeatureNotSupported for a modification with a block mask's
+        tile ranges: the decode kernel evaluates a mask on every score and walks every key
+        tile."""
+        super().check_problem(problem)
+        ranged = [name for name, mod in mods_of(problem.features)
+                  if any(p.type == "tiles" for p in mod.params)]
+        if ranged:
+            raise FeatureNotSupported(
+                f"the 'decode' kernel family does not take a block mask's tile ranges (the "
+                f"score modifications {ranged} bring them); expected a mask_mod without a "
+                "block_mask: decoding evaluates the mask on every score")
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.SPACE

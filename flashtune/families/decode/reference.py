@@ -97,12 +97,11 @@ def partial_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     v = values[begin:end].repeat_interleave(group, dim=1)
     softcap = variant.softcap if variant is not None and variant.softcap > 0 else None
     window = variant.window if variant is not None else (-1, -1)
-    # The new rows are the last seqlen_q of a square (total, total) problem: row i is at
-    # i + total - seqlen_q, which the masks, ALiBi and the modifications' q_idx all read.
+    # New row i is at position i + total - seqlen_q: the modifications' q_idx.
     scores = scaled_scores(q.to(torch.float64)[None], k[None], scale, causal, window=window,
                            softcap=softcap, alibi_slopes=_slopes(variant, batch), mods=mods,
                            mod_values=variant.mods if variant is not None else {},
-                           first_batch=batch, row0=total - seqlen_q, seqlen_q=total)[0]
+                           first_batch=batch, mod_row0=total - seqlen_q)[0]
     scores = scores[..., begin:end]
     lse = torch.logsumexp(scores, dim=-1) if end > begin else torch.full(
         (heads_q, seqlen_q), float("-inf"), dtype=torch.float64, device=q.device)
