@@ -351,8 +351,9 @@ def test_bad_mods_are_refused() -> None:
 #: (arch, mod, head dim, the spill bytes allowed): none for a mask; a captured tensor's
 #: pointers cost sm_80's default tile 32 bytes of local memory (the forward's head-dim-64
 #: default spills 108 bytes with the same T5 bias).
-NVRTC_CASES = (("sm_80", "window", 128, 0), ("sm_90", "window", 64, 0),
-               ("sm_90", "t5_window", 128, 0), ("sm_80", "t5_window", 128, 32))
+NVRTC_CASES = (("sm_90", "window", 64, 0), ("sm_80", "t5_window", 128, 32),
+               pytest.param("sm_80", "window", 128, 0, marks=pytest.mark.sweep),
+               pytest.param("sm_90", "t5_window", 128, 0, marks=pytest.mark.sweep))
 
 
 @pytest.mark.parametrize("arch, mod, dim, spill", NVRTC_CASES)
@@ -378,3 +379,30 @@ def test_a_block_mask_is_refused_by_the_decode_family() -> None:
     problem = Problem(DIM, DType.FP16, op="decode", features=(traced_feature(ranged),))
     with pytest.raises(FeatureNotSupported, match="without a block_mask"):
         DECODE.check_problem(problem)
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("causal", [pytest.param(False, id="window"),
+                                    pytest.param(True, id="causal",
+                                                 marks=pytest.mark.sweep)])
+def test_mods_compose_with_the_built_in_features(causal: bool) -> None:
+    """A T5 bias and a document mask after the built-in softcap and ALiBi (and a window or
+    the causal mask), paged, GQA, appended rows, 2 splits, poisoned: the family's float64
+    reference (the declared modification after softcap and ALiBi, then the masks)."""
+    case = ModCase("t5", 16, (8, 2), 3, True, 2, seed=11)
+    score_mod, _ = case.mods()
+    _, mask_mod = ModCase("document", 16, (8, 2), 3, True, 2, seed=11).mods()
+    traced = trace(score_mod, mask_mod)
+    problem = Problem(DIM, DType.FP16, op="decode", causal=causal, window=not causal,
+                      softcap=True, alibi=True, features=(traced_feature(traced),))
+    inputs = inputs_of(case, problem, traced.values(torch.device("cpu")))
+    kernel = EmulatorBackend().load(families.render(problem, CONFIG))
+    launch = prepare(kernel, case.shape(), "cpu", inputs=inputs, poison=True)
+    launch.run()
+    verdict = launch.verdict()
+    assert verdict.ok, f"{case.key} causal={causal} (seed {case.full_seed}): {verdict.message}"
+    plain = Problem(DIM, DType.FP16, op="decode", causal=causal, window=not causal,
+                    softcap=True, alibi=True)
+    # The modification changes the result (the check above could not pass without it).
+    assert not torch.allclose(DECODE.reference(plain, inputs)["o_part"].float(),
+                              launch.outputs["o_part"].nan_to_num(), atol=1e-2)
