@@ -37,7 +37,7 @@ from flashtune.families.checks import LSE_TOLERANCE, O_TOLERANCE
 from flashtune.families.decode import DECODE, DecodeCase
 from flashtune.families.decode.splits import split_range
 from flashtune.runtime.backends.emulator import EmulatorBackend
-from flashtune.runtime.launch import prepare
+from flashtune.runtime.launch import PreparedLaunch, prepare
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
 CONFIG = KernelConfig(64, 64, 4, 2)
@@ -211,17 +211,27 @@ def inputs_of(case: ModCase, problem: Problem, values: dict[str, object]) -> Inp
     return Inputs(tensors, scalars)
 
 
+def _launch(case: ModCase, score_mod: Fn | None, mask_mod: Fn | None,
+            **switches: bool) -> PreparedLaunch:
+    """The decode kernel with the traced mods (and the built-in ``switches``) run on the
+    case's inputs, outputs poisoned with NaN; its verdict (caches appended, no NaN left,
+    the family's float64 reference) asserted."""
+    traced = trace(score_mod, mask_mod)
+    problem = Problem(DIM, DType.FP16, op="decode", features=(traced_feature(traced),),
+                      **switches)
+    inputs = inputs_of(case, problem, traced.values(torch.device("cpu")))
+    launch = prepare(EmulatorBackend().load(families.render(problem, CONFIG)), case.shape(),
+                     "cpu", inputs=inputs, poison=True)
+    launch.run()
+    verdict = launch.verdict()
+    assert verdict.ok, f"{case.key} {switches} (seed {case.full_seed}): {verdict.message}"
+    return launch
+
+
 def _check(case: ModCase) -> None:
     score_mod, mask_mod = case.mods()
-    traced = trace(score_mod, mask_mod)
-    problem = Problem(DIM, DType.FP16, op="decode", features=(traced_feature(traced),))
-    inputs = inputs_of(case, problem, traced.values(torch.device("cpu")))
-    kernel = EmulatorBackend().load(families.render(problem, CONFIG))
-    launch = prepare(kernel, case.shape(), "cpu", inputs=inputs, poison=True)
-    launch.run()
-    # The family's own verdict: caches appended, no NaN left, its reference's numerics.
-    verdict = launch.verdict()
-    assert verdict.ok, f"{case.key} (seed {case.full_seed}): {verdict.message}"
+    launch = _launch(case, score_mod, mask_mod)
+    inputs = launch.inputs
     # The independent reference: the Python mods on each sequence's dense scores, per split.
     splits = int(inputs.scalars["num_splits"])
     for b in range(BATCH):
@@ -392,15 +402,9 @@ def test_mods_compose_with_the_built_in_features(causal: bool) -> None:
     case = ModCase("t5", 16, (8, 2), 3, True, 2, seed=11)
     score_mod, _ = case.mods()
     _, mask_mod = ModCase("document", 16, (8, 2), 3, True, 2, seed=11).mods()
-    traced = trace(score_mod, mask_mod)
-    problem = Problem(DIM, DType.FP16, op="decode", causal=causal, window=not causal,
-                      softcap=True, alibi=True, features=(traced_feature(traced),))
-    inputs = inputs_of(case, problem, traced.values(torch.device("cpu")))
-    kernel = EmulatorBackend().load(families.render(problem, CONFIG))
-    launch = prepare(kernel, case.shape(), "cpu", inputs=inputs, poison=True)
-    launch.run()
-    verdict = launch.verdict()
-    assert verdict.ok, f"{case.key} causal={causal} (seed {case.full_seed}): {verdict.message}"
+    launch = _launch(case, score_mod, mask_mod, causal=causal, window=not causal,
+                     softcap=True, alibi=True)
+    inputs = launch.inputs
     plain = Problem(DIM, DType.FP16, op="decode", causal=causal, window=not causal,
                     softcap=True, alibi=True)
     # The modification changes the result (the check above could not pass without it).
