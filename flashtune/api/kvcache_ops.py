@@ -8,12 +8,14 @@ implementation directly, as ``attention`` does.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal, overload
 
 import torch
 
 from flashtune import settings
 from flashtune.api import decode as _decode
+from flashtune.api.flex import MaskModFn, ScoreModFn, refuse_grad, traced_feature
 from flashtune.api.ops import check_no_grad, direct_call_ok
 from flashtune.api.validate import check_softmax_scale
 from flashtune.api.validate_kvcache import check_kvcache_inputs
@@ -25,6 +27,7 @@ from flashtune.api.variants import (
     resolve,
     zero_pad,
 )
+from flashtune.codegen.trace import trace
 from flashtune.errors import InvalidInput
 from flashtune.families.decode.splits import check_num_splits
 from flashtune.runtime.dispatch import Decision
@@ -75,7 +78,8 @@ def attention_with_kvcache(
     return_lse: Literal[False] = ..., backend: str | None = ...,
     window_size: tuple[int, int] = ..., softcap: float | None = ...,
     alibi_slopes: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
-    sinks: torch.Tensor | None = ...
+    sinks: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
+    mask_mod: MaskModFn | None = ...
 ) -> torch.Tensor: ...
 
 
@@ -88,7 +92,8 @@ def attention_with_kvcache(
     return_lse: Literal[True], backend: str | None = ...,
     window_size: tuple[int, int] = ..., softcap: float | None = ...,
     alibi_slopes: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
-    sinks: torch.Tensor | None = ...
+    sinks: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
+    mask_mod: MaskModFn | None = ...
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -100,7 +105,8 @@ def attention_with_kvcache(
     softmax_scale: float | None = ..., num_splits: int | None = ..., return_lse: bool,
     backend: str | None = ..., window_size: tuple[int, int] = ...,
     softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...,
-    batch_invariant: bool | None = ..., sinks: torch.Tensor | None = ...
+    batch_invariant: bool | None = ..., sinks: torch.Tensor | None = ...,
+    score_mod: ScoreModFn | None = ..., mask_mod: MaskModFn | None = ...
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -123,6 +129,8 @@ def attention_with_kvcache(
     alibi_slopes: torch.Tensor | None = None,
     batch_invariant: bool | None = None,
     sinks: torch.Tensor | None = None,
+    score_mod: ScoreModFn | None = None,
+    mask_mod: MaskModFn | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few new query rows per sequence over a KV cache, in flash-attn's layout.
 
@@ -174,6 +182,16 @@ def attention_with_kvcache(
     the tile is the same for every cache capacity, so a sequence's O and LSE are bitwise
     the same whatever the batch size, the other sequences' lengths and the other requests
     (deterministic: nothing is accumulated atomically). ``num_splits`` must then be None.
+
+    ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)``:
+    ``attention``'s traced modifications (``codegen.trace``), applied after softcap and
+    ALiBi, with b the sequence, h the query head, q_idx = i + total - Nq the new row's
+    absolute position in its sequence and kv_idx = j the key's (0 .. total - 1), so
+    ``mask_mod`` ``q_idx >= kv_idx`` is the causal mask; a key the call's own masks hide
+    stays hidden whatever they return. Captured tensors are read on every call (their
+    values may change between calls). Forward only: a captured tensor that requires grad
+    raises BackwardNotAvailable; such a call runs the kernels directly (not as the custom
+    op).
     """
     dim = padded_head_dim(q, k_cache, v_cache, k, v)
     if dim is not None:  # any head dim: zero-padded copies, the appended rows copied back
@@ -181,7 +199,8 @@ def attention_with_kvcache(
                             causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
                             return_lse=return_lse, backend=backend, window_size=window_size,
                             softcap=softcap, alibi_slopes=alibi_slopes,
-                            batch_invariant=batch_invariant, sinks=sinks)
+                            batch_invariant=batch_invariant, sinks=sinks,
+                            score_mod=score_mod, mask_mod=mask_mod)
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
     check_no_grad(q, k_cache, v_cache, k, v, sinks if isinstance(sinks, torch.Tensor) else None)
     if not isinstance(causal, bool):
@@ -195,6 +214,8 @@ def attention_with_kvcache(
         causal = variant.causal
         if not variant.features:
             variant = None
+    if score_mod is not None or mask_mod is not None:
+        variant = modified_variant(variant or Variant(causal), q, score_mod, mask_mod)
     scale = check_softmax_scale(softmax_scale, q.shape[3])
     splits = 0 if num_splits is None else check_num_splits(num_splits, choose=True)
     invariant = settings.BATCH_INVARIANT.get() if batch_invariant is None else batch_invariant
@@ -206,8 +227,10 @@ def attention_with_kvcache(
                            "batch-invariant call splits each sequence by a fixed number of "
                            "keys for its own length; pass num_splits=None")
     name = "" if backend is None else backend
-    if direct_call_ok(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
-                      variant.sinks if variant is not None else None):
+    if (variant is not None and variant.traced) or direct_call_ok(
+            q, k_cache, v_cache, cache_seqlens, block_table, k, v,
+            variant.sinks if variant is not None else None):
+        # A traced modification's captured tensors are no op argument: called directly.
         out, lse = _decode.run_decode(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
                                       layout, causal, scale, splits, name, variant, invariant)
     elif variant is None:
@@ -220,6 +243,18 @@ def attention_with_kvcache(
                                              *variant.window, variant.softcap,
                                              variant.alibi_slopes, invariant, variant.sinks)
     return (out, lse) if return_lse else out
+
+
+def modified_variant(variant: Variant, q: torch.Tensor, score_mod: ScoreModFn | None,
+                     mask_mod: MaskModFn | None) -> Variant:
+    """``variant`` with the traced ``score_mod`` / ``mask_mod`` (``api.flex``: registered as
+    a feature once, its captured tensors as float32 / int32 on q's device); InvalidInput or
+    UnsupportedModification naming a bad one, BackwardNotAvailable for a captured tensor that
+    requires grad (decoding has no backward)."""
+    traced = trace(score_mod, mask_mod)
+    refuse_grad(*traced.captured, what="flashtune.attention_with_kvcache with a score_mod or "
+                "mask_mod")
+    return replace(variant, traced=(traced_feature(traced),), mods=traced.values(q.device))
 
 
 def _padded_call(dim: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

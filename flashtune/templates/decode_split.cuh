@@ -44,7 +44,9 @@
 // [i + total - seqlen_q - left, i + total - seqlen_q + right]; the key tiles below the
 // window of every query position are not visited (a split left with none writes the empty
 // partial, weight 0), except those holding new rows that m-block 0 appends. Softcap, then
-// ALiBi (the slope of each packed row's own query head), transform the scores.
+// ALiBi (the slope of each packed row's own query head), then the declared score
+// modifications (Tr::Mods, with the row's query head and absolute position
+// i + total - seqlen_q and the key's position j) transform the scores.
 #pragma once
 
 #include "decode_traits.cuh"
@@ -284,21 +286,39 @@ struct SplitMask {
 // The score transforms of the compiled-in features on a tile of raw scores s = q.k, left
 // in the unit the softmax reads (softmax_scale, or the cap with softcap; softmax.cuh's
 // ScoreTransform): softcap s -> tanh(s * softmax_scale / cap); ALiBi s += -(slope / unit) *
-// |i + total - seqlen_q - j| with the slope of the packed row's query head.
+// |i + total - seqlen_q - j| with the slope of the packed row's query head; declared
+// modifications s -> mods(unit s, batch, head, i + total - seqlen_q, j) / unit, with the
+// packed row's query head and its absolute position in the sequence (so a mask_mod
+// q_idx >= kv_idx is decoding's causal mask). A modification's -inf hides the key; the
+// kernel's own masks apply after it, so keys it hides stay hidden whatever it returns.
 template <class Tr>
 struct SplitTransform {
+  static constexpr bool kMods = Tr::Mods::kOn;
+  static constexpr bool kOn = Tr::kSoftcap || Tr::kAlibi || kMods;
+  typename Tr::Mods mods;            // the modifications' params (kMods)
   float tanh_scale;                  // softmax_scale / cap (Softcap)
+  float unit;                        // the softmax's unit (kMods)
+  float inv_unit;                    // 1 / unit (kMods)
   float neg_slope[Tr::kMTiles][2];   // -slope / unit of the row's head (Alibi)
-  int pos[Tr::kMTiles][2];           // i + total - seqlen_q of the row (Alibi)
+  int pos[Tr::kMTiles][2];           // i + total - seqlen_q of the row (Alibi, kMods)
+  int head[Tr::kMTiles][2];          // the row's query head (kMods)
+  int batch;                         // (kMods)
   int col;                           // the lane's first column within a tile
 
-  __device__ __forceinline__ void init(const VariantArgs& var, float softmax_scale,
-                                       int row0, int rows, int seqlen_q, int total,
-                                       int batch, int head0, int lane) {
+  __device__ __forceinline__ void init(const VariantArgs& var, const typename Tr::Mods& mods_,
+                                       float softmax_scale, int row0, int rows, int seqlen_q,
+                                       int total, int batch_, int head0, int lane) {
     col = 2 * (lane % 4);
     if constexpr (Tr::kSoftcap) tanh_scale = softmax_scale / var.softcap;
-    if constexpr (Tr::kAlibi) {
-      const float inv_unit = 1.0f / (Tr::kSoftcap ? var.softcap : softmax_scale);
+    const float unit_ = Tr::kSoftcap ? var.softcap : softmax_scale;
+    const float inv_unit_ = 1.0f / unit_;
+    if constexpr (kMods) {
+      mods = mods_;
+      unit = unit_;
+      inv_unit = inv_unit_;
+      batch = batch_;
+    }
+    if constexpr (Tr::kAlibi || kMods) {
 #pragma unroll
       for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
@@ -306,10 +326,14 @@ struct SplitTransform {
           const int r = row0 + mt * 16 + lane / 4 + 8 * h;
           const int g = r / seqlen_q;
           pos[mt][h] = r - g * seqlen_q + total - seqlen_q;
+          if constexpr (kMods) head[mt][h] = head0 + g;
           // Padding rows (r >= rows) are never stored; they read no slope.
-          neg_slope[mt][h] =
-              r < rows ? -var.alibi_slopes[batch * var.alibi_batch_stride + head0 + g] * inv_unit
-                       : 0.0f;
+          if constexpr (Tr::kAlibi) {
+            neg_slope[mt][h] =
+                r < rows
+                    ? -var.alibi_slopes[batch_ * var.alibi_batch_stride + head0 + g] * inv_unit_
+                    : 0.0f;
+          }
         }
       }
     }
@@ -324,10 +348,14 @@ struct SplitTransform {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           float x = s[mt][nt][i];
+          const int key = key0 + col + 8 * nt + (i % 2);
           if constexpr (Tr::kSoftcap) x = tanhf(x * tanh_scale);
           if constexpr (Tr::kAlibi) {
-            const int d = pos[mt][i / 2] - (key0 + col + 8 * nt + (i % 2));
+            const int d = pos[mt][i / 2] - key;
             x += neg_slope[mt][i / 2] * static_cast<float>(d < 0 ? -d : d);
+          }
+          if constexpr (kMods) {
+            x = mods(x * unit, batch, head[mt][i / 2], pos[mt][i / 2], key) * inv_unit;
           }
           s[mt][nt][i] = x;
         }
@@ -393,8 +421,8 @@ __device__ __forceinline__ void decode_split(
     long long kn_row_stride, long long kn_head_stride, long long vn_batch_stride,
     long long vn_row_stride, long long vn_head_stride, long long o_batch_stride,
     long long o_row_stride, long long o_head_stride, long long bt_batch_stride,
-    float softmax_scale,
-    const VariantArgs& var = VariantArgs{}) {
+    float softmax_scale, const VariantArgs& var = VariantArgs{},
+    const typename Tr::Mods& mods = typename Tr::Mods{}) {
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
@@ -579,8 +607,8 @@ __device__ __forceinline__ void decode_split(
     unmasked = right_edge < unmasked ? right_edge : unmasked;
   }
   SplitTransform<Tr> transform;
-  if constexpr (Tr::kSoftcap || Tr::kAlibi) {
-    transform.init(var, softmax_scale, warp_row0, rows, seqlen_q, total, batch,
+  if constexpr (SplitTransform<Tr>::kOn) {
+    transform.init(var, mods, softmax_scale, warp_row0, rows, seqlen_q, total, batch,
                    kv_head * group, lane);
   }
   const float scale_log2 = softmax_scale * 1.44269504088896340736f;
@@ -612,8 +640,8 @@ __device__ __forceinline__ void decode_split(
     }
 
     unsigned p[Tr::kMTiles][Tr::kPvSteps][4];
-    if constexpr (Tr::kLocal || Tr::kSoftcap || Tr::kAlibi) {
-      if constexpr (Tr::kSoftcap || Tr::kAlibi) transform.apply(s, key0);
+    if constexpr (Tr::kLocal || SplitTransform<Tr>::kOn) {
+      if constexpr (SplitTransform<Tr>::kOn) transform.apply(s, key0);
       // The softmax reads scores in the cap's unit with softcap (SplitTransform).
       const float unit_log2 = (Tr::kSoftcap ? var.softcap : softmax_scale) * 1.44269504088896340736f;
       // Keys at or past total - 1 - left are inside every row's window from the left.

@@ -2,6 +2,7 @@
 // warp split, shared-memory layout and the element type's tensor-core operations.
 #pragma once
 
+#include "flex_ops.cuh"
 #include "smem_layout.cuh"
 #include "tensor_ops.cuh"
 
@@ -41,10 +42,12 @@ __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000)
 //
 // Attention features (the forward's; each compiled in or out): Local, a sliding window (key
 // tiles outside the window of every row of the block are not visited); Softcap (the
-// scores' tanh); Alibi (the bias -slope |i + total - seqlen_q - j|, per packed row's head).
+// scores' tanh); Alibi (the bias -slope |i + total - seqlen_q - j|, per packed row's head);
+// Mods, the declared score modifications (a functor rendered from codegen.score_mods, applied
+// to every scaled score after softcap and ALiBi), or NoScoreMods.
 template <typename Element_, int HeadDim, int HeadDimPadded, int BlockM, int BlockN,
           int NumWarps, int NumStages, bool Causal, int RowPad, bool Local = false,
-          bool Softcap = false, bool Alibi = false>
+          bool Softcap = false, bool Alibi = false, class Mods_ = NoScoreMods>
 struct DecodeTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
@@ -64,6 +67,8 @@ struct DecodeTraits {
   static constexpr bool kLocal = Local;
   static constexpr bool kSoftcap = Softcap;
   static constexpr bool kAlibi = Alibi;
+  using Mods = Mods_;
+  static_assert(!Mods::kTileRanges, "decoding evaluates a mask on every score: no block mask");
   static_assert(!(Causal && Local), "a causal sliding window is the window (left, 0)");
   static constexpr int kThreads = 32 * NumWarps;
 

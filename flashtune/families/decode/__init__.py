@@ -17,9 +17,11 @@ from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import EntryAbi
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.dtypes import SAME_16BIT
+from flashtune.codegen.features import mods_of
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
+from flashtune.errors import FeatureNotSupported
 from flashtune.families.base import (
     Inputs,
     KernelFamily,
@@ -88,8 +90,24 @@ class DecodeFamily(KernelFamily):
     template = "decode_split.cu.jinja"
     dtypes = SAME_16BIT
     features = frozenset({"window", "softcap", "alibi"})
+    #: Declared score modifications (traced score_mod / mask_mod included) apply to every
+    #: score after softcap and ALiBi, with the row's absolute position as q_idx.
+    score_mods = True
     abi: ClassVar[EntryAbi | None] = DECODE_ABI
     default_shape_classes = DEFAULT_CLASSES
+
+    def check_problem(self, problem: Problem) -> None:
+        """The base checks, and FeatureNotSupported for a modification with a block mask's
+        tile ranges: the decode kernel evaluates a mask on every score and walks every key
+        tile."""
+        super().check_problem(problem)
+        ranged = [name for name, mod in mods_of(problem.features)
+                  if any(p.type == "tiles" for p in mod.params)]
+        if ranged:
+            raise FeatureNotSupported(
+                f"the 'decode' kernel family does not take a block mask's tile ranges (the "
+                f"score modifications {ranged} bring them); expected a mask_mod without a "
+                "block_mask: decoding evaluates the mask on every score")
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.SPACE
@@ -253,7 +271,8 @@ class DecodeFamily(KernelFamily):
 
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
         return decode_reference(inputs, problem.causal,
-                                variants.VariantValues.of(inputs).only(problem))
+                                variants.VariantValues.of(inputs).only(problem),
+                                tuple(mod for _, mod in mods_of(problem.features)))
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
                 reference: Tensors) -> Verdict:

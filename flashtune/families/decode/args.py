@@ -12,7 +12,8 @@
     then the features' values, those of the Problem's switches only (the forward's, by the
     same names: ``fwd.args.feature_values``): window: window_left, window_right (int32);
     softcap: softcap (float32); alibi: alibi_slopes (const float*), alibi_batch_stride
-    (int64).
+    (int64); then the params of the problem's declared score modifications
+    (``codegen.score_mods``: scalars, and captured tensors with their sizes), in key order.
 
 An unpaged cache (batch, max_len, heads_kv, dim) is passed as ``batch`` pages of
 ``max_len`` rows with no block table (sequence b is page b). The grid is
@@ -50,7 +51,7 @@ _PAGE_STRIDES = ("page", "row", "head")
 
 #: The decode kernel's arguments; the caches are written in place (no ``__restrict__``:
 #: the appended rows are read back through them).
-DECODE_ABI = EntryAbi("decode_split", (
+DECODE_ABI = EntryAbi("decode_split", score_mods=True, args=(
     tensor("q", Element.Q, const=True), tensor("k_cache", _KV, restrict=False),
     tensor("v_cache", _KV, restrict=False),
     tensor("k_new", _KV, const=True, restrict=False, optional=True, wrap=True),

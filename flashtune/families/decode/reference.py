@@ -10,14 +10,18 @@ no key of a split has O = 0 and LSE = -inf there.
 
 Features (the forward's reference, ``fwd.reference.scaled_scores``, with Nk = total, the
 sequence's keys after appending, and Nq = seqlen_q): a window, softcap and ALiBi apply to
-each sequence's scores over all its keys before the split's keys are taken.
+each sequence's scores over all its keys before the split's keys are taken. Declared score
+modifications (``codegen.score_mods``) then apply to them with the sequence's batch index,
+the query head, q_idx = i + total - seqlen_q (the row's absolute position) and kv_idx = j.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from flashtune._lazy import lazy_module
+from flashtune.codegen.score_mods import ScoreMod
 from flashtune.families.base import Inputs
 from flashtune.families.decode.splits import SplitTable, split_range
 from flashtune.families.fwd.reference import scaled_scores
@@ -81,19 +85,23 @@ def _slopes(variant: VariantValues | None, b: int) -> torch.Tensor | None:
 
 def partial_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, begin: int,
                       end: int, total: int, causal: bool, scale: float,
-                      variant: VariantValues | None = None, batch: int = 0
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      variant: VariantValues | None = None, batch: int = 0,
+                      mods: Sequence[ScoreMod] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """O (seqlen_q, heads_q, dim) normalised over keys [begin, end) and LSE (heads_q,
     seqlen_q) of sequence ``batch`` in float64, with the features of ``variant`` (None:
-    none); rows that see none of them: O = 0, LSE = -inf."""
+    none) and the declared modifications ``mods`` (their params from ``variant.mods``);
+    rows that see none of them: O = 0, LSE = -inf."""
     seqlen_q, heads_q, dim = q.shape
     group = heads_q // keys.shape[1]
     k = keys[:total].repeat_interleave(group, dim=1)
     v = values[begin:end].repeat_interleave(group, dim=1)
     softcap = variant.softcap if variant is not None and variant.softcap > 0 else None
     window = variant.window if variant is not None else (-1, -1)
+    # New row i is at position i + total - seqlen_q: the modifications' q_idx.
     scores = scaled_scores(q.to(torch.float64)[None], k[None], scale, causal, window=window,
-                           softcap=softcap, alibi_slopes=_slopes(variant, batch))[0]
+                           softcap=softcap, alibi_slopes=_slopes(variant, batch), mods=mods,
+                           mod_values=variant.mods if variant is not None else {},
+                           first_batch=batch, mod_row0=total - seqlen_q)[0]
     scores = scores[..., begin:end]
     lse = torch.logsumexp(scores, dim=-1) if end > begin else torch.full(
         (heads_q, seqlen_q), float("-inf"), dtype=torch.float64, device=q.device)
@@ -112,10 +120,11 @@ def split_table_of(inputs: Inputs) -> SplitTable | None:
     return SplitTable(tuple(b for b, _ in pairs[:-1]), tuple(s for _, s in pairs))
 
 
-def decode_reference(inputs: Inputs, causal: bool, variant: VariantValues | None = None
-                     ) -> dict[str, torch.Tensor]:
+def decode_reference(inputs: Inputs, causal: bool, variant: VariantValues | None = None,
+                     mods: Sequence[ScoreMod] = ()) -> dict[str, torch.Tensor]:
     """Partial O (splits, batch, heads_q, seqlen_q, dim) and LSE (splits, batch, heads_q,
-    seqlen_q) in float64 with the features of ``variant``, and the expected caches."""
+    seqlen_q) in float64 with the features of ``variant`` and the declared modifications
+    ``mods``, and the expected caches."""
     q = inputs.tensors["q"]
     batch, seqlen_q, heads_q, dim = q.shape
     splits = int(inputs.scalars["num_splits"])
@@ -133,7 +142,7 @@ def decode_reference(inputs: Inputs, causal: bool, variant: VariantValues | None
             if begin == end:
                 break  # this split and all later ones are empty
             o, lse = partial_attention(q[b], keys, values, begin, end, total, causal, scale,
-                                       variant, b)
+                                       variant, b, mods)
             o_part[s, b] = o.permute(1, 0, 2)
             lse_part[s, b] = lse
     return {"o_part": o_part, "lse_part": lse_part, **expected_caches(inputs)}

@@ -64,12 +64,14 @@ def scaled_scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, 
                   window: tuple[int, int] = (-1, -1), softcap: float | None = None,
                   alibi_slopes: torch.Tensor | None = None, mods: Sequence[ScoreMod] = (),
                   mod_values: Mapping[str, object] = {}, first_batch: int = 0,
-                  row0: int = 0, seqlen_q: int | None = None) -> torch.Tensor:
+                  row0: int = 0, seqlen_q: int | None = None,
+                  mod_row0: int | None = None) -> torch.Tensor:
     """The scores softmax reads, (B, Hq, rows, Nk) in q's float type: S = scale q k^T with
     the features of the module doc, -inf where masked. q (B, rows, Hq, D) holds rows
     ``row0`` on of a query sequence of ``seqlen_q`` rows (default: all of them); k
     (B, Nk, Hq, D) is already expanded to the query heads. ``mods`` take their params
-    from ``mod_values`` and see batch indices from ``first_batch``."""
+    from ``mod_values`` and see batch indices from ``first_batch`` and the first row as
+    q_idx ``mod_row0`` (default ``row0``; decoding: the new rows' absolute position)."""
     rows, seqlen_k = q.shape[1], k.shape[1]
     seqlen_q = rows if seqlen_q is None else seqlen_q
     part = slice(row0, row0 + rows)
@@ -86,7 +88,8 @@ def scaled_scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool, 
             shape = [1, 1, 1, 1]
             shape[dim] = n
             return torch.arange(start, start + n, device=q.device).view(shape)
-        where = (index(b, 0, first_batch), index(h, 1), index(nq, 2, row0), index(nk, 3))
+        where = (index(b, 0, first_batch), index(h, 1),
+                 index(nq, 2, row0 if mod_row0 is None else mod_row0), index(nk, 3))
         for mod in mods:
             scores = mod.apply(scores, *where, dict(mod_values)).to(scores.dtype)
     if causal:
