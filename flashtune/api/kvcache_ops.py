@@ -15,6 +15,7 @@ import torch
 
 from flashtune import settings
 from flashtune.api import decode as _decode
+from flashtune.api import mla as _mla
 from flashtune.api.flex import MaskModFn, ScoreModFn, refuse_grad, traced_feature
 from flashtune.api.ops import check_no_grad, direct_call_ok
 from flashtune.api.validate import check_softmax_scale
@@ -71,7 +72,7 @@ def _fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 @overload
 def attention_with_kvcache(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
     cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = ...,
     k: torch.Tensor | None = ..., v: torch.Tensor | None = ..., causal: bool = ...,
     softmax_scale: float | None = ..., num_splits: int | None = ...,
@@ -79,13 +80,13 @@ def attention_with_kvcache(
     window_size: tuple[int, int] = ..., softcap: float | None = ...,
     alibi_slopes: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
     sinks: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
-    mask_mod: MaskModFn | None = ...
+    mask_mod: MaskModFn | None = ..., head_dim_v: int | None = ...
 ) -> torch.Tensor: ...
 
 
 @overload
 def attention_with_kvcache(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
     cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = ...,
     k: torch.Tensor | None = ..., v: torch.Tensor | None = ..., causal: bool = ...,
     softmax_scale: float | None = ..., num_splits: int | None = ...,
@@ -93,27 +94,28 @@ def attention_with_kvcache(
     window_size: tuple[int, int] = ..., softcap: float | None = ...,
     alibi_slopes: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
     sinks: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
-    mask_mod: MaskModFn | None = ...
+    mask_mod: MaskModFn | None = ..., head_dim_v: int | None = ...
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @overload
 def attention_with_kvcache(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
     cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = ...,
     k: torch.Tensor | None = ..., v: torch.Tensor | None = ..., causal: bool = ...,
     softmax_scale: float | None = ..., num_splits: int | None = ..., return_lse: bool,
     backend: str | None = ..., window_size: tuple[int, int] = ...,
     softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...,
     batch_invariant: bool | None = ..., sinks: torch.Tensor | None = ...,
-    score_mod: ScoreModFn | None = ..., mask_mod: MaskModFn | None = ...
+    score_mod: ScoreModFn | None = ..., mask_mod: MaskModFn | None = ...,
+    head_dim_v: int | None = ...
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def attention_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    v_cache: torch.Tensor | None,
     cache_seqlens: torch.Tensor,
     *,
     block_table: torch.Tensor | None = None,
@@ -131,6 +133,7 @@ def attention_with_kvcache(
     sinks: torch.Tensor | None = None,
     score_mod: ScoreModFn | None = None,
     mask_mod: MaskModFn | None = None,
+    head_dim_v: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few new query rows per sequence over a KV cache, in flash-attn's layout.
 
@@ -192,7 +195,34 @@ def attention_with_kvcache(
     values may change between calls). Forward only: a captured tensor that requires grad
     raises BackwardNotAvailable; such a call runs the kernels directly (not as the custom
     op).
+
+    ``v_cache=None``: MLA decoding over a latent cache (FlashMLA's convention, the ``mla``
+    family): k_cache holds 576 values per token (the 512-wide latent and 64 RoPE dims) in
+    one KV head shared by every query head, q is 576 wide, and V is the first
+    ``head_dim_v`` (None: 512, the only width served) dims of the same cache, so O is 512
+    wide (``api.mla.attention_with_latent_cache``; what that kernel has not got is refused
+    by name). ``head_dim_v`` with a ``v_cache`` is refused.
     """
+    if v_cache is None:
+        width = _mla.LATENT_DIM
+        if not isinstance(k_cache, torch.Tensor) or k_cache.shape[-1] != width:
+            got = tuple(k_cache.shape) if isinstance(k_cache, torch.Tensor) else k_cache
+            raise InvalidInput(f"v_cache must be a torch.Tensor (B, max_len, Hkv, D) or paged, "
+                               f"got NoneType; v_cache=None is MLA decoding over a latent "
+                               f"cache of {width} values per token, but k_cache is {got}")
+        if score_mod is not None or mask_mod is not None:
+            raise InvalidInput("v_cache=None (MLA decoding over a latent cache) does not take "
+                               "score_mod or mask_mod; leave them out, or pass a v_cache")
+        return _mla.attention_with_latent_cache(
+            q, k_cache, cache_seqlens, block_table=block_table, k=k, v=v, causal=causal,
+            softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse,
+            backend=backend, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, batch_invariant=batch_invariant, sinks=sinks,
+            head_dim_v=head_dim_v)
+    if head_dim_v is not None:
+        raise InvalidInput(f"head_dim_v={head_dim_v} with a v_cache: V's head dim is v_cache's "
+                           "last dim; head_dim_v is for v_cache=None (MLA decoding, V the "
+                           "first head_dim_v dims of k_cache)")
     dim = padded_head_dim(q, k_cache, v_cache, k, v)
     if dim is not None:  # any head dim: zero-padded copies, the appended rows copied back
         return _padded_call(dim, q, k_cache, v_cache, cache_seqlens, block_table, k, v,

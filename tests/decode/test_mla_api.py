@@ -14,6 +14,7 @@ import torch
 from mla_cases import MlaCase
 from test_mla_decode import dense_reference
 
+import flashtune
 from flashtune.api.mla import attention_with_latent_cache, mla_with_kvcache
 from flashtune.codegen.spec import DType
 from flashtune.errors import InvalidInput
@@ -38,11 +39,10 @@ def test_api_matches_float64(page_size: int | None, seqlen_q: int, splits: int) 
     rng = random.Random(f"{SEED}-api-{page_size}-{seqlen_q}")
     lengths = (150, rng.randrange(seqlen_q, 150), 0)
     t = _inputs(case, lengths, rng.randrange(1 << 30))
-    if page_size is None:  # the entry attention_with_kvcache(v_cache=None) routes to
-        out, lse = attention_with_latent_cache(t["q"], t["kv_cache"], t["cache_seqlens"],
-                                               causal=case.causal, num_splits=splits,
-                                               return_lse=True, head_dim_v=512,
-                                               backend="emulator")
+    if page_size is None:  # flashtune's decoding entry with v_cache=None
+        out, lse = flashtune.attention_with_kvcache(
+            t["q"], t["kv_cache"], None, t["cache_seqlens"], causal=case.causal,
+            num_splits=splits, return_lse=True, head_dim_v=512, backend="emulator")
     else:
         out, lse = mla_with_kvcache(t["q"], t["kv_cache"], t["cache_seqlens"],
                                     block_table=t.get("block_table"), causal=case.causal,
@@ -92,3 +92,18 @@ def test_the_latent_entry_refuses_what_the_kernel_has_not_got() -> None:
         attention_with_latent_cache(t["q"], t["kv_cache"], t["cache_seqlens"],
                                     block_table=t["block_table"], k=t["q"], v=t["q"],
                                     backend="emulator")
+
+
+def test_the_decoding_entry_routes_only_latent_calls() -> None:
+    """``head_dim_v`` belongs to ``v_cache=None``; a latent call takes no modification."""
+    case = MlaCase(DType.BF16, 16, 1, 16, 1)
+    t = _inputs(case, (40, 20, 0), SEED)
+    with pytest.raises(InvalidInput, match=r"head_dim_v=512 with a v_cache"):
+        flashtune.attention_with_kvcache(t["q"], t["kv_cache"], t["kv_cache"],
+                                         t["cache_seqlens"], head_dim_v=512,
+                                         backend="emulator")
+    with pytest.raises(InvalidInput, match=r"v_cache=None .* score_mod or mask_mod"):
+        flashtune.attention_with_kvcache(t["q"], t["kv_cache"], None, t["cache_seqlens"],
+                                         block_table=t["block_table"],
+                                         score_mod=lambda s, b, h, i, j: s,
+                                         backend="emulator")
