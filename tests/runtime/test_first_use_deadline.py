@@ -218,7 +218,10 @@ def test_check_gpu_lists_checks_and_records_the_served_kernels(
     assert listed.exit_code == 0, listed.output
     entries = listed.output.split()
     served = families.render(*_served(causal=True))
-    assert served.entry in entries and all(e.startswith("flashtune_fwd90a") for e in entries)
+    # the forward's kernels, then the backward's (the sm_90a families serving bwd, bwddet)
+    assert served.entry in entries and all(e.startswith(("flashtune_fwd90a", "flashtune_bwd90a"))
+                                           for e in entries)
+    assert entries[0].startswith("flashtune_fwd90a") and any("bwd90adet" in e for e in entries)
     from flashtune.toolchain import compiler
 
     compiled: list[tuple[str, str]] = []
