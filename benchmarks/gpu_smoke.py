@@ -129,6 +129,25 @@ def _forward_args(shape: Shape) -> tuple[str, ...]:
 FAMILY_SHAPE = (1, 8, 1024, 128)
 
 
+def family_head_dim(op: str) -> int:
+    """FAMILY_SHAPE's head dim, or the first compiled head dim family ``op`` takes when it
+    refuses that one (MLA's is its 64 RoPE dims)."""
+    import typer
+
+    from flashtune import families
+    from flashtune.codegen.spec import COMPILED_HEAD_DIMS, DType
+    from flashtune.commands.codegen import parse_problem
+    from flashtune.errors import InvalidProblem
+
+    for head_dim in (FAMILY_SHAPE[3], *COMPILED_HEAD_DIMS):
+        try:
+            families.get(op).check_problem(parse_problem(op, head_dim, DType.BF16, False))
+        except (InvalidProblem, typer.BadParameter):
+            continue
+        return head_dim
+    raise ValueError(f"the {op!r} family takes none of the compiled head dims")
+
+
 def family_smoke(op: str, size: tuple[int, int, int, int] = FAMILY_SHAPE,
                  backend: str = "cuda") -> SmokeRun:
     """The smoke run of family ``op`` on (batch, heads, seqlen, head dim) ``size``: its
@@ -141,16 +160,20 @@ def family_smoke(op: str, size: tuple[int, int, int, int] = FAMILY_SHAPE,
 
         from flashtune import families
         from flashtune.codegen.arch import get_arch
-        from flashtune.codegen.spec import DType, Problem
+        from flashtune.codegen.spec import DType
         from flashtune.codegen.spec import Shape as LaunchShape
+        from flashtune.commands.codegen import parse_problem
         from flashtune.runtime import launch
         from flashtune.runtime.backends import get_backend
         from flashtune.runtime.device import DeviceInfo
 
         batch, heads, seqlen, head_dim = size
         family = families.get(op)
-        problem = Problem(head_dim=head_dim, dtype=DType.BF16, causal=False, op=op)
-        shape = LaunchShape(batch, heads, heads, seqlen, seqlen)
+        problem = parse_problem(op, head_dim, DType.BF16, False)  # FP8: bf16 is O's type
+        # The family's own first tuning shape where it has them (decoding, MLA: one query
+        # row over a cache, MLA's one latent head), else the square shape.
+        own = family.tuning_shapes(problem, seqlen, [(batch, heads)])
+        shape = own[0][0] if own else LaunchShape(batch, heads, heads, seqlen, seqlen)
         on_gpu = timer.device == "cuda"
         arch = DeviceInfo.current().spec if on_gpu else get_arch("sm_90")
         if family.target_arch is not None and not get_arch(family.target_arch).runs_on(arch):
@@ -185,12 +208,13 @@ def _smoke_cases() -> tuple[SmokeCase, ...]:
     registered family through the launch seam: a family that lands gets its line here."""
     from flashtune import families
 
-    batch, heads, seqlen, head_dim = FAMILY_SHAPE
+    batch, heads, seqlen, _ = FAMILY_SHAPE
     others = tuple(
-        SmokeCase(f.op, f"bf16 d{head_dim} full b{batch} n{seqlen} h{heads}",
-                  ("--op", f.op, "--head-dim", str(head_dim), "--dtype", "bf16",
-                   "--no-causal"), family_smoke(f.op))
-        for f in families.all_families() if f.op != "fwd")
+        SmokeCase(f.op, f"bf16 d{d} full b{batch} n{seqlen} h{heads}",
+                  ("--op", f.op, "--head-dim", str(d), "--dtype", "bf16", "--no-causal"),
+                  family_smoke(f.op, (batch, heads, seqlen, d)))
+        for f in families.all_families() if f.op != "fwd"
+        for d in (family_head_dim(f.op),))
     forward = SmokeCase("forward", f"{FORWARD_SHAPE.label()} h{FORWARD_SHAPE.heads}",
                         _forward_args(FORWARD_SHAPE), forward_smoke)
     return (forward, *others)

@@ -33,6 +33,19 @@ def test_a_family_line_verifies_and_times_its_default_kernel() -> None:
     assert 0 <= outcome.details["rel_err"] < 1e-3 and outcome.details["median_ms"] > 0
 
 
+@pytest.mark.parametrize("op, head_dim", [("fwd8", 64), ("mla", 64)])
+def test_a_family_with_its_own_types_or_head_dims_gets_a_line_it_runs(op: str,
+                                                                       head_dim: int) -> None:
+    """The FP8 forward's line takes bf16 as O's type (e4m3 inputs); MLA's its head dim of 64
+    (the RoPE dims); each verifies on the emulator as a virtual sm_90."""
+    assert gpu_smoke.family_head_dim(op) == (128 if op == "fwd8" else 64)
+    case = next(c for c in gpu_smoke.SMOKE_CASES if c.family == op)
+    assert f"d{gpu_smoke.family_head_dim(op)} " in case.description
+    outcome = gpu_smoke.family_smoke(op, (1, 2, 40, head_dim), backend="emulator")(
+        Timer("cpu", 1, 1))
+    assert outcome.passed, outcome.summary
+
+
 def _case(family: str, run: gpu_smoke.SmokeRun) -> gpu_smoke.SmokeCase:
     return gpu_smoke.SmokeCase(family, "tiny", ("--head-dim", "64"), run)
 
@@ -97,5 +110,6 @@ def test_forward_smoke_passes_on_the_gpu() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", [f.op for f in families.all_families() if f.op != "fwd"])
 def test_family_smoke_passes_on_the_gpu(op: str) -> None:
-    outcome = gpu_smoke.family_smoke(op)(Timer("cuda", 1, 3))
+    size = (*gpu_smoke.FAMILY_SHAPE[:3], gpu_smoke.family_head_dim(op))
+    outcome = gpu_smoke.family_smoke(op, size)(Timer("cuda", 1, 3))
     assert outcome.passed, outcome.summary
