@@ -60,8 +60,8 @@ struct HopperFwdTraits {
   static constexpr bool kWarpSpecialized = WarpSpecialized;
   // Ping-pong: the two consumer warpgroups take turns to issue their Q K^T (named barriers).
   static constexpr bool kPingPong = PingPong;
-  // Intra-warpgroup overlap (hopper_fwd_ws.cuh): Q K^T of the next key tile is issued before
-  // the softmax of this one, so it runs while the softmax does (two S accumulator sets).
+  // Intra-warpgroup overlap (hopper_fwd_ws.cuh): Q K^T of key tile j is issued with P V of
+  // tile j - 1 and the softmax of tile j runs while P V does (one S set plus P).
   static constexpr bool kOverlap = Overlap;
   static constexpr int kThreads = 128 * (kWarpGroups + (WarpSpecialized ? 1 : 0));
   static constexpr int kMTiles = 1;                 // 16 rows per warp

@@ -32,19 +32,19 @@
 // sequence are zero-filled and their bytes count as transactions (the full box).
 //
 // Ping-pong (Tr::kPingPong, two consumer warpgroups): the consumers take turns to issue
-// their Q K^T, so one warpgroup's softmax runs while the other's GEMM does (FA3 section 3.1).
+// their GEMMs, so one warpgroup's softmax runs while the other's GEMMs do (FA3 section 3.1):
+// a turn is Q K^T alone, or with overlap Q K^T of tile j and P V of tile j - 1.
 // Warpgroup g waits on named barrier 1 + g (256 threads: its own 128 syncing, the other's 128
 // arriving) before it issues Q K^T and arrives on the other's right after; warpgroup 1 gives
 // warpgroup 0 the first turn.
 //
-// Overlap (Tr::kOverlap, FA3 section 3.2, two or more stages): a consumer warpgroup issues
-// S_next = Q K_{j+1}^T (waiting for its stage first) before the softmax of S_j, so the GEMM
-// runs while the softmax does; then it issues O += P_j V_j, waits for S_next
-// (wait_group<1>), moves it into S_j's registers while O += P_j V_j runs, and waits for that
-// (wait_group<0>) before it releases tile j's stage (the next softmax rescales O). The first
-// tile's S is computed and waited for before the loop; the last tile has no next. With
-// ping-pong the turns bracket each Q K^T issue as without. A second stage is needed: tile
-// j + 1's K lands while tile j's stage is still read.
+// Overlap (Tr::kOverlap, FA3 section 3.2, two or more stages), FA3's order with one S set
+// plus P: per key tile j a consumer warpgroup issues S_j = Q K_j^T and then O += P_{j-1}
+// V_{j-1}, waits for S_j alone (wait_group<1>), runs the softmax of S_j (maxima, sums and the
+// probabilities, as floats in S's registers) while P V runs, then waits for P V
+// (wait_group<0>), releases tile j - 1's stage, rescales O and packs P_j. The first tile has
+// no P V before it; the last tile's P V follows the loop. A second stage is needed: tile j's
+// K lands while tile j - 1's V is still read.
 //
 // FT_WS_PLANTED_BUG (tests only; 0 in every rendered kernel) plants one bug for the
 // emulator's tests: 1 no expect-tx on the K/V stage (a plain arrive), 2 consumers release a
@@ -52,7 +52,7 @@
 // multiple of 8, 5 one consumer warp skips setmaxnreg, 6 (ping-pong) no first turn, 7
 // (ping-pong) a hand-over that counts only the handing warpgroup's threads, 8 (three
 // consumers) the third consumer warpgroup skips setmaxnreg, 9 (three consumers) the split of
-// two consumers (24 / 240), 10 (overlap) the wait for the next tile's S after its first read,
+// two consumers (24 / 240), 10 (overlap) no wait for S_j before its first read (after the first tile),
 // 11 (overlap) wait_group<1> where <0> is needed (O += P V still in flight), 12 (K or V by
 // cp.async) producer warp 0 never arrives on a stage's full barrier, 13 (some operand by
 // cp.async) the producer exits with copies in flight (no producer tail).

@@ -440,7 +440,7 @@ def test_three_consumers_with_the_split_of_two_are_caught() -> None:
 
 
 def test_overlap_reading_the_next_s_before_its_wait_is_caught() -> None:
-    """Planted: the wait for S_next placed after the copy that first reads it."""
+    """Planted: no wait for S_j before the softmax first reads it (after the first tile)."""
     with pytest.raises(EmulatorError, match=r"wgmma_fence_operands at .*hopper_fwd_ws.cuh:\d+: "
                        r"thread \d+ reads accumulators that the wgmma at .*hopper_fwd.cuh:\d+ "
                        r"still writes \(its group has 1 committed after it; 2 committed groups "
