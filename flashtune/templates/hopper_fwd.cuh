@@ -60,8 +60,8 @@ struct HopperFwdTraits {
   static constexpr bool kWarpSpecialized = WarpSpecialized;
   // Ping-pong: the two consumer warpgroups take turns to issue their Q K^T (named barriers).
   static constexpr bool kPingPong = PingPong;
-  // Intra-warpgroup overlap (hopper_fwd_ws.cuh): Q K^T of the next key tile is issued before
-  // the softmax of this one, so it runs while the softmax does (two S accumulator sets).
+  // Intra-warpgroup overlap (hopper_fwd_ws.cuh): Q K^T of key tile j is issued with P V of
+  // tile j - 1 and the softmax of tile j runs while P V does (one S set plus P).
   static constexpr bool kOverlap = Overlap;
   static constexpr int kThreads = 128 * (kWarpGroups + (WarpSpecialized ? 1 : 0));
   static constexpr int kMTiles = 1;                 // 16 rows per warp
@@ -219,20 +219,14 @@ __device__ __forceinline__ void issue_qk(unsigned q_addr, unsigned k_addr,
   schedule.after_qk();
 }
 
-// The online softmax of the complete S in acc_s (tied here: a wgmma still writing it is an
-// error in the emulator) and of O (complete: the caller tied it after its last wait), P from
-// the S accumulators, and O += P V by wgmma (V MN-major at v_addr, the stage's V tile) in one
+// O += P V by wgmma (A = P from registers, V MN-major at v_addr, the stage's V tile) in one
 // commit group it does not wait for.
-template <class Tr, bool kFirst, class Mask>
-__device__ __forceinline__ void softmax_issue_pv(unsigned v_addr, float (&acc_s)[1][Tr::kSTiles][4],
-                                                 OnlineSoftmax<Tr>& softmax,
-                                                 float (&acc_o)[1][Tr::kOTiles][4],
-                                                 float scale_log2, const Mask& mask) {
-  // wgmma views of the fragments: d[4 nt + e] is fragment element [nt][e].
+template <class Tr>
+__device__ __forceinline__ void issue_pv(unsigned v_addr,
+                                         const unsigned (&p)[1][Tr::kPvSteps][4],
+                                         float (&acc_o)[1][Tr::kOTiles][4]) {
+  // wgmma view of the fragments: d[4 nt + e] is fragment element [nt][e].
   auto& o_view = reinterpret_cast<float(&)[Tr::kHeadDim / 2]>(acc_o);
-  wgmma_fence_operands(reinterpret_cast<float(&)[Tr::kBlockN / 2]>(acc_s));
-  unsigned p[1][Tr::kPvSteps][4];
-  softmax.template update<kFirst>(acc_s, p, acc_o, scale_log2, mask);
   const unsigned long long v_desc = wgmma_desc(v_addr, Tr::kPanelRows * 128, 1024, kSwizzle128B);
   wgmma_fence();
 #pragma unroll
@@ -241,6 +235,20 @@ __device__ __forceinline__ void softmax_issue_pv(unsigned v_addr, float (&acc_s)
                                             wgmma_desc_add(v_desc, kk * 16 * 128), 1);
   }
   wgmma_commit();
+}
+
+// The online softmax of the complete S in acc_s (tied here: a wgmma still writing it is an
+// error in the emulator) and of O (complete: the caller tied it after its last wait), P from
+// the S accumulators, and O += P V (issue_pv) in one commit group it does not wait for.
+template <class Tr, bool kFirst, class Mask>
+__device__ __forceinline__ void softmax_issue_pv(unsigned v_addr, float (&acc_s)[1][Tr::kSTiles][4],
+                                                 OnlineSoftmax<Tr>& softmax,
+                                                 float (&acc_o)[1][Tr::kOTiles][4],
+                                                 float scale_log2, const Mask& mask) {
+  wgmma_fence_operands(reinterpret_cast<float(&)[Tr::kBlockN / 2]>(acc_s));
+  unsigned p[1][Tr::kPvSteps][4];
+  softmax.template update<kFirst>(acc_s, p, acc_o, scale_log2, mask);
+  issue_pv<Tr>(v_addr, p, acc_o);
 }
 
 // One key tile for the calling warpgroup: S = Q K^T, the online softmax, P and O += P V, each
@@ -377,19 +385,18 @@ struct WarpgroupMath {
                           schedule);
   }
 
-  // The split steps of the overlapped schedule: S = Q K^T of stage s issued into acc_s, and
-  // the softmax of a complete acc_s with O += P V of stage s issued (neither waited for).
+  // The steps of the overlapped schedule (FA3's intra-warpgroup order, hopper_fwd_ws.cuh):
+  // S = Q K^T of stage s issued into acc_s, and O += P V of stage s issued (neither waited
+  // for).
   template <class Schedule>
   __device__ __forceinline__ void qk(const HopperBlock<Tr>& b, int s,
                                      float (&acc_s)[1][Tr::kSTiles][4], const Schedule& schedule) {
     issue_qk<Tr>(q_addr, k_tile(b, s), reinterpret_cast<float(&)[Tr::kBlockN / 2]>(acc_s),
                  schedule);
   }
-  template <bool kFirst, class Mask>
-  __device__ __forceinline__ void softmax_pv(const HopperBlock<Tr>& b, int s,
-                                             float (&acc_s)[1][Tr::kSTiles][4],
-                                             const Mask& mask) {
-    softmax_issue_pv<Tr, kFirst>(v_tile(b, s), acc_s, softmax, acc_o, scale_log2, mask);
+  __device__ __forceinline__ void pv(const HopperBlock<Tr>& b, int s,
+                                     const unsigned (&p)[1][Tr::kPvSteps][4]) {
+    issue_pv<Tr>(v_tile(b, s), p, acc_o);
   }
 
   __device__ __forceinline__ void store(const HopperBlock<Tr>& b, long long o_row_stride) {

@@ -32,19 +32,19 @@
 // sequence are zero-filled and their bytes count as transactions (the full box).
 //
 // Ping-pong (Tr::kPingPong, two consumer warpgroups): the consumers take turns to issue
-// their Q K^T, so one warpgroup's softmax runs while the other's GEMM does (FA3 section 3.1).
+// their GEMMs, so one warpgroup's softmax runs while the other's GEMMs do (FA3 section 3.1):
+// a turn is Q K^T alone, or with overlap Q K^T of tile j and P V of tile j - 1.
 // Warpgroup g waits on named barrier 1 + g (256 threads: its own 128 syncing, the other's 128
 // arriving) before it issues Q K^T and arrives on the other's right after; warpgroup 1 gives
 // warpgroup 0 the first turn.
 //
-// Overlap (Tr::kOverlap, FA3 section 3.2, two or more stages): a consumer warpgroup issues
-// S_next = Q K_{j+1}^T (waiting for its stage first) before the softmax of S_j, so the GEMM
-// runs while the softmax does; then it issues O += P_j V_j, waits for S_next
-// (wait_group<1>), moves it into S_j's registers while O += P_j V_j runs, and waits for that
-// (wait_group<0>) before it releases tile j's stage (the next softmax rescales O). The first
-// tile's S is computed and waited for before the loop; the last tile has no next. With
-// ping-pong the turns bracket each Q K^T issue as without. A second stage is needed: tile
-// j + 1's K lands while tile j's stage is still read.
+// Overlap (Tr::kOverlap, FA3 section 3.2, two or more stages), FA3's order with one S set
+// plus P: per key tile j a consumer warpgroup issues S_j = Q K_j^T and then O += P_{j-1}
+// V_{j-1}, waits for S_j alone (wait_group<1>), runs the softmax of S_j (maxima, sums and the
+// probabilities, as floats in S's registers) while P V runs, then waits for P V
+// (wait_group<0>), releases tile j - 1's stage, rescales O and packs P_j. The first tile has
+// no P V before it; the last tile's P V follows the loop. A second stage is needed: tile j's
+// K lands while tile j - 1's V is still read.
 //
 // FT_WS_PLANTED_BUG (tests only; 0 in every rendered kernel) plants one bug for the
 // emulator's tests: 1 no expect-tx on the K/V stage (a plain arrive), 2 consumers release a
@@ -52,7 +52,7 @@
 // multiple of 8, 5 one consumer warp skips setmaxnreg, 6 (ping-pong) no first turn, 7
 // (ping-pong) a hand-over that counts only the handing warpgroup's threads, 8 (three
 // consumers) the third consumer warpgroup skips setmaxnreg, 9 (three consumers) the split of
-// two consumers (24 / 240), 10 (overlap) the wait for the next tile's S after its first read,
+// two consumers (24 / 240), 10 (overlap) no wait for S_j before its first read (after the first tile),
 // 11 (overlap) wait_group<1> where <0> is needed (O += P V still in flight), 12 (K or V by
 // cp.async) producer warp 0 never arrives on a stage's full barrier, 13 (some operand by
 // cp.async) the producer exits with copies in flight (no producer tail).
@@ -265,34 +265,46 @@ __device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Eleme
       release(j);  // tile_math waited for its GEMMs
     });
   } else {
-    // S of the current tile (complete) and of the next one (in flight during the softmax).
+    // FA3's intra-warpgroup order with one S set and P: tile j's Q K^T is issued, then
+    // O += P_{j-1} V_{j-1}; the softmax of S_j runs while P V does; once P V completes the
+    // stage of tile j - 1 is released, O rescaled and P_j packed from S_j. A ping-pong turn
+    // spans both issues. The last tile's P V follows the loop.
+    using Softmax = OnlineSoftmax<Tr>;
     float acc_s[1][Tr::kSTiles][4];
-    float s_next[1][Tr::kSTiles][4];
-    auto& next_view = reinterpret_cast<float(&)[kBlockN / 2]>(s_next);
-    wait_full(0);
-    math.qk(b, 0, acc_s, schedule);
-    wgmma_wait<0>();
+    unsigned p[1][Tr::kPvSteps][4];
+    auto& s_view = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
+    auto& o_view = reinterpret_cast<float(&)[Tr::kHeadDim / 2]>(math.acc_o);
+    // P is read by an issued wgmma until its group completes: tied after the wait, so its
+    // registers are not reused before.
+    auto& p_view = reinterpret_cast<float(&)[Tr::kPvSteps * 4]>(p);
     for_each_key_tile<Tr>(b.range, math.limits, [&](int j, auto first, auto mask) {
-      const bool has_next = j + 1 < n_tiles;
-      if (has_next) {  // S_next = Q K_{j+1}^T, issued before the softmax of S_j
-        wait_full(j + 1);
-        math.qk(b, (j + 1) % kStages, s_next, schedule);
+      constexpr bool kFirst = decltype(first)::value;
+      wait_full(j);
+      schedule.before_qk();
+      math.qk(b, j % kStages, acc_s, FreeSchedule{});
+      if constexpr (!kFirst) math.pv(b, (j - 1) % kStages, p);
+      schedule.after_qk();
+      // S_j (the older group) is complete; O += P_{j-1} V_{j-1} may still run.
+      if constexpr (FT_WS_PLANTED_BUG != 10 || kFirst) wgmma_wait<kFirst ? 0 : 1>();
+      wgmma_fence_operands(s_view);
+      const auto rescale = math.softmax.template exponentiate<kFirst>(acc_s, math.scale_log2,
+                                                                      mask);
+      if constexpr (!kFirst) {
+        // O += P_{j-1} V_{j-1} complete: its stage is released, O rescaled and P rewritten.
+        wgmma_wait<FT_WS_PLANTED_BUG == 11 ? 1 : 0>();
+        wgmma_fence_operands(o_view);
+        wgmma_fence_operands(p_view);
+        release(j - 1);
+        Softmax::rescale(math.acc_o, rescale);
       }
-      math.template softmax_pv<decltype(first)::value>(b, j % kStages, acc_s, mask);
-      // S_next (the older group) is complete; O += P_j V_j may still run while S_next is
-      // moved into place.
-      if constexpr (FT_WS_PLANTED_BUG != 10) wgmma_wait<1>();
-      if (has_next) {
-        wgmma_fence_operands(next_view);
-#pragma unroll
-        for (int i = 0; i < kBlockN / 2; ++i) acc_s[0][i / 4][i % 4] = next_view[i];
-      }
-      if constexpr (FT_WS_PLANTED_BUG == 10) wgmma_wait<1>();
-      // O += P_j V_j complete: its V stage is released and the next softmax rescales O.
-      wgmma_wait<FT_WS_PLANTED_BUG == 11 ? 1 : 0>();
-      wgmma_fence_operands(reinterpret_cast<float(&)[Tr::kHeadDim / 2]>(math.acc_o));
-      release(j);
+      Softmax::pack(acc_s, p);
     });
+    schedule.before_qk();
+    math.pv(b, (n_tiles - 1) % kStages, p);
+    schedule.after_qk();
+    wgmma_wait<0>();
+    wgmma_fence_operands(o_view);
+    release(n_tiles - 1);
   }
   math.store(b, a.o_row_stride);
 }

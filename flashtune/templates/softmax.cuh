@@ -155,6 +155,13 @@ struct OnlineSoftmax {
   // shares are added in finalize (the rescaling is the same for all four, so it commutes).
   float sum[Tr::kMTiles][2];
 
+  // The factors exp2(old max - new max) by which a fold rescales O, per row, and whether
+  // the max of some row of the warp changed (one warp vote; every other factor is 1).
+  struct Rescale {
+    float alpha[Tr::kMTiles][2];
+    bool changed;
+  };
+
   // Fold one tile of scores, masked by `mask`, into the statistics and write its
   // probabilities exp2(scale_log2 * s - new max), packed to 16-bit pairs, as the A operand
   // of P V: p[mt][kk] is the A fragment of k16 step kk (the C fragments of key tiles 2 kk
@@ -162,16 +169,26 @@ struct OnlineSoftmax {
   //
   // kFirst: the first tile of the block; the statistics start here and O (all zero) is not
   // rescaled. Otherwise the sums are rescaled by exp2(old max - new max), and O too when the
-  // max of some row of the warp changed (one warp vote; the factor of every other row is
-  // exp2(0) = 1). O is rescaled last, when the scores are packed and fewer registers are
-  // live.
+  // max of some row of the warp changed. O is rescaled last, when the scores are packed and
+  // fewer registers are live.
   template <bool kFirst, class Mask>
   __device__ __forceinline__ void update(float (&s)[Tr::kMTiles][Tr::kSTiles][4],
                                          unsigned (&p)[Tr::kMTiles][Tr::kPvSteps][4],
                                          float (&o)[Tr::kMTiles][Tr::kOTiles][4],
                                          float scale_log2, const Mask& mask) {
-    float alpha[Tr::kMTiles][2];
-    bool changed = false;
+    const Rescale r = exponentiate<kFirst>(s, scale_log2, mask);
+    pack(s, p);
+    if constexpr (!kFirst) rescale(o, r);
+  }
+
+  // The first half of update, for a schedule in which O is still being written (FA3's
+  // intra-warpgroup overlap): folds the tile into the statistics and leaves its
+  // probabilities in s as floats; pack and rescale finish the tile once O may be touched.
+  template <bool kFirst, class Mask>
+  __device__ __forceinline__ Rescale exponentiate(float (&s)[Tr::kMTiles][Tr::kSTiles][4],
+                                                  float scale_log2, const Mask& mask) {
+    Rescale r;
+    r.changed = false;
     // The new maxima and the rescale factors.
 #pragma unroll
     for (int mt = 0; mt < Tr::kMTiles; ++mt) {
@@ -190,13 +207,13 @@ struct OnlineSoftmax {
         const float m_tile = m * scale_log2;
         const float m_new = fmaxf(kFirst ? kNoMax : max_scaled[mt][h], m_tile);
         if constexpr (!kFirst) {
-          alpha[mt][h] = exp2f_fast(max_scaled[mt][h] - m_new);
-          changed = changed || m_new != max_scaled[mt][h];
+          r.alpha[mt][h] = exp2f_fast(max_scaled[mt][h] - m_new);
+          r.changed = r.changed || m_new != max_scaled[mt][h];
         }
         max_scaled[mt][h] = m_new;
       }
     }
-    // The probabilities, their sums, packed.
+    // The probabilities and their sums.
 #pragma unroll
     for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
@@ -207,23 +224,43 @@ struct OnlineSoftmax {
           const float p0 = exp2f_fast(s[mt][nt][2 * h] * scale_log2 - max_scaled[mt][h]);
           const float p1 = exp2f_fast(s[mt][nt][2 * h + 1] * scale_log2 - max_scaled[mt][h]);
           tile_sum += p0 + p1;
-          // Key tile nt is half nt % 2 of k16 step nt / 2; row h is register h of a half.
-          p[mt][nt / 2][2 * (nt % 2) + h] = Tr::Ops::pack(p0, p1);
+          s[mt][nt][2 * h] = p0;
+          s[mt][nt][2 * h + 1] = p1;
         }
-        sum[mt][h] = kFirst ? tile_sum : sum[mt][h] * alpha[mt][h] + tile_sum;
+        sum[mt][h] = kFirst ? tile_sum : sum[mt][h] * r.alpha[mt][h] + tile_sum;
       }
     }
-    if constexpr (!kFirst) {
-      if (vote_any(changed)) {
+    return r;
+  }
+
+  // The probabilities exponentiate left in s, packed to 16-bit pairs in P V's A layout.
+  static __device__ __forceinline__ void pack(const float (&s)[Tr::kMTiles][Tr::kSTiles][4],
+                                              unsigned (&p)[Tr::kMTiles][Tr::kPvSteps][4]) {
 #pragma unroll
-        for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
-          for (int dt = 0; dt < Tr::kOTiles; ++dt) {
-            o[mt][dt][0] *= alpha[mt][0];
-            o[mt][dt][1] *= alpha[mt][0];
-            o[mt][dt][2] *= alpha[mt][1];
-            o[mt][dt][3] *= alpha[mt][1];
-          }
+      for (int nt = 0; nt < Tr::kSTiles; ++nt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          // Key tile nt is half nt % 2 of k16 step nt / 2; row h is register h of a half.
+          p[mt][nt / 2][2 * (nt % 2) + h] = Tr::Ops::pack(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+        }
+      }
+    }
+  }
+
+  // O times the factors of a fold (not the first), when the max of some row changed.
+  static __device__ __forceinline__ void rescale(float (&o)[Tr::kMTiles][Tr::kOTiles][4],
+                                                 const Rescale& r) {
+    if (vote_any(r.changed)) {
+#pragma unroll
+      for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+        for (int dt = 0; dt < Tr::kOTiles; ++dt) {
+          o[mt][dt][0] *= r.alpha[mt][0];
+          o[mt][dt][1] *= r.alpha[mt][0];
+          o[mt][dt][2] *= r.alpha[mt][1];
+          o[mt][dt][3] *= r.alpha[mt][1];
         }
       }
     }

@@ -18,7 +18,6 @@ import re
 
 import pytest
 import torch
-from hopper_sample import tma_loads
 from typer.testing import CliRunner
 
 import flashtune
@@ -259,11 +258,9 @@ def _widest_overlap(problem: Problem) -> KernelConfig:
 
 def _sweep_cases() -> list[Case]:
     """Per family: every head dim, dtype, mask and shape with the default (and, in the
-    warp-specialised one, with its widest overlap config); every passing config of each head
-    dim on one drawn shape."""
+    warp-specialised one, with its widest overlap config)."""
     cases: list[Case] = []
     for family in NUMERICS_FAMILIES:
-        rng = random.Random(f"{SEED}{family.op}")
         for head_dim, dtype, causal in itertools.product(HEAD_DIMS, DType, (False, True)):
             problem = Problem(head_dim, dtype, causal=causal, op=family.op)
             configs = [family.default_config(problem, SM90A)]
@@ -271,23 +268,45 @@ def _sweep_cases() -> list[Case]:
                 configs.append(_widest_overlap(problem))
             cases += [(family, head_dim, dtype, causal, shape, config)
                       for config in configs for shape in SHAPES]
-        for head_dim in HEAD_DIMS:
-            problem = Problem(head_dim, DType.FP16, causal=True, op=family.op)
-            for config in _one_load_per_config(family.candidates(problem, SM90A), rng):
-                cases.append((family, head_dim, rng.choice(list(DType)), rng.random() < 0.5,
-                              rng.choice(SHAPES), config))
     return cases
 
 
-def _one_load_per_config(configs: list[KernelConfig], rng: random.Random
-                         ) -> list[KernelConfig]:
-    """Of passing configs, one drawn load of the operands (TMA or cp.async each) per config
-    of the other knobs: every load combination is covered across the sweep without
-    multiplying it by eight."""
-    groups: dict[KernelConfig, list[KernelConfig]] = collections.defaultdict(list)
-    for c in configs:
-        groups[tma_loads(c)].append(c)
-    return [rng.choice(members) for members in groups.values()]
+#: The (dtype, causal) pairs every point of a space is spread over.
+_PAIRS = tuple(itertools.product(DType, (False, True)))
+
+
+def _every_point() -> list[PointCase]:
+    """Every point of each family's space its rules admit, at every head dim: each point
+    once (its rules do not depend on the dtype or the mask), with the (dtype, mask) pairs
+    dealt out in turn over a seeded shuffle of the points (so each pair takes a quarter of
+    them, spread over every knob), on two shapes drawn from ``SHAPES``."""
+    cases: list[PointCase] = []
+    for family in NUMERICS_FAMILIES:
+        for head_dim in HEAD_DIMS:
+            rng = random.Random(f"{SEED}{family.op}{head_dim}")
+            configs = family.candidates(Problem(head_dim, DType.FP16, op=family.op), SM90A)
+            rng.shuffle(configs)
+            for i, config in enumerate(configs):
+                dtype, causal = _PAIRS[i % len(_PAIRS)]
+                shapes = tuple(rng.sample(SHAPES, 2))
+                cases.append((family, head_dim, dtype, causal, shapes, config))
+    return cases
+
+
+PointCase = tuple[KernelFamily, int, DType, bool, tuple[Shape, ...], KernelConfig]
+
+
+def _point_id(c: PointCase) -> str:
+    return (f"{c[0].op}-d{c[1]}-{c[2].value}-{'causal' if c[3] else 'full'}-"
+            f"{'+'.join(s.key() for s in c[4])}-{c[5].key()}")
+
+
+def _check_point(case: PointCase) -> None:
+    family, head_dim, dtype, causal, shapes, config = case
+    problem = Problem(head_dim, dtype, causal=causal, op=family.op)
+    assert family.rules(problem, config, SM90A) is None, config  # the space admits it
+    for shape in shapes:
+        _check(family, head_dim, dtype, causal, shape, config)
 
 
 @pytest.mark.sweep
@@ -295,6 +314,46 @@ def _one_load_per_config(configs: list[KernelConfig], rng: random.Random
 @pytest.mark.parametrize("case", _sweep_cases(), ids=_case_id)
 def test_full_matrix_in_the_emulator(case: Case) -> None:
     _check(*case)
+
+
+@pytest.mark.sweep
+@pytest.mark.emulator
+@pytest.mark.parametrize("case", _every_point(), ids=_point_id)
+def test_every_admitted_point_in_the_emulator(case: PointCase) -> None:
+    _check_point(case)
+
+
+#: Points of the sweep the default run takes (drawn from the seed, ``FLASHTUNE_TEST_SEED``).
+_DEFAULT_POINTS = 4
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("case", random.Random(f"{SEED}points").sample(_every_point(),
+                                                                       _DEFAULT_POINTS),
+                         ids=_point_id)
+def test_a_seeded_sample_of_the_sweep_in_the_emulator(case: PointCase) -> None:
+    _check_point(case)
+
+
+def test_the_sweep_holds_every_admitted_point_once() -> None:
+    """Every point each family's rules admit, at every head dim, every knob value of the
+    space among them, and each (dtype, mask) pair dealt a quarter of the points."""
+    points = _every_point()
+    keys = [(c[0].op, c[1], c[5]) for c in points]
+    assert len(keys) == len(set(keys))
+    for family in NUMERICS_FAMILIES:
+        for head_dim in HEAD_DIMS:
+            admitted = set(family.candidates(Problem(head_dim, DType.BF16, causal=True,
+                                                     op=family.op), SM90A))
+            swept = {c[5] for c in points if c[0] is family and c[1] == head_dim}
+            assert swept == admitted, (family.op, head_dim)
+    ws = [c for c in points if c[0] is HOPPER_WS_FORWARD]
+    for param in space.WS_SPACE.params:
+        seen = {family_point[param.name] for family_point in
+                (HOPPER_WS_FORWARD.point(c[5]) for c in ws)}
+        assert seen == set(param.values), param.name
+    pairs = collections.Counter((c[2], c[3]) for c in ws)
+    assert max(pairs.values()) - min(pairs.values()) <= len(HEAD_DIMS), pairs
 
 
 # ------------------------------------------------------------------ through the public API

@@ -67,6 +67,12 @@ def _overlap(config: KernelConfig) -> KernelConfig:
     return dataclasses.replace(config, extras=(*config.extras, (space.OVERLAP, 1)))
 
 
+def _plain(config: KernelConfig) -> KernelConfig:
+    """``config`` with ping-pong and overlap at 0 (the load knobs kept)."""
+    return dataclasses.replace(config, extras=tuple(
+        (k, v) for k, v in config.extras if k not in (space.PINGPONG, space.OVERLAP)))
+
+
 def test_registered_as_the_family_serving_the_forward_beside_the_cp_async_one() -> None:
     assert families.get("fwd90aws") is HOPPER_WS_FORWARD
     assert HOPPER_WS_FORWARD.serves == "fwd" and HOPPER_WS_FORWARD.target_arch == "sm_90a"
@@ -74,10 +80,14 @@ def test_registered_as_the_family_serving_the_forward_beside_the_cp_async_one() 
     generic = Problem(128, DType.BF16)
     assert families.served_problem(generic, SM90A).op == HOPPER_WS_FORWARD.op
     problem = _problem(128, DType.BF16, True)
-    config = HOPPER_WS_FORWARD.default_config(problem, SM90A)
+    default = HOPPER_WS_FORWARD.default_config(problem, SM90A)
+    # the cp.async family's tile with both of FA3's overlaps on (the rule admits them)
+    config = _plain(default)
     assert config == HOPPER_FORWARD.default_config(dataclasses.replace(problem, op="fwd90a"),
                                                    SM90A)
+    assert default == _overlap(_pingpong(config))
     source = families.render(problem, config)
+    assert _traits_knobs(families.render(problem, default).code) == ("true", "true")
     assert source.threads == 384 and source.target == "sm_90a"  # producer + 2 consumers
     assert source.smem_bytes == HOPPER_FORWARD.smem_bytes(problem, config) + 8  # Q's barrier
     assert "CUtensorMap tmap_q" in source.code and "__launch_bounds__(384, 1)" in source.code
@@ -107,7 +117,7 @@ def test_pingpong_is_a_knob_of_the_space_for_two_consumers_only() -> None:
     assert pp.key() == "m128_n64_w8_s2_pingpong-1" and HOPPER_WS_FORWARD.point(pp)["pingpong"] == 1
     assert HOPPER_WS_FORWARD.config(HOPPER_WS_FORWARD.point(pp)) == pp
     default = HOPPER_WS_FORWARD.default_config(problem, SM90A)
-    assert not default.extras and HOPPER_WS_FORWARD.point(default)["pingpong"] == 0
+    assert HOPPER_WS_FORWARD.point(default)["pingpong"] == 1
     for block_m in (64, 192):
         why = HOPPER_WS_FORWARD.static_check(problem, _pingpong(
             KernelConfig(block_m, 64, block_m // 16, 2)), SM90A)
@@ -123,29 +133,39 @@ def test_pingpong_is_a_knob_of_the_space_for_two_consumers_only() -> None:
         "false", "false")
 
 
-def test_overlap_is_a_knob_with_two_or_more_stages_and_a_second_s_set() -> None:
+def test_overlap_is_a_knob_with_two_or_more_stages_and_no_second_s_set() -> None:
     problem = _problem(128, DType.BF16, False)
     plain = KernelConfig(128, 96, 8, 2)
     config = _overlap(plain)
     assert config.key() == "m128_n96_w8_s2_overlap-1"
     assert HOPPER_WS_FORWARD.point(config)["overlap"] == 1
     assert HOPPER_WS_FORWARD.config(HOPPER_WS_FORWARD.point(config)) == config
-    # a second S set: block_n / 2 registers more
+    # FA3's order holds one S set and P: no registers more
     assert (space.accumulator_registers(problem, config)
-            == space.accumulator_registers(problem, plain) + 96 // 2)
+            == space.accumulator_registers(problem, plain) == 96 // 2 + 128 // 2 + 96 // 4)
     assert HOPPER_WS_FORWARD.static_check(problem, config, SM90A) is None
     both = _overlap(_pingpong(plain))
     assert HOPPER_WS_FORWARD.static_check(problem, both, SM90A) is None
     one = HOPPER_WS_FORWARD.static_check(problem, _overlap(KernelConfig(128, 96, 8, 1)), SM90A)
     assert one is not None and "overlap=1 with num_stages=1" in one, one
-    wide = HOPPER_WS_FORWARD.static_check(problem, _overlap(KernelConfig(128, 128, 8, 2)), SM90A)
-    assert wide is not None and "224 registers per thread (two S sets (overlap), O and P)" in wide
+    # admitted at FA3's tiles: 128x128 and 128x176 (with ping-pong too)
+    for block_n in (128, 176):
+        fa3 = KernelConfig(128, block_n, 8, 2)
+        assert HOPPER_WS_FORWARD.static_check(problem, _overlap(fa3), SM90A) is None
+        assert HOPPER_WS_FORWARD.static_check(problem, _overlap(_pingpong(fa3)), SM90A) is None
+    # its own budget where it keeps more live than the plain schedule (measured)
+    d64 = _problem(64, DType.BF16, False)
+    wide = _overlap(KernelConfig(128, 256, 8, 2))
+    assert HOPPER_WS_FORWARD.static_check(d64, _plain(wide), SM90A) is None
+    why = HOPPER_WS_FORWARD.static_check(d64, wide, SM90A)
+    assert why is not None and "224 registers per thread (S, O and P), over the 212" in why, why
+    assert "at head dim 64 with overlap" in why, why
     why = HOPPER_WS_FORWARD.static_check(problem, dataclasses.replace(
         plain, extras=(("overlap", 2),)), SM90A)
     assert why is not None and "overlap=2: expected one of (0, 1)" in why
     assert _traits_knobs(families.render(problem, config).code) == ("false", "true")
     default = HOPPER_WS_FORWARD.default_config(problem, SM90A)
-    assert not space.knob(default, space.OVERLAP)
+    assert space.knob(default, space.OVERLAP)
 
 
 def _loads(config: KernelConfig, **loads: str) -> KernelConfig:
@@ -169,7 +189,7 @@ def test_loads_are_knobs_per_operand_with_the_cp_async_register_split() -> None:
     assert (point["loadq"], point["loadk"], point["loadv"]) == ("tma", "cpasync", "cpasync")
     assert HOPPER_WS_FORWARD.config(point) == config
     assert HOPPER_WS_FORWARD.config(HOPPER_WS_FORWARD.point(plain)) == plain  # defaults: no knob
-    assert not HOPPER_WS_FORWARD.default_config(problem, SM90A).extras
+    assert not space.cp_async_producer(HOPPER_WS_FORWARD.default_config(problem, SM90A))
     # A TMA producer keeps 24 registers beside two consumers; a cp.async one 40 (FA3's split).
     assert space.ws_registers(plain) == (24, 240) and space.ws_registers(config) == (40, 232)
     assert space.ws_registers(_loads(KernelConfig(192, 64, 12, 2), loadq="cpasync")) == (40, 152)
@@ -229,13 +249,16 @@ def _compiled(head_dim: int, dtype: DType, causal: bool, config: KernelConfig | 
     bars = collections.Counter(re.findall(r"\b(BAR\.SYNC|BAR\.ARV)\b", sass))
     if space.knob(config, space.PINGPONG):  # the first turn, then a wait and hand-over a tile
         assert bars["BAR.ARV"] >= 2 and bars["BAR.SYNC"] >= 2, bars
-    # G: an HGMMA, E: the softmax's exp, W: a wgmma wait, in listing order, runs collapsed.
-    # With overlap the next tile's S = Q K^T is in flight while the exps run (G E, no wait
-    # between); without it every GEMM is waited for before the softmax.
+    # G: an HGMMA, E: the softmax's exp, W: a wait for every wgmma group, w: a wait that
+    # leaves one in flight, in listing order, runs collapsed. With overlap, Q K^T of tile j
+    # and P V of tile j - 1 issue together and S alone is waited for (G w); without it every
+    # GEMM is waited for before the softmax. (ptxas places the wait for P V after the row
+    # max's first shuffle, before the exps, in the configs measured: "GwWE".)
     order = re.sub(r"(.)\1+", r"\1", "".join(
-        {"H": "G", "M": "E", "W": "W"}[m[0]]
-        for m in re.findall(r"\b(?:HGMMA\.64x\d+x16|MUFU\.EX2|WARPGROUP\.DEPBAR)", sass)))
-    assert ("GE" in order) == bool(space.knob(config, space.OVERLAP)), order
+        "G" if m[0].startswith("H") else "E" if m[0].startswith("M") else "wW"[m[1] == "0"]
+        for m in re.findall(r"\b(HGMMA\.64x\d+x16|MUFU\.EX2|WARPGROUP\.DEPBAR\.LE gsb0, "
+                            r"0x(\d))", sass)))
+    assert ("Gw" in order) == bool(space.knob(config, space.OVERLAP)), order
     hgmma = collections.Counter(re.findall(r"\bHGMMA\.64x(\d+)x16\.F32(?:\.BF16)?\b", sass))
     assert hgmma[str(config.block_n)] >= head_dim // 16, hgmma
     assert hgmma[str(head_dim)] >= config.block_n // 16, hgmma
@@ -244,6 +267,9 @@ def _compiled(head_dim: int, dtype: DType, causal: bool, config: KernelConfig | 
 @pytest.mark.parametrize("case", [(64, DType.BF16, True, None),
                                   (256, DType.FP16, False, None),
                                   (128, DType.BF16, True, _pingpong(KernelConfig(128, 128, 8, 2))),
+                                  (128, DType.BF16, False, _overlap(KernelConfig(128, 176, 8, 2))),
+                                  (128, DType.FP16, False,
+                                   _overlap(_pingpong(KernelConfig(128, 176, 8, 2)))),
                                   (64, DType.FP16, True, KernelConfig(192, 128, 12, 2)),
                                   (128, DType.BF16, False, KernelConfig(128, 176, 8, 2)),
                                   (128, DType.FP16, True, _overlap(KernelConfig(128, 96, 8, 2))),
@@ -414,7 +440,7 @@ def test_three_consumers_with_the_split_of_two_are_caught() -> None:
 
 
 def test_overlap_reading_the_next_s_before_its_wait_is_caught() -> None:
-    """Planted: the wait for S_next placed after the copy that first reads it."""
+    """Planted: no wait for S_j before the softmax first reads it (after the first tile)."""
     with pytest.raises(EmulatorError, match=r"wgmma_fence_operands at .*hopper_fwd_ws.cuh:\d+: "
                        r"thread \d+ reads accumulators that the wgmma at .*hopper_fwd.cuh:\d+ "
                        r"still writes \(its group has 1 committed after it; 2 committed groups "
@@ -461,12 +487,12 @@ def test_a_producer_with_one_key_tile_waits_for_its_q_copies() -> None:
 # ------------------------------------------------------------------ GPU
 
 
-#: The configs the GPU test runs per problem: the default, it with ping-pong, with every
-#: operand by cp.async and with V alone by cp.async (a stage's barrier counting a TMA arrival
-#: and the producer's 128), the widest key tile the rules pass with overlap (two consumer
-#: warpgroups, two stages), and the widest key tile the rules pass with two stages for one
-#: and for three consumer warpgroups.
-GPU_VARIANTS = ("default", "pingpong", "cpasync", "cpasync-v", "overlap", "widest-m64",
+#: The configs the GPU test runs per problem: the default (ping-pong and overlap), its tile
+#: with neither and with ping-pong alone, with every operand by cp.async and with V alone by
+#: cp.async (a stage's barrier counting a TMA arrival and the producer's 128), the widest key
+#: tile the rules pass with overlap alone (two consumer warpgroups, two stages), and the
+#: widest key tile the rules pass with two stages for one and for three consumer warpgroups.
+GPU_VARIANTS = ("default", "plain", "pingpong", "cpasync", "cpasync-v", "overlap", "widest-m64",
                 "widest-m192")
 
 
@@ -474,8 +500,9 @@ def _variant(problem: Problem, name: str) -> KernelConfig | None:
     default = HOPPER_WS_FORWARD.default_config(problem, SM90A)
     if name == "default":
         return default
-    if name == "pingpong":
-        return _pingpong(default)
+    if name in ("plain", "pingpong"):
+        plain = _plain(default)
+        return _pingpong(plain) if name == "pingpong" else plain
     if name.startswith("cpasync"):
         operands = "v" if name == "cpasync-v" else "qkv"
         config = _loads(default, **{f"load{o}": space.CP_ASYNC for o in operands})

@@ -7,11 +7,12 @@ head dim 128 and 80 at 256). The stage ring holds num_stages K and V tiles.
 
 The warp-specialised family adds the knobs ``pingpong`` (0/1: its two consumer warpgroups
 take turns to issue their GEMMs) and ``overlap`` (0/1: each consumer warpgroup issues the
-next key tile's Q K^T before the softmax of this one, FA3's intra-warpgroup overlap); a knob
-at its default is left out of a config, so the default kernel's key carries none. Overlap
-needs two or more stages (the next tile's K lands while this tile's stage is in use) and
-holds a second S accumulator set; it combines with ping-pong (the turns bracket each Q K^T
-issue, as FA3 combines them) and with one to three consumer warpgroups. The knobs
+key tile's Q K^T together with the previous tile's P V and runs the softmax while P V does,
+FA3's intra-warpgroup overlap); a knob at its default is left out of a config, so the
+default kernel's key carries none. Overlap needs two or more stages (tile j's K lands while
+tile j - 1's V is still read) and holds what the plain schedule holds, one S set, P and O;
+it combines with ping-pong (a turn then spans P V of tile j - 1 and Q K^T of tile j, as in
+FA3) and with one to three consumer warpgroups. The knobs
 ``loadq``, ``loadk`` and ``loadv`` (``tma`` or ``cpasync``) choose how the producer loads each
 operand; any cp.async gives the producer more registers and the consumers fewer
 (``WS_REGISTERS``, ``BUDGETS``).
@@ -64,8 +65,8 @@ WS_REGISTERS: Mapping[tuple[int, bool], tuple[int, int]] = {
 
 class Budget(NamedTuple):
     """The most accumulator registers per thread (``accumulator_registers``) that compile
-    without spills: with one stage, with two or more, and with the ``overlap`` knob (two S
-    sets; it needs two or more stages)."""
+    without spills: with one stage, with two or more, and with the ``overlap`` knob (it
+    needs two or more stages)."""
 
     one_stage: int
     more_stages: int
@@ -85,14 +86,18 @@ THREADS_COPY, TMA_PRODUCER, CP_ASYNC_PRODUCER = "threads", "tma", "cpasync"
 #: (e.g. 384 cp.async threads at 168 registers spill at 124 accumulators for head dim 128
 #: but hold 140 for head dim 64; with setmaxnreg's 160, three consumer warpgroups hold 148
 #: at head dim 128). Head dim 256 with one stage has its own rule; three warpgroups at head
-#: dim 256 never fit (176 accumulators at the smallest tile). ``fwd90a`` has no overlap (0).
+#: dim 256 never fit (176 accumulators at the smallest tile).
 #:
-#: Overlap, measured the same way over every block_n with it on (two stages): three
-#: consumer warpgroups (160 registers) hold 132 accumulators at head dim 64 (block_n 80;
-#: block_n 96, 152 accumulators, spills 340 bytes) and none at head dim 128 (block_n 64,
-#: 144, spills 304); one consumer warpgroup holds 232 at head dim 64 (block_n 160; 176, 252,
-#: spills 832) and 208 at head dim 256 (block_n 64; 80, 228, spills 368); elsewhere it is
-#: the two-stage budget (every overlap config within it compiles clean, the next spills).
+#: Overlap holds the same accumulators (FA3's order: P of tile j - 1 and S of tile j, no
+#: second S set) but keeps more of them live at once. Measured the same way with it on (two
+#: stages, the cp.async producer with all three operands by cp.async): the two-stage budget
+#: holds for one consumer warpgroup, for two at head dims 128 (TMA) and 256, and for three
+#: at head dim 128 by cp.async; elsewhere the widest clean tile's accumulators, the next
+#: tile spilling: two consumers at head dim 64, 212 (block_n 240; 256, 224, spills 480) by
+#: TMA and 200 (224; 240, 212, spills 320) by cp.async; two at head dim 128 by cp.async, 196
+#: (176; 192, 208, spills 184); three at head dim 64, 128 (128; 144, 140, spills 320) by
+#: TMA and 116 (112; 128, 128, spills 160) by cp.async; three at head dim 128 by TMA, 124
+#: (80; 96, 136, spills 160). ``fwd90a`` has no overlap (0).
 #:
 #: A cp.async producer (its 128 threads keep 40 registers beside two or three consumer
 #: warpgroups, which get 232 or 152), measured with all three operands by cp.async, block_n
@@ -107,17 +112,17 @@ BUDGETS: Mapping[tuple[str, int], Mapping[int, Budget]] = {
                         256: Budget(0, 200, 0)},
     (THREADS_COPY, 3): {64: Budget(128, 140, 0), 128: Budget(112, 112, 0),
                         256: Budget(0, 0, 0)},
-    (TMA_PRODUCER, 1): {64: Budget(212, 224, 232), 128: Budget(208, 220, 220),
-                        256: Budget(0, 200, 208)},
-    (TMA_PRODUCER, 2): {64: Budget(200, 224, 224), 128: Budget(196, 208, 208),
+    (TMA_PRODUCER, 1): {64: Budget(212, 224, 224), 128: Budget(208, 220, 220),
+                        256: Budget(0, 200, 200)},
+    (TMA_PRODUCER, 2): {64: Budget(200, 224, 212), 128: Budget(196, 208, 208),
                         256: Budget(0, 188, 188)},
-    (TMA_PRODUCER, 3): {64: Budget(152, 164, 132), 128: Budget(136, 148, 0),
+    (TMA_PRODUCER, 3): {64: Budget(152, 164, 128), 128: Budget(136, 148, 124),
                         256: Budget(0, 0, 0)},
-    (CP_ASYNC_PRODUCER, 1): {64: Budget(212, 224, 232), 128: Budget(196, 220, 220),
-                             256: Budget(0, 200, 208)},
-    (CP_ASYNC_PRODUCER, 2): {64: Budget(200, 224, 192), 128: Budget(184, 208, 184),
+    (CP_ASYNC_PRODUCER, 1): {64: Budget(212, 224, 224), 128: Budget(196, 220, 220),
+                             256: Budget(0, 200, 200)},
+    (CP_ASYNC_PRODUCER, 2): {64: Budget(200, 224, 200), 128: Budget(184, 208, 196),
                              256: Budget(0, 188, 188)},
-    (CP_ASYNC_PRODUCER, 3): {64: Budget(152, 152, 112), 128: Budget(124, 136, 0),
+    (CP_ASYNC_PRODUCER, 3): {64: Budget(152, 152, 116), 128: Budget(124, 136, 124),
                              256: Budget(0, 0, 0)},
 }
 #: Registers are allocated to a thread in multiples of this many, at most 255.
@@ -168,10 +173,9 @@ def smem_bytes(problem: Problem, config: KernelConfig, *, warp_specialized: bool
 
 
 def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
-    """Per thread: S (block_n / 2 f32), O (head_dim / 2 f32) and P (block_n / 4 packed); with
-    the ``overlap`` knob on, the next tile's S (block_n / 2 f32) as well."""
-    s_sets = 2 if knob(config, OVERLAP) else 1
-    return s_sets * (config.block_n // 2) + problem.head_dim // 2 + config.block_n // 4
+    """Per thread: S (block_n / 2 f32), O (head_dim / 2 f32) and P (block_n / 4 packed), with
+    the ``overlap`` knob on or off (its P V of one tile runs beside the next tile's S)."""
+    return config.block_n // 2 + problem.head_dim // 2 + config.block_n // 4
 
 
 def register_limit(config: KernelConfig, *, warp_specialized: bool = False) -> int:
@@ -225,9 +229,9 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
         producer = " beside a cp.async producer" if cp_async_producer(config) else ""
         source = (f"setmaxnreg's count for {warpgroups(config)} consumer warpgroups{producer}"
                   if warp_specialized else f"64 Ki registers shared by {config.threads} threads")
-        stages = "one stage" if config.num_stages == 1 else "two or more stages"
-        what = "two S sets (overlap), O and P" if knob(config, OVERLAP) else "S, O and P"
-        return (f"accumulators need {held} registers per thread ({what}), over the "
+        stages = ("one stage" if config.num_stages == 1 else "overlap" if knob(config, OVERLAP)
+                  else "two or more stages")
+        return (f"accumulators need {held} registers per thread (S, O and P), over the "
                 f"{budget} that compile without spills (NVRTC 13) in a consumer thread's "
                 f"{limit} registers ({source}) at head dim {problem.head_dim} with {stages}")
     return None

@@ -5,9 +5,11 @@ mbarriers; one consumer warpgroup per 64 query rows (block_m 64, 128 or 192) run
 math of the cp.async family (``fwd90a``), with ``setmaxnreg`` moving registers from the
 producer to the consumers (space.WS_REGISTERS; templates/hopper_fwd_ws.cuh). The knob
 ``pingpong`` makes two consumer warpgroups take turns to issue their GEMMs (named barriers),
-so one's softmax overlaps the other's GEMM; the knob ``overlap`` makes each consumer
-warpgroup issue the next key tile's Q K^T before the softmax of this one (two or more
-stages, a second S accumulator set), so its own softmax overlaps that GEMM. The knobs
+so one's softmax overlaps the other's GEMMs; the knob ``overlap`` makes each consumer
+warpgroup issue key tile j's Q K^T together with tile j - 1's P V and run the softmax of
+tile j while P V does (FA3's intra-warpgroup order: two or more stages, one S set and P, so
+no accumulators more); with both a turn spans P V of tile j - 1 and Q K^T of tile j. Both
+are on in the default config (``default_config``). The knobs
 ``loadq``, ``loadk`` and ``loadv`` choose per operand how the producer loads it: ``tma`` (one
 lane issues a box, the default) or ``cpasync`` (its 128 threads copy 16-byte chunks into the
 same swizzled layout; the producer then keeps 40 registers beside two or three consumers,
@@ -100,10 +102,20 @@ class HopperWsForwardFamily(HopperForwardFamily):
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
         return space.smem_bytes(problem, config, warp_specialized=True)
 
+    def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
+        """The cp.async family's default tile (block_m 128, two stages, block_n 128; 64 at
+        head dim 256) with ping-pong and overlap on, FA3's structure: neither holds an
+        accumulator more, so the register rule admits both wherever it admits the tile (if it
+        ever did not, the tile alone)."""
+        plain = super().default_config(problem, arch)
+        both = self.config({**self.point(plain), space.PINGPONG: 1, space.OVERLAP: 1})
+        return both if self.static_check(problem, both, arch) is None else plain
+
     def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
         return ("a TMA producer warpgroup and two consumer warpgroups (block_m 128), two stages "
-                "(FA3's sm90 choice), no ping-pong; the widest key tile whose accumulators fit "
-                "the register rule")
+                "(FA3's sm90 choice), ping-pong and intra-warpgroup overlap on (FA3's order: no "
+                "accumulators more); the widest key tile whose accumulators fit the register "
+                "rule")
 
     def pingpong_on(self, config: KernelConfig) -> bool:
         """Whether ``config``'s consumer warpgroups take turns: its ``pingpong`` knob (the
