@@ -176,8 +176,9 @@ struct OnlineSoftmax {
                                          unsigned (&p)[Tr::kMTiles][Tr::kPvSteps][4],
                                          float (&o)[Tr::kMTiles][Tr::kOTiles][4],
                                          float scale_log2, const Mask& mask) {
-    const Rescale r = exponentiate<kFirst>(s, scale_log2, mask);
-    pack(s, p);
+    // Each pair packed as soon as it is made: its two floats die at once (the kernels whose
+    // registers are tightest keep them).
+    const Rescale r = fold<kFirst, true>(s, p, scale_log2, mask);
     if constexpr (!kFirst) rescale(o, r);
   }
 
@@ -187,6 +188,16 @@ struct OnlineSoftmax {
   template <bool kFirst, class Mask>
   __device__ __forceinline__ Rescale exponentiate(float (&s)[Tr::kMTiles][Tr::kSTiles][4],
                                                   float scale_log2, const Mask& mask) {
+    unsigned unused[Tr::kMTiles][Tr::kPvSteps][4];  // not written (kPack false)
+    return fold<kFirst, false>(s, unused, scale_log2, mask);
+  }
+
+  // The fold of one tile: the new maxima, the probabilities and their sums; kPack: the
+  // probabilities packed into p at once, else left in s as floats.
+  template <bool kFirst, bool kPack, class Mask>
+  __device__ __forceinline__ Rescale fold(float (&s)[Tr::kMTiles][Tr::kSTiles][4],
+                                          unsigned (&p)[Tr::kMTiles][Tr::kPvSteps][4],
+                                          float scale_log2, const Mask& mask) {
     Rescale r;
     r.changed = false;
     // The new maxima and the rescale factors.
@@ -224,8 +235,13 @@ struct OnlineSoftmax {
           const float p0 = exp2f_fast(s[mt][nt][2 * h] * scale_log2 - max_scaled[mt][h]);
           const float p1 = exp2f_fast(s[mt][nt][2 * h + 1] * scale_log2 - max_scaled[mt][h]);
           tile_sum += p0 + p1;
-          s[mt][nt][2 * h] = p0;
-          s[mt][nt][2 * h + 1] = p1;
+          if constexpr (kPack) {
+            // Key tile nt is half nt % 2 of k16 step nt / 2; row h is register h of a half.
+            p[mt][nt / 2][2 * (nt % 2) + h] = Tr::Ops::pack(p0, p1);
+          } else {
+            s[mt][nt][2 * h] = p0;
+            s[mt][nt][2 * h + 1] = p1;
+          }
         }
         sum[mt][h] = kFirst ? tile_sum : sum[mt][h] * r.alpha[mt][h] + tile_sum;
       }

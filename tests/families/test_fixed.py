@@ -55,12 +55,15 @@ def test_the_restricted_space_holds_exactly_the_configs_with_the_fixed_values() 
     # a knob fixed at its default: the configs without it
     off = fixed.parse(HOPPER_WS_FORWARD, WS, ["pingpong=0"])
     assert all(fixed.matches(HOPPER_WS_FORWARD, c, off) != (c in kept) for c in whole)
-    # the default moved into the restriction, and a base field fixed as well
+    # the default (ping-pong and overlap on) moved out of the restriction and back
     default = HOPPER_WS_FORWARD.default_config(WS, get_arch("sm_90a"))
-    moved = fixed.apply(HOPPER_WS_FORWARD, default, pp)
+    assert default.extra(hopper_space.PINGPONG, 0) == 1
+    moved = fixed.apply(HOPPER_WS_FORWARD, default, off)
     assert moved == KernelConfig(default.block_m, default.block_n, default.num_warps,
-                                 default.num_stages, extras=((hopper_space.PINGPONG, 1),))
-    assert fixed.apply(HOPPER_WS_FORWARD, moved, off) == default
+                                 default.num_stages,
+                                 extras=tuple(e for e in default.extras
+                                              if e[0] != hopper_space.PINGPONG))
+    assert fixed.apply(HOPPER_WS_FORWARD, moved, pp) == default
     assert fixed.text(fixed.parse(DECODE, Problem(64, DType.FP16, op="decode"),
                                   ["splits=4", "block_n=64"])) == "block_n=64+splits=4"
 
