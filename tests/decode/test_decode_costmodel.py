@@ -56,3 +56,50 @@ def test_decode_tuning_times_serving_shapes_and_records_gb_per_s() -> None:
     result = TrialResult(KernelConfig(64, 64, 4, 2), TrialStatus.OK, tflops=1.0,
                          gb_per_s=want, timings=())
     assert result.attrs()["gb_per_s"] == want
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("page", [None, 16])
+def test_window_buckets_are_timed_and_charged_with_the_timing_window(page: int | None
+                                                                      ) -> None:
+    """A tuning run times a window decode problem with ``timing_window`` (a quarter of the
+    cache to the left), and the model charges the key tiles the kernel then reads: the
+    emulator's cp.async bytes of that call equal ``decode_traffic``'s K/V and Q bytes (one
+    split, a tile covering the packed rows), a fraction of the unbounded call's."""
+    import os
+
+    from flashtune import families
+    from flashtune.codegen.arch import get_arch
+    from flashtune.families.base import Inputs, timing_window
+    from flashtune.families.decode import DecodeCase
+    from flashtune.families.decode.space import covering_config
+    from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
+    from flashtune.runtime.launch import prepare
+
+    shape = Shape(1, 4, 1, 2, 300)
+    window = Problem(64, DType.FP16, window=True, op="decode")
+    timed = DECODE.timing_inputs(window, shape, "cpu", "g4q2p16")
+    assert (timed.scalars["window_left"], timed.scalars["window_right"]) == (75, 0)
+    assert "window_left" not in DECODE.timing_inputs(
+        Problem(64, DType.FP16, op="decode"), shape, "cpu", "g4q2p16").scalars
+
+    arch = get_arch("sm_90")
+    config = covering_config(window, DECODE.default_config(window, arch), 8, arch)
+    case = DecodeCase(page, (298,), 2, 1)
+    drawn = DECODE.random_inputs(window, shape, "cpu", case=case,
+                                 seed=int(os.environ["FLASHTUNE_TEST_SEED"]))
+    left, right = timing_window(shape)
+    inputs = Inputs(drawn.tensors, {**drawn.scalars, "window_left": left,
+                                    "window_right": right})
+    kernel = EmulatorBackend(options=LaunchOptions(counters=True)).load(
+        families.render(window, config))
+    launch = prepare(kernel, shape, "cpu", inputs=inputs, poison=True)
+    launch.run()
+    verdict = launch.verdict()
+    got = kernel.last_counters
+    assert got is not None and verdict.ok, verdict.message
+    traffic = decode_traffic(window, config, shape, 1)
+    assert got.cp_async_bytes == traffic.kv + traffic.q, (got.cp_async_bytes, traffic)
+    full = decode_traffic(Problem(64, DType.FP16, op="decode"), config, shape, 1)
+    assert traffic.kv < full.kv * 0.6  # 172 of 300 keys: tiles from key 128 on
+    assert DECODE.min_bytes(window, shape) <= traffic.total

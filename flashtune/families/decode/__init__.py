@@ -31,6 +31,8 @@ from flashtune.families.base import (
     compare_outputs,
     element_params,
     generator,
+    timing_window,
+    with_timing_window,
 )
 from flashtune.families.checks import o_and_lse_checks
 from flashtune.families.decode import space
@@ -38,7 +40,12 @@ from flashtune.families.decode.args import DECODE_ABI, decode_grid, pack_decode_
 from flashtune.families.decode.inputs import DecodeCase, draw_case, make_inputs
 from flashtune.families.decode.reference import decode_reference
 from flashtune.families.decode.shape_class import DEFAULT_CLASSES, ShapeClass
-from flashtune.families.decode.splits import SplitTable, fitting_split_size, heuristic_splits
+from flashtune.families.decode.splits import (
+    SplitTable,
+    fitting_split_size,
+    heuristic_splits,
+    window_keys,
+)
 from flashtune.families.decode.status import STATUS_WORDS, describe
 from flashtune.families.fwd import variants
 from flashtune.families.fwd.args import feature_values
@@ -190,13 +197,15 @@ class DecodeFamily(KernelFamily):
     def timing_inputs(self, problem: Problem, shape: Shape, device: torch.device | str,
                       shape_class: str = "") -> Inputs:
         """Random inputs over the class's page size (a bucket without a class: drawn as a
-        verification draws it), the heuristic split count for ``device``."""
+        verification draws it), the heuristic split count for ``device``; a window problem's
+        window is ``timing_window`` (verification draws it at random)."""
         if not shape_class:
-            return self.random_inputs(problem, shape, device)
+            return with_timing_window(self.random_inputs(problem, shape, device), shape)
         page = ShapeClass.parse(shape_class).page_size
         case = draw_case(shape, generator(device, None), page_sizes=(page,), append=True,
                          num_splits=nominal_splits(shape, device_sms(device)))
-        return self.random_inputs(problem, shape, device, case=case)
+        return with_timing_window(self.random_inputs(problem, shape, device, case=case),
+                                  shape)
 
     def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
         return space.static_check(problem, config, arch)
@@ -302,10 +311,14 @@ class DecodeFamily(KernelFamily):
 
     def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
         """K and V of the cache read once per kv head, Q read, O (the input type) and the
-        float32 LSE written (one split writes them directly), all at the full capacity."""
+        float32 LSE written (one split writes them directly), all at the full capacity; a
+        window problem reads only the keys inside its rows' windows (``timing_window``, as
+        the tuner times it)."""
         e, d = problem.dtype.itemsize, problem.head_dim
         q_rows = shape.batch * shape.heads_q * shape.seqlen_q
-        kv_rows = shape.batch * shape.heads_kv * shape.seqlen_k
+        left = timing_window(shape)[0] if problem.window else -1
+        kv_rows = shape.batch * shape.heads_kv * window_keys(shape.seqlen_k, shape.seqlen_q,
+                                                             left)
         return float(q_rows * d * e + 2 * kv_rows * d * e + q_rows * (e * d + 4))
 
 

@@ -55,6 +55,17 @@ def split_range(total: int, num_splits: int, split: int) -> tuple[int, int]:
     return begin, min(begin + per, total)
 
 
+def window_keys(total: int, seqlen_q: int, left: int, align: int = 1) -> int:
+    """Keys of a sequence of ``total`` keys (after appending) that a decoding call with
+    ``seqlen_q`` query rows and a window ``left`` keys wide reads: from the first key of the
+    earliest row's window, rounded down to a multiple of ``align`` (the kernel starts at the
+    key tile holding it, templates/decode_split.cuh), to the end; ``left`` < 0: all."""
+    if left < 0:
+        return total
+    first = max(0, total - seqlen_q - left)
+    return total - first // align * align
+
+
 def heuristic_splits(blocks: int, sm_count: int, key_blocks: int,
                      max_splits: int = MAX_SPLITS) -> int:
     """FlashAttention-2's split count for a grid of ``blocks`` blocks (batch x kv heads x

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from flashtune.codegen.spec import KernelConfig, Problem, ShapeLike
 from flashtune.errors import InvalidInput
+from flashtune.families.base import timing_window
+from flashtune.families.decode.splits import window_keys
 from flashtune.perf.model.gpus import GpuSpec, get_gpu
 
 #: Share of the datasheet HBM bandwidth a streaming kernel reaches (a large copy reaches
@@ -58,28 +60,36 @@ class DecodePrediction:
 
 
 def decode_traffic(problem: Problem, config: KernelConfig, shape: ShapeLike,
-                   splits: int) -> DecodeTraffic:
+                   splits: int, window: tuple[int, int] | None = None) -> DecodeTraffic:
     """Bytes of a decoding call over caches of ``shape.seqlen_k`` keys per sequence with
-    ``splits`` splits, each split non-empty (the worst case of Q and partial traffic)."""
+    ``splits`` splits, each split non-empty (the worst case of Q and partial traffic). A
+    window problem reads the key tiles from the one holding the earliest row's first
+    visible key (``window``: its (left, right) sizes; None: ``timing_window``, as the tuner
+    times it)."""
     if splits < 1:
         raise InvalidInput(f"splits={splits} must be >= 1")
     e, d = problem.dtype.itemsize, problem.head_dim
     group_rows = shape.heads_q // shape.heads_kv * shape.seqlen_q
     row_blocks = -(-group_rows // config.block_m)
     q_rows = shape.batch * shape.heads_q * shape.seqlen_q
-    kv = 2.0 * shape.batch * shape.heads_kv * shape.seqlen_k * d * e * row_blocks
+    left = -1
+    if problem.window:
+        left = (window if window is not None else timing_window(shape))[0]
+    keys = window_keys(shape.seqlen_k, shape.seqlen_q, left, config.block_n)
+    kv = 2.0 * shape.batch * shape.heads_kv * keys * d * e * row_blocks
     partials = 0.0 if splits == 1 else 2.0 * splits * q_rows * (4 * d + 4)
     return DecodeTraffic(kv, float(q_rows * d * e * splits), partials,
                          float(q_rows * (d * e + 4)))
 
 
 def predict_decode(problem: Problem, config: KernelConfig, shape: ShapeLike, splits: int,
-                   gpu: GpuSpec | str) -> DecodePrediction:
+                   gpu: GpuSpec | str, window: tuple[int, int] | None = None
+                   ) -> DecodePrediction:
     """PREDICTED time of a decoding call: its traffic at HBM_EFFICIENCY of the GPU's HBM
     bandwidth, or the launches' fixed cost when that is larger (one launch for one split,
     two with the combine)."""
     spec = gpu if isinstance(gpu, GpuSpec) else get_gpu(gpu)
-    traffic = decode_traffic(problem, config, shape, splits)
+    traffic = decode_traffic(problem, config, shape, splits, window)
     launches = 1 if splits == 1 else 2
     memory_s = traffic.total / (spec.hbm_gbps * 1e9 * HBM_EFFICIENCY)
     launch_s = launches * LAUNCH_S
