@@ -34,6 +34,7 @@ from flashtune.commands.options import (
     ConfigKey,
     DTypeOpt,
     HeadDim,
+    InputDTypeOpt,
     OpOpt,
     Stages,
     Warps,
@@ -110,6 +111,7 @@ def check_command(
         "--arch", help=f"Target arch, repeatable (default {DEFAULT_ARCH}).")] = None,
     head_dim: HeadDim = 128,
     dtype: DTypeOpt = DEFAULT_DTYPE,
+    input_dtype: InputDTypeOpt = None,
     causal: Causal = False,
     op: OpOpt = "fwd",
     config: ConfigKey = None,
@@ -168,7 +170,7 @@ def check_command(
     from flashtune.runtime.backends.emulator import Schedule
 
     console = Console(width=max(Console().width, 110))
-    problem: Problem = parse_problem(op, head_dim, dtype, causal)
+    problem: Problem = parse_problem(op, head_dim, dtype, causal, input_dtype)
     specs = list(dict.fromkeys(parse_arch(a) for a in (arch or [DEFAULT_ARCH])))
     choice = ConfigChoice(config, block_m, block_n, warps, stages)
     if schedule not in ("forward", "reverse", "both"):

@@ -25,7 +25,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from flashtune.codegen.arch import ArchSpec, get_arch
-from flashtune.codegen.dtypes import Dtypes, Fp8Type
 from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
 from flashtune.commands.modifications import MaskModOpt, ScoreModOpt, with_modifications
 from flashtune.commands.options import (
@@ -37,10 +36,12 @@ from flashtune.commands.options import (
     DTypeOpt,
     FixOpt,
     HeadDim,
+    InputDTypeOpt,
     OpOpt,
     Stages,
     Warps,
     fail,
+    problem_dtypes,
 )
 from flashtune.commands.safety import output_dir
 from flashtune.errors import FlashtuneError, InvalidConfig, InvalidProblem
@@ -117,26 +118,19 @@ def parse_fix(problem: Problem, texts: Sequence[str] | None) -> Fixed:
         raise typer.BadParameter(str(exc), param_hint="--fix") from exc
 
 
-def parse_problem(op: str, head_dim: int, dtype: DType, causal: bool) -> Problem:
-    """The Problem of the options, served by a registered family (else a usage error).
-    ``dtype`` is every operand's type, or O's for a family whose inputs have another type
-    (the FP8 forward: ``--op fwd8 --dtype bf16`` is e4m3 Q, K, V with a bf16 O; e5m2 inputs
-    are reached through the API)."""
+def parse_problem(op: str, head_dim: int, dtype: DType, causal: bool,
+                  input_dtype: str | None = None) -> Problem:
+    """The Problem of the options, served by a registered family (else a usage error);
+    its element types as ``options.problem_dtypes`` reads --dtype and --input-dtype."""
     from flashtune import families
 
     try:
         family = families.get(op)
     except InvalidProblem as exc:
         raise typer.BadParameter(str(exc), param_hint="--op") from exc
-    # Several input types beside O's (FP8: e4m3 and e5m2): the first declared (e4m3, FA3's).
-    order = list(Fp8Type)
-    inputs = sorted((d for d in family.dtypes if d.o is dtype and not d.uniform),
-                    key=lambda d: order.index(d.q) if isinstance(d.q, Fp8Type) else -1)
+    types = problem_dtypes(family, dtype, input_dtype)
     try:
-        if inputs and Dtypes.same(dtype) not in family.dtypes:
-            return Problem(head_dim=head_dim, dtype=inputs[0].q, causal=causal, op=op,
-                           kv_dtype=inputs[0].kv, o_dtype=dtype)
-        return Problem(head_dim=head_dim, dtype=dtype, causal=causal, op=op)
+        return Problem.from_dict({"head_dim": head_dim, "causal": causal, "op": op, **types})
     except InvalidProblem as exc:
         raise typer.BadParameter(str(exc), param_hint="--head-dim") from exc
 
@@ -157,6 +151,7 @@ def show(
     op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
     dtype: DTypeOpt = DEFAULT_DTYPE,
+    input_dtype: InputDTypeOpt = None,
     causal: Causal = False,
     config: ConfigKey = None,
     block_m: BlockM = None,
@@ -180,7 +175,7 @@ def show(
     from flashtune import families
     from flashtune.codegen.render import translation_unit
 
-    problem = with_modifications(parse_problem(op, head_dim, dtype, causal), score_mod,
+    problem = with_modifications(parse_problem(op, head_dim, dtype, causal, input_dtype), score_mod,
                                  mask_mod)
     spec = parse_arch(arch)
     choice = ConfigChoice(config, block_m, block_n, warps, stages, tuple(fix or ()))
@@ -236,6 +231,7 @@ def compile_command(
     op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
     dtype: DTypeOpt = DEFAULT_DTYPE,
+    input_dtype: InputDTypeOpt = None,
     causal: Causal = False,
     config: ConfigKey = None,
     block_m: BlockM = None,
@@ -264,7 +260,7 @@ def compile_command(
     from flashtune.toolchain.cuda import find_toolchain, require_nvdisasm
     from flashtune.toolchain.disasm import disassemble
 
-    problem = parse_problem(op, head_dim, dtype, causal)
+    problem = parse_problem(op, head_dim, dtype, causal, input_dtype)
     specs = parse_archs(arch)
     choice = ConfigChoice(config, block_m, block_n, warps, stages, tuple(fix or ()))
     if all_configs and choice.given:
@@ -401,6 +397,7 @@ def space_command(
     op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
     dtype: DTypeOpt = DEFAULT_DTYPE,
+    input_dtype: InputDTypeOpt = None,
     causal: Causal = False,
     fix: FixOpt = None,
 ) -> None:
@@ -408,7 +405,7 @@ def space_command(
     knobs of the family's space (what --fix can hold)."""
     from flashtune import families
 
-    problem = parse_problem(op, head_dim, dtype, causal)
+    problem = parse_problem(op, head_dim, dtype, causal, input_dtype)
     specs = parse_archs(arch)
     console = Console()
     _print_space_sizes(console, specs, problem, fix or ())

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
+from flashtune.codegen.dtypes import Dtypes, Fp8Type
 from flashtune.codegen.spec import DType
+
+if TYPE_CHECKING:
+    from flashtune.families.base import KernelFamily
 
 OpOpt = Annotated[str, typer.Option(
     "--op", help="Kernel family (`flashtune families` lists them).")]
@@ -19,6 +23,10 @@ HeadDim = Annotated[int, typer.Option("--head-dim", help="Head dimension (multip
 DEFAULT_DTYPE = DType.FP16
 DTypeOpt = Annotated[DType, typer.Option("--dtype", case_sensitive=False,
                                          help="Element type of q, k, v.")]
+InputDTypeOpt = Annotated[str | None, typer.Option(
+    "--input-dtype", metavar="TYPE",
+    help="Q, K and V's type for a family whose inputs differ from O's (--op fwd8: e4m3, "
+         "the default, or e5m2); --dtype is then O's type.")]
 Causal = Annotated[bool, typer.Option("--causal/--no-causal", help="Causal masking.")]
 ConfigKey = Annotated[str | None, typer.Option(
     "--config", help="Config key, e.g. m128_n64_w4_s2 (fields below override it).")]
@@ -34,6 +42,32 @@ DbOpt = Annotated[str | None, typer.Option(
     "--db", metavar="URL",
     help="Tuning database URL or SQLite file path (default: FLASHTUNE_DB, else the user data "
          "dir).")]
+
+
+def problem_dtypes(family: KernelFamily, dtype: DType, input_dtype: str | None = None
+                   ) -> dict[str, str]:
+    """The Problem fields (dtype, kv_dtype, o_dtype) of ``--dtype`` and ``--input-dtype``
+    for ``family``: ``dtype`` is every operand's type, or O's for a family whose inputs have
+    another type (the FP8 forward: ``--op fwd8 --dtype bf16`` is e4m3 Q, K, V with a bf16
+    O, ``--input-dtype e5m2`` makes them e5m2). BadParameter naming the family's choices
+    for a pair it does not take."""
+    if input_dtype is None or input_dtype.lower() == dtype.value:
+        if Dtypes.same(dtype) in family.dtypes or input_dtype is not None:
+            return {"dtype": dtype.value}
+        # Inputs of another type than O's (FP8): the first declared (e4m3, FA3's).
+        order = list(Fp8Type)
+        mixed = sorted((d for d in family.dtypes if d.o is dtype and not d.uniform),
+                       key=lambda d: order.index(d.q) if isinstance(d.q, Fp8Type) else -1)
+        if not mixed:
+            return {"dtype": dtype.value}
+        input_dtype = str(mixed[0].q.value)
+    for d in family.dtypes:
+        if d.o is dtype and str(d.q.value) == input_dtype.lower():
+            return {"dtype": d.q.value, "kv_dtype": d.kv.value, "o_dtype": d.o.value}
+    taken = sorted({str(d.q.value) for d in family.dtypes if d.o is dtype})
+    raise typer.BadParameter(
+        f"{input_dtype!r} with O in {dtype.value}: the {family.op!r} family takes "
+        f"{', '.join(taken) or 'no inputs with that O type'}", param_hint="--input-dtype")
 
 
 def fail(message: object) -> typer.Exit:

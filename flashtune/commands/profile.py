@@ -26,6 +26,7 @@ from flashtune.commands.options import (
     DTypeOpt,
     FixOpt,
     HeadDim,
+    InputDTypeOpt,
     OpOpt,
     Stages,
     Warps,
@@ -212,6 +213,7 @@ def profile(
     op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
     dtype: DTypeOpt = DEFAULT_DTYPE,
+    input_dtype: InputDTypeOpt = None,
     causal: Causal = False,
     config: ConfigKey = None,
     block_m: BlockM = None,
@@ -242,7 +244,7 @@ def profile(
     time and TFLOP/s on a GPU (a cost-model prediction; no GPU is used)."""
     from flashtune.perf.profile import profile_kernel
 
-    problem = parse_problem(op, head_dim, dtype, causal)
+    problem = parse_problem(op, head_dim, dtype, causal, input_dtype)
     spec = parse_arch(arch)
     kernel_config = ConfigChoice(config, block_m, block_n, warps, stages,
                                  tuple(fix or ())).resolve(problem, spec)

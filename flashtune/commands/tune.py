@@ -13,9 +13,16 @@ from rich.console import Console
 from rich.text import Text
 
 from flashtune import settings
-from flashtune.codegen.spec import FEATURES, Problem
+from flashtune.codegen.spec import FEATURES, DType, Problem
 from flashtune.commands.modifications import MaskModOpt, ScoreModOpt, with_modifications
-from flashtune.commands.options import DEFAULT_DTYPE, DbOpt, FixOpt, fail
+from flashtune.commands.options import (
+    DEFAULT_DTYPE,
+    DbOpt,
+    FixOpt,
+    InputDTypeOpt,
+    fail,
+    problem_dtypes,
+)
 from flashtune.db.records import printable
 from flashtune.errors import DeviceError, FlashtuneError, TuningError
 from flashtune.tuner.defaults import DEFAULT_MAX_SPILL_BYTES, DEFAULT_TOLERANCE, SAMPLERS
@@ -50,7 +57,9 @@ def tune_command(
     op: Annotated[str, typer.Option(
         "--op", help="Kernel family (`flashtune families` lists them).")] = "fwd",
     dtype: Annotated[str, typer.Option(
-        "--dtype", help="Element type of q, k, v: fp16 or bf16.")] = DEFAULT_DTYPE.value,
+        "--dtype", help="Element type of q, k, v: fp16 or bf16 (O's where --input-dtype "
+                        "differs, e.g. --op fwd8).")] = DEFAULT_DTYPE.value,
+    input_dtype: InputDTypeOpt = None,
     causal: Annotated[bool, typer.Option("--causal/--no-causal", help="Causal mask.")] = False,
     features: Annotated[str | None, typer.Option(
         "--features", help="Attention features compiled in, comma-separated: window, "
@@ -145,8 +154,12 @@ def tune_command(
         if head_dim is None:
             raise TuningError("--head-dim is required (e.g. --head-dim 128), unless the "
                               "run is a --replay of a landscape")
-        problem = Problem.from_dict({"head_dim": head_dim, "dtype": dtype, "causal": causal,
-                                     "op": op, **parse_features(features)})
+        try:
+            types = problem_dtypes(families.get(op), DType(dtype.lower()), input_dtype)
+        except ValueError:  # not a DType: the Problem names the choices
+            types = {"dtype": dtype}
+        problem = Problem.from_dict({"head_dim": head_dim, "causal": causal, "op": op,
+                                     **types, **parse_features(features)})
         families.of(problem).check_problem(problem)  # unknown op, missing feature
         problem = with_modifications(problem, score_mod, mask_mod)
         if problem.features and (score_mod or mask_mod):
@@ -319,7 +332,7 @@ def _run_local(problem: Problem, lengths: tuple[int, ...], classes: tuple[str, .
     from flashtune.tuner.measure.factory import DEFAULT_DRY_RUN_ARCH
 
     with progress:
-        return tune(problem.head_dim, problem.dtype, problem.causal, lengths, op=problem.op,
+        return tune(problem.head_dim, problem.dtypes, problem.causal, lengths, op=problem.op,
                     features=problem.features, dry_run=dry_arch is not None,
                     arch=dry_arch or DEFAULT_DRY_RUN_ARCH, db=db, options=options,
                     batch_heads=pairs, observer=progress, shape_classes=classes)
@@ -344,7 +357,8 @@ def _run_workers(problem: Problem, lengths: tuple[int, ...], classes: tuple[str,
     info = DeviceInfo.current(0)
     spec = WorkerSpec(
         head_dim=problem.head_dim, dtype=problem.dtype.value, causal=problem.causal,
-        op=problem.op, features=problem.features, seqlens=lengths, shape_classes=classes,
+        kv_dtype=problem.dtypes.kv.value, o_dtype=problem.dtypes.o.value, op=problem.op,
+        features=problem.features, seqlens=lengths, shape_classes=classes,
         db=db or "",
         measurer="cuda",
         batch_heads=tuple((p.batch, p.heads) for p in pairs), options=options)

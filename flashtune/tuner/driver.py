@@ -27,6 +27,7 @@ from optuna.trial import TrialState
 
 from flashtune import families
 from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.dtypes import Dtypes
 from flashtune.codegen.spec import DType, KernelConfig, Problem, ProblemBucket
 from flashtune.db.records import TrialStatus, check_study
 from flashtune.db.store import TuningStore
@@ -386,7 +387,7 @@ class _OnResult(Protocol):
     def __call__(self, proposal: Proposal[KernelConfig], result: TrialResult) -> None: ...
 
 
-def tune(head_dim: int, dtype: DType | str = "bf16", causal: bool = False,
+def tune(head_dim: int, dtype: DType | Dtypes | str = "bf16", causal: bool = False,
          seqlens: Sequence[int] = (1024, 4096, 16384), *,
          measurer: Measurer | None = None, dry_run: bool = False,
          arch: str = "sm_90", db: str | None = None, options: TuneOptions | None = None,
@@ -396,7 +397,8 @@ def tune(head_dim: int, dtype: DType | str = "bf16", causal: bool = False,
     """Tune the ``op`` family's kernel (default: the forward) of (head_dim, dtype, causal)
     with the attention ``features`` compiled in (codegen.spec.FEATURES; their own tuning
     keys) for each bucket of ``seqlens`` (and each of ``shape_classes``, for a family that
-    tunes classes of call shapes apart: decoding's ``g8q4p16``).
+    tunes classes of call shapes apart: decoding's ``g8q4p16``). ``dtype``: every operand's
+    type, or a ``Dtypes`` of Q, K/V and O (the FP8 forward's e4m3 inputs with a bf16 O).
 
     Measures on the current GPU (TuningError without one), or with ``dry_run`` compiles for
     ``arch`` and verifies in the CPU emulator, untimed; ``measurer`` overrides both (see
@@ -404,8 +406,9 @@ def tune(head_dim: int, dtype: DType | str = "bf16", causal: bool = False,
     knob). Returns one summary per bucket; timed winners become the buckets' best in the
     database, which the runtime dispatcher serves.
     """
-    problem = Problem.from_dict({"head_dim": head_dim, "dtype": getattr(dtype, "value", dtype),
-                                 "causal": causal, "op": op,
+    types = ({"dtype": dtype.q.value, "kv_dtype": dtype.kv.value, "o_dtype": dtype.o.value}
+             if isinstance(dtype, Dtypes) else {"dtype": getattr(dtype, "value", dtype)})
+    problem = Problem.from_dict({"head_dim": head_dim, **types, "causal": causal, "op": op,
                                  **dict.fromkeys(features, True)})
     # an unknown op or a feature the family lacks fails here, before any study is opened
     families.of(problem).check_problem(problem)

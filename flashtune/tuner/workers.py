@@ -77,11 +77,15 @@ class WorkerSpec:
     verify_cap: int | None = None
     features: tuple[str, ...] = ()
     shape_classes: tuple[str, ...] = ()
+    #: K/V's and O's types where they differ from ``dtype`` (Q's): the FP8 forward.
+    kv_dtype: str | None = None
+    o_dtype: str | None = None
 
     @property
     def problem(self) -> Problem:
         """The problem the worker tunes (its buckets are this problem's)."""
         return Problem.from_dict({"head_dim": self.head_dim, "dtype": self.dtype,
+                                  "kv_dtype": self.kv_dtype, "o_dtype": self.o_dtype,
                                   "causal": self.causal, "op": self.op,
                                   **dict.fromkeys(self.features, True)})
 
@@ -113,7 +117,7 @@ def run_spec(spec: WorkerSpec, observer: Observer | None = None) -> list[BucketS
     """Run one worker in this process."""
     from flashtune.tuner.driver import tune
 
-    return tune(spec.head_dim, spec.dtype, spec.causal, spec.seqlens, op=spec.op,
+    return tune(spec.head_dim, spec.problem.dtypes, spec.causal, spec.seqlens, op=spec.op,
                 measurer=spec.make_measurer(), db=spec.db, options=spec.options,
                 batch_heads=[BatchHeads(b, h) for b, h in spec.batch_heads],
                 observer=observer, verify_cap=spec.verify_cap, features=spec.features,

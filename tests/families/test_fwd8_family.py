@@ -20,6 +20,7 @@ import random
 
 import pytest
 import torch
+import typer
 
 from flashtune import families
 from flashtune.codegen.arch import get_arch
@@ -215,6 +216,13 @@ def test_the_command_line_names_the_fp8_problem_by_its_output_type() -> None:
     assert parse_problem("fwd8", 128, DType.BF16, True).key() == (
         "fwd8_d128_e4m3-e4m3-bf16_causal")
     assert parse_problem("fwd", 128, DType.BF16, True).key() == "fwd_d128_bf16_causal"
+    assert parse_problem("fwd8", 64, DType.FP16, False, "e5m2").key() == (
+        "fwd8_d64_e5m2-e5m2-fp16_full")
+    assert parse_problem("fwd", 64, DType.FP16, False, "fp16").key() == "fwd_d64_fp16_full"
+    for op, wrong in (("fwd8", "e3m4"), ("fwd", "e5m2")):
+        with pytest.raises(typer.BadParameter, match="--input-dtype|takes"):
+            parse_problem(op, 64, DType.FP16, False, wrong)
+
 
 
 #: The features the FP8 forward compiles with the 16-bit forward's hooks: each alone and all

@@ -86,6 +86,24 @@ def test_dry_run_tunes_a_problem_with_attention_features(db_url: str) -> None:
 
 
 @pytest.mark.emulator
+def test_dry_run_tunes_the_fp8_forward_with_either_input_format(db_url: str) -> None:
+    """``--op fwd8 --dtype bf16``: O's type, e4m3 inputs; ``--input-dtype e5m2`` makes the
+    bucket the e5m2 problem's own, verified in the emulator on a virtual sm_89."""
+    args = ["tune", "--op", "fwd8", "--head-dim", "64", "--dtype", "bf16", "--seqlens", "128",
+            "--dry-run", "--arch", "sm_89", "--trials", "1", "--compile-workers", "1",
+            "--db", db_url]
+    result = runner.invoke(app, [*args, "--input-dtype", "e5m2"])
+    assert result.exit_code == 0, result.output
+    with TuningStore(db_url) as store:
+        trials = store.trials(device="virtual-sm_89")
+    verified = [t for t in trials if t.status.value == "verified_untimed"]
+    assert verified, Counter(t.status.value for t in trials)
+    assert {t.problem.key for t in verified} == {"fwd8_d64_e5m2-e5m2-bf16_full"}
+    wrong = runner.invoke(app, [*args, "--input-dtype", "e3m4"])
+    assert wrong.exit_code != 0 and "e4m3, e5m2" in wrong.output, wrong.output
+
+
+@pytest.mark.emulator
 def test_dry_run_for_sm90a_tunes_the_family_that_serves_the_forward_there(db_url: str) -> None:
     """A cc 9.0 device's forward calls run the sm_90a family, so that is what a tuning run
     for it measures (and says), with the wgmma path's predictions; a feature problem the
