@@ -76,13 +76,18 @@ def test_dry_run_tunes_a_problem_with_attention_features(db_url: str) -> None:
     args = ["tune", "--head-dim", "64", "--dtype", "fp16", "--features", "window,softcap",
             "--seqlens", "128", "--dry-run", "--arch", "sm_90", "--trials", "2",
             "--compile-workers", "1", "--db", db_url]
+    assert _verified_keys(args, db_url, "virtual-sm_90") == {"fwd_d64_fp16_local_softcap"}
+
+
+def _verified_keys(args: list[str], db_url: str, device: str) -> set[str]:
+    """The problem keys of the verified trials a dry tuning run with ``args`` stored."""
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     with TuningStore(db_url) as store:
-        trials = store.trials(device="virtual-sm_90")
+        trials = store.trials(device=device)
     verified = [t for t in trials if t.status.value == "verified_untimed"]
     assert verified, Counter(t.status.value for t in trials)
-    assert {t.problem.key for t in verified} == {"fwd_d64_fp16_local_softcap"}
+    return {t.problem.key for t in verified}
 
 
 @pytest.mark.emulator
@@ -92,13 +97,8 @@ def test_dry_run_tunes_the_fp8_forward_with_either_input_format(db_url: str) -> 
     args = ["tune", "--op", "fwd8", "--head-dim", "64", "--dtype", "bf16", "--seqlens", "128",
             "--dry-run", "--arch", "sm_89", "--trials", "1", "--compile-workers", "1",
             "--db", db_url]
-    result = runner.invoke(app, [*args, "--input-dtype", "e5m2"])
-    assert result.exit_code == 0, result.output
-    with TuningStore(db_url) as store:
-        trials = store.trials(device="virtual-sm_89")
-    verified = [t for t in trials if t.status.value == "verified_untimed"]
-    assert verified, Counter(t.status.value for t in trials)
-    assert {t.problem.key for t in verified} == {"fwd8_d64_e5m2-e5m2-bf16_full"}
+    assert _verified_keys([*args, "--input-dtype", "e5m2"], db_url, "virtual-sm_89") == {
+        "fwd8_d64_e5m2-e5m2-bf16_full"}
     wrong = runner.invoke(app, [*args, "--input-dtype", "e3m4"])
     assert wrong.exit_code != 0 and "e4m3, e5m2" in wrong.output, wrong.output
 
