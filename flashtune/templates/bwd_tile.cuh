@@ -5,6 +5,7 @@
 // that is a multiple of 8 elements, so each 16-byte chunk is one aligned transaction.
 #pragma once
 
+#include "fp8.cuh"
 #include "primitives.cuh"
 
 namespace ft {
@@ -33,6 +34,47 @@ __device__ __forceinline__ void copy_tile_async(typename Tr::Element* tile,
     const typename Tr::Element* src =
         real ? base + static_cast<long long>(row0 + r) * row_stride + c * Tr::kChunkElems : base;
     cp_async<16>(tile + r * Tr::kRowStride + c * Tr::kChunkElems, src, real ? 16 : 0);
+  }
+}
+
+// Load global FP8 rows [row0, row0 + ROWS) (strides in FP8 values) into a shared 16-bit
+// tile as copy_tile_async lays it out, each value converted exactly (Tr::Fp8Format): plain
+// loads and shared stores, published by the block barrier that publishes the step's
+// cp.async copies. Rows at or past row_limit and padded columns are stored as zeros.
+template <class Tr, int ROWS>
+__device__ __forceinline__ void load_fp8_tile(typename Tr::Element* tile,
+                                              const unsigned char* base, long long row_stride,
+                                              int row0, int row_limit, int tid) {
+  constexpr int kChunks = ROWS * Tr::kLoadChunks;
+#pragma unroll 1
+  for (int idx = tid; idx < kChunks; idx += Tr::kThreads) {
+    const int r = idx / Tr::kLoadChunks;
+    const int c = idx % Tr::kLoadChunks;
+    uint2 raw;  // 8 FP8 values, one 16-byte chunk of the tile
+    raw.x = raw.y = 0u;
+    if (c < Tr::kRealChunks && row0 + r < row_limit) {
+      raw = *reinterpret_cast<const uint2*>(
+          base + static_cast<long long>(row0 + r) * row_stride + c * Tr::kChunkElems);
+    }
+    const unsigned words[2] = {raw.x, raw.y};
+    unsigned out[4];
+    dequantise_words<typename Tr::Fp8Format, typename Tr::Ops>(words, out);
+    uint4 chunk;
+    chunk.x = out[0], chunk.y = out[1], chunk.z = out[2], chunk.w = out[3];
+    *reinterpret_cast<uint4*>(tile + r * Tr::kRowStride + c * Tr::kChunkElems) = chunk;
+  }
+}
+
+// A tile of Q, K or V (Tr::In): cp.async copies of 16-bit rows, or FP8 rows dequantised.
+template <class Tr, int ROWS>
+__device__ __forceinline__ void load_input_tile(typename Tr::Element* tile,
+                                                const typename Tr::In* base,
+                                                long long row_stride, int row0, int row_limit,
+                                                int tid) {
+  if constexpr (Tr::kFp8) {
+    load_fp8_tile<Tr, ROWS>(tile, base, row_stride, row0, row_limit, tid);
+  } else {
+    copy_tile_async<Tr, ROWS>(tile, base, row_stride, row0, row_limit, tid);
   }
 }
 

@@ -42,6 +42,9 @@ template <typename Element_, int HeadDim, int BlockM, int BlockN, int NumWarps,
 struct BwdTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
+  // The type of Q, K and V in global memory: Element, or FP8 bytes in WithFp8Inputs<...>.
+  using In = Element_;
+  static constexpr bool kFp8 = false;
 
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kHeadDimMma = (HeadDim + 15) / 16 * 16;
@@ -106,6 +109,21 @@ struct BwdTraits {
                 "warps split the keys in m16 tiles");
   static_assert(kDimTiles % kWarpsD == 0, "warps split the head dim in whole n8 tiles");
   static_assert(NumStages == 1 || NumStages == 2, "one or two Q/dO buffers");
+};
+
+// A backward's traits with FP8 Q, K and V of one Format (fp8.cuh; Base: BwdTraits of the
+// 16-bit type of dO, dK, dV and dQ). The FP8 rows are dequantised as they are loaded into
+// the 16-bit shared tiles (exactly: every e4m3 and e5m2 value is an fp16 and a bf16 value),
+// and every product runs on them as in the 16-bit kernel; the descale factors are folded
+// into the softmax scale (S), dP, dK's and dQ's scaling (flash_bwd.cuh). P and dS stay
+// 16-bit: rounding them to FP8 costs several times the 16-bit backward's error
+// (benchmarks/fp8_backward_error.py).
+template <class Base, class Format>
+struct WithFp8Inputs : Base {
+  using In = unsigned char;
+  using Fp8Format = Format;
+  static constexpr bool kFp8 = true;
+  static_assert(Base::kHeadDim % 32 == 0, "FP8 head dims are multiples of 32");
 };
 
 }  // namespace ft

@@ -23,6 +23,13 @@
 // holding a row that sees one of its keys, api.block_mask's columns form) a block walks
 // only those query tiles and evaluates the mask only on the partial ones.
 //
+// FP8 inputs (Tr::kFp8, bwd_traits.cuh WithFp8Inputs; the bwd8 family): Q, K and V are
+// e4m3 or e5m2 bytes (strides in values), dequantised exactly into the 16-bit tiles as they
+// are loaded (plain loads, not cp.async); dO, dK, dV are 16-bit. The descale factors
+// (float32 (batch, heads_kv); varlen: per sequence) of the block's kv head make every
+// product that of the dequantised inputs: q_descale k_descale joins the softmax scale,
+// v_descale scales dP, q_descale dK and k_descale dQ.
+//
 // Tensors: Q, dO (batch, seqlen_q, heads_q, dim); K, V, dK, dV (batch, seqlen_k, heads_kv,
 // dim); strides in elements, last dim contiguous, base pointers 16-byte aligned and row
 // strides multiples of 8 elements. LSE, D: contiguous float32 (batch, heads_q, seqlen_q).
@@ -56,6 +63,7 @@ struct BwdScoreArgs {
   float cap = 0.0f;         // Softcap: the cap
   float tanh_scale = 0.0f;  // Softcap: softmax_scale / cap
   float neg_slope = 0.0f;   // Alibi: -slope of the step's (batch, query head)
+  float dp_scale = 1.0f;    // FP8: v_descale (dP = dO V^T of the dequantised V)
 };
 
 // Step 1 for one warp: P and dS of its query rows over the key tile, into sP and sdS.
@@ -132,6 +140,7 @@ __device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
           // Dropout: dP of a dropped element is 0, a kept one's is scaled by 1 / (1 - p)
           // (dS = P (dP M / (1 - p) - D)); dV's P is P M / (1 - p).
           float dpe = dp[mt][nt][2 * h + e];
+          if constexpr (Tr::kFp8) dpe *= fa.dp_scale;
           bool keep = true;
           if constexpr (Tr::kDropout) {
             keep = (kept[nt] >> (2 * h + e)) & 1u;
@@ -192,15 +201,26 @@ __device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
 }
 
 // Step 3 for one warp: dQ of its query rows (dS K), added to the float32 accumulator `acc`
-// (row 0 of this (slice, batch, head)), kDqChunk head-dim tiles at a time.
+// (row 0 of this (slice, batch, head)), kDqChunk head-dim tiles at a time. FP8: times
+// `scale`, K's descale factor (dS K of the dequantised K).
 template <class Tr, int CHUNK0, int TILES>
 __device__ __forceinline__ void bwd_dq_chunk(float* acc, const typename Tr::Element* sds,
                                              const typename Tr::Element* sk, int row0,
-                                             int seqlen_q, int lane) {
+                                             int seqlen_q, int lane, float scale) {
   float dq[Tr::kMTiles][TILES][4];
   zero_fragments(dq);
   warp_mma<typename Tr::Ops, Tr::kMTiles, TILES, Tr::kBlockN / 16, false, true>(
       dq, sds, Tr::kPRowStride, sk + CHUNK0 * 8, Tr::kRowStride, lane);
+  if constexpr (Tr::kFp8) {
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < TILES; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) dq[mt][nt][i] *= scale;
+      }
+    }
+  }
   const int g = lane / 4;
   const int t = lane % 4;
 #pragma unroll
@@ -232,18 +252,18 @@ __device__ __forceinline__ void bwd_dq_chunk(float* acc, const typename Tr::Elem
 template <class Tr, int CHUNK0>
 __device__ __forceinline__ void bwd_dq(float* acc, const typename Tr::Element* sds,
                                        const typename Tr::Element* sk, int row0, int seqlen_q,
-                                       int lane) {
+                                       int lane, float scale) {
   constexpr int kTiles = const_min(Tr::kDqChunk, Tr::kDimTiles - CHUNK0);
-  bwd_dq_chunk<Tr, CHUNK0, kTiles>(acc, sds, sk, row0, seqlen_q, lane);
+  bwd_dq_chunk<Tr, CHUNK0, kTiles>(acc, sds, sk, row0, seqlen_q, lane, scale);
   if constexpr (CHUNK0 + kTiles < Tr::kDimTiles) {
-    bwd_dq<Tr, CHUNK0 + kTiles>(acc, sds, sk, row0, seqlen_q, lane);
+    bwd_dq<Tr, CHUNK0 + kTiles>(acc, sds, sk, row0, seqlen_q, lane, scale);
   }
 }
 
 template <class Tr, class Mods = NoScoreMods>
 __device__ __forceinline__ void flash_bwd(
-    const typename Tr::Element* __restrict__ q, const typename Tr::Element* __restrict__ k,
-    const typename Tr::Element* __restrict__ v, const typename Tr::Element* __restrict__ dout,
+    const typename Tr::In* __restrict__ q, const typename Tr::In* __restrict__ k,
+    const typename Tr::In* __restrict__ v, const typename Tr::Element* __restrict__ dout,
     const float* __restrict__ lse, const float* __restrict__ dsum,
     typename Tr::Element* __restrict__ dk, typename Tr::Element* __restrict__ dv,
     float* __restrict__ dq_accum, int seqlen_q, int seqlen_k, int heads_q, int heads_kv,
@@ -254,8 +274,11 @@ __device__ __forceinline__ void flash_bwd(
     long long dk_batch_stride, long long dk_row_stride, long long dk_head_stride,
     long long dv_batch_stride, long long dv_row_stride, long long dv_head_stride,
     float softmax_scale, const VariantArgs& var = VariantArgs{}, const Mods& mods = Mods{},
-    float* __restrict__ dscore = nullptr) {
+    float* __restrict__ dscore = nullptr, const float* __restrict__ q_descale = nullptr,
+    const float* __restrict__ k_descale = nullptr,
+    const float* __restrict__ v_descale = nullptr) {
   using Element = typename Tr::Element;
+  using In = typename Tr::In;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kStages = Tr::kNumStages;
@@ -267,7 +290,21 @@ __device__ __forceinline__ void flash_bwd(
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = lane_id();
   const int warp = warp_id();
-  const float scale_log2 = softmax_scale * kLog2e;
+  // FP8 (Tr::kFp8): the descale factors of this (batch or sequence, kv head) make the
+  // products of the dequantised inputs: q_descale k_descale scales S (softcap sees those
+  // scores), v_descale dP, q_descale dK (with the softmax scale) and k_descale dQ.
+  float qk_scale = softmax_scale;
+  float dk_scale = softmax_scale;
+  float dq_scale = 1.0f;
+  float dp_scale = 1.0f;
+  if constexpr (Tr::kFp8) {
+    const int bh = batch * heads_kv + kv_head;
+    qk_scale *= q_descale[bh] * k_descale[bh];
+    dk_scale *= q_descale[bh];
+    dq_scale = k_descale[bh];
+    dp_scale = v_descale[bh];
+  }
+  const float scale_log2 = qk_scale * kLog2e;
 
   // Row 0 of this sequence in the (packed or batched) tensors. The LSE, D and accumulator
   // rows of query head h start at stats_row0 + h * stats_rows.
@@ -293,8 +330,8 @@ __device__ __forceinline__ void flash_bwd(
     dv_row0 = k_start * dv_row_stride;
     stats_row0 = q_start;
   }
-  const Element* k_bh = k + k_row0 + kv_head * k_head_stride;
-  const Element* v_bh = v + v_row0 + kv_head * v_head_stride;
+  const In* k_bh = k + k_row0 + kv_head * k_head_stride;
+  const In* v_bh = v + v_row0 + kv_head * v_head_stride;
   Element* dk_bh = dk + dk_row0 + kv_head * dk_head_stride;
   Element* dv_bh = dv + dv_row0 + kv_head * dv_head_stride;
   // Slice of the dQ accumulator this block adds into.
@@ -326,8 +363,9 @@ __device__ __forceinline__ void flash_bwd(
   }
   if constexpr (Tr::kSoftcap) {
     fa.cap = var.softcap;
-    fa.tanh_scale = softmax_scale / var.softcap;
+    fa.tanh_scale = qk_scale / var.softcap;
   }
+  fa.dp_scale = dp_scale;
   DropoutSite drop;
   if constexpr (Tr::kDropout) drop.init(var.dropout_seed, var.dropout_offset, var.dropout_p);
   for (int n_block = static_cast<int>(blockIdx.x); n_block < n_blocks;
@@ -375,7 +413,7 @@ __device__ __forceinline__ void flash_bwd(
       const int head = kv_head * group + s / m_count;
       const int m0 = (m_first + s % m_count) * kBlockM;
       const int buf = s % kStages;
-      copy_tile_async<Tr, kBlockM>(sq + buf * Tr::kQElems, q + q_row0 + head * q_head_stride,
+      load_input_tile<Tr, kBlockM>(sq + buf * Tr::kQElems, q + q_row0 + head * q_head_stride,
                                    q_row_stride, m0, seqlen_q, tid);
       copy_tile_async<Tr, kBlockM>(sdo + buf * Tr::kQElems,
                                    dout + do_row0 + head * do_head_stride, do_row_stride, m0,
@@ -387,8 +425,8 @@ __device__ __forceinline__ void flash_bwd(
 
     // Every warp is done with the previous key tile's shared memory.
     block_sync();
-    copy_tile_async<Tr, kBlockN>(sk, k_bh, k_row_stride, n0, seqlen_k, tid);
-    copy_tile_async<Tr, kBlockN>(sv, v_bh, v_row_stride, n0, seqlen_k, tid);
+    load_input_tile<Tr, kBlockN>(sk, k_bh, k_row_stride, n0, seqlen_k, tid);
+    load_input_tile<Tr, kBlockN>(sv, v_bh, v_row_stride, n0, seqlen_k, tid);
     if (steps > 0) load_step(0);
     cp_async_commit();
 
@@ -456,7 +494,7 @@ __device__ __forceinline__ void flash_bwd(
       // dQ += dS K for the warp's own rows.
       float* dq_head = dq_slice + (stats_row0 + head * stats_rows) * Tr::kHeadDim;
       bwd_dq<Tr, 0>(dq_head, sds + warp_row0 * Tr::kPRowStride, sk, m0 + warp_row0,
-                    seqlen_q, lane);
+                    seqlen_q, lane, dq_scale);
 
       if (kStages == 1 && s + 1 < steps) {
         block_sync();  // every warp is done with the only buffer
@@ -466,7 +504,7 @@ __device__ __forceinline__ void flash_bwd(
     }
     cp_async_wait_all();  // nothing is left in flight (also when there were no steps)
 
-    store_fragments<Tr>(dk_bh, dk_row_stride, acc_dk, softmax_scale, n0 + warp_key0, seqlen_k,
+    store_fragments<Tr>(dk_bh, dk_row_stride, acc_dk, dk_scale, n0 + warp_key0, seqlen_k,
                         warp_col0, lane);
     store_fragments<Tr>(dv_bh, dv_row_stride, acc_dv, 1.0f, n0 + warp_key0, seqlen_k,
                         warp_col0, lane);

@@ -76,4 +76,42 @@ __device__ __forceinline__ void e5m2x2_to_float2(unsigned short v, float& lo, fl
   half2_bits_to_float2(cvt_f16x2_e5m2x2(v), lo, hi);
 }
 
+// The two OCP FP8 formats, each as an mma of two FP8 operands (m16n8k32: an A/B register
+// holds four values) and the exact conversion of two values to floats.
+struct E4m3Format {
+  static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4],
+                                             const unsigned (&b)[2], const float (&c)[4]) {
+    mma_m16n8k32_e4m3(d, a, b, c);
+  }
+  static __device__ __forceinline__ void to_float2(unsigned short v, float& lo, float& hi) {
+    e4m3x2_to_float2(v, lo, hi);
+  }
+};
+struct E5m2Format {
+  static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4],
+                                             const unsigned (&b)[2], const float (&c)[4]) {
+    mma_m16n8k32_e5m2(d, a, b, c);
+  }
+  static __device__ __forceinline__ void to_float2(unsigned short v, float& lo, float& hi) {
+    e5m2x2_to_float2(v, lo, hi);
+  }
+};
+
+
+// The 4 W FP8 values of `words` converted exactly (every e4m3 and e5m2 value is an fp16 and
+// a bf16 value) and packed in pairs of the 16-bit type of Ops (TensorOps::pack), in order.
+template <class Format, class Ops, int W>
+__device__ __forceinline__ void dequantise_words(const unsigned (&words)[W],
+                                                 unsigned (&out)[2 * W]) {
+#pragma unroll
+  for (int w = 0; w < W; ++w) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float lo, hi;
+      Format::to_float2(static_cast<unsigned short>(words[w] >> (16 * h)), lo, hi);
+      out[2 * w + h] = Ops::pack(lo, hi);
+    }
+  }
+}
+
 }  // namespace ft

@@ -36,27 +36,6 @@ struct Fp8Scales {
   const float* __restrict__ v;
 };
 
-// The two OCP FP8 formats, each as Q K^T's mma (an A/B register holds four values) and the
-// exact conversion of two values of a V row to floats.
-struct E4m3Format {
-  static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4],
-                                             const unsigned (&b)[2], const float (&c)[4]) {
-    mma_m16n8k32_e4m3(d, a, b, c);
-  }
-  static __device__ __forceinline__ void to_float2(unsigned short v, float& lo, float& hi) {
-    e4m3x2_to_float2(v, lo, hi);
-  }
-};
-struct E5m2Format {
-  static __device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4],
-                                             const unsigned (&b)[2], const float (&c)[4]) {
-    mma_m16n8k32_e5m2(d, a, b, c);
-  }
-  static __device__ __forceinline__ void to_float2(unsigned short v, float& lo, float& hi) {
-    e5m2x2_to_float2(v, lo, hi);
-  }
-};
-
 // A forward's traits with FP8 Q, K and V of one Format (Base: FwdTraits of the 16-bit O type
 // and the head dim D).
 template <class Base, class Format = E4m3Format>
@@ -117,15 +96,7 @@ struct Fp8VStream {
       }
       const unsigned words[4] = {raw.x, raw.y, raw.z, raw.w};
       unsigned out[8];
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float lo, hi;
-          Tr::Fp8Format::to_float2(static_cast<unsigned short>(words[w] >> (16 * h)), lo, hi);
-          out[2 * w + h] = Tr::Ops::pack(lo, hi);  // exact: FP8 values are Element values
-        }
-      }
+      dequantise_words<typename Tr::Fp8Format, typename Tr::Ops>(words, out);
       uint4 first, second;
       first.x = out[0], first.y = out[1], first.z = out[2], first.w = out[3];
       second.x = out[4], second.y = out[5], second.z = out[6], second.w = out[7];

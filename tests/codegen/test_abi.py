@@ -55,7 +55,7 @@ def test_every_family_renders_its_declared_signature() -> None:
 
 
 def _arch(family: KernelFamily) -> ArchSpec:
-    return get_arch(family.target_arch or ("sm_89" if family.op == "fwd8" else "sm_80"))
+    return get_arch(family.target_arch or ("sm_89" if family.op in ("fwd8", "bwd8") else "sm_80"))
 
 
 def test_a_changed_declaration_changes_signature_packer_and_emulator_codes() -> None:

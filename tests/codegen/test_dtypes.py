@@ -108,11 +108,13 @@ def test_every_family_declares_its_dtypes_and_refuses_others_by_name() -> None:
 
 
 def test_the_builtin_families_take_one_16_bit_type_for_every_operand() -> None:
-    """... but the FP8 forward, which takes e4m3 or e5m2 inputs and a 16-bit O."""
+    """... but the FP8 forward and backward, which take e4m3 or e5m2 inputs and a 16-bit
+    O (dO, dK, dV)."""
     from flashtune.codegen.dtypes import FP8_INPUTS
 
     for family in families.all_families():
-        assert family.dtypes == (FP8_INPUTS if family.op == "fwd8" else SAME_16BIT), family.op
+        assert family.dtypes == (FP8_INPUTS if family.op in ("fwd8", "bwd8") else SAME_16BIT), (
+            family.op)
     with pytest.raises(InvalidProblem, match=r"it takes: bf16, fp16 \(one word"):
         families.get("fwd").check_problem(Problem(128, DType.BF16, kv_dtype=DType.FP16))
 

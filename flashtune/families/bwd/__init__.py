@@ -139,16 +139,8 @@ class BackwardFamily(KernelFamily):
                 (shape.seqlen_q, shape.heads_q), (shape.seqlen_q, shape.heads_q),
                 (shape.seqlen_k, shape.heads_kv), (shape.seqlen_k, shape.heads_kv)))
             tensors = {"q": q, "k": k, "v": v, "do": dout}
-        inputs = Inputs({**tensors, **extra}, {"softmax_scale": scale, **scalars})
-        values = variants.VariantValues.of(inputs).only(problem)
-        t = inputs.tensors
-        if problem.varlen:
-            lse, dsum = varlen_stats(t["q"], t["k"], t["v"], t["do"], problem.causal, scale,
-                                     values=values)
-        else:
-            lse, dsum = softmax_stats(t["q"], t["k"], t["v"], t["do"], problem.causal, scale,
-                                      values=values, mods=_mods(problem))
-        return Inputs({**inputs.tensors, "lse": lse, "dsum": dsum}, inputs.scalars)
+        return with_stats(problem, Inputs({**tensors, **extra},
+                                          {"softmax_scale": scale, **scalars}))
 
     def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
                       poison: bool) -> dict[str, torch.Tensor]:
@@ -238,6 +230,21 @@ class BackwardFamily(KernelFamily):
         q_rows = shape.batch * shape.heads_q * shape.seqlen_q
         kv_rows = shape.batch * shape.heads_kv * shape.seqlen_k
         return float(2 * q_rows * d * e + 4 * kv_rows * d * e + 8 * q_rows + 4 * q_rows * d)
+
+
+def with_stats(problem: Problem, inputs: Inputs) -> Inputs:
+    """``inputs`` with the forward's LSE and D of its q, k, v and dO (``lse``, ``dsum``),
+    with the features' values."""
+    values = variants.VariantValues.of(inputs).only(problem)
+    t = inputs.tensors
+    scale = inputs.scalars["softmax_scale"]
+    if problem.varlen:
+        lse, dsum = varlen_stats(t["q"], t["k"], t["v"], t["do"], problem.causal, scale,
+                                 values=values)
+    else:
+        lse, dsum = softmax_stats(t["q"], t["k"], t["v"], t["do"], problem.causal, scale,
+                                  values=values, mods=_mods(problem))
+    return Inputs({**inputs.tensors, "lse": lse, "dsum": dsum}, inputs.scalars)
 
 
 def _mods(problem: Problem) -> list[ScoreMod]:

@@ -145,11 +145,7 @@ class Fp8ForwardFamily(ForwardFamily):
 
     def template_params(self, problem: Problem, config: KernelConfig
                         ) -> dict[str, TemplateValue]:
-        params: dict[str, TemplateValue] = {**super().template_params(twin(problem), config),
-                                            "fp8": True}
-        if problem.dtypes.q == Fp8Type.E5M2:
-            params["fp8_format"] = "e5m2"
-        return params
+        return {**super().template_params(twin(problem), config), **fp8_params(problem)}
 
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
         return super().smem_bytes(twin(problem), config)
@@ -159,12 +155,8 @@ class Fp8ForwardFamily(ForwardFamily):
         """The forward's random normal q, k, v rounded to the FP8 format, and descale factors
         drawn from ``RANDOM_DESCALE`` per (batch, KV head)."""
         inputs = super().random_inputs(problem, shape, device, seed)
-        gen = generator(device, None if seed is None else seed + 1)
-        lo, hi = RANDOM_DESCALE
-        descales = {name: lo + (hi - lo) * torch.rand(shape.batch, shape.heads_kv,
-                                                      generator=gen, device=device)
-                    for name in DESCALES}
-        return Inputs({**inputs.tensors, **descales}, inputs.scalars)
+        return Inputs({**inputs.tensors, **random_descales(shape, device, seed)},
+                      inputs.scalars)
 
     def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
                       poison: bool) -> dict[str, torch.Tensor]:
@@ -209,27 +201,8 @@ class Fp8ForwardFamily(ForwardFamily):
 
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
         """The 16-bit forward's float64 reference (with the problem's features) of the
-        dequantised inputs: each FP8 value times its (batch, KV head)'s descale factor (a
-        query head takes its KV head's)."""
-        t = inputs.tensors
-        heads_q, heads_kv = t["q"].shape[2], t["k"].shape[2]
-        group = heads_q // heads_kv
-
-        def rows(name: str, cu: str) -> torch.Tensor:
-            """The descale factor of each row (batch or packed row, 1, heads): varlen's
-            sequence i scales rows cu[i]:cu[i + 1]."""
-            scale = t[f"{name}_descale"].to(torch.float64)
-            if name == "q":
-                scale = scale.repeat_interleave(group, dim=1)
-            if cu not in t:
-                return scale[:, None, :, None]
-            lengths = (t[cu][1:] - t[cu][:-1]).to(torch.int64)
-            return scale.repeat_interleave(lengths, dim=0)[None, :, :, None]
-
-        q = t["q"].to(torch.float64) * rows("q", "cu_seqlens_q")
-        k, v = (t[name].to(torch.float64) * rows(name, "cu_seqlens_k") for name in ("k", "v"))
-        return super().reference(problem, Inputs({**t, "q": q, "k": k, "v": v},
-                                                 inputs.scalars))
+        dequantised inputs (``dequantised``)."""
+        return super().reference(problem, Inputs(dequantised(inputs.tensors), inputs.scalars))
 
     def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
         """Q, K, V read once (1 byte a value), O written once (2 bytes) and the LSE."""
@@ -238,6 +211,45 @@ class Fp8ForwardFamily(ForwardFamily):
         kv_rows = shape.batch * shape.heads_kv * shape.seqlen_k
         o_bytes = problem.dtypes.o.itemsize
         return float(q_rows * d * (1 + o_bytes) + 2 * kv_rows * d + 4 * q_rows)
+
+
+def fp8_params(problem: Problem) -> dict[str, TemplateValue]:
+    """The template switches of FP8 inputs: ``fp8``, and ``fp8_format`` for e5m2."""
+    params: dict[str, TemplateValue] = {"fp8": True}
+    if problem.dtypes.q == Fp8Type.E5M2:
+        params["fp8_format"] = "e5m2"
+    return params
+
+
+def dequantised(t: Tensors) -> dict[str, torch.Tensor]:
+    """``t`` with q, k and v in float64, each FP8 value times its (batch, KV head)'s descale
+    factor (a query head takes its KV head's; varlen: sequence i's factors scale the packed
+    rows ``cu_seqlens[i]:cu_seqlens[i + 1]``)."""
+    heads_q, heads_kv = t["q"].shape[2], t["k"].shape[2]
+    group = heads_q // heads_kv
+
+    def rows(name: str, cu: str) -> torch.Tensor:
+        scale = t[f"{name}_descale"].to(torch.float64)
+        if name == "q":
+            scale = scale.repeat_interleave(group, dim=1)
+        if cu not in t:
+            return scale[:, None, :, None]
+        lengths = (t[cu][1:] - t[cu][:-1]).to(torch.int64)
+        return scale.repeat_interleave(lengths, dim=0)[None, :, :, None]
+
+    q = t["q"].to(torch.float64) * rows("q", "cu_seqlens_q")
+    k, v = (t[name].to(torch.float64) * rows(name, "cu_seqlens_k") for name in ("k", "v"))
+    return {**t, "q": q, "k": k, "v": v}
+
+
+def random_descales(shape: Shape, device: torch.device | str, seed: int | None
+                    ) -> dict[str, torch.Tensor]:
+    """Descale factors drawn from ``RANDOM_DESCALE`` per (batch or sequence, KV head)."""
+    gen = generator(device, None if seed is None else seed + 1)
+    lo, hi = RANDOM_DESCALE
+    return {name: lo + (hi - lo) * torch.rand(shape.batch, shape.heads_kv, generator=gen,
+                                              device=device)
+            for name in DESCALES}
 
 
 FORWARD_FP8 = Fp8ForwardFamily()
