@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "explain": "flashtune.api.ops",
     "attention_with_kvcache": "flashtune.api.kvcache_ops",
     "attention_varlen": "flashtune.api.varlen_ops",
+    "attention_fp8": "flashtune.api.fp8_train",
     "flex_attention": "flashtune.api.flex_call",
     "create_block_mask": "flashtune.api.block_mask",
     "BlockMask": "flashtune.api.block_mask",
@@ -52,6 +53,7 @@ __all__ = [
     "Tier",
     "__version__",
     "attention",
+    "attention_fp8",
     "attention_varlen",
     "attention_with_kvcache",
     "create_block_mask",
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
     from flashtune import families
     from flashtune.api.block_mask import BlockMask, create_block_mask
     from flashtune.api.flex_call import flex_attention
+    from flashtune.api.fp8_train import attention_fp8
     from flashtune.api.hf_transformers import register_transformers
     from flashtune.api.kvcache_ops import attention_with_kvcache, explain_kvcache
     from flashtune.api.ops import (

@@ -40,7 +40,9 @@ from flashtune.api.variants import Variant, kernel_features
 from flashtune.codegen.abi import PackedArgs
 from flashtune.families.base import sm_count
 from flashtune.families.bwd import args, space
+from flashtune.families.bwd8 import BWD8_ABI
 from flashtune.families.fwd.args import feature_values
+from flashtune.families.fwd8 import DESCALES
 from flashtune.runtime.plans import Plan, plan_for
 
 
@@ -66,7 +68,8 @@ def _launch(plan: Plan, grid: tuple[int, int, int], packed: PackedArgs) -> None:
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              out: torch.Tensor, lse: torch.Tensor, grad_lse: torch.Tensor | None,
              causal: bool, softmax_scale: float, deterministic: bool, backend: str,
-             variant: Variant | None = None, dscore: torch.Tensor | None = None
+             variant: Variant | None = None, dscore: torch.Tensor | None = None,
+             descales: tuple[torch.Tensor, ...] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dQ, dK, dV (like q, k, v) of the forward that produced ``out`` and ``lse`` from
     validated q, k, v, given dO (and optionally the gradient of the LSE), with the
@@ -74,7 +77,9 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     (None without sinks). ``backend`` "" means the FLASHTUNE_BACKEND setting. With varlen,
     every tensor is in the packed layout of the module doc. With traced modifications
     (``variant.traced``), ``dscore`` (zeroed float32 (B, Hq, Nq, Nk), or None) receives the
-    gradient by the modified scores (``api.flex_grad``)."""
+    gradient by the modified scores (``api.flex_grad``). FP8 q, k, v (``descales``: their
+    q, k, v descale factors, float32 (batch or sequences, heads_kv)) run the FP8 backward
+    (``bwd8``); dO and O, and so dQ, dK and dV, are then in O's 16-bit type."""
     name = backend or settings.BACKEND.get()
     dout, out = _kernel_ready(dout), _kernel_ready(out)
     batch, seqlen_q, heads_q, head_dim = q.shape
@@ -85,11 +90,13 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if varlen is not None:
         sequences, keys = varlen.batch, varlen.max_seqlen_k or seqlen_k
         longest = max(varlen.max_seqlen_q, keys)
-    op = "bwddet" if deterministic else "bwd"
+    op = "bwd8" if descales is not None else "bwddet" if deterministic else "bwd"
     features = kernel_features(op, variant.features) if variant is not None else ()
-    main = plan_for(q, causal, name, op, features, longest)
-    pre = plan_for(q, False, name, "bwdpre", (), longest)
-    convert = plan_for(q, False, name, "bwdsum", (), longest)
+    grad_type = None if descales is None else out.dtype  # FP8 inputs: O's type
+    main = plan_for(q, causal, name, op, features, longest, o_dtype=grad_type)
+    # The row kernels read O and dO and write dQ: O's type (q's, but for FP8 inputs).
+    pre = plan_for(out, False, name, "bwdpre", (), longest)
+    convert = plan_for(out, False, name, "bwdsum", (), longest)
     config = main.source.config
     split = space.dq_mode(config) == space.DQ_SPLIT
     slices = (space.dq_slices(_sm_count(q.device), sequences, heads_kv, keys, config.block_n)
@@ -103,19 +110,24 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if grad_lse is not None:
         dsum.sub_(grad_lse)
 
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    _launch(main, args.main_grid(keys, heads_kv, sequences, config.block_n,
-                                 slices if split else None),
-            args.main_args(q, k, v, dout, lse, dsum, dk, dv, accum, softmax_scale)
-            if not features else
-            args.MAIN_ABI.pack({"q": q, "k": k, "v": v, "dout": dout, "lse": lse,
-                                "dsum": dsum, "dk": dk, "dv": dv, "dq_accum": accum,
-                                "softmax_scale": softmax_scale,
-                                **feature_values(main.source.problem, variant),
-                                **({"dscore": dscore} if variant is not None
-                                   and variant.traced else {})}, features))
+    dk, dv = (torch.empty(t.shape, dtype=out.dtype, device=t.device) for t in (k, v))
+    grid = args.main_grid(keys, heads_kv, sequences, config.block_n, slices if split else None)
+    if descales is None and not features:  # the plain kernel's straight-line packer
+        packed = args.main_args(q, k, v, dout, lse, dsum, dk, dv, accum, softmax_scale)
+    else:
+        values = {"q": q, "k": k, "v": v, "dout": dout, "lse": lse, "dsum": dsum, "dk": dk,
+                  "dv": dv, "dq_accum": accum, "softmax_scale": softmax_scale,
+                  **feature_values(main.source.problem, variant)}
+        if descales is not None:
+            packed = BWD8_ABI.pack({**values, **dict(zip(DESCALES, descales, strict=True))},
+                                   features)
+        else:
+            packed = args.MAIN_ABI.pack(
+                {**values, **({"dscore": dscore} if variant is not None and variant.traced
+                              else {})}, features)
+    _launch(main, grid, packed)
 
-    dq = torch.empty_like(q)
+    dq = torch.empty(q.shape, dtype=out.dtype, device=q.device)
     _launch(convert, args.row_grid(seqlen_q, heads_q, batch, convert.block_m),
             args.sum_args(accum, dq, softmax_scale))
     dsinks = None
