@@ -90,7 +90,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if varlen is not None:
         sequences, keys = varlen.batch, varlen.max_seqlen_k or seqlen_k
         longest = max(varlen.max_seqlen_q, keys)
-    op = "bwd8" if descales is not None else "bwddet" if deterministic else "bwd"
+    op = ("bwd8" if descales is not None else "bwd") + ("det" if deterministic else "")
     features = kernel_features(op, variant.features) if variant is not None else ()
     grad_type = None if descales is None else out.dtype  # FP8 inputs: O's type
     main = plan_for(q, causal, name, op, features, longest, o_dtype=grad_type)

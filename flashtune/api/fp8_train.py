@@ -24,6 +24,7 @@ import torch
 from flashtune.api.backward import backward
 from flashtune.api.fp8 import fp8_forward
 from flashtune.api.limits import check_softmax_scale
+from flashtune.api.ops import deterministic_flag
 from flashtune.api.validate import check_attention_inputs
 from flashtune.api.variants import Variant, resolve
 from flashtune.errors import InvalidInput
@@ -48,13 +49,13 @@ def quantise(x: torch.Tensor, heads_kv: int, fmt: torch.dtype
 class _Fp8Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                variant: Variant, scale: float, fmt: torch.dtype, backend: str
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                variant: Variant, scale: float, fmt: torch.dtype, backend: str,
+                deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
         heads_kv = k.shape[2]
         (q8, qs), (k8, ks), (v8, vs) = (quantise(t, heads_kv, fmt) for t in (q, k, v))
         out, lse = fp8_forward(q8, k8, v8, variant, scale, backend, (qs, ks, vs), q.dtype)
         ctx.save_for_backward(q8, k8, v8, qs, ks, vs, out, lse)
-        ctx.call = (variant, scale, backend)
+        ctx.call = (variant, scale, backend, deterministic)
         ctx.set_materialize_grads(False)
         return out, lse
 
@@ -62,12 +63,12 @@ class _Fp8Attention(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor | None, dlse: torch.Tensor | None
                  ) -> tuple[Any, ...]:
         q8, k8, v8, qs, ks, vs, out, lse = ctx.saved_tensors
-        variant, scale, backend = ctx.call
+        variant, scale, backend, deterministic = ctx.call
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv, _ = backward(dout, q8, k8, v8, out, lse, dlse, variant.causal, scale,
-                                 False, backend, variant, descales=(qs, ks, vs))
-        return dq, dk, dv, None, None, None, None
+                                 deterministic, backend, variant, descales=(qs, ks, vs))
+        return dq, dk, dv, None, None, None, None, None
 
 
 def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -75,11 +76,12 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
                   window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                   alibi_slopes: torch.Tensor | None = None,
                   fp8_dtype: torch.dtype = torch.float8_e4m3fn, return_lse: bool = False,
-                  backend: str | None = None
+                  deterministic: bool | None = None, backend: str | None = None
                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of 16-bit q (B, Nq, Hq, D), k, v (B, Nk, Hkv, D) quantised to ``fp8_dtype``
     per (batch, KV head) (module doc), differentiable: O (and with ``return_lse`` the
-    float32 LSE (B, Hq, Nq)) in q's dtype; ``loss.backward()`` runs the FP8 backward. The
+    float32 LSE (B, Hq, Nq)) in q's dtype; ``loss.backward()`` runs the FP8 backward
+    (``deterministic``: bitwise reproducible gradients, as ``flashtune.attention``'s). The
     masks and features as ``flashtune.attention``'s of the same names. InvalidInput naming
     the argument for a bad input; InvalidConfig on a GPU without FP8 tensor cores."""
     check_attention_inputs(q, k, v)
@@ -94,6 +96,7 @@ def attention_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     scale = check_softmax_scale(softmax_scale, q.shape[3])
     variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
                       (q.shape[1], k.shape[1]))
+    ordered = deterministic_flag(deterministic)
     out, lse = _Fp8Attention.apply(q, k, v, variant, scale, fp8_dtype,  # type: ignore[no-untyped-call]
-                                   backend or "")
+                                   backend or "", ordered)
     return (out, lse) if return_lse else out

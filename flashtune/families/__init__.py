@@ -23,7 +23,7 @@ _families: dict[str, KernelFamily] = {}
 def _builtins() -> None:
     from flashtune.families.bwd import BACKWARD, BACKWARD_DETERMINISTIC
     from flashtune.families.bwd.rows import CONVERT, PREPROCESS
-    from flashtune.families.bwd8 import BACKWARD_FP8
+    from flashtune.families.bwd8 import BACKWARD_FP8, BACKWARD_FP8_DETERMINISTIC
     from flashtune.families.bwd90a import HOPPER_BACKWARD, HOPPER_BACKWARD_DETERMINISTIC
     from flashtune.families.combine import COMBINE
     from flashtune.families.decode import DECODE
@@ -36,7 +36,8 @@ def _builtins() -> None:
 
     for family in (FORWARD, BACKWARD, BACKWARD_DETERMINISTIC, PREPROCESS, CONVERT, LSE,
                    DECODE, COMBINE, HOPPER_FORWARD, HOPPER_WS_FORWARD, FORWARD_FP8,
-                   HOPPER_BACKWARD, HOPPER_BACKWARD_DETERMINISTIC, MLA, BACKWARD_FP8):
+                   HOPPER_BACKWARD, HOPPER_BACKWARD_DETERMINISTIC, MLA, BACKWARD_FP8,
+                   BACKWARD_FP8_DETERMINISTIC):
         _families.setdefault(family.op, family)
 
 

@@ -38,20 +38,21 @@ def dequantised(x: torch.Tensor, heads_kv: int, fmt: torch.dtype) -> torch.Tenso
 
 
 @pytest.mark.emulator
-@pytest.mark.parametrize("dtype, fmt, causal, shape", [
-    (torch.bfloat16, torch.float8_e4m3fn, True, (2, 70, 45, 4, 2)),
-    (torch.float16, torch.float8_e5m2, False, (1, 33, 80, 2, 1)),
+@pytest.mark.parametrize("dtype, fmt, causal, shape, deterministic", [
+    (torch.bfloat16, torch.float8_e4m3fn, True, (2, 70, 45, 4, 2), False),
+    (torch.float16, torch.float8_e5m2, False, (1, 33, 80, 2, 1), True),
 ])
 def test_fp8_training_matches_float64_of_the_dequantised_inputs(
         dtype: torch.dtype, fmt: torch.dtype, causal: bool,
-        shape: tuple[int, int, int, int, int]) -> None:
+        shape: tuple[int, int, int, int, int], deterministic: bool) -> None:
+    """(``deterministic``: the gradients of ``bwd8det``, its slices summed in order.)"""
     inputs, dout = make_inputs(shape, 64, dtype, SEED)
     heads_kv = shape[4]
     scale = 64 ** -0.5
 
     def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = flashtune.attention_fp8(q, k, v, causal=causal, fp8_dtype=fmt,
-                                      backend="emulator")
+                                      deterministic=deterministic, backend="emulator")
         assert isinstance(out, torch.Tensor) and out.dtype == dtype
         return out
 

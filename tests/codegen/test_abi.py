@@ -55,7 +55,8 @@ def test_every_family_renders_its_declared_signature() -> None:
 
 
 def _arch(family: KernelFamily) -> ArchSpec:
-    return get_arch(family.target_arch or ("sm_89" if family.op in ("fwd8", "bwd8") else "sm_80"))
+    fp8 = family.op in ("fwd8", "bwd8", "bwd8det")  # FP8 mma: sm_89 and later
+    return get_arch(family.target_arch or ("sm_89" if fp8 else "sm_80"))
 
 
 def test_a_changed_declaration_changes_signature_packer_and_emulator_codes() -> None:

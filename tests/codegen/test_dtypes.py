@@ -113,8 +113,8 @@ def test_the_builtin_families_take_one_16_bit_type_for_every_operand() -> None:
     from flashtune.codegen.dtypes import FP8_INPUTS
 
     for family in families.all_families():
-        assert family.dtypes == (FP8_INPUTS if family.op in ("fwd8", "bwd8") else SAME_16BIT), (
-            family.op)
+        fp8 = family.op in ("fwd8", "bwd8", "bwd8det")
+        assert family.dtypes == (FP8_INPUTS if fp8 else SAME_16BIT), family.op
     with pytest.raises(InvalidProblem, match=r"it takes: bf16, fp16 \(one word"):
         families.get("fwd").check_problem(Problem(128, DType.BF16, kv_dtype=DType.FP16))
 

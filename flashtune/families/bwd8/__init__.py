@@ -151,6 +151,15 @@ class Fp8BackwardFamily(BackwardFamily):
                      + 4 * q_rows * d)
 
 
-BACKWARD_FP8 = Fp8BackwardFamily()
+class DeterministicFp8BackwardFamily(Fp8BackwardFamily):
+    """The FP8 backward of ``deterministic=True``: dQ in per-block slices only."""
 
-__all__ = ["BACKWARD_FP8", "BWD8_ABI", "Fp8BackwardFamily"]
+    op = "bwd8det"
+    title = "FP8 attention backward, deterministic (dQ slices summed in a fixed order)"
+    deterministic = True
+
+
+BACKWARD_FP8 = Fp8BackwardFamily()
+BACKWARD_FP8_DETERMINISTIC = DeterministicFp8BackwardFamily()
+
+__all__ = ["BACKWARD_FP8", "BACKWARD_FP8_DETERMINISTIC", "BWD8_ABI", "Fp8BackwardFamily"]
