@@ -76,7 +76,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     forward's features ``variant`` (None: none), and the float32 gradient of its sinks
     (None without sinks). ``backend`` "" means the FLASHTUNE_BACKEND setting. With varlen,
     every tensor is in the packed layout of the module doc. With traced modifications
-    (``variant.traced``), ``dscore`` (zeroed float32 (B, Hq, Nq, Nk), or None) receives the
+    (``variant.traced``), ``dscore`` (zeroed float32 (B, Hq, Nq, Nk), varlen: (sequences, Hq,
+    longest Nq, longest Nk) with each sequence's positions at its top left; or None) receives the
     gradient by the modified scores (``api.flex_grad``). FP8 q, k, v (``descales``: their
     q, k, v descale factors, float32 (batch or sequences, heads_kv)) run the FP8 backward
     (``bwd8``); dO and O, and so dQ, dK and dV, are then in O's 16-bit type."""
@@ -123,8 +124,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                    features)
         else:
             packed = args.MAIN_ABI.pack(
-                {**values, **({"dscore": dscore} if variant is not None and variant.traced
-                              else {})}, features)
+                {**values, **(args.dscore_values(dscore) if variant is not None
+                              and variant.traced else {})}, features)
     _launch(main, grid, packed)
 
     dq = torch.empty(q.shape, dtype=out.dtype, device=q.device)

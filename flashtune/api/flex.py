@@ -66,18 +66,8 @@ def modified_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant:
     traced ``score_mod`` / ``mask_mod``; ``block_mask``: the kernels walk only the tiles it
     marks non-empty (its ``mask_mod`` is then the one traced). Recorded for autograd when
     q, k, v or a captured float tensor requires grad (``api.flex_grad``; the backward is
-    deterministic with ``deterministic``); varlen calls give no captured tensor a gradient
-    (BackwardNotAvailable)."""
+    deterministic with ``deterministic``; varlen calls included, b being the sequence)."""
     traced = trace(score_mod, mask_mod, tiles=block_mask is not None)
-    # dQ, dK and dV flow through packs; a captured tensor's gradient is reduced from a
-    # dense (B, Hq, Nq, Nk) dscore buffer, which a pack has no layout for.
-    if variant.varlen is not None and torch.is_grad_enabled() and traced.grad_slots():
-        raise BackwardNotAvailable(
-            "a captured tensor of this varlen call's score_mod requires grad, and "
-            "attention_varlen gives gradients to q, k and v only (a captured tensor's "
-            "gradient needs the dense (batch, heads, Nq, Nk) layout); expected captured "
-            "tensors that do not require grad (pass bias.detach()), or call attention "
-            "on padded (batch, seqlen, heads, head_dim) tensors for the bias's gradient")
     name = traced_feature(traced)
     values = traced.values(q.device)
     with_mod = replace(variant, traced=(name,), mods=values)

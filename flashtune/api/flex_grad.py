@@ -96,9 +96,10 @@ class _ModifiedAttention(torch.autograd.Function):
         if call.block_mask is not None:
             variant = _with_columns(call, q, k, variant)
         dscore = None
-        if slots:
-            dscore = torch.zeros(q.shape[0], q.shape[2], q.shape[1], k.shape[1],
-                                 dtype=torch.float32, device=q.device)
+        if slots:  # dense (B, Hq, Nq, Nk); varlen: (sequences, Hq, longest Nq, longest Nk)
+            batch, rows, keys = _score_grid(q, k, variant)
+            dscore = torch.zeros(batch, q.shape[2], rows, keys, dtype=torch.float32,
+                                 device=q.device)
         dq, dk, dv, _ = backward(dout, q, k, v, out, lse, dlse, call.causal, call.scale,
                                  call.deterministic, call.backend, variant, dscore)
         grads: tuple[Any, ...] = ()
@@ -131,11 +132,25 @@ def _with_columns(call: ModifiedCall, q: torch.Tensor, k: torch.Tensor, variant:
     return replace(variant, mods=values)
 
 
+def _score_grid(q: torch.Tensor, k: torch.Tensor, variant: Variant) -> tuple[int, int, int]:
+    """(batch, rows, keys) of the score grid the captured tensors' gradients are reduced
+    over: the call's (B, Nq, Nk), or a varlen call's (sequences, longest Nq, longest Nk),
+    each sequence's positions at the top left (the kernel's dscore layout)."""
+    varlen = variant.varlen
+    if varlen is None:
+        return q.shape[0], q.shape[1], k.shape[1]
+
+    def longest(cu: torch.Tensor) -> int:
+        return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    return varlen.batch, longest(varlen.cu_seqlens_q), longest(varlen.cu_seqlens_k)
+
+
 def _scores_if_read(call: ModifiedCall, q: torch.Tensor, k: torch.Tensor
                     ) -> torch.Tensor | None:
     """The unmodified scaled scores (B, Hq, Nq, Nk) float32, after softcap and ALiBi, when
     a captured tensor's derivative reads the score (e.g. a learned per-head scale); else
-    None (an additive bias needs none)."""
+    None (an additive bias needs none). Varlen: each sequence's scores at the top left of
+    its (longest Nq, longest Nk) slice (``_score_grid``), zeros elsewhere."""
     part = _part(call.traced)
     slots = frozenset(call.traced.grad_slots())
     reads = any(reads_score(derivative(part, load)) for load in float_loads(part, slots))
@@ -144,5 +159,17 @@ def _scores_if_read(call: ModifiedCall, q: torch.Tensor, k: torch.Tensor
     group = q.shape[2] // k.shape[2]
     ke = k.float().repeat_interleave(group, dim=2)
     v = call.variant
-    return scaled_scores(q.float(), ke, call.scale, False, softcap=v.softcap or None,
-                         alibi_slopes=v.alibi_slopes)
+    if v.varlen is None:
+        return scaled_scores(q.float(), ke, call.scale, False, softcap=v.softcap or None,
+                             alibi_slopes=v.alibi_slopes)
+    batch, rows, keys = _score_grid(q, k, v)
+    out = torch.zeros(batch, q.shape[2], rows, keys, dtype=torch.float32, device=q.device)
+    cu_q, cu_k = v.varlen.cu_seqlens_q.tolist(), v.varlen.cu_seqlens_k.tolist()
+    for b in range(batch):
+        qb, kb = q[:, cu_q[b]:cu_q[b + 1]].float(), ke[:, cu_k[b]:cu_k[b + 1]]
+        slopes = v.alibi_slopes
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[b:b + 1]
+        out[b, :, :qb.shape[1], :kb.shape[1]] = scaled_scores(
+            qb, kb, call.scale, False, softcap=v.softcap or None, alibi_slopes=slopes)[0]
+    return out

@@ -71,10 +71,10 @@ struct BwdScoreArgs {
 // modified score mods(x) (x the scaled score after softcap and ALiBi; on a block mask's
 // partial tile, -inf where mods.keep hides the key) and dS carries mods.grad(x), the
 // modification's slope. With a `dscore` buffer (row 0 of the (batch, head) slice of a
-// float32 (B, Hq, Nq, Nk) tensor, zeroed by the caller) each visible element's gradient by
-// the modified score, P (dP - D), is also stored there: every element by exactly one block,
-// so the buffer holds the same bits in every block order (captured tensors' gradients are
-// reduced from it, codegen.trace_grad).
+// float32 (B, Hq, Nq, Nk) tensor, rows dscore_cols apart, zeroed by the caller) each visible
+// element's gradient by the modified score, P (dP - D), is also stored there: every element
+// by exactly one block, so the buffer holds the same bits in every block order (captured
+// tensors' gradients are reduced from it, codegen.trace_grad).
 template <class Tr, class Mods>
 __device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
                                            const typename Tr::Element* sdo,
@@ -86,7 +86,7 @@ __device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
                                            int seqlen_k, float scale_log2, int lane,
                                            const BwdScoreArgs& fa, const DropoutSite& drop,
                                            const Mods& mods, int batch, int head, bool partial,
-                                           float* dscore) {
+                                           float* dscore, int dscore_cols) {
   constexpr float kLog2e = 1.44269504088896340736f;
   constexpr int kSteps = Tr::kHeadDimMma / 16;
   float s[Tr::kMTiles][Tr::kKeyTiles][4];
@@ -178,7 +178,7 @@ __device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
               p[e] = seen ? exp2f_fast(x * kLog2e - lse_log2) : 0.0f;
               const float dmod = p[e] * (dpe - dsum);
               if (dscore != nullptr && seen) {
-                dscore[static_cast<long long>(q_idx) * seqlen_k + kv_idx] = dmod;
+                dscore[static_cast<long long>(q_idx) * dscore_cols + kv_idx] = dmod;
               }
               // A hidden key (P = 0) passes nothing, whatever the slope there (inf, NaN).
               ds[e] = p[e] == 0.0f ? 0.0f : dmod * slope * dtanh;
@@ -274,7 +274,8 @@ __device__ __forceinline__ void flash_bwd(
     long long dk_batch_stride, long long dk_row_stride, long long dk_head_stride,
     long long dv_batch_stride, long long dv_row_stride, long long dv_head_stride,
     float softmax_scale, const VariantArgs& var = VariantArgs{}, const Mods& mods = Mods{},
-    float* __restrict__ dscore = nullptr, const float* __restrict__ q_descale = nullptr,
+    float* __restrict__ dscore = nullptr, int dscore_rows = 0, int dscore_cols = 0,
+    const float* __restrict__ q_descale = nullptr,
     const float* __restrict__ k_descale = nullptr,
     const float* __restrict__ v_descale = nullptr) {
   using Element = typename Tr::Element;
@@ -474,8 +475,10 @@ __device__ __forceinline__ void flash_bwd(
       float* dscore_bh = nullptr;
       if constexpr (Mods::kOn) {
         if (dscore != nullptr) {
-          dscore_bh = dscore + (batch_rows(batch, heads_q, seqlen_q) +
-                                static_cast<long long>(head) * seqlen_q) * seqlen_k;
+          // (batch or sequence, head)'s dscore_rows x dscore_cols slice: (B, Hq, Nq, Nk),
+          // or varlen's padded (sequences, Hq, longest Nq, longest Nk).
+          dscore_bh = dscore + (static_cast<long long>(batch) * heads_q + head) *
+                                   dscore_rows * dscore_cols;
         }
       }
       bwd_scores<Tr>(sq_buf + warp_row0 * Tr::kRowStride, sdo_buf + warp_row0 * Tr::kRowStride,
@@ -483,7 +486,7 @@ __device__ __forceinline__ void flash_bwd(
                      sdsum + buf * kBlockM + warp_row0, sp + warp_row0 * Tr::kPRowStride,
                      sds + warp_row0 * Tr::kPRowStride, m0 + warp_row0, n0, masked, seqlen_q,
                      seqlen_k, scale_log2, lane, fa, drop, mods, batch, head, partial,
-                     dscore_bh);
+                     dscore_bh, dscore_cols);
       block_sync();  // sP and sdS are complete
 
       // dV += P^T dO and dK += dS^T Q over this step's query rows.

@@ -29,7 +29,6 @@ from grad_helpers import Grads, gradients, packed_inputs, per_sequence, within_r
 import flashtune
 from flashtune.api import flex_mods
 from flashtune.codegen.trace_grad import NotDifferentiable
-from flashtune.errors import BackwardNotAvailable
 
 pytestmark = pytest.mark.emulator
 
@@ -200,10 +199,11 @@ def test_an_operation_without_a_derivative_is_refused_before_running() -> None:
 @pytest.mark.usefixtures("dispatcher", "poisoned_outputs")
 @pytest.mark.parametrize("deterministic", (False, True), ids=("atomic", "deterministic"))
 def test_varlen_gradients_through_a_modification(deterministic: bool) -> None:
-    """attention_varlen with a score_mod and a mask_mod gives dQ, dK, dV within flash-attn's
-    rule against float64 autograd of the same functions applied per sequence (b its index,
-    q_idx and kv_idx positions within it), over a pack with an empty-query and an empty-key
-    sequence, GQA 4:2; a captured tensor that requires grad is refused naming the fix."""
+    """attention_varlen with a score_mod and a mask_mod gives dQ, dK, dV and the gradient of
+    the learned slopes the score_mod captures within flash-attn's rule against float64
+    autograd of the same functions applied per sequence (b its index, q_idx and kv_idx
+    positions within it), over a pack with an empty-query and an empty-key sequence, GQA
+    4:2; deterministic: twice the same bits."""
     seed = _SEED + 11 + deterministic
     gen = torch.Generator().manual_seed(seed)
     lens_q, lens_k, heads, heads_kv, dim = [33, 0, 70, 9], [50, 7, 70, 0], 4, 2, 64
@@ -211,39 +211,44 @@ def test_varlen_gradients_through_a_modification(deterministic: bool) -> None:
                                                 torch.float16, seed)
     slopes = torch.rand(heads, generator=gen)
 
-    def score_mod(s: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return s - slopes[h] * torch.abs(q_idx - kv_idx) / 8 + 0.25 * b
+    def score_mod_of(learned: torch.Tensor) -> Callable[..., Any]:
+        def score_mod(s: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+            return s - learned[h] * torch.abs(q_idx - kv_idx) / 8 + 0.25 * b
+        return score_mod
 
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return kv_idx <= q_idx + 3 * b
 
-    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, learned: torch.Tensor
+             ) -> torch.Tensor:
         out = flashtune.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
-                                         score_mod=score_mod, mask_mod=mask_mod,
+                                         score_mod=score_mod_of(learned), mask_mod=mask_mod,
                                          deterministic=deterministic, backend="emulator")
         assert isinstance(out, torch.Tensor)
         return out
 
     def plain(dtype: torch.dtype) -> Callable[..., torch.Tensor]:
-        def attend(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, b: int
+        def packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, learned: torch.Tensor
                    ) -> torch.Tensor:
-            def at_b(s: Any, _: Any, h: Any, i: Any, j: Any) -> Any:
-                return score_mod(s, b, h, i, j)
+            def attend(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, b: int
+                       ) -> torch.Tensor:
+                def at_b(s: Any, _: Any, h: Any, i: Any, j: Any) -> Any:
+                    return score_mod_of(learned)(s, b, h, i, j)
 
-            def mask_b(_: Any, h: Any, i: Any, j: Any) -> Any:
-                return mask_mod(b, h, i, j)
-            bhsd = (t.transpose(1, 2) for t in (qb, kb, vb))
-            return dense(*bhsd, dim ** -0.5, at_b, mask_b, dtype)[0].transpose(1, 2)
-        return per_sequence(attend, cu_q, cu_k)
+                def mask_b(_: Any, h: Any, i: Any, j: Any) -> Any:
+                    return mask_mod(b, h, i, j)
+                bhsd = (t.transpose(1, 2) for t in (qb, kb, vb))
+                return dense(*bhsd, dim ** -0.5, at_b, mask_b, dtype)[0].transpose(1, 2)
+            return per_sequence(attend, cu_q, cu_k)(q, k, v)
+        return packed
 
-    inputs = (q, k, v)
-    got = gradients(ours, inputs, dout)
-    low = gradients(plain(torch.float16), inputs, dout)
-    exact = gradients(plain(torch.float64), tuple(t.double() for t in inputs), dout)
+    names = ("dq", "dk", "dv", "dslopes")
+    got = gradients(ours, (q, k, v, slopes), dout, names)
+    low = gradients(plain(torch.float16), (q, k, v, slopes), dout, names)
+    exact = gradients(plain(torch.float64), (q.double(), k.double(), v.double(),
+                                             slopes.double()), dout, names)
     within_rule(got, low, exact, f"varlen modified seed={seed}")
-    learned = slopes.clone().requires_grad_()
-    with pytest.raises(BackwardNotAvailable, match=r"captured tensor .* requires grad.*"
-                                                   r"bias.detach\(\)"):
-        flashtune.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
-                                   score_mod=lambda s, b, h, i, j: s + learned[h],
-                                   backend="emulator")
+    if deterministic:
+        again = gradients(ours, (q, k, v, slopes), dout, names)
+        for name in names:
+            assert torch.equal(again[name], got[name]), name

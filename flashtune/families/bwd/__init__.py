@@ -170,7 +170,7 @@ class BackwardFamily(KernelFamily):
         t = inputs.tensors
         values = {"q": t["q"], "k": t["k"], "v": t["v"], "dout": t["do"], "lse": t["lse"],
                   "dsum": t["dsum"], "dk": outputs["dk"], "dv": outputs["dv"],
-                  "dq_accum": outputs["dq_accum"], "dscore": outputs.get("dscore"),
+                  "dq_accum": outputs["dq_accum"], **args.dscore_values(outputs.get("dscore")),
                   "softmax_scale": inputs.scalars["softmax_scale"],
                   **feature_values(problem, variants.VariantValues.of(inputs))}
         packed = args.MAIN_ABI.pack(values, problem.features)

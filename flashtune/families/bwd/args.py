@@ -13,7 +13,9 @@ Main kernel (``flash_bwd.cu.jinja``):
     (int64); varlen: cu_seqlens_q, cu_seqlens_k (const int*, batch + 1 each); dropout:
     dropout_seed, dropout_offset (int64), dropout_p (float32); with declared score
     modifications, dscore (float*, may be null: float32 (B, Hq, Nq, Nk), zeroed, receives
-    the gradients by the modified scores) and then the modifications' params, in key order.
+    the gradients by the modified scores; varlen: (sequences, Hq, longest Nq, longest Nk),
+    sequence b's positions at its top left), dscore_rows and dscore_cols (int32: its last
+    two dims) and then the modifications' params, in key order.
 
 Preprocess (``bwd_pre.cu.jinja``): o, do (const T*), dsum, dq_accum (float*), seqlen_q,
 heads_q, dq_slices (int32), o and do strides (6 x int64).
@@ -36,6 +38,7 @@ The packers run on every backward call: they are the ABIs' generated straight-li
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from flashtune.codegen.abi import (
     WITH_SCORE_MODS,
@@ -48,6 +51,9 @@ from flashtune.codegen.abi import (
 )
 from flashtune.families.fwd.args import DROPOUT_ARGS, VARLEN_ARGS
 from flashtune.families.launch_args import grid
+
+if TYPE_CHECKING:
+    import torch
 
 _Q, _KV, _O, _F, _I = Element.Q, Element.KV, Element.O, Element.FLOAT, Element.INT
 
@@ -69,6 +75,8 @@ MAIN_ABI = EntryAbi("flash_bwd", (
     *VARLEN_ARGS,
     *DROPOUT_ARGS,
     tensor("dscore", _F, optional=True, feature=WITH_SCORE_MODS, wrap=True),
+    scalar("dscore_rows", _I, feature=WITH_SCORE_MODS),
+    scalar("dscore_cols", _I, feature=WITH_SCORE_MODS),
 ), score_mods=True)
 
 #: The preprocess kernel's arguments (``bwd_pre.cu.jinja``).
@@ -102,6 +110,12 @@ sum_args = SUM_ABI.packer()
 
 #: Grid of the preprocess and convert kernels: (query tiles, query heads, batch).
 row_grid = grid
+
+
+def dscore_values(dscore: torch.Tensor | None) -> dict[str, object]:
+    """The main kernel's dscore arguments: the buffer (or None) and its last two dims."""
+    rows, cols = (0, 0) if dscore is None else (int(dscore.shape[2]), int(dscore.shape[3]))
+    return {"dscore": dscore, "dscore_rows": rows, "dscore_cols": cols}
 
 
 def main_grid(seqlen_k: int, heads_kv: int, batch: int, block_n: int, dq_slices: int | None

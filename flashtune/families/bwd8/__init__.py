@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, ClassVar
 
 from flashtune._lazy import lazy_module
-from flashtune.codegen.abi import Element, EntryAbi, tensor
+from flashtune.codegen.abi import WITH_SCORE_MODS, Element, EntryAbi, tensor
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.dtypes import FP8_INPUTS
 from flashtune.codegen.render import TemplateValue
@@ -55,7 +55,7 @@ else:
 #: descale factors (float32 (batch, heads_kv), contiguous) come last.
 BWD8_ABI = EntryAbi("flash_bwd8", tuple(
     dataclasses.replace(a, element=Element.O) if a.name in ("dk", "dv") else a
-    for a in args.MAIN_ABI.args if a.feature != "dropout" and a.name != "dscore") + tuple(
+    for a in args.MAIN_ABI.args if a.feature not in ("dropout", WITH_SCORE_MODS)) + tuple(
     tensor(name, Element.FLOAT, const=True, wrap=i == 0) for i, name in enumerate(DESCALES)))
 
 
