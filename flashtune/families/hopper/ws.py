@@ -44,6 +44,7 @@ from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.codegen.tensormap import TensorMap, TmaSwizzle
 from flashtune.errors import InvalidInput
 from flashtune.families.base import element_type
+from flashtune.families.fwd import variants
 from flashtune.families.fwd.args import FWD_ABI, ExtraValues
 from flashtune.families.hopper import HopperForwardFamily, space
 
@@ -88,6 +89,15 @@ class HopperWsForwardFamily(HopperForwardFamily):
     template = "hopper_fwd_ws.cu.jinja"
     serves: ClassVar[str | None] = "fwd"
     abi: ClassVar[EntryAbi | None] = WS_ABI
+    #: Every attention feature of the forward but dropout (FA3 has none either: it is a
+    #: training feature, served by the mma.sync forward). The window skips the key tiles
+    #: outside every row's window (never loaded); softcap and ALiBi are softmax.cuh's score
+    #: transforms, varlen the packed layout (the tensor maps' row coordinate is the
+    #: sequence's first row), sinks sinks.cuh's denominator update.
+    features: ClassVar[frozenset[str]] = frozenset(
+        {"window", "softcap", "alibi", "varlen", "sinks"})
+    #: No declared score modifications (they stay on the mma.sync forward).
+    score_mods = False
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.WS_SPACE
@@ -126,6 +136,7 @@ class HopperWsForwardFamily(HopperForwardFamily):
                         ) -> dict[str, TemplateValue]:
         producer, consumer = space.ws_registers(config)
         return {**super().template_params(problem, config),
+                **variants.template_params(problem),
                 "pingpong": self.pingpong_on(config),
                 "overlap": bool(space.knob(config, space.OVERLAP)),
                 **{f"tma_{name[-1]}": space.knob(config, name) == space.TMA
