@@ -42,7 +42,7 @@ from flashtune.codegen.params import ParamSpace, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.codegen.tensormap import TensorMap, TmaSwizzle
-from flashtune.errors import InvalidInput
+from flashtune.errors import InvalidConfig, InvalidInput
 from flashtune.families.base import element_type
 from flashtune.families.fwd import variants
 from flashtune.families.fwd.args import FWD_ABI, ExtraValues
@@ -107,7 +107,19 @@ class HopperWsForwardFamily(HopperForwardFamily):
                 **{name: space.knob(config, name) for name in space.WS_DEFAULTS}}
 
     def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
-        return space.ws_check(problem, config, arch)
+        """The space's rules, and the register limit of the features: at head dim 256 a
+        window or varlen with ALiBi (row bounds, sequence offsets and the bias beside O's 128
+        accumulators) spills under the 168 registers of two or three consumer warpgroups
+        (ptxas, sm_90a)."""
+        why = space.ws_check(problem, config, arch)
+        if why is None and problem.head_dim == 256 and problem.alibi \
+                and (problem.window or problem.varlen) and config.block_m > 64:
+            why = (f"block_m={config.block_m}: at head dim 256 ALiBi with a window or varlen "
+                   "spills "
+                   f"under the {space.ws_registers(config)[1]} registers of each of "
+                   f"{config.block_m // 64} consumer warpgroups; expected block_m=64 (one "
+                   "consumer warpgroup, 240 registers)")
+        return why
 
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
         return space.smem_bytes(problem, config, warp_specialized=True)
@@ -116,8 +128,16 @@ class HopperWsForwardFamily(HopperForwardFamily):
         """The cp.async family's default tile (block_m 128, two stages, block_n 128; 64 at
         head dim 256) with ping-pong and overlap on, FA3's structure: neither holds an
         accumulator more, so the register rule admits both wherever it admits the tile (if it
-        ever did not, the tile alone)."""
-        plain = super().default_config(problem, arch)
+        ever did not, the tile alone). Where the features' register limit refuses two
+        consumer warpgroups (``rules``), block_m 64 with overlap."""
+        try:
+            plain = super().default_config(problem, arch)
+        except InvalidConfig:
+            # The features' register limit (``rules``): one consumer warpgroup of 64 rows,
+            # whose registers (240) hold them, with overlap (no ping-pong partner).
+            narrow = self.config({"block_m": 64, "block_n": 64, "num_stages": 2,
+                                  space.OVERLAP: 1})
+            return self.fitting(problem, narrow, arch)
         both = self.config({**self.point(plain), space.PINGPONG: 1, space.OVERLAP: 1})
         return both if self.static_check(problem, both, arch) is None else plain
 
