@@ -46,6 +46,12 @@
 // no P V before it; the last tile's P V follows the loop. A second stage is needed: tile j's
 // K lands while tile j - 1's V is still read.
 //
+// Features (Tr::kLocal, kSoftcap, kAlibi, kVarlen, kSinks; hopper_fwd.cuh): the producer walks
+// the block's key range from its top tile down to its lowest (tiles below every row's
+// window are never loaded), the consumers transform each complete S (softcap, ALiBi) before
+// its softmax and mask only the tiles crossing the diagonal or a window edge; with varlen the
+// tensor maps' row coordinate starts at the sequence's first packed row (batch coordinate 0).
+//
 // FT_WS_PLANTED_BUG (tests only; 0 in every rendered kernel) plants one bug for the
 // emulator's tests: 1 no expect-tx on the K/V stage (a plain arrive), 2 consumers release a
 // stage twice, 3 consumers never release a stage, 4 the consumers' setmaxnreg count not a

@@ -18,6 +18,11 @@ space, arguments, outputs, reference and tolerances are ``fwd90a``'s; the kernel
 tensor maps after the forward's arguments, built here from the launch's tensors and encoded
 by the backend (runtime.tma); an operand loaded by cp.async ignores its map.
 
+The features window, softcap, ALiBi, varlen and sinks are the forward's (``features``; their
+run-time values the forward's arguments, before the tensor maps): the producer never loads
+the key tiles below every row's window, the consumers mask only the tiles crossing an edge,
+and with varlen the maps' row coordinate is the sequence's first packed row.
+
 The config's num_warps counts the consumer warps (block_m / 16, as in ``fwd90a``); the block
 has a producer warpgroup more (``threads``). It serves the forward on compute capability 9.0
 devices (``serves``), each kernel checked against float64 on the device before its first
