@@ -31,6 +31,7 @@
 
 #include "flash_fwd.cuh"  // FwdParams (the same arguments) and softmax.cuh
 #include "mbarrier.cuh"
+#include "sinks.cuh"
 #include "wgmma.cuh"
 
 #ifndef FT_HOPPER_PLANTED_BUG
@@ -43,18 +44,28 @@ namespace ft {
 // softmax.cuh reads (one 16-row m tile per warp).
 template <typename Element_, bool IsBf16, int HeadDim, int BlockM, int BlockN, int Stages,
           bool Causal, bool WarpSpecialized = false, bool PingPong = false,
-          bool Overlap = false>
+          bool Overlap = false, bool Local = false, bool Softcap = false, bool Alibi = false,
+          bool Varlen = false, bool Sinks = false>
 struct HopperFwdTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
+  using Mods = NoScoreMods;  // no declared score modifications (ScoreTransform reads it)
   static constexpr bool kBf16 = IsBf16;
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = BlockM;
   static constexpr int kBlockN = BlockN;
   static constexpr int kStages = Stages;
   static constexpr bool kCausal = Causal;
-  // No attention features (the mma.sync forward serves them); softmax.cuh's masks read it.
-  static constexpr bool kLocal = false;
+  // The attention features, with the mma.sync forward's meaning (fwd_traits.cuh): a sliding
+  // window (key tiles outside every row's window never loaded, those crossing an edge
+  // masked), softcap and ALiBi (softmax.cuh's ScoreTransform), varlen (packed sequences,
+  // VariantArgs' cu_seqlens) and sinks (sinks.cuh). softmax.cuh's masks read kLocal.
+  static constexpr bool kLocal = Local;
+  static constexpr bool kSoftcap = Softcap;
+  static constexpr bool kAlibi = Alibi;
+  static constexpr bool kVarlen = Varlen;
+  static constexpr bool kSinks = Sinks;
+  static constexpr bool kTransformed = Softcap || Alibi;
   static constexpr int kWarpGroups = BlockM / 64;  // consumer warpgroups (the math)
   // hopper_fwd_ws.cuh adds a producer warpgroup (warps 0..3) in front of them.
   static constexpr bool kWarpSpecialized = WarpSpecialized;
@@ -124,10 +135,12 @@ __device__ __forceinline__ void load_tile(unsigned char* dst, const typename Tr:
   }
 }
 
-// O = 0 and LSE = +inf for rows [row0, min(row0 + kBlockM, seqlen_q)): rows that see no key.
+// O = 0 and LSE = lse_value for rows [row0, min(row0 + kBlockM, seqlen_q)): rows that see no
+// key (+inf; with sinks the head's sink, the LSE of the sink alone).
 template <class Tr>
 __device__ __forceinline__ void store_unseen_rows(typename Tr::Element* o, long long row_stride,
-                                                  float* lse, int row0, int seqlen_q, int tid) {
+                                                  float* lse, int row0, int seqlen_q, int tid,
+                                                  float lse_value) {
   for (int idx = tid; idx < Tr::kBlockM * Tr::kChunks; idx += Tr::kThreads) {
     const int r = row0 + idx / Tr::kChunks;
     if (r < seqlen_q) {
@@ -137,7 +150,7 @@ __device__ __forceinline__ void store_unseen_rows(typename Tr::Element* o, long 
     }
   }
   for (int r = row0 + tid; r < row0 + Tr::kBlockM; r += Tr::kThreads) {
-    if (r < seqlen_q) lse[r] = INFINITY;
+    if (r < seqlen_q) lse[r] = lse_value;
   }
 }
 
@@ -147,46 +160,80 @@ struct FirstTile {
   static constexpr bool value = kFirst;
 };
 
-// Keys [0, n_end) are visible to some row of the query block m0.., [0, n_full) to all of
-// them; the block walks n_tiles key tiles from the last one down, masking those from
-// first_masked_tile on (the diagonal and the tail).
+// Keys [n_begin, n_end) are visible to some row of the query block m0.., [n_full_begin,
+// n_full) to all of them (the causal diagonal and the window aligned to the bottom-right
+// corner: row i sees key j iff i + Nk - Nq - left <= j <= i + Nk - Nq + right; causal alone
+// is right 0 with no left edge). The block walks `count` key tiles from tile n_tiles - 1
+// down to tile `low` (the lowest one with a visible key: tiles below every row's window are
+// never loaded), masking those from first_masked_tile up (the right edge and the tail) and,
+// with a window, those below left_masked_end (the left edge); the tiles between run
+// unmasked.
 struct KeyRange {
+  int n_begin;
   int n_end;
   int n_tiles;
+  int low;
+  int count;
   int first_masked_tile;
+  int left_masked_end;
 };
 
+// right, left: the window's clamped sizes (VariantArgs::right, left; unused without one).
 template <class Tr>
-__device__ __forceinline__ KeyRange key_range(int m0, int seqlen_q, int seqlen_k) {
+__device__ __forceinline__ KeyRange key_range(int m0, int seqlen_q, int seqlen_k, int right,
+                                              int left) {
   const int m_end = seqlen_q < m0 + Tr::kBlockM ? seqlen_q : m0 + Tr::kBlockM;
   int n_end = seqlen_k;
   int n_full = seqlen_k;
-  if constexpr (Tr::kCausal) {
-    const int last_row_end = m_end + seqlen_k - seqlen_q;
-    const int first_row_end = m0 + 1 + seqlen_k - seqlen_q;
+  int n_begin = 0;
+  int n_full_begin = 0;
+  if constexpr (Tr::kCausal || Tr::kLocal) {
+    const int reach = Tr::kLocal ? right : 0;
+    const int last_row_end = m_end + seqlen_k - seqlen_q + reach;
+    const int first_row_end = m0 + 1 + seqlen_k - seqlen_q + reach;
     n_end = last_row_end < n_end ? last_row_end : n_end;
     n_full = first_row_end < n_full ? first_row_end : n_full;
   }
+  if constexpr (Tr::kLocal) {
+    const int first_row_begin = m0 + seqlen_k - seqlen_q - left;
+    const int last_row_begin = m_end - 1 + seqlen_k - seqlen_q - left;
+    n_begin = first_row_begin > 0 ? first_row_begin : 0;
+    n_full_begin = last_row_begin > 0 ? last_row_begin : 0;
+  }
   KeyRange r;
+  r.n_begin = n_begin;
   r.n_end = n_end;
   r.n_tiles = (n_end + Tr::kBlockN - 1) / Tr::kBlockN;
+  r.low = n_begin / Tr::kBlockN;
+  r.count = r.n_tiles - r.low;
   r.first_masked_tile = n_full <= 0 ? 0 : n_full / Tr::kBlockN;
+  r.left_masked_end = (n_full_begin + Tr::kBlockN - 1) / Tr::kBlockN;
   return r;
 }
 
-// Calls step(j, FirstTile, mask) for j = 0 .. n_tiles - 1 (key tile n_tiles - 1 - j) with the
-// mask each tile needs: the first one masked, then the causal diagonal, then none.
+// Calls step(j, FirstTile, mask) for j = 0 .. count - 1 (key tile n_tiles - 1 - j) with the
+// mask each tile needs: the first one masked, then those crossing the causal diagonal or
+// the window's right edge, then none, then (window) those crossing its left edge.
 template <class Tr, class Step>
 __device__ __forceinline__ void for_each_key_tile(const KeyRange& range,
                                                   const RowLimits<Tr>& limits, Step&& step) {
+  constexpr bool kEdge = Tr::kCausal || Tr::kLocal;
   const int n_tiles = range.n_tiles;
-  step(0, FirstTile<true>{}, TileMask<Tr, true, Tr::kCausal>(limits, (n_tiles - 1) * Tr::kBlockN));
+  const int count = range.count;
+  step(0, FirstTile<true>{}, TileMask<Tr, true, kEdge>(limits, (n_tiles - 1) * Tr::kBlockN));
   int j = 1;
-  if constexpr (Tr::kCausal) {
-    for (; j < n_tiles && n_tiles - 1 - j >= range.first_masked_tile; ++j)
+  if constexpr (kEdge) {
+    for (; j < count && n_tiles - 1 - j >= range.first_masked_tile; ++j)
       step(j, FirstTile<false>{}, TileMask<Tr, false, true>(limits, (n_tiles - 1 - j) * Tr::kBlockN));
   }
-  for (; j < n_tiles; ++j) step(j, FirstTile<false>{}, NoMask{});
+  if constexpr (Tr::kLocal) {
+    for (; j < count && n_tiles - 1 - j >= range.left_masked_end; ++j)
+      step(j, FirstTile<false>{}, NoMask{});
+    for (; j < count; ++j)
+      step(j, FirstTile<false>{}, TileMask<Tr, false, true>(limits, (n_tiles - 1 - j) * Tr::kBlockN));
+  } else {
+    for (; j < count; ++j) step(j, FirstTile<false>{}, NoMask{});
+  }
 }
 
 // The schedule of a warpgroup's GEMMs: whether it waits for its turn before issuing Q K^T
@@ -237,15 +284,25 @@ __device__ __forceinline__ void issue_pv(unsigned v_addr,
   wgmma_commit();
 }
 
+// What runs on the complete scores of a tile before its softmax: nothing (a plain problem),
+// or the score transforms of its features (WarpgroupMath::transform_scores).
+struct NoScorePrep {
+  template <class S>
+  __device__ __forceinline__ void operator()(S&) const {}
+};
+
 // The online softmax of the complete S in acc_s (tied here: a wgmma still writing it is an
-// error in the emulator) and of O (complete: the caller tied it after its last wait), P from
-// the S accumulators, and O += P V (issue_pv) in one commit group it does not wait for.
-template <class Tr, bool kFirst, class Mask>
+// error in the emulator; then prep transforms it) and of O (complete: the caller tied it
+// after its last wait), P from the S accumulators, and O += P V (issue_pv) in one commit
+// group it does not wait for.
+template <class Tr, bool kFirst, class Mask, class Prep = NoScorePrep>
 __device__ __forceinline__ void softmax_issue_pv(unsigned v_addr, float (&acc_s)[1][Tr::kSTiles][4],
                                                  OnlineSoftmax<Tr>& softmax,
                                                  float (&acc_o)[1][Tr::kOTiles][4],
-                                                 float scale_log2, const Mask& mask) {
+                                                 float scale_log2, const Mask& mask,
+                                                 const Prep& prep = {}) {
   wgmma_fence_operands(reinterpret_cast<float(&)[Tr::kBlockN / 2]>(acc_s));
+  prep(acc_s);
   unsigned p[1][Tr::kPvSteps][4];
   softmax.template update<kFirst>(acc_s, p, acc_o, scale_log2, mask);
   issue_pv<Tr>(v_addr, p, acc_o);
@@ -254,29 +311,34 @@ __device__ __forceinline__ void softmax_issue_pv(unsigned v_addr, float (&acc_s)
 // One key tile for the calling warpgroup: S = Q K^T, the online softmax, P and O += P V, each
 // GEMM waited for before its result is read (q_addr, k_addr, v_addr: this warpgroup's Q rows
 // and the stage's K and V tiles).
-template <class Tr, bool kFirst, class Mask, class Schedule = FreeSchedule>
+template <class Tr, bool kFirst, class Mask, class Schedule = FreeSchedule,
+          class Prep = NoScorePrep>
 __device__ __forceinline__ void tile_math(unsigned q_addr, unsigned k_addr, unsigned v_addr,
                                           OnlineSoftmax<Tr>& softmax,
                                           float (&acc_o)[1][Tr::kOTiles][4], float scale_log2,
-                                          const Mask& mask, const Schedule& schedule = {}) {
+                                          const Mask& mask, const Schedule& schedule = {},
+                                          const Prep& prep = {}) {
   float acc_s[1][Tr::kSTiles][4];
   issue_qk<Tr>(q_addr, k_addr, reinterpret_cast<float(&)[Tr::kBlockN / 2]>(acc_s), schedule);
   wgmma_wait<0>();
-  softmax_issue_pv<Tr, kFirst>(v_addr, acc_s, softmax, acc_o, scale_log2, mask);
+  softmax_issue_pv<Tr, kFirst>(v_addr, acc_s, softmax, acc_o, scale_log2, mask, prep);
   wgmma_wait<0>();
   wgmma_fence_operands(reinterpret_cast<float(&)[Tr::kHeadDim / 2]>(acc_o));
 }
 
 // Epilogue of one warp (query rows row0 .. row0 + 15): O / row sum and the natural-log LSE,
-// straight from the accumulators.
+// straight from the accumulators; with sinks (Tr::kSinks) the head's sink sink_log2 joins
+// each row's denominator.
 template <class Tr>
 __device__ __forceinline__ void store_rows(OnlineSoftmax<Tr>& softmax,
                                            const float (&acc_o)[1][Tr::kOTiles][4],
                                            typename Tr::Element* o_bh, long long o_row_stride,
-                                           float* lse_bh, int row0, int seqlen_q, int lane) {
+                                           float* lse_bh, int row0, int seqlen_q, int lane,
+                                           float sink_log2 = 0.0f) {
   float inv_sum[1][2];
   float row_lse[1][2];
-  softmax.finalize(inv_sum, row_lse);
+  if constexpr (Tr::kSinks) finalize_with_sink(softmax, sink_log2, inv_sum, row_lse);
+  else softmax.finalize(inv_sum, row_lse);
   const int g = lane / 4;
   const int t = lane % 4;
 #pragma unroll
@@ -297,7 +359,10 @@ __device__ __forceinline__ void store_rows(OnlineSoftmax<Tr>& softmax,
 
 // The state of one block both sm_90a kernels share: the tiles from a 1024-byte boundary of
 // the shared window (128B swizzle patterns repeat every 1024 bytes), the stage barriers, the
-// block's (batch, head) and query rows m0.., and the key range they see.
+// block's (batch, head) and query rows m0.., and the key range they see. With varlen the
+// batch index is the sequence: rows q_start.. of the packed Q and O and k_start.. of K and V
+// (the tensor maps' batch coordinate is then 0, tma_batch), its LSE rows q_start.. of the
+// head's (heads_q, total rows) slice; the grid is sized by the longest sequence.
 template <class Tr>
 struct HopperBlock {
   unsigned char* smem;  // the tiles: Q, then kStages K and V tiles, then the barriers
@@ -305,6 +370,8 @@ struct HopperBlock {
   unsigned long long* full;   // kStages full barriers, then kStages empty ones
   unsigned long long* empty;
   int tid, lane, warp, head, batch, kv_head, m0, seqlen_q, seqlen_k;
+  int q_start, k_start, tma_batch;  // the sequence's first rows (varlen; else 0), map batch
+  int right, left;                  // the window's clamped sizes (Tr::kLocal; else 0)
   const typename Tr::Element* q_bh;  // this (batch, head)'s Q and its KV head's K and V
   const typename Tr::Element* k_bh;
   const typename Tr::Element* v_bh;
@@ -328,20 +395,43 @@ struct HopperBlock {
     kv_head = head / (a.heads_q / a.heads_kv);
     seqlen_q = a.seqlen_q;
     seqlen_k = a.seqlen_k;
-    q_bh = a.q + batch * a.q_batch_stride + head * a.q_head_stride;
-    k_bh = a.k + batch * a.k_batch_stride + kv_head * a.k_head_stride;
-    v_bh = a.v + batch * a.v_batch_stride + kv_head * a.v_head_stride;
-    o_bh = a.o + batch * a.o_batch_stride + head * a.o_head_stride;
+    q_start = 0;
+    k_start = 0;
+    tma_batch = batch;
+    long long q_row0 = batch * a.q_batch_stride;
+    long long k_row0 = batch * a.k_batch_stride;
+    long long v_row0 = batch * a.v_batch_stride;
+    long long o_row0 = batch * a.o_batch_stride;
     lse_bh = a.lse + (static_cast<long long>(batch) * a.heads_q + head) * seqlen_q;
+    if constexpr (Tr::kVarlen) {
+      q_start = a.var.cu_seqlens_q[batch];
+      k_start = a.var.cu_seqlens_k[batch];
+      seqlen_q = a.var.cu_seqlens_q[batch + 1] - q_start;
+      seqlen_k = a.var.cu_seqlens_k[batch + 1] - k_start;
+      tma_batch = 0;
+      q_row0 = q_start * a.q_row_stride;
+      k_row0 = k_start * a.k_row_stride;
+      v_row0 = k_start * a.v_row_stride;
+      o_row0 = q_start * a.o_row_stride;
+      lse_bh = a.lse + static_cast<long long>(head) * a.seqlen_q + q_start;
+    }
+    q_bh = a.q + q_row0 + head * a.q_head_stride;
+    k_bh = a.k + k_row0 + kv_head * a.k_head_stride;
+    v_bh = a.v + v_row0 + kv_head * a.v_head_stride;
+    o_bh = a.o + o_row0 + head * a.o_head_stride;
+    right = Tr::kLocal ? a.var.right(seqlen_q) : 0;
+    left = Tr::kLocal ? a.var.left(seqlen_k) : 0;
     m0 = static_cast<int>(blockIdx.x) * Tr::kBlockM;
-    range = key_range<Tr>(m0, seqlen_q, seqlen_k);
+    range = key_range<Tr>(m0, seqlen_q, seqlen_k, right, left);
   }
 
-  // Whether no row of the block sees a key; then O = 0 and LSE = +inf are written (by all
-  // threads) and the block is done.
-  __device__ __forceinline__ bool unseen(long long o_row_stride) const {
-    if (range.n_end > 0) return false;
-    store_unseen_rows<Tr>(o_bh, o_row_stride, lse_bh, m0, seqlen_q, tid);
+  // Whether no row of the block sees a key (or, varlen, the block is past its sequence);
+  // then O = 0 and LSE = +inf (with sinks: the sink) are written (by all threads) and the
+  // block is done.
+  __device__ __forceinline__ bool unseen(const FwdParams<typename Tr::Element>& a) const {
+    if (range.n_end > range.n_begin && m0 < seqlen_q) return false;
+    const float lse_value = Tr::kSinks ? a.var.sinks[head] : INFINITY;
+    store_unseen_rows<Tr>(o_bh, a.o_row_stride, lse_bh, m0, seqlen_q, tid, lse_value);
     return true;
   }
 };
@@ -353,11 +443,14 @@ struct WarpgroupMath {
   float acc_o[1][Tr::kOTiles][4];
   OnlineSoftmax<Tr> softmax;
   RowLimits<Tr> limits;
+  ScoreTransform<Tr> transform;  // softcap, ALiBi (Tr::kTransformed)
   float scale_log2;
+  float sink_log2;  // the head's sink times log2(e) (Tr::kSinks)
   unsigned q_addr;  // this warpgroup's Q rows: k-step ks is 32 bytes into panel ks / 4
   int row0;
 
-  __device__ __forceinline__ WarpgroupMath(const HopperBlock<Tr>& b, float softmax_scale,
+  __device__ __forceinline__ WarpgroupMath(const HopperBlock<Tr>& b,
+                                           const FwdParams<typename Tr::Element>& a,
                                            int group, int row0_) {
 #pragma unroll
     for (int dt = 0; dt < Tr::kOTiles; ++dt) {
@@ -365,9 +458,25 @@ struct WarpgroupMath {
       for (int i = 0; i < 4; ++i) acc_o[0][dt][i] = 0.0f;
     }
     row0 = row0_;
-    limits.init(row0, b.seqlen_q, b.seqlen_k, b.lane);
-    scale_log2 = softmax_scale * 1.44269504088896340736f;
+    limits.init(row0, b.seqlen_q, b.seqlen_k, b.lane, b.right, b.left);
+    // The unit the softmax reads transformed scores in: the cap with softcap (whose tanh
+    // took the softmax scale), else the softmax scale (softmax.cuh's ScoreTransform).
+    const float unit = Tr::kSoftcap ? a.var.softcap : a.softmax_scale;
+    scale_log2 = unit * 1.44269504088896340736f;
+    if constexpr (Tr::kSoftcap) transform.tanh_scale = a.softmax_scale / a.var.softcap;
+    if constexpr (Tr::kAlibi) {
+      transform.neg_slope =
+          -a.var.alibi_slopes[b.batch * a.var.alibi_batch_stride + b.head] / unit;
+    }
+    sink_log2 = Tr::kSinks ? sink_log2_of(a.var.sinks, b.head) : 0.0f;
     q_addr = b.base + group * 64 * 128;
+  }
+
+  // The score transforms of the features on the complete raw scores of the key tile at
+  // col0 (before its mask).
+  __device__ __forceinline__ void transform_scores(float (&acc_s)[1][Tr::kSTiles][4],
+                                                   int col0) const {
+    if constexpr (Tr::kTransformed) transform.apply(acc_s, limits, col0);
   }
 
   static __device__ __forceinline__ unsigned k_tile(const HopperBlock<Tr>& b, int s) {
@@ -377,12 +486,18 @@ struct WarpgroupMath {
     return b.base + Tr::kVOffset + s * Tr::kTileBytes;
   }
 
-  // Key tile of stage s (the tile_math of its K and V).
+  // Key tile of stage s, starting at key col0 (the tile_math of its K and V).
   template <bool kFirst, class Mask, class Schedule = FreeSchedule>
-  __device__ __forceinline__ void tile(const HopperBlock<Tr>& b, int s, const Mask& mask,
-                                       const Schedule& schedule = {}) {
-    tile_math<Tr, kFirst>(q_addr, k_tile(b, s), v_tile(b, s), softmax, acc_o, scale_log2, mask,
-                          schedule);
+  __device__ __forceinline__ void tile(const HopperBlock<Tr>& b, int s, int col0,
+                                       const Mask& mask, const Schedule& schedule = {}) {
+    if constexpr (Tr::kTransformed) {
+      const auto prep = [&](float (&acc_s)[1][Tr::kSTiles][4]) { transform_scores(acc_s, col0); };
+      tile_math<Tr, kFirst>(q_addr, k_tile(b, s), v_tile(b, s), softmax, acc_o, scale_log2,
+                            mask, schedule, prep);
+    } else {
+      tile_math<Tr, kFirst>(q_addr, k_tile(b, s), v_tile(b, s), softmax, acc_o, scale_log2,
+                            mask, schedule);
+    }
   }
 
   // The steps of the overlapped schedule (FA3's intra-warpgroup order, hopper_fwd_ws.cuh):
@@ -400,7 +515,8 @@ struct WarpgroupMath {
   }
 
   __device__ __forceinline__ void store(const HopperBlock<Tr>& b, long long o_row_stride) {
-    store_rows<Tr>(softmax, acc_o, b.o_bh, o_row_stride, b.lse_bh, row0, b.seqlen_q, b.lane);
+    store_rows<Tr>(softmax, acc_o, b.o_bh, o_row_stride, b.lse_bh, row0, b.seqlen_q, b.lane,
+                   sink_log2);
   }
 };
 
@@ -412,8 +528,9 @@ __device__ __forceinline__ void hopper_fwd(const FwdParams<typename Tr::Element>
   constexpr int kStages = Tr::kStages;
   FT_DYNAMIC_SMEM(unsigned char, raw);
   const HopperBlock<Tr> b(raw, a);
-  if (b.unseen(a.o_row_stride)) return;
+  if (b.unseen(a)) return;
   const int n_tiles = b.range.n_tiles;
+  const int count = b.range.count;
   const int tid = b.tid;
 
   if (tid == 0) {
@@ -439,17 +556,17 @@ __device__ __forceinline__ void hopper_fwd(const FwdParams<typename Tr::Element>
   };
   load_tile<Tr, Tr::kBlockM>(b.smem, b.q_bh + b.m0 * a.q_row_stride, a.q_row_stride,
                              b.seqlen_q - b.m0, tid);
-  for (int j = 0; j < kStages && j < n_tiles; ++j) load(j);
+  for (int j = 0; j < kStages && j < count; ++j) load(j);
 
   // Warp w of warpgroup w / 4 owns query rows m0 + 16 w ..
-  WarpgroupMath<Tr> math(b, a.softmax_scale, b.warp / 4, b.m0 + 16 * b.warp);
+  WarpgroupMath<Tr> math(b, a, b.warp / 4, b.m0 + 16 * b.warp);
   for_each_key_tile<Tr>(b.range, math.limits, [&](int j, auto first, auto mask) {
     const int s = j % kStages;
     mbarrier_wait_parity(&b.full[s], static_cast<unsigned>(j / kStages) & 1u);
     fence_proxy_async();  // the cp.async writes (generic proxy) before wgmma's reads
-    math.template tile<decltype(first)::value>(b, s, mask);
+    math.template tile<decltype(first)::value>(b, s, (n_tiles - 1 - j) * kBlockN, mask);
     mbarrier_arrive(&b.empty[s]);  // this thread's warpgroup has read the stage
-    if (j + kStages < n_tiles) {
+    if (j + kStages < count) {
       mbarrier_wait_parity(&b.empty[s], static_cast<unsigned>(j / kStages) & 1u);
       load(j + kStages);
     }

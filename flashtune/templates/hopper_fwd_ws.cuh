@@ -46,6 +46,12 @@
 // no P V before it; the last tile's P V follows the loop. A second stage is needed: tile j's
 // K lands while tile j - 1's V is still read.
 //
+// Features (Tr::kLocal, kSoftcap, kAlibi, kVarlen, kSinks; hopper_fwd.cuh): the producer walks
+// the block's key range from its top tile down to its lowest (tiles below every row's
+// window are never loaded), the consumers transform each complete S (softcap, ALiBi) before
+// its softmax and mask only the tiles crossing the diagonal or a window edge; with varlen the
+// tensor maps' row coordinate starts at the sequence's first packed row (batch coordinate 0).
+//
 // FT_WS_PLANTED_BUG (tests only; 0 in every rendered kernel) plants one bug for the
 // emulator's tests: 1 no expect-tx on the K/V stage (a plain arrive), 2 consumers release a
 // stage twice, 3 consumers never release a stage, 4 the consumers' setmaxnreg count not a
@@ -137,7 +143,7 @@ __device__ __forceinline__ void ws_produce(const HopperBlock<Tr>& b,
   if constexpr (L::kQTma) {
     if (leader) {
       mbarrier_arrive_expect_tx(q_full, Tr::kQBytes);
-      tma_load_5d(b.smem, tmap_q, q_full, 0, b.m0, 0, b.head, b.batch);
+      tma_load_5d(b.smem, tmap_q, q_full, 0, b.q_start + b.m0, 0, b.head, b.tma_batch);
     }
   } else {
     load_tile<Tr, Tr::kBlockM, 128>(b.smem, b.q_bh + b.m0 * a.q_row_stride, a.q_row_stride,
@@ -152,7 +158,8 @@ __device__ __forceinline__ void ws_produce(const HopperBlock<Tr>& b,
     return;
   }
   const int n_tiles = b.range.n_tiles;
-  for (int j = 0; j < n_tiles; ++j) {
+  const int count = b.range.count;  // tiles below the window of every row: never loaded
+  for (int j = 0; j < count; ++j) {
     const int s = j % kStages;
     const int tile = n_tiles - 1 - j;
     const int row0 = tile * kBlockN;
@@ -164,9 +171,9 @@ __device__ __forceinline__ void ws_produce(const HopperBlock<Tr>& b,
       if (FT_WS_PLANTED_BUG == 1) mbarrier_arrive(&b.full[s]);
       else mbarrier_arrive_expect_tx(&b.full[s], kTmaBytes);
       if constexpr (L::kKTma)
-        tma_load_5d(k_dst, tmap_k, &b.full[s], 0, row0, 0, b.kv_head, b.batch);
+        tma_load_5d(k_dst, tmap_k, &b.full[s], 0, b.k_start + row0, 0, b.kv_head, b.tma_batch);
       if constexpr (L::kVTma)
-        tma_load_5d(v_dst, tmap_v, &b.full[s], 0, row0, 0, b.kv_head, b.batch);
+        tma_load_5d(v_dst, tmap_v, &b.full[s], 0, b.k_start + row0, 0, b.kv_head, b.tma_batch);
     }
     if constexpr (L::kKvByCpAsync) {
       const long long first = static_cast<long long>(row0);
@@ -190,7 +197,7 @@ __device__ __forceinline__ void ws_produce(const HopperBlock<Tr>& b,
     if (FT_WS_PLANTED_BUG != 13) mbarrier_wait_parity(q_full, 0);
   }
   if (FT_WS_PLANTED_BUG != 13) {
-    for (int j = n_tiles > kStages ? n_tiles - kStages : 0; j < n_tiles; ++j)
+    for (int j = count > kStages ? count - kStages : 0; j < count; ++j)
       mbarrier_wait_parity(&b.empty[j % kStages], static_cast<unsigned>(j / kStages) & 1u);
   }
 }
@@ -206,8 +213,9 @@ __device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Eleme
   static_assert(Tr::kWarpSpecialized, "traits of the warp-specialised kernel");
   FT_DYNAMIC_SMEM(unsigned char, raw);
   const HopperBlock<Tr> b(raw, a);
-  if (b.unseen(a.o_row_stride)) return;
+  if (b.unseen(a)) return;
   const int n_tiles = b.range.n_tiles;
+  const int count = b.range.count;
   auto* const q_full = b.empty + kStages;
 
   if (b.tid == 0) {
@@ -233,7 +241,7 @@ __device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Eleme
   else if ((FT_WS_PLANTED_BUG != 5 || b.warp != 5) && (FT_WS_PLANTED_BUG != 8 || b.warp < 12))
     setmaxnreg_inc<Regs::kConsumer>();
   const int cw = b.warp - 4;
-  WarpgroupMath<Tr> math(b, a.softmax_scale, cw / 4, b.m0 + 16 * cw);
+  WarpgroupMath<Tr> math(b, a, cw / 4, b.m0 + 16 * cw);
   static_assert(!Tr::kPingPong || Tr::kWarpGroups == 2, "ping-pong: two consumer warpgroups");
   const auto schedule = [&] {
     if constexpr (Tr::kPingPong) return PingPongSchedule(cw / 4);
@@ -261,7 +269,8 @@ __device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Eleme
   if constexpr (!Tr::kOverlap) {
     for_each_key_tile<Tr>(b.range, math.limits, [&](int j, auto first, auto mask) {
       wait_full(j);
-      math.template tile<decltype(first)::value>(b, j % kStages, mask, schedule);
+      math.template tile<decltype(first)::value>(b, j % kStages, (n_tiles - 1 - j) * kBlockN,
+                                                 mask, schedule);
       release(j);  // tile_math waited for its GEMMs
     });
   } else {
@@ -287,6 +296,7 @@ __device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Eleme
       // S_j (the older group) is complete; O += P_{j-1} V_{j-1} may still run.
       if constexpr (FT_WS_PLANTED_BUG != 10 || kFirst) wgmma_wait<kFirst ? 0 : 1>();
       wgmma_fence_operands(s_view);
+      math.transform_scores(acc_s, (n_tiles - 1 - j) * kBlockN);
       const auto rescale = math.softmax.template exponentiate<kFirst>(acc_s, math.scale_log2,
                                                                       mask);
       if constexpr (!kFirst) {
@@ -300,11 +310,11 @@ __device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Eleme
       Softmax::pack(acc_s, p);
     });
     schedule.before_qk();
-    math.pv(b, (n_tiles - 1) % kStages, p);
+    math.pv(b, (count - 1) % kStages, p);
     schedule.after_qk();
     wgmma_wait<0>();
     wgmma_fence_operands(o_view);
-    release(n_tiles - 1);
+    release(count - 1);
   }
   math.store(b, a.o_row_stride);
 }

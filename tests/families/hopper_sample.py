@@ -1,4 +1,5 @@
-"""Sampling the sm_90a spaces for the emulator tests, and the wgmma shapes of their SASS."""
+"""Sampling the sm_90a spaces for the emulator tests, the wgmma shapes of their SASS, and
+one emulator launch of a family's kernel."""
 
 from __future__ import annotations
 
@@ -6,8 +7,13 @@ import collections
 import dataclasses
 import re
 
-from flashtune.codegen.spec import KernelConfig
+import torch
+
+from flashtune import families
+from flashtune.codegen.spec import KernelConfig, Problem, Shape
+from flashtune.families.base import Inputs, KernelFamily
 from flashtune.families.hopper.space import LOAD_KNOBS
+from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
 from flashtune.toolchain.cuda import find_toolchain
 from flashtune.toolchain.disasm import disassemble
 
@@ -26,3 +32,16 @@ def hgmma_shapes(cubin: bytes) -> collections.Counter[str] | None:
         return None
     return collections.Counter(re.findall(r"\bHGMMA\.64x(\d+)x16\.F32(?:\.BF16)?\b",
                                           disassemble(cubin)))
+
+
+def emulate(family: KernelFamily, problem: Problem, config: KernelConfig, shape: Shape,
+            inputs: Inputs, options: LaunchOptions | None = None
+            ) -> tuple[dict[str, torch.Tensor], object]:
+    """``family``'s kernel of ``config`` run once in the emulator on ``inputs``: its
+    NaN-poisoned outputs and the launch's counters (None unless ``options`` asks)."""
+    kernel = EmulatorBackend(options=options or LaunchOptions()).load(
+        families.render(problem, config))
+    outputs = family.empty_outputs(problem, shape, inputs, poison=True)
+    plan = family.launch_plan(problem, config, shape, inputs, outputs)
+    kernel.launch(plan.grid, plan.args)
+    return outputs, getattr(kernel, "last_counters", None)

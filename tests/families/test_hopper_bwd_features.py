@@ -23,6 +23,7 @@ import pytest
 import torch
 from feature_inputs import backward_inputs
 from grad_helpers import feature_scores, gradients, within_rule
+from hopper_sample import emulate
 from test_bwd_varlen import FEATURES as VARLEN_FEATURES_OF
 from test_bwd_varlen import PACKS, autograd_reference, packed_inputs
 from test_bwd_varlen import _zero_parts as zero_parts
@@ -33,7 +34,7 @@ from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.errors import FeatureNotSupported
 from flashtune.families.base import Inputs
 from flashtune.families.bwd90a import HOPPER_BACKWARD, space
-from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
+from flashtune.runtime.backends.emulator import LaunchOptions, Schedule
 from flashtune.toolchain.compiler import compile_source
 
 pytestmark = pytest.mark.emulator
@@ -68,12 +69,7 @@ def _inputs(problem: Problem, shape: Shape, window: tuple[int, int] | None, seed
 
 def _launch(problem: Problem, config: KernelConfig, shape: Shape, inputs: Inputs,
             options: LaunchOptions | None = None) -> tuple[dict[str, torch.Tensor], object]:
-    kernel = EmulatorBackend(options=options or LaunchOptions()).load(
-        families.render(problem, config))
-    outputs = HOPPER_BACKWARD.empty_outputs(problem, shape, inputs, poison=True)
-    plan = HOPPER_BACKWARD.launch_plan(problem, config, shape, inputs, outputs)
-    kernel.launch(plan.grid, plan.args)
-    return outputs, getattr(kernel, "last_counters", None)
+    return emulate(HOPPER_BACKWARD, problem, config, shape, inputs, options)
 
 
 def _check(problem: Problem, config: KernelConfig, shape: Shape,

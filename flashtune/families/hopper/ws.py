@@ -18,6 +18,11 @@ space, arguments, outputs, reference and tolerances are ``fwd90a``'s; the kernel
 tensor maps after the forward's arguments, built here from the launch's tensors and encoded
 by the backend (runtime.tma); an operand loaded by cp.async ignores its map.
 
+The features window, softcap, ALiBi, varlen and sinks are the forward's (``features``; their
+run-time values the forward's arguments, before the tensor maps): the producer never loads
+the key tiles below every row's window, the consumers mask only the tiles crossing an edge,
+and with varlen the maps' row coordinate is the sequence's first packed row.
+
 The config's num_warps counts the consumer warps (block_m / 16, as in ``fwd90a``); the block
 has a producer warpgroup more (``threads``). It serves the forward on compute capability 9.0
 devices (``serves``), each kernel checked against float64 on the device before its first
@@ -42,8 +47,9 @@ from flashtune.codegen.params import ParamSpace, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.codegen.tensormap import TensorMap, TmaSwizzle
-from flashtune.errors import InvalidInput
+from flashtune.errors import InvalidConfig, InvalidInput
 from flashtune.families.base import element_type
+from flashtune.families.fwd import variants
 from flashtune.families.fwd.args import FWD_ABI, ExtraValues
 from flashtune.families.hopper import HopperForwardFamily, space
 
@@ -88,6 +94,15 @@ class HopperWsForwardFamily(HopperForwardFamily):
     template = "hopper_fwd_ws.cu.jinja"
     serves: ClassVar[str | None] = "fwd"
     abi: ClassVar[EntryAbi | None] = WS_ABI
+    #: Every attention feature of the forward but dropout (FA3 has none either: it is a
+    #: training feature, served by the mma.sync forward). The window skips the key tiles
+    #: outside every row's window (never loaded); softcap and ALiBi are softmax.cuh's score
+    #: transforms, varlen the packed layout (the tensor maps' row coordinate is the
+    #: sequence's first row), sinks sinks.cuh's denominator update.
+    features: ClassVar[frozenset[str]] = frozenset(
+        {"window", "softcap", "alibi", "varlen", "sinks"})
+    #: No declared score modifications (they stay on the mma.sync forward).
+    score_mods = False
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.WS_SPACE
@@ -97,7 +112,19 @@ class HopperWsForwardFamily(HopperForwardFamily):
                 **{name: space.knob(config, name) for name in space.WS_DEFAULTS}}
 
     def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
-        return space.ws_check(problem, config, arch)
+        """The space's rules, and the register limit of the features: at head dim 256 a
+        window or varlen with ALiBi (row bounds, sequence offsets and the bias beside O's 128
+        accumulators) spills under the 168 registers of two or three consumer warpgroups
+        (ptxas, sm_90a)."""
+        why = space.ws_check(problem, config, arch)
+        if why is None and problem.head_dim == 256 and problem.alibi \
+                and (problem.window or problem.varlen) and config.block_m > 64:
+            why = (f"block_m={config.block_m}: at head dim 256 ALiBi with a window or varlen "
+                   "spills "
+                   f"under the {space.ws_registers(config)[1]} registers of each of "
+                   f"{config.block_m // 64} consumer warpgroups; expected block_m=64 (one "
+                   "consumer warpgroup, 240 registers)")
+        return why
 
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
         return space.smem_bytes(problem, config, warp_specialized=True)
@@ -106,8 +133,16 @@ class HopperWsForwardFamily(HopperForwardFamily):
         """The cp.async family's default tile (block_m 128, two stages, block_n 128; 64 at
         head dim 256) with ping-pong and overlap on, FA3's structure: neither holds an
         accumulator more, so the register rule admits both wherever it admits the tile (if it
-        ever did not, the tile alone)."""
-        plain = super().default_config(problem, arch)
+        ever did not, the tile alone). Where the features' register limit refuses two
+        consumer warpgroups (``rules``), block_m 64 with overlap."""
+        try:
+            plain = super().default_config(problem, arch)
+        except InvalidConfig:
+            # The features' register limit (``rules``): one consumer warpgroup of 64 rows,
+            # whose registers (240) hold them, with overlap (no ping-pong partner).
+            narrow = self.config({"block_m": 64, "block_n": 64, "num_stages": 2,
+                                  space.OVERLAP: 1})
+            return self.fitting(problem, narrow, arch)
         both = self.config({**self.point(plain), space.PINGPONG: 1, space.OVERLAP: 1})
         return both if self.static_check(problem, both, arch) is None else plain
 
@@ -126,6 +161,7 @@ class HopperWsForwardFamily(HopperForwardFamily):
                         ) -> dict[str, TemplateValue]:
         producer, consumer = space.ws_registers(config)
         return {**super().template_params(problem, config),
+                **variants.template_params(problem),
                 "pingpong": self.pingpong_on(config),
                 "overlap": bool(space.knob(config, space.OVERLAP)),
                 **{f"tma_{name[-1]}": space.knob(config, name) == space.TMA
