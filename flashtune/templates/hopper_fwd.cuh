@@ -45,11 +45,14 @@ namespace ft {
 template <typename Element_, bool IsBf16, int HeadDim, int BlockM, int BlockN, int Stages,
           bool Causal, bool WarpSpecialized = false, bool PingPong = false,
           bool Overlap = false, bool Local = false, bool Softcap = false, bool Alibi = false,
-          bool Varlen = false, bool Sinks = false>
+          bool Varlen = false, bool Sinks = false, class Mods_ = NoScoreMods>
 struct HopperFwdTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
-  using Mods = NoScoreMods;  // no declared score modifications (ScoreTransform reads it)
+  // Declared score modifications (codegen.score_mods' functor; ScoreTransform applies them
+  // to every tile's scores, a mask as -inf). A block mask's tile ranges are not taken here.
+  using Mods = Mods_;
+  static_assert(!Mods::kTileRanges, "block masks run on the mma.sync forward");
   static constexpr bool kBf16 = IsBf16;
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = BlockM;
@@ -65,7 +68,7 @@ struct HopperFwdTraits {
   static constexpr bool kAlibi = Alibi;
   static constexpr bool kVarlen = Varlen;
   static constexpr bool kSinks = Sinks;
-  static constexpr bool kTransformed = Softcap || Alibi;
+  static constexpr bool kTransformed = Softcap || Alibi || Mods::kOn;
   static constexpr int kWarpGroups = BlockM / 64;  // consumer warpgroups (the math)
   // hopper_fwd_ws.cuh adds a producer warpgroup (warps 0..3) in front of them.
   static constexpr bool kWarpSpecialized = WarpSpecialized;
@@ -451,7 +454,8 @@ struct WarpgroupMath {
 
   __device__ __forceinline__ WarpgroupMath(const HopperBlock<Tr>& b,
                                            const FwdParams<typename Tr::Element>& a,
-                                           int group, int row0_) {
+                                           int group, int row0_,
+                                           const typename Tr::Mods& mods = {}) {
 #pragma unroll
     for (int dt = 0; dt < Tr::kOTiles; ++dt) {
 #pragma unroll
@@ -467,6 +471,15 @@ struct WarpgroupMath {
     if constexpr (Tr::kAlibi) {
       transform.neg_slope =
           -a.var.alibi_slopes[b.batch * a.var.alibi_batch_stride + b.head] / unit;
+    }
+    if constexpr (Tr::Mods::kOn) {
+      transform.mods = mods;
+      transform.unit = unit;
+      transform.inv_unit = 1.0f / unit;
+      transform.row0 = row0 + b.lane / 4;
+      transform.col_lane = 2 * (b.lane % 4);
+      transform.batch = b.batch;
+      transform.head = b.head;
     }
     sink_log2 = Tr::kSinks ? sink_log2_of(a.var.sinks, b.head) : 0.0f;
     q_addr = b.base + group * 64 * 128;

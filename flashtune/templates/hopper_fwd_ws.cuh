@@ -206,7 +206,8 @@ template <class Tr, class L = WsLoads<true, true, true>>
 __device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Element>& a,
                                               const CUtensorMap* tmap_q,
                                               const CUtensorMap* tmap_k,
-                                              const CUtensorMap* tmap_v) {
+                                              const CUtensorMap* tmap_v,
+                                              const typename Tr::Mods& mods = {}) {
   using Regs = WsRegisters<FT_WS_PLANTED_BUG == 9 ? 2 : Tr::kWarpGroups, L::kWholeWarpgroup>;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
@@ -241,7 +242,7 @@ __device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Eleme
   else if ((FT_WS_PLANTED_BUG != 5 || b.warp != 5) && (FT_WS_PLANTED_BUG != 8 || b.warp < 12))
     setmaxnreg_inc<Regs::kConsumer>();
   const int cw = b.warp - 4;
-  WarpgroupMath<Tr> math(b, a, cw / 4, b.m0 + 16 * cw);
+  WarpgroupMath<Tr> math(b, a, cw / 4, b.m0 + 16 * cw, mods);
   static_assert(!Tr::kPingPong || Tr::kWarpGroups == 2, "ping-pong: two consumer warpgroups");
   const auto schedule = [&] {
     if constexpr (Tr::kPingPong) return PingPongSchedule(cw / 4);

@@ -43,11 +43,12 @@ from typing import TYPE_CHECKING, ClassVar
 from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import ArgValue, Element, EntryAbi, tensor_map
 from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.features import mods_of
 from flashtune.codegen.params import ParamSpace, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.codegen.tensormap import TensorMap, TmaSwizzle
-from flashtune.errors import InvalidConfig, InvalidInput
+from flashtune.errors import FeatureNotSupported, InvalidConfig, InvalidInput
 from flashtune.families.base import element_type
 from flashtune.families.fwd import variants
 from flashtune.families.fwd.args import FWD_ABI, ExtraValues
@@ -101,8 +102,21 @@ class HopperWsForwardFamily(HopperForwardFamily):
     #: sequence's first row), sinks sinks.cuh's denominator update.
     features: ClassVar[frozenset[str]] = frozenset(
         {"window", "softcap", "alibi", "varlen", "sinks"})
-    #: No declared score modifications (they stay on the mma.sync forward).
-    score_mods = False
+    #: Declared score modifications (traced ones included): softmax.cuh's ScoreTransform
+    #: applies them to every tile's scores; a block mask's tile ranges are refused
+    #: (``check_problem``: they run on the mma.sync forward).
+    score_mods = True
+
+    def check_problem(self, problem: Problem) -> None:
+        """The base checks, and FeatureNotSupported for a block mask's tile ranges."""
+        super().check_problem(problem)
+        tiled = [name for name, mod in mods_of(problem.features)
+                 if any(p.type == "tiles" for p in mod.params)]
+        if tiled:
+            raise FeatureNotSupported(
+                f"the {self.op!r} kernel family ({self.title}) does not walk a block mask's "
+                f"tile ranges ({', '.join(tiled)}); a call with block_mask runs on the "
+                "mma.sync forward ('fwd')")
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.WS_SPACE

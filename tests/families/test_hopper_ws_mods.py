@@ -1,0 +1,159 @@
+"""The serving sm_90a forward (``fwd90aws``) with traced score and mask modifications: each
+tile's scores go through the declared functor (softmax.cuh's ScoreTransform, a mask as
+-inf), in the default schedule (ping-pong and overlap) and the plain one.
+
+The family's kernel runs in the emulator as a virtual sm_90a on fresh inputs (captured
+tensors drawn at random by the family) with NaN-poisoned outputs against its float64
+reference; through ``flashtune.attention(score_mod=, mask_mod=)`` on a virtual sm_90a the
+call is served by ``fwd90aws`` and matches the same Python functions applied to the dense
+float64 score matrix. A block mask's tile ranges stay on the mma.sync forward (refused by
+name here). A seeded sample by default (``FLASHTUNE_TEST_SEED`` replays it), every case
+under ``-m sweep``."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from flex_fixtures import (  # noqa: F401  (forget_traced_features: autouse)
+    Fn,
+    dense,
+    docs_of,
+    forget_traced_features,
+)
+from hopper_sample import emulate
+from serving_fixtures import dispatcher, source  # noqa: F401  (fixtures, by name)
+
+import flashtune
+from flashtune.api import flex_mods
+from flashtune.api.flex import traced_feature
+from flashtune.codegen.arch import get_arch
+from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
+from flashtune.codegen.trace import trace
+from flashtune.errors import FeatureNotSupported
+from flashtune.families.hopper import space
+from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
+from flashtune.runtime import first_use, plans
+
+pytestmark = pytest.mark.emulator
+
+SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
+SM90A = get_arch("sm_90a")
+FAMILY = HOPPER_WS_FORWARD
+#: (score_mod, mask_mod) made from (heads, length, generator).
+Mods = Callable[[int, int, torch.Generator], tuple[Fn, Fn]]
+MODS: dict[str, Mods] = {
+    "t5-causal": lambda h, n, g: (flex_mods.t5_relative_bias(torch.randn(h, 32, generator=g),
+                                                             n, 64), flex_mods.causal),
+    "softcap-document": lambda h, n, g: (flex_mods.softcap(2.0),
+                                         flex_mods.document(docs_of(n, g))),
+    "alibi-sliding-window": lambda h, n, g: (flex_mods.alibi(torch.rand(h, generator=g)),
+                                             flex_mods.sliding_window_causal(40)),
+}
+SHAPES = (Shape(1, 4, 2, 70, 150), Shape(2, 2, 1, 130, 130))
+SCHEDULES = ("default", "plain")
+GRID = list(itertools.product(MODS, (64, 128), DType, SHAPES, SCHEDULES))
+
+
+def _config(problem: Problem, schedule: str) -> KernelConfig:
+    default = FAMILY.default_config(problem, SM90A)
+    if schedule == "default":
+        return default
+    return FAMILY.config({**FAMILY.point(default), space.PINGPONG: 0, space.OVERLAP: 0})
+
+
+def _check(name: str, head_dim: int, dtype: DType, shape: Shape, schedule: str) -> None:
+    gen = torch.Generator().manual_seed(SEED)
+    score_mod, mask_mod = MODS[name](shape.heads_q, max(shape.seqlen_q, shape.seqlen_k), gen)
+    problem = Problem(head_dim, dtype, features=[traced_feature(trace(score_mod, mask_mod))],
+                      op=FAMILY.op)
+    config = _config(problem, schedule)
+    assert FAMILY.static_check(problem, config, SM90A) is None, config.key()
+    inputs = FAMILY.random_inputs(problem, shape, "cpu", SEED)
+    outputs, _ = emulate(FAMILY, problem, config, shape, inputs)
+    verdict = FAMILY.compare(problem, shape, outputs, FAMILY.reference(problem, inputs))
+    assert verdict.ok, f"seed {SEED} {name} {config.key()}: {verdict.message}"
+
+
+def _sample(seed: int) -> list[tuple[str, int, DType, Shape, str]]:
+    """One case per modification, drawn with ``seed``."""
+    rng = random.Random(seed)
+    return [rng.choice([c for c in GRID if c[0] == name]) for name in MODS]
+
+
+def _id(case: object) -> str:
+    if isinstance(case, Shape):
+        return case.key()
+    return case.value if isinstance(case, DType) else str(case)
+
+
+@pytest.mark.parametrize("name, head_dim, dtype, shape, schedule", _sample(SEED), ids=_id)
+def test_modified_sm90a_forward_matches_float64(name: str, head_dim: int, dtype: DType,
+                                                 shape: Shape, schedule: str) -> None:
+    print(f"FLASHTUNE_TEST_SEED={SEED}")
+    _check(name, head_dim, dtype, shape, schedule)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("name, head_dim, dtype, shape, schedule", GRID, ids=_id)
+def test_modified_sm90a_forward_whole_grid(name: str, head_dim: int, dtype: DType,
+                                           shape: Shape, schedule: str) -> None:
+    _check(name, head_dim, dtype, shape, schedule)
+
+
+def test_a_block_masks_tile_ranges_are_refused_naming_the_fallback() -> None:
+    traced = trace(None, flex_mods.causal, tiles=True)
+    problem = Problem(64, DType.BF16, features=[traced_feature(traced)], op=FAMILY.op)
+    with pytest.raises(FeatureNotSupported, match=r"block mask's tile ranges .* mma.sync"):
+        FAMILY.check_problem(problem)
+
+
+@pytest.mark.usefixtures("dispatcher")
+def test_attention_with_mods_on_a_virtual_sm90a_runs_fwd90aws(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``flashtune.attention(score_mod=, mask_mod=)`` on the emulator's virtual sm_90a runs
+    on ``fwd90aws`` after its first-use check and matches the functions applied to the
+    dense float64 scores (GQA 4:2, a T5 bias captured from the caller, causal)."""
+    monkeypatch.setenv("FLASHTUNE_BACKEND", "emulator")
+    monkeypatch.setenv("FLASHTUNE_EMULATOR_ARCH", "sm_90a")
+    monkeypatch.delenv("FLASHTUNE_ARCH_SPECIFIC", raising=False)
+    first_use.forget()
+    plans.clear_caches()
+    try:
+        gen = torch.Generator().manual_seed(SEED)
+        n, dim = 90, 64
+        score_mod, mask_mod = MODS["t5-causal"](4, n, gen)
+        q = torch.randn(1, n, 4, dim, generator=gen).to(torch.bfloat16)
+        k, v = (torch.randn(1, n, 2, dim, generator=gen).to(torch.bfloat16) for _ in "kv")
+        out = flashtune.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+        assert isinstance(out, torch.Tensor)
+        assert first_use.refused("virtual-sm_90a") is None
+        ops = {p.decision.problem.op for key, p in plans.cached().items() if key[-1] == "fwd"}
+        assert ops == {FAMILY.op}, ops
+        bhsd: Any = (t.transpose(1, 2) for t in (q, k, v))
+        ref, _ = dense(*bhsd, dim ** -0.5, score_mod, mask_mod, torch.float64)
+        err = float((out.transpose(1, 2).double() - ref).abs().max())
+        assert err <= 4e-2, f"seed {SEED}: {err}"
+    finally:
+        first_use.forget()
+        plans.clear_caches()
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_a_captured_bias_compiles_without_spills(head_dim: int) -> None:
+    """NVRTC sm_90a: the default with a T5 bias (a captured tensor loaded per score) and a
+    causal mask_mod keeps every value in registers."""
+    from flashtune import families
+    from flashtune.toolchain.compiler import compile_source
+
+    score_mod, mask_mod = MODS["t5-causal"](4, 512, torch.Generator().manual_seed(SEED))
+    problem = Problem(head_dim, DType.BF16, op=FAMILY.op,
+                      features=[traced_feature(trace(score_mod, mask_mod))])
+    kernel = compile_source(families.render(problem, FAMILY.default_config(problem, SM90A)),
+                            "sm_90a")
+    assert kernel.resources.spill_stores == 0 and kernel.resources.spill_loads == 0
