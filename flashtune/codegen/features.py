@@ -176,6 +176,12 @@ def mods_of(names: Collection[str]) -> tuple[tuple[str, ScoreMod], ...]:
                  if f.score is not None and f.name in names)
 
 
+def tile_ranged(names: Collection[str]) -> list[str]:
+    """The features of ``names`` whose modification takes a block mask's tile ranges (a
+    ``tiles`` param): the kernels that walk every key tile refuse them."""
+    return [name for name, mod in mods_of(names) if any(p.type == "tiles" for p in mod.params)]
+
+
 class FeatureNames(Sequence[str]):
     """The registered features' names in key order, read live (``codegen.spec.FEATURES``):
     a feature registered later is in it."""

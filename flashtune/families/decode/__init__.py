@@ -17,7 +17,7 @@ from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import EntryAbi
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.dtypes import SAME_16BIT
-from flashtune.codegen.features import mods_of
+from flashtune.codegen.features import mods_of, tile_ranged
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
@@ -108,8 +108,7 @@ class DecodeFamily(KernelFamily):
         tile ranges: the decode kernel evaluates a mask on every score and walks every key
         tile."""
         super().check_problem(problem)
-        ranged = [name for name, mod in mods_of(problem.features)
-                  if any(p.type == "tiles" for p in mod.params)]
+        ranged = tile_ranged(problem.features)
         if ranged:
             raise FeatureNotSupported(
                 f"the 'decode' kernel family does not take a block mask's tile ranges (the "

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, ClassVar
 from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import ArgValue, Element, EntryAbi, tensor_map
 from flashtune.codegen.arch import ArchSpec
-from flashtune.codegen.features import mods_of
+from flashtune.codegen.features import tile_ranged
 from flashtune.codegen.params import ParamSpace, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem
@@ -110,8 +110,7 @@ class HopperWsForwardFamily(HopperForwardFamily):
     def check_problem(self, problem: Problem) -> None:
         """The base checks, and FeatureNotSupported for a block mask's tile ranges."""
         super().check_problem(problem)
-        tiled = [name for name, mod in mods_of(problem.features)
-                 if any(p.type == "tiles" for p in mod.params)]
+        tiled = tile_ranged(problem.features)
         if tiled:
             raise FeatureNotSupported(
                 f"the {self.op!r} kernel family ({self.title}) does not walk a block mask's "
