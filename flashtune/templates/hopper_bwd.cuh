@@ -54,10 +54,16 @@
 namespace ft {
 
 template <typename Element_, bool IsBf16, int HeadDim, int BlockN, bool Causal, bool DqSplit,
-          bool Local = false, bool Softcap = false, bool Varlen = false>
+          bool Local = false, bool Softcap = false, bool Varlen = false,
+          class Mods_ = NoScoreMods>
 struct HopperBwdTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
+  // Declared score modifications (codegen.score_mods' functor, with its derivative): P is
+  // recomputed from the modified score and dS carries the slope, as in flash_bwd.cuh; a
+  // block mask's tile ranges are not taken here (they run on the mma.sync backward).
+  using Mods = Mods_;
+  static_assert(!Mods::kTileRanges, "block masks run on the mma.sync backward");
   static constexpr bool kBf16 = IsBf16;
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = 64;
@@ -185,7 +191,10 @@ struct BwdParams {
 
 // The key tiles blockIdx.x, + gridDim.x, ... of kv head blockIdx.y, batch blockIdx.z.
 template <class Tr>
-__device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>& a) {
+__device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>& a,
+                                           const typename Tr::Mods& mods = {},
+                                           float* __restrict__ dscore = nullptr,
+                                           int dscore_rows = 0, int dscore_cols = 0) {
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kD = Tr::kHeadDim;
@@ -345,15 +354,39 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
         if constexpr (Tr::kLocal) seen = seen && key >= row + seqlen_k - seqlen_q - left;
         float p;
         float dtanh = 1.0f;  // the derivative of the capped score by the scaled one
-        if constexpr (Tr::kSoftcap) {
-          const float th = tanhf(acc_s[e] * tanh_scale);
-          p = seen ? exp2f_fast(a.var.softcap * th * kLog2e - slse[col]) : 0.0f;
-          dtanh = 1.0f - th * th;
+        if constexpr (Tr::Mods::kOn) {
+          // The score in natural-log units (after softcap), then the modifications: P of
+          // the modified score, dS times their slope; the gradient by the modified score
+          // into dscore (the reduction of captured tensors' gradients reads it).
+          float x;
+          if constexpr (Tr::kSoftcap) {
+            const float th = tanhf(acc_s[e] * tanh_scale);
+            x = a.var.softcap * th;
+            dtanh = 1.0f - th * th;
+          } else {
+            x = acc_s[e] * a.softmax_scale;
+          }
+          const float slope = seen ? mods.grad(x, batch, head, row, key) : 0.0f;
+          x = mods(x, batch, head, row, key);
+          p = seen ? exp2f_fast(x * kLog2e - slse[col]) : 0.0f;
+          const float dmod = p * (acc_dp[e] - sdsum[col]);
+          if (dscore != nullptr && seen) {
+            dscore[((static_cast<long long>(batch) * a.heads_q + head) * dscore_rows + row) *
+                       dscore_cols + key] = dmod;
+          }
+          acc_s[e] = p;
+          acc_dp[e] = p == 0.0f ? 0.0f : dmod * slope * dtanh;  // hidden: nothing passes
         } else {
-          p = seen ? exp2f_fast(acc_s[e] * scale_log2 - slse[col]) : 0.0f;
+          if constexpr (Tr::kSoftcap) {
+            const float th = tanhf(acc_s[e] * tanh_scale);
+            p = seen ? exp2f_fast(a.var.softcap * th * kLog2e - slse[col]) : 0.0f;
+            dtanh = 1.0f - th * th;
+          } else {
+            p = seen ? exp2f_fast(acc_s[e] * scale_log2 - slse[col]) : 0.0f;
+          }
+          acc_s[e] = p;
+          acc_dp[e] = p * (acc_dp[e] - sdsum[col]) * dtanh;
         }
-        acc_s[e] = p;
-        acc_dp[e] = p * (acc_dp[e] - sdsum[col]) * dtanh;
       }
       unsigned a_p[Tr::kQSteps][4];
       unsigned a_ds[Tr::kQSteps][4];

@@ -13,8 +13,9 @@ this version; templates/hopper_bwd.cuh). Head dims 64, 128 and 256 (at 256, two 
 per 64 keys, each owning half of the head dim of dK and dV), causal with the query tiles
 above the diagonal skipped, GQA/MQA (dK, dV summed over the group in the block), and the
 features window (query tiles outside a key tile's window skipped), softcap and varlen with
-the mma.sync backward's declarations. It serves no op yet: a family to compile, verify and
-tune on sm_90a.
+the mma.sync backward's declarations, and declared score modifications (their functor and
+derivative, as flash_bwd.cuh applies them, at head dim 64; no block mask's tile ranges). It
+serves ``bwd`` and ``bwddet`` on compute capability 9.0 after the first-use check.
 """
 
 from __future__ import annotations
@@ -22,14 +23,19 @@ from __future__ import annotations
 from typing import ClassVar
 
 from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.features import mods_of, tile_ranged
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem
-from flashtune.errors import InvalidConfig, InvalidProblem
+from flashtune.errors import FeatureNotSupported, InvalidConfig, InvalidProblem
 from flashtune.families.base import element_params
 from flashtune.families.bwd import BackwardFamily
 from flashtune.families.bwd90a import space
 from flashtune.families.fwd import variants
+
+#: The largest head dim whose kernels hold a score modification's functor without spilling
+#: (dK and dV take 128 float registers per thread at head dim 128).
+MAX_MOD_HEAD_DIM = 64
 
 
 class HopperBackwardFamily(BackwardFamily):
@@ -43,11 +49,25 @@ class HopperBackwardFamily(BackwardFamily):
     #: The sliding window, softcap and varlen; problems with other features stay on the
     #: mma.sync backward.
     features: ClassVar[frozenset[str]] = frozenset({"window", "softcap", "varlen"})
-    #: No declared score modifications (their hooks are the mma.sync backward's).
-    score_mods = False
+    #: Declared score modifications with their derivatives (P of the modified score, dS
+    #: times the slope, the dscore buffer for captured tensors' gradients); a block mask's
+    #: tile ranges stay on the mma.sync backward.
+    score_mods = True
 
     def check_problem(self, problem: Problem) -> None:
         super().check_problem(problem)
+        tiled = tile_ranged(problem.features)
+        if tiled:
+            raise FeatureNotSupported(
+                f"the {self.op!r} kernel family ({self.title}) does not walk a block mask's "
+                f"tile ranges ({', '.join(tiled)}); a call with block_mask runs on the "
+                "mma.sync backward ('bwd')")
+        if mods_of(problem.features) and problem.head_dim > MAX_MOD_HEAD_DIM:
+            raise FeatureNotSupported(
+                f"the {self.op!r} kernel family takes score modifications up to head dim "
+                f"{MAX_MOD_HEAD_DIM}: at {problem.head_dim} its dK and dV accumulators leave "
+                "the functor no registers (NVRTC 13 spills 88 B at 128, 8 B at 256 with a "
+                "T5 bias); the mma.sync backward ('bwd') serves them")
         if problem.head_dim not in space.HEAD_DIMS:
             raise InvalidProblem(
                 f"head_dim={problem.head_dim}: the sm_90a backward takes head dims "

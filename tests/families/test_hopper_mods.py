@@ -1,6 +1,9 @@
-"""The serving sm_90a forward (``fwd90aws``) with traced score and mask modifications: each
-tile's scores go through the declared functor (softmax.cuh's ScoreTransform, a mask as
--inf), in the default schedule (ping-pong and overlap) and the plain one.
+"""The sm_90a kernels with traced score and mask modifications. The serving forward
+(``fwd90aws``): each tile's scores go through the declared functor (softmax.cuh's
+ScoreTransform, a mask as -inf), in the default schedule (ping-pong and overlap) and the
+plain one. The backward (``bwd90a``, ``bwd90adet``): P from the modified scores, dS times
+their slope, and the gradient by the modified score into dscore (captured tensors'
+gradients are reduced from it), bitwise equal over block orders in the deterministic family.
 
 The family's kernel runs in the emulator as a virtual sm_90a on fresh inputs (captured
 tensors drawn at random by the family) with NaN-poisoned outputs against its float64
@@ -36,9 +39,11 @@ from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.codegen.trace import trace
 from flashtune.errors import FeatureNotSupported
+from flashtune.families.bwd90a import HOPPER_BACKWARD, HOPPER_BACKWARD_DETERMINISTIC
 from flashtune.families.hopper import space
 from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
 from flashtune.runtime import first_use, plans
+from flashtune.runtime.backends.emulator import LaunchOptions
 
 pytestmark = pytest.mark.emulator
 
@@ -144,16 +149,84 @@ def test_attention_with_mods_on_a_virtual_sm90a_runs_fwd90aws(
         plans.clear_caches()
 
 
-@pytest.mark.parametrize("head_dim", [128, 256])
-def test_a_captured_bias_compiles_without_spills(head_dim: int) -> None:
-    """NVRTC sm_90a: the default with a T5 bias (a captured tensor loaded per score) and a
-    causal mask_mod keeps every value in registers."""
+@pytest.mark.parametrize("op, head_dim", [("fwd90aws", 128), ("fwd90aws", 256),
+                                          ("bwd90a", 64)])
+def test_a_captured_bias_compiles_without_spills(op: str, head_dim: int) -> None:
+    """NVRTC sm_90a: the defaults with a T5 bias (a captured tensor loaded per score) and a
+    causal mask_mod keep every value in registers."""
     from flashtune import families
     from flashtune.toolchain.compiler import compile_source
 
     score_mod, mask_mod = MODS["t5-causal"](4, 512, torch.Generator().manual_seed(SEED))
-    problem = Problem(head_dim, DType.BF16, op=FAMILY.op,
+    problem = Problem(head_dim, DType.BF16, op=op,
                       features=[traced_feature(trace(score_mod, mask_mod))])
-    kernel = compile_source(families.render(problem, FAMILY.default_config(problem, SM90A)),
+    family = families.get(op)
+    kernel = compile_source(families.render(problem, family.default_config(problem, SM90A)),
                             "sm_90a")
+    print(op, head_dim, kernel.resources)
     assert kernel.resources.spill_stores == 0 and kernel.resources.spill_loads == 0
+
+
+# ------------------------------------------------------------------ the backward
+
+BWD_GRID = list(itertools.product(MODS, (64,), DType, SHAPES, ("atomic", "deterministic")))
+
+
+def _backward(name: str, head_dim: int, dtype: DType, shape: Shape, mode: str,
+              order_seed: int | None = None) -> dict[str, torch.Tensor]:
+    """The NaN-poisoned outputs of the sm_90a backward of ``name`` (the deterministic family
+    for ``mode`` "deterministic"), asserted within its float64 reference (dK, dV, dQ and the
+    gradient by the modified score)."""
+    family = HOPPER_BACKWARD_DETERMINISTIC if mode == "deterministic" else HOPPER_BACKWARD
+    gen = torch.Generator().manual_seed(SEED)
+    score_mod, mask_mod = MODS[name](shape.heads_q, max(shape.seqlen_q, shape.seqlen_k), gen)
+    problem = Problem(head_dim, dtype, features=[traced_feature(trace(score_mod, mask_mod))],
+                      op=family.op)
+    config = family.default_config(problem, SM90A)
+    inputs = family.random_inputs(problem, shape, "cpu", SEED)
+    outputs, _ = emulate(family, problem, config, shape, inputs,
+                         LaunchOptions(block_order_seed=order_seed))
+    verdict = family.compare(problem, shape, outputs, family.reference(problem, inputs))
+    assert verdict.ok, f"seed {SEED} {name} {config.key()} order {order_seed}: {verdict.message}"
+    assert "dscore" in outputs
+    return outputs
+
+
+@pytest.mark.parametrize("name, head_dim, dtype, shape, mode",
+                         [random.Random(SEED + 1).choice([c for c in BWD_GRID if c[0] == n])
+                          for n in MODS], ids=_id)
+def test_modified_sm90a_backward_matches_float64(name: str, head_dim: int, dtype: DType,
+                                                  shape: Shape, mode: str) -> None:
+    print(f"FLASHTUNE_TEST_SEED={SEED}")
+    _backward(name, head_dim, dtype, shape, mode)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("name, head_dim, dtype, shape, mode", BWD_GRID, ids=_id)
+def test_modified_sm90a_backward_whole_grid(name: str, head_dim: int, dtype: DType,
+                                            shape: Shape, mode: str) -> None:
+    _backward(name, head_dim, dtype, shape, mode)
+
+
+def test_the_deterministic_backward_is_bitwise_equal_over_block_orders() -> None:
+    """A T5 bias (a captured tensor) with a causal mask: dK, dV, the dQ slices and the
+    gradient by the modified score are the same bits in three block orders."""
+    runs = [_backward("t5-causal", 64, DType.BF16, Shape(1, 2, 1, 130, 300), "deterministic",
+                      order) for order in (None, 1, 2)]
+    for other in runs[1:]:
+        for key in ("dk", "dv", "dq_accum", "dscore"):
+            assert torch.equal(other[key], runs[0][key]), key
+
+
+def test_the_backward_refuses_tile_ranges_and_wide_heads_naming_the_fallback() -> None:
+    """A block mask's tile ranges, and modifications above head dim 64 (where the functor
+    would spill), stay on the mma.sync backward."""
+    traced = trace(None, flex_mods.causal, tiles=True)
+    problem = Problem(64, DType.BF16, features=[traced_feature(traced)],
+                      op=HOPPER_BACKWARD.op)
+    with pytest.raises(FeatureNotSupported, match=r"block mask's tile ranges .*\('bwd'\)"):
+        HOPPER_BACKWARD.check_problem(problem)
+    wide = Problem(128, DType.BF16, op=HOPPER_BACKWARD.op,
+                   features=[traced_feature(trace(flex_mods.softcap(2.0)))])
+    with pytest.raises(FeatureNotSupported, match=r"up to head dim 64: at 128 .* \('bwd'\)"):
+        HOPPER_BACKWARD.check_problem(wide)
