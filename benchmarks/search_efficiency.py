@@ -25,7 +25,11 @@ trial through its constraints, so its feasibility model learns them; each decisi
 about a second) and ``cmaes`` (Optuna's CMA-ES told each illegal or failed point as the
 worst objective seen, a penalty: it has no constraint model; needs the optional extra
 ``search-bench``). Both run in a private study that settles an illegal proposal at once and
-asks again, so the loop only receives legal points (``_peer_samplers.py``).
+asks again, so the loop only receives legal points (``_peer_samplers.py``). Kernel Tuner's
+strategies (``kt-genetic_algorithm``, ``kt-simulated_annealing``, ``kt-dual_annealing``,
+``kt-pso``, ``kt-random_sample``, ``kt-bayes_opt``; ``kt-all`` for all six; optional extra
+``search-bench``) run through its simulation mode on the landscape converted to its cache
+format, with the same seeds and budgets on the same simulated clock (``_kernel_tuner.py``).
 
 Besides, on each landscape: ``flashtune`` warm-started from every other device's landscape
 of the same kernel (transfer), and ``flashtune`` with a deliberately noisy prior ranking
@@ -78,6 +82,7 @@ from _common import add_benchmarks_to_path  # noqa: E402
 
 add_benchmarks_to_path()
 
+import _kernel_tuner as kt  # noqa: E402
 import _synthetic_landscape as synthetic  # noqa: E402
 from _peer_samplers import cmaes_sampler, gp_sampler  # noqa: E402
 
@@ -134,6 +139,8 @@ STRATEGIES: dict[str, SamplerFactory] = {
     "tpe-multivariate": _tpe_multivariate, "nsga2": _nsga2, "gp": _gp, "cmaes": _cmaes,
 }
 DEFAULT_STRATEGIES = ("flashtune", "random", "tpe", "nsga2")
+#: Kernel Tuner's strategies (optional: ``_kernel_tuner.py``), e.g. ``kt-genetic_algorithm``.
+KT_STRATEGIES = tuple(f"{kt.PREFIX}{s}" for s in kt.STRATEGIES)
 
 
 _LOADED: dict[str, Landscape] = {}
@@ -210,9 +217,13 @@ def run(task: Task) -> RunResult:
         prior, _ = warm_start_prior(landscape, landscape_at(task.prior[5:]))
     total = landscape.brute_force_s
     start = time.process_time()
-    summary = replay(landscape, sampler=STRATEGIES[task.strategy], seed=task.seed,
-                     budget_s=task.max_budget * total, prior=prior,
-                     stop_at=landscape.optimum, charge_proposals=task.charge)
+    if task.strategy.startswith(kt.PREFIX):
+        summary = kt.run(landscape, kt.cache_for(landscape), task.strategy[len(kt.PREFIX):],
+                         task.seed, task.max_budget * total)
+    else:
+        summary = replay(landscape, sampler=STRATEGIES[task.strategy], seed=task.seed,
+                         budget_s=task.max_budget * total, prior=prior,
+                         stop_at=landscape.optimum, charge_proposals=task.charge)
     cpu = time.process_time() - start
     curve = [b for b in CURVE if b <= task.max_budget + 1e-12]
     return RunResult(task, tuple(summary.quality_at(b * total) for b in curve),
@@ -484,7 +495,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("search-efficiency"),
                         help="folder for the CSVs and the PNG; default: %(default)s")
     parser.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                        help=f"comma-separated, from {', '.join(STRATEGIES)}; "
+                        help=f"comma-separated, from {', '.join(STRATEGIES)}, and Kernel "
+                             f"Tuner's {', '.join(KT_STRATEGIES)} (or kt-all); "
                              "default: %(default)s")
     parser.add_argument("--no-transfer", action="store_true",
                         help="skip the warm-start and noisy-prior runs")
@@ -517,10 +529,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"no landscapes (*.json.gz) in {args.directory}", file=sys.stderr)
         return 2
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    unknown = [s for s in strategies if s not in STRATEGIES]
+    strategies = [k for s in strategies for k in (KT_STRATEGIES if s == "kt-all" else (s,))]
+    unknown = [s for s in strategies if s not in STRATEGIES and s not in KT_STRATEGIES]
     if unknown:
-        print(f"unknown strategies {unknown}; expected some of {list(STRATEGIES)}",
-              file=sys.stderr)
+        print(f"unknown strategies {unknown}; expected some of "
+              f"{list(STRATEGIES) + list(KT_STRATEGIES)}", file=sys.stderr)
+        return 2
+    if any(s in KT_STRATEGIES for s in strategies) and not kt.available():
+        print(kt.INSTALL_HINT, file=sys.stderr)
         return 2
     if "cmaes" in strategies and importlib.util.find_spec("cmaes") is None:
         print("strategy cmaes needs the cmaes package: pip install 'flashtune[search-bench]' "
