@@ -163,10 +163,12 @@ def backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     def per_kv_head(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(batch, seqlen_k, heads_kv, group, dim).sum(3)
 
-    # P and dS are rounded to the input type: below its smallest normal, by up to half the
-    # subnormal spacing (fp16: 2^-25) absolutely, which no relative bound covers (ALiBi and
-    # windows make such P common). ``*_floor``: that spacing summed over the visible terms.
-    info = torch.finfo(q.dtype) if q.dtype.is_floating_point else torch.finfo(torch.float32)
+    # P and dS are rounded to the 16-bit type of dO (the inputs' type, or O's for FP8 inputs,
+    # whose reference gets them dequantised in float64): below its smallest normal, by up to
+    # half the subnormal spacing (fp16: 2^-25) absolutely, which no relative bound covers
+    # (ALiBi, windows and FP8 descales make such P common). ``*_floor``: that spacing summed
+    # over the visible terms.
+    info = torch.finfo(dout.dtype) if dout.dtype.is_floating_point else torch.finfo(torch.float32)
     tiny = info.smallest_normal * info.eps / 2
     seen = visible.to(torch.float64)
     kept_scale = 1.0 / (1.0 - values.dropout.p) if values.dropout is not None else 1.0
