@@ -25,7 +25,7 @@ from flashtune.codegen.abi import OPERAND_ALIASES, EntryAbi, PackedArgs
 from flashtune.codegen.abi import Element as AbiElement
 from flashtune.codegen.arch import ArchSpec, get_arch
 from flashtune.codegen.dtypes import DType, Dtypes, Fp8Type, Operand
-from flashtune.codegen.features import feature
+from flashtune.codegen.features import feature, tile_ranged
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue, render_template
 from flashtune.codegen.spec import (
@@ -257,6 +257,10 @@ class KernelFamily(ABC):
     #: Whether the family also serves every feature that declares a score modification
     #: (``codegen.score_mods``): its kernels apply the declared hooks and take their params.
     score_mods: ClassVar[bool] = False
+    #: Where the family takes score modifications but not a block mask's tile ranges (its
+    #: kernels evaluate the mask on every score of the tiles they walk): what serves such a
+    #: call instead, named in the refusal. None: the tile ranges are taken.
+    tile_ranges_refused: ClassVar[str | None] = None
     #: The element types per operand (``codegen.dtypes.Dtypes``) the family's kernels take,
     #: e.g. ``SAME_16BIT``; a problem with any other combination is refused (InvalidProblem).
     #: Every family declares its own: none is accepted by default.
@@ -285,6 +289,11 @@ class KernelFamily(ABC):
                 f"the {self.op!r} kernel family ({self.title}) does not implement "
                 f"{', '.join(feature(name).title for name in missing)}; see the feature "
                 "table in the README for the families that do")
+        tiled = tile_ranged(problem.features) if self.tile_ranges_refused else []
+        if tiled:
+            raise FeatureNotSupported(
+                f"the {self.op!r} kernel family ({self.title}) does not walk a block mask's "
+                f"tile ranges ({', '.join(tiled)}); {self.tile_ranges_refused}")
         if problem.dtypes not in self.dtypes:
             accepted = (", ".join(sorted(map(str, self.dtypes))) if self.dtypes
                         else "none (the family declares no `dtypes`)")

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from flashtune.codegen.arch import ArchSpec
-from flashtune.codegen.features import mods_of, tile_ranged
+from flashtune.codegen.features import mods_of
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem
@@ -53,15 +53,10 @@ class HopperBackwardFamily(BackwardFamily):
     #: times the slope, the dscore buffer for captured tensors' gradients); a block mask's
     #: tile ranges stay on the mma.sync backward.
     score_mods = True
+    tile_ranges_refused = "a call with block_mask runs on the mma.sync backward ('bwd')"
 
     def check_problem(self, problem: Problem) -> None:
         super().check_problem(problem)
-        tiled = tile_ranged(problem.features)
-        if tiled:
-            raise FeatureNotSupported(
-                f"the {self.op!r} kernel family ({self.title}) does not walk a block mask's "
-                f"tile ranges ({', '.join(tiled)}); a call with block_mask runs on the "
-                "mma.sync backward ('bwd')")
         if mods_of(problem.features) and problem.head_dim > MAX_MOD_HEAD_DIM:
             raise FeatureNotSupported(
                 f"the {self.op!r} kernel family takes score modifications up to head dim "

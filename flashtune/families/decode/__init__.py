@@ -17,11 +17,10 @@ from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import EntryAbi
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.dtypes import SAME_16BIT
-from flashtune.codegen.features import mods_of, tile_ranged
+from flashtune.codegen.features import mods_of
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
-from flashtune.errors import FeatureNotSupported
 from flashtune.families.base import (
     Inputs,
     KernelFamily,
@@ -100,20 +99,10 @@ class DecodeFamily(KernelFamily):
     #: Declared score modifications (traced score_mod / mask_mod included) apply to every
     #: score after softcap and ALiBi, with the row's absolute position as q_idx.
     score_mods = True
+    tile_ranges_refused = ("expected a mask_mod without a block_mask: decoding evaluates the "
+                           "mask on every score and walks every key tile")
     abi: ClassVar[EntryAbi | None] = DECODE_ABI
     default_shape_classes = DEFAULT_CLASSES
-
-    def check_problem(self, problem: Problem) -> None:
-        """The base checks, and FeatureNotSupported for a modification with a block mask's
-        tile ranges: the decode kernel evaluates a mask on every score and walks every key
-        tile."""
-        super().check_problem(problem)
-        ranged = tile_ranged(problem.features)
-        if ranged:
-            raise FeatureNotSupported(
-                f"the 'decode' kernel family does not take a block mask's tile ranges (the "
-                f"score modifications {ranged} bring them); expected a mask_mod without a "
-                "block_mask: decoding evaluates the mask on every score")
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.SPACE

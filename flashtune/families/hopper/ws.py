@@ -43,12 +43,11 @@ from typing import TYPE_CHECKING, ClassVar
 from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import ArgValue, Element, EntryAbi, tensor_map
 from flashtune.codegen.arch import ArchSpec
-from flashtune.codegen.features import tile_ranged
 from flashtune.codegen.params import ParamSpace, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.codegen.tensormap import TensorMap, TmaSwizzle
-from flashtune.errors import FeatureNotSupported, InvalidConfig, InvalidInput
+from flashtune.errors import InvalidConfig, InvalidInput
 from flashtune.families.base import element_type
 from flashtune.families.fwd import variants
 from flashtune.families.fwd.args import FWD_ABI, ExtraValues
@@ -104,18 +103,9 @@ class HopperWsForwardFamily(HopperForwardFamily):
         {"window", "softcap", "alibi", "varlen", "sinks"})
     #: Declared score modifications (traced ones included): softmax.cuh's ScoreTransform
     #: applies them to every tile's scores; a block mask's tile ranges are refused
-    #: (``check_problem``: they run on the mma.sync forward).
+    #: (they run on the mma.sync forward).
     score_mods = True
-
-    def check_problem(self, problem: Problem) -> None:
-        """The base checks, and FeatureNotSupported for a block mask's tile ranges."""
-        super().check_problem(problem)
-        tiled = tile_ranged(problem.features)
-        if tiled:
-            raise FeatureNotSupported(
-                f"the {self.op!r} kernel family ({self.title}) does not walk a block mask's "
-                f"tile ranges ({', '.join(tiled)}); a call with block_mask runs on the "
-                "mma.sync forward ('fwd')")
+    tile_ranges_refused = "a call with block_mask runs on the mma.sync forward ('fwd')"
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.WS_SPACE
