@@ -50,9 +50,10 @@ struct HopperFwdTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
   // Declared score modifications (codegen.score_mods' functor; ScoreTransform applies them
-  // to every tile's scores, a mask as -inf). A block mask's tile ranges are not taken here.
+  // to every tile's scores, a mask as -inf). A block mask's tile ranges (Mods::kTileRanges)
+  // narrow each block's key range (clip_to_block_mask); its mask is evaluated only on the
+  // walked tiles that are not full.
   using Mods = Mods_;
-  static_assert(!Mods::kTileRanges, "block masks run on the mma.sync forward");
   static constexpr bool kBf16 = IsBf16;
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = BlockM;
@@ -170,7 +171,7 @@ struct FirstTile {
 // down to tile `low` (the lowest one with a visible key: tiles below every row's window are
 // never loaded), masking those from first_masked_tile up (the right edge and the tail) and,
 // with a window, those below left_masked_end (the left edge); the tiles between run
-// unmasked.
+// unmasked. A block mask's full key tiles are keys [full_begin, full_end) (else empty).
 struct KeyRange {
   int n_begin;
   int n_end;
@@ -179,6 +180,8 @@ struct KeyRange {
   int count;
   int first_masked_tile;
   int left_masked_end;
+  int full_begin;
+  int full_end;
 };
 
 // right, left: the window's clamped sizes (VariantArgs::right, left; unused without one).
@@ -211,7 +214,35 @@ __device__ __forceinline__ KeyRange key_range(int m0, int seqlen_q, int seqlen_k
   r.count = r.n_tiles - r.low;
   r.first_masked_tile = n_full <= 0 ? 0 : n_full / Tr::kBlockN;
   r.left_masked_end = (n_full_begin + Tr::kBlockN - 1) / Tr::kBlockN;
+  r.full_begin = 0;
+  r.full_end = 0;
   return r;
+}
+
+// A block mask's hook (api.block_mask) on query block m_block of (batch, head): only its key
+// tiles [lo, hi) hold a key some row sees, so the range is narrowed to them (the producer
+// never loads the others and the consumers never compute them); its full tiles
+// [full_lo, full_hi) are where the mask is not evaluated (softmax.cuh's ScoreTransform).
+template <class Tr>
+__device__ __forceinline__ void clip_to_block_mask(KeyRange& r, const typename Tr::Mods& mods,
+                                                   int batch, int head, int m_block) {
+  int lo = 0, hi = 0, full_lo = 0, full_hi = 0;
+  mods.tile_range(batch, head, m_block, lo, hi, full_lo, full_hi);
+  // In tiles first: a range may reach past the keys (a tile count times kBlockN could
+  // overflow).
+  if (hi > r.n_tiles) hi = r.n_tiles;
+  if (full_hi > hi) full_hi = hi;
+  if (lo >= hi) {
+    r.n_begin = r.n_end;  // no key tile: the block's rows see none (HopperBlock::unseen)
+  } else {
+    if (r.n_begin < lo * Tr::kBlockN) r.n_begin = lo * Tr::kBlockN;
+    if (r.n_end > hi * Tr::kBlockN) r.n_end = hi * Tr::kBlockN;
+  }
+  r.n_tiles = (r.n_end + Tr::kBlockN - 1) / Tr::kBlockN;
+  r.low = r.n_begin / Tr::kBlockN;
+  r.count = r.n_tiles - r.low;
+  r.full_begin = full_lo * Tr::kBlockN;
+  r.full_end = full_hi * Tr::kBlockN;
 }
 
 // Calls step(j, FirstTile, mask) for j = 0 .. count - 1 (key tile n_tiles - 1 - j) with the
@@ -383,7 +414,8 @@ struct HopperBlock {
   KeyRange range;
 
   __device__ __forceinline__ HopperBlock(unsigned char* raw,
-                                         const FwdParams<typename Tr::Element>& a) {
+                                         const FwdParams<typename Tr::Element>& a,
+                                         const typename Tr::Mods& mods = {}) {
     const unsigned window = smem_address(raw);
     const unsigned pad = (1024u - (window & 1023u)) & 1023u;
     smem = raw + pad;
@@ -426,6 +458,9 @@ struct HopperBlock {
     left = Tr::kLocal ? a.var.left(seqlen_k) : 0;
     m0 = static_cast<int>(blockIdx.x) * Tr::kBlockM;
     range = key_range<Tr>(m0, seqlen_q, seqlen_k, right, left);
+    if constexpr (Tr::Mods::kTileRanges) {
+      clip_to_block_mask<Tr>(range, mods, batch, head, static_cast<int>(blockIdx.x));
+    }
   }
 
   // Whether no row of the block sees a key (or, varlen, the block is past its sequence);
@@ -480,6 +515,10 @@ struct WarpgroupMath {
       transform.col_lane = 2 * (b.lane % 4);
       transform.batch = b.batch;
       transform.head = b.head;
+      if constexpr (Tr::Mods::kTileRanges) {
+        transform.full_begin = b.range.full_begin;
+        transform.full_end = b.range.full_end;
+      }
     }
     sink_log2 = Tr::kSinks ? sink_log2_of(a.var.sinks, b.head) : 0.0f;
     q_addr = b.base + group * 64 * 128;

@@ -213,7 +213,7 @@ __device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Eleme
   constexpr int kStages = Tr::kStages;
   static_assert(Tr::kWarpSpecialized, "traits of the warp-specialised kernel");
   FT_DYNAMIC_SMEM(unsigned char, raw);
-  const HopperBlock<Tr> b(raw, a);
+  const HopperBlock<Tr> b(raw, a, mods);
   if (b.unseen(a)) return;
   const int n_tiles = b.range.n_tiles;
   const int count = b.range.count;

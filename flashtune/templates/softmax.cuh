@@ -119,13 +119,16 @@ struct ScoreTransform : ModSite<typename Tr::Mods> {
           if constexpr (Tr::Mods::kOn) {
             const int q_idx = this->row0 + mt * 16 + 8 * (i / 2);
             const int kv_idx = col0 + this->col_lane + nt * 8 + (i % 2);
-            x = this->mods(x * this->unit, this->batch, this->head, q_idx, kv_idx) *
-                this->inv_unit;
+            // A hidden key of a partial tile is -inf before the modification runs, so
+            // what the modification reads (captured tensors) is read only for visible keys,
+            // as when its mask is part of the expression.
+            bool hidden = false;
             if constexpr (Tr::Mods::kTileRanges) {
-              if (partial && !this->mods.keep(this->batch, this->head, q_idx, kv_idx)) {
-                x = -INFINITY;
-              }
+              hidden = partial && !this->mods.keep(this->batch, this->head, q_idx, kv_idx);
             }
+            x = hidden ? -INFINITY
+                       : this->mods(x * this->unit, this->batch, this->head, q_idx, kv_idx) *
+                             this->inv_unit;
           }
           s[mt][nt][i] = x;
         }

@@ -9,9 +9,9 @@ The family's kernel runs in the emulator as a virtual sm_90a on fresh inputs (ca
 tensors drawn at random by the family) with NaN-poisoned outputs against its float64
 reference; through ``flashtune.attention(score_mod=, mask_mod=)`` on a virtual sm_90a the
 call is served by ``fwd90aws`` and matches the same Python functions applied to the dense
-float64 score matrix. A block mask's tile ranges stay on the mma.sync forward (refused by
-name here). A seeded sample by default (``FLASHTUNE_TEST_SEED`` replays it), every case
-under ``-m sweep``."""
+float64 score matrix. A block mask's tile ranges narrow each block's key range (empty
+tiles never loaded, counted by the emulator). A seeded sample by default
+(``FLASHTUNE_TEST_SEED`` replays it), every case under ``-m sweep``."""
 
 from __future__ import annotations
 
@@ -28,12 +28,16 @@ from flex_fixtures import (  # noqa: F401  (forget_traced_features: autouse)
     dense,
     docs_of,
     forget_traced_features,
+    four_documents,
+    grid,
+    with_ranges,
 )
-from hopper_sample import emulate
+from hopper_sample import emulate, forward_ops, virtual_sm90a
 from serving_fixtures import dispatcher, source  # noqa: F401  (fixtures, by name)
 
 import flashtune
 from flashtune.api import flex_mods
+from flashtune.api.block_mask import create_block_mask
 from flashtune.api.flex import traced_feature
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
@@ -42,7 +46,7 @@ from flashtune.errors import FeatureNotSupported
 from flashtune.families.bwd90a import HOPPER_BACKWARD, HOPPER_BACKWARD_DETERMINISTIC
 from flashtune.families.hopper import space
 from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
-from flashtune.runtime import first_use, plans
+from flashtune.runtime import first_use
 from flashtune.runtime.backends.emulator import LaunchOptions
 
 pytestmark = pytest.mark.emulator
@@ -111,11 +115,52 @@ def test_modified_sm90a_forward_whole_grid(name: str, head_dim: int, dtype: DTyp
     _check(name, head_dim, dtype, shape, schedule)
 
 
-def test_a_block_masks_tile_ranges_are_refused_naming_the_fallback() -> None:
-    traced = trace(None, flex_mods.causal, tiles=True)
-    problem = Problem(64, DType.BF16, features=[traced_feature(traced)], op=FAMILY.op)
-    with pytest.raises(FeatureNotSupported, match=r"block mask's tile ranges .* mma.sync"):
-        FAMILY.check_problem(problem)
+@pytest.mark.parametrize("flash", [False, True], ids=["document-ids", "flashmask"])
+def test_a_block_mask_skips_empty_tiles_on_the_sm90a_forward(flash: bool) -> None:
+    """Causal document masking over 4 documents (as document ids or in FlashMask's column
+    form) with K and V loaded by cp.async (the emulator counts those bytes): each query
+    block loads exactly the key tiles holding a key one of its rows sees (counted from the
+    dense mask), the outputs match the float64 reference of the dense mask; with every tile
+    walked the same outputs cost more bytes (skipping disabled fails this), and marking
+    every tile full changes the result (the mask is evaluated on the partial tiles)."""
+    n, dim = 512, 64
+    cuts, _, mask_mod = four_documents(n, SEED, flash)
+    traced = trace(None, mask_mod, tiles=True)
+    problem = Problem(dim, DType.BF16, features=[traced_feature(traced)], op=FAMILY.op)
+    config = FAMILY.config({**FAMILY.point(FAMILY.default_config(problem, SM90A)),
+                            "block_n": 64, "loadk": space.CP_ASYNC, "loadv": space.CP_ASYNC})
+    assert FAMILY.static_check(problem, config, SM90A) is None, config.key()
+    shape = Shape(1, 1, 1, n, n)
+    drawn = FAMILY.random_inputs(problem, shape, "cpu", SEED)
+    block_mask = create_block_mask(mask_mod, 1, 1, n, n)
+    ranges = block_mask.tiles(config.block_m, config.block_n, torch.device("cpu"))
+    assert int((ranges[..., 3] - ranges[..., 2]).sum()) > 0, f"cuts={cuts}: no full tiles"
+
+    def launch(tiles: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+        inputs = with_ranges(traced, tiles, drawn)
+        outputs, counters = emulate(FAMILY, problem, config, shape, inputs,
+                                    LaunchOptions(counters=True))
+        verdict = FAMILY.compare(problem, shape, outputs, FAMILY.reference(problem, inputs))
+        return outputs["o"], counters.cp_async_bytes, verdict.ok  # type: ignore[attr-defined]
+
+    out, loaded, ok = launch(ranges)
+    assert ok, f"seed {SEED} cuts={cuts}"
+    q, k, v = (drawn.tensors[x].transpose(1, 2) for x in "qkv")
+    ref, _ = dense(q, k, v, float(drawn.scalars["softmax_scale"]), None, mask_mod,
+                   torch.float64)
+    assert (out.transpose(1, 2).double() - ref).abs().max() < 2e-2, f"cuts={cuts}"
+    visible = mask_mod(*grid(1, 1, n, n))[0, 0]
+    tile_bytes = config.block_n * dim * 2 * 2  # K and V of one key tile
+    seen = visible.view(n // config.block_m, config.block_m, n // config.block_n,
+                        config.block_n).any(-1).any(1)
+    assert loaded == int(seen.sum()) * tile_bytes, f"cuts={cuts}"
+    every = torch.tensor([0, n // config.block_n, 0, 0], dtype=torch.int32)
+    walked_out, walked, ok = launch(every.expand(1, 1, n // config.block_m, 4).contiguous())
+    assert ok and walked == seen.numel() * tile_bytes > loaded, f"cuts={cuts}"
+    torch.testing.assert_close(walked_out, out, atol=0, rtol=0)
+    all_full = ranges.clone()
+    all_full[..., 2], all_full[..., 3] = ranges[..., 0], ranges[..., 1]
+    assert not launch(all_full)[2], f"cuts={cuts}: the mask was applied on full tiles"
 
 
 @pytest.mark.usefixtures("dispatcher")
@@ -124,12 +169,7 @@ def test_attention_with_mods_on_a_virtual_sm90a_runs_fwd90aws(
     """``flashtune.attention(score_mod=, mask_mod=)`` on the emulator's virtual sm_90a runs
     on ``fwd90aws`` after its first-use check and matches the functions applied to the
     dense float64 scores (GQA 4:2, a T5 bias captured from the caller, causal)."""
-    monkeypatch.setenv("FLASHTUNE_BACKEND", "emulator")
-    monkeypatch.setenv("FLASHTUNE_EMULATOR_ARCH", "sm_90a")
-    monkeypatch.delenv("FLASHTUNE_ARCH_SPECIFIC", raising=False)
-    first_use.forget()
-    plans.clear_caches()
-    try:
+    with virtual_sm90a(monkeypatch):
         gen = torch.Generator().manual_seed(SEED)
         n, dim = 90, 64
         score_mod, mask_mod = MODS["t5-causal"](4, n, gen)
@@ -138,28 +178,46 @@ def test_attention_with_mods_on_a_virtual_sm90a_runs_fwd90aws(
         out = flashtune.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
         assert isinstance(out, torch.Tensor)
         assert first_use.refused("virtual-sm_90a") is None
-        ops = {p.decision.problem.op for key, p in plans.cached().items() if key[-1] == "fwd"}
-        assert ops == {FAMILY.op}, ops
+        assert forward_ops() == {FAMILY.op}, forward_ops()
         bhsd: Any = (t.transpose(1, 2) for t in (q, k, v))
         ref, _ = dense(*bhsd, dim ** -0.5, score_mod, mask_mod, torch.float64)
         err = float((out.transpose(1, 2).double() - ref).abs().max())
         assert err <= 4e-2, f"seed {SEED}: {err}"
-    finally:
-        first_use.forget()
-        plans.clear_caches()
+
+
+@pytest.mark.usefixtures("dispatcher")
+def test_flex_attention_with_a_block_mask_on_a_virtual_sm90a_runs_fwd90aws(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``flashtune.flex_attention(block_mask=)`` on the emulator's virtual sm_90a runs on
+    ``fwd90aws`` (its tile ranges built for the served tile) and matches the mask applied
+    to the dense float64 scores (GQA 4:2, causal document masking)."""
+    with virtual_sm90a(monkeypatch):
+        gen = torch.Generator().manual_seed(SEED)
+        n, dim = 300, 64
+        _, _, mask_mod = four_documents(n, SEED)
+        q = torch.randn(1, 4, n, dim, generator=gen).to(torch.bfloat16)
+        k, v = (torch.randn(1, 2, n, dim, generator=gen).to(torch.bfloat16) for _ in "kv")
+        block_mask = create_block_mask(mask_mod, None, None, n, n)
+        out = flashtune.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        assert isinstance(out, torch.Tensor)
+        assert forward_ops() == {FAMILY.op}, forward_ops()
+        ref, _ = dense(q, k, v, dim ** -0.5, None, mask_mod, torch.float64)
+        err = float((out.double() - ref).abs().max())
+        assert err <= 4e-2, f"seed {SEED}: {err}"
 
 
 @pytest.mark.parametrize("op, head_dim", [("fwd90aws", 128), ("fwd90aws", 256),
                                           ("bwd90a", 64)])
 def test_a_captured_bias_compiles_without_spills(op: str, head_dim: int) -> None:
     """NVRTC sm_90a: the defaults with a T5 bias (a captured tensor loaded per score) and a
-    causal mask_mod keep every value in registers."""
+    causal mask_mod (the forward's with a block mask's tile ranges) keep every value in
+    registers."""
     from flashtune import families
     from flashtune.toolchain.compiler import compile_source
 
     score_mod, mask_mod = MODS["t5-causal"](4, 512, torch.Generator().manual_seed(SEED))
-    problem = Problem(head_dim, DType.BF16, op=op,
-                      features=[traced_feature(trace(score_mod, mask_mod))])
+    problem = Problem(head_dim, DType.BF16, op=op, features=[traced_feature(
+        trace(score_mod, mask_mod, tiles=op == "fwd90aws"))])
     family = families.get(op)
     kernel = compile_source(families.render(problem, family.default_config(problem, SM90A)),
                             "sm_90a")

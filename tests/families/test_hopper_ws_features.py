@@ -23,7 +23,7 @@ import random
 
 import pytest
 import torch
-from hopper_sample import emulate
+from hopper_sample import emulate, forward_ops, virtual_sm90a
 from serving_fixtures import dispatcher, source  # noqa: F401  (fixtures, by name)
 
 import flashtune
@@ -34,7 +34,7 @@ from flashtune.errors import FeatureNotSupported
 from flashtune.families.base import Inputs
 from flashtune.families.hopper import space
 from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
-from flashtune.runtime import first_use, plans
+from flashtune.runtime import first_use
 from flashtune.runtime.backends.emulator import LaunchOptions
 from flashtune.toolchain.compiler import compile_source
 
@@ -308,12 +308,7 @@ def test_attention_varlen_on_a_virtual_sm90a_runs_fwd90aws(
     """The torch API on the emulator's virtual sm_90a: a packed GQA batch (a zero-length
     sequence, Nq != Nk) with a window, softcap and sinks runs on ``fwd90aws`` after its
     first-use check and matches float64."""
-    monkeypatch.setenv("FLASHTUNE_BACKEND", "emulator")
-    monkeypatch.setenv("FLASHTUNE_EMULATOR_ARCH", "sm_90a")
-    monkeypatch.delenv("FLASHTUNE_ARCH_SPECIFIC", raising=False)
-    first_use.forget()
-    plans.clear_caches()
-    try:
+    with virtual_sm90a(monkeypatch):
         problem = _problem({"varlen": True, "window": True, "softcap": True, "sinks": True},
                            64, DType.BF16)
         inputs = _packed(problem, Shape(3, 4, 2, 70, 90), ([70, 0, 45], [33, 9, 90]), SEED)
@@ -322,14 +317,10 @@ def test_attention_varlen_on_a_virtual_sm90a_runs_fwd90aws(
             t["q"][0], t["k"][0], t["v"][0], t["cu_seqlens_q"], t["cu_seqlens_k"], 70, 90,
             window_size=(20, 4), softcap=30.0, sinks=t["sinks"], return_lse=True)
         assert first_use.refused("virtual-sm_90a") is None
-        ops = {p.decision.problem.op for key, p in plans.cached().items() if key[-1] == "fwd"}
-        assert ops == {FAMILY.op}, ops
+        assert forward_ops() == {FAMILY.op}, forward_ops()
         scalars = {**inputs.scalars, "window_left": 20, "window_right": 4, "softcap": 30.0}
         o64, lse64 = _reference64(problem, Inputs(t, scalars))
         assert float((out.double() - o64[0]).abs().max()) <= 4e-2
         finite = torch.isfinite(lse64[0])
         assert torch.equal(torch.isfinite(lse), finite)
         assert float((lse.double()[finite] - lse64[0][finite]).abs().max()) <= 1e-2
-    finally:
-        first_use.forget()
-        plans.clear_caches()

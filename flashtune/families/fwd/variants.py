@@ -134,8 +134,10 @@ def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
                 scalars[p.name] = pick(p.draws) if p.type == "float" else int(pick(p.draws))
         for p in mod.params:  # captured tensors: random ones of their drawn sizes
             sizes = [int(scalars[d]) for d in p.dims]
-            if p.type == "tiles":  # every key tile walked and partial (the mask everywhere)
-                whole = torch.tensor([0, 2**30, 0, 0], dtype=torch.int32, device=device)
+            if p.type == "tiles":  # every key tile walked and partial (the mask everywhere):
+                # as many tiles as the smallest tile (16 keys) makes
+                whole = torch.tensor([0, -(-shape.seqlen_k // 16), 0, 0], dtype=torch.int32,
+                                     device=device)
                 tensors[p.name] = whole.expand(*sizes, 4).contiguous()
             elif p.type in POINTER_TYPES:
                 tensors[p.name] = (

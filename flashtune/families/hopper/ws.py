@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, ClassVar
 from flashtune._lazy import lazy_module
 from flashtune.codegen.abi import ArgValue, Element, EntryAbi, tensor_map
 from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.features import tile_ranged
 from flashtune.codegen.params import ParamSpace, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem
@@ -85,6 +86,18 @@ def panel_map(t: torch.Tensor, rows: int) -> TensorMap:
                      (PANEL, rows, dim // PANEL, 1, 1), TmaSwizzle.B128)
 
 
+def _register_heavy(problem: Problem) -> str | None:
+    """The features of ``problem`` that need one consumer warpgroup's registers (block_m 64)
+    at head dim 256, named; None when two fit."""
+    if problem.head_dim != 256:
+        return None
+    if problem.alibi and (problem.window or problem.varlen):
+        return "ALiBi with a window or varlen"
+    if tile_ranged(problem.features):
+        return "a block mask's tile ranges"
+    return None
+
+
 class HopperWsForwardFamily(HopperForwardFamily):
     """The warp-specialised attention forward on TMA and wgmma (sm_90a)."""
 
@@ -102,10 +115,10 @@ class HopperWsForwardFamily(HopperForwardFamily):
     features: ClassVar[frozenset[str]] = frozenset(
         {"window", "softcap", "alibi", "varlen", "sinks"})
     #: Declared score modifications (traced ones included): softmax.cuh's ScoreTransform
-    #: applies them to every tile's scores; a block mask's tile ranges are refused
-    #: (they run on the mma.sync forward).
+    #: applies them to every tile's scores. A block mask's tile ranges narrow each block's
+    #: key range (hopper_fwd.cuh's clip_to_block_mask: the producer never loads an empty
+    #: tile) and its mask is evaluated on the partial tiles only.
     score_mods = True
-    tile_ranges_refused = "a call with block_mask runs on the mma.sync forward ('fwd')"
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.WS_SPACE
@@ -117,14 +130,14 @@ class HopperWsForwardFamily(HopperForwardFamily):
     def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
         """The space's rules, and the register limit of the features: at head dim 256 a
         window or varlen with ALiBi (row bounds, sequence offsets and the bias beside O's 128
-        accumulators) spills under the 168 registers of two or three consumer warpgroups
-        (ptxas, sm_90a)."""
+        accumulators) or a block mask's tile ranges (the full range and the mask of partial
+        tiles) spill under the 168 registers of two or three consumer warpgroups (ptxas,
+        sm_90a)."""
         why = space.ws_check(problem, config, arch)
-        if why is None and problem.head_dim == 256 and problem.alibi \
-                and (problem.window or problem.varlen) and config.block_m > 64:
-            why = (f"block_m={config.block_m}: at head dim 256 ALiBi with a window or varlen "
-                   "spills "
-                   f"under the {space.ws_registers(config)[1]} registers of each of "
+        heavy = _register_heavy(problem)
+        if why is None and heavy and config.block_m > 64:
+            why = (f"block_m={config.block_m}: at head dim 256 with {heavy} the kernel "
+                   f"spills under the {space.ws_registers(config)[1]} registers of each of "
                    f"{config.block_m // 64} consumer warpgroups; expected block_m=64 (one "
                    "consumer warpgroup, 240 registers)")
         return why
