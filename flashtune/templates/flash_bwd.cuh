@@ -387,24 +387,7 @@ __device__ __forceinline__ void flash_bwd(
       m_end = end < m_blocks ? end : m_blocks;
     }
     if constexpr (Mods::kTileRanges) {
-      // A block mask's hook (api.block_mask, in its column form for the backward): only
-      // query tiles [lo, hi) hold a row that sees a key of this tile (the union over the
-      // group's query heads); the others are never loaded or computed.
-      int lo = m_blocks;
-      int hi = 0;
-      for (int g = 0; g < group; ++g) {
-        int g_lo = 0;
-        int g_hi = 0;
-        int full_lo = 0;
-        int full_hi = 0;
-        mods.tile_range(batch, kv_head * group + g, n_block, g_lo, g_hi, full_lo, full_hi);
-        if (g_hi > g_lo) {
-          lo = g_lo < lo ? g_lo : lo;
-          hi = g_hi > hi ? g_hi : hi;
-        }
-      }
-      m_first = m_first > lo ? m_first : lo;
-      m_end = m_end < hi ? m_end : hi;
+      flex::clip_query_tiles(mods, batch, kv_head, group, n_block, m_blocks, m_first, m_end);
     }
     const int m_count = m_end > m_first ? m_end - m_first : 0;
     const int steps = group * m_count;
@@ -465,12 +448,7 @@ __device__ __forceinline__ void flash_bwd(
       // A block mask's full tiles (every row sees every key) skip the mask's evaluation.
       bool partial = true;
       if constexpr (Mods::kTileRanges) {
-        int lo = 0;
-        int hi = 0;
-        int full_lo = 0;
-        int full_hi = 0;
-        mods.tile_range(batch, head, n_block, lo, hi, full_lo, full_hi);
-        partial = m0 / kBlockM < full_lo || m0 / kBlockM >= full_hi;
+        partial = flex::partial_query_tile(mods, batch, head, n_block, m0 / kBlockM);
       }
       float* dscore_bh = nullptr;
       if constexpr (Mods::kOn) {

@@ -79,5 +79,43 @@ __device__ __forceinline__ void tile_range(const int* ranges, int nb, int nh, in
   full_hi = ranges[4 * at_bhm + 3];
 }
 
+// A block mask's hook in the backward's column form (api.block_mask): of key tile n_block's
+// query tiles [m_first, m_end), only those in the union over the group's query heads
+// (kv_head * group ..) of the tiles holding a row that sees one of its keys remain; the
+// others are never loaded or computed.
+template <class Mods>
+__device__ __forceinline__ void clip_query_tiles(const Mods& mods, int batch, int kv_head,
+                                                 int group, int n_block, int m_blocks,
+                                                 int& m_first, int& m_end) {
+  int lo = m_blocks;
+  int hi = 0;
+  for (int g = 0; g < group; ++g) {
+    int g_lo = 0;
+    int g_hi = 0;
+    int full_lo = 0;
+    int full_hi = 0;
+    mods.tile_range(batch, kv_head * group + g, n_block, g_lo, g_hi, full_lo, full_hi);
+    if (g_hi > g_lo) {
+      lo = g_lo < lo ? g_lo : lo;
+      hi = g_hi > hi ? g_hi : hi;
+    }
+  }
+  m_first = m_first > lo ? m_first : lo;
+  m_end = m_end < hi ? m_end : hi;
+}
+
+// Whether query tile m_block of head is one of key tile n_block's partial tiles (its mask
+// evaluated; a full tile, every row seeing every key, skips it).
+template <class Mods>
+__device__ __forceinline__ bool partial_query_tile(const Mods& mods, int batch, int head,
+                                                   int n_block, int m_block) {
+  int lo = 0;
+  int hi = 0;
+  int full_lo = 0;
+  int full_hi = 0;
+  mods.tile_range(batch, head, n_block, lo, hi, full_lo, full_hi);
+  return m_block < full_lo || m_block >= full_hi;
+}
+
 }  // namespace flex
 }  // namespace ft

@@ -61,9 +61,9 @@ struct HopperBwdTraits {
   using Ops = TensorOps<Element>;
   // Declared score modifications (codegen.score_mods' functor, with its derivative): P is
   // recomputed from the modified score and dS carries the slope, as in flash_bwd.cuh; a
-  // block mask's tile ranges are not taken here (they run on the mma.sync backward).
+  // block mask's tile ranges (in their column form) narrow each key tile's query tiles and
+  // its mask is evaluated on the partial ones only.
   using Mods = Mods_;
-  static_assert(!Mods::kTileRanges, "block masks run on the mma.sync backward");
   static constexpr bool kBf16 = IsBf16;
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = 64;
@@ -286,6 +286,9 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
       const int end = last_row < 0 ? 0 : last_row / kBlockM + 1;
       m_end = end < m_blocks ? end : m_blocks;
     }
+    if constexpr (Tr::Mods::kTileRanges) {
+      flex::clip_query_tiles(mods, batch, kv_head, group, n_block, m_blocks, m_first, m_end);
+    }
     const int m_count = m_end > m_first ? m_end - m_first : 0;
     const int steps = group * m_count;
 
@@ -328,6 +331,11 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
       fence_proxy_async();  // this thread's cp.async writes (generic proxy) before wgmma reads
       block_sync();
 
+      // A block mask's full tiles (every row sees every key) skip the mask's evaluation.
+      [[maybe_unused]] bool partial = true;
+      if constexpr (Tr::Mods::kTileRanges) {
+        partial = flex::partial_query_tile(mods, batch, head, n_block, m0 / kBlockM);
+      }
       float acc_s[kBlockM / 2];
       float acc_dp[kBlockM / 2];
       wgmma_fence();
@@ -352,6 +360,9 @@ __device__ __forceinline__ void hopper_bwd(const BwdParams<typename Tr::Element>
           seen = seen && key <= row + seqlen_k - seqlen_q + right;
         }
         if constexpr (Tr::kLocal) seen = seen && key >= row + seqlen_k - seqlen_q - left;
+        if constexpr (Tr::Mods::kTileRanges) {
+          seen = seen && (!partial || mods.keep(batch, head, row, key));
+        }
         float p;
         float dtanh = 1.0f;  // the derivative of the capped score by the scaled one
         if constexpr (Tr::Mods::kOn) {

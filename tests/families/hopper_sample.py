@@ -67,6 +67,6 @@ def virtual_sm90a(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         plans.clear_caches()
 
 
-def forward_ops() -> set[str]:
-    """The ops of the families the cached forward plans run."""
-    return {p.decision.problem.op for key, p in plans.cached().items() if key[-1] == "fwd"}
+def forward_ops(op: str = "fwd") -> set[str]:
+    """The ops of the families the cached plans of ``op`` (``fwd``, ``bwd``, ...) run."""
+    return {p.decision.problem.op for key, p in plans.cached().items() if key[-1] == op}

@@ -115,8 +115,17 @@ def test_modified_sm90a_forward_whole_grid(name: str, head_dim: int, dtype: DTyp
     _check(name, head_dim, dtype, shape, schedule)
 
 
+def test_a_block_mask_skips_empty_tiles_on_the_sm90a_forward() -> None:
+    _forward_skip_case(random.Random(f"{SEED}-skip").random() < 0.5)
+
+
+@pytest.mark.sweep
 @pytest.mark.parametrize("flash", [False, True], ids=["document-ids", "flashmask"])
-def test_a_block_mask_skips_empty_tiles_on_the_sm90a_forward(flash: bool) -> None:
+def test_block_masks_skip_empty_tiles_on_the_sm90a_forward_in_both_forms(flash: bool) -> None:
+    _forward_skip_case(flash)
+
+
+def _forward_skip_case(flash: bool) -> None:
     """Causal document masking over 4 documents (as document ids or in FlashMask's column
     form) with K and V loaded by cp.async (the emulator counts those bytes): each query
     block loads exactly the key tiles holding a key one of its rows sees (counted from the
@@ -186,24 +195,36 @@ def test_attention_with_mods_on_a_virtual_sm90a_runs_fwd90aws(
 
 
 @pytest.mark.usefixtures("dispatcher")
-def test_flex_attention_with_a_block_mask_on_a_virtual_sm90a_runs_fwd90aws(
+def test_flex_attention_with_a_block_mask_on_a_virtual_sm90a_runs_both_sm90a_kernels(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """``flashtune.flex_attention(block_mask=)`` on the emulator's virtual sm_90a runs on
-    ``fwd90aws`` (its tile ranges built for the served tile) and matches the mask applied
-    to the dense float64 scores (GQA 4:2, causal document masking)."""
+    """``flashtune.flex_attention(block_mask=)`` on the emulator's virtual sm_90a runs its
+    forward on ``fwd90aws`` and its backward on ``bwd90a`` (the tile ranges built for each
+    served tile) and matches the mask applied to the dense float64 scores, output and
+    gradients (GQA 4:2, causal document masking)."""
     with virtual_sm90a(monkeypatch):
         gen = torch.Generator().manual_seed(SEED)
         n, dim = 300, 64
         _, _, mask_mod = four_documents(n, SEED)
-        q = torch.randn(1, 4, n, dim, generator=gen).to(torch.bfloat16)
-        k, v = (torch.randn(1, 2, n, dim, generator=gen).to(torch.bfloat16) for _ in "kv")
+        q = torch.randn(1, 4, n, dim, generator=gen).to(torch.bfloat16).requires_grad_()
+        k, v = (torch.randn(1, 2, n, dim, generator=gen).to(torch.bfloat16).requires_grad_()
+                for _ in "kv")
         block_mask = create_block_mask(mask_mod, None, None, n, n)
         out = flashtune.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
         assert isinstance(out, torch.Tensor)
+        g = torch.randn(out.shape, generator=gen)
+        (out.float() * g).sum().backward()
         assert forward_ops() == {FAMILY.op}, forward_ops()
-        ref, _ = dense(q, k, v, dim ** -0.5, None, mask_mod, torch.float64)
-        err = float((out.double() - ref).abs().max())
+        assert forward_ops("bwd") == {HOPPER_BACKWARD.op}, forward_ops("bwd")
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        ref, _ = dense(*leaves, dim ** -0.5, None, mask_mod, torch.float64)
+        (ref * g.double()).sum().backward()
+        err = float((out.detach().double() - ref.detach()).abs().max())
         assert err <= 4e-2, f"seed {SEED}: {err}"
+        for name, got, want in zip("qkv", (q, k, v), leaves, strict=True):
+            assert got.grad is not None and want.grad is not None
+            scale = float(want.grad.abs().max())
+            err = float((got.grad.double() - want.grad).abs().max())
+            assert err <= 3e-2 * scale, f"seed {SEED} d{name}: {err} (max {scale})"
 
 
 @pytest.mark.parametrize("op, head_dim", [("fwd90aws", 128), ("fwd90aws", 256),
@@ -276,14 +297,64 @@ def test_the_deterministic_backward_is_bitwise_equal_over_block_orders() -> None
             assert torch.equal(other[key], runs[0][key]), key
 
 
-def test_the_backward_refuses_tile_ranges_and_wide_heads_naming_the_fallback() -> None:
-    """A block mask's tile ranges, and modifications above head dim 64 (where the functor
-    would spill), stay on the mma.sync backward."""
-    traced = trace(None, flex_mods.causal, tiles=True)
-    problem = Problem(64, DType.BF16, features=[traced_feature(traced)],
-                      op=HOPPER_BACKWARD.op)
-    with pytest.raises(FeatureNotSupported, match=r"block mask's tile ranges .*\('bwd'\)"):
-        HOPPER_BACKWARD.check_problem(problem)
+def test_a_block_mask_skips_empty_query_tiles_in_the_sm90a_backward() -> None:
+    _backward_skip_case(random.Random(f"{SEED}-bwd").choice(["atomic", "deterministic"]))
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("mode", ["atomic", "deterministic"])
+def test_block_masks_skip_empty_query_tiles_in_both_sm90a_backwards(mode: str) -> None:
+    _backward_skip_case(mode)
+
+
+def _backward_skip_case(mode: str) -> None:
+    """Causal document masking over 4 documents, GQA 2:1, the block mask in its column
+    form: each key tile loads Q and dO of exactly the query tiles holding a row that sees
+    one of its keys (counted from the dense mask; cp.async bytes), dK, dV, dQ and the
+    gradient by the modified score match the float64 reference; walking every query tile
+    gives the same gradients for more bytes (skipping disabled fails this), and marking
+    every tile full changes them (the mask is evaluated on partial tiles only)."""
+    family = HOPPER_BACKWARD_DETERMINISTIC if mode == "deterministic" else HOPPER_BACKWARD
+    n, dim, group = 384, 64, 2
+    cuts, _, mask_mod = four_documents(n, SEED)
+    traced = trace(None, mask_mod, tiles=True)
+    problem = Problem(dim, DType.FP16, features=[traced_feature(traced)], op=family.op)
+    config = family.default_config(problem, SM90A)
+    shape = Shape(1, group, 1, n, n)
+    drawn = family.random_inputs(problem, shape, "cpu", SEED)
+    block_mask = create_block_mask(mask_mod, 1, 1, n, n)
+    ranges = block_mask.tiles(config.block_m, config.block_n, torch.device("cpu"),
+                              columns=True)
+
+    def launch(tiles: torch.Tensor) -> tuple[dict[str, torch.Tensor], int, bool]:
+        inputs = with_ranges(traced, tiles, drawn)
+        outputs, counters = emulate(family, problem, config, shape, inputs,
+                                    LaunchOptions(counters=True))
+        verdict = family.compare(problem, shape, outputs, family.reference(problem, inputs))
+        return outputs, counters.cp_async_bytes, verdict.ok  # type: ignore[attr-defined]
+
+    out, loaded, ok = launch(ranges)
+    assert ok, f"seed {SEED} cuts={cuts}"
+    visible = mask_mod(*grid(1, 1, n, n))[0, 0]
+    m_tiles, n_tiles = n // config.block_m, n // config.block_n
+    seen = visible.view(m_tiles, config.block_m, n_tiles, config.block_n).any(-1).any(1)
+    row_bytes = dim * 2
+    kv = n_tiles * 2 * config.block_n * row_bytes  # K and V of every key tile
+    per_step = 2 * config.block_m * row_bytes       # Q and dO of one query tile
+    assert loaded == kv + group * int(seen.sum()) * per_step, f"cuts={cuts}"
+    every = torch.tensor([0, m_tiles, 0, 0], dtype=torch.int32)
+    walked_out, walked, ok = launch(every.expand(1, 1, n_tiles, 4).contiguous())
+    assert ok and walked == kv + group * seen.numel() * per_step > loaded, f"cuts={cuts}"
+    for key in ("dk", "dv"):
+        torch.testing.assert_close(walked_out[key], out[key], atol=0, rtol=0)
+    all_full = ranges.clone()
+    all_full[..., 2], all_full[..., 3] = ranges[..., 0], ranges[..., 1]
+    assert not launch(all_full)[2], f"cuts={cuts}: the mask was applied on full tiles"
+
+
+def test_the_backward_refuses_wide_heads_naming_the_fallback() -> None:
+    """Modifications above head dim 64 (where the functor would spill) stay on the mma.sync
+    backward."""
     wide = Problem(128, DType.BF16, op=HOPPER_BACKWARD.op,
                    features=[traced_feature(trace(flex_mods.softcap(2.0)))])
     with pytest.raises(FeatureNotSupported, match=r"up to head dim 64: at 128 .* \('bwd'\)"):

@@ -14,7 +14,8 @@ per 64 keys, each owning half of the head dim of dK and dV), causal with the que
 above the diagonal skipped, GQA/MQA (dK, dV summed over the group in the block), and the
 features window (query tiles outside a key tile's window skipped), softcap and varlen with
 the mma.sync backward's declarations, and declared score modifications (their functor and
-derivative, as flash_bwd.cuh applies them, at head dim 64; no block mask's tile ranges). It
+derivative, as flash_bwd.cuh applies them, at head dim 64, with a block mask's tile ranges in
+their column form: each key tile skips the query tiles no row of which sees it). It
 serves ``bwd`` and ``bwddet`` on compute capability 9.0 after the first-use check.
 """
 
@@ -50,10 +51,10 @@ class HopperBackwardFamily(BackwardFamily):
     #: mma.sync backward.
     features: ClassVar[frozenset[str]] = frozenset({"window", "softcap", "varlen"})
     #: Declared score modifications with their derivatives (P of the modified score, dS
-    #: times the slope, the dscore buffer for captured tensors' gradients); a block mask's
-    #: tile ranges stay on the mma.sync backward.
+    #: times the slope, the dscore buffer for captured tensors' gradients), and a block
+    #: mask's tile ranges in their column form (each key tile walks only the query tiles
+    #: holding a row that sees one of its keys; the mask is evaluated on partial tiles).
     score_mods = True
-    tile_ranges_refused = "a call with block_mask runs on the mma.sync backward ('bwd')"
 
     def check_problem(self, problem: Problem) -> None:
         super().check_problem(problem)
