@@ -74,7 +74,10 @@ struct HopperBwdTraits {
   static constexpr bool kSoftcap = Softcap;
   static constexpr bool kVarlen = Varlen;
   static constexpr int kKeyGroups = BlockN / 64;   // 64 keys each
-  static constexpr int kDimGroups = HeadDim > 128 ? 2 : 1;  // head-dim halves of dK and dV
+  // Head-dim halves of dK and dV: over head dim 128, and at 128 with declared score
+  // modifications (their functor and the dscore stores need the registers of half of dK
+  // and dV).
+  static constexpr int kDimGroups = HeadDim > 128 || (Mods::kOn && HeadDim == 128) ? 2 : 1;
   static constexpr int kWarpGroups = kKeyGroups * kDimGroups;
   static constexpr int kDkvCols = HeadDim / kDimGroups;  // dK and dV columns of a warpgroup
   static constexpr int kThreads = 128 * kWarpGroups;

@@ -228,7 +228,8 @@ def test_flex_attention_with_a_block_mask_on_a_virtual_sm90a_runs_both_sm90a_ker
 
 
 @pytest.mark.parametrize("op, head_dim", [("fwd90aws", 128), ("fwd90aws", 256),
-                                          ("bwd90a", 64)])
+                                          ("bwd90a", 64), ("bwd90a", 128),
+                                          ("bwd90adet", 128)])
 def test_a_captured_bias_compiles_without_spills(op: str, head_dim: int) -> None:
     """NVRTC sm_90a: the defaults with a T5 bias (a captured tensor loaded per score) and a
     causal mask_mod (the forward's with a block mask's tile ranges) keep every value in
@@ -248,7 +249,7 @@ def test_a_captured_bias_compiles_without_spills(op: str, head_dim: int) -> None
 
 # ------------------------------------------------------------------ the backward
 
-BWD_GRID = list(itertools.product(MODS, (64,), DType, SHAPES, ("atomic", "deterministic")))
+BWD_GRID = list(itertools.product(MODS, (64, 128), DType, SHAPES, ("atomic", "deterministic")))
 
 
 def _backward(name: str, head_dim: int, dtype: DType, shape: Shape, mode: str,
@@ -287,11 +288,13 @@ def test_modified_sm90a_backward_whole_grid(name: str, head_dim: int, dtype: DTy
     _backward(name, head_dim, dtype, shape, mode)
 
 
-def test_the_deterministic_backward_is_bitwise_equal_over_block_orders() -> None:
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_the_deterministic_backward_is_bitwise_equal_over_block_orders(head_dim: int) -> None:
     """A T5 bias (a captured tensor) with a causal mask: dK, dV, the dQ slices and the
-    gradient by the modified score are the same bits in three block orders."""
-    runs = [_backward("t5-causal", 64, DType.BF16, Shape(1, 2, 1, 130, 300), "deterministic",
-                      order) for order in (None, 1, 2)]
+    gradient by the modified score are the same bits in three block orders (at 128 two
+    warpgroups share each 64 keys)."""
+    runs = [_backward("t5-causal", head_dim, DType.BF16, Shape(1, 2, 1, 130, 300),
+                      "deterministic", order) for order in (None, 1, 2)]
     for other in runs[1:]:
         for key in ("dk", "dv", "dq_accum", "dscore"):
             assert torch.equal(other[key], runs[0][key]), key
@@ -353,9 +356,9 @@ def _backward_skip_case(mode: str) -> None:
 
 
 def test_the_backward_refuses_wide_heads_naming_the_fallback() -> None:
-    """Modifications above head dim 64 (where the functor would spill) stay on the mma.sync
+    """Modifications above head dim 128 (where the functor would spill) stay on the mma.sync
     backward."""
-    wide = Problem(128, DType.BF16, op=HOPPER_BACKWARD.op,
+    wide = Problem(256, DType.BF16, op=HOPPER_BACKWARD.op,
                    features=[traced_feature(trace(flex_mods.softcap(2.0)))])
-    with pytest.raises(FeatureNotSupported, match=r"up to head dim 64: at 128 .* \('bwd'\)"):
+    with pytest.raises(FeatureNotSupported, match=r"up to head dim 128: at 256 .* \('bwd'\)"):
         HOPPER_BACKWARD.check_problem(wide)

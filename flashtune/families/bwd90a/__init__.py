@@ -14,8 +14,9 @@ per 64 keys, each owning half of the head dim of dK and dV), causal with the que
 above the diagonal skipped, GQA/MQA (dK, dV summed over the group in the block), and the
 features window (query tiles outside a key tile's window skipped), softcap and varlen with
 the mma.sync backward's declarations, and declared score modifications (their functor and
-derivative, as flash_bwd.cuh applies them, at head dim 64, with a block mask's tile ranges in
-their column form: each key tile skips the query tiles no row of which sees it). It
+derivative, as flash_bwd.cuh applies them, at head dims 64 and 128, with a block mask's
+tile ranges in their column form: each key tile skips the query tiles no row of which sees
+it). It
 serves ``bwd`` and ``bwddet`` on compute capability 9.0 after the first-use check.
 """
 
@@ -34,9 +35,10 @@ from flashtune.families.bwd import BackwardFamily
 from flashtune.families.bwd90a import space
 from flashtune.families.fwd import variants
 
-#: The largest head dim whose kernels hold a score modification's functor without spilling
-#: (dK and dV take 128 float registers per thread at head dim 128).
-MAX_MOD_HEAD_DIM = 64
+#: The largest head dim whose kernels hold a score modification's functor without spilling:
+#: at 128 two warpgroups share each 64 keys, each owning half of dK and dV
+#: (``space.dim_groups``); at 256 a half is 128 float registers per thread again.
+MAX_MOD_HEAD_DIM = 128
 
 
 class HopperBackwardFamily(BackwardFamily):
@@ -62,8 +64,8 @@ class HopperBackwardFamily(BackwardFamily):
             raise FeatureNotSupported(
                 f"the {self.op!r} kernel family takes score modifications up to head dim "
                 f"{MAX_MOD_HEAD_DIM}: at {problem.head_dim} its dK and dV accumulators leave "
-                "the functor no registers (NVRTC 13 spills 88 B at 128, 8 B at 256 with a "
-                "T5 bias); the mma.sync backward ('bwd') serves them")
+                "the functor no registers even split over two warpgroups (NVRTC 13 spills "
+                "8-72 B at 256); the mma.sync backward ('bwd') serves them")
         if problem.head_dim not in space.HEAD_DIMS:
             raise InvalidProblem(
                 f"head_dim={problem.head_dim}: the sm_90a backward takes head dims "
@@ -110,9 +112,10 @@ class HopperBackwardFamily(BackwardFamily):
         mode = ("per-block slices summed in a fixed order" if self.deterministic
                 else "float32 atomics")
         if space.dim_groups(problem) > 1:
+            why = ("FA3's sm90 tile at head dim 256" if problem.head_dim > 128 else
+                   "the registers of a score modification's functor")
             return ("two warpgroups over 64 keys, each owning half of the head dim of dK and "
-                    "dV, and query tiles of 64 rows (FA3's sm90 tile at head dim 256); dQ by "
-                    f"{mode}")
+                    f"dV, and query tiles of 64 rows ({why}); dQ by {mode}")
         return ("two warpgroups over 128 keys and query tiles of 64 rows (FA3's sm90 tiles at "
                 f"head dims 64 and 128); dQ by {mode}")
 

@@ -21,6 +21,7 @@ registers fit the SM's register file (``register_file_reason``).
 from __future__ import annotations
 
 from flashtune.codegen.arch import ArchSpec
+from flashtune.codegen.features import mods_of
 from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.families.base import resource_reason
@@ -61,8 +62,11 @@ WARPS = 4
 
 def dim_groups(problem: Problem) -> int:
     """Warpgroups that share 64 keys, each owning head_dim / dim_groups columns of dK and dV:
-    2 over head dim 128 (HopperBwdTraits::kDimGroups), else 1."""
-    return 2 if problem.head_dim > 128 else 1
+    2 over head dim 128, and at 128 with declared score modifications (their functor and
+    dscore stores take the registers of half of dK and dV), else 1
+    (HopperBwdTraits::kDimGroups)."""
+    modified = bool(mods_of(problem.features))
+    return 2 if problem.head_dim > 128 or (modified and problem.head_dim == 128) else 1
 
 
 def threads(problem: Problem, config: KernelConfig) -> int:
