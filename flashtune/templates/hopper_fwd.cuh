@@ -29,6 +29,7 @@
 // rows (the next one from kBlockN) instead of kBlockN's.
 #pragma once
 
+#include "dropout.cuh"
 #include "flash_fwd.cuh"  // FwdParams (the same arguments) and softmax.cuh
 #include "mbarrier.cuh"
 #include "sinks.cuh"
@@ -70,6 +71,7 @@ struct HopperFwdTraits {
   static constexpr bool kVarlen = Varlen;
   static constexpr bool kSinks = Sinks;
   static constexpr bool kTransformed = Softcap || Alibi || Mods::kOn;
+  static constexpr bool kDropout = false;  // on in WithDropout<...> (dropout.cuh)
   static constexpr int kWarpGroups = BlockM / 64;  // consumer warpgroups (the math)
   // hopper_fwd_ws.cuh adds a producer warpgroup (warps 0..3) in front of them.
   static constexpr bool kWarpSpecialized = WarpSpecialized;
@@ -325,20 +327,28 @@ struct NoScorePrep {
   __device__ __forceinline__ void operator()(S&) const {}
 };
 
+// What runs on P's packed fragments of a tile before O += P V: nothing, or dropout
+// (WarpgroupMath::drop).
+struct NoPHook {
+  template <class P>
+  __device__ __forceinline__ void operator()(P&) const {}
+};
+
 // The online softmax of the complete S in acc_s (tied here: a wgmma still writing it is an
 // error in the emulator; then prep transforms it) and of O (complete: the caller tied it
 // after its last wait), P from the S accumulators, and O += P V (issue_pv) in one commit
 // group it does not wait for.
-template <class Tr, bool kFirst, class Mask, class Prep = NoScorePrep>
+template <class Tr, bool kFirst, class Mask, class Prep = NoScorePrep, class PHook = NoPHook>
 __device__ __forceinline__ void softmax_issue_pv(unsigned v_addr, float (&acc_s)[1][Tr::kSTiles][4],
                                                  OnlineSoftmax<Tr>& softmax,
                                                  float (&acc_o)[1][Tr::kOTiles][4],
                                                  float scale_log2, const Mask& mask,
-                                                 const Prep& prep = {}) {
+                                                 const Prep& prep = {}, const PHook& p_hook = {}) {
   wgmma_fence_operands(reinterpret_cast<float(&)[Tr::kBlockN / 2]>(acc_s));
   prep(acc_s);
   unsigned p[1][Tr::kPvSteps][4];
   softmax.template update<kFirst>(acc_s, p, acc_o, scale_log2, mask);
+  p_hook(p);
   issue_pv<Tr>(v_addr, p, acc_o);
 }
 
@@ -346,16 +356,16 @@ __device__ __forceinline__ void softmax_issue_pv(unsigned v_addr, float (&acc_s)
 // GEMM waited for before its result is read (q_addr, k_addr, v_addr: this warpgroup's Q rows
 // and the stage's K and V tiles).
 template <class Tr, bool kFirst, class Mask, class Schedule = FreeSchedule,
-          class Prep = NoScorePrep>
+          class Prep = NoScorePrep, class PHook = NoPHook>
 __device__ __forceinline__ void tile_math(unsigned q_addr, unsigned k_addr, unsigned v_addr,
                                           OnlineSoftmax<Tr>& softmax,
                                           float (&acc_o)[1][Tr::kOTiles][4], float scale_log2,
                                           const Mask& mask, const Schedule& schedule = {},
-                                          const Prep& prep = {}) {
+                                          const Prep& prep = {}, const PHook& p_hook = {}) {
   float acc_s[1][Tr::kSTiles][4];
   issue_qk<Tr>(q_addr, k_addr, reinterpret_cast<float(&)[Tr::kBlockN / 2]>(acc_s), schedule);
   wgmma_wait<0>();
-  softmax_issue_pv<Tr, kFirst>(v_addr, acc_s, softmax, acc_o, scale_log2, mask, prep);
+  softmax_issue_pv<Tr, kFirst>(v_addr, acc_s, softmax, acc_o, scale_log2, mask, prep, p_hook);
   wgmma_wait<0>();
   wgmma_fence_operands(reinterpret_cast<float(&)[Tr::kHeadDim / 2]>(acc_o));
 }
@@ -368,11 +378,13 @@ __device__ __forceinline__ void store_rows(OnlineSoftmax<Tr>& softmax,
                                            const float (&acc_o)[1][Tr::kOTiles][4],
                                            typename Tr::Element* o_bh, long long o_row_stride,
                                            float* lse_bh, int row0, int seqlen_q, int lane,
-                                           float sink_log2 = 0.0f) {
+                                           float sink_log2 = 0.0f, float kept_scale = 1.0f) {
   float inv_sum[1][2];
   float row_lse[1][2];
   if constexpr (Tr::kSinks) finalize_with_sink(softmax, sink_log2, inv_sum, row_lse);
   else softmax.finalize(inv_sum, row_lse);
+  inv_sum[0][0] *= kept_scale;  // dropout: the kept elements' 1 / (1 - p)
+  inv_sum[0][1] *= kept_scale;
   const int g = lane / 4;
   const int t = lane % 4;
 #pragma unroll
@@ -482,6 +494,8 @@ struct WarpgroupMath {
   OnlineSoftmax<Tr> softmax;
   RowLimits<Tr> limits;
   ScoreTransform<Tr> transform;  // softcap, ALiBi (Tr::kTransformed)
+  // The dropout of P's fragments (Tr::kDropout): the lane's rows row0 + lane / 4 (+ 8).
+  typename detail::Select<Tr::kDropout, FwdDropout<Tr>, NoFwdDropout>::type dropout;
   float scale_log2;
   float sink_log2;  // the head's sink times log2(e) (Tr::kSinks)
   unsigned q_addr;  // this warpgroup's Q rows: k-step ks is 32 bytes into panel ks / 4
@@ -521,7 +535,19 @@ struct WarpgroupMath {
       }
     }
     sink_log2 = Tr::kSinks ? sink_log2_of(a.var.sinks, b.head) : 0.0f;
+    if constexpr (Tr::kDropout) {
+      dropout.site.init(a.var.dropout_seed, a.var.dropout_offset, a.var.dropout_p);
+      dropout.site.at(dropout.site.stream, b.batch, a.heads_q, b.head);
+      dropout.row0 = row0 + b.lane / 4;
+      dropout.col_lane = 2 * (b.lane % 4);
+    }
     q_addr = b.base + group * 64 * 128;
+  }
+
+  // Dropout on P's packed fragments of the key tile at col0 (after the row sums were taken;
+  // the kept ones are scaled by 1 / (1 - p) in store).
+  __device__ __forceinline__ void drop(unsigned (&p)[1][Tr::kPvSteps][4], int col0) const {
+    if constexpr (Tr::kDropout) dropout.apply(p, col0);
   }
 
   // The score transforms of the features on the complete raw scores of the key tile at
@@ -542,13 +568,14 @@ struct WarpgroupMath {
   template <bool kFirst, class Mask, class Schedule = FreeSchedule>
   __device__ __forceinline__ void tile(const HopperBlock<Tr>& b, int s, int col0,
                                        const Mask& mask, const Schedule& schedule = {}) {
+    const auto p_hook = [&](unsigned (&p)[1][Tr::kPvSteps][4]) { drop(p, col0); };
     if constexpr (Tr::kTransformed) {
       const auto prep = [&](float (&acc_s)[1][Tr::kSTiles][4]) { transform_scores(acc_s, col0); };
       tile_math<Tr, kFirst>(q_addr, k_tile(b, s), v_tile(b, s), softmax, acc_o, scale_log2,
-                            mask, schedule, prep);
+                            mask, schedule, prep, p_hook);
     } else {
       tile_math<Tr, kFirst>(q_addr, k_tile(b, s), v_tile(b, s), softmax, acc_o, scale_log2,
-                            mask, schedule);
+                            mask, schedule, NoScorePrep{}, p_hook);
     }
   }
 
@@ -567,8 +594,10 @@ struct WarpgroupMath {
   }
 
   __device__ __forceinline__ void store(const HopperBlock<Tr>& b, long long o_row_stride) {
+    float kept_scale = 1.0f;
+    if constexpr (Tr::kDropout) kept_scale = dropout.site.scale;
     store_rows<Tr>(softmax, acc_o, b.o_bh, o_row_stride, b.lse_bh, row0, b.seqlen_q, b.lane,
-                   sink_log2);
+                   sink_log2, kept_scale);
   }
 };
 

@@ -309,6 +309,7 @@ __device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Eleme
         Softmax::rescale(math.acc_o, rescale);
       }
       Softmax::pack(acc_s, p);
+      math.drop(p, (n_tiles - 1 - j) * kBlockN);
     });
     schedule.before_qk();
     math.pv(b, (count - 1) % kStages, p);

@@ -1,5 +1,5 @@
-"""Dropout in the mma.sync forward and backward kernels (``fwd``, ``bwd``, ``bwddet``), run
-by the CPU emulator.
+"""Dropout in the mma.sync forward and backward kernels (``fwd``, ``bwd``, ``bwddet``) and
+in the serving sm_90a forward (``fwd90aws``, head dim 64), run by the CPU emulator.
 
 The mask is drawn by the tests' own plain-Python Philox 4x32-10 (``dropout_philox``, checked
 against Random123's known answers), never read back from a kernel: the forward's O and the
@@ -29,6 +29,8 @@ from flashtune.families.base import Inputs
 from flashtune.families.fwd.dropout import kept_mask
 from flashtune.families.fwd.reference import scaled_scores
 from flashtune.families.fwd.variants import VariantValues
+from flashtune.families.hopper import space
+from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
 
 pytestmark = pytest.mark.emulator
@@ -45,7 +47,15 @@ CONFIGS = {"fwd": [KernelConfig(64, 64, 4, 1), KernelConfig(32, 32, 2, 2)],
            "bwd": [KernelConfig(64, 64, 4, 1, extras=(("dqmode", "atomic"),)),
                    KernelConfig(32, 32, 2, 2, extras=SPLIT)],
            "bwddet": [KernelConfig(32, 32, 2, 2, extras=SPLIT),
-                      KernelConfig(64, 32, 4, 2, extras=SPLIT)]}
+                      KernelConfig(64, 32, 4, 2, extras=SPLIT)],
+           # FA3's default schedule (ping-pong and overlap), and one plain warpgroup
+           "fwd90aws": [HOPPER_WS_FORWARD.config({"block_m": 128, "block_n": 64,
+                                                  "num_stages": 2, space.PINGPONG: 1,
+                                                  space.OVERLAP: 1}),
+                        HOPPER_WS_FORWARD.config({"block_m": 64, "block_n": 64,
+                                                  "num_stages": 2})]}
+#: The head dim of each op's cases (the sm_90a kernels take 64, 128 and 256).
+HEAD_DIMS = {"fwd90aws": 64}
 
 Case = tuple[str, dict[str, bool], DType, KernelConfig, Shape]
 
@@ -142,12 +152,13 @@ def _id(case: Case) -> str:
 
 def _run(case: Case) -> None:
     op, switches, dtype, config, shape = case
-    problem = Problem(32, dtype, op=op, causal=switches.get("causal", False),
+    problem = Problem(HEAD_DIMS.get(op, 32), dtype, op=op, causal=switches.get("causal", False),
                       features=("dropout", *(n for n in switches if n != "causal")))
     seed = random.Random(f"{SEED}-{_id(case)}").randrange(2**31)
     inputs = _inputs(problem, shape, seed)
     outputs = _launch(problem, config, shape, inputs)
-    ref = (_forward_reference if op == "fwd" else _backward_reference)(problem, shape, inputs)
+    ref = (_forward_reference if op.startswith("fwd") else _backward_reference)(problem, shape,
+                                                                                 inputs)
     verdict = families.of(problem).compare(problem, shape, outputs, ref)
     values = {k: v for k, v in inputs.scalars.items() if k != "softmax_scale"}
     assert verdict.ok, f"{_id(case)} {values} seed={seed}: {verdict.message}"

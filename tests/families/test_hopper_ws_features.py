@@ -8,9 +8,9 @@ a printed seed, with NaN-poisoned outputs, against a float64 reference written h
 the definitions (scores, tanh cap, |i + Nk - Nq - j| bias, window, sink in the
 denominator), and against the family's own float64 reference. A counter test checks that a
 narrow window loads fewer key bytes (it fails when tile skipping is disabled), and the
-serving test that a cc 9.0 device runs these problems on ``fwd90aws`` while dropout stays
-on the mma.sync forward. The default run takes a seeded sample (``FLASHTUNE_TEST_SEED``
-replays it), ``-m sweep`` the grid.
+serving test that a cc 9.0 device runs these problems and dropout on ``fwd90aws`` (dropout's
+numerics: tests/families/test_dropout_kernels.py). The default run takes a seeded sample
+(``FLASHTUNE_TEST_SEED`` replays it), ``-m sweep`` the grid.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import random
 
 import pytest
 import torch
+from dropout_philox import float32, mask
+from grad_helpers import feature_scores, gradients, make_inputs, within_rule
 from hopper_sample import emulate, forward_ops, virtual_sm90a
 from serving_fixtures import dispatcher, source  # noqa: F401  (fixtures, by name)
 
@@ -30,7 +32,6 @@ import flashtune
 from flashtune import families
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
-from flashtune.errors import FeatureNotSupported
 from flashtune.families.base import Inputs
 from flashtune.families.hopper import space
 from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
@@ -236,19 +237,16 @@ def _id(case: Case) -> str:
     return f"{names}-d{head_dim}-{dtype.value}-{schedule}-{shape.key()}"
 
 
-def test_declares_every_feature_but_dropout() -> None:
-    assert FAMILY.features == frozenset({"window", "softcap", "alibi", "varlen", "sinks"})
-    problem = _problem({"dropout": True}, 64, DType.FP16)
-    with pytest.raises(FeatureNotSupported):
-        families.render(problem, FAMILY.default_config(_problem({}, 64, DType.FP16), SM90A))
+def test_declares_every_feature() -> None:
+    assert FAMILY.features == frozenset({"window", "softcap", "alibi", "varlen", "sinks",
+                                         "dropout"})
 
 
 @pytest.mark.parametrize("name", ["window", "softcap", "alibi", "varlen", "sinks", "dropout"])
-def test_cc90_serves_features_on_fwd90aws_and_dropout_on_fwd(name: str) -> None:
+def test_cc90_serves_every_feature_on_fwd90aws(name: str) -> None:
     featured = Problem(128, DType.BF16, **{name: True})  # type: ignore[arg-type]
     served = families.served_problem(featured, SM90A)
-    expected = featured if name == "dropout" else dataclasses.replace(featured, op=FAMILY.op)
-    assert served == expected
+    assert served == dataclasses.replace(featured, op=FAMILY.op)
 
 
 def test_plain_sources_have_no_feature_arguments() -> None:
@@ -324,3 +322,39 @@ def test_attention_varlen_on_a_virtual_sm90a_runs_fwd90aws(
         finite = torch.isfinite(lse64[0])
         assert torch.equal(torch.isfinite(lse), finite)
         assert float((lse.double()[finite] - lse64[0][finite]).abs().max()) <= 1e-2
+
+
+@pytest.mark.usefixtures("dispatcher")
+def test_dropout_on_a_virtual_sm90a_trains_with_the_tests_mask(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``flashtune.attention(dropout_p=)`` on the emulator's virtual sm_90a: the forward runs
+    on ``fwd90aws``, the backward on the mma.sync ``bwd``, which draws the same mask again;
+    output and gradients follow flash-attn's rule against plain PyTorch with the mask drawn
+    by the tests' own Philox (causal, GQA 2:1, odd lengths)."""
+    shape, p = (1, 77, 90, 2, 1), 0.17
+    seed = random.Random(f"{SEED}-dropout").randrange(2**31)
+    inputs, dout = make_inputs(shape, 64, torch.bfloat16, seed)
+    torch.manual_seed(seed)
+    high, low = torch.randint(2**32, (2,), dtype=torch.int64).tolist()
+    kept = mask(int(high) << 32 | int(low), 0, p, range(1), 2, 77, 90)
+
+    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        torch.manual_seed(seed)
+        out = flashtune.attention(q, k, v, causal=True, dropout_p=p)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        scores, visible, v = feature_scores(q, k, v, True, (-1, -1), None, None)
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        probs = probs * kept.to(probs.dtype) * (1.0 / (1.0 - float32(p)))
+        return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+
+    with virtual_sm90a(monkeypatch):
+        got = gradients(ours, inputs, dout)
+        assert first_use.refused("virtual-sm_90a") is None
+        assert forward_ops() == {FAMILY.op}, forward_ops()
+        assert forward_ops("bwd") == {"bwd"}, forward_ops("bwd")
+    low = gradients(plain, inputs, dout)
+    exact = gradients(plain, tuple(t.double() for t in inputs), dout)
+    within_rule(got, low, exact, f"seed={seed}")

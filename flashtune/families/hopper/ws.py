@@ -107,13 +107,14 @@ class HopperWsForwardFamily(HopperForwardFamily):
     template = "hopper_fwd_ws.cu.jinja"
     serves: ClassVar[str | None] = "fwd"
     abi: ClassVar[EntryAbi | None] = WS_ABI
-    #: Every attention feature of the forward but dropout (FA3 has none either: it is a
-    #: training feature, served by the mma.sync forward). The window skips the key tiles
-    #: outside every row's window (never loaded); softcap and ALiBi are softmax.cuh's score
+    #: Every attention feature of the forward. The window skips the key tiles outside
+    #: every row's window (never loaded); softcap and ALiBi are softmax.cuh's score
     #: transforms, varlen the packed layout (the tensor maps' row coordinate is the
-    #: sequence's first row), sinks sinks.cuh's denominator update.
+    #: sequence's first row), sinks sinks.cuh's denominator update, dropout dropout.cuh's
+    #: mask on P's fragments (the wgmma fragments of P are mma.sync's, so the same
+    #: positions draw the same mask as in the mma.sync kernels; FA3 has no dropout).
     features: ClassVar[frozenset[str]] = frozenset(
-        {"window", "softcap", "alibi", "varlen", "sinks"})
+        {"window", "softcap", "alibi", "varlen", "sinks", "dropout"})
     #: Declared score modifications (traced ones included): softmax.cuh's ScoreTransform
     #: applies them to every tile's scores. A block mask's tile ranges narrow each block's
     #: key range (hopper_fwd.cuh's clip_to_block_mask: the producer never loads an empty
