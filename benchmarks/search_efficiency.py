@@ -2,7 +2,7 @@
 
     python benchmarks/search_efficiency.py [DIR] [--repeats 25] [--jobs N] [--out DIR]
         [--strategies flashtune,random,...] [--only NAMES] [--synthetic]
-        [--charge-proposals] [--overhead TRIALS] [--quick]
+        [--charge-proposals] [--overhead TRIALS] [--journal PATH] [--quick]
 
 Every landscape in DIR (default: ../shared/landscapes next to the repository where it
 exists, else the two shipped with flashtune, flashtune/tuner/landscapes) is a
@@ -47,7 +47,9 @@ or ``behind``. ``--charge-proposals`` adds each proposal's CPU time to the simul
 records it anyway, and the script prints the CPU time per proposal of each strategy and,
 by default, flashtune's over 1,000 trials on the largest landscape (``--overhead``).
 Writes ``search_efficiency.csv``, ``search_efficiency.md`` (the README's table with the
-verdicts), ``search_transfer.csv`` and ``search_efficiency.png`` to ``--out``; ``--quick``
+verdicts), ``search_transfer.csv`` and ``search_efficiency.png`` to ``--out``; with
+``--journal PATH`` each finished run is appended to PATH at once and a rerun takes the runs
+recorded there (a stopped run resumes where it stopped: ``_run_journal.py``); ``--quick``
 is a seconds long run for CI (one landscape, two strategies, three repeats, budgets up to
 2 %).
 
@@ -83,6 +85,7 @@ from _common import add_benchmarks_to_path  # noqa: E402
 add_benchmarks_to_path()
 
 import _kernel_tuner as kt  # noqa: E402
+import _run_journal as journal  # noqa: E402
 import _synthetic_landscape as synthetic  # noqa: E402
 from _peer_samplers import cmaes_sampler, gp_sampler  # noqa: E402
 
@@ -235,21 +238,30 @@ def _init_worker() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
-def run_all(tasks: Sequence[Task], jobs: int, progress: Callable[[int, int], None]
-            ) -> list[RunResult]:
+def run_all(tasks: Sequence[Task], jobs: int, progress: Callable[[int, int], None],
+            log: Path | None = None) -> list[RunResult]:
+    """Every task's result; with ``log`` (a journal, ``_run_journal``) the runs recorded
+    there are taken as they are and each new one is appended as it finishes."""
     _init_worker()
+    done = journal.load(log, Task, RunResult) if log else {}
+    out = [done[t] for t in tasks if t in done]
+    todo = [t for t in tasks if t not in done]
+    if out:
+        print(f"  {len(out)} of {len(tasks)} runs read from {log}", flush=True)
+
+    def finished(r: RunResult) -> None:
+        out.append(r)
+        if log:
+            journal.append(log, r)
+        progress(len(out), len(tasks))
     if jobs <= 1:
-        out = []
-        for i, t in enumerate(tasks):
-            out.append(run(t))
-            progress(i + 1, len(tasks))
+        for t in todo:
+            finished(run(t))
         return out
     ctx = multiprocessing.get_context("forkserver")
     with ctx.Pool(jobs, initializer=_init_worker) as pool:
-        out = []
-        for i, r in enumerate(pool.imap_unordered(run, tasks, chunksize=1)):
-            out.append(r)
-            progress(i + 1, len(tasks))
+        for r in pool.imap_unordered(run, todo, chunksize=1):
+            finished(r)
         return out
 
 
@@ -512,6 +524,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--charge-proposals", action="store_true",
                         help="charge each proposal's CPU time to the simulated clock (a "
                              "strategy's own decisions then cost it budget)")
+    parser.add_argument("--journal", type=Path, default=None, metavar="PATH",
+                        help="append each finished run to this JSON-lines file and take the "
+                             "runs already there instead of running them again (a stopped "
+                             "run resumes; seeded runs give the same results)")
     parser.add_argument("--overhead", type=int, default=1000, metavar="TRIALS",
                         help="measure flashtune's CPU time per proposal over this many "
                              "trials on the largest landscape (0: skip); default: "
@@ -592,7 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             last[0] = now
             print(f"  {done}/{total} runs, {now - start:.0f} s", flush=True)
 
-    results = run_all(tasks, args.jobs, progress)
+    results = run_all(tasks, args.jobs, progress, args.journal)
     rows = summarise(results, budgets)
     write_csv(rows, budgets, args.out / "search_efficiency.csv")
     header = "  ".join(f"{100 * b:>4g}% mean/p10" for b in budgets)

@@ -272,6 +272,30 @@ def test_benchmark_quick_mode(landscapes: Path, tmp_path: Path) -> None:
         assert 0.0 <= se <= 0.5 and int(row["runs"]) == 3
 
 
+def test_benchmark_journal_resumes_a_stopped_run(landscapes: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --journal each finished run is a line of the journal; a rerun takes them
+    instead of running again (a cut last line, as a kill leaves, is run again) and writes
+    the same table (but for the CPU times)."""
+    search_efficiency = _search_efficiency()
+    log = tmp_path / "runs.jsonl"
+    argv = [str(landscapes), "--quick", "--out", str(tmp_path / "a"), "--journal", str(log)]
+    assert search_efficiency.main(argv) == 0
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2 * 3  # flashtune and random, three seeds, one landscape
+    log.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
+    ran: list[object] = []
+    real = search_efficiency.run
+    monkeypatch.setattr(search_efficiency, "run", lambda task: ran.append(task) or real(task))
+    argv[3] = str(tmp_path / "b")
+    assert search_efficiency.main(argv) == 0
+    assert len(ran) == 1, ran
+    tables = [[{k: v for k, v in row.items() if k != "cpu_ms_per_eval"}  # CPU time varies
+               for row in csv.DictReader((tmp_path / d / "search_efficiency.csv").open())]
+              for d in "ab"]
+    assert tables[0] == tables[1]
+
+
 def test_benchmark_verdict_gives_the_noise_of_a_miss(landscapes: Path) -> None:
     search_efficiency = _search_efficiency()
     path = str(landscapes / "bowl_GPUA.json.gz")
