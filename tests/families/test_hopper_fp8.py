@@ -27,7 +27,9 @@ import re
 
 import pytest
 import torch
+from serving_fixtures import dispatcher, source  # noqa: F401  (fixtures, by name)
 
+import flashtune
 from flashtune import families
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.dtypes import DType, Fp8Type
@@ -36,6 +38,7 @@ from flashtune.errors import InvalidConfig
 from flashtune.families.checks import LSE_TOLERANCE, causal_visible
 from flashtune.families.fwd8 import dequantised
 from flashtune.families.fwd8_90a import FORWARD_FP8_90A as FAMILY
+from flashtune.runtime import first_use, plans
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
 from flashtune.toolchain.compiler import compile_source
 from flashtune.toolchain.cuda import find_toolchain
@@ -231,3 +234,34 @@ def test_nvrtc_sm90a_main_loop_issues_fp8_gmmas_without_spills(head_dim: int,
     pv = len(re.findall(rf"\bQGMMA\.64x{head_dim}x32\.F32\.E4M3\.E4M3\b", sass))
     assert qk > 0 and pv > 0, (qk, pv)
     assert not re.search(r"\bHGMMA\.\S+ (?!RZ)", sass)  # no 16-bit tensor-core products
+
+
+@pytest.mark.emulator
+@pytest.mark.usefixtures("dispatcher")
+def test_attention_with_e4m3_on_a_virtual_sm90a_runs_fwd890a(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch API on the emulator's virtual sm_90a: e4m3 tensors with descales (GQA 4:2,
+    causal, Nq < Nk) run on ``fwd890a`` after its first-use check, within the bound."""
+    monkeypatch.setenv("FLASHTUNE_BACKEND", "emulator")
+    monkeypatch.setenv("FLASHTUNE_EMULATOR_ARCH", "sm_90a")
+    monkeypatch.delenv("FLASHTUNE_ARCH_SPECIFIC", raising=False)
+    first_use.forget()
+    plans.clear_caches()
+    try:
+        p = problem(128, DType.BF16, True)
+        inputs = FAMILY.random_inputs(p, Shape(1, 4, 2, 70, 90), "cpu", _SEED)
+        t = inputs.tensors
+        out, lse = flashtune.attention(t["q"], t["k"], t["v"], causal=True,
+                                       q_descale=t["q_descale"], k_descale=t["k_descale"],
+                                       v_descale=t["v_descale"], out_dtype=torch.bfloat16,
+                                       return_lse=True)
+        assert first_use.refused("virtual-sm_90a") is None
+        ops = {plan.decision.problem.op for plan in plans.cached().values()}
+        assert FAMILY.op in ops, ops
+        ref = FAMILY.reference(p, inputs)
+        limit = bound(p, dict(t), float(inputs.scalars["softmax_scale"]), ref["o"])
+        assert ((out.double() - ref["o"]).abs() <= limit).all(), f"seed={_SEED}"
+        assert ((lse.double() - ref["lse"]).abs() <= 1e-3 + 2e-6 * ref["lse"].abs()).all()
+    finally:
+        first_use.forget()
+        plans.clear_caches()
