@@ -265,3 +265,30 @@ def test_attention_with_e4m3_on_a_virtual_sm90a_runs_fwd890a(
     finally:
         first_use.forget()
         plans.clear_caches()
+
+
+def test_profile_prints_the_main_loop_per_iteration() -> None:
+    """``flashtune profile --op fwd890a``: the unmasked loop's instructions per iteration,
+    its FP8 wgmma FLOPs (Q K^T and P V of a 64 x block_n tile per warpgroup, per warp), and
+    no prediction (the cost model has no model of the FP8 sm_90a kernel)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from flashtune.cli import app
+
+    if find_toolchain().nvdisasm is None:
+        pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
+    args = ["profile", "--op", FAMILY.op, "--dtype", "bf16", "--head-dim", "128", "--causal",
+            "--arch", "sm_90a", "--config", "m128_n128_w8_s2"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["prediction"] is None and data["resources"]["spill_stores"] == 0
+    loop = data["sass"]["unmasked_loop"]
+    print(f"unmasked loop: {loop['total']} instructions per warp per iteration")
+    # per warpgroup: 2 products of 64 x 128 x 128, shared by its 4 warps
+    assert loop["wgmma_flops"] * 4 == 2 * 2 * 64 * 128 * 128
+    assert 0 < loop["total"] < 2000
+    table = CliRunner().invoke(app, args)
+    assert table.exit_code == 0 and "unmasked loop" in table.output
