@@ -131,8 +131,9 @@ def _print(profile: KernelProfile) -> None:
                   f"{occ.warps_per_sm} warps/SM ({occ.ratio:.0%}), limited by {occ.limiter}"
                   f"{waves}", highlight=False)
     if pred is None:
-        console.print(f"no PREDICTED time: the cost model describes the forward kernel, not "
-                      f"the {profile.problem.op!r} family", highlight=False)
+        console.print(f"no PREDICTED time: the cost model describes the 16-bit forward "
+                      f"kernels and fwd8, not the {profile.problem.op!r} family",
+                      highlight=False)
         return
     console.print(f"[bold]PREDICTED[/] on {profile.gpu.full_name}: time {pred.time_ms:.4g} ms, "
                   f"{pred.tflops:.1f} TFLOP/s, {pred.bound}-bound "

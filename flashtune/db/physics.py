@@ -45,7 +45,7 @@ MAX_BYTES_PER_S = 20e12
 #: 4)`` one query row per sequence over the cache, 4 Nk D; ``("rows", 2)`` row-wise, 2 N D.
 _OPS: dict[str, tuple[str, int]] = {
     "fwd": ("attention", 2), "fwd90a": ("attention", 2), "fwd90aws": ("attention", 2),
-    "fwd8": ("attention", 2),
+    "fwd8": ("attention", 2), "fwd890a": ("attention", 2),
     "lse": ("attention", 1), "bwd": ("attention", 5),
     "bwddet": ("attention", 5), "bwd90a": ("attention", 5), "bwd90adet": ("attention", 5),
     "bwd8": ("attention", 5), "bwd8det": ("attention", 5),

@@ -29,6 +29,7 @@ def _builtins() -> None:
     from flashtune.families.decode import DECODE
     from flashtune.families.fwd import FORWARD
     from flashtune.families.fwd8 import FORWARD_FP8
+    from flashtune.families.fwd8_90a import FORWARD_FP8_90A
     from flashtune.families.hopper import HOPPER_FORWARD
     from flashtune.families.hopper.ws import HOPPER_WS_FORWARD
     from flashtune.families.lse import LSE
@@ -37,7 +38,7 @@ def _builtins() -> None:
     for family in (FORWARD, BACKWARD, BACKWARD_DETERMINISTIC, PREPROCESS, CONVERT, LSE,
                    DECODE, COMBINE, HOPPER_FORWARD, HOPPER_WS_FORWARD, FORWARD_FP8,
                    HOPPER_BACKWARD, HOPPER_BACKWARD_DETERMINISTIC, MLA, BACKWARD_FP8,
-                   BACKWARD_FP8_DETERMINISTIC):
+                   BACKWARD_FP8_DETERMINISTIC, FORWARD_FP8_90A):
         _families.setdefault(family.op, family)
 
 

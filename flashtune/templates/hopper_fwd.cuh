@@ -601,10 +601,49 @@ struct WarpgroupMath {
   }
 };
 
+// The stage ring of a block whose threads all copy (cp.async): kStages full and empty
+// mbarriers, each counting all kThreads threads, and load(j), which fills stage j % kStages
+// with key tile n_tiles - 1 - j of K and V (the tiles walked from the last one down; rows at
+// and past seqlen_k zero-filled). View: the copy traits of a row (load_tile's; Tr itself for
+// 16-bit rows), whose Element the K and V pointers and row strides count.
+template <class Tr, class View = Tr>
+struct CpAsyncRing {
+  unsigned char* smem;  // the tiles (Tr's offsets)
+  unsigned long long* full;
+  unsigned long long* empty;
+  const typename View::Element* k;
+  const typename View::Element* v;
+  long long k_row_stride, v_row_stride;
+  int n_tiles, seqlen_k, tid;
+
+  // Thread 0 initialises the barriers; every thread returns once they are published.
+  __device__ __forceinline__ void init() const {
+    if (tid == 0) {
+      for (int s = 0; s < Tr::kStages; ++s) {
+        mbarrier_init(&full[s], Tr::kThreads);
+        mbarrier_init(&empty[s], Tr::kThreads);
+      }
+      mbarrier_init_fence();
+    }
+    block_sync();
+  }
+
+  __device__ __forceinline__ void load(int j) const {
+    const int tile = n_tiles - 1 - j;
+    const int s = j % Tr::kStages;
+    const long long row0 = static_cast<long long>(tile) * Tr::kBlockN;
+    const int valid = seqlen_k - tile * Tr::kBlockN;
+    load_tile<View, Tr::kBlockN>(smem + Tr::kKOffset + s * Tr::kTileBytes,
+                                 k + row0 * k_row_stride, k_row_stride, valid, tid);
+    load_tile<View, Tr::kBlockN>(smem + Tr::kVOffset + s * Tr::kTileBytes,
+                                 v + row0 * v_row_stride, v_row_stride, valid, tid);
+    cp_async_mbarrier_arrive(&full[s]);
+  }
+};
+
 // The block of query rows blockIdx.x * kBlockM.. of head blockIdx.y, batch blockIdx.z.
 template <class Tr>
 __device__ __forceinline__ void hopper_fwd(const FwdParams<typename Tr::Element>& a) {
-  using Element = typename Tr::Element;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
   FT_DYNAMIC_SMEM(unsigned char, raw);
@@ -614,27 +653,10 @@ __device__ __forceinline__ void hopper_fwd(const FwdParams<typename Tr::Element>
   const int count = b.range.count;
   const int tid = b.tid;
 
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(&b.full[s], Tr::kThreads);
-      mbarrier_init(&b.empty[s], Tr::kThreads);
-    }
-    mbarrier_init_fence();
-  }
-  block_sync();
-
-  // Load j of the ring is key tile n_tiles - 1 - j into stage j % kStages.
-  auto load = [&](int j) {
-    const int tile = n_tiles - 1 - j;
-    const int s = j % kStages;
-    const long long row0 = static_cast<long long>(tile) * kBlockN;
-    const int valid = b.seqlen_k - tile * kBlockN;
-    load_tile<Tr, kBlockN>(b.smem + Tr::kKOffset + s * Tr::kTileBytes,
-                           b.k_bh + row0 * a.k_row_stride, a.k_row_stride, valid, tid);
-    load_tile<Tr, kBlockN>(b.smem + Tr::kVOffset + s * Tr::kTileBytes,
-                           b.v_bh + row0 * a.v_row_stride, a.v_row_stride, valid, tid);
-    cp_async_mbarrier_arrive(&b.full[s]);
-  };
+  const CpAsyncRing<Tr> ring{b.smem, b.full, b.empty, b.k_bh, b.v_bh, a.k_row_stride,
+                             a.v_row_stride, n_tiles, b.seqlen_k, tid};
+  ring.init();
+  auto load = [&](int j) { ring.load(j); };
   load_tile<Tr, Tr::kBlockM>(b.smem, b.q_bh + b.m0 * a.q_row_stride, a.q_row_stride,
                              b.seqlen_q - b.m0, tid);
   for (int j = 0; j < kStages && j < count; ++j) load(j);

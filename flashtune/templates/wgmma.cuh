@@ -1,5 +1,5 @@
-// sm_90a primitives of flashtune kernels: wgmma.mma_async (m64nNk16, f32 accumulators,
-// f16/bf16 operands) with 64-bit shared-memory matrix descriptors, its fence / commit / wait,
+// sm_90a primitives of flashtune kernels: wgmma.mma_async (f32 accumulators; m64nNk16 with
+// f16/bf16 operands, m64nNk32 with e4m3/e5m2 operands, which must both be K-major) with 64-bit shared-memory matrix descriptors, its fence / commit / wait,
 // and fence.proxy.async. Kernels that include this header compile for sm_90a only (the
 // family sets KernelSource.target); under FLASHTUNE_EMULATOR the emulator's implementation
 // (flashtune_emu/hopper.h) replaces the GPU half, signature for signature.
@@ -8,6 +8,8 @@
 //   * a warpgroup is 4 consecutive warps; every thread of it executes each call (.aligned);
 //   * accumulator d[v] of thread 32w + L is D[16w + L/4 + 8((v>>1)&1)][8(v>>2) + 2(L%4) + (v&1)];
 //     the register A operand (RS) uses the same map with N = 16, two 16-bit values per register;
+//     for 8-bit types (k32) register r holds bytes k = 4(L%4) + 16(r/2) + 0..3 of row
+//     16w + L/4 + 8(r%2), as mma.m16n8k32's A;
 //   * wgmma_fence before the first wgmma and after the accumulators or A registers were
 //     touched; wgmma_commit closes a group; wgmma_wait<N> returns when at most N groups are
 //     pending; the accumulators must not be read before the wait that covers them;
@@ -144,9 +146,28 @@ namespace detail {
   "wgmma.mma_async.sync.aligned.m64n" FT_WG_STR(N) "k16.f32." T "." T " {" REGS "}, {%"   \
   FT_WG_STR(a0) ", %" FT_WG_STR(a1) ", %" FT_WG_STR(a2) ", %" FT_WG_STR(a3) "}, %"           \
   FT_WG_STR(b) ", p, 1, 1, " FT_WG_STR(TB) ";\n}\n"
+// The 8-bit forms (m64nNk32): no transpose operands, T the format of A and B.
+#define FT_WG_SS8_ASM(N, T, REGS, a, b, s, ...)                                          \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %" FT_WG_STR(s) ", 0;\n"                                   \
+  "wgmma.mma_async.sync.aligned.m64n" FT_WG_STR(N) "k32.f32." T "." T " {" REGS "}, %"     \
+  FT_WG_STR(a) ", %" FT_WG_STR(b) ", p, 1, 1;\n}\n"
+#define FT_WG_RS8_ASM(N, T, REGS, a0, a1, a2, a3, b, s)                                   \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %" FT_WG_STR(s) ", 0;\n"                                   \
+  "wgmma.mma_async.sync.aligned.m64n" FT_WG_STR(N) "k32.f32." T "." T " {" REGS "}, {%"   \
+  FT_WG_STR(a0) ", %" FT_WG_STR(a1) ", %" FT_WG_STR(a2) ", %" FT_WG_STR(a3) "}, %"           \
+  FT_WG_STR(b) ", p, 1, 1;\n}\n"
 // The indirections let FT_WG_NEXT_R expand into separate arguments.
 #define FT_WG_SS_ASM_(...) FT_WG_SS_ASM(__VA_ARGS__)
 #define FT_WG_RS_ASM_(...) FT_WG_RS_ASM(__VA_ARGS__)
+#define FT_WG_SS8_ASM_(...) FT_WG_SS8_ASM(__VA_ARGS__)
+#define FT_WG_RS8_ASM_(...) FT_WG_RS8_ASM(__VA_ARGS__)
+#define FT_WG_SS8(N, R, T)                                                               \
+  asm volatile(FT_WG_SS8_ASM_(N, T, FT_WG_REG_##R, FT_WG_NEXT_##R)                          \
+               : FT_WG_OUT_##R : "l"(a), "l"(b), "r"(scale_d))
+#define FT_WG_RS8(N, R, T)                                                               \
+  asm volatile(FT_WG_RS8_ASM_(N, T, FT_WG_REG_##R, FT_WG_NEXT_##R)                          \
+               : FT_WG_OUT_##R                                                          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d))
 #define FT_WG_SS(N, R, T, TA, TB)                                                        \
   asm volatile(FT_WG_SS_ASM_(N, T, TA, TB, FT_WG_REG_##R, FT_WG_NEXT_##R)                   \
                : FT_WG_OUT_##R : "l"(a), "l"(b), "r"(scale_d))
@@ -162,7 +183,8 @@ namespace detail {
 #define FT_WG_RS_T(N, R, T)                                                              \
   if constexpr (!TB) FT_WG_RS(N, R, T, 0);                                                 \
   else FT_WG_RS(N, R, T, 1)
-// Wgmma<N>::ss / ::rs issue one m64nNk16 (f16 or bf16 operands, f32 accumulators).
+// Wgmma<N>::ss / ::rs issue one m64nNk16 (f16 or bf16 operands, f32 accumulators);
+// ::ss8 / ::rs8 one m64nNk32 (e4m3, or e5m2 where E5M2).
 template <int N>
 struct Wgmma;
 #define FT_WG_DEFINE(N, R)                                                               \
@@ -179,6 +201,18 @@ struct Wgmma;
                                               unsigned long long b, int scale_d) {         \
       if constexpr (BF16) { FT_WG_RS_T(N, R, "bf16"); }                                    \
       else { FT_WG_RS_T(N, R, "f16"); }                                                    \
+    }                                                                                      \
+    template <bool E5M2>                                                                   \
+    static __device__ __forceinline__ void ss8(float (&d)[R], unsigned long long a,        \
+                                               unsigned long long b, int scale_d) {        \
+      if constexpr (E5M2) { FT_WG_SS8(N, R, "e5m2"); }                                     \
+      else { FT_WG_SS8(N, R, "e4m3"); }                                                    \
+    }                                                                                      \
+    template <bool E5M2>                                                                   \
+    static __device__ __forceinline__ void rs8(float (&d)[R], const unsigned (&a)[4],      \
+                                               unsigned long long b, int scale_d) {        \
+      if constexpr (E5M2) { FT_WG_RS8(N, R, "e5m2"); }                                     \
+      else { FT_WG_RS8(N, R, "e4m3"); }                                                    \
     }                                                                                      \
   };
 FT_WG_DEFINE(16, 8)
@@ -217,6 +251,26 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const unsigned (&a)[
                                          unsigned long long b_desc, int scale_d) {
   static_assert(N % 16 == 0 && N >= 16 && N <= 256, "wgmma_rs: N a multiple of 16 in 16..256");
   detail::Wgmma<N>::template rs<BF16, TRANS_B>(d, a, b_desc, scale_d);
+}
+
+// D (64 x N, f32) = A * B (+ D when scale_d != 0) over k = 32 8-bit elements (e4m3, or e5m2
+// where E5M2), A and B from shared memory through their descriptors, both K-major (a row of
+// 32 bytes; the descriptors' swizzles and offsets are the 16-bit case's in bytes).
+template <int N, bool E5M2>
+__device__ __forceinline__ void wgmma_ss_fp8(float (&d)[N / 2], unsigned long long a_desc,
+                                             unsigned long long b_desc, int scale_d) {
+  static_assert(N % 16 == 0 && N >= 16 && N <= 256,
+                "wgmma_ss_fp8: N a multiple of 16 in 16..256");
+  detail::Wgmma<N>::template ss8<E5M2>(d, a_desc, b_desc, scale_d);
+}
+
+// The same with A (64 x 32 bytes) from registers in the 8-bit A layout of the contract above.
+template <int N, bool E5M2>
+__device__ __forceinline__ void wgmma_rs_fp8(float (&d)[N / 2], const unsigned (&a)[4],
+                                             unsigned long long b_desc, int scale_d) {
+  static_assert(N % 16 == 0 && N >= 16 && N <= 256,
+                "wgmma_rs_fp8: N a multiple of 16 in 16..256");
+  detail::Wgmma<N>::template rs8<E5M2>(d, a, b_desc, scale_d);
 }
 
 }  // namespace ft

@@ -3,7 +3,12 @@ used to check the emulator's C++ implementation lane by lane."""
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
+
+from flashtune.codegen.render import included_headers
+from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
 
 
 def mma_a_fragment(a: np.ndarray, lane: int) -> list[tuple[int, int]]:
@@ -96,3 +101,14 @@ def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: boo
         lse = (np.log(total) + m_safe)[..., 0]
     lse = np.where(total[..., 0] > 0, lse, np.inf)
     return o, lse
+
+
+def sm90a_source(code: str, entry: str) -> KernelSource:
+    """A hand-written test module as a KernelSource for NVRTC's sm_90a build (the wgmma
+    tests' SASS checks): its headers inlined, 128 threads, no dynamic shared memory."""
+    headers = included_headers(code)
+    digest = hashlib.sha256(code.encode() + repr(sorted(headers.items())).encode()).hexdigest()
+    return KernelSource(problem=Problem(head_dim=64, dtype=DType.FP16),
+                        config=KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=1),
+                        code=code, entry=entry, headers=headers, options=("-std=c++17",),
+                        digest=digest, smem_bytes=0, threads=128, target="sm_90a")

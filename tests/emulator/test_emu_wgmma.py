@@ -15,9 +15,9 @@ import re
 import numpy as np
 import pytest
 import torch
+from emu_helpers import sm90a_source
 
-from flashtune.codegen.render import included_headers, templates_dir
-from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
+from flashtune.codegen.render import templates_dir
 from flashtune.errors import EmulatorError, InvalidConfig
 from flashtune.runtime.backends.emulator import (
     EmulatedModule,
@@ -207,18 +207,8 @@ def test_missing_fence_is_an_error(module: EmulatedModule) -> None:
         _run(module, "gemm_n128_bf16_k", 0, 5, seed=15)
 
 
-def _nvrtc_source(entry: str) -> KernelSource:
-    code = SOURCE
-    headers = included_headers(code)
-    digest = hashlib.sha256(code.encode() + repr(sorted(headers.items())).encode()).hexdigest()
-    return KernelSource(problem=Problem(head_dim=64, dtype=DType.FP16),
-                        config=KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=1),
-                        code=code, entry=entry, headers=headers, options=("-std=c++17",),
-                        digest=digest, smem_bytes=0, threads=128, target="sm_90a")
-
-
 def test_nvrtc_compiles_it_for_sm90a_into_hgmma() -> None:
-    source = _nvrtc_source("gemm_n128_f16_v")
+    source = sm90a_source(SOURCE, "gemm_n128_f16_v")
     kernel = compile_source(source, "sm_90")
     assert kernel.arch == "sm_90a" and kernel.resources.spill_bytes == 0
     with pytest.raises(InvalidConfig, match="sm_90a"):

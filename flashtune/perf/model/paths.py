@@ -36,12 +36,15 @@ class TargetPath:
 
     model_name: str
     build: Callable[[KernelFamily, Problem, KernelConfig], ModelPath]
+    #: Whether the path has a model of a family of its target (one it cannot build is not
+    #: predicted: ``predicts`` is False, and ``flashtune profile`` prints its SASS alone).
+    models: Callable[[KernelFamily], bool]
 
 
 #: The path of a forward family whose declared target arch is a key here (its code uses
 #: that target's own instructions); every other forward takes the mma.sync path.
 TARGET_PATHS: dict[str, TargetPath] = {
-    "sm_90a": TargetPath(WGMMA_MODEL_NAME, _wgmma),
+    "sm_90a": TargetPath(WGMMA_MODEL_NAME, _wgmma, WgmmaPath.models),
 }
 
 
@@ -55,8 +58,13 @@ def _forward(problem: Problem) -> tuple[KernelFamily, TargetPath | None]:
 
 
 def predicts(problem: Problem) -> bool:
-    """Whether the cost model describes ``problem``'s family (a forward kernel)."""
-    return isinstance(families.of(problem), ForwardFamily)
+    """Whether the cost model describes ``problem``'s family (a forward kernel that its
+    path has a model of)."""
+    family = families.of(problem)
+    if not isinstance(family, ForwardFamily):
+        return False
+    target = TARGET_PATHS.get(family.target_arch or "")
+    return target is None or target.models(family)
 
 
 def model_path(problem: Problem, config: KernelConfig) -> ModelPath:

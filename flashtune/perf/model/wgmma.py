@@ -153,6 +153,12 @@ class WgmmaPath:
     name: str = "wgmma"
     model_name: str = MODEL_NAME
 
+    @staticmethod
+    def models(family: KernelFamily) -> bool:
+        """Whether this path has a model of ``family``: the 16-bit sm_90a forwards (the FP8
+        sm_90a forward's k32 steps, V transpose and P rounding are not modelled)."""
+        return isinstance(family, HopperForwardFamily)
+
     @classmethod
     def of(cls, family: KernelFamily, problem: Problem, config: KernelConfig,
            register_overhead: int) -> WgmmaPath:

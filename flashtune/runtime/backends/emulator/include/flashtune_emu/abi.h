@@ -165,12 +165,16 @@ FTEMU_API void ftemu_count_ldg(unsigned bytes);
 FTEMU_API void ftemu_syncwarp(unsigned mask, ftemu_loc loc);
 FTEMU_API unsigned ftemu_cvta_shared(const void* ptr, ftemu_loc loc);
 
-// wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}.{f16,bf16} (sm_90a). kind: bit 0
-// bf16, bit 1 A from registers, bit 2 imm-trans-a, bit 3 imm-trans-b, bits 8.. N.
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}.{f16,bf16} and
+// .m64nNk32.f32.{e4m3,e5m2}.{e4m3,e5m2} (sm_90a; A and B of one format). kind: bit 0 bf16,
+// bit 1 A from registers, bit 2 imm-trans-a, bit 3 imm-trans-b (16-bit types only), bit 4
+// e4m3, bit 5 e5m2 (k32: 16 8-bit A elements per thread in the 4 registers), bits 8.. N.
 #define FTEMU_WGMMA_BF16 1
 #define FTEMU_WGMMA_RS 2
 #define FTEMU_WGMMA_TRANS_A 4
 #define FTEMU_WGMMA_TRANS_B 8
+#define FTEMU_WGMMA_E4M3 16
+#define FTEMU_WGMMA_E5M2 32
 struct ftemu_wgmma_args {
     float* d;                   // N/2 accumulators of this thread
     const unsigned* a;          // RS: the 4 A registers of this thread; SS: null

@@ -299,6 +299,10 @@ void counters_end_block(Launch& L);
 // warp.cpp: exact 16-bit float decoding (fp16 through a 65536-entry table)
 const float* half_table();
 float bf16_to_float(uint16_t h);
+// The exact values of OCP FP8 codes (src/warp.cpp): e4m3 (bias 7, no infinities, S.1111.111
+// NaN) and e5m2 (bias 15, IEEE-style infinities and NaNs).
+float e4m3_to_float(uint8_t code);
+float e5m2_to_float(uint8_t code);
 
 // wgmma.cpp
 void compute_wgmma(const Collective& c, unsigned warp);

@@ -113,7 +113,7 @@ static void check_poison(const Collective& c, unsigned warp) {
 
 // The value of one OCP e4m3 code (exact in float): 4 exponent bits of bias 7, 3 mantissa
 // bits, denormals below 2^-6, no infinities, S.1111.111 the only NaNs.
-static float e4m3_to_float(uint8_t code) {
+float e4m3_to_float(uint8_t code) {
     const int e = (code >> 3) & 15;
     const int m = code & 7;
     float v;
@@ -128,7 +128,7 @@ static float e4m3_to_float(uint8_t code) {
 
 // The value of one OCP e5m2 code (exact in float): 5 exponent bits of bias 15, 2 mantissa
 // bits, denormals below 2^-14, S.11111.00 infinities, S.11111.{01,10,11} NaNs.
-static float e5m2_to_float(uint8_t code) {
+float e5m2_to_float(uint8_t code) {
     const int e = (code >> 2) & 31;
     const int m = code & 3;
     float v;

@@ -1,7 +1,12 @@
 // wgmma.mma_async (sm_90a): the warpgroup matrix multiply-accumulate, its matrix descriptors
 // and its asynchronous completion (reference: the Hopper notes, section 6.1-6.2).
 //
-// m64nNk16 over a warpgroup (4 consecutive warps) splits into 4 independent warp parts: warp
+// Shapes: m64nNk16 with f16/bf16 operands and m64nNk32 with e4m3/e5m2 operands. Either way a
+// row of K elements is 32 bytes, two 16-byte chunks, so descriptors address 8-bit operands
+// through the same chunk arithmetic and swizzles; 8-bit operands must be K-major (the PTX ISA
+// allows the transpose flags for 16-bit types only).
+//
+// The m64 shapes over a warpgroup (4 consecutive warps) splits into 4 independent warp parts: warp
 // w of the group owns rows 16w..16w+15 of A and of D, and reads all of B. Each warp is a
 // collective of its 32 lanes (the same rendezvous as mma.sync); the result is computed at
 // issue from shared memory as it is then, and held per thread until the wgmma_wait that
@@ -86,29 +91,62 @@ const void* window_pointer(uint32_t addr, const char* operand, ftemu_loc loc) {
         L.stat.size, dyn_start, dyn_start + L.dyn.size));
 }
 
-// operand[mn][k] (rows x 16) as floats, read chunk by chunk with the shared-memory checks.
-void read_operand(const Thread& reader, const Desc& d, bool mn_major, unsigned mn0, unsigned rows,
-                  bool bf16, const char* operand, ftemu_loc loc, std::vector<float>& out) {
+// The element format of a wgmma's A and B, from its kind bits.
+enum class Elem { F16, BF16, E4M3, E5M2 };
+
+Elem elem_of(int kind) {
+    if (kind & FTEMU_WGMMA_E4M3) return Elem::E4M3;
+    if (kind & FTEMU_WGMMA_E5M2) return Elem::E5M2;
+    return kind & FTEMU_WGMMA_BF16 ? Elem::BF16 : Elem::F16;
+}
+
+bool is_fp8(Elem e) { return e == Elem::E4M3 || e == Elem::E5M2; }
+
+// Elements along K of one wgmma: 16 (16-bit types) or 32 (8-bit types), 32 bytes either way.
+unsigned k_of(Elem e) { return is_fp8(e) ? 32 : 16; }
+
+// The exact float values of one 16-byte chunk: 8 16-bit or 16 8-bit elements; returns their
+// count.
+unsigned decode_chunk(Elem e, const uint16_t (&chunk)[8], float* out) {
+    if (is_fp8(e)) {
+        unsigned char bytes[16];
+        std::memcpy(bytes, chunk, 16);  // little-endian: element 2i is the low byte of chunk[i]
+        for (unsigned i = 0; i < 16; ++i)
+            out[i] = e == Elem::E4M3 ? e4m3_to_float(bytes[i]) : e5m2_to_float(bytes[i]);
+        return 16;
+    }
     const float* h = half_table();
-    out.assign(static_cast<size_t>(rows) * 16, 0.0f);
+    for (unsigned i = 0; i < 8; ++i) out[i] = e == Elem::BF16 ? bf16_to_float(chunk[i]) : h[chunk[i]];
+    return 8;
+}
+
+// operand[mn][k] (rows x K) as floats, read chunk by chunk with the shared-memory checks.
+// K-major rows hold two 16-byte chunks (k 0..K/2-1, K/2..K-1); MN-major operands (16-bit
+// only) hold 8 MN-consecutive elements per chunk.
+void read_operand(const Thread& reader, const Desc& d, bool mn_major, unsigned mn0, unsigned rows,
+                  Elem elem, const char* operand, ftemu_loc loc, std::vector<float>& out) {
+    const unsigned K = k_of(elem);
+    out.assign(static_cast<size_t>(rows) * K, 0.0f);
     uint16_t chunk[8];
+    float values[16];
     char what[64];
     std::snprintf(what, sizeof what, "wgmma_mma_async (%s operand)", operand);
     if (!mn_major) {
         for (unsigned r = 0; r < rows; ++r)
             for (unsigned c = 0; c < 2; ++c) {
+                // chunk_address counts K-major chunks in 8-element steps of k
                 read_ldmatrix_row(reader, window_pointer(chunk_address(d, false, mn0 + r, 8 * c),
                                                          operand, loc), what, loc, chunk);
-                for (unsigned e = 0; e < 8; ++e)
-                    out[r * 16 + 8 * c + e] = bf16 ? bf16_to_float(chunk[e]) : h[chunk[e]];
+                const unsigned per = decode_chunk(elem, chunk, values);
+                for (unsigned e = 0; e < per; ++e) out[r * K + per * c + e] = values[e];
             }
     } else {
-        for (unsigned k = 0; k < 16; ++k)
+        for (unsigned k = 0; k < K; ++k)
             for (unsigned c = 0; c < rows / 8; ++c) {
                 read_ldmatrix_row(reader, window_pointer(chunk_address(d, true, mn0 + 8 * c, k),
                                                          operand, loc), what, loc, chunk);
-                for (unsigned e = 0; e < 8; ++e)
-                    out[(8 * c + e) * 16 + k] = bf16 ? bf16_to_float(chunk[e]) : h[chunk[e]];
+                decode_chunk(elem, chunk, values);
+                for (unsigned e = 0; e < 8; ++e) out[(8 * c + e) * K + k] = values[e];
             }
     }
 }
@@ -117,6 +155,22 @@ void read_operand(const Thread& reader, const Desc& d, bool mn_major, unsigned m
 // repeated over N/8 column blocks.
 unsigned acc_row(unsigned lane, unsigned v) { return lane / 4 + 8 * ((v >> 1) & 1); }
 unsigned acc_col(unsigned lane, unsigned v) { return 8 * (v >> 2) + 2 * (lane % 4) + (v & 1); }
+
+// The (row, k) of element i of lane L's A fragment from registers (K / 2 elements in 4
+// registers). 16-bit types (m64nNk16): the accumulator map with N = 16, element i in half
+// i % 2 of register i / 2. 8-bit types (m64nNk32, the PTX ISA's A fragment for .e4m3/.e5m2,
+// as mma.m16n8k32's): element i is byte i % 4 of register r = i / 4, at row L/4 + 8 (r % 2),
+// k = 4 (L % 4) + 16 (r / 2) + i % 4.
+void a_fragment_coords(bool fp8, unsigned lane, unsigned i, unsigned& row, unsigned& k) {
+    if (!fp8) {
+        row = acc_row(lane, i);
+        k = acc_col(lane, i);
+        return;
+    }
+    const unsigned r = i / 4;
+    row = lane / 4 + 8 * (r % 2);
+    k = 4 * (lane % 4) + 16 * (r / 2) + i % 4;
+}
 
 // The newest in-flight value of accumulator array `d`, or null.
 const Thread::WgmmaResult* in_flight(const Thread& t, const float* d) {
@@ -137,11 +191,19 @@ void poison(float* d, unsigned count) {
 void compute_wgmma(const Collective& c, unsigned warp) {
     Launch& L = *g_launch;
     const unsigned n = static_cast<unsigned>(c.kind) >> 8;
-    const bool bf16 = c.kind & FTEMU_WGMMA_BF16, rs = c.kind & FTEMU_WGMMA_RS;
+    const Elem elem = elem_of(c.kind);
+    const unsigned K = k_of(elem);
+    const bool rs = c.kind & FTEMU_WGMMA_RS;
     const bool trans_a = c.kind & FTEMU_WGMMA_TRANS_A, trans_b = c.kind & FTEMU_WGMMA_TRANS_B;
     if (L.nthreads % 128 != 0)
         fail(FTEMU_ERROR, format("wgmma at %s needs whole warpgroups of 128 threads, but the block "
                                  "has %u threads", at(c.loc).c_str(), L.nthreads));
+    if (is_fp8(elem) && (trans_a || trans_b))
+        fail(FTEMU_ERROR, format(
+            "wgmma at %s: an m64nNk32 %s wgmma with imm-trans-%s = 1; 8-bit operands must be "
+            "K-major (transpose the operand in shared memory first, e.g. V with "
+            "ldmatrix.trans / stmatrix)", at(c.loc).c_str(),
+            elem == Elem::E4M3 ? "e4m3" : "e5m2", trans_a ? "a" : "b"));
     const auto* first = static_cast<const ftemu_wgmma_args*>(c.lanes[0].in0);
     for (unsigned lane = 1; lane < 32; ++lane) {
         const auto* a = static_cast<const ftemu_wgmma_args*>(c.lanes[lane].in0);
@@ -157,19 +219,28 @@ void compute_wgmma(const Collective& c, unsigned warp) {
     const Thread& reader = L.threads[warp * 32];
     std::vector<float> A, B;
     Desc bd = decode(first->b_desc, "B", c.loc);
-    read_operand(reader, bd, trans_b, 0, n, bf16, "B", c.loc, B);  // B as [n][k]
+    read_operand(reader, bd, trans_b, 0, n, elem, "B", c.loc, B);  // B as [n][k]
     if (rs) {
-        A.assign(16 * 16, 0.0f);
+        A.assign(16 * K, 0.0f);
         const float* h = half_table();
         for (unsigned lane = 0; lane < 32; ++lane) {
             const auto* a = static_cast<const ftemu_wgmma_args*>(c.lanes[lane].in0);
-            for (unsigned v = 0; v < 8; ++v) {
-                auto bits = static_cast<uint16_t>(a->a[v / 2] >> (16 * (v & 1)));
-                A[acc_row(lane, v) * 16 + acc_col(lane, v)] = bf16 ? bf16_to_float(bits) : h[bits];
+            for (unsigned i = 0; i < K / 2; ++i) {
+                unsigned row, k;
+                a_fragment_coords(is_fp8(elem), lane, i, row, k);
+                float v;
+                if (is_fp8(elem)) {
+                    const auto byte = static_cast<uint8_t>(a->a[i / 4] >> (8 * (i % 4)));
+                    v = elem == Elem::E4M3 ? e4m3_to_float(byte) : e5m2_to_float(byte);
+                } else {
+                    const auto bits = static_cast<uint16_t>(a->a[i / 2] >> (16 * (i & 1)));
+                    v = elem == Elem::BF16 ? bf16_to_float(bits) : h[bits];
+                }
+                A[row * K + k] = v;
             }
         }
     } else {
-        read_operand(reader, decode(first->a_desc, "A", c.loc), trans_a, 16 * part, 16, bf16, "A",
+        read_operand(reader, decode(first->a_desc, "A", c.loc), trans_a, 16 * part, 16, elem, "A",
                      c.loc, A);
     }
     for (unsigned lane = 0; lane < 32; ++lane) {
@@ -185,10 +256,11 @@ void compute_wgmma(const Collective& c, unsigned warp) {
         const Thread::WgmmaResult* prev = a->scale_d ? in_flight(t, a->d) : nullptr;
         for (unsigned v = 0; v < n / 2; ++v) {
             unsigned row = acc_row(lane, v), col = acc_col(lane, v);
-            // Products of 16-bit floats are exact; the sum is formed in double, rounded once.
+            // Products of two 16-bit or two e4m3 floats are exact in double, and so is their
+            // sum (as mma.sync m16n8k32 in warp.cpp): formed in double, rounded to float once.
             double acc = 0.0;
-            for (unsigned k = 0; k < 16; ++k)
-                acc += static_cast<double>(A[row * 16 + k]) * static_cast<double>(B[col * 16 + k]);
+            for (unsigned k = 0; k < K; ++k)
+                acc += static_cast<double>(A[row * K + k]) * static_cast<double>(B[col * K + k]);
             if (a->scale_d) acc += static_cast<double>(prev ? prev->values[v] : a->d[v]);
             r.values[v] = static_cast<float>(acc);
         }

@@ -1,0 +1,294 @@
+"""The FP8 forward on sm_90a wgmma (``fwd890a``) in the CPU emulator against float64, its
+byte counters, its SASS, and its place in serving (``fwd8`` problems on cc 9.0).
+
+The bound, element by element, from the float64 attention of the dequantised inputs
+(each FP8 value as torch decodes it times its (batch, KV head) descale): the kernel rounds
+each probability (times 2^8, exact) to e4m3 or e5m2 before P V, whose error is at most half
+an ulp relative (2^-4 for e4m3's 3 mantissa bits, 2^-3 for e5m2's 2) above the format's
+normals and half its denormal spacing below (2^-10 / 2^-8 = 2^-18 for e4m3 and 2^-16 for e5m2
+in probability units), so
+
+    |O - O_ref| <= u (P |V|) + a sum |V| + r |O_ref| + 1e-5 (P |V|)
+
+with P the float64 softmax, u, a the format's figures, r the rounding of O's type (2^-8
+bf16, 2^-11 fp16) and 1e-5 for the fp32 scores, exp2 and sums; the LSE (from fp32 sums of
+the unrounded probabilities) takes the forward's LSE tolerance. Outputs are poisoned with NaN
+before every launch. Inputs: fresh standard normals rounded to the format, descales in
+[0.25, 4). The default run takes a seeded sample of the grid (the seed is in each id);
+``-m sweep`` the grid.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import re
+
+import pytest
+import torch
+from serving_fixtures import dispatcher, source  # noqa: F401  (fixtures, by name)
+
+import flashtune
+from flashtune import families
+from flashtune.codegen.arch import get_arch
+from flashtune.codegen.dtypes import DType, Fp8Type
+from flashtune.codegen.spec import KernelConfig, Problem, Shape
+from flashtune.errors import InvalidConfig
+from flashtune.families.checks import LSE_TOLERANCE, causal_visible
+from flashtune.families.fwd8 import dequantised
+from flashtune.families.fwd8_90a import FORWARD_FP8_90A as FAMILY
+from flashtune.runtime import first_use, plans
+from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
+from flashtune.toolchain.compiler import compile_source
+from flashtune.toolchain.cuda import find_toolchain
+from flashtune.toolchain.disasm import disassemble
+
+SM90A = get_arch("sm_90a")
+HEAD_DIMS = (64, 128, 256)
+#: GQA 4:2 with lengths off the tile grid, MQA with Nq < Nk, causal Nq > Nk (rows that see
+#: no key: O = 0, LSE = +inf).
+SHAPES = (Shape(2, 4, 2, 100, 77), Shape(1, 3, 1, 33, 150), Shape(1, 2, 2, 90, 20))
+#: One and two warpgroups, key tiles of 2 to 8 k32 steps (224: FA3's FP8 tile), 1-3 stages.
+CONFIGS = (KernelConfig(128, 128, 8, 2), KernelConfig(64, 64, 4, 1),
+           KernelConfig(64, 224, 4, 2), KernelConfig(128, 96, 8, 3))
+#: Per format: relative half-ulp above the normals, absolute half-spacing below them (in
+#: probability units, after the kernel's 2^8 offset).
+P_ROUNDING = {Fp8Type.E4M3: (2.0**-4, 2.0**-18), Fp8Type.E5M2: (2.0**-3, 2.0**-24)}
+O_ROUNDING = {DType.BF16: 2.0**-8, DType.FP16: 2.0**-11}
+
+
+def problem(head_dim: int, out: DType, causal: bool, fmt: Fp8Type = Fp8Type.E4M3) -> Problem:
+    return Problem(head_dim, fmt, causal=causal, op=FAMILY.op, o_dtype=out)
+
+
+def bound(p: Problem, inputs: dict[str, torch.Tensor], softmax_scale: float,
+          o_ref: torch.Tensor) -> torch.Tensor:
+    """The element-wise bound of the module docstring, in O's (batch, Nq, Hq, D) layout."""
+    t = dequantised(inputs)
+    q, k, v = t["q"], t["k"], t["v"]
+    group = q.shape[2] // k.shape[2]
+    k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
+    if p.causal:
+        scores = scores.masked_fill(~causal_visible(q.shape[1], k.shape[1]), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows that see no key: 0
+    weighted = torch.einsum("bhqk,bkhd->bqhd", probs, v.abs())
+    total = v.abs().sum(dim=1, keepdim=True)  # (b, 1, h, d)
+    fmt = p.dtypes.q
+    assert isinstance(fmt, Fp8Type)
+    u, a = P_ROUNDING[fmt]
+    return ((u + 1e-5) * weighted + a * total + O_ROUNDING[p.dtypes.o] * o_ref.abs()
+            + 1e-6)
+
+
+def run(p: Problem, config: KernelConfig, shape: Shape, seed: int,
+        options: LaunchOptions | None = None) -> object:
+    """One emulator launch checked against the bound; returns the launch's counters."""
+    kernel = EmulatorBackend(options=options or LaunchOptions()).load(
+        families.render(p, config))
+    inputs = FAMILY.random_inputs(p, shape, "cpu", seed)
+    outputs = FAMILY.empty_outputs(p, shape, inputs, poison=True)
+    assert torch.isnan(outputs["o"]).all() and torch.isnan(outputs["lse"]).all()
+    kept = {name: t.clone() for name, t in inputs.tensors.items()}
+    plan = FAMILY.launch_plan(p, config, shape, inputs, outputs)
+    kernel.launch(plan.grid, plan.args)
+    for name, t in inputs.tensors.items():  # the inputs are only read
+        assert torch.equal(t.view(torch.uint8) if t.element_size() == 1 else t,
+                           kept[name].view(torch.uint8) if t.element_size() == 1
+                           else kept[name]), name
+    ref = FAMILY.reference(p, inputs)
+    where = f"{p.key()} {config.key()} {shape} seed={seed}"
+    o = outputs["o"].to(torch.float64)
+    assert not torch.isnan(o).any(), f"{where}: unwritten O elements"
+    err = (o - ref["o"]).abs()
+    limit = bound(p, dict(inputs.tensors), float(inputs.scalars["softmax_scale"]), ref["o"])
+    worst = (err / limit).max().item()
+    print(f"{where}: O error {err.max().item():.3g}, {worst:.3g} of the bound")
+    assert worst <= 1.0, f"{where}: O error {err.max().item():.3g}, {worst:.3g} of the bound"
+    lse, lse_ref = outputs["lse"].to(torch.float64), ref["lse"]
+    seen = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isinf(lse), ~seen), f"{where}: LSE of rows that see no key"
+    tol = LSE_TOLERANCE.atol + LSE_TOLERANCE.rtol * lse_ref[seen].abs()
+    assert ((lse[seen] - lse_ref[seen]).abs() <= tol).all(), f"{where}: LSE"
+    return getattr(kernel, "last_counters", None)
+
+
+def _id(value: object) -> str:
+    if isinstance(value, KernelConfig):
+        return value.key()
+    if isinstance(value, Shape):
+        return (f"b{value.batch}h{value.heads_q}kv{value.heads_kv}q{value.seqlen_q}"
+                f"k{value.seqlen_k}")
+    if isinstance(value, (DType, Fp8Type)):
+        return str(value.value)
+    return str(value)
+
+
+def _grid() -> list[tuple[int, DType, bool, Fp8Type, KernelConfig, Shape]]:
+    return [(d, o, causal, fmt, c, s) for d, o, causal, fmt, c, s in itertools.product(
+        HEAD_DIMS, DType, (False, True), Fp8Type, CONFIGS, SHAPES)
+        if FAMILY.static_check(problem(d, o, causal, fmt), c, SM90A) is None]
+
+
+_SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
+_GRID = _grid()
+#: The default run: one row of the grid per head dim, chosen by the session's seed.
+SAMPLE = [(*random.Random(_SEED + i).choice([r for r in _GRID if r[0] == d]), _SEED + i)
+          for i, d in enumerate(HEAD_DIMS)]
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("head_dim, out, causal, fmt, config, shape, seed", SAMPLE,
+                         ids=lambda v: _id(v))
+def test_fp8_wgmma_forward_matches_float64(head_dim: int, out: DType, causal: bool,
+                                           fmt: Fp8Type, config: KernelConfig, shape: Shape,
+                                           seed: int) -> None:
+    print(f"seed={seed}")
+    run(problem(head_dim, out, causal, fmt), config, shape, seed)
+
+
+@pytest.mark.emulator
+@pytest.mark.sweep
+@pytest.mark.parametrize("head_dim, out, causal, fmt, config, shape", _GRID,
+                         ids=lambda v: _id(v))
+def test_fp8_wgmma_forward_grid(head_dim: int, out: DType, causal: bool, fmt: Fp8Type,
+                                config: KernelConfig, shape: Shape) -> None:
+    run(problem(head_dim, out, causal, fmt), config, shape, _SEED)
+
+
+def _loaded_bytes(p: Problem, config: KernelConfig, shape: Shape) -> int:
+    """cp.async bytes of every block: its Q rows once and each key tile it visits once, K
+    and V (rows past the end are zero-filled, reading nothing)."""
+    d, bm, bn = p.head_dim, config.block_m, config.block_n
+    total = 0
+    for m0 in range(0, shape.seqlen_q, bm):
+        rows = min(bm, shape.seqlen_q - m0)
+        n_end = shape.seqlen_k
+        if p.causal:
+            n_end = min(n_end, m0 + rows + shape.seqlen_k - shape.seqlen_q)
+        keys = 0 if n_end <= 0 else sum(min(bn, shape.seqlen_k - t * bn)
+                                        for t in range(-(-n_end // bn)))
+        total += (rows * d + 2 * keys * d) if n_end > 0 else 0
+    return total * shape.batch * shape.heads_q
+
+
+@pytest.mark.emulator
+@pytest.mark.parametrize("causal", [False, True])
+def test_v_is_read_once_per_block_and_transposed_on_chip(causal: bool) -> None:
+    """The only global reads are the stage copies: Q, K and V bytes once per block pass
+    (V's transpose reads shared memory; a pass over global memory would add V's bytes),
+    nothing through __ldg, and no input is written (the kernel has no other buffer)."""
+    p = problem(128, DType.BF16, causal)
+    config = KernelConfig(64, 64, 4, 2)
+    shape = Shape(1, 2, 1, 100, 150)
+    counters = run(p, config, shape, _SEED, LaunchOptions(counters=True))
+    assert counters is not None
+    assert counters.cp_async_bytes == _loaded_bytes(p, config, shape)  # type: ignore[attr-defined]
+    assert counters.ldg_bytes == 0  # type: ignore[attr-defined]
+
+
+def test_served_for_fwd8_on_cc90_and_falls_back_where_it_refuses() -> None:
+    fwd8 = Problem(128, Fp8Type.E4M3, causal=True, op="fwd8", o_dtype=DType.BF16)
+    assert families.served_problem(fwd8, get_arch("sm_90")).op == FAMILY.op
+    assert families.served_problem(fwd8, get_arch("sm_89")).op == "fwd8"
+    # a head dim it does not take, and a feature it does not have: fwd8 serves them
+    odd = Problem(96, Fp8Type.E4M3, op="fwd8", o_dtype=DType.FP16)
+    assert families.served_problem(odd, get_arch("sm_90")).op == "fwd8"
+    windowed = Problem(128, Fp8Type.E4M3, op="fwd8", o_dtype=DType.BF16,
+                       features=frozenset({"window"}))
+    assert families.served_problem(windowed, get_arch("sm_90")).op == "fwd8"
+
+
+def test_refusals_name_the_reason() -> None:
+    with pytest.raises(Exception, match=r"head_dim=96: .*\(64, 128, 256\).*fwd8"):
+        FAMILY.check_problem(problem(96, DType.BF16, False))
+    p = problem(256, DType.BF16, False)
+    why = FAMILY.static_check(p, KernelConfig(128, 256, 8, 3), SM90A)
+    assert why is not None and "shared memory" in why
+    why = FAMILY.static_check(p, KernelConfig(128, 80, 8, 2), SM90A)
+    assert why is not None and "multiple of 32" in why
+    assert "sm_90a" in (FAMILY.static_check(p, KernelConfig(128, 64, 8, 2), get_arch("sm_89"))
+                        or "")
+    with pytest.raises(InvalidConfig, match="head_dim=96"):
+        FAMILY.default_config(problem(96, DType.BF16, False), SM90A)
+
+
+@pytest.mark.parametrize("head_dim, causal", [(128, True), (64, False), (256, True)])
+def test_nvrtc_sm90a_main_loop_issues_fp8_gmmas_without_spills(head_dim: int,
+                                                               causal: bool) -> None:
+    """The default kernel: no spills, Q K^T and P V as QGMMA ...E4M3.E4M3 (block_n / 32 P V
+    steps of N = head_dim, head_dim / 32 Q K^T steps of N = block_n, each once per masked
+    and unmasked loop)."""
+    p = problem(head_dim, DType.BF16, causal)
+    config = FAMILY.default_config(p, SM90A)
+    kernel = compile_source(families.render(p, config), "sm_90")
+    res = kernel.resources
+    print(f"{p.key()} {config.key()}: {res.registers} registers, spills "
+          f"{res.spill_stores}/{res.spill_loads}")
+    assert kernel.arch == "sm_90a" and res.spill_stores == 0 and res.spill_loads == 0, res
+    if find_toolchain().nvdisasm is None:
+        pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
+    sass = disassemble(kernel.cubin)
+    qk = len(re.findall(rf"\bQGMMA\.64x{config.block_n}x32\.F32\.E4M3\.E4M3\b", sass))
+    pv = len(re.findall(rf"\bQGMMA\.64x{head_dim}x32\.F32\.E4M3\.E4M3\b", sass))
+    assert qk > 0 and pv > 0, (qk, pv)
+    assert not re.search(r"\bHGMMA\.\S+ (?!RZ)", sass)  # no 16-bit tensor-core products
+
+
+@pytest.mark.emulator
+@pytest.mark.usefixtures("dispatcher")
+def test_attention_with_e4m3_on_a_virtual_sm90a_runs_fwd890a(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch API on the emulator's virtual sm_90a: e4m3 tensors with descales (GQA 4:2,
+    causal, Nq < Nk) run on ``fwd890a`` after its first-use check, within the bound."""
+    monkeypatch.setenv("FLASHTUNE_BACKEND", "emulator")
+    monkeypatch.setenv("FLASHTUNE_EMULATOR_ARCH", "sm_90a")
+    monkeypatch.delenv("FLASHTUNE_ARCH_SPECIFIC", raising=False)
+    first_use.forget()
+    plans.clear_caches()
+    try:
+        p = problem(128, DType.BF16, True)
+        inputs = FAMILY.random_inputs(p, Shape(1, 4, 2, 70, 90), "cpu", _SEED)
+        t = inputs.tensors
+        out, lse = flashtune.attention(t["q"], t["k"], t["v"], causal=True,
+                                       q_descale=t["q_descale"], k_descale=t["k_descale"],
+                                       v_descale=t["v_descale"], out_dtype=torch.bfloat16,
+                                       return_lse=True)
+        assert first_use.refused("virtual-sm_90a") is None
+        ops = {plan.decision.problem.op for plan in plans.cached().values()}
+        assert FAMILY.op in ops, ops
+        ref = FAMILY.reference(p, inputs)
+        limit = bound(p, dict(t), float(inputs.scalars["softmax_scale"]), ref["o"])
+        assert ((out.double() - ref["o"]).abs() <= limit).all(), f"seed={_SEED}"
+        assert ((lse.double() - ref["lse"]).abs() <= 1e-3 + 2e-6 * ref["lse"].abs()).all()
+    finally:
+        first_use.forget()
+        plans.clear_caches()
+
+
+def test_profile_prints_the_main_loop_per_iteration() -> None:
+    """``flashtune profile --op fwd890a``: the unmasked loop's instructions per iteration,
+    its FP8 wgmma FLOPs (Q K^T and P V of a 64 x block_n tile per warpgroup, per warp), and
+    no prediction (the cost model has no model of the FP8 sm_90a kernel)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from flashtune.cli import app
+
+    if find_toolchain().nvdisasm is None:
+        pytest.skip("nvdisasm is not installed (pip install nvidia-cuda-nvdisasm)")
+    args = ["profile", "--op", FAMILY.op, "--dtype", "bf16", "--head-dim", "128", "--causal",
+            "--arch", "sm_90a", "--config", "m128_n128_w8_s2"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["prediction"] is None and data["resources"]["spill_stores"] == 0
+    loop = data["sass"]["unmasked_loop"]
+    print(f"unmasked loop: {loop['total']} instructions per warp per iteration")
+    # per warpgroup: 2 products of 64 x 128 x 128, shared by its 4 warps
+    assert loop["wgmma_flops"] * 4 == 2 * 2 * 64 * 128 * 128
+    assert 0 < loop["total"] < 2000
+    table = CliRunner().invoke(app, args)
+    assert table.exit_code == 0 and "unmasked loop" in table.output
