@@ -207,7 +207,7 @@ def plan_for(q: torch.Tensor, causal: bool, backend: str, op: str,
     dim where it is not q's."""
     # get_device(): the CUDA index, -1 for CPU tensors (the only other kind that gets here).
     key = (backend, q.get_device(), q.dtype, q.shape[3], causal, seqlen_bucket(seqlen),
-           features, shape_class, o_dtype, op, head_dim_v)
+           features, shape_class, o_dtype, head_dim_v, op)
     plan = _plans.get(key)
     if plan is None:
         with _plans_lock:
@@ -240,7 +240,7 @@ def retiled(plan: Plan, config: KernelConfig, q: torch.Tensor, backend: str) -> 
 
 def cached() -> dict[tuple[object, ...], Plan]:
     """A copy of the memoised plans by key: (backend, device index, dtype, head dim,
-    causal, sequence bucket, features, shape class, O's dtype, op, V's head dim)."""
+    causal, sequence bucket, features, shape class, O's dtype, V's head dim, op)."""
     with _plans_lock:
         return dict(_plans)
 

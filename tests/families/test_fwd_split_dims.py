@@ -19,13 +19,13 @@ import os
 import random
 
 import pytest
+from split_dims import case_id, run_split
 
 from flashtune import families
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.errors import FeatureNotSupported, InvalidProblem
 from flashtune.families.fwd import FORWARD, space
-from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
 from flashtune.toolchain.compiler import compile_source
 
 #: (Q/K's head dim, V's head dim).
@@ -49,34 +49,6 @@ def split(head_dim: int, head_dim_v: int, dtype: DType, causal: bool,
     return Problem(head_dim, dtype, causal=causal, head_dim_v=head_dim_v, features=features)
 
 
-def run(p: Problem, config: KernelConfig, shape: Shape, seed: int,
-        grid_x: int | None = None) -> None:
-    """One emulator launch against float64; ``grid_x``: launch that many blocks in x
-    (a persistent block then walks several query blocks)."""
-    kernel = EmulatorBackend(options=LaunchOptions()).load(families.render(p, config))
-    inputs = FORWARD.random_inputs(p, shape, "cpu", seed)
-    assert inputs.tensors["q"].shape[-1] == p.head_dim
-    assert inputs.tensors["v"].shape[-1] == p.v_head_dim
-    outputs = FORWARD.empty_outputs(p, shape, inputs, poison=True)
-    assert outputs["o"].shape[-1] == p.v_head_dim
-    plan = FORWARD.launch_plan(p, config, shape, inputs, outputs)
-    grid = plan.grid if grid_x is None else (grid_x, *plan.grid[1:])
-    kernel.launch(grid, plan.args)
-    verdict = FORWARD.compare(p, shape, outputs, FORWARD.reference(p, inputs))
-    assert verdict.ok, f"{p.key()} {config.key()} {shape} seed={seed}: {verdict.message}"
-
-
-def _id(value: object) -> str:
-    """A test id part: a pair as ``d192v128``, a feature set, a shape's, config's or
-    type's own key."""
-    if isinstance(value, tuple):
-        return "d{}v{}".format(*value)
-    if isinstance(value, frozenset):
-        return "+".join(sorted(value)) or "plain"
-    key = getattr(value, "key", None)
-    return str(key()) if callable(key) else str(getattr(value, "value", value))
-
-
 def _grid() -> list[tuple[tuple[int, int], DType, bool, KernelConfig, Shape]]:
     return [(pair, dtype, causal, c, s) for pair, dtype, causal, c, s in itertools.product(
         PAIRS, (DType.FP16, DType.BF16), (False, True), CONFIGS, SHAPES)
@@ -90,29 +62,30 @@ SAMPLE = [(*random.Random(_SEED + i).choice([r for r in _GRID if r[0] == pair]),
 
 
 @pytest.mark.emulator
-@pytest.mark.parametrize("pair, dtype, causal, config, shape, seed", SAMPLE, ids=_id)
+@pytest.mark.parametrize("pair, dtype, causal, config, shape, seed", SAMPLE, ids=case_id)
 def test_split_head_dims_match_float64(pair: tuple[int, int], dtype: DType, causal: bool,
                                        config: KernelConfig, shape: Shape, seed: int) -> None:
     print(f"seed={seed}")
-    run(split(*pair, dtype, causal), config, shape, seed)
+    run_split(split(*pair, dtype, causal), config, shape, seed, "o")
 
 
 @pytest.mark.emulator
 @pytest.mark.sweep
-@pytest.mark.parametrize("pair, dtype, causal, config, shape", _GRID, ids=_id)
+@pytest.mark.parametrize("pair, dtype, causal, config, shape", _GRID, ids=case_id)
 def test_split_head_dims_grid(pair: tuple[int, int], dtype: DType, causal: bool,
                               config: KernelConfig, shape: Shape) -> None:
-    run(split(*pair, dtype, causal), config, shape, _SEED)
+    run_split(split(*pair, dtype, causal), config, shape, _SEED, "o")
 
 
 @pytest.mark.emulator
-@pytest.mark.parametrize("pair", [(72, 136), (136, 72)], ids=_id)
+@pytest.mark.parametrize("pair", [(72, 136), (136, 72)], ids=case_id)
 def test_a_persistent_block_walks_several_query_blocks(pair: tuple[int, int]) -> None:
     """One block in x walks every query block of its head: O's staging (V's columns) must
     not leave the next tile's pad columns of Q, K or V nonzero (72 and 136 are off the k16
     step, so each has zero columns the tensor cores read)."""
-    run(split(*pair, DType.BF16, True), KernelConfig(64, 32, 4, 1, extras=(("persistent", 1),)),
-        Shape(1, 2, 1, 150, 150), _SEED, grid_x=1)
+    run_split(split(*pair, DType.BF16, True),
+              KernelConfig(64, 32, 4, 1, extras=(("persistent", 1),)),
+              Shape(1, 2, 1, 150, 150), _SEED, "o", grid_x=1)
 
 
 #: The features that come with the forward's hooks, each on a split problem.
@@ -136,22 +109,22 @@ FEATURE_SAMPLE = [(*random.Random(_SEED + 20 + i).choice(
 
 @pytest.mark.emulator
 @pytest.mark.parametrize("pair, dtype, causal, features, config, shape, seed", FEATURE_SAMPLE,
-                         ids=_id)
+                         ids=case_id)
 def test_split_head_dims_with_features_match_float64(
         pair: tuple[int, int], dtype: DType, causal: bool, features: frozenset[str],
         config: KernelConfig, shape: Shape, seed: int) -> None:
     print(f"seed={seed}")
-    run(split(*pair, dtype, causal, features), config, shape, seed)
+    run_split(split(*pair, dtype, causal, features), config, shape, seed, "o")
 
 
 @pytest.mark.emulator
 @pytest.mark.sweep
 @pytest.mark.parametrize("pair, dtype, causal, features, config, shape", _FEATURE_GRID,
-                         ids=_id)
+                         ids=case_id)
 def test_split_head_dims_with_features_grid(
         pair: tuple[int, int], dtype: DType, causal: bool, features: frozenset[str],
         config: KernelConfig, shape: Shape) -> None:
-    run(split(*pair, dtype, causal, features), config, shape, _SEED)
+    run_split(split(*pair, dtype, causal, features), config, shape, _SEED, "o")
 
 
 def test_the_key_names_both_head_dims_and_a_plain_problem_keeps_its_own() -> None:
@@ -182,7 +155,7 @@ def test_a_bad_v_head_dim_is_refused_naming_it(value: object, match: str) -> Non
 
 
 def test_families_without_split_head_dims_refuse_them_and_serving_falls_back() -> None:
-    """The sm_90a forward, the FP8 forward and the backward do not declare split head dims
+    """The sm_90a forwards and the FP8 forward do not declare split head dims
     (``KernelFamily.split_head_dims``, not inherited): each refuses naming both dims and
     what serves them; on an sm_90a device the call stays on the mma.sync forward."""
     p = split(192, 128, DType.BF16, True)
@@ -190,7 +163,7 @@ def test_families_without_split_head_dims_refuse_them_and_serving_falls_back() -
     assert families.served_problem(p, get_arch("sm_90a")) == p
     plain = Problem(128, DType.BF16, causal=True)
     assert families.served_problem(plain, get_arch("sm_90a")).op != "fwd"
-    for op in ("fwd90a", "fwd90aws", "bwd"):
+    for op in ("fwd90a", "fwd90aws", "fwd8"):
         family = families.get(op)
         assert not family.split_head_dims
         with pytest.raises(FeatureNotSupported,
