@@ -294,8 +294,8 @@ def attention(
     attention); fp16 or bf16; D up to 256 (a D that is not a multiple of 8 is zero-padded to
     one: one copy of q, k and v, and O is a view of the padded output); the last dim
     contiguous. v may have a head dim Dv of its own (a multiple of 8 up to 256; DeepSeek's
-    prefill: D = 192, Dv = 128): the forward only (inputs that require grad, score_mod and
-    mask_mod are refused), O is then (B, Nq, Hq, Dv). Returns
+    prefill: D = 192, Dv = 128): O is then (B, Nq, Hq, Dv) and gradients flow as usual
+    (score_mod and mask_mod are refused). Returns
     O (B, Nq, Hq, D), and with ``return_lse`` also the natural-log log-sum-exp of the scaled
     scores, float32 (B, Hq, Nq). ``causal`` masks key j from query i unless
     j <= i + Nk - Nq (the diagonal aligned to the bottom-right corner, as in flash-attn); a
@@ -360,7 +360,7 @@ def attention(
     if not isinstance(causal, bool):
         raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
     if v.shape[3] != q.shape[3]:
-        _refuse_split_head_dims(q, k, v, score_mod is not None or mask_mod is not None)
+        _refuse_split_head_dims(q, v, score_mod is not None or mask_mod is not None)
     scale = check_softmax_scale(softmax_scale, dim or q.shape[3])
     ordered = deterministic_flag(deterministic)
     name = "" if backend is None else backend
@@ -413,17 +413,14 @@ def attention(
     return result if len(result) > 1 else out
 
 
-def _refuse_split_head_dims(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            modified: bool) -> None:
+def _refuse_split_head_dims(q: torch.Tensor, v: torch.Tensor, modified: bool) -> None:
     """What a call whose V head dim differs from Q/K's cannot have: a score_mod or mask_mod
-    (FeatureNotSupported) and gradients (BackwardNotAvailable): the mma.sync forward alone
-    serves it."""
-    what = f"attention with v's head dim {v.shape[3]} other than q's and k's {q.shape[3]}"
+    (FeatureNotSupported; the modified kernels use one head dim)."""
     if modified:
         raise FeatureNotSupported(
-            f"{what} takes no score_mod or mask_mod (the modified kernels use one head dim); "
-            "pad v with zeros to q's head dim and slice the output's last dim back")
-    refuse_grad(q, k, v, what=what)
+            f"attention with v's head dim {v.shape[3]} other than q's and k's {q.shape[3]} "
+            "takes no score_mod or mask_mod (the modified kernels use one head dim); pad v "
+            "with zeros to q's head dim and slice the output's last dim back")
 
 
 def _sdpa_unsupported(what: str, fix: str) -> InvalidInput:

@@ -13,10 +13,12 @@ import os
 
 import pytest
 import torch
+from grad_helpers import attention_reference as plain_attention
+from grad_helpers import gradients, within_rule
 
 import flashtune
 from flashtune.codegen.spec import Problem, Shape
-from flashtune.errors import BackwardNotAvailable, FeatureNotSupported, InvalidInput
+from flashtune.errors import FeatureNotSupported, InvalidInput
 from flashtune.families.base import element_type
 from flashtune.families.fwd import FORWARD
 from flashtune.families.fwd.reference import attention_reference
@@ -75,9 +77,6 @@ def test_what_a_split_call_cannot_have_is_refused_naming_the_fix() -> None:
     with pytest.raises(FeatureNotSupported,
                        match=r"v's head dim 128 other than q's and k's 192 takes no score_mod"):
         flashtune.attention(q, k, v, backend="emulator", score_mod=lambda s, b, h, i, j: s)
-    with pytest.raises(BackwardNotAvailable, match=r"forward pass only.*torch.no_grad"):
-        flashtune.attention(q.requires_grad_(), k, v, backend="emulator")
-    q.requires_grad_(False)
     for bad, match in ((100, "v has head dim 100; expected a multiple of 8.*Pad v with zeros "
                              "to 104"),
                        (264, "v has head dim 264; the limit is 256")):
@@ -85,3 +84,33 @@ def test_what_a_split_call_cannot_have_is_refused_naming_the_fix() -> None:
             flashtune.attention(q, k, v.new_zeros(1, 8, 1, bad), backend="emulator")
     with pytest.raises(InvalidInput, match=r"expected equal batch, seqlen and heads"):
         flashtune.attention(q, k, v.new_zeros(1, 9, 1, 128), backend="emulator")
+
+
+@pytest.mark.emulator
+@pytest.mark.usefixtures("dispatcher")
+@pytest.mark.parametrize("dim, dim_v, causal, deterministic", [
+    (192, 128, True, False), (64, 128, False, True)])
+def test_gradients_of_split_head_dims_follow_flash_attn_rule(
+        dim: int, dim_v: int, causal: bool, deterministic: bool) -> None:
+    """dQ, dK, dV (and O) through ``loss.backward()``: max|ours - float64| at most 3x max|plain
+    PyTorch in bf16 - float64| (flash-attn's rule), dV of v's head dim."""
+    seed = _SEED + 7 * dim
+    shape = Shape(1, 4, 2, 50, 70)
+    q, k, v = split_qkv(shape, dim, dim_v, torch.bfloat16, seed)
+    dout = split_qkv(Shape(1, 4, 4, 50, 50), dim_v, dim_v, torch.bfloat16, seed + 1)[0]
+    scale = dim ** -0.5
+
+    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = flashtune.attention(q, k, v, causal=causal, backend="emulator",
+                                  deterministic=deterministic)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return plain_attention(q, k, v, causal, scale)[0]
+
+    got = gradients(ours, (q, k, v), dout)
+    assert got["dv"].shape == v.shape and got["dq"].shape == q.shape
+    within_rule(got, gradients(plain, (q, k, v), dout),
+                gradients(plain, (q.double(), k.double(), v.double()), dout),
+                f"d{dim}v{dim_v} causal={causal} seed={seed}")
