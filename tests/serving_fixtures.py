@@ -21,8 +21,9 @@ def poisoned_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Outputs start as NaN, so any element the kernel does not write is caught."""
     real = forward.empty_outputs
 
-    def poisoned(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = real(q)
+    def poisoned(q: torch.Tensor, head_dim_v: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = real(q, head_dim_v)
         return out.fill_(math.nan), lse.fill_(math.nan)
 
     monkeypatch.setattr(forward, "empty_outputs", poisoned)

@@ -3,7 +3,9 @@
 ``backward`` is the implementation of the ``flashtune::attention_bwd`` op. Three launches
 on the current stream:
 
-1. ``bwdpre``: D = rowsum(dO * O) in float32 and the float32 dQ accumulator zeroed;
+1. ``bwdpre``: D = rowsum(dO * O) in float32 and the float32 dQ accumulator zeroed (with
+   V's head dim other than Q/K's, where O and dO have V's and the accumulator Q's: D by a
+   torch float32 sum and a zeroed accumulator instead);
 2. ``bwd`` (or ``bwddet`` when deterministic): dK, dV and the accumulator;
 3. ``bwdsum``: dQ = softmax_scale * (the accumulator's slices summed in slice order).
 
@@ -94,20 +96,30 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     op = ("bwd8" if descales is not None else "bwd") + ("det" if deterministic else "")
     features = kernel_features(op, variant.features) if variant is not None else ()
     grad_type = None if descales is None else out.dtype  # FP8 inputs: O's type
-    main = plan_for(q, causal, name, op, features, longest, o_dtype=grad_type)
-    # The row kernels read O and dO and write dQ: O's type (q's, but for FP8 inputs).
-    pre = plan_for(out, False, name, "bwdpre", (), longest)
-    convert = plan_for(out, False, name, "bwdsum", (), longest)
+    head_dim_v = v.shape[3]
+    split_v = None if head_dim_v == head_dim else head_dim_v  # V's own head dim
+    main = plan_for(q, causal, name, op, features, longest, o_dtype=grad_type,
+                    head_dim_v=split_v)
+    # The row kernels read O and dO and write dQ: O's type (q's, but for FP8 inputs). With
+    # V's head dim split from Q/K's, O and dO have V's and dQ has Q's: the preprocess
+    # (one head dim for both) gives way to D in torch (below), and the convert runs at q's.
+    pre = plan_for(out, False, name, "bwdpre", (), longest) if split_v is None else None
+    convert = plan_for(out if split_v is None else q, False, name, "bwdsum", (), longest)
     config = main.source.config
     split = space.dq_mode(config) == space.DQ_SPLIT
     slices = (space.dq_slices(_sm_count(q.device), sequences, heads_kv, keys, config.block_n)
               if split else 1)
 
-    dsum = torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=q.device)
-    accum = torch.empty(slices, batch, heads_q, seqlen_q, head_dim, dtype=torch.float32,
-                        device=q.device)
-    row_grid = args.row_grid(seqlen_q, heads_q, batch, pre.block_m)
-    _launch(pre, row_grid, args.pre_args(out, dout, dsum, accum))
+    if pre is not None:
+        dsum = torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=q.device)
+        accum = torch.empty(slices, batch, heads_q, seqlen_q, head_dim, dtype=torch.float32,
+                            device=q.device)
+        row_grid = args.row_grid(seqlen_q, heads_q, batch, pre.block_m)
+        _launch(pre, row_grid, args.pre_args(out, dout, dsum, accum))
+    else:  # D = rowsum(dO * O) over V's head dim (float32 products of 16-bit values)
+        dsum = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+        accum = torch.zeros(slices, batch, heads_q, seqlen_q, head_dim, dtype=torch.float32,
+                            device=q.device)
     if grad_lse is not None:
         dsum.sub_(grad_lse)
 

@@ -72,21 +72,25 @@ def _no_packer(plan: Plan) -> FlashtuneError:
                           "families.fwd.args.FwdPacker (ForwardFamily's does)")
 
 
-def empty_outputs(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialised O (like q, same strides when q is dense) and LSE (B, Hq, Nq) float32."""
+def empty_outputs(q: torch.Tensor, head_dim_v: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised O (like q, same strides when q is dense; (B, Nq, Hq, head_dim_v)
+    contiguous where V's head dim differs) and LSE (B, Hq, Nq) float32."""
     batch, seqlen_q, heads_q, _ = q.shape
     # Sizes as separate ints: torch parses them several times faster than a tuple.
-    return (torch.empty_like(q),
+    return (torch.empty_like(q) if head_dim_v is None
+            else q.new_empty(batch, seqlen_q, heads_q, head_dim_v),
             torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=q.device))
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
             softmax_scale: float, backend: str, variant: Variant | None = None
             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O (like q) and the float32 LSE (B, Hq, Nq) of validated inputs, launched on the
-    current stream. ``backend`` "" means the FLASHTUNE_BACKEND setting. ``variant``: the
-    call's validated features (``api.variants.resolve``; its ``causal`` is ignored in
-    favour of ``causal``), None for none."""
+    """O (like q, with v's head dim) and the float32 LSE (B, Hq, Nq) of validated inputs,
+    launched on the current stream. ``backend`` "" means the FLASHTUNE_BACKEND setting.
+    ``variant``: the call's validated features (``api.variants.resolve``; its ``causal`` is
+    ignored in favour of ``causal``), None for none. V's head dim may differ from Q/K's
+    (the problem's ``head_dim_v``; families that do not take it refuse it)."""
     name = backend or settings.BACKEND.get()
     features = variant.features if variant is not None else ()
     varlen = variant.varlen if variant is not None else None
@@ -94,9 +98,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         seqlen_q, seqlen_k = q.shape[1], k.shape[1]
     else:
         seqlen_q, seqlen_k = varlen.max_seqlen_q, varlen.max_seqlen_k
+    head_dim_v = v.shape[3]
+    split = None if head_dim_v == q.shape[3] else head_dim_v
     plan = plans.plan_for(q, causal, name, "fwd", features,
-                          seqlen_q if seqlen_q > seqlen_k else seqlen_k)
-    out, lse = empty_outputs(q)
+                          seqlen_q if seqlen_q > seqlen_k else seqlen_k, head_dim_v=split)
+    out, lse = empty_outputs(q, split)
     pack: FwdPacker | None = plan.pack
     if pack is None:
         raise _no_packer(plan)

@@ -49,7 +49,7 @@ from flashtune.api.variants import (
     refuse_unsupported,
     resolve,
 )
-from flashtune.errors import BackwardNotAvailable, InvalidInput
+from flashtune.errors import BackwardNotAvailable, FeatureNotSupported, InvalidInput
 from flashtune.families.fwd.args import DropoutArgs
 from flashtune.runtime import plans
 from flashtune.runtime.dispatch import Decision
@@ -92,8 +92,9 @@ def _attention_fwd_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                         sinks: torch.Tensor | None = None, dropout_p: float = 0.0,
                         dropout_seed: int = 0, dropout_offset: int = 0
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, seqlen_q, heads_q, _ = q.shape
-    return (torch.empty_like(q),
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    return (torch.empty_like(q) if v.shape[3] == head_dim
+            else q.new_empty((batch, seqlen_q, heads_q, v.shape[3])),
             q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
 
 
@@ -292,7 +293,9 @@ def attention(
     q is (B, Nq, Hq, D); k and v are (B, Nk, Hkv, D) with Hq a multiple of Hkv (grouped-query
     attention); fp16 or bf16; D up to 256 (a D that is not a multiple of 8 is zero-padded to
     one: one copy of q, k and v, and O is a view of the padded output); the last dim
-    contiguous. Returns
+    contiguous. v may have a head dim Dv of its own (a multiple of 8 up to 256; DeepSeek's
+    prefill: D = 192, Dv = 128): O is then (B, Nq, Hq, Dv) and gradients flow as usual
+    (score_mod and mask_mod are refused). Returns
     O (B, Nq, Hq, D), and with ``return_lse`` also the natural-log log-sum-exp of the scaled
     scores, float32 (B, Hq, Nq). ``causal`` masks key j from query i unless
     j <= i + Nk - Nq (the diagonal aligned to the bottom-right corner, as in flash-attn); a
@@ -353,9 +356,11 @@ def attention(
     dim = None
     if isinstance(q, torch.Tensor) and not q.is_nested and q.dim() and q.shape[-1] % 8:
         q, k, v, dim = pad_head_dim(q, k, v)  # any head dim: one zero-padded copy each
-    check_attention_inputs(q, k, v)
+    check_attention_inputs(q, k, v, split_v=True)
     if not isinstance(causal, bool):
         raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
+    if v.shape[3] != q.shape[3]:
+        _refuse_split_head_dims(q, v, score_mod is not None or mask_mod is not None)
     scale = check_softmax_scale(softmax_scale, dim or q.shape[3])
     ordered = deterministic_flag(deterministic)
     name = "" if backend is None else backend
@@ -406,6 +411,16 @@ def attention(
         result += (_dropout.mask_of(variant.dropout, q.shape[0], q.shape[2], q.shape[1],
                                     k.shape[1], q.device),)
     return result if len(result) > 1 else out
+
+
+def _refuse_split_head_dims(q: torch.Tensor, v: torch.Tensor, modified: bool) -> None:
+    """What a call whose V head dim differs from Q/K's cannot have: a score_mod or mask_mod
+    (FeatureNotSupported; the modified kernels use one head dim)."""
+    if modified:
+        raise FeatureNotSupported(
+            f"attention with v's head dim {v.shape[3]} other than q's and k's {q.shape[3]} "
+            "takes no score_mod or mask_mod (the modified kernels use one head dim); pad v "
+            "with zeros to q's head dim and slice the output's last dim back")
 
 
 def _sdpa_unsupported(what: str, fix: str) -> InvalidInput:

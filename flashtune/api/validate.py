@@ -82,17 +82,32 @@ def _check_devices(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                            "with backend='emulator'). Move them with .cuda()")
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if tuple(k.shape[:3]) == tuple(v.shape[:3]) and k.shape[3] != v.shape[3]:
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  split_v: bool = False) -> None:
+    split = tuple(k.shape[:3]) == tuple(v.shape[:3]) and k.shape[3] != v.shape[3]
+    if split and not split_v:
         raise InvalidInput(
-            f"v has head dim {v.shape[3]} but q and k have {k.shape[3]}: a V head dim other "
-            "than the Q/K head dim is not supported (the kernels use one head dim for Q, K "
-            f"and V, at most {MAX_HEAD_DIM}). Pad the smaller one with zeros to the larger "
-            "(v padded: slice the output's last dim back; q and k padded: keep softmax_scale "
-            "at 1/sqrt of their original head dim)")
-    if tuple(k.shape) != tuple(v.shape):
+            f"v has head dim {v.shape[3]} but q and k have {k.shape[3]}: this call takes one "
+            "head dim for Q, K and V (flashtune.attention's forward takes a V head dim of its "
+            "own). Pad the smaller one with zeros to the larger (v padded: slice the output's "
+            "last dim back; q and k padded: keep softmax_scale at 1/sqrt of their original "
+            "head dim)")
+    if split:
+        dim_v = v.shape[3]
+        if dim_v > MAX_HEAD_DIM:
+            raise InvalidInput(f"v has head dim {dim_v}; the limit is {MAX_HEAD_DIM} (the O "
+                               "accumulators of one block). Use another implementation for "
+                               "larger heads")
+        if dim_v % 8:
+            raise InvalidInput(
+                f"v has head dim {dim_v}; expected a multiple of 8 for a V head dim other "
+                f"than q's and k's ({k.shape[3]}). Pad v with zeros to {8 * math.ceil(dim_v / 8)}"
+                " and slice the output's last dim back")
+    elif tuple(k.shape) != tuple(v.shape):
+        same = ("batch, seqlen and heads (v's head dim may differ)" if split_v
+                else f"shapes {_LAYOUT} (one value per key, same head dim)")
         raise InvalidInput(f"k has shape {_shape(k)} but v has {_shape(v)}; expected equal "
-                           f"shapes {_LAYOUT} (one value per key, same head dim)")
+                           f"{same}")
     batch, seqlen_q, heads_q, head_dim = q.shape
     batch_k, seqlen_k, heads_kv, head_dim_k = k.shape
     if batch_k != batch:
@@ -144,7 +159,7 @@ def _check_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                 )
 
 
-def _valid(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def _valid(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split_v: bool = False) -> bool:
     """Every check at once, reading each tensor attribute once (the hot path)."""
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
             and isinstance(v, torch.Tensor)):
@@ -155,7 +170,9 @@ def _valid(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     if dtype not in _DTYPES or k.dtype != dtype or v.dtype != dtype:
         return False
     qs, ks = q.shape, k.shape
-    if len(qs) != 4 or len(ks) != 4 or v.shape != ks:
+    if len(qs) != 4 or len(ks) != 4 or (v.shape != ks and not (
+            split_v and len(v.shape) == 4 and v.shape[:3] == ks[:3]
+            and v.shape[3] % 8 == 0 and v.shape[3] <= MAX_HEAD_DIM)):
         return False
     b, nq, hq, d = qs
     _, nk, hkv, _ = ks
@@ -173,8 +190,11 @@ def _valid(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return k.device == device and v.device == device and device.type in SUPPORTED_DEVICES
 
 
-def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise InvalidInput unless q (B, Nq, Hq, D) and k, v (B, Nk, Hkv, D) can be served.
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                           split_v: bool = False) -> None:
+    """Raise InvalidInput unless q (B, Nq, Hq, D) and k, v (B, Nk, Hkv, D) can be served
+    (``split_v``: v may be (B, Nk, Hkv, Dv) with its own head dim Dv, a multiple of 8 up to
+    256: the forward's split head dims).
 
     Checks, in order: types, layout (dense, not nested), rank, dtype (fp16/bf16, all
     equal), devices (one device, of a supported type), shapes (batch, head dim and k/v
@@ -185,7 +205,7 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     chosen backend is checked when the backend is resolved.
     """
     try:
-        if _valid(q, k, v):
+        if _valid(q, k, v, split_v):
             return
     except (RuntimeError, TypeError, ValueError, AttributeError):
         pass  # e.g. sparse or nested tensors, which have no strides: explained below
@@ -194,7 +214,7 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     _check_rank(q, k, v)
     _check_dtypes(q, k, v)
     _check_devices(q, k, v)
-    _check_shapes(q, k, v)
+    _check_shapes(q, k, v, split_v)
     _check_strides(q, k, v)
     raise AssertionError("check_attention_inputs: fast and detailed checks disagree")
 

@@ -37,7 +37,8 @@ MASK_WORDS = ("causal", "full")
 #: equal to Problem's public names) and the key's mask words.
 RESERVED = frozenset({"head_dim", "dtype", "kv_dtype", "o_dtype", "dtypes", "causal", "op",
                       "features", "has", "mask", "key", "from_key", "to_dict", "from_dict",
-                      "bucket", "padded_head_dim", *MASK_WORDS})
+                      "bucket", "padded_head_dim", "head_dim_v", "v_head_dim",
+                      "padded_v_head_dim", "split_head_dims", *MASK_WORDS})
 
 
 @dataclass(frozen=True)

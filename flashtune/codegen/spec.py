@@ -38,14 +38,29 @@ MAX_SEQ_BUCKET = 1 << 20
 
 #: A kernel family's name as it appears in problem keys: lowercase letters and digits.
 _OP_RE = re.compile(r"^[a-z][a-z0-9]{0,15}$")
-#: The head dim's part of a problem key.
-_DIM_RE = re.compile(r"^d[1-9][0-9]{0,2}$")
+#: The head dim's part of a problem key: Q/K's, and V's after ``v`` when it differs
+#: (``d192v128``).
+_DIM_RE = re.compile(r"^d([1-9][0-9]{0,2})(?:v([1-9][0-9]{0,2}))?$")
 
 
 def _check_int(value: object, what: str, exc: type[Exception]) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise exc(f"{what} must be an int, got {type(value).__name__} {value!r}")
     return value
+
+
+def _head_dim_reason(value: object, what: str) -> str | None:
+    """Why ``value`` cannot be a head dim (``what`` names it in the message), or None."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"{what} must be an int, got {type(value).__name__} {value!r}"
+    if value > MAX_HEAD_DIM:  # padding only grows a head dim: no advice to pad here
+        return (f"{what}={value} is not supported; the kernels hold at most {MAX_HEAD_DIM} "
+                f"(a multiple of 8 in [8, {MAX_HEAD_DIM}]), and a larger head dim has no "
+                "flashtune kernel")
+    if value < 8 or value % 8:
+        return (f"{what}={value} is not supported; expected a multiple of 8 in "
+                f"[8, {MAX_HEAD_DIM}] (pad it with zeros to {max(8, -(-value // 8) * 8)})")
+    return None
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -92,6 +107,13 @@ class Problem:
     (``Fp8Type``, the FP8 forward's ``fwd8_d128_e4m3-e4m3-bf16_causal``); O never is, so an
     FP8 problem names its 16-bit ``o_dtype`` (refused at construction otherwise).
 
+    Head dims: ``head_dim`` is Q's and K's (the Q K^T contraction); ``head_dim_v`` is V's
+    and O's when it differs (DeepSeek's prefill: 192 / 128), stored as None when it equals
+    ``head_dim`` (a value equal to it is stored as None, so a plain problem keeps its key,
+    and ``dataclasses.replace(p, head_dim=...)`` keeps a plain problem plain); read V's as
+    ``v_head_dim``. A family declares whether it serves a split problem
+    (``KernelFamily.split_head_dims``). The key then names both: ``fwd_d192v128_bf16_causal``.
+
     Feature switches (each compiled in or out; off, the kernel is the plain one):
       causal: key j is hidden from query i unless j <= i + Nk - Nq (bottom-right aligned);
       ``features``: the names of the registered features that are on (``codegen.features``),
@@ -114,16 +136,20 @@ class Problem:
     features: tuple[str, ...] = ()
     kv_dtype: Operand | None = None
     o_dtype: Operand | None = None
+    head_dim_v: int | None = None
 
     def __init__(self, head_dim: int, dtype: Operand | str, causal: bool = False,
                  op: str = "fwd", *, features: Iterable[str] = (),
                  kv_dtype: Operand | str | None = None, o_dtype: Operand | str | None = None,
-                 **switches: bool) -> None:
+                 head_dim_v: int | None = None, **switches: bool) -> None:
         """``features``: names of registered features to switch on; ``switches``: a feature
-        by its name (``window=True``; ``False`` switches one of ``features`` off)."""
+        by its name (``window=True``; ``False`` switches one of ``features`` off);
+        ``head_dim_v``: V's head dim (None: ``head_dim``)."""
         q = as_operand(dtype)
         set_ = object.__setattr__
         set_(self, "head_dim", head_dim)
+        set_(self, "head_dim_v", None if head_dim_v == head_dim and not isinstance(
+            head_dim_v, bool) else head_dim_v)
         set_(self, "dtype", q)
         set_(self, "causal", causal)
         set_(self, "op", op)
@@ -150,17 +176,13 @@ class Problem:
         if not isinstance(self.op, str) or not _OP_RE.match(self.op):
             raise InvalidProblem(f"op={self.op!r} is not a kernel family name; expected "
                                  "lowercase letters and digits, e.g. 'fwd'")
-        hd = _check_int(self.head_dim, "head_dim", InvalidProblem)
-        if hd > MAX_HEAD_DIM:  # padding only grows a head dim: no advice to pad here
-            raise InvalidProblem(
-                f"head_dim={hd} is not supported; the kernels hold at most {MAX_HEAD_DIM} "
-                f"(a multiple of 8 in [8, {MAX_HEAD_DIM}]), and a larger head dim has no "
-                "flashtune kernel")
-        if hd < 8 or hd % 8:
-            raise InvalidProblem(
-                f"head_dim={hd} is not supported; expected a multiple of 8 in [8, {MAX_HEAD_DIM}]"
-                f" (pad the head dim of q, k and v with zeros to {max(8, -(-hd // 8) * 8)})"
-            )
+        why = _head_dim_reason(self.head_dim, "head_dim")
+        if why is not None:
+            raise InvalidProblem(why.replace("pad it", "pad the head dim of q, k and v"))
+        if self.head_dim_v is not None:
+            why = _head_dim_reason(self.head_dim_v, "head_dim_v (V's head dim)")
+            if why is not None:
+                raise InvalidProblem(why.replace("pad it", "pad v's head dim"))
         if not isinstance(self.causal, bool):
             raise InvalidProblem(f"causal must be a bool, got {self.causal!r}")
 
@@ -212,6 +234,21 @@ class Problem:
         return padded_head_dim(self.head_dim)
 
     @property
+    def v_head_dim(self) -> int:
+        """V's (and O's) head dim: ``head_dim_v``, or ``head_dim`` when they are equal."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def padded_v_head_dim(self) -> int:
+        """The compiled head dim that serves V's."""
+        return padded_head_dim(self.v_head_dim)
+
+    @property
+    def split_head_dims(self) -> bool:
+        """Whether V's head dim differs from Q/K's."""
+        return self.head_dim_v is not None
+
+    @property
     def mask(self) -> str:
         """The mask as a key word: ``causal``, a mask feature's word (``local`` for a
         window) or ``full``."""
@@ -222,14 +259,16 @@ class Problem:
     def key(self) -> str:
         """Canonical key, e.g. ``fwd_d128_bf16_causal`` or ``fwd_d64_fp16_local_softcap``
         (a plain problem's key has no feature words; the element types are one word when
-        every operand has that type, else ``q-kv-o``: ``fwd_d128_bf16-fp16-bf16_full``)."""
+        every operand has that type, else ``q-kv-o``: ``fwd_d128_bf16-fp16-bf16_full``;
+        V's head dim follows Q/K's where it differs: ``fwd_d192v128_bf16_causal``)."""
         return self._key
 
     @functools.cached_property
     def _key(self) -> str:
         # Computed once per value: keys name memo entries on the serving path.
         extra = "".join(f"_{f.word}" for f in map(feature, self.features) if not f.mask)
-        return f"{self.op}_d{self.head_dim}_{self.dtypes.word}_{self.mask}{extra}"
+        dims = f"d{self.head_dim}" + ("" if self.head_dim_v is None else f"v{self.head_dim_v}")
+        return f"{self.op}_{dims}_{self.dtypes.word}_{self.mask}{extra}"
 
     @classmethod
     def from_key(cls, key: str) -> Problem:
@@ -244,8 +283,10 @@ class Problem:
         if len(parts) < 4:
             raise _malformed(key, "expected op, head dim, element types and mask")
         op, dim, word, mask, *words = parts
-        if not _OP_RE.match(op) or not _DIM_RE.match(dim):
-            raise _malformed(key, "expected a lowercase op and a head dim like 'd128'")
+        dims = _DIM_RE.match(dim)
+        if not _OP_RE.match(op) or dims is None:
+            raise _malformed(key, "expected a lowercase op and a head dim like 'd128' (or "
+                             "'d192v128': Q/K's, then V's)")
         try:
             dtypes = Dtypes.parse(word)
         except InvalidProblem as exc:
@@ -263,34 +304,39 @@ class Problem:
                 raise _malformed(key, f"{w!r} is not a feature word; expected one of "
                                  f"{[f.word for f in registered() if not f.mask]}")
             on.append(found.name)
-        problem = cls(int(dim[1:]), dtypes.q, causal=mask == "causal", op=op, features=on,
-                      kv_dtype=dtypes.kv, o_dtype=dtypes.o)
+        head_dim_v = None if dims[2] is None else int(dims[2])
+        problem = cls(int(dims[1]), dtypes.q, causal=mask == "causal", op=op, features=on,
+                      kv_dtype=dtypes.kv, o_dtype=dtypes.o, head_dim_v=head_dim_v)
         if problem.key() != key:
             raise _malformed(key, f"its canonical spelling is {problem.key()!r}")
         return problem
 
     def to_dict(self) -> dict[str, Any]:
-        """The fields; a feature switch appears only when it is on, and ``kv_dtype`` /
-        ``o_dtype`` only when they differ from ``dtype`` (so a plain problem's dict is the
-        same as before feature switches and per-operand types existed)."""
+        """The fields; a feature switch appears only when it is on, ``kv_dtype`` /
+        ``o_dtype`` only when they differ from ``dtype`` and ``head_dim_v`` only when it
+        differs from ``head_dim`` (so a plain problem's dict is the same as before feature
+        switches, per-operand types and split head dims existed)."""
         out: dict[str, Any] = {"op": self.op, "head_dim": self.head_dim,
                                "dtype": self.dtype.value, "causal": self.causal}
         out.update({name: True for name in self.features})
         out.update({name: value.value for name in ("kv_dtype", "o_dtype")
                     if (value := getattr(self, name)) is not None})
+        if self.head_dim_v is not None:
+            out["head_dim_v"] = self.head_dim_v
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Problem:
         unknown = set(data) - {"op", "head_dim", "dtype", "causal", "kv_dtype", "o_dtype",
-                               *FEATURES}
+                               "head_dim_v", *FEATURES}
         if unknown:
             raise InvalidProblem(f"unknown problem field(s) {sorted(unknown)}; expected op, "
-                                 f"head_dim, dtype, causal, kv_dtype, o_dtype or a feature "
-                                 f"({', '.join(FEATURES)})")
+                                 f"head_dim, head_dim_v, dtype, causal, kv_dtype, o_dtype or "
+                                 f"a feature ({', '.join(FEATURES)})")
         return cls(head_dim=data["head_dim"], dtype=data["dtype"],
                    causal=data.get("causal", False), op=data.get("op", "fwd"),
                    kv_dtype=data.get("kv_dtype"), o_dtype=data.get("o_dtype"),
+                   head_dim_v=data.get("head_dim_v"),
                    **{name: data[name] for name in FEATURES if name in data})
 
     def bucket(self, seqlen_q: int, seqlen_k: int) -> ProblemBucket:

@@ -174,9 +174,12 @@ def close_enough(name: str, out: torch.Tensor, ref: torch.Tensor, tol: Tolerance
 
 
 def random_rows(problem: Problem, shape: ShapeLike, seqlen: int, heads: int,
-                gen: torch.Generator, device: torch.device | str) -> torch.Tensor:
-    """Standard normal (batch, seqlen, heads, head_dim) rows in the problem's dtype."""
-    return torch.randn(shape.batch, seqlen, heads, problem.head_dim, generator=gen,
+                gen: torch.Generator, device: torch.device | str,
+                head_dim: int | None = None) -> torch.Tensor:
+    """Standard normal (batch, seqlen, heads, head_dim) rows in the problem's dtype
+    (``head_dim``: the problem's unless given, e.g. V's ``v_head_dim``)."""
+    return torch.randn(shape.batch, seqlen, heads,
+                       problem.head_dim if head_dim is None else head_dim, generator=gen,
                        device=device).to(torch_dtype(problem.dtype))
 
 
@@ -261,6 +264,17 @@ class KernelFamily(ABC):
     #: kernels evaluate the mask on every score of the tiles they walk): what serves such a
     #: call instead, named in the refusal. None: the tile ranges are taken.
     tile_ranges_refused: ClassVar[str | None] = None
+    #: Whether the family's kernels take a V head dim other than Q/K's
+    #: (``Problem.head_dim_v``); a split problem is refused (FeatureNotSupported) otherwise.
+    #: Not inherited (``__init_subclass__``): a subclass, whose kernels are its own (the
+    #: sm_90a and FP8 forwards derive from the mma.sync one), serves split head dims only
+    #: where its own body declares it.
+    split_head_dims: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "split_head_dims" not in cls.__dict__:
+            cls.split_head_dims = False
     #: The element types per operand (``codegen.dtypes.Dtypes``) the family's kernels take,
     #: e.g. ``SAME_16BIT``; a problem with any other combination is refused (InvalidProblem).
     #: Every family declares its own: none is accepted by default.
@@ -289,6 +303,12 @@ class KernelFamily(ABC):
                 f"the {self.op!r} kernel family ({self.title}) does not implement "
                 f"{', '.join(feature(name).title for name in missing)}; see the feature "
                 "table in the README for the families that do")
+        if problem.split_head_dims and not self.split_head_dims:
+            raise FeatureNotSupported(
+                f"the {self.op!r} kernel family ({self.title}) needs V's head dim equal to "
+                f"Q/K's, got head_dim={problem.head_dim} and head_dim_v={problem.head_dim_v} "
+                f"(problem {problem.key()}); the mma.sync forward ('fwd') serves split head "
+                "dims, or pad v's head dim to q's")
         tiled = tile_ranged(problem.features) if self.tile_ranges_refused else []
         if tiled:
             raise FeatureNotSupported(

@@ -28,5 +28,7 @@ def mma_head_dim(problem: Problem) -> int:
 
 
 def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
-    """32-bit registers per thread held by the O and S accumulator fragments."""
-    return config.rows_per_warp * (mma_head_dim(problem) + config.block_n) // 32
+    """32-bit registers per thread held by the O and S accumulator fragments (O is V's head
+    dim wide, rounded up to the k16 step like Q/K's)."""
+    o_dim = -(-problem.v_head_dim // 16) * 16
+    return config.rows_per_warp * (o_dim + config.block_n) // 32

@@ -99,6 +99,14 @@ struct BwdTraits {
   static constexpr int kLoadChunks = kHeadDimMma / kChunkElems;
   static constexpr int kRealChunks = HeadDim / kChunkElems;
 
+  // V's (and dO's, dV's) head dim: Q/K's here; WithBwdHeadDimV splits it.
+  static constexpr bool kSplitV = false;
+  static constexpr int kHeadDimV = HeadDim;
+  static constexpr int kHeadDimVMma = kHeadDimMma;
+  static constexpr int kVRowStride = kRowStride;  // V's and dO's shared rows
+  static constexpr int kDoElems = kQElems;        // one dO buffer
+  static constexpr int kKvDimTilesV = kKvDimTiles;  // n8 tiles of dV per warp
+
   static_assert(sizeof(Element) == 2, "elements are 16-bit (fp16 or bf16)");
   static_assert(HeadDim % 8 == 0 && HeadDim >= 8 && HeadDim <= 256,
                 "head dim must be a multiple of 8 up to 256");
@@ -110,6 +118,60 @@ struct BwdTraits {
   static_assert(kDimTiles % kWarpsD == 0, "warps split the head dim in whole n8 tiles");
   static_assert(NumStages == 1 || NumStages == 2, "one or two Q/dO buffers");
 };
+
+// A backward's traits with V's head dim HeadDimV other than Q/K's (Base: BwdTraits of
+// Q/K's). S = Q K^T, dK and dQ run over Q/K's head dim; dP = dO V^T over V's (its k steps),
+// dV += P^T dO over V's n8 tiles (split over the same kWarpsD warps as dK's). V's tile and
+// the dO buffers take rows of V's padded dim:
+//   [ K | V | Q : NumStages | dO : NumStages | P | dS | LSE | D ].
+template <class Base, int HeadDimV>
+struct WithBwdHeadDimV : Base {
+  static constexpr bool kSplitV = true;
+  static constexpr int kHeadDimV = HeadDimV;
+  static constexpr int kHeadDimVMma = (HeadDimV + 15) / 16 * 16;
+  static constexpr int kVRowStride = kHeadDimVMma + (Base::kRowStride - Base::kHeadDimMma);
+  static constexpr int kDoElems = Base::kBlockM * kVRowStride;
+  static constexpr int kKvDimTilesV = kHeadDimVMma / 8 / Base::kWarpsD;
+  static constexpr int kQOffset = Base::kKvElems + Base::kBlockN * kVRowStride;
+  static constexpr int kDoOffset = kQOffset + Base::kNumStages * Base::kQElems;
+  static constexpr int kPOffset = kDoOffset + Base::kNumStages * kDoElems;
+  static constexpr int kDsOffset = kPOffset + Base::kPElems;
+  static constexpr int kElems = kDsOffset + Base::kPElems;
+  static constexpr int kSmemBytes = kElems * 2 + Base::kStatsBytes;
+
+  static_assert(HeadDimV % 8 == 0 && HeadDimV >= 8 && HeadDimV <= 256,
+                "V's head dim must be a multiple of 8 up to 256");
+  static_assert((kHeadDimVMma / 8) % Base::kWarpsD == 0,
+                "warps split V's head dim in whole n8 tiles");
+  static_assert(!Base::kFp8, "FP8 inputs take Q/K's head dim for V");
+};
+
+// The row traits of V's tile, dO's buffers and dV's stores (copy_tile_async,
+// load_input_tile, store_fragments read these): Tr itself unless WithBwdHeadDimV splits
+// V's head dim from Q/K's.
+template <class Tr>
+struct BwdVRowsView {
+  using Element = typename Tr::Element;
+  using In = typename Tr::Element;
+  using Ops = typename Tr::Ops;
+  static constexpr bool kFp8 = false;
+  static constexpr int kThreads = Tr::kThreads;
+  static constexpr int kHeadDim = Tr::kHeadDimV;
+  static constexpr int kRowStride = Tr::kVRowStride;
+  static constexpr int kChunkElems = 8;
+  static constexpr int kLoadChunks = Tr::kHeadDimVMma / 8;
+  static constexpr int kRealChunks = Tr::kHeadDimV / 8;
+};
+template <bool kSplit, class Tr>
+struct BwdVRowsOf {
+  using type = Tr;
+};
+template <class Tr>
+struct BwdVRowsOf<true, Tr> {
+  using type = BwdVRowsView<Tr>;
+};
+template <class Tr>
+using BwdVRows = typename BwdVRowsOf<Tr::kSplitV, Tr>::type;
 
 // A backward's traits with FP8 Q, K and V of one Format (fp8.cuh; Base: BwdTraits of the
 // 16-bit type of dO, dK, dV and dQ). The FP8 rows are dequantised as they are loaded into

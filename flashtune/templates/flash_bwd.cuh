@@ -30,8 +30,11 @@
 // product that of the dequantised inputs: q_descale k_descale joins the softmax scale,
 // v_descale scales dP, q_descale dK and k_descale dQ.
 //
+// Split head dims (Tr::kSplitV, WithBwdHeadDimV): V, dO and dV have V's head dim; dP's
+// k steps, dV's columns and their shared rows follow it (BwdVRows copies and stores them).
+//
 // Tensors: Q, dO (batch, seqlen_q, heads_q, dim); K, V, dK, dV (batch, seqlen_k, heads_kv,
-// dim); strides in elements, last dim contiguous, base pointers 16-byte aligned and row
+// dim) (V, dO, dV: V's dim where it differs); strides in elements, last dim contiguous, base pointers 16-byte aligned and row
 // strides multiples of 8 elements. LSE, D: contiguous float32 (batch, heads_q, seqlen_q).
 // dQ accumulator: contiguous float32 (slices, batch, heads_q, seqlen_q, dim), zeroed before
 // the launch (the preprocess kernel does it); atomic mode adds into slice 0, the
@@ -89,14 +92,15 @@ __device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
                                            float* dscore, int dscore_cols) {
   constexpr float kLog2e = 1.44269504088896340736f;
   constexpr int kSteps = Tr::kHeadDimMma / 16;
+  constexpr int kVSteps = Tr::kHeadDimVMma / 16;  // dP = dO V^T: over V's head dim
   float s[Tr::kMTiles][Tr::kKeyTiles][4];
   float dp[Tr::kMTiles][Tr::kKeyTiles][4];
   zero_fragments(s);
   zero_fragments(dp);
   warp_mma<typename Tr::Ops, Tr::kMTiles, Tr::kKeyTiles, kSteps, false, false>(
       s, sq, Tr::kRowStride, sk, Tr::kRowStride, lane);
-  warp_mma<typename Tr::Ops, Tr::kMTiles, Tr::kKeyTiles, kSteps, false, false>(
-      dp, sdo, Tr::kRowStride, sv, Tr::kRowStride, lane);
+  warp_mma<typename Tr::Ops, Tr::kMTiles, Tr::kKeyTiles, kVSteps, false, false>(
+      dp, sdo, Tr::kVRowStride, sv, Tr::kVRowStride, lane);
   const int g = lane / 4;
   const int t = lane % 4;
 #pragma unroll
@@ -354,6 +358,7 @@ __device__ __forceinline__ void flash_bwd(
   const int warp_row0 = warp * Tr::kWarpRows;
   const int warp_key0 = (warp % Tr::kWarpsN) * Tr::kWarpKeys;
   const int warp_col0 = (warp / Tr::kWarpsN) * Tr::kKvDimTiles * 8;
+  const int warp_col0_v = (warp / Tr::kWarpsN) * Tr::kKvDimTilesV * 8;  // dV's columns
 
   const int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
   const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
@@ -399,7 +404,7 @@ __device__ __forceinline__ void flash_bwd(
       const int buf = s % kStages;
       load_input_tile<Tr, kBlockM>(sq + buf * Tr::kQElems, q + q_row0 + head * q_head_stride,
                                    q_row_stride, m0, seqlen_q, tid);
-      copy_tile_async<Tr, kBlockM>(sdo + buf * Tr::kQElems,
+      copy_tile_async<BwdVRows<Tr>, kBlockM>(sdo + buf * Tr::kDoElems,
                                    dout + do_row0 + head * do_head_stride, do_row_stride, m0,
                                    seqlen_q, tid);
       const long long stats = stats_row0 + head * stats_rows;
@@ -410,12 +415,12 @@ __device__ __forceinline__ void flash_bwd(
     // Every warp is done with the previous key tile's shared memory.
     block_sync();
     load_input_tile<Tr, kBlockN>(sk, k_bh, k_row_stride, n0, seqlen_k, tid);
-    load_input_tile<Tr, kBlockN>(sv, v_bh, v_row_stride, n0, seqlen_k, tid);
+    load_input_tile<BwdVRows<Tr>, kBlockN>(sv, v_bh, v_row_stride, n0, seqlen_k, tid);
     if (steps > 0) load_step(0);
     cp_async_commit();
 
     float acc_dk[Tr::kKvTiles][Tr::kKvDimTiles][4];
-    float acc_dv[Tr::kKvTiles][Tr::kKvDimTiles][4];
+    float acc_dv[Tr::kKvTiles][Tr::kKvDimTilesV][4];
     zero_fragments(acc_dk);
     zero_fragments(acc_dv);
 
@@ -432,7 +437,7 @@ __device__ __forceinline__ void flash_bwd(
         cp_async_commit();
       }
       const Element* sq_buf = sq + buf * Tr::kQElems;
-      const Element* sdo_buf = sdo + buf * Tr::kQElems;
+      const Element* sdo_buf = sdo + buf * Tr::kDoElems;
       bool masked = m0 + kBlockM > seqlen_q || n0 + kBlockN > seqlen_k ||
                     (Tr::kCausal && n0 + kBlockN - 1 > m0 + seqlen_k - seqlen_q);
       if constexpr (Tr::kLocal) {  // the tile crosses the window's right or left edge
@@ -459,7 +464,8 @@ __device__ __forceinline__ void flash_bwd(
                                    dscore_rows * dscore_cols;
         }
       }
-      bwd_scores<Tr>(sq_buf + warp_row0 * Tr::kRowStride, sdo_buf + warp_row0 * Tr::kRowStride,
+      bwd_scores<Tr>(sq_buf + warp_row0 * Tr::kRowStride,
+                     sdo_buf + warp_row0 * Tr::kVRowStride,
                      sk, sv, slse + buf * kBlockM + warp_row0,
                      sdsum + buf * kBlockM + warp_row0, sp + warp_row0 * Tr::kPRowStride,
                      sds + warp_row0 * Tr::kPRowStride, m0 + warp_row0, n0, masked, seqlen_q,
@@ -468,8 +474,9 @@ __device__ __forceinline__ void flash_bwd(
       block_sync();  // sP and sdS are complete
 
       // dV += P^T dO and dK += dS^T Q over this step's query rows.
-      warp_mma<typename Tr::Ops, Tr::kKvTiles, Tr::kKvDimTiles, kBlockM / 16, true, true>(
-          acc_dv, sp + warp_key0, Tr::kPRowStride, sdo_buf + warp_col0, Tr::kRowStride, lane);
+      warp_mma<typename Tr::Ops, Tr::kKvTiles, Tr::kKvDimTilesV, kBlockM / 16, true, true>(
+          acc_dv, sp + warp_key0, Tr::kPRowStride, sdo_buf + warp_col0_v, Tr::kVRowStride,
+          lane);
       warp_mma<typename Tr::Ops, Tr::kKvTiles, Tr::kKvDimTiles, kBlockM / 16, true, true>(
           acc_dk, sds + warp_key0, Tr::kPRowStride, sq_buf + warp_col0, Tr::kRowStride, lane);
       // dQ += dS K for the warp's own rows.
@@ -487,8 +494,8 @@ __device__ __forceinline__ void flash_bwd(
 
     store_fragments<Tr>(dk_bh, dk_row_stride, acc_dk, dk_scale, n0 + warp_key0, seqlen_k,
                         warp_col0, lane);
-    store_fragments<Tr>(dv_bh, dv_row_stride, acc_dv, 1.0f, n0 + warp_key0, seqlen_k,
-                        warp_col0, lane);
+    store_fragments<BwdVRows<Tr>>(dv_bh, dv_row_stride, acc_dv, 1.0f, n0 + warp_key0,
+                                  seqlen_k, warp_col0_v, lane);
   }
 }
 

@@ -28,7 +28,8 @@
 // its (head, batch) (a static round-robin tile scheduler), so the grid may have fewer
 // blocks in x than there are query blocks; with the full grid each block does one.
 //
-// Tensors: Q, O (batch, seqlen_q, heads_q, dim); K, V (batch, seqlen_k, heads_kv, dim);
+// Tensors: Q, O (batch, seqlen_q, heads_q, dim); K, V (batch, seqlen_k, heads_kv, dim) (V
+// and O: V's dim where it differs);
 // strides in elements, the last dim contiguous; base pointers 16-byte aligned and strides
 // multiples of 8 elements. LSE: contiguous float32 (batch, heads_q, seqlen_q). GQA/MQA:
 // heads_q is a multiple of heads_kv and query head h reads kv head h / (heads_q / heads_kv).
@@ -40,6 +41,10 @@
 // row of the block sees, masking those that cross an edge of a row's window; softcap and
 // ALiBi transform each tile's scores before its mask (ScoreTransform, softmax.cuh); sinks
 // join each row's softmax denominator where the rows are finalised (sinks.cuh).
+//
+// Split head dims (Tr::kSplitV, WithHeadDimV in fwd_traits.cuh): Q K^T over Q/K's head dim,
+// P V and O over V's; V's tiles and O's rows are copied with their own row traits
+// (VRows, ORows).
 //
 // FP8 (Tr::kFp8, fwd_fp8.cuh): e4m3 Q, K, V (In: two values per 16-bit word), a 16-bit O,
 // and the descale factors in FwdParams::scales.
@@ -166,7 +171,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParamsOf<Tr>& a, int m_block, 
     n_end = n_end < hi * kBlockN ? n_end : hi * kBlockN;
   }
   if (n_end <= n_begin) {  // no row of the block sees any key
-    store_empty_rows<Tr>(o_rows(), a.o_row_stride, lse_rows(), m0, seqlen_q, tid);
+    store_empty_rows<ORows<Tr>>(o_rows(), a.o_row_stride, lse_rows(), m0, seqlen_q, tid);
     if constexpr (Tr::kSinks) {  // the sink alone: LSE = sink (O stays 0); the rows are
       // this thread's own of the loop above, so its +inf is overwritten in order
       float* const lse_bh = lse_rows();
@@ -300,6 +305,8 @@ __device__ __forceinline__ void fwd_tile(const FwdParamsOf<Tr>& a, int m_block, 
       inv_sum[mt][1] *= v_descale;
     }
   }
+  // O wider than Q's rows (WithHeadDimV) is staged across the rows of every warp.
+  if constexpr (Tr::kSplitV && Tr::kOStageSync) block_sync();
   float* const lse_bh = lse_rows();
   const int g = lane / 4;
   const int t = lane % 4;
@@ -310,7 +317,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParamsOf<Tr>& a, int m_block, 
       const int r = mt * 16 + g + 8 * h;
 #pragma unroll
       for (int dt = 0; dt < Tr::kOTiles; ++dt) {
-        *reinterpret_cast<unsigned*>(sq + Tr::Smem::offset(warp_row0 + r, dt) + 2 * t) =
+        *reinterpret_cast<unsigned*>(sq + Tr::OSmem::offset(warp_row0 + r, dt) + 2 * t) =
             Tr::Ops::pack(loop.acc_o[mt][dt][2 * h] * inv_sum[mt][h],
                           loop.acc_o[mt][dt][2 * h + 1] * inv_sum[mt][h]);
       }
@@ -319,7 +326,7 @@ __device__ __forceinline__ void fwd_tile(const FwdParamsOf<Tr>& a, int m_block, 
     }
   }
   warp_sync();
-  store_warp_rows<Tr>(o_rows(), a.o_row_stride, sq, warp_row0, m0, seqlen_q, lane);
+  store_warp_rows<ORows<Tr>>(o_rows(), a.o_row_stride, sq, warp_row0, m0, seqlen_q, lane);
 }
 
 // The kernel: maps the launch grid to tiles (kOrder, kPersistent) and runs fwd_tile.
@@ -341,6 +348,12 @@ __device__ __forceinline__ void flash_fwd(const FwdParamsOf<Tr>& a) {
       const int m_block = kOrder == BlockOrder::kLongestFirst ? m_blocks - 1 - i : i;
       fwd_tile<Tr>(a, m_block, head, batch, smem);
       block_sync();  // every warp is done with shared memory before the next tile's copies
+      if constexpr (Tr::kSplitV) {
+        // O's staging (V's columns) may have written pad columns of Q, K or V rows; the next
+        // tile's first barrier orders these zeros before any read.
+        zero_pad_columns<Tr>(reinterpret_cast<typename Tr::Element*>(smem),
+                             static_cast<int>(threadIdx.x));
+      }
     }
   } else if constexpr (kOrder == BlockOrder::kHeadsInner) {
     // The grid has m_blocks x heads_q x batch blocks; re-split its linear index.

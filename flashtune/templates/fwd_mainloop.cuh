@@ -35,7 +35,8 @@ struct Fp8VStream;
 template <class Tr>
 using InRows = typename detail::Select<Tr::kFp8, Fp8RowsView<Tr>, Tr>::type;
 template <class Tr>
-using VStream = typename detail::Select<Tr::kFp8, Fp8VStream<Tr>, TileStream<Tr>>::type;
+using VStream =
+    typename detail::Select<Tr::kFp8, Fp8VStream<Tr>, TileStream<VRows<Tr>>>::type;
 
 // Whether a pipelined step computes Q K^T of a next tile: always, never (the last tile) or
 // when there is one (steps that may or may not be the last).
@@ -84,6 +85,16 @@ struct FwdMainloop {
     }
   }
 
+  // The V stage buffer of the K stage buffer at element offset k_off (the same offset
+  // unless V's rows differ from K's: WithHeadDimV).
+  static __device__ __forceinline__ int v_stage(int k_off) {
+    if constexpr (Tr::kVElems == Tr::kKvElems) {
+      return k_off;
+    } else {
+      return k_off / Tr::kKvElems * Tr::kVElems;
+    }
+  }
+
   // Copies before the loop: Q and the first tile walked (bounds-checked: first_rows of its
   // rows exist), then the next (whole) tiles up to the pipeline depth; first_tile is the
   // first tile's index. Pipelined, it also computes the first tile's scores.
@@ -105,7 +116,7 @@ struct FwdMainloop {
         cp_async_commit();
         if (t + 1 < kStages) {
           if (first_tile - t >= low()) {
-            v_in.template load<false>(sv + t * Tr::kKvElems, Tr::kBlockN, tid);
+            v_in.template load<false>(sv + t * Tr::kVElems, Tr::kBlockN, tid);
           }
           cp_async_commit();
         }
@@ -121,7 +132,7 @@ struct FwdMainloop {
       for (int t = 1; t + 1 < kStages; ++t) {
         if (first_tile - t >= low()) {
           k_in.template load<false>(sk + t * Tr::kKvElems, Tr::kBlockN, tid);
-          v_in.template load<false>(sv + t * Tr::kKvElems, Tr::kBlockN, tid);
+          v_in.template load<false>(sv + t * Tr::kVElems, Tr::kBlockN, tid);
         }
         cp_async_commit();
       }
@@ -144,7 +155,9 @@ struct FwdMainloop {
       // with the previous step: its V buffer and this tile's K buffer are free.
       cp_async_wait<Tr::kPipelineWait>();
       block_sync();
-      if (tile - low() >= kStages - 1) v_in.template load<false>(sv + prev, Tr::kBlockN, tid);
+      if (tile - low() >= kStages - 1) {
+        v_in.template load<false>(sv + v_stage(prev), Tr::kBlockN, tid);
+      }
       cp_async_commit();
       if (tile - low() >= kStages) k_in.template load<false>(sk + cur, Tr::kBlockN, tid);
       cp_async_commit();
@@ -169,7 +182,7 @@ struct FwdMainloop {
         block_sync();
         if (tile - low() >= kStages - 1) {
           k_in.template load<false>(sk + prev, Tr::kBlockN, tid);
-          v_in.template load<false>(sv + prev, Tr::kBlockN, tid);
+          v_in.template load<false>(sv + v_stage(prev), Tr::kBlockN, tid);
         }
         cp_async_commit();
       } else {
@@ -195,7 +208,7 @@ struct FwdMainloop {
       block_sync();  // V landed; every warp is done reading K
       if constexpr (!Tr::kLateKLoad) load_next_k(tile);
     }
-    gemm_pv<Tr>(acc_o, p, sv + cur, lanes);
+    gemm_pv<Tr>(acc_o, p, sv + v_stage(cur), lanes);
     if constexpr (!Tr::kOneBarrier && Tr::kLateKLoad) load_next_k(tile);
   }
 

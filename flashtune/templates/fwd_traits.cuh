@@ -142,6 +142,14 @@ struct FwdTraits {
   // 13 on head dim 160, 128 x 32, sm_80).
   static constexpr bool kLateKLoad = NumStages == 1 && kAccumulatorRegisters >= 192;
 
+  // V's and O's head dim and shared layout: Q/K's here; WithHeadDimV splits them.
+  static constexpr bool kSplitV = false;
+  static constexpr int kHeadDimV = HeadDim;
+  using VSmem = Smem;  // V's stage buffers
+  using OSmem = Smem;  // O's rows, staged in Q's before the stores
+  static constexpr bool kOStageSync = false;  // O's staging needs a block barrier first
+  static constexpr int kVElems = kKvElems;  // one V stage buffer
+
   static_assert(sizeof(Element) == 2, "elements are 16-bit (fp16 or bf16)");
   static_assert(HeadDim % 8 == 0 && HeadDim >= 8, "head dim must be a multiple of 8");
   static_assert(HeadDim <= HeadDimPadded && HeadDimPadded % 16 == 0,
@@ -154,5 +162,64 @@ struct FwdTraits {
   static_assert(NumStages >= 1 && NumStages <= 4, "1 to 4 pipeline stages");
   static_assert(!(Causal && Local), "a causal sliding window is the window (left, 0)");
 };
+
+// A forward's traits with V's (and O's) head dim HeadDimV other than Q/K's (Base: FwdTraits
+// of Q/K's head dim; DeepSeek's prefill: 192 / 128). Q K^T runs over Q/K's head dim as in
+// Base; P V, O's accumulator (kOTiles n8 tiles) and the O stores over V's, rounded up to the
+// k16 step (kHeadDimVMma) like Q/K's.
+//
+// Shared memory: [ Q | K stages (Q/K's rows) | V stages (rows of VSmem, V's padded dim) ].
+// O is staged (OSmem) in Q's rows when V's padded dim fits them (each warp in its own rows,
+// as in Base); when V is wider (kOStageSync), the block first waits for every warp to leave
+// the main loop and stages O in V's layout from the start of shared memory, which then
+// holds at least BlockM rows of it (kSmemBytes).
+template <class Base, int HeadDimV, int HeadDimVPadded>
+struct WithHeadDimV : Base {
+  static constexpr bool kSplitV = true;
+  static constexpr int kHeadDimV = HeadDimV;
+  static constexpr int kHeadDimVPadded = HeadDimVPadded;
+  static constexpr int kHeadDimVMma = (HeadDimV + 15) / 16 * 16;
+  using VSmem = typename detail::Layout<HeadDimVPadded / 8, Base::kSwizzle>::type;
+  static constexpr bool kOStageSync = HeadDimVPadded > Base::kHeadDimPadded;
+  using OSmem = typename detail::Select<kOStageSync, VSmem, typename Base::Smem>::type;
+  static constexpr int kOTiles = kHeadDimVMma / 8;
+  static constexpr int kAccumulatorRegisters =
+      Base::kMTiles * (Base::kSTiles + kOTiles) * 4;
+  static constexpr bool kLateKLoad = Base::kNumStages == 1 && kAccumulatorRegisters >= 192;
+  static constexpr int kVElems = Base::kBlockN * VSmem::kRowStride;
+  static constexpr int kQkRows = Base::kBlockM + Base::kNumStages * Base::kBlockN;
+  static constexpr int kLayoutElems =
+      kQkRows * Base::kRowStride + Base::kNumStages * kVElems;
+  static constexpr int kOStageElems = Base::kBlockM * VSmem::kRowStride;
+  static constexpr int kSmemBytes =
+      (kLayoutElems > kOStageElems ? kLayoutElems : kOStageElems) *
+      static_cast<int>(sizeof(typename Base::Element));
+
+  static_assert(HeadDimV % 8 == 0 && HeadDimV >= 8, "V's head dim must be a multiple of 8");
+  static_assert(HeadDimV <= HeadDimVPadded && HeadDimVPadded % 16 == 0,
+                "V's padded head dim must cover it in k16 steps");
+  static_assert(kOTiles % 2 == 0, "B operands load two n8 tiles at once");
+  static_assert(!Base::kFp8, "FP8 inputs take Q/K's head dim for V");
+};
+
+// The row traits of V's tiles and O's rows (RowCopy, TileStream and the O stores read
+// these): Tr itself unless WithHeadDimV splits V's head dim from Q/K's.
+template <class Tr, class Layout>
+struct VRowsView {
+  using Element = typename Tr::Element;
+  using Smem = Layout;
+  static constexpr int kThreads = Tr::kThreads;
+  static constexpr int kBlockM = Tr::kBlockM;
+  static constexpr int kBlockN = Tr::kBlockN;
+  static constexpr int kWarpRows = Tr::kWarpRows;
+  static constexpr int kChunkElems = 8;
+  static constexpr int kRealChunks = Tr::kHeadDimV / 8;
+};
+template <class Tr>
+using VRows =
+    typename detail::Select<Tr::kSplitV, VRowsView<Tr, typename Tr::VSmem>, Tr>::type;
+template <class Tr>
+using ORows =
+    typename detail::Select<Tr::kSplitV, VRowsView<Tr, typename Tr::OSmem>, Tr>::type;
 
 }  // namespace ft

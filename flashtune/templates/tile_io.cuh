@@ -135,21 +135,37 @@ struct TileStream {
   }
 };
 
+// Zeros in the columns [RealChunks, LoadChunks) (16-byte chunks) of kRows shared rows of
+// the layout Smem from `rows`, shared by the block's kThreads threads.
+template <class Smem, int RealChunks, int LoadChunks, int kRows, int kThreads, class Element>
+__device__ __forceinline__ void zero_pad_rows(Element* rows, int tid) {
+  constexpr int kPad = LoadChunks - RealChunks;
+  if constexpr (kPad > 0) {
+    uint4 zero;
+    zero.x = zero.y = zero.z = zero.w = 0u;
+    for (int idx = tid; idx < kRows * kPad; idx += kThreads) {
+      const int row = idx / kPad;
+      const int c = RealChunks + idx % kPad;
+      *reinterpret_cast<uint4*>(rows + Smem::offset(row, c)) = zero;
+    }
+  }
+}
+
 // Write zeros, once per block, into the head-dim columns [kHeadDim, kHeadDimMma) of every
 // shared row (Q and all K/V stages): the tensor cores read them, no copy ever writes them,
 // and zeros keep them out of Q K^T and P V. Nothing to do when kHeadDim is a multiple of 16.
+// With V's head dim split from Q/K's (Tr::kSplitV), V's rows take V's columns
+// [kHeadDimV, kHeadDimVMma) in their own layout.
 template <class Tr>
 __device__ __forceinline__ void zero_pad_columns(typename Tr::Element* smem, int tid) {
-  constexpr int kPad = Tr::kLoadChunks - Tr::kRealChunks;
-  if constexpr (kPad > 0) {
-    constexpr int kRows = Tr::kSmemRows;
-    uint4 zero;
-    zero.x = zero.y = zero.z = zero.w = 0u;
-    for (int idx = tid; idx < kRows * kPad; idx += Tr::kThreads) {
-      const int row = idx / kPad;
-      const int c = Tr::kRealChunks + idx % kPad;
-      *reinterpret_cast<uint4*>(smem + Tr::Smem::offset(row, c)) = zero;
-    }
+  if constexpr (Tr::kSplitV) {
+    zero_pad_rows<typename Tr::Smem, Tr::kRealChunks, Tr::kLoadChunks, Tr::kQkRows,
+                  Tr::kThreads>(smem, tid);
+    zero_pad_rows<typename Tr::VSmem, Tr::kHeadDimV / 8, Tr::kHeadDimVMma / 8,
+                  Tr::kNumStages * Tr::kBlockN, Tr::kThreads>(smem + Tr::kVOffset, tid);
+  } else {
+    zero_pad_rows<typename Tr::Smem, Tr::kRealChunks, Tr::kLoadChunks, Tr::kSmemRows,
+                  Tr::kThreads>(smem, tid);
   }
 }
 

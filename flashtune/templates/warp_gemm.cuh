@@ -24,6 +24,16 @@ struct QkInputs<Tr, Void<typename Tr::In>> {
   using In = typename Tr::In;
   using Ops = typename Tr::QkOps;
 };
+// The shared layout of V's tiles: Tr::VSmem where Tr declares it (the forward's traits,
+// whose V head dim may differ from Q/K's), else Tr::Smem (decoding's traits).
+template <class Tr, class = void>
+struct VLayout {
+  using type = typename Tr::Smem;
+};
+template <class Tr>
+struct VLayout<Tr, Void<typename Tr::VSmem>> {
+  using type = typename Tr::VSmem;
+};
 }  // namespace detail
 
 // The shared-memory offsets each lane addresses in the ldmatrix loads of one warp, from the
@@ -37,7 +47,7 @@ struct LaneOffsets {
   // k.at(kk, 16 np) addresses key tiles 2 np and 2 np + 1.
   ChunkRun<typename Tr::Smem, 2, Tr::kQkSteps> k;
   // B (V, x4.trans = two n8 tiles): key lane % 16, dim half lane / 16; v.at(dp, 16 kk).
-  ChunkRun<typename Tr::Smem, 2, Tr::kOTiles / 2> v;
+  ChunkRun<typename detail::VLayout<Tr>::type, 2, Tr::kOTiles / 2> v;
 
   __device__ __forceinline__ explicit LaneOffsets(int lane) {
     q.init(lane % 16, lane / 16);

@@ -96,10 +96,12 @@ def test_unsupported_head_dim(head_dim: int, fix: str) -> None:
 
 
 def test_split_qk_and_v_head_dims_are_refused_naming_the_fix() -> None:
+    """Where one head dim is taken (every call but attention's forward)."""
     q, k, _ = _good(head_dim=192)
     _, _, v = _good(head_dim=128)
     _raises(q, k, v, "v has head dim 128 but q and k have 192",
-            "a V head dim other than the Q/K head dim is not supported", "at most 256",
+            "this call takes one head dim for Q, K and V",
+            "flashtune.attention's forward takes a V head dim of its own",
             "Pad the smaller one with zeros")
 
 

@@ -225,8 +225,8 @@ def test_head_dims_past_the_limit_are_refused() -> None:
     with pytest.raises(InvalidInput, match="head_dim=512 is not supported; the limit is 256"):
         flashtune.attention(q, k, v, backend="emulator")
     q, k, _ = qkv(1, 4, 4, 1, 1, 192)
-    _, _, v = qkv(1, 4, 4, 1, 1, 128)
-    with pytest.raises(InvalidInput, match="a V head dim other than the Q/K head dim"):
+    _, _, v = qkv(1, 4, 4, 1, 1, 264)
+    with pytest.raises(InvalidInput, match="v has head dim 264; the limit is 256"):
         flashtune.attention(q, k, v, backend="emulator")
 
 

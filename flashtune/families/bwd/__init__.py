@@ -73,6 +73,8 @@ class BackwardFamily(KernelFamily):
     title = "attention backward (FlashAttention-2: dK, dV and the float32 dQ accumulator)"
     template = "flash_bwd.cu.jinja"
     dtypes = SAME_16BIT
+    #: V's head dim may differ from Q/K's (templates: WithBwdHeadDimV).
+    split_head_dims = True
     features = frozenset({"window", "softcap", "alibi", "varlen", "dropout"})
     abi: ClassVar[EntryAbi | None] = args.MAIN_ABI
     score_mods = True
@@ -116,6 +118,7 @@ class BackwardFamily(KernelFamily):
             "dq_split": space.dq_mode(config) == space.DQ_SPLIT,
             "smem_row_pad": space.SMEM_ROW_PAD,
             **variants.template_params(problem),
+            **({"head_dim_v": problem.v_head_dim} if problem.split_head_dims else {}),
         }
 
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
@@ -133,11 +136,15 @@ class BackwardFamily(KernelFamily):
                                                                       device)
             q = tensors["q"]
             tensors["do"] = random_rows(problem, dataclasses.replace(shape, batch=1),
-                                        q.shape[1], shape.heads_q, gen, device)
+                                        q.shape[1], shape.heads_q, gen, device,
+                                        problem.v_head_dim)
         else:
-            q, dout, k, v = (random_rows(problem, shape, n, h, gen, device) for n, h in (
-                (shape.seqlen_q, shape.heads_q), (shape.seqlen_q, shape.heads_q),
-                (shape.seqlen_k, shape.heads_kv), (shape.seqlen_k, shape.heads_kv)))
+            d, dv = problem.head_dim, problem.v_head_dim  # dO and V: V's head dim
+            q, dout, k, v = (random_rows(problem, shape, n, h, gen, device, dim)
+                             for n, h, dim in ((shape.seqlen_q, shape.heads_q, d),
+                                               (shape.seqlen_q, shape.heads_q, dv),
+                                               (shape.seqlen_k, shape.heads_kv, d),
+                                               (shape.seqlen_k, shape.heads_kv, dv)))
             tensors = {"q": q, "k": k, "v": v, "do": dout}
         return with_stats(problem, Inputs({**tensors, **extra},
                                           {"softmax_scale": scale, **scalars}))
@@ -220,16 +227,21 @@ class BackwardFamily(KernelFamily):
 
     def flops(self, problem: Problem, shape: ShapeLike) -> float:
         """2.5 x the forward's 4 B Nq Nk H D (five matmuls against two), halved when causal:
-        the field's convention."""
-        return attention_matmul_flops(problem, shape, 5)
+        the field's convention; with V's head dim Dv split from D, S, dQ and dK take D and
+        dP and dV take Dv."""
+        if not problem.split_head_dims:
+            return attention_matmul_flops(problem, shape, 5)
+        return attention_matmul_flops(problem, shape, 1) * (
+            3 + 2 * problem.v_head_dim / problem.head_dim)
 
     def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
         """Q, dO, K, V read and dK, dV written once (the input type), LSE and D read and the
         float32 dQ accumulator written once."""
-        e, d = problem.dtype.itemsize, problem.head_dim
+        e, d, dv = problem.dtype.itemsize, problem.head_dim, problem.v_head_dim
         q_rows = shape.batch * shape.heads_q * shape.seqlen_q
         kv_rows = shape.batch * shape.heads_kv * shape.seqlen_k
-        return float(2 * q_rows * d * e + 4 * kv_rows * d * e + 8 * q_rows + 4 * q_rows * d)
+        return float(q_rows * (d + dv) * e + 2 * kv_rows * (d + dv) * e + 8 * q_rows
+                     + 4 * q_rows * d)
 
 
 def with_stats(problem: Problem, inputs: Inputs) -> Inputs:
@@ -258,6 +270,7 @@ class DeterministicBackwardFamily(BackwardFamily):
     op = "bwddet"
     title = "attention backward, deterministic (dQ slices summed in a fixed order)"
     deterministic = True
+    split_head_dims = True
 
 
 BACKWARD = BackwardFamily()

@@ -88,8 +88,11 @@ def _spec(arch: ArchSpec | str) -> ArchSpec:
 
 
 def default_entry(problem: Problem, arch: ArchSpec | str) -> DefaultEntry:
-    """The table entry that serves ``problem`` on ``arch`` (by compiled head dim)."""
-    key = (arch_class(_spec(arch)), problem.padded_head_dim, problem.causal)
+    """The table entry that serves ``problem`` on ``arch`` (by compiled head dim; with V's
+    head dim split from Q/K's, the wider of the two: its tile holds the other's rows and
+    accumulators too)."""
+    dim = max(problem.padded_head_dim, problem.padded_v_head_dim)
+    key = (arch_class(_spec(arch)), dim, problem.causal)
     try:
         return _BY_KEY[key]
     except KeyError:

@@ -161,7 +161,7 @@ def backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         probs_bound = undropped * mod_slope_abs
 
     def per_kv_head(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(batch, seqlen_k, heads_kv, group, dim).sum(3)
+        return t.reshape(batch, seqlen_k, heads_kv, group, t.shape[-1]).sum(3)
 
     # P and dS are rounded to the 16-bit type of dO (the inputs' type, or O's for FP8 inputs,
     # whose reference gets them dequantised in float64): below its smallest normal, by up to
@@ -231,7 +231,7 @@ def varlen_backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     each sequence on its own, zeros where a sequence has no queries or no keys."""
     heads_q, dim = q.shape[2], q.shape[3]
     out = {}
-    for name, like in (("dk", k), ("dv", k)):
+    for name, like in (("dk", k), ("dv", v)):
         for suffix in ("", "_bound", "_floor"):
             out[name + suffix] = torch.zeros(like.shape, dtype=torch.float64, device=q.device)
     for suffix in ("", "_bound", "_floor"):

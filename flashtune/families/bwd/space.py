@@ -53,10 +53,17 @@ def mma_head_dim(problem: Problem) -> int:
     return -(-problem.head_dim // 16) * 16
 
 
+def _mma_v_head_dim(problem: Problem) -> int:
+    """V's (and dO's, dV's) head dim rounded up to the k16 step."""
+    return -(-problem.v_head_dim // 16) * 16
+
+
 def smem_bytes(problem: Problem, config: KernelConfig) -> int:
-    """K and V tiles, num_stages Q and dO tiles (and LSE and D), and the P and dS tiles."""
+    """K and V tiles, num_stages Q and dO tiles (and LSE and D), and the P and dS tiles
+    (V's and dO's rows of V's head dim: WithBwdHeadDimV)."""
     row = mma_head_dim(problem) + SMEM_ROW_PAD
-    elems = (2 * config.block_n * row + 2 * config.num_stages * config.block_m * row
+    v_row = _mma_v_head_dim(problem) + SMEM_ROW_PAD
+    elems = ((config.block_n + config.num_stages * config.block_m) * (row + v_row)
              + 2 * config.block_m * (config.block_n + SMEM_ROW_PAD))
     return 2 * elems + 2 * config.num_stages * config.block_m * 4
 
@@ -71,7 +78,7 @@ def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
     """32-bit registers per thread held by accumulator fragments at the busiest point."""
     d = mma_head_dim(problem)
     threads = config.threads
-    dk_dv = 2 * config.block_n * d // threads
+    dk_dv = config.block_n * (d + _mma_v_head_dim(problem)) // threads
     s_dp = 2 * config.block_m * config.block_n // threads
     dq = config.block_m * min(d, DQ_CHUNK_COLUMNS) // threads
     return dk_dv + max(s_dp, dq)
@@ -98,11 +105,13 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
     if config.num_stages not in NUM_STAGES:
         return f"num_stages={config.num_stages}: the kernel keeps one or two Q/dO buffers"
     over_keys, over_dim = warp_split(config)
-    tiles = mma_head_dim(problem) // 8
-    if tiles % over_dim:
-        return (f"{config.num_warps} warps over {config.block_n} keys leave {over_dim} warps "
-                f"to split the head dim's {tiles} n8 tiles (head dim {problem.head_dim}); "
-                "use fewer warps or more keys per tile")
+    for what, dim, mma in (("head dim", problem.head_dim, mma_head_dim(problem)),
+                           ("V head dim", problem.v_head_dim, _mma_v_head_dim(problem))):
+        tiles = mma // 8
+        if tiles % over_dim:
+            return (f"{config.num_warps} warps over {config.block_n} keys leave {over_dim} "
+                    f"warps to split the {what}'s {tiles} n8 tiles ({what} {dim}); use fewer "
+                    "warps or more keys per tile")
     return resource_reason(smem_bytes(problem, config), accumulator_registers(problem, config),
                            arch, MAX_ACCUMULATOR_REGISTERS)
 

@@ -50,6 +50,8 @@ class ForwardFamily(KernelFamily):
     dtypes = SAME_16BIT
     features = frozenset({"window", "softcap", "alibi", "varlen", "sinks", "dropout"})
     score_mods = True
+    #: V's head dim may differ from Q/K's (templates: WithHeadDimV).
+    split_head_dims = True
     abi: ClassVar[EntryAbi | None] = args.FWD_ABI
 
     def space(self, problem: Problem) -> ParamSpace:
@@ -93,6 +95,9 @@ class ForwardFamily(KernelFamily):
             "smem_row_pad": space.SMEM_ROW_PAD,
             **knobs.knob_values(config),
             **variants.template_params(problem),
+            **({"head_dim_v": problem.v_head_dim,
+                "head_dim_v_padded": problem.padded_v_head_dim}
+               if problem.split_head_dims else {}),
         }
 
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
@@ -107,16 +112,17 @@ class ForwardFamily(KernelFamily):
         if problem.varlen:
             tensors, scalars["max_seqlen_q"] = variants.random_varlen(problem, shape, gen, device)
         else:
-            tensors = {name: random_rows(problem, shape, n, heads, gen, device)
-                       for name, n, heads in (("q", shape.seqlen_q, shape.heads_q),
-                                              ("k", shape.seqlen_k, shape.heads_kv),
-                                              ("v", shape.seqlen_k, shape.heads_kv))}
+            tensors = {name: random_rows(problem, shape, n, heads, gen, device, dim)
+                       for name, n, heads, dim in (
+                           ("q", shape.seqlen_q, shape.heads_q, problem.head_dim),
+                           ("k", shape.seqlen_k, shape.heads_kv, problem.head_dim),
+                           ("v", shape.seqlen_k, shape.heads_kv, problem.v_head_dim))}
         return Inputs(tensors | extra, {"softmax_scale": problem.head_dim ** -0.5} | scalars)
 
     def empty_outputs(self, problem: Problem, shape: Shape, inputs: Inputs, *,
                       poison: bool) -> dict[str, torch.Tensor]:
         q = inputs.tensors["q"]
-        o = torch.empty_like(q)
+        o = q.new_empty(*q.shape[:-1], problem.v_head_dim)  # O has V's head dim
         rows = (1, shape.heads_q, q.shape[1]) if problem.varlen else (
             shape.batch, shape.heads_q, shape.seqlen_q)
         lse = torch.empty(rows, dtype=torch.float32, device=q.device)
@@ -184,15 +190,20 @@ class ForwardFamily(KernelFamily):
                                o_and_lse_checks(problem.dtypes.o))
 
     def flops(self, problem: Problem, shape: ShapeLike) -> float:
-        """4 B Nq Nk H D (two matmuls), halved when causal: the field's convention."""
-        return attention_matmul_flops(problem, shape, 2)
+        """2 B Nq Nk H (D + Dv) (Q K^T over Q/K's head dim D, P V over V's Dv; 4 B Nq Nk H D
+        when they are equal), halved when causal: the field's convention."""
+        if not problem.split_head_dims:
+            return attention_matmul_flops(problem, shape, 2)
+        return attention_matmul_flops(problem, shape, 1) * (
+            1 + problem.v_head_dim / problem.head_dim)
 
     def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
-        """Q, K, V read once, O written once (the input type) and the float32 LSE."""
-        e, d = problem.dtype.itemsize, problem.head_dim
+        """Q, K, V read once, O written once (the input type) and the float32 LSE (Q and
+        K rows of Q/K's head dim, V and O rows of V's)."""
+        e, d, dv = problem.dtype.itemsize, problem.head_dim, problem.v_head_dim
         q_rows = shape.batch * shape.heads_q * shape.seqlen_q
         kv_rows = shape.batch * shape.heads_kv * shape.seqlen_k
-        return float(2 * q_rows * d * e + 2 * kv_rows * d * e + 4 * q_rows)
+        return float(q_rows * (d + dv) * e + kv_rows * (d + dv) * e + 4 * q_rows)
 
 
 FORWARD = ForwardFamily()

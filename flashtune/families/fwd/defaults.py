@@ -241,8 +241,11 @@ def _spec(arch: ArchSpec | str) -> ArchSpec:
 
 
 def default_entry(problem: Problem, arch: ArchSpec | str) -> DefaultEntry:
-    """The table entry that serves ``problem`` on ``arch`` (by compiled head dim)."""
-    key = (arch_class(_spec(arch)), problem.padded_head_dim, problem.causal)
+    """The table entry that serves ``problem`` on ``arch`` (by compiled head dim; with V's
+    head dim split from Q/K's, the wider of the two: its tile holds the other's rows and
+    accumulators too)."""
+    dim = max(problem.padded_head_dim, problem.padded_v_head_dim)
+    key = (arch_class(_spec(arch)), dim, problem.causal)
     try:
         return _BY_KEY[key]
     except KeyError:
@@ -268,11 +271,36 @@ def default_reason(problem: Problem, arch: ArchSpec | str) -> str:
     """Why ``default_config`` chose what it did: the table entry's reason, and the key
     tile's narrowing for a modification that loads captured tensors."""
     entry = default_entry(problem, arch)
-    if _for_mods(problem, entry.config) == entry.config:
-        return entry.reason
-    return (f"{entry.reason}; its key tile narrowed to {CAPTURED_MOD_BLOCK_N} for a score "
-            "modification that loads captured tensors (their indices and loads take the "
-            "registers the wider tile leaves)")
+    reason = entry.reason
+    if problem.split_head_dims:
+        reason = (f"{reason} (the entry of the wider head dim, "
+                  f"{max(problem.padded_head_dim, problem.padded_v_head_dim)}, for Q/K's "
+                  f"{problem.head_dim} and V's {problem.v_head_dim})")
+    mods = _for_mods(problem, entry.config)
+    if mods != entry.config:
+        reason = (f"{reason}; its key tile narrowed to {CAPTURED_MOD_BLOCK_N} for a score "
+                  "modification that loads captured tensors (their indices and loads take "
+                  "the registers the wider tile leaves)")
+    if _for_split(problem, mods) != mods:
+        reason = (f"{reason}; {SPLIT_V_WIDER_MIN_WARPS} warps for V wider than Q/K (the "
+                  "fewer warps' tile spills there)")
+    return reason
+
+
+#: The fewest warps of a default for a problem whose V head dim is wider than Q/K's: the
+#: table's 2-warp tile (d128 causal on sm90-class GPUs, 32 rows a warp) spills there (NVRTC
+#: 13, sm_90, d64 / v128: 92 B, the same tile at d128 4 B); four warps of 16 rows hold
+#: half the accumulators each (151 registers, no spill).
+SPLIT_V_WIDER_MIN_WARPS = 4
+
+
+def _for_split(problem: Problem, config: KernelConfig) -> KernelConfig:
+    """``config`` with at least SPLIT_V_WIDER_MIN_WARPS warps for a problem whose V head
+    dim is wider than Q/K's (its block_m split over more warps where it can be)."""
+    if (problem.v_head_dim > problem.head_dim and config.num_warps < SPLIT_V_WIDER_MIN_WARPS
+            and config.block_m % (16 * SPLIT_V_WIDER_MIN_WARPS) == 0):
+        return dataclasses.replace(config, num_warps=SPLIT_V_WIDER_MIN_WARPS)
+    return config
 
 
 def default_config(problem: Problem, arch: ArchSpec | str) -> KernelConfig:
@@ -281,7 +309,7 @@ def default_config(problem: Problem, arch: ArchSpec | str) -> KernelConfig:
     InvalidConfig says so when no config could)."""
     arch = _spec(arch)
     entry = default_entry(problem, arch)
-    for config in (_for_mods(problem, entry.config), FALLBACK):
+    for config in (_for_split(problem, _for_mods(problem, entry.config)), FALLBACK):
         if static_check(problem, config, arch) is None:
             return config
     why = static_check(problem, FALLBACK, arch)

@@ -121,7 +121,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                         first_batch: int = 0, sinks: torch.Tensor | None = None,
                         dropout: DropoutArgs | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 O (B, Nq, Hq, D) and LSE (B, Hq, Nq) from (B, N, H, D) tensors, with the
+    """float64 O (B, Nq, Hq, Dv) and LSE (B, Hq, Nq) from (B, N, H, D) tensors (V's head
+    dim Dv may differ from Q/K's D), with the
     features of the module doc (causal and a window combine: both masks apply); ``mods``
     take their params from ``mod_values`` and see batch indices from ``first_batch``;
     ``sinks``: (Hq,) logits joined to each row's denominator."""
@@ -154,8 +155,8 @@ def varlen_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     sequence b is rows cu_seqlens[b] to cu_seqlens[b + 1] - 1, attended on its own (a
     sequence with no keys has O = 0 and LSE = +inf, or the sink with ``sinks``; one with
     no queries has no rows)."""
-    total_q, heads_q, dim = q.shape
-    out = torch.zeros(total_q, heads_q, dim, dtype=torch.float64, device=q.device)
+    total_q, heads_q = q.shape[:2]
+    out = torch.zeros(total_q, heads_q, v.shape[-1], dtype=torch.float64, device=q.device)
     lse = torch.full((heads_q, total_q), float("inf"), dtype=torch.float64, device=q.device)
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     for b in range(len(cq) - 1):

@@ -64,10 +64,18 @@ def legal_configs() -> tuple[KernelConfig, ...]:
 def smem_bytes(problem: Problem, config: KernelConfig) -> int:
     """Dynamic shared memory of one block: the Q tile plus num_stages K and V tiles, rows of
     the padded head dim plus one 16-byte chunk unless the layout is swizzled (it must equal
-    FwdTraits::kSmemBytes, which the template asserts)."""
+    FwdTraits::kSmemBytes, which the template asserts). With V's head dim split from
+    Q/K's, V's rows are of V's padded head dim, and the whole is at least block_m of them
+    (O is staged there when V's rows are the wider: WithHeadDimV)."""
     pad = 0 if knob(config, knobs.SWIZZLE) else SMEM_ROW_PAD
-    row = (problem.padded_head_dim + pad) * problem.dtype.itemsize
-    return row * (config.block_m + 2 * config.num_stages * config.block_n)
+    e = problem.dtype.itemsize
+    row = (problem.padded_head_dim + pad) * e
+    if not problem.split_head_dims:
+        return row * (config.block_m + 2 * config.num_stages * config.block_n)
+    v_row = (problem.padded_v_head_dim + pad) * e
+    layout = (row * (config.block_m + config.num_stages * config.block_n)
+              + v_row * config.num_stages * config.block_n)
+    return max(layout, v_row * config.block_m)
 
 
 def held_registers(problem: Problem, config: KernelConfig,

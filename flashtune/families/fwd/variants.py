@@ -188,7 +188,8 @@ def random_varlen(problem: Problem, shape: Shape, gen: torch.Generator,
     packed = Shape(1, shape.heads_q, shape.heads_kv, max(1, sum(lens_q)), max(1, sum(lens_k)))
     tensors = {"q": random_rows(problem, packed, sum(lens_q), shape.heads_q, gen, device),
                "k": random_rows(problem, packed, sum(lens_k), shape.heads_kv, gen, device),
-               "v": random_rows(problem, packed, sum(lens_k), shape.heads_kv, gen, device),
+               "v": random_rows(problem, packed, sum(lens_k), shape.heads_kv, gen, device,
+                                problem.v_head_dim),
                "cu_seqlens_q": cumulative(lens_q, device),
                "cu_seqlens_k": cumulative(lens_k, device)}
     return tensors, float(max(lens_q))

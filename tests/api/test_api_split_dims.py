@@ -1,0 +1,116 @@
+"""``flashtune.attention(q, k, v)`` with v's head dim other than q's: O has v's head dim,
+the LSE is as usual; served by the mma.sync forward (also where the sm_90a forward serves
+plain calls); what is not served is refused naming the argument and the fix.
+
+Numerics: the emulator against the float64 reference on fresh seeded inputs (the seed is
+the session's, printed), outputs poisoned with NaN, every element within the forward's
+tolerance (``families.checks``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from grad_helpers import attention_reference as plain_attention
+from grad_helpers import gradients, within_rule
+
+import flashtune
+from flashtune.codegen.spec import Problem, Shape
+from flashtune.errors import FeatureNotSupported, InvalidInput
+from flashtune.families.base import element_type
+from flashtune.families.fwd import FORWARD
+from flashtune.families.fwd.reference import attention_reference
+from flashtune.runtime import plans
+
+_SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
+
+
+def split_qkv(shape: Shape, dim: int, dim_v: int, dtype: torch.dtype, seed: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(shape.batch, shape.seqlen_q, shape.heads_q, dim, generator=gen)
+    k = torch.randn(shape.batch, shape.seqlen_k, shape.heads_kv, dim, generator=gen)
+    v = torch.randn(shape.batch, shape.seqlen_k, shape.heads_kv, dim_v, generator=gen)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.emulator
+@pytest.mark.usefixtures("dispatcher", "poisoned_outputs")
+@pytest.mark.parametrize("dim, dim_v, dtype, causal", [
+    (192, 128, torch.bfloat16, True), (64, 128, torch.float16, False)])
+def test_attention_returns_o_of_v_head_dim(dim: int, dim_v: int, dtype: torch.dtype,
+                                           causal: bool) -> None:
+    seed = _SEED + dim
+    print(f"seed={seed}")
+    shape = Shape(2, 4, 2, 45, 70)
+    q, k, v = split_qkv(shape, dim, dim_v, dtype, seed)
+    out, lse = flashtune.attention(q, k, v, causal=causal, return_lse=True,
+                                   backend="emulator")
+    assert out.shape == (2, 45, 4, dim_v) and out.dtype == dtype
+    assert lse.shape == (2, 4, 45) and lse.dtype == torch.float32
+    ref_o, ref_lse = attention_reference(q, k, v, causal, dim ** -0.5)
+    problem = Problem(dim, element_type(dtype), causal=causal, head_dim_v=dim_v)
+    verdict = FORWARD.compare(problem, shape, {"o": out, "lse": lse},
+                              {"o": ref_o, "lse": ref_lse})
+    assert verdict.ok, f"{problem.key()} seed={seed}: {verdict.message}"
+    # Under no_grad too (the direct call; above: inputs that need no grad).
+    with torch.no_grad():
+        again = flashtune.attention(q, k, v, causal=causal, backend="emulator")
+    assert torch.equal(again, out)
+
+
+def test_the_sm90a_device_keeps_a_split_call_on_the_mma_sync_forward() -> None:
+    """A virtual sm_90a device: a plain call goes to the sm_90a forward, a split one stays
+    on ``fwd`` (the sm_90a families refuse it)."""
+    q = torch.empty(1, 64, 2, 128, dtype=torch.bfloat16, device="meta")
+    split, _ = plans.decide(q, True, "emulator", "fwd", (), 64, arch="sm_90a",
+                            head_dim_v=64)
+    assert split.problem.key() == "fwd_d128v64_bf16_causal"
+    plain, _ = plans.decide(q, True, "emulator", "fwd", (), 64, arch="sm_90a")
+    assert plain.problem.op != "fwd"
+
+
+def test_what_a_split_call_cannot_have_is_refused_naming_the_fix() -> None:
+    q, k, v = split_qkv(Shape(1, 2, 1, 8, 8), 192, 128, torch.bfloat16, _SEED)
+    with pytest.raises(FeatureNotSupported,
+                       match=r"v's head dim 128 other than q's and k's 192 takes no score_mod"):
+        flashtune.attention(q, k, v, backend="emulator", score_mod=lambda s, b, h, i, j: s)
+    for bad, match in ((100, "v has head dim 100; expected a multiple of 8.*Pad v with zeros "
+                             "to 104"),
+                       (264, "v has head dim 264; the limit is 256")):
+        with pytest.raises(InvalidInput, match=match):
+            flashtune.attention(q, k, v.new_zeros(1, 8, 1, bad), backend="emulator")
+    with pytest.raises(InvalidInput, match=r"expected equal batch, seqlen and heads"):
+        flashtune.attention(q, k, v.new_zeros(1, 9, 1, 128), backend="emulator")
+
+
+@pytest.mark.emulator
+@pytest.mark.usefixtures("dispatcher")
+@pytest.mark.parametrize("dim, dim_v, causal, deterministic", [
+    (192, 128, True, False), (64, 128, False, True)])
+def test_gradients_of_split_head_dims_follow_flash_attn_rule(
+        dim: int, dim_v: int, causal: bool, deterministic: bool) -> None:
+    """dQ, dK, dV (and O) through ``loss.backward()``: max|ours - float64| at most 3x max|plain
+    PyTorch in bf16 - float64| (flash-attn's rule), dV of v's head dim."""
+    seed = _SEED + 7 * dim
+    shape = Shape(1, 4, 2, 50, 70)
+    q, k, v = split_qkv(shape, dim, dim_v, torch.bfloat16, seed)
+    dout = split_qkv(Shape(1, 4, 4, 50, 50), dim_v, dim_v, torch.bfloat16, seed + 1)[0]
+    scale = dim ** -0.5
+
+    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = flashtune.attention(q, k, v, causal=causal, backend="emulator",
+                                  deterministic=deterministic)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+    def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return plain_attention(q, k, v, causal, scale)[0]
+
+    got = gradients(ours, (q, k, v), dout)
+    assert got["dv"].shape == v.shape and got["dq"].shape == q.shape
+    within_rule(got, gradients(plain, (q, k, v), dout),
+                gradients(plain, (q.double(), k.double(), v.double()), dout),
+                f"d{dim}v{dim_v} causal={causal} seed={seed}")
