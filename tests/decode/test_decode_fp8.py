@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from decode_cases import run_emulated
 
 from flashtune import families
 from flashtune.codegen.arch import get_arch
@@ -27,8 +28,8 @@ from flashtune.errors import InvalidConfig
 from flashtune.families.base import Inputs
 from flashtune.families.decode import DECODE, DecodeCase
 from flashtune.families.decode.fp8 import DECODE_FP8, E4M3_MAX, quantise_e4m3
-from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
-from flashtune.runtime.launch import PreparedLaunch, prepare
+from flashtune.runtime.backends.emulator import EmulatorBackend
+from flashtune.runtime.launch import PreparedLaunch
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
 CONFIG = KernelConfig(64, 64, 4, 2)
@@ -124,11 +125,7 @@ def inputs_of(case: Fp8Case) -> Inputs:
 
 def _run(problem: Problem, shape: Shape, inputs: Inputs, counters: bool = False
          ) -> tuple[PreparedLaunch, EmulatorBackend]:
-    kernel = EmulatorBackend(options=LaunchOptions(counters=counters)).load(
-        families.render(problem, CONFIG))
-    launch = prepare(kernel, shape, "cpu", inputs=inputs, poison=True)
-    launch.run()
-    return launch, kernel
+    return run_emulated(problem, shape, inputs, CONFIG, counters)
 
 
 def _check(case: Fp8Case) -> None:
