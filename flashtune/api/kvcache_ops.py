@@ -216,7 +216,8 @@ def attention_with_kvcache(
 
     An e4m3 KV cache (``k_cache`` and ``v_cache`` of torch.float8_e4m3fn, paged or not, q and
     the new rows ``k``, ``v`` fp16 or bf16): ``k_descale``, ``v_descale`` are float32
-    (B, Hkv) tensors on q's device (None: 1.0), FlashAttention-3's convention, so that the
+    (B, Hkv) tensors on q's device (None: 1.0), positive and finite (they are not read back
+    to be checked), FlashAttention-3's convention, so that the
     key j of (b, h) is ``k_descale[b, h] * k_cache[...]`` (``v_descale`` likewise). The
     cache is dequantised on chip (exactly: every e4m3 value is an fp16 and a bf16 value;
     ``k_descale`` joins the softmax scale, ``v_descale`` scales O), and the new rows are

@@ -47,6 +47,13 @@
 // ALiBi (the slope of each packed row's own query head), then the declared score
 // modifications (Tr::Mods, with the row's query head and absolute position
 // i + total - seqlen_q and the key's position j) transform the scores.
+//
+// An e4m3 cache (Tr::kFp8Cache, decode_fp8.cuh): k_cache and v_cache hold e4m3 bytes with
+// descale factors per (batch, kv head). Key tiles are stored into the same 16-bit shared
+// tiles by the threads themselves (read-only loads, exact conversion) instead of cp.async;
+// the K descale joins softmax_scale (so every score transform and the LSE see the
+// dequantised keys) and the V descale multiplies each row's 1 / sum. New rows are quantised
+// on their way into the tile, and m-block 0 appends the tile's values as e4m3 (exact).
 #pragma once
 
 #include "decode_fp8.cuh"
@@ -98,11 +105,11 @@ struct KvRows {
   }
 };
 
-// Store chunk c (8 values) of key j into a shared tile from an e4m3 cache (read-only loads,
-// plain shared stores: the barrier before the tile is read publishes them; a cache row read
-// here is never one this launch appends, so the read-only path is safe): a cache row dequantised
-// exactly (without its descale), a new row quantised with it first (decode_fp8.cuh), so the
-// tile holds what the cache holds once the new rows are appended; zeros where !real.
+// Store chunk c (8 values) of key j into a shared tile from an e4m3 cache: a cache row
+// dequantised exactly (without its descale), a new row quantised with it first
+// (decode_fp8.cuh), so the tile holds what the cache holds once the new rows are appended;
+// zeros where !real. Read-only loads (a cache row read here is never one this launch
+// appends) and plain shared stores (the barrier before the tile is read publishes them).
 template <class Tr>
 __device__ __forceinline__ void load_e4m3_chunk(typename Tr::Element* dst, const KvRows<Tr>& kv,
                                                 int j, int c, bool real) {
