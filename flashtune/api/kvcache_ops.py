@@ -376,11 +376,13 @@ def explain_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     causal: bool = False, backend: str | None = None, arch: str | None = None
                     ) -> tuple[Decision, Decision]:
     """The decode and combine configs flashtune would run for this call, and why (nothing is
-    compiled); ``arch`` asks about a virtual GPU of that arch."""
+    compiled); ``arch`` asks about a virtual GPU of that arch. An e4m3 cache is explained as
+    its family's (``decode8``)."""
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
     if q.device.type == "meta" and arch is None:
         from flashtune.runtime.plans import emulator_arch
 
         arch = emulator_arch()
     return _decode.decide(q, causal, layout.capacity, backend, arch,
-                          _decode.shape_class_of(layout))
+                          _decode.shape_class_of(layout),
+                          k_cache.dtype if is_fp8_cache(k_cache) else None)

@@ -91,6 +91,17 @@ def test_the_tuning_key_names_the_cache_type() -> None:
     assert plain.problem.key() == "decode_d128_bf16_full"
 
 
+def test_explain_names_the_fp8_cache_family() -> None:
+    import flashtune
+
+    t = _inputs(DType.BF16, DecodeCase(16, (20, 9), 0, 1), seed=2).tensors
+    decode, _ = flashtune.explain_kvcache(t["q"], t["k_cache"], t["v_cache"],
+                                          t["cache_seqlens"], block_table=t["block_table"],
+                                          backend="emulator", arch="sm_90")
+    assert decode.problem.key() == "decode8_d64_bf16-e4m3-bf16_full"
+    assert decode.problem.op == "decode8"
+
+
 def _base() -> dict[str, Any]:
     inputs = _inputs(DType.BF16, DecodeCase(16, (20, 9), 1, 1), seed=1)
     t = inputs.tensors
