@@ -91,6 +91,19 @@ def test_the_tuning_key_names_the_cache_type() -> None:
     assert plain.problem.key() == "decode_d128_bf16_full"
 
 
+def test_the_cost_model_counts_one_byte_per_cached_value() -> None:
+    from flashtune.codegen.spec import KernelConfig
+    from flashtune.perf.model.decode import decode_traffic
+
+    shape = Shape(4, 32, 8, 1, 8192)
+    config = KernelConfig(64, 64, 4, 2)
+    fp8 = decode_traffic(Problem(128, DType.BF16, op="decode8", kv_dtype=Fp8Type.E4M3),
+                         config, shape, 2)
+    bf16 = decode_traffic(Problem(128, DType.BF16, op="decode"), config, shape, 2)
+    assert 2 * fp8.kv == bf16.kv == 2 * 4 * 8 * 8192 * 128 * 2
+    assert (fp8.q, fp8.partials, fp8.out) == (bf16.q, bf16.partials, bf16.out)
+
+
 def test_explain_names_the_fp8_cache_family() -> None:
     import flashtune
 
