@@ -81,6 +81,20 @@ def test_fp8_cache_call_with_sinks_and_softcap() -> None:
         assert not wrong, f"seed {SEED}: {wrong}"
 
 
+@pytest.mark.sweep  # a traced modification's kernel takes long to build for the emulator
+@pytest.mark.emulator
+def test_a_traced_mask_mod_over_an_fp8_cache_is_the_causal_mask() -> None:
+    """mask_mod q_idx >= kv_idx (the row's absolute position) is decoding's causal mask:
+    bitwise the causal call's result over the same e4m3 cache, and a full call differs."""
+    case = DecodeCase(16, (140, 33), 3, 2)
+    causal = _call(_inputs(DType.BF16, case), causal=True, num_splits=2)
+    masked = _call(_inputs(DType.BF16, case), num_splits=2,
+                   mask_mod=lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    full = _call(_inputs(DType.BF16, case), num_splits=2)
+    assert torch.equal(masked, causal)
+    assert not torch.equal(full, causal)
+
+
 def test_the_tuning_key_names_the_cache_type() -> None:
     q = torch.empty(2, 1, 8, 128, dtype=torch.bfloat16)
     bucket, combine = api_decode.decode_problems(q, False, 4096, "",
