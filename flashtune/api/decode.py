@@ -43,7 +43,11 @@ from __future__ import annotations
 import torch
 
 from flashtune import settings
-from flashtune.api.validate_kvcache import KvCacheLayout, check_cache_values
+from flashtune.api.validate_kvcache import (
+    FP8_CACHE_DTYPE,
+    KvCacheLayout,
+    check_cache_values,
+)
 from flashtune.api.variants import Variant, kernel_features
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import MAX_SEQ_BUCKET, MIN_SEQ_BUCKET, KernelConfig, ProblemBucket
@@ -66,8 +70,8 @@ from flashtune.runtime.dispatch import Decision
 from flashtune.runtime.plans import Plan, clear_caches
 
 __all__ = ["INVARIANT_BUCKET", "choose_splits", "clear_caches", "covering_plan", "decide",
-           "decode_problems", "default_num_splits", "plan_for", "run_decode", "shape_class_of",
-           "split_mode", "tuned_split_table"]
+           "decode_op", "decode_problems", "default_num_splits", "plan_for", "run_decode",
+           "shape_class_of", "split_mode", "tuned_split_table"]
 
 #: The sequence bucket whose tile batch-invariant calls run, whatever the capacity (the
 #: capacity follows the longest sequence of a batch, so it must not pick the tile).
@@ -81,32 +85,45 @@ def shape_class_of(layout: KvCacheLayout) -> str:
                               layout.page_size if layout.paged else None).word
 
 
-def decode_problems(q: torch.Tensor, causal: bool, capacity: int, shape_class: str = ""
+def decode_op(kv_dtype: torch.dtype | None) -> str:
+    """The decode kernel family of a cache of ``kv_dtype`` (None: q's): ``decode8`` for an
+    e4m3 cache (``families.decode.fp8``), else ``decode``."""
+    return "decode8" if kv_dtype == FP8_CACHE_DTYPE else "decode"
+
+
+def decode_problems(q: torch.Tensor, causal: bool, capacity: int, shape_class: str = "",
+                    kv_dtype: torch.dtype | None = None
                     ) -> tuple[ProblemBucket, ProblemBucket]:
     """The tuning buckets of the two kernels of a call (by cache capacity, and the decode
-    kernel's by the call's shape class)."""
-    return (plans.problem_bucket(q, causal, "decode", (), capacity, shape_class),
+    kernel's by the call's shape class); ``kv_dtype``: the cache's type where it is not q's
+    (an e4m3 cache)."""
+    return (plans.problem_bucket(q, causal, decode_op(kv_dtype), (), capacity, shape_class,
+                                 kv_dtype=kv_dtype),
             plans.problem_bucket(q, False, "combine", (), capacity))
 
 
 def decide(q: torch.Tensor, causal: bool, capacity: int, backend: str | None,
-           arch: str | None = None, shape_class: str = "") -> tuple[Decision, Decision]:
+           arch: str | None = None, shape_class: str = "",
+           kv_dtype: torch.dtype | None = None) -> tuple[Decision, Decision]:
     """The dispatcher's decisions for the decode and combine kernels of a call (nothing is
-    loaded); ``arch`` asks about a virtual GPU of that arch."""
-    decode, _ = plans.decide(q, causal, backend, "decode", (), capacity, arch,
-                             shape_class=shape_class)
+    loaded); ``arch`` asks about a virtual GPU of that arch; ``kv_dtype`` as in
+    ``decode_problems``."""
+    decode, _ = plans.decide(q, causal, backend, decode_op(kv_dtype), (), capacity, arch,
+                             shape_class=shape_class, kv_dtype=kv_dtype)
     combine, _ = plans.decide(q, False, backend, "combine", (), capacity, arch)
     return decode, combine
 
 
 def plan_for(q: torch.Tensor, causal: bool, capacity: int, backend: str,
-             features: tuple[str, ...] = (), shape_class: str = "") -> tuple[Plan, Plan]:
+             features: tuple[str, ...] = (), shape_class: str = "",
+             kv_dtype: torch.dtype | None = None) -> tuple[Plan, Plan]:
     """The memoised plans of the decode and combine kernels of this call with the feature
-    switches ``features`` (the decode kernel's but sinks, the combine's only sinks) and the
-    call's ``shape_class``."""
+    switches ``features`` (the decode kernel's but sinks, the combine's only sinks), the
+    call's ``shape_class`` and ``kv_dtype`` (as in ``decode_problems``)."""
     combine = ("sinks",) if "sinks" in features else ()
-    return (plans.plan_for(q, causal, backend, "decode", kernel_features("decode", features),
-                           capacity, shape_class),
+    op = decode_op(kv_dtype)
+    return (plans.plan_for(q, causal, backend, op, kernel_features(op, features), capacity,
+                           shape_class, kv_dtype=kv_dtype),
             plans.plan_for(q, False, backend, "combine", combine, capacity))
 
 
@@ -131,14 +148,16 @@ def covering_plan(plan: Plan, q: torch.Tensor, heads_kv: int, backend: str) -> P
 
 
 def tuned_split_table(q: torch.Tensor, causal: bool, backend: str,
-                      features: tuple[str, ...] = (), shape_class: str = ""
-                      ) -> tuple[SplitTable, bool]:
+                      features: tuple[str, ...] = (), shape_class: str = "",
+                      kv_dtype: torch.dtype | None = None) -> tuple[SplitTable, bool]:
     """The split table of this problem and shape class and whether any of it is tuned: each
     sequence bucket's tuned ``splitsize`` (raised, as the tuner timed it, where the bucket's
     lengths would need more than MAX_SPLITS pieces: ``splits.fitting_split_size``), else
     DEFAULT_SPLIT_TABLE's size for the bucket, adjacent buckets of one
-    size merged; memoised (the dispatcher is asked once per bucket, on the first call)."""
-    key = (backend, q.get_device(), q.dtype, q.shape[3], causal, features, shape_class)
+    size merged; memoised (the dispatcher is asked once per bucket, on the first call).
+    ``kv_dtype`` as in ``decode_problems``."""
+    key = (backend, q.get_device(), q.dtype, q.shape[3], causal, features, shape_class,
+           kv_dtype)
     found = _tables.get(key)
     if found is not None:
         return found
@@ -146,8 +165,8 @@ def tuned_split_table(q: torch.Tensor, causal: bool, backend: str,
     tuned = False
     bucket = MIN_SEQ_BUCKET
     while bucket <= MAX_SEQ_BUCKET:
-        decision, _ = plans.decide(q, causal, backend or None, "decode", features, bucket,
-                                   shape_class=shape_class)
+        decision, _ = plans.decide(q, causal, backend or None, decode_op(kv_dtype), features,
+                                   bucket, shape_class=shape_class, kv_dtype=kv_dtype)
         size = config_split_size(decision.config)
         if size > 0:  # as it was timed: raised where the bucket needs more than MAX_SPLITS
             tuned = True
@@ -227,14 +246,17 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
                k: torch.Tensor | None, v: torch.Tensor | None, layout: KvCacheLayout,
                causal: bool, softmax_scale: float, num_splits: int, backend: str,
-               variant: Variant | None = None, batch_invariant: bool = False
+               variant: Variant | None = None, batch_invariant: bool = False,
+               descales: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (like q) and the float32 LSE (batch, heads_q, seqlen_q) of validated inputs,
     launched on the current stream, with the features ``variant`` (None: none);
     ``num_splits`` 0 means the split mode's choice (``split_mode``); ``backend`` "" means
     the FLASHTUNE_BACKEND setting; ``batch_invariant``: splits of fixed sizes by each
     sequence's own length and one tile for every capacity (bitwise the same result for a
-    sequence whatever the batch); InvalidInput with a caller's ``num_splits``."""
+    sequence whatever the batch); InvalidInput with a caller's ``num_splits``.
+    ``descales``: an e4m3 cache's validated (k_descale, v_descale), float32 (batch,
+    heads_kv) (the ``decode8`` family's kernel); None for a 16-bit cache."""
     if batch_invariant and num_splits:
         raise InvalidInput(f"num_splits={num_splits} with batch_invariant=True: a "
                            "batch-invariant call splits each sequence by a fixed number of "
@@ -242,15 +264,17 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     name = backend or settings.BACKEND.get()
     features = variant.features if variant is not None else ()
     shape_class = shape_class_of(layout)
+    kv_dtype = None if descales is None else k_cache.dtype
     decode, combine = plan_for(q, causal, INVARIANT_BUCKET if batch_invariant
-                               else layout.capacity, name, features, shape_class)
+                               else layout.capacity, name, features, shape_class, kv_dtype)
     decode = covering_plan(decode, q, layout.heads_kv, name)
     sinks = variant.sinks if variant is not None else None
     features = decode.source.problem.features  # the decode kernel's (sinks: the combine's)
     config = decode.source.config
     table = None
     if not num_splits:
-        tuned, any_tuned = tuned_split_table(q, causal, name, features, shape_class)
+        tuned, any_tuned = tuned_split_table(q, causal, name, features, shape_class,
+                                             kv_dtype)
         table = tuned if batch_invariant or any_tuned else None
     split_table, splits = split_mode(num_splits, config, layout,
                                      decode.sm_count or NOMINAL_SMS, table)
@@ -284,7 +308,7 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          o=out if direct else None, lse=lse if direct else None,
                          features=features,
                          feature_args=feature_values(decode.source.problem, variant)
-                         if features else None),
+                         if features else None, descales=descales),
         stream=stream)
     if not direct:
         combine.kernel.launch(combine_grid(batch * heads_q * seqlen_q, combine.block_m),

@@ -17,9 +17,10 @@ from flashtune import settings
 from flashtune.api import decode as _decode
 from flashtune.api import mla as _mla
 from flashtune.api.flex import MaskModFn, ScoreModFn, refuse_grad, traced_feature
+from flashtune.api.fp8 import check_descale
 from flashtune.api.ops import check_no_grad, direct_call_ok
 from flashtune.api.validate import check_softmax_scale
-from flashtune.api.validate_kvcache import check_kvcache_inputs
+from flashtune.api.validate_kvcache import FP8_CACHE_DTYPE, check_kvcache_inputs, is_fp8_cache
 from flashtune.api.variants import (
     NO_WINDOW,
     Variant,
@@ -44,17 +45,21 @@ def attention_with_kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               window_left: int = -1, window_right: int = -1,
                               softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                               batch_invariant: bool = False,
-                              sinks: torch.Tensor | None = None
+                              sinks: torch.Tensor | None = None,
+                              k_descale: torch.Tensor | None = None,
+                              v_descale: torch.Tensor | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """O (B, Nq, Hq, D) and LSE (B, Hq, Nq, float32) of validated inputs and features
     (a window of (-1, -1), a softcap of 0.0, no slopes and no sinks: off); num_splits 0:
-    the split mode's choice."""
+    the split mode's choice; an e4m3 cache's validated descale factors (else None)."""
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
     variant = Variant(causal, (window_left, window_right), softcap, alibi_slopes,
                       sinks=sinks)
+    descales = None if k_descale is None or v_descale is None else (k_descale, v_descale)
     return _decode.run_decode(q, k_cache, v_cache, cache_seqlens, block_table, k, v, layout,
                               causal, softmax_scale, num_splits, backend,
-                              variant if variant.features else None, batch_invariant)
+                              variant if variant.features else None, batch_invariant,
+                              descales)
 
 
 @attention_with_kvcache_op.register_fake
@@ -63,8 +68,9 @@ def _fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
           k: torch.Tensor | None, v: torch.Tensor | None, causal: bool, softmax_scale: float,
           num_splits: int, backend: str, window_left: int = -1, window_right: int = -1,
           softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-          batch_invariant: bool = False,
-          sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          batch_invariant: bool = False, sinks: torch.Tensor | None = None,
+          k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seqlen_q, heads_q, _ = q.shape
     return (torch.empty_like(q),
             q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
@@ -80,7 +86,8 @@ def attention_with_kvcache(
     window_size: tuple[int, int] = ..., softcap: float | None = ...,
     alibi_slopes: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
     sinks: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
-    mask_mod: MaskModFn | None = ..., head_dim_v: int | None = ...
+    mask_mod: MaskModFn | None = ..., head_dim_v: int | None = ...,
+    k_descale: torch.Tensor | None = ..., v_descale: torch.Tensor | None = ...
 ) -> torch.Tensor: ...
 
 
@@ -94,7 +101,8 @@ def attention_with_kvcache(
     window_size: tuple[int, int] = ..., softcap: float | None = ...,
     alibi_slopes: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
     sinks: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
-    mask_mod: MaskModFn | None = ..., head_dim_v: int | None = ...
+    mask_mod: MaskModFn | None = ..., head_dim_v: int | None = ...,
+    k_descale: torch.Tensor | None = ..., v_descale: torch.Tensor | None = ...
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -108,7 +116,8 @@ def attention_with_kvcache(
     softcap: float | None = ..., alibi_slopes: torch.Tensor | None = ...,
     batch_invariant: bool | None = ..., sinks: torch.Tensor | None = ...,
     score_mod: ScoreModFn | None = ..., mask_mod: MaskModFn | None = ...,
-    head_dim_v: int | None = ...
+    head_dim_v: int | None = ..., k_descale: torch.Tensor | None = ...,
+    v_descale: torch.Tensor | None = ...
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -134,6 +143,8 @@ def attention_with_kvcache(
     score_mod: ScoreModFn | None = None,
     mask_mod: MaskModFn | None = None,
     head_dim_v: int | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few new query rows per sequence over a KV cache, in flash-attn's layout.
 
@@ -202,6 +213,21 @@ def attention_with_kvcache(
     ``head_dim_v`` (None: 512, the only width served) dims of the same cache, so O is 512
     wide (``api.mla.attention_with_latent_cache``; what that kernel has not got is refused
     by name). ``head_dim_v`` with a ``v_cache`` is refused.
+
+    An e4m3 KV cache (``k_cache`` and ``v_cache`` of torch.float8_e4m3fn, paged or not, q and
+    the new rows ``k``, ``v`` fp16 or bf16): ``k_descale``, ``v_descale`` are float32
+    (B, Hkv) tensors on q's device (None: 1.0), positive and finite (they are not read back
+    to be checked), FlashAttention-3's convention, so that the
+    key j of (b, h) is ``k_descale[b, h] * k_cache[...]`` (``v_descale`` likewise). The
+    cache is dequantised on chip (exactly: every e4m3 value is an fp16 and a bf16 value;
+    ``k_descale`` joins the softmax scale, ``v_descale`` scales O), and the new rows are
+    quantised in the kernel with their (b, h)'s descale, as
+    ``(x.float() / descale).clamp(-448, 448).to(torch.float8_e4m3fn)`` (round to nearest
+    even, saturating), appended, and attended to as appended. Every feature above applies
+    (softcap and ALiBi act on the scores of the dequantised keys). Needs sm_89 or later
+    (the e4m3 conversions); an e5m2 cache, an FP8 q or FP8 new rows are refused by name.
+    O and the LSE are as for a 16-bit cache. The cache's element type is part of the tuning
+    key (``decode8_d128_bf16-e4m3-bf16_...``).
     """
     if v_cache is None:
         width = _mla.LATENT_DIM
@@ -213,6 +239,10 @@ def attention_with_kvcache(
         if score_mod is not None or mask_mod is not None:
             raise InvalidInput("v_cache=None (MLA decoding over a latent cache) does not take "
                                "score_mod or mask_mod; leave them out, or pass a v_cache")
+        if k_descale is not None or v_descale is not None:
+            raise InvalidInput("k_descale/v_descale are for an e4m3 k_cache and v_cache; "
+                               "v_cache=None (MLA decoding over a latent cache) takes none: "
+                               "leave them out")
         return _mla.attention_with_latent_cache(
             q, k_cache, cache_seqlens, block_table=block_table, k=k, v=v, causal=causal,
             softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse,
@@ -230,8 +260,10 @@ def attention_with_kvcache(
                             return_lse=return_lse, backend=backend, window_size=window_size,
                             softcap=softcap, alibi_slopes=alibi_slopes,
                             batch_invariant=batch_invariant, sinks=sinks,
-                            score_mod=score_mod, mask_mod=mask_mod)
+                            score_mod=score_mod, mask_mod=mask_mod, k_descale=k_descale,
+                            v_descale=v_descale)
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
+    descales = cache_descales(q, k_cache, k_descale, v_descale)
     check_no_grad(q, k_cache, v_cache, k, v, sinks if isinstance(sinks, torch.Tensor) else None)
     if not isinstance(causal, bool):
         raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
@@ -262,17 +294,44 @@ def attention_with_kvcache(
             variant.sinks if variant is not None else None):
         # A traced modification's captured tensors are no op argument: called directly.
         out, lse = _decode.run_decode(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
-                                      layout, causal, scale, splits, name, variant, invariant)
+                                      layout, causal, scale, splits, name, variant, invariant,
+                                      descales)
     elif variant is None:
         out, lse = attention_with_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table,
                                              k, v, causal, scale, splits, name,
-                                             batch_invariant=invariant)
+                                             batch_invariant=invariant,
+                                             **_descale_args(descales))
     else:
         out, lse = attention_with_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table,
                                              k, v, causal, scale, splits, name,
                                              *variant.window, variant.softcap,
-                                             variant.alibi_slopes, invariant, variant.sinks)
+                                             variant.alibi_slopes, invariant, variant.sinks,
+                                             **_descale_args(descales))
     return (out, lse) if return_lse else out
+
+
+def cache_descales(q: torch.Tensor, k_cache: torch.Tensor, k_descale: object,
+                   v_descale: object) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The descale factors of a validated call: an e4m3 cache's, checked as the FP8
+    forward's (float32 (batch, heads_kv), contiguous, on q's device; None: ones), or None for
+    a 16-bit cache, which takes none (InvalidInput naming the one given)."""
+    if is_fp8_cache(k_cache):
+        k, v = (check_descale(name, value, q, k_cache) for name, value in
+                (("k_descale", k_descale), ("v_descale", v_descale)))
+        return k, v
+    for name, value in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if value is not None:
+            raise InvalidInput(f"{name} is given but k_cache has dtype {k_cache.dtype}: "
+                               f"descale factors are for an e4m3 cache ({FP8_CACHE_DTYPE}); "
+                               "drop it, or pass an e4m3 k_cache and v_cache")
+    return None
+
+
+def _descale_args(descales: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, Any]:
+    """The op's descale keywords of a call (none for a 16-bit cache)."""
+    if descales is None:
+        return {}
+    return {"k_descale": descales[0], "v_descale": descales[1]}
 
 
 def modified_variant(variant: Variant, q: torch.Tensor, score_mod: ScoreModFn | None,
@@ -317,11 +376,13 @@ def explain_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     causal: bool = False, backend: str | None = None, arch: str | None = None
                     ) -> tuple[Decision, Decision]:
     """The decode and combine configs flashtune would run for this call, and why (nothing is
-    compiled); ``arch`` asks about a virtual GPU of that arch."""
+    compiled); ``arch`` asks about a virtual GPU of that arch. An e4m3 cache is explained as
+    its family's (``decode8``)."""
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
     if q.device.type == "meta" and arch is None:
         from flashtune.runtime.plans import emulator_arch
 
         arch = emulator_arch()
     return _decode.decide(q, causal, layout.capacity, backend, arch,
-                          _decode.shape_class_of(layout))
+                          _decode.shape_class_of(layout),
+                          k_cache.dtype if is_fp8_cache(k_cache) else None)

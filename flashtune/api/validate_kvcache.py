@@ -90,16 +90,49 @@ def _check_types_and_ranks(named: Sequence[tuple[str, object]]) -> None:
                                f"{want} dims {_LAYOUTS[name]}")
 
 
+#: The FP8 cache type decoding serves (with k_descale, v_descale): e4m3, as FA3's.
+FP8_CACHE_DTYPE = torch.float8_e4m3fn
+_CACHES = ("k_cache", "v_cache")
+
+
+def is_fp8_cache(k_cache: object) -> bool:
+    """Whether ``k_cache`` is an e4m3 cache (the call goes to the ``decode8`` family)."""
+    return isinstance(k_cache, torch.Tensor) and k_cache.dtype == FP8_CACHE_DTYPE
+
+
+def _check_fp8_cache_dtype(name: str, t: torch.Tensor, q: torch.Tensor, fp8: bool) -> None:
+    """InvalidInput for a cache or new rows of an FP8 type decoding does not take there."""
+    if (name in _CACHES and t.dtype != FP8_CACHE_DTYPE and t.is_floating_point()
+            and t.dtype.itemsize == 1):
+        raise InvalidInput(f"{name} has dtype {t.dtype}; expected {q.dtype} (q's dtype) or "
+                           f"{FP8_CACHE_DTYPE} (an e4m3 cache, with k_descale and v_descale): "
+                           "e5m2 caches are not served. Store the cache as "
+                           f"{FP8_CACHE_DTYPE}, or convert it with {name}.to(q.dtype)")
+    if name in ("k", "v") and fp8 and t.dtype != q.dtype:
+        raise InvalidInput(f"{name} (the new rows) has dtype {t.dtype}; expected {q.dtype}, "
+                           "q's dtype: the kernel quantises new rows into the e4m3 cache with "
+                           f"its descale factors. Pass them unquantised: {name}.to(q.dtype)")
+
+
 def _check_dtypes_and_devices(q: torch.Tensor, named: list[tuple[str, torch.Tensor]]) -> None:
     if q.dtype not in SUPPORTED_DTYPES:
-        raise InvalidInput(f"q has dtype {q.dtype}; expected torch.float16 or torch.bfloat16. "
-                           "Convert with q.half() or q.bfloat16()")
+        raise InvalidInput(f"q has dtype {q.dtype}; expected torch.float16 or torch.bfloat16 "
+                           f"(also beside a {FP8_CACHE_DTYPE} KV cache: only k_cache and "
+                           "v_cache may be FP8). Convert with q.half() or q.bfloat16()")
+    fp8 = any(name == "k_cache" and is_fp8_cache(t) for name, t in named)
     for name, t in named:
+        _check_fp8_cache_dtype(name, t, q, fp8)
         want = torch.int32 if name in ("cache_seqlens", "block_table") else q.dtype
+        if fp8 and name in _CACHES:
+            want = FP8_CACHE_DTYPE
         if t.dtype != want:
-            fix = f"{name}.to(torch.int32)" if want == torch.int32 else f"{name}.to(q.dtype)"
-            raise InvalidInput(f"{name} has dtype {t.dtype}; expected {want} (the dtype of "
-                               f"q for the cache and new rows, int32 for lengths and pages). "
+            fix = (f"{name}.to(torch.int32)" if want == torch.int32
+                   else f"(x / descale).to({FP8_CACHE_DTYPE})" if want == FP8_CACHE_DTYPE
+                   else f"{name}.to(q.dtype)")
+            what = ("like k_cache: an e4m3 cache holds K and V in e4m3"
+                    if want == FP8_CACHE_DTYPE else "the dtype of q for the cache and new "
+                    "rows, int32 for lengths and pages")
+            raise InvalidInput(f"{name} has dtype {t.dtype}; expected {want} ({what}). "
                                f"Convert with {fix}")
         if t.device != q.device:
             raise InvalidInput(f"{name} is on {t.device} but q is on {q.device}; every "
@@ -213,7 +246,8 @@ def check_kvcache_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          k: torch.Tensor | None = None, v: torch.Tensor | None = None
                          ) -> KvCacheLayout:
     """The layout of a call, or InvalidInput: types and ranks, dtypes (fp16/bf16 for q, the
-    cache and the new rows, all equal; int32 lengths and pages), one device, shapes
+    cache and the new rows, all equal, or an e4m3 cache beside them; int32 lengths and
+    pages), one device, shapes
     (unpaged or paged cache, GQA, one length per sequence, new rows of both k and v), grid
     and int32 limits, and strides (contiguous last dims, multiples of 8 elsewhere, caches
     whose rows do not share memory)."""

@@ -172,7 +172,8 @@ def resolve(causal: bool, window_size: object, softcap: object, alibi_slopes: ob
 #: split's partial LSE leaves the sink out and the split combine joins it (``api.decode``).
 COMPOSED: Mapping[str, frozenset[str]] = {"bwd": frozenset({"sinks"}),
                                           "bwddet": frozenset({"sinks"}),
-                                          "decode": frozenset({"sinks"})}
+                                          "decode": frozenset({"sinks"}),
+                                          "decode8": frozenset({"sinks"})}
 
 
 def kernel_features(op: str, features: tuple[str, ...]) -> tuple[str, ...]:

@@ -49,7 +49,7 @@ _OPS: dict[str, tuple[str, int]] = {
     "lse": ("attention", 1), "bwd": ("attention", 5),
     "bwddet": ("attention", 5), "bwd90a": ("attention", 5), "bwd90adet": ("attention", 5),
     "bwd8": ("attention", 5), "bwd8det": ("attention", 5),
-    "decode": ("query_row", 4), "combine": ("rows", 2),
+    "decode": ("query_row", 4), "decode8": ("query_row", 4), "combine": ("rows", 2),
     "bwdpre": ("rows", 2), "bwdsum": ("rows", 2),
     # MLA's head dim is its RoPE width: 4 Nk D is far below its 2 Nk (1088) of one query row.
     "mla": ("query_row", 4),

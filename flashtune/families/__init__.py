@@ -27,6 +27,7 @@ def _builtins() -> None:
     from flashtune.families.bwd90a import HOPPER_BACKWARD, HOPPER_BACKWARD_DETERMINISTIC
     from flashtune.families.combine import COMBINE
     from flashtune.families.decode import DECODE
+    from flashtune.families.decode.fp8 import DECODE_FP8
     from flashtune.families.fwd import FORWARD
     from flashtune.families.fwd8 import FORWARD_FP8
     from flashtune.families.fwd8_90a import FORWARD_FP8_90A
@@ -38,7 +39,7 @@ def _builtins() -> None:
     for family in (FORWARD, BACKWARD, BACKWARD_DETERMINISTIC, PREPROCESS, CONVERT, LSE,
                    DECODE, COMBINE, HOPPER_FORWARD, HOPPER_WS_FORWARD, FORWARD_FP8,
                    HOPPER_BACKWARD, HOPPER_BACKWARD_DETERMINISTIC, MLA, BACKWARD_FP8,
-                   BACKWARD_FP8_DETERMINISTIC, FORWARD_FP8_90A):
+                   BACKWARD_FP8_DETERMINISTIC, FORWARD_FP8_90A, DECODE_FP8):
         _families.setdefault(family.op, family)
 
 

@@ -47,8 +47,16 @@
 // ALiBi (the slope of each packed row's own query head), then the declared score
 // modifications (Tr::Mods, with the row's query head and absolute position
 // i + total - seqlen_q and the key's position j) transform the scores.
+//
+// An e4m3 cache (Tr::kFp8Cache, decode_fp8.cuh): k_cache and v_cache hold e4m3 bytes with
+// descale factors per (batch, kv head). Key tiles are stored into the same 16-bit shared
+// tiles by the threads themselves (read-only loads, exact conversion) instead of cp.async;
+// the K descale joins softmax_scale (so every score transform and the LSE see the
+// dequantised keys) and the V descale multiplies each row's 1 / sum. New rows are quantised
+// on their way into the tile, and m-block 0 appends the tile's values as e4m3 (exact).
 #pragma once
 
+#include "decode_fp8.cuh"
 #include "decode_traits.cuh"
 #include "softmax.cuh"
 #include "variant_args.cuh"
@@ -72,7 +80,7 @@ __device__ __forceinline__ void record_bad_input(int* status, int code, int batc
 template <class Tr>
 struct KvRows {
   using Element = typename Tr::Element;
-  Element* cache;              // the kv head's row 0 of page 0
+  typename Tr::Cache* cache;   // the kv head's row 0 of page 0
   const Element* fresh;        // the new rows of (batch, kv head); read only past cache_len
   const int* pages;            // the batch's block-table row; null: unpaged (page `own_page`)
   long long page_stride;
@@ -81,6 +89,7 @@ struct KvRows {
   int page_size;
   int own_page;
   int cache_len;
+  float descale;               // an e4m3 cache's descale factor of (batch, kv head)
 
   // Element offset of cache position j (pages already validated).
   __device__ __forceinline__ long long cache_offset(int j) const {
@@ -96,9 +105,33 @@ struct KvRows {
   }
 };
 
+// Store chunk c (8 values) of key j into a shared tile from an e4m3 cache: a cache row
+// dequantised exactly (without its descale), a new row quantised with it first
+// (decode_fp8.cuh), so the tile holds what the cache holds once the new rows are appended;
+// zeros where !real. Read-only loads (a cache row read here is never one this launch
+// appends) and plain shared stores (the barrier before the tile is read publishes them).
+template <class Tr>
+__device__ __forceinline__ void load_e4m3_chunk(typename Tr::Element* dst, const KvRows<Tr>& kv,
+                                                int j, int c, bool real) {
+  uint2 bytes;
+  bytes.x = bytes.y = 0u;
+  if (real && j < kv.cache_len) {
+    bytes = __ldg(reinterpret_cast<const uint2*>(kv.cache + kv.cache_offset(j) +
+                                                 c * Tr::kCacheChunkBytes));
+  } else if (real) {
+    bytes = quantise_chunk_e4m3<typename Tr::Element>(
+        __ldg(reinterpret_cast<const uint4*>(kv.fresh +
+                                             static_cast<long long>(j - kv.cache_len) *
+                                                 kv.fresh_row_stride +
+                                             c * Tr::kChunkElems)),
+        kv.descale);
+  }
+  *reinterpret_cast<uint4*>(dst) = e4m3_chunk_to_16bit<typename Tr::Ops>(bytes);
+}
+
 // Issue (without committing) the cp.async copies of keys [key0, key0 + BlockN) into a
 // shared tile; keys at or past key_end and head-dim columns past HeadDim read nothing and
-// are zero-filled.
+// are zero-filled. An e4m3 cache's chunks are stored dequantised instead (load_e4m3_chunk).
 template <class Tr>
 __device__ __forceinline__ void load_key_tile(typename Tr::Element* tile, const KvRows<Tr>& kv,
                                               int key0, int key_end, int tid) {
@@ -114,8 +147,14 @@ __device__ __forceinline__ void load_key_tile(typename Tr::Element* tile, const 
     const int r = r0 + it * kRowsPerIter;
     if (Tr::kBlockN % kRowsPerIter == 0 || r < Tr::kBlockN) {
       const bool real = real_col && key0 + r < key_end;
-      const typename Tr::Element* src = real ? kv.row(key0 + r) + c * Tr::kChunkElems : kv.cache;
-      cp_async<16>(tile + r * Tr::kRowStride + c * Tr::kChunkElems, src, real ? 16 : 0);
+      if constexpr (Tr::kFp8Cache) {
+        load_e4m3_chunk<Tr>(tile + r * Tr::kRowStride + c * Tr::kChunkElems, kv, key0 + r, c,
+                            real);
+      } else {
+        const typename Tr::Element* src =
+            real ? kv.row(key0 + r) + c * Tr::kChunkElems : kv.cache;
+        cp_async<16>(tile + r * Tr::kRowStride + c * Tr::kChunkElems, src, real ? 16 : 0);
+      }
     }
   }
 }
@@ -151,7 +190,8 @@ __device__ __forceinline__ void load_packed_q(typename Tr::Element* sq,
 }
 
 // Store the new keys of a landed shared tile (positions [cache_len, key_end) within
-// [key0, key0 + BlockN)) into their cache rows, 128 bits per store.
+// [key0, key0 + BlockN)) into their cache rows, 128 bits per store; an e4m3 cache's rows are
+// the tile's values as e4m3 (exact: the tile holds the quantised rows), 64 bits per store.
 template <class Tr>
 __device__ __forceinline__ void store_new_keys(const KvRows<Tr>& kv,
                                                const typename Tr::Element* tile, int key0,
@@ -161,8 +201,16 @@ __device__ __forceinline__ void store_new_keys(const KvRows<Tr>& kv,
   for (int idx = tid; idx < (hi - lo) * Tr::kRealChunks; idx += Tr::kThreads) {
     const int r = lo - key0 + idx / Tr::kRealChunks;
     const int c = idx % Tr::kRealChunks;
-    *reinterpret_cast<uint4*>(kv.cache + kv.cache_offset(key0 + r) + c * Tr::kChunkElems) =
+    const uint4 chunk =
         *reinterpret_cast<const uint4*>(tile + r * Tr::kRowStride + c * Tr::kChunkElems);
+    if constexpr (Tr::kFp8Cache) {
+      *reinterpret_cast<uint2*>(kv.cache + kv.cache_offset(key0 + r) +
+                                c * Tr::kCacheChunkBytes) =
+          quantise_chunk_e4m3<typename Tr::Element>(chunk, 1.0f);
+    } else {
+      *reinterpret_cast<uint4*>(kv.cache + kv.cache_offset(key0 + r) + c * Tr::kChunkElems) =
+          chunk;
+    }
   }
 }
 
@@ -368,14 +416,22 @@ struct SplitTransform {
 // -inf (and O = 0) for a row that saw no key of the split, where the forward's softmax
 // gives +inf, so that its weight in the combine is 0 (final outputs: RowOutputs). Rows at
 // or past `rows` are not written.
+// An e4m3 cache's V descale `v_scale` multiplies each row's 1 / sum (O = v_scale P V8).
 template <class Tr>
 __device__ __forceinline__ void store_partial_rows(OnlineSoftmax<Tr>& softmax,
                                                    const float (&o)[Tr::kMTiles][Tr::kOTiles][4],
                                                    const RowOutputs<Tr>& out, int row0,
-                                                   int rows, int lane) {
+                                                   int rows, int lane, float v_scale = 1.0f) {
   float inv_sum[Tr::kMTiles][2];
   float lse[Tr::kMTiles][2];
   softmax.finalize(inv_sum, lse);
+  if constexpr (Tr::kFp8Cache) {
+#pragma unroll
+    for (int mt = 0; mt < Tr::kMTiles; ++mt) {
+      inv_sum[mt][0] *= v_scale;
+      inv_sum[mt][1] *= v_scale;
+    }
+  }
 #pragma unroll
   for (int mt = 0; mt < Tr::kMTiles; ++mt) {
 #pragma unroll
@@ -407,8 +463,8 @@ __device__ __forceinline__ void store_partial_rows(OnlineSoftmax<Tr>& softmax,
 
 template <class Tr>
 __device__ __forceinline__ void decode_split(
-    const typename Tr::Element* __restrict__ q, typename Tr::Element* k_cache,
-    typename Tr::Element* v_cache, const typename Tr::Element* k_new,
+    const typename Tr::Element* __restrict__ q, typename Tr::Cache* k_cache,
+    typename Tr::Cache* v_cache, const typename Tr::Element* k_new,
     const typename Tr::Element* v_new, const int* __restrict__ block_table,
     const int* __restrict__ cache_seqlens, float* __restrict__ o_part,
     float* __restrict__ lse_part, int* status, const int* __restrict__ split_table,
@@ -422,7 +478,8 @@ __device__ __forceinline__ void decode_split(
     long long vn_row_stride, long long vn_head_stride, long long o_batch_stride,
     long long o_row_stride, long long o_head_stride, long long bt_batch_stride,
     float softmax_scale, const VariantArgs& var = VariantArgs{},
-    const typename Tr::Mods& mods = typename Tr::Mods{}) {
+    const typename Tr::Mods& mods = typename Tr::Mods{},
+    const CacheDescales& descales = CacheDescales{}) {
   using Element = typename Tr::Element;
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
@@ -521,19 +578,27 @@ __device__ __forceinline__ void decode_split(
     }
   }
 
+  // An e4m3 cache's descale factors: K's joins the scores' scale (the scores, their
+  // transforms and the LSE are those of the dequantised keys), V's scales O at the end.
+  float k_scale = 1.0f, v_scale = 1.0f;
+  if constexpr (Tr::kFp8Cache) {
+    k_scale = descales.k[batch * heads_kv + kv_head];
+    v_scale = descales.v[batch * heads_kv + kv_head];
+    softmax_scale *= k_scale;
+  }
   // The new rows are read only when seqlen_new > 0, and then k_new and v_new are given.
   const KvRows<Tr> k_rows{k_cache + kv_head * k_head_stride,
                           k_new == nullptr ? k_new
                                            : k_new + batch * kn_batch_stride +
                                                  kv_head * kn_head_stride,
                           pages, k_page_stride, k_row_stride, kn_row_stride, page_size, batch,
-                          cache_len};
+                          cache_len, k_scale};
   const KvRows<Tr> v_rows{v_cache + kv_head * v_head_stride,
                           v_new == nullptr ? v_new
                                            : v_new + batch * vn_batch_stride +
                                                  kv_head * vn_head_stride,
                           pages, v_page_stride, v_row_stride, vn_row_stride, page_size, batch,
-                          cache_len};
+                          cache_len, v_scale};
   // The blocks of m-block 0 append the new keys of their split to the cache.
   const bool appends = m_block == 0 && key_end > cache_len;
   const int n_tiles = (key_end - first_key + kBlockN - 1) / kBlockN;
@@ -660,7 +725,7 @@ __device__ __forceinline__ void decode_split(
   }
   cp_async_wait_all();  // only empty groups remain; leave none behind
 
-  store_partial_rows<Tr>(softmax, acc_o, outputs(), warp_row0, rows, lane);
+  store_partial_rows<Tr>(softmax, acc_o, outputs(), warp_row0, rows, lane, v_scale);
 }
 
 }  // namespace ft

@@ -51,6 +51,9 @@ template <typename Element_, int HeadDim, int HeadDimPadded, int BlockM, int Blo
 struct DecodeTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
+  // The cache's element type: Element (an e4m3 cache: WithE4m3Cache, decode_fp8.cuh).
+  using Cache = Element_;
+  static constexpr bool kFp8Cache = false;
   // The forward's padded rows, so that its warp GEMMs (warp_gemm.cuh) address the tiles.
   using Smem = PaddedRows<HeadDimPadded / 8>;
   // What the forward's warp GEMMs ask of a kernel's traits beyond the tiling: Q is re-read

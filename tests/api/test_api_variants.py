@@ -179,7 +179,7 @@ def test_every_family_serves_or_refuses_each_feature(family: str) -> None:
             impl.check_problem(problem)
             continue
         with pytest.raises(FeatureNotSupported, match=f"'{family}' kernel family") as info:
-            fp8 = family in ("fwd8", "bwd8", "bwd8det")  # FP8 mma: sm_89 and later
+            fp8 = dtypes.fp8  # FP8 mma and conversions: sm_89 and later
             arch = get_arch(impl.target_arch or ("sm_89" if fp8 else "sm_80"))
             plain = Problem(64, dtypes.q, op=family, kv_dtype=dtypes.kv, o_dtype=dtypes.o)
             impl.render(problem, impl.default_config(plain, arch))

@@ -55,7 +55,8 @@ def test_every_family_renders_its_declared_signature() -> None:
 
 
 def _arch(family: KernelFamily) -> ArchSpec:
-    fp8 = family.op in ("fwd8", "bwd8", "bwd8det")  # FP8 mma: sm_89 and later
+    # FP8 mma and conversions: sm_89 and later
+    fp8 = any(dtypes.fp8 for dtypes in family.dtypes)
     return get_arch(family.target_arch or ("sm_89" if fp8 else "sm_80"))
 
 

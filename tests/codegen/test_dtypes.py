@@ -109,12 +109,16 @@ def test_every_family_declares_its_dtypes_and_refuses_others_by_name() -> None:
 
 def test_the_builtin_families_take_one_16_bit_type_for_every_operand() -> None:
     """... but the FP8 forwards (mma.sync and sm_90a wgmma) and backward, which take e4m3 or
-    e5m2 inputs and a 16-bit O (dO, dK, dV)."""
+    e5m2 inputs and a 16-bit O (dO, dK, dV), and decoding over an e4m3 KV cache (q and O of
+    one 16-bit type)."""
     from flashtune.codegen.dtypes import FP8_INPUTS
+    from flashtune.families.decode.fp8 import E4M3_CACHE
 
+    special = {"decode8": E4M3_CACHE}
     for family in families.all_families():
         fp8 = family.op in ("fwd8", "fwd890a", "bwd8", "bwd8det")
-        assert family.dtypes == (FP8_INPUTS if fp8 else SAME_16BIT), family.op
+        want = special.get(family.op, FP8_INPUTS if fp8 else SAME_16BIT)
+        assert family.dtypes == want, family.op
     with pytest.raises(InvalidProblem, match=r"it takes: bf16, fp16 \(one word"):
         families.get("fwd").check_problem(Problem(128, DType.BF16, kv_dtype=DType.FP16))
 

@@ -19,11 +19,14 @@ from typing import Any
 import torch
 
 import flashtune
-from flashtune.codegen.spec import DType, Problem, Shape
+from flashtune import families
+from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.families.base import Inputs, close_enough
 from flashtune.families.checks import LSE_TOLERANCE, O_TOLERANCE
 from flashtune.families.decode import DECODE, DecodeCase
 from flashtune.families.decode.reference import attention_with_kvcache_reference
+from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
+from flashtune.runtime.launch import PreparedLaunch, prepare
 
 PAGE_SIZES: tuple[int | None, ...] = (None, 1, 4, 16, 128, 256)
 SEQLEN_Q = (1, 2, 4, 7, 16)
@@ -117,3 +120,15 @@ def assert_close_to_float64(inputs: Inputs, causal: bool, out: torch.Tensor,
                                  ("LSE", lse, ref_lse, LSE_TOLERANCE)):
         _, _, wrong = close_enough(name, got, want, tol)
         assert not wrong, wrong
+
+
+def run_emulated(problem: Problem, shape: Shape, inputs: Inputs, config: KernelConfig,
+                 counters: bool = False) -> tuple[PreparedLaunch, EmulatorBackend]:
+    """One launch of ``problem`` x ``config`` on ``inputs`` in the emulator, outputs poisoned
+    with NaN (its verdict against float64 is ``launch.verdict()``; with ``counters``, the
+    launch's counters are ``kernel.last_counters``)."""
+    kernel = EmulatorBackend(options=LaunchOptions(counters=counters)).load(
+        families.render(problem, config))
+    launch = prepare(kernel, shape, "cpu", inputs=inputs, poison=True)
+    launch.run()
+    return launch, kernel

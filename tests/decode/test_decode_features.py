@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from decode_cases import call_api
+from decode_cases import call_api, run_emulated
 
 from flashtune import families
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
@@ -26,8 +26,8 @@ from flashtune.families.decode.reference import (
     expected_caches,
 )
 from flashtune.families.fwd.variants import VariantValues
-from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
-from flashtune.runtime.launch import PreparedLaunch, prepare
+from flashtune.runtime.backends.emulator import EmulatorBackend
+from flashtune.runtime.launch import PreparedLaunch
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
 CONFIG = KernelConfig(64, 64, 4, 2)
@@ -119,11 +119,7 @@ def inputs_of(case: FeatureCase) -> Inputs:
 
 def _run(problem: Problem, shape: Shape, inputs: Inputs, counters: bool = False
          ) -> tuple[PreparedLaunch, EmulatorBackend]:
-    kernel = EmulatorBackend(options=LaunchOptions(counters=counters)).load(
-        families.render(problem, CONFIG))
-    launch = prepare(kernel, shape, "cpu", inputs=inputs, poison=True)
-    launch.run()
-    return launch, kernel
+    return run_emulated(problem, shape, inputs, CONFIG, counters)
 
 
 def _check(case: FeatureCase) -> None:

@@ -249,6 +249,10 @@ class DecodeFamily(KernelFamily):
         return {"o_part": o_part, "lse_part": lse_part, "status": status,
                 "k_cache": inputs.tensors["k_cache"], "v_cache": inputs.tensors["v_cache"]}
 
+    def cache_descales(self, inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The caches' descale factors the kernel takes last (an FP8 cache's), or None."""
+        return None
+
     def launch_plan(self, problem: Problem, config: KernelConfig, shape: Shape,
                     inputs: Inputs, outputs: Tensors) -> LaunchPlan:
         t = inputs.tensors
@@ -260,7 +264,8 @@ class DecodeFamily(KernelFamily):
                                 softmax_scale=inputs.scalars["softmax_scale"],
                                 trap_on_error=False, features=problem.features,
                                 feature_args=feature_values(
-                                    problem, variants.VariantValues.of(inputs)))
+                                    problem, variants.VariantValues.of(inputs)),
+                                descales=self.cache_descales(inputs))
         batch, seqlen_q, heads_q, _ = t["q"].shape
         grid = decode_grid(batch, heads_q, t["k_cache"].shape[2], seqlen_q, config.block_m,
                            splits)

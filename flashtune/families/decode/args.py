@@ -1,7 +1,8 @@
 """The decode kernel's argument list, declared once (``DECODE_ABI``): the signature of
 ``templates/decode_split.cu.jinja`` and the packer are generated from it.
 
-    q (const T*), k_cache, v_cache (T*), k_new, v_new (const T*, null without appending),
+    q (const T*), k_cache, v_cache (T*), k_new, v_new (const T*, null without appending:
+    q's type, also beside an e4m3 cache),
     block_table (const int*, null when unpaged), cache_seqlens (const int*),
     o_part, lse_part (float*), status (int*),
     split_table (const int*, null: even splits), o (T*), lse (float*) (null: partials only),
@@ -14,6 +15,10 @@
     softcap: softcap (float32); alibi: alibi_slopes (const float*), alibi_batch_stride
     (int64); then the params of the problem's declared score modifications
     (``codegen.score_mods``: scalars, and captured tensors with their sizes), in key order.
+
+An e4m3 cache (``DECODE8_ABI``, the ``decode8`` family): k_cache and v_cache are e4m3 bytes
+(strides in values, i.e. bytes), and the float32 (batch, heads_kv) descale factors
+k_descale, v_descale (const float*) follow every other argument.
 
 An unpaged cache (batch, max_len, heads_kv, dim) is passed as ``batch`` pages of
 ``max_len`` rows with no block table (sequence b is page b). The grid is
@@ -54,8 +59,8 @@ _PAGE_STRIDES = ("page", "row", "head")
 DECODE_ABI = EntryAbi("decode_split", score_mods=True, args=(
     tensor("q", Element.Q, const=True), tensor("k_cache", _KV, restrict=False),
     tensor("v_cache", _KV, restrict=False),
-    tensor("k_new", _KV, const=True, restrict=False, optional=True, wrap=True),
-    tensor("v_new", _KV, const=True, restrict=False, optional=True),
+    tensor("k_new", Element.Q, const=True, restrict=False, optional=True, wrap=True),
+    tensor("v_new", Element.Q, const=True, restrict=False, optional=True),
     tensor("block_table", _I, const=True, optional=True),
     tensor("cache_seqlens", _I, const=True, wrap=True), tensor("o_part", _F),
     tensor("lse_part", _F, wrap=True), tensor("status", _I, restrict=False),
@@ -82,6 +87,11 @@ DECODE_ABI = EntryAbi("decode_split", score_mods=True, args=(
 
 _pack = DECODE_ABI.packer()
 
+#: The e4m3-cache kernel's arguments: the decode kernel's, then the caches' descale factors.
+CACHE_DESCALES = ("k_descale", "v_descale")
+DECODE8_ABI = DECODE_ABI.extended("decode_split8", *(
+    tensor(name, _F, const=True, wrap=i == 0) for i, name in enumerate(CACHE_DESCALES)))
+
 
 def pack_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      k_new: torch.Tensor | None, v_new: torch.Tensor | None,
@@ -90,12 +100,23 @@ def pack_decode_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      num_splits: int, softmax_scale: float, trap_on_error: bool,
                      split_table: torch.Tensor | None = None, o: torch.Tensor | None = None,
                      lse: torch.Tensor | None = None, features: Collection[str] = (),
-                     feature_args: Mapping[str, object] | None = None) -> PackedArgs:
+                     feature_args: Mapping[str, object] | None = None,
+                     descales: tuple[torch.Tensor, torch.Tensor] | None = None) -> PackedArgs:
     """The decode kernel's arguments for these tensors (see the module docstring); a
     kernel with ``features`` on also takes their values ``feature_args`` (by name,
     ``fwd.args.feature_values``). ``split_table``: the (buckets, 2) int32
     ``SplitTable.words`` on the device, or None for ``num_splits`` even splits; ``o`` and
-    ``lse``: the final outputs, written directly by a launch of one split (no combine)."""
+    ``lse``: the final outputs, written directly by a launch of one split (no combine);
+    ``descales``: an e4m3 cache's (k_descale, v_descale), the ``DECODE8_ABI``'s last
+    arguments."""
+    if descales is not None:
+        values = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k_new": k_new,
+                  "v_new": v_new, "block_table": block_table, "cache_seqlens": cache_seqlens,
+                  "o_part": o_part, "lse_part": lse_part, "status": status,
+                  "split_table": split_table, "o": o, "lse": lse, "num_splits": num_splits,
+                  "trap_on_error": int(trap_on_error), "softmax_scale": softmax_scale,
+                  **(feature_args or {}), **dict(zip(CACHE_DESCALES, descales, strict=True))}
+        return DECODE8_ABI.pack(values, features)
     if not features:
         return _pack(q, k_cache, v_cache, k_new, v_new, block_table, cache_seqlens, o_part,
                      lse_part, status, split_table, o, lse, num_splits, int(trap_on_error),

@@ -3,10 +3,11 @@ by kernel launches (decoding does about g FLOP per byte for GQA group g, far bel
 GPU's ridge point, so its arithmetic is never the bound).
 
 ``decode_traffic`` counts the bytes a call moves with a given tile and split plan: K and V
-once per row block (once per (sequence, kv head) when the tile covers the group's packed
-rows), Q once per non-empty split, and, with more than one split, the float32 partial O and
-LSE written by the decode kernel and read once by the combine; O (the input type) and the
-LSE written once. ``predict_decode`` charges that traffic at the GPU's HBM bandwidth
+(in the cache's type: one byte a value in an e4m3 cache) once per row block (once per
+(sequence, kv head) when the tile covers the group's packed rows), Q once per non-empty
+split, and, with more than one split, the float32 partial O and LSE written by the decode
+kernel and read once by the combine; O (the input type) and the LSE written once.
+``predict_decode`` charges that traffic at the GPU's HBM bandwidth
 (derated by ``HBM_EFFICIENCY``), plus a fixed cost per launch, and returns it with the
 achieved-bandwidth figure it implies. Every time here is a prediction, never a measurement.
 """
@@ -69,6 +70,7 @@ def decode_traffic(problem: Problem, config: KernelConfig, shape: ShapeLike,
     if splits < 1:
         raise InvalidInput(f"splits={splits} must be >= 1")
     e, d = problem.dtype.itemsize, problem.head_dim
+    kv_e = problem.dtypes.kv.itemsize  # an e4m3 cache (decode8): one byte a value
     group_rows = shape.heads_q // shape.heads_kv * shape.seqlen_q
     row_blocks = -(-group_rows // config.block_m)
     q_rows = shape.batch * shape.heads_q * shape.seqlen_q
@@ -76,7 +78,7 @@ def decode_traffic(problem: Problem, config: KernelConfig, shape: ShapeLike,
     if problem.window:
         left = (window if window is not None else timing_window(shape))[0]
     keys = window_keys(shape.seqlen_k, shape.seqlen_q, left, config.block_n)
-    kv = 2.0 * shape.batch * shape.heads_kv * keys * d * e * row_blocks
+    kv = 2.0 * shape.batch * shape.heads_kv * keys * d * kv_e * row_blocks
     partials = 0.0 if splits == 1 else 2.0 * splits * q_rows * (4 * d + 4)
     return DecodeTraffic(kv, float(q_rows * d * e * splits), partials,
                          float(q_rows * (d * e + 4)))
