@@ -91,16 +91,17 @@ def device_info(entry: BackendEntry, device: torch.device) -> DeviceLike:
 
 
 def problem_bucket(q: torch.Tensor, causal: bool, op: str, features: tuple[str, ...],
-                   seqlen: int, shape_class: str = "", o_dtype: torch.dtype | None = None
-                   ) -> ProblemBucket:
+                   seqlen: int, shape_class: str = "", o_dtype: torch.dtype | None = None,
+                   kv_dtype: torch.dtype | None = None) -> ProblemBucket:
     """The tuning bucket of a call of kernel family ``op`` with q's head dim and dtype, the
     Problem feature switches ``features`` on (FeatureNotSupported if the family has not got
     one of them), ``seqlen`` the length that picks the bucket and the call's
     ``shape_class`` (``ProblemBucket.shape_class``). ``o_dtype``: O's type where it is not
-    q's (FP8 inputs)."""
+    q's (FP8 inputs); ``kv_dtype``: the K/V cache's where it is not q's (an FP8 cache)."""
     problem = Problem(head_dim=q.shape[3], dtype=operand_type(q.dtype), causal=causal, op=op,
                       features=features,
-                      o_dtype=None if o_dtype is None else element_type(o_dtype))
+                      o_dtype=None if o_dtype is None else element_type(o_dtype),
+                      kv_dtype=None if kv_dtype is None else operand_type(kv_dtype))
     if features:
         families.get(op).check_problem(problem)
     return ProblemBucket(problem, seqlen_bucket(max(1, seqlen)), shape_class)
@@ -108,8 +109,8 @@ def problem_bucket(q: torch.Tensor, causal: bool, op: str, features: tuple[str, 
 
 def decide(q: torch.Tensor, causal: bool, backend: str | None, op: str,
            features: tuple[str, ...], seqlen: int, arch: str | None = None,
-           shape_class: str = "", o_dtype: torch.dtype | None = None
-           ) -> tuple[Decision, BackendEntry]:
+           shape_class: str = "", o_dtype: torch.dtype | None = None,
+           kv_dtype: torch.dtype | None = None) -> tuple[Decision, BackendEntry]:
     """The dispatcher's decision for a call (nothing is loaded or compiled); ``arch``
     overrides the device with a virtual GPU of that arch; ``o_dtype`` as in
     ``problem_bucket``."""
@@ -117,7 +118,7 @@ def decide(q: torch.Tensor, causal: bool, backend: str | None, op: str,
 
     entry = resolve_backend(backend, q.device)
     device = DeviceInfo.virtual(arch) if arch else device_info(entry, q.device)
-    bucket = problem_bucket(q, causal, op, features, seqlen, shape_class, o_dtype)
+    bucket = problem_bucket(q, causal, op, features, seqlen, shape_class, o_dtype, kv_dtype)
     return get_dispatcher().decide(bucket, device), entry
 
 
@@ -168,11 +169,12 @@ def _load(decision: Decision, entry: BackendEntry, device: torch.device) -> Plan
 
 
 def _make(q: torch.Tensor, causal: bool, backend: str, op: str, features: tuple[str, ...],
-          seqlen: int, shape_class: str, o_dtype: torch.dtype | None) -> Plan:
+          seqlen: int, shape_class: str, o_dtype: torch.dtype | None,
+          kv_dtype: torch.dtype | None = None) -> Plan:
     """The decided and loaded kernel; one of an arch-specific family (served in place of
     ``op``) passes its first-use check first, else the portable family's is decided."""
     decision, entry = decide(q, causal, backend, op, features, seqlen,
-                             shape_class=shape_class, o_dtype=o_dtype)
+                             shape_class=shape_class, o_dtype=o_dtype, kv_dtype=kv_dtype)
     if decision.problem.op == op:
         return _load(decision, entry, q.device)
     try:
@@ -185,7 +187,7 @@ def _make(q: torch.Tensor, causal: bool, backend: str, op: str, features: tuple[
             return plan
     # the device is refused the arch-specific families now: the portable family's plan
     decision, entry = decide(q, causal, backend, op, features, seqlen,
-                             shape_class=shape_class, o_dtype=o_dtype)
+                             shape_class=shape_class, o_dtype=o_dtype, kv_dtype=kv_dtype)
     return _load(decision, entry, q.device)
 
 
@@ -195,20 +197,22 @@ _plans_lock = threading.Lock()
 
 def plan_for(q: torch.Tensor, causal: bool, backend: str, op: str,
              features: tuple[str, ...], seqlen: int, shape_class: str = "",
-             o_dtype: torch.dtype | None = None) -> Plan:
+             o_dtype: torch.dtype | None = None, kv_dtype: torch.dtype | None = None) -> Plan:
     """The memoised plan of a call of kernel family ``op`` on q's device, dtype and head
     dim, with the feature switches ``features``, ``seqlen`` the length that picks the
     sequence bucket and the call's ``shape_class`` (made, and its kernel loaded, on first
-    use); ``o_dtype``: O's type where it is not q's (FP8 inputs)."""
+    use); ``o_dtype``: O's type where it is not q's (FP8 inputs), ``kv_dtype`` the cache's
+    where it is not q's (an FP8 cache)."""
     # get_device(): the CUDA index, -1 for CPU tensors (the only other kind that gets here).
     key = (backend, q.get_device(), q.dtype, q.shape[3], causal, seqlen_bucket(seqlen),
-           features, shape_class, o_dtype, op)
+           features, shape_class, o_dtype, kv_dtype, op)
     plan = _plans.get(key)
     if plan is None:
         with _plans_lock:
             plan = _plans.get(key)
             if plan is None:
-                plan = _make(q, causal, backend, op, features, seqlen, shape_class, o_dtype)
+                plan = _make(q, causal, backend, op, features, seqlen, shape_class, o_dtype,
+                             kv_dtype)
                 _plans[key] = plan
     return plan
 
