@@ -493,7 +493,7 @@ __device__ void mla_decode(const typename Tr::Element* __restrict__ q,
     cp_async_wait<Tr::kPipelineWait>();
     block_sync();
     if constexpr (kStages >= 2) load(j + kStages - 1);
-    const Element* tile = sl + (j % Tr::kLatentTiles) * Tr::kTileElems;
+    const Element* const tile = sl + (j % Tr::kLatentTiles) * Tr::kTileElems;
     if constexpr (Tr::kFp8Cache) {
       mla_dequantise_tile<Tr>(sl, raw + (j % kStages) * Tr::kRawStageBytes, tid);
       block_sync();  // the dequantised tile is complete

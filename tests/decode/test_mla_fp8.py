@@ -8,6 +8,8 @@ float32 scales, 64 bf16 RoPE values) in the emulator.
   the scales are off powers of two. A seeded sample by default (page sizes none, 1, 3, 16,
   64; 1 and 2 query rows; 16 and 32 heads; 1 and 3 splits), the grid (also page sizes 100
   and 256, up to 128 heads) under sweep.
+* Configs: sm_80's default (one buffer of raw rows) by default, every config that passes
+  sm_90's rules under sweep.
 * Bytes: each cache byte (656 per token) is read once per sequence and row block, plus Q.
 * The quantisation helper against an independent float64 quantisation (nearest e4m3 from a
   table of every finite value, ties to even; the smallest power-of-two scale that fits).
@@ -24,20 +26,20 @@ import random
 
 import pytest
 import torch
-from mla_cases import FP8_GRID, MlaCase, fp8_sample
+from mla_cases import FP8_GRID, MlaCase, fp8_sample, run_case
 from test_mla_bytes import check_bytes
 from test_mla_decode import check_case, dense_reference, dequantise_rows, e4m3_value
 
 import flashtune
 from flashtune.api.mla import mla_with_kvcache
 from flashtune.codegen.arch import get_arch
-from flashtune.codegen.spec import DType, Problem, Shape
+from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.errors import InvalidInput, InvalidProblem
 from flashtune.families.base import close_enough
 from flashtune.families.checks import LSE_TOLERANCE, O_TOLERANCE
 from flashtune.families.decode import DecodeCase
 from flashtune.families.mla import MLA
-from flashtune.families.mla.space import smem_bytes
+from flashtune.families.mla.space import config_splits, smem_bytes
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
 PROBLEM = Problem(64, DType.BF16, kv_dtype="e4m3", op="mla")
@@ -54,6 +56,35 @@ def test_fp8_cache_matches_float64_on_a_sample(case: MlaCase) -> None:
 @pytest.mark.parametrize("case", FP8_GRID, ids=lambda c: c.key)
 def test_fp8_cache_matches_float64_grid(case: MlaCase) -> None:
     check_case(case)
+
+
+#: The case other configs run: paged (3-row pages), causal rows, 32 heads, 3 splits.
+CONFIG_CASE = MlaCase(DType.BF16, 3, 2, 32, 3, True)
+#: Every config of the space that passes sm_90's rules for the FP8 cache (heuristic splits).
+FP8_CONFIGS = tuple(c for c in MLA.search_space(PROBLEM) if config_splits(c) == 0
+                    and MLA.rules(PROBLEM, c, get_arch("sm_90")) is None)
+
+
+def check_config(config: KernelConfig) -> None:
+    inputs, outputs, _, _ = run_case(CONFIG_CASE, f"{SEED}-fp8-{config.key()}", config)
+    problem = CONFIG_CASE.problem
+    verdict = MLA.compare(problem, CONFIG_CASE.shape, outputs, MLA.reference(problem, inputs))
+    assert verdict.ok, f"{config.key()}: {verdict.message}"
+
+
+@pytest.mark.emulator
+def test_fp8_cache_sm80_default_matches_float64() -> None:
+    """sm_80's default (one buffer of raw rows: refilled after each step) on its own case."""
+    config = MLA.default_config(PROBLEM, get_arch("sm_80"))
+    assert config.num_stages == 1
+    check_config(config)
+
+
+@pytest.mark.sweep
+@pytest.mark.emulator
+@pytest.mark.parametrize("config", FP8_CONFIGS, ids=lambda c: c.key())
+def test_fp8_cache_every_config_matches_float64(config: KernelConfig) -> None:
+    check_config(config)
 
 
 @pytest.mark.emulator
