@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "register_transformers": "flashtune.api.hf_transformers",
     "register_sdpa": "flashtune.api.sdpa_routing",
     "explain_kvcache": "flashtune.api.kvcache_ops",
+    "quantize_mla_latent": "flashtune.api.mla",
     "BackwardNotAvailable": "flashtune.errors",
     "FeatureNotSupported": "flashtune.errors",
     "Decision": "flashtune.runtime.dispatch",
@@ -60,6 +61,7 @@ __all__ = [
     "explain",
     "explain_kvcache",
     "precompile",
+    "quantize_mla_latent",
     "register_sdpa",
     "register_transformers",
     "scaled_dot_product_attention",
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
     from flashtune.api.fp8_train import attention_fp8
     from flashtune.api.hf_transformers import register_transformers
     from flashtune.api.kvcache_ops import attention_with_kvcache, explain_kvcache
+    from flashtune.api.mla import quantize_mla_latent
     from flashtune.api.ops import (
         attention,
         explain,

@@ -212,7 +212,10 @@ def attention_with_kvcache(
     one KV head shared by every query head, q is 576 wide, and V is the first
     ``head_dim_v`` (None: 512, the only width served) dims of the same cache, so O is 512
     wide (``api.mla.attention_with_latent_cache``; what that kernel has not got is refused
-    by name). ``head_dim_v`` with a ``v_cache`` is refused.
+    by name). Or FlashMLA's FP8 latent cache beside a bf16 q: float8_e4m3fn (or uint8)
+    rows of 656 bytes (512 e4m3 values, 4 float32 scales, 64 bf16 RoPE values;
+    ``flashtune.quantize_mla_latent`` writes them), dequantised on chip. ``head_dim_v``
+    with a ``v_cache`` is refused.
 
     An e4m3 KV cache (``k_cache`` and ``v_cache`` of torch.float8_e4m3fn, paged or not, q and
     the new rows ``k``, ``v`` fp16 or bf16): ``k_descale``, ``v_descale`` are float32
@@ -231,11 +234,12 @@ def attention_with_kvcache(
     """
     if v_cache is None:
         width = _mla.LATENT_DIM
-        if not isinstance(k_cache, torch.Tensor) or k_cache.shape[-1] != width:
+        if not _mla.is_latent_cache(k_cache):
             got = tuple(k_cache.shape) if isinstance(k_cache, torch.Tensor) else k_cache
             raise InvalidInput(f"v_cache must be a torch.Tensor (B, max_len, Hkv, D) or paged, "
                                f"got NoneType; v_cache=None is MLA decoding over a latent "
-                               f"cache of {width} values per token, but k_cache is {got}")
+                               f"cache of {width} values per token (or FP8 rows of "
+                               f"{_mla.FP8_ROW_BYTES} bytes), but k_cache is {got}")
         if score_mod is not None or mask_mod is not None:
             raise InvalidInput("v_cache=None (MLA decoding over a latent cache) does not take "
                                "score_mod or mask_mod; leave them out, or pass a v_cache")

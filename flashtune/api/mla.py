@@ -10,6 +10,12 @@ float32 torch operations: the combine family's kernels are compiled for head dim
 one split needs no merge. The plan is keyed by the problem's head dim, the latent's RoPE
 width (``families.mla``); the split count is the caller's, else FlashAttention-2's
 wave-efficiency heuristic over the SM count.
+
+FP8 latent cache (FlashMLA's format, ``families.mla.fp8``): a ``torch.float8_e4m3fn`` (as
+FlashMLA allocates it) or ``torch.uint8`` cache whose last dim is 656 bytes per token (512
+e4m3 values, 4 float32 scales, 64 bf16 RoPE values) beside bf16 q; the kernel dequantises
+it on chip, and the plan is the problem ``mla_d64_bf16-e4m3-bf16``. ``quantize_mla_latent``
+writes such rows from a bf16 latent.
 """
 
 from __future__ import annotations
@@ -23,13 +29,15 @@ from flashtune.errors import InvalidInput
 from flashtune.families.decode import NOMINAL_SMS
 from flashtune.families.decode.splits import MAX_SPLITS, heuristic_splits
 from flashtune.families.decode.status import STATUS_WORDS, describe
-from flashtune.families.mla import ROPE_DIM
+from flashtune.families.mla import ROPE_DIM, fp8
 from flashtune.families.mla.args import mla_grid, pack_mla_args
 from flashtune.families.mla.space import NOPE_DIM
 from flashtune.runtime import plans
 
 #: The latent's width: DeepSeek's kv_lora_rank (512, also V) plus its RoPE dims (64).
 LATENT_DIM = NOPE_DIM + ROPE_DIM
+#: Bytes per token of an FP8 latent cache (FlashMLA's rows).
+FP8_ROW_BYTES = fp8.ROW_BYTES
 #: Keys per block the split heuristic counts in (the default tile's).
 _HEURISTIC_BLOCK_N = 32
 
@@ -38,11 +46,41 @@ def _shape(t: torch.Tensor) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
+def quantize_mla_latent(latent: torch.Tensor) -> torch.Tensor:
+    """FlashMLA's FP8 rows (..., 656) as ``torch.float8_e4m3fn`` of a bf16 latent (..., 576):
+    per 128 latent dims a power-of-two float32 scale (the smallest with amax <= 448 x
+    scale), the dims as e4m3 (round to nearest even), the 64 RoPE dims as bf16
+    (``families.mla.fp8``). A paged cache (num_pages, page_size, 1, 576) becomes one of
+    (num_pages, page_size, 1, 656)."""
+    return fp8.quantize_latent(latent)
+
+
+def is_latent_cache(k_cache: object) -> bool:
+    """Whether ``k_cache`` is a tensor of latent rows: 576 values, or 656 bytes of FP8 rows."""
+    return isinstance(k_cache, torch.Tensor) and k_cache.dim() > 0 and k_cache.shape[-1] == (
+        fp8.ROW_BYTES if fp8.is_fp8_cache(k_cache) else LATENT_DIM)
+
+
+def _check_fp8_cache(q: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """InvalidInput unless ``kv_cache`` (uint8 or float8_e4m3fn) is an FP8 latent cache of
+    656-byte rows beside a bf16 q."""
+    if q.dtype != torch.bfloat16:
+        raise InvalidInput(f"q has dtype {q.dtype} beside an FP8 latent cache ({kv_cache.dtype});"
+                           " expected torch.bfloat16 (the cache's RoPE part is bf16)")
+    if kv_cache.shape[-1] != fp8.ROW_BYTES:
+        raise InvalidInput(f"k_cache is an FP8 latent cache ({kv_cache.dtype}) of "
+                           f"{kv_cache.shape[-1]} bytes per token (shape {_shape(kv_cache)}); "
+                           f"expected {fp8.ROW_BYTES} (FlashMLA's rows: {fp8.NOPE} e4m3 values, "
+                           f"{fp8.SCALES} float32 scales, {fp8.ROPE} bf16 RoPE values; "
+                           "quantize_mla_latent writes them)")
+
+
 def check_mla_inputs(q: torch.Tensor, kv_cache: torch.Tensor, cache_seqlens: torch.Tensor,
                      block_table: torch.Tensor | None, head_dim_v: int) -> KvCacheLayout:
     """The call's sizes, or InvalidInput naming the argument, what it is and what is
     expected: q (B, Nq, Hq, 576) fp16/bf16; kv_cache (num_pages, page_size, 1, 576) with
-    ``block_table`` (B, max_pages) int32, or (B, max_len, 1, 576) without; cache_seqlens (B,)
+    ``block_table`` (B, max_pages) int32, or (B, max_len, 1, 576) without, of q's dtype, or
+    FP8 rows (..., 1, 656) of float8_e4m3fn or uint8 beside a bf16 q; cache_seqlens (B,)
     int32; head_dim_v 512; last dims contiguous, every tensor on q's device."""
     if head_dim_v != NOPE_DIM:
         raise InvalidInput(f"head_dim_v={head_dim_v}; the MLA kernel takes V as the first "
@@ -59,21 +97,26 @@ def check_mla_inputs(q: torch.Tensor, kv_cache: torch.Tensor, cache_seqlens: tor
             raise InvalidInput(f"{name} is on {t.device} but q is on {q.device}")
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise InvalidInput(f"q has dtype {q.dtype}; expected torch.float16 or torch.bfloat16")
-    if kv_cache.dtype != q.dtype:
-        raise InvalidInput(f"k_cache has dtype {kv_cache.dtype}; expected {q.dtype} (q's)")
+    fp8_cache = fp8.is_fp8_cache(kv_cache)
+    if fp8_cache:
+        _check_fp8_cache(q, kv_cache)
+    elif kv_cache.dtype != q.dtype:
+        raise InvalidInput(f"k_cache has dtype {kv_cache.dtype}; expected {q.dtype} (q's), "
+                           f"or an FP8 latent cache: torch.float8_e4m3fn or torch.uint8 rows "
+                           f"of {fp8.ROW_BYTES} bytes beside a bf16 q")
     for name, t in (("cache_seqlens", cache_seqlens), ("block_table", block_table)):
         if t is not None and t.dtype != torch.int32:
             raise InvalidInput(f"{name} has dtype {t.dtype}; expected torch.int32")
     batch, seqlen_q, heads_q, width = q.shape
     n0, n1, heads_kv, latent = kv_cache.shape
-    if latent != LATENT_DIM or width != LATENT_DIM:
+    if (fp8.ROW_BYTES if fp8_cache else LATENT_DIM) != latent or width != LATENT_DIM:
         raise InvalidInput(f"the latent is {latent} wide in k_cache and {width} in q; expected "
                            f"{LATENT_DIM} ({NOPE_DIM} latent dims, also V, + {ROPE_DIM} RoPE "
                            "dims: DeepSeek's absorbed MLA)")
     if heads_kv != 1:
         raise InvalidInput(f"k_cache has {heads_kv} heads (shape {_shape(kv_cache)}); MLA has "
                            f"one latent head shared by all query heads: expected (num_pages, "
-                           f"page_size, 1, {LATENT_DIM})")
+                           f"page_size, 1, {latent})")
     if min(q.shape) < 1 or min(kv_cache.shape) < 1:
         raise InvalidInput(f"q {_shape(q)} or k_cache {_shape(kv_cache)} is empty")
     if tuple(cache_seqlens.shape) != (batch,):
@@ -85,10 +128,11 @@ def check_mla_inputs(q: torch.Tensor, kv_cache: torch.Tensor, cache_seqlens: tor
         raise InvalidInput(f"block_table has shape {_shape(block_table)}; expected ({batch}, "
                            "max_pages)")
     for name, t in (("q", q), ("k_cache", kv_cache)):
-        if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+        step = 16 // t.element_size()  # the kernel copies 16-byte chunks
+        if t.stride(-1) != 1 or any(s % step for s in t.stride()[:-1]) or t.data_ptr() % 16:
             raise InvalidInput(f"{name} has strides {t.stride()}; expected a contiguous last "
-                               "dim, other strides multiples of 8 and a 16-byte aligned start "
-                               "(pass .contiguous())")
+                               f"dim, other strides multiples of {step} and a 16-byte aligned "
+                               "start (pass .contiguous())")
     max_pages = 1 if block_table is None else block_table.shape[1]
     return KvCacheLayout(batch, seqlen_q, heads_q, 1, LATENT_DIM, block_table is not None, n1,
                          max_pages, n0, 0)
@@ -110,6 +154,11 @@ def mla_with_kvcache(q: torch.Tensor, kv_cache: torch.Tensor, cache_seqlens: tor
     j <= i + cache_seqlens[b] - Nq (speculative decoding's rows); a row that sees no key gets
     O = 0 and LSE = +inf. ``num_splits`` (1 to 128; None: the heuristic).
 
+    An FP8 latent cache (FlashMLA's format: float8_e4m3fn or uint8, last dim 656 bytes per
+    token, with a bf16 q; ``quantize_mla_latent``) is dequantised on chip: latent dim d is
+    e4m3(d) x scale[d // 128] rounded to bf16 (exact for power-of-two scales), the RoPE
+    dims as stored.
+
     Bad cache lengths and block-table entries are refused (InvalidInput) before the launch
     on the emulator and on the GPU with FLASHTUNE_CHECK_INPUTS=1; otherwise the kernel never
     follows them and stops with a trap."""
@@ -119,7 +168,9 @@ def mla_with_kvcache(q: torch.Tensor, kv_cache: torch.Tensor, cache_seqlens: tor
     scale = LATENT_DIM ** -0.5 if softmax_scale is None else float(softmax_scale)
     name = backend or settings.BACKEND.get()
     # The plan is the MLA problem's: its head dim is the RoPE width (the last ROPE_DIM dims).
-    plan = plans.plan_for(q[..., NOPE_DIM:], causal, name, "mla", (), layout.capacity)
+    kv_dtype = torch.float8_e4m3fn if fp8.is_fp8_cache(kv_cache) else None
+    plan = plans.plan_for(q[..., NOPE_DIM:], causal, name, "mla", (), layout.capacity,
+                          kv_dtype=kv_dtype)
     config = plan.source.config
     batch, seqlen_q, heads_q, _ = q.shape
     splits = num_splits or heuristic_splits(

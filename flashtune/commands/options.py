@@ -26,7 +26,8 @@ DTypeOpt = Annotated[DType, typer.Option("--dtype", case_sensitive=False,
 InputDTypeOpt = Annotated[str | None, typer.Option(
     "--input-dtype", metavar="TYPE",
     help="Q, K and V's type for a family whose inputs differ from O's (--op fwd8: e4m3, "
-         "the default, or e5m2); --dtype is then O's type.")]
+         "the default, or e5m2; --op mla: e4m3, the FP8 latent cache beside bf16 Q and O); "
+         "--dtype is then O's type.")]
 Causal = Annotated[bool, typer.Option("--causal/--no-causal", help="Causal masking.")]
 ConfigKey = Annotated[str | None, typer.Option(
     "--config", help="Config key, e.g. m128_n64_w4_s2 (fields below override it).")]
@@ -49,8 +50,9 @@ def problem_dtypes(family: KernelFamily, dtype: DType, input_dtype: str | None =
     """The Problem fields (dtype, kv_dtype, o_dtype) of ``--dtype`` and ``--input-dtype``
     for ``family``: ``dtype`` is every operand's type, or O's for a family whose inputs have
     another type (the FP8 forward: ``--op fwd8 --dtype bf16`` is e4m3 Q, K, V with a bf16
-    O, ``--input-dtype e5m2`` makes them e5m2). BadParameter naming the family's choices
-    for a pair it does not take."""
+    O, ``--input-dtype e5m2`` makes them e5m2; for a family whose Q is O's type, the type
+    names the K/V cache's: ``--op mla --dtype bf16 --input-dtype e4m3``). BadParameter
+    naming the family's choices for a pair it does not take."""
     if input_dtype is None or input_dtype.lower() == dtype.value:
         if Dtypes.same(dtype) in family.dtypes or input_dtype is not None:
             return {"dtype": dtype.value}
@@ -62,9 +64,9 @@ def problem_dtypes(family: KernelFamily, dtype: DType, input_dtype: str | None =
             return {"dtype": dtype.value}
         input_dtype = str(mixed[0].q.value)
     for d in family.dtypes:
-        if d.o is dtype and str(d.q.value) == input_dtype.lower():
+        if d.o is dtype and input_dtype.lower() in (str(d.q.value), str(d.kv.value)):
             return {"dtype": d.q.value, "kv_dtype": d.kv.value, "o_dtype": d.o.value}
-    taken = sorted({str(d.q.value) for d in family.dtypes if d.o is dtype})
+    taken = sorted({str(d.kv.value) for d in family.dtypes if d.o is dtype})
     raise typer.BadParameter(
         f"{input_dtype!r} with O in {dtype.value}: the {family.op!r} family takes "
         f"{', '.join(taken) or 'no inputs with that O type'}", param_hint="--input-dtype")

@@ -43,6 +43,7 @@ from typing import Any
 from flashtune import families, settings
 from flashtune._version import __version__
 from flashtune.codegen.arch import compile_target, device_arch, get_arch
+from flashtune.codegen.dtypes import Dtypes
 from flashtune.codegen.spec import (
     COMPILED_HEAD_DIMS,
     MAX_SEQ_BUCKET,
@@ -389,7 +390,8 @@ def all_problems(head_dims: Iterable[int] = COMPILED_HEAD_DIMS,
     """Every Problem of the given families (default: the forward), head dims, dtypes and
     masks; a family without a mask (the backward's row kernels) serves a causal call with
     its causal=False problem. ``dtypes`` are O's types: a family whose inputs have other
-    types (the FP8 forward) gives a problem for each input type it declares beside them."""
+    types (the FP8 forward, MLA's FP8 cache) gives a problem for each input type it declares
+    beside them (and the uniform one where it takes it too)."""
     masks = tuple(causal)
     kinds = tuple(dtypes)
     found: dict[str, Problem] = {}
@@ -398,7 +400,9 @@ def all_problems(head_dims: Iterable[int] = COMPILED_HEAD_DIMS,
         for d, t, c in itertools.product(head_dims, kinds, masks):
             # O's type t; a family with inputs of other types (FP8) takes each it declares
             inputs = sorted((x for x in family.dtypes if x.o is t and not x.uniform), key=str)
-            for q, kv in [(x.q, x.kv) for x in inputs] or [(t, t)]:
+            # ... and the uniform one where it also takes that (MLA: a 16-bit or FP8 cache)
+            uniform = [(t, t)] if not inputs or Dtypes.same(t) in family.dtypes else []
+            for q, kv in uniform + [(x.q, x.kv) for x in inputs]:
                 for problem in (Problem(head_dim=d, dtype=q, causal=c, op=op, kv_dtype=kv,
                                         o_dtype=t),
                                 Problem(head_dim=d, dtype=q, causal=False, op=op,

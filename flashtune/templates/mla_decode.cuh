@@ -32,6 +32,10 @@
 // j <= i + cache_len - seqlen_q (bottom-right aligned; the query rows' own keys are already
 // in the cache).
 //
+// FP8 latent cache (Fp8Cache, FlashMLA's 656-byte rows, mla_fp8.cuh): the pipeline's
+// cp.async stages hold raw rows (each cache byte read once per row block), and each step
+// first dequantises its stage into the one 16-bit latent tile; the rest is unchanged.
+//
 // Partial outputs (contiguous float32): o_part (num_splits, batch, heads_q, seqlen_q, 512),
 // normalised within the split; lse_part (num_splits, batch, heads_q, seqlen_q), natural log;
 // -inf (and O = 0) for a row that sees no key of the split (weight 0 in the combine).
@@ -43,20 +47,44 @@
 #pragma once
 
 #include "decode_split.cuh"
+#include "mla_fp8.cuh"
 
 namespace ft {
 
+// The element type of the cache: Element, or the bytes of FlashMLA's FP8 rows (mla_fp8.cuh).
+template <typename Element, bool Fp8Cache>
+struct MlaCacheType {
+  using Type = Element;
+};
+template <typename Element>
+struct MlaCacheType<Element, true> {
+  using Type = unsigned char;
+};
+template <typename Element>
+struct MlaIsBf16 {
+  static constexpr bool kValue = false;
+};
+template <>
+struct MlaIsBf16<__nv_bfloat16> {
+  static constexpr bool kValue = true;
+};
+
 // One variant of the MLA decoding kernel. Shared memory (bytes, in order; the total must
 // equal flashtune.families.mla.space.smem_bytes, which the template asserts):
-//   Q: BlockM rows | latent: NumStages x BlockN rows (rows of kLatentDim + 8 elements: the
-//   forward's padding, so the 8 rows of an ldmatrix phase fall in distinct banks) |
+//   Q: BlockM rows | latent: kLatentTiles x BlockN rows (rows of kLatentDim + 8 elements:
+//   the forward's padding, so the 8 rows of an ldmatrix phase fall in distinct banks) |
+//   raw FP8 rows (Fp8Cache only): NumStages x BlockN rows of 656 bytes |
 //   S: BlockM x (BlockN + 4) float | P: BlockM x (BlockN + 8) elements |
 //   row factors: BlockM float | row sums: BlockM float | flags: 16 bytes.
+// Fp8Cache: the cache holds FlashMLA's FP8 rows; the pipeline's NumStages buffers are raw
+// rows, each dequantised into the one latent tile when its step comes (kLatentTiles = 1).
 template <typename Element_, int RopeDim, int BlockM, int BlockN, int RowWarps, int ColWarps,
-          int NumStages, bool Causal>
+          int NumStages, bool Causal, bool Fp8Cache = false>
 struct MlaTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
+  using CacheElement = typename MlaCacheType<Element, Fp8Cache>::Type;
+  static constexpr bool kFp8Cache = Fp8Cache;
 
   static constexpr int kNopeDim = 512;
   static constexpr int kLatentDim = kNopeDim + RopeDim;
@@ -95,8 +123,11 @@ struct MlaTraits {
 
   static constexpr int kQBytes = BlockM * kRowStride * 2;
   static constexpr int kTileElems = BlockN * kRowStride;
+  static constexpr int kLatentTiles = Fp8Cache ? 1 : NumStages;
+  static constexpr int kRawStageBytes = Fp8Cache ? BlockN * MlaFp8Row::kBytes : 0;
   static constexpr int kLatentOffsetBytes = kQBytes;
-  static constexpr int kSOffsetBytes = kLatentOffsetBytes + NumStages * kTileElems * 2;
+  static constexpr int kRawOffsetBytes = kLatentOffsetBytes + kLatentTiles * kTileElems * 2;
+  static constexpr int kSOffsetBytes = kRawOffsetBytes + NumStages * kRawStageBytes;
   static constexpr int kPOffsetBytes = kSOffsetBytes + BlockM * kSStride * 4;
   static constexpr int kFactorOffsetBytes = kPOffsetBytes + BlockM * kPStride * 2;
   static constexpr int kSumOffsetBytes = kFactorOffsetBytes + BlockM * 4;
@@ -108,6 +139,10 @@ struct MlaTraits {
   static constexpr int kPipelineWait = NumStages >= 2 ? NumStages - 2 : 0;
 
   static_assert(sizeof(Element) == 2, "elements are 16-bit (fp16 or bf16)");
+  static_assert(!Fp8Cache || (MlaIsBf16<Element>::kValue && RopeDim * 2 ==
+                                  MlaFp8Row::kBytes - MlaFp8Row::kRopeOffset),
+                "an FP8 latent cache serves bf16 queries (its RoPE part is bf16) and 64 "
+                "RoPE dims (FlashMLA's row)");
   static_assert(RopeDim % 16 == 0 && RopeDim >= 16, "the RoPE part comes in k16 steps");
   static_assert(BlockM % (16 * RowWarps) == 0, "each row warp owns whole m16 tiles");
   static_assert(BlockN % (8 * ColWarps) == 0 && BlockN % 16 == 0,
@@ -117,7 +152,8 @@ struct MlaTraits {
   static_assert(kKeysPerThread % 2 == 0, "P is written in pairs");
   static_assert(BlockM * kThreadsPerRow % 32 == 0, "softmax threads fill whole warps");
   static_assert(NumStages >= 1 && NumStages <= 3, "1 to 3 latent buffers");
-  static_assert(kLatentOffsetBytes % 16 == 0 && kSOffsetBytes % 16 == 0 &&
+  static_assert(kLatentOffsetBytes % 16 == 0 && kRawOffsetBytes % 16 == 0 &&
+                    kSOffsetBytes % 16 == 0 &&
                     kPOffsetBytes % 16 == 0 && kFlagsOffsetBytes % 16 == 0,
                 "shared regions are 16-byte aligned");
 };
@@ -328,7 +364,7 @@ __device__ __forceinline__ void mla_accumulate(float (&acc)[Tr::kMTiles][Tr::kOT
 
 template <class Tr>
 __device__ void mla_decode(const typename Tr::Element* __restrict__ q,
-                           const typename Tr::Element* __restrict__ kv_cache,
+                           const typename Tr::CacheElement* __restrict__ kv_cache,
                            const int* __restrict__ block_table,
                            const int* __restrict__ cache_seqlens, float* __restrict__ o_part,
                            float* __restrict__ lse_part, int* status, int seqlen_q,
@@ -398,6 +434,7 @@ __device__ void mla_decode(const typename Tr::Element* __restrict__ q,
 
   Element* const sq = reinterpret_cast<Element*>(smem);
   Element* const sl = reinterpret_cast<Element*>(smem + Tr::kLatentOffsetBytes);
+  unsigned char* const raw = smem + Tr::kRawOffsetBytes;  // FP8 rows (Fp8Cache only)
   float* const ss = reinterpret_cast<float*>(smem + Tr::kSOffsetBytes);
   Element* const sp = reinterpret_cast<Element*>(smem + Tr::kPOffsetBytes);
   float* const factors = reinterpret_cast<float*>(smem + Tr::kFactorOffsetBytes);
@@ -408,9 +445,15 @@ __device__ void mla_decode(const typename Tr::Element* __restrict__ q,
   // empty group, which keeps the wait counts uniform.
   auto load = [&](int step) {
     if (step < n_tiles) {
-      mla_load_tile<Tr>(sl + (step % kStages) * Tr::kTileElems, kv_cache, pages, batch,
-                        kv_page_stride, kv_row_stride, page_size, key_begin + step * kBlockN,
-                        key_end, tid);
+      if constexpr (Tr::kFp8Cache) {
+        mla_load_fp8_rows<Tr>(raw + (step % kStages) * Tr::kRawStageBytes, kv_cache, pages,
+                              batch, kv_page_stride, kv_row_stride, page_size,
+                              key_begin + step * kBlockN, key_end, tid);
+      } else {
+        mla_load_tile<Tr>(sl + (step % kStages) * Tr::kTileElems, kv_cache, pages, batch,
+                          kv_page_stride, kv_row_stride, page_size,
+                          key_begin + step * kBlockN, key_end, tid);
+      }
     }
     cp_async_commit();
   };
@@ -444,12 +487,17 @@ __device__ void mla_decode(const typename Tr::Element* __restrict__ q,
 
   for (int j = 0; j < n_tiles; ++j) {
     const int key0 = key_begin + j * kBlockN;
-    const Element* const tile = sl + (j % kStages) * Tr::kTileElems;
     // L_j has landed for every thread; every warp is done with step j-1 (whose buffer the
-    // next load refills, with two or more stages).
+    // next load refills, with two or more stages, and whose latent tile an FP8 cache's
+    // dequantisation overwrites).
     cp_async_wait<Tr::kPipelineWait>();
     block_sync();
     if constexpr (kStages >= 2) load(j + kStages - 1);
+    const Element* const tile = sl + (j % Tr::kLatentTiles) * Tr::kTileElems;
+    if constexpr (Tr::kFp8Cache) {
+      mla_dequantise_tile<Tr>(sl, raw + (j % kStages) * Tr::kRawStageBytes, tid);
+      block_sync();  // the dequantised tile is complete
+    }
 
     mla_scores<Tr>(ss, sq, tile, wr, wc, lane);
     block_sync();  // S complete

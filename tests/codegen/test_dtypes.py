@@ -109,15 +109,18 @@ def test_every_family_declares_its_dtypes_and_refuses_others_by_name() -> None:
 
 def test_the_builtin_families_take_one_16_bit_type_for_every_operand() -> None:
     """... but the FP8 forwards (mma.sync and sm_90a wgmma) and backward, which take e4m3 or
-    e5m2 inputs and a 16-bit O (dO, dK, dV), and decoding over an e4m3 KV cache (q and O of
-    one 16-bit type)."""
+    e5m2 inputs and a 16-bit O (dO, dK, dV), decoding over an e4m3 KV cache (q and O of
+    one 16-bit type), and MLA decoding, which also takes an e4m3 latent cache beside bf16 Q
+    and O."""
     from flashtune.codegen.dtypes import FP8_INPUTS
     from flashtune.families.decode.fp8 import E4M3_CACHE
+    from flashtune.families.mla import FP8_CACHE
 
     special = {"decode8": E4M3_CACHE}
     for family in families.all_families():
         fp8 = family.op in ("fwd8", "fwd890a", "bwd8", "bwd8det")
-        want = special.get(family.op, FP8_INPUTS if fp8 else SAME_16BIT)
+        extra = {FP8_CACHE} if family.op == "mla" else set()
+        want = special.get(family.op, FP8_INPUTS if fp8 else SAME_16BIT | extra)
         assert family.dtypes == want, family.op
     with pytest.raises(InvalidProblem, match=r"it takes: bf16, fp16 \(one word"):
         families.get("fwd").check_problem(Problem(128, DType.BF16, kv_dtype=DType.FP16))

@@ -1,6 +1,7 @@
 """The MLA decode tests' grid and runner: one case is a dtype, page size (None: unpaged),
 query rows (2 rows: causal among them), query heads and split count over three sequences of
-uneven cache lengths, one of them empty."""
+uneven cache lengths, one of them empty; ``fp8_cache``: bf16 queries over FlashMLA's FP8
+latent cache (``FP8_GRID``, ``fp8_sample``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 from flashtune import families
 from flashtune.codegen.arch import get_arch
+from flashtune.codegen.dtypes import Fp8Type
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.families.base import Inputs, Tensors
 from flashtune.families.decode import DecodeCase
@@ -36,11 +38,14 @@ class MlaCase:
     seqlen_q: int
     heads: int
     num_splits: int
+    fp8_cache: bool = False
 
     @property
     def key(self) -> str:
         page = "unpaged" if self.page_size is None else f"page{self.page_size}"
-        return f"{self.dtype.value}-{page}-q{self.seqlen_q}-h{self.heads}-s{self.num_splits}"
+        kv = "-e4m3" if self.fp8_cache else ""
+        return (f"{self.dtype.value}{kv}-{page}-q{self.seqlen_q}-h{self.heads}-"
+                f"s{self.num_splits}")
 
     @property
     def causal(self) -> bool:
@@ -48,7 +53,8 @@ class MlaCase:
 
     @property
     def problem(self) -> Problem:
-        return Problem(ROPE_DIM, self.dtype, causal=self.causal, op="mla")
+        return Problem(ROPE_DIM, self.dtype, causal=self.causal, op="mla",
+                       kv_dtype=Fp8Type.E4M3 if self.fp8_cache else None)
 
     @property
     def shape(self) -> Shape:
@@ -62,6 +68,9 @@ class MlaCase:
 
 GRID = tuple(MlaCase(*c) for c in itertools.product(DTYPES, PAGE_SIZES, SEQLEN_Q, HEADS,
                                                     SPLITS))
+#: The FP8 latent cache's grid: bf16 queries (the format's RoPE part is bf16).
+FP8_GRID = tuple(MlaCase(DType.BF16, *c, fp8_cache=True)
+                 for c in itertools.product(PAGE_SIZES, SEQLEN_Q, HEADS, SPLITS))
 
 
 def sample(seed: int) -> list[MlaCase]:
@@ -77,6 +86,12 @@ def sample(seed: int) -> list[MlaCase]:
         rng.shuffle(values)
     return [MlaCase(rng.choice(DTYPES), p, r, h, s)
             for p, r, h, s in zip(pages, rows, heads, splits, strict=True)]
+
+
+def fp8_sample(seed: int) -> list[MlaCase]:
+    """``sample``'s page sizes, rows, heads and splits over an FP8 latent cache (bf16)."""
+    return [MlaCase(DType.BF16, c.page_size, c.seqlen_q, c.heads, c.num_splits, True)
+            for c in sample(seed)]
 
 
 def run_case(case: MlaCase, seed: str, config: KernelConfig | None = None

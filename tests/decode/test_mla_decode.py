@@ -5,7 +5,12 @@ it (a sequence with an empty cache: O = 0, LSE = +inf), and each split's partial
 match the family's own float64 reference. Outputs are poisoned with NaN before each run;
 cache rows no sequence may read hold NaN. A seeded sample by default (page sizes none, 1, 3,
 16, 64; 1 and 2 query rows, causal among 2; 16 and 32 heads; 1 and 3 splits), the grid
-(page sizes 100 and 256, up to 128 heads, both dtypes) behind the sweep marker."""
+(page sizes 100 and 256, up to 128 heads, both dtypes) behind the sweep marker.
+
+An FP8 latent cache (test_mla_fp8.py runs ``check_case`` on it) is dequantised here from
+its bytes (``dequantise_rows``: the e4m3 code decoded from its bits, the product with the
+float32 scale exact in float64, rounded to float32 then to bf16: the kernel's documented
+order) before the same float64 attention."""
 
 from __future__ import annotations
 
@@ -42,6 +47,28 @@ def dense_reference(q: torch.Tensor, latent: torch.Tensor, scale: float, causal:
     return o, lse.where(seen, float("inf"))
 
 
+def e4m3_value(code: torch.Tensor) -> torch.Tensor:
+    """The float64 value of e4m3 codes (uint8) from their bits: sign, 4 exponent bits (bias
+    7, 0 for subnormals), 3 mantissa bits; S.1111.111 is NaN."""
+    code = code.to(torch.int64)
+    e, m = (code >> 3) & 15, code & 7
+    significand = torch.where(e > 0, 8 + m, m).to(torch.float64)
+    mag = significand * torch.pow(2.0, (e.clamp(min=1) - 10).to(torch.float64))
+    value = torch.where(code & 0x80 != 0, -mag, mag)
+    return torch.where((e == 15) & (m == 7), float("nan"), value)
+
+
+def dequantise_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The bf16 latent (n, 576), as float64, of FP8 rows (n, 656): 512 e4m3 codes, 4 float32
+    scales (one per 128 codes), 64 bf16 RoPE values."""
+    raw = rows.view(torch.uint8)
+    scales = raw[:, 512:528].contiguous().view(torch.float32).to(torch.float64)
+    exact = e4m3_value(raw[:, :512]) * scales.repeat_interleave(128, dim=1)
+    nope = exact.to(torch.float32).to(torch.bfloat16)
+    rope = raw[:, 528:].contiguous().view(torch.bfloat16)
+    return torch.cat((nope, rope), dim=1).to(torch.float64)
+
+
 def merge(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The splits of one sequence merged in float64: o_part (splits, heads, seqlen_q, 512),
     lse_part (splits, heads, seqlen_q) -> O (seqlen_q, heads, 512), LSE (heads, seqlen_q)."""
@@ -66,6 +93,9 @@ def check_case(case: MlaCase) -> None:
             latent = cache[b, pos, 0]
         else:
             latent = cache[table[b, pos // cache.shape[1]].long(), pos % cache.shape[1], 0]
+        if case.fp8_cache:
+            assert latent.shape[-1] == 656
+            latent = dequantise_rows(latent)
         want_o, want_lse = dense_reference(t["q"][b], latent, inputs.scalars["softmax_scale"],
                                            case.causal)
         got_o, got_lse = merge(outputs["o_part"][:, b], outputs["lse_part"][:, b])

@@ -8,17 +8,22 @@ V: per token one latent row of 512 + head_dim values shared by every query head;
 (batch, seqlen_q, heads_q, 576), outputs 512 wide. A call's sizes beyond its Shape (page
 size, per-sequence cache lengths, split count) are a decode ``DecodeCase`` without appended
 rows; ``Shape.heads_kv`` is 1 and ``Shape.seqlen_k`` the cache capacity per sequence.
+
+The latent cache is 16-bit like q (``mla_d64_bf16``), or FlashMLA's FP8 rows (``fp8``: 512
+e4m3 values, 4 float32 scales, 64 bf16 RoPE values per token) beside bf16 queries and
+outputs, the problem ``Problem(64, "bf16", kv_dtype="e4m3", op="mla")`` (key
+``mla_d64_bf16-e4m3-bf16``), dequantised on chip into the bf16 tile the kernel reads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from flashtune._lazy import lazy_module
-from flashtune.codegen.abi import EntryAbi
+from flashtune.codegen.abi import OPERAND_ALIASES, Element, EntryAbi
 from flashtune.codegen.arch import ArchSpec
-from flashtune.codegen.dtypes import SAME_16BIT
+from flashtune.codegen.dtypes import SAME_16BIT, DType, Dtypes, Fp8Type
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
@@ -30,14 +35,13 @@ from flashtune.families.base import (
     Tensors,
     Verdict,
     compare_outputs,
-    element_params,
     generator,
 )
 from flashtune.families.checks import o_and_lse_checks
 from flashtune.families.decode import device_sms, nominal_splits
 from flashtune.families.decode.inputs import DecodeCase, draw_case
 from flashtune.families.decode.status import STATUS_WORDS, describe
-from flashtune.families.mla import space
+from flashtune.families.mla import fp8, space
 from flashtune.families.mla.args import MLA_ABI, mla_grid, pack_mla_args
 from flashtune.families.mla.inputs import make_inputs, mla_reference
 
@@ -57,6 +61,10 @@ TUNING_BATCH_HEADS = ((1, 16), (16, 16), (64, 16), (16, 128))
 TUNING_TOKENS = 1 << 20
 #: The cache length a tuning candidate is verified on (at most).
 VERIFY_CACHE = 300
+#: bf16 queries and outputs over FlashMLA's FP8 latent cache (its RoPE part is bf16).
+FP8_CACHE = Dtypes(DType.BF16, Fp8Type.E4M3, DType.BF16)
+#: The template's alias of the cache's element type (Element, or bytes of FP8 rows).
+MLA_ALIASES: Mapping[Element, str] = {**OPERAND_ALIASES, Element.KV: "CacheElement"}
 
 
 class MlaFamily(KernelFamily):
@@ -65,8 +73,9 @@ class MlaFamily(KernelFamily):
     op = "mla"
     title = "MLA decoding: query heads x 576 against one shared latent cache (partial O, LSE)"
     template = "mla_decode.cu.jinja"
-    dtypes = SAME_16BIT
+    dtypes = SAME_16BIT | {FP8_CACHE}
     abi: ClassVar[EntryAbi | None] = MLA_ABI
+    abi_aliases: ClassVar[Mapping[Element, str]] = MLA_ALIASES
 
     def check_problem(self, problem: Problem) -> None:
         """Also: head_dim is the RoPE width, ROPE_DIM."""
@@ -130,7 +139,9 @@ class MlaFamily(KernelFamily):
 
     def template_params(self, problem: Problem, config: KernelConfig
                         ) -> dict[str, TemplateValue]:
-        return {"rope_dim": problem.head_dim, **element_params(problem),
+        q = problem.dtypes.q
+        return {"rope_dim": problem.head_dim, "element": q.element.cpp,
+                "element_ptx": q.element.ptx, "fp8_cache": space.fp8_cache(problem),
                 "causal": problem.causal, "block_m": config.block_m,
                 "block_n": config.block_n, "row_warps": config.num_warps,
                 "col_warps": space.col_warps(config), "num_stages": config.num_stages}
@@ -196,11 +207,12 @@ class MlaFamily(KernelFamily):
                 * (space.latent_dim(problem) + space.NOPE_DIM))
 
     def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
-        """The latent cache read once per sequence, Q read, O (the input type) and the
-        float32 LSE written, at the full capacity."""
+        """The latent cache read once per sequence (its 16-bit rows, or 656-byte FP8 rows),
+        Q read, O (Q's type) and the float32 LSE written, at the full capacity."""
         e, width = problem.dtype.itemsize, space.latent_dim(problem)
+        row = fp8.ROW_BYTES if space.fp8_cache(problem) else width * e
         q_rows = shape.batch * shape.heads_q * shape.seqlen_q
-        return float(shape.batch * shape.seqlen_k * width * e + q_rows * width * e
+        return float(shape.batch * shape.seqlen_k * row + q_rows * width * e
                      + q_rows * (space.NOPE_DIM * e + 4))
 
 

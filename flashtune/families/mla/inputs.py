@@ -7,6 +7,13 @@ are already in the cache. Latent rows that no sequence may read (past its length
 spare pages no block table names) hold NaN, so a kernel that reads one fails verification;
 block-table slots a sequence does not use hold -1.
 
+FP8 latent cache (``space.fp8_cache``, FlashMLA's 656-byte rows, ``mla.fp8``): a random bf16
+latent quantised by ``fp8.quantize_latent``, then each group's scale multiplied by a factor
+drawn from [0.75, 1.25) in 1 of 2 groups (so the kernel's float32 product and bf16 rounding
+are exercised, not only exact power-of-two scales); unreadable rows hold NaN codes (0x7F),
+NaN scales and NaN RoPE values. The reference dequantises the rows as the kernel does
+(``fp8.dequantize_latent``), then computes in float64.
+
 Reference, from the definition: sequence b's keys are its first cache_seqlens[b] latent
 rows (through the block table when paged: position j is row j % page_size of page
 block_table[b, j // page_size]); scores = q . latent * scale over all 512 + RoPE dims, V =
@@ -26,7 +33,8 @@ from flashtune.families.base import Inputs, torch_dtype
 from flashtune.families.decode.inputs import SPARE_PAGES, DecodeCase
 from flashtune.families.decode.reference import partial_attention
 from flashtune.families.decode.splits import split_range
-from flashtune.families.mla.space import NOPE_DIM, latent_dim
+from flashtune.families.mla import fp8
+from flashtune.families.mla.space import NOPE_DIM, fp8_cache, latent_dim
 
 if TYPE_CHECKING:
     import torch
@@ -66,15 +74,42 @@ def make_inputs(problem: Problem, shape: Shape, case: DecodeCase, device: torch.
                 live[int(table[i, s])] = positions[s] < int(ends[i])
         pool = torch.randn(num_pages, page, 1, width, generator=gen, device=device)
         tensors["block_table"] = table.contiguous()
-    tensors["kv_cache"] = pool.masked_fill(~live[..., None, None], float("nan")).to(dt)
+    if fp8_cache(problem):
+        tensors["kv_cache"] = _fp8_pool(pool, live, gen)
+    else:
+        tensors["kv_cache"] = pool.masked_fill(~live[..., None, None], float("nan")).to(dt)
     tensors["cache_seqlens"] = ends.to(torch.int32)
     return Inputs(tensors, {"softmax_scale": width ** -0.5, "num_splits": case.num_splits})
 
 
+def _fp8_pool(pool: torch.Tensor, live: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """FP8 rows (..., 656) of the float32 latent pool (..., 576): quantised, half the scales
+    moved off powers of two, rows where ``live`` is False poisoned with NaN."""
+    raw = fp8.quantize_latent(pool.to(torch.bfloat16)).view(torch.uint8).clone()
+    scales = raw[..., fp8.SCALE_OFFSET:fp8.ROPE_OFFSET].contiguous().view(torch.float32)
+    factor = 0.75 + 0.5 * torch.rand(scales.shape, generator=gen, device=gen.device)
+    moved = torch.rand(scales.shape, generator=gen, device=gen.device) < 0.5
+    scales = torch.where(moved.to(scales.device), scales * factor.to(scales.device), scales)
+    raw[..., fp8.SCALE_OFFSET:fp8.ROPE_OFFSET] = scales.view(torch.uint8)
+    dead = ~live[..., None, None]
+    raw[..., : fp8.NOPE] = raw[..., : fp8.NOPE].masked_fill(dead, 0x7F)
+    nan_scale = torch.tensor([float("nan")], dtype=torch.float32).view(torch.uint8)
+    nan_rope = torch.tensor([float("nan")], dtype=torch.bfloat16).view(torch.uint8)
+    raw[..., fp8.SCALE_OFFSET:fp8.ROPE_OFFSET] = torch.where(
+        dead, nan_scale.repeat(fp8.SCALES).to(raw.device),
+        raw[..., fp8.SCALE_OFFSET:fp8.ROPE_OFFSET])
+    raw[..., fp8.ROPE_OFFSET:] = torch.where(
+        dead, nan_rope.repeat(fp8.ROPE).to(raw.device), raw[..., fp8.ROPE_OFFSET:])
+    return raw.view(torch.float8_e4m3fn)
+
+
 def sequence_latents(inputs: Inputs) -> list[torch.Tensor]:
-    """Per sequence, its latent rows (cache_len, latent) in float64."""
+    """Per sequence, its latent rows (cache_len, latent) in float64 (an FP8 cache's
+    dequantised as the kernel does)."""
     t = inputs.tensors
     cache, table = t["kv_cache"], t.get("block_table")
+    if fp8.is_fp8_cache(cache):
+        cache = fp8.dequantize_latent(cache)
     out = []
     for b, length in enumerate(t["cache_seqlens"].tolist()):
         positions = torch.arange(length, device=cache.device)

@@ -5,7 +5,8 @@ split's latent rows once, so a block that covers all of a sequence's packed rows
 latent byte once (the minimum). block_n: keys per latent tile; num_warps: row warps (each
 owns block_m / num_warps rows, in m16 slabs); ``colwarps``: warps that split O's 512
 columns (and the tile's keys in S = Q L^T), so a block has num_warps x colwarps warps;
-num_stages: latent tiles in shared memory (1: one buffer, refilled after each tile);
+num_stages: latent tiles in shared memory (1: one buffer, refilled after each tile; with an
+FP8 latent cache, buffers of raw FP8 rows beside one dequantised 16-bit tile);
 splits: the number of splits of each sequence's keys (0, the default: FlashAttention-2's
 heuristic at run time).
 """
@@ -16,6 +17,7 @@ from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import Param, ParamSpace
 from flashtune.codegen.spec import KernelConfig, Problem
 from flashtune.errors import InvalidConfig
+from flashtune.families.mla import fp8
 
 #: The latent's first NOPE_DIM values are also V (DeepSeek's kv_lora_rank).
 NOPE_DIM = 512
@@ -49,6 +51,9 @@ DEFAULTS: tuple[tuple[KernelConfig, str], ...] = (
      "64 packed rows (16 heads x 4 query rows, or 64 heads x 1: one latent read per "
      "split) on 4 x 2 warps (256 O columns, 136 accumulator registers per thread), "
      "32-key latent tiles in two buffers (160 KB)"),
+    (KernelConfig(64, 32, 4, 1, extras=((COL_WARPS, 2),)),
+     "64 packed rows on 4 x 2 warps as above, one buffer: an FP8 latent cache's raw rows "
+     "beside the dequantised tile fit sm_80's 163 KB (147,984 B)"),
     (KernelConfig(32, 32, 2, 1, extras=((COL_WARPS, 4),)),
      "32 packed rows on 2 x 4 warps (128 O columns each), one 32-key latent buffer: "
      "fits 99 KB of shared memory (sm_86, sm_89)"),
@@ -79,14 +84,21 @@ def threads(config: KernelConfig) -> int:
     return config.threads * max(col_warps(config), 1)
 
 
+def fp8_cache(problem: Problem) -> bool:
+    """Whether the problem's latent cache holds FlashMLA's FP8 rows (K/V type e4m3)."""
+    return problem.dtypes.fp8
+
+
 def smem_bytes(problem: Problem, config: KernelConfig) -> int:
-    """Q tile, num_stages latent tiles (padded rows), S (float32), P, two float32 words per
-    row (rescale factor, 1 / sum) and the 16-byte flag word (templates/mla_decode.cuh)."""
+    """Q tile, num_stages latent tiles (padded rows; with an FP8 cache one tile and
+    num_stages buffers of raw 656-byte rows), S (float32), P, two float32 words per row
+    (rescale factor, 1 / sum) and the 16-byte flag word (templates/mla_decode.cuh)."""
     e = problem.dtype.itemsize
     row = (latent_dim(problem) + ROW_PAD) * e
     m, n = config.block_m, config.block_n
-    return (row * (m + config.num_stages * n) + m * (n + 4) * 4 + m * (n + 8) * e + 8 * m
-            + 16)
+    tiles, raw = ((1, config.num_stages * n * fp8.ROW_BYTES) if fp8_cache(problem)
+                  else (config.num_stages, 0))
+    return (row * (m + tiles * n) + raw + m * (n + 4) * 4 + m * (n + 8) * e + 8 * m + 16)
 
 
 def accumulator_registers(config: KernelConfig) -> int:
