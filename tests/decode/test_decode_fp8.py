@@ -162,6 +162,22 @@ def test_the_reference_applies_both_descales() -> None:
 
 
 @pytest.mark.emulator
+def test_a_shared_prefix_page_is_dequantised_with_each_sequences_factors() -> None:
+    """Two sequences read one e4m3 page (a shared prefix, no rows appended) with different
+    descale factors: each sees it scaled by its own, as the reference does."""
+    case = Fp8Case(16, (8, 2), 1, False, False, 3, DType.BF16, FEATURES[0], seed=5)
+    inputs = inputs_of(case)
+    t = dict(inputs.tensors)
+    t["block_table"] = t["block_table"].clone()
+    t["block_table"][1, 0] = t["block_table"][0, 0]
+    t["cache_seqlens"] = torch.tensor([CAPACITY - 4, 40], dtype=torch.int32)
+    assert not torch.equal(t["k_descale"][0], t["k_descale"][1])
+    launch, _ = _run(case.problem(), case.shape(), Inputs(t, inputs.scalars))
+    verdict = launch.verdict()
+    assert verdict.ok, f"seed {SEED}: {verdict.message}"
+
+
+@pytest.mark.emulator
 def test_appended_rows_saturate_and_round_as_torch_converts() -> None:
     """New rows far beyond 448 * descale saturate to +-448 and tiny ones round to e4m3
     subnormals, both byte for byte as torch's (x / descale).clamp(-448, 448).to(e4m3) (the

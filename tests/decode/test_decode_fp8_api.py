@@ -38,17 +38,21 @@ def _call(inputs: Inputs, **kwargs: Any) -> Any:
 
 
 @pytest.mark.emulator
-@pytest.mark.parametrize("dtype, page, causal, splits", [
-    (DType.BF16, 16, True, 3), (DType.FP16, None, False, None), (DType.BF16, 100, False, 1)])
+@pytest.mark.parametrize("dtype, page, causal, splits, invariant", [
+    (DType.BF16, 16, True, 3, False), (DType.FP16, None, False, None, True),
+    (DType.BF16, 100, False, 1, False)])
 def test_fp8_cache_call_matches_float64_and_appends_quantised_rows(
-        dtype: DType, page: int | None, causal: bool, splits: int | None) -> None:
-    """Paged (16, 100) and unpaged, GQA group 4, three appended rows, the split mode's own
-    choice or fixed splits: O and the LSE against float64 of the dequantised caches, and
-    the caches after the call byte for byte (e4m3(x / descale) by torch)."""
-    print(f"seed={SEED} {dtype.value} page={page} causal={causal} splits={splits}")
+        dtype: DType, page: int | None, causal: bool, splits: int | None,
+        invariant: bool) -> None:
+    """Paged (16, 100) and unpaged, GQA group 4, three appended rows, fixed splits or the
+    batch-invariant split table: O and the LSE against float64 of the dequantised caches,
+    and the caches after the call byte for byte (e4m3(x / descale) by torch)."""
+    print(f"seed={SEED} {dtype.value} page={page} causal={causal} splits={splits} "
+          f"batch_invariant={invariant}")
     inputs = _inputs(dtype, DecodeCase(page, (147, 61), 3, splits or 1))
     want_caches = expected_e4m3_caches(inputs)
-    out, lse = _call(inputs, causal=causal, num_splits=splits, return_lse=True)
+    out, lse = _call(inputs, causal=causal, num_splits=splits, return_lse=True,
+                     batch_invariant=invariant)
     assert out.dtype == inputs.tensors["q"].dtype
     assert_close_to_float64(dequantised(inputs), causal, out, lse)
     for name, want in want_caches.items():

@@ -64,33 +64,15 @@ def _per_head(descale: torch.Tensor) -> torch.Tensor:
     return descale[:, None, :, None]
 
 
-def _cache_factor(t: Mapping[str, torch.Tensor], name: str, b: int | None = None
-                  ) -> torch.Tensor:
-    """The descale of every cache row of ``name`` (k or v): per batch entry's own page when
-    unpaged; a paged cache's pages take their sequence's factors through the block table
-    (float64, (pages, 1, heads_kv, 1); pages no sequence uses: 1)."""
-    scale = t[f"{name}_descale"].to(torch.float64)
-    cache = t[f"{name}_cache"]
-    if "block_table" not in t:
-        return _per_head(scale)
-    per_page = torch.ones(cache.shape[0], cache.shape[2], dtype=torch.float64,
-                          device=scale.device)
-    table = t["block_table"].long()
-    for seq in range(table.shape[0]):
-        pages = table[seq][table[seq] >= 0]
-        per_page[pages] = scale[seq]
-    return per_page[:, None, :, None]
-
-
 def dequantised(inputs: Inputs) -> Inputs:
-    """``inputs`` as the 16-bit reference reads them, in float64: the caches as drawn times
-    their descale factors, and the new rows as the kernel quantises them (``quantise_e4m3``),
-    dequantised."""
+    """``inputs`` as the 16-bit reference reads them, in float64: the caches as drawn (their
+    e4m3 values, exactly; the reference multiplies a sequence's rows by its own descale
+    factors, ``reference.sequence_keys``) and the new rows as the kernel quantises them
+    (``quantise_e4m3``), dequantised."""
     t = dict(inputs.tensors)
     out = dict(t)
     for name in ("k", "v"):
-        out[f"{name}_cache_before"] = (t[f"{name}_cache_before"].to(torch.float64)
-                                       * _cache_factor(t, name))
+        out[f"{name}_cache_before"] = t[f"{name}_cache_before"].to(torch.float64)
         if f"{name}_new" in t:
             scale = _per_head(t[f"{name}_descale"])
             out[f"{name}_new"] = (quantise_e4m3(t[f"{name}_new"], scale).to(torch.float64)

@@ -45,7 +45,9 @@ def _positions(t: dict[str, torch.Tensor], b: int, positions: torch.Tensor
 
 def sequence_keys(inputs: Inputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per sequence, its keys and values (total, heads_kv, dim) in float64, from the caches
-    as drawn (``*_before``) and the new rows."""
+    as drawn (``*_before``) and the new rows; an FP8 cache's rows times the sequence's own
+    descale factors (``k_descale``, ``v_descale``: (batch, heads_kv)), so a page two
+    sequences share is dequantised with each one's factors."""
     t = dict(inputs.tensors)
     out = []
     for b, length in enumerate(t["cache_seqlens"].tolist()):
@@ -53,6 +55,8 @@ def sequence_keys(inputs: Inputs) -> list[tuple[torch.Tensor, torch.Tensor]]:
         kv = []
         for name in ("k", "v"):
             cached = t[f"{name}_cache_before"][pages, rows].to(torch.float64)
+            if f"{name}_descale" in t:
+                cached = cached * t[f"{name}_descale"][b].to(torch.float64)[None, :, None]
             if f"{name}_new" in t:
                 cached = torch.cat([cached, t[f"{name}_new"][b].to(torch.float64)])
             kv.append(cached)
