@@ -22,9 +22,9 @@ CONFIGS = tuple(c for c in MLA.search_space(CASE.problem)
                 if config_splits(c) == 0 and MLA.rules(CASE.problem, c, get_arch("sm_90")) is None)
 
 
-def check_config(config: KernelConfig) -> None:
-    inputs, outputs, _, _ = run_case(CASE, f"{SEED}-{config.key()}", config)
-    verdict = MLA.compare(CASE.problem, CASE.shape, outputs, MLA.reference(CASE.problem,
+def check_config(config: KernelConfig, case: MlaCase = CASE) -> None:
+    inputs, outputs, _, _ = run_case(case, f"{SEED}-{case.key}-{config.key()}", config)
+    verdict = MLA.compare(case.problem, case.shape, outputs, MLA.reference(case.problem,
                                                                             inputs))
     assert verdict.ok, f"{config.key()}: {verdict.message}"
 

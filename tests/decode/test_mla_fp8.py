@@ -26,8 +26,9 @@ import random
 
 import pytest
 import torch
-from mla_cases import FP8_GRID, MlaCase, fp8_sample, run_case
+from mla_cases import FP8_GRID, MlaCase, fp8_sample
 from test_mla_bytes import check_bytes
+from test_mla_configs import check_config
 from test_mla_decode import check_case, dense_reference, dequantise_rows, e4m3_value
 
 import flashtune
@@ -65,26 +66,20 @@ FP8_CONFIGS = tuple(c for c in MLA.search_space(PROBLEM) if config_splits(c) == 
                     and MLA.rules(PROBLEM, c, get_arch("sm_90")) is None)
 
 
-def check_config(config: KernelConfig) -> None:
-    inputs, outputs, _, _ = run_case(CONFIG_CASE, f"{SEED}-fp8-{config.key()}", config)
-    problem = CONFIG_CASE.problem
-    verdict = MLA.compare(problem, CONFIG_CASE.shape, outputs, MLA.reference(problem, inputs))
-    assert verdict.ok, f"{config.key()}: {verdict.message}"
-
 
 @pytest.mark.emulator
 def test_fp8_cache_sm80_default_matches_float64() -> None:
     """sm_80's default (one buffer of raw rows: refilled after each step) on its own case."""
     config = MLA.default_config(PROBLEM, get_arch("sm_80"))
     assert config.num_stages == 1
-    check_config(config)
+    check_config(config, CONFIG_CASE)
 
 
 @pytest.mark.sweep
 @pytest.mark.emulator
 @pytest.mark.parametrize("config", FP8_CONFIGS, ids=lambda c: c.key())
 def test_fp8_cache_every_config_matches_float64(config: KernelConfig) -> None:
-    check_config(config)
+    check_config(config, CONFIG_CASE)
 
 
 @pytest.mark.emulator
