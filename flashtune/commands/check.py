@@ -34,6 +34,7 @@ from flashtune.commands.options import (
     ConfigKey,
     DTypeOpt,
     HeadDim,
+    HeadDimV,
     InputDTypeOpt,
     OpOpt,
     Stages,
@@ -110,6 +111,7 @@ def check_command(
     arch: Annotated[list[str] | None, typer.Option(
         "--arch", help=f"Target arch, repeatable (default {DEFAULT_ARCH}).")] = None,
     head_dim: HeadDim = 128,
+    head_dim_v: HeadDimV = None,
     dtype: DTypeOpt = DEFAULT_DTYPE,
     input_dtype: InputDTypeOpt = None,
     causal: Causal = False,
@@ -170,7 +172,7 @@ def check_command(
     from flashtune.runtime.backends.emulator import Schedule
 
     console = Console(width=max(Console().width, 110))
-    problem: Problem = parse_problem(op, head_dim, dtype, causal, input_dtype)
+    problem: Problem = parse_problem(op, head_dim, dtype, causal, input_dtype, head_dim_v)
     specs = list(dict.fromkeys(parse_arch(a) for a in (arch or [DEFAULT_ARCH])))
     choice = ConfigChoice(config, block_m, block_n, warps, stages)
     if schedule not in ("forward", "reverse", "both"):

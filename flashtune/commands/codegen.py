@@ -36,6 +36,7 @@ from flashtune.commands.options import (
     DTypeOpt,
     FixOpt,
     HeadDim,
+    HeadDimV,
     InputDTypeOpt,
     OpOpt,
     Stages,
@@ -119,9 +120,10 @@ def parse_fix(problem: Problem, texts: Sequence[str] | None) -> Fixed:
 
 
 def parse_problem(op: str, head_dim: int, dtype: DType, causal: bool,
-                  input_dtype: str | None = None) -> Problem:
+                  input_dtype: str | None = None, head_dim_v: int | None = None) -> Problem:
     """The Problem of the options, served by a registered family (else a usage error);
-    its element types as ``options.problem_dtypes`` reads --dtype and --input-dtype."""
+    its element types as ``options.problem_dtypes`` reads --dtype and --input-dtype, V's
+    head dim --head-dim-v (None: --head-dim's)."""
     from flashtune import families
 
     try:
@@ -130,9 +132,16 @@ def parse_problem(op: str, head_dim: int, dtype: DType, causal: bool,
         raise typer.BadParameter(str(exc), param_hint="--op") from exc
     types = problem_dtypes(family, dtype, input_dtype)
     try:
-        return Problem.from_dict({"head_dim": head_dim, "causal": causal, "op": op, **types})
+        problem = Problem.from_dict({"head_dim": head_dim, "causal": causal, "op": op,
+                                     "head_dim_v": head_dim_v, **types})
     except InvalidProblem as exc:
         raise typer.BadParameter(str(exc), param_hint="--head-dim") from exc
+    if problem.split_head_dims:
+        try:
+            family.check_problem(problem)
+        except InvalidProblem as exc:
+            raise typer.BadParameter(str(exc), param_hint="--head-dim-v") from exc
+    return problem
 
 
 def parse_arch(value: str) -> ArchSpec:
@@ -150,6 +159,7 @@ def parse_archs(values: list[str] | None) -> list[ArchSpec]:
 def show(
     op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
+    head_dim_v: HeadDimV = None,
     dtype: DTypeOpt = DEFAULT_DTYPE,
     input_dtype: InputDTypeOpt = None,
     causal: Causal = False,
@@ -175,8 +185,8 @@ def show(
     from flashtune import families
     from flashtune.codegen.render import translation_unit
 
-    problem = with_modifications(parse_problem(op, head_dim, dtype, causal, input_dtype), score_mod,
-                                 mask_mod)
+    problem = with_modifications(parse_problem(op, head_dim, dtype, causal, input_dtype,
+                                               head_dim_v), score_mod, mask_mod)
     spec = parse_arch(arch)
     choice = ConfigChoice(config, block_m, block_n, warps, stages, tuple(fix or ()))
     kernel_config = choice.resolve(problem, spec)
@@ -230,6 +240,7 @@ def compile_command(
     arch: ArchList = None,
     op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
+    head_dim_v: HeadDimV = None,
     dtype: DTypeOpt = DEFAULT_DTYPE,
     input_dtype: InputDTypeOpt = None,
     causal: Causal = False,
@@ -260,7 +271,7 @@ def compile_command(
     from flashtune.toolchain.cuda import find_toolchain, require_nvdisasm
     from flashtune.toolchain.disasm import disassemble
 
-    problem = parse_problem(op, head_dim, dtype, causal, input_dtype)
+    problem = parse_problem(op, head_dim, dtype, causal, input_dtype, head_dim_v)
     specs = parse_archs(arch)
     choice = ConfigChoice(config, block_m, block_n, warps, stages, tuple(fix or ()))
     if all_configs and choice.given:
@@ -396,6 +407,7 @@ def space_command(
     arch: ArchList = None,
     op: OpOpt = "fwd",
     head_dim: HeadDim = 128,
+    head_dim_v: HeadDimV = None,
     dtype: DTypeOpt = DEFAULT_DTYPE,
     input_dtype: InputDTypeOpt = None,
     causal: Causal = False,
@@ -405,7 +417,7 @@ def space_command(
     knobs of the family's space (what --fix can hold)."""
     from flashtune import families
 
-    problem = parse_problem(op, head_dim, dtype, causal, input_dtype)
+    problem = parse_problem(op, head_dim, dtype, causal, input_dtype, head_dim_v)
     specs = parse_archs(arch)
     console = Console()
     _print_space_sizes(console, specs, problem, fix or ())

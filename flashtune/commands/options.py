@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 OpOpt = Annotated[str, typer.Option(
     "--op", help="Kernel family (`flashtune families` lists them).")]
 HeadDim = Annotated[int, typer.Option("--head-dim", help="Head dimension (multiple of 8, <= 256).")]
+HeadDimV = Annotated[int | None, typer.Option(
+    "--head-dim-v", help="V's head dimension where it differs from --head-dim (multiple of 8, "
+    "<= 256; the mma.sync forward and backward), e.g. 128 with --head-dim 192.")]
 #: The element type every command defaults to. fp16: every arch flashtune compiles for has
 #: its tensor-core MMA, and its 10 mantissa bits make a check's tolerance the stricter one;
 #: bf16 is one option away (--dtype bf16), as in the README's examples.

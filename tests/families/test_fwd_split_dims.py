@@ -194,3 +194,18 @@ def test_default_kernels_compile_without_spills(arch: str) -> None:
         resources = compile_source(families.render(p, config), arch).resources
         assert resources.spill_stores == 0 and resources.spill_loads == 0, (
             f"{p.key()} {config.key()} on {arch}: {resources}")
+
+
+def test_the_command_line_takes_v_head_dim() -> None:
+    """``--head-dim-v`` (show, compile, check): the split problem, refused naming the option
+    where the family takes one head dim."""
+    import typer
+
+    from flashtune.commands.codegen import parse_problem
+
+    assert parse_problem("fwd", 192, DType.BF16, True, None, 128).key() == (
+        "fwd_d192v128_bf16_causal")
+    assert parse_problem("bwd", 192, DType.BF16, True, None, 192).key() == (
+        "bwd_d192_bf16_causal")
+    with pytest.raises(typer.BadParameter, match="needs V's head dim equal to Q/K's"):
+        parse_problem("fwd90a", 128, DType.BF16, False, None, 64)
