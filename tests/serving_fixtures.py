@@ -11,7 +11,7 @@ import torch
 from runtime_helpers import ListSource, PyRefBackend
 
 from flashtune.api import forward
-from flashtune.runtime import plans
+from flashtune.runtime import first_use, plans
 from flashtune.runtime.backends import register_backend, unregister_backend
 from flashtune.runtime.dispatch import Dispatcher, set_dispatcher
 
@@ -65,3 +65,18 @@ def shuffled() -> Iterator[list[str]]:
     yield names
     for name in names:
         unregister_backend(name)
+
+
+@pytest.fixture
+def virtual_sm90a(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The torch API on the emulator's virtual sm_90a device (the arch-specific families
+    served after their first-use check), with first-use records and plans forgotten around
+    the test."""
+    monkeypatch.setenv("FLASHTUNE_BACKEND", "emulator")
+    monkeypatch.setenv("FLASHTUNE_EMULATOR_ARCH", "sm_90a")
+    monkeypatch.delenv("FLASHTUNE_ARCH_SPECIFIC", raising=False)
+    first_use.forget()
+    plans.clear_caches()
+    yield
+    first_use.forget()
+    plans.clear_caches()

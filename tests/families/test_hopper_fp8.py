@@ -27,7 +27,7 @@ import re
 
 import pytest
 import torch
-from serving_fixtures import dispatcher, source  # noqa: F401  (fixtures, by name)
+from serving_fixtures import dispatcher, source, virtual_sm90a  # noqa: F401  (fixtures)
 
 import flashtune
 from flashtune import families
@@ -202,33 +202,23 @@ def test_nvrtc_sm90a_main_loop_issues_fp8_gmmas_without_spills(head_dim: int,
 
 
 @pytest.mark.emulator
-@pytest.mark.usefixtures("dispatcher")
-def test_attention_with_e4m3_on_a_virtual_sm90a_runs_fwd890a(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.usefixtures("dispatcher", "virtual_sm90a")
+def test_attention_with_e4m3_on_a_virtual_sm90a_runs_fwd890a() -> None:
     """The torch API on the emulator's virtual sm_90a: e4m3 tensors with descales (GQA 4:2,
     causal, Nq < Nk) run on ``fwd890a`` after its first-use check, within the bound."""
-    monkeypatch.setenv("FLASHTUNE_BACKEND", "emulator")
-    monkeypatch.setenv("FLASHTUNE_EMULATOR_ARCH", "sm_90a")
-    monkeypatch.delenv("FLASHTUNE_ARCH_SPECIFIC", raising=False)
-    first_use.forget()
-    plans.clear_caches()
-    try:
-        p = problem(128, DType.BF16, True)
-        inputs = FAMILY.random_inputs(p, Shape(1, 4, 2, 70, 90), "cpu", _SEED)
-        t = inputs.tensors
-        out, lse = flashtune.attention(t["q"], t["k"], t["v"], causal=True,
-                                       q_descale=t["q_descale"], k_descale=t["k_descale"],
-                                       v_descale=t["v_descale"], out_dtype=torch.bfloat16,
-                                       return_lse=True)
-        assert first_use.refused("virtual-sm_90a") is None
-        ops = {plan.decision.problem.op for plan in plans.cached().values()}
-        assert FAMILY.op in ops, ops
-        verdict = FAMILY.compare(p, Shape(1, 4, 2, 70, 90), {"o": out, "lse": lse},
-                                 FAMILY.reference(p, inputs))
-        assert verdict.ok, f"seed={_SEED}: {verdict.message}"
-    finally:
-        first_use.forget()
-        plans.clear_caches()
+    p = problem(128, DType.BF16, True)
+    shape = Shape(1, 4, 2, 70, 90)
+    inputs = FAMILY.random_inputs(p, shape, "cpu", _SEED)
+    t = inputs.tensors
+    out, lse = flashtune.attention(t["q"], t["k"], t["v"], causal=True,
+                                   q_descale=t["q_descale"], k_descale=t["k_descale"],
+                                   v_descale=t["v_descale"], out_dtype=torch.bfloat16,
+                                   return_lse=True)
+    assert first_use.refused("virtual-sm_90a") is None
+    ops = {plan.decision.problem.op for plan in plans.cached().values()}
+    assert FAMILY.op in ops, ops
+    verdict = FAMILY.compare(p, shape, {"o": out, "lse": lse}, FAMILY.reference(p, inputs))
+    assert verdict.ok, f"seed={_SEED}: {verdict.message}"
 
 
 def test_profile_prints_the_main_loop_per_iteration() -> None:
