@@ -10,6 +10,7 @@ import re
 import torch
 
 from flashtune import families
+from flashtune.codegen.dtypes import DType, Fp8Type
 from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.families.base import Inputs, KernelFamily
 from flashtune.families.hopper.space import LOAD_KNOBS
@@ -45,3 +46,15 @@ def emulate(family: KernelFamily, problem: Problem, config: KernelConfig, shape:
     plan = family.launch_plan(problem, config, shape, inputs, outputs)
     kernel.launch(plan.grid, plan.args)
     return outputs, getattr(kernel, "last_counters", None)
+
+
+def param_id(value: object) -> str:
+    """A readable test id part: a config's key, a shape's sizes, a type's word."""
+    if isinstance(value, KernelConfig):
+        return value.key()
+    if isinstance(value, Shape):
+        return (f"b{value.batch}h{value.heads_q}kv{value.heads_kv}q{value.seqlen_q}"
+                f"k{value.seqlen_k}")
+    if isinstance(value, (DType, Fp8Type)):
+        return str(value.value)
+    return str(value)

@@ -27,6 +27,7 @@ import re
 
 import pytest
 import torch
+from hopper_sample import param_id
 from serving_fixtures import dispatcher, source, virtual_sm90a  # noqa: F401  (fixtures)
 
 import flashtune
@@ -79,17 +80,6 @@ def run(p: Problem, config: KernelConfig, shape: Shape, seed: int,
     return getattr(kernel, "last_counters", None)
 
 
-def _id(value: object) -> str:
-    if isinstance(value, KernelConfig):
-        return value.key()
-    if isinstance(value, Shape):
-        return (f"b{value.batch}h{value.heads_q}kv{value.heads_kv}q{value.seqlen_q}"
-                f"k{value.seqlen_k}")
-    if isinstance(value, (DType, Fp8Type)):
-        return str(value.value)
-    return str(value)
-
-
 def _grid() -> list[tuple[int, DType, bool, Fp8Type, KernelConfig, Shape]]:
     return [(d, o, causal, fmt, c, s) for d, o, causal, fmt, c, s in itertools.product(
         HEAD_DIMS, DType, (False, True), Fp8Type, CONFIGS, SHAPES)
@@ -105,7 +95,7 @@ SAMPLE = [(*random.Random(_SEED + i).choice([r for r in _GRID if r[0] == d]), _S
 
 @pytest.mark.emulator
 @pytest.mark.parametrize("head_dim, out, causal, fmt, config, shape, seed", SAMPLE,
-                         ids=lambda v: _id(v))
+                         ids=param_id)
 def test_fp8_wgmma_forward_matches_float64(head_dim: int, out: DType, causal: bool,
                                            fmt: Fp8Type, config: KernelConfig, shape: Shape,
                                            seed: int) -> None:
@@ -116,7 +106,7 @@ def test_fp8_wgmma_forward_matches_float64(head_dim: int, out: DType, causal: bo
 @pytest.mark.emulator
 @pytest.mark.sweep
 @pytest.mark.parametrize("head_dim, out, causal, fmt, config, shape", _GRID,
-                         ids=lambda v: _id(v))
+                         ids=param_id)
 def test_fp8_wgmma_forward_grid(head_dim: int, out: DType, causal: bool, fmt: Fp8Type,
                                 config: KernelConfig, shape: Shape) -> None:
     run(problem(head_dim, out, causal, fmt), config, shape, _SEED)
