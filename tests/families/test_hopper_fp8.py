@@ -143,13 +143,16 @@ def test_v_is_read_once_per_block_and_transposed_on_chip(causal: bool) -> None:
     assert counters.ldg_bytes == 0  # type: ignore[attr-defined]
 
 
-def test_served_for_fwd8_on_cc90_and_falls_back_where_it_refuses() -> None:
+def test_served_for_fwd8_on_cc90_and_falls_back_where_it_refuses(
+        caplog: pytest.LogCaptureFixture) -> None:
     fwd8 = Problem(128, Fp8Type.E4M3, causal=True, op="fwd8", o_dtype=DType.BF16)
     assert families.served_problem(fwd8, get_arch("sm_90")).op == FAMILY.op
     assert families.served_problem(fwd8, get_arch("sm_89")).op == "fwd8"
     # a head dim it does not take, and a feature it does not have: fwd8 serves them
     odd = Problem(96, Fp8Type.E4M3, op="fwd8", o_dtype=DType.FP16)
-    assert families.served_problem(odd, get_arch("sm_90")).op == "fwd8"
+    with caplog.at_level("DEBUG", logger="flashtune.families"):
+        assert families.served_problem(odd, get_arch("sm_90")).op == "fwd8"
+    assert "fwd890a does not serve fwd8_d96" in caplog.text and "head_dim=96" in caplog.text
     windowed = Problem(128, Fp8Type.E4M3, op="fwd8", o_dtype=DType.BF16,
                        features=frozenset({"window"}))
     assert families.served_problem(windowed, get_arch("sm_90")).op == "fwd8"
