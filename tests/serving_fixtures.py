@@ -3,6 +3,7 @@ store, used by the conftest.py of tests/runtime and tests/api."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 
@@ -11,7 +12,7 @@ import torch
 from runtime_helpers import ListSource, PyRefBackend
 
 from flashtune.api import forward
-from flashtune.runtime import plans
+from flashtune.runtime import first_use, plans
 from flashtune.runtime.backends import register_backend, unregister_backend
 from flashtune.runtime.dispatch import Dispatcher, set_dispatcher
 
@@ -66,3 +67,27 @@ def shuffled() -> Iterator[list[str]]:
     yield names
     for name in names:
         unregister_backend(name)
+
+
+@contextlib.contextmanager
+def on_virtual_sm90a(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The torch API on the emulator's virtual sm_90a device (the arch-specific families
+    served after their first-use check), with first-use records and plans forgotten around
+    the block."""
+    monkeypatch.setenv("FLASHTUNE_BACKEND", "emulator")
+    monkeypatch.setenv("FLASHTUNE_EMULATOR_ARCH", "sm_90a")
+    monkeypatch.delenv("FLASHTUNE_ARCH_SPECIFIC", raising=False)
+    first_use.forget()
+    plans.clear_caches()
+    try:
+        yield
+    finally:
+        first_use.forget()
+        plans.clear_caches()
+
+
+@pytest.fixture
+def virtual_sm90a(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``on_virtual_sm90a`` around the test."""
+    with on_virtual_sm90a(monkeypatch):
+        yield

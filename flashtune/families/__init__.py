@@ -9,6 +9,7 @@ kernels through these functions, so a new family needs no change anywhere else.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 
 from flashtune.codegen.arch import ArchSpec, get_arch
@@ -16,6 +17,7 @@ from flashtune.codegen.spec import DType, KernelConfig, KernelSource, Problem
 from flashtune.errors import InvalidProblem
 from flashtune.families.base import KernelFamily
 
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _families: dict[str, KernelFamily] = {}
 
@@ -98,7 +100,10 @@ def served_problem(problem: Problem, arch: ArchSpec) -> Problem:
         variant = dataclasses.replace(problem, op=family.op)
         try:
             family.check_problem(variant)
-        except InvalidProblem:
+        except InvalidProblem as refused:
+            # the op's own family serves it; the refusal names why (a head dim, a feature)
+            log.debug("%s does not serve %s on %s: %s", family.op, problem.key(), arch.name,
+                      refused)
             continue
         return variant
     return problem

@@ -4,19 +4,17 @@ one emulator launch of a family's kernel."""
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import re
-from collections.abc import Iterator
 
-import pytest
 import torch
 
 from flashtune import families
+from flashtune.codegen.dtypes import DType, Fp8Type
 from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.families.base import Inputs, KernelFamily
 from flashtune.families.hopper.space import LOAD_KNOBS
-from flashtune.runtime import first_use, plans
+from flashtune.runtime import plans
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
 from flashtune.toolchain.cuda import find_toolchain
 from flashtune.toolchain.disasm import disassemble
@@ -51,22 +49,18 @@ def emulate(family: KernelFamily, problem: Problem, config: KernelConfig, shape:
     return outputs, getattr(kernel, "last_counters", None)
 
 
-@contextlib.contextmanager
-def virtual_sm90a(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The torch API on the emulator's virtual sm_90a, its arch-specific kernels allowed,
-    with fresh first-use verdicts and plans (forgotten again on exit)."""
-    monkeypatch.setenv("FLASHTUNE_BACKEND", "emulator")
-    monkeypatch.setenv("FLASHTUNE_EMULATOR_ARCH", "sm_90a")
-    monkeypatch.delenv("FLASHTUNE_ARCH_SPECIFIC", raising=False)
-    first_use.forget()
-    plans.clear_caches()
-    try:
-        yield
-    finally:
-        first_use.forget()
-        plans.clear_caches()
-
-
 def forward_ops(op: str = "fwd") -> set[str]:
     """The ops of the families the cached plans of ``op`` (``fwd``, ``bwd``, ...) run."""
     return {p.decision.problem.op for key, p in plans.cached().items() if key[-1] == op}
+
+
+def param_id(value: object) -> str:
+    """A readable test id part: a config's key, a shape's sizes, a type's word."""
+    if isinstance(value, KernelConfig):
+        return value.key()
+    if isinstance(value, Shape):
+        return (f"b{value.batch}h{value.heads_q}kv{value.heads_kv}q{value.seqlen_q}"
+                f"k{value.seqlen_k}")
+    if isinstance(value, (DType, Fp8Type)):
+        return str(value.value)
+    return str(value)

@@ -21,6 +21,7 @@ import random
 import pytest
 import torch
 import typer
+from hopper_sample import param_id
 
 from flashtune import families
 from flashtune.codegen.arch import get_arch
@@ -62,18 +63,6 @@ def run(p: Problem, config: KernelConfig, shape: Shape, seed: int) -> None:
     assert verdict.ok, f"{p.key()} {config.key()} {shape} seed={seed}: {verdict.message}"
 
 
-def _id(value: object) -> str:
-    """A readable test id part: a config's key, a shape's sizes, a type's word."""
-    if isinstance(value, KernelConfig):
-        return value.key()
-    if isinstance(value, Shape):
-        return (f"b{value.batch}h{value.heads_q}kv{value.heads_kv}q{value.seqlen_q}"
-                f"k{value.seqlen_k}")
-    if isinstance(value, DType):
-        return value.value
-    return str(value)
-
-
 def _grid() -> list[tuple[int, DType, bool, KernelConfig, Shape]]:
     return [(d, o, causal, c, s) for d, o, causal, c, s in itertools.product(
         HEAD_DIMS, DType, (False, True), CONFIGS, SHAPES)
@@ -91,7 +80,7 @@ SAMPLE = [(*random.Random(_SEED + i).choice([r for r in _GRID if r[1] is o]), _S
 
 @pytest.mark.emulator
 @pytest.mark.parametrize("head_dim, out, causal, config, shape, seed", SAMPLE,
-                         ids=lambda v: _id(v))
+                         ids=param_id)
 def test_fp8_forward_matches_float64_of_the_dequantised_inputs(
         head_dim: int, out: DType, causal: bool, config: KernelConfig, shape: Shape,
         seed: int) -> None:
@@ -108,7 +97,7 @@ def test_fp8_forward_rows_that_see_no_key_and_gqa() -> None:
 
 @pytest.mark.emulator
 @pytest.mark.sweep
-@pytest.mark.parametrize("head_dim, out, causal, config, shape", _GRID, ids=lambda v: _id(v))
+@pytest.mark.parametrize("head_dim, out, causal, config, shape", _GRID, ids=param_id)
 def test_fp8_forward_grid(head_dim: int, out: DType, causal: bool, config: KernelConfig,
                           shape: Shape) -> None:
     run(problem(head_dim, out, causal), config, shape, _SEED)
@@ -121,7 +110,7 @@ E5M2_SAMPLE = [(*random.Random(f"{_SEED}e5m2").choice(_GRID), _SEED)]
 
 @pytest.mark.emulator
 @pytest.mark.parametrize("head_dim, out, causal, config, shape, seed", E5M2_SAMPLE,
-                         ids=lambda v: _id(v))
+                         ids=param_id)
 def test_e5m2_forward_matches_float64_of_the_dequantised_inputs(
         head_dim: int, out: DType, causal: bool, config: KernelConfig, shape: Shape,
         seed: int) -> None:
@@ -134,7 +123,7 @@ def test_e5m2_forward_matches_float64_of_the_dequantised_inputs(
 @pytest.mark.emulator
 @pytest.mark.sweep
 @pytest.mark.parametrize("head_dim, out, causal, config, shape",
-                         [r for r in _GRID if r[3] in CONFIGS[:2]], ids=lambda v: _id(v))
+                         [r for r in _GRID if r[3] in CONFIGS[:2]], ids=param_id)
 def test_e5m2_forward_grid(head_dim: int, out: DType, causal: bool, config: KernelConfig,
                            shape: Shape) -> None:
     run(problem(head_dim, out, causal, Fp8Type.E5M2), config, shape, _SEED)
@@ -256,7 +245,7 @@ FEATURE_SAMPLE = [(*random.Random(_SEED + 10 + i).choice(
 @pytest.mark.emulator
 @pytest.mark.parametrize("head_dim, out, causal, features, config, shape, seed",
                          FEATURE_SAMPLE, ids=lambda v: "+".join(sorted(v))
-                         if isinstance(v, frozenset) else _id(v))
+                         if isinstance(v, frozenset) else param_id(v))
 def test_fp8_forward_with_window_softcap_alibi_matches_float64(
         head_dim: int, out: DType, causal: bool, features: frozenset[str],
         config: KernelConfig, shape: Shape, seed: int) -> None:
@@ -268,7 +257,7 @@ def test_fp8_forward_with_window_softcap_alibi_matches_float64(
 @pytest.mark.sweep
 @pytest.mark.parametrize("head_dim, out, causal, features, config, shape", _FEATURE_GRID,
                          ids=lambda v: "+".join(sorted(v))
-                         if isinstance(v, frozenset) else _id(v))
+                         if isinstance(v, frozenset) else param_id(v))
 def test_fp8_forward_features_grid(head_dim: int, out: DType, causal: bool,
                                    features: frozenset[str], config: KernelConfig,
                                    shape: Shape) -> None:

@@ -32,8 +32,12 @@ from flex_fixtures import (  # noqa: F401  (forget_traced_features: autouse)
     grid,
     with_ranges,
 )
-from hopper_sample import emulate, forward_ops, virtual_sm90a
-from serving_fixtures import dispatcher, source  # noqa: F401  (fixtures, by name)
+from hopper_sample import emulate, forward_ops
+from serving_fixtures import (  # noqa: F401  (fixtures, by name)
+    dispatcher,
+    on_virtual_sm90a,
+    source,
+)
 
 import flashtune
 from flashtune.api import flex_mods
@@ -178,7 +182,7 @@ def test_attention_with_mods_on_a_virtual_sm90a_runs_fwd90aws(
     """``flashtune.attention(score_mod=, mask_mod=)`` on the emulator's virtual sm_90a runs
     on ``fwd90aws`` after its first-use check and matches the functions applied to the
     dense float64 scores (GQA 4:2, a T5 bias captured from the caller, causal)."""
-    with virtual_sm90a(monkeypatch):
+    with on_virtual_sm90a(monkeypatch):
         gen = torch.Generator().manual_seed(SEED)
         n, dim = 90, 64
         score_mod, mask_mod = MODS["t5-causal"](4, n, gen)
@@ -201,7 +205,7 @@ def test_flex_attention_with_a_block_mask_on_a_virtual_sm90a_runs_both_sm90a_ker
     forward on ``fwd90aws`` and its backward on ``bwd90a`` (the tile ranges built for each
     served tile) and matches the mask applied to the dense float64 scores, output and
     gradients (GQA 4:2, causal document masking)."""
-    with virtual_sm90a(monkeypatch):
+    with on_virtual_sm90a(monkeypatch):
         gen = torch.Generator().manual_seed(SEED)
         n, dim = 300, 64
         _, _, mask_mod = four_documents(n, SEED)

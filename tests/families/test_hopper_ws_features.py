@@ -25,8 +25,12 @@ import pytest
 import torch
 from dropout_philox import float32, mask
 from grad_helpers import feature_scores, gradients, make_inputs, within_rule
-from hopper_sample import emulate, forward_ops, virtual_sm90a
-from serving_fixtures import dispatcher, source  # noqa: F401  (fixtures, by name)
+from hopper_sample import emulate, forward_ops
+from serving_fixtures import (  # noqa: F401  (fixtures, by name)
+    dispatcher,
+    on_virtual_sm90a,
+    source,
+)
 
 import flashtune
 from flashtune import families
@@ -306,7 +310,7 @@ def test_attention_varlen_on_a_virtual_sm90a_runs_fwd90aws(
     """The torch API on the emulator's virtual sm_90a: a packed GQA batch (a zero-length
     sequence, Nq != Nk) with a window, softcap and sinks runs on ``fwd90aws`` after its
     first-use check and matches float64."""
-    with virtual_sm90a(monkeypatch):
+    with on_virtual_sm90a(monkeypatch):
         problem = _problem({"varlen": True, "window": True, "softcap": True, "sinks": True},
                            64, DType.BF16)
         inputs = _packed(problem, Shape(3, 4, 2, 70, 90), ([70, 0, 45], [33, 9, 90]), SEED)
@@ -350,7 +354,7 @@ def test_dropout_on_a_virtual_sm90a_trains_with_the_tests_mask(
         probs = probs * kept.to(probs.dtype) * (1.0 / (1.0 - float32(p)))
         return torch.einsum("bhqk,bkhd->bqhd", probs, v)
 
-    with virtual_sm90a(monkeypatch):
+    with on_virtual_sm90a(monkeypatch):
         got = gradients(ours, inputs, dout)
         assert first_use.refused("virtual-sm_90a") is None
         assert forward_ops() == {FAMILY.op}, forward_ops()

@@ -5,4 +5,5 @@ from serving_fixtures import (  # noqa: F401  (fixtures are registered by name)
     poisoned_outputs,
     pyref,
     source,
+    virtual_sm90a,
 )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -24,19 +23,7 @@ from flashtune.runtime.backends.base import LoadedKernel
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
 VIRTUAL_SM90A = "virtual-sm_90a"
 
-pytestmark = pytest.mark.emulator
-
-
-@pytest.fixture(autouse=True)
-def sm90a_emulator(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("FLASHTUNE_BACKEND", "emulator")
-    monkeypatch.setenv("FLASHTUNE_EMULATOR_ARCH", "sm_90a")
-    monkeypatch.delenv("FLASHTUNE_ARCH_SPECIFIC", raising=False)
-    first_use.forget()
-    plans.clear_caches()
-    yield
-    first_use.forget()
-    plans.clear_caches()
+pytestmark = [pytest.mark.emulator, pytest.mark.usefixtures("virtual_sm90a")]
 
 
 def _inputs(seqlen_q: int = 70) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
