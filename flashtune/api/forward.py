@@ -16,7 +16,7 @@ import torch
 
 from flashtune import settings
 from flashtune.api.variants import Variant
-from flashtune.codegen.spec import ProblemBucket
+from flashtune.codegen.spec import MAX_HEAD_DIM, ProblemBucket
 from flashtune.errors import FlashtuneError, InvalidInput
 from flashtune.families.fwd.args import FwdPacker
 from flashtune.runtime import plans
@@ -99,6 +99,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     else:
         seqlen_q, seqlen_k = varlen.max_seqlen_q, varlen.max_seqlen_k
     head_dim_v = v.shape[3]
+    if head_dim_v > MAX_HEAD_DIM:
+        return _in_column_chunks(q, k, v, causal, softmax_scale, backend, variant)
     split = None if head_dim_v == q.shape[3] else head_dim_v
     plan = plans.plan_for(q, causal, name, "fwd", features,
                           seqlen_q if seqlen_q > seqlen_k else seqlen_k, head_dim_v=split)
@@ -111,3 +113,22 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         raise _misaligned(q, k, v)
     plan.kernel.launch(grid, args, stream=plan.stream())
     return out, lse
+
+
+def _in_column_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                      softmax_scale: float, backend: str, variant: Variant | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``forward`` of a V wider than MAX_HEAD_DIM (beside Q/K of one of spec.WIDE_HEAD_DIMS):
+    O's columns are P V's, so each chunk of at most MAX_HEAD_DIM of V's columns is a launch
+    of its own (Q K^T and P recomputed: a thread's registers hold no wider O), the chunks'
+    O concatenated; every chunk's LSE is the same (P's), the first is returned. Dropout
+    draws the same mask in every chunk (from positions only)."""
+    outs = []
+    lse: torch.Tensor | None = None
+    for start in range(0, v.shape[3], MAX_HEAD_DIM):
+        out, chunk_lse = forward(q, k, v[..., start:start + MAX_HEAD_DIM], causal,
+                                 softmax_scale, backend, variant)
+        outs.append(out)
+        lse = chunk_lse if lse is None else lse
+    assert lse is not None
+    return torch.cat(outs, dim=-1), lse

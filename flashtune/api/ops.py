@@ -49,6 +49,7 @@ from flashtune.api.variants import (
     refuse_unsupported,
     resolve,
 )
+from flashtune.codegen.spec import MAX_HEAD_DIM
 from flashtune.errors import BackwardNotAvailable, FeatureNotSupported, InvalidInput
 from flashtune.families.fwd.args import DropoutArgs
 from flashtune.runtime import plans
@@ -359,7 +360,7 @@ def attention(
     check_attention_inputs(q, k, v, split_v=True)
     if not isinstance(causal, bool):
         raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
-    if v.shape[3] != q.shape[3]:
+    if v.shape[3] != q.shape[3] or q.shape[3] > MAX_HEAD_DIM:
         _refuse_split_head_dims(q, v, score_mod is not None or mask_mod is not None)
     scale = check_softmax_scale(softmax_scale, dim or q.shape[3])
     ordered = deterministic_flag(deterministic)
@@ -395,6 +396,11 @@ def attention(
         causal = variant.causal
     needs_grad = _needs_grad(q, k, v) or (torch.is_grad_enabled() and sinks is not None
                                           and sinks.requires_grad)
+    if needs_grad and q.shape[3] > MAX_HEAD_DIM:
+        raise BackwardNotAvailable(
+            f"attention with q's and k's head dim {q.shape[3]} has a forward pass only: the "
+            f"backward's dQ and dK accumulators hold at most {MAX_HEAD_DIM} columns a thread; "
+            "call it under torch.no_grad() or pass detached tensors")
     if not needs_grad and direct_call_ok(q, k, v, alibi_slopes, sinks):
         out, lse = _fwd.forward(q, k, v, causal, scale, name, variant)
     elif variant is None:
@@ -414,9 +420,15 @@ def attention(
 
 
 def _refuse_split_head_dims(q: torch.Tensor, v: torch.Tensor, modified: bool) -> None:
-    """What a call whose V head dim differs from Q/K's cannot have: a score_mod or mask_mod
-    (FeatureNotSupported; the modified kernels use one head dim)."""
+    """What a call whose V head dim differs from Q/K's (or whose Q/K head dim is above
+    MAX_HEAD_DIM) cannot have: a score_mod or mask_mod (FeatureNotSupported; the modified
+    kernels use one head dim of at most MAX_HEAD_DIM)."""
     if modified:
+        if q.shape[3] > MAX_HEAD_DIM:
+            raise FeatureNotSupported(
+                f"attention with q's and k's head dim {q.shape[3]} (above {MAX_HEAD_DIM}) takes "
+                "no score_mod or mask_mod (the modified kernels hold at most "
+                f"{MAX_HEAD_DIM}); expected neither")
         raise FeatureNotSupported(
             f"attention with v's head dim {v.shape[3]} other than q's and k's {q.shape[3]} "
             "takes no score_mod or mask_mod (the modified kernels use one head dim); pad v "

@@ -15,7 +15,7 @@ import torch
 
 from flashtune.api.limits import MAX_GRID_YZ, MAX_SEQLEN, seqlen_error
 from flashtune.api.limits import check_softmax_scale as check_softmax_scale
-from flashtune.codegen.spec import MAX_HEAD_DIM
+from flashtune.codegen.spec import MAX_HEAD_DIM, WIDE_HEAD_DIMS
 from flashtune.errors import InvalidInput
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -85,6 +85,9 @@ def _check_devices(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   split_v: bool = False) -> None:
     split = tuple(k.shape[:3]) == tuple(v.shape[:3]) and k.shape[3] != v.shape[3]
+    # Q/K of one of WIDE_HEAD_DIMS (the forward): V's head dim up to theirs, run in column
+    # chunks of at most MAX_HEAD_DIM (api.forward).
+    wide = split_v and k.dim() == 4 and k.shape[3] in WIDE_HEAD_DIMS
     if split and not split_v:
         raise InvalidInput(
             f"v has head dim {v.shape[3]} but q and k have {k.shape[3]}: this call takes one "
@@ -94,10 +97,11 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             "head dim)")
     if split:
         dim_v = v.shape[3]
-        if dim_v > MAX_HEAD_DIM:
+        if dim_v > (k.shape[3] if wide else MAX_HEAD_DIM):
             raise InvalidInput(f"v has head dim {dim_v}; the limit is {MAX_HEAD_DIM} (the O "
-                               "accumulators of one block). Use another implementation for "
-                               "larger heads")
+                               f"accumulators of one block), or q's and k's head dim where "
+                               f"that is one of {WIDE_HEAD_DIMS} (run in column chunks). Use "
+                               "another implementation for larger heads")
         if dim_v % 8:
             raise InvalidInput(
                 f"v has head dim {dim_v}; expected a multiple of 8 for a V head dim other "
@@ -120,10 +124,12 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if t.numel() == 0:
             raise InvalidInput(f"{name} is empty (shape {_shape(t)}); expected every dim of "
                                f"{_LAYOUT} >= 1. Skip the call for empty inputs")
-    if head_dim > MAX_HEAD_DIM:
+    if head_dim > MAX_HEAD_DIM and not wide:
+        also = (f"; flashtune.attention's forward also takes {WIDE_HEAD_DIMS}" if not split_v
+                else f", or one of {WIDE_HEAD_DIMS}")
         raise InvalidInput(f"head_dim={head_dim} is not supported; the limit is {MAX_HEAD_DIM} "
                            "(the largest head dim whose O accumulators and K/V tiles fit the "
-                           "registers and shared memory of one block). Use another "
+                           f"registers and shared memory of one block){also}. Use another "
                            "implementation for larger heads")
     if head_dim % 8:
         hint = 8 * math.ceil(head_dim / 8)
@@ -170,13 +176,15 @@ def _valid(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split_v: bool = Fa
     if dtype not in _DTYPES or k.dtype != dtype or v.dtype != dtype:
         return False
     qs, ks = q.shape, k.shape
+    wide = split_v and len(ks) == 4 and ks[3] in WIDE_HEAD_DIMS
     if len(qs) != 4 or len(ks) != 4 or (v.shape != ks and not (
             split_v and len(v.shape) == 4 and v.shape[:3] == ks[:3]
-            and v.shape[3] % 8 == 0 and v.shape[3] <= MAX_HEAD_DIM)):
+            and v.shape[3] % 8 == 0 and v.shape[3] <= (ks[3] if wide else MAX_HEAD_DIM))):
         return False
     b, nq, hq, d = qs
     _, nk, hkv, _ = ks
-    if (ks[0] != b or ks[3] != d or d % 8 or d > MAX_HEAD_DIM or b < 1 or nq < 1 or hq < 1
+    if (ks[0] != b or ks[3] != d or d % 8 or (d > MAX_HEAD_DIM and not wide) or b < 1
+            or nq < 1 or hq < 1
             or d < 1 or nk < 1 or hkv < 1 or hq % hkv or b > MAX_GRID_YZ or hq > MAX_GRID_YZ
             or nq > MAX_SEQLEN or nk > MAX_SEQLEN):
         return False

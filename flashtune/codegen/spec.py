@@ -31,6 +31,11 @@ from flashtune.errors import InvalidConfig, InvalidInput, InvalidProblem
 #: Head dims a kernel is compiled for; other multiples of 8 up to 256 are padded up.
 COMPILED_HEAD_DIMS: tuple[int, ...] = (32, 64, 96, 128, 160, 192, 224, 256)
 MAX_HEAD_DIM = 256
+#: Q/K head dims above MAX_HEAD_DIM, each compiled as it is: Gemma 4's 512 and DeepSeek's
+#: absorbed MLA prefill (576: 512 latent + 64 RoPE). A kernel holds V's (O's) head dim of
+#: at most MAX_HEAD_DIM beside them (a split problem); the API runs a wider V in column
+#: chunks.
+WIDE_HEAD_DIMS: tuple[int, ...] = (512, 576)
 #: Sequence buckets are powers of two clamped to this range.
 MIN_SEQ_BUCKET = 64
 MAX_SEQ_BUCKET = 1 << 20
@@ -49,14 +54,19 @@ def _check_int(value: object, what: str, exc: type[Exception]) -> int:
     return value
 
 
-def _head_dim_reason(value: object, what: str) -> str | None:
-    """Why ``value`` cannot be a head dim (``what`` names it in the message), or None."""
+def _head_dim_reason(value: object, what: str, wide: bool = False) -> str | None:
+    """Why ``value`` cannot be a head dim (``what`` names it in the message), or None;
+    ``wide``: one of WIDE_HEAD_DIMS is one (Q/K's head dim)."""
     if isinstance(value, bool) or not isinstance(value, int):
         return f"{what} must be an int, got {type(value).__name__} {value!r}"
+    if wide and value in WIDE_HEAD_DIMS:
+        return None
     if value > MAX_HEAD_DIM:  # padding only grows a head dim: no advice to pad here
+        wider = (f", or for Q/K one of {WIDE_HEAD_DIMS} beside V's head dim of at most "
+                 f"{MAX_HEAD_DIM}") if wide else ""
         return (f"{what}={value} is not supported; the kernels hold at most {MAX_HEAD_DIM} "
-                f"(a multiple of 8 in [8, {MAX_HEAD_DIM}]), and a larger head dim has no "
-                "flashtune kernel")
+                f"(a multiple of 8 in [8, {MAX_HEAD_DIM}]){wider}, and a larger head dim has "
+                "no flashtune kernel")
     if value < 8 or value % 8:
         return (f"{what}={value} is not supported; expected a multiple of 8 in "
                 f"[8, {MAX_HEAD_DIM}] (pad it with zeros to {max(8, -(-value // 8) * 8)})")
@@ -64,7 +74,10 @@ def _head_dim_reason(value: object, what: str) -> str | None:
 
 
 def padded_head_dim(head_dim: int) -> int:
-    """The compiled head dim that serves ``head_dim`` (the next one of COMPILED_HEAD_DIMS)."""
+    """The compiled head dim that serves ``head_dim`` (the next one of COMPILED_HEAD_DIMS;
+    one of WIDE_HEAD_DIMS serves itself)."""
+    if head_dim in WIDE_HEAD_DIMS:
+        return head_dim
     for size in COMPILED_HEAD_DIMS:
         if head_dim <= size:
             return size
@@ -113,6 +126,8 @@ class Problem:
     and ``dataclasses.replace(p, head_dim=...)`` keeps a plain problem plain); read V's as
     ``v_head_dim``. A family declares whether it serves a split problem
     (``KernelFamily.split_head_dims``). The key then names both: ``fwd_d192v128_bf16_causal``.
+    Q/K's head dim may also be one of WIDE_HEAD_DIMS (512, 576) beside V's of at most 256
+    (``fwd_d576v256_bf16_causal``), for the families that declare ``max_head_dim``.
 
     Feature switches (each compiled in or out; off, the kernel is the plain one):
       causal: key j is hidden from query i unless j <= i + Nk - Nq (bottom-right aligned);
@@ -176,9 +191,16 @@ class Problem:
         if not isinstance(self.op, str) or not _OP_RE.match(self.op):
             raise InvalidProblem(f"op={self.op!r} is not a kernel family name; expected "
                                  "lowercase letters and digits, e.g. 'fwd'")
-        why = _head_dim_reason(self.head_dim, "head_dim")
+        why = _head_dim_reason(self.head_dim, "head_dim", wide=True)
         if why is not None:
             raise InvalidProblem(why.replace("pad it", "pad the head dim of q, k and v"))
+        if self.head_dim > MAX_HEAD_DIM and not (
+                isinstance(self.head_dim_v, int) and self.head_dim_v <= MAX_HEAD_DIM):
+            raise InvalidProblem(
+                f"head_dim={self.head_dim} (Q/K) needs V's head dim of at most {MAX_HEAD_DIM} "
+                f"in one kernel, got head_dim_v={self.head_dim_v}: O's accumulators of a wider "
+                "V do not fit a thread's registers (flashtune.attention runs such a V in "
+                f"column chunks of {MAX_HEAD_DIM})")
         if self.head_dim_v is not None:
             why = _head_dim_reason(self.head_dim_v, "head_dim_v (V's head dim)")
             if why is not None:

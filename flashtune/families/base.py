@@ -30,6 +30,7 @@ from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue, render_template
 from flashtune.codegen.spec import (
     BASE_FIELDS,
+    MAX_HEAD_DIM,
     KernelConfig,
     KernelSource,
     Problem,
@@ -270,11 +271,17 @@ class KernelFamily(ABC):
     #: sm_90a and FP8 forwards derive from the mma.sync one), serves split head dims only
     #: where its own body declares it.
     split_head_dims: ClassVar[bool] = False
+    #: The largest Q/K head dim the family's kernels take (``spec.MAX_HEAD_DIM``, or one of
+    #: ``spec.WIDE_HEAD_DIMS``); not inherited either.
+    max_head_dim: ClassVar[int] = MAX_HEAD_DIM
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "split_head_dims" not in cls.__dict__:
             cls.split_head_dims = False
+        if "max_head_dim" not in cls.__dict__:
+            cls.max_head_dim = MAX_HEAD_DIM
+
     #: The element types per operand (``codegen.dtypes.Dtypes``) the family's kernels take,
     #: e.g. ``SAME_16BIT``; a problem with any other combination is refused (InvalidProblem).
     #: Every family declares its own: none is accepted by default.
@@ -303,6 +310,12 @@ class KernelFamily(ABC):
                 f"the {self.op!r} kernel family ({self.title}) does not implement "
                 f"{', '.join(feature(name).title for name in missing)}; see the feature "
                 "table in the README for the families that do")
+        if problem.head_dim > self.max_head_dim:
+            raise FeatureNotSupported(
+                f"the {self.op!r} kernel family ({self.title}) takes Q/K head dims up to "
+                f"{self.max_head_dim}, got {problem.head_dim} (problem {problem.key()}); the "
+                "mma.sync forward ('fwd') serves 512 and 576 beside V's head dim of at most "
+                "256 (forward only)")
         if problem.split_head_dims and not self.split_head_dims:
             raise FeatureNotSupported(
                 f"the {self.op!r} kernel family ({self.title}) needs V's head dim equal to "

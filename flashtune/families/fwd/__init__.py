@@ -16,7 +16,7 @@ from flashtune.codegen.dtypes import SAME_16BIT
 from flashtune.codegen.features import mods_of
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
-from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
+from flashtune.codegen.spec import WIDE_HEAD_DIMS, KernelConfig, Problem, Shape, ShapeLike
 from flashtune.families.base import (
     Inputs,
     KernelFamily,
@@ -50,8 +50,10 @@ class ForwardFamily(KernelFamily):
     dtypes = SAME_16BIT
     features = frozenset({"window", "softcap", "alibi", "varlen", "sinks", "dropout"})
     score_mods = True
-    #: V's head dim may differ from Q/K's (templates: WithHeadDimV).
+    #: V's head dim may differ from Q/K's (templates: WithHeadDimV), and Q/K's may be one of
+    #: spec.WIDE_HEAD_DIMS beside V's of at most 256 (Gemma 4's 512, DeepSeek's 576).
     split_head_dims = True
+    max_head_dim = max(WIDE_HEAD_DIMS)
     abi: ClassVar[EntryAbi | None] = args.FWD_ABI
 
     def space(self, problem: Problem) -> ParamSpace:

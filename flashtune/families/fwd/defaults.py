@@ -38,7 +38,7 @@ import dataclasses
 from flashtune.codegen.arch import ArchClass, ArchSpec, arch_class, get_arch
 from flashtune.codegen.features import mods_of
 from flashtune.codegen.score_mods import POINTER_TYPES
-from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.codegen.spec import MAX_HEAD_DIM, KernelConfig, Problem
 from flashtune.errors import InvalidConfig
 from flashtune.families.defaults import DefaultEntry
 from flashtune.families.fwd.space import static_check
@@ -270,6 +270,10 @@ def _for_mods(problem: Problem, config: KernelConfig) -> KernelConfig:
 def default_reason(problem: Problem, arch: ArchSpec | str) -> str:
     """Why ``default_config`` chose what it did: the table entry's reason, and the key
     tile's narrowing for a modification that loads captured tensors."""
+    if problem.head_dim > MAX_HEAD_DIM:
+        return (f"the widest of {', '.join(c.key() for c in WIDE_DEFAULTS)} that fits: 16 "
+                f"rows a warp over 32-key tiles, Q read from shared memory (Q/K's head dim "
+                f"{problem.head_dim} beside V's {problem.v_head_dim})")
     entry = default_entry(problem, arch)
     reason = entry.reason
     if problem.split_head_dims:
@@ -303,11 +307,31 @@ def _for_split(problem: Problem, config: KernelConfig) -> KernelConfig:
     return config
 
 
+#: The defaults of a Q/K head dim above 256 (spec.WIDE_HEAD_DIMS, V's at most 256), the
+#: first that fits the arch: 32-key tiles of 16 rows a warp with Q read from shared memory
+#: (NVRTC 13, sm_80, bf16 causal, 576 / 256: m64_n32_w4_s1 232 registers, 126 KB, no
+#: spills; 512 / 256 with two stages 163 KB; 64-key tiles spill 128 B at 512); 32 rows for
+#: the GPUs of 100 KB (90 KB at 576).
+WIDE_DEFAULTS = (KernelConfig(64, 32, 4, 2), KernelConfig(64, 32, 4, 1),
+                 KernelConfig(32, 32, 2, 1))
+
+
+def _wide_default(problem: Problem, arch: ArchSpec) -> KernelConfig:
+    for config in WIDE_DEFAULTS:
+        if static_check(problem, config, arch) is None:
+            return config
+    why = static_check(problem, WIDE_DEFAULTS[-1], arch)
+    raise InvalidConfig(f"no default config fits {problem.key()} on {arch.name}: "
+                        f"{', '.join(c.key() for c in WIDE_DEFAULTS)} are ruled out ({why})")
+
+
 def default_config(problem: Problem, arch: ArchSpec | str) -> KernelConfig:
     """The config to run ``problem`` on ``arch`` (an ArchSpec or a name such as "sm_90")
     when nothing is tuned; it always passes ``static_check`` for that arch (an
     InvalidConfig says so when no config could)."""
     arch = _spec(arch)
+    if problem.head_dim > MAX_HEAD_DIM:
+        return _wide_default(problem, arch)
     entry = default_entry(problem, arch)
     for config in (_for_split(problem, _for_mods(problem, entry.config)), FALLBACK):
         if static_check(problem, config, arch) is None:
