@@ -113,8 +113,9 @@ def _emulator_defaults() -> Iterator[None]:
     """Default configs (no database) and NaN-poisoned outputs, restored afterwards."""
     real = forward.empty_outputs
 
-    def poisoned(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = real(q)
+    def poisoned(q: torch.Tensor, head_dim_v: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = real(q, head_dim_v)
         return out.fill_(math.nan), lse.fill_(math.nan)
 
     set_dispatcher(Dispatcher(lambda: _NoResults()))

@@ -106,8 +106,8 @@ def test_dry_run_tunes_the_fp8_forward_with_either_input_format(db_url: str) -> 
 @pytest.mark.emulator
 def test_dry_run_for_sm90a_tunes_the_family_that_serves_the_forward_there(db_url: str) -> None:
     """A cc 9.0 device's forward calls run the sm_90a family, so that is what a tuning run
-    for it measures (and says), with the wgmma path's predictions; a feature problem the
-    sm_90a family does not take (dropout) stays with the mma.sync forward."""
+    for it measures (and says), with the wgmma path's predictions; a feature problem too
+    (dropout: the sm_90a family takes every built-in feature) is its own key there."""
     args = ["tune", "--head-dim", "64", "--dtype", "bf16", "--seqlens", "128", "--dry-run",
             "--arch", "sm_90a", "--trials", "1", "--compile-workers", "1", "--db", db_url]
     result = runner.invoke(app, args)
@@ -121,10 +121,10 @@ def test_dry_run_for_sm90a_tunes_the_family_that_serves_the_forward_there(db_url
     assert trials and {t.problem.key for t in trials} == {"fwd90aws_d64_bf16_full"}
     featured = runner.invoke(app, [*args[:-2], "--features", "dropout", "--db", db_url])
     assert featured.exit_code == 0, featured.output
-    assert "note:" not in featured.output
+    assert "(fwd90aws_d64_bf16_full_dropout)" in " ".join(featured.output.split())
     with TuningStore(db_url) as store:
         keys = {t.problem.key for t in store.trials(device="virtual-sm_90a")}
-    assert keys == {"fwd90aws_d64_bf16_full", "fwd_d64_bf16_full_dropout"}, keys
+    assert keys == {"fwd90aws_d64_bf16_full", "fwd90aws_d64_bf16_full_dropout"}, keys
 
 
 def test_unknown_features_are_refused_with_the_choices(db_url: str) -> None:
