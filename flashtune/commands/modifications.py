@@ -10,6 +10,7 @@ tensors as kernel arguments.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from typing import Annotated, Any
@@ -57,7 +58,7 @@ def with_modifications(problem: Problem, score_mod: str | None, mask_mod: str | 
     mask = None if mask_mod is None else load_function(mask_mod, "--mask-mod")
     try:
         name = traced_feature(trace(score, mask))
-        return Problem(head_dim=problem.head_dim, dtype=problem.dtype, causal=problem.causal,
-                       op=problem.op, features=[*problem.features, name])
+        # replace keeps every other field (the per-operand types, V's head dim)
+        return dataclasses.replace(problem, features=(*problem.features, name))
     except FlashtuneError as exc:
         raise typer.BadParameter(str(exc), param_hint="--score-mod/--mask-mod") from exc

@@ -13,6 +13,8 @@ from flex_fixtures import forget_traced_features  # noqa: F401  (autouse, by nam
 from typer.testing import CliRunner
 
 from flashtune.cli import app
+from flashtune.codegen.spec import Problem
+from flashtune.commands.modifications import with_modifications
 
 runner = CliRunner()
 ENV = {"COLUMNS": "200", "NO_COLOR": "1"}
@@ -49,6 +51,17 @@ def test_show_prints_the_traced_expression(mods: str) -> None:
     assert "struct ScoreMods" in result.output
     assert "(score - (0.125f * ((float)(ft::flex::iabs((q_idx - kv_idx))))))" in result.output
     assert "((q_idx >= kv_idx) && ((q_idx - kv_idx) < 64))" in result.output
+
+
+def test_a_modification_keeps_the_problems_other_fields(mods: str) -> None:
+    """The traced feature joins the problem's features; its element types per operand and
+    V's head dim stay."""
+    for problem in (Problem(128, "bf16", op="decode8", kv_dtype="e4m3", causal=True),
+                    Problem(192, "bf16", head_dim_v=128)):
+        modified = with_modifications(problem, f"{mods}:bias", None)
+        assert (modified.dtypes, modified.head_dim_v, modified.causal, modified.op) == (
+            problem.dtypes, problem.head_dim_v, problem.causal, problem.op)
+        assert len(modified.features) == len(problem.features) + 1
 
 
 def test_an_unsupported_operation_and_a_bad_name_are_usage_errors(mods: str) -> None:
