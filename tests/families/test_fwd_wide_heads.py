@@ -47,11 +47,11 @@ GRID = list(itertools.product(PAIRS, (DType.FP16, DType.BF16), (False, True), CO
 
 
 def _sample() -> list[tuple[object, ...]]:
-    """576 / 256 and 512 / 256 on the small shape (the emulation of the wide kernels is
+    """576 / 256 or 512 / 256 on the small shape (the emulation of the wide kernels is
     slow: the other shapes are in the sweep), the rest drawn."""
     rng = random.Random(f"{_SEED}-wide")
-    return [(*rng.choice([c for c in GRID if c[0] == pair and c[4] == SHAPES[1]]), _SEED)
-            for pair in PAIRS[:2]]
+    pair = rng.choice(PAIRS[:2])
+    return [(*rng.choice([c for c in GRID if c[0] == pair and c[4] == SHAPES[1]]), _SEED)]
 
 
 def _run(pair: tuple[int, int], dtype: DType, causal: bool, config: KernelConfig,
