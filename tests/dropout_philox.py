@@ -59,3 +59,12 @@ def mask(seed: int, offset: int, p: float, batches: range, heads_q: int, seqlen_
                     for e in range(min(2, seqlen_k - j)):
                         out[bi, h, i, j + e] = words[2 * ((i // 8) % 2) + e] >= threshold
     return out
+
+
+def call_seed(torch_seed: int) -> int:
+    """The dropout seed a flashtune call on CPU tensors takes right after
+    torch.manual_seed(torch_seed) (api/dropout.py's documented draw: two 32-bit words, high
+    first)."""
+    torch.manual_seed(torch_seed)
+    high, low = torch.randint(2**32, (2,), dtype=torch.int64).tolist()
+    return int(high) << 32 | int(low)

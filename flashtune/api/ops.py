@@ -336,7 +336,8 @@ def attention(
     sequences); applied after softcap and ALiBi, and a masked key stays hidden whatever they
     return. Gradients flow through them to q, k, v and to the float tensors they capture
     that require grad (``api.flex_grad``); sinks that require grad raise
-    BackwardNotAvailable with them, and dropout does not combine with them.
+    BackwardNotAvailable with them. Dropout combines with them (the mask drawn from the
+    same positions, the backward drawing it again).
     """
     descales = (q_descale, k_descale, v_descale)
     if _fp8.is_fp8(q):
@@ -370,30 +371,42 @@ def attention(
     if return_dropout_mask and not p:
         raise InvalidInput("return_dropout_mask=True needs dropout_p > 0 (there is no mask "
                            "without dropout)")
+    variant: Variant | None = resolve(causal, window_size, softcap, alibi_slopes, q,
+                                      q.shape[0], (q.shape[1], k.shape[1]), sinks=sinks)
+    assert variant is not None
+    if p:
+        variant = dataclasses.replace(variant, dropout=_dropout.draw(
+            q.device, q.shape[0] * q.shape[2], p))
     if score_mod is not None or mask_mod is not None:
-        if p:
-            raise InvalidInput(f"dropout_p={dropout_p} with a score_mod or mask_mod: the "
-                               "modified kernels have no dropout; expected dropout_p=0.0")
-        modified = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
-                           (q.shape[1], k.shape[1]), sinks=sinks)
-        if modified.sinks is not None and modified.sinks.requires_grad:
-            refuse_grad(modified.sinks, what="attention with sinks that require grad and a "
+        if variant.sinks is not None and variant.sinks.requires_grad:
+            refuse_grad(variant.sinks, what="attention with sinks that require grad and a "
                         "score_mod or mask_mod")
-        out, lse = modified_forward(q, k, v, modified, scale, name, score_mod, mask_mod,
+        out, lse = modified_forward(q, k, v, variant, scale, name, score_mod, mask_mod,
                                     deterministic=ordered)
-        if dim is not None:
-            out = out[..., :dim]
-        return (out, lse) if return_lse else out
-    if (window_size == NO_WINDOW and softcap is None and alibi_slopes is None and sinks is None
-            and not p):
-        variant = None
     else:
-        variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
-                          (q.shape[1], k.shape[1]), sinks=sinks)
-        if p:
-            variant = dataclasses.replace(variant, dropout=_dropout.draw(
-                q.device, q.shape[0] * q.shape[2], p))
-        causal = variant.causal
+        if (window_size == NO_WINDOW and softcap is None and alibi_slopes is None
+                and sinks is None and not p):
+            variant = None
+        else:
+            causal = variant.causal
+        out, lse = _plain_or_featured(q, k, v, causal, scale, name, ordered, variant,
+                                      alibi_slopes, sinks)
+    if dim is not None:
+        out = out[..., :dim]
+    result: tuple[torch.Tensor, ...] = (out, lse) if return_lse else (out,)
+    if return_dropout_mask and variant is not None and variant.dropout is not None:
+        result += (_dropout.mask_of(variant.dropout, q.shape[0], q.shape[2], q.shape[1],
+                                    k.shape[1], q.device),)
+    return result if len(result) > 1 else out
+
+
+def _plain_or_featured(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                       scale: float, name: str, ordered: bool, variant: Variant | None,
+                       alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """O and LSE of a call without modifications, recorded for autograd when it needs
+    gradients (``variant``: its features, None for plain attention; ``alibi_slopes`` and
+    ``sinks`` as the caller passed them)."""
     needs_grad = _needs_grad(q, k, v) or (torch.is_grad_enabled() and sinks is not None
                                           and sinks.requires_grad)
     if needs_grad and q.shape[3] > MAX_HEAD_DIM:
@@ -402,21 +415,15 @@ def attention(
             f"backward's dQ and dK accumulators hold at most {MAX_HEAD_DIM} columns a thread; "
             "call it under torch.no_grad() or pass detached tensors")
     if not needs_grad and direct_call_ok(q, k, v, alibi_slopes, sinks):
-        out, lse = _fwd.forward(q, k, v, causal, scale, name, variant)
-    elif variant is None:
+        return _fwd.forward(q, k, v, causal, scale, name, variant)
+    if variant is None:
         out, lse = attention_fwd(q, k, v, causal, scale, name, ordered)
-    else:
-        drop = variant.dropout
-        out, lse = attention_fwd(q, k, v, causal, scale, name, ordered, *variant.window,
-                                 variant.softcap, variant.alibi_slopes, variant.sinks,
-                                 *((drop.p, drop.signed_seed, drop.offset) if drop else ()))
-    if dim is not None:
-        out = out[..., :dim]
-    result: tuple[torch.Tensor, ...] = (out, lse) if return_lse else (out,)
-    if return_dropout_mask and variant is not None and variant.dropout is not None:
-        result += (_dropout.mask_of(variant.dropout, q.shape[0], q.shape[2], q.shape[1],
-                                    k.shape[1], q.device),)
-    return result if len(result) > 1 else out
+        return out, lse
+    drop = variant.dropout
+    out, lse = attention_fwd(q, k, v, causal, scale, name, ordered, *variant.window,
+                             variant.softcap, variant.alibi_slopes, variant.sinks,
+                             *((drop.p, drop.signed_seed, drop.offset) if drop else ()))
+    return out, lse
 
 
 def _refuse_split_head_dims(q: torch.Tensor, v: torch.Tensor, modified: bool) -> None:
@@ -478,14 +485,10 @@ def scaled_dot_product_attention(
         if is_causal:
             raise _sdpa_unsupported("attn_mask together with is_causal", "fold the causal "
                                     "mask into attn_mask (torch refuses the pair too)")
-        if dropout_p != 0.0:
-            raise _sdpa_unsupported(f"attn_mask together with dropout_p={dropout_p}",
-                                    "the modified kernels have no dropout; expected "
-                                    "dropout_p=0.0 with attn_mask")
         shape = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         score_mod, mask_mod = attn_mask_mods(attn_mask, shape)
         out = attention(q, k, v, softmax_scale=scale, backend=backend, score_mod=score_mod,
-                        mask_mod=mask_mod)
+                        mask_mod=mask_mod, dropout_p=dropout_p)
         return out.transpose(1, 2)
     if is_causal and query.shape[2] != key.shape[2]:  # torch's top-left mask: two calls
 

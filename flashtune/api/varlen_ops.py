@@ -238,7 +238,7 @@ def attention_varlen(
     used), with every feature above; ``deterministic`` as in ``attention`` (None follows
     ``torch.use_deterministic_algorithms``). ``score_mod`` and ``mask_mod`` are as in
     ``attention``, per sequence (``b`` is the sequence's index and ``q_idx``, ``kv_idx``
-    positions within it): forward only, as there.
+    positions within it), with gradients and dropout as there.
 
     FP8 q, k and v (torch.float8_e4m3fn or float8_e5m2) go to the FP8 forward as in
     ``attention``, with ``q_descale``, ``k_descale``, ``v_descale`` float32
@@ -270,10 +270,6 @@ def attention_varlen(
     variant = resolve(causal, window_size, softcap, alibi_slopes, q, varlen.batch,
                       (longest_q, longest_k), varlen, sinks)
     p = _dropout.check_dropout_p(dropout_p)
-    if p and (score_mod is not None or mask_mod is not None):
-        raise InvalidInput(f"dropout_p={dropout_p} with a score_mod or mask_mod: modified "
-                           "attention has a forward pass only, and dropout is for training; "
-                           "expected dropout_p=0.0")
     if p:
         variant = dataclasses.replace(variant, dropout=_dropout.draw(
             q.device, varlen.batch * q.shape[1], p))
@@ -285,7 +281,7 @@ def attention_varlen(
         if variant.sinks is not None and variant.sinks.requires_grad:
             refuse_grad(variant.sinks)
         out, lse = modified_forward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), variant,
-                                    scale, name, score_mod, mask_mod)
+                                    scale, name, score_mod, mask_mod, deterministic=ordered)
         out, lse = out[0], lse[0]
     elif not needs_grad and direct_call_ok(q, k, v, cu_q, cu_k, variant.alibi_slopes,
                                            variant.sinks):

@@ -14,10 +14,11 @@ from __future__ import annotations
 import itertools
 import os
 import random
+from typing import Any
 
 import pytest
 import torch
-from dropout_philox import float32, mask
+from dropout_philox import call_seed, float32, mask
 from grad_helpers import (
     ShapeTuple,
     feature_scores,
@@ -43,13 +44,6 @@ FEATURES = [(False, (-1, -1), None, False, 0.17), (True, (-1, -1), None, False, 
 SHAPES: tuple[ShapeTuple, ...] = ((1, 77, 90, 2, 1), (2, 40, 33, 4, 2))
 GRID = list(itertools.product(FEATURES, (torch.float16, torch.bfloat16), SHAPES,
                               (False, True)))
-
-
-def call_seed(torch_seed: int) -> int:
-    """The dropout seed a call on CPU tensors takes right after torch.manual_seed(s)."""
-    torch.manual_seed(torch_seed)
-    high, low = torch.randint(2**32, (2,), dtype=torch.int64).tolist()
-    return int(high) << 32 | int(low)
 
 
 def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -187,22 +181,32 @@ def test_varlen_dropout_matches_float64_per_sequence() -> None:
         q0, k0 = q0 + nq, k0 + nk
 
 
-@pytest.mark.parametrize("deterministic", [random.Random(SEED).choice([False, True])])
-def test_varlen_dropout_gradients_follow_flash_attn_rule(deterministic: bool) -> None:
+@pytest.mark.parametrize(("deterministic", "modified"),
+                         [random.Random(SEED).choice(list(itertools.product((False, True),
+                                                                            repeat=2)))])
+def test_varlen_dropout_gradients_follow_flash_attn_rule(deterministic: bool,
+                                                          modified: bool) -> None:
     """attention_varlen(dropout_p=) gradients against float64 autograd per sequence with
-    the tests' own mask (sequence b of the pack is the mask's batch b): GQA, causal, a
-    sequence with no queries and one with no keys; atomic or deterministic dQ drawn from the
-    run's seed."""
+    the tests' own mask (sequence b of the pack is the mask's batch b): GQA, causal (or the
+    causal mask as a traced ``mask_mod``: ``modified``), a sequence with no queries and one
+    with no keys; atomic or deterministic dQ and the causal form drawn from the run's
+    seed."""
     lens_q, lens_k, p = [17, 0, 40, 6], [23, 5, 40, 0], 0.17
     seed = random.Random(f"{SEED}-varlen-{deterministic}").randrange(2**31)
     inputs, dout, cu_q, cu_k = packed_inputs(lens_q, lens_k, 4, 2, 32, torch.bfloat16, seed)
     drawn = call_seed(seed)
+    ends_q, ends_k = (torch.tensor(lens) for lens in (lens_q, lens_k))
+
+    def bottom_right(b: Any, h: Any, i: Any, j: Any) -> Any:
+        """attention's causal mask of sequence b (its last row sees its last key)."""
+        return j - i <= ends_k[b] - ends_q[b]
 
     def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         torch.manual_seed(seed)
         out = flashtune.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k),
-                                         causal=True, dropout_p=p, backend="emulator",
-                                         deterministic=deterministic)
+                                         causal=not modified, dropout_p=p,
+                                         mask_mod=bottom_right if modified else None,
+                                         backend="emulator", deterministic=deterministic)
         assert isinstance(out, torch.Tensor)
         return out
 
