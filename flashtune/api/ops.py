@@ -50,7 +50,7 @@ from flashtune.api.variants import (
     resolve,
 )
 from flashtune.codegen.spec import MAX_HEAD_DIM
-from flashtune.errors import BackwardNotAvailable, FeatureNotSupported, InvalidInput
+from flashtune.errors import BackwardNotAvailable, InvalidInput
 from flashtune.families.fwd.args import DropoutArgs
 from flashtune.runtime import plans
 from flashtune.runtime.dispatch import Decision
@@ -361,8 +361,6 @@ def attention(
     check_attention_inputs(q, k, v, split_v=True)
     if not isinstance(causal, bool):
         raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
-    if v.shape[3] != q.shape[3] or q.shape[3] > MAX_HEAD_DIM:
-        _refuse_split_head_dims(q, v, score_mod is not None or mask_mod is not None)
     scale = check_softmax_scale(softmax_scale, dim or q.shape[3])
     ordered = deterministic_flag(deterministic)
     name = "" if backend is None else backend
@@ -377,6 +375,13 @@ def attention(
     if p:
         variant = dataclasses.replace(variant, dropout=_dropout.draw(
             q.device, q.shape[0] * q.shape[2], p))
+    needs_grad = _needs_grad(q, k, v) or (torch.is_grad_enabled() and sinks is not None
+                                          and sinks.requires_grad)
+    if needs_grad and q.shape[3] > MAX_HEAD_DIM:
+        raise BackwardNotAvailable(
+            f"attention with q's and k's head dim {q.shape[3]} has a forward pass only: the "
+            f"backward's dQ and dK accumulators hold at most {MAX_HEAD_DIM} columns a thread; "
+            "call it under torch.no_grad() or pass detached tensors")
     if score_mod is not None or mask_mod is not None:
         if variant.sinks is not None and variant.sinks.requires_grad:
             refuse_grad(variant.sinks, what="attention with sinks that require grad and a "
@@ -390,7 +395,7 @@ def attention(
         else:
             causal = variant.causal
         out, lse = _plain_or_featured(q, k, v, causal, scale, name, ordered, variant,
-                                      alibi_slopes, sinks)
+                                      needs_grad, alibi_slopes, sinks)
     if dim is not None:
         out = out[..., :dim]
     result: tuple[torch.Tensor, ...] = (out, lse) if return_lse else (out,)
@@ -402,18 +407,11 @@ def attention(
 
 def _plain_or_featured(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                        scale: float, name: str, ordered: bool, variant: Variant | None,
-                       alibi_slopes: torch.Tensor | None, sinks: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """O and LSE of a call without modifications, recorded for autograd when it needs
-    gradients (``variant``: its features, None for plain attention; ``alibi_slopes`` and
-    ``sinks`` as the caller passed them)."""
-    needs_grad = _needs_grad(q, k, v) or (torch.is_grad_enabled() and sinks is not None
-                                          and sinks.requires_grad)
-    if needs_grad and q.shape[3] > MAX_HEAD_DIM:
-        raise BackwardNotAvailable(
-            f"attention with q's and k's head dim {q.shape[3]} has a forward pass only: the "
-            f"backward's dQ and dK accumulators hold at most {MAX_HEAD_DIM} columns a thread; "
-            "call it under torch.no_grad() or pass detached tensors")
+                       needs_grad: bool, alibi_slopes: torch.Tensor | None,
+                       sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """O and LSE of a call without modifications, recorded for autograd when it
+    ``needs_grad`` (``variant``: its features, None for plain attention; ``alibi_slopes``
+    and ``sinks`` as the caller passed them)."""
     if not needs_grad and direct_call_ok(q, k, v, alibi_slopes, sinks):
         return _fwd.forward(q, k, v, causal, scale, name, variant)
     if variant is None:
@@ -424,22 +422,6 @@ def _plain_or_featured(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
                              variant.softcap, variant.alibi_slopes, variant.sinks,
                              *((drop.p, drop.signed_seed, drop.offset) if drop else ()))
     return out, lse
-
-
-def _refuse_split_head_dims(q: torch.Tensor, v: torch.Tensor, modified: bool) -> None:
-    """What a call whose V head dim differs from Q/K's (or whose Q/K head dim is above
-    MAX_HEAD_DIM) cannot have: a score_mod or mask_mod (FeatureNotSupported; the modified
-    kernels use one head dim of at most MAX_HEAD_DIM)."""
-    if modified:
-        if q.shape[3] > MAX_HEAD_DIM:
-            raise FeatureNotSupported(
-                f"attention with q's and k's head dim {q.shape[3]} (above {MAX_HEAD_DIM}) takes "
-                "no score_mod or mask_mod (the modified kernels hold at most "
-                f"{MAX_HEAD_DIM}); expected neither")
-        raise FeatureNotSupported(
-            f"attention with v's head dim {v.shape[3]} other than q's and k's {q.shape[3]} "
-            "takes no score_mod or mask_mod (the modified kernels use one head dim); pad v "
-            "with zeros to q's head dim and slice the output's last dim back")
 
 
 def _sdpa_unsupported(what: str, fix: str) -> InvalidInput:

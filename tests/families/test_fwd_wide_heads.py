@@ -7,7 +7,8 @@ Numerics: the CPU emulator against the float64 reference, outputs poisoned with 
 each launch (``split_dims.run_split``), inputs fresh seeded normals; through the API against
 float64 attention written here (GQA, causal with Nq != Nk, softcap and a window). Also: the
 defaults compile without spills (NVRTC 13, sm_80 / sm_86 / sm_90), and what is not served is
-refused by name (the backward, score modifications, other families, other wide dims). The
+refused by name (the backward, other families, other wide dims); score and mask
+modifications run at these head dims too. The
 default run takes a seeded sample (the seed in the id replays it); ``-m sweep`` the grid.
 """
 
@@ -147,8 +148,8 @@ def test_what_is_not_served_is_refused_by_name() -> None:
     q, k, v = (torch.randn(1, 8, 1, 512, dtype=torch.bfloat16) for _ in "qkv")
     with pytest.raises(BackwardNotAvailable, match="head dim 512 has a forward pass only"):
         flashtune.attention(q.requires_grad_(), k, v, backend="emulator")
-    with pytest.raises(FeatureNotSupported, match="head dim 512 .* no score_mod"):
-        flashtune.attention(q.detach(), k, v, mask_mod=flex_mods.causal, backend="emulator")
+    with pytest.raises(BackwardNotAvailable, match="head dim 512 has a forward pass only"):
+        flashtune.attention(q, k, v, mask_mod=flex_mods.causal, backend="emulator")
     with pytest.raises(InvalidInput, match=r"head_dim=512 .* also takes \(512, 576\)"):
         flashtune.attention_varlen(q.detach()[0], k[0], v[0], torch.tensor([0, 8]),
                                    torch.tensor([0, 8]), 8, 8, backend="emulator")
@@ -158,3 +159,18 @@ def test_what_is_not_served_is_refused_by_name() -> None:
         Problem(384, DType.BF16, head_dim_v=128)
     with pytest.raises(FeatureNotSupported, match="takes Q/K head dims up to 256, got 576"):
         families.get("bwd").check_problem(Problem(576, DType.BF16, op="bwd", head_dim_v=256))
+
+
+def test_modifications_at_a_wide_head_dim_match_float64() -> None:
+    """A traced score_mod and mask_mod at 512 / 512 (V in two column chunks, each launch
+    applying them): softcap and a causal sliding window as Python functions, against
+    float64 attention with the same softcap and window."""
+    gen = torch.Generator().manual_seed(_SEED)
+    q = torch.randn(1, 45, 2, 512, generator=gen).to(torch.float16)
+    k, v = (torch.randn(1, 45, 1, 512, generator=gen).to(torch.float16) for _ in "kv")
+    out = flashtune.attention(q, k, v, score_mod=flex_mods.softcap(3.0),
+                              mask_mod=flex_mods.sliding_window_causal(16), backend="emulator")
+    assert isinstance(out, torch.Tensor)
+    ref = _attention64(q, k, v, False, (15, 0), 3.0)
+    err = float((out.double() - ref).abs().max())
+    assert err <= 4e-3, f"seed {_SEED}: max |O - O64| = {err}"
