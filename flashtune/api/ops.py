@@ -396,11 +396,6 @@ def attention(
         causal = variant.causal
     needs_grad = _needs_grad(q, k, v) or (torch.is_grad_enabled() and sinks is not None
                                           and sinks.requires_grad)
-    if needs_grad and q.shape[3] > MAX_HEAD_DIM:
-        raise BackwardNotAvailable(
-            f"attention with q's and k's head dim {q.shape[3]} has a forward pass only: the "
-            f"backward's dQ and dK accumulators hold at most {MAX_HEAD_DIM} columns a thread; "
-            "call it under torch.no_grad() or pass detached tensors")
     if not needs_grad and direct_call_ok(q, k, v, alibi_slopes, sinks):
         out, lse = _fwd.forward(q, k, v, causal, scale, name, variant)
     elif variant is None:
