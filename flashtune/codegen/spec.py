@@ -130,7 +130,8 @@ class Problem:
     ``v_head_dim``. A family declares whether it serves a split problem
     (``KernelFamily.split_head_dims``). The key then names both: ``fwd_d192v128_bf16_causal``.
     Q/K's head dim may also be one of WIDE_HEAD_DIMS (512, 576) beside V's of at most 256
-    (``fwd_d576v256_bf16_causal``), for the families that declare ``max_head_dim``.
+    (``fwd_d576v256_bf16_causal``), for the families that declare ``max_head_dim``; the
+    ops of WIDE_V_OPS (the backward's) take V's head dim up to Q/K's beside them.
 
     Feature switches (each compiled in or out; off, the kernel is the plain one):
       causal: key j is hidden from query i unless j <= i + Nk - Nq (bottom-right aligned);

@@ -240,3 +240,12 @@ def test_what_stays_unserved_is_refused_by_name() -> None:
     with pytest.raises(FeatureNotSupported, match="takes Q/K head dims up to 256"):
         families.get("bwd8").check_problem(Problem(512, DType.BF16, op="bwd8",
                                                    head_dim_v=256))
+
+
+def test_cc90_runs_wide_head_dims_on_the_mma_sync_backward() -> None:
+    """The sm_90a backward (``bwd90a``, which serves ``bwd`` and ``bwddet`` on cc 9.0) takes
+    head dims up to 256: wide problems stay on the mma.sync family there, including those
+    whose V is too wide to be a problem of the sm_90a op at all."""
+    for op, pair in itertools.product(CONFIGS, ((512, 512), (576, 512), (512, 256))):
+        problem = _problem(op, pair, DType.BF16, True)
+        assert families.served_problem(problem, get_arch("sm_90a")) == problem
