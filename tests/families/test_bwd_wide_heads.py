@@ -65,27 +65,27 @@ def _grid() -> list[tuple[str, tuple[int, int], DType, bool, KernelConfig, Shape
 
 
 _GRID = _grid()
-#: The default run: Gemma 4's and DeepSeek's pairs, each on a row drawn from the seed.
-SAMPLE = [(*random.Random(_SEED + 60 + i).choice([r for r in _GRID if r[1] == pair]),
-           _SEED + 60 + i) for i, pair in enumerate(PAIRS[:2])]
+#: The default run: Gemma 4's and DeepSeek's pairs, each on a row drawn from the seed; the
+#: grid (with the session's seed) under ``-m sweep``.
+CASES = [*((*random.Random(_SEED + 60 + i).choice([r for r in _GRID if r[1] == pair]),
+            _SEED + 60 + i) for i, pair in enumerate(PAIRS[:2])),
+         *(pytest.param(*row, _SEED, marks=pytest.mark.sweep) for row in _GRID)]
 
 
 @pytest.mark.emulator
-@pytest.mark.parametrize("op, pair, dtype, causal, config, shape, seed", SAMPLE, ids=case_id)
+@pytest.mark.parametrize("op, pair, dtype, causal, config, shape, seed", CASES, ids=case_id)
 def test_wide_head_dim_gradients_match_float64(op: str, pair: tuple[int, int], dtype: DType,
                                                causal: bool, config: KernelConfig,
                                                shape: Shape, seed: int) -> None:
+    _case(_problem(op, pair, dtype, causal), config, shape, seed)
+
+
+def _case(problem: Problem, config: KernelConfig, shape: Shape, seed: int) -> None:
+    """One emulator launch against float64 (``run_split``) of a config the emulator's
+    limits (sm_90's) allow."""
     print(f"seed={seed}")
-    run_split(_problem(op, pair, dtype, causal), config, shape, seed, "dv")
-
-
-@pytest.mark.emulator
-@pytest.mark.sweep
-@pytest.mark.parametrize("op, pair, dtype, causal, config, shape", _GRID, ids=case_id)
-def test_wide_head_dim_gradients_grid(op: str, pair: tuple[int, int], dtype: DType,
-                                      causal: bool, config: KernelConfig,
-                                      shape: Shape) -> None:
-    run_split(_problem(op, pair, dtype, causal), config, shape, _SEED, "dv")
+    assert families.of(problem).static_check(problem, config, _ARCH) is None
+    run_split(problem, config, shape, seed, "dv")
 
 
 FEATURE_SETS = (frozenset({"window"}), frozenset({"softcap", "alibi"}),
@@ -95,36 +95,20 @@ _FEATURE_GRID = [(op, pair, dtype, causal, f, c, s)
                      CONFIGS, PAIRS[:3], (DType.FP16, DType.BF16), (False, True),
                      FEATURE_SETS, (0, 1), SHAPES)
                  if not (causal and "window" in f)]
-#: The default run: one feature set drawn from the seed (every set under ``-m sweep``).
-FEATURE_SAMPLE = [(*random.Random(_SEED + 70).choice(_FEATURE_GRID), _SEED + 70)]
-
-
-def _feature_case(op: str, pair: tuple[int, int], dtype: DType, causal: bool,
-                  features: frozenset[str], which: int, shape: Shape, seed: int) -> None:
-    problem = _problem(op, pair, dtype, causal, features)
-    config = CONFIGS[op][which]
-    assert families.get(op).static_check(problem, config, _ARCH) is None
-    run_split(problem, config, shape, seed, "dv")
+#: The default run: one feature set drawn from the seed; every set under ``-m sweep``.
+FEATURE_CASES = [(*random.Random(_SEED + 70).choice(_FEATURE_GRID), _SEED + 70),
+                 *(pytest.param(*row, _SEED, marks=pytest.mark.sweep)
+                   for row in _FEATURE_GRID)]
 
 
 @pytest.mark.emulator
 @pytest.mark.parametrize("op, pair, dtype, causal, features, which, shape, seed",
-                         FEATURE_SAMPLE, ids=case_id)
+                         FEATURE_CASES, ids=case_id)
 def test_wide_head_dim_gradients_with_features_match_float64(
         op: str, pair: tuple[int, int], dtype: DType, causal: bool, features: frozenset[str],
         which: int, shape: Shape, seed: int) -> None:
-    print(f"seed={seed}")
-    _feature_case(op, pair, dtype, causal, features, which, shape, seed)
-
-
-@pytest.mark.emulator
-@pytest.mark.sweep
-@pytest.mark.parametrize("op, pair, dtype, causal, features, which, shape", _FEATURE_GRID,
-                         ids=case_id)
-def test_wide_head_dim_gradients_with_features_grid(
-        op: str, pair: tuple[int, int], dtype: DType, causal: bool, features: frozenset[str],
-        which: int, shape: Shape) -> None:
-    _feature_case(op, pair, dtype, causal, features, which, shape, _SEED)
+    """The forward's features from the same template (CONFIGS[op][which]: 4 or 2 chunks)."""
+    _case(_problem(op, pair, dtype, causal, features), CONFIGS[op][which], shape, seed)
 
 
 def _launch(problem: Problem, config: KernelConfig, shape: Shape, inputs: object,
