@@ -117,7 +117,7 @@ _NOSPILL = "NVRTC 13, bf16 full and fp16 causal, no spills"
 # key tiles, two Q/dO buffers before one. Shared memory holds Q, K, V and dO full width,
 # so 16- and 32-key tiles of 32 or 64 rows are what fit.
 WIDE_DEFAULTS: tuple[WideDefault, ...] = (
-    # -- sm80 (163 KB): 64 rows fit beside V of 256 only; 576 / 512 spills but in 4 chunks
+    # -- sm80 (163 KB): 64 rows fit beside V of 256 only; a wider V takes 32-row tiles ----
     WideDefault(_A, 512, 256, "m64_n16_w4_s1_chunks-1", f"one chunk; {_NOSPILL}, "
                 "241 regs, 129 KB"),
     WideDefault(_A, 576, 256, "m64_n16_w4_s1_chunks-1", f"one chunk; {_NOSPILL}, "
@@ -126,8 +126,8 @@ WIDE_DEFAULTS: tuple[WideDefault, ...] = (
                 f"chunks; {_NOSPILL}, 246 regs, 100 KB"),
     WideDefault(_A, 576, 512, "m32_n16_w2_s1_chunks-4", "64 rows exceed 163 KB; two chunks "
                 f"spill; four, {_NOSPILL}, 228 regs, 106 KB"),
-    WideDefault(_A, 576, 576, "m32_n16_w2_s1_chunks-4", "64 rows exceed 163 KB; "
-                f"four chunks, {_NOSPILL}"),
+    WideDefault(_A, 576, 576, "m32_n16_w2_s1_chunks-2", "64 rows exceed 163 KB; two "
+                f"chunks (four spill in bwddet, fp16 causal); {_NOSPILL}, 254 regs, 113 KB"),
     # -- sm86 (99 KB): V of 256 only (a V of 512 needs at least 100 KB: refused) -----------
     WideDefault(_C, 512, 256, "m32_n16_w2_s1_chunks-2", "64 rows exceed 99 KB; one chunk "
                 f"needs 208 accumulator regs; two, {_NOSPILL}, 76 KB"),
@@ -142,8 +142,8 @@ WIDE_DEFAULTS: tuple[WideDefault, ...] = (
                 "241 regs, 169 KB"),
     WideDefault(_H, 576, 512, "m64_n16_w4_s1_chunks-1", f"one chunk; {_NOSPILL}, "
                 "248 regs, 179 KB"),
-    WideDefault(_H, 576, 576, "m64_n16_w4_s1_chunks-2", f"one chunk needs 152 accumulator "
-                f"regs and more; two, {_NOSPILL}"),
+    WideDefault(_H, 576, 576, "m64_n16_w4_s1_chunks-1", f"one chunk; {_NOSPILL}, "
+                "246 regs, 189 KB"),
 )
 _WIDE_BY_KEY = {(e.arch_class, e.head_dim, e.v_head_dim): e for e in WIDE_DEFAULTS}
 
