@@ -17,7 +17,8 @@ __host__ __device__ constexpr int const_min(int a, int b) { return a < b ? a : b
 //      every key of the tile; P = exp(S scale - LSE) and dS = P (dP - D) are rounded to
 //      16 bits into shared memory (sP, sdS, [query][key]).
 //   2. dV += P^T dO and dK += dS^T Q: warps split the keys (kWarpsN) and the head dim
-//      (kWarpsD); the accumulators live in registers for the whole key tile.
+//      (kWarpsD); the accumulators live in registers for the whole key tile (for head
+//      dims 512 and 576, one output column chunk of them: WithBwdColumnChunks).
 //   3. dQ = dS K for the warp's own query rows, kDqChunk head-dim columns at a time, added
 //      to a float32 accumulator in global memory.
 //

@@ -8,6 +8,11 @@ dK and dV stay in float32 registers, dQ is added to a float32 accumulator in glo
 in a fixed order, scaled, rounded). ``bwd`` tunes the dQ mode too (float32 atomics or
 per-block slices); ``bwddet`` serves ``deterministic=True`` and only has the slices.
 
+Q/K head dims 512 and 576 (``spec.WIDE_HEAD_DIMS``, V's up to theirs) run in output column
+chunks (the ``chunks`` knob of their space, ``space.WIDE_SPACE``): each block adds one
+chunk of dK, dV and dQ's columns and recomputes S and dP over the full head dims; the grid's
+y is the kv heads times the chunks.
+
 Varlen: the forward's packed layout (``fwd.variants.random_varlen``: q, k, v, dO (1, total
 rows, heads, dim), LSE and D (1, heads_q, total_q)); ``Shape`` then gives the number of
 sequences and the longest query and key sequences, which size the main kernel's grid.
