@@ -9,6 +9,10 @@ on the current stream:
 2. ``bwd`` (or ``bwddet`` when deterministic): dK, dV and the accumulator;
 3. ``bwdsum``: dQ = softmax_scale * (the accumulator's slices summed in slice order).
 
+Q/K head dims above MAX_HEAD_DIM (512, 576: the main kernel in output column chunks, its
+grid's y the kv heads times the chunks) have no row kernels: D and the convert's sum (in
+slice order) run in torch.
+
 Each kernel comes from its own family's dispatcher decision (tuned or default), its plan
 memoised with every other op's (``runtime.plans``). The
 only buffers besides the gradients are D (B, Hq, Nq) and the accumulator: one float32 copy
@@ -40,6 +44,7 @@ import torch
 from flashtune import settings
 from flashtune.api.variants import Variant, kernel_features
 from flashtune.codegen.abi import PackedArgs
+from flashtune.codegen.spec import MAX_HEAD_DIM
 from flashtune.families.base import sm_count
 from flashtune.families.bwd import args, space
 from flashtune.families.bwd8 import BWD8_ABI
@@ -103,8 +108,12 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     # The row kernels read O and dO and write dQ: O's type (q's, but for FP8 inputs). With
     # V's head dim split from Q/K's, O and dO have V's and dQ has Q's: the preprocess
     # (one head dim for both) gives way to D in torch (below), and the convert runs at q's.
-    pre = plan_for(out, False, name, "bwdpre", (), longest) if split_v is None else None
-    convert = plan_for(out if split_v is None else q, False, name, "bwdsum", (), longest)
+    # A Q/K head dim above MAX_HEAD_DIM (the row kernels' limit) takes both in torch.
+    wide = head_dim > MAX_HEAD_DIM
+    pre = (plan_for(out, False, name, "bwdpre", (), longest)
+           if split_v is None and not wide else None)
+    convert = (None if wide else
+               plan_for(out if split_v is None else q, False, name, "bwdsum", (), longest))
     config = main.source.config
     split = space.dq_mode(config) == space.DQ_SPLIT
     slices = (space.dq_slices(_sm_count(q.device), sequences, heads_kv, keys, config.block_n)
@@ -124,7 +133,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         dsum.sub_(grad_lse)
 
     dk, dv = (torch.empty(t.shape, dtype=out.dtype, device=t.device) for t in (k, v))
-    grid = args.main_grid(keys, heads_kv, sequences, config.block_n, slices if split else None)
+    grid = args.main_grid(keys, heads_kv, sequences, config.block_n, slices if split else None,
+                          space.chunks(config))
     if descales is None and not features:  # the plain kernel's straight-line packer
         packed = args.main_args(q, k, v, dout, lse, dsum, dk, dv, accum, softmax_scale)
     else:
@@ -140,13 +150,27 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                               and variant.traced else {})}, features)
     _launch(main, grid, packed)
 
-    dq = torch.empty(q.shape, dtype=out.dtype, device=q.device)
-    _launch(convert, args.row_grid(seqlen_q, heads_q, batch, convert.block_m),
-            args.sum_args(accum, dq, softmax_scale))
+    if convert is None:
+        dq = _sum_slices(accum, softmax_scale, out.dtype)
+    else:
+        dq = torch.empty(q.shape, dtype=out.dtype, device=q.device)
+        _launch(convert, args.row_grid(seqlen_q, heads_q, batch, convert.block_m),
+                args.sum_args(accum, dq, softmax_scale))
     dsinks = None
     if variant is not None and variant.sinks is not None:
         dsinks = sink_grad(variant.sinks, lse, dsum)
     return dq, dk, dv, dsinks
+
+
+def _sum_slices(accum: torch.Tensor, softmax_scale: float, dtype: torch.dtype
+                ) -> torch.Tensor:
+    """dQ (B, Nq, Hq, D) of ``dtype`` from the float32 accumulator (slices, B, Hq, Nq, D):
+    the convert kernel's definition in torch (its slices added in slice order, so the same
+    bits in every run, then scaled and rounded), for head dims above its MAX_HEAD_DIM."""
+    total = accum[0].clone()
+    for piece in accum[1:]:
+        total += piece
+    return (total * softmax_scale).to(dtype).transpose(1, 2)
 
 
 def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, dsum: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,6 @@ from flashtune.api.variants import (
     refuse_unsupported,
     resolve,
 )
-from flashtune.codegen.spec import MAX_HEAD_DIM
 from flashtune.errors import BackwardNotAvailable, InvalidInput
 from flashtune.families.fwd.args import DropoutArgs
 from flashtune.runtime import plans
@@ -377,11 +376,6 @@ def attention(
             q.device, q.shape[0] * q.shape[2], p))
     needs_grad = _needs_grad(q, k, v) or (torch.is_grad_enabled() and sinks is not None
                                           and sinks.requires_grad)
-    if needs_grad and q.shape[3] > MAX_HEAD_DIM:
-        raise BackwardNotAvailable(
-            f"attention with q's and k's head dim {q.shape[3]} has a forward pass only: the "
-            f"backward's dQ and dK accumulators hold at most {MAX_HEAD_DIM} columns a thread; "
-            "call it under torch.no_grad() or pass detached tensors")
     if score_mod is not None or mask_mod is not None:
         if variant.sinks is not None and variant.sinks.requires_grad:
             refuse_grad(variant.sinks, what="attention with sinks that require grad and a "

@@ -36,6 +36,9 @@ MAX_HEAD_DIM = 256
 #: at most MAX_HEAD_DIM beside them (a split problem); the API runs a wider V in column
 #: chunks.
 WIDE_HEAD_DIMS: tuple[int, ...] = (512, 576)
+#: The ops whose kernels also hold V's head dim up to a wide Q/K's (one of WIDE_HEAD_DIMS)
+#: in one kernel: the mma.sync backward's, which adds dK, dV and dQ in column chunks.
+WIDE_V_OPS: frozenset[str] = frozenset({"bwd", "bwddet"})
 #: Sequence buckets are powers of two clamped to this range.
 MIN_SEQ_BUCKET = 64
 MAX_SEQ_BUCKET = 1 << 20
@@ -127,7 +130,8 @@ class Problem:
     ``v_head_dim``. A family declares whether it serves a split problem
     (``KernelFamily.split_head_dims``). The key then names both: ``fwd_d192v128_bf16_causal``.
     Q/K's head dim may also be one of WIDE_HEAD_DIMS (512, 576) beside V's of at most 256
-    (``fwd_d576v256_bf16_causal``), for the families that declare ``max_head_dim``.
+    (``fwd_d576v256_bf16_causal``), for the families that declare ``max_head_dim``; the
+    ops of WIDE_V_OPS (the backward's) take V's head dim up to Q/K's beside them.
 
     Feature switches (each compiled in or out; off, the kernel is the plain one):
       causal: key j is hidden from query i unless j <= i + Nk - Nq (bottom-right aligned);
@@ -194,7 +198,8 @@ class Problem:
         why = _head_dim_reason(self.head_dim, "head_dim", wide=True)
         if why is not None:
             raise InvalidProblem(why.replace("pad it", "pad the head dim of q, k and v"))
-        if self.head_dim > MAX_HEAD_DIM and not (
+        wide_v = self.head_dim > MAX_HEAD_DIM and self.op in WIDE_V_OPS
+        if self.head_dim > MAX_HEAD_DIM and not wide_v and not (
                 isinstance(self.head_dim_v, int) and self.head_dim_v <= MAX_HEAD_DIM):
             raise InvalidProblem(
                 f"head_dim={self.head_dim} (Q/K) needs V's head dim of at most {MAX_HEAD_DIM} "
@@ -202,7 +207,11 @@ class Problem:
                 "V do not fit a thread's registers (flashtune.attention runs such a V in "
                 f"column chunks of {MAX_HEAD_DIM})")
         if self.head_dim_v is not None:
-            why = _head_dim_reason(self.head_dim_v, "head_dim_v (V's head dim)")
+            why = _head_dim_reason(self.head_dim_v, "head_dim_v (V's head dim)",
+                                   wide=wide_v and self.head_dim_v in WIDE_HEAD_DIMS)
+            if why is None and wide_v and self.head_dim_v > self.head_dim:
+                why = (f"head_dim_v={self.head_dim_v} (V's head dim) exceeds Q/K's "
+                       f"{self.head_dim}; expected at most that")
             if why is not None:
                 raise InvalidProblem(why.replace("pad it", "pad v's head dim"))
         if not isinstance(self.causal, bool):

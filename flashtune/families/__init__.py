@@ -97,8 +97,8 @@ def served_problem(problem: Problem, arch: ArchSpec) -> Problem:
             continue
         if not get_arch(family.target_arch).runs_on(arch):
             continue
-        variant = dataclasses.replace(problem, op=family.op)
-        try:
+        try:  # the problem may not exist for that op at all (a V wider than it takes)
+            variant = dataclasses.replace(problem, op=family.op)
             family.check_problem(variant)
         except InvalidProblem as refused:
             # the op's own family serves it; the refusal names why (a head dim, a feature)

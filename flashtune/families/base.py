@@ -315,7 +315,7 @@ class KernelFamily(ABC):
                 f"the {self.op!r} kernel family ({self.title}) takes Q/K head dims up to "
                 f"{self.max_head_dim}, got {problem.head_dim} (problem {problem.key()}); the "
                 "mma.sync forward ('fwd') serves 512 and 576 beside V's head dim of at most "
-                "256 (forward only)")
+                "256 (its backward, 'bwd' and 'bwddet', also V's up to Q/K's)")
         if problem.split_head_dims and not self.split_head_dims:
             raise FeatureNotSupported(
                 f"the {self.op!r} kernel family ({self.title}) needs V's head dim equal to "

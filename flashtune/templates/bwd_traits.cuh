@@ -17,7 +17,8 @@ __host__ __device__ constexpr int const_min(int a, int b) { return a < b ? a : b
 //      every key of the tile; P = exp(S scale - LSE) and dS = P (dP - D) are rounded to
 //      16 bits into shared memory (sP, sdS, [query][key]).
 //   2. dV += P^T dO and dK += dS^T Q: warps split the keys (kWarpsN) and the head dim
-//      (kWarpsD); the accumulators live in registers for the whole key tile.
+//      (kWarpsD); the accumulators live in registers for the whole key tile (for head
+//      dims 512 and 576, one output column chunk of them: WithBwdColumnChunks).
 //   3. dQ = dS K for the warp's own query rows, kDqChunk head-dim columns at a time, added
 //      to a float32 accumulator in global memory.
 //
@@ -77,6 +78,13 @@ struct BwdTraits {
   static constexpr int kWarpKeys = BlockN / kWarpsN;
   static constexpr int kKvTiles = kWarpKeys / 16;       // m16 tiles of dK, dV per warp
   static constexpr int kKvDimTiles = kDimTiles / kWarpsD;  // n8 tiles of dK, dV per warp
+  // Output column chunks (WithBwdColumnChunks splits them): a block accumulates dK, dQ
+  // over kChunkCols of Q/K's columns and dV over kChunkColsV of V's, chunk blockIdx.y /
+  // heads_kv; here one chunk, the whole head dims.
+  static constexpr int kChunks = 1;
+  static constexpr int kChunkCols = HeadDim;
+  static constexpr int kChunkColsV = HeadDim;
+  static constexpr int kChunkTiles = kDimTiles;  // n8 tiles of a chunk of dK and dQ
 
   // Shared-memory layout (elements of Element, then floats).
   static constexpr int kRowStride = kHeadDimMma + RowPad;
@@ -108,8 +116,9 @@ struct BwdTraits {
   static constexpr int kKvDimTilesV = kKvDimTiles;  // n8 tiles of dV per warp
 
   static_assert(sizeof(Element) == 2, "elements are 16-bit (fp16 or bf16)");
-  static_assert(HeadDim % 8 == 0 && HeadDim >= 8 && HeadDim <= 256,
-                "head dim must be a multiple of 8 up to 256");
+  static_assert(HeadDim % 8 == 0 && HeadDim >= 8 &&
+                    (HeadDim <= 256 || HeadDim == 512 || HeadDim == 576),
+                "head dim must be a multiple of 8 up to 256, or 512 or 576");
   static_assert(RowPad % 8 == 0, "row pad must keep rows 16-byte aligned");
   static_assert(BlockM % (16 * NumWarps) == 0, "each warp owns whole m16 tiles of queries");
   static_assert(BlockN % 16 == 0 && BlockN >= 16, "keys come in k16 steps");
@@ -132,6 +141,7 @@ struct WithBwdHeadDimV : Base {
   static constexpr int kVRowStride = kHeadDimVMma + (Base::kRowStride - Base::kHeadDimMma);
   static constexpr int kDoElems = Base::kBlockM * kVRowStride;
   static constexpr int kKvDimTilesV = kHeadDimVMma / 8 / Base::kWarpsD;
+  static constexpr int kChunkColsV = HeadDimV;
   static constexpr int kQOffset = Base::kKvElems + Base::kBlockN * kVRowStride;
   static constexpr int kDoOffset = kQOffset + Base::kNumStages * Base::kQElems;
   static constexpr int kPOffset = kDoOffset + Base::kNumStages * kDoElems;
@@ -139,11 +149,38 @@ struct WithBwdHeadDimV : Base {
   static constexpr int kElems = kDsOffset + Base::kPElems;
   static constexpr int kSmemBytes = kElems * 2 + Base::kStatsBytes;
 
-  static_assert(HeadDimV % 8 == 0 && HeadDimV >= 8 && HeadDimV <= 256,
-                "V's head dim must be a multiple of 8 up to 256");
+  static_assert(HeadDimV % 8 == 0 && HeadDimV >= 8 &&
+                    (HeadDimV <= 256 || (HeadDimV == 512 && Base::kHeadDim >= 512)),
+                "V's head dim must be a multiple of 8 up to 256, or 512 beside Q/K's 512 or 576");
   static_assert((kHeadDimVMma / 8) % Base::kWarpsD == 0,
                 "warps split V's head dim in whole n8 tiles");
   static_assert(!Base::kFp8, "FP8 inputs take Q/K's head dim for V");
+};
+
+// A backward's traits whose blocks each accumulate one of Chunks output column chunks
+// (Base: BwdTraits, or WithBwdHeadDimV of it): the head dims above 256 (512, 576), whose
+// dK and dV of a whole key tile outgrow a thread's registers. S = Q K^T and dP = dO V^T
+// still run over the full head dims (Q, K, V and dO tiles stay full width in shared
+// memory, the layout unchanged), so every chunk's block recomputes them; it then adds only
+// dK[:, c] += dS^T Q[:, c], dV[:, c] += P^T dO[:, c] and dQ[:, c] += dS K[:, c], columns
+// c = [chunk kChunkCols, (chunk + 1) kChunkCols) of Q/K's head dim (kChunkColsV of V's).
+// The chunk is blockIdx.y / heads_kv (the grid's y is heads_kv x Chunks); chunks write
+// disjoint columns of dK, dV and the dQ accumulator, so the dQ modes keep their order.
+template <class Base, int Chunks>
+struct WithBwdColumnChunks : Base {
+  static constexpr int kChunks = Chunks;
+  static constexpr int kChunkCols = Base::kHeadDim / Chunks;
+  static constexpr int kChunkColsV = Base::kHeadDimV / Chunks;
+  static constexpr int kChunkTiles = kChunkCols / 8;
+  static constexpr int kKvDimTiles = kChunkTiles / Base::kWarpsD;
+  static constexpr int kKvDimTilesV = kChunkColsV / 8 / Base::kWarpsD;
+  static constexpr int kDqChunk = const_min(kChunkTiles, 8);
+
+  static_assert(Chunks >= 2, "one chunk is the plain traits");
+  static_assert(Base::kHeadDim % (Chunks * 8 * Base::kWarpsD) == 0 &&
+                    Base::kHeadDimV % (Chunks * 8 * Base::kWarpsD) == 0,
+                "each chunk of either head dim splits over the warps in whole n8 tiles");
+  static_assert(!Base::kFp8, "FP8 inputs take head dims up to 256");
 };
 
 // The row traits of V's tile, dO's buffers and dV's stores (copy_tile_async,

@@ -33,6 +33,11 @@
 // Split head dims (Tr::kSplitV, WithBwdHeadDimV): V, dO and dV have V's head dim; dP's
 // k steps, dV's columns and their shared rows follow it (BwdVRows copies and stores them).
 //
+// Output column chunks (Tr::kChunks > 1, WithBwdColumnChunks: head dims 512 and 576): the
+// grid is (x, kv heads x chunks, batch) and block (x, chunk c heads_kv + kv head) computes S
+// and dP over the full head dims but adds only column chunk c of dK, dV and dQ (S and dP
+// are recomputed once per chunk).
+//
 // Tensors: Q, dO (batch, seqlen_q, heads_q, dim); K, V, dK, dV (batch, seqlen_k, heads_kv,
 // dim) (V, dO, dV: V's dim where it differs); strides in elements, last dim contiguous, base pointers 16-byte aligned and row
 // strides multiples of 8 elements. LSE, D: contiguous float32 (batch, heads_q, seqlen_q).
@@ -205,8 +210,9 @@ __device__ __forceinline__ void bwd_scores(const typename Tr::Element* sq,
 }
 
 // Step 3 for one warp: dQ of its query rows (dS K), added to the float32 accumulator `acc`
-// (row 0 of this (slice, batch, head)), kDqChunk head-dim tiles at a time. FP8: times
-// `scale`, K's descale factor (dS K of the dequantised K).
+// (row 0 of this (slice, batch, head), offset to the block's column chunk, as `sk` is),
+// kDqChunk head-dim tiles at a time over the chunk's kChunkTiles. FP8: times `scale`, K's
+// descale factor (dS K of the dequantised K).
 template <class Tr, int CHUNK0, int TILES>
 __device__ __forceinline__ void bwd_dq_chunk(float* acc, const typename Tr::Element* sds,
                                              const typename Tr::Element* sk, int row0,
@@ -237,7 +243,7 @@ __device__ __forceinline__ void bwd_dq_chunk(float* acc, const typename Tr::Elem
 #pragma unroll
       for (int nt = 0; nt < TILES; ++nt) {
         const int col = (CHUNK0 + nt) * 8 + 2 * t;
-        if (col >= Tr::kHeadDim) continue;
+        if (col >= Tr::kChunkCols) continue;
         if constexpr (Tr::kDqSplit) {
           // This block owns its slice and adds its key tiles one after another.
           float2 v = *reinterpret_cast<float2*>(out + col);
@@ -257,9 +263,9 @@ template <class Tr, int CHUNK0>
 __device__ __forceinline__ void bwd_dq(float* acc, const typename Tr::Element* sds,
                                        const typename Tr::Element* sk, int row0, int seqlen_q,
                                        int lane, float scale) {
-  constexpr int kTiles = const_min(Tr::kDqChunk, Tr::kDimTiles - CHUNK0);
+  constexpr int kTiles = const_min(Tr::kDqChunk, Tr::kChunkTiles - CHUNK0);
   bwd_dq_chunk<Tr, CHUNK0, kTiles>(acc, sds, sk, row0, seqlen_q, lane, scale);
-  if constexpr (CHUNK0 + kTiles < Tr::kDimTiles) {
+  if constexpr (CHUNK0 + kTiles < Tr::kChunkTiles) {
     bwd_dq<Tr, CHUNK0 + kTiles>(acc, sds, sk, row0, seqlen_q, lane, scale);
   }
 }
@@ -289,7 +295,12 @@ __device__ __forceinline__ void flash_bwd(
   constexpr int kStages = Tr::kNumStages;
   constexpr float kLog2e = 1.44269504088896340736f;
 
-  const int kv_head = static_cast<int>(blockIdx.y);
+  // The block's column chunk and kv head (one chunk: blockIdx.y is the kv head).
+  const int chunk = Tr::kChunks == 1 ? 0 : static_cast<int>(blockIdx.y) / heads_kv;
+  const int kv_head = Tr::kChunks == 1 ? static_cast<int>(blockIdx.y)
+                                       : static_cast<int>(blockIdx.y) % heads_kv;
+  const int chunk_col0 = chunk * Tr::kChunkCols;     // of dK and dQ (Q/K's head dim)
+  const int chunk_col0_v = chunk * Tr::kChunkColsV;  // of dV (V's head dim)
   const int batch = static_cast<int>(blockIdx.z);
   const int group = heads_q / heads_kv;
   const int tid = static_cast<int>(threadIdx.x);
@@ -354,11 +365,11 @@ __device__ __forceinline__ void flash_bwd(
   float* const slse = reinterpret_cast<float*>(base + Tr::kElems);
   float* const sdsum = slse + kStages * kBlockM;
 
-  // Warp layouts: step 1 and 3 rows; step 2 keys x head-dim columns.
+  // Warp layouts: step 1 and 3 rows; step 2 keys x head-dim columns (of the chunk).
   const int warp_row0 = warp * Tr::kWarpRows;
   const int warp_key0 = (warp % Tr::kWarpsN) * Tr::kWarpKeys;
-  const int warp_col0 = (warp / Tr::kWarpsN) * Tr::kKvDimTiles * 8;
-  const int warp_col0_v = (warp / Tr::kWarpsN) * Tr::kKvDimTilesV * 8;  // dV's columns
+  const int warp_col0 = chunk_col0 + (warp / Tr::kWarpsN) * Tr::kKvDimTiles * 8;
+  const int warp_col0_v = chunk_col0_v + (warp / Tr::kWarpsN) * Tr::kKvDimTilesV * 8;
 
   const int n_blocks = (seqlen_k + kBlockN - 1) / kBlockN;
   const int m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
@@ -457,7 +468,8 @@ __device__ __forceinline__ void flash_bwd(
       }
       float* dscore_bh = nullptr;
       if constexpr (Mods::kOn) {
-        if (dscore != nullptr) {
+        // Every chunk computes the same scores: chunk 0's block stores them.
+        if (dscore != nullptr && chunk == 0) {
           // (batch or sequence, head)'s dscore_rows x dscore_cols slice: (B, Hq, Nq, Nk),
           // or varlen's padded (sequences, Hq, longest Nq, longest Nk).
           dscore_bh = dscore + (static_cast<long long>(batch) * heads_q + head) *
@@ -480,9 +492,10 @@ __device__ __forceinline__ void flash_bwd(
       warp_mma<typename Tr::Ops, Tr::kKvTiles, Tr::kKvDimTiles, kBlockM / 16, true, true>(
           acc_dk, sds + warp_key0, Tr::kPRowStride, sq_buf + warp_col0, Tr::kRowStride, lane);
       // dQ += dS K for the warp's own rows.
-      float* dq_head = dq_slice + (stats_row0 + head * stats_rows) * Tr::kHeadDim;
-      bwd_dq<Tr, 0>(dq_head, sds + warp_row0 * Tr::kPRowStride, sk, m0 + warp_row0,
-                    seqlen_q, lane, dq_scale);
+      float* dq_head =
+          dq_slice + (stats_row0 + head * stats_rows) * Tr::kHeadDim + chunk_col0;
+      bwd_dq<Tr, 0>(dq_head, sds + warp_row0 * Tr::kPRowStride, sk + chunk_col0,
+                    m0 + warp_row0, seqlen_q, lane, dq_scale);
 
       if (kStages == 1 && s + 1 < steps) {
         block_sync();  // every warp is done with the only buffer

@@ -8,6 +8,11 @@ dK and dV stay in float32 registers, dQ is added to a float32 accumulator in glo
 in a fixed order, scaled, rounded). ``bwd`` tunes the dQ mode too (float32 atomics or
 per-block slices); ``bwddet`` serves ``deterministic=True`` and only has the slices.
 
+Q/K head dims 512 and 576 (``spec.WIDE_HEAD_DIMS``, V's up to theirs) run in output column
+chunks (the ``chunks`` knob of their space, ``space.WIDE_SPACE``): each block adds one
+chunk of dK, dV and dQ's columns and recomputes S and dP over the full head dims; the grid's
+y is the kv heads times the chunks.
+
 Varlen: the forward's packed layout (``fwd.variants.random_varlen``: q, k, v, dO (1, total
 rows, heads, dim), LSE and D (1, heads_q, total_q)); ``Shape`` then gives the number of
 sequences and the longest query and key sequences, which size the main kernel's grid.
@@ -32,7 +37,7 @@ from flashtune.codegen.features import mods_of
 from flashtune.codegen.params import ParamSpace
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.score_mods import ScoreMod
-from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
+from flashtune.codegen.spec import WIDE_HEAD_DIMS, KernelConfig, Problem, Shape, ShapeLike
 from flashtune.errors import FeatureNotSupported
 from flashtune.families.base import (
     Inputs,
@@ -75,6 +80,9 @@ class BackwardFamily(KernelFamily):
     dtypes = SAME_16BIT
     #: V's head dim may differ from Q/K's (templates: WithBwdHeadDimV).
     split_head_dims = True
+    #: Q/K head dims 512 and 576 (spec.WIDE_HEAD_DIMS) with V's up to theirs, in output
+    #: column chunks (templates: WithBwdColumnChunks; the ``chunks`` knob).
+    max_head_dim = max(WIDE_HEAD_DIMS)
     features = frozenset({"window", "softcap", "alibi", "varlen", "dropout"})
     abi: ClassVar[EntryAbi | None] = args.MAIN_ABI
     score_mods = True
@@ -94,7 +102,7 @@ class BackwardFamily(KernelFamily):
                 "with codegen.trace and call score_slope() for the operation and line")
 
     def space(self, problem: Problem) -> ParamSpace:
-        return space.DETERMINISTIC_SPACE if self.deterministic else space.SPACE
+        return space.space_of(problem, self.deterministic)
 
     def rules(self, problem: Problem, config: KernelConfig, arch: ArchSpec) -> str | None:
         return space.static_check(problem, config, arch, deterministic=self.deterministic)
@@ -103,7 +111,7 @@ class BackwardFamily(KernelFamily):
         return defaults.default_config(problem, arch, deterministic=self.deterministic)
 
     def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
-        return defaults.default_entry(problem, arch).reason
+        return defaults.default_reason(problem, arch)
 
     def template_params(self, problem: Problem, config: KernelConfig
                         ) -> dict[str, TemplateValue]:
@@ -119,6 +127,7 @@ class BackwardFamily(KernelFamily):
             "smem_row_pad": space.SMEM_ROW_PAD,
             **variants.template_params(problem),
             **({"head_dim_v": problem.v_head_dim} if problem.split_head_dims else {}),
+            **({"chunks": space.chunks(config)} if space.chunks(config) > 1 else {}),
         }
 
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
@@ -183,7 +192,8 @@ class BackwardFamily(KernelFamily):
         packed = args.MAIN_ABI.pack(values, problem.features)
         split = space.dq_mode(config) == space.DQ_SPLIT
         grid = args.main_grid(shape.seqlen_k, shape.heads_kv, shape.batch, config.block_n,
-                              outputs["dq_accum"].shape[0] if split else None)
+                              outputs["dq_accum"].shape[0] if split else None,
+                              space.chunks(config))
         return LaunchPlan(grid, packed)
 
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
@@ -271,6 +281,7 @@ class DeterministicBackwardFamily(BackwardFamily):
     title = "attention backward, deterministic (dQ slices summed in a fixed order)"
     deterministic = True
     split_head_dims = True
+    max_head_dim = max(WIDE_HEAD_DIMS)
 
 
 BACKWARD = BackwardFamily()

@@ -30,7 +30,8 @@ With varlen they are the forward's packed layout: a batch dim of 1 and seqlen_q,
 total rows (Q, dO, O, dQ (1, total_q, heads_q, dim), K, V, dK, dV (1, total_k, heads_kv,
 dim), LSE and D (1, heads_q, total_q), the accumulator (slices, 1, heads_q, total_q, dim)),
 and the main kernel's grid is (key tiles of the longest key sequence, or the dQ slices,
-kv heads, number of sequences). The preprocess and the convert are row-wise with no mask,
+kv heads (times the output column chunks of a head dim above 256), number of sequences).
+The preprocess and the convert are row-wise with no mask,
 so a packed batch is to them the batch of one sequence of total_q rows.
 The packers run on every backward call: they are the ABIs' generated straight-line code.
 """
@@ -118,10 +119,10 @@ def dscore_values(dscore: torch.Tensor | None) -> dict[str, object]:
     return {"dscore": dscore, "dscore_rows": rows, "dscore_cols": cols}
 
 
-def main_grid(seqlen_k: int, heads_kv: int, batch: int, block_n: int, dq_slices: int | None
-              ) -> tuple[int, int, int]:
-    """Grid of the main kernel: (key tiles, or the dQ slices of the split mode, kv heads,
-    batch)."""
+def main_grid(seqlen_k: int, heads_kv: int, batch: int, block_n: int, dq_slices: int | None,
+              chunks: int = 1) -> tuple[int, int, int]:
+    """Grid of the main kernel: (key tiles, or the dQ slices of the split mode, kv heads x
+    the config's output column chunks, batch)."""
     key_tiles = (seqlen_k + block_n - 1) // block_n
     blocks = key_tiles if dq_slices is None else min(dq_slices, key_tiles)
-    return (blocks, heads_kv, batch)
+    return (blocks, heads_kv * chunks, batch)

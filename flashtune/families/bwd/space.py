@@ -11,7 +11,7 @@ import math
 
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.params import Param, ParamSpace
-from flashtune.codegen.spec import KernelConfig, Problem
+from flashtune.codegen.spec import MAX_HEAD_DIM, KernelConfig, Problem
 from flashtune.families.base import DEFAULT_SM_COUNT, resource_reason
 
 BLOCK_M = (32, 64, 128)
@@ -30,6 +30,15 @@ SPACE = ParamSpace((Param("block_m", BLOCK_M), Param("block_n", BLOCK_N),
 #: The deterministic family's space: the split mode only.
 DETERMINISTIC_SPACE = ParamSpace((*SPACE.params[:4], Param("dqmode", (DQ_SPLIT,))))
 
+#: Output column chunks of a Q/K head dim above MAX_HEAD_DIM (spec.WIDE_HEAD_DIMS): a block
+#: accumulates dK, dV and dQ over 1 / chunks of the head dims, recomputing S and dP once per
+#: chunk (templates: WithBwdColumnChunks). One chunk keeps the whole dK and dV of a key tile
+#: in registers (narrow key tiles only); more chunks allow wider key tiles for recomputation.
+CHUNKS = (1, 2, 4)
+#: The spaces of such head dims: the plain ones with the chunk count.
+WIDE_SPACE = ParamSpace((*SPACE.params, Param("chunks", CHUNKS)))
+WIDE_DETERMINISTIC_SPACE = ParamSpace((*DETERMINISTIC_SPACE.params, Param("chunks", CHUNKS)))
+
 #: Shared-memory rows are padded by this many 16-bit elements (16 bytes), which makes the
 #: eight 16-byte row addresses of an ldmatrix phase fall in distinct banks.
 SMEM_ROW_PAD = 8
@@ -46,6 +55,19 @@ DQ_CHUNK_COLUMNS = 64
 def dq_mode(config: KernelConfig) -> str:
     """The config's dQ mode (atomic when the config does not name one)."""
     return str(config.extra("dqmode", DQ_ATOMIC))
+
+
+def chunks(config: KernelConfig) -> int:
+    """The config's output column chunks (1 when the config does not name them)."""
+    value = config.extra("chunks", 1)
+    return value if isinstance(value, int) else int(str(value))
+
+
+def space_of(problem: Problem, deterministic: bool) -> ParamSpace:
+    """The search space of ``problem``: with the chunk count for a wide Q/K head dim."""
+    if problem.head_dim > MAX_HEAD_DIM:
+        return WIDE_DETERMINISTIC_SPACE if deterministic else WIDE_SPACE
+    return DETERMINISTIC_SPACE if deterministic else SPACE
 
 
 def mma_head_dim(problem: Problem) -> int:
@@ -75,12 +97,14 @@ def warp_split(config: KernelConfig) -> tuple[int, int]:
 
 
 def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
-    """32-bit registers per thread held by accumulator fragments at the busiest point."""
+    """32-bit registers per thread held by accumulator fragments at the busiest point (dK
+    and dV of one output column chunk)."""
+    n = chunks(config)
     d = mma_head_dim(problem)
     threads = config.threads
-    dk_dv = config.block_n * (d + _mma_v_head_dim(problem)) // threads
+    dk_dv = config.block_n * (d + _mma_v_head_dim(problem)) // (n * threads)
     s_dp = 2 * config.block_m * config.block_n // threads
-    dq = config.block_m * min(d, DQ_CHUNK_COLUMNS) // threads
+    dq = config.block_m * min(d // n, DQ_CHUNK_COLUMNS) // threads
     return dk_dv + max(s_dp, dq)
 
 
@@ -105,6 +129,9 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
     if config.num_stages not in NUM_STAGES:
         return f"num_stages={config.num_stages}: the kernel keeps one or two Q/dO buffers"
     over_keys, over_dim = warp_split(config)
+    why = chunks_reason(problem, config, over_dim)
+    if why is not None:
+        return why
     for what, dim, mma in (("head dim", problem.head_dim, mma_head_dim(problem)),
                            ("V head dim", problem.v_head_dim, _mma_v_head_dim(problem))):
         tiles = mma // 8
@@ -114,6 +141,27 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
                     "warps or more keys per tile")
     return resource_reason(smem_bytes(problem, config), accumulator_registers(problem, config),
                            arch, MAX_ACCUMULATOR_REGISTERS)
+
+
+def chunks_reason(problem: Problem, config: KernelConfig, over_dim: int) -> str | None:
+    """Why ``config``'s output column chunks cannot split ``problem``'s head dims (more
+    than one only for a Q/K head dim above MAX_HEAD_DIM; each chunk of either head dim in
+    whole n8 tiles per warp of the head-dim split), or None."""
+    n = chunks(config)
+    if n not in CHUNKS:
+        return f"chunks={n} is not a chunk count; expected one of {list(CHUNKS)}"
+    if n == 1:
+        return None
+    if problem.head_dim <= MAX_HEAD_DIM:
+        return (f"chunks={n}: output column chunks serve Q/K head dims above {MAX_HEAD_DIM} "
+                f"only (got {problem.head_dim}); use chunks=1")
+    step = n * 8 * over_dim
+    for what, dim in (("head dim", problem.head_dim), ("V head dim", problem.v_head_dim)):
+        if dim % step:
+            return (f"chunks={n} with {over_dim} warps over the head dim needs the {what} "
+                    f"({dim}) to be a multiple of {step} (whole n8 tiles per warp and "
+                    "chunk); use fewer chunks or warps")
+    return None
 
 
 #: At most this many dQ slices: the accumulator is then at most 16 float32 copies of dQ
