@@ -71,8 +71,9 @@ def _fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
           batch_invariant: bool = False, sinks: torch.Tensor | None = None,
           k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, seqlen_q, heads_q, _ = q.shape
-    return (torch.empty_like(q),
+    batch, seqlen_q, heads_q, dim = q.shape
+    return (torch.empty_like(q) if v_cache.shape[3] == dim
+            else q.new_empty((batch, seqlen_q, heads_q, v_cache.shape[3])),
             q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
 
 
@@ -276,7 +277,8 @@ def attention_with_kvcache(
             or sinks is not None):
         variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0], None,
                           sinks=sinks)
-        refuse_unsupported("decode", variant.features, q, "flashtune.attention_with_kvcache")
+        refuse_unsupported("decode", variant.features, q, "flashtune.attention_with_kvcache",
+                           _decode.kernel_head_dim_v(layout))
         causal = variant.causal
         if not variant.features:
             variant = None

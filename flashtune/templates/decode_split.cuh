@@ -129,34 +129,44 @@ __device__ __forceinline__ void load_e4m3_chunk(typename Tr::Element* dst, const
   *reinterpret_cast<uint4*>(dst) = e4m3_chunk_to_16bit<typename Tr::Ops>(bytes);
 }
 
+// Calls f(r, c) for the (row, 16-byte chunk) pairs of a tile of Rows rows that thread tid
+// copies: kThreads / kLoadChunks whole rows per step, or, where a row holds more chunks than
+// the block has threads (Q/K of 576 on 2 warps), every row in several passes of kThreads
+// chunks.
+template <class Tr, int Rows, class F>
+__device__ __forceinline__ void for_tile_chunks(int tid, F&& f) {
+  constexpr int kPasses = (Tr::kLoadChunks + Tr::kThreads - 1) / Tr::kThreads;
+  constexpr int kRowsPerIter = kPasses == 1 ? Tr::kThreads / Tr::kLoadChunks : 1;
+  constexpr int kIters = (Rows + kRowsPerIter - 1) / kRowsPerIter;
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int c = kPasses == 1 ? tid % Tr::kLoadChunks : tid + pass * Tr::kThreads;
+    const int r0 = kPasses == 1 ? tid / Tr::kLoadChunks : 0;
+    if (r0 >= kRowsPerIter || c >= Tr::kLoadChunks) continue;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int r = r0 + it * kRowsPerIter;
+      if (Rows % kRowsPerIter == 0 || r < Rows) f(r, c);
+    }
+  }
+}
+
 // Issue (without committing) the cp.async copies of keys [key0, key0 + BlockN) into a
 // shared tile; keys at or past key_end and head-dim columns past HeadDim read nothing and
 // are zero-filled. An e4m3 cache's chunks are stored dequantised instead (load_e4m3_chunk).
 template <class Tr>
 __device__ __forceinline__ void load_key_tile(typename Tr::Element* tile, const KvRows<Tr>& kv,
                                               int key0, int key_end, int tid) {
-  constexpr int kRowsPerIter = Tr::kThreads / Tr::kLoadChunks;
-  constexpr int kIters = (Tr::kBlockN + kRowsPerIter - 1) / kRowsPerIter;
-  static_assert(kRowsPerIter >= 1, "a block copies at least one row per step");
-  const int c = tid % Tr::kLoadChunks;
-  const int r0 = tid / Tr::kLoadChunks;
-  if (r0 >= kRowsPerIter) return;
-  const bool real_col = c < Tr::kRealChunks;
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int r = r0 + it * kRowsPerIter;
-    if (Tr::kBlockN % kRowsPerIter == 0 || r < Tr::kBlockN) {
-      const bool real = real_col && key0 + r < key_end;
-      if constexpr (Tr::kFp8Cache) {
-        load_e4m3_chunk<Tr>(tile + r * Tr::kRowStride + c * Tr::kChunkElems, kv, key0 + r, c,
-                            real);
-      } else {
-        const typename Tr::Element* src =
-            real ? kv.row(key0 + r) + c * Tr::kChunkElems : kv.cache;
-        cp_async<16>(tile + r * Tr::kRowStride + c * Tr::kChunkElems, src, real ? 16 : 0);
-      }
+  for_tile_chunks<Tr, Tr::kBlockN>(tid, [&](int r, int c) {
+    const bool real = c < Tr::kRealChunks && key0 + r < key_end;
+    if constexpr (Tr::kFp8Cache) {
+      load_e4m3_chunk<Tr>(tile + r * Tr::kRowStride + c * Tr::kChunkElems, kv, key0 + r, c,
+                          real);
+    } else {
+      const typename Tr::Element* src = real ? kv.row(key0 + r) + c * Tr::kChunkElems : kv.cache;
+      cp_async<16>(tile + r * Tr::kRowStride + c * Tr::kChunkElems, src, real ? 16 : 0);
     }
-  }
+  });
 }
 
 // Issue the cp.async copies of the block's packed Q rows [m0, m0 + BlockM): row r is query
@@ -167,26 +177,16 @@ __device__ __forceinline__ void load_packed_q(typename Tr::Element* sq,
                                               const typename Tr::Element* q_group,
                                               long long row_stride, long long head_stride,
                                               int m0, int rows, int seqlen_q, int tid) {
-  constexpr int kRowsPerIter = Tr::kThreads / Tr::kLoadChunks;
-  constexpr int kIters = (Tr::kBlockM + kRowsPerIter - 1) / kRowsPerIter;
-  const int c = tid % Tr::kLoadChunks;
-  const int r0 = tid / Tr::kLoadChunks;
-  if (r0 >= kRowsPerIter) return;
-  const bool real_col = c < Tr::kRealChunks;
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int r = r0 + it * kRowsPerIter;
-    if (Tr::kBlockM % kRowsPerIter == 0 || r < Tr::kBlockM) {
-      const int packed = m0 + r;
-      const bool real = real_col && packed < rows;
-      const int g = packed / seqlen_q;
-      const typename Tr::Element* src =
-          q_group + static_cast<long long>(packed - g * seqlen_q) * row_stride +
-          g * head_stride + c * Tr::kChunkElems;
-      cp_async<16>(sq + r * Tr::kRowStride + c * Tr::kChunkElems, real ? src : q_group,
-                   real ? 16 : 0);
-    }
-  }
+  for_tile_chunks<Tr, Tr::kBlockM>(tid, [&](int r, int c) {
+    const int packed = m0 + r;
+    const bool real = c < Tr::kRealChunks && packed < rows;
+    const int g = packed / seqlen_q;
+    const typename Tr::Element* src = q_group +
+                                      static_cast<long long>(packed - g * seqlen_q) * row_stride +
+                                      g * head_stride + c * Tr::kChunkElems;
+    cp_async<16>(sq + r * Tr::kRowStride + c * Tr::kChunkElems, real ? src : q_group,
+                 real ? 16 : 0);
+  });
 }
 
 // Store the new keys of a landed shared tile (positions [cache_len, key_end) within
@@ -252,14 +252,15 @@ __device__ __forceinline__ void fill_partial_rows(const RowOutputs<Tr>& out, int
                                                   float o_value, float lse_value, int tid) {
   const int end = rows < m0 + Tr::kBlockM ? rows : m0 + Tr::kBlockM;
   if (out.final_o != nullptr) {
-    constexpr int kPairs = Tr::kHeadDim / 2;
+    constexpr int kPairs = DecodeV<Tr>::kHeadDim / 2;
     const unsigned packed = Tr::Ops::pack(o_value, o_value);
     for (int idx = m0 * kPairs + tid; idx < end * kPairs; idx += Tr::kThreads) {
       const int r = idx / kPairs;
       *reinterpret_cast<unsigned*>(out.final_row(r) + 2 * (idx - r * kPairs)) = packed;
     }
   } else {
-    for (int idx = m0 * Tr::kHeadDim + tid; idx < end * Tr::kHeadDim; idx += Tr::kThreads) {
+    constexpr int kDim = DecodeV<Tr>::kHeadDim;
+    for (int idx = m0 * kDim + tid; idx < end * kDim; idx += Tr::kThreads) {
       out.o_rows[idx] = o_value;
     }
   }
@@ -441,15 +442,15 @@ __device__ __forceinline__ void store_partial_rows(OnlineSoftmax<Tr>& softmax,
       if (out.final_o != nullptr) {
         typename Tr::Element* o_row = out.final_row(row) + 2 * (lane % 4);
 #pragma unroll
-        for (int dt = 0; dt < Tr::kRealChunks; ++dt) {
+        for (int dt = 0; dt < DecodeV<Tr>::kRealChunks; ++dt) {
           *reinterpret_cast<unsigned*>(o_row + 8 * dt) = Tr::Ops::pack(
               o[mt][dt][2 * h] * inv_sum[mt][h], o[mt][dt][2 * h + 1] * inv_sum[mt][h]);
         }
       } else {
         float* o_row =
-            out.o_rows + static_cast<long long>(row) * Tr::kHeadDim + 2 * (lane % 4);
+            out.o_rows + static_cast<long long>(row) * DecodeV<Tr>::kHeadDim + 2 * (lane % 4);
 #pragma unroll
-        for (int dt = 0; dt < Tr::kRealChunks; ++dt) {
+        for (int dt = 0; dt < DecodeV<Tr>::kRealChunks; ++dt) {
           float2 pair;
           pair.x = o[mt][dt][2 * h] * inv_sum[mt][h];
           pair.y = o[mt][dt][2 * h + 1] * inv_sum[mt][h];
@@ -481,6 +482,7 @@ __device__ __forceinline__ void decode_split(
     const typename Tr::Mods& mods = typename Tr::Mods{},
     const CacheDescales& descales = CacheDescales{}) {
   using Element = typename Tr::Element;
+  using VTr = DecodeV<Tr>;  // V's tiles and appends (V's head dim)
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kStages = Tr::kNumStages;
@@ -507,7 +509,7 @@ __device__ __forceinline__ void decode_split(
     const bool direct = o != nullptr && gridDim.x == 1;
     const long long head0 = static_cast<long long>(kv_head) * group;
     return RowOutputs<Tr>{
-        o_part + out_row0 * Tr::kHeadDim, lse_part + out_row0,
+        o_part + out_row0 * DecodeV<Tr>::kHeadDim, lse_part + out_row0,
         direct ? o + batch * o_batch_stride + head0 * o_head_stride : nullptr,
         direct ? lse + (static_cast<long long>(batch) * heads_q + head0) * seqlen_q : nullptr,
         o_row_stride, o_head_stride, seqlen_q};
@@ -593,7 +595,7 @@ __device__ __forceinline__ void decode_split(
                                                  kv_head * kn_head_stride,
                           pages, k_page_stride, k_row_stride, kn_row_stride, page_size, batch,
                           cache_len, k_scale};
-  const KvRows<Tr> v_rows{v_cache + kv_head * v_head_stride,
+  const KvRows<VTr> v_rows{v_cache + kv_head * v_head_stride,
                           v_new == nullptr ? v_new
                                            : v_new + batch * vn_batch_stride +
                                                  kv_head * vn_head_stride,
@@ -618,7 +620,7 @@ __device__ __forceinline__ void decode_split(
   };
   auto load_v = [&](int step) {
     if (step < n_tiles) {
-      load_key_tile<Tr>(sv + (step % kStages) * Tr::kKvElems, v_rows,
+      load_key_tile<VTr>(sv + (step % kStages) * Tr::kVElems, v_rows,
                         first_key + step * kBlockN, key_end, tid);
     }
     cp_async_commit();
@@ -701,7 +703,7 @@ __device__ __forceinline__ void decode_split(
     block_sync();
     load_k(j + kStages);
     if (appends && key0 + kBlockN > cache_len) {
-      store_new_keys<Tr>(v_rows, sv + buf * Tr::kKvElems, key0, key_end, tid);
+      store_new_keys<VTr>(v_rows, sv + buf * Tr::kVElems, key0, key_end, tid);
     }
 
     unsigned p[Tr::kMTiles][Tr::kPvSteps][4];
@@ -721,7 +723,7 @@ __device__ __forceinline__ void decode_split(
     } else {
       softmax.template update<false>(s, p, acc_o, scale_log2, NoMask());
     }
-    gemm_pv<Tr>(acc_o, p, sv + buf * Tr::kKvElems, lanes);
+    gemm_pv<Tr>(acc_o, p, sv + buf * Tr::kVElems, lanes);
   }
   cp_async_wait_all();  // only empty groups remain; leave none behind
 

@@ -20,7 +20,7 @@ from flashtune.codegen.dtypes import SAME_16BIT
 from flashtune.codegen.features import mods_of
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
-from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
+from flashtune.codegen.spec import WIDE_HEAD_DIMS, KernelConfig, Problem, Shape, ShapeLike
 from flashtune.families.base import (
     Inputs,
     KernelFamily,
@@ -103,6 +103,11 @@ class DecodeFamily(KernelFamily):
                            "mask on every score and walks every key tile")
     abi: ClassVar[EntryAbi | None] = DECODE_ABI
     default_shape_classes = DEFAULT_CLASSES
+    #: V's head dim may differ from Q/K's (templates: DecodeWithHeadDimV), and Q/K's may be
+    #: one of WIDE_HEAD_DIMS beside V's of at most MAX_HEAD_DIM (the API runs a wider V in
+    #: column chunks: ``api.decode.run_decode``).
+    split_head_dims = True
+    max_head_dim = max(WIDE_HEAD_DIMS)
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.SPACE
@@ -210,7 +215,10 @@ class DecodeFamily(KernelFamily):
                 **element_params(problem), "causal": problem.causal,
                 "block_m": config.block_m, "block_n": config.block_n,
                 "num_warps": config.num_warps, "num_stages": config.num_stages,
-                "smem_row_pad": space.SMEM_ROW_PAD, **variants.template_params(problem)}
+                "smem_row_pad": space.SMEM_ROW_PAD, **variants.template_params(problem),
+                **({"head_dim_v": problem.v_head_dim,
+                    "head_dim_v_padded": problem.padded_v_head_dim}
+                   if problem.split_head_dims else {})}
 
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
         return space.smem_bytes(problem, config)
@@ -236,7 +244,8 @@ class DecodeFamily(KernelFamily):
         """Partial O and LSE (NaN when poisoned), a zeroed status, and the caches the kernel
         appends to in place (the inputs' own tensors)."""
         q = inputs.tensors["q"]
-        batch, seqlen_q, heads_q, dim = q.shape
+        batch, seqlen_q, heads_q, _ = q.shape
+        dim = inputs.tensors["v_cache"].shape[3]  # V's (and O's) head dim
         splits = int(inputs.scalars["num_splits"])
         o_part = torch.empty(splits, batch, heads_q, seqlen_q, dim, dtype=torch.float32,
                              device=q.device)
