@@ -45,6 +45,7 @@ from dataclasses import replace
 import torch
 
 from flashtune import settings
+from flashtune.api.block_mask import BlockMask
 from flashtune.api.validate_kvcache import (
     FP8_CACHE_DTYPE,
     KvCacheLayout,
@@ -344,6 +345,45 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if not trap:
         report_status(status, layout)
     return out, lse
+
+
+#: The granularity of a block mask's ranges in the decode kernel (decode_traits.cuh
+#: kMaskBlock): per query block of this many absolute positions, in key blocks as wide.
+MASK_BLOCK = 16
+
+
+def check_block_mask(block_mask: object, layout: KvCacheLayout) -> BlockMask:
+    """``block_mask`` for a decoding call of ``layout``, or InvalidInput saying what is wrong:
+    a flashtune BlockMask whose B is 1 or the batch, H 1 or heads_q, and whose Q_LEN and
+    KV_LEN cover the cache's capacity (a new row's q_idx is its absolute position, up to
+    capacity - 1: the lengths live on the device, so every position the cache can hold)."""
+    if not isinstance(block_mask, BlockMask):
+        raise InvalidInput(f"block_mask is a {type(block_mask).__name__}; expected a "
+                           "flashtune BlockMask from flashtune.create_block_mask")
+    b, h, q_len, kv_len = block_mask.shape
+    capacity = layout.capacity
+    if b not in (1, layout.batch) or h not in (1, layout.heads_q) or min(q_len, kv_len) < (
+            capacity):
+        raise InvalidInput(
+            f"block_mask was made for (B, H, Q_LEN, KV_LEN) = {block_mask.shape} but the call "
+            f"has batch {layout.batch}, {layout.heads_q} query heads and a cache of capacity "
+            f"{capacity} (q_idx and kv_idx are absolute positions up to {capacity - 1}); "
+            f"expected B in (1, {layout.batch}), H in (1, {layout.heads_q}) and Q_LEN, KV_LEN "
+            f">= {capacity}. Make one with flashtune.create_block_mask(mask_mod, "
+            f"{layout.batch}, {layout.heads_q}, {capacity}, {capacity})")
+    return block_mask
+
+
+def decode_tile_ranges(block_mask: BlockMask, device: torch.device) -> torch.Tensor:
+    """The decode kernel's form of ``block_mask``'s ranges: int32 (Bm, Hm, query blocks, 4),
+    per query block of MASK_BLOCK absolute positions the key blocks [lo, hi) of MASK_BLOCK
+    keys holding a visible position (and the full run, ``BlockMask.tiles``); a mask of a
+    larger BLOCK_SIZE is spread over its MASK_BLOCK-sized blocks."""
+    ranges = block_mask.tiles(block_mask.block, block_mask.block, device)
+    spread = block_mask.block // MASK_BLOCK
+    if spread == 1:
+        return ranges
+    return (ranges.repeat_interleave(spread, dim=2) * spread).contiguous()
 
 
 def kernel_head_dim_v(layout: KvCacheLayout) -> int | None:

@@ -16,6 +16,7 @@ import torch
 from flashtune import settings
 from flashtune.api import decode as _decode
 from flashtune.api import mla as _mla
+from flashtune.api.block_mask import BlockMask
 from flashtune.api.flex import MaskModFn, ScoreModFn, refuse_grad, traced_feature
 from flashtune.api.fp8 import check_descale
 from flashtune.api.ops import check_no_grad, direct_call_ok
@@ -88,7 +89,8 @@ def attention_with_kvcache(
     alibi_slopes: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
     sinks: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
     mask_mod: MaskModFn | None = ..., head_dim_v: int | None = ...,
-    k_descale: torch.Tensor | None = ..., v_descale: torch.Tensor | None = ...
+    k_descale: torch.Tensor | None = ..., v_descale: torch.Tensor | None = ...,
+    block_mask: BlockMask | None = ...
 ) -> torch.Tensor: ...
 
 
@@ -103,7 +105,8 @@ def attention_with_kvcache(
     alibi_slopes: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
     sinks: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
     mask_mod: MaskModFn | None = ..., head_dim_v: int | None = ...,
-    k_descale: torch.Tensor | None = ..., v_descale: torch.Tensor | None = ...
+    k_descale: torch.Tensor | None = ..., v_descale: torch.Tensor | None = ...,
+    block_mask: BlockMask | None = ...
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -118,7 +121,7 @@ def attention_with_kvcache(
     batch_invariant: bool | None = ..., sinks: torch.Tensor | None = ...,
     score_mod: ScoreModFn | None = ..., mask_mod: MaskModFn | None = ...,
     head_dim_v: int | None = ..., k_descale: torch.Tensor | None = ...,
-    v_descale: torch.Tensor | None = ...
+    v_descale: torch.Tensor | None = ..., block_mask: BlockMask | None = ...
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -146,6 +149,7 @@ def attention_with_kvcache(
     head_dim_v: int | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    block_mask: BlockMask | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few new query rows per sequence over a KV cache, in flash-attn's layout.
 
@@ -241,9 +245,10 @@ def attention_with_kvcache(
                                f"got NoneType; v_cache=None is MLA decoding over a latent "
                                f"cache of {width} values per token (or FP8 rows of "
                                f"{_mla.FP8_ROW_BYTES} bytes), but k_cache is {got}")
-        if score_mod is not None or mask_mod is not None:
+        if score_mod is not None or mask_mod is not None or block_mask is not None:
             raise InvalidInput("v_cache=None (MLA decoding over a latent cache) does not take "
-                               "score_mod or mask_mod; leave them out, or pass a v_cache")
+                               "score_mod, mask_mod or block_mask; leave them out, or pass a "
+                               "v_cache")
         if k_descale is not None or v_descale is not None:
             raise InvalidInput("k_descale/v_descale are for an e4m3 k_cache and v_cache; "
                                "v_cache=None (MLA decoding over a latent cache) takes none: "
@@ -266,7 +271,7 @@ def attention_with_kvcache(
                             softcap=softcap, alibi_slopes=alibi_slopes,
                             batch_invariant=batch_invariant, sinks=sinks,
                             score_mod=score_mod, mask_mod=mask_mod, k_descale=k_descale,
-                            v_descale=v_descale)
+                            v_descale=v_descale, block_mask=block_mask)
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
     descales = cache_descales(q, k_cache, k_descale, v_descale)
     check_no_grad(q, k_cache, v_cache, k, v, sinks if isinstance(sinks, torch.Tensor) else None)
@@ -282,8 +287,14 @@ def attention_with_kvcache(
         causal = variant.causal
         if not variant.features:
             variant = None
-    if score_mod is not None or mask_mod is not None:
-        variant = modified_variant(variant or Variant(causal), q, score_mod, mask_mod)
+    if block_mask is not None:
+        if mask_mod is not None:
+            raise InvalidInput("mask_mod and block_mask are both given; a block mask carries its "
+                               "own mask_mod (create_block_mask's): pass one of them")
+        _decode.check_block_mask(block_mask, layout)
+    if score_mod is not None or mask_mod is not None or block_mask is not None:
+        variant = modified_variant(variant or Variant(causal), q, score_mod, mask_mod,
+                                   block_mask)
     scale = check_softmax_scale(softmax_scale, q.shape[3])
     splits = 0 if num_splits is None else check_num_splits(num_splits, choose=True)
     invariant = settings.BATCH_INVARIANT.get() if batch_invariant is None else batch_invariant
@@ -341,15 +352,25 @@ def _descale_args(descales: tuple[torch.Tensor, torch.Tensor] | None) -> dict[st
 
 
 def modified_variant(variant: Variant, q: torch.Tensor, score_mod: ScoreModFn | None,
-                     mask_mod: MaskModFn | None) -> Variant:
+                     mask_mod: MaskModFn | None, block_mask: BlockMask | None = None
+                     ) -> Variant:
     """``variant`` with the traced ``score_mod`` / ``mask_mod`` (``api.flex``: registered as
     a feature once, its captured tensors as float32 / int32 on q's device); InvalidInput or
     UnsupportedModification naming a bad one, BackwardNotAvailable for a captured tensor that
-    requires grad (decoding has no backward)."""
-    traced = trace(score_mod, mask_mod)
-    refuse_grad(*traced.captured, what="flashtune.attention_with_kvcache with a score_mod or "
-                "mask_mod")
-    return replace(variant, traced=(traced_feature(traced),), mods=traced.values(q.device))
+    requires grad (decoding has no backward). ``block_mask`` (validated): its ``mask_mod`` is
+    the one traced, and the kernel takes its key ranges (``api.decode.decode_tile_ranges``)."""
+    if block_mask is not None:
+        mask_mod = block_mask.mask_mod
+    traced = trace(score_mod, mask_mod, tiles=block_mask is not None)
+    refuse_grad(*traced.captured, what="flashtune.attention_with_kvcache with a score_mod, "
+                "mask_mod or block_mask")
+    values = traced.values(q.device)
+    if block_mask is not None:
+        ranges = _decode.decode_tile_ranges(block_mask, q.device)
+        values[traced.ranges_param] = ranges
+        values.update({f"{traced.ranges_param}_n{j}": int(n)
+                       for j, n in enumerate(ranges.shape[:3])})
+    return replace(variant, traced=(traced_feature(traced),), mods=values)
 
 
 def _padded_call(dim: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

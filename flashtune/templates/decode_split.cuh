@@ -404,7 +404,14 @@ struct SplitTransform {
             x += neg_slope[mt][i / 2] * static_cast<float>(d < 0 ? -d : d);
           }
           if constexpr (kMods) {
-            x = mods(x * unit, batch, head[mt][i / 2], pos[mt][i / 2], key) * inv_unit;
+            // A block mask's mask (kTileRanges) is its own hook: a hidden key is -inf before
+            // the modification runs, so what that reads is read for visible keys only.
+            bool hidden = false;
+            if constexpr (Tr::Mods::kTileRanges) {
+              hidden = !mods.keep(batch, head[mt][i / 2], pos[mt][i / 2], key);
+            }
+            x = hidden ? -INFINITY
+                       : mods(x * unit, batch, head[mt][i / 2], pos[mt][i / 2], key) * inv_unit;
           }
           s[mt][nt][i] = x;
         }
@@ -460,6 +467,43 @@ __device__ __forceinline__ void store_partial_rows(OnlineSoftmax<Tr>& softmax,
       if (lane % 4 == 0) out.store_lse(row, lse[mt][h] == INFINITY ? -INFINITY : lse[mt][h]);
     }
   }
+}
+
+// The keys [lo, hi) a block mask (Tr::Mods::kTileRanges) marks non-empty for any row of
+// the block: packed rows [m0, min(m0 + BlockM, rows)), query head head0 + r / seqlen_q at
+// absolute position r % seqlen_q + total - seqlen_q. The mask's ranges are per query block
+// of kMaskBlock positions, in key blocks of kMaskBlock (api.decode.decode_tile_ranges); the
+// union over the rows' heads and query blocks is taken (lo = hi: none).
+template <class Tr>
+__device__ __forceinline__ void block_mask_keys(const typename Tr::Mods& mods, int batch,
+                                                int head0, int m0, int rows, int seqlen_q,
+                                                int total, int& lo, int& hi) {
+  const int end = rows < m0 + Tr::kBlockM ? rows : m0 + Tr::kBlockM;
+  const int g_first = m0 / seqlen_q;
+  const int g_last = (end - 1) / seqlen_q;
+  const int qb_first = (total - seqlen_q) / kMaskBlock;
+  const int qb_last = (total - 1) / kMaskBlock;
+  lo = 0x7fffffff;
+  hi = 0;
+  for (int g = g_first; g <= g_last; ++g) {
+    for (int qb = qb_first; qb <= qb_last; ++qb) {
+      int b_lo = 0;
+      int b_hi = 0;
+      int full_lo = 0;
+      int full_hi = 0;
+      mods.tile_range(batch, head0 + g, qb, b_lo, b_hi, full_lo, full_hi);
+      if (b_hi > b_lo) {
+        lo = b_lo < lo ? b_lo : lo;
+        hi = b_hi > hi ? b_hi : hi;
+      }
+    }
+  }
+  if (hi == 0) {
+    lo = 0;
+    return;
+  }
+  lo *= kMaskBlock;
+  hi *= kMaskBlock;
 }
 
 template <class Tr>
@@ -558,6 +602,26 @@ __device__ __forceinline__ void decode_split(
     }
     if (skip_to > key_begin) first_key = key_begin + (skip_to - key_begin) / kBlockN * kBlockN;
   }
+  // A block mask (Tr::Mods::kTileRanges): the walk is clipped to the union of the key blocks
+  // [lo, hi) the mask marks non-empty for the block's rows (block_mask_keys), widened by the
+  // new rows m-block 0 appends; a split left with none writes the empty partial.
+  int walk_end = key_end;
+  if constexpr (Tr::Mods::kTileRanges) {
+    int lo = 0;
+    int hi = 0;
+    block_mask_keys<Tr>(mods, batch, kv_head * group, m0, rows, seqlen_q, total, lo, hi);
+    if (m_block == 0 && seqlen_new > 0) {
+      lo = hi > lo && lo < cache_len ? lo : cache_len;
+      hi = hi > total ? hi : total;
+    }
+    walk_end = hi < key_end ? hi : key_end;
+    const int start = lo > first_key ? lo : first_key;
+    if (start >= walk_end) {  // no row sees a key of this split: weight 0 in the combine
+      fill_partial_rows<Tr>(outputs(), m0, rows, 0.0f, -INFINITY, tid);
+      return;
+    }
+    if (start > key_begin) first_key = key_begin + (start - key_begin) / kBlockN * kBlockN;
+  }
 
   FT_DYNAMIC_SMEM(unsigned char, smem);
   const int* pages = block_table != nullptr ? block_table + batch * bt_batch_stride : nullptr;
@@ -603,7 +667,7 @@ __device__ __forceinline__ void decode_split(
                           cache_len, v_scale};
   // The blocks of m-block 0 append the new keys of their split to the cache.
   const bool appends = m_block == 0 && key_end > cache_len;
-  const int n_tiles = (key_end - first_key + kBlockN - 1) / kBlockN;
+  const int n_tiles = (walk_end - first_key + kBlockN - 1) / kBlockN;
 
   Element* const sq = reinterpret_cast<Element*>(smem);
   Element* const sk = sq + Tr::kKOffset;

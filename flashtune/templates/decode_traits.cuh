@@ -23,6 +23,11 @@ constexpr int kErrNegativeLength = 1;   // cache_seqlens[b] < 0
 constexpr int kErrBeyondCapacity = 2;   // cache_seqlens[b] + seqlen_new > capacity
 constexpr int kErrPageIndex = 3;        // block_table[b, slot] outside [0, num_pages)
 
+// A block mask's granularity in decoding: its key tile ranges arrive per query block of
+// this many absolute positions, in key blocks of as many keys (the contract with
+// flashtune.api.decode.decode_tile_ranges).
+constexpr int kMaskBlock = 16;
+
 // A quiet NaN (NVRTC has no <math.h> NAN): what a block writes where its input was bad.
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
 
@@ -72,7 +77,6 @@ struct DecodeTraits {
   static constexpr bool kSoftcap = Softcap;
   static constexpr bool kAlibi = Alibi;
   using Mods = Mods_;
-  static_assert(!Mods::kTileRanges, "decoding evaluates a mask on every score: no block mask");
   static_assert(!(Causal && Local), "a causal sliding window is the window (left, 0)");
   static constexpr int kThreads = 32 * NumWarps;
 

@@ -154,13 +154,13 @@ API_DIMS = ((512, 512), (512, 256), (576, 512), (128, 512))
 
 
 def wide_inputs(d: int, dv: int, page: int | None, heads: tuple[int, int], seqlen_q: int,
-                append: bool, seed: int) -> Inputs:
+                append: bool, seed: int, capacity: int = CAPACITY) -> Inputs:
     """Inputs with Q/K of ``d`` and V of ``dv`` (dead cache rows NaN, as drawn by the
     family): a V wider than one kernel's (256) gets its further columns drawn beside the
     first 256 (fresh values, the same dead rows)."""
     narrow = min(dv, 256)
     problem = Problem(d, DType.BF16, op="decode", head_dim_v=None if narrow == d else narrow)
-    shape = Shape(BATCH, heads[0], heads[1], seqlen_q, CAPACITY)
+    shape = Shape(BATCH, heads[0], heads[1], seqlen_q, capacity)
     new = seqlen_q if append else 0
     room = DecodeCase(page, (0,) * BATCH, 0, 1).capacity(shape) - new
     lengths = (room, random.Random(seed).randrange(0, room))

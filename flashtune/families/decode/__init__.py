@@ -97,10 +97,11 @@ class DecodeFamily(KernelFamily):
     dtypes = SAME_16BIT
     features = frozenset({"window", "softcap", "alibi"})
     #: Declared score modifications (traced score_mod / mask_mod included) apply to every
-    #: score after softcap and ALiBi, with the row's absolute position as q_idx.
+    #: score after softcap and ALiBi, with the row's absolute position as q_idx; a block
+    #: mask's key ranges clip the key tiles each block walks (``api.decode.
+    #: decode_tile_ranges``: per query block of 16 absolute positions).
     score_mods = True
-    tile_ranges_refused = ("expected a mask_mod without a block_mask: decoding evaluates the "
-                           "mask on every score and walks every key tile")
+    tile_ranges_refused = None
     abi: ClassVar[EntryAbi | None] = DECODE_ABI
     default_shape_classes = DEFAULT_CLASSES
     #: V's head dim may differ from Q/K's (templates: DecodeWithHeadDimV), and Q/K's may be
