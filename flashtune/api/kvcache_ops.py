@@ -163,7 +163,11 @@ def attention_with_kvcache(
     written into the cache at positions cache_seqlens[b] ... + Nnew - 1 (in place, as
     flash-attn does; cache_seqlens itself is not changed) and attended to after the cached
     ones. Hq must be a multiple of Hkv (GQA/MQA: the group's query heads share one read of
-    each K/V element). A head dim up to 256 that is not a multiple of 8 (59, 111, ...) is
+    each K/V element). q and k may also be 512 or 576 wide (Gemma 4; DeepSeek's absorbed
+    576 / 512), and v_cache (and v) may have a head dim of its own, a multiple of 8 up to
+    512: O is as wide as V, and a V wider than 256 runs in column chunks of 256, one call
+    each (Q K^T recomputed: K is read once per chunk). A head dim up to 256 that is not a
+    multiple of 8 (59, 111, ...) is
     zero-padded to one, as ``attention`` does: one copy of q and of each cache per call
     (and one copy back into the caches when appending), so store a cache padded to a
     multiple of 8 to avoid them.
@@ -210,7 +214,12 @@ def attention_with_kvcache(
     stays hidden whatever they return. Captured tensors are read on every call (their
     values may change between calls). Forward only: a captured tensor that requires grad
     raises BackwardNotAvailable; such a call runs the kernels directly (not as the custom
-    op).
+    op). ``block_mask`` (``flashtune.create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN)``, B 1
+    or the batch, H 1 or Hq, Q_LEN and KV_LEN at least the cache's capacity, since q_idx
+    and kv_idx are absolute positions): its ``mask_mod`` is applied to every score as
+    ``mask_mod`` is, and each block of the decode kernel walks only the key tiles between
+    the lowest and the highest key block the mask marks non-empty for one of its rows (and
+    those it appends new rows to); not together with ``mask_mod``.
 
     ``v_cache=None``: MLA decoding over a latent cache (FlashMLA's convention, the ``mla``
     family): k_cache holds 576 values per token (the 512-wide latent and 64 RoPE dims) in

@@ -35,7 +35,8 @@
 //
 // Causal: query position i sees key j iff j <= i + total - seqlen_q (bottom-right aligned,
 // total = cache_len + seqlen_new). Partial outputs (contiguous float32):
-//   o_part   (num_splits, batch, heads_q, seqlen_q, HeadDim), normalised within the split;
+//   o_part   (num_splits, batch, heads_q, seqlen_q, V's head dim), normalised within the
+//            split (V's head dim: Tr::kHeadDimV, Q/K's unless DecodeWithHeadDimV splits them);
 //   lse_part (num_splits, batch, heads_q, seqlen_q), natural log; -inf (and O = 0) for a row
 //            that sees no key of the split, so that its weight in the combine is 0.
 //
@@ -46,7 +47,10 @@
 // partial, weight 0), except those holding new rows that m-block 0 appends. Softcap, then
 // ALiBi (the slope of each packed row's own query head), then the declared score
 // modifications (Tr::Mods, with the row's query head and absolute position
-// i + total - seqlen_q and the key's position j) transform the scores.
+// i + total - seqlen_q and the key's position j) transform the scores. A block mask
+// (Tr::Mods::kTileRanges) hides the keys its mask rejects (evaluated on every walked score)
+// and clips the block's walk to the key blocks it marks non-empty for one of the block's
+// rows (block_mask_keys), widened by the new rows m-block 0 appends.
 //
 // An e4m3 cache (Tr::kFp8Cache, decode_fp8.cuh): k_cache and v_cache hold e4m3 bytes with
 // descale factors per (batch, kv head). Key tiles are stored into the same 16-bit shared
