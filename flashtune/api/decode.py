@@ -113,14 +113,21 @@ def decode_problems(q: torch.Tensor, causal: bool, capacity: int, shape_class: s
 
 def decide(q: torch.Tensor, causal: bool, capacity: int, backend: str | None,
            arch: str | None = None, shape_class: str = "",
-           kv_dtype: torch.dtype | None = None) -> tuple[Decision, Decision]:
+           kv_dtype: torch.dtype | None = None, head_dim_v: int | None = None
+           ) -> tuple[Decision, Decision]:
     """The dispatcher's decisions for the decode and combine kernels of a call (nothing is
     loaded); ``arch`` asks about a virtual GPU of that arch; ``kv_dtype`` as in
-    ``decode_problems``."""
+    ``decode_problems``, ``head_dim_v`` as in ``plan_for``."""
     decode, _ = plans.decide(q, causal, backend, decode_op(kv_dtype), (), capacity, arch,
-                             shape_class=shape_class, kv_dtype=kv_dtype)
-    combine, _ = plans.decide(q, False, backend, "combine", (), capacity, arch)
+                             shape_class=shape_class, kv_dtype=kv_dtype, head_dim_v=head_dim_v)
+    combine, _ = plans.decide(_o_like(q, head_dim_v), False, backend, "combine", (), capacity,
+                              arch)
     return decode, combine
+
+
+def _o_like(q: torch.Tensor, head_dim_v: int | None) -> torch.Tensor:
+    """q, or a view of it with V's head dim (no copy): what the combine's bucket reads."""
+    return q if head_dim_v is None else q.as_strided((*q.shape[:3], head_dim_v), (0,) * 4)
 
 
 def plan_for(q: torch.Tensor, causal: bool, capacity: int, backend: str,
@@ -134,11 +141,10 @@ def plan_for(q: torch.Tensor, causal: bool, capacity: int, backend: str,
     combine merges."""
     combine = ("sinks",) if "sinks" in features else ()
     op = decode_op(kv_dtype)
-    # The combine's bucket is O's head dim: a view of q with V's width (no copy).
-    o_like = q if head_dim_v is None else q.as_strided((*q.shape[:3], head_dim_v), (0,) * 4)
     return (plans.plan_for(q, causal, backend, op, kernel_features(op, features), capacity,
                            shape_class, kv_dtype=kv_dtype, head_dim_v=head_dim_v),
-            plans.plan_for(o_like, False, backend, "combine", combine, capacity))
+            plans.plan_for(_o_like(q, head_dim_v), False, backend, "combine", combine,
+                           capacity))
 
 
 _status: dict[int, torch.Tensor] = {}

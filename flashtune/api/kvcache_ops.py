@@ -413,7 +413,7 @@ def explain_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     ) -> tuple[Decision, Decision]:
     """The decode and combine configs flashtune would run for this call, and why (nothing is
     compiled); ``arch`` asks about a virtual GPU of that arch. An e4m3 cache is explained as
-    its family's (``decode8``)."""
+    its family's (``decode8``); a V wider than 256 by its first column chunk's kernels."""
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
     if q.device.type == "meta" and arch is None:
         from flashtune.runtime.plans import emulator_arch
@@ -421,4 +421,5 @@ def explain_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         arch = emulator_arch()
     return _decode.decide(q, causal, layout.capacity, backend, arch,
                           _decode.shape_class_of(layout),
-                          k_cache.dtype if is_fp8_cache(k_cache) else None)
+                          k_cache.dtype if is_fp8_cache(k_cache) else None,
+                          _decode.kernel_head_dim_v(layout))

@@ -314,3 +314,14 @@ def test_wide_defaults_compile_without_spills(arch: str, dims: tuple[int, int],
     resources = compile_source(families.render(problem, config), arch).resources
     assert resources.spill_bytes == 0 and resources.registers > 0, (
         f"{problem.key()} {config.key()} on {arch}: {resources}")
+
+
+def test_explain_kvcache_names_the_wide_kernels() -> None:
+    """explain_kvcache of Gemma 4's 512 / 512 explains the first column chunk's kernels:
+    decode at Q/K 512 beside V's 256, and the combine of 256 columns."""
+    q, k_cache, v_cache, lens = _q_and_cache(512, 512)
+    decode, combine = flashtune.explain_kvcache(q, k_cache, v_cache, lens, backend="emulator",
+                                                arch="sm_90")
+    assert decode.problem.key() == "decode_d512v256_bf16_full"
+    assert combine.problem.head_dim == 256
+    assert decode.config.block_m == 64 and decode.config.num_stages == 2
