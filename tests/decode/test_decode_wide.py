@@ -325,3 +325,15 @@ def test_explain_kvcache_names_the_wide_kernels() -> None:
     assert decode.problem.key() == "decode_d512v256_bf16_full"
     assert combine.problem.head_dim == 256
     assert decode.config.block_m == 64 and decode.config.num_stages == 2
+
+
+def test_flops_and_bytes_count_each_operand_at_its_own_head_dim() -> None:
+    """Q K^T at Q/K's 512 and P V at V's 256: the FLOPs and the cache bytes of a split
+    problem lie between those of the plain problems of either width."""
+    shape = Shape(2, 8, 2, 1, 1024)
+    wide = Problem(512, DType.BF16, op="decode", head_dim_v=256)
+    narrow = Problem(256, DType.BF16, op="decode")
+    assert DECODE.flops(wide, shape) == 2.0 * 2 * 1 * 1024 * 8 * (512 + 256)
+    kv = 2 * 2 * 1024 * (512 + 256) * 2  # batch x kv heads x keys x (K + V dims) x bytes
+    q_o = 2 * 8 * 1 * (512 * 2 + 256 * 2 + 4)
+    assert DECODE.min_bytes(wide, shape) == kv + q_o > DECODE.min_bytes(narrow, shape)

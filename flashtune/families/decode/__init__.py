@@ -307,22 +307,23 @@ class DecodeFamily(KernelFamily):
                                                 "partial "), caches)
 
     def flops(self, problem: Problem, shape: ShapeLike) -> float:
-        """4 B Nq Nk Hq D over the full cache capacity (halved when causal with Nq = Nk)."""
-        total = (4.0 * shape.batch * shape.seqlen_q * shape.seqlen_k * shape.heads_q
-                 * problem.head_dim)
+        """2 B Nq Nk Hq (D + Dv) over the full cache capacity (halved when causal with
+        Nq = Nk): Q K^T over Q/K's head dim D, P V over V's Dv."""
+        total = (2.0 * shape.batch * shape.seqlen_q * shape.seqlen_k * shape.heads_q
+                 * (problem.head_dim + problem.v_head_dim))
         return total / 2 if problem.causal and shape.seqlen_q == shape.seqlen_k else total
 
     def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
-        """K and V of the cache read once per kv head, Q read, O (the input type) and the
-        float32 LSE written (one split writes them directly), all at the full capacity; a
+        """K and V of the cache read once per kv head (each at its own head dim), Q read, O
+        (the input type, V's head dim) and the float32 LSE written (one split writes them directly), all at the full capacity; a
         window problem reads only the keys inside its rows' windows (``timing_window``, as
         the tuner times it)."""
-        e, d = problem.dtype.itemsize, problem.head_dim
+        e, d, dv = problem.dtype.itemsize, problem.head_dim, problem.v_head_dim
         q_rows = shape.batch * shape.heads_q * shape.seqlen_q
         left = timing_window(shape)[0] if problem.window else -1
         kv_rows = shape.batch * shape.heads_kv * window_keys(shape.seqlen_k, shape.seqlen_q,
                                                              left)
-        return float(q_rows * d * e + 2 * kv_rows * d * e + q_rows * (e * d + 4))
+        return float(q_rows * d * e + kv_rows * (d + dv) * e + q_rows * (e * dv + 4))
 
 
 DECODE = DecodeFamily()
