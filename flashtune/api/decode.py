@@ -40,9 +40,12 @@ sink out, so the decode kernel is the one without sinks).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from flashtune import settings
+from flashtune.api.block_mask import BlockMask
 from flashtune.api.validate_kvcache import (
     FP8_CACHE_DTYPE,
     KvCacheLayout,
@@ -50,7 +53,13 @@ from flashtune.api.validate_kvcache import (
 )
 from flashtune.api.variants import Variant, kernel_features
 from flashtune.codegen.arch import get_arch
-from flashtune.codegen.spec import MAX_SEQ_BUCKET, MIN_SEQ_BUCKET, KernelConfig, ProblemBucket
+from flashtune.codegen.spec import (
+    MAX_HEAD_DIM,
+    MAX_SEQ_BUCKET,
+    MIN_SEQ_BUCKET,
+    KernelConfig,
+    ProblemBucket,
+)
 from flashtune.errors import InvalidInput
 from flashtune.families.combine import combine_grid, pack_combine_args
 from flashtune.families.decode import NOMINAL_SMS
@@ -104,27 +113,38 @@ def decode_problems(q: torch.Tensor, causal: bool, capacity: int, shape_class: s
 
 def decide(q: torch.Tensor, causal: bool, capacity: int, backend: str | None,
            arch: str | None = None, shape_class: str = "",
-           kv_dtype: torch.dtype | None = None) -> tuple[Decision, Decision]:
+           kv_dtype: torch.dtype | None = None, head_dim_v: int | None = None
+           ) -> tuple[Decision, Decision]:
     """The dispatcher's decisions for the decode and combine kernels of a call (nothing is
     loaded); ``arch`` asks about a virtual GPU of that arch; ``kv_dtype`` as in
-    ``decode_problems``."""
+    ``decode_problems``, ``head_dim_v`` as in ``plan_for``."""
     decode, _ = plans.decide(q, causal, backend, decode_op(kv_dtype), (), capacity, arch,
-                             shape_class=shape_class, kv_dtype=kv_dtype)
-    combine, _ = plans.decide(q, False, backend, "combine", (), capacity, arch)
+                             shape_class=shape_class, kv_dtype=kv_dtype, head_dim_v=head_dim_v)
+    combine, _ = plans.decide(_o_like(q, head_dim_v), False, backend, "combine", (), capacity,
+                              arch)
     return decode, combine
+
+
+def _o_like(q: torch.Tensor, head_dim_v: int | None) -> torch.Tensor:
+    """q, or a view of it with V's head dim (no copy): what the combine's bucket reads."""
+    return q if head_dim_v is None else q.as_strided((*q.shape[:3], head_dim_v), (0,) * 4)
 
 
 def plan_for(q: torch.Tensor, causal: bool, capacity: int, backend: str,
              features: tuple[str, ...] = (), shape_class: str = "",
-             kv_dtype: torch.dtype | None = None) -> tuple[Plan, Plan]:
+             kv_dtype: torch.dtype | None = None, head_dim_v: int | None = None
+             ) -> tuple[Plan, Plan]:
     """The memoised plans of the decode and combine kernels of this call with the feature
     switches ``features`` (the decode kernel's but sinks, the combine's only sinks), the
-    call's ``shape_class`` and ``kv_dtype`` (as in ``decode_problems``)."""
+    call's ``shape_class`` and ``kv_dtype`` (as in ``decode_problems``); ``head_dim_v``:
+    V's head dim where it is not q's (at most MAX_HEAD_DIM: one column chunk), which the
+    combine merges."""
     combine = ("sinks",) if "sinks" in features else ()
     op = decode_op(kv_dtype)
     return (plans.plan_for(q, causal, backend, op, kernel_features(op, features), capacity,
-                           shape_class, kv_dtype=kv_dtype),
-            plans.plan_for(q, False, backend, "combine", combine, capacity))
+                           shape_class, kv_dtype=kv_dtype, head_dim_v=head_dim_v),
+            plans.plan_for(_o_like(q, head_dim_v), False, backend, "combine", combine,
+                           capacity))
 
 
 _status: dict[int, torch.Tensor] = {}
@@ -149,15 +169,16 @@ def covering_plan(plan: Plan, q: torch.Tensor, heads_kv: int, backend: str) -> P
 
 def tuned_split_table(q: torch.Tensor, causal: bool, backend: str,
                       features: tuple[str, ...] = (), shape_class: str = "",
-                      kv_dtype: torch.dtype | None = None) -> tuple[SplitTable, bool]:
+                      kv_dtype: torch.dtype | None = None, head_dim_v: int | None = None
+                      ) -> tuple[SplitTable, bool]:
     """The split table of this problem and shape class and whether any of it is tuned: each
     sequence bucket's tuned ``splitsize`` (raised, as the tuner timed it, where the bucket's
     lengths would need more than MAX_SPLITS pieces: ``splits.fitting_split_size``), else
     DEFAULT_SPLIT_TABLE's size for the bucket, adjacent buckets of one
     size merged; memoised (the dispatcher is asked once per bucket, on the first call).
-    ``kv_dtype`` as in ``decode_problems``."""
+    ``kv_dtype`` as in ``decode_problems``, ``head_dim_v`` as in ``plan_for``."""
     key = (backend, q.get_device(), q.dtype, q.shape[3], causal, features, shape_class,
-           kv_dtype)
+           kv_dtype, head_dim_v)
     found = _tables.get(key)
     if found is not None:
         return found
@@ -166,7 +187,8 @@ def tuned_split_table(q: torch.Tensor, causal: bool, backend: str,
     bucket = MIN_SEQ_BUCKET
     while bucket <= MAX_SEQ_BUCKET:
         decision, _ = plans.decide(q, causal, backend or None, decode_op(kv_dtype), features,
-                                   bucket, shape_class=shape_class, kv_dtype=kv_dtype)
+                                   bucket, shape_class=shape_class, kv_dtype=kv_dtype,
+                                   head_dim_v=head_dim_v)
         size = config_split_size(decision.config)
         if size > 0:  # as it was timed: raised where the bucket needs more than MAX_SPLITS
             tuned = True
@@ -256,7 +278,15 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     sequence's own length and one tile for every capacity (bitwise the same result for a
     sequence whatever the batch); InvalidInput with a caller's ``num_splits``.
     ``descales``: an e4m3 cache's validated (k_descale, v_descale), float32 (batch,
-    heads_kv) (the ``decode8`` family's kernel); None for a 16-bit cache."""
+    heads_kv) (the ``decode8`` family's kernel); None for a 16-bit cache.
+
+    V's head dim (``layout.v_head_dim``, v_cache's last dim) may differ from q's: O is as
+    wide as V; a V wider than MAX_HEAD_DIM (Gemma 4's 512) runs in column chunks
+    (``_in_column_chunks``), as the forward does."""
+    if layout.v_head_dim > MAX_HEAD_DIM:
+        return _in_column_chunks(q, k_cache, v_cache, cache_seqlens, block_table, k, v, layout,
+                                 causal, softmax_scale, num_splits, backend, variant,
+                                 batch_invariant, descales)
     if batch_invariant and num_splits:
         raise InvalidInput(f"num_splits={num_splits} with batch_invariant=True: a "
                            "batch-invariant call splits each sequence by a fixed number of "
@@ -265,8 +295,10 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     features = variant.features if variant is not None else ()
     shape_class = shape_class_of(layout)
     kv_dtype = None if descales is None else k_cache.dtype
+    head_dim_v = layout.head_dim_v
     decode, combine = plan_for(q, causal, INVARIANT_BUCKET if batch_invariant
-                               else layout.capacity, name, features, shape_class, kv_dtype)
+                               else layout.capacity, name, features, shape_class, kv_dtype,
+                               head_dim_v)
     decode = covering_plan(decode, q, layout.heads_kv, name)
     sinks = variant.sinks if variant is not None else None
     features = decode.source.problem.features  # the decode kernel's (sinks: the combine's)
@@ -274,7 +306,7 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     table = None
     if not num_splits:
         tuned, any_tuned = tuned_split_table(q, causal, name, features, shape_class,
-                                             kv_dtype)
+                                             kv_dtype, head_dim_v)
         table = tuned if batch_invariant or any_tuned else None
     split_table, splits = split_mode(num_splits, config, layout,
                                      decode.sm_count or NOMINAL_SMS, table)
@@ -287,8 +319,10 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # report), in the emulator it reports in the status buffer, read for free.
     trap = decode.on_gpu
     status = _status_buffer(q, trap=trap)
-    batch, seqlen_q, heads_q, dim = q.shape
-    out = torch.empty_like(q)
+    batch, seqlen_q, heads_q, _ = q.shape
+    dim = layout.v_head_dim  # O's
+    out = torch.empty_like(q) if head_dim_v is None else q.new_empty(batch, seqlen_q, heads_q,
+                                                                       dim)
     lse = torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=q.device)
     # One split: the kernel writes O and LSE itself, no partials, no combine; but the sinks
     # join in the combine, where the final O and LSE are written.
@@ -317,6 +351,81 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if not trap:
         report_status(status, layout)
     return out, lse
+
+
+#: The granularity of a block mask's ranges in the decode kernel (decode_traits.cuh
+#: kMaskBlock): per query block of this many absolute positions, in key blocks as wide.
+MASK_BLOCK = 16
+
+
+def check_block_mask(block_mask: object, layout: KvCacheLayout) -> BlockMask:
+    """``block_mask`` for a decoding call of ``layout``, or InvalidInput saying what is wrong:
+    a flashtune BlockMask whose B is 1 or the batch, H 1 or heads_q, and whose Q_LEN and
+    KV_LEN cover the cache's capacity (a new row's q_idx is its absolute position, up to
+    capacity - 1: the lengths live on the device, so every position the cache can hold)."""
+    if not isinstance(block_mask, BlockMask):
+        raise InvalidInput(f"block_mask is a {type(block_mask).__name__}; expected a "
+                           "flashtune BlockMask from flashtune.create_block_mask")
+    b, h, q_len, kv_len = block_mask.shape
+    capacity = layout.capacity
+    if b not in (1, layout.batch) or h not in (1, layout.heads_q) or min(q_len, kv_len) < (
+            capacity):
+        raise InvalidInput(
+            f"block_mask was made for (B, H, Q_LEN, KV_LEN) = {block_mask.shape} but the call "
+            f"has batch {layout.batch}, {layout.heads_q} query heads and a cache of capacity "
+            f"{capacity} (q_idx and kv_idx are absolute positions up to {capacity - 1}); "
+            f"expected B in (1, {layout.batch}), H in (1, {layout.heads_q}) and Q_LEN, KV_LEN "
+            f">= {capacity}. Make one with flashtune.create_block_mask(mask_mod, "
+            f"{layout.batch}, {layout.heads_q}, {capacity}, {capacity})")
+    return block_mask
+
+
+def decode_tile_ranges(block_mask: BlockMask, device: torch.device) -> torch.Tensor:
+    """The decode kernel's form of ``block_mask``'s ranges: int32 (Bm, Hm, query blocks, 4),
+    per query block of MASK_BLOCK absolute positions the key blocks [lo, hi) of MASK_BLOCK
+    keys holding a visible position (and the full run, ``BlockMask.tiles``); a mask of a
+    larger BLOCK_SIZE is spread over its MASK_BLOCK-sized blocks."""
+    ranges = block_mask.tiles(block_mask.block, block_mask.block, device)
+    spread = block_mask.block // MASK_BLOCK
+    if spread == 1:
+        return ranges
+    return (ranges.repeat_interleave(spread, dim=2) * spread).contiguous()
+
+
+def kernel_head_dim_v(layout: KvCacheLayout) -> int | None:
+    """V's head dim in the decode kernels of a call where it is not q's (a V wider than
+    MAX_HEAD_DIM: its first column chunk's), else None."""
+    width = min(layout.v_head_dim, MAX_HEAD_DIM)
+    return None if width == layout.head_dim else width
+
+
+def _in_column_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      cache_seqlens: torch.Tensor, block_table: torch.Tensor | None,
+                      k: torch.Tensor | None, v: torch.Tensor | None, layout: KvCacheLayout,
+                      causal: bool, softmax_scale: float, num_splits: int, backend: str,
+                      variant: Variant | None, batch_invariant: bool,
+                      descales: tuple[torch.Tensor, torch.Tensor] | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``run_decode`` of a V wider than MAX_HEAD_DIM: O's columns are P V's, so each chunk of
+    at most MAX_HEAD_DIM of V's columns (a column view of v_cache and of the new rows v) is a
+    call of its own, Q K^T and P recomputed (a thread's registers hold no wider O: K is read
+    once per chunk); the chunks' O concatenated, the LSE (P's, the same in every chunk) the
+    first's. Every chunk appends the new keys (the same rows: the later writes change
+    nothing) and its own V columns."""
+    outs = []
+    lse: torch.Tensor | None = None
+    for start in range(0, layout.v_head_dim, MAX_HEAD_DIM):
+        end = min(start + MAX_HEAD_DIM, layout.v_head_dim)
+        chunk = replace(layout, head_dim_v=end - start)
+        chunk = replace(chunk, head_dim_v=kernel_head_dim_v(chunk))
+        out, chunk_lse = run_decode(q, k_cache, v_cache[..., start:end], cache_seqlens,
+                                    block_table, k, None if v is None else v[..., start:end],
+                                    chunk, causal, softmax_scale, num_splits, backend, variant,
+                                    batch_invariant, descales)
+        outs.append(out)
+        lse = chunk_lse if lse is None else lse
+    assert lse is not None
+    return torch.cat(outs, dim=-1), lse
 
 
 def report_status(status: torch.Tensor, layout: KvCacheLayout) -> None:

@@ -16,6 +16,7 @@ import torch
 from flashtune import settings
 from flashtune.api import decode as _decode
 from flashtune.api import mla as _mla
+from flashtune.api.block_mask import BlockMask
 from flashtune.api.flex import MaskModFn, ScoreModFn, refuse_grad, traced_feature
 from flashtune.api.fp8 import check_descale
 from flashtune.api.ops import check_no_grad, direct_call_ok
@@ -71,8 +72,9 @@ def _fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
           batch_invariant: bool = False, sinks: torch.Tensor | None = None,
           k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, seqlen_q, heads_q, _ = q.shape
-    return (torch.empty_like(q),
+    batch, seqlen_q, heads_q, dim = q.shape
+    return (torch.empty_like(q) if v_cache.shape[3] == dim
+            else q.new_empty((batch, seqlen_q, heads_q, v_cache.shape[3])),
             q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32))
 
 
@@ -87,7 +89,8 @@ def attention_with_kvcache(
     alibi_slopes: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
     sinks: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
     mask_mod: MaskModFn | None = ..., head_dim_v: int | None = ...,
-    k_descale: torch.Tensor | None = ..., v_descale: torch.Tensor | None = ...
+    k_descale: torch.Tensor | None = ..., v_descale: torch.Tensor | None = ...,
+    block_mask: BlockMask | None = ...
 ) -> torch.Tensor: ...
 
 
@@ -102,7 +105,8 @@ def attention_with_kvcache(
     alibi_slopes: torch.Tensor | None = ..., batch_invariant: bool | None = ...,
     sinks: torch.Tensor | None = ..., score_mod: ScoreModFn | None = ...,
     mask_mod: MaskModFn | None = ..., head_dim_v: int | None = ...,
-    k_descale: torch.Tensor | None = ..., v_descale: torch.Tensor | None = ...
+    k_descale: torch.Tensor | None = ..., v_descale: torch.Tensor | None = ...,
+    block_mask: BlockMask | None = ...
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -117,7 +121,7 @@ def attention_with_kvcache(
     batch_invariant: bool | None = ..., sinks: torch.Tensor | None = ...,
     score_mod: ScoreModFn | None = ..., mask_mod: MaskModFn | None = ...,
     head_dim_v: int | None = ..., k_descale: torch.Tensor | None = ...,
-    v_descale: torch.Tensor | None = ...
+    v_descale: torch.Tensor | None = ..., block_mask: BlockMask | None = ...
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -145,6 +149,7 @@ def attention_with_kvcache(
     head_dim_v: int | None = None,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    block_mask: BlockMask | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few new query rows per sequence over a KV cache, in flash-attn's layout.
 
@@ -158,7 +163,11 @@ def attention_with_kvcache(
     written into the cache at positions cache_seqlens[b] ... + Nnew - 1 (in place, as
     flash-attn does; cache_seqlens itself is not changed) and attended to after the cached
     ones. Hq must be a multiple of Hkv (GQA/MQA: the group's query heads share one read of
-    each K/V element). A head dim up to 256 that is not a multiple of 8 (59, 111, ...) is
+    each K/V element). q and k may also be 512 or 576 wide (Gemma 4; DeepSeek's absorbed
+    576 / 512), and v_cache (and v) may have a head dim of its own, a multiple of 8 up to
+    512: O is as wide as V, and a V wider than 256 runs in column chunks of 256, one call
+    each (Q K^T recomputed: K is read once per chunk). A head dim up to 256 that is not a
+    multiple of 8 (59, 111, ...) is
     zero-padded to one, as ``attention`` does: one copy of q and of each cache per call
     (and one copy back into the caches when appending), so store a cache padded to a
     multiple of 8 to avoid them.
@@ -205,7 +214,12 @@ def attention_with_kvcache(
     stays hidden whatever they return. Captured tensors are read on every call (their
     values may change between calls). Forward only: a captured tensor that requires grad
     raises BackwardNotAvailable; such a call runs the kernels directly (not as the custom
-    op).
+    op). ``block_mask`` (``flashtune.create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN)``, B 1
+    or the batch, H 1 or Hq, Q_LEN and KV_LEN at least the cache's capacity, since q_idx
+    and kv_idx are absolute positions): its ``mask_mod`` is applied to every score as
+    ``mask_mod`` is, and each block of the decode kernel walks only the key tiles between
+    the lowest and the highest key block the mask marks non-empty for one of its rows (and
+    those it appends new rows to); not together with ``mask_mod``.
 
     ``v_cache=None``: MLA decoding over a latent cache (FlashMLA's convention, the ``mla``
     family): k_cache holds 576 values per token (the 512-wide latent and 64 RoPE dims) in
@@ -240,9 +254,10 @@ def attention_with_kvcache(
                                f"got NoneType; v_cache=None is MLA decoding over a latent "
                                f"cache of {width} values per token (or FP8 rows of "
                                f"{_mla.FP8_ROW_BYTES} bytes), but k_cache is {got}")
-        if score_mod is not None or mask_mod is not None:
+        if score_mod is not None or mask_mod is not None or block_mask is not None:
             raise InvalidInput("v_cache=None (MLA decoding over a latent cache) does not take "
-                               "score_mod or mask_mod; leave them out, or pass a v_cache")
+                               "score_mod, mask_mod or block_mask; leave them out, or pass a "
+                               "v_cache")
         if k_descale is not None or v_descale is not None:
             raise InvalidInput("k_descale/v_descale are for an e4m3 k_cache and v_cache; "
                                "v_cache=None (MLA decoding over a latent cache) takes none: "
@@ -265,7 +280,7 @@ def attention_with_kvcache(
                             softcap=softcap, alibi_slopes=alibi_slopes,
                             batch_invariant=batch_invariant, sinks=sinks,
                             score_mod=score_mod, mask_mod=mask_mod, k_descale=k_descale,
-                            v_descale=v_descale)
+                            v_descale=v_descale, block_mask=block_mask)
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
     descales = cache_descales(q, k_cache, k_descale, v_descale)
     check_no_grad(q, k_cache, v_cache, k, v, sinks if isinstance(sinks, torch.Tensor) else None)
@@ -276,12 +291,19 @@ def attention_with_kvcache(
             or sinks is not None):
         variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0], None,
                           sinks=sinks)
-        refuse_unsupported("decode", variant.features, q, "flashtune.attention_with_kvcache")
+        refuse_unsupported("decode", variant.features, q, "flashtune.attention_with_kvcache",
+                           _decode.kernel_head_dim_v(layout))
         causal = variant.causal
         if not variant.features:
             variant = None
-    if score_mod is not None or mask_mod is not None:
-        variant = modified_variant(variant or Variant(causal), q, score_mod, mask_mod)
+    if block_mask is not None:
+        if mask_mod is not None:
+            raise InvalidInput("mask_mod and block_mask are both given; a block mask carries its "
+                               "own mask_mod (create_block_mask's): pass one of them")
+        _decode.check_block_mask(block_mask, layout)
+    if score_mod is not None or mask_mod is not None or block_mask is not None:
+        variant = modified_variant(variant or Variant(causal), q, score_mod, mask_mod,
+                                   block_mask)
     scale = check_softmax_scale(softmax_scale, q.shape[3])
     splits = 0 if num_splits is None else check_num_splits(num_splits, choose=True)
     invariant = settings.BATCH_INVARIANT.get() if batch_invariant is None else batch_invariant
@@ -339,15 +361,25 @@ def _descale_args(descales: tuple[torch.Tensor, torch.Tensor] | None) -> dict[st
 
 
 def modified_variant(variant: Variant, q: torch.Tensor, score_mod: ScoreModFn | None,
-                     mask_mod: MaskModFn | None) -> Variant:
+                     mask_mod: MaskModFn | None, block_mask: BlockMask | None = None
+                     ) -> Variant:
     """``variant`` with the traced ``score_mod`` / ``mask_mod`` (``api.flex``: registered as
     a feature once, its captured tensors as float32 / int32 on q's device); InvalidInput or
     UnsupportedModification naming a bad one, BackwardNotAvailable for a captured tensor that
-    requires grad (decoding has no backward)."""
-    traced = trace(score_mod, mask_mod)
-    refuse_grad(*traced.captured, what="flashtune.attention_with_kvcache with a score_mod or "
-                "mask_mod")
-    return replace(variant, traced=(traced_feature(traced),), mods=traced.values(q.device))
+    requires grad (decoding has no backward). ``block_mask`` (validated): its ``mask_mod`` is
+    the one traced, and the kernel takes its key ranges (``api.decode.decode_tile_ranges``)."""
+    if block_mask is not None:
+        mask_mod = block_mask.mask_mod
+    traced = trace(score_mod, mask_mod, tiles=block_mask is not None)
+    refuse_grad(*traced.captured, what="flashtune.attention_with_kvcache with a score_mod, "
+                "mask_mod or block_mask")
+    values = traced.values(q.device)
+    if block_mask is not None:
+        ranges = _decode.decode_tile_ranges(block_mask, q.device)
+        values[traced.ranges_param] = ranges
+        values.update({f"{traced.ranges_param}_n{j}": int(n)
+                       for j, n in enumerate(ranges.shape[:3])})
+    return replace(variant, traced=(traced_feature(traced),), mods=values)
 
 
 def _padded_call(dim: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -381,7 +413,7 @@ def explain_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     ) -> tuple[Decision, Decision]:
     """The decode and combine configs flashtune would run for this call, and why (nothing is
     compiled); ``arch`` asks about a virtual GPU of that arch. An e4m3 cache is explained as
-    its family's (``decode8``)."""
+    its family's (``decode8``); a V wider than 256 by its first column chunk's kernels."""
     layout = check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
     if q.device.type == "meta" and arch is None:
         from flashtune.runtime.plans import emulator_arch
@@ -389,4 +421,5 @@ def explain_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         arch = emulator_arch()
     return _decode.decide(q, causal, layout.capacity, backend, arch,
                           _decode.shape_class_of(layout),
-                          k_cache.dtype if is_fp8_cache(k_cache) else None)
+                          k_cache.dtype if is_fp8_cache(k_cache) else None,
+                          _decode.kernel_head_dim_v(layout))

@@ -17,7 +17,7 @@ import torch
 
 from flashtune.api.limits import MAX_GRID_YZ, MAX_INT32, MAX_SEQLEN
 from flashtune.api.validate import SUPPORTED_DEVICES, SUPPORTED_DTYPES
-from flashtune.codegen.spec import MAX_HEAD_DIM
+from flashtune.codegen.spec import MAX_HEAD_DIM, WIDE_HEAD_DIMS
 from flashtune.errors import InvalidInput
 from flashtune.families.decode.status import (
     BEYOND_CAPACITY,
@@ -30,6 +30,9 @@ _Q = "(batch, seqlen_q, heads_q, head_dim)"
 _CACHE = "(batch, max_len, heads_kv, head_dim)"
 _PAGED = "(num_pages, page_size, heads_kv, head_dim)"
 _NEW = "(batch, seqlen_new, heads_kv, head_dim)"
+#: V's widest head dim: twice one kernel's O (a wider V runs in column chunks of
+#: MAX_HEAD_DIM, ``api.decode.run_decode``), e.g. Gemma 4's 512.
+MAX_V_HEAD_DIM = 2 * MAX_HEAD_DIM
 
 
 @dataclass(frozen=True)
@@ -49,10 +52,17 @@ class KvCacheLayout:
     max_pages: int
     num_pages: int
     seqlen_new: int
+    #: V's (and O's) head dim where it is not Q/K's (None: ``head_dim``).
+    head_dim_v: int | None = None
 
     @property
     def capacity(self) -> int:
         return self.page_size * self.max_pages
+
+    @property
+    def v_head_dim(self) -> int:
+        """V's (and O's) head dim."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -150,17 +160,30 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     batch, seqlen_q, heads_q, head_dim = q.shape
     if q.numel() == 0:
         raise InvalidInput(f"q is empty (shape {_shape(q)}); expected every dim of {_Q} >= 1")
-    if tuple(k_cache.shape) != tuple(v_cache.shape):
+    if tuple(k_cache.shape[:3]) != tuple(v_cache.shape[:3]):
         raise InvalidInput(f"k_cache has shape {_shape(k_cache)} but v_cache has "
-                           f"{_shape(v_cache)}; expected equal shapes")
+                           f"{_shape(v_cache)}; expected equal shapes but for the last (head) "
+                           "dim")
     n0, n1, heads_kv, head_dim_kv = k_cache.shape
+    head_dim_v = v_cache.shape[3]
     layout = _PAGED if block_table is not None else _CACHE
     if head_dim_kv != head_dim:
         raise InvalidInput(f"q has head_dim {head_dim} but the cache has {head_dim_kv}; "
                            "expected equal head dims")
-    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
-        raise InvalidInput(f"head_dim={head_dim} is not supported; expected a multiple of 8 "
-                           f"<= {MAX_HEAD_DIM} (pad q and the cache with zeros)")
+    if head_dim % 8 or not (head_dim <= MAX_HEAD_DIM or head_dim in WIDE_HEAD_DIMS):
+        raise InvalidInput(f"head_dim={head_dim} (q and k_cache) is not supported; expected a "
+                           f"multiple of 8 <= {MAX_HEAD_DIM} or one of {WIDE_HEAD_DIMS} (pad q "
+                           "and the cache with zeros to one)")
+    if head_dim_v % 8 or head_dim_v > MAX_V_HEAD_DIM:
+        raise InvalidInput(f"v_cache's head dim {head_dim_v} is not supported; expected a "
+                           f"multiple of 8 <= {MAX_V_HEAD_DIM} (V wider than {MAX_HEAD_DIM} "
+                           f"runs in column chunks of {MAX_HEAD_DIM}; pad v_cache with zeros "
+                           "to a multiple of 8)")
+    if is_fp8_cache(k_cache) and (head_dim_v != head_dim or head_dim > MAX_HEAD_DIM):
+        raise InvalidInput(f"an e4m3 cache of head dims {head_dim} (K) and {head_dim_v} (V) is "
+                           f"not served: the e4m3-cache kernel (decode8) takes equal head dims "
+                           f"of at most {MAX_HEAD_DIM}; use a 16-bit cache (fp16/bf16) for "
+                           "these head dims")
     if min(n0, n1, heads_kv) < 1:
         raise InvalidInput(f"the cache is empty (shape {_shape(k_cache)}); expected every "
                            f"dim of {layout} >= 1")
@@ -186,10 +209,12 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         raise InvalidInput("pass both k and v (the new rows to append) or neither")
     if k is not None and v is not None:
         want = (batch, k.shape[1], heads_kv, head_dim)
-        if tuple(k.shape) != want or tuple(v.shape) != want or k.shape[1] < 1:
+        want_v = (*want[:3], head_dim_v)
+        if tuple(k.shape) != want or tuple(v.shape) != want_v or k.shape[1] < 1:
             raise InvalidInput(f"k has shape {_shape(k)} and v {_shape(v)}; expected both "
                                f"{_NEW} = (batch {batch}, seqlen_new >= 1, heads_kv "
-                               f"{heads_kv}, head_dim {head_dim})")
+                               f"{heads_kv}, head_dim {head_dim} for k and {head_dim_v} for v, "
+                               "the caches' own)")
         seqlen_new = k.shape[1]
     if page_size * max_pages > MAX_SEQLEN or seqlen_q > MAX_SEQLEN or num_pages > MAX_INT32:
         raise InvalidInput(f"the cache capacity of {page_size * max_pages} rows per sequence, "
@@ -202,7 +227,8 @@ def _check_shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            f"CUDA grid limit {MAX_GRID_YZ}; split the call along batch or "
                            "queries")
     return KvCacheLayout(batch, seqlen_q, heads_q, heads_kv, head_dim, block_table is not None,
-                         page_size, max_pages, num_pages, seqlen_new)
+                         page_size, max_pages, num_pages, seqlen_new,
+                         None if head_dim_v == head_dim else head_dim_v)
 
 
 def overlapping(t: torch.Tensor) -> bool:

@@ -185,16 +185,18 @@ def kernel_features(op: str, features: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(f for f in features if f not in composed)
 
 
-def refuse_unsupported(op: str, features: tuple[str, ...], q: torch.Tensor, what: str
-                       ) -> None:
+def refuse_unsupported(op: str, features: tuple[str, ...], q: torch.Tensor, what: str,
+                       head_dim_v: int | None = None) -> None:
     """FeatureNotSupported when kernel family ``op`` does not implement ``features`` (for a
     call on validated ``q``; only those its kernels compile in, ``kernel_features``);
-    ``what`` names the operation for the message."""
+    ``what`` names the operation for the message; ``head_dim_v``: the kernel's V head dim
+    where it is not q's."""
     features = kernel_features(op, features)
     if not features:
         return
     dtype = element_type(q.dtype)
-    problem = Problem(head_dim=q.shape[-1], dtype=dtype, op=op, features=features)
+    problem = Problem(head_dim=q.shape[-1], dtype=dtype, op=op, features=features,
+                      head_dim_v=head_dim_v)
     try:
         families.get(op).check_problem(problem)
     except FeatureNotSupported as exc:

@@ -35,7 +35,8 @@
 //
 // Causal: query position i sees key j iff j <= i + total - seqlen_q (bottom-right aligned,
 // total = cache_len + seqlen_new). Partial outputs (contiguous float32):
-//   o_part   (num_splits, batch, heads_q, seqlen_q, HeadDim), normalised within the split;
+//   o_part   (num_splits, batch, heads_q, seqlen_q, V's head dim), normalised within the
+//            split (V's head dim: Tr::kHeadDimV, Q/K's unless DecodeWithHeadDimV splits them);
 //   lse_part (num_splits, batch, heads_q, seqlen_q), natural log; -inf (and O = 0) for a row
 //            that sees no key of the split, so that its weight in the combine is 0.
 //
@@ -46,7 +47,10 @@
 // partial, weight 0), except those holding new rows that m-block 0 appends. Softcap, then
 // ALiBi (the slope of each packed row's own query head), then the declared score
 // modifications (Tr::Mods, with the row's query head and absolute position
-// i + total - seqlen_q and the key's position j) transform the scores.
+// i + total - seqlen_q and the key's position j) transform the scores. A block mask
+// (Tr::Mods::kTileRanges) hides the keys its mask rejects (evaluated on every walked score)
+// and clips the block's walk to the key blocks it marks non-empty for one of the block's
+// rows (block_mask_keys), widened by the new rows m-block 0 appends.
 //
 // An e4m3 cache (Tr::kFp8Cache, decode_fp8.cuh): k_cache and v_cache hold e4m3 bytes with
 // descale factors per (batch, kv head). Key tiles are stored into the same 16-bit shared
@@ -129,34 +133,44 @@ __device__ __forceinline__ void load_e4m3_chunk(typename Tr::Element* dst, const
   *reinterpret_cast<uint4*>(dst) = e4m3_chunk_to_16bit<typename Tr::Ops>(bytes);
 }
 
+// Calls f(r, c) for the (row, 16-byte chunk) pairs of a tile of Rows rows that thread tid
+// copies: kThreads / kLoadChunks whole rows per step, or, where a row holds more chunks than
+// the block has threads (Q/K of 576 on 2 warps), every row in several passes of kThreads
+// chunks.
+template <class Tr, int Rows, class F>
+__device__ __forceinline__ void for_tile_chunks(int tid, F&& f) {
+  constexpr int kPasses = (Tr::kLoadChunks + Tr::kThreads - 1) / Tr::kThreads;
+  constexpr int kRowsPerIter = kPasses == 1 ? Tr::kThreads / Tr::kLoadChunks : 1;
+  constexpr int kIters = (Rows + kRowsPerIter - 1) / kRowsPerIter;
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int c = kPasses == 1 ? tid % Tr::kLoadChunks : tid + pass * Tr::kThreads;
+    const int r0 = kPasses == 1 ? tid / Tr::kLoadChunks : 0;
+    if (r0 >= kRowsPerIter || c >= Tr::kLoadChunks) continue;
+#pragma unroll
+    for (int it = 0; it < kIters; ++it) {
+      const int r = r0 + it * kRowsPerIter;
+      if (Rows % kRowsPerIter == 0 || r < Rows) f(r, c);
+    }
+  }
+}
+
 // Issue (without committing) the cp.async copies of keys [key0, key0 + BlockN) into a
 // shared tile; keys at or past key_end and head-dim columns past HeadDim read nothing and
 // are zero-filled. An e4m3 cache's chunks are stored dequantised instead (load_e4m3_chunk).
 template <class Tr>
 __device__ __forceinline__ void load_key_tile(typename Tr::Element* tile, const KvRows<Tr>& kv,
                                               int key0, int key_end, int tid) {
-  constexpr int kRowsPerIter = Tr::kThreads / Tr::kLoadChunks;
-  constexpr int kIters = (Tr::kBlockN + kRowsPerIter - 1) / kRowsPerIter;
-  static_assert(kRowsPerIter >= 1, "a block copies at least one row per step");
-  const int c = tid % Tr::kLoadChunks;
-  const int r0 = tid / Tr::kLoadChunks;
-  if (r0 >= kRowsPerIter) return;
-  const bool real_col = c < Tr::kRealChunks;
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int r = r0 + it * kRowsPerIter;
-    if (Tr::kBlockN % kRowsPerIter == 0 || r < Tr::kBlockN) {
-      const bool real = real_col && key0 + r < key_end;
-      if constexpr (Tr::kFp8Cache) {
-        load_e4m3_chunk<Tr>(tile + r * Tr::kRowStride + c * Tr::kChunkElems, kv, key0 + r, c,
-                            real);
-      } else {
-        const typename Tr::Element* src =
-            real ? kv.row(key0 + r) + c * Tr::kChunkElems : kv.cache;
-        cp_async<16>(tile + r * Tr::kRowStride + c * Tr::kChunkElems, src, real ? 16 : 0);
-      }
+  for_tile_chunks<Tr, Tr::kBlockN>(tid, [&](int r, int c) {
+    const bool real = c < Tr::kRealChunks && key0 + r < key_end;
+    if constexpr (Tr::kFp8Cache) {
+      load_e4m3_chunk<Tr>(tile + r * Tr::kRowStride + c * Tr::kChunkElems, kv, key0 + r, c,
+                          real);
+    } else {
+      const typename Tr::Element* src = real ? kv.row(key0 + r) + c * Tr::kChunkElems : kv.cache;
+      cp_async<16>(tile + r * Tr::kRowStride + c * Tr::kChunkElems, src, real ? 16 : 0);
     }
-  }
+  });
 }
 
 // Issue the cp.async copies of the block's packed Q rows [m0, m0 + BlockM): row r is query
@@ -167,26 +181,16 @@ __device__ __forceinline__ void load_packed_q(typename Tr::Element* sq,
                                               const typename Tr::Element* q_group,
                                               long long row_stride, long long head_stride,
                                               int m0, int rows, int seqlen_q, int tid) {
-  constexpr int kRowsPerIter = Tr::kThreads / Tr::kLoadChunks;
-  constexpr int kIters = (Tr::kBlockM + kRowsPerIter - 1) / kRowsPerIter;
-  const int c = tid % Tr::kLoadChunks;
-  const int r0 = tid / Tr::kLoadChunks;
-  if (r0 >= kRowsPerIter) return;
-  const bool real_col = c < Tr::kRealChunks;
-#pragma unroll
-  for (int it = 0; it < kIters; ++it) {
-    const int r = r0 + it * kRowsPerIter;
-    if (Tr::kBlockM % kRowsPerIter == 0 || r < Tr::kBlockM) {
-      const int packed = m0 + r;
-      const bool real = real_col && packed < rows;
-      const int g = packed / seqlen_q;
-      const typename Tr::Element* src =
-          q_group + static_cast<long long>(packed - g * seqlen_q) * row_stride +
-          g * head_stride + c * Tr::kChunkElems;
-      cp_async<16>(sq + r * Tr::kRowStride + c * Tr::kChunkElems, real ? src : q_group,
-                   real ? 16 : 0);
-    }
-  }
+  for_tile_chunks<Tr, Tr::kBlockM>(tid, [&](int r, int c) {
+    const int packed = m0 + r;
+    const bool real = c < Tr::kRealChunks && packed < rows;
+    const int g = packed / seqlen_q;
+    const typename Tr::Element* src = q_group +
+                                      static_cast<long long>(packed - g * seqlen_q) * row_stride +
+                                      g * head_stride + c * Tr::kChunkElems;
+    cp_async<16>(sq + r * Tr::kRowStride + c * Tr::kChunkElems, real ? src : q_group,
+                 real ? 16 : 0);
+  });
 }
 
 // Store the new keys of a landed shared tile (positions [cache_len, key_end) within
@@ -252,14 +256,15 @@ __device__ __forceinline__ void fill_partial_rows(const RowOutputs<Tr>& out, int
                                                   float o_value, float lse_value, int tid) {
   const int end = rows < m0 + Tr::kBlockM ? rows : m0 + Tr::kBlockM;
   if (out.final_o != nullptr) {
-    constexpr int kPairs = Tr::kHeadDim / 2;
+    constexpr int kPairs = DecodeV<Tr>::kHeadDim / 2;
     const unsigned packed = Tr::Ops::pack(o_value, o_value);
     for (int idx = m0 * kPairs + tid; idx < end * kPairs; idx += Tr::kThreads) {
       const int r = idx / kPairs;
       *reinterpret_cast<unsigned*>(out.final_row(r) + 2 * (idx - r * kPairs)) = packed;
     }
   } else {
-    for (int idx = m0 * Tr::kHeadDim + tid; idx < end * Tr::kHeadDim; idx += Tr::kThreads) {
+    constexpr int kDim = DecodeV<Tr>::kHeadDim;
+    for (int idx = m0 * kDim + tid; idx < end * kDim; idx += Tr::kThreads) {
       out.o_rows[idx] = o_value;
     }
   }
@@ -403,7 +408,14 @@ struct SplitTransform {
             x += neg_slope[mt][i / 2] * static_cast<float>(d < 0 ? -d : d);
           }
           if constexpr (kMods) {
-            x = mods(x * unit, batch, head[mt][i / 2], pos[mt][i / 2], key) * inv_unit;
+            // A block mask's mask (kTileRanges) is its own hook: a hidden key is -inf before
+            // the modification runs, so what that reads is read for visible keys only.
+            bool hidden = false;
+            if constexpr (Tr::Mods::kTileRanges) {
+              hidden = !mods.keep(batch, head[mt][i / 2], pos[mt][i / 2], key);
+            }
+            x = hidden ? -INFINITY
+                       : mods(x * unit, batch, head[mt][i / 2], pos[mt][i / 2], key) * inv_unit;
           }
           s[mt][nt][i] = x;
         }
@@ -441,15 +453,15 @@ __device__ __forceinline__ void store_partial_rows(OnlineSoftmax<Tr>& softmax,
       if (out.final_o != nullptr) {
         typename Tr::Element* o_row = out.final_row(row) + 2 * (lane % 4);
 #pragma unroll
-        for (int dt = 0; dt < Tr::kRealChunks; ++dt) {
+        for (int dt = 0; dt < DecodeV<Tr>::kRealChunks; ++dt) {
           *reinterpret_cast<unsigned*>(o_row + 8 * dt) = Tr::Ops::pack(
               o[mt][dt][2 * h] * inv_sum[mt][h], o[mt][dt][2 * h + 1] * inv_sum[mt][h]);
         }
       } else {
         float* o_row =
-            out.o_rows + static_cast<long long>(row) * Tr::kHeadDim + 2 * (lane % 4);
+            out.o_rows + static_cast<long long>(row) * DecodeV<Tr>::kHeadDim + 2 * (lane % 4);
 #pragma unroll
-        for (int dt = 0; dt < Tr::kRealChunks; ++dt) {
+        for (int dt = 0; dt < DecodeV<Tr>::kRealChunks; ++dt) {
           float2 pair;
           pair.x = o[mt][dt][2 * h] * inv_sum[mt][h];
           pair.y = o[mt][dt][2 * h + 1] * inv_sum[mt][h];
@@ -459,6 +471,43 @@ __device__ __forceinline__ void store_partial_rows(OnlineSoftmax<Tr>& softmax,
       if (lane % 4 == 0) out.store_lse(row, lse[mt][h] == INFINITY ? -INFINITY : lse[mt][h]);
     }
   }
+}
+
+// The keys [lo, hi) a block mask (Tr::Mods::kTileRanges) marks non-empty for any row of
+// the block: packed rows [m0, min(m0 + BlockM, rows)), query head head0 + r / seqlen_q at
+// absolute position r % seqlen_q + total - seqlen_q. The mask's ranges are per query block
+// of kMaskBlock positions, in key blocks of kMaskBlock (api.decode.decode_tile_ranges); the
+// union over the rows' heads and query blocks is taken (lo = hi: none).
+template <class Tr>
+__device__ __forceinline__ void block_mask_keys(const typename Tr::Mods& mods, int batch,
+                                                int head0, int m0, int rows, int seqlen_q,
+                                                int total, int& lo, int& hi) {
+  const int end = rows < m0 + Tr::kBlockM ? rows : m0 + Tr::kBlockM;
+  const int g_first = m0 / seqlen_q;
+  const int g_last = (end - 1) / seqlen_q;
+  const int qb_first = (total - seqlen_q) / kMaskBlock;
+  const int qb_last = (total - 1) / kMaskBlock;
+  lo = 0x7fffffff;
+  hi = 0;
+  for (int g = g_first; g <= g_last; ++g) {
+    for (int qb = qb_first; qb <= qb_last; ++qb) {
+      int b_lo = 0;
+      int b_hi = 0;
+      int full_lo = 0;
+      int full_hi = 0;
+      mods.tile_range(batch, head0 + g, qb, b_lo, b_hi, full_lo, full_hi);
+      if (b_hi > b_lo) {
+        lo = b_lo < lo ? b_lo : lo;
+        hi = b_hi > hi ? b_hi : hi;
+      }
+    }
+  }
+  if (hi == 0) {
+    lo = 0;
+    return;
+  }
+  lo *= kMaskBlock;
+  hi *= kMaskBlock;
 }
 
 template <class Tr>
@@ -481,6 +530,7 @@ __device__ __forceinline__ void decode_split(
     const typename Tr::Mods& mods = typename Tr::Mods{},
     const CacheDescales& descales = CacheDescales{}) {
   using Element = typename Tr::Element;
+  using VTr = DecodeV<Tr>;  // V's tiles and appends (V's head dim)
   constexpr int kBlockM = Tr::kBlockM;
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kStages = Tr::kNumStages;
@@ -507,7 +557,7 @@ __device__ __forceinline__ void decode_split(
     const bool direct = o != nullptr && gridDim.x == 1;
     const long long head0 = static_cast<long long>(kv_head) * group;
     return RowOutputs<Tr>{
-        o_part + out_row0 * Tr::kHeadDim, lse_part + out_row0,
+        o_part + out_row0 * DecodeV<Tr>::kHeadDim, lse_part + out_row0,
         direct ? o + batch * o_batch_stride + head0 * o_head_stride : nullptr,
         direct ? lse + (static_cast<long long>(batch) * heads_q + head0) * seqlen_q : nullptr,
         o_row_stride, o_head_stride, seqlen_q};
@@ -556,6 +606,26 @@ __device__ __forceinline__ void decode_split(
     }
     if (skip_to > key_begin) first_key = key_begin + (skip_to - key_begin) / kBlockN * kBlockN;
   }
+  // A block mask (Tr::Mods::kTileRanges): the walk is clipped to the union of the key blocks
+  // [lo, hi) the mask marks non-empty for the block's rows (block_mask_keys), widened by the
+  // new rows m-block 0 appends; a split left with none writes the empty partial.
+  int walk_end = key_end;
+  if constexpr (Tr::Mods::kTileRanges) {
+    int lo = 0;
+    int hi = 0;
+    block_mask_keys<Tr>(mods, batch, kv_head * group, m0, rows, seqlen_q, total, lo, hi);
+    if (m_block == 0 && seqlen_new > 0) {
+      lo = hi > lo && lo < cache_len ? lo : cache_len;
+      hi = hi > total ? hi : total;
+    }
+    walk_end = hi < key_end ? hi : key_end;
+    const int start = lo > first_key ? lo : first_key;
+    if (start >= walk_end) {  // no row sees a key of this split: weight 0 in the combine
+      fill_partial_rows<Tr>(outputs(), m0, rows, 0.0f, -INFINITY, tid);
+      return;
+    }
+    if (start > key_begin) first_key = key_begin + (start - key_begin) / kBlockN * kBlockN;
+  }
 
   FT_DYNAMIC_SMEM(unsigned char, smem);
   const int* pages = block_table != nullptr ? block_table + batch * bt_batch_stride : nullptr;
@@ -593,7 +663,7 @@ __device__ __forceinline__ void decode_split(
                                                  kv_head * kn_head_stride,
                           pages, k_page_stride, k_row_stride, kn_row_stride, page_size, batch,
                           cache_len, k_scale};
-  const KvRows<Tr> v_rows{v_cache + kv_head * v_head_stride,
+  const KvRows<VTr> v_rows{v_cache + kv_head * v_head_stride,
                           v_new == nullptr ? v_new
                                            : v_new + batch * vn_batch_stride +
                                                  kv_head * vn_head_stride,
@@ -601,7 +671,7 @@ __device__ __forceinline__ void decode_split(
                           cache_len, v_scale};
   // The blocks of m-block 0 append the new keys of their split to the cache.
   const bool appends = m_block == 0 && key_end > cache_len;
-  const int n_tiles = (key_end - first_key + kBlockN - 1) / kBlockN;
+  const int n_tiles = (walk_end - first_key + kBlockN - 1) / kBlockN;
 
   Element* const sq = reinterpret_cast<Element*>(smem);
   Element* const sk = sq + Tr::kKOffset;
@@ -618,7 +688,7 @@ __device__ __forceinline__ void decode_split(
   };
   auto load_v = [&](int step) {
     if (step < n_tiles) {
-      load_key_tile<Tr>(sv + (step % kStages) * Tr::kKvElems, v_rows,
+      load_key_tile<VTr>(sv + (step % kStages) * Tr::kVElems, v_rows,
                         first_key + step * kBlockN, key_end, tid);
     }
     cp_async_commit();
@@ -701,7 +771,7 @@ __device__ __forceinline__ void decode_split(
     block_sync();
     load_k(j + kStages);
     if (appends && key0 + kBlockN > cache_len) {
-      store_new_keys<Tr>(v_rows, sv + buf * Tr::kKvElems, key0, key_end, tid);
+      store_new_keys<VTr>(v_rows, sv + buf * Tr::kVElems, key0, key_end, tid);
     }
 
     unsigned p[Tr::kMTiles][Tr::kPvSteps][4];
@@ -721,7 +791,7 @@ __device__ __forceinline__ void decode_split(
     } else {
       softmax.template update<false>(s, p, acc_o, scale_log2, NoMask());
     }
-    gemm_pv<Tr>(acc_o, p, sv + buf * Tr::kKvElems, lanes);
+    gemm_pv<Tr>(acc_o, p, sv + buf * Tr::kVElems, lanes);
   }
   cp_async_wait_all();  // only empty groups remain; leave none behind
 

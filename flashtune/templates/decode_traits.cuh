@@ -3,6 +3,7 @@
 #pragma once
 
 #include "flex_ops.cuh"
+#include "fwd_traits.cuh"
 #include "smem_layout.cuh"
 #include "tensor_ops.cuh"
 
@@ -21,6 +22,11 @@ constexpr int kMaxSplits = 128;
 constexpr int kErrNegativeLength = 1;   // cache_seqlens[b] < 0
 constexpr int kErrBeyondCapacity = 2;   // cache_seqlens[b] + seqlen_new > capacity
 constexpr int kErrPageIndex = 3;        // block_table[b, slot] outside [0, num_pages)
+
+// A block mask's granularity in decoding: its key tile ranges arrive per query block of
+// this many absolute positions, in key blocks of as many keys (the contract with
+// flashtune.api.decode.decode_tile_ranges).
+constexpr int kMaskBlock = 16;
 
 // A quiet NaN (NVRTC has no <math.h> NAN): what a block writes where its input was bad.
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fc00000); }
@@ -71,7 +77,6 @@ struct DecodeTraits {
   static constexpr bool kSoftcap = Softcap;
   static constexpr bool kAlibi = Alibi;
   using Mods = Mods_;
-  static_assert(!Mods::kTileRanges, "decoding evaluates a mask on every score: no block mask");
   static_assert(!(Causal && Local), "a causal sliding window is the window (left, 0)");
   static constexpr int kThreads = 32 * NumWarps;
 
@@ -93,6 +98,14 @@ struct DecodeTraits {
       (kQElems + 2 * NumStages * kKvElems) * static_cast<int>(sizeof(Element));
   static constexpr int kSmemBytes = kFlagsOffsetBytes + 16;
 
+  // V's (and O's) head dim and rows: Q/K's here (V's tile loads, the appends and the O
+  // stores read the kernel's own traits: DecodeV); DecodeWithHeadDimV splits them.
+  static constexpr bool kSplitV = false;
+  static constexpr int kHeadDimV = HeadDim;
+  using VSmem = Smem;
+  using VRows = void;
+  static constexpr int kVElems = kKvElems;  // one V stage buffer
+
   // 16-byte chunks per row: copied by cp.async, and real (present in global memory).
   static constexpr int kChunkElems = 8;
   static constexpr int kLoadChunks = kHeadDimMma / kChunkElems;
@@ -113,5 +126,52 @@ struct DecodeTraits {
   static_assert(NumStages >= 1 && NumStages <= 4, "1 to 4 pipeline stages");
   static_assert(kFlagsOffsetBytes % 16 == 0, "the flags word is 16-byte aligned");
 };
+
+// The row traits of V's tiles and O's rows at V's head dim (Base: the decoding traits of
+// Q/K's head dim): what load_key_tile, store_new_keys and the O stores read.
+template <class Base, int HeadDimV, int HeadDimVPadded>
+struct DecodeVRows : Base {
+  using Smem = PaddedRows<HeadDimVPadded / 8>;
+  static constexpr int kHeadDim = HeadDimV;
+  static constexpr int kHeadDimMma = (HeadDimV + 15) / 16 * 16;
+  static constexpr int kRowStride = Smem::kRowStride;
+  static constexpr int kLoadChunks = kHeadDimMma / Base::kChunkElems;
+  static constexpr int kRealChunks = HeadDimV / Base::kChunkElems;
+};
+
+// Decoding traits with V's (and O's) head dim HeadDimV other than Q/K's (Base: DecodeTraits
+// of Q/K's head dim, e.g. 512 beside a V column chunk of 256). Q K^T runs over Q/K's head
+// dim as in Base; P V, O's accumulator (kOTiles n8 tiles), the V tiles and the O rows over
+// V's, rounded up to the k16 step like Q/K's.
+//
+// Shared memory: [ Q: BlockM rows | K: NumStages x BlockN rows (Q/K's padded rows) |
+//                  V: NumStages x BlockN rows (V's padded rows) | flags ]
+// (flashtune.families.decode.space.smem_bytes).
+template <class Base, int HeadDimV, int HeadDimVPadded>
+struct DecodeWithHeadDimV : Base {
+  static constexpr bool kSplitV = true;
+  static constexpr int kHeadDimV = HeadDimV;
+  using VRows = DecodeVRows<Base, HeadDimV, HeadDimVPadded>;
+  using VSmem = typename VRows::Smem;
+  static constexpr int kOTiles = VRows::kHeadDimMma / 8;
+  static constexpr int kAccumulatorRegisters = Base::kMTiles * (Base::kSTiles + kOTiles) * 4;
+  static constexpr int kVElems = Base::kBlockN * VSmem::kRowStride;
+  static constexpr int kFlagsOffsetBytes =
+      (Base::kQElems + Base::kNumStages * (Base::kKvElems + kVElems)) *
+      static_cast<int>(sizeof(typename Base::Element));
+  static constexpr int kSmemBytes = kFlagsOffsetBytes + 16;
+
+  static_assert(HeadDimV % 8 == 0 && HeadDimV >= 8, "V's head dim must be a multiple of 8");
+  static_assert(HeadDimV <= HeadDimVPadded && HeadDimVPadded % 16 == 0,
+                "V's padded head dim must cover it in k16 steps");
+  static_assert(kOTiles % 2 == 0, "B operands load two n8 tiles at once");
+  static_assert(!Base::kFp8Cache, "an e4m3 cache takes Q/K's head dim for V");
+  static_assert(kFlagsOffsetBytes % 16 == 0, "the flags word is 16-byte aligned");
+};
+
+// The row traits of V's tiles and O's rows of decoding traits Tr: Tr itself (an e4m3
+// cache's wrapper included) unless DecodeWithHeadDimV splits V's head dim from Q/K's.
+template <class Tr>
+using DecodeV = typename detail::Select<Tr::kSplitV, typename Tr::VRows, Tr>::type;
 
 }  // namespace ft

@@ -31,7 +31,7 @@ from flashtune.api import flex_mods
 from flashtune.api.flex import traced_feature
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.codegen.trace import UnsupportedModification, trace
-from flashtune.errors import BackwardNotAvailable, FeatureNotSupported, InvalidInput
+from flashtune.errors import BackwardNotAvailable, InvalidInput
 from flashtune.families.base import Inputs, close_enough
 from flashtune.families.checks import LSE_TOLERANCE, O_TOLERANCE
 from flashtune.families.decode import DECODE, DecodeCase
@@ -382,13 +382,12 @@ def test_modified_defaults_compile_with_nvrtc(arch: str, mod: str, dim: int,
     assert kernel.resources.spill_bytes <= spill and kernel.resources.registers > 0
 
 
-def test_a_block_mask_is_refused_by_the_decode_family() -> None:
-    """A modification traced with a block mask's tile ranges is refused by name: the decode
-    kernel evaluates masks on every score."""
+def test_a_block_mask_is_served_by_the_decode_family() -> None:
+    """A modification traced with a block mask's tile ranges is a decode problem (its
+    numerics and tile skipping: test_decode_block_mask)."""
     ranged = trace(None, flex_mods.causal, tiles=True)
     problem = Problem(DIM, DType.FP16, op="decode", features=(traced_feature(ranged),))
-    with pytest.raises(FeatureNotSupported, match="without a block_mask"):
-        DECODE.check_problem(problem)
+    DECODE.check_problem(problem)
 
 
 @pytest.mark.emulator

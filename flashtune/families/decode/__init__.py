@@ -20,7 +20,7 @@ from flashtune.codegen.dtypes import SAME_16BIT
 from flashtune.codegen.features import mods_of
 from flashtune.codegen.params import ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
-from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
+from flashtune.codegen.spec import WIDE_HEAD_DIMS, KernelConfig, Problem, Shape, ShapeLike
 from flashtune.families.base import (
     Inputs,
     KernelFamily,
@@ -97,12 +97,18 @@ class DecodeFamily(KernelFamily):
     dtypes = SAME_16BIT
     features = frozenset({"window", "softcap", "alibi"})
     #: Declared score modifications (traced score_mod / mask_mod included) apply to every
-    #: score after softcap and ALiBi, with the row's absolute position as q_idx.
+    #: score after softcap and ALiBi, with the row's absolute position as q_idx; a block
+    #: mask's key ranges clip the key tiles each block walks (``api.decode.
+    #: decode_tile_ranges``: per query block of 16 absolute positions).
     score_mods = True
-    tile_ranges_refused = ("expected a mask_mod without a block_mask: decoding evaluates the "
-                           "mask on every score and walks every key tile")
+    tile_ranges_refused = None
     abi: ClassVar[EntryAbi | None] = DECODE_ABI
     default_shape_classes = DEFAULT_CLASSES
+    #: V's head dim may differ from Q/K's (templates: DecodeWithHeadDimV), and Q/K's may be
+    #: one of WIDE_HEAD_DIMS beside V's of at most MAX_HEAD_DIM (the API runs a wider V in
+    #: column chunks: ``api.decode.run_decode``).
+    split_head_dims = True
+    max_head_dim = max(WIDE_HEAD_DIMS)
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.SPACE
@@ -210,7 +216,10 @@ class DecodeFamily(KernelFamily):
                 **element_params(problem), "causal": problem.causal,
                 "block_m": config.block_m, "block_n": config.block_n,
                 "num_warps": config.num_warps, "num_stages": config.num_stages,
-                "smem_row_pad": space.SMEM_ROW_PAD, **variants.template_params(problem)}
+                "smem_row_pad": space.SMEM_ROW_PAD, **variants.template_params(problem),
+                **({"head_dim_v": problem.v_head_dim,
+                    "head_dim_v_padded": problem.padded_v_head_dim}
+                   if problem.split_head_dims else {})}
 
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
         return space.smem_bytes(problem, config)
@@ -236,7 +245,8 @@ class DecodeFamily(KernelFamily):
         """Partial O and LSE (NaN when poisoned), a zeroed status, and the caches the kernel
         appends to in place (the inputs' own tensors)."""
         q = inputs.tensors["q"]
-        batch, seqlen_q, heads_q, dim = q.shape
+        batch, seqlen_q, heads_q, _ = q.shape
+        dim = inputs.tensors["v_cache"].shape[3]  # V's (and O's) head dim
         splits = int(inputs.scalars["num_splits"])
         o_part = torch.empty(splits, batch, heads_q, seqlen_q, dim, dtype=torch.float32,
                              device=q.device)
@@ -297,22 +307,23 @@ class DecodeFamily(KernelFamily):
                                                 "partial "), caches)
 
     def flops(self, problem: Problem, shape: ShapeLike) -> float:
-        """4 B Nq Nk Hq D over the full cache capacity (halved when causal with Nq = Nk)."""
-        total = (4.0 * shape.batch * shape.seqlen_q * shape.seqlen_k * shape.heads_q
-                 * problem.head_dim)
+        """2 B Nq Nk Hq (D + Dv) over the full cache capacity (halved when causal with
+        Nq = Nk): Q K^T over Q/K's head dim D, P V over V's Dv."""
+        total = (2.0 * shape.batch * shape.seqlen_q * shape.seqlen_k * shape.heads_q
+                 * (problem.head_dim + problem.v_head_dim))
         return total / 2 if problem.causal and shape.seqlen_q == shape.seqlen_k else total
 
     def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
-        """K and V of the cache read once per kv head, Q read, O (the input type) and the
-        float32 LSE written (one split writes them directly), all at the full capacity; a
+        """K and V of the cache read once per kv head (each at its own head dim), Q read, O
+        (the input type, V's head dim) and the float32 LSE written (one split writes them directly), all at the full capacity; a
         window problem reads only the keys inside its rows' windows (``timing_window``, as
         the tuner times it)."""
-        e, d = problem.dtype.itemsize, problem.head_dim
+        e, d, dv = problem.dtype.itemsize, problem.head_dim, problem.v_head_dim
         q_rows = shape.batch * shape.heads_q * shape.seqlen_q
         left = timing_window(shape)[0] if problem.window else -1
         kv_rows = shape.batch * shape.heads_kv * window_keys(shape.seqlen_k, shape.seqlen_q,
                                                              left)
-        return float(q_rows * d * e + 2 * kv_rows * d * e + q_rows * (e * d + 4))
+        return float(q_rows * d * e + kv_rows * (d + dv) * e + q_rows * (e * dv + 4))
 
 
 DECODE = DecodeFamily()

@@ -117,7 +117,7 @@ def make_inputs(problem: Problem, shape: Shape, case: DecodeCase, device: torch.
     ``SplitTable.words`` as (buckets, 2) int32, when it has one). Scalars: softmax_scale,
     num_splits."""
     case.check(shape)
-    dt, d = torch_dtype(problem.dtype), problem.head_dim
+    dt, d, dv = torch_dtype(problem.dtype), problem.head_dim, problem.v_head_dim
     b, hkv = shape.batch, shape.heads_kv
     q = _randn(gen, device, dt, b, shape.seqlen_q, shape.heads_q, d)
     tensors: dict[str, torch.Tensor] = {"q": q}
@@ -125,8 +125,8 @@ def make_inputs(problem: Problem, shape: Shape, case: DecodeCase, device: torch.
     if case.page_size is None:
         rows = torch.arange(shape.seqlen_k, device=device)
         live = (rows[None, :] < ends[:, None])[..., None, None]  # (b, len, 1, 1)
-        caches = [_randn(gen, device, dt, b, shape.seqlen_k, hkv, d).masked_fill(
-            ~live, float("nan")) for _ in range(2)]
+        caches = [_randn(gen, device, dt, b, shape.seqlen_k, hkv, dim).masked_fill(
+            ~live, float("nan")) for dim in (d, dv)]
     else:
         page, slots = case.page_size, case.max_pages(shape)
         num_pages = b * slots + SPARE_PAGES
@@ -141,15 +141,15 @@ def make_inputs(problem: Problem, shape: Shape, case: DecodeCase, device: torch.
         for i in range(b):
             for s in range(int(used[i])):
                 live[int(table[i, s])] = positions[s] < int(ends[i])
-        caches = [_randn(gen, device, dt, num_pages, page, hkv, d).masked_fill(
-            ~live[..., None, None], float("nan")) for _ in range(2)]
+        caches = [_randn(gen, device, dt, num_pages, page, hkv, dim).masked_fill(
+            ~live[..., None, None], float("nan")) for dim in (d, dv)]
         tensors["block_table"] = table.contiguous()
     tensors["k_cache"], tensors["v_cache"] = caches
     tensors["k_cache_before"], tensors["v_cache_before"] = (c.clone() for c in caches)
     tensors["cache_seqlens"] = ends.to(torch.int32)
     if case.seqlen_new:
-        for name in ("k_new", "v_new"):
-            tensors[name] = _randn(gen, device, dt, b, case.seqlen_new, hkv, d)
+        for name, dim in (("k_new", d), ("v_new", dv)):
+            tensors[name] = _randn(gen, device, dt, b, case.seqlen_new, hkv, dim)
     if case.split_table is not None:
         tensors["split_table"] = torch.tensor(case.split_table.words(), dtype=torch.int32,
                                               device=device).view(-1, 2)

@@ -126,11 +126,12 @@ def split_table_of(inputs: Inputs) -> SplitTable | None:
 
 def decode_reference(inputs: Inputs, causal: bool, variant: VariantValues | None = None,
                      mods: Sequence[ScoreMod] = ()) -> dict[str, torch.Tensor]:
-    """Partial O (splits, batch, heads_q, seqlen_q, dim) and LSE (splits, batch, heads_q,
+    """Partial O (splits, batch, heads_q, seqlen_q, V's head dim) and LSE (splits, batch, heads_q,
     seqlen_q) in float64 with the features of ``variant`` and the declared modifications
     ``mods``, and the expected caches."""
     q = inputs.tensors["q"]
-    batch, seqlen_q, heads_q, dim = q.shape
+    batch, seqlen_q, heads_q, _ = q.shape
+    dim = inputs.tensors["v_cache"].shape[3]  # V's (and O's) head dim
     splits = int(inputs.scalars["num_splits"])
     scale = float(inputs.scalars["softmax_scale"])
     o_part = torch.zeros(splits, batch, heads_q, seqlen_q, dim, dtype=torch.float64,

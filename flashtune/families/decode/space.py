@@ -55,13 +55,28 @@ DEFAULTS: tuple[tuple[int, KernelConfig, str], ...] = (
     (256, KernelConfig(64, 32, 4, 1), "64 packed rows on 4 warps, one 32-key buffer: fits "
                                       "100 KB of shared memory at head dim 256"),
     (256, KernelConfig(16, 32, 1, 1), "the smallest tile: one warp, one 32-key buffer"),
+    # Q/K of 512 or 576 beside V's column chunk of at most 256: O's accumulators are head
+    # dim 256's, Q's and K's rows twice as wide in shared memory. Measured with NVRTC 13
+    # (plain and with window + softcap + ALiBi, no spills): 512/256 takes 244-254 registers;
+    # 576's longer Q K^T spills on 4 warps x 32 keys and runs 2 warps x 16 keys instead.
+    (512, KernelConfig(64, 32, 4, 2), "64 packed rows on 4 warps, 32-key tiles in two "
+                                      "buffers (Q/K of 512: 167 KB, sm_90)"),
+    (512, KernelConfig(64, 32, 4, 1), "64 packed rows on 4 warps, one 32-key buffer (Q/K of "
+                                      "512: 117 KB, sm_80)"),
+    (512, KernelConfig(32, 32, 2, 1), "32 packed rows on 2 warps, one 32-key buffer: Q/K of "
+                                      "512 in 100 KB of shared memory"),
+    (576, KernelConfig(32, 16, 2, 1), "32 packed rows on 2 warps, one 16-key buffer: Q/K of "
+                                      "576 without spills (65 KB)"),
 )
 
 
 def smem_bytes(problem: Problem, config: KernelConfig) -> int:
-    """Q tile, num_stages K and V tiles (padded rows), and the flag word."""
+    """Q tile and num_stages K tiles (rows of Q/K's padded head dim), num_stages V tiles
+    (rows of V's), and the flag word."""
     row = (problem.padded_head_dim + SMEM_ROW_PAD) * problem.dtype.itemsize
-    return row * (config.block_m + 2 * config.num_stages * config.block_n) + _FLAGS_BYTES
+    v_row = (problem.padded_v_head_dim + SMEM_ROW_PAD) * problem.dtype.itemsize
+    return (row * (config.block_m + config.num_stages * config.block_n)
+            + v_row * config.num_stages * config.block_n + _FLAGS_BYTES)
 
 
 def config_splits(config: KernelConfig) -> int:
