@@ -102,7 +102,7 @@ def test_the_decoding_entry_routes_only_latent_calls() -> None:
         flashtune.attention_with_kvcache(t["q"], t["kv_cache"], t["kv_cache"],
                                          t["cache_seqlens"], head_dim_v=512,
                                          backend="emulator")
-    with pytest.raises(InvalidInput, match=r"v_cache=None .* score_mod or mask_mod"):
+    with pytest.raises(InvalidInput, match=r"v_cache=None .* score_mod, mask_mod or block_mask"):
         flashtune.attention_with_kvcache(t["q"], t["kv_cache"], None, t["cache_seqlens"],
                                          block_table=t["block_table"],
                                          score_mod=lambda s, b, h, i, j: s,
