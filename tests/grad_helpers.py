@@ -148,7 +148,7 @@ def per_sequence(attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int
                                   torch.Tensor],
                  cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
                  ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """A packed attention (total, H, D) -> (total_q, Hq, D) made of a dense one:
+    """A packed attention (total, H, D) -> (total_q, Hq, V's D) made of a dense one:
     ``attend(q, k, v, b)`` on sequence b's (1, N, H, D) rows, the outputs concatenated
     (zeros for a sequence with no keys, none for one with no queries)."""
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -160,7 +160,7 @@ def per_sequence(attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int
             if rows.start == rows.stop:
                 continue
             if keys.start == keys.stop:
-                parts.append(torch.zeros_like(q[rows]))
+                parts.append(q.new_zeros(rows.stop - rows.start, q.shape[1], v.shape[2]))
             else:
                 parts.append(attend(q[None, rows], k[None, keys], v[None, keys], b)[0])
         return torch.cat(parts)

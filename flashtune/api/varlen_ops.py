@@ -16,6 +16,7 @@ offset); ``deterministic`` as in ``flashtune.attention``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Literal, overload
 
 import torch
@@ -27,7 +28,7 @@ from flashtune.api import fp8 as _fp8
 from flashtune.api.flex import MaskModFn, ScoreModFn, modified_forward, refuse_grad
 from flashtune.api.limits import check_softmax_scale
 from flashtune.api.ops import deterministic_flag, direct_call_ok
-from flashtune.api.validate import check_fp8_attention_inputs
+from flashtune.api.validate import check_attention_inputs, check_fp8_attention_inputs
 from flashtune.api.validate_varlen import check_varlen_inputs
 from flashtune.api.variants import (
     NO_WINDOW,
@@ -89,7 +90,8 @@ def _fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch
           sinks: torch.Tensor | None = None, dropout_p: float = 0.0,
           dropout_seed: int = 0, dropout_offset: int = 0, deterministic: bool = False
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return (q.new_empty((*q.shape[:2], v.shape[2])),
+            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
 
 
 @torch.library.custom_op(BWD_OP_NAME, mutates_args=())
@@ -261,7 +263,8 @@ def attention_varlen(
     if isinstance(q, torch.Tensor) and not q.is_nested and q.dim() and q.shape[-1] % 8:
         q, k, v, dim = pad_head_dim(q, k, v)  # any head dim: one zero-padded copy each
     cu_q, cu_k, longest_q, longest_k = check_varlen_inputs(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        functools.partial(check_attention_inputs, split_v=True))
     if not isinstance(causal, bool):
         raise InvalidInput(f"causal={causal!r} must be a bool (True or False)")
     scale = check_softmax_scale(softmax_scale, dim or q.shape[2])
