@@ -291,11 +291,11 @@ def attention(
     """Scaled dot-product attention in flash-attn's layout.
 
     q is (B, Nq, Hq, D); k and v are (B, Nk, Hkv, D) with Hq a multiple of Hkv (grouped-query
-    attention); fp16 or bf16; D up to 256 (a D that is not a multiple of 8 is zero-padded to
-    one: one copy of q, k and v, and O is a view of the padded output); the last dim
-    contiguous. v may have a head dim Dv of its own (a multiple of 8 up to 256; DeepSeek's
-    prefill: D = 192, Dv = 128): O is then (B, Nq, Hq, Dv) and gradients flow as usual
-    (score_mod and mask_mod are refused). Returns
+    attention); fp16 or bf16; D up to 256, or 512 or 576 (a D that is not a multiple of 8 is
+    zero-padded to one: one copy of q, k and v, and O is a view of the padded output); the
+    last dim contiguous. v may have a head dim Dv of its own (a multiple of 8 up to 256, or
+    up to D for D 512 or 576, run in column chunks of 256; DeepSeek's prefill: D = 192,
+    Dv = 128): O is then (B, Nq, Hq, Dv) and gradients flow as usual. Returns
     O (B, Nq, Hq, D), and with ``return_lse`` also the natural-log log-sum-exp of the scaled
     scores, float32 (B, Hq, Nq). ``causal`` masks key j from query i unless
     j <= i + Nk - Nq (the diagonal aligned to the bottom-right corner, as in flash-attn); a

@@ -222,7 +222,8 @@ def attention_varlen(
     """Attention over a batch of sequences of different lengths, packed (flash-attn's
     ``flash_attn_varlen_func`` layout).
 
-    q is (total_q, Hq, D) and k, v (total_k, Hkv, D): sequence b is rows
+    q is (total_q, Hq, D) and k, v (total_k, Hkv, D) (v may have a head dim of its own, as
+    in ``attention``; D up to 256, or 512 or 576): sequence b is rows
     cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q (and likewise of k and v, by
     cu_seqlens_k). ``cu_seqlens_q``, ``cu_seqlens_k``: int32 (batch + 1,) on q's device,
     starting at 0, non-decreasing, ending at total_q and total_k; zero-length sequences are
