@@ -50,7 +50,7 @@ from flashtune.families.bwd import args, space
 from flashtune.families.bwd8 import BWD8_ABI
 from flashtune.families.fwd.args import feature_values
 from flashtune.families.fwd8 import DESCALES
-from flashtune.runtime.plans import Plan, plan_for
+from flashtune.runtime.plans import Operands, Plan, plan_for
 
 
 def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
@@ -103,8 +103,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     grad_type = None if descales is None else out.dtype  # FP8 inputs: O's type
     head_dim_v = v.shape[3]
     split_v = None if head_dim_v == head_dim else head_dim_v  # V's own head dim
-    main = plan_for(q, causal, name, op, features, longest, o_dtype=grad_type,
-                    head_dim_v=split_v)
+    main = plan_for(q, causal, name, op, features, longest,
+                    operands=Operands(o_dtype=grad_type, head_dim_v=split_v))
     # The row kernels read O and dO and write dQ: O's type (q's, but for FP8 inputs). With
     # V's head dim split from Q/K's, O and dO have V's and dQ has Q's: the preprocess
     # (one head dim for both) gives way to D in torch (below), and the convert runs at q's.

@@ -76,7 +76,7 @@ from flashtune.families.decode.status import STATUS_WORDS, describe
 from flashtune.families.fwd.args import feature_values
 from flashtune.runtime import plans
 from flashtune.runtime.dispatch import Decision
-from flashtune.runtime.plans import Plan, clear_caches
+from flashtune.runtime.plans import AS_Q, Operands, Plan, clear_caches
 
 __all__ = ["INVARIANT_BUCKET", "choose_splits", "clear_caches", "covering_plan", "decide",
            "decode_op", "decode_problems", "default_num_splits", "plan_for", "run_decode",
@@ -101,27 +101,26 @@ def decode_op(kv_dtype: torch.dtype | None) -> str:
 
 
 def decode_problems(q: torch.Tensor, causal: bool, capacity: int, shape_class: str = "",
-                    kv_dtype: torch.dtype | None = None
-                    ) -> tuple[ProblemBucket, ProblemBucket]:
+                    operands: Operands = AS_Q) -> tuple[ProblemBucket, ProblemBucket]:
     """The tuning buckets of the two kernels of a call (by cache capacity, and the decode
-    kernel's by the call's shape class); ``kv_dtype``: the cache's type where it is not q's
-    (an e4m3 cache)."""
-    return (plans.problem_bucket(q, causal, decode_op(kv_dtype), (), capacity, shape_class,
-                                 kv_dtype=kv_dtype),
-            plans.problem_bucket(q, False, "combine", (), capacity))
+    kernel's by the call's shape class); ``operands``: the cache's type where it is not q's
+    (an e4m3 cache; ``kv_dtype``) and V's head dim where it is not q's."""
+    return (plans.problem_bucket(q, causal, decode_op(operands.kv_dtype), (), capacity,
+                                 shape_class, operands),
+            plans.problem_bucket(_o_like(q, operands.head_dim_v), False, "combine", (),
+                                 capacity))
 
 
 def decide(q: torch.Tensor, causal: bool, capacity: int, backend: str | None,
-           arch: str | None = None, shape_class: str = "",
-           kv_dtype: torch.dtype | None = None, head_dim_v: int | None = None
+           arch: str | None = None, shape_class: str = "", operands: Operands = AS_Q
            ) -> tuple[Decision, Decision]:
     """The dispatcher's decisions for the decode and combine kernels of a call (nothing is
-    loaded); ``arch`` asks about a virtual GPU of that arch; ``kv_dtype`` as in
-    ``decode_problems``, ``head_dim_v`` as in ``plan_for``."""
-    decode, _ = plans.decide(q, causal, backend, decode_op(kv_dtype), (), capacity, arch,
-                             shape_class=shape_class, kv_dtype=kv_dtype, head_dim_v=head_dim_v)
-    combine, _ = plans.decide(_o_like(q, head_dim_v), False, backend, "combine", (), capacity,
-                              arch)
+    loaded); ``arch`` asks about a virtual GPU of that arch; ``operands`` as in
+    ``plan_for``."""
+    decode, _ = plans.decide(q, causal, backend, decode_op(operands.kv_dtype), (), capacity,
+                             arch, shape_class=shape_class, operands=operands)
+    combine, _ = plans.decide(_o_like(q, operands.head_dim_v), False, backend, "combine", (),
+                              capacity, arch)
     return decode, combine
 
 
@@ -132,19 +131,18 @@ def _o_like(q: torch.Tensor, head_dim_v: int | None) -> torch.Tensor:
 
 def plan_for(q: torch.Tensor, causal: bool, capacity: int, backend: str,
              features: tuple[str, ...] = (), shape_class: str = "",
-             kv_dtype: torch.dtype | None = None, head_dim_v: int | None = None
-             ) -> tuple[Plan, Plan]:
+             operands: Operands = AS_Q) -> tuple[Plan, Plan]:
     """The memoised plans of the decode and combine kernels of this call with the feature
     switches ``features`` (the decode kernel's but sinks, the combine's only sinks), the
-    call's ``shape_class`` and ``kv_dtype`` (as in ``decode_problems``); ``head_dim_v``:
-    V's head dim where it is not q's (at most MAX_HEAD_DIM: one column chunk), which the
-    combine merges."""
+    call's ``shape_class`` and ``operands``: the cache's type where it is not q's (an e4m3
+    cache: ``decode8``) and V's head dim where it is not q's (at most MAX_HEAD_DIM: one
+    column chunk), which the combine merges."""
     combine = ("sinks",) if "sinks" in features else ()
-    op = decode_op(kv_dtype)
+    op = decode_op(operands.kv_dtype)
     return (plans.plan_for(q, causal, backend, op, kernel_features(op, features), capacity,
-                           shape_class, kv_dtype=kv_dtype, head_dim_v=head_dim_v),
-            plans.plan_for(_o_like(q, head_dim_v), False, backend, "combine", combine,
-                           capacity))
+                           shape_class, operands),
+            plans.plan_for(_o_like(q, operands.head_dim_v), False, backend, "combine",
+                           combine, capacity))
 
 
 _status: dict[int, torch.Tensor] = {}
@@ -169,16 +167,15 @@ def covering_plan(plan: Plan, q: torch.Tensor, heads_kv: int, backend: str) -> P
 
 def tuned_split_table(q: torch.Tensor, causal: bool, backend: str,
                       features: tuple[str, ...] = (), shape_class: str = "",
-                      kv_dtype: torch.dtype | None = None, head_dim_v: int | None = None
-                      ) -> tuple[SplitTable, bool]:
+                      operands: Operands = AS_Q) -> tuple[SplitTable, bool]:
     """The split table of this problem and shape class and whether any of it is tuned: each
     sequence bucket's tuned ``splitsize`` (raised, as the tuner timed it, where the bucket's
     lengths would need more than MAX_SPLITS pieces: ``splits.fitting_split_size``), else
     DEFAULT_SPLIT_TABLE's size for the bucket, adjacent buckets of one
     size merged; memoised (the dispatcher is asked once per bucket, on the first call).
-    ``kv_dtype`` as in ``decode_problems``, ``head_dim_v`` as in ``plan_for``."""
+    ``operands`` as in ``plan_for``."""
     key = (backend, q.get_device(), q.dtype, q.shape[3], causal, features, shape_class,
-           kv_dtype, head_dim_v)
+           operands)
     found = _tables.get(key)
     if found is not None:
         return found
@@ -186,9 +183,9 @@ def tuned_split_table(q: torch.Tensor, causal: bool, backend: str,
     tuned = False
     bucket = MIN_SEQ_BUCKET
     while bucket <= MAX_SEQ_BUCKET:
-        decision, _ = plans.decide(q, causal, backend or None, decode_op(kv_dtype), features,
-                                   bucket, shape_class=shape_class, kv_dtype=kv_dtype,
-                                   head_dim_v=head_dim_v)
+        decision, _ = plans.decide(q, causal, backend or None, decode_op(operands.kv_dtype),
+                                   features, bucket, shape_class=shape_class,
+                                   operands=operands)
         size = config_split_size(decision.config)
         if size > 0:  # as it was timed: raised where the bucket needs more than MAX_SPLITS
             tuned = True
@@ -294,11 +291,12 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     name = backend or settings.BACKEND.get()
     features = variant.features if variant is not None else ()
     shape_class = shape_class_of(layout)
-    kv_dtype = None if descales is None else k_cache.dtype
     head_dim_v = layout.head_dim_v
+    operands = (AS_Q if descales is None and head_dim_v is None
+                else Operands(kv_dtype=None if descales is None else k_cache.dtype,
+                              head_dim_v=head_dim_v))
     decode, combine = plan_for(q, causal, INVARIANT_BUCKET if batch_invariant
-                               else layout.capacity, name, features, shape_class, kv_dtype,
-                               head_dim_v)
+                               else layout.capacity, name, features, shape_class, operands)
     decode = covering_plan(decode, q, layout.heads_kv, name)
     sinks = variant.sinks if variant is not None else None
     features = decode.source.problem.features  # the decode kernel's (sinks: the combine's)
@@ -306,7 +304,7 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     table = None
     if not num_splits:
         tuned, any_tuned = tuned_split_table(q, causal, name, features, shape_class,
-                                             kv_dtype, head_dim_v)
+                                             operands)
         table = tuned if batch_invariant or any_tuned else None
     split_table, splits = split_mode(num_splits, config, layout,
                                      decode.sm_count or NOMINAL_SMS, table)

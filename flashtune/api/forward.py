@@ -103,7 +103,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
         return _in_column_chunks(q, k, v, causal, softmax_scale, backend, variant)
     split = None if head_dim_v == q.shape[3] else head_dim_v
     plan = plans.plan_for(q, causal, name, "fwd", features,
-                          seqlen_q if seqlen_q > seqlen_k else seqlen_k, head_dim_v=split)
+                          seqlen_q if seqlen_q > seqlen_k else seqlen_k,
+                          operands=plans.AS_Q if split is None
+                          else plans.Operands(head_dim_v=split))
     out, lse = empty_outputs(q, split)
     pack: FwdPacker | None = plan.pack
     if pack is None:

@@ -116,7 +116,7 @@ def fp8_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Vari
     longest = (max(q.shape[1], k.shape[1]) if varlen is None
                else max(varlen.max_seqlen_q, varlen.max_seqlen_k))
     plan = plans.plan_for(q, variant.causal, name, "fwd8", variant.features, longest,
-                          o_dtype=out_type)
+                          operands=plans.Operands(o_dtype=out_type))
     batch, seqlen_q, heads_q, head_dim = q.shape
     out = torch.empty(batch, seqlen_q, heads_q, head_dim, dtype=out_type, device=q.device)
     lse = torch.empty(batch, heads_q, seqlen_q, dtype=torch.float32, device=q.device)

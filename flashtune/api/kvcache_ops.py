@@ -34,6 +34,7 @@ from flashtune.codegen.trace import trace
 from flashtune.errors import InvalidInput
 from flashtune.families.decode.splits import check_num_splits
 from flashtune.runtime.dispatch import Decision
+from flashtune.runtime.plans import Operands
 
 OP_NAME = "flashtune::attention_with_kvcache"
 
@@ -420,6 +421,6 @@ def explain_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
         arch = emulator_arch()
     return _decode.decide(q, causal, layout.capacity, backend, arch,
-                          _decode.shape_class_of(layout),
-                          k_cache.dtype if is_fp8_cache(k_cache) else None,
-                          _decode.kernel_head_dim_v(layout))
+                          _decode.shape_class_of(layout), Operands(
+                              kv_dtype=k_cache.dtype if is_fp8_cache(k_cache) else None,
+                              head_dim_v=_decode.kernel_head_dim_v(layout)))

@@ -170,7 +170,7 @@ def mla_with_kvcache(q: torch.Tensor, kv_cache: torch.Tensor, cache_seqlens: tor
     # The plan is the MLA problem's: its head dim is the RoPE width (the last ROPE_DIM dims).
     kv_dtype = torch.float8_e4m3fn if fp8.is_fp8_cache(kv_cache) else None
     plan = plans.plan_for(q[..., NOPE_DIM:], causal, name, "mla", (), layout.capacity,
-                          kv_dtype=kv_dtype)
+                          operands=plans.Operands(kv_dtype=kv_dtype))
     config = plan.source.config
     batch, seqlen_q, heads_q, _ = q.shape
     splits = num_splits or heuristic_splits(

@@ -22,7 +22,7 @@ import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -90,22 +90,33 @@ def device_info(entry: BackendEntry, device: torch.device) -> DeviceLike:
     return served
 
 
+class Operands(NamedTuple):
+    """Where a call's operands differ from q (None: as q): O's type (FP8 inputs give a
+    16-bit O), K/V's type (an FP8 KV cache beside a 16-bit q) and V's head dim (V's own:
+    FeatureNotSupported where the family does not take it). Part of a plan's key (a tuple:
+    hashed on every call of the hot path)."""
+
+    o_dtype: torch.dtype | None = None
+    kv_dtype: torch.dtype | None = None
+    head_dim_v: int | None = None
+
+
+#: Every operand as q.
+AS_Q = Operands()
+
+
 def problem_bucket(q: torch.Tensor, causal: bool, op: str, features: tuple[str, ...],
-                   seqlen: int, shape_class: str = "", o_dtype: torch.dtype | None = None,
-                   head_dim_v: int | None = None, kv_dtype: torch.dtype | None = None
+                   seqlen: int, shape_class: str = "", operands: Operands = AS_Q
                    ) -> ProblemBucket:
     """The tuning bucket of a call of kernel family ``op`` with q's head dim and dtype, the
     Problem feature switches ``features`` on (FeatureNotSupported if the family has not got
-    one of them), ``seqlen`` the length that picks the bucket and the call's
-    ``shape_class`` (``ProblemBucket.shape_class``). ``o_dtype``: O's type where it is not
-    q's (FP8 inputs); ``head_dim_v``: V's head dim where it is not q's (FeatureNotSupported
-    if the family does not take it); ``kv_dtype``: K/V's where it is not q's (an FP8 KV
-    cache)."""
+    one of them), ``seqlen`` the length that picks the bucket, the call's ``shape_class``
+    (``ProblemBucket.shape_class``) and its ``operands`` where they are not q's."""
+    o, kv = operands.o_dtype, operands.kv_dtype
     problem = Problem(head_dim=q.shape[3], dtype=operand_type(q.dtype), causal=causal, op=op,
-                      features=features,
-                      o_dtype=None if o_dtype is None else element_type(o_dtype),
-                      head_dim_v=head_dim_v,
-                      kv_dtype=None if kv_dtype is None else operand_type(kv_dtype))
+                      features=features, o_dtype=None if o is None else element_type(o),
+                      head_dim_v=operands.head_dim_v,
+                      kv_dtype=None if kv is None else operand_type(kv))
     if features or problem.split_head_dims:
         families.get(op).check_problem(problem)
     return ProblemBucket(problem, seqlen_bucket(max(1, seqlen)), shape_class)
@@ -113,18 +124,16 @@ def problem_bucket(q: torch.Tensor, causal: bool, op: str, features: tuple[str, 
 
 def decide(q: torch.Tensor, causal: bool, backend: str | None, op: str,
            features: tuple[str, ...], seqlen: int, arch: str | None = None,
-           shape_class: str = "", o_dtype: torch.dtype | None = None,
-           head_dim_v: int | None = None, kv_dtype: torch.dtype | None = None
+           shape_class: str = "", operands: Operands = AS_Q
            ) -> tuple[Decision, BackendEntry]:
     """The dispatcher's decision for a call (nothing is loaded or compiled); ``arch``
-    overrides the device with a virtual GPU of that arch; ``o_dtype`` and ``head_dim_v`` as
-    in ``problem_bucket``."""
+    overrides the device with a virtual GPU of that arch; the rest as in
+    ``problem_bucket``."""
     from flashtune.runtime.device import DeviceInfo
 
     entry = resolve_backend(backend, q.device)
     device = DeviceInfo.virtual(arch) if arch else device_info(entry, q.device)
-    bucket = problem_bucket(q, causal, op, features, seqlen, shape_class, o_dtype,
-                            head_dim_v, kv_dtype)
+    bucket = problem_bucket(q, causal, op, features, seqlen, shape_class, operands)
     return get_dispatcher().decide(bucket, device), entry
 
 
@@ -175,13 +184,11 @@ def _load(decision: Decision, entry: BackendEntry, device: torch.device) -> Plan
 
 
 def _make(q: torch.Tensor, causal: bool, backend: str, op: str, features: tuple[str, ...],
-          seqlen: int, shape_class: str, o_dtype: torch.dtype | None,
-          head_dim_v: int | None = None, kv_dtype: torch.dtype | None = None) -> Plan:
+          seqlen: int, shape_class: str, operands: Operands) -> Plan:
     """The decided and loaded kernel; one of an arch-specific family (served in place of
     ``op``) passes its first-use check first, else the portable family's is decided."""
     decision, entry = decide(q, causal, backend, op, features, seqlen,
-                             shape_class=shape_class, o_dtype=o_dtype, head_dim_v=head_dim_v,
-                             kv_dtype=kv_dtype)
+                             shape_class=shape_class, operands=operands)
     if decision.problem.op == op:
         return _load(decision, entry, q.device)
     try:
@@ -194,8 +201,7 @@ def _make(q: torch.Tensor, causal: bool, backend: str, op: str, features: tuple[
             return plan
     # the device is refused the arch-specific families now: the portable family's plan
     decision, entry = decide(q, causal, backend, op, features, seqlen,
-                             shape_class=shape_class, o_dtype=o_dtype, head_dim_v=head_dim_v,
-                             kv_dtype=kv_dtype)
+                             shape_class=shape_class, operands=operands)
     return _load(decision, entry, q.device)
 
 
@@ -205,23 +211,20 @@ _plans_lock = threading.Lock()
 
 def plan_for(q: torch.Tensor, causal: bool, backend: str, op: str,
              features: tuple[str, ...], seqlen: int, shape_class: str = "",
-             o_dtype: torch.dtype | None = None, head_dim_v: int | None = None,
-             kv_dtype: torch.dtype | None = None) -> Plan:
+             operands: Operands = AS_Q) -> Plan:
     """The memoised plan of a call of kernel family ``op`` on q's device, dtype and head
     dim, with the feature switches ``features``, ``seqlen`` the length that picks the
-    sequence bucket and the call's ``shape_class`` (made, and its kernel loaded, on first
-    use); ``o_dtype``: O's type where it is not q's (FP8 inputs); ``head_dim_v``: V's head
-    dim where it is not q's; ``kv_dtype``: K/V's where it is not q's (an FP8 KV cache)."""
+    sequence bucket, the call's ``shape_class`` and its ``operands`` where they are not
+    q's (made, and its kernel loaded, on first use)."""
     # get_device(): the CUDA index, -1 for CPU tensors (the only other kind that gets here).
     key = (backend, q.get_device(), q.dtype, q.shape[3], causal, seqlen_bucket(seqlen),
-           features, shape_class, o_dtype, head_dim_v, kv_dtype, op)
+           features, shape_class, operands, op)
     plan = _plans.get(key)
     if plan is None:
         with _plans_lock:
             plan = _plans.get(key)
             if plan is None:
-                plan = _make(q, causal, backend, op, features, seqlen, shape_class, o_dtype,
-                             head_dim_v, kv_dtype)
+                plan = _make(q, causal, backend, op, features, seqlen, shape_class, operands)
                 _plans[key] = plan
     return plan
 

@@ -18,7 +18,7 @@ from grad_helpers import gradients, within_rule
 
 import flashtune
 from flashtune.codegen.spec import Problem, Shape
-from flashtune.errors import FeatureNotSupported, InvalidInput
+from flashtune.errors import InvalidInput
 from flashtune.families.base import element_type
 from flashtune.families.fwd import FORWARD
 from flashtune.families.fwd.reference import attention_reference
@@ -66,7 +66,7 @@ def test_the_sm90a_device_keeps_a_split_call_on_the_mma_sync_forward() -> None:
     on ``fwd`` (the sm_90a families refuse it)."""
     q = torch.empty(1, 64, 2, 128, dtype=torch.bfloat16, device="meta")
     split, _ = plans.decide(q, True, "emulator", "fwd", (), 64, arch="sm_90a",
-                            head_dim_v=64)
+                            operands=plans.Operands(head_dim_v=64))
     assert split.problem.key() == "fwd_d128v64_bf16_causal"
     plain, _ = plans.decide(q, True, "emulator", "fwd", (), 64, arch="sm_90a")
     assert plain.problem.op != "fwd"
@@ -74,9 +74,6 @@ def test_the_sm90a_device_keeps_a_split_call_on_the_mma_sync_forward() -> None:
 
 def test_what_a_split_call_cannot_have_is_refused_naming_the_fix() -> None:
     q, k, v = split_qkv(Shape(1, 2, 1, 8, 8), 192, 128, torch.bfloat16, _SEED)
-    with pytest.raises(FeatureNotSupported,
-                       match=r"v's head dim 128 other than q's and k's 192 takes no score_mod"):
-        flashtune.attention(q, k, v, backend="emulator", score_mod=lambda s, b, h, i, j: s)
     for bad, match in ((100, "v has head dim 100; expected a multiple of 8.*Pad v with zeros "
                              "to 104"),
                        (264, "v has head dim 264; the limit is 256")):

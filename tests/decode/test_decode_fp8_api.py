@@ -21,6 +21,7 @@ from flashtune.families.base import Inputs, close_enough
 from flashtune.families.checks import LSE_TOLERANCE, O_TOLERANCE
 from flashtune.families.decode import DecodeCase
 from flashtune.families.decode.fp8 import DECODE_FP8, dequantised, expected_e4m3_caches
+from flashtune.runtime import plans
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
 SHAPE = Shape(2, 8, 2, 3, 150)
@@ -101,8 +102,8 @@ def test_a_traced_mask_mod_over_an_fp8_cache_is_the_causal_mask() -> None:
 
 def test_the_tuning_key_names_the_cache_type() -> None:
     q = torch.empty(2, 1, 8, 128, dtype=torch.bfloat16)
-    bucket, combine = api_decode.decode_problems(q, False, 4096, "",
-                                                 kv_dtype=torch.float8_e4m3fn)
+    bucket, combine = api_decode.decode_problems(
+        q, False, 4096, "", plans.Operands(kv_dtype=torch.float8_e4m3fn))
     assert bucket.problem.key() == "decode8_d128_bf16-e4m3-bf16_full"
     assert combine.problem.key().startswith("combine_d128_bf16_")
     plain, _ = api_decode.decode_problems(q, False, 4096)

@@ -199,11 +199,9 @@ def test_the_split_table_is_built_from_the_tuned_buckets(monkeypatch: pytest.Mon
 
     def decide(q: torch.Tensor, causal: bool, backend: str | None, op: str,
                features: tuple[str, ...], seqlen: int, arch: str | None = None,
-               shape_class: str = "", kv_dtype: torch.dtype | None = None,
-               head_dim_v: int | None = None) -> Any:
+               shape_class: str = "", operands: plans.Operands = plans.AS_Q) -> Any:
         decision, entry = real(q, causal, backend, op, features, seqlen, arch,
-                               shape_class=shape_class, kv_dtype=kv_dtype,
-                               head_dim_v=head_dim_v)
+                               shape_class=shape_class, operands=operands)
         size = 1024 if seqlen <= 4096 else 256 if seqlen == 1 << 20 else 0
         if not size:
             return decision, entry

@@ -315,9 +315,9 @@ class DecodeFamily(KernelFamily):
 
     def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
         """K and V of the cache read once per kv head (each at its own head dim), Q read, O
-        (the input type, V's head dim) and the float32 LSE written (one split writes them directly), all at the full capacity; a
-        window problem reads only the keys inside its rows' windows (``timing_window``, as
-        the tuner times it)."""
+        (the input type, V's head dim) and the float32 LSE written (one split writes them
+        directly), all at the full capacity; a window problem reads only the keys inside
+        its rows' windows (``timing_window``, as the tuner times it)."""
         e, d, dv = problem.dtype.itemsize, problem.head_dim, problem.v_head_dim
         q_rows = shape.batch * shape.heads_q * shape.seqlen_q
         left = timing_window(shape)[0] if problem.window else -1
