@@ -58,6 +58,18 @@ def feature_scores(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     return scores, visible, v
 
 
+def feature_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                      window: tuple[int, int], softcap: float | None,
+                      slopes: torch.Tensor | None) -> torch.Tensor:
+    """The attention of flash-attn's definition in plain, differentiable PyTorch, in the
+    inputs' dtype: scores softcapped, then biased, then masked (a row that sees no key
+    gives 0); (B, N, H, D) tensors."""
+    scores, visible, v = feature_scores(q, k, v, causal, window, softcap, slopes)
+    seen = visible.any(-1)[:, None]
+    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~seen, 0.0)
+    probs = torch.softmax(scores, dim=-1).masked_fill(~seen, 0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+
 def gradients(fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
               dout: torch.Tensor, names: tuple[str, ...] = ("dq", "dk", "dv")) -> Grads:
     """Output and the gradients (``names``, one per input: dq, dk, dv) of ``fn`` on fresh

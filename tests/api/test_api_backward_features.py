@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from grad_helpers import ShapeTuple, feature_scores, gradients, make_inputs, within_rule
+from grad_helpers import ShapeTuple, feature_attention, gradients, make_inputs, within_rule
 
 import flashtune
 
@@ -29,19 +29,6 @@ FEATURES = [(False, (16, 0), None, False), (False, (8, 20), None, False),
 SHAPES: tuple[ShapeTuple, ...] = ((1, 77, 90, 2, 1), (2, 40, 40, 2, 2), (1, 90, 33, 3, 1))
 GRID = list(itertools.product(FEATURES, (torch.float16, torch.bfloat16), SHAPES,
                               (False, True)))
-
-
-def plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                    window: tuple[int, int], softcap: float | None,
-                    slopes: torch.Tensor | None) -> torch.Tensor:
-    """The attention of flash-attn's definition in plain, differentiable PyTorch, in the
-    inputs' dtype: scores softcapped, then biased, then masked (a row that sees no key
-    gives 0)."""
-    scores, visible, v = feature_scores(q, k, v, causal, window, softcap, slopes)
-    seen = visible.any(-1)[:, None]
-    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~seen, 0.0)
-    probs = torch.softmax(scores, dim=-1).masked_fill(~seen, 0.0)
-    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
 def _check(case: tuple[tuple[bool, tuple[int, int], float | None, bool], torch.dtype,
@@ -60,7 +47,7 @@ def _check(case: tuple[tuple[bool, tuple[int, int], float | None, bool], torch.d
         return out
 
     def plain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return plain_attention(q, k, v, causal, window, softcap, slopes)
+        return feature_attention(q, k, v, causal, window, softcap, slopes)
 
     got = gradients(ours, inputs, dout)
     low = gradients(plain, inputs, dout)

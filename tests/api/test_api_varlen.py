@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from grad_helpers import feature_scores, gradients, packed_inputs, per_sequence, within_rule
+from grad_helpers import feature_attention, gradients, packed_inputs, per_sequence, within_rule
 from runtime_helpers import check_varlen_outputs
 
 import flashtune
@@ -156,11 +156,7 @@ def test_varlen_gradients_follow_flash_attns_rule(case: tuple[Any, ...]) -> None
         return out
 
     def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: int) -> torch.Tensor:
-        scores, visible, v = feature_scores(q, k, v, causal, window, softcap, None)
-        seen = visible.any(-1)[:, None]
-        scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~seen, 0.0)
-        probs = torch.softmax(scores, dim=-1).masked_fill(~seen, 0.0)
-        return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+        return feature_attention(q, k, v, causal, window, softcap, None)
 
     plain = per_sequence(dense, cu_q, cu_k)
     got = gradients(ours, inputs, dout)

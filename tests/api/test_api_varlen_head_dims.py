@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from grad_helpers import feature_scores, gradients, per_sequence, within_rule
+from grad_helpers import feature_attention, gradients, per_sequence, within_rule
 
 import flashtune
 
@@ -42,11 +42,7 @@ def _check(dq: int, dv: int, seed: int) -> None:
         return out
 
     def dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b: int) -> torch.Tensor:
-        scores, visible, v = feature_scores(q, k, v, True, window, softcap, None)
-        seen = visible.any(-1)[:, None]
-        scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~seen, 0.0)
-        probs = torch.softmax(scores, dim=-1).masked_fill(~seen, 0.0)
-        return torch.einsum("bhqk,bkhd->bqhd", probs, v)
+        return feature_attention(q, k, v, True, window, softcap, None)
 
     plain = per_sequence(dense, cu_q, cu_k)
     got = gradients(ours, (q, k, v), dout)
