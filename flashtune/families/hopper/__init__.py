@@ -39,11 +39,20 @@ class HopperForwardFamily(ForwardFamily):
 
     def check_problem(self, problem: Problem) -> None:
         super().check_problem(problem)
-        if problem.head_dim not in space.HEAD_DIMS:
+        # Q/K's head dims above 256 where the family takes them (its max_head_dim; the
+        # warp-specialised one), V's never (O's accumulators).
+        qk_dims = space.HEAD_DIMS + tuple(d for d in space.WIDE_HEAD_DIMS
+                                          if d <= self.max_head_dim)
+        if problem.head_dim not in qk_dims:
             raise InvalidProblem(
                 f"head_dim={problem.head_dim}: the sm_90a forward takes head dims "
-                f"{space.HEAD_DIMS} (whole 128-byte swizzle panels); the mma.sync forward "
+                f"{qk_dims} (whole 128-byte swizzle panels); the mma.sync forward "
                 "serves the others")
+        if problem.v_head_dim not in space.HEAD_DIMS:
+            raise InvalidProblem(
+                f"head_dim_v={problem.v_head_dim}: the sm_90a forward takes V head dims "
+                f"{space.HEAD_DIMS} (whole 128-byte swizzle panels, O's accumulators at most "
+                "256); the mma.sync forward serves the others")
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.SPACE
