@@ -88,11 +88,10 @@ def _packed(problem: Problem, shape: Shape, pack: tuple[list[int], list[int]],
     dtype = base.tensors["q"].dtype
     lens_q, lens_k = pack
     tensors = dict(base.tensors)
-    for name, rows, heads in (("q", sum(lens_q), shape.heads_q), ("k", sum(lens_k),
-                                                                  shape.heads_kv),
-                              ("v", sum(lens_k), shape.heads_kv)):
-        tensors[name] = torch.randn(1, max(rows, 1), heads, problem.head_dim,
-                                    generator=gen).to(dtype)
+    for name, rows, heads, dim in (("q", sum(lens_q), shape.heads_q, problem.head_dim),
+                                   ("k", sum(lens_k), shape.heads_kv, problem.head_dim),
+                                   ("v", sum(lens_k), shape.heads_kv, problem.v_head_dim)):
+        tensors[name] = torch.randn(1, max(rows, 1), heads, dim, generator=gen).to(dtype)
     for name, lens in (("cu_seqlens_q", lens_q), ("cu_seqlens_k", lens_k)):
         tensors[name] = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32)
     scalars = {**base.scalars, "max_seqlen_q": float(max(lens_q))}
@@ -171,7 +170,7 @@ def _reference64(problem: Problem, inputs: Inputs) -> tuple[torch.Tensor, torch.
           "scale": float(s["softmax_scale"])}
     if problem.varlen:
         cq, ck = t["cu_seqlens_q"].tolist(), t["cu_seqlens_k"].tolist()
-        o = torch.zeros(t["q"].shape, dtype=torch.float64)
+        o = torch.zeros(*t["q"].shape[:-1], t["v"].shape[-1], dtype=torch.float64)
         lse = torch.full((1, t["q"].shape[2], t["q"].shape[1]), math.inf, dtype=torch.float64)
         for b in range(len(cq) - 1):
             rows = slice(cq[b], cq[b + 1])
