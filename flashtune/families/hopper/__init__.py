@@ -6,7 +6,9 @@ profile and compare (``--op fwd90a``). S = Q K^T by wgmma with Q and K in
 128-byte-swizzled shared memory, P V by wgmma with P in registers and V MN-major in shared
 memory, K/V tiles by cp.async into a stage ring guarded by full/empty mbarriers
 (templates/hopper_fwd.cuh). Head dims 64, 128 and 256; one to three warpgroups of 64 query
-rows (block_m 64, 128, 192) and key tiles of 64 to 256 rows in steps of 16 (space.py).
+rows (block_m 64, 128, 192) and key tiles of 64 to 256 rows in steps of 16 (space.py). The
+warp-specialised family (``ws.py``) also takes V's head dim other than Q/K's and Q/K head
+dims 512 and 576 (``max_head_dim``, ``split_head_dims``).
 """
 
 from __future__ import annotations

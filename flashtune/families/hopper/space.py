@@ -17,6 +17,11 @@ FA3) and with one to three consumer warpgroups. The knobs
 operand; any cp.async gives the producer more registers and the consumers fewer
 (``WS_REGISTERS``, ``BUDGETS``).
 
+Q/K head dims 512 and 576 (the warp-specialised family, beside V's head dim of at most 256)
+have a space of their own, ``WIDE_WS_SPACE``: block_m 64 or 128, block_n 32, 48 or 64 and
+the same knobs, since Q's rows and each K stage take 64 or 72 KiB per 64 rows. V's head dim
+sizes V's stages and O's accumulators, Q/K's the Q and K tiles.
+
 Rules: the tiles fit the per-block shared memory (227 KiB on sm_90), and the accumulators
 (S, O and P) stay within the budget measured for the registers a consumer thread has
 (``register_limit``, ``accumulator_budget``).

@@ -23,6 +23,12 @@ run-time values the forward's arguments, before the tensor maps): the producer n
 the key tiles below every row's window, the consumers mask only the tiles crossing an edge,
 and with varlen the maps' row coordinate is the sequence's first packed row.
 
+V's head dim may differ from Q/K's (``split_head_dims``: Q K^T over Q/K's, P V and O over
+V's, each a whole number of 128-byte panels), and Q/K's may be 512 or 576 beside V's of at
+most 256 (what each column chunk of ``api.forward`` launches): their own space
+(``space.WIDE_WS_SPACE``, 32- to 64-key tiles, one or two consumer warpgroups, measured
+register budgets) and a default per head dim (``WIDE_DEFAULTS``).
+
 The config's num_warps counts the consumer warps (block_m / 16, as in ``fwd90a``); the block
 has a producer warpgroup more (``threads``). It serves the forward on compute capability 9.0
 devices (``serves``), each kernel checked against float64 on the device before its first
