@@ -117,12 +117,16 @@ def test_what_does_not_fit_is_refused_naming_the_limit() -> None:
     with pytest.raises(FeatureNotSupported, match="takes Q/K head dims up to 256, got 512"):
         families.get("fwd90a").check_problem(Problem(512, DType.BF16, op="fwd90a",
                                                      head_dim_v=256))
-    with pytest.raises(InvalidProblem, match=r"head_dim_v=192: the sm_90a forward takes V "
-                                             r"head dims \(64, 128, 256\)"):
-        FAMILY.check_problem(_problem(512, 192))
+    with pytest.raises(InvalidProblem, match=r"head_dim_v=96: the sm_90a forward takes V "
+                                             r"head dims \(64, 128, 192, 256\)"):
+        FAMILY.check_problem(_problem(512, 96))
+    with pytest.raises(InvalidProblem, match=r"head_dim=96: the sm_90a forward takes head "
+                                             r"dims \(64, 128, 192, 256, 512, 576\)"):
+        FAMILY.check_problem(_problem(96, 128))
+    # The cp.async family keeps head dims 64, 128 and 256.
     with pytest.raises(InvalidProblem, match=r"head_dim=192: the sm_90a forward takes head "
-                                             r"dims \(64, 128, 256, 512, 576\)"):
-        FAMILY.check_problem(_problem(192, 128))
+                                             r"dims \(64, 128, 256\)"):
+        families.get("fwd90a").check_problem(Problem(192, DType.BF16, op="fwd90a"))
 
 
 # ------------------------------------------------------------------ NVRTC for sm_90a
@@ -162,7 +166,7 @@ def test_wide_defaults_compile_without_spills(dims: tuple[int, int], causal: boo
 
 
 def test_split_defaults_compile_without_spills() -> None:
-    for dims in ((128, 64), (256, 128)):
+    for dims in ((192, 128), (128, 64), (192, 192)):
         problem = _problem(*dims, causal=True)
         _compiled(problem, FAMILY.default_config(problem, SM90A))
 
@@ -272,15 +276,17 @@ def test_wide_heads_match_float64(case: Case) -> None:
     _check(case, random.Random(f"{SEED}-{_id(case)}").randrange(2**31))
 
 
-#: Split head dims of whole panels below 256 (V narrower and wider than Q/K).
-SPLIT_DIMS = [(128, 64), (64, 128), (256, 128), (128, 256)]
+#: Head dims of whole panels up to 256: split (V narrower and wider than Q/K; DeepSeek's
+#: 192 / 128) and 192 alone.
+SPLIT_DIMS = [(192, 128), (128, 64), (64, 128), (256, 192), (128, 256), (192, 192)]
 
 
 def _split_sample() -> list[Case]:
+    """DeepSeek's 192 / 128 and one pair drawn from the others, features drawn."""
     rng = random.Random(f"{SEED}fwd90aws-split")
     return [(*rng.choice(FEATURES), *dims, rng.choice(list(DType)),
              rng.choice(("default", "plain")), rng.choice(SHAPES))
-            for dims in rng.sample(SPLIT_DIMS, 2)]
+            for dims in (SPLIT_DIMS[0], rng.choice(SPLIT_DIMS[1:]))]
 
 
 SPLIT_CASES = [*_split_sample(), *(

@@ -38,22 +38,24 @@ class HopperForwardFamily(ForwardFamily):
     #: No attention features yet: problems with them are served by the mma.sync forward
     #: (``families.served_problem`` skips a family that refuses a problem).
     features: ClassVar[frozenset[str]] = frozenset()
+    #: Q/K's and V's head dims up to 256 (whole 128-byte swizzle panels).
+    head_dims: ClassVar[tuple[int, ...]] = space.HEAD_DIMS
 
     def check_problem(self, problem: Problem) -> None:
         super().check_problem(problem)
         # Q/K's head dims above 256 where the family takes them (its max_head_dim; the
         # warp-specialised one), V's never (O's accumulators).
-        qk_dims = space.HEAD_DIMS + tuple(d for d in space.WIDE_HEAD_DIMS
-                                          if d <= self.max_head_dim)
+        qk_dims = self.head_dims + tuple(d for d in space.WIDE_HEAD_DIMS
+                                         if d <= self.max_head_dim)
         if problem.head_dim not in qk_dims:
             raise InvalidProblem(
                 f"head_dim={problem.head_dim}: the sm_90a forward takes head dims "
                 f"{qk_dims} (whole 128-byte swizzle panels); the mma.sync forward "
                 "serves the others")
-        if problem.v_head_dim not in space.HEAD_DIMS:
+        if problem.v_head_dim not in self.head_dims:
             raise InvalidProblem(
                 f"head_dim_v={problem.v_head_dim}: the sm_90a forward takes V head dims "
-                f"{space.HEAD_DIMS} (whole 128-byte swizzle panels, O's accumulators at most "
+                f"{self.head_dims} (whole 128-byte swizzle panels, O's accumulators at most "
                 "256); the mma.sync forward serves the others")
 
     def space(self, problem: Problem) -> ParamSpace:
@@ -76,8 +78,9 @@ class HopperForwardFamily(ForwardFamily):
 
     def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
         """Two warpgroups (block_m 128), two stages as FA3 uses on sm90; the widest block_n
-        whose accumulators stay within the register rule (128; 64 at head dim 256)."""
-        block_n = 64 if problem.head_dim > 128 else 128
+        whose accumulators stay within the register rule (128; 64 where Q/K's or V's head
+        dim is above 128)."""
+        block_n = 64 if max(problem.head_dim, problem.v_head_dim) > 128 else 128
         config = KernelConfig(block_m=128, block_n=block_n, num_warps=space.warps(128),
                               num_stages=2)
         return self.fitting(problem, config, arch)

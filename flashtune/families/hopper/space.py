@@ -43,6 +43,9 @@ BLOCK_M = (64, 128, 192)
 BLOCK_N = tuple(range(64, 257, 16))
 NUM_STAGES = (1, 2, 3)
 HEAD_DIMS = (64, 128, 256)
+#: The warp-specialised family's head dims up to 256, Q/K's and V's: three panels too
+#: (DeepSeek's prefill, Q/K 192 beside V 128).
+WS_HEAD_DIMS = (64, 128, 192, 256)
 #: Q/K head dims above 256 (spec.WIDE_HEAD_DIMS: Gemma 4's 512, DeepSeek's absorbed 576)
 #: beside V's of at most 256, in the warp-specialised family: Q's rows and each K stage
 #: are 64 or 72 KiB per 64 rows, so the key tiles are narrow (``WIDE_BLOCK_N``) and the
@@ -132,6 +135,13 @@ WIDE_BUDGETS: Mapping[tuple[str, int], Mapping[int, Budget]] = {
 #: TMA and 116 (112; 128, 128, spills 160) by cp.async; three at head dim 128 by TMA, 124
 #: (80; 96, 136, spills 160). ``fwd90a`` has no overlap (0).
 #:
+#: Head dim 192 (the warp-specialised family only, WS_HEAD_DIMS) was measured the same way
+#: (Q, K and V of 192, every block_n up to the first spill or the shared-memory limit): one
+#: consumer warpgroup holds 192 (block_n 128) by TMA, one stage 204 spilling 24 bytes, and by
+#: cp.async 204 with one stage (216 spills 40); two hold 192 with one stage (204 spills 132;
+#: by cp.async 180, 192 spilling 152) and 180 with two (the next tile exceeds shared
+#: memory); three spill at the smallest tile (144 accumulators, 200 bytes and more).
+#:
 #: A cp.async producer (its 128 threads keep 40 registers beside two or three consumer
 #: warpgroups, which get 232 or 152), measured with all three operands by cp.async, block_n
 #: down from the widest the TMA budget passes until one compiles clean: where the widest
@@ -146,17 +156,21 @@ BUDGETS: Mapping[tuple[str, int], Mapping[int, Budget]] = {
     (THREADS_COPY, 3): {64: Budget(128, 140, 0), 128: Budget(112, 112, 0),
                         256: Budget(0, 0, 0)},
     (TMA_PRODUCER, 1): {64: Budget(212, 224, 224), 128: Budget(208, 220, 220),
-                        256: Budget(0, 200, 200), **WIDE_BUDGETS[TMA_PRODUCER, 1]},
+                        192: Budget(192, 192, 192), 256: Budget(0, 200, 200),
+                        **WIDE_BUDGETS[TMA_PRODUCER, 1]},
     (TMA_PRODUCER, 2): {64: Budget(200, 224, 212), 128: Budget(196, 208, 208),
-                        256: Budget(0, 188, 188), **WIDE_BUDGETS[TMA_PRODUCER, 2]},
+                        192: Budget(192, 180, 180), 256: Budget(0, 188, 188),
+                        **WIDE_BUDGETS[TMA_PRODUCER, 2]},
     (TMA_PRODUCER, 3): {64: Budget(152, 164, 128), 128: Budget(136, 148, 124),
-                        256: Budget(0, 0, 0)},
+                        192: Budget(0, 0, 0), 256: Budget(0, 0, 0)},
     (CP_ASYNC_PRODUCER, 1): {64: Budget(212, 224, 224), 128: Budget(196, 220, 220),
-                             256: Budget(0, 200, 200), **WIDE_BUDGETS[CP_ASYNC_PRODUCER, 1]},
+                             192: Budget(204, 192, 192), 256: Budget(0, 200, 200),
+                             **WIDE_BUDGETS[CP_ASYNC_PRODUCER, 1]},
     (CP_ASYNC_PRODUCER, 2): {64: Budget(200, 224, 200), 128: Budget(184, 208, 196),
-                             256: Budget(0, 188, 188), **WIDE_BUDGETS[CP_ASYNC_PRODUCER, 2]},
+                             192: Budget(180, 180, 180), 256: Budget(0, 188, 188),
+                             **WIDE_BUDGETS[CP_ASYNC_PRODUCER, 2]},
     (CP_ASYNC_PRODUCER, 3): {64: Budget(152, 152, 116), 128: Budget(124, 136, 124),
-                             256: Budget(0, 0, 0)},
+                             192: Budget(0, 0, 0), 256: Budget(0, 0, 0)},
 }
 #: Registers are allocated to a thread in multiples of this many, at most 255.
 _REG_GRANULE = 8

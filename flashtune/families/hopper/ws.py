@@ -144,6 +144,7 @@ class HopperWsForwardFamily(HopperForwardFamily):
     #: chunks of a wider V each launch one (api/forward.py).
     split_head_dims = True
     max_head_dim = max(space.WIDE_HEAD_DIMS)
+    head_dims = space.WS_HEAD_DIMS
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.WIDE_WS_SPACE if space.wide(problem) else space.WS_SPACE
