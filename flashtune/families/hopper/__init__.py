@@ -7,8 +7,8 @@ profile and compare (``--op fwd90a``). S = Q K^T by wgmma with Q and K in
 memory, K/V tiles by cp.async into a stage ring guarded by full/empty mbarriers
 (templates/hopper_fwd.cuh). Head dims 64, 128 and 256; one to three warpgroups of 64 query
 rows (block_m 64, 128, 192) and key tiles of 64 to 256 rows in steps of 16 (space.py). The
-warp-specialised family (``ws.py``) also takes V's head dim other than Q/K's and Q/K head
-dims 512 and 576 (``max_head_dim``, ``split_head_dims``).
+warp-specialised family (``ws.py``) also takes head dim 192 (``head_dims``), V's head dim
+other than Q/K's and Q/K head dims 512 and 576 (``max_head_dim``, ``split_head_dims``).
 """
 
 from __future__ import annotations
