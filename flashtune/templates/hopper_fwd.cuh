@@ -1,7 +1,8 @@
 // FlashAttention forward pass for sm_90a on wgmma: one consumer warpgroup (128 threads) per
 // 64 query rows of one (batch, head); kBlockM = 64, 128 or 192 (1 to 3 warpgroups per block).
 //
-// Per block: Q (kBlockM x D) and a ring of kStages K and V tiles (kBlockN x D each) live in
+// Per block: Q (kBlockM x D) and a ring of kStages K and V tiles (kBlockN x D and kBlockN x
+// Dv, V's head dim: HopperFwdTraits' HeadDimV, D unless split) live in
 // shared memory in the 128-byte-swizzled layout wgmma's descriptors read (panels of 64
 // columns: row r of a panel is 128 bytes at r * 128, its 16-byte chunk c at c ^ (r % 8)).
 // Every thread copies its share of each tile with cp.async and arrives on the stage's full
@@ -150,8 +151,9 @@ template <class Tr, int kRows, int kThreads = Tr::kThreads>
 __device__ __forceinline__ void load_tile(unsigned char* dst, const typename Tr::Element* src,
                                           long long row_stride, int valid, int tid) {
   // A thread keeps its chunk column and steps over rows: less address arithmetic per copy
-  // (the producer warpgroup has few registers). Rows of 72 chunks (head dim 576) do not
-  // divide the threads: each thread then steps over the tile's chunks in row-major order.
+  // (the producer warpgroup has few registers). Rows of 24 or 72 chunks (head dims 192 and
+  // 576) do not divide the threads: each thread then steps over the tile's chunks in
+  // row-major order.
   if constexpr (kThreads % Tr::kChunks != 0) {
 #pragma unroll 1
     for (int idx = tid; idx < kRows * Tr::kChunks; idx += kThreads) {

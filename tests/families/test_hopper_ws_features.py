@@ -223,7 +223,7 @@ def _grid() -> list[Case]:
     """Every feature set, head dim, dtype, schedule and shape."""
     return [(switches, window, head_dim, dtype, schedule, shape)
             for (switches, window), head_dim, dtype, schedule, shape in itertools.product(
-                FEATURES, space.HEAD_DIMS, DType, ("default", "plain"), SHAPES)]
+                FEATURES, space.WS_HEAD_DIMS, DType, ("default", "plain"), SHAPES)]
 
 
 def _sample() -> list[Case]:
