@@ -1,7 +1,8 @@
 // FlashAttention forward pass for sm_90a on wgmma: one consumer warpgroup (128 threads) per
 // 64 query rows of one (batch, head); kBlockM = 64, 128 or 192 (1 to 3 warpgroups per block).
 //
-// Per block: Q (kBlockM x D) and a ring of kStages K and V tiles (kBlockN x D each) live in
+// Per block: Q (kBlockM x D) and a ring of kStages K and V tiles (kBlockN x D and kBlockN x
+// Dv, V's head dim: HopperFwdTraits' HeadDimV, D unless split) live in
 // shared memory in the 128-byte-swizzled layout wgmma's descriptors read (panels of 64
 // columns: row r of a panel is 128 bytes at r * 128, its 16-byte chunk c at c ^ (r % 8)).
 // Every thread copies its share of each tile with cp.async and arrives on the stage's full
@@ -46,7 +47,8 @@ namespace ft {
 template <typename Element_, bool IsBf16, int HeadDim, int BlockM, int BlockN, int Stages,
           bool Causal, bool WarpSpecialized = false, bool PingPong = false,
           bool Overlap = false, bool Local = false, bool Softcap = false, bool Alibi = false,
-          bool Varlen = false, bool Sinks = false, class Mods_ = NoScoreMods>
+          bool Varlen = false, bool Sinks = false, class Mods_ = NoScoreMods,
+          int HeadDimV = HeadDim>
 struct HopperFwdTraits {
   using Element = Element_;
   using Ops = TensorOps<Element>;
@@ -57,6 +59,9 @@ struct HopperFwdTraits {
   using Mods = Mods_;
   static constexpr bool kBf16 = IsBf16;
   static constexpr int kHeadDim = HeadDim;
+  // V's and O's head dim (P V's N, O's accumulators and stores); Q/K's unless split
+  // (DeepSeek's 192 / 128, or Q/K 512 or 576 beside V's column chunk of at most 256).
+  static constexpr int kHeadDimV = HeadDimV;
   static constexpr int kBlockM = BlockM;
   static constexpr int kBlockN = BlockN;
   static constexpr int kStages = Stages;
@@ -84,33 +89,40 @@ struct HopperFwdTraits {
   static constexpr int kMTiles = 1;                 // 16 rows per warp
   static constexpr int kSTiles = BlockN / 8;        // n8 column blocks of S
   static constexpr int kPvSteps = BlockN / 16;      // k16 steps of P V
-  static constexpr int kOTiles = HeadDim / 8;       // n8 column blocks of O
+  static constexpr int kOTiles = HeadDimV / 8;      // n8 column blocks of O
   static constexpr int kQkSteps = HeadDim / 16;     // k16 steps of Q K^T
   static constexpr int kPanels = HeadDim / 64;      // 128-byte panels of a row
-  static constexpr int kChunks = HeadDim / 8;       // 16-byte chunks of a row
+  static constexpr int kChunks = HeadDim / 8;       // 16-byte chunks of a Q or K row
+  static constexpr int kOChunks = HeadDimV / 8;     // 16-byte chunks of a V or O row
   // Byte offsets from the 1024-byte-aligned base of the tiles.
-  static constexpr int kTileBytes = BlockN * HeadDim * 2;
+  static constexpr int kTileBytes = BlockN * HeadDim * 2;    // a K stage
+  static constexpr int kVTileBytes = BlockN * HeadDimV * 2;  // a V stage
   static constexpr int kQBytes = BlockM * HeadDim * 2;
   static constexpr int kKOffset = kQBytes;
   static constexpr int kVOffset = kKOffset + Stages * kTileBytes;
-  static constexpr int kBarOffset = kVOffset + Stages * kTileBytes;
+  static constexpr int kBarOffset = kVOffset + Stages * kVTileBytes;
   // Tiles, the 2 x kStages barriers (a Q barrier more when warp-specialised), and up to 1023
   // bytes to align the base.
   static constexpr int kSmemBytes = kBarOffset + 16 * Stages + (WarpSpecialized ? 8 : 0) + 1024;
 
-  static_assert(HeadDim % 64 == 0 && HeadDim <= 256, "head dim: 64, 128 or 256");
+  // Whole 128-byte panels; Q/K's up to 576 (its rows live in shared memory only), V's up to
+  // 256 (O's accumulators and the N of P V's wgmma).
+  static_assert(HeadDim % 64 == 0 && HeadDim <= 576, "Q/K's head dim: 64 to 576, whole panels");
+  static_assert(HeadDimV % 64 == 0 && HeadDimV <= 256, "V's head dim: 64 to 256, whole panels");
   static_assert(BlockM == 64 || BlockM == 128 || BlockM == 192,
                 "block_m: 64, 128 or 192 (one to three warpgroups of 64 rows)");
   // block_n is the N of Q K^T's wgmma and a multiple of P V's k16 steps, of the 8 rows of a
-  // 128B swizzle pattern, and a TMA box of at most 256 rows.
-  static_assert(BlockN % 16 == 0 && BlockN >= 64 && BlockN <= 256,
-                "block_n: a multiple of 16 in 64..256");
+  // 128B swizzle pattern, and a TMA box of at most 256 rows (32 and 48: the narrow key
+  // tiles of Q/K head dims above 256, whose K stages fill shared memory).
+  static_assert(BlockN % 16 == 0 && BlockN >= 32 && BlockN <= 256,
+                "block_n: a multiple of 16 in 32..256");
   static_assert(Stages >= 1 && Stages <= 4, "stages: 1..4");
   // The next tile's K is read while this tile's stage is still in use.
   static_assert(!Overlap || (WarpSpecialized && Stages >= 2),
                 "overlap: the warp-specialised kernel with two or more stages");
   // Rows of a 128-byte panel of the K and V tiles: the descriptors' stride between panels.
   static constexpr int kPanelRows = FT_HOPPER_PLANTED_BUG != 1 ? BlockN
+                                    : BlockN <= 32                ? 32
                                     : BlockN <= 64                ? 64
                                     : BlockN <= 128               ? 128
                                                                   : 256;
@@ -121,6 +133,17 @@ struct HopperFwdTraits {
   }
 };
 
+// The copy view (load_tile's) of V's rows in the same swizzled layout: V's 16-byte chunks,
+// which differ from Tr's (Q's and K's) where the head dims are split.
+template <class Tr>
+struct HopperVRows {
+  using Element = typename Tr::Element;
+  static constexpr int kChunks = Tr::kOChunks;
+  static __device__ __forceinline__ int chunk_offset(int rows, int r, int c) {
+    return Tr::chunk_offset(rows, r, c);
+  }
+};
+
 // Copies rows [0, rows) of a tile of kRows rows from global memory into the swizzled layout
 // with cp.async, shared by kThreads threads (tid: 0 .. kThreads - 1); rows at and past
 // `valid` are zero-filled.
@@ -128,16 +151,28 @@ template <class Tr, int kRows, int kThreads = Tr::kThreads>
 __device__ __forceinline__ void load_tile(unsigned char* dst, const typename Tr::Element* src,
                                           long long row_stride, int valid, int tid) {
   // A thread keeps its chunk column and steps over rows: less address arithmetic per copy
-  // (the producer warpgroup has few registers).
-  static_assert(kThreads % Tr::kChunks == 0, "whole rows per pass");
-  constexpr int kRowsPerPass = kThreads / Tr::kChunks;
-  const int c = tid % Tr::kChunks;
+  // (the producer warpgroup has few registers). Rows of 24 or 72 chunks (head dims 192 and
+  // 576) do not divide the threads: each thread then steps over the tile's chunks in
+  // row-major order.
+  if constexpr (kThreads % Tr::kChunks != 0) {
 #pragma unroll 1
-  for (int r = tid / Tr::kChunks; r < kRows; r += kRowsPerPass) {
-    const bool in = r < valid;
-    // An out-of-range row reads nothing (size 0); its address stays inside the tensor.
-    const typename Tr::Element* from = src + (in ? r * row_stride : 0) + c * 8;
-    cp_async<16>(dst + Tr::chunk_offset(kRows, r, c), from, in ? 16 : 0);
+    for (int idx = tid; idx < kRows * Tr::kChunks; idx += kThreads) {
+      const int r = idx / Tr::kChunks;
+      const int c = idx % Tr::kChunks;
+      const bool in = r < valid;
+      const typename Tr::Element* from = src + (in ? r * row_stride : 0) + c * 8;
+      cp_async<16>(dst + Tr::chunk_offset(kRows, r, c), from, in ? 16 : 0);
+    }
+  } else {
+    constexpr int kRowsPerPass = kThreads / Tr::kChunks;
+    const int c = tid % Tr::kChunks;
+#pragma unroll 1
+    for (int r = tid / Tr::kChunks; r < kRows; r += kRowsPerPass) {
+      const bool in = r < valid;
+      // An out-of-range row reads nothing (size 0); its address stays inside the tensor.
+      const typename Tr::Element* from = src + (in ? r * row_stride : 0) + c * 8;
+      cp_async<16>(dst + Tr::chunk_offset(kRows, r, c), from, in ? 16 : 0);
+    }
   }
 }
 
@@ -147,12 +182,12 @@ template <class Tr>
 __device__ __forceinline__ void store_unseen_rows(typename Tr::Element* o, long long row_stride,
                                                   float* lse, int row0, int seqlen_q, int tid,
                                                   float lse_value) {
-  for (int idx = tid; idx < Tr::kBlockM * Tr::kChunks; idx += Tr::kThreads) {
-    const int r = row0 + idx / Tr::kChunks;
+  for (int idx = tid; idx < Tr::kBlockM * Tr::kOChunks; idx += Tr::kThreads) {
+    const int r = row0 + idx / Tr::kOChunks;
     if (r < seqlen_q) {
       uint4 zero;
       zero.x = zero.y = zero.z = zero.w = 0u;
-      *reinterpret_cast<uint4*>(o + r * row_stride + (idx % Tr::kChunks) * 8) = zero;
+      *reinterpret_cast<uint4*>(o + r * row_stride + (idx % Tr::kOChunks) * 8) = zero;
     }
   }
   for (int r = row0 + tid; r < row0 + Tr::kBlockM; r += Tr::kThreads) {
@@ -309,12 +344,12 @@ __device__ __forceinline__ void issue_pv(unsigned v_addr,
                                          const unsigned (&p)[1][Tr::kPvSteps][4],
                                          float (&acc_o)[1][Tr::kOTiles][4]) {
   // wgmma view of the fragments: d[4 nt + e] is fragment element [nt][e].
-  auto& o_view = reinterpret_cast<float(&)[Tr::kHeadDim / 2]>(acc_o);
+  auto& o_view = reinterpret_cast<float(&)[Tr::kHeadDimV / 2]>(acc_o);
   const unsigned long long v_desc = wgmma_desc(v_addr, Tr::kPanelRows * 128, 1024, kSwizzle128B);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < Tr::kPvSteps; ++kk) {
-    wgmma_rs<Tr::kHeadDim, Tr::kBf16, true>(o_view, p[0][kk],
+    wgmma_rs<Tr::kHeadDimV, Tr::kBf16, true>(o_view, p[0][kk],
                                             wgmma_desc_add(v_desc, kk * 16 * 128), 1);
   }
   wgmma_commit();
@@ -367,7 +402,7 @@ __device__ __forceinline__ void tile_math(unsigned q_addr, unsigned k_addr, unsi
   wgmma_wait<0>();
   softmax_issue_pv<Tr, kFirst>(v_addr, acc_s, softmax, acc_o, scale_log2, mask, prep, p_hook);
   wgmma_wait<0>();
-  wgmma_fence_operands(reinterpret_cast<float(&)[Tr::kHeadDim / 2]>(acc_o));
+  wgmma_fence_operands(reinterpret_cast<float(&)[Tr::kHeadDimV / 2]>(acc_o));
 }
 
 // Epilogue of one warp (query rows row0 .. row0 + 15): O / row sum and the natural-log LSE,
@@ -561,7 +596,7 @@ struct WarpgroupMath {
     return b.base + Tr::kKOffset + s * Tr::kTileBytes;
   }
   static __device__ __forceinline__ unsigned v_tile(const HopperBlock<Tr>& b, int s) {
-    return b.base + Tr::kVOffset + s * Tr::kTileBytes;
+    return b.base + Tr::kVOffset + s * Tr::kVTileBytes;
   }
 
   // Key tile of stage s, starting at key col0 (the tile_math of its K and V).
@@ -644,6 +679,7 @@ struct CpAsyncRing {
 // The block of query rows blockIdx.x * kBlockM.. of head blockIdx.y, batch blockIdx.z.
 template <class Tr>
 __device__ __forceinline__ void hopper_fwd(const FwdParams<typename Tr::Element>& a) {
+  static_assert(Tr::kHeadDimV == Tr::kHeadDim, "the cp.async kernel: V's head dim is Q/K's");
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
   FT_DYNAMIC_SMEM(unsigned char, raw);

@@ -133,7 +133,7 @@ __device__ __forceinline__ void ws_produce(const HopperBlock<Tr>& b,
                                            const CUtensorMap* tmap_v) {
   constexpr int kBlockN = Tr::kBlockN;
   constexpr int kStages = Tr::kStages;
-  constexpr int kTmaBytes = ((L::kKTma ? 1 : 0) + (L::kVTma ? 1 : 0)) * Tr::kTileBytes;
+  constexpr int kTmaBytes = (L::kKTma ? Tr::kTileBytes : 0) + (L::kVTma ? Tr::kVTileBytes : 0);
   const bool leader = pt == 0;
   if (leader) {
     if constexpr (L::kQTma) prefetch_tensormap(tmap_q);
@@ -166,7 +166,7 @@ __device__ __forceinline__ void ws_produce(const HopperBlock<Tr>& b,
     if (j >= kStages)
       mbarrier_wait_parity(&b.empty[s], static_cast<unsigned>(j / kStages - 1) & 1u);
     unsigned char* const k_dst = b.smem + Tr::kKOffset + s * Tr::kTileBytes;
-    unsigned char* const v_dst = b.smem + Tr::kVOffset + s * Tr::kTileBytes;
+    unsigned char* const v_dst = b.smem + Tr::kVOffset + s * Tr::kVTileBytes;
     if (L::kKvByTma && leader) {
       if (FT_WS_PLANTED_BUG == 1) mbarrier_arrive(&b.full[s]);
       else mbarrier_arrive_expect_tx(&b.full[s], kTmaBytes);
@@ -182,7 +182,7 @@ __device__ __forceinline__ void ws_produce(const HopperBlock<Tr>& b,
         load_tile<Tr, kBlockN, 128>(k_dst, b.k_bh + first * a.k_row_stride, a.k_row_stride,
                                     valid, pt);
       if constexpr (!L::kVTma)
-        load_tile<Tr, kBlockN, 128>(v_dst, b.v_bh + first * a.v_row_stride, a.v_row_stride,
+        load_tile<HopperVRows<Tr>, kBlockN, 128>(v_dst, b.v_bh + first * a.v_row_stride, a.v_row_stride,
                                     valid, pt);
       if (FT_WS_PLANTED_BUG != 12 || pt >= 32) cp_async_mbarrier_arrive(&b.full[s]);
     }
@@ -283,7 +283,7 @@ __device__ __forceinline__ void hopper_fwd_ws(const FwdParams<typename Tr::Eleme
     float acc_s[1][Tr::kSTiles][4];
     unsigned p[1][Tr::kPvSteps][4];
     auto& s_view = reinterpret_cast<float(&)[kBlockN / 2]>(acc_s);
-    auto& o_view = reinterpret_cast<float(&)[Tr::kHeadDim / 2]>(math.acc_o);
+    auto& o_view = reinterpret_cast<float(&)[Tr::kHeadDimV / 2]>(math.acc_o);
     // P is read by an issued wgmma until its group completes: tied after the wait, so its
     // registers are not reused before.
     auto& p_view = reinterpret_cast<float(&)[Tr::kPvSteps * 4]>(p);

@@ -61,15 +61,24 @@ def test_attention_returns_o_of_v_head_dim(dim: int, dim_v: int, dtype: torch.dt
     assert torch.equal(again, out)
 
 
-def test_the_sm90a_device_keeps_a_split_call_on_the_mma_sync_forward() -> None:
-    """A virtual sm_90a device: a plain call goes to the sm_90a forward, a split one stays
-    on ``fwd`` (the sm_90a families refuse it)."""
+def test_the_sm90a_device_serves_split_calls_of_whole_panels_on_fwd90aws() -> None:
+    """A virtual sm_90a device: a plain call and split ones whose head dims are whole
+    128-byte panels (128 / 64, DeepSeek's 192 / 128) go to the warp-specialised sm_90a
+    forward; 96 / 64 stays on ``fwd`` (96 is not a sm_90a head dim)."""
     q = torch.empty(1, 64, 2, 128, dtype=torch.bfloat16, device="meta")
     split, _ = plans.decide(q, True, "emulator", "fwd", (), 64, arch="sm_90a",
                             operands=plans.Operands(head_dim_v=64))
-    assert split.problem.key() == "fwd_d128v64_bf16_causal"
+    assert split.problem.key() == "fwd90aws_d128v64_bf16_causal"
     plain, _ = plans.decide(q, True, "emulator", "fwd", (), 64, arch="sm_90a")
     assert plain.problem.op != "fwd"
+    q192 = torch.empty(1, 64, 2, 192, dtype=torch.bfloat16, device="meta")
+    deepseek, _ = plans.decide(q192, True, "emulator", "fwd", (), 64, arch="sm_90a",
+                               operands=plans.Operands(head_dim_v=128))
+    assert deepseek.problem.key() == "fwd90aws_d192v128_bf16_causal"
+    q96 = torch.empty(1, 64, 2, 96, dtype=torch.bfloat16, device="meta")
+    partial, _ = plans.decide(q96, True, "emulator", "fwd", (), 64, arch="sm_90a",
+                              operands=plans.Operands(head_dim_v=64))
+    assert partial.problem.key() == "fwd_d96v64_bf16_causal"
 
 
 def test_what_a_split_call_cannot_have_is_refused_naming_the_fix() -> None:

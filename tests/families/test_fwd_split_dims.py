@@ -155,15 +155,23 @@ def test_a_bad_v_head_dim_is_refused_naming_it(value: object, match: str) -> Non
 
 
 def test_families_without_split_head_dims_refuse_them_and_serving_falls_back() -> None:
-    """The sm_90a forwards and the FP8 forward do not declare split head dims
+    """The cp.async sm_90a forward and the FP8 forward do not declare split head dims
     (``KernelFamily.split_head_dims``, not inherited): each refuses naming both dims and
-    what serves them; on an sm_90a device the call stays on the mma.sync forward."""
+    what serves them. The warp-specialised sm_90a forward declares them for whole 128-byte
+    panels (tests/families/test_hopper_ws_wide.py): on an sm_90a device DeepSeek's 192 / 128
+    runs on it, 72 / 136 on the mma.sync forward."""
     p = split(192, 128, DType.BF16, True)
     FORWARD.check_problem(p)
-    assert families.served_problem(p, get_arch("sm_90a")) == p
+    assert families.served_problem(p, get_arch("sm_90a")) == dataclasses.replace(
+        p, op="fwd90aws")
+    partial = split(72, 136, DType.BF16, True)
+    assert families.served_problem(partial, get_arch("sm_90a")) == partial
     plain = Problem(128, DType.BF16, causal=True)
     assert families.served_problem(plain, get_arch("sm_90a")).op != "fwd"
-    for op in ("fwd90a", "fwd90aws", "fwd8"):
+    assert families.get("fwd90aws").split_head_dims
+    with pytest.raises(InvalidProblem, match=r"head_dim=72: the sm_90a forward takes"):
+        families.get("fwd90aws").check_problem(dataclasses.replace(partial, op="fwd90aws"))
+    for op in ("fwd90a", "fwd8"):
         family = families.get(op)
         assert not family.split_head_dims
         with pytest.raises(FeatureNotSupported,

@@ -308,7 +308,7 @@ def _loads_sample(configs: list[KernelConfig], rng: random.Random) -> list[Kerne
 
 @pytest.mark.sweep
 @pytest.mark.parametrize("dtype", list(DType), ids=lambda d: d.value)
-@pytest.mark.parametrize("head_dim", (64, 128, 256))
+@pytest.mark.parametrize("head_dim", space.WS_HEAD_DIMS)
 def test_nvrtc_compiles_every_passing_config_without_spills(head_dim: int, dtype: DType) -> None:
     rng = random.Random(f"{SEED}{head_dim}{dtype.value}")
     passing = HOPPER_WS_FORWARD.candidates(_problem(head_dim, dtype, True), SM90A)

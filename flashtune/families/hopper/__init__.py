@@ -6,7 +6,9 @@ profile and compare (``--op fwd90a``). S = Q K^T by wgmma with Q and K in
 128-byte-swizzled shared memory, P V by wgmma with P in registers and V MN-major in shared
 memory, K/V tiles by cp.async into a stage ring guarded by full/empty mbarriers
 (templates/hopper_fwd.cuh). Head dims 64, 128 and 256; one to three warpgroups of 64 query
-rows (block_m 64, 128, 192) and key tiles of 64 to 256 rows in steps of 16 (space.py).
+rows (block_m 64, 128, 192) and key tiles of 64 to 256 rows in steps of 16 (space.py). The
+warp-specialised family (``ws.py``) also takes head dim 192 (``head_dims``), V's head dim
+other than Q/K's and Q/K head dims 512 and 576 (``max_head_dim``, ``split_head_dims``).
 """
 
 from __future__ import annotations
@@ -36,14 +38,25 @@ class HopperForwardFamily(ForwardFamily):
     #: No attention features yet: problems with them are served by the mma.sync forward
     #: (``families.served_problem`` skips a family that refuses a problem).
     features: ClassVar[frozenset[str]] = frozenset()
+    #: Q/K's and V's head dims up to 256 (whole 128-byte swizzle panels).
+    head_dims: ClassVar[tuple[int, ...]] = space.HEAD_DIMS
 
     def check_problem(self, problem: Problem) -> None:
         super().check_problem(problem)
-        if problem.head_dim not in space.HEAD_DIMS:
+        # Q/K's head dims above 256 where the family takes them (its max_head_dim; the
+        # warp-specialised one), V's never (O's accumulators).
+        qk_dims = self.head_dims + tuple(d for d in space.WIDE_HEAD_DIMS
+                                         if d <= self.max_head_dim)
+        if problem.head_dim not in qk_dims:
             raise InvalidProblem(
                 f"head_dim={problem.head_dim}: the sm_90a forward takes head dims "
-                f"{space.HEAD_DIMS} (whole 128-byte swizzle panels); the mma.sync forward "
+                f"{qk_dims} (whole 128-byte swizzle panels); the mma.sync forward "
                 "serves the others")
+        if problem.v_head_dim not in self.head_dims:
+            raise InvalidProblem(
+                f"head_dim_v={problem.v_head_dim}: the sm_90a forward takes V head dims "
+                f"{self.head_dims} (whole 128-byte swizzle panels, O's accumulators at most "
+                "256); the mma.sync forward serves the others")
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.SPACE
@@ -65,8 +78,9 @@ class HopperForwardFamily(ForwardFamily):
 
     def default_config(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
         """Two warpgroups (block_m 128), two stages as FA3 uses on sm90; the widest block_n
-        whose accumulators stay within the register rule (128; 64 at head dim 256)."""
-        block_n = 64 if problem.head_dim > 128 else 128
+        whose accumulators stay within the register rule (128; 64 where Q/K's or V's head
+        dim is above 128)."""
+        block_n = 64 if max(problem.head_dim, problem.v_head_dim) > 128 else 128
         config = KernelConfig(block_m=128, block_n=block_n, num_warps=space.warps(128),
                               num_stages=2)
         return self.fitting(problem, config, arch)

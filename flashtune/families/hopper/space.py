@@ -17,6 +17,11 @@ FA3) and with one to three consumer warpgroups. The knobs
 operand; any cp.async gives the producer more registers and the consumers fewer
 (``WS_REGISTERS``, ``BUDGETS``).
 
+Q/K head dims 512 and 576 (the warp-specialised family, beside V's head dim of at most 256)
+have a space of their own, ``WIDE_WS_SPACE``: block_m 64 or 128, block_n 32, 48 or 64 and
+the same knobs, since Q's rows and each K stage take 64 or 72 KiB per 64 rows. V's head dim
+sizes V's stages and O's accumulators, Q/K's the Q and K tiles.
+
 Rules: the tiles fit the per-block shared memory (227 KiB on sm_90), and the accumulators
 (S, O and P) stay within the budget measured for the registers a consumer thread has
 (``register_limit``, ``accumulator_budget``).
@@ -38,6 +43,16 @@ BLOCK_M = (64, 128, 192)
 BLOCK_N = tuple(range(64, 257, 16))
 NUM_STAGES = (1, 2, 3)
 HEAD_DIMS = (64, 128, 256)
+#: The warp-specialised family's head dims up to 256, Q/K's and V's: three panels too
+#: (DeepSeek's prefill, Q/K 192 beside V 128).
+WS_HEAD_DIMS = (64, 128, 192, 256)
+#: Q/K head dims above 256 (spec.WIDE_HEAD_DIMS: Gemma 4's 512, DeepSeek's absorbed 576)
+#: beside V's of at most 256, in the warp-specialised family: Q's rows and each K stage
+#: are 64 or 72 KiB per 64 rows, so the key tiles are narrow (``WIDE_BLOCK_N``) and the
+#: stages few; O's accumulators are V's.
+WIDE_HEAD_DIMS = (512, 576)
+WIDE_BLOCK_M = (64, 128)
+WIDE_BLOCK_N = (32, 48, 64)
 
 PINGPONG = "pingpong"
 OVERLAP = "overlap"
@@ -53,6 +68,9 @@ WS_DEFAULTS: Mapping[str, Value] = {p.name: p.values[0] for p in WS_KNOBS}
 SPACE = ParamSpace((Param("block_m", BLOCK_M), Param("block_n", BLOCK_N),
                     Param("num_stages", NUM_STAGES)))
 WS_SPACE = ParamSpace((*SPACE.params, *WS_KNOBS))
+#: The warp-specialised space of a Q/K head dim of WIDE_HEAD_DIMS.
+WIDE_WS_SPACE = ParamSpace((Param("block_m", WIDE_BLOCK_M), Param("block_n", WIDE_BLOCK_N),
+                            Param("num_stages", NUM_STAGES), *WS_KNOBS))
 
 #: setmaxnreg registers per thread (producer, consumer) by consumer warpgroups and whether
 #: the producer's threads all load (some operand by cp.async): FA3's split (the Hopper notes,
@@ -78,6 +96,24 @@ class Budget(NamedTuple):
 #: operand with cp.async (``fwd90aws``; its setmaxnreg split differs, WS_REGISTERS).
 THREADS_COPY, TMA_PRODUCER, CP_ASYNC_PRODUCER = "threads", "tma", "cpasync"
 
+#: Budgets of Q/K head dims 512 and 576 (WIDE_HEAD_DIMS; the warp-specialised family, one or
+#: two consumer warpgroups), by (loader, consumer warpgroups), then Q/K's head dim; V's head
+#: dim (64 to 256) only sizes O's accumulators. Measured with NVRTC 13 for sm_90a the same
+#: way (bf16 causal, every tile of WIDE_WS_SPACE that fits shared memory, V's head dims 64,
+#: 128 and 256). Two or more stages: every tile that fits compiled clean, so the budget is
+#: the widest one's accumulators (the next tile exceeds shared memory; at 576 two consumer
+#: warpgroups fit one stage only: 0). One stage: the widest clean tile's accumulators, the
+#: next spilling (one consumer at 512: 112 clean (64 keys, V 128), 152 spills 628 bytes; at
+#: 576: 100 clean, 112 spills 108; two consumers at 512: 100 clean, 112 spills 108; at 576:
+#: 88 clean, 100 spills 104); beside a cp.async producer two consumers at 512 spill at every
+#: one-stage tile (56: 12 bytes), at 576 hold 80 (88 spills 88 bytes).
+WIDE_BUDGETS: Mapping[tuple[str, int], Mapping[int, Budget]] = {
+    (TMA_PRODUCER, 1): {512: Budget(112, 164, 164), 576: Budget(100, 152, 152)},
+    (TMA_PRODUCER, 2): {512: Budget(100, 152, 152), 576: Budget(88, 0, 0)},
+    (CP_ASYNC_PRODUCER, 1): {512: Budget(112, 164, 164), 576: Budget(100, 152, 152)},
+    (CP_ASYNC_PRODUCER, 2): {512: Budget(0, 152, 152), 576: Budget(80, 0, 0)},
+}
+
 #: Budgets by (loader, consumer warpgroups), then head dim. Measured with NVRTC 13 for
 #: sm_90a (``--ptxas-options=-v``, bf16 causal, every block_n of the space; the first
 #: spilling tile is 12 registers more, except where the space ends first). Not a fixed share
@@ -99,6 +135,15 @@ THREADS_COPY, TMA_PRODUCER, CP_ASYNC_PRODUCER = "threads", "tma", "cpasync"
 #: TMA and 116 (112; 128, 128, spills 160) by cp.async; three at head dim 128 by TMA, 124
 #: (80; 96, 136, spills 160). ``fwd90a`` has no overlap (0).
 #:
+#: Head dim 192 (the warp-specialised family only, WS_HEAD_DIMS) was measured the same way
+#: (Q, K and V of 192, every block_n up to the first spill or the shared-memory limit): one
+#: consumer warpgroup holds 192 (block_n 128) by TMA, one stage 204 spilling 24 bytes (by
+#: cp.async of all three operands 204 compiles clean, but a mixed load spills 84 bytes
+#: there: 192 for both); two hold 192 with one stage (204 spills 132) but ping-pong spills
+#: 16 bytes there, so 180; by cp.async 168 (180 spills 60 bytes with a mixed load, 84 with
+#: ping-pong); with two stages two hold 180 (the next tile exceeds shared
+#: memory); three spill at the smallest tile (144 accumulators, 200 bytes and more).
+#:
 #: A cp.async producer (its 128 threads keep 40 registers beside two or three consumer
 #: warpgroups, which get 232 or 152), measured with all three operands by cp.async, block_n
 #: down from the widest the TMA budget passes until one compiles clean: where the widest
@@ -113,17 +158,21 @@ BUDGETS: Mapping[tuple[str, int], Mapping[int, Budget]] = {
     (THREADS_COPY, 3): {64: Budget(128, 140, 0), 128: Budget(112, 112, 0),
                         256: Budget(0, 0, 0)},
     (TMA_PRODUCER, 1): {64: Budget(212, 224, 224), 128: Budget(208, 220, 220),
-                        256: Budget(0, 200, 200)},
+                        192: Budget(192, 192, 192), 256: Budget(0, 200, 200),
+                        **WIDE_BUDGETS[TMA_PRODUCER, 1]},
     (TMA_PRODUCER, 2): {64: Budget(200, 224, 212), 128: Budget(196, 208, 208),
-                        256: Budget(0, 188, 188)},
+                        192: Budget(180, 180, 180), 256: Budget(0, 188, 188),
+                        **WIDE_BUDGETS[TMA_PRODUCER, 2]},
     (TMA_PRODUCER, 3): {64: Budget(152, 164, 128), 128: Budget(136, 148, 124),
-                        256: Budget(0, 0, 0)},
+                        192: Budget(0, 0, 0), 256: Budget(0, 0, 0)},
     (CP_ASYNC_PRODUCER, 1): {64: Budget(212, 224, 224), 128: Budget(196, 220, 220),
-                             256: Budget(0, 200, 200)},
+                             192: Budget(192, 192, 192), 256: Budget(0, 200, 200),
+                             **WIDE_BUDGETS[CP_ASYNC_PRODUCER, 1]},
     (CP_ASYNC_PRODUCER, 2): {64: Budget(200, 224, 200), 128: Budget(184, 208, 196),
-                             256: Budget(0, 188, 188)},
+                             192: Budget(168, 180, 180), 256: Budget(0, 188, 188),
+                             **WIDE_BUDGETS[CP_ASYNC_PRODUCER, 2]},
     (CP_ASYNC_PRODUCER, 3): {64: Budget(152, 152, 116), 128: Budget(124, 136, 124),
-                             256: Budget(0, 0, 0)},
+                             192: Budget(0, 0, 0), 256: Budget(0, 0, 0)},
 }
 #: Registers are allocated to a thread in multiples of this many, at most 255.
 _REG_GRANULE = 8
@@ -164,18 +213,26 @@ def without_defaults(point: Mapping[str, Value]) -> dict[str, Value]:
     return {k: v for k, v in point.items() if k not in WS_DEFAULTS or v != WS_DEFAULTS[k]}
 
 
+def wide(problem: Problem) -> bool:
+    """Whether Q/K's head dim is one of WIDE_HEAD_DIMS (the space WIDE_WS_SPACE)."""
+    return problem.head_dim in WIDE_HEAD_DIMS
+
+
 def smem_bytes(problem: Problem, config: KernelConfig, *, warp_specialized: bool = False) -> int:
-    """Q, num_stages K and V tiles, a full and an empty mbarrier per stage (and Q's own when
-    ``warp_specialized``), alignment slack."""
+    """Q and num_stages K tiles (rows of Q/K's head dim) and V tiles (V's), a full and an
+    empty mbarrier per stage (and Q's own when ``warp_specialized``), alignment slack."""
     row = problem.head_dim * problem.dtype.itemsize
-    return (row * (config.block_m + 2 * config.num_stages * config.block_n)
+    v_row = problem.v_head_dim * problem.dtype.itemsize
+    return (row * (config.block_m + config.num_stages * config.block_n)
+            + v_row * config.num_stages * config.block_n
             + 16 * config.num_stages + (8 if warp_specialized else 0) + ALIGN_SLACK)
 
 
 def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
-    """Per thread: S (block_n / 2 f32), O (head_dim / 2 f32) and P (block_n / 4 packed), with
-    the ``overlap`` knob on or off (its P V of one tile runs beside the next tile's S)."""
-    return config.block_n // 2 + problem.head_dim // 2 + config.block_n // 4
+    """Per thread: S (block_n / 2 f32), O (V's head dim / 2 f32) and P (block_n / 4 packed),
+    with the ``overlap`` knob on or off (its P V of one tile runs beside the next tile's S).
+    Q/K's head dim holds none: Q K^T reads both operands from shared memory."""
+    return config.block_n // 2 + problem.v_head_dim // 2 + config.block_n // 4
 
 
 def register_limit(config: KernelConfig, *, warp_specialized: bool = False) -> int:
@@ -188,13 +245,20 @@ def register_limit(config: KernelConfig, *, warp_specialized: bool = False) -> i
     return min(_MAX_REGS, share)
 
 
+def budget_head_dim(problem: Problem) -> int:
+    """The head dim whose BUDGETS entry holds for ``problem``: the wider of Q/K's and V's, as
+    what ptxas needs beside the accumulators grows with the head dim (Q/K's of
+    WIDE_HEAD_DIMS: WIDE_BUDGETS's own entries)."""
+    return max(problem.head_dim, problem.v_head_dim)
+
+
 def accumulator_budget(problem: Problem, config: KernelConfig, *,
                        warp_specialized: bool = False) -> int:
     """Accumulator registers per thread the config's kernel holds without spilling
     (BUDGETS)."""
     loader = (THREADS_COPY if not warp_specialized
               else CP_ASYNC_PRODUCER if cp_async_producer(config) else TMA_PRODUCER)
-    budget = BUDGETS[loader, warpgroups(config)][problem.head_dim]
+    budget = BUDGETS[loader, warpgroups(config)][budget_head_dim(problem)]
     if warp_specialized and knob(config, OVERLAP):
         return budget.overlap
     return budget.one_stage if config.num_stages == 1 else budget.more_stages
@@ -204,7 +268,13 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
                  warp_specialized: bool = False) -> str | None:
     """Why ``config`` cannot run ``problem`` on ``arch``, or None when it may (knobs the
     family does not declare are refused before: ``KernelFamily.static_check``)."""
-    if config.block_m not in BLOCK_M or config.block_n not in BLOCK_N:
+    if wide(problem):
+        if config.block_m not in WIDE_BLOCK_M or config.block_n not in WIDE_BLOCK_N:
+            return (f"block_m={config.block_m}, block_n={config.block_n}: at Q/K head dim "
+                    f"{problem.head_dim} the sm_90a forward takes block_m in {WIDE_BLOCK_M} "
+                    f"and block_n in {WIDE_BLOCK_N} (Q's rows and each K stage fill shared "
+                    "memory)")
+    elif config.block_m not in BLOCK_M or config.block_n not in BLOCK_N:
         return (f"block_m={config.block_m}, block_n={config.block_n}: the sm_90a forward "
                 f"takes block_m in {BLOCK_M} (warpgroups of 64 rows) and block_n a multiple "
                 "of 16 in 64..256 (the N of its wgmma)")
@@ -213,7 +283,7 @@ def static_check(problem: Problem, config: KernelConfig, arch: ArchSpec, *,
                 f"query rows, {warps(config.block_m)} warps for block_m={config.block_m}")
     if config.num_stages not in NUM_STAGES:
         return f"num_stages={config.num_stages}: expected one of {NUM_STAGES}"
-    if problem.head_dim == 256 and config.num_stages == 1:
+    if budget_head_dim(problem) == 256 and config.num_stages == 1 and not wide(problem):
         # Measured: NVRTC 13 for sm_90a gives these kernels 255 registers and 12 bytes of
         # spills (with two stages the same tile needs 251 and does not spill).
         return ("head_dim 256 with one stage spills registers (255 + 12 bytes of spills with "

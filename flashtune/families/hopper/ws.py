@@ -23,6 +23,12 @@ run-time values the forward's arguments, before the tensor maps): the producer n
 the key tiles below every row's window, the consumers mask only the tiles crossing an edge,
 and with varlen the maps' row coordinate is the sequence's first packed row.
 
+V's head dim may differ from Q/K's (``split_head_dims``: Q K^T over Q/K's, P V and O over
+V's, each a whole number of 128-byte panels), and Q/K's may be 512 or 576 beside V's of at
+most 256 (what each column chunk of ``api.forward`` launches): their own space
+(``space.WIDE_WS_SPACE``, 32- to 64-key tiles, one or two consumer warpgroups, measured
+register budgets) and a default per head dim (``WIDE_DEFAULTS``).
+
 The config's num_warps counts the consumer warps (block_m / 16, as in ``fwd90a``); the block
 has a producer warpgroup more (``threads``). It serves the forward on compute capability 9.0
 devices (``serves``), each kernel checked against float64 on the device before its first
@@ -86,6 +92,19 @@ def panel_map(t: torch.Tensor, rows: int) -> TensorMap:
                      (PANEL, rows, dim // PANEL, 1, 1), TmaSwizzle.B128)
 
 
+#: The defaults of Q/K head dims 512 and 576, in order of preference (the first the rules
+#: pass): at 512 two consumer warpgroups share each 32-key K and V stage (two stages fill
+#: 225 KiB) with ping-pong and overlap, as at the other head dims; at 576 one consumer
+#: warpgroup (two would leave room for one stage only, which spills) with overlap; one
+#: consumer warpgroup with 32 keys is the fallback of the rules at 512.
+WIDE_DEFAULTS: Mapping[int, tuple[Mapping[str, Value], ...]] = {
+    512: ({"block_m": 128, "block_n": 32, "num_stages": 2, space.PINGPONG: 1,
+           space.OVERLAP: 1},
+          {"block_m": 64, "block_n": 32, "num_stages": 2, space.OVERLAP: 1}),
+    576: ({"block_m": 64, "block_n": 32, "num_stages": 2, space.OVERLAP: 1},),
+}
+
+
 def _register_heavy(problem: Problem) -> str | None:
     """The features of ``problem`` that need one consumer warpgroup's registers (block_m 64)
     at head dim 256, named; None when two fit."""
@@ -120,9 +139,15 @@ class HopperWsForwardFamily(HopperForwardFamily):
     #: key range (hopper_fwd.cuh's clip_to_block_mask: the producer never loads an empty
     #: tile) and its mask is evaluated on the partial tiles only.
     score_mods = True
+    #: V's head dim may differ from Q/K's (P V and O over V's, Q K^T over Q/K's), and Q/K's
+    #: may be 512 or 576 (spec.WIDE_HEAD_DIMS) beside V's of at most 256: the API's column
+    #: chunks of a wider V each launch one (api/forward.py).
+    split_head_dims = True
+    max_head_dim = max(space.WIDE_HEAD_DIMS)
+    head_dims = space.WS_HEAD_DIMS
 
     def space(self, problem: Problem) -> ParamSpace:
-        return space.WS_SPACE
+        return space.WIDE_WS_SPACE if space.wide(problem) else space.WS_SPACE
 
     def point(self, config: KernelConfig) -> dict[str, Value]:
         return {**super().point(config),
@@ -151,7 +176,10 @@ class HopperWsForwardFamily(HopperForwardFamily):
         head dim 256) with ping-pong and overlap on, FA3's structure: neither holds an
         accumulator more, so the register rule admits both wherever it admits the tile (if it
         ever did not, the tile alone). Where the features' register limit refuses two
-        consumer warpgroups (``rules``), block_m 64 with overlap."""
+        consumer warpgroups (``rules``), block_m 64 with overlap. Q/K head dims 512 and 576:
+        WIDE_DEFAULTS's tile of the head dim (the first that passes the rules)."""
+        if space.wide(problem):
+            return self._wide_default(problem, arch)
         try:
             plain = super().default_config(problem, arch)
         except InvalidConfig:
@@ -163,7 +191,20 @@ class HopperWsForwardFamily(HopperForwardFamily):
         both = self.config({**self.point(plain), space.PINGPONG: 1, space.OVERLAP: 1})
         return both if self.static_check(problem, both, arch) is None else plain
 
+    def _wide_default(self, problem: Problem, arch: ArchSpec) -> KernelConfig:
+        """The first of WIDE_DEFAULTS[head_dim] that passes the rules."""
+        tiles = WIDE_DEFAULTS[problem.head_dim]
+        for point in tiles:
+            config = self.config(point)
+            if self.static_check(problem, config, arch) is None:
+                return config
+        return self.fitting(problem, self.config(tiles[-1]), arch)
+
     def default_reason(self, problem: Problem, arch: ArchSpec) -> str:
+        if space.wide(problem):
+            return ("Q/K head dim above 256: a TMA producer and the widest tile whose Q rows "
+                    "and two K and V stages fit shared memory (227 KiB), with overlap on; "
+                    "one consumer warpgroup where two exceed it or the register rule")
         return ("a TMA producer warpgroup and two consumer warpgroups (block_m 128), two stages "
                 "(FA3's sm90 choice), ping-pong and intra-warpgroup overlap on (FA3's order: no "
                 "accumulators more); the widest key tile whose accumulators fit the register "
@@ -183,7 +224,8 @@ class HopperWsForwardFamily(HopperForwardFamily):
                 "overlap": bool(space.knob(config, space.OVERLAP)),
                 **{f"tma_{name[-1]}": space.knob(config, name) == space.TMA
                    for name in space.LOAD_KNOBS},
-                "producer_registers": producer, "consumer_registers": consumer}
+                "producer_registers": producer, "consumer_registers": consumer,
+                **({"head_dim_v": problem.v_head_dim} if problem.split_head_dims else {})}
 
     def threads(self, problem: Problem, config: KernelConfig) -> int:
         """The consumers' threads plus the producer warpgroup."""
