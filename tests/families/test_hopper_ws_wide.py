@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import math
 import os
 import random
 import re
@@ -40,6 +41,7 @@ from test_hopper_ws_features import _inputs, assert_matches64
 
 import flashtune
 from flashtune import families
+from flashtune.api import flex_mods
 from flashtune.api.block_mask import create_block_mask
 from flashtune.api.flex import traced_feature
 from flashtune.codegen.arch import get_arch
@@ -392,3 +394,36 @@ def test_matches_float64_on_a_gpu(case: tuple[int, int, DType, bool, Shape],
     verdict = verify(CudaBackend().load(families.render(problem, config)), shape, "cuda",
                      seed=SEED)
     assert verdict.ok, f"{config.key()}: {verdict.message}"
+
+
+@pytest.mark.emulator
+@pytest.mark.usefixtures("dispatcher")
+def test_modifications_and_packed_sequences_at_wide_heads_run_fwd90aws(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the virtual sm_90a, a traced score_mod and mask_mod at 512 / 256 through
+    ``attention`` and a packed call through ``attention_varlen`` run on ``fwd90aws`` and
+    match float64 (softcap and a causal sliding window as Python functions; the packed
+    sequences' outputs one by one)."""
+    gen = torch.Generator().manual_seed(SEED)
+    q = torch.randn(1, 45, 2, 512, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(1, 45, 1, d, generator=gen).to(torch.bfloat16) for d in (512, 256))
+    lens = [19, 26]
+    cu = torch.tensor([0, 19, 45], dtype=torch.int32)
+    with on_virtual_sm90a(monkeypatch):
+        modified = flashtune.attention(q, k, v, score_mod=flex_mods.softcap(3.0),
+                                       mask_mod=flex_mods.sliding_window_causal(16))
+        packed = flashtune.attention_varlen(q[0], k[0], v[0], cu, cu, 26, 26, causal=True)
+        assert forward_ops() == {FAMILY.op}, forward_ops()
+    assert isinstance(modified, torch.Tensor) and isinstance(packed, torch.Tensor)
+    kk, vv = (t.double().repeat_interleave(2, 2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) / math.sqrt(512)
+    i, j = torch.arange(45)[:, None], torch.arange(45)[None]
+    scores = (3.0 * torch.tanh(scores / 3.0)).masked_fill((j > i) | (j <= i - 16), -math.inf)
+    want = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1), vv)
+    err = float((modified.double() - want).abs().max())
+    assert err <= 2e-2, f"seed {SEED}: modified: max |O - O64| = {err}"
+    for start, n in zip((0, 19), lens, strict=True):
+        rows = slice(start, start + n)
+        want = _attention64(q[:, rows], k[:, rows], v[:, rows], True)[0]
+        err = float((packed[rows].double() - want).abs().max())
+        assert err <= 2e-2, f"seed {SEED}: sequence at {start}: max |O - O64| = {err}"
