@@ -314,8 +314,9 @@ class KernelFamily(ABC):
             raise FeatureNotSupported(
                 f"the {self.op!r} kernel family ({self.title}) takes Q/K head dims up to "
                 f"{self.max_head_dim}, got {problem.head_dim} (problem {problem.key()}); the "
-                "mma.sync forward ('fwd') serves 512 and 576 beside V's head dim of at most "
-                "256 (its backward, 'bwd' and 'bwddet', also V's up to Q/K's)")
+                "mma.sync forward ('fwd') and the sm_90a forward ('fwd90aws') serve 512 and "
+                "576 beside V's head dim of at most 256, the mma.sync backward ('bwd', "
+                "'bwddet') and decoding ('decode') beside V's up to Q/K's")
         if problem.split_head_dims and not self.split_head_dims:
             raise FeatureNotSupported(
                 f"the {self.op!r} kernel family ({self.title}) needs V's head dim equal to "
