@@ -4,7 +4,7 @@ default serves: plain, causal, with window + softcap + ALiBi, and with a block m
 ranges (the mask evaluated on partial tiles).
 
 The default run compiles, on sm_80, head dim 128's default with a block mask (the kernel
-whose 64-key tiles spilled there) and head dims 64 and 256 with a variant drawn by
+whose 64-key tiles spilled there) and head dims 64, 96 and 256 with a variant drawn by
 FLASHTUNE_TEST_SEED, each in a seeded dtype (printed); ``-m sweep`` compiles every head
 dim, dtype and variant on sm_80, sm_86 and sm_90.
 """
@@ -27,7 +27,7 @@ from flashtune.families.decode import DECODE
 from flashtune.toolchain.compiler import compile_pairs
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 96, 128, 256)
 VARIANTS = ("plain", "causal", "window-softcap-alibi", "block-mask")
 ARCHS = ("sm_80", "sm_86", "sm_90")
 

@@ -51,6 +51,9 @@ DEFAULTS: tuple[tuple[int, KernelConfig, str], ...] = (
     (64, KernelConfig(64, 128, 4, 2), "64 packed rows on 4 warps, 128-key tiles in two "
                                       "buffers (83 KB: 2 blocks per SM on sm_80/sm_90; "
                                       "168-240 registers, no spills)"),
+    (96, KernelConfig(64, 64, 4, 2), "64 packed rows on 4 warps, 64-key tiles in two "
+                                     "buffers (65 KB, 164-168 registers, no spills; 32-key "
+                                     "tiles spill up to 56 B here)"),
     # 64-key tiles spill at head dim 128: 32 B with a block mask on sm_80/sm_86, 60 B for
     # the plain kernel on sm_90 (ptxas stops at 168 registers); one 64-key buffer still
     # spills 44 B with a block mask on sm_80/sm_86.
