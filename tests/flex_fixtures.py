@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from flashtune.api import flex_mods
+from flashtune.api.block_mask import with_tile_ranges
 from flashtune.codegen.features import registered, unregister_feature
 from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.codegen.trace import TracedMod
@@ -30,10 +31,7 @@ def forget_traced_features() -> Iterator[None]:
 def with_ranges(traced: TracedMod, ranges: torch.Tensor, drawn: Inputs) -> Inputs:
     """``drawn`` (a family's random inputs) with ``traced``'s captured tensors and the
     block mask tile ranges ``ranges`` as its values."""
-    values: dict[str, Any] = traced.values(torch.device("cpu"))
-    values[traced.ranges_param] = ranges
-    values.update({f"{traced.ranges_param}_n{j}": int(s)
-                   for j, s in enumerate(ranges.shape[:3])})
+    values = with_tile_ranges(traced, traced.values(torch.device("cpu")), ranges)
     tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
     scalars = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
     return Inputs(dict(drawn.tensors) | tensors, dict(drawn.scalars) | scalars)

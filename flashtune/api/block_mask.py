@@ -19,11 +19,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from flashtune.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from flashtune.codegen.trace import TracedMod
 
 MaskModFn = Callable[..., Any]
 #: The default block: the mma.sync kernels' tile sizes are multiples of 16.
@@ -112,6 +115,17 @@ class BlockMask:
             device=device, dtype=torch.int32).contiguous()
         self._tiles[key] = out
         return out
+
+
+def with_tile_ranges(traced: TracedMod, values: dict[str, Any], ranges: torch.Tensor
+                     ) -> dict[str, Any]:
+    """``values`` (a traced modification's kernel arguments) with a block mask's tile
+    ranges ``ranges`` (``BlockMask.tiles`` or the decode kernel's, (B, H, tiles, 4) int32)
+    as ``traced.ranges_param`` and their first three sizes as ``<param>_n0`` .. ``_n2``,
+    the arguments ``TracedMod.params`` declares for them; ``values`` is not changed."""
+    param = traced.ranges_param
+    return {**values, param: ranges,
+            **{f"{param}_n{j}": int(n) for j, n in enumerate(ranges.shape[:3])}}
 
 
 def create_block_mask(mask_mod: MaskModFn, B: int | None, H: int | None, Q_LEN: int,

@@ -23,7 +23,7 @@ import torch
 
 from flashtune import settings
 from flashtune.api import forward as _fwd
-from flashtune.api.block_mask import BlockMask
+from flashtune.api.block_mask import BlockMask, with_tile_ranges
 from flashtune.api.flex_grad import ModifiedCall, attend, needs_grad
 from flashtune.api.variants import Variant
 from flashtune.codegen.features import Feature, feature, register_feature
@@ -76,9 +76,7 @@ def modified_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant:
                              with_mod.features)
         config = plan.decision.config
         ranges = block_mask.tiles(config.block_m, config.block_n, q.device)
-        values[traced.ranges_param] = ranges
-        values.update({f"{traced.ranges_param}_n{j}": int(n)
-                       for j, n in enumerate(ranges.shape[:3])})
+        with_mod = replace(with_mod, mods=with_tile_ranges(traced, values, ranges))
     if needs_grad(q, k, v, traced):
         return attend(ModifiedCall(traced, with_mod, block_mask, variant.causal, scale,
                                    backend, deterministic), q, k, v)

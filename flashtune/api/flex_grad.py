@@ -28,7 +28,7 @@ import torch
 from flashtune import settings
 from flashtune.api import forward as _fwd
 from flashtune.api.backward import backward
-from flashtune.api.block_mask import BlockMask
+from flashtune.api.block_mask import BlockMask, with_tile_ranges
 from flashtune.api.variants import Variant, kernel_features
 from flashtune.codegen.trace import TracedMod
 from flashtune.codegen.trace_grad import (
@@ -125,11 +125,7 @@ def _with_columns(call: ModifiedCall, q: torch.Tensor, k: torch.Tensor, variant:
                           max(q.shape[1], k.shape[1]))
     config = plan.source.config
     ranges = call.block_mask.tiles(config.block_m, config.block_n, q.device, columns=True)
-    param = call.traced.ranges_param
-    values = dict(variant.mods)
-    values[param] = ranges
-    values.update({f"{param}_n{j}": int(n) for j, n in enumerate(ranges.shape[:3])})
-    return replace(variant, mods=values)
+    return replace(variant, mods=with_tile_ranges(call.traced, dict(variant.mods), ranges))
 
 
 def _score_grid(q: torch.Tensor, k: torch.Tensor, variant: Variant) -> tuple[int, int, int]:

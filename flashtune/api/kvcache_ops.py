@@ -16,7 +16,7 @@ import torch
 from flashtune import settings
 from flashtune.api import decode as _decode
 from flashtune.api import mla as _mla
-from flashtune.api.block_mask import BlockMask
+from flashtune.api.block_mask import BlockMask, with_tile_ranges
 from flashtune.api.flex import MaskModFn, ScoreModFn, refuse_grad, traced_feature
 from flashtune.api.fp8 import check_descale
 from flashtune.api.ops import check_no_grad, direct_call_ok
@@ -377,9 +377,7 @@ def modified_variant(variant: Variant, q: torch.Tensor, score_mod: ScoreModFn | 
     values = traced.values(q.device)
     if block_mask is not None:
         ranges = _decode.decode_tile_ranges(block_mask, q.device)
-        values[traced.ranges_param] = ranges
-        values.update({f"{traced.ranges_param}_n{j}": int(n)
-                       for j, n in enumerate(ranges.shape[:3])})
+        values = with_tile_ranges(traced, values, ranges)
     return replace(variant, traced=(traced_feature(traced),), mods=values)
 
 

@@ -253,14 +253,14 @@ def test_a_block_mask_with_a_mask_mod_or_of_another_type_is_refused() -> None:
 
 @pytest.mark.parametrize("arch, dims, spill", [
     ("sm_90", (128, None), 0),
-    pytest.param("sm_80", (128, None), 32, marks=pytest.mark.sweep),
+    pytest.param("sm_80", (128, None), 0, marks=pytest.mark.sweep),
     pytest.param("sm_80", (512, 256), 0, marks=pytest.mark.sweep),
     pytest.param("sm_90", (512, 256), 0, marks=pytest.mark.sweep),
 ], ids=str)
 def test_block_mask_defaults_compile_with_nvrtc(arch: str, dims: tuple[int, int | None],
                                                 spill: int) -> None:
     """The default decode config with a block mask compiles for the GPU within the spill
-    allowance of a modification that reads a captured tensor (test_decode_mods)."""
+    allowance (none: test_decode_defaults compiles every head dim's)."""
     from flashtune import families
     from flashtune.codegen.arch import get_arch
     from flashtune.toolchain.compiler import compile_source

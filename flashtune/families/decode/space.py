@@ -43,15 +43,27 @@ _FLAGS_BYTES = 16
 #: Defaults in order of preference, each for head dims up to its bound; the first that
 #: serves the head dim and passes the static rules on an arch wins. 64 packed rows on 4
 #: warps (FlashAttention-2's split-KV tile: a group of up to 64 query rows reads each K/V
-#: element once), key tiles as large as the accumulators and shared memory allow, two K/V
-#: buffers; then smaller tiles for archs with less shared memory.
+#: element once), key tiles as large as the accumulators allow without spilling, two K/V
+#: buffers; then smaller tiles for archs with less shared memory. Registers are NVRTC 13's
+#: for sm_80, sm_86 and sm_90, fp16 and bf16, plain, causal, with window + softcap + ALiBi
+#: and with a block mask (tests/decode/test_decode_defaults.py compiles them: no spills).
 DEFAULTS: tuple[tuple[int, KernelConfig, str], ...] = (
     (64, KernelConfig(64, 128, 4, 2), "64 packed rows on 4 warps, 128-key tiles in two "
-                                      "buffers (83 KB: 2 blocks per SM on sm_80/sm_90)"),
-    (128, KernelConfig(64, 64, 4, 2), "64 packed rows on 4 warps, 64-key tiles in two "
-                                      "buffers (87 KB: 2 blocks per SM on sm_80/sm_90)"),
+                                      "buffers (83 KB: 2 blocks per SM on sm_80/sm_90; "
+                                      "168-240 registers, no spills)"),
+    (96, KernelConfig(64, 64, 4, 2), "64 packed rows on 4 warps, 64-key tiles in two "
+                                     "buffers (65 KB, 164-168 registers, no spills; 32-key "
+                                     "tiles spill up to 56 B here)"),
+    # 64-key tiles spill at head dim 128: 32 B with a block mask on sm_80/sm_86, 60 B for
+    # the plain kernel on sm_90 (ptxas stops at 168 registers); one 64-key buffer still
+    # spills 44 B with a block mask on sm_80/sm_86.
+    (128, KernelConfig(64, 32, 4, 2), "64 packed rows on 4 warps, 32-key tiles in two "
+                                      "buffers (52 KB, 166-168 registers: 3 blocks per SM "
+                                      "on sm_80/sm_90, 1 in sm_86's 100 KB; no spills, "
+                                      "where 64-key tiles spill up to 60 B)"),
     (256, KernelConfig(64, 32, 4, 2), "64 packed rows on 4 warps, 32-key tiles in two "
-                                      "buffers (the accumulators of large head dims)"),
+                                      "buffers (101 KB, 244-250 registers: the accumulators "
+                                      "of large head dims, no spills)"),
     (256, KernelConfig(64, 32, 4, 1), "64 packed rows on 4 warps, one 32-key buffer: fits "
                                       "100 KB of shared memory at head dim 256"),
     (256, KernelConfig(16, 32, 1, 1), "the smallest tile: one warp, one 32-key buffer"),
