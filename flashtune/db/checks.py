@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from flashtune.codegen.spec import KernelConfig, Problem, ProblemBucket
 from flashtune.db.physics import implausible
-from flashtune.db.records import DeviceRecord, TrialRecord
+from flashtune.db.records import DeviceRecord, Keyed, TrialRecord
 from flashtune.errors import FlashtuneError
 
 
@@ -24,11 +24,15 @@ def semantic_problem(trial: TrialRecord) -> str | None:
         ProblemBucket(problem, trial.seqlen, trial.shape_class)
     except (FlashtuneError, KeyError, TypeError) as exc:
         return f"trial {trial.uid}: {exc}"
-    for kind, canonical, keyed in (("problem", problem.key(), trial.problem),
-                                   ("config", config.key(), trial.config)):
-        if canonical != keyed.key:
+    for kind, canonical, keyed in (("problem", Keyed.of(problem), trial.problem),
+                                   ("config", Keyed.of(config), trial.config)):
+        if canonical.key != keyed.key:
             return (f"trial {trial.uid}: {kind} key {keyed.key!r} does not match its fields, "
-                    f"whose canonical key is {canonical!r}")
+                    f"whose canonical key is {canonical.key!r}")
+        # One key, one set of fields (the database's rule): defaults are spelled out.
+        if canonical.fields != keyed.fields:
+            return (f"trial {trial.uid}: {kind} {keyed.key!r} has fields {keyed.as_dict()}; "
+                    f"expected its canonical fields {canonical.as_dict()}")
     return None
 
 
