@@ -53,6 +53,19 @@ def _isolated_db(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
     yield
 
 
+@pytest.fixture(autouse=True)
+def _forget_traced_features() -> Iterator[None]:
+    """A traced modification registers a feature for the process: forget the ones a test
+    registered, so no later test sees them among the features (whatever the order)."""
+    from flashtune.codegen.features import registered, unregister_feature
+
+    before = {f.name for f in registered()}
+    yield
+    for feature in registered():
+        if feature.name not in before:
+            unregister_feature(feature.name)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """One kernel cache per test run (shared by tests, never the user's). Under xdist the

@@ -5,27 +5,16 @@ reference that applies a modification's Python functions to the whole score matr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
 
 from flashtune.api import flex_mods
 from flashtune.api.block_mask import with_tile_ranges
-from flashtune.codegen.features import registered, unregister_feature
 from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.codegen.trace import TracedMod
 from flashtune.families.base import Inputs, KernelFamily, Verdict
-
-
-@pytest.fixture(autouse=True)
-def forget_traced_features() -> Iterator[None]:
-    before = {f.name for f in registered()}
-    yield
-    for feature in registered():
-        if feature.name not in before:
-            unregister_feature(feature.name)
 
 
 def with_ranges(traced: TracedMod, ranges: torch.Tensor, drawn: Inputs) -> Inputs:

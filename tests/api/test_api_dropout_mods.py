@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from dropout_philox import call_seed, float32, mask
-from flex_fixtures import forget_traced_features, grid  # noqa: F401  (autouse fixture)
+from flex_fixtures import grid
 from grad_helpers import gradients, within_rule
 
 import flashtune

@@ -17,11 +17,10 @@ from typing import Any
 
 import pytest
 import torch
-from flex_fixtures import (  # noqa: F401  (forget_traced_features: autouse)
+from flex_fixtures import (
     Fn,
     dense,
     docs_of,
-    forget_traced_features,
     random_flashmask,
 )
 from grad_helpers import Grads, gradients, packed_inputs, per_sequence, within_rule

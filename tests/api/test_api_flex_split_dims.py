@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from flex_fixtures import dense, forget_traced_features  # noqa: F401  (autouse fixture)
+from flex_fixtures import dense
 from grad_helpers import gradients, within_rule
 
 import flashtune

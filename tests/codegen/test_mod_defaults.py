@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-from flex_fixtures import forget_traced_features  # noqa: F401  (autouse)
 
 from flashtune import families
 from flashtune.api import flex_mods

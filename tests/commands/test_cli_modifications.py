@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from flex_fixtures import forget_traced_features  # noqa: F401  (autouse, by name)
 from typer.testing import CliRunner
 
 from flashtune.cli import app

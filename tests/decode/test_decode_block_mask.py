@@ -21,8 +21,7 @@ from typing import Any
 import pytest
 import torch
 from decode_cases import call_api, run_emulated
-from flex_fixtures import (  # noqa: F401  (forget_traced_features: autouse)
-    forget_traced_features,
+from flex_fixtures import (
     with_ranges,
 )
 

@@ -23,11 +23,10 @@ from typing import Any
 
 import pytest
 import torch
-from flex_fixtures import (  # noqa: F401  (forget_traced_features: autouse)
+from flex_fixtures import (
     Fn,
     dense,
     docs_of,
-    forget_traced_features,
     four_documents,
     grid,
     with_ranges,

@@ -24,9 +24,8 @@ import re
 
 import pytest
 import torch
-from flex_fixtures import (  # noqa: F401  (forget_traced_features: autouse)
+from flex_fixtures import (
     dense,
-    forget_traced_features,
     four_documents,
     with_ranges,
 )

@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from flex_fixtures import (  # noqa: F401  (forget_traced_features: autouse)
-    forget_traced_features,
+from flex_fixtures import (
     four_documents,
     launch_with_ranges,
 )

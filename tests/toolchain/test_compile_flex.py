@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flex_fixtures import forget_traced_features  # noqa: F401  (autouse, by name)
 
 from flashtune.api import flex_mods
 from flashtune.api.flex import traced_feature
