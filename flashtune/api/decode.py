@@ -46,6 +46,7 @@ import torch
 
 from flashtune import settings
 from flashtune.api.block_mask import BlockMask
+from flashtune.api.forward import in_column_chunks
 from flashtune.api.validate_kvcache import (
     FP8_CACHE_DTYPE,
     KvCacheLayout,
@@ -404,26 +405,18 @@ def _in_column_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       variant: Variant | None, batch_invariant: bool,
                       descales: tuple[torch.Tensor, torch.Tensor] | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``run_decode`` of a V wider than MAX_HEAD_DIM: O's columns are P V's, so each chunk of
-    at most MAX_HEAD_DIM of V's columns (a column view of v_cache and of the new rows v) is a
-    call of its own, Q K^T and P recomputed (a thread's registers hold no wider O: K is read
-    once per chunk); the chunks' O concatenated, the LSE (P's, the same in every chunk) the
-    first's. Every chunk appends the new keys (the same rows: the later writes change
-    nothing) and its own V columns."""
-    outs = []
-    lse: torch.Tensor | None = None
-    for start in range(0, layout.v_head_dim, MAX_HEAD_DIM):
-        end = min(start + MAX_HEAD_DIM, layout.v_head_dim)
+    """``run_decode`` of a V wider than MAX_HEAD_DIM, by ``api.forward.in_column_chunks``:
+    each chunk a column view of v_cache and of the new rows v (K is read once per chunk).
+    Every chunk appends the new keys (the same rows: the later writes change nothing) and
+    its own V columns."""
+    def attend(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         chunk = replace(layout, head_dim_v=end - start)
         chunk = replace(chunk, head_dim_v=kernel_head_dim_v(chunk))
-        out, chunk_lse = run_decode(q, k_cache, v_cache[..., start:end], cache_seqlens,
-                                    block_table, k, None if v is None else v[..., start:end],
-                                    chunk, causal, softmax_scale, num_splits, backend, variant,
-                                    batch_invariant, descales)
-        outs.append(out)
-        lse = chunk_lse if lse is None else lse
-    assert lse is not None
-    return torch.cat(outs, dim=-1), lse
+        return run_decode(q, k_cache, v_cache[..., start:end], cache_seqlens, block_table, k,
+                          None if v is None else v[..., start:end], chunk, causal,
+                          softmax_scale, num_splits, backend, variant, batch_invariant,
+                          descales)
+    return in_column_chunks(layout.v_head_dim, attend)
 
 
 def report_status(status: torch.Tensor, layout: KvCacheLayout) -> None:

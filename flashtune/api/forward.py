@@ -12,6 +12,8 @@ that passed ``validate.check_attention_inputs``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from flashtune import settings
@@ -120,16 +122,24 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 def _in_column_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                       softmax_scale: float, backend: str, variant: Variant | None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``forward`` of a V wider than MAX_HEAD_DIM (beside Q/K of one of spec.WIDE_HEAD_DIMS):
-    O's columns are P V's, so each chunk of at most MAX_HEAD_DIM of V's columns is a launch
-    of its own (Q K^T and P recomputed: a thread's registers hold no wider O), the chunks'
-    O concatenated; every chunk's LSE is the same (P's), the first is returned. Dropout
-    draws the same mask in every chunk (from positions only)."""
+    """``forward`` of a V wider than MAX_HEAD_DIM (beside Q/K of one of spec.WIDE_HEAD_DIMS),
+    by ``in_column_chunks``. Dropout draws the same mask in every chunk (from positions
+    only)."""
+    return in_column_chunks(v.shape[3], lambda start, end: forward(
+        q, k, v[..., start:end], causal, softmax_scale, backend, variant))
+
+
+def in_column_chunks(width: int, attend: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """O and LSE of an attention whose V is ``width`` columns wide, more than MAX_HEAD_DIM:
+    O's columns are P V's, so each chunk [start, end) of at most MAX_HEAD_DIM columns is a
+    call ``attend(start, end)`` of its own (Q K^T and P recomputed: a thread's registers hold
+    no wider O), the chunks' O concatenated; every chunk's LSE is the same (P's), the first
+    is returned."""
     outs = []
     lse: torch.Tensor | None = None
-    for start in range(0, v.shape[3], MAX_HEAD_DIM):
-        out, chunk_lse = forward(q, k, v[..., start:start + MAX_HEAD_DIM], causal,
-                                 softmax_scale, backend, variant)
+    for start in range(0, width, MAX_HEAD_DIM):
+        out, chunk_lse = attend(start, min(start + MAX_HEAD_DIM, width))
         outs.append(out)
         lse = chunk_lse if lse is None else lse
     assert lse is not None
