@@ -368,26 +368,26 @@ def attention(
     if return_dropout_mask and not p:
         raise InvalidInput("return_dropout_mask=True needs dropout_p > 0 (there is no mask "
                            "without dropout)")
-    variant: Variant | None = resolve(causal, window_size, softcap, alibi_slopes, q,
-                                      q.shape[0], (q.shape[1], k.shape[1]), sinks=sinks)
-    assert variant is not None
-    if p:
-        variant = dataclasses.replace(variant, dropout=_dropout.draw(
-            q.device, q.shape[0] * q.shape[2], p))
+    modified = score_mod is not None or mask_mod is not None
+    variant: Variant | None = None  # plain attention (the hot path resolves nothing)
+    if modified or p or window_size != NO_WINDOW or softcap is not None or (
+            alibi_slopes is not None or sinks is not None):
+        variant = resolve(causal, window_size, softcap, alibi_slopes, q, q.shape[0],
+                          (q.shape[1], k.shape[1]), sinks=sinks)
+        if p:
+            variant = dataclasses.replace(variant, dropout=_dropout.draw(
+                q.device, q.shape[0] * q.shape[2], p))
+        causal = variant.causal
     needs_grad = _needs_grad(q, k, v) or (torch.is_grad_enabled() and sinks is not None
                                           and sinks.requires_grad)
-    if score_mod is not None or mask_mod is not None:
+    if modified:
+        assert variant is not None
         if variant.sinks is not None and variant.sinks.requires_grad:
             refuse_grad(variant.sinks, what="attention with sinks that require grad and a "
                         "score_mod or mask_mod")
         out, lse = modified_forward(q, k, v, variant, scale, name, score_mod, mask_mod,
                                     deterministic=ordered)
     else:
-        if (window_size == NO_WINDOW and softcap is None and alibi_slopes is None
-                and sinks is None and not p):
-            variant = None
-        else:
-            causal = variant.causal
         out, lse = _plain_or_featured(q, k, v, causal, scale, name, ordered, variant,
                                       needs_grad, alibi_slopes, sinks)
     if dim is not None:
