@@ -15,15 +15,21 @@ from flashtune.api.block_mask import with_tile_ranges
 from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.codegen.trace import TracedMod
 from flashtune.families.base import Inputs, KernelFamily, Verdict
+from flashtune.families.bwd import with_stats
 
 
-def with_ranges(traced: TracedMod, ranges: torch.Tensor, drawn: Inputs) -> Inputs:
-    """``drawn`` (a family's random inputs) with ``traced``'s captured tensors and the
-    block mask tile ranges ``ranges`` as its values."""
+def with_ranges(problem: Problem, traced: TracedMod, ranges: torch.Tensor,
+                drawn: Inputs) -> Inputs:
+    """``drawn`` (a family's random inputs for ``problem``) with ``traced``'s captured
+    tensors and the block mask tile ranges ``ranges`` as its values. A backward's inputs
+    get the forward's LSE and D again, of these values: the drawn ones belong to random
+    captured tensors (a random FlashMask hides whole rows: zero gradients, which no
+    masking changes)."""
     values = with_tile_ranges(traced, traced.values(torch.device("cpu")), ranges)
     tensors = {k: v for k, v in values.items() if isinstance(v, torch.Tensor)}
     scalars = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
-    return Inputs(dict(drawn.tensors) | tensors, dict(drawn.scalars) | scalars)
+    inputs = Inputs(dict(drawn.tensors) | tensors, dict(drawn.scalars) | scalars)
+    return with_stats(problem, inputs) if "lse" in drawn.tensors else inputs
 
 
 def four_documents(n: int, seed: int, flash: bool = False
@@ -100,7 +106,7 @@ def launch_with_ranges(family: KernelFamily, problem: Problem, config: KernelCon
     """One launch of ``kernel`` (loaded with counters) of ``family`` on ``drawn`` with the
     tile ranges ``ranges``: its NaN-poisoned outputs, the tensor-core count of each block
     and the verdict against the family's float64 reference."""
-    inputs = with_ranges(traced, ranges, drawn)
+    inputs = with_ranges(problem, traced, ranges, drawn)
     outputs = family.empty_outputs(problem, shape, inputs, poison=True)
     plan = family.launch_plan(problem, config, shape, inputs, outputs)
     kernel.launch(plan.grid, plan.args)

@@ -208,8 +208,8 @@ def test_a_block_mask_skips_the_empty_key_tiles() -> None:
     everything[..., 0], everything[..., 1] = 0, n // 16
     counts = {}
     for name, r in (("mask", ranges), ("all", everything)):
-        launch, kernel = run_emulated(problem, shape, with_ranges(traced, r, drawn), config,
-                                      counters=True)
+        launch, kernel = run_emulated(problem, shape, with_ranges(problem, traced, r, drawn),
+                                      config, counters=True)
         verdict = launch.verdict()
         assert verdict.ok, f"{name} (seed {SEED}): {verdict.message}"
         counts[name] = kernel.last_counters.mma_count  # type: ignore[attr-defined]

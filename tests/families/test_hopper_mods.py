@@ -149,7 +149,7 @@ def _forward_skip_case(flash: bool) -> None:
     assert int((ranges[..., 3] - ranges[..., 2]).sum()) > 0, f"cuts={cuts}: no full tiles"
 
     def launch(tiles: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
-        inputs = with_ranges(traced, tiles, drawn)
+        inputs = with_ranges(problem, traced, tiles, drawn)
         outputs, counters = emulate(FAMILY, problem, config, shape, inputs,
                                     LaunchOptions(counters=True))
         verdict = FAMILY.compare(problem, shape, outputs, FAMILY.reference(problem, inputs))
@@ -333,7 +333,7 @@ def _backward_skip_case(mode: str) -> None:
                               columns=True)
 
     def launch(tiles: torch.Tensor) -> tuple[dict[str, torch.Tensor], int, bool]:
-        inputs = with_ranges(traced, tiles, drawn)
+        inputs = with_ranges(problem, traced, tiles, drawn)
         outputs, counters = emulate(family, problem, config, shape, inputs,
                                     LaunchOptions(counters=True))
         verdict = family.compare(problem, shape, outputs, family.reference(problem, inputs))

@@ -323,7 +323,7 @@ def test_a_block_mask_at_a_wide_head_matches_float64() -> None:
     drawn = FAMILY.random_inputs(problem, shape, "cpu", SEED)
     ranges = create_block_mask(mask_mod, 1, 1, n, n).tiles(config.block_m, config.block_n,
                                                             torch.device("cpu"))
-    inputs = with_ranges(traced, ranges, drawn)
+    inputs = with_ranges(problem, traced, ranges, drawn)
     outputs, _ = emulate(FAMILY, problem, config, shape, inputs)
     where = f"{problem.key()} {config.key()} cuts={cuts} seed={SEED}"
     assert not torch.isnan(outputs["o"]).any(), f"{where}: unwritten"

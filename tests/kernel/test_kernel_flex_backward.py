@@ -163,6 +163,9 @@ def _skip_case(flash: bool) -> None:
     assert int((ranges[..., 3] - ranges[..., 2]).sum()) > 0, f"cuts={cuts}: no full tiles"
     skipped_out, skipped, ok = launch(ranges)
     assert ok, f"cuts={cuts}: wrong gradients with the block mask"
+    # Zero gradients would make every later comparison vacuous (stale forward statistics
+    # once hid whole rows here).
+    assert float(skipped_out["dv"].abs().amax()) > 0, f"cuts={cuts}: dV is zero"
     tiles_m = n // config.block_m
     every = torch.tensor([0, tiles_m, 0, 0], dtype=torch.int32).expand(1, 1, n // 32, 4)
     walked_out, walked, ok = launch(every.contiguous())
