@@ -27,8 +27,12 @@ def mma_head_dim(problem: Problem) -> int:
     return -(-problem.head_dim // 16) * 16
 
 
+def mma_v_head_dim(problem: Problem) -> int:
+    """V's (and O's) head dim as the tensor cores work on it, rounded up like Q/K's."""
+    return -(-problem.v_head_dim // 16) * 16
+
+
 def accumulator_registers(problem: Problem, config: KernelConfig) -> int:
     """32-bit registers per thread held by the O and S accumulator fragments (O is V's head
     dim wide, rounded up to the k16 step like Q/K's)."""
-    o_dim = -(-problem.v_head_dim // 16) * 16
-    return config.rows_per_warp * (o_dim + config.block_n) // 32
+    return config.rows_per_warp * (mma_v_head_dim(problem) + config.block_n) // 32

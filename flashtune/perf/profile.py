@@ -16,7 +16,7 @@ from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.errors import InvalidConfig
 from flashtune.families import of, render
-from flashtune.perf.model.algorithm import mma_head_dim
+from flashtune.families.registers import mma_head_dim, mma_v_head_dim
 from flashtune.perf.model.baselines import PublishedFigure, published_figures
 from flashtune.perf.model.costmodel import DEFAULT_PARAMS, ModelParams, Prediction, predict
 from flashtune.perf.model.gpus import GpuSpec, default_gpu_for_arch, get_gpu
@@ -68,12 +68,13 @@ class KernelProfile:
 
     @property
     def tensor_flops_per_tile(self) -> int | None:
-        """A forward's tensor FLOPs per K/V tile: 4 * block_m * block_n * head dim (Q K^T and
-        P V, the head dim rounded up to 16 as the tensor cores see it); None for a kernel
-        that is not a forward (the mma.sync one or an sm_90a family)."""
+        """A forward's tensor FLOPs per K/V tile: 2 * block_m * block_n * (Q/K's head dim +
+        V's) (Q K^T and P V, each head dim rounded up to 16 as the tensor cores see it);
+        None for a kernel that is not a forward (the mma.sync one or an sm_90a family)."""
         if not predicts(self.problem):
             return None
-        return 4 * self.config.block_m * self.config.block_n * mma_head_dim(self.problem)
+        return (2 * self.config.block_m * self.config.block_n
+                * (mma_head_dim(self.problem) + mma_v_head_dim(self.problem)))
 
     def to_dict(self) -> dict[str, object]:
         return {

@@ -11,14 +11,18 @@ from flashtune.families.decode import DECODE
 from flashtune.perf.model.decode import HBM_EFFICIENCY, decode_traffic, predict_decode
 
 
-def test_traffic_is_the_minimum_for_one_split_and_a_covering_tile() -> None:
-    problem = Problem(128, DType.BF16, causal=True, op="decode")
+@pytest.mark.parametrize("dims", [(128, 128), (192, 128)], ids=["d128", "d192v128"])
+def test_traffic_is_the_minimum_for_one_split_and_a_covering_tile(dims: tuple[int, int]
+                                                                   ) -> None:
+    d, dv = dims
+    problem = Problem(d, DType.BF16, causal=True, op="decode",
+                      head_dim_v=None if dv == d else dv)
     shape = Shape(8, 32, 4, 4, 8192)  # group 8 x 4 query rows = 32 packed rows
     traffic = decode_traffic(problem, KernelConfig(64, 64, 4, 2), shape, 1)
     assert traffic.total == DECODE.min_bytes(problem, shape)
     assert traffic.partials == 0
     split = decode_traffic(problem, KernelConfig(64, 64, 4, 2), shape, 4)
-    assert split.kv == traffic.kv and split.partials == 2 * 4 * 8 * 32 * 4 * (4 * 128 + 4)
+    assert split.kv == traffic.kv and split.partials == 2 * 4 * 8 * 32 * 4 * (4 * dv + 4)
     reread = decode_traffic(problem, KernelConfig(16, 64, 1, 2), shape, 1)
     assert reread.kv == 2 * traffic.kv  # 32 packed rows in two 16-row blocks
 

@@ -11,7 +11,11 @@ import pytest
 from flashtune import families
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.errors import InvalidConfig, InvalidInput
-from flashtune.perf.model.algorithm import analytic_traffic, tiles_per_query_block
+from flashtune.perf.model.algorithm import (
+    analytic_tile_mix,
+    analytic_traffic,
+    tiles_per_query_block,
+)
 from flashtune.perf.model.baselines import Fa2Resources
 from flashtune.perf.model.costmodel import (
     DEFAULT_PARAMS,
@@ -183,6 +187,27 @@ def test_analytic_traffic_counts_q_once_kv_per_query_block_o_once() -> None:
     assert got.l2_bytes == expected_l2
     # Everything fits in L2: K and V come from DRAM once per kv head.
     assert got.dram_bytes == rows * 64 * 2 * 2 + rows * 4 + 3 * 2 * 777 * 64 * 2 * 2
+
+
+def test_v_head_dim_counts_in_flops_instructions_and_traffic() -> None:
+    """DeepSeek's 192 / 128: Q K^T over 192 columns, P V, the O rescale, V's tile and O
+    over 128, against the counts written out here; the prediction lies between the
+    unsplit problems of either head dim."""
+    split, wide, narrow = (Problem(192, DType.BF16, head_dim_v=128),
+                           Problem(192, DType.BF16), Problem(128, DType.BF16))
+    config = KernelConfig(128, 64, 8, 2)
+    split_mix, wide_mix = analytic_tile_mix(split, config), analytic_tile_mix(wide, config)
+    rows, n = config.rows_per_warp, config.block_n
+    assert split_mix.mma_flops == 2 * rows * n * (192 + 128)
+    assert wide_mix.mma_flops - split_mix.mma_flops == 2 * rows * n * 64
+    assert wide_mix.fp32 - split_mix.fp32 == rows // 16 * 64 / 2  # fewer O columns
+    shape = Shape(2, 16, 16, 1024, 1024)
+    got = analytic_traffic(split, config, shape, l2_bytes=1 << 40, resident_blocks=264)
+    q_rows = 2 * 16 * 1024
+    assert got.dram_bytes == (q_rows * (192 + 128) * 2 + q_rows * 4
+                              + 2 * 16 * 1024 * (192 + 128) * 2)
+    times = [predict(p, config, shape, "H100").time_ms for p in (narrow, split, wide)]
+    assert times[0] < times[1] < times[2], times
 
 
 def test_parameter_validation() -> None:

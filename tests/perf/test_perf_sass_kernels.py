@@ -10,7 +10,8 @@ import pytest
 
 from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.families import render
-from flashtune.perf.model.algorithm import analytic_tile_mix, mma_head_dim
+from flashtune.families.registers import mma_head_dim
+from flashtune.perf.model.algorithm import analytic_tile_mix
 from flashtune.perf.sass.loops import main_loop, main_loops
 from flashtune.perf.sass.parse import SassListing
 

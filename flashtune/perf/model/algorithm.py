@@ -17,17 +17,13 @@ from dataclasses import asdict, dataclass
 
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.errors import InvalidInput
+from flashtune.families.registers import mma_head_dim, mma_v_head_dim
 from flashtune.perf.sass.parse import InstructionMix
 
 
 def check_shape(shape: ShapeLike) -> None:
     """Validate any ShapeLike (raises InvalidInput)."""
     Shape(shape.batch, shape.heads_q, shape.heads_kv, shape.seqlen_q, shape.seqlen_k)
-
-
-def mma_head_dim(problem: Problem) -> int:
-    """Head dim the tensor cores work on: the real one rounded up to 16."""
-    return -(-problem.head_dim // 16) * 16
 
 
 #: A sliding window's (left, right) key counts; -1 is unbounded on that side.
@@ -119,18 +115,19 @@ class TileMix:
 
 
 def analytic_tile_mix(problem: Problem, config: KernelConfig) -> TileMix:
-    """Per-warp, per-K/V-tile instruction counts of the forward kernel from its structure."""
-    d = mma_head_dim(problem)
+    """Per-warp, per-K/V-tile instruction counts of the forward kernel from its structure
+    (Q K^T over Q/K's head dim, P V and the O rescale over V's)."""
+    d, dv = mma_head_dim(problem), mma_v_head_dim(problem)
     n = config.block_n
     slabs = config.rows_per_warp // 16          # m16 tiles per warp
     elems = config.rows_per_warp * n / 32      # scores held per thread
-    mmas = slabs * (n // 8) * (d // 16) + slabs * (d // 8) * (n // 16)
-    ldsm = n * d / 256 * 2 + slabs * d / 16     # K and V tiles (x4), the warp's Q rows
-    ldgsts = 2 * n * d * 2 / 16 / config.threads  # 16-byte cp.async per thread
+    mmas = slabs * (n // 8) * (d // 16) + slabs * (dv // 8) * (n // 16)
+    ldsm = n * (d + dv) / 256 + slabs * d / 16  # K and V tiles (x4), the warp's Q rows
+    ldgsts = n * (d + dv) * 2 / 16 / config.threads  # 16-byte cp.async per thread
     rows = 2 * slabs                            # rows a thread holds a share of
     fp32 = (3 * elems            # scale-and-subtract, running max, running sum
             + elems / 2          # pack probabilities to 16-bit pairs
-            + slabs * d / 2      # rescale the O accumulators
+            + slabs * dv / 2     # rescale the O accumulators
             + 6 * rows)          # row statistics
     integer = 2 * (ldsm + ldgsts) + 60          # addressing and loop control
     return TileMix(
@@ -192,13 +189,13 @@ def analytic_traffic(problem: Problem, config: KernelConfig, shape: ShapeLike,
     ``window``: a window problem's sizes (``block_tiles``).
     """
     e = problem.dtype.itemsize
-    d = problem.head_dim
+    kv_row = (problem.head_dim + problem.v_head_dim) * e  # a key's K and V rows
     q_rows = shape.batch * shape.heads_q * shape.seqlen_q
-    kv_bytes_per_head = 2 * shape.seqlen_k * d * e
-    q_o = q_rows * d * e * 2 + q_rows * 4
+    kv_bytes_per_head = shape.seqlen_k * kv_row
+    q_o = q_rows * kv_row + q_rows * 4  # Q in, O (V's width) and the LSE out
     tiles = block_tiles(problem, config, shape, window)
     kv_requests = (sum(b.key_rows(config.block_n, shape.seqlen_k) for b in tiles)
-                   * 2 * d * e * shape.batch * shape.heads_q)
+                   * kv_row * shape.batch * shape.heads_q)
     group = shape.heads_q // shape.heads_kv
     unique_kv = shape.batch * shape.heads_kv * kv_bytes_per_head
     heads_in_flight = max(1.0, resident_blocks / (len(tiles) * group))

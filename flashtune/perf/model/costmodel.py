@@ -49,6 +49,7 @@ from flashtune.codegen.arch import SUBPARTITIONS_PER_SM
 from flashtune.codegen.spec import KernelConfig, Problem, ShapeLike
 from flashtune.errors import InvalidInput, OutOfResources
 from flashtune.families.base import timing_window
+from flashtune.families.registers import mma_head_dim, mma_v_head_dim
 from flashtune.perf.model.algorithm import (
     TileMix,
     Traffic,
@@ -56,7 +57,6 @@ from flashtune.perf.model.algorithm import (
     analytic_traffic,
     block_tiles,
     check_shape,
-    mma_head_dim,
     sass_tile_mix,
 )
 from flashtune.perf.model.gpus import MMA_M16N8K16_FLOPS, GpuSpec, get_gpu
@@ -256,7 +256,8 @@ def _cycles(mix: TileMix, problem: Problem, config: KernelConfig, gpu: GpuSpec,
     exposed = max(0.0, latency - (config.num_stages - 1) * per_block)
     latency_round = per_block + exposed
     # ldmatrix reads per warp, plus the cp.async writes of one K and one V tile per block.
-    kv_tile_bytes = 2 * config.block_n * mma_head_dim(problem) * problem.dtype.itemsize
+    kv_tile_bytes = (config.block_n * (mma_head_dim(problem) + mma_v_head_dim(problem))
+                     * problem.dtype.itemsize)
     smem_bytes = occ.blocks_per_sm * (config.num_warps * mix.ldsm_bytes * conflict
                                       + kv_tile_bytes * conflict)
     smem_round = smem_bytes / thr.smem_bytes_per_clk
@@ -320,8 +321,9 @@ def predict(
     # A block's own Q tile (read before its first tile) and O tile (written after its
     # last) come from / go to DRAM at its share of the bandwidth; its first K/V tiles
     # mostly hit L2 (other query blocks of the head fetched them).
-    q_o_s = 2 * config.block_m * problem.head_dim * e / (bandwidth / slots)
-    first_kv_s = 2 * config.block_n * problem.head_dim * e / (l2_bandwidth / slots)
+    row = (problem.head_dim + problem.v_head_dim) * e  # Q's and O's, K's and V's
+    q_o_s = config.block_m * row / (bandwidth / slots)
+    first_kv_s = config.block_n * row / (l2_bandwidth / slots)
     if loops is not None:
         # Each query block: its masked tiles at the masked loop's executed cost, the rest at
         # the unmasked loop's, both at the block's chance of a rescale.
@@ -343,7 +345,7 @@ def predict(
                                resident_blocks=slots, window=window)
     if counters is not None and counters.global_read_bytes is not None:
         write = (counters.global_write_bytes if counters.global_write_bytes is not None
-                 else shape.batch * shape.heads_q * shape.seqlen_q * (problem.head_dim * e + 4))
+                 else shape.batch * shape.heads_q * shape.seqlen_q * (problem.v_head_dim * e + 4))
         l2 = float(counters.global_read_bytes + write)
         traffic = Traffic(min(traffic.dram_bytes, l2), l2, "counters")
     dram_s = traffic.dram_bytes / bandwidth

@@ -69,7 +69,7 @@ def decode_traffic(problem: Problem, config: KernelConfig, shape: ShapeLike,
     times it)."""
     if splits < 1:
         raise InvalidInput(f"splits={splits} must be >= 1")
-    e, d = problem.dtype.itemsize, problem.head_dim
+    e, d, dv = problem.dtype.itemsize, problem.head_dim, problem.v_head_dim
     kv_e = problem.dtypes.kv.itemsize  # an e4m3 cache (decode8): one byte a value
     group_rows = shape.heads_q // shape.heads_kv * shape.seqlen_q
     row_blocks = -(-group_rows // config.block_m)
@@ -78,10 +78,11 @@ def decode_traffic(problem: Problem, config: KernelConfig, shape: ShapeLike,
     if problem.window:
         left = (window if window is not None else timing_window(shape))[0]
     keys = window_keys(shape.seqlen_k, shape.seqlen_q, left, config.block_n)
-    kv = 2.0 * shape.batch * shape.heads_kv * keys * d * kv_e * row_blocks
-    partials = 0.0 if splits == 1 else 2.0 * splits * q_rows * (4 * d + 4)
+    kv = float(shape.batch * shape.heads_kv * keys * (d + dv) * kv_e * row_blocks)
+    # Each split writes and the combine reads a float32 O row (V's width) and an LSE.
+    partials = 0.0 if splits == 1 else 2.0 * splits * q_rows * (4 * dv + 4)
     return DecodeTraffic(kv, float(q_rows * d * e * splits), partials,
-                         float(q_rows * (d * e + 4)))
+                         float(q_rows * (dv * e + 4)))
 
 
 def predict_decode(problem: Problem, config: KernelConfig, shape: ShapeLike, splits: int,

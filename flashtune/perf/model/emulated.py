@@ -32,13 +32,14 @@ def algorithm_read_bytes(problem: Problem, config: KernelConfig, shape: ShapeLik
     window problem's sizes (None: ``timing_window``, what the sample runs with)."""
     if problem.window and window is None:
         window = timing_window(shape)
-    row = problem.head_dim * problem.dtype.itemsize
+    e = problem.dtype.itemsize
     blocks = block_tiles(problem, config, shape, window)
     # A block whose rows see no key writes its empty rows without loading Q.
     q_rows = sum(min(shape.seqlen_q, (m + 1) * config.block_m) - m * config.block_m
                  for m, b in enumerate(blocks) if b.count)
     kv_rows = sum(b.key_rows(config.block_n, shape.seqlen_k) for b in blocks)
-    return (q_rows + 2 * kv_rows) * row * shape.batch * shape.heads_q
+    return ((q_rows * problem.head_dim + kv_rows * (problem.head_dim + problem.v_head_dim))
+            * e * shape.batch * shape.heads_q)
 
 
 def sample_shape(shape: ShapeLike) -> Shape:

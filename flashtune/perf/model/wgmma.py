@@ -51,7 +51,8 @@ from flashtune.errors import InvalidConfig, InvalidProblem
 from flashtune.families.base import KernelFamily
 from flashtune.families.hopper import HopperForwardFamily, space
 from flashtune.families.hopper.ws import PRODUCER_THREADS, HopperWsForwardFamily
-from flashtune.perf.model.algorithm import TileMix, analytic_tile_mix, mma_head_dim
+from flashtune.families.registers import mma_head_dim, mma_v_head_dim
+from flashtune.perf.model.algorithm import TileMix, analytic_tile_mix
 from flashtune.perf.model.gpus import GpuSpec
 from flashtune.perf.model.occupancy import Occupancy
 from flashtune.perf.model.params import ModelParams
@@ -214,10 +215,11 @@ def analytic_tile_mix_wgmma(problem: Problem, config: KernelConfig, design: Desi
     An approximation: the SASS path (``flashtune profile``) replaces it; the compiled
     cp.async loop issues several times more integer instructions than it estimates."""
     fa2 = analytic_tile_mix(problem, config)
-    d = mma_head_dim(problem)
+    d, dv = mma_head_dim(problem), mma_v_head_dim(problem)
     hgmma = d / 16 + config.block_n / 16
     syncs = 4 + (4 if design.consumers_copy else 2)
-    ldgsts = 2 * config.block_n * d * 2 / 16 / config.threads if design.consumers_copy else 0.0
+    ldgsts = (config.block_n * (d + dv) * 2 / 16 / config.threads if design.consumers_copy
+              else 0.0)
     integer = 2 * ldgsts + 60
     return dataclasses.replace(fa2, wgmma_flops=fa2.mma_flops, ldsm_bytes=0.0,
                                issue_only=hgmma + syncs + ldgsts + 2 + integer)
