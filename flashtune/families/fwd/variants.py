@@ -104,8 +104,9 @@ def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
     sizes from WINDOW_SIZES (not both unbounded), a cap from SOFTCAPS, ALiBi slopes in
     [0, 1) of shape (batch, heads_q), sinks (``random_sinks``), a dropout seed (64 bits),
     offset and p (from DROPOUT_PS), and each declared score modification's params from
-    their ``draws`` (a captured tensor: random values, normal floats or ints in [0, 4), of
-    the sizes its ``dims`` params drew; a block mask's tile ranges: every key tile)."""
+    their ``draws`` (a captured tensor: random values, normal floats or ints by
+    ``random_ints``, of the sizes its ``dims`` params drew; a block mask's tile ranges:
+    every key tile)."""
     scalars: dict[str, float] = {}
     tensors: dict[str, torch.Tensor] = {}
 
@@ -139,12 +140,24 @@ def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
                 whole = torch.tensor([0, -(-shape.seqlen_k // 16), 0, 0], dtype=torch.int32,
                                      device=device)
                 tensors[p.name] = whole.expand(*sizes, 4).contiguous()
+            elif p.type == "float_ptr":
+                tensors[p.name] = torch.randn(sizes, generator=gen, device=device)
             elif p.type in POINTER_TYPES:
-                tensors[p.name] = (
-                    torch.randn(sizes, generator=gen, device=device) if p.type == "float_ptr"
-                    else torch.randint(4, sizes, generator=gen, device=device,
-                                       dtype=torch.int32))
+                tensors[p.name] = random_ints(sizes, shape, gen, device)
     return scalars, tensors
+
+
+def random_ints(sizes: list[int], shape: ShapeLike, gen: torch.Generator,
+                device: torch.device | str) -> torch.Tensor:
+    """A captured int tensor's verification values: each element, by a coin, a small int in
+    [0, 4) (ids that repeat: document ids, table indices) or a position in [0, longest
+    sequence] (bounds that cut rows: FlashMask's column ends, prefix lengths). Small ints
+    alone would leave a bound-like tensor hiding every row past the third (zero outputs
+    that any config matches); an index past a tensor's end is clamped, as in the kernel."""
+    small = torch.randint(4, sizes, generator=gen, device=device, dtype=torch.int32)
+    span = max(shape.seqlen_q, shape.seqlen_k) + 1
+    wide = torch.randint(span, sizes, generator=gen, device=device, dtype=torch.int32)
+    return torch.where(torch.rand(sizes, generator=gen, device=device) < 0.5, wide, small)
 
 
 def random_sinks(heads_q: int, gen: torch.Generator, device: torch.device | str
