@@ -18,10 +18,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from flashtune.api import flex_mods
+from flashtune.api.flex import traced_feature
 from flashtune.codegen.arch import ARCHS
 from flashtune.codegen.features import Feature, register_feature, unregister_feature
 from flashtune.codegen.score_mods import ModParam, ScoreMod
 from flashtune.codegen.spec import DType, Problem, Shape
+from flashtune.codegen.trace import trace
 from flashtune.families import render
 from flashtune.families.base import Inputs
 from flashtune.families.fwd import FORWARD
@@ -136,3 +139,21 @@ def test_params_of_two_modifications_cannot_share_a_name(declared: None) -> None
 def test_bad_modifications_are_refused(make, needle: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(Exception, match=needle):
         make()
+
+
+def test_verification_draws_of_captured_ints_cut_rows_and_repeat_ids() -> None:
+    """A FlashMask-like bound drawn for verification hides some rows of a column and not
+    others (ints in [0, 4) alone hid every row past the third: zeros that any config
+    matches), and small ids still repeat (document-like masks see more than the diagonal)."""
+    n = 256
+    traced = trace(None, flex_mods.flashmask(torch.full((n,), n)))
+    problem = Problem(64, DType.FP16, features=[traced_feature(traced)])
+    drawn = FORWARD.random_inputs(problem, Shape(1, 1, 1, n, n), "cpu", 1234)
+    ends = drawn.tensors[f"{traced.name}_t0"].long()
+    q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    visible = flex_mods.flashmask(ends)(torch.zeros(1, dtype=torch.long),
+                                        torch.zeros(1, dtype=torch.long), q, k)
+    seen = visible.any(-1)
+    assert int(seen.sum()) > n // 4, int(seen.sum())  # rows past the third see keys
+    assert int(visible.sum()) < int((k <= q).sum())   # and some are cut
+    assert int((ends < 4).sum()) > n // 4              # small values (repeating ids) too
