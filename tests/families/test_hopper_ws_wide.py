@@ -254,9 +254,7 @@ def _sample() -> list[Case]:
     varlen = [f for f in FEATURES if "varlen" in f[0]]
     windows = [f for f in FEATURES if "window" in f[0] and f not in varlen]
     dropout = [f for f in FEATURES if "dropout" in f[0]]
-    others = [f for f in FEATURES if f not in varlen + windows + dropout]
     picks = [rng.choice(varlen), rng.choice(windows), rng.choice(dropout)]
-    assert others  # drawn in the sweep's grid
     return [(switches, window, *rng.choice(WIDE_DIMS), rng.choice(list(DType)),
              rng.choice(("default", "plain", "other")), rng.choice(SHAPES))
             for switches, window in picks]

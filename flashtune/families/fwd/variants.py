@@ -142,7 +142,7 @@ def random_values(problem: Problem, shape: ShapeLike, gen: torch.Generator,
                 tensors[p.name] = whole.expand(*sizes, 4).contiguous()
             elif p.type == "float_ptr":
                 tensors[p.name] = torch.randn(sizes, generator=gen, device=device)
-            elif p.type in POINTER_TYPES:
+            elif p.type == "int_ptr":
                 tensors[p.name] = random_ints(sizes, shape, gen, device)
     return scalars, tensors
 
