@@ -50,6 +50,10 @@ else:
 #: input type once when stored: OUTPUT_ROUNDING (u) times |reference| more.
 UNIT_ROUNDOFF = {DType.FP16: 2.0 ** -11, DType.BF16: 2.0 ** -8}
 BOUND_FACTOR = {dtype: 4 * u for dtype, u in UNIT_ROUNDOFF.items()}
+#: Absolute error of one slope of dS the kernel computes in float32 (softcap's
+#: 1 - tanh^2, a modification's derivative): a few float32 roundings (2^-24 each) of terms
+#: of order one.
+SLOPE_ERROR = 2.0 ** -21
 
 
 #: No features.
@@ -146,17 +150,20 @@ def backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dscores = undropped * (dprobs - dsum.to(torch.float64)[..., None])
     dmodified = dscores
     mod_slope_abs: torch.Tensor | float = 1.0
+    slope_terms: list[torch.Tensor] = []  # |each slope|, for the float32 error floor
     if mods:
         slope = mod_slope(scaled_scores(qd, ke, scale, False, **_keywords(values)), mods,
                           dict(values.mods))
         slope = torch.where(undropped == 0, 0.0, slope)
         dscores = dscores * slope
         mod_slope_abs = slope.abs()
+        slope_terms.append(mod_slope_abs)
     if values.softcap:
         slope = 1.0 - torch.tanh(torch.einsum("bqhd,bkhd->bhqk", qd, ke) * scale
                                  / values.softcap) ** 2
         dscores = dscores * slope
         probs_bound = undropped * slope * mod_slope_abs
+        slope_terms.append(slope.abs())
     else:
         probs_bound = undropped * mod_slope_abs
 
@@ -172,8 +179,18 @@ def backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     tiny = info.smallest_normal * info.eps / 2
     seen = visible.to(torch.float64)
     kept_scale = 1.0 / (1.0 - values.dropout.p) if values.dropout is not None else 1.0
-    ds_bound = probs_bound * (torch.einsum("bqhd,bkhd->bhqk", dod.abs(), ve.abs()) * kept_scale
-                              + dsum.to(torch.float64).abs()[..., None])
+    dp_terms = (torch.einsum("bqhd,bkhd->bhqk", dod.abs(), ve.abs()) * kept_scale
+                + dsum.to(torch.float64).abs()[..., None])
+    ds_bound = probs_bound * dp_terms
+    # A slope the kernel computes in float32 from terms of order one (softcap's 1 - tanh^2,
+    # a modification's derivative) is off by up to SLOPE_ERROR absolutely, however small the
+    # slope: far out on tanh's tail that is most of it, which no bound relative to the
+    # slope covers. The product of the slopes with that error on each, less the exact one:
+    widened = torch.ones_like(probs)
+    exact = torch.ones_like(probs)
+    for term in slope_terms:
+        widened, exact = widened * (term + SLOPE_ERROR), exact * term
+    ds_slope_floor = undropped * dp_terms * (widened - exact)
     out = {} if not mods else {
         "dscore": dmodified, "dscore_floor": seen * tiny,
         "dscore_bound": undropped * (torch.einsum("bqhd,bkhd->bhqk", dod.abs(), ve.abs())
@@ -185,9 +202,11 @@ def backward_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         "dk_bound": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", ds_bound, qd.abs())) * scale,
         "dv_bound": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", probs, dod.abs())),
         "dq_accum_bound": torch.einsum("bhqk,bkhd->bhqd", ds_bound, ke.abs()),
-        "dk_floor": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", seen, qd.abs())) * scale * tiny,
+        "dk_floor": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", seen * tiny + ds_slope_floor,
+                                             qd.abs())) * scale,
         "dv_floor": per_kv_head(torch.einsum("bhqk,bqhd->bkhd", seen, dod.abs())) * tiny,
-        "dq_accum_floor": torch.einsum("bhqk,bkhd->bhqd", seen, ke.abs()) * tiny,
+        "dq_accum_floor": torch.einsum("bhqk,bkhd->bhqd", seen * tiny + ds_slope_floor,
+                                       ke.abs()),
     }
 
 
