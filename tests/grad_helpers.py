@@ -87,12 +87,22 @@ def gradients(fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
 def within_rule(got: Grads, low: Grads, exact: Grads, where: str) -> dict[str, float]:
     """flash-attn's rule on every entry of ``got``: max|got - exact| at most 3x max|low -
     exact| (``low``: plain PyTorch in the low precision, ``exact``: float64); asserts each
-    entry is finite and within the rule, and returns the ratios."""
+    entry is finite and within the rule, and returns the ratios.
+
+    Plain PyTorch's error counts as at least one unit roundoff of the low precision (the
+    least precise dtype in ``low``) times the entry's largest exact magnitude. Why: the rule
+    compares maxima, which are stable over a large tensor but not over a few elements (a
+    learned slope or sink per head): there plain PyTorch's rounding errors can cancel by
+    chance to well below the precision it computes in (a 3x ratio then fails about 3 % of
+    draws even when both are equally accurate). A wrong gradient is off by its own order of
+    magnitude, far above the floor."""
+    unit = max(torch.finfo(t.dtype).eps for t in low.values()) / 2
     ratios = {}
     for name in got:
         assert torch.isfinite(got[name]).all(), f"{where}: {name} is not finite"
         ours_err = float((got[name].double() - exact[name]).abs().max())
-        plain_err = float((low[name].double() - exact[name]).abs().max())
+        plain_err = max(float((low[name].double() - exact[name]).abs().max()),
+                        unit * float(exact[name].abs().max()))
         ratios[name] = (ours_err / plain_err if plain_err > 0
                         else 0.0 if ours_err == 0 else math.inf)
     print(f"{where}: error / plain-PyTorch error", {n: round(r, 3) for n, r in ratios.items()})

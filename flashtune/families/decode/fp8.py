@@ -29,8 +29,8 @@ from flashtune.codegen.dtypes import DType, Dtypes, Fp8Type
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.errors import InvalidConfig
-from flashtune.families.base import Inputs, Tensors, Verdict, generator
-from flashtune.families.decode import DecodeCase, DecodeFamily
+from flashtune.families.base import Inputs, Tensors, Verdict, generator, torch_dtype
+from flashtune.families.decode import O_BOUND, DecodeCase, DecodeFamily
 from flashtune.families.decode.args import CACHE_DESCALES, DECODE8_ABI
 from flashtune.families.decode.reference import expected_caches
 from flashtune.families.fwd8 import MIN_FP8_ARCH, RANDOM_DESCALE
@@ -148,9 +148,23 @@ class Fp8CacheDecodeFamily(DecodeFamily):
 
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
         """The 16-bit kernel's float64 reference of the dequantised caches and quantised new
-        rows (``dequantised``), and the e4m3 caches with those rows appended."""
-        ref = super().reference(problem, dequantised(inputs))
-        return {**ref, **expected_e4m3_caches(inputs)}
+        rows (``dequantised``), the e4m3 caches with those rows appended, and partial O's
+        rounding bound (``O_BOUND``): P's rounding to q's type times P |V|.
+
+        Why the bound: V is ``descale * e4m3`` (up to 448 * 4, far from the unit scale the
+        16-bit tolerance assumes), and the kernel rounds P to q's type before P V, so each
+        product carries a relative error of up to one unit roundoff; where V's values cancel,
+        that error is large beside |O|. P |V| is the partial attention of |V| (the same
+        softmax weights per split)."""
+        values = dequantised(inputs)
+        ref = super().reference(problem, values)
+        t = dict(values.tensors)
+        for name in ("v_cache_before", "v_new"):
+            if name in t:
+                t[name] = t[name].abs()
+        weighted = super().reference(problem, Inputs(t, values.scalars))["o_part"]
+        unit = torch.finfo(torch_dtype(problem.dtypes.q)).eps / 2
+        return {**ref, **expected_e4m3_caches(inputs), O_BOUND: unit * weighted}
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
                 reference: Tensors) -> Verdict:
