@@ -220,7 +220,7 @@ def test_partial_o_is_allowed_p_rounding_times_p_abs_v_and_no_more() -> None:
     v = dequantised(inputs).tensors
     largest_v = max(float(v[n].abs().nan_to_num(0.0).max()) for n in ("v_cache_before", "v_new"))
     unit = 2.0 ** -8  # bf16's unit roundoff
-    assert float(bound.max()) <= unit * largest_v
+    assert float(bound.max()) <= unit * largest_v * (1 + 1e-12)  # a split of one key: equal
     assert float(bound.max()) > 10 * O_TOLERANCE[DType.BF16].atol  # saturation matters here
     i = int(bound.argmax())
     tol = O_TOLERANCE[DType.BF16]
