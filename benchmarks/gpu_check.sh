@@ -390,9 +390,24 @@ gc_after_canary() {
 # it on even to a run started with SIGINT ignored), so pytest stops and writes its report.
 GC_GPU_TEST_OPTS=(-m gpu -n 0 -v -p no:cacheprovider -o timeout=60 --durations=10
   --continue-on-collection-errors)
-# Collected first (pytest drops the duplicates of the tests/ walk that follows).
+# Collected first (pytest drops the duplicates among the files that follow).
 GC_GPU_TESTS_FIRST=("$GC_REPO/tests/families/test_hopper_ws.py"
-  "$GC_REPO/tests/families/test_hopper_family.py" "$GC_REPO/tests/api/test_api_gpu.py")
+  "$GC_REPO/tests/families/test_hopper_gpu.py" "$GC_REPO/tests/api/test_api_gpu.py")
+
+# The test files that hold GPU tests, those outside tests/tuner or (--tuner) inside it: the
+# files that write the gpu mark (tests/conftest.py fails a run where a gpu test's file does
+# not), so pytest imports a dozen modules instead of the whole tree (about 30 s of CPU).
+gc_gpu_test_files() {
+  local f
+  grep -rl --include='test_*.py' -e 'pytest.mark.gpu' "$GC_REPO/tests" | sort |
+    while read -r f; do
+      case "$f" in
+        "$GC_REPO/tests/tuner/"*) [[ "${1:-}" == --tuner ]] && echo "$f" ;;
+        *) [[ "${1:-}" == --tuner ]] || echo "$f" ;;
+      esac
+    done
+  return 0
+}
 
 gc_main() {
   local dry="${FLASHTUNE_GPU_CHECK_DRY:-0}" budget=$GC_DEFAULT_BUDGET tarball="" out=""
@@ -440,7 +455,9 @@ gc_main() {
   trap 'rm -rf "$GC_TMP"' EXIT
   export FLASHTUNE_CACHE_DIR="${FLASHTUNE_CACHE_DIR:-$GC_TMP/cache}"
 
-  local site="$GC_TMP/site" self
+  local site="$GC_TMP/site" self gpu_files tuner_files
+  mapfile -t gpu_files < <(gc_gpu_test_files)
+  mapfile -t tuner_files < <(gc_gpu_test_files --tuner)
   mkdir -p "$site"
   self=(bash "$GC_REPO/benchmarks/gpu_check.sh")
   export GC_PY
@@ -473,9 +490,10 @@ gc_main() {
     # stage of its own, so the others' cap cannot take it. The Hopper tests come first.
     GC_STAGE_SIGNAL=INT gc_planned gpu-tests env -u FLASHTUNE_DB "$GC_PY" -m pytest \
       "${GC_GPU_TEST_OPTS[@]}" --junitxml="$GC_OUT/gpu-tests.xml" "${GC_GPU_TESTS_FIRST[@]}" \
-      "$GC_REPO/tests" --ignore="$GC_REPO/tests/tuner"
+      "${gpu_files[@]}"
     GC_STAGE_SIGNAL=INT gc_planned gpu-tests-tuner env -u FLASHTUNE_DB "$GC_PY" -m pytest \
-      "${GC_GPU_TEST_OPTS[@]}" --junitxml="$GC_OUT/gpu-tests-tuner.xml" "$GC_REPO/tests/tuner"
+      "${GC_GPU_TEST_OPTS[@]}" --junitxml="$GC_OUT/gpu-tests-tuner.xml" \
+      "${tuner_files[@]}"
     gc_planned precompile "$GC_PY" -m flashtune.cli precompile \
       --arch "$(gc_precompile_arch "$arch")" --all-defaults --out "$(gc_precompile_dir)"
     # Each tool gets its own budget inside its stage's, so it stops cleanly and reports.
@@ -512,7 +530,7 @@ gc_main() {
       --dtype bf16 --out "$(gc_precompile_dir)"
     gc_skip precompile "$why"
     gc_stage gpu-tests-collect "$cap" env -u FLASHTUNE_DB "$GC_PY" -m pytest -m gpu -n 0 \
-      --collect-only -q -p no:cacheprovider "$GC_REPO/tests"
+      --collect-only -q -p no:cacheprovider "${gpu_files[@]}" "${tuner_files[@]}"
     gc_skip gpu-tests "$why"
     gc_skip gpu-tests-tuner "$why"
     gc_stage tune-options "$cap" "${self[@]}" --internal-check-options tune "${tune_opts[@]}"

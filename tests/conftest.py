@@ -28,6 +28,21 @@ def _has_gpu() -> bool:
         return False
 
 
+#: How benchmarks/gpu_check.sh finds the files that hold GPU tests (it collects only those).
+GPU_MARK_TEXT = "pytest.mark.gpu"
+
+
+def _check_gpu_marks_are_written(items: list[pytest.Item]) -> None:
+    """Fail the collection where a gpu-marked test's file does not write GPU_MARK_TEXT (a
+    mark applied another way): the GPU check would never run that test."""
+    files = {item.path for item in items if item.get_closest_marker("gpu") is not None}
+    hidden = sorted(str(f) for f in files if GPU_MARK_TEXT not in f.read_text())
+    if hidden:
+        raise pytest.UsageError(f"{hidden} hold gpu-marked tests without the text "
+                                f"{GPU_MARK_TEXT!r}; benchmarks/gpu_check.sh finds GPU tests "
+                                "by it: write the mark as pytest.mark.gpu in the file")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # The full config sweep is opt-in: it runs only when -m names it.
     if "sweep" not in (config.getoption("markexpr", "") or ""):
@@ -35,6 +50,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if sweep:
             config.hook.pytest_deselected(items=sweep)
             items[:] = [item for item in items if "sweep" not in item.keywords]
+    _check_gpu_marks_are_written(items)
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m gpu` on a GPU machine")
