@@ -19,26 +19,17 @@ Skipped without transformers (an optional extra: ``pip install flashtune[transfo
 
 from __future__ import annotations
 
-import os
-import random
 from typing import Any
 
 import pytest
 import torch
+from sampling import seeded_part
 
 import flashtune
 from flashtune.errors import InvalidInput
 
 transformers = pytest.importorskip("transformers")
 
-SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
-
-
-def _seeded(names: list[str], k: int, salt: str) -> list[Any]:
-    """``names`` as parameters: a seeded ``k`` of them in the default run, the others under
-    ``-m sweep`` (every one is run there)."""
-    picked = set(random.Random(f"{SEED}-{salt}").sample(names, k))
-    return [n if n in picked else pytest.param(n, marks=pytest.mark.sweep) for n in names]
 
 pytestmark = [pytest.mark.emulator, pytest.mark.usefixtures("dispatcher")]
 
@@ -68,7 +59,7 @@ def _logits(cfg: Any, impl: str, state: dict[str, torch.Tensor], dtype: torch.dt
     return out.float()
 
 
-@pytest.mark.parametrize("name", _seeded(["llama", "mistral", "gemma2"], 2, "match"))
+@pytest.mark.parametrize("name", seeded_part(["llama", "mistral", "gemma2"], 2, "match"))
 def test_tiny_models_match_eager_attention(name: str) -> None:
     impl = flashtune.register_transformers(backend="emulator")
     torch.manual_seed(0)
@@ -135,7 +126,7 @@ def _train(cfg: Any, impl: str, state: dict[str, torch.Tensor], ids: torch.Tenso
     return losses, first
 
 
-@pytest.mark.parametrize("name", _seeded(["mistral", "gemma2"], 1, "train"))
+@pytest.mark.parametrize("name", seeded_part(["mistral", "gemma2"], 1, "train"))
 def test_tiny_models_train_like_eager_attention(name: str) -> None:
     """A few training steps (no padding: the batched op, which has a backward, with the
     model's sliding window and softcap) follow eager attention's losses and first

@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-from typing import Any
 
 import pytest
 import torch
+from sampling import seeded_part
 from typer.testing import CliRunner
 
 from flashtune import families
@@ -80,7 +80,7 @@ def test_lse_default_compiles_with_nvrtc_without_spills(arch: str) -> None:
 
 def _cases() -> list[tuple[int, DType, bool, Shape, KernelConfig]]:
     """Defaults over head dims, dtypes and masks, plus a seeded sample of the space (the
-    default run takes a seeded half of the defaults: ``_marked``)."""
+    default run takes a seeded half of the 16 defaults)."""
     rng = random.Random(SEED)
     shapes = [Shape(1, 2, 1, 77, 77), Shape(2, 2, 2, 9, 4), Shape(1, 4, 1, 1, 130),
               Shape(1, 1, 1, 130, 33)]
@@ -98,16 +98,9 @@ def _cases() -> list[tuple[int, DType, bool, Shape, KernelConfig]]:
     return cases
 
 
-def _marked(cases: list[tuple[int, DType, bool, Shape, KernelConfig]]) -> list[Any]:
-    """The 16 defaults: a seeded half in the default run, the rest under sweep; the
-    space's sample always."""
-    half = set(random.Random(f"{SEED}-lse-half").sample(range(16), 8))
-    return [c if i >= 16 or i in half else pytest.param(c, marks=pytest.mark.sweep)
-            for i, c in enumerate(cases)]
-
-
 @pytest.mark.emulator
-@pytest.mark.parametrize("case", _marked(_cases()), ids=lambda c: f"d{c[0]}-{c[1].value}-"
+@pytest.mark.parametrize("case", seeded_part(_cases(), 8, "lse-half", pool=16),
+                         ids=lambda c: f"d{c[0]}-{c[1].value}-"
                          f"{'causal' if c[2] else 'full'}-{c[3].key()}-{c[4].key()}")
 def test_lse_kernel_matches_float64_in_the_emulator(
         case: tuple[int, DType, bool, Shape, KernelConfig]) -> None:

@@ -19,6 +19,7 @@ import pytest
 import torch
 from grad_helpers import attention_reference, error_ratios, gradients, within_rule
 from hopper_sample import hgmma_shapes
+from sampling import seeded_part
 
 from flashtune import families
 from flashtune.codegen.arch import get_arch
@@ -330,14 +331,9 @@ def test_cli_shows_compiles_and_profiles_it_beside_fa3s_backward() -> None:
 # ------------------------------------------------------------------ serving
 
 
-#: The dQ mode the default run takes a training step in (seeded; both under -m sweep).
-_TRAINED_MODE = random.Random(f"{SEED}train-mode").random() < 0.5
-
-
 @pytest.mark.emulator
-@pytest.mark.parametrize("deterministic", [
-    pytest.param(mode, id=name, marks=() if mode is _TRAINED_MODE else pytest.mark.sweep)
-    for mode, name in ((False, "atomic"), (True, "deterministic"))])
+@pytest.mark.parametrize("deterministic", seeded_part((False, True), 1, "train-mode"),
+                         ids=("atomic", "deterministic"))  # one seeded mode by default
 def test_a_training_step_on_a_virtual_sm90a_runs_it_within_the_rule(
         monkeypatch: pytest.MonkeyPatch, deterministic: bool) -> None:
     """``flashtune.attention`` and ``loss.backward()`` on the emulator as a virtual sm_90a

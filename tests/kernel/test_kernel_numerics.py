@@ -18,6 +18,7 @@ import random
 
 import pytest
 from fwd_reference import Case, run_and_check
+from sampling import seeded_part
 
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem
@@ -99,13 +100,10 @@ DEFAULTS = [(Problem(e.head_dim, _RNG.choice(list(DType)), causal=e.causal),
             for e in defaults.DEFAULT_TABLE]
 
 
-#: A seeded third of the default-table entries in the default run; every one under sweep.
-_DEFAULT_RUN = set(_RNG.sample(range(len(DEFAULTS)), len(DEFAULTS) // 3))
-
-
-@pytest.mark.parametrize(("problem", "arch", "index"), [
-    c if i in _DEFAULT_RUN else pytest.param(*c, marks=pytest.mark.sweep)
-    for i, c in enumerate(DEFAULTS)], ids=[f"{p.key()}-{a}" for p, a, _ in DEFAULTS])
+# A seeded third of the default-table entries in the default run; every one under sweep.
+@pytest.mark.parametrize(("problem", "arch", "index"),
+                         seeded_part(DEFAULTS, len(DEFAULTS) // 3, "defaults", several=True),
+                         ids=[f"{p.key()}-{a}" for p, a, _ in DEFAULTS])
 def test_every_default_config(problem: Problem, arch: str, index: int) -> None:
     config = defaults.default_config(problem, get_arch(arch))
     _check(problem, config, _slow_case(index), FWD)
