@@ -84,7 +84,8 @@ class ElementType:
     torch: the name of its ``torch.dtype`` attribute (``float16``), so that codegen never
       imports torch (``families.base.torch_dtype`` reads it);
     tma: its ``CUtensorMapDataType``, for kernels that load it with TMA;
-    itemsize: bytes of one element.
+    itemsize: bytes of one element;
+    mantissa: its stored mantissa bits (fp16 10, bf16 7, e4m3 3, e5m2 2).
     """
 
     cpp: str
@@ -92,6 +93,7 @@ class ElementType:
     torch: str
     tma: TmaDType
     itemsize: int
+    mantissa: int
 
     def __post_init__(self) -> None:
         if not _CPP_RE.match(self.cpp):
@@ -103,23 +105,32 @@ class ElementType:
         if self.itemsize != self.tma.itemsize:
             raise InvalidProblem(f"{self.cpp} has {self.itemsize} bytes but its TMA type "
                                  f"{self.tma.name} has {self.tma.itemsize}")
+        if not 0 < self.mantissa < 8 * self.itemsize:
+            raise InvalidProblem(f"{self.cpp} has {self.mantissa} mantissa bits; expected "
+                                 f"1 to {8 * self.itemsize - 1} in {self.itemsize} bytes")
+
+    @property
+    def unit_roundoff(self) -> float:
+        """The largest relative error of rounding a real to this type to nearest, above
+        its normals: half an ulp of 1, 2^-(mantissa + 1) (torch's ``finfo(...).eps / 2``)."""
+        return 2.0 ** -(self.mantissa + 1)
 
 
 #: The one table of element types.
 ELEMENTS: dict[DType, ElementType] = {
     DType.FP16: ElementType(cpp="__half", ptx="f16", torch="float16", tma=TmaDType.FLOAT16,
-                            itemsize=2),
+                            itemsize=2, mantissa=10),
     DType.BF16: ElementType(cpp="__nv_bfloat16", ptx="bf16", torch="bfloat16",
-                            tma=TmaDType.BFLOAT16, itemsize=2),
+                            tma=TmaDType.BFLOAT16, itemsize=2, mantissa=7),
 }
 if set(ELEMENTS) != set(DType):
     raise ImportError(f"ELEMENTS has no row for {sorted(set(DType) - set(ELEMENTS))}")
 #: The FP8 rows: TMA has no FP8 data type, so FP8 tiles travel as UINT8 (as in FA3).
 FP8_ELEMENTS: dict[Fp8Type, ElementType] = {
     Fp8Type.E4M3: ElementType(cpp="__nv_fp8_e4m3", ptx="e4m3", torch="float8_e4m3fn",
-                              tma=TmaDType.UINT8, itemsize=1),
+                              tma=TmaDType.UINT8, itemsize=1, mantissa=3),
     Fp8Type.E5M2: ElementType(cpp="__nv_fp8_e5m2", ptx="e5m2", torch="float8_e5m2",
-                              tma=TmaDType.UINT8, itemsize=1),
+                              tma=TmaDType.UINT8, itemsize=1, mantissa=2),
 }
 if set(FP8_ELEMENTS) != set(Fp8Type):
     raise ImportError(f"FP8_ELEMENTS has no row for {sorted(set(Fp8Type) - set(FP8_ELEMENTS))}")

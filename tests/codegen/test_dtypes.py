@@ -11,7 +11,7 @@ import torch
 
 from flashtune import families
 from flashtune.codegen.arch import get_arch
-from flashtune.codegen.dtypes import ELEMENTS, SAME_16BIT, DType, Dtypes
+from flashtune.codegen.dtypes import ELEMENTS, FP8_ELEMENTS, SAME_16BIT, DType, Dtypes
 from flashtune.codegen.spec import Problem
 from flashtune.codegen.tensormap import TmaDType
 from flashtune.db.physics import min_bytes
@@ -35,6 +35,15 @@ def test_every_dtype_has_one_row_of_spellings() -> None:
         assert torch_dtype(dtype) is torch_type
         assert element_type(torch_type) is dtype
         assert torch.empty(0, dtype=torch_type).element_size() == row.itemsize
+
+
+def test_each_rows_unit_roundoff_is_torchs_half_epsilon() -> None:
+    rows = {**ELEMENTS, **FP8_ELEMENTS}
+    assert len(rows) == 4
+    for row in rows.values():
+        assert row.unit_roundoff == torch.finfo(getattr(torch, row.torch)).eps / 2, row.cpp
+    with pytest.raises(InvalidProblem, match=r"8 mantissa bits; expected 1 to 7 in 1 bytes"):
+        dataclasses.replace(FP8_ELEMENTS[next(iter(FP8_ELEMENTS))], mantissa=8)
 
 
 def test_an_unknown_torch_dtype_is_refused_naming_the_legal_ones() -> None:

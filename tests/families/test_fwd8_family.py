@@ -6,9 +6,10 @@ exactly as torch decodes it, times its (batch, KV head) descale factor). The ker
 differences from it are the 16-bit forward's own (fp32 sums of exact products in Q K^T,
 exp2 in fp32, P rounded to O's type, fp32 P V sums, O rounded to its type), so the check is
 the 16-bit forward's of O's type (``families.checks.O_TOLERANCE``: |err| <= atol + rtol |ref|
-with atol = rtol = 4e-3 for fp16, 2.5e-2 for bf16; the LSE 1e-3 + 2e-6 |ref|) on every
-element, with outputs poisoned with NaN before the launch. Inputs: standard normal values
-rounded to e4m3, descales drawn from [0.25, 4). The default run takes a seeded sample (the
+with atol = rtol = 4e-3 for fp16, 2.5e-2 for bf16; the LSE 1e-3 + 2e-6 |ref|), O's widened by
+P's rounding (one unit roundoff of O's type times P |V|), on every element, with outputs
+poisoned with NaN before the launch. Inputs: standard normal values rounded to e4m3,
+descales drawn from [0.25, 4). The default run takes a seeded sample (the
 seed in each id replays it); ``-m sweep`` the grid.
 """
 
@@ -28,7 +29,8 @@ from flashtune.codegen.arch import get_arch
 from flashtune.codegen.dtypes import DType, Fp8Type
 from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.errors import FeatureNotSupported, InvalidConfig, InvalidProblem
-from flashtune.families.fwd8 import FORWARD_FP8, RANDOM_DESCALE
+from flashtune.families.checks import O_TOLERANCE
+from flashtune.families.fwd8 import FORWARD_FP8, O_BOUND, RANDOM_DESCALE
 from flashtune.perf.sass.disasm import disassemble
 from flashtune.perf.sass.parse import categorize
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
@@ -147,6 +149,56 @@ def test_descale_factors_reach_the_reference() -> None:
     sharper = {**inputs.tensors, "q_descale": 2 * inputs.tensors["q_descale"]}
     ref3 = FORWARD_FP8.reference(p, type(inputs)(sharper, inputs.scalars))["o"]
     assert not torch.allclose(ref3, ref)
+
+
+@pytest.mark.emulator
+def test_v_far_from_unit_scale_passes_within_p_rounding() -> None:
+    """With V at 64x its drawn descale (values up to about 1,000), the kernel's O is off by
+    more than the fixed bf16 tolerance (P rounded to bf16 before P V; measured 3-7x that
+    tolerance) and within it plus P's rounding bound (about 0.4 of it)."""
+    p, config = problem(64, DType.BF16, True), KernelConfig(64, 32, 4, 2)
+    shape = Shape(1, 2, 1, 70, 50)
+    inputs = FORWARD_FP8.random_inputs(p, shape, "cpu", _SEED)
+    inputs = type(inputs)({**inputs.tensors, "v_descale": 64 * inputs.tensors["v_descale"]},
+                          inputs.scalars)
+    kernel = EmulatorBackend(options=LaunchOptions()).load(families.render(p, config))
+    outputs = FORWARD_FP8.empty_outputs(p, shape, inputs, poison=True)
+    plan = FORWARD_FP8.launch_plan(p, config, shape, inputs, outputs)
+    kernel.launch(plan.grid, plan.args)
+    ref = FORWARD_FP8.reference(p, inputs)
+    err = (outputs["o"].double() - ref["o"]).abs()
+    tol = O_TOLERANCE[DType.BF16]
+    fixed = tol.atol + tol.rtol * ref["o"].abs()
+    print(f"seed {_SEED}: max |err| / fixed tolerance {float((err / fixed).max()):.3g}, "
+          f"/ (fixed + bound) {float((err / (fixed + ref[O_BOUND])).max()):.3g}")
+    verdict = FORWARD_FP8.compare(p, shape, outputs, ref)
+    assert verdict.ok, f"seed {_SEED}: {verdict.message}"
+
+
+def test_o_is_allowed_p_rounding_times_p_abs_v_and_no_more() -> None:
+    """Beyond the 16-bit tolerance, O may be off by one unit roundoff of O's type times
+    P |V| (the kernel rounds P before P V; with V at 64x descale that rounding dwarfs the
+    tolerance, which assumes V of unit scale), and no more: the reference passes as the
+    kernel's output, its element of largest allowance moved 0.99x that allowance passes,
+    1.01x fails."""
+    p = problem(64, DType.BF16, True)
+    shape = Shape(1, 4, 2, 40, 50)
+    inputs = FORWARD_FP8.random_inputs(p, shape, "cpu", _SEED)
+    t = {**inputs.tensors, "v_descale": 64 * inputs.tensors["v_descale"]}
+    inputs = type(inputs)(t, inputs.scalars)
+    ref = FORWARD_FP8.reference(p, inputs)
+    bound, o = ref[O_BOUND], ref["o"]
+    largest_v = float((t["v"].double() * t["v_descale"].double()[:, None, :, None]).abs().max())
+    assert float(bound.max()) <= 2.0 ** -8 * largest_v * (1 + 1e-12)  # bf16's unit roundoff
+    tol = O_TOLERANCE[DType.BF16]
+    assert float(bound.max()) > 10 * tol.atol, f"seed {_SEED}"  # the bound matters here
+    i = int(bound.argmax())
+    allowed = tol.atol + tol.rtol * abs(float(o.flatten()[i])) + float(bound.flatten()[i])
+    for factor, ok in ((0.0, True), (0.99, True), (1.01, False)):
+        moved = o.clone(memory_format=torch.contiguous_format)
+        moved.view(-1)[i] += factor * allowed
+        verdict = FORWARD_FP8.compare(p, shape, {**ref, "o": moved}, ref)
+        assert verdict.ok == ok, (factor, _SEED, verdict.message)
 
 
 def test_archs_without_fp8_mma_are_refused_naming_the_arch() -> None:

@@ -55,8 +55,7 @@ from flashtune.families.base import (
 )
 from flashtune.families.bwd import args, defaults, space
 from flashtune.families.bwd.reference import (
-    BOUND_FACTOR,
-    UNIT_ROUNDOFF,
+    BOUND_ULPS,
     backward_reference,
     softmax_stats,
     varlen_backward_reference,
@@ -210,15 +209,16 @@ class BackwardFamily(KernelFamily):
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
                 reference: Tensors) -> Verdict:
-        """dK, dV and the accumulator's sum over slices, each element within BOUND_FACTOR
-        times the reference's sum of absolute terms (a few roundings of the input type) plus
+        """dK, dV and the accumulator's sum over slices, each element within BOUND_ULPS
+        unit roundoffs of the input type times the reference's sum of absolute terms, plus
         its subnormal floor; dK and dV, stored in the input type, also one unit roundoff of
         their value."""
         got = {"dk": outputs["dk"], "dv": outputs["dv"],
                "dq_accum": outputs["dq_accum"].to(torch.float64).sum(0)}
         if "dscore" in outputs:
             got["dscore"] = outputs["dscore"]
-        factor, u = BOUND_FACTOR[problem.dtypes.o], UNIT_ROUNDOFF[problem.dtypes.o]
+        u = problem.dtypes.o.element.unit_roundoff
+        factor = BOUND_ULPS * u
         worst, main_rel, wrong = 0.0, 0.0, []
         for name, value in got.items():
             stored = Tolerance(1e-7, 0.0 if name in ("dq_accum", "dscore") else u)

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 from flashtune._lazy import lazy_module
 from flashtune.codegen.score_mods import ScoreMod
-from flashtune.codegen.spec import DType
 from flashtune.families.fwd.reference import dropped, scaled_scores
 from flashtune.families.fwd.variants import VariantValues
 
@@ -42,14 +41,13 @@ if TYPE_CHECKING:
 else:
     torch = lazy_module("torch", globals())
 
-#: Error allowed per element, as a multiple of the same sums over absolute values
-#: (``*_bound`` of the reference): P and dS are rounded to the input type before their
-#: products (as in FlashAttention-2), which costs at most one unit roundoff u of the input
-#: type (fp16 2^-11, bf16 2^-8) per term; four u leave room for the float32 sums and the
-#: approximate exp2 (measured worst cases: about 1.6 u). dK and dV are also rounded to the
-#: input type once when stored: OUTPUT_ROUNDING (u) times |reference| more.
-UNIT_ROUNDOFF = {DType.FP16: 2.0 ** -11, DType.BF16: 2.0 ** -8}
-BOUND_FACTOR = {dtype: 4 * u for dtype, u in UNIT_ROUNDOFF.items()}
+#: Error allowed per element, in unit roundoffs u of the input type (``unit_roundoff`` of
+#: its element: fp16 2^-11, bf16 2^-8) times the same sums over absolute values (``*_bound``
+#: of the reference): P and dS are rounded to the input type before their products (as in
+#: FlashAttention-2), which costs at most one u per term; four leave room for the float32
+#: sums and the approximate exp2 (measured worst cases: about 1.6 u). dK and dV are also
+#: rounded to the input type once when stored: u times |reference| more.
+BOUND_ULPS = 4
 #: Absolute error of one slope of dS the kernel computes in float32 (softcap's
 #: 1 - tanh^2, a modification's derivative): a few float32 roundings (2^-24 each) of terms
 #: of order one.

@@ -29,7 +29,7 @@ from flashtune.codegen.dtypes import DType, Dtypes, Fp8Type
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.errors import InvalidConfig
-from flashtune.families.base import Inputs, Tensors, Verdict, generator, torch_dtype
+from flashtune.families.base import Inputs, Tensors, Verdict, generator
 from flashtune.families.decode import O_BOUND, DecodeCase, DecodeFamily
 from flashtune.families.decode.args import CACHE_DESCALES, DECODE8_ABI
 from flashtune.families.decode.reference import expected_caches
@@ -163,7 +163,7 @@ class Fp8CacheDecodeFamily(DecodeFamily):
             if name in t:
                 t[name] = t[name].abs()
         weighted = super().reference(problem, Inputs(t, values.scalars))["o_part"]
-        unit = torch.finfo(torch_dtype(problem.dtypes.q)).eps / 2
+        unit = problem.dtypes.q.element.unit_roundoff
         return {**ref, **expected_e4m3_caches(inputs), O_BOUND: unit * weighted}
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,

@@ -18,7 +18,9 @@ mma.sync to F2FP e4m3 unpacks and HMMA.16816 pairs, so there it saves bandwidth 
 
 Numerics: the output is the attention of the dequantised inputs ``q_descale * q`` etc. with
 the 16-bit forward's roundings (P and O in the O type, fp32 accumulation), so the 16-bit
-forward's tolerances of O's type apply against the float64 attention of those inputs.
+forward's tolerances of O's type apply against the float64 attention of those inputs, with
+O's widened by P's rounding: one unit roundoff of O's type times P |V| (``O_BOUND``), which
+the fixed tolerance covers only for V of unit scale (V here is up to 4x descale).
 """
 
 from __future__ import annotations
@@ -33,7 +35,16 @@ from flashtune.codegen.dtypes import FP8_INPUTS, Fp8Type
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape, ShapeLike
 from flashtune.errors import InvalidConfig, InvalidInput
-from flashtune.families.base import Inputs, LaunchPlan, Tensors, generator, torch_dtype
+from flashtune.families.base import (
+    Inputs,
+    LaunchPlan,
+    Tensors,
+    Verdict,
+    compare_outputs,
+    generator,
+    torch_dtype,
+)
+from flashtune.families.checks import o_and_lse_checks
 from flashtune.families.fwd import ForwardFamily, variants
 from flashtune.families.fwd.args import FWD_ABI, Grid, VariantLike, feature_values
 from flashtune.families.registers import accumulator_registers
@@ -45,6 +56,8 @@ else:
 
 #: The descale factors' arguments, after the forward's: float32 (batch, heads_kv), contiguous.
 DESCALES = ("q_descale", "k_descale", "v_descale")
+#: The reference's per-element allowance for O beyond its fixed tolerance (``p_rounding``).
+O_BOUND = "o_bound"
 FWD8_ABI = FWD_ABI.extended("flash_fwd8", *(
     tensor(name, Element.FLOAT, const=True, wrap=i == 0) for i, name in enumerate(DESCALES)))
 #: The template's types of the operands: FP8 bytes in, O's 16-bit Element out.
@@ -201,8 +214,28 @@ class Fp8ForwardFamily(ForwardFamily):
 
     def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
         """The 16-bit forward's float64 reference (with the problem's features) of the
-        dequantised inputs (``dequantised``)."""
-        return super().reference(problem, Inputs(dequantised(inputs.tensors), inputs.scalars))
+        dequantised inputs (``dequantised``), and ``O_BOUND``: what P's rounding may add to
+        O's error beyond the 16-bit tolerance (``p_rounding``). V is up to 4x descale here,
+        where the tolerance assumes V of unit scale."""
+        values = dequantised(inputs.tensors)
+        ref = super().reference(problem, Inputs(values, inputs.scalars))
+        # P |V|: the attention of |V| (the same softmax weights, every feature included).
+        weighted = super().reference(problem, Inputs({**values, "v": values["v"].abs()},
+                                                     inputs.scalars))["o"]
+        return {**ref, O_BOUND: self.p_rounding(problem, values, weighted)}
+
+    def p_rounding(self, problem: Problem, values: Tensors,
+                   weighted: torch.Tensor) -> torch.Tensor:
+        """The error O may carry from P's rounding, per element, given the dequantised
+        inputs ``values`` and ``weighted`` = P |V|: the kernel rounds P to O's type before
+        P V (as the 16-bit forward does), one unit roundoff of each product."""
+        return problem.dtypes.o.element.unit_roundoff * weighted
+
+    def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
+                reference: Tensors) -> Verdict:
+        """The 16-bit forward's comparison, O's tolerance widened by ``O_BOUND``."""
+        return compare_outputs(problem, shape, outputs, reference,
+                               o_and_lse_checks(problem.dtypes.o), bounds={"o": reference[O_BOUND]})
 
     def min_bytes(self, problem: Problem, shape: ShapeLike) -> float:
         """Q, K, V read once (1 byte a value), O written once (2 bytes) and the LSE."""

@@ -15,9 +15,9 @@ warpgroup per 64 query rows. Plain and causal masks, GQA; head dims 64, 128 and 
 
 Numerics: as ``fwd8`` except P, which is rounded to the FP8 format instead of O's type: half
 an ulp relative above the format's normals (2^-4 for e4m3, 2^-3 for e5m2) and half its
-denormal spacing below them (2^-18 / 2^-24 in probability units after the 2^8 offset). So O
+denormal spacing below them (2^-18 / 2^-25 in probability units after the 2^8 offset). So O
 is checked element by element against the float64 attention of the dequantised inputs
-within that rounding's bound (``p_rounding_bound``, which ``reference`` returns as
+within that rounding's bound (``p_rounding``, which ``reference`` returns as
 ``o_bound``) plus O's own rounding; the LSE, from fp32 sums of the unrounded
 probabilities, within the forward's LSE tolerance.
 """
@@ -28,22 +28,21 @@ from typing import TYPE_CHECKING, ClassVar
 
 from flashtune._lazy import lazy_module
 from flashtune.codegen.arch import ArchSpec
-from flashtune.codegen.dtypes import DType, Fp8Type
+from flashtune.codegen.dtypes import Fp8Type
 from flashtune.codegen.params import Param, ParamSpace, Point, Value
 from flashtune.codegen.render import TemplateValue
 from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.errors import InvalidConfig, InvalidProblem
 from flashtune.families.base import (
-    Inputs,
     Tensors,
     Tolerance,
     Verdict,
-    close_enough,
+    compare_outputs,
     element_params,
     resource_reason,
 )
-from flashtune.families.checks import LSE_TOLERANCE, causal_visible
-from flashtune.families.fwd8 import Fp8ForwardFamily, dequantised, fp8_params, twin
+from flashtune.families.checks import LSE_TOLERANCE
+from flashtune.families.fwd8 import O_BOUND, Fp8ForwardFamily, fp8_params, twin
 
 if TYPE_CHECKING:
     import torch
@@ -60,34 +59,12 @@ SPACE = ParamSpace((Param("block_m", BLOCK_M), Param("block_n", BLOCK_N),
 #: Accumulator registers per thread (S and O f32, P's FP8 registers) past which NVRTC 13
 #: spills at sm_90a.
 MAX_ACCUMULATORS = 200
-#: Per format: P's relative half ulp above the normals and absolute half spacing below them
-#: (probability units, after the kernel's 2^8 offset).
-P_ROUNDING = {Fp8Type.E4M3: (2.0**-4, 2.0**-18), Fp8Type.E5M2: (2.0**-3, 2.0**-24)}
-#: O's rounding to its type (relative half ulp), with 1e-7 absolute for zeros.
-O_ROUNDING = {DType.BF16: Tolerance(1e-7, 2.0**-8), DType.FP16: Tolerance(1e-7, 2.0**-11)}
+#: Per format: P's absolute half spacing below the normals (half the smallest subnormal,
+#: e4m3 2^-10 and e5m2 2^-17, in probability units after the kernel's 2^8 offset); above
+#: them P's error is relative, the format's unit roundoff.
+P_SUBNORMAL_ROUNDING = {Fp8Type.E4M3: 2.0**-18, Fp8Type.E5M2: 2.0**-25}
 #: The fp32 scores, exp2 and sums, relative to the probability-weighted |V|.
 FP32_SHARE = 1e-5
-
-
-def p_rounding_bound(problem: Problem, inputs: Inputs) -> torch.Tensor:
-    """The error O may carry from P's rounding to FP8, per element of O's (batch, Nq, Hq, D):
-    (u + FP32_SHARE) (P |V|) + a sum |V| with P the float64 softmax of the dequantised
-    inputs (0 for rows that see no key), u and a the format's ``P_ROUNDING``."""
-    t = dequantised(inputs.tensors)
-    q, k, v = t["q"], t["k"], t["v"]
-    group = q.shape[2] // k.shape[2]
-    k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * float(inputs.scalars["softmax_scale"])
-    if problem.causal:
-        visible = causal_visible(q.shape[1], k.shape[1], q.device)
-        scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    fmt = problem.dtypes.q
-    if not isinstance(fmt, Fp8Type):
-        raise InvalidProblem(f"{problem.key()}: the FP8 forward's inputs are e4m3 or e5m2")
-    u, a = P_ROUNDING[fmt]
-    weighted = torch.einsum("bhqk,bkhd->bqhd", probs, v.abs())
-    return (u + FP32_SHARE) * weighted + a * v.abs().sum(dim=1, keepdim=True)
 
 
 def head_dim_refusal(problem: Problem) -> str | None:
@@ -194,24 +171,27 @@ class HopperFp8ForwardFamily(Fp8ForwardFamily):
     def smem_bytes(self, problem: Problem, config: KernelConfig) -> int:
         return smem_bytes(problem, config)
 
-    def reference(self, problem: Problem, inputs: Inputs) -> dict[str, torch.Tensor]:
-        """``fwd8``'s float64 reference and ``o_bound``, P's rounding bound
-        (``p_rounding_bound``)."""
-        return {**super().reference(problem, inputs),
-                "o_bound": p_rounding_bound(problem, inputs)}
+    def p_rounding(self, problem: Problem, values: Tensors,
+                   weighted: torch.Tensor) -> torch.Tensor:
+        """P is rounded to the FP8 format instead of O's type: (u + FP32_SHARE) P |V| +
+        a sum |V| (over every key of the row's KV head), u the format's unit roundoff and a
+        its ``P_SUBNORMAL_ROUNDING``."""
+        fmt = problem.dtypes.q
+        if not isinstance(fmt, Fp8Type):
+            raise InvalidProblem(f"{problem.key()}: the FP8 forward's inputs are e4m3 or e5m2")
+        group = values["q"].shape[2] // values["v"].shape[2]
+        v_sum = values["v"].abs().sum(dim=1, keepdim=True).repeat_interleave(group, dim=2)
+        return ((fmt.element.unit_roundoff + FP32_SHARE) * weighted
+                + P_SUBNORMAL_ROUNDING[fmt] * v_sum)
 
     def compare(self, problem: Problem, shape: Shape, outputs: Tensors,
                 reference: Tensors) -> Verdict:
         """O within P's rounding bound plus its own rounding, the LSE within the forward's
         tolerance; unwritten (NaN) elements fail."""
-        o_err, o_rel, o_msg = close_enough("O", outputs["o"], reference["o"],
-                                           O_ROUNDING[problem.dtypes.o], reference["o_bound"])
-        lse_err, _, lse_msg = close_enough("LSE", outputs["lse"], reference["lse"],
-                                           LSE_TOLERANCE)
-        wrong = [m for m in (o_msg, lse_msg) if m]
-        message = (f"wrong result on {shape.key()} ({problem.key()}): " + "; ".join(wrong)
-                   if wrong else "")
-        return Verdict(not wrong, max(o_err, lse_err), o_rel, message)
-
+        # O's own rounding: its type's unit roundoff, relative (1e-7 absolute for zeros).
+        o_rounding = Tolerance(1e-7, problem.dtypes.o.element.unit_roundoff)
+        return compare_outputs(problem, shape, outputs, reference,
+                               [("O", "o", o_rounding), ("LSE", "lse", LSE_TOLERANCE)],
+                               bounds={"o": reference[O_BOUND]})
 
 FORWARD_FP8_90A = HopperFp8ForwardFamily()
