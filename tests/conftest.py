@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sampling import SWEEP_VARIABLE
 
 #: One seed per test run for the sampled parts of the suite: fresh each run, printed in the
 #: report header, and replayable by setting the variable.
@@ -43,9 +45,34 @@ def _check_gpu_marks_are_written(items: list[pytest.Item]) -> None:
                                 "by it: write the mark as pytest.mark.gpu in the file")
 
 
+def _sweep_selected(config: pytest.Config) -> bool:
+    """Whether this run may select sweep tests: the full config sweep is opt-in, it runs
+    only when -m names it."""
+    return "sweep" in (config.getoption("markexpr", "") or "")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Read by tests/sampling.when_swept as test modules are imported, in every worker.
+    os.environ[SWEEP_VARIABLE] = "1" if _sweep_selected(config) else "0"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object
+                              ) -> list[pytest.Item] | None:
+    """A sweep-marked test function or class makes no items in a run that does not select
+    sweep tests. They would be deselected anyway, and making their grids' items (about
+    27,000) cost about 10 s of each worker's collection. Cases marked sweep one by one
+    (``tests/sampling.seeded_part``) are deselected below."""
+    if _sweep_selected(collector.config) or not (inspect.isfunction(obj) or inspect.isclass(obj)):
+        return None
+    marks = getattr(obj, "pytestmark", [])
+    if any(mark.name == "sweep" for mark in (marks if isinstance(marks, list) else [marks])):
+        return []
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The full config sweep is opt-in: it runs only when -m names it.
-    if "sweep" not in (config.getoption("markexpr", "") or ""):
+    if not _sweep_selected(config):
         sweep = [item for item in items if "sweep" in item.keywords]
         if sweep:
             config.hook.pytest_deselected(items=sweep)

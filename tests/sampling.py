@@ -1,14 +1,20 @@
 """Seeded parts of a parametrized test's cases: the default run takes a part that changes
-from run to run (``FLASHTUNE_TEST_SEED`` replays it), ``-m sweep`` takes every case."""
+from run to run (``FLASHTUNE_TEST_SEED`` replays it), ``-m sweep`` takes every case; and
+sweep-only grids, built only in a run that selects sweep tests."""
 
 from __future__ import annotations
 
 import os
 import random
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import pytest
+
+T = TypeVar("T")
+
+#: Set by tests/conftest.py before collection: "1" where the run selects sweep tests, else "0".
+SWEEP_VARIABLE = "FLASHTUNE_TEST_SWEEP"
 
 
 def seeded_part(cases: Sequence[Any], k: int, salt: str, *, pool: int | None = None,
@@ -23,3 +29,10 @@ def seeded_part(cases: Sequence[Any], k: int, salt: str, *, pool: int | None = N
     def swept(case: Any) -> Any:
         return pytest.param(*(case if several else (case,)), marks=pytest.mark.sweep)
     return [c if i >= n or i in picked else swept(c) for i, c in enumerate(cases)]
+
+
+def when_swept(build: Callable[[], list[T]]) -> list[T]:
+    """``build()`` where this run selects sweep tests (``-m`` names sweep), else no cases:
+    a sweep-marked test makes no items otherwise (tests/conftest.py), so its grid, which
+    can take seconds to enumerate, is not built."""
+    return build() if os.environ.get(SWEEP_VARIABLE) == "1" else []

@@ -11,7 +11,6 @@ import os
 
 import pytest
 import torch
-import torch._dynamo
 from grad_helpers import error_ratios, gradients, make_inputs
 
 import flashtune

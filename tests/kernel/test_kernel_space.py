@@ -20,6 +20,7 @@ import random
 import pytest
 from fwd_reference import Case, run_and_check
 from kernel_space_seed import SEED_VARIABLE, SPACE_SEED
+from sampling import when_swept
 
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem
@@ -67,9 +68,15 @@ def tile_shapes() -> list[tuple[Problem, KernelConfig]]:
     return out
 
 
-TILES = tile_shapes()
-SPACE = TILES + [pick for pick in draw(random.Random(SPACE_SEED), SWEEP_SAMPLE)
-                 if pick not in TILES]
+def sweep_space() -> list[tuple[Problem, KernelConfig]]:
+    """Every tile shape (``tile_shapes``), then ``SWEEP_SAMPLE`` seeded draws of the whole
+    space that are not among them."""
+    tiles = tile_shapes()
+    return tiles + [pick for pick in draw(random.Random(SPACE_SEED), SWEEP_SAMPLE)
+                    if pick not in tiles]
+
+
+SPACE = when_swept(sweep_space)
 
 
 def _check(problem: Problem, config: KernelConfig, seed: int,
