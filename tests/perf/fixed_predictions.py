@@ -1,8 +1,10 @@
 """A fixed set of cost-model predictions (mma.sync and wgmma paths; analytic, with compiled
 resources, with a loop's instruction mix, with a whole SASS function, with counters, with
 measured local accesses), recorded in ``fixed_predictions.json`` from the model before its
-sm_90a path became a strategy object. ``test_perf_fixed_predictions.py`` holds the model to
-them; ``python tests/perf/fixed_predictions.py`` prints the current figures as JSON (to
+sm_90a path became a strategy object, and recorded again when the wgmma path began to
+charge its operand reads from shared memory (which moved the smem round of every wgmma
+case, and the time of those it bounds). ``test_perf_fixed_predictions.py`` holds the model
+to them; ``python tests/perf/fixed_predictions.py`` prints the current figures as JSON (to
 compare by eye, never to overwrite the record after a change that should not move them)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The cost model's predictions of a fixed set of configs (tests/perf/fixed_predictions.py)
-equal the ones recorded before its sm_90a path became one strategy object: restructuring
-the model moves no figure, label or note."""
+equal the recorded ones (``fixed_predictions.py`` says when they were recorded):
+restructuring the model moves no figure, label or note."""
 
 from __future__ import annotations
 

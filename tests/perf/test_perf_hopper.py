@@ -273,3 +273,27 @@ def test_design_validation() -> None:
         Design("x", "TMA", 96, False)
     with pytest.raises(InvalidConfig, match="producer warpgroup"):
         Design("x", "cp.async", 0, True)
+
+
+def test_wgmma_operand_reads_bound_narrow_key_tiles() -> None:
+    """Each consumer warpgroup reads Q and K (S) and V (P V) from shared memory per K/V
+    tile, beside the K/V tile writes: at head dim 512 (V 256) with 128 x 32 tiles that is
+    more than the tensor time, so the tile is bound by shared memory and ping-pong buys
+    nothing; at head dim 128 with 128 x 128 tiles the tensor time still binds."""
+    shape = Shape.square(4, 4, 4096)
+    wide = Problem(512, DType.BF16, op="fwd90aws", head_dim_v=256)
+    tiles = KernelConfig(128, 32, 8, 2)
+    plain = predict(wide, tiles, shape, "H100")
+    turns = predict(wide, KernelConfig.from_dict({**tiles.to_dict(), space.PINGPONG: 1}),
+                    shape, "H100")
+    cycles = plain.cycles.to_dict()
+    blocks = plain.occupancy.blocks_per_sm
+    reads = 128 * 512 * 2 + 2 * 32 * (512 + 256) * 2  # Q once, K and V per warpgroup
+    writes = 32 * (512 + 256) * 2
+    assert cycles["smem_round"] == pytest.approx(blocks * (reads + writes) / 128)
+    assert cycles["per_tile"] == cycles["smem_round"] > cycles["compute_round"]
+    assert turns.tflops == pytest.approx(plain.tflops)  # both wait for shared memory
+    assert any("128 B/clk" in a for a in plain.assumptions)
+    square = predict(Problem(128, DType.BF16, op="fwd90aws"), KernelConfig(128, 128, 8, 2),
+                     shape, "H100").cycles.to_dict()
+    assert square["smem_round"] < square["compute_round"] == square["per_tile"]

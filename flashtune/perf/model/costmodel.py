@@ -255,11 +255,13 @@ def _cycles(mix: TileMix, problem: Problem, config: KernelConfig, gpu: GpuSpec,
     latency = params.exposed_latency_ns * 1e-9 * gpu.clock_hz
     exposed = max(0.0, latency - (config.num_stages - 1) * per_block)
     latency_round = per_block + exposed
-    # ldmatrix reads per warp, plus the cp.async writes of one K and one V tile per block.
+    # ldmatrix reads per warp, the writes of one K and one V tile per block, and the
+    # operands the tensor-core instructions read from shared memory themselves (wgmma).
     kv_tile_bytes = (config.block_n * (mma_head_dim(problem) + mma_v_head_dim(problem))
                      * problem.dtype.itemsize)
     smem_bytes = occ.blocks_per_sm * (config.num_warps * mix.ldsm_bytes * conflict
-                                      + kv_tile_bytes * conflict)
+                                      + kv_tile_bytes * conflict
+                                      + path.operand_smem_bytes(problem, config))
     smem_round = smem_bytes / thr.smem_bytes_per_clk
     return TileCycles(tensor, other, warp, round_, issue_round, latency_round,
                       smem_round, max(round_, issue_round, latency_round, smem_round))

@@ -80,6 +80,11 @@ class ModelPath(Protocol):
         ``other`` cycles (per warp)."""
         ...
 
+    def operand_smem_bytes(self, problem: Problem, config: KernelConfig) -> float:
+        """Shared-memory bytes one block's tensor-core instructions read per K/V tile
+        themselves (not through ldmatrix, which the mix's ``ldsm_bytes`` counts)."""
+        ...
+
     def assumptions(self, params: ModelParams) -> tuple[str, ...]:
         """The path's stated assumptions (empty: none beyond the fitted model's)."""
         ...
@@ -111,6 +116,10 @@ class MmaSyncPath:
         hidden = params.overlap * min(1.0, warps_per_partition - 1.0)
         warp = tensor + (1.0 - hidden) * other
         return TileRound(warps_per_partition, warp, warps_per_partition * warp)
+
+    def operand_smem_bytes(self, problem: Problem, config: KernelConfig) -> float:
+        # mma.sync takes its operands from registers, loaded by ldmatrix.
+        return 0.0
 
     def assumptions(self, params: ModelParams) -> tuple[str, ...]:
         return ()

@@ -29,9 +29,15 @@ differs in:
   load knobs make it copy with cp.async its instructions are not charged either (they are
   not in the consumers' main loop): an optimistic assumption, said in the prediction. All
   see the same memory latency, hidden by ``num_stages - 1`` tiles of prefetch.
-- Shared memory: the wgmma operand reads from shared memory are not charged (assumed to
-  sustain the datasheet rate for the N >= 64 shapes the families issue); the K/V tile
-  writes are.
+- Shared memory: the wgmma operand reads from shared memory are charged beside the K/V
+  tile writes (``operand_smem_bytes``), at the shared-memory bandwidth of 128 B/clk per SM
+  and conflict-free (the operands are swizzled): an ASSUMPTION that they share the one
+  port ldmatrix uses. Each consumer warpgroup reads its 64 rows of Q and the whole K tile
+  for S = Q K^T (both operands from shared memory, as FA3 keeps Q) and the whole V tile
+  for O += P V (P from registers). S's reads per FLOP grow as the key tile narrows
+  (4096 / block_n + 64 bytes per cycle of tensor time at the datasheet rate): at
+  block_n 64 they equal the bandwidth, at 32 (the wide head dims' tiles) they exceed it
+  by half, so narrow key tiles are bound by shared memory, not by the tensor rate.
 
 Nothing here was calibrated on a GPU: ``CALIBRATION`` says so in every wgmma prediction,
 and ``flashtune profile`` prints the ratio to the published FA3 / FA2 figures
@@ -123,7 +129,9 @@ class Design:
         overlap = (("the overlap knob (intra-warpgroup overlap) is not modelled",)
                    if self.warp_specialized else ())
         return ("wgmma at the datasheet dense tensor rate", schedule, loads, *overlap,
-                "wgmma shared-memory operand reads not charged", CALIBRATION)
+                "wgmma shared-memory operand reads (Q, K, V per consumer warpgroup) at the "
+                "shared-memory bandwidth, 128 B/clk per SM (assumed: ldmatrix's port)",
+                CALIBRATION)
 
 
 def design_of(problem: Problem, config: KernelConfig) -> Design | None:
@@ -195,6 +203,15 @@ class WgmmaPath:
         warp, round_ = compute_round(tensor, other, warps_per_partition,
                                      self.design.overlap(params.overlap))
         return TileRound(warps_per_partition, warp, round_)
+
+    def operand_smem_bytes(self, problem: Problem, config: KernelConfig) -> float:
+        """Per K/V tile: each consumer warpgroup reads its 64 rows of Q and the whole K
+        tile (S = Q K^T, both from shared memory) and the whole V tile (P V's B operand):
+        Q's block_m rows once, K and V once per warpgroup."""
+        d, dv = mma_head_dim(problem), mma_v_head_dim(problem)
+        q, kv = problem.dtypes.q.itemsize, problem.dtypes.kv.itemsize
+        return (config.block_m * d * q
+                + space.warpgroups(config) * config.block_n * (d + dv) * kv)
 
     def assumptions(self, params: ModelParams) -> tuple[str, ...]:
         return self.design.assumptions(params.overlap)
