@@ -11,12 +11,13 @@ from collections.abc import Callable
 import pytest
 from typer.testing import CliRunner
 
+from flashtune import families
 from flashtune.cli import app
 from flashtune.codegen.arch import get_arch
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
 from flashtune.errors import InvalidConfig
 from flashtune.families.hopper import space
-from flashtune.perf.model.costmodel import predict
+from flashtune.perf.model.costmodel import predict, rank
 from flashtune.perf.model.gpus import default_gpu_for_arch
 from flashtune.perf.model.wgmma import Design, design_of
 from flashtune.perf.profile import KernelProfile, profile_kernel, resolve_gpu
@@ -297,3 +298,21 @@ def test_wgmma_operand_reads_bound_narrow_key_tiles() -> None:
     square = predict(Problem(128, DType.BF16, op="fwd90aws"), KernelConfig(128, 128, 8, 2),
                      shape, "H100").cycles.to_dict()
     assert square["smem_round"] < square["compute_round"] == square["per_tile"]
+
+
+def test_every_admitted_sm90a_config_is_ranked() -> None:
+    """The register estimate of an sm_90a forward stays within its launch bounds (one
+    block's share of the register file), so no config the family admits is left out of
+    the ranking as one that fits no SM: the cp.async family's 192-row tiles (384 threads)
+    are estimated at 168 registers."""
+    sm90a = get_arch("sm_90a")
+    for op in ("fwd90a", "fwd90aws"):
+        for head_dim in (64, 128):
+            problem = Problem(head_dim, DType.BF16, op=op)
+            admitted = families.of(problem).candidates(problem, sm90a)
+            ranked = rank(problem, admitted, Shape.square(4, 16, 4096), "H100")
+            assert len(ranked) == len(admitted), (op, head_dim)
+    problem = Problem(128, DType.BF16, op="fwd90a")
+    tall = next(c for c in families.of(problem).candidates(problem, sm90a) if c.block_m == 192)
+    occupancy = predict(problem, tall, Shape.square(4, 16, 4096), "H100").occupancy
+    assert occupancy.registers_per_thread == 168

@@ -189,10 +189,11 @@ class WgmmaPath:
                             gpu: GpuSpec) -> int:
         regs = min(gpu.arch_spec.max_regs_per_thread,
                    space.accumulator_registers(problem, config) + self.register_overhead)
-        if self.design.warp_specialized:
-            regs = min(regs, launch_registers(gpu.arch_spec.regs_per_sm,
-                                              self.block_threads(config)))
-        return regs
+        # Every sm_90a forward launches with __launch_bounds__(threads, 1): ptxas keeps a
+        # thread within one block's share of the register file (a 192-row tile of the
+        # cp.async family: 384 threads, 168 registers), and the warp-specialised kernel's
+        # setmaxnreg moves registers within that share.
+        return min(regs, launch_registers(gpu.arch_spec.regs_per_sm, self.block_threads(config)))
 
     def tile_round(self, tensor: float, other: float, occ: Occupancy,
                    config: KernelConfig, params: ModelParams) -> TileRound:
@@ -218,9 +219,10 @@ class WgmmaPath:
 
 
 def launch_registers(regs_per_sm: int, threads: int) -> int:
-    """Registers per thread a warp-specialised kernel launches with: one block's share of
-    the SM (in the allocation unit of 8), which ``setmaxnreg`` then moves from the producer
-    to the consumers (168 at 384 threads, as NVRTC 13 gives these kernels)."""
+    """Registers per thread an sm_90a forward launches with: one block's share of the SM
+    (in the allocation unit of 8; 168 at 384 threads, as NVRTC 13 gives these kernels),
+    which a warp-specialised kernel's ``setmaxnreg`` then moves from the producer to the
+    consumers."""
     return regs_per_sm // threads // 8 * 8
 
 
