@@ -295,7 +295,7 @@ def summarise(results: Sequence[RunResult], budgets: Sequence[float]) -> list[Ro
         evals = sum(r.evaluations for r in rs)
         sems = b.std(0, ddof=1) / math.sqrt(len(rs)) if len(rs) > 1 else np.full(b.shape[1], np.nan)
         rows.append(Row(name, label, tuple(b.mean(0)), tuple(np.percentile(b, 10, axis=0)),
-                        tuple(sems), float(c.mean()), len(rs),
+                        tuple(sems), float(c.mean()) if c.size else math.nan, len(rs),
                         1e3 * sum(r.cpu_s for r in rs) / max(evals, 1),
                         tuple(_p10_se(b))))
     return rows
