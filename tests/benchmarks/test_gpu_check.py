@@ -4,16 +4,13 @@ records passes, failures, time-outs and budget exhaustion without losing other s
 from __future__ import annotations
 
 import csv
-import importlib.util
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tarfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -266,38 +263,3 @@ def test_bad_arguments(tmp_path: Path, argv: list[str]) -> None:
     assert proc.returncode == 2
     assert "error:" in proc.stderr
 
-
-def _root_conftest() -> Any:
-    """tests/conftest.py as a module of its own (several conftest modules share the name)."""
-    spec = importlib.util.spec_from_file_location("root_conftest", REPO / "tests" / "conftest.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@dataclass
-class _Item:
-    """What the gpu-mark check reads of a collected test: its file and its gpu mark."""
-
-    path: Path
-    gpu: bool
-
-    def get_closest_marker(self, name: str) -> object | None:
-        return object() if name == "gpu" and self.gpu else None
-
-
-def test_gpu_tests_whose_file_does_not_write_the_mark_fail_the_collection(
-        tmp_path: Path) -> None:
-    """gpu_check.sh collects only the files that write the mark; a gpu-marked test in a file
-    that applies it another way would never run there, so the collection fails naming it."""
-    conftest = _root_conftest()
-    written, hidden = tmp_path / "test_written.py", tmp_path / "test_hidden.py"
-    written.write_text(f"@{conftest.GPU_MARK_TEXT}\ndef test_a(): pass\n")
-    hidden.write_text('MARK = getattr(pytest.mark, "g" + "pu")\n')
-    cpu_only = tmp_path / "test_cpu.py"
-    cpu_only.write_text("def test_c(): pass\n")
-    conftest._check_gpu_marks_are_written([_Item(written, True), _Item(cpu_only, False)])
-    with pytest.raises(pytest.UsageError, match=r"test_hidden\.py'\] hold gpu-marked tests "
-                                                r"without the text 'pytest\.mark\.gpu'"):
-        conftest._check_gpu_marks_are_written([_Item(written, True), _Item(hidden, True)])
