@@ -122,7 +122,7 @@ def _train(cfg: Any, impl: str, state: dict[str, torch.Tensor], ids: torch.Tenso
             first = {n: p.grad.detach().clone() for n, p in model.named_parameters()
                      if p.grad is not None}
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses, first
 
 
