@@ -44,9 +44,14 @@ def load(path: Path, task_type: Callable[..., T], result_type: Callable[..., R]
 
 def append(path: Path, result: object) -> None:
     """``result`` (a dataclass with a ``task`` field) as one more line of ``path``, flushed
-    at once."""
+    at once. A line cut short by a kill is dropped first, so that the new line does not
+    join it."""
     assert dataclasses.is_dataclass(result) and not isinstance(result, type)
     record = dataclasses.asdict(result)
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+    with path.open("a+b") as f:
+        f.seek(0)
+        text = f.read()
+        if text and not text.endswith(b"\n"):
+            f.truncate(text.rfind(b"\n") + 1)
+        f.write(json.dumps(record).encode() + b"\n")
         f.flush()

@@ -49,7 +49,9 @@ by default, flashtune's over 1,000 trials on the largest landscape (``--overhead
 Writes ``search_efficiency.csv``, ``search_efficiency.md`` (the README's table with the
 verdicts), ``search_transfer.csv`` and ``search_efficiency.png`` to ``--out``; with
 ``--journal PATH`` each finished run is appended to PATH at once and a rerun takes the runs
-recorded there (a stopped run resumes where it stopped: ``_run_journal.py``); ``--quick``
+recorded there (a stopped run resumes where it stopped: ``_run_journal.py``; runs are
+matched by the landscapes' file names, so the journals in ``benchmarks/records`` serve any
+checkout); ``--quick``
 is a seconds long run for CI (one landscape, two strategies, three repeats, budgets up to
 2 %).
 
@@ -68,6 +70,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import csv  # noqa: E402
+import dataclasses  # noqa: E402
 import importlib.util  # noqa: E402
 import math  # noqa: E402
 import multiprocessing  # noqa: E402
@@ -238,14 +241,26 @@ def _init_worker() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
+def journal_key(task: Task) -> tuple[object, ...]:
+    """``task`` with its landscapes named by file name, not path: a journal recorded in one
+    checkout (the records in ``benchmarks/records``) serves the same files anywhere."""
+    prior = task.prior
+    if prior.startswith("warm:"):
+        prior = "warm:" + Path(prior[5:]).name
+    return (Path(task.landscape).name, task.strategy, task.seed, prior, task.max_budget,
+            task.charge)
+
+
 def run_all(tasks: Sequence[Task], jobs: int, progress: Callable[[int, int], None],
             log: Path | None = None) -> list[RunResult]:
     """Every task's result; with ``log`` (a journal, ``_run_journal``) the runs recorded
     there are taken as they are and each new one is appended as it finishes."""
     _init_worker()
-    done = journal.load(log, Task, RunResult) if log else {}
-    out = [done[t] for t in tasks if t in done]
-    todo = [t for t in tasks if t not in done]
+    recorded = journal.load(log, Task, RunResult) if log else {}
+    done = {journal_key(t): r for t, r in recorded.items()}
+    out = [dataclasses.replace(done[journal_key(t)], task=t) for t in tasks
+           if journal_key(t) in done]
+    todo = [t for t in tasks if journal_key(t) not in done]
     if out:
         print(f"  {len(out)} of {len(tasks)} runs read from {log}", flush=True)
 

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -275,8 +276,8 @@ def test_benchmark_quick_mode(landscapes: Path, tmp_path: Path) -> None:
 def test_benchmark_journal_resumes_a_stopped_run(landscapes: Path, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """With --journal each finished run is a line of the journal; a rerun takes them
-    instead of running again (a cut last line, as a kill leaves, is run again) and writes
-    the same table (but for the CPU times)."""
+    instead of running again (a cut last line, as a kill leaves, is run again and replaced)
+    and writes the same table (but for the CPU times), wherever the landscapes' folder is."""
     search_efficiency = _search_efficiency()
     log = tmp_path / "runs.jsonl"
     argv = [str(landscapes), "--quick", "--out", str(tmp_path / "a"), "--journal", str(log)]
@@ -290,10 +291,17 @@ def test_benchmark_journal_resumes_a_stopped_run(landscapes: Path, tmp_path: Pat
     argv[3] = str(tmp_path / "b")
     assert search_efficiency.main(argv) == 0
     assert len(ran) == 1, ran
+    assert [json.loads(line)["task"]["seed"] for line in log.read_text().splitlines()] \
+        == [json.loads(line)["task"]["seed"] for line in lines]  # the cut line replaced
     tables = [[{k: v for k, v in row.items() if k != "cpu_ms_per_eval"}  # CPU time varies
                for row in csv.DictReader((tmp_path / d / "search_efficiency.csv").open())]
               for d in "ab"]
     assert tables[0] == tables[1]
+    moved = tmp_path / "elsewhere"  # the same files in another folder: the runs are taken
+    shutil.copytree(landscapes, moved)
+    ran.clear()
+    assert search_efficiency.main([str(moved), *argv[1:]]) == 0
+    assert ran == []
 
 
 def test_benchmark_verdict_gives_the_noise_of_a_miss(landscapes: Path) -> None:
