@@ -123,6 +123,7 @@ def _print(profile: KernelProfile) -> None:
                                   f"; per K/V tile 4 x {profile.config.block_m} x "
                                   f"{profile.config.block_n} x head dim = {per_tile}"),
                       highlight=False)
+    _print_inner_loops(console, profile)
     _print_loop_budget(console, profile)
     _print_reference_loop(console, profile)
     occ = profile.occupancy
@@ -150,6 +151,19 @@ def _print(profile: KernelProfile) -> None:
                       "not fitted)", highlight=False)
     if profile.emulated is not None:
         _print_counters(console, profile)
+
+
+def _print_inner_loops(console: Console, profile: KernelProfile) -> None:
+    """Name the loops inside the main loop: the static counts take their bodies once."""
+    parts = []
+    for lp, mix in profile.inner_loops:
+        mma = mix.by_category["mma"] + mix.by_category["wgmma"]
+        parts.append(f"[{lp.start:#x}-{lp.end:#x}] {mix.total} instructions, {mma} MMA")
+    if not parts:
+        return
+    console.print(f"the main loop holds {len(parts)} inner loop(s): {'; '.join(parts)}; the "
+                  "static counts take each body once per iteration (the SASS does not give "
+                  "their trip counts)", highlight=False)
 
 
 def _print_loop_budget(console: Console, profile: KernelProfile) -> None:

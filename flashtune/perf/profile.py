@@ -23,7 +23,7 @@ from flashtune.perf.model.gpus import GpuSpec, default_gpu_for_arch, get_gpu
 from flashtune.perf.model.occupancy import Occupancy, occupancy
 from flashtune.perf.model.paths import is_arch_specific_path, predicts
 from flashtune.perf.sass.disasm import sass_listing
-from flashtune.perf.sass.loops import MainLoops, main_loop, main_loops
+from flashtune.perf.sass.loops import MainLoops, main_loop, main_loops, nested_loops
 from flashtune.perf.sass.parse import InstructionMix, Loop
 from flashtune.toolchain.compiler import compile_source
 from flashtune.toolchain.resources import Resources
@@ -52,6 +52,9 @@ class KernelProfile:
     emulated: EmulatedTraffic | None = None  # emulator counters fed to the prediction
     #: Published figures for the same GPU and shape (empty off the standard sweep)
     published: tuple[PublishedFigure, ...] = field(default=())
+    #: Loops inside the main loop with their mixes (the main loop's static counts take
+    #: their bodies once per iteration)
+    inner_loops: tuple[tuple[Loop, InstructionMix], ...] = field(default=())
 
     @property
     def tensor_flops_per_iteration(self) -> int | None:
@@ -93,6 +96,9 @@ class KernelProfile:
                     "end": self.loop.end if self.loop else None,
                     "tensor_flops_per_iteration": self.tensor_flops_per_iteration,
                     "tensor_flops_per_tile": self.tensor_flops_per_tile,
+                    "inner_loops": [{"start": lp.start, "end": lp.end, "instructions": mix.total,
+                                     "tensor_flops": mix.mma_flops}
+                                    for lp, mix in self.inner_loops],
                     **self.loop_mix.to_dict(),
                 },
                 **{f"{kind}_loop": value for kind, value in self.loops.to_dict().items()},
@@ -154,4 +160,6 @@ def profile_kernel(problem: Problem, config: KernelConfig, shape: Shape, arch: s
         loop=loop, loop_mix=function.mix(loop) if loop is not None else None, loops=loops,
         occupancy=occ, prediction=prediction, emulated=emulated,
         published=tuple(published_figures(problem, shape, target.name)),
+        inner_loops=tuple((lp, function.mix(lp)) for lp in
+                          (nested_loops(function, loop) if loop is not None else ())),
     )

@@ -85,3 +85,47 @@ def test_kernel_without_tensor_cores_has_no_main_loop() -> None:
 """)
     loops = main_loops(listing.function())
     assert loops.masked is None and loops.unmasked is None and list(loops) == []
+
+
+# The shape of the MLA decoding kernel's tile loop (.L_x_1): an inner tensor-core loop over
+# the head dim (.L_x_2, no exponential), the softmax's MUFU.EX2, and a shuffle that ptxas
+# guards with BRA.DIV (taken only when the warp has diverged) into an out-of-line stub
+# after EXIT that jumps back into the loop.
+TILE_LOOP_WITH_STEPS = """
+.text.mla:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_1:
+        /*0010*/                   LDSM.16.M88.4 R4, [R21] ;
+.L_x_2:
+        /*0020*/                   HMMA.16816.F32.BF16 R12, R4, R6, R12 ;
+        /*0030*/                   HMMA.16816.F32.BF16 R16, R4, R6, R16 ;
+        /*0040*/               @P1 BRA `(.L_x_2) ;
+        /*0050*/                   MUFU.EX2 R9, R9 ;
+        /*0060*/                   BRA.DIV UR7, `(.L_x_9) ;
+        /*0070*/                   SHFL.BFLY PT, R8, R9, 0x1, 0x1f ;
+.L_x_3:
+        /*0080*/                   HMMA.16816.F32.BF16 R24, R4, R6, R24 ;
+        /*0090*/                   HMMA.16816.F32.BF16 R28, R4, R6, R28 ;
+        /*00a0*/                   HMMA.16816.F32.BF16 R32, R4, R6, R32 ;
+        /*00b0*/               @P0 BRA `(.L_x_1) ;
+        /*00c0*/                   EXIT ;
+.L_x_9:
+        /*00d0*/                   WARPSYNC.COLLECTIVE R2, `(.L_x_10) ;
+.L_x_10:
+        /*00e0*/                   SHFL.BFLY P2, R8, R9, 0x1, 0x1f ;
+        /*00f0*/                   BRA `(.L_x_3) ;
+"""
+
+
+def test_a_divergence_guard_falls_through_so_the_tile_loop_is_a_loop() -> None:
+    """BRA.DIV has no predicate but is conditional: the loop head still dominates the back
+    edge, and the stub's jump back into the loop is not a loop."""
+    fn = parse_sass(TILE_LOOP_WITH_STEPS).function()
+    assert [(lp.start, lp.end) for lp in fn.loops()] == [(0x10, 0xB0), (0x20, 0x40)]
+
+
+def test_a_tensor_core_step_loop_inside_the_softmax_loop_is_not_the_main_loop() -> None:
+    loops = main_loops(parse_sass(TILE_LOOP_WITH_STEPS).function())
+    assert loops.masked is None and loops.unmasked is not None
+    assert (loops.unmasked.loop.start, loops.unmasked.loop.end) == (0x10, 0xB0)
+    assert loops.unmasked.mix.mma_flops == 5 * 4096  # the step loop's body counted once

@@ -101,3 +101,20 @@ def test_profile_of_the_backward_main_loop(toolchain: None) -> None:
     counters = runner.invoke(app, ["profile", "--op", "bwd", "--head-dim", "64", "--config",
                                    config, "--arch", "sm_80", "--counters"])
     assert counters.exit_code == 1 and "forward" in counters.output
+
+
+def test_profile_of_the_mla_tile_loop(toolchain: None) -> None:
+    """MLA decoding's main loop is its K/V tile loop, which holds every MMA of the kernel
+    (the scores over the 576-wide latent, P V over 512), not the loop of score steps
+    inside it, which the report lists as an inner loop whose body is counted once."""
+    result = runner.invoke(app, ["profile", "--op", "mla", "--head-dim", "64", "--dtype",
+                                 "bf16", "--arch", "sm_80", "--json"])
+    assert result.exit_code == 0, result.output
+    sass = json.loads(result.output)["sass"]
+    loop = sass["main_loop"]
+    assert loop["mma_flops"] == sass["kernel"]["mma_flops"] > 0
+    steps = [inner for inner in loop["inner_loops"] if inner["tensor_flops"] > 0]
+    assert len(steps) == 1 and steps[0]["tensor_flops"] < loop["mma_flops"] / 8
+    table = runner.invoke(app, ["profile", "--op", "mla", "--head-dim", "64", "--dtype",
+                                "bf16", "--arch", "sm_80"])
+    assert "the main loop holds" in table.output and "inner loop(s):" in table.output

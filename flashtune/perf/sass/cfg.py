@@ -6,6 +6,12 @@ to the branch passes the target). ptxas places the retry of an ``mbarrier.try_wa
 branch into a stub that ends with a jump back to the wait. That jump is backward but not a
 loop, and counting it would make one "loop" of most of the kernel; its target does not
 dominate it, so it is not a back edge here.
+
+A branch with a condition operand is conditional without a predicate guard: ``BRA.DIV UR7,
+target`` (taken only when the warp has diverged, into an out-of-line shuffle that jumps
+back) and ``BRA P4, target`` fall through. Taking them as unconditional would leave the
+code after them unreachable from the loop's head, so that the head no longer dominated the
+loop's own back edge (the MLA decoding kernel's tile loop was lost that way).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ class Instruction(Protocol):
     def base(self) -> str: ...
     @property
     def predicate(self) -> str: ...
+    @property
+    def operands(self) -> str: ...
 
 
 Ins = TypeVar("Ins", bound=Instruction)
@@ -43,7 +51,9 @@ class BackEdge:
 
 
 def _unconditional(ins: Instruction) -> bool:
-    return ins.predicate.replace(" ", "") in ("", "@PT")
+    """No predicate guard and, for a branch, no condition operand before its target."""
+    guarded = ins.predicate.replace(" ", "") not in ("", "@PT")
+    return not guarded and not (ins.base == "BRA" and "," in ins.operands)
 
 
 def back_edges(instructions: Sequence[Ins],

@@ -5,8 +5,10 @@ How the loops are found (the contract the forward kernel's structure is written 
 
 - A loop is a backward branch (``SassFunction.loops``). The *main* loops are the innermost
   loops among those with tensor-core work whose body holds the most tensor-core FLOPs: one
-  iteration is one K/V tile (a loop of loads inside it, as the sm_90a cp.async kernel
-  has, does not make it an outer loop).
+  iteration is one K/V tile. A loop of loads inside it (as the sm_90a cp.async kernel has)
+  does not make it an outer loop, nor does a tensor-core loop without an exponential
+  (``MUFU.EX2``) inside one with it: that is a step over the head dim within the tile's
+  softmax loop (the MLA decoding kernel's 576-wide scores), not a tile loop.
 - A main loop that writes the constant ``-INF`` (an ``FSEL ..., -INF, P`` that hides a
   score) applies a mask: it is the *masked* loop. The main loop without one is the
   *unmasked* loop. The forward kernel walks its masked tiles first in one loop (or as
@@ -298,7 +300,11 @@ def main_loop(fn: SassFunction, loops: MainLoops | None = None) -> Loop | None:
 def main_loops(fn: SassFunction) -> MainLoops:
     """The masked and unmasked main loops of ``fn`` (see the module docstring)."""
     tensor_loops = tuple(lp for lp in fn.loops() if fn.mix(lp).mma_flops > 0)
-    candidates = _innermost(tensor_loops)
+    softmax = {lp for lp in tensor_loops if any(i.base == "MUFU" and "EX2" in i.modifiers
+                                                 for i in _body(fn, lp))}
+    steps = {lp for lp in tensor_loops if lp not in softmax and any(
+        o != lp and o.start <= lp.start and lp.end <= o.end for o in softmax)}
+    candidates = _innermost(tuple(lp for lp in tensor_loops if lp not in steps))
     if not candidates:
         return MainLoops(None, None)
     best = max(fn.mix(lp).mma_flops for lp in candidates)
