@@ -118,3 +118,10 @@ def test_profile_of_the_mla_tile_loop(toolchain: None) -> None:
     table = runner.invoke(app, ["profile", "--op", "mla", "--head-dim", "64", "--dtype",
                                 "bf16", "--arch", "sm_80"])
     assert "the main loop holds" in table.output and "inner loop(s):" in table.output
+
+
+def test_profile_of_mla_at_another_head_dim_says_which_one() -> None:
+    result = runner.invoke(app, ["profile", "--op", "mla", "--head-dim", "128"])
+    assert result.exit_code != 0
+    said = " ".join(result.output.split())
+    assert "got head_dim=128" in said and "--op mla --head-dim 64" in said, said

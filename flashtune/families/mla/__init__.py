@@ -84,7 +84,8 @@ class MlaFamily(KernelFamily):
             raise InvalidProblem(
                 f"the 'mla' family takes head_dim={ROPE_DIM} (the RoPE part of a "
                 f"{space.NOPE_DIM + ROPE_DIM}-wide latent), got head_dim={problem.head_dim}; "
-                f"use Problem({ROPE_DIM}, dtype, op='mla')")
+                f"use Problem({ROPE_DIM}, dtype, op='mla') (on the command line: --op mla "
+                f"--head-dim {ROPE_DIM})")
 
     def space(self, problem: Problem) -> ParamSpace:
         return space.SPACE
