@@ -133,8 +133,7 @@ def _body(fn: SassFunction, loop: Loop) -> list[Instruction]:
 
 
 def _innermost(loops: tuple[Loop, ...]) -> list[Loop]:
-    return [lp for lp in loops
-            if not any(o != lp and lp.start <= o.start and o.end <= lp.end for o in loops)]
+    return [lp for lp in loops if not any(lp.encloses(o) for o in loops)]
 
 
 def _is_masked(body: list[Instruction]) -> bool:
@@ -279,8 +278,7 @@ def _local_memory(body: list[Instruction]) -> LocalMemoryUse:
 def nested_loops(fn: SassFunction, loop: Loop) -> tuple[Loop, ...]:
     """The loops strictly inside ``loop`` (e.g. copy loops ptxas kept rolled inside a main
     loop: a static count takes their bodies once, whatever their trip count)."""
-    return tuple(lp for lp in fn.loops()
-                 if lp != loop and loop.start <= lp.start and lp.end <= loop.end)
+    return tuple(lp for lp in fn.loops() if loop.encloses(lp))
 
 
 def main_loop(fn: SassFunction, loops: MainLoops | None = None) -> Loop | None:
@@ -302,8 +300,8 @@ def main_loops(fn: SassFunction) -> MainLoops:
     tensor_loops = tuple(lp for lp in fn.loops() if fn.mix(lp).mma_flops > 0)
     softmax = {lp for lp in tensor_loops if any(i.base == "MUFU" and "EX2" in i.modifiers
                                                  for i in _body(fn, lp))}
-    steps = {lp for lp in tensor_loops if lp not in softmax and any(
-        o != lp and o.start <= lp.start and lp.end <= o.end for o in softmax)}
+    steps = {lp for lp in tensor_loops
+             if lp not in softmax and any(o.encloses(lp) for o in softmax)}
     candidates = _innermost(tuple(lp for lp in tensor_loops if lp not in steps))
     if not candidates:
         return MainLoops(None, None)

@@ -328,6 +328,10 @@ class Loop:
     start: int
     end: int
 
+    def encloses(self, other: Loop) -> bool:
+        """``other`` is another loop within this one's range (nested in it)."""
+        return other != self and self.start <= other.start and other.end <= self.end
+
 
 @dataclass(frozen=True)
 class SassFunction:
