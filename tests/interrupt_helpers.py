@@ -13,7 +13,8 @@ def interrupt_when_ready(proc: subprocess.Popen[bytes], ready: Callable[[], bool
                          *, settle_s: float = 0.0, timeout_s: float = 120.0) -> str:
     """Wait until ``ready()`` (failing if ``proc``, started with ``start_new_session=True``,
     ends first or ``what`` does not happen in ``timeout_s``), wait ``settle_s``, send SIGINT
-    to its process group and return what it printed (stdout and stderr, as piped)."""
+    to its process group and return what it printed (stdout and stderr, as piped). Give
+    ``proc`` PYTHONFAULTHANDLER=1 so that a hang after Ctrl-C fails with its stacks."""
     try:
         deadline = time.monotonic() + timeout_s
         while not ready():
@@ -22,7 +23,15 @@ def interrupt_when_ready(proc: subprocess.Popen[bytes], ready: Callable[[], bool
             time.sleep(0.05)
         time.sleep(settle_s)
         os.killpg(proc.pid, signal.SIGINT)
-        return b"".join(x for x in proc.communicate(timeout=timeout_s) if x).decode()
+        try:
+            return b"".join(x for x in proc.communicate(timeout=timeout_s) if x).decode()
+        except subprocess.TimeoutExpired:
+            # Where it hangs: with PYTHONFAULTHANDLER=1 in its environment, SIGABRT makes
+            # each Python process of the group print every thread's stack.
+            os.killpg(proc.pid, signal.SIGABRT)
+            said = b"".join(x for x in proc.communicate(timeout=30) if x).decode()
+            raise AssertionError(f"still running {timeout_s} s after Ctrl-C; its output and "
+                                 f"stacks:\n{said}") from None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -21,6 +21,7 @@ import hashlib
 import multiprocessing
 import os
 import re
+import signal
 import sys
 import threading
 from collections import OrderedDict
@@ -402,7 +403,8 @@ def compile_pairs(
                                           toolchain=tc))
                 advance()
         else:
-            with compile_process_pool(min(n_workers, len(pending))) as pool:
+            pool = compile_process_pool(min(n_workers, len(pending)))
+            try:
                 futures = {
                     pool.submit(_compile_in_worker, pairs[i][0], specs[i].name,
                                 str(store.base)): i
@@ -411,6 +413,8 @@ def compile_pairs(
                 for future in as_completed(futures):
                     record(futures[future], future.result())
                     advance()
+            finally:  # on Ctrl-C (or an error) only the compiles under way finish
+                pool.shutdown(wait=False, cancel_futures=True)
     return [r for r in results if r is not None]
 
 
@@ -419,7 +423,6 @@ def die_with_parent() -> None:
     `flashtune tune` or `compile --all` leaves no compile or tuning workers behind."""
     if sys.platform.startswith("linux"):
         import ctypes
-        import signal
 
         pr_set_pdeathsig = 1
         libc = ctypes.CDLL(None, use_errno=True)
@@ -428,15 +431,24 @@ def die_with_parent() -> None:
             os._exit(1)
 
 
+def _compile_worker_init() -> None:
+    """A compile worker dies with its parent and leaves Ctrl-C to it. The terminal sends
+    SIGINT to the whole process group; a KeyboardInterrupt inside a worker can cut a result
+    short in the pool's pipe, and the pool's manager thread, which the parent joins at exit,
+    would then wait for the rest of it forever. The parent cancels the pool's work."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+
+
 def compile_process_pool(workers: int) -> ProcessPoolExecutor:
     """The one kind of compile worker pool (``compile --all``, precompile, the tuner).
 
     Spawned, not forked: workers inherit neither the locks held by this process's threads
-    nor a CUDA context; and they die with their parent.
+    nor a CUDA context; they die with their parent and ignore Ctrl-C, which is the parent's.
     """
     return ProcessPoolExecutor(max_workers=workers,
                                mp_context=multiprocessing.get_context("spawn"),
-                               initializer=die_with_parent)
+                               initializer=_compile_worker_init)
 
 
 def compile_many(

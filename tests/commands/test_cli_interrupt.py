@@ -20,7 +20,7 @@ SOURCE = str(Path(flashtune.__file__).resolve().parents[1])
 def test_ctrl_c_during_a_dry_run_prints_one_hint_line_and_no_traceback(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     # 60 trials a bucket: far more than the settle second can finish with warm caches.
-    env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1",
+    env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1", "PYTHONFAULTHANDLER": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (SOURCE, os.environ.get("PYTHONPATH"))
                                          if p)}
     proc = subprocess.Popen(

@@ -43,8 +43,8 @@ def test_sigint_to_the_group_stops_the_workers_without_tracebacks(
     parent = tmp_path / "parent.py"
     parent.write_text(PARENT)
     proc = subprocess.Popen([sys.executable, str(parent), spec.to_json()],
-                            env={**os.environ, **subprocess_env()}, stderr=subprocess.PIPE,
-                            start_new_session=True)
+                            env={**os.environ, **subprocess_env(), "PYTHONFAULTHANDLER": "1"},
+                            stderr=subprocess.PIPE, start_new_session=True)
     err = interrupt_when_ready(
         proc, lambda: len({pid for pid, phase, _ in read_log(call_log) if phase == "time"}) >= 2,
         "two workers measuring")
