@@ -65,6 +65,8 @@ def one_entry(compile_cubin: object) -> tuple[default_rule.Choice, default_rule.
     return plain, kept
 
 
+# One xdist worker runs both tests of the fixture: it compiles and disassembles for a minute.
+@pytest.mark.xdist_group("default_rule_one_entry")
 def test_rule_takes_the_best_prediction_that_passes_every_build(
         one_entry: tuple[default_rule.Choice, default_rule.Choice]) -> None:
     choice = one_entry[0]
@@ -83,6 +85,7 @@ def test_rule_takes_the_best_prediction_that_passes_every_build(
     assert choice.change().startswith("previous default m128_n32_w4_s2: ")
 
 
+@pytest.mark.xdist_group("default_rule_one_entry")
 def test_a_current_default_within_the_margin_stays(
         one_entry: tuple[default_rule.Choice, default_rule.Choice]) -> None:
     plain, kept = one_entry
