@@ -110,7 +110,7 @@ def _score(row: _Row, cfg: KernelConfig, outcome: Verdict | str, failures: list[
 def check_command(
     arch: Annotated[list[str] | None, typer.Option(
         "--arch", help=f"Target arch, repeatable (default {DEFAULT_ARCH}).")] = None,
-    head_dim: HeadDim = 128,
+    head_dim: HeadDim = None,
     head_dim_v: HeadDimV = None,
     dtype: DTypeOpt = DEFAULT_DTYPE,
     input_dtype: InputDTypeOpt = None,

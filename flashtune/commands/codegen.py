@@ -119,11 +119,12 @@ def parse_fix(problem: Problem, texts: Sequence[str] | None) -> Fixed:
         raise typer.BadParameter(str(exc), param_hint="--fix") from exc
 
 
-def parse_problem(op: str, head_dim: int, dtype: DType, causal: bool,
+def parse_problem(op: str, head_dim: int | None, dtype: DType, causal: bool,
                   input_dtype: str | None = None, head_dim_v: int | None = None) -> Problem:
     """The Problem of the options, served by a registered family (else a usage error);
-    its element types as ``options.problem_dtypes`` reads --dtype and --input-dtype, V's
-    head dim --head-dim-v (None: --head-dim's)."""
+    its head dim --head-dim (None: the family's ``default_head_dim``), its element types as
+    ``options.problem_dtypes`` reads --dtype and --input-dtype, V's head dim --head-dim-v
+    (None: --head-dim's)."""
     from flashtune import families
 
     try:
@@ -132,6 +133,8 @@ def parse_problem(op: str, head_dim: int, dtype: DType, causal: bool,
         raise typer.BadParameter(str(exc), param_hint="--op") from exc
     types = problem_dtypes(family, dtype, input_dtype)
     try:
+        if head_dim is None:
+            head_dim = family.default_head_dim
         problem = Problem.from_dict({"head_dim": head_dim, "causal": causal, "op": op,
                                      "head_dim_v": head_dim_v, **types})
     except InvalidProblem as exc:
@@ -158,7 +161,7 @@ def parse_archs(values: list[str] | None) -> list[ArchSpec]:
 
 def show(
     op: OpOpt = "fwd",
-    head_dim: HeadDim = 128,
+    head_dim: HeadDim = None,
     head_dim_v: HeadDimV = None,
     dtype: DTypeOpt = DEFAULT_DTYPE,
     input_dtype: InputDTypeOpt = None,
@@ -239,7 +242,7 @@ def _space_configs(problem: Problem, fix: Sequence[str]) -> list[KernelConfig]:
 def compile_command(
     arch: ArchList = None,
     op: OpOpt = "fwd",
-    head_dim: HeadDim = 128,
+    head_dim: HeadDim = None,
     head_dim_v: HeadDimV = None,
     dtype: DTypeOpt = DEFAULT_DTYPE,
     input_dtype: InputDTypeOpt = None,
@@ -406,7 +409,7 @@ def _print_space_sizes(console: Console, specs: list[ArchSpec], problem: Problem
 def space_command(
     arch: ArchList = None,
     op: OpOpt = "fwd",
-    head_dim: HeadDim = 128,
+    head_dim: HeadDim = None,
     head_dim_v: HeadDimV = None,
     dtype: DTypeOpt = DEFAULT_DTYPE,
     input_dtype: InputDTypeOpt = None,

@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 
 OpOpt = Annotated[str, typer.Option(
     "--op", help="Kernel family (`flashtune families` lists them).")]
-HeadDim = Annotated[int, typer.Option("--head-dim", help="Head dimension (multiple of 8, <= 256).")]
+HeadDim = Annotated[int | None, typer.Option(
+    "--head-dim", help="Head dimension (multiple of 8, <= 256); default 128, 64 for --op mla "
+                       "(the RoPE part of its 576-wide latent).", show_default=False)]
 HeadDimV = Annotated[int | None, typer.Option(
     "--head-dim-v", help="V's head dimension where it differs from --head-dim (multiple of 8, "
     "<= 256; the mma.sync forward and backward), e.g. 128 with --head-dim 192.")]

@@ -226,7 +226,7 @@ def _print_counters(console: Console, profile: KernelProfile) -> None:
 
 def profile(
     op: OpOpt = "fwd",
-    head_dim: HeadDim = 128,
+    head_dim: HeadDim = None,
     dtype: DTypeOpt = DEFAULT_DTYPE,
     input_dtype: InputDTypeOpt = None,
     causal: Causal = False,

@@ -277,6 +277,8 @@ class KernelFamily(ABC):
     #: The largest Q/K head dim the family's kernels take (``spec.MAX_HEAD_DIM``, or one of
     #: ``spec.WIDE_HEAD_DIMS``); not inherited either.
     max_head_dim: ClassVar[int] = MAX_HEAD_DIM
+    #: The head dim the commands take when --head-dim is not given (one the family serves).
+    default_head_dim: ClassVar[int] = 128
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -53,6 +53,18 @@ def test_show_fields_override_the_base_config() -> None:
                                                     KernelConfig(64, 128, 4, 1)))
 
 
+def test_without_head_dim_each_family_takes_its_default_and_the_help_says_so() -> None:
+    """128, except where a family serves another (MLA: 64, its RoPE width)."""
+    help_text = " ".join(run("show", "--help").stdout.split())
+    for family in families.all_families():
+        if family.default_head_dim != 128:
+            assert f"{family.default_head_dim} for --op {family.op}" in help_text, help_text
+        result = run("show", "--op", family.op)
+        assert result.exit_code == 0, (family.op, result.output)
+        problem = re.search(r"// problem: (\S+)", result.stdout)
+        assert problem and f"_d{family.default_head_dim}_" in problem.group(1), result.stdout
+
+
 def test_show_uses_the_default_config_of_the_arch() -> None:
     result = run("show", "--head-dim", "128", "--arch", "sm_86")
     assert result.exit_code == 0, result.output

@@ -76,6 +76,7 @@ class MlaFamily(KernelFamily):
     dtypes = SAME_16BIT | {FP8_CACHE}
     abi: ClassVar[EntryAbi | None] = MLA_ABI
     abi_aliases: ClassVar[Mapping[Element, str]] = MLA_ALIASES
+    default_head_dim: ClassVar[int] = ROPE_DIM
 
     def check_problem(self, problem: Problem) -> None:
         """Also: head_dim is the RoPE width, ROPE_DIM."""
