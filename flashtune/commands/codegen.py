@@ -132,9 +132,9 @@ def parse_problem(op: str, head_dim: int | None, dtype: DType, causal: bool,
     except InvalidProblem as exc:
         raise typer.BadParameter(str(exc), param_hint="--op") from exc
     types = problem_dtypes(family, dtype, input_dtype)
+    if head_dim is None:
+        head_dim = family.default_head_dim
     try:
-        if head_dim is None:
-            head_dim = family.default_head_dim
         problem = Problem.from_dict({"head_dim": head_dim, "causal": causal, "op": op,
                                      "head_dim_v": head_dim_v, **types})
     except InvalidProblem as exc:

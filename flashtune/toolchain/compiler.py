@@ -418,9 +418,14 @@ def compile_pairs(
     return [r for r in results if r is not None]
 
 
-def die_with_parent() -> None:
-    """On Linux, ask the kernel to kill this process when its parent dies, so that a killed
-    `flashtune tune` or `compile --all` leaves no compile or tuning workers behind."""
+def tie_worker_to_parent() -> None:
+    """Make this worker process (compile or tuning) die with its parent and leave Ctrl-C to
+    it, so that a killed `flashtune tune` or `compile --all` leaves no workers behind and
+    Ctrl-C prints the parent's one message. The terminal sends SIGINT to the whole process
+    group; a KeyboardInterrupt inside a pool worker can also cut a result short in the
+    pool's pipe, and the pool's manager thread, which the parent joins at exit, would then
+    wait for the rest of it forever. The parent stops or cancels the workers' work."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -431,15 +436,6 @@ def die_with_parent() -> None:
             os._exit(1)
 
 
-def _compile_worker_init() -> None:
-    """A compile worker dies with its parent and leaves Ctrl-C to it. The terminal sends
-    SIGINT to the whole process group; a KeyboardInterrupt inside a worker can cut a result
-    short in the pool's pipe, and the pool's manager thread, which the parent joins at exit,
-    would then wait for the rest of it forever. The parent cancels the pool's work."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    die_with_parent()
-
-
 def compile_process_pool(workers: int) -> ProcessPoolExecutor:
     """The one kind of compile worker pool (``compile --all``, precompile, the tuner).
 
@@ -448,7 +444,7 @@ def compile_process_pool(workers: int) -> ProcessPoolExecutor:
     """
     return ProcessPoolExecutor(max_workers=workers,
                                mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_compile_worker_init)
+                               initializer=tie_worker_to_parent)
 
 
 def compile_many(

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -256,15 +255,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"usage: python -m flashtune.tuner.workers [{_TIED}] SPEC_JSON", file=sys.stderr)
         return 2
     if tied:
-        from flashtune.toolchain.compiler import die_with_parent
+        from flashtune.toolchain.compiler import tie_worker_to_parent
 
-        # A killed `flashtune tune --workers N` leaves no workers measuring on: the trial
-        # in flight is reaped (dead pid) and measured again by --resume.
-        die_with_parent()
-        # Ctrl-C reaches the terminal's whole process group: the parent stops its workers
-        # (run_workers terminates them) and prints the one --resume hint, so a worker
-        # ignores SIGINT instead of printing a KeyboardInterrupt traceback of its own.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # A killed `flashtune tune --workers N` leaves no workers measuring on (the trial in
+        # flight is reaped and measured again by --resume); on Ctrl-C run_workers terminates
+        # them and prints the one --resume hint, with no traceback from a worker.
+        tie_worker_to_parent()
     spec = WorkerSpec.from_json(args[0])
     db = os.environ.pop(WORKER_DB_ENV, None)
     run_spec(spec if db is None else dataclasses.replace(spec, db=db))
