@@ -81,6 +81,20 @@ def compiler_identity(cxx: str) -> str:
     return out.splitlines()[0].strip() + " / " + machine.strip()
 
 
+@functools.lru_cache(maxsize=8)
+def is_gcc(cxx: str) -> bool:
+    """Whether ``cxx`` is GCC itself (not clang or another compiler that defines __GNUC__):
+    only GCC's precompiled headers are made and used the way build.py does."""
+    try:
+        macros = subprocess.run([cxx, "-dM", "-E", "-x", "c++", os.devnull], capture_output=True,
+                                text=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    names = {line.split()[1] for line in macros.splitlines() if line.startswith("#define ")}
+    return "__GNUC__" in names and not names & {"__clang__", "__INTEL_LLVM_COMPILER",
+                                                "__INTEL_COMPILER", "__NVCOMPILER"}
+
+
 def asan_requested() -> bool:
     """Whether kernels are built with AddressSanitizer (setting FLASHTUNE_EMULATOR_ASAN)."""
     return settings.EMULATOR_ASAN.get()

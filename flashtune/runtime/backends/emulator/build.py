@@ -7,6 +7,12 @@ cached through ArtifactCache, keyed by everything that changes the binary: sourc
 contents of the emulator headers and of the kernel's include directories, compiler flags,
 compiler identity and CUDA header versions.
 
+The header every kernel build includes first (``flashtune_emu/runtime.h``, which pulls in the
+C++ standard library and the CUDA half/bfloat16 headers: about 45,000 lines) is precompiled
+once per compiler and flag set where the compiler is GCC: parsing it is about half of a kernel
+build. A precompiled header GCC cannot use is skipped by GCC itself (it parses the header as
+usual), so it only ever changes the build's time, never its result.
+
 Each library carries its own cache key as the exported string ``ftemu_build_key``
 (``flashtune-emulator-key:<key>``); ``bound_library`` checks the file for it before the
 library is handed out, so a library of another kernel (or another runtime) that lands under
@@ -193,6 +199,47 @@ def runtime_library(cache: ArtifactCache | None = None, *, asan: bool = False,
     return bound_library(cache, key, build)
 
 
+#: The plain header a kernel build includes first, and what stands in for it where a
+#: precompiled form exists.
+PRELUDE = "flashtune_emu/runtime.h"
+_PRELUDE_STUB = f'#include "{PRELUDE}"\n'
+#: Preludes already looked up in this process, by cache and key: a lookup reads and checks
+#: about 60 MB, and a failed build is not retried for every kernel.
+_PRELUDES: dict[tuple[Path, str], str] = {}
+
+
+def prelude_include(cache: ArtifactCache, runtime: Path, flags: Sequence[str], cxx: str
+                    ) -> str:
+    """What a kernel build compiled with ``flags`` passes to ``-include``: under GCC a cached
+    header that includes PRELUDE, with its precompiled form (``.gch``) beside it; PRELUDE
+    itself for other compilers or where the precompiled form failed to build (logged once)."""
+    if not toolchain.is_gcc(cxx):
+        return PRELUDE
+    h = hashlib.sha256(b"flashtune-emulator-prelude\0")
+    # The runtime's name covers the emulator headers, the CUDA headers and the compiler.
+    h.update("\0".join([runtime.name, toolchain.compiler_identity(cxx), *flags]).encode())
+    key = "pch-" + h.hexdigest()[:40]
+    memo = (cache.root, key)
+    if memo not in _PRELUDES:
+        stub = cache.put_bytes(NAMESPACE, key, ".h", _PRELUDE_STUB.encode())
+
+        def build(tmp: Path) -> None:
+            cmd = [cxx, *(f for f in flags if f != "-shared"), *_include_flags(()),
+                   "-x", "c++-header", str(stub), "-o", str(tmp)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise CompileError("the emulator's precompiled header did not build",
+                                   log=(proc.stderr or proc.stdout)[-4000:])
+
+        try:
+            cache.get_or_build(NAMESPACE, key, ".h.gch", build)
+            _PRELUDES[memo] = str(stub)
+        except CompileError as exc:
+            log.warning("%s; kernel builds parse %s instead", exc, PRELUDE)
+            _PRELUDES[memo] = PRELUDE
+    return _PRELUDES[memo]
+
+
 def launcher_source(entries: Sequence[str]) -> str:
     """The generated tail of a kernel source: one exported launcher per entry point."""
     for entry in entries:
@@ -229,7 +276,8 @@ def kernel_library(code: str, entries: Sequence[str], options: BuildOptions,
             src = Path(work) / f"{file_stem}.cu"
             src.write_text(source + key_source(key))
             cmd = [options.cxx, *flags, *_include_flags(options.include_dirs),
-                   "-include", "flashtune_emu/runtime.h", "-x", "c++", str(src), "-x", "none",
+                   "-include", prelude_include(cache, runtime, flags, options.cxx), "-x", "c++",
+                   str(src), "-x", "none",
                    str(runtime), "-o", str(tmp)]
             _compile(cmd, f"kernel {', '.join(entries)}", source, cache, key)
         elapsed = time.perf_counter() - start
