@@ -94,16 +94,17 @@ def test_what_a_split_call_cannot_have_is_refused_naming_the_fix() -> None:
 
 @pytest.mark.emulator
 @pytest.mark.usefixtures("dispatcher")
-@pytest.mark.parametrize("dim, dim_v, causal, deterministic", [
-    (192, 128, True, False), (64, 128, False, True)])
+@pytest.mark.parametrize("dim, dim_v, causal, deterministic, dtype", [
+    (192, 128, True, False, torch.bfloat16), (64, 128, False, True, torch.float16)])
 def test_gradients_of_split_head_dims_follow_flash_attn_rule(
-        dim: int, dim_v: int, causal: bool, deterministic: bool) -> None:
+        dim: int, dim_v: int, causal: bool, deterministic: bool, dtype: torch.dtype) -> None:
     """dQ, dK, dV (and O) through ``loss.backward()``: max|ours - float64| at most 3x max|plain
-    PyTorch in bf16 - float64| (flash-attn's rule), dV of v's head dim."""
+    PyTorch in the inputs' dtype - float64| (flash-attn's rule), dV of v's head dim. (The
+    fp16 case runs the forward kernel of test_attention_returns_o_of_v_head_dim's.)"""
     seed = _SEED + 7 * dim
     shape = Shape(1, 4, 2, 50, 70)
-    q, k, v = split_qkv(shape, dim, dim_v, torch.bfloat16, seed)
-    dout = split_qkv(Shape(1, 4, 4, 50, 50), dim_v, dim_v, torch.bfloat16, seed + 1)[0]
+    q, k, v = split_qkv(shape, dim, dim_v, dtype, seed)
+    dout = split_qkv(Shape(1, 4, 4, 50, 50), dim_v, dim_v, dtype, seed + 1)[0]
     scale = dim ** -0.5
 
     def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,10 @@
 kernel, on the emulator against the float64 reference (``decode.reference`` over
 ``fwd.reference.scaled_scores``): paged (page sizes 1, 3, 16) and unpaged caches, MHA and
 GQA, appended rows, several splits, outputs poisoned with NaN; a seeded sample in the
-default run, the whole grid behind the sweep marker; and the key tiles a window skips."""
+default run, the whole grid behind the sweep marker; and the key tiles a window skips. The
+API's features and the NVRTC builds of the defaults run each feature every run, their
+repetitions (another arch, a feature alone that a combined case also passes) drawn with the
+run's seed, the rest under -m sweep."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from decode_cases import call_api, run_emulated
+from sampling import seeded_part
 
 from flashtune import families
 from flashtune.codegen.spec import DType, KernelConfig, Problem, Shape
@@ -178,10 +182,17 @@ def test_a_narrow_window_skips_key_tiles(splits: int) -> None:
     assert counts[(10, 0)] * 4 == counts[(-1, -1)], counts
 
 
+#: The API's features: a window under the causal mask, (heads,) slopes and all three
+#: together (bh slopes) every run; a window alone and a softcap alone (each also inside the
+#: three) one of the two drawn with the run's seed, the other under -m sweep.
+API_CASES = [((20, 5), None, "", True, 16), (None, None, "h", False, 1),
+             ((16, 0), 5.0, "bh", False, 16),
+             *seeded_part([((7, 2), None, "", False, None), (None, 30.0, "", False, 3)], 1,
+                          "decode-features-api", several=True)]
+
+
 @pytest.mark.emulator
-@pytest.mark.parametrize("window, softcap, slopes, causal, page", [
-    ((20, 5), None, "", True, 16), ((7, 2), None, "", False, None), (None, 30.0, "", False, 3),
-    (None, None, "h", False, 1), ((16, 0), 5.0, "bh", False, 16)])
+@pytest.mark.parametrize("window, softcap, slopes, causal, page", API_CASES)
 def test_attention_with_kvcache_with_features_matches_float64(
         window: tuple[int, int] | None, softcap: float | None, slopes: str, causal: bool,
         page: int | None) -> None:
@@ -213,9 +224,14 @@ def test_attention_with_kvcache_with_features_matches_float64(
 
 # Not yet without spills (ptxas keeps these at 168 registers): softcap on sm_90 (16 bytes)
 # and all three features on sm_80 (8 bytes); they compile and are verified above.
+# Every feature each run: window and ALiBi on an arch drawn with the run's seed (the other
+# under -m sweep).
 @pytest.mark.parametrize("arch, switches", [
-    ("sm_80", {"window": True}), ("sm_90", {"window": True}), ("sm_80", {"softcap": True}),
-    ("sm_80", {"alibi": True}), ("sm_90", {"alibi": True}),
+    *seeded_part([("sm_80", {"window": True}), ("sm_90", {"window": True})], 1,
+                 "decode-features-nvrtc-window", several=True),
+    ("sm_80", {"softcap": True}),
+    *seeded_part([("sm_80", {"alibi": True}), ("sm_90", {"alibi": True})], 1,
+                 "decode-features-nvrtc-alibi", several=True),
     ("sm_90", {"window": True, "softcap": True, "alibi": True})],
     ids=lambda v: v if isinstance(v, str) else "-".join(v))
 def test_feature_defaults_compile_with_nvrtc_without_spills(arch: str,

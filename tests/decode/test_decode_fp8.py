@@ -4,7 +4,8 @@ float64: the reference is the 16-bit kernel's float64 attention over the dequant
 them, e4m3(x / descale) by torch's conversion; the caches after the call must equal, byte for
 byte, the caches with those rows appended. Outputs are poisoned with NaN. Page sizes 1, 3, 16,
 64, 100, 256 and unpaged, MHA/GQA/MQA, causal or not, appended rows, one to many splits, the
-window/softcap/ALiBi features; a seeded sample by default, the grid behind the sweep marker.
+window/softcap/ALiBi features; a seeded sample by default (unpaged and two drawn page
+sizes), the grid behind the sweep marker.
 Also: the emulator's byte counters (the cache bytes are half the bf16 cache's on the same
 problem), the saturation of appended rows, and NVRTC builds of the defaults without spills.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from decode_cases import run_emulated
+from sampling import seeded_part
 
 from flashtune import families
 from flashtune.codegen.arch import get_arch
@@ -89,11 +91,16 @@ GRID = tuple(
 
 
 def sample(seed: int) -> list[Fp8Case]:
-    """One case per page size, bf16 and plain causal/full (one kernel build each), with the
-    rest drawn from ``seed``; then one fp16 case and one of each feature."""
+    """bf16 and plain: one unpaged case and two of page sizes drawn from ``seed``, one
+    causal and one full (one kernel build each), the rest drawn too; then one fp16 case and
+    one of each feature (every page size: the grid, under -m sweep)."""
     rng = random.Random(seed)
     plain = [c for c in GRID if c.features == FEATURES[0] and c.dtype is DType.BF16]
-    picked = [rng.choice([c for c in plain if c.page_size == page]) for page in PAGE_SIZES]
+    causal = rng.random() < 0.5
+    picked = [rng.choice([c for c in plain if c.page_size is None])]
+    picked += [rng.choice([c for c in plain if c.page_size == page and c.causal == mask])
+               for page, mask in zip(rng.sample(PAGE_SIZES[1:], 2), (causal, not causal),
+                                     strict=True)]
     picked.append(rng.choice([c for c in GRID if c.dtype is DType.FP16
                               and c.features == FEATURES[0] and c.append]))
     picked += [rng.choice([c for c in GRID if c.features == f and c.dtype is DType.BF16])
@@ -274,9 +281,10 @@ def _compile_default(arch: str, head_dim: int) -> None:
     assert kernel.resources.spill_bytes == 0 and kernel.resources.registers > 0
 
 
-@pytest.mark.parametrize("arch", ["sm_89", "sm_90"])
+@pytest.mark.parametrize("arch", seeded_part(["sm_89", "sm_90"], 1, "decode-fp8-nvrtc"))
 def test_defaults_compile_with_nvrtc_without_spills(arch: str) -> None:
-    """Head dim 128 by default (NVRTC 13: 170 registers on sm_89, 171 on sm_90)."""
+    """Head dim 128 by default (NVRTC 13: 170 registers on sm_89, 171 on sm_90), on one
+    arch drawn with the run's seed (the other under -m sweep)."""
     _compile_default(arch, 128)
 
 
