@@ -3,7 +3,8 @@ NVRTC, with their resources read back (the compiles run in a process pool and la
 session's kernel cache, which later tests reuse). The default run compiles a sample seeded
 by FLASHTUNE_TEST_SEED (printed in the report header) that keeps every problem on every
 arch; ``-m sweep`` compiles every tile shape (knobs at their defaults) and a seeded sample of
-configs with knobs per problem."""
+configs with knobs per problem. The default configs' spill check takes each head dim on each
+arch with a seeded dtype and causal mode (every problem: ``-m sweep``)."""
 
 from __future__ import annotations
 
@@ -113,20 +114,36 @@ def test_binaries_differ_per_arch_and_config(results: list[CompileResult]) -> No
     assert len(cubins) == len(results)
 
 
-def test_default_configs_spill_only_as_the_spill_rule_allows(
-        results: list[CompileResult]) -> None:
-    """A default may spill (FA2's own d128 tile does), but no local access may sit in a
-    tensor-core chain and each main loop makes at most MAX_LOCAL_ACCESSES per iteration."""
+def _spill_breaches(problems: list[Problem], arch: str) -> list[str]:
+    """How the default configs of ``problems`` on ``arch`` break the spill rule."""
     breaches = []
-    for problem in PROBLEMS:
-        for arch in ARCHS:
-            spec = get_arch(arch)
-            config = default_config(problem, spec)
-            assert space.static_check(problem, config, spec) is None
-            source = render(problem, config)
-            kernel = compile_source(source, arch)
-            if kernel.resources.spill_bytes or kernel.resources.stack_frame:
-                loops = main_loops(sass_listing(kernel.cubin, arch).function(source.entry))
-                breaches += [f"{problem.key()} {config.key()} {arch}: {why}"
-                             for why in spill_rule_problems(loops, arch)]
+    spec = get_arch(arch)
+    for problem in problems:
+        config = default_config(problem, spec)
+        assert space.static_check(problem, config, spec) is None
+        source = render(problem, config)
+        kernel = compile_source(source, arch)
+        if kernel.resources.spill_bytes or kernel.resources.stack_frame:
+            loops = main_loops(sass_listing(kernel.cubin, arch).function(source.entry))
+            breaches += [f"{problem.key()} {config.key()} {arch}: {why}"
+                         for why in spill_rule_problems(loops, arch)]
+    return breaches
+
+
+def test_default_configs_spill_only_as_the_spill_rule_allows() -> None:
+    """A default may spill (FA2's own d128 tile does), but no local access may sit in a
+    tensor-core chain and each main loop makes at most MAX_LOCAL_ACCESSES per iteration.
+    Each head dim on each arch, with a seeded dtype and causal mode (every problem in
+    the sweep; tests/kernel/test_kernel_default_resources.py checks the whole table)."""
+    rng = random.Random(f"{SEED}-spill")
+    breaches = []
+    for head_dim, arch in itertools.product((64, 128), ARCHS):
+        mine = [p for p in PROBLEMS if p.head_dim == head_dim]
+        breaches += _spill_breaches([rng.choice(mine)], arch)
+    assert not breaches, "\n".join(breaches)
+
+
+@pytest.mark.sweep
+def test_default_configs_of_every_problem_spill_only_as_the_spill_rule_allows() -> None:
+    breaches = [b for arch in ARCHS for b in _spill_breaches(PROBLEMS, arch)]
     assert not breaches, "\n".join(breaches)

@@ -104,7 +104,7 @@ def test_shared_memory_layouts_are_bank_conflict_free(head_dim: int, config: Ker
     assert counters.cp_async_smem_conflicts == 0, counters.conflicting_sites()
 
 
-SAMPLE_SIZE = 3
+SAMPLE_SIZE = 2
 
 
 def test_knob_sample() -> None:

@@ -5,9 +5,10 @@ outputs. The default tier covers every feature once: both dtypes, causal with Nq
 Nq > Nk (rows that see no key), GQA and MQA, batch > 1, lengths that are not multiples of
 the tiles, a padded head dim, strided inputs sliced from a packed qkv tensor, a custom
 scale, scores of magnitude ~1e4, one to eight warps and one to four stages, in both
-emulator schedules. Every entry of the default table runs in every default run (one dtype
-and shape chosen by FLASHTUNE_TEST_SEED); ``-m sweep`` runs every head dim (padded ones too)
-with both dtypes on the default configs of each arch class, and more lengths.
+emulator schedules. The default run checks one seeded entry of the default table per arch
+class and causal mode (its dtype and shape seeded too, by FLASHTUNE_TEST_SEED), the other
+entries under ``-m sweep``; ``-m sweep`` also runs every head dim (padded ones too) with both
+dtypes on the default configs of each arch class, and more lengths.
 """
 
 from __future__ import annotations
@@ -98,11 +99,19 @@ _RNG = random.Random(int(os.environ["FLASHTUNE_TEST_SEED"]))
 DEFAULTS = [(Problem(e.head_dim, _RNG.choice(list(DType)), causal=e.causal),
              defaults.REFERENCE_ARCH[e.arch_class], _RNG.randrange(len(SLOW)))
             for e in defaults.DEFAULT_TABLE]
+#: The entries grouped by (arch class, causal): the kinds the default run keeps one of each.
+_KINDS = sorted({(a, p.causal) for p, a, _ in DEFAULTS})
+DEFAULTS = [d for kind in _KINDS for d in DEFAULTS if (d[1], d[0].causal) == kind]
 
 
-# A seeded third of the default-table entries in the default run; every one under sweep.
-@pytest.mark.parametrize(("problem", "arch", "index"),
-                         seeded_part(DEFAULTS, len(DEFAULTS) // 3, "defaults", several=True),
+def _one_per_kind() -> list[object]:
+    """A seeded entry of each (arch class, causal) in the default run; every one under sweep."""
+    return [case for arch, causal in _KINDS
+            for case in seeded_part([d for d in DEFAULTS if (d[1], d[0].causal) == (arch, causal)],
+                                    1, f"defaults-{arch}-{causal}", several=True)]
+
+
+@pytest.mark.parametrize(("problem", "arch", "index"), _one_per_kind(),
                          ids=[f"{p.key()}-{a}" for p, a, _ in DEFAULTS])
 def test_every_default_config(problem: Problem, arch: str, index: int) -> None:
     config = defaults.default_config(problem, get_arch(arch))

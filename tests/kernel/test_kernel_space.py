@@ -35,7 +35,7 @@ PROBLEMS = tuple(Problem(hd, dt, causal=c)
                  for hd, dt, c in itertools.product((64, 128), DType, (False, True)))
 #: Small, off the tile grid in both lengths, GQA 2:1, batch 2.
 SMALL = Case(batch=2, seqlen_q=150, seqlen_k=200, heads_q=2, heads_kv=1)
-SAMPLE_SIZE = 4
+SAMPLE_SIZE = 2
 #: Configs of the whole space (knobs included) the sweep draws, seeded.
 SWEEP_SAMPLE = 64
 #: Configs a problem's rule check draws from the whole space, beside every tile shape.

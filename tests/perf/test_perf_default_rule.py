@@ -52,7 +52,9 @@ def test_floor_shortfall_names_the_limit() -> None:
     assert default_rule.Floor(1, 4).shortfall(occ) is None
 
 
-@pytest.fixture(scope="module")
+# Session scope: under xdist the group's two tests can be run apart (another module's tests
+# between them), and a module fixture would then be rebuilt for the second.
+@pytest.fixture(scope="session")
 def one_entry(compile_cubin: object) -> tuple[default_rule.Choice, default_rule.Choice]:
     """sm90 d128 (not causal) chosen by the rule with a shortlist of 4, from the table's
     old default 128 x 32: once as the rule has it, once with a margin that keeps it."""

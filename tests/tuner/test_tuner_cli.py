@@ -1,5 +1,7 @@
 """`flashtune tune` and `flashtune report` from the command line, and the dry run end to end
-(the real NVRTC compiler and the CPU emulator)."""
+(the real NVRTC compiler and the CPU emulator). The end-to-end dry run compiles in a process
+pool; the other dry runs compile inline (``--compile-workers 0``: the pool is not their
+point, and each spawned compile process costs an interpreter start)."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def test_tune_rejects_bad_arguments_with_the_expected_form(db_url: str) -> None:
 @pytest.mark.emulator
 def test_dry_run_end_to_end_compiles_and_verifies_untimed(db_url: str) -> None:
     args = ["tune", "--head-dim", "64", "--dtype", "fp16", "--seqlens", "128", "--dry-run",
-            "--arch", "sm_90", "--trials", "3", "--compile-workers", "1", "--db", db_url]
+            "--arch", "sm_90", "--trials", "2", "--compile-workers", "1", "--db", db_url]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "dry run (untimed" in result.output
@@ -60,7 +62,7 @@ def test_dry_run_end_to_end_compiles_and_verifies_untimed(db_url: str) -> None:
     assert statuses["ok"] == 0 and all(t.tflops is None for t in trials)
     assert statuses["verified_untimed"] >= 1, statuses
     measured = [t for t in trials if "static" not in (t.error or "")]
-    assert 1 <= len({t.config.key for t in measured}) <= 3
+    assert 1 <= len({t.config.key for t in measured}) <= 2
     # a second dry run skips what is settled and verifies the next candidates
     again = runner.invoke(app, args)
     assert again.exit_code == 0, again.output
@@ -74,8 +76,8 @@ def test_dry_run_tunes_a_problem_with_attention_features(db_url: str) -> None:
     """--features compiles the switches in: the bucket is the feature problem's own key, and
     its candidates are verified in the emulator with the features' values drawn."""
     args = ["tune", "--head-dim", "64", "--dtype", "fp16", "--features", "window,softcap",
-            "--seqlens", "128", "--dry-run", "--arch", "sm_90", "--trials", "2",
-            "--compile-workers", "1", "--db", db_url]
+            "--seqlens", "128", "--dry-run", "--arch", "sm_90", "--trials", "1",
+            "--compile-workers", "0", "--db", db_url]
     assert _verified_keys(args, db_url, "virtual-sm_90") == {"fwd_d64_fp16_local_softcap"}
 
 
@@ -95,7 +97,7 @@ def test_dry_run_tunes_the_fp8_forward_with_either_input_format(db_url: str) -> 
     """``--op fwd8 --dtype bf16``: O's type, e4m3 inputs; ``--input-dtype e5m2`` makes the
     bucket the e5m2 problem's own, verified in the emulator on a virtual sm_89."""
     args = ["tune", "--op", "fwd8", "--head-dim", "64", "--dtype", "bf16", "--seqlens", "128",
-            "--dry-run", "--arch", "sm_89", "--trials", "1", "--compile-workers", "1",
+            "--dry-run", "--arch", "sm_89", "--trials", "1", "--compile-workers", "0",
             "--db", db_url]
     assert _verified_keys([*args, "--input-dtype", "e5m2"], db_url, "virtual-sm_89") == {
         "fwd8_d64_e5m2-e5m2-bf16_full"}
@@ -109,7 +111,7 @@ def test_dry_run_for_sm90a_tunes_the_family_that_serves_the_forward_there(db_url
     for it measures (and says), with the wgmma path's predictions; a feature problem too
     (dropout: the sm_90a family takes every built-in feature) is its own key there."""
     args = ["tune", "--head-dim", "64", "--dtype", "bf16", "--seqlens", "128", "--dry-run",
-            "--arch", "sm_90a", "--trials", "1", "--compile-workers", "1", "--db", db_url]
+            "--arch", "sm_90a", "--trials", "1", "--compile-workers", "0", "--db", db_url]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     said = " ".join(result.output.split())
@@ -146,7 +148,7 @@ def test_a_backward_with_a_window_dry_runs_without_a_cost_model(db_url: str) -> 
     emulator with drawn window sizes."""
     result = runner.invoke(app, ["tune", "--op", "bwd", "--head-dim", "32", "--features",
                                  "window", "--dry-run", "--trials", "1", "--seqlens", "1024",
-                                 "--arch", "sm_80", "--db", db_url])
+                                 "--arch", "sm_80", "--compile-workers", "0", "--db", db_url])
     assert result.exit_code == 0, result.output
     assert "bwd_d32_fp16_local_n1024" in result.output
 
