@@ -2,7 +2,8 @@
 dV and the dQ accumulator against float64 autograd of the dequantised inputs (the 16-bit
 backward's reference and tolerances of dO's type), on NaN-poisoned outputs and fresh inputs
 (the emulator; both thread schedules). A seeded sample runs by default (the seed is in the
-ids), the grid of head dims, types, masks, features and configs under ``-m sweep``.
+ids; every feature each run, a seeded one of the single softcap, ALiBi and varlen sets),
+the grid of head dims, types, masks, features and configs under ``-m sweep``.
 
 The measurement behind its precisions (16-bit P and dS) is
 ``tests/benchmarks/test_bench_fp8_backward_error.py``."""
@@ -13,9 +14,11 @@ import dataclasses
 import itertools
 import os
 import random
+from typing import Any
 
 import pytest
 import torch
+from sampling import seeded_part
 
 from flashtune import families
 from flashtune.codegen.arch import get_arch
@@ -62,10 +65,15 @@ def _grid() -> list[Case]:
 GRID = _grid()
 
 
-def _sample(seed: int) -> list[Case]:
-    """One case per feature set, drawn with ``seed``."""
+def _sample(seed: int) -> list[Any]:
+    """One case per feature set, drawn with ``seed``: by default those without features, with
+    the window and with the combined set (every feature among them), and a seeded one of
+    the single softcap, ALiBi and varlen sets (the others under ``-m sweep``)."""
     rng = random.Random(seed)
-    return [rng.choice([c for c in GRID if frozenset(c[0].features) == f]) for f in FEATURES]
+    drawn = [rng.choice([c for c in GRID if frozenset(c[0].features) == f]) for f in FEATURES]
+    singles = [c for c in drawn if frozenset(c[0].features) in FEATURES[2:5]]
+    return [*(c for c in drawn if c not in singles),
+            *seeded_part(singles, 1, "bwd8-features")]
 
 
 def _id(case: Case) -> str:
@@ -153,9 +161,12 @@ def test_archs_without_fp8_mma_and_odd_head_dims_are_refused() -> None:
         BACKWARD_FP8.default_config(problem(80, Fp8Type.E4M3, DType.BF16, False), ARCH)
 
 
-@pytest.mark.parametrize("arch", ["sm_89", "sm_90"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("arch, head_dim", [
+    case for arch in ("sm_89", "sm_90")
+    for case in seeded_part([(arch, d) for d in (64, 128, 256)], 1, f"bwd8-nvrtc-{arch}",
+                            several=True)])
 def test_defaults_compile_without_spills(arch: str, head_dim: int) -> None:
+    """Per arch, the default at a seeded one of the head dims (all under ``-m sweep``)."""
     p = problem(head_dim, Fp8Type.E4M3, DType.BF16, True)
     kernel = compile_source(families.render(p, BACKWARD_FP8.default_config(p, get_arch(arch))),
                             arch)

@@ -3,19 +3,22 @@
 
 Each is verified on its own through the family interface: NaN-poisoned outputs, fresh
 random inputs, the float64 reference, both emulator thread schedules. The default run covers
-every distinct default config of the table (at one head dim it serves, dtype and mask drawn
-from the run's seed) and a seeded sample of the space; ``-m sweep`` runs the whole table
-and the whole space. The split dQ mode is bitwise equal over shuffled block orders; the
-atomic mode is not (the emulator's shuffles show it) but stays within tolerance.
+a seeded two of the table's distinct default configs (at one head dim it serves, dtype and
+mask drawn from the run's seed; every distinct config under ``-m sweep``) and a seeded
+sample of the space; ``-m sweep`` also runs the whole table and the whole space. The split
+dQ mode is bitwise equal over shuffled block orders; the atomic mode is not (the emulator's
+shuffles show it) but stays within tolerance.
 """
 
 from __future__ import annotations
 
 import os
 import random
+from typing import Any
 
 import pytest
 import torch
+from sampling import seeded_part
 
 from flashtune import families
 from flashtune.codegen.arch import ARCHS, ArchClass, get_arch
@@ -127,8 +130,9 @@ def test_flops_follow_the_field_convention() -> None:
 # ------------------------------------------------------------------ NVRTC
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("head_dim, arch", [
+    *seeded_part([(64, "sm_80"), (256, "sm_80")], 1, "bwd-nvrtc-sm_80", several=True),
+    *seeded_part([(64, "sm_90"), (256, "sm_90")], 1, "bwd-nvrtc-sm_90", several=True)])
 def test_main_default_compiles_without_spills(arch: str, head_dim: int) -> None:
     from flashtune.toolchain.compiler import compile_source
 
@@ -184,12 +188,16 @@ def _distinct_defaults() -> list[tuple[KernelConfig, list[int]]]:
     return [(c, sorted(hds)) for c, hds in sorted(served.items(), key=lambda kv: kv[0].key())]
 
 
-def _cases() -> list[tuple[Problem, KernelConfig, Shape]]:
+def _cases() -> list[Any]:
+    """Every distinct default config (head dim it serves, dtype, mask and shape drawn from
+    the seed; all of them atomic): a seeded two by default, the rest under ``-m sweep``;
+    and a seeded config of the space."""
     rng = random.Random(SEED)
-    cases = []
+    table = []
     for config, head_dims in _distinct_defaults():
         problem = _problem(rng.choice(head_dims), rng.choice(list(DType)), rng.random() < 0.5)
-        cases.append((problem, config, rng.choice(SHAPES)))
+        table.append((problem, config, rng.choice(SHAPES)))
+    cases: list[Any] = seeded_part(table, 2, "bwd-defaults")
     # A sample of the space: a padded head dim or not, either dQ mode, one or two stages.
     problem = _problem(64, DType.FP16, True)
     sample = rng.sample(BACKWARD.candidates(problem, get_arch("sm_90")), 1)

@@ -7,8 +7,8 @@ flash-attn's rule as the bound, ``BackwardFamily.compare``), dK and dV poisoned 
 before each launch, fresh seeded inputs, the forward's LSE and D of them. Pairs: 192/128,
 128/64 (Q/K wider), 64/128 and 72/136 (V wider, the latter off the k16 step); fp16 and
 bf16; causal and not; GQA/MQA shapes off the tile grid and Nq > Nk under the causal mask.
-The default run takes a seeded sample (the seed in each id replays it); ``-m sweep`` the
-grid.
+The default run takes a seeded sample (the seed in each id replays it; both modes, one on a
+pair with Q/K wider, the other on one with V wider); ``-m sweep`` the grid.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+from typing import Any
 
 import pytest
 from split_dims import case_id, run_split
@@ -59,9 +60,24 @@ def _grid() -> list[tuple[str, tuple[int, int], DType, bool, KernelConfig, Shape
 
 
 _GRID = _grid()
-#: The default run: one row per pair (the mode drawn with it), by the session's seed.
-SAMPLE = [(*random.Random(_SEED + 40 + i).choice([r for r in _GRID if r[1] == pair]),
-           _SEED + 40 + i) for i, pair in enumerate(PAIRS)]
+#: One row per pair and mode, by the session's seed. The default run takes two: both modes,
+#: one with a pair whose Q/K is wider and one with a pair whose V is wider (which mode takes
+#: which, and the pairs, drawn); ``-m sweep`` every row (and the grid).
+_ROWS = [(*random.Random(_SEED + 40 + i).choice([r for r in _GRID if r[1] == pair
+                                                  and r[0] == op]), _SEED + 40 + i)
+         for i, (op, pair) in enumerate(itertools.product(CONFIGS, PAIRS))]
+
+
+def _sample() -> list[Any]:
+    rng = random.Random(f"{_SEED}-bwd-split")
+    modes = list(CONFIGS)
+    rng.shuffle(modes)
+    picked = [rng.choice([r for r in _ROWS if r[0] == op and (r[1][0] > r[1][1]) == wider_qk])
+              for op, wider_qk in zip(modes, (True, False), strict=True)]
+    return [r if r in picked else pytest.param(*r, marks=pytest.mark.sweep) for r in _ROWS]
+
+
+SAMPLE = _sample()
 
 
 @pytest.mark.emulator

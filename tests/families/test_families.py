@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -78,28 +79,35 @@ def test_lse_default_compiles_with_nvrtc_without_spills(arch: str) -> None:
     assert kernel.resources.spill_bytes == 0 and kernel.resources.registers > 0
 
 
-def _cases() -> list[tuple[int, DType, bool, Shape, KernelConfig]]:
-    """Defaults over head dims, dtypes and masks, plus a seeded sample of the space (the
-    default run takes a seeded half of the 16 defaults)."""
+LseCase = tuple[int, DType, bool, Shape, KernelConfig]
+
+
+def _cases() -> list[Any]:
+    """Defaults over head dims, dtypes and masks, plus a seeded sample of the space. The
+    default run takes, of the 16 defaults, one seeded head dim per (dtype, mask) pair (every
+    dtype and mask each run), and one of the three space configs; ``-m sweep`` all."""
     rng = random.Random(SEED)
     shapes = [Shape(1, 2, 1, 77, 77), Shape(2, 2, 2, 9, 4), Shape(1, 4, 1, 1, 130),
               Shape(1, 1, 1, 130, 33)]
-    cases = []
+    by_pair: dict[tuple[DType, bool], list[LseCase]] = {}
     for head_dim in (32, 64, 128, 256):
         for dtype in DType:
             for causal in (False, True):
                 problem = Problem(head_dim, dtype, causal=causal, op="lse")
                 config = LSE.default_config(problem, get_arch("sm_90"))
-                cases.append((head_dim, dtype, causal, rng.choice(shapes), config))
+                by_pair.setdefault((dtype, causal), []).append(
+                    (head_dim, dtype, causal, rng.choice(shapes), config))
     space = LSE.candidates(Problem(64, DType.FP16, op="lse"), get_arch("sm_90"))
-    for config in rng.sample(space, 3):
-        cases.append((rng.choice((32, 64, 72)), rng.choice(list(DType)), rng.random() < 0.5,
-                      rng.choice(shapes), config))
-    return cases
+    drawn = [(rng.choice((32, 64, 72)), rng.choice(list(DType)), rng.random() < 0.5,
+              rng.choice(shapes), config) for config in rng.sample(space, 3)]
+    cases: list[Any] = []
+    for (dtype, causal), group in by_pair.items():
+        cases += seeded_part(group, 1, f"lse-{dtype.value}-{causal}")
+    return cases + seeded_part(drawn, 1, "lse-space")
 
 
 @pytest.mark.emulator
-@pytest.mark.parametrize("case", seeded_part(_cases(), 8, "lse-half", pool=16),
+@pytest.mark.parametrize("case", _cases(),
                          ids=lambda c: f"d{c[0]}-{c[1].value}-"
                          f"{'causal' if c[2] else 'full'}-{c[3].key()}-{c[4].key()}")
 def test_lse_kernel_matches_float64_in_the_emulator(
@@ -139,21 +147,40 @@ def test_lse_full_space_in_the_emulator(config: KernelConfig) -> None:
         assert verdict.ok, verdict.message
 
 
+#: The knobs the default run's ``compile --all`` holds (one kernel of the space, drawn from
+#: the seed); ``-m sweep`` compiles the whole space (18 kernels, about 30 s).
+_CLI_FIX = random.Random(f"{SEED}-cli").choice(
+    LSE.candidates(Problem(64, DType.FP16, op="lse"), get_arch("sm_90")))
+
+
 def test_cli_lists_shows_compiles_and_checks_the_second_family() -> None:
     listed = runner.invoke(app, ["families"])
     assert listed.exit_code == 0 and "lse" in listed.output and "fwd" in listed.output
     shown = runner.invoke(app, ["show", "--op", "lse", "--head-dim", "64"])
     assert shown.exit_code == 0, shown.output
     assert "ft::row_lse" in shown.output and "problem: lse_d64_fp16_full" in shown.output
+    fixes = [arg for name, value in LSE.point(_CLI_FIX).items()
+             for arg in ("--fix", f"{name}={value}")]
     compiled = runner.invoke(app, ["compile", "--op", "lse", "--head-dim", "64", "--all",
-                                   "--arch", "sm_90"])
+                                   "--arch", "sm_90", *fixes])
     assert compiled.exit_code == 0, compiled.output
-    assert "space of lse_d64_fp16_full on sm_90:" in " ".join(compiled.output.split())
+    text = " ".join(compiled.output.split())
+    assert "space of lse_d64_fp16_full on sm_90 with " in text, text
+    assert "1 declared points, 1 legal configs, 1 pass the static rules" in text, text
+    assert _CLI_FIX.key() in text and " ok " in compiled.output
     checked = runner.invoke(app, ["check", "--op", "lse", "--head-dim", "64", "--causal",
                                   "--seqlen-q", "40", "--seqlen-k", "70", "--no-compile"])
     assert checked.exit_code == 0, checked.output
     bad = runner.invoke(app, ["show", "--op", "nope"])
     assert bad.exit_code == 2 and "no kernel family" in " ".join(bad.output.split())
+
+
+@pytest.mark.sweep
+def test_cli_compiles_the_second_familys_whole_space() -> None:
+    compiled = runner.invoke(app, ["compile", "--op", "lse", "--head-dim", "64", "--all",
+                                   "--arch", "sm_90"])
+    assert compiled.exit_code == 0, compiled.output
+    assert "space of lse_d64_fp16_full on sm_90:" in " ".join(compiled.output.split())
 
 
 def test_a_misnamed_knob_is_refused_not_an_empty_space() -> None:

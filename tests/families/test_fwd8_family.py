@@ -10,7 +10,8 @@ with atol = rtol = 4e-3 for fp16, 2.5e-2 for bf16; the LSE 1e-3 + 2e-6 |ref|), O
 P's rounding (one unit roundoff of O's type times P |V|), on every element, with outputs
 poisoned with NaN before the launch. Inputs: standard normal values rounded to e4m3,
 descales drawn from [0.25, 4). The default run takes a seeded sample (the
-seed in each id replays it); ``-m sweep`` the grid.
+seed in each id replays it; of the feature sets, the two combined ones and a seeded single
+one); ``-m sweep`` the grid.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 import torch
 import typer
 from hopper_sample import param_id
+from sampling import seeded_part
 
 from flashtune import families
 from flashtune.codegen.arch import get_arch
@@ -224,23 +226,32 @@ def test_head_dims_off_the_k32_step_and_16bit_inputs_are_refused() -> None:
         families.get("fwd").check_problem(Problem(64, Fp8Type.E4M3, o_dtype=DType.BF16))
 
 
-@pytest.mark.parametrize("arch", ["sm_89", "sm_90"])
-def test_default_kernels_compile(arch: str) -> None:
+#: The e4m3 defaults compiled per arch: a seeded one of two head dims (O types) each run.
+_E4M3_DEFAULTS = [case for arch in ("sm_89", "sm_90") for case in seeded_part(
+    [(arch, 64, DType.BF16), (arch, 128, DType.FP16)], 1, f"fwd8-nvrtc-{arch}", several=True)]
+
+
+@pytest.mark.parametrize("arch, head_dim, out", _E4M3_DEFAULTS, ids=param_id)
+def test_default_kernels_compile(arch: str, head_dim: int, out: DType) -> None:
     """NVRTC and ptxas accept the m16n8k32 e4m3 mma and the FP8 conversions for both
-    archs; on sm_89 the default configs of two head dims hold their registers and Q K^T is
-    the native QMMA (sm_90's ptxas emulates the FP8 mma.sync with more registers: some
-    defaults spill there)."""
-    for head_dim, out in ((64, DType.BF16), (128, DType.FP16)):
-        p = problem(head_dim, out, True)
-        config = FORWARD_FP8.default_config(p, get_arch(arch))
-        kernel = compile_source(families.render(p, config), arch)
-        if arch == "sm_89":
-            assert kernel.resources.spill_stores == 0 and kernel.resources.spill_loads == 0
-            # Ada's FP8 tensor-core instruction, counted as 16 x 8 x 32 mma work; sm_90's
-            # ptxas lowers the same mma.sync to conversions and HMMA.16816 pairs.
-            sass = disassemble(kernel.cubin)
-            assert "QMMA.16832.F32.E4M3.E4M3" in sass
-            assert categorize("QMMA.16832.F32.E4M3.E4M3") == "mma"
+    archs; on sm_89 the default configs hold their registers and Q K^T is the native QMMA
+    (sm_90's ptxas emulates the FP8 mma.sync with more registers: some defaults spill
+    there). Each run compiles one of two head dims per arch (drawn from the seed)."""
+    p = problem(head_dim, out, True)
+    config = FORWARD_FP8.default_config(p, get_arch(arch))
+    kernel = compile_source(families.render(p, config), arch)
+    if arch == "sm_89":
+        assert kernel.resources.spill_stores == 0 and kernel.resources.spill_loads == 0
+        # Ada's FP8 tensor-core instruction, counted as 16 x 8 x 32 mma work; sm_90's
+        # ptxas lowers the same mma.sync to conversions and HMMA.16816 pairs.
+        sass = disassemble(kernel.cubin)
+        assert "QMMA.16832.F32.E4M3.E4M3" in sass
+        assert categorize("QMMA.16832.F32.E4M3.E4M3") == "mma"
+
+
+@pytest.mark.parametrize("arch", ["sm_89", "sm_90"])
+def test_e5m2_default_kernels_compile(arch: str) -> None:
+    """The e5m2 default for both archs; on sm_89 without spills, Q K^T the native QMMA."""
     p = problem(128, DType.BF16, True, Fp8Type.E5M2)
     kernel = compile_source(families.render(p, FORWARD_FP8.default_config(p, get_arch(arch))),
                             arch)
@@ -288,10 +299,16 @@ def _feature_grid() -> list[tuple[int, DType, bool, frozenset[str], KernelConfig
 
 
 _FEATURE_GRID = _feature_grid()
-#: The default run: one row per feature set, chosen by the session's seed (in the id).
-FEATURE_SAMPLE = [(*random.Random(_SEED + 10 + i).choice(
+#: One row per feature set, chosen by the session's seed (in the id). The default run takes
+#: the two combined sets (every feature among them) and a seeded one of the single ones;
+#: ``-m sweep`` every set's row (and the grid).
+_FEATURE_ROWS = [(*random.Random(_SEED + 10 + i).choice(
     [r for r in _FEATURE_GRID if r[3] == f]), _SEED + 10 + i)
     for i, f in enumerate(FEATURE_SETS)]
+_COMBINED = [r for r in _FEATURE_ROWS if len(r[3]) > 1]
+assert frozenset().union(*(r[3] for r in _COMBINED)) == frozenset().union(*FEATURE_SETS)
+FEATURE_SAMPLE = [*_COMBINED, *seeded_part([r for r in _FEATURE_ROWS if len(r[3]) == 1], 1,
+                                           "fwd8-features", several=True)]
 
 
 @pytest.mark.emulator

@@ -7,8 +7,9 @@ tolerance (``families.checks``), outputs poisoned with NaN before each launch, i
 standard normal values from a seeded generator. Pairs: 192/128, 128/64 (Q/K wider), 64/128
 and 72/136 (V wider, the latter off the k16 step on both sides); fp16 and bf16; causal and
 not; GQA/MQA shapes with lengths off the tile grid, and Nq > Nk under the causal mask (rows
-that see no key). The default run takes a seeded sample (the seed in each id replays it);
-``-m sweep`` the grid.
+that see no key). The default run takes a seeded sample (the seed in each id replays it; a
+pair with Q/K wider and one with V wider, and NVRTC per arch likewise); ``-m sweep`` the
+grid.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import random
 
 import pytest
+from sampling import seeded_part
 from split_dims import case_id, run_split
 
 from flashtune import families
@@ -56,9 +58,14 @@ def _grid() -> list[tuple[tuple[int, int], DType, bool, KernelConfig, Shape]]:
 
 
 _GRID = _grid()
-#: The default run: one row per pair, chosen by the session's seed (in the id).
-SAMPLE = [(*random.Random(_SEED + i).choice([r for r in _GRID if r[0] == pair]), _SEED + i)
-          for i, pair in enumerate(PAIRS)]
+#: One row per pair, chosen by the session's seed (in the id); the default run takes a seeded
+#: one of the pairs with Q/K wider and one of those with V wider, ``-m sweep`` all four.
+_ROWS = [(*random.Random(_SEED + i).choice([r for r in _GRID if r[0] == pair]), _SEED + i)
+         for i, pair in enumerate(PAIRS)]
+SAMPLE = [*seeded_part([r for r in _ROWS if r[0][0] > r[0][1]], 1, "fwd-split-qk",
+                       several=True),
+          *seeded_part([r for r in _ROWS if r[0][0] < r[0][1]], 1, "fwd-split-v",
+                       several=True)]
 
 
 @pytest.mark.emulator
@@ -192,16 +199,26 @@ def test_smem_bytes_follow_the_split_layout() -> None:
         row * (256 + 16) + v_row * 16)
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_default_kernels_compile_without_spills(arch: str) -> None:
-    """NVRTC and ptxas build the defaults of the three pairs, causal and not, without
-    spills (the registers are in the report of the change)."""
-    for pair, causal in itertools.product(PAIRS[:3], (False, True)):
-        p = split(*pair, DType.BF16, causal)
-        config = FORWARD.default_config(p, get_arch(arch))
-        resources = compile_source(families.render(p, config), arch).resources
-        assert resources.spill_stores == 0 and resources.spill_loads == 0, (
-            f"{p.key()} {config.key()} on {arch}: {resources}")
+#: Per arch, the defaults of the three pairs, causal and not: by default a seeded one with
+#: Q/K wider and one with V wider, ``-m sweep`` all six.
+_COMPILED = [case for arch in ("sm_80", "sm_90") for wider_qk in (True, False)
+             for case in seeded_part(
+                 [(arch, pair, causal) for pair, causal in itertools.product(PAIRS[:3],
+                                                                             (False, True))
+                  if (pair[0] > pair[1]) == wider_qk], 1,
+                 f"fwd-split-nvrtc-{arch}-{wider_qk}", several=True)]
+
+
+@pytest.mark.parametrize("arch, pair, causal", _COMPILED, ids=case_id)
+def test_default_kernels_compile_without_spills(arch: str, pair: tuple[int, int],
+                                                causal: bool) -> None:
+    """NVRTC and ptxas build the defaults of the pairs, causal and not, without spills
+    (the registers are in the report of the change)."""
+    p = split(*pair, DType.BF16, causal)
+    config = FORWARD.default_config(p, get_arch(arch))
+    resources = compile_source(families.render(p, config), arch).resources
+    assert resources.spill_stores == 0 and resources.spill_loads == 0, (
+        f"{p.key()} {config.key()} on {arch}: {resources}")
 
 
 def test_the_command_line_takes_v_head_dim() -> None:

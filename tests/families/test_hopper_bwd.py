@@ -4,8 +4,9 @@ emulator: against the family's float64 reference (NaN-poisoned outputs, both thr
 and against float64 autograd through plain PyTorch (flash-attn's error rule), over head dims
 64, 128 and 256, fp16 and bf16, causal and not, GQA/MQA and odd lengths; the deterministic dQ mode
 bitwise equal over the linear and three shuffled block orders. The default run takes a seeded
-sample (the seed is printed by the run; ``FLASHTUNE_TEST_SEED`` replays it); ``-m sweep``
-the full grid."""
+sample (the seed is printed by the run; ``FLASHTUNE_TEST_SEED`` replays it; NVRTC, the
+default's numerics and the autograd check each at a seeded head dim); ``-m sweep`` the full
+grid."""
 
 from __future__ import annotations
 
@@ -133,8 +134,9 @@ def _compiled(head_dim: int, dtype: DType, causal: bool, config: KernelConfig) -
     assert found[str(dq_cols)] >= config.block_n // 16, found
 
 
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", seeded_part(HEAD_DIMS, 1, "bwd90a-nvrtc"))
 def test_nvrtc_compiles_the_default_for_sm90a_without_spills(head_dim: int) -> None:
+    """At a seeded head dim (every head dim under ``-m sweep``)."""
     dtype = random.Random(f"{SEED}nvrtc{head_dim}").choice(list(DType))
     _compiled(head_dim, dtype, True, HOPPER_BACKWARD.default_config(
         _problem(head_dim, dtype, True), SM90A))
@@ -187,8 +189,12 @@ def _default_cases() -> list[Case]:
 
 
 @pytest.mark.emulator
-@pytest.mark.parametrize("case", _default_cases(), ids=_case_id)
+@pytest.mark.parametrize("case", [*seeded_part(_default_cases()[:len(HEAD_DIMS)], 1,
+                                               "bwd90a-defaults"),
+                                  *_default_cases()[len(HEAD_DIMS):]], ids=_case_id)
 def test_kernel_matches_float64_in_the_emulator(case: Case) -> None:
+    """The default at a seeded head dim (the others under ``-m sweep``) and the other
+    config."""
     _check(*case)
 
 
@@ -244,10 +250,11 @@ def _gradients(head_dim: int, dtype: DType, causal: bool, shape: Shape, config: 
 
 
 @pytest.mark.emulator
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", seeded_part(HEAD_DIMS, 1, "bwd90a-autograd"))
 def test_gradients_within_flash_attn_rule_against_float64_autograd(head_dim: int) -> None:
     """dQ, dK, dV against torch autograd of plain attention in float64 (GQA, causal, odd
-    lengths): error at most 3x that of the same attention in the input dtype."""
+    lengths): error at most 3x that of the same attention in the input dtype. At a seeded
+    head dim (every head dim under ``-m sweep``)."""
     rng = random.Random(f"{SEED}autograd{head_dim}")
     dtype, shape = rng.choice(list(DType)), Shape(1, 4, 2, 70, 100)
     config = HOPPER_BACKWARD.default_config(_problem(head_dim, dtype, True), SM90A)

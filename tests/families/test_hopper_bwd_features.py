@@ -24,6 +24,7 @@ import torch
 from feature_inputs import backward_inputs
 from grad_helpers import feature_scores, gradients, within_rule
 from hopper_sample import emulate
+from sampling import seeded_part
 from test_bwd_varlen import FEATURES as VARLEN_FEATURES_OF
 from test_bwd_varlen import PACKS, autograd_reference, packed_inputs
 from test_bwd_varlen import _zero_parts as zero_parts
@@ -133,8 +134,9 @@ def test_declares_window_softcap_and_varlen_and_refuses_the_others() -> None:
             families.render(_problem(switches, 64, DType.FP16), _config(64))
 
 
-@pytest.mark.parametrize("head_dim", space.HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", seeded_part(space.HEAD_DIMS, 1, "bwd90a-features-nvrtc"))
 def test_nvrtc_compiles_every_feature_for_sm90a_without_spills(head_dim: int) -> None:
+    """At a seeded head dim (every head dim under ``-m sweep``)."""
     dtype = random.Random(f"{SEED}nvrtc-features{head_dim}").choice(list(DType))
     problem = _problem({"window": True, "softcap": True, "varlen": True}, head_dim, dtype)
     source = families.render(problem, HOPPER_BACKWARD.default_config(problem, SM90A))

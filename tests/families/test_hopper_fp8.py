@@ -14,8 +14,8 @@ with P the float64 softmax, u, a the format's figures, r the rounding of O's typ
 bf16, 2^-11 fp16) and 1e-5 for the fp32 scores, exp2 and sums; the LSE (fp32 sums of the
 unrounded probabilities) takes the forward's LSE tolerance. Outputs are poisoned with NaN
 before every launch. Inputs: fresh standard normals rounded to the format, descales in
-[0.25, 4). The default run takes a seeded sample of the grid (the seed is in each id);
-``-m sweep`` the grid.
+[0.25, 4). The default run takes a seeded sample of the grid (the seed is in each id; each
+input format at a seeded head dim); ``-m sweep`` the grid.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import re
 import pytest
 import torch
 from hopper_sample import param_id
+from sampling import seeded_part
 from serving_fixtures import dispatcher, source, virtual_sm90a  # noqa: F401  (fixtures)
 
 import flashtune
@@ -88,9 +89,13 @@ def _grid() -> list[tuple[int, DType, bool, Fp8Type, KernelConfig, Shape]]:
 
 _SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
 _GRID = _grid()
-#: The default run: one row of the grid per head dim, chosen by the session's seed.
-SAMPLE = [(*random.Random(_SEED + i).choice([r for r in _GRID if r[0] == d]), _SEED + i)
-          for i, d in enumerate(HEAD_DIMS)]
+#: One row of the grid per head dim and input format, chosen by the session's seed: the
+#: default run takes each format at a seeded head dim, ``-m sweep`` every row (and the grid).
+_ROWS = {fmt: [(*random.Random(f"{_SEED}-{i}-{fmt.value}").choice(
+    [r for r in _GRID if r[0] == d and r[3] is fmt]), _SEED + i)
+    for i, d in enumerate(HEAD_DIMS)] for fmt in Fp8Type}
+SAMPLE = [row for fmt, rows in _ROWS.items()
+          for row in seeded_part(rows, 1, f"fwd890a-{fmt.value}", several=True)]
 
 
 @pytest.mark.emulator
@@ -172,7 +177,8 @@ def test_refusals_name_the_reason() -> None:
         FAMILY.default_config(problem(96, DType.BF16, False), SM90A)
 
 
-@pytest.mark.parametrize("head_dim, causal", [(128, True), (64, False), (256, True)])
+@pytest.mark.parametrize("head_dim, causal", [
+    (64, False), *seeded_part([(128, True), (256, True)], 1, "fwd890a-nvrtc", several=True)])
 def test_nvrtc_sm90a_main_loop_issues_fp8_gmmas_without_spills(head_dim: int,
                                                                causal: bool) -> None:
     """The default kernel: no spills, Q K^T and P V as QGMMA ...E4M3.E4M3 (block_n / 32 P V

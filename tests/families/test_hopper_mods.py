@@ -32,6 +32,7 @@ from flex_fixtures import (
     with_ranges,
 )
 from hopper_sample import emulate, forward_ops
+from sampling import seeded_part
 from serving_fixtures import (  # noqa: F401  (fixtures, by name)
     dispatcher,
     on_virtual_sm90a,
@@ -230,13 +231,14 @@ def test_flex_attention_with_a_block_mask_on_a_virtual_sm90a_runs_both_sm90a_ker
             assert err <= 3e-2 * scale, f"seed {SEED} d{name}: {err} (max {scale})"
 
 
-@pytest.mark.parametrize("op, head_dim", [("fwd90aws", 128), ("fwd90aws", 256),
-                                          ("bwd90a", 64), ("bwd90a", 128),
-                                          ("bwd90adet", 128)])
+@pytest.mark.parametrize("op, head_dim", [
+    *seeded_part([("fwd90aws", 128), ("fwd90aws", 256)], 1, "mods-nvrtc-fwd", several=True),
+    *seeded_part([("bwd90a", 64), ("bwd90a", 128)], 1, "mods-nvrtc-bwd", several=True),
+    ("bwd90adet", 128)])
 def test_a_captured_bias_compiles_without_spills(op: str, head_dim: int) -> None:
     """NVRTC sm_90a: the defaults with a T5 bias (a captured tensor loaded per score) and a
     causal mask_mod (the forward's with a block mask's tile ranges) keep every value in
-    registers."""
+    registers. Each family at a seeded one of its head dims (all under ``-m sweep``)."""
     from flashtune import families
     from flashtune.toolchain.compiler import compile_source
 

@@ -10,7 +10,9 @@ setmaxnreg rule violations (with three consumers: one skipping it, the split of 
 ping-pong without its first turn or with a wrong hand-over count, an overlap that reads the
 next S before its wait or waits for one group too few, a cp.async producer warp that never
 arrives. Their numerics over the coverage grid are in test_hopper_family.py; on a GPU they
-are checked by the gpu-marked test at the end."""
+are checked by the gpu-marked test at the end. The default run compiles a fixed config of
+each knob and a seeded two more (every listed one under ``-m sweep``), and runs the bug
+harness without a bug on the plain config and a seeded two of the others."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import re
 import pytest
 import torch
 from hopper_sample import tma_loads
+from sampling import seeded_part
 
 from flashtune import families
 from flashtune.codegen.abi import ArgType
@@ -264,25 +267,27 @@ def _compiled(head_dim: int, dtype: DType, causal: bool, config: KernelConfig | 
     assert hgmma[str(head_dim)] >= config.block_n // 16, hgmma
 
 
-@pytest.mark.parametrize("case", [(64, DType.BF16, True, None),
-                                  (256, DType.FP16, False, None),
-                                  (128, DType.BF16, True, _pingpong(KernelConfig(128, 128, 8, 2))),
-                                  (128, DType.BF16, False, _overlap(KernelConfig(128, 176, 8, 2))),
-                                  (128, DType.FP16, False,
-                                   _overlap(_pingpong(KernelConfig(128, 176, 8, 2)))),
-                                  (64, DType.FP16, True, KernelConfig(192, 128, 12, 2)),
-                                  (128, DType.BF16, False, KernelConfig(128, 176, 8, 2)),
-                                  (128, DType.FP16, True, _overlap(KernelConfig(128, 96, 8, 2))),
-                                  (64, DType.BF16, False,
-                                   _overlap(_pingpong(KernelConfig(128, 128, 8, 2)))),
-                                  (128, DType.BF16, True,
-                                   _loads(KernelConfig(128, 128, 8, 2), loadk="cpasync",
-                                          loadv="cpasync")),
-                                  (64, DType.FP16, False,
-                                   _loads(KernelConfig(192, 160, 12, 2), loadq="cpasync")),
-                                  (128, DType.FP16, True,
-                                   _loads(_overlap(KernelConfig(128, 96, 8, 2)),
-                                          loadv="cpasync"))],
+#: Compiled in every run: the defaults at the narrowest and widest head dims (ping-pong and
+#: overlap together), ping-pong alone, three consumer warpgroups with Q by cp.async, and
+#: overlap with V by cp.async (a mixed producer).
+NVRTC_FIXED = [(64, DType.BF16, True, None),
+               (256, DType.FP16, False, None),
+               (128, DType.BF16, True, _pingpong(KernelConfig(128, 128, 8, 2))),
+               (64, DType.FP16, False, _loads(KernelConfig(192, 160, 12, 2), loadq="cpasync")),
+               (128, DType.FP16, True, _loads(_overlap(KernelConfig(128, 96, 8, 2)),
+                                              loadv="cpasync"))]
+#: More tiles and combinations of the same knobs: a seeded two per run, all under sweep.
+NVRTC_MORE = [(128, DType.BF16, False, _overlap(KernelConfig(128, 176, 8, 2))),
+              (128, DType.FP16, False, _overlap(_pingpong(KernelConfig(128, 176, 8, 2)))),
+              (64, DType.FP16, True, KernelConfig(192, 128, 12, 2)),
+              (128, DType.BF16, False, KernelConfig(128, 176, 8, 2)),
+              (128, DType.FP16, True, _overlap(KernelConfig(128, 96, 8, 2))),
+              (64, DType.BF16, False, _overlap(_pingpong(KernelConfig(128, 128, 8, 2)))),
+              (128, DType.BF16, True, _loads(KernelConfig(128, 128, 8, 2), loadk="cpasync",
+                                             loadv="cpasync"))]
+
+
+@pytest.mark.parametrize("case", [*NVRTC_FIXED, *seeded_part(NVRTC_MORE, 2, "ws-nvrtc")],
                          ids=lambda c: f"d{c[0]}-{c[1].value}-{'causal' if c[2] else 'full'}-"
                                        f"{c[3].key() if c[3] else 'default'}")
 def test_nvrtc_compiles_for_sm90a_without_spills(
@@ -358,10 +363,12 @@ def _run_planted(bug: int, *, box_rows: int | None = None,
         assert verdict.ok, verdict.message
 
 
-@pytest.mark.parametrize("config", [BUG_CONFIG, BUG_PINGPONG, BUG_THREE, BUG_OVERLAP,
-                                    BUG_CPASYNC, BUG_CPASYNC_Q],
+@pytest.mark.parametrize("config", [BUG_CONFIG, *seeded_part(
+    [BUG_PINGPONG, BUG_THREE, BUG_OVERLAP, BUG_CPASYNC, BUG_CPASYNC_Q], 2, "ws-harness")],
                          ids=lambda c: c.key())
 def test_the_bug_harness_passes_without_a_bug(config: KernelConfig) -> None:
+    """The plain config and a seeded two of the other planted bugs' configs (all under
+    ``-m sweep``; their numerics are also covered in test_hopper_family.py)."""
     _run_planted(0, config=config)
 
 
