@@ -14,7 +14,9 @@ from flashtune.errors import ToolchainNotFound
 from flashtune.runtime.backends.emulator import build_source
 from flashtune.toolchain.host import asan_environment, asan_loaded
 
-pytestmark = pytest.mark.emulator
+#: Both ASan tests on one xdist worker: the first builds the ASan runtime (about 25 s of one
+#: core), the second takes it from the cache instead of waiting on the other worker's build.
+pytestmark = [pytest.mark.emulator, pytest.mark.xdist_group("asan")]
 
 SCRIPT = textwrap.dedent(r'''
     import numpy as np

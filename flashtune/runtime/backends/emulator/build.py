@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import re
 import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,15 +187,28 @@ def runtime_library(cache: ArtifactCache | None = None, *, asan: bool = False,
     sources = sorted(RUNTIME_SOURCE_DIR.glob("*.cpp"))
 
     def build(tmp: Path) -> None:
-        # Kernel libraries name the runtime by this soname; the loader matches it against the
-        # runtime already loaded from the cache (kernel.py loads it first), wherever the
-        # cache directory lives.
         with tempfile.TemporaryDirectory(prefix="flashtune-emu-rt-") as work:
             marker = Path(work) / "build_key.cpp"
             marker.write_text(key_source(key))
-            cmd = [cxx, *flags, *_include_flags(()), *map(str, sources), str(marker), "-o",
-                   str(tmp), f"-Wl,-soname,libftemu-{key}.so", "-ldl", "-lpthread"]
-            _compile(cmd, "the emulator runtime", "\n".join(s.read_text() for s in sources),
+
+            def compile_one(source: Path) -> Path:
+                obj = Path(work) / f"{source.stem}.o"
+                _compile([cxx, *(f for f in flags if f != "-shared"), *_include_flags(()),
+                          "-c", str(source), "-o", str(obj)],
+                         f"the emulator runtime ({source.name})", source.read_text(), cache,
+                         key)
+                return obj
+
+            # One compiler a source, on every core: the first emulator launch waits for this.
+            with ThreadPoolExecutor(max_workers=min(len(sources) + 1, os.cpu_count() or 1),
+                                    thread_name_prefix="flashtune-emu-rt") as pool:
+                objects = list(pool.map(compile_one, [*sources, marker]))
+            # Kernel libraries name the runtime by this soname; the loader matches it against
+            # the runtime already loaded from the cache (kernel.py loads it first), wherever
+            # the cache directory lives.
+            _compile([cxx, *flags, *map(str, objects), "-o", str(tmp),
+                      f"-Wl,-soname,libftemu-{key}.so", "-ldl", "-lpthread"],
+                     "the emulator runtime", "\n".join(s.read_text() for s in sources),
                      cache, key)
 
     return bound_library(cache, key, build)
