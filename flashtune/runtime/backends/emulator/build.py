@@ -112,6 +112,11 @@ def _flags(asan: bool, opt: Sequence[str]) -> list[str]:
     return [*BASE_FLAGS, *opt, *(ASAN_FLAGS if asan else ())]
 
 
+def _object_flags(flags: Sequence[str]) -> list[str]:
+    """``flags`` for a compile that makes no shared library (an object, a precompiled header)."""
+    return [f for f in flags if f != "-shared"]
+
+
 def _include_flags(extra: Sequence[Path]) -> list[str]:
     dirs = [INCLUDE_DIR, *extra, *toolchain.cuda_include_dirs()]
     return [f"-I{d}" for d in dirs]
@@ -193,7 +198,7 @@ def runtime_library(cache: ArtifactCache | None = None, *, asan: bool = False,
 
             def compile_one(source: Path) -> Path:
                 obj = Path(work) / f"{source.stem}.o"
-                _compile([cxx, *(f for f in flags if f != "-shared"), *_include_flags(()),
+                _compile([cxx, *_object_flags(flags), *_include_flags(()),
                           "-c", str(source), "-o", str(obj)],
                          f"the emulator runtime ({source.name})", source.read_text(), cache,
                          key)
@@ -232,14 +237,14 @@ def prelude_include(cache: ArtifactCache, runtime: Path, flags: Sequence[str], c
         return PRELUDE
     h = hashlib.sha256(b"flashtune-emulator-prelude\0")
     # The runtime's name covers the emulator headers, the CUDA headers and the compiler.
-    h.update("\0".join([runtime.name, toolchain.compiler_identity(cxx), *flags]).encode())
+    h.update("\0".join([runtime.name, *flags]).encode())
     key = "pch-" + h.hexdigest()[:40]
     memo = (cache.root, key)
     if memo not in _PRELUDES:
         stub = cache.put_bytes(NAMESPACE, key, ".h", _PRELUDE_STUB.encode())
 
         def build(tmp: Path) -> None:
-            cmd = [cxx, *(f for f in flags if f != "-shared"), *_include_flags(()),
+            cmd = [cxx, *_object_flags(flags), *_include_flags(()),
                    "-x", "c++-header", str(stub), "-o", str(tmp)]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if proc.returncode != 0:
