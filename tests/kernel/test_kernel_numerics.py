@@ -96,12 +96,11 @@ SLOW = [(Problem(hd, dt, causal=c), arch)
         for arch in CLASS_ARCHS for hd, dt, c in itertools.product(HEAD_DIMS, DType, (False, True))]
 _RNG = random.Random(int(os.environ["FLASHTUNE_TEST_SEED"]))
 #: One case per default-table entry: its head dim, a seeded dtype, a seeded slow-tier shape.
-DEFAULTS = [(Problem(e.head_dim, _RNG.choice(list(DType)), causal=e.causal),
-             defaults.REFERENCE_ARCH[e.arch_class], _RNG.randrange(len(SLOW)))
-            for e in defaults.DEFAULT_TABLE]
-#: The entries grouped by (arch class, causal): the kinds the default run keeps one of each.
+#: Grouped by (arch class, causal): the kinds the default run keeps one of each.
+DEFAULTS = sorted([(Problem(e.head_dim, _RNG.choice(list(DType)), causal=e.causal),
+                    defaults.REFERENCE_ARCH[e.arch_class], _RNG.randrange(len(SLOW)))
+                   for e in defaults.DEFAULT_TABLE], key=lambda d: (d[1], d[0].causal))
 _KINDS = sorted({(a, p.causal) for p, a, _ in DEFAULTS})
-DEFAULTS = [d for kind in _KINDS for d in DEFAULTS if (d[1], d[0].causal) == kind]
 
 
 def _one_per_kind() -> list[object]:
