@@ -140,6 +140,7 @@ def tune_command(
     With --replay FILE the same search runs against a recorded landscape of any kernel."""
     from flashtune import families
     from flashtune.commands.tune_progress import RichProgress
+    from flashtune.tuner.interrupt import deferred
     from flashtune.tuner.landscape import parse_budget
     from flashtune.tuner.measure.workload import parse_batch_heads, parse_seqlens
     from flashtune.tuner.options import TuneOptions
@@ -196,15 +197,18 @@ def tune_command(
                               "--compile-workers")
         # the status line follows one process's phases; workers report through the database
         progress = RichProgress(options.trials, phases=workers == 1 or dry_run)
-        if dry_run:
-            summaries = _run_local(problem, lengths, classes, pairs, options, db, progress,
-                                   dry_arch=arch or "sm_90")
-        elif workers > 1:
-            summaries = _run_workers(problem, lengths, classes, pairs, options, db, workers,
-                                     progress)
-        else:
-            summaries = _run_local(problem, lengths, classes, pairs, options, db, progress,
-                                   dry_arch=None)
+        parallel = workers > 1 and not dry_run
+        # Ctrl-C stops the run between trials (see tuner.interrupt); a second one at once
+        with deferred("stopping the workers (Ctrl-C again to stop at once)" if parallel else
+                      "stopping once the trial in progress is saved (Ctrl-C again to stop "
+                      "at once)"):
+            if parallel:
+                summaries = _run_workers(problem, lengths, classes, pairs, options, db,
+                                         workers, progress)
+            else:
+                summaries = _run_local(problem, lengths, classes, pairs, options, db,
+                                       progress, dry_arch=(arch or "sm_90") if dry_run
+                                       else None)
     except (FlashtuneError, ValueError) as exc:
         raise fail(str(exc)) from None
     except KeyboardInterrupt:

@@ -8,7 +8,9 @@ Proposals are taken ``depth`` ahead and their compilations submitted to a pool a
 the device then verifies and times them one at a time in proposal order, so it never waits
 for NVRTC once the pipeline is full. Each result is recorded (database first, then Optuna)
 as soon as it exists, so an interruption loses only the candidates still in the pipeline;
-those are abandoned (told FAIL) on a clean stop and reaped as stale after a SIGKILL.
+those are abandoned (told FAIL) on a clean stop and reaped as stale after a SIGKILL. A
+Ctrl-C under ``interrupt.deferred`` stops the loop once the trial being measured is
+recorded.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from flashtune.tuner.interrupt import checkpoint
 from flashtune.tuner.search.proposers import Proposal, Proposer
 
 C = TypeVar("C")
@@ -63,6 +66,7 @@ def run_pipeline(measurement: Measurement[C, R], proposer: Proposer[C, R], limit
     current: Proposal[C] | None = None  # taken from the pipeline, not yet told
     try:
         while True:
+            checkpoint()
             while (not exhausted and len(inflight) < max(1, depth)
                    and measured + len(inflight) < limits.trials and not limits.expired()):
                 proposal = proposer.propose()

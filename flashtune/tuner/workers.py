@@ -29,6 +29,7 @@ import optuna
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.spec import Problem
 from flashtune.errors import TuningError
+from flashtune.tuner.interrupt import checkpoint
 from flashtune.tuner.measure.base import Measurer, TimingPlan
 from flashtune.tuner.measure.factory import make_measurer
 from flashtune.tuner.measure.workload import BatchHeads
@@ -172,6 +173,7 @@ def _wait(procs: list[subprocess.Popen[bytes]], poll: Callable[[], None] | None,
           interval: float) -> None:
     try:
         while any(p.poll() is None for p in procs):
+            checkpoint()
             if poll is not None:
                 poll()
             time.sleep(interval)

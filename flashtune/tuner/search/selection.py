@@ -22,6 +22,7 @@ from flashtune.codegen.spec import KernelConfig
 from flashtune.db.records import TrialStatus
 from flashtune.errors import TuningError
 from flashtune.tuner.defaults import DEFAULT_TOLERANCE
+from flashtune.tuner.interrupt import checkpoint
 from flashtune.tuner.measure.base import Measurer, ShapeTiming, TimingPlan
 from flashtune.tuner.measure.evaluate import KERNEL_FAILURES, TrialResult
 from flashtune.tuner.measure.workload import Workload
@@ -67,7 +68,8 @@ def remeasure(measurer: Measurer, workload: Workload,
               ) -> list[TrialResult]:
     """Time ``configs`` again in ``rounds`` interleaved rounds; one result per config.
 
-    A config that fails now (it passed before) comes back as ``runtime_failed``.
+    A config that fails now (it passed before) comes back as ``runtime_failed``. A Ctrl-C
+    under ``interrupt.deferred`` stops it between two timings, with nothing returned.
     """
     if rounds < 1:
         raise TuningError(f"re-measurement needs rounds >= 1, got {rounds}")
@@ -79,6 +81,7 @@ def remeasure(measurer: Measurer, workload: Workload,
         for config in rotated:
             if config in failed:
                 continue
+            checkpoint()
             try:
                 samples[config].append(measurer.time(
                     workload.problem, config, workload.shapes,
