@@ -52,26 +52,24 @@ def test_floor_shortfall_names_the_limit() -> None:
     assert default_rule.Floor(1, 4).shortfall(occ) is None
 
 
-# Session scope: under xdist the group's two tests can be run apart (another module's tests
-# between them), and a module fixture would then be rebuilt for the second.
-@pytest.fixture(scope="session")
-def one_entry(compile_cubin: object) -> tuple[default_rule.Choice, default_rule.Choice]:
-    """sm90 d128 (not causal) chosen by the rule with a shortlist of 4, from the table's
-    old default 128 x 32: once as the rule has it, once with a margin that keeps it."""
-    entry = [(ArchClass.SM90, 128, False, KernelConfig(128, 32, 4, 2))]
+ENTRY = [(ArchClass.SM90, 128, False, KernelConfig(128, 32, 4, 2))]
+
+
+def derive_one_entry(**rule: float) -> default_rule.Choice:
+    """sm90 d128 (not causal) chosen by the rule with a shortlist of 4, from the table's old
+    default 128 x 32, with the rule's constants in ``rule`` changed. Each test below derives
+    it (the second finds the first's kernels and listings in the cache, whichever runs
+    first, on either xdist worker)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(default_rule, "SHORTLIST", 4)
-        plain = default_rule.derive(entry)[0]
-        mp.setattr(default_rule, "KEEP_MARGIN", 1.0)
-        kept = default_rule.derive(entry)[0]
-    return plain, kept
+        for name, value in rule.items():
+            mp.setattr(default_rule, name, value)
+        return default_rule.derive(ENTRY)[0]
 
 
-# One xdist worker runs both tests of the fixture: it compiles and disassembles for a minute.
-@pytest.mark.xdist_group("default_rule_one_entry")
-def test_rule_takes_the_best_prediction_that_passes_every_build(
-        one_entry: tuple[default_rule.Choice, default_rule.Choice]) -> None:
-    choice = one_entry[0]
+@pytest.mark.usefixtures("compile_cubin")  # skips without NVRTC or nvdisasm
+def test_rule_takes_the_best_prediction_that_passes_every_build() -> None:
+    choice = derive_one_entry()
     chosen = choice.chosen
     assert chosen is choice.best and not chosen.problems
     # every arch of the class in both dtypes was compiled and checked
@@ -87,11 +85,10 @@ def test_rule_takes_the_best_prediction_that_passes_every_build(
     assert choice.change().startswith("previous default m128_n32_w4_s2: ")
 
 
-@pytest.mark.xdist_group("default_rule_one_entry")
-def test_a_current_default_within_the_margin_stays(
-        one_entry: tuple[default_rule.Choice, default_rule.Choice]) -> None:
-    plain, kept = one_entry
+@pytest.mark.usefixtures("compile_cubin")
+def test_a_current_default_within_the_margin_stays() -> None:
+    kept = derive_one_entry(KEEP_MARGIN=1.0)
     assert kept.config == KernelConfig(128, 32, 4, 2)
-    assert kept.best.config == plain.config
-    assert kept.reason().startswith(f"kept: {plain.config.key()}, the best predicted")
+    assert kept.best.config != kept.config  # kept by the margin, not as the best
+    assert kept.reason().startswith(f"kept: {kept.best.config.key()}, the best predicted")
     assert kept.change() == ""
