@@ -34,25 +34,32 @@ def deferred(notice: str) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    silent = False  # set when the block ends without a Ctrl-C
+
+    def say() -> None:
+        # The notice is printed by this thread, started before any Ctrl-C: a handler runs
+        # between two bytecodes of the main thread, which may hold the lock of the stream
+        # (a write there raises "reentrant call") or of thread creation (a deadlock).
+        _requested.wait()
+        if not silent:
+            print(notice, file=sys.stderr, flush=True)
 
     def first(signum: int, frame: FrameType | None) -> None:
-        _requested.set()
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        # Not printed here: a signal handler can run inside a write to the same stream,
-        # which raises "reentrant call"; a thread waits for the stream's lock instead.
-        threading.Thread(target=_say, args=(notice,), daemon=True).start()
+        _requested.set()
 
-    previous = signal.signal(signal.SIGINT, first)
     _requested.clear()
+    speaker = threading.Thread(target=say, name="flashtune-ctrl-c", daemon=True)
+    speaker.start()
+    previous = signal.signal(signal.SIGINT, first)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        silent = not _requested.is_set()  # then the wake-up below only ends the thread
+        _requested.set()
+        speaker.join(timeout=5.0)  # a stderr nobody reads must not hang the exit
         _requested.clear()
-
-
-def _say(notice: str) -> None:
-    print(notice, file=sys.stderr, flush=True)
 
 
 def checkpoint() -> None:

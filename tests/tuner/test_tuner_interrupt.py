@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -40,6 +41,14 @@ def test_the_first_ctrl_c_asks_the_second_raises_and_the_handler_is_restored(
     while "stopping soon" not in capfd.readouterr().err:  # said once, by its own thread
         assert time.monotonic() < deadline, "the notice was not printed on stderr"
         time.sleep(0.01)
+
+
+def test_a_block_without_ctrl_c_says_nothing_and_leaves_no_thread(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    with deferred("stopping soon"):
+        checkpoint()
+    assert capfd.readouterr().err == ""
+    assert not [t for t in threading.enumerate() if t.name == "flashtune-ctrl-c"]
 
 
 def test_without_deferred_ctrl_c_raises_at_once() -> None:
