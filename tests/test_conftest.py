@@ -1,6 +1,6 @@
 """tests/conftest.py's collection rules: a gpu-marked test whose file does not write the
 mark fails the collection; a sweep-marked test makes no items unless the run selects sweep
-tests."""
+tests. And the default run's xdist groups reach pytest-xdist's scheduler."""
 
 from __future__ import annotations
 
@@ -83,3 +83,17 @@ def test_sweep_tests_make_no_items_unless_the_run_selects_them() -> None:
     for markexpr in ("sweep", "sweep and emulator", "not sweep"):
         for obj in (_swept_function, _SweptClass, _other_function):
             assert hook(collector=_collector(markexpr), name="test_x", obj=obj) is None
+
+
+@pytest.mark.xdist_group("probe")
+def test_xdist_groups_reach_the_scheduler(request: pytest.FixtureRequest) -> None:
+    """Several tests share one worker through xdist_group (`--dist loadgroup`, the default
+    run's) so that an expensive build is made once. pytest-xdist sends a group's tests to
+    one worker by a suffix on their node ids; on pytest 9.2 the suffix no longer takes and
+    the groups are silently spread (pytest-dev/pytest-xdist#1386), hence the dev extra's
+    pytest<9.2. This fails where that happens again."""
+    if not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("not an xdist worker of a --dist loadgroup run")
+    assert request.node.nodeid.endswith("@probe"), (
+        f"{request.node.nodeid}: xdist_group did not reach pytest-xdist's scheduler on "
+        f"pytest {pytest.__version__}; install a pytest it supports (pytest<9.2)")

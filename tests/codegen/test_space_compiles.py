@@ -24,6 +24,10 @@ from flashtune.perf.sass.disasm import sass_listing
 from flashtune.perf.sass.loops import main_loops
 from flashtune.toolchain.compiler import CompileResult, compile_pairs, compile_source
 
+#: One xdist worker runs the module, so its compiles (the module fixture) are made once, not
+#: once on each worker at the same time.
+pytestmark = pytest.mark.xdist_group("space_compiles")
+
 ARCHS = ("sm_80", "sm_90")
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
 #: Compiles per (problem, arch) in the default run.
