@@ -58,8 +58,8 @@ ENTRY = [(ArchClass.SM90, 128, False, KernelConfig(128, 32, 4, 2))]
 def derive_one_entry(**rule: float) -> default_rule.Choice:
     """sm90 d128 (not causal) chosen by the rule with a shortlist of 4, from the table's old
     default 128 x 32, with the rule's constants in ``rule`` changed. Each test below derives
-    it (the second finds the first's kernels and listings in the cache, whichever runs
-    first, on either xdist worker)."""
+    it; one xdist worker runs both, so the second finds the first's kernels and listings in
+    the cache (two workers at once would both spawn compile pools and run nvdisasm)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(default_rule, "SHORTLIST", 4)
         for name, value in rule.items():
@@ -67,6 +67,7 @@ def derive_one_entry(**rule: float) -> default_rule.Choice:
         return default_rule.derive(ENTRY)[0]
 
 
+@pytest.mark.xdist_group("default_rule_one_entry")
 @pytest.mark.usefixtures("compile_cubin")  # skips without NVRTC or nvdisasm
 def test_rule_takes_the_best_prediction_that_passes_every_build() -> None:
     choice = derive_one_entry()
@@ -85,6 +86,7 @@ def test_rule_takes_the_best_prediction_that_passes_every_build() -> None:
     assert choice.change().startswith("previous default m128_n32_w4_s2: ")
 
 
+@pytest.mark.xdist_group("default_rule_one_entry")
 @pytest.mark.usefixtures("compile_cubin")
 def test_a_current_default_within_the_margin_stays() -> None:
     kept = derive_one_entry(KEEP_MARGIN=1.0)
