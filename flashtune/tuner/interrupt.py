@@ -51,11 +51,13 @@ def deferred(notice: str) -> Iterator[None]:
     _requested.clear()
     speaker = threading.Thread(target=say, name="flashtune-ctrl-c", daemon=True)
     speaker.start()
-    previous = signal.signal(signal.SIGINT, first)
-    try:
-        yield
+    try:  # the thread ends with the block, even if a Ctrl-C comes before the handler is set
+        previous = signal.signal(signal.SIGINT, first)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
     finally:
-        signal.signal(signal.SIGINT, previous)
         silent = not _requested.is_set()  # then the wake-up below only ends the thread
         _requested.set()
         speaker.join(timeout=5.0)  # a stderr nobody reads must not hang the exit
