@@ -73,8 +73,8 @@ def _cached(tool: Path, flags: list[str], cubin: bytes, cache: ArtifactCache | N
     store = cache if cache is not None else ArtifactCache()
     try:
         st = tool.stat()
-    except OSError as exc:
-        raise ToolchainNotFound(f"cannot run {tool.name} at {tool}: {exc}") from exc
+    except OSError:
+        return _run(tool, flags, cubin)  # which says why the tool cannot be run
     h = hashlib.sha256(f"{tool.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
     h.update("\0".join(flags).encode() + b"\0")
     h.update(cubin)
