@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import host
 import pytest
 from _common import Stats
+
+T = TypeVar("T")
 
 
 def test_row_validation() -> None:
@@ -59,17 +63,40 @@ def test_dispatch_rows_measure_the_warm_call() -> None:
     whole, parts = rows[0], rows[1:]
     assert "flashtune.attention" in whole.name and whole.rate.endswith("calls/s")
     # The warm call does every part (validation, lookup, ...) and more.
-    lookup = next(r for r in parts if "lookup" in r.name)
-    assert whole.median_s is not None and lookup.median_s is not None
-    assert whole.median_s > lookup.median_s > 0
+    assert {"validation", "plan lookup (dispatch)", "argument packing"} <= {
+        r.name.strip() for r in parts}
+    # Timings are reported, not compared: one stall on a shared machine reorders them.
+    assert all(r.median_s is not None and r.median_s > 0 for r in rows)
+    assert whole.median_s is not None
+    assert whole.rate == f"{1 / whole.median_s:,.0f} calls/s"
 
 
-def test_compile_rows_cold_is_slower_than_cached() -> None:
-    rows = host.compile_rows(host.Settings(repeats=1, short=True))
-    cold, cached, memo = (r.median_s for r in rows)
-    assert all(r.status == "ok" for r in rows)
-    assert cold is not None and cached is not None and memo is not None
-    assert cold > cached > memo > 0
+def test_compile_rows_measure_a_compile_a_disk_load_and_a_memo_hit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each row does what its name says, counted rather than timed: one stall on a shared
+    machine can make a cached load outlast a cold compile (seen once in CI)."""
+    from flashtune.toolchain import compiler
+    from flashtune.toolchain.cache import ArtifactCache
+
+    counts = {"nvrtc": 0, "load": 0}
+
+    def counted(name: str, fn: Callable[..., T]) -> Callable[..., T]:
+        def wrapper(*args: object, **kwargs: object) -> T:
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(compiler, "_run_nvrtc", counted("nvrtc", compiler._run_nvrtc))
+    monkeypatch.setattr(ArtifactCache, "load_bytes",
+                        counted("load", ArtifactCache.load_bytes))
+    repeats = 2
+    rows = host.compile_rows(host.Settings(repeats=repeats, short=True))
+    assert [r.status for r in rows] == ["ok"] * 3
+    assert all(r.median_s is not None and r.median_s > 0 for r in rows)
+    # The warm entry and each cold repeat compile (a miss, then the read-back); each cached
+    # repeat is one disk read; the memo hits touch neither.
+    assert counts == {"nvrtc": 1 + repeats, "load": 2 * (1 + repeats) + repeats}
+    assert [r.repeats for r in rows] == [repeats, repeats, 100]
 
 
 @pytest.mark.emulator
