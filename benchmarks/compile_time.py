@@ -70,6 +70,9 @@ def measure(source: KernelSource, arch: str, repeats: int
             fresh = ArtifactCache(root / f"cold-{time.perf_counter_ns()}")
             return compiler.compile_source(source, arch, cache=fresh)
 
+        # Cleared first: a kernel already in this process's memo would leave the warm cache
+        # empty, and the first "cached" load would be a cold compile.
+        compiler.clear_memo()
         warm = ArtifactCache(root / "warm")
         kernel = compiler.compile_source(source, arch, cache=warm)
 
