@@ -45,10 +45,20 @@ def _check_gpu_marks_are_written(items: list[pytest.Item]) -> None:
                                 "by it: write the mark as pytest.mark.gpu in the file")
 
 
+#: Opt-in markers: their tests run only when -m names them (``sweep``: the full matrices;
+#: ``slow``: checks of tools that take over 20 s of a core each, run by .ci/run after the
+#: default run).
+OPT_IN_MARKERS = ("sweep", "slow")
+
+
+def _named(config: pytest.Config, marker: str) -> bool:
+    return marker in (config.getoption("markexpr", "") or "")
+
+
 def _sweep_selected(config: pytest.Config) -> bool:
     """Whether this run may select sweep tests: the full config sweep is opt-in, it runs
     only when -m names it."""
-    return "sweep" in (config.getoption("markexpr", "") or "")
+    return _named(config, "sweep")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -72,11 +82,12 @@ def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: objec
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not _sweep_selected(config):
-        sweep = [item for item in items if "sweep" in item.keywords]
-        if sweep:
-            config.hook.pytest_deselected(items=sweep)
-            items[:] = [item for item in items if "sweep" not in item.keywords]
+    for marker in OPT_IN_MARKERS:
+        if not _named(config, marker):
+            opted = [item for item in items if marker in item.keywords]
+            if opted:
+                config.hook.pytest_deselected(items=opted)
+                items[:] = [item for item in items if marker not in item.keywords]
     _check_gpu_marks_are_written(items)
     if _has_gpu():
         return

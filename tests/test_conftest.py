@@ -1,6 +1,7 @@
 """tests/conftest.py's collection rules: a gpu-marked test whose file does not write the
 mark fails the collection; a sweep-marked test makes no items unless the run selects sweep
-tests. And the default run's xdist groups reach pytest-xdist's scheduler."""
+tests, and sweep or slow tests are deselected unless -m names them. And the default run's
+xdist groups reach pytest-xdist's scheduler."""
 
 from __future__ import annotations
 
@@ -97,3 +98,32 @@ def test_xdist_groups_reach_the_scheduler(request: pytest.FixtureRequest) -> Non
     assert request.node.nodeid.endswith("@probe"), (
         f"{request.node.nodeid}: xdist_group did not reach pytest-xdist's scheduler on "
         f"pytest {pytest.__version__}; install a pytest it supports (pytest<9.2)")
+
+
+@dataclass
+class _Marked:
+    """What the opt-in rule reads of a collected test: its markers' names."""
+
+    keywords: set[str]
+    path: Path = TESTS / "test_conftest.py"
+
+    def get_closest_marker(self, name: str) -> object | None:
+        return None  # no gpu mark: the gpu checks leave these items alone
+
+
+def test_opt_in_tests_are_deselected_unless_the_run_names_their_marker(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``sweep`` and ``slow`` tests run only when -m names them; the rest always."""
+    conftest = _root_conftest()
+    monkeypatch.setattr(conftest, "_has_gpu", lambda: True)  # no gpu skips to add
+    for markexpr, kept in (("", {"plain"}), ("slow", {"plain", "slow"}),
+                           ("sweep", {"plain", "sweep"}),
+                           ("slow or sweep", {"plain", "slow", "sweep"})):
+        items = [_Marked({"plain"}), _Marked({"slow"}), _Marked({"sweep"})]
+        deselected: list[_Marked] = []
+        config = _collector(markexpr).config
+        config.hook = SimpleNamespace(pytest_deselected=lambda items, out=deselected:
+                                      out.extend(items))
+        conftest.pytest_collection_modifyitems(config, items)
+        assert {next(iter(i.keywords)) for i in items} == kept, markexpr
+        assert len(items) + len(deselected) == 3, markexpr

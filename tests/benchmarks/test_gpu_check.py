@@ -51,6 +51,7 @@ DRY_STAGES = ["install", "env", "nvidia-smi", "canary-list", "canary", "serving-
               "tune-options", "tune", "sweep-plan", "sweep", "decode-plan", "decode", "host"]
 
 
+@pytest.mark.slow  # eleven interpreters and every smoke kernel's compile: about 40 s of CPU
 def test_dry_run_writes_every_file(tmp_path: Path) -> None:
     out = tmp_path / "check"
     tarball = tmp_path / "back" / "check.tar.gz"

@@ -53,6 +53,7 @@ SCRIPT = textwrap.dedent(r'''
 ''')
 
 
+@pytest.mark.slow  # the ASan runtime's build: about 40 s of CPU
 def test_asan_build_catches_out_of_bounds_accesses() -> None:
     env = {**os.environ, **asan_environment()}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
@@ -106,6 +107,7 @@ FORWARD_SCRIPT = textwrap.dedent(r'''
 ''')
 
 
+@pytest.mark.slow
 def test_asan_forward_kernel_reuses_fiber_stacks_across_blocks() -> None:
     """Blocks after the first reuse the fiber stacks of the finished ones: the forward
     kernel (d128 causal, default sm_90 config, several blocks) runs clean under ASan in both
