@@ -7,12 +7,25 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from typing import Any
+
+
+def start_as_foreground_job(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    """``subprocess.Popen(argv, **kwargs)`` in a process group of its own with SIGINT at its
+    default, as a terminal starts a command: a test run that was itself started as a
+    background job ignores SIGINT, and a child would inherit that."""
+    # Caught here for the moment of the start: exec resets a caught signal to its default.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(argv, start_new_session=True, **kwargs)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def interrupt_when_ready(proc: subprocess.Popen[bytes], ready: Callable[[], bool], what: str,
                          *, settle_s: float = 0.0, timeout_s: float = 120.0) -> str:
-    """Wait until ``ready()`` (failing if ``proc``, started with ``start_new_session=True``,
-    ends first or ``what`` does not happen in ``timeout_s``), wait ``settle_s``, send SIGINT
+    """Wait until ``ready()`` (failing if ``proc``, started by start_as_foreground_job, ends
+    first or ``what`` does not happen in ``timeout_s``), wait ``settle_s``, send SIGINT
     to its process group and return what it printed (stdout and stderr, as piped). Give
     ``proc`` PYTHONFAULTHANDLER=1 so that a hang after Ctrl-C fails with its stacks."""
     try:

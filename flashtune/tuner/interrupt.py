@@ -30,8 +30,10 @@ class StopRequested(KeyboardInterrupt):
 def deferred(notice: str) -> Iterator[None]:
     """Within the block, the first SIGINT sets the stop request and prints ``notice`` on
     stderr; the second raises KeyboardInterrupt as Python's default handler does. Outside
-    the main thread (where signal handlers cannot be set) the block runs unchanged."""
-    if threading.current_thread() is not threading.main_thread():
+    the main thread (where signal handlers cannot be set), and where SIGINT is ignored (a
+    background job of a shell, as Python itself leaves it), the block runs unchanged."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
         yield
         return
     silent = False  # set when the block ends without a Ctrl-C

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from interrupt_helpers import interrupt_when_ready
+from interrupt_helpers import interrupt_when_ready, start_as_foreground_job
 from sampling import seeded_part
 
 import flashtune
@@ -33,11 +33,11 @@ def test_ctrl_c_during_a_dry_run_prints_one_hint_line_and_no_traceback(
     env = {**os.environ, "COLUMNS": "100", "NO_COLOR": "1", "PYTHONFAULTHANDLER": "1",
            "PYTHONPATH": os.pathsep.join(p for p in (SOURCE, os.environ.get("PYTHONPATH"))
                                          if p)}
-    proc = subprocess.Popen(
+    proc = start_as_foreground_job(
         [sys.executable, "-m", "flashtune.cli", "tune", "--head-dim", "64", "--seqlens",
          "128,1024,4096", "--dry-run", "--trials", "60", "--compile-workers", "2", "--db",
          str(db)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     out = interrupt_when_ready(proc, db.exists, "the start of the tune (its database)",
                                settle_s=settle_s)
     assert proc.returncode == 130, out

@@ -117,3 +117,13 @@ def test_the_pipeline_records_the_trial_in_progress_then_stops(pressed_at: int) 
     in_flight = list(range(pressed_at + 1, pressed_at + depth))  # started, never finished
     assert proposer.abandoned == in_flight
     assert proposer.proposed == pressed_at + depth  # nothing proposed after the Ctrl-C
+
+
+def test_an_ignored_sigint_stays_ignored() -> None:
+    """A background job of a shell starts with SIGINT ignored; the block leaves it so."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the fixture restores Python's handler
+    with deferred("stopping soon"):
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        ctrl_c()
+        checkpoint()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from interrupt_helpers import interrupt_when_ready
+from interrupt_helpers import interrupt_when_ready, start_as_foreground_job
 from tuner_synthetic import read_log
 from tuner_testlib import FAST, subprocess_env
 
@@ -39,9 +39,10 @@ def test_sigint_to_the_group_stops_the_workers_without_tracebacks(
                       options=dataclasses.replace(FAST, trials=10, sampler="tpe"))
     parent = tmp_path / "parent.py"
     parent.write_text(PARENT)
-    proc = subprocess.Popen([sys.executable, str(parent), spec.to_json()],
-                            env={**os.environ, **subprocess_env(), "PYTHONFAULTHANDLER": "1"},
-                            stderr=subprocess.PIPE, start_new_session=True)
+    proc = start_as_foreground_job(
+        [sys.executable, str(parent), spec.to_json()],
+        env={**os.environ, **subprocess_env(), "PYTHONFAULTHANDLER": "1"},
+        stderr=subprocess.PIPE)
     err = interrupt_when_ready(
         proc, lambda: len({pid for pid, phase, _ in read_log(call_log) if phase == "time"}) >= 2,
         "two workers measuring")
