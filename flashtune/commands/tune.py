@@ -262,6 +262,7 @@ def _replay(path: Path, budget: str | None, trials: int | None, sampler: str,
     from flashtune.tuner.search.sampler import Prior
 
     console = Console()
+    progress: ReplayProgress | None = None  # the run so far, for a Ctrl-C's line
     try:
         landscape = Landscape.load(path)
         budget_s = parse_budget(budget, landscape) if budget else None
@@ -286,6 +287,15 @@ def _replay(path: Path, budget: str | None, trials: int | None, sampler: str,
             progress.close()
     except (FlashtuneError, ValueError) as exc:
         raise fail(str(exc)) from None
+    except KeyboardInterrupt:
+        sofar = progress.summary if progress is not None else None
+        done = (f" after {len(sofar.trace)} evaluations (best so far "
+                f"{landscape.quality(sofar.best):.3f} of the optimum)") if sofar is not None else ""
+        console.print()  # the live table's last line ends here
+        Console(stderr=True).print(f"interrupted{done}: a replay writes nothing, so there is "
+                                   "nothing to resume; rerun it to start again",
+                                   highlight=False)
+        raise typer.Exit(130) from None
     best = "-" if summary.best is None else f"{summary.best:.6g}"
     # T4 landscapes record their times in milliseconds (the "time" objective has no unit
     # of its own); another objective is named as it is recorded

@@ -272,6 +272,11 @@ class ReplayProgress(ReplayObserver):
                           transient=False)
         self._live.__enter__()
 
+    @property
+    def summary(self) -> ReplaySummary | None:
+        """The run so far (None before it started)."""
+        return self._summary
+
     def evaluated(self, summary: ReplaySummary, point: TracePoint) -> None:
         if self._live is not None:
             self._live.update(replay_table(summary))

@@ -253,6 +253,27 @@ def test_cli_replay_runs_the_search_with_its_display(landscapes: Path) -> None:
             assert bad.exit_code == 1 and expected in " ".join(bad.output.split()), bad.output
 
 
+def test_cli_replay_interrupted_says_how_far_it_got_and_that_nothing_is_saved(
+        landscapes: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashtune.commands.tune_progress import ReplayProgress
+
+    evaluated = ReplayProgress.evaluated
+
+    def ctrl_c_at_the_fourth(self: ReplayProgress, summary: Any, point: Any) -> None:
+        evaluated(self, summary, point)
+        if len(summary.trace) == 4:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ReplayProgress, "evaluated", ctrl_c_at_the_fourth)
+    result = runner.invoke(app, ["tune", "--replay", str(landscapes / "bowl_GPUA.json.gz"),
+                                 "--trials", "10", "--seed", "1"])
+    assert result.exit_code == 130, result.output
+    text = " ".join(result.output.split())
+    assert re.search(r"interrupted after 4 evaluations \(best so far [01]\.\d{3} of the "
+                     r"optimum\): a replay writes nothing", text), text
+    assert "Traceback" not in text and "simulated minutes" not in text, text
+
+
 def _search_efficiency() -> Any:
     sys.path.insert(0, str(BENCHMARKS))
     try:
