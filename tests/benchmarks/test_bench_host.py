@@ -73,8 +73,9 @@ def test_dispatch_rows_measure_the_warm_call() -> None:
 
 def test_compile_rows_measure_a_compile_a_disk_load_and_a_memo_hit(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each row does what its name says, counted rather than timed: one stall on a shared
-    machine can make a cached load outlast a cold compile (seen once in CI)."""
+    """Each row does what its name says, counted rather than timed (one stall on a shared
+    machine reorders timings). Regression: with the kernel already in this process's memo,
+    the warm cache stayed empty and the first "cached load" was a cold compile."""
     from flashtune.toolchain import compiler
     from flashtune.toolchain.cache import ArtifactCache
 
