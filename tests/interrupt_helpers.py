@@ -6,20 +6,27 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
+
+
+@contextmanager
+def python_sigint() -> Iterator[None]:
+    """Python's own SIGINT handling within the block, as in a terminal's foreground process:
+    a test run that was itself started as a background job inherits SIGINT ignored."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def start_as_foreground_job(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
     """``subprocess.Popen(argv, **kwargs)`` in a process group of its own with SIGINT at its
-    default, as a terminal starts a command: a test run that was itself started as a
-    background job ignores SIGINT, and a child would inherit that."""
-    # Caught here for the moment of the start: exec resets a caught signal to its default.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
+    default, as a terminal starts a command (not ignored, as a background job's child)."""
+    with python_sigint():  # caught here: exec resets a caught signal to its default
         return subprocess.Popen(argv, start_new_session=True, **kwargs)
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def interrupt_when_ready(proc: subprocess.Popen[bytes], ready: Callable[[], bool], what: str,

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from interrupt_helpers import python_sigint
 
 from flashtune.tuner.interrupt import StopRequested, checkpoint, deferred
 from flashtune.tuner.pipeline import Limits, run_pipeline
@@ -19,11 +20,9 @@ from flashtune.tuner.search.proposers import Proposal
 
 @pytest.fixture(autouse=True)
 def _python_handles_sigint() -> Iterator[None]:
-    """Python's own SIGINT handling, as in a terminal's foreground process: a run started as
-    a background job inherits SIGINT ignored, and nothing here would be raised."""
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    yield
-    signal.signal(signal.SIGINT, previous)
+    """Nothing here would be raised where the run inherited SIGINT ignored."""
+    with python_sigint():
+        yield
 
 
 def ctrl_c() -> None:
