@@ -46,8 +46,8 @@ def _check_gpu_marks_are_written(items: list[pytest.Item]) -> None:
 
 
 #: Opt-in markers: their tests run only when -m names them (``sweep``: the full matrices;
-#: ``slow``: checks of tools that take over 20 s of a core each, run by .ci/run after the
-#: default run).
+#: ``slow``: whole checks over 10 s of a core each, sampled or left out of the default run,
+#: run by .ci/run after it).
 OPT_IN_MARKERS = ("sweep", "slow")
 
 

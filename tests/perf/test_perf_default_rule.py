@@ -1,6 +1,7 @@
 """The rule that chooses the default forward configs (perf.model.default_rule): its candidates and
 occupancy floor without compiling, and the rule run on one entry with NVRTC (a shortlist of
-four, so that the test stays short; the whole table: ``docs/default_configs.py --check``)."""
+four, so that the test stays short; the whole table: ``docs/default_configs.py --check``).
+The run on one entry compiles about 40 s of a core, so its two tests are ``slow``."""
 
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ def derive_one_entry(**rule: float) -> default_rule.Choice:
         return default_rule.derive(ENTRY)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("default_rule_one_entry")
 @pytest.mark.usefixtures("compile_cubin")  # skips without NVRTC or nvdisasm
 def test_rule_takes_the_best_prediction_that_passes_every_build() -> None:
@@ -86,6 +88,7 @@ def test_rule_takes_the_best_prediction_that_passes_every_build() -> None:
     assert choice.change().startswith("previous default m128_n32_w4_s2: ")
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("default_rule_one_entry")
 @pytest.mark.usefixtures("compile_cubin")
 def test_a_current_default_within_the_margin_stays() -> None:
