@@ -58,7 +58,7 @@ def write_landscape(path: Path, *, shift: float = 0.0, seed: int = 0) -> Path:
         if x * y > 128:
             continue
         compile_ms = float(rng.uniform(500, 1500))
-        result = {"configuration": {"x": x, "y": y, "z": z, "fixed": 7},
+        result: dict[str, Any] = {"configuration": {"x": x, "y": y, "z": z, "fixed": 7},
                   "times": {"compilation": compile_ms, "framework": 10.0,
                             "search_algorithm": 0, "validation": 0},
                   "objectives": ["time"]}
@@ -308,7 +308,11 @@ def test_benchmark_journal_resumes_a_stopped_run(landscapes: Path, tmp_path: Pat
     log.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][: len(lines[-1]) // 2])
     ran: list[object] = []
     real = search_efficiency.run
-    monkeypatch.setattr(search_efficiency, "run", lambda task: ran.append(task) or real(task))
+
+    def counted(task: object) -> object:
+        ran.append(task)
+        return real(task)
+    monkeypatch.setattr(search_efficiency, "run", counted)
     argv[3] = str(tmp_path / "b")
     assert search_efficiency.main(argv) == 0
     assert len(ran) == 1, ran
@@ -395,11 +399,13 @@ def test_peers_are_told_illegal_and_failed_points_in_their_own_terms(strategy: s
     peers = _benchmark_module("_peer_samplers")
     params = ParamSpace((Param("x", tuple(range(8))), Param("y", tuple(range(8)))))
     # half the points are illegal; x == 0 fails when measured
-    space = SearchSpace(params, lambda p: "odd" if (p["x"] + p["y"]) % 2 else None)
+    space = SearchSpace(params, lambda p: "odd" if (int(p["x"]) + int(p["y"])) % 2 else None)
     # the GP from its 4th result (its default waits for 10; each decision takes a second)
-    inner = {"gp": lambda: optuna.samplers.GPSampler(seed=3, n_startup_trials=4),
-             "cmaes": lambda: optuna.samplers.CmaEsSampler(seed=3)}.get(
-        strategy, lambda: optuna.samplers.RandomSampler(seed=3))()
+    inner: optuna.samplers.BaseSampler = optuna.samplers.RandomSampler(seed=3)
+    if strategy == "gp":
+        inner = optuna.samplers.GPSampler(seed=3, n_startup_trials=4)
+    elif strategy == "cmaes":
+        inner = optuna.samplers.CmaEsSampler(seed=3)
     constrained = strategy in ("gp", "random-constraints")
     sampler = peers.LegalOnly(inner, space, "constraints" if constrained else "penalty")
     study = optuna.create_study(sampler=sampler)
@@ -411,7 +417,7 @@ def test_peers_are_told_illegal_and_failed_points_in_their_own_terms(strategy: s
         if point["x"] == 0:
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
             continue
-        values[trial.number] = 1.0 + (point["x"] - 5) ** 2 + (point["y"] - 2) ** 2
+        values[trial.number] = 1.0 + (int(point["x"]) - 5) ** 2 + (int(point["y"]) - 2) ** 2
         study.tell(trial, values[trial.number])
     study.ask(space.distributions())  # folds the last result in
     assert sampler.illegal_asks > 0
