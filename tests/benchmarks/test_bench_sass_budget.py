@@ -1,6 +1,7 @@
 """benchmarks/sass_budget.py end to end on one arch and head dim (NVRTC, no GPU). Both tests
 take the same arch and head dim, on one xdist worker: the table's kernels are the JSON
-run's, from the kernel cache."""
+run's, from the kernel cache. Their compiles and listings take about 17 s of a core, so
+they are ``slow``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import sass_budget
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("sass_budget_d128_sm90")
 def test_budget_json_rows_and_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
     status = sass_budget.main(["--head-dim", "128", "--arch", "sm_90", "--json"])
@@ -29,6 +31,7 @@ def test_budget_json_rows_and_exit_status(capsys: pytest.CaptureFixture[str]) ->
     assert status == 0
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("sass_budget_d128_sm90")
 def test_budget_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert sass_budget.main(["--head-dim", "128", "--arch", "sm_90"]) == 0
