@@ -223,7 +223,8 @@ def grad_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torc
     for b, h in picks:
         leaves = [t[b:b + 1, :, h:h + 1].detach().double().requires_grad_(True)
                   for t in (q, k, v)]
-        out, _ = attention_reference(*leaves, causal, 1.0 / math.sqrt(q.shape[3]))
+        qh, kh, vh = leaves
+        out, _ = attention_reference(qh, kh, vh, causal, 1.0 / math.sqrt(q.shape[3]))
         found = torch.autograd.grad(out, leaves, dout[b:b + 1, :, h:h + 1].double())
         for name, g in zip(("dq", "dk", "dv"), found, strict=True):
             grads[name].append(g[0, :, 0].detach())

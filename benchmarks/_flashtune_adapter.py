@@ -67,12 +67,12 @@ def default_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     called within ``defaults_only()`` (the default configs of every backward kernel too).
     """
     if q.requires_grad:
-        fn, _ = tuned_call(q, k, v, causal, backend)
+        call, _ = tuned_call(q, k, v, causal, backend)
         with defaults_only():
             import flashtune
 
             config = flashtune.explain(q, k, v, causal=causal, backend=backend).config
-        return fn, f"{config.key()} (default, fwd+bwd)"
+        return call, f"{config.key()} (default, fwd+bwd)"
     import torch
 
     import flashtune

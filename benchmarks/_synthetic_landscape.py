@@ -33,7 +33,7 @@ from flashtune.codegen.spec import Problem, ProblemBucket
 from flashtune.db.records import TrialStatus
 from flashtune.perf.model.gpus import get_gpu
 from flashtune.tuner.landscape import Landscape
-from flashtune.tuner.measure.recorded import Recorded
+from flashtune.tuner.measure.recorded import Config, Recorded
 from flashtune.tuner.measure.workload import make_workload
 from flashtune.tuner.search.encoding import KernelDomain
 from flashtune.tuner.search.prediction import Predictor
@@ -71,7 +71,7 @@ def build(token: str, seed: int = 0) -> Landscape:
     predictor = Predictor(gpu)
     rng = np.random.default_rng(seed)
     space: SearchSpace = domain.space
-    records: dict[tuple[object, ...], Recorded] = {}
+    records: dict[Config, Recorded] = {}
     for indices in space.legal:
         point = space.point_at(indices)
         config = domain.config(point)

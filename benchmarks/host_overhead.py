@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -43,6 +43,7 @@ from flashtune.codegen.spec import KernelSource  # noqa: E402
 from flashtune.families.fwd import args as fwd_args  # noqa: E402
 from flashtune.runtime import plans  # noqa: E402
 from flashtune.runtime.backends import register_backend, unregister_backend  # noqa: E402
+from flashtune.runtime.backends.base import Backend  # noqa: E402
 
 SHAPE = (2, 1024, 16, 128)  # batch, seqlen, heads, head_dim (the values are never read)
 
@@ -94,7 +95,9 @@ def measure(repeats: int = 15, calls: int = 2000, device: str = "cpu"
             ) -> list[tuple[str, Samples]]:
     """(measurement, per-call samples) for each part of a warm call."""
     stub = _StubBackend()
-    register_backend("stub", "cuda" if device.startswith("cuda") else "cpu", lambda: stub)
+    # a stand-in that launches only (its kernels have no ``bind``)
+    register_backend("stub", "cuda" if device.startswith("cuda") else "cpu",
+                     lambda: cast(Backend, stub))
     try:
         q, k, v = (torch.zeros(SHAPE, dtype=torch.bfloat16, device=device) for _ in range(3))
         scale = SHAPE[3] ** -0.5

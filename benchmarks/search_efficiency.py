@@ -82,6 +82,7 @@ from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
+import numpy.typing as npt  # noqa: E402
 import optuna  # noqa: E402
 from _common import add_benchmarks_to_path  # noqa: E402
 
@@ -209,7 +210,10 @@ def noisy_prior(landscape: Landscape, seed: int) -> tuple[Prior, float]:
     spread = float(np.std(truth[ok]))
     base = np.where(ok, truth, float(np.median(truth[ok])))
     scores = base + rng.normal(0.0, spread, len(base))
-    rank = lambda a: np.argsort(np.argsort(a))  # noqa: E731
+
+    def rank(a: npt.NDArray[np.float64]) -> npt.NDArray[np.intp]:
+        return np.argsort(np.argsort(a))
+
     rho = float(np.corrcoef(rank(scores[ok]), rank(truth[ok]))[0, 1])
     return dict(zip(legal, (float(s) for s in scores), strict=True)), rho
 

@@ -76,7 +76,7 @@ def gradients(fn: Callable[..., torch.Tensor], inputs: tuple[torch.Tensor, ...],
     leaf copies of ``inputs`` for ``dout``."""
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     out = fn(*leaves)
-    out.backward(dout.to(out.dtype))
+    out.backward(dout.to(out.dtype))  # type: ignore[no-untyped-call]  # unannotated in torch
     grads: Grads = {"out": out.detach()}
     for name, leaf in zip(names, leaves, strict=True):
         assert leaf.grad is not None, name

@@ -31,7 +31,7 @@ def seeded_part(cases: Sequence[Any], k: int, salt: str, *, pool: int | None = N
     return [c if i >= n or i in picked else swept(c) for i, c in enumerate(cases)]
 
 
-def when_swept(build: Callable[[], list[T]]) -> list[T]:
+def when_swept(build: Callable[[], Sequence[T]]) -> Sequence[T]:
     """``build()`` where this run selects sweep tests (``-m`` names sweep), else no cases:
     a sweep-marked test makes no items otherwise (tests/conftest.py), so its grid, which
     can take seconds to enumerate, is not built."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from runtime_helpers import ListSource, PyRefBackend
 from flashtune.api import forward
 from flashtune.runtime import first_use, plans
 from flashtune.runtime.backends import register_backend, unregister_backend
+from flashtune.runtime.backends.base import Backend
 from flashtune.runtime.dispatch import Dispatcher, set_dispatcher
 
 
@@ -50,7 +52,8 @@ def dispatcher(source: ListSource) -> Iterator[Dispatcher]:
 def pyref(dispatcher: Dispatcher) -> Iterator[PyRefBackend]:
     """The reference backend registered as ``pyref`` (CPU tensors)."""
     backend = PyRefBackend()
-    register_backend("pyref", "cpu", lambda: backend)
+    # a stand-in that launches only (its kernels have no ``bind``)
+    register_backend("pyref", "cpu", lambda: cast(Backend, backend))
     yield backend
     unregister_backend("pyref")
 

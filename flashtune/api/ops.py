@@ -261,8 +261,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               out_dtype: torch.dtype | None = ..., return_lse: bool = ...,
               backend: str | None = ..., deterministic: bool | None = ...,
               window_size: tuple[int, int] = ..., softcap: float | None = ...,
-              alibi_slopes: torch.Tensor | None = ..., dropout_p: float = ...,
-              return_dropout_mask: Literal[True]) -> tuple[torch.Tensor, ...]: ...
+              alibi_slopes: torch.Tensor | None = ..., sinks: torch.Tensor | None = ...,
+              score_mod: ScoreModFn | None = ..., mask_mod: MaskModFn | None = ...,
+              dropout_p: float = ..., return_dropout_mask: Literal[True]
+              ) -> tuple[torch.Tensor, ...]: ...
 
 
 def attention(

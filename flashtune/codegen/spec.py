@@ -248,6 +248,10 @@ class Problem:
     def sinks(self) -> bool:
         return "sinks" in self.features
 
+    @property
+    def dropout(self) -> bool:
+        return "dropout" in self.features
+
     def has(self, name: str) -> bool:
         """Whether feature ``name`` is on (InvalidProblem if no such feature is registered)."""
         return feature(name).name in self.features
@@ -488,6 +492,13 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     extras: tuple[tuple[str, ExtraValue], ...] = ()
+
+    if TYPE_CHECKING:
+        # The generated __init__ as type checkers should see it: ``extras`` may also be a
+        # mapping (as documented above); ``__post_init__`` normalises it to sorted pairs.
+        def __init__(self, block_m: int, block_n: int, num_warps: int, num_stages: int,
+                     extras: Mapping[str, ExtraValue] | tuple[tuple[str, ExtraValue], ...] = (),
+                     ) -> None: ...
 
     def __post_init__(self) -> None:
         for name in BASE_FIELDS:

@@ -182,7 +182,7 @@ def test_gradient_through_the_lse() -> None:
         leaves = [t.detach().clone().requires_grad_(True) for t in tensors]
         out, lse = fn(*leaves)
         ((out.double() * dout.double()).sum() + (lse.double() * weight.double()).sum()
-         ).backward()
+         ).backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         return {n: t.grad for n, t in zip(("dq", "dk", "dv"), leaves, strict=True)}  # type: ignore[misc]
 
     got = loss(lambda q, k, v: flashtune.attention(q, k, v, return_lse=True,
@@ -274,8 +274,8 @@ def test_forward_and_backward_allocate_no_n_by_n_buffer() -> None:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = flashtune.attention(*leaves, causal=True, backend="emulator",
                                       deterministic=deterministic)
-            out.backward(dout)  # type: ignore[union-attr]
-        sizes = [e.nbytes() for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
+            out.backward(dout)  # type: ignore[no-untyped-call]  # unannotated in torch
+        sizes = [e.nbytes() for e in prof.profiler.kineto_results.events()
                  if e.name() == "[memory]" and e.nbytes() > 0]
         slices = 4 if deterministic else 1  # the virtual device's 4 SMs, one kv head
         accumulator = slices * n * D * 4
@@ -299,7 +299,8 @@ class TinyAttentionModel(torch.nn.Module):
         k = k.reshape(b, n, 2, D).transpose(1, 2).half()
         v = v.reshape(b, n, 2, D).transpose(1, 2).half()
         out = self.attend(q, k, v)
-        return self.proj(out.transpose(1, 2).reshape(b, n, 4 * D).float()) + x
+        projected: torch.Tensor = self.proj(out.transpose(1, 2).reshape(b, n, 4 * D).float())
+        return projected + x
 
 
 @pytest.mark.usefixtures("small")
@@ -319,7 +320,7 @@ def test_a_short_training_loop_follows_torch_sdpa() -> None:
         for _ in range(6):
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(net(x), target)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
             opt.step()
             losses.append(float(loss.detach()))
         curves.append(losses)

@@ -29,10 +29,11 @@ FEATURES = [(False, (16, 0), None, False), (False, (8, 20), None, False),
 SHAPES: tuple[ShapeTuple, ...] = ((1, 77, 90, 2, 1), (2, 40, 40, 2, 2), (1, 90, 33, 3, 1))
 GRID = list(itertools.product(FEATURES, (torch.float16, torch.bfloat16), SHAPES,
                               (False, True)))
+# ((causal, window, softcap, alibi), dtype, shape, deterministic)
+Case = tuple[tuple[bool, tuple[int, int], float | None, bool], torch.dtype, ShapeTuple, bool]
 
 
-def _check(case: tuple[tuple[bool, tuple[int, int], float | None, bool], torch.dtype,
-                       ShapeTuple, bool]) -> None:
+def _check(case: Case) -> None:
     (causal, window, softcap, alibi), dtype, shape, deterministic = case
     seed = random.Random(f"{SEED}-{case}").randrange(2**31)
     inputs, dout = make_inputs(shape, 32, dtype, seed)
@@ -55,8 +56,8 @@ def _check(case: tuple[tuple[bool, tuple[int, int], float | None, bool], torch.d
     within_rule(got, low, exact, f"{case} seed={seed}")
 
 
-def _id(case: tuple[object, ...]) -> str:
-    (causal, window, softcap, alibi), dtype, shape, deterministic = case  # type: ignore[misc]
+def _id(case: Case) -> str:
+    (causal, window, softcap, alibi), dtype, shape, deterministic = case
     parts = ["causal" if causal else "", f"w{window[0]}_{window[1]}" if window != (-1, -1)
              else "", f"cap{softcap:g}" if softcap else "", "alibi" if alibi else "",
              str(dtype)[6:], "x".join(map(str, shape)), "det" if deterministic else ""]
@@ -65,7 +66,7 @@ def _id(case: tuple[object, ...]) -> str:
 
 @pytest.mark.usefixtures("dispatcher")
 @pytest.mark.parametrize("case", random.Random(SEED).sample(GRID, 1), ids=_id)
-def test_feature_gradients_within_3x_of_plain_pytorch(case) -> None:  # type: ignore[no-untyped-def]
+def test_feature_gradients_within_3x_of_plain_pytorch(case: Case) -> None:
     _check(case)
 
 

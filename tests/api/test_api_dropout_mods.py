@@ -119,6 +119,7 @@ def test_sdpa_attn_mask_with_dropout_is_attention_with_the_mask() -> None:
     out = flashtune.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=0.3,
                                                  backend="emulator")
     kept = mask(call_seed(_SEED), 0, 0.3, range(1), 2, 33, 33)
-    want = _dense_dropped(*(t.transpose(1, 2).double() for t in (q, k, v)),
-                          lambda s, *_: s, lambda b, h, i, j: allowed[i, j], kept, 0.3)
+    qd, kd, vd = (t.transpose(1, 2).double() for t in (q, k, v))
+    want = _dense_dropped(qd, kd, vd, lambda s, *_: s, lambda b, h, i, j: allowed[i, j],
+                          kept, 0.3)
     assert float((out.transpose(1, 2).double() - want).abs().max()) < 4e-3

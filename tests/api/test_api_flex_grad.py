@@ -236,8 +236,8 @@ def test_varlen_gradients_through_a_modification(deterministic: bool) -> None:
 
                 def mask_b(_: Any, h: Any, i: Any, j: Any) -> Any:
                     return mask_mod(b, h, i, j)
-                bhsd = (t.transpose(1, 2) for t in (qb, kb, vb))
-                return dense(*bhsd, dim ** -0.5, at_b, mask_b, dtype)[0].transpose(1, 2)
+                qt, kt, vt = (t.transpose(1, 2) for t in (qb, kb, vb))
+                return dense(qt, kt, vt, dim ** -0.5, at_b, mask_b, dtype)[0].transpose(1, 2)
             return per_sequence(attend, cu_q, cu_k)(q, k, v)
         return packed
 

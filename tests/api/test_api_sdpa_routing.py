@@ -93,7 +93,7 @@ def test_a_torch_without_the_registry_is_told_what_to_use(monkeypatch: pytest.Mo
 def _sdpa_op(causal: bool) -> Callable[..., torch.Tensor]:
     """SDPA's flash operator on flash-attn's (B, N, H, D) layout."""
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.aten._scaled_dot_product_flash_attention(
+        out: torch.Tensor = torch.ops.aten._scaled_dot_product_flash_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)[0]
         return out.transpose(1, 2)
     return attend
@@ -129,7 +129,7 @@ def _torch_sdpa_errors(attend: Callable[..., torch.Tensor], seqlens: tuple[int, 
     def run(fn: Callable[..., torch.Tensor], wide: bool) -> list[torch.Tensor]:
         leaves = [(t.double() if wide else t.clone()).requires_grad_(True) for t in inputs]
         out = fn(*leaves)
-        out.backward(dout.to(out.dtype))
+        out.backward(dout.to(out.dtype))  # type: ignore[no-untyped-call]  # unannotated in torch
         return [out.detach().double()] + [t.grad.double() for t in leaves if t.grad is not None]
 
     exact, low, got = run(torch_sdpa, True), run(torch_sdpa, False), run(attend, False)
@@ -147,7 +147,9 @@ def test_routed_sdpa_is_causal_with_l_not_s_is_torchs_top_left_mask(
     """SDPA's flash operator with is_causal and L != S, forward and backward, computes what
     torch's own SDPA computes (the mask aligned to the top-left corner)."""
     def routed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, is_causal=True)[0]
+        out: torch.Tensor = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, is_causal=True)[0]
+        return out
 
     _torch_sdpa_errors(routed, seqlens, (2, 2), torch.float16, SEED)
 

@@ -55,7 +55,7 @@ def _logits(cfg: Any, impl: str, state: dict[str, torch.Tensor], dtype: torch.dt
     model.load_state_dict(state)
     model = model.to(dtype).eval()
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        out: torch.Tensor = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     return out.float()
 
 

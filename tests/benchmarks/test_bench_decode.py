@@ -10,7 +10,7 @@ from pathlib import Path
 import decode
 import pytest
 import torch
-from _attention_impls import REL_ERR_TOLERANCE
+from _attention_impls import REL_ERR_TOLERANCE, Unavailable
 
 
 def test_the_sweep_covers_batches_lengths_groups_and_pages() -> None:
@@ -68,7 +68,7 @@ def test_sdpa_and_the_reference_agree_on_an_unpaged_cache() -> None:
     ref = decode.reference_first(x, point)
     assert float((out[0].float() - ref).norm() / ref.norm()) < REL_ERR_TOLERANCE
     paged = decode.make_inputs(decode.Point(2, 40, 4, 16), torch.Generator(), device="cpu")
-    with pytest.raises(decode.Unavailable):
+    with pytest.raises(Unavailable):
         decode.prepare("torch-sdpa", paged, decode.Point(2, 40, 4, 16))
 
 

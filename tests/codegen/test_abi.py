@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any, cast
 
 import pytest
 import torch
@@ -46,7 +47,7 @@ def test_every_family_renders_its_declared_signature() -> None:
         for features in [(), *((name,) for name in sorted(family.features))]:
             dtypes = min(family.dtypes, key=str)  # fp16 where the family takes it
             problem = Problem(64, dtypes.q, op=family.op, kv_dtype=dtypes.kv, o_dtype=dtypes.o,
-                              **dict.fromkeys(features, True))
+                              **cast(dict[str, Any], dict.fromkeys(features, True)))
             source = family.render(problem, family.default_config(problem, _arch(family)))
             assert _rendered_params(source.code, source.entry) == family.abi.signature(
                 problem.features, family.abi_aliases), (family.op, features)
@@ -106,8 +107,8 @@ def test_feature_arguments_follow_their_switch() -> None:
                                            "    const __grid_constant__ CUtensorMap tmap_x")
     assert abi.emulator_signature() == "piT" and abi.emulator_signature(["softcap"]) == "pifT"
     x = torch.zeros(2, 9)
-    assert abi.packer()(x, "map") == ((ArgType.PTR, x.data_ptr()), (ArgType.I32, 9),
-                                       (ArgType.TMAP, "map"))
+    packed: tuple[object, ...] = abi.packer()(x, "map")  # "map" stands in for a TensorMap
+    assert packed == ((ArgType.PTR, x.data_ptr()), (ArgType.I32, 9), (ArgType.TMAP, "map"))
     assert abi.packer(("softcap",)) is abi.packer(["softcap"])  # generated once
     custom = {Element.Q: "QElement", Element.KV: "KvElement", Element.O: "OElement"}
     assert abi.signature(aliases=custom).startswith("    const QElement* __restrict__ x")

@@ -3,6 +3,9 @@ time left while it runs (in a log, where no progress bar is drawn)."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 from flashtune.codegen.spec import DType, KernelConfig, Problem
@@ -14,14 +17,14 @@ from flashtune.toolchain.compiler import compile_pairs
 
 def test_the_count_and_estimate_come_first_then_the_time_left(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(codegen.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # what codegen calls
     status = CompileStatus(3356, workers=2)
     status(0, 3300)
     first = " ".join(capsys.readouterr().err.split())
     # 3300 kernels x 1.5 s over 2 processes = 41.25 min
     assert "compiling 3300 of 3356 kernels (56 cached) in 2 process(es): about 41.2 min" in first
     monkeypatch.setattr(codegen, "STATUS_EVERY_S", 0.0)
-    monkeypatch.setattr(codegen.sys.stderr, "isatty", lambda: False, raising=False)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)  # codegen writes there
     status(1100, 3300)
     line = " ".join(capsys.readouterr().err.split())
     assert line.startswith("compiled 1100/3300 in ") and line.endswith(" left")

@@ -38,7 +38,7 @@ def test_every_dtype_has_one_row_of_spellings() -> None:
 
 
 def test_each_rows_unit_roundoff_is_torchs_half_epsilon() -> None:
-    rows = {**ELEMENTS, **FP8_ELEMENTS}
+    rows = ELEMENTS | FP8_ELEMENTS
     assert len(rows) == 4
     for row in rows.values():
         assert row.unit_roundoff == torch.finfo(getattr(torch, row.torch)).eps / 2, row.cpp

@@ -50,8 +50,8 @@ def test_a_registered_feature_is_a_switch_with_a_key_and_a_dict_field(bias: Feat
     by_keyword = Problem(64, DType.FP16, bias=True)
     by_names = Problem(64, DType.FP16, features=("bias",))
     assert by_keyword == by_names and hash(by_keyword) == hash(by_names)
-    assert by_keyword.has("bias") and by_keyword.bias
-    assert not Problem(64, DType.FP16).bias
+    assert by_keyword.has("bias") and by_keyword.bias  # type: ignore[attr-defined]  # a registered feature (Problem.__getattr__)
+    assert not Problem(64, DType.FP16).bias  # type: ignore[attr-defined]  # a registered feature (Problem.__getattr__)
     assert by_keyword.key() == "fwd_d64_fp16_full_bias"
     assert Problem.from_key("fwd_d64_fp16_full_bias") == by_keyword
     assert by_keyword.to_dict() == {"op": "fwd", "head_dim": 64, "dtype": "fp16",
@@ -102,7 +102,7 @@ def test_after_removal_the_feature_is_unknown_again() -> None:
                                              r"'sinks', 'dropout'\]"):
         Problem(64, DType.FP16, bias=True)
     with pytest.raises(AttributeError):
-        _ = Problem(64, DType.FP16).bias
+        _ = Problem(64, DType.FP16).bias  # type: ignore[attr-defined]  # unregistered: raises
     with pytest.raises(InvalidProblem, match="unknown problem field"):
         Problem.from_dict({"head_dim": 64, "dtype": "fp16", "bias": True})
 

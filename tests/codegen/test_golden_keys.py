@@ -24,8 +24,9 @@ import json
 import os
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
@@ -48,7 +49,7 @@ def _source_digest(code: str) -> str:
     return hashlib.sha256(code.encode()).hexdigest()
 
 
-def _problems(op: str, features: frozenset[str]):
+def _problems(op: str, features: frozenset[str]) -> Iterator[Problem]:
     switches = [name for name in FEATURES if name in features]
     for dtype, head_dim, causal in itertools.product(DType, HEAD_DIMS, (False, True)):
         for n in range(len(switches) + 1):
@@ -56,7 +57,7 @@ def _problems(op: str, features: frozenset[str]):
                 if causal and "window" in chosen:
                     continue
                 yield Problem(head_dim, dtype, causal=causal, op=op,
-                              **{name: True for name in chosen})
+                              **cast(dict[str, Any], {name: True for name in chosen}))
 
 
 def _entry(problem: Problem, arch_name: str, rendered: bool) -> dict[str, str]:
@@ -79,7 +80,7 @@ def _entry(problem: Problem, arch_name: str, rendered: bool) -> dict[str, str]:
 
 def _snapshot(rendered: Callable[[], bool]) -> list[dict[str, str]]:
     """Every row; a row's source digest where ``rendered()`` says so (asked once per row)."""
-    rows = []
+    rows: list[dict[str, str]] = []
     for family in families.all_families():
         arches = ("sm_90a",) if family.target_arch else ("sm_80", "sm_90")
         for problem in _problems(family.op, family.features):

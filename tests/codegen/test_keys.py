@@ -16,7 +16,7 @@ from flashtune.codegen.spec import DType, KernelConfig, Problem
 from flashtune.families import render
 from flashtune.toolchain import compiler, nvrtc
 from flashtune.toolchain.compiler import compile_key
-from flashtune.toolchain.cuda import CUDA_HEADERS, Toolchain
+from flashtune.toolchain.cuda import CUDA_HEADERS, Toolchain, find_toolchain
 
 CASES = [
     (Problem(128, DType.FP16, causal=False), KernelConfig(128, 64, 4, 2), "sm_90"),
@@ -119,7 +119,7 @@ def test_a_compiler_option_changes_the_compile_key(monkeypatch: pytest.MonkeyPat
                         (*compiler.COMPILER_OPTIONS, "--extra-device-vectorization"))
     assert compile_key(src, arch) != before
     assert "--extra-device-vectorization" in compiler.nvrtc_options(
-        src, arch, compiler.find_toolchain())
+        src, arch, find_toolchain())
 
 
 def test_every_arch_has_its_own_key() -> None:

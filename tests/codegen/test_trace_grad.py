@@ -87,8 +87,11 @@ def test_slopes_and_captured_gradients_match_torch_autograd(name: str) -> None:
                          score)
     for i, (slot, t) in enumerate(zip(slots, tensors, strict=True)):
         want = wanted[1 + i] if wanted[1 + i] is not None else torch.zeros_like(t)
-        torch.testing.assert_close(got[slot], want, rtol=1e-10, atol=1e-10,
-                                   msg=lambda m, s=slot: f"{name} seed={_SEED}: d/dt{s}: {m}")
+
+        def message(m: str, s: int = slot) -> str:
+            return f"{name} seed={_SEED}: d/dt{s}: {m}"
+
+        torch.testing.assert_close(got[slot], want, rtol=1e-10, atol=1e-10, msg=message)
 
 
 def test_a_mask_passes_the_slope_of_the_visible_part() -> None:

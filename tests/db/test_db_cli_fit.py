@@ -61,8 +61,9 @@ def test_db_list_and_show_print_every_key_and_error_whole(db: Path, columns: int
 def test_db_verify_prints_every_detail_whole(db: Path, columns: int,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     from flashtune.commands import db_verify
+    from flashtune.db.records import BestEntry
 
-    def failing(measurer: object, entry: db_verify.BestEntry, **kwargs: object
+    def failing(measurer: object, entry: BestEntry, **kwargs: object
                 ) -> db_verify.Checked:
         return db_verify.Checked(entry, None, False, f"wrong_result: {ERROR}")
 

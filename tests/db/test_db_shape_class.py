@@ -15,12 +15,12 @@ from dbfactories import H100, H200, trial
 
 from flashtune.codegen.spec import DType, KernelConfig, Problem, ProblemBucket
 from flashtune.db import TuningStore, resolve_url
-from flashtune.db.bundle import BundleError, parse_bundle, read_bundle, write_bundle
+from flashtune.db.bundle import parse_bundle, read_bundle, write_bundle
 from flashtune.db.engine import make_engine
 from flashtune.db.lookup import resolve
 from flashtune.db.schema import MIGRATIONS_DIR
 from flashtune.db.sharing import export_bundle
-from flashtune.errors import InvalidProblem, SchemaVersionError
+from flashtune.errors import BundleError, InvalidProblem, SchemaVersionError
 
 DECODE = Problem(128, DType.BF16, op="decode")
 FAST, SLOW = KernelConfig.from_key("m64_n64_w4_s2"), KernelConfig.from_key("m64_n32_w4_s1")

@@ -25,7 +25,11 @@ from flashtune.families.base import Inputs, close_enough
 from flashtune.families.checks import LSE_TOLERANCE, O_TOLERANCE
 from flashtune.families.decode import DECODE, DecodeCase
 from flashtune.families.decode.reference import attention_with_kvcache_reference
-from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
+from flashtune.runtime.backends.emulator import (
+    EmulatorBackend,
+    EmulatorLoadedKernel,
+    LaunchOptions,
+)
 from flashtune.runtime.launch import PreparedLaunch, prepare
 
 PAGE_SIZES: tuple[int | None, ...] = (None, 1, 4, 16, 128, 256)
@@ -123,7 +127,7 @@ def assert_close_to_float64(inputs: Inputs, causal: bool, out: torch.Tensor,
 
 
 def run_emulated(problem: Problem, shape: Shape, inputs: Inputs, config: KernelConfig,
-                 counters: bool = False) -> tuple[PreparedLaunch, EmulatorBackend]:
+                 counters: bool = False) -> tuple[PreparedLaunch, EmulatorLoadedKernel]:
     """One launch of ``problem`` x ``config`` on ``inputs`` in the emulator, outputs poisoned
     with NaN (its verdict against float64 is ``launch.verdict()``; with ``counters``, the
     launch's counters are ``kernel.last_counters``)."""

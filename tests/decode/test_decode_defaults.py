@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -43,7 +43,7 @@ def _problem(head_dim: int, dtype: DType, variant: str) -> Problem:
         return Problem(head_dim, dtype, op="decode", features=[traced_feature(traced)])
     switches = {"plain": {}, "causal": {"causal": True},
                 "window-softcap-alibi": {"window": True, "softcap": True, "alibi": True}}
-    return Problem(head_dim, dtype, op="decode", **switches[variant])
+    return Problem(head_dim, dtype, op="decode", **cast(dict[str, Any], switches[variant]))
 
 
 def _check(cases: list[tuple[int, DType, str, str]]) -> None:

@@ -13,7 +13,7 @@ import itertools
 import os
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -30,7 +30,7 @@ from flashtune.families.decode.reference import (
     expected_caches,
 )
 from flashtune.families.fwd.variants import VariantValues
-from flashtune.runtime.backends.emulator import EmulatorBackend
+from flashtune.runtime.backends.emulator import EmulatorLoadedKernel
 from flashtune.runtime.launch import PreparedLaunch
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
@@ -122,7 +122,7 @@ def inputs_of(case: FeatureCase) -> Inputs:
 
 
 def _run(problem: Problem, shape: Shape, inputs: Inputs, counters: bool = False
-         ) -> tuple[PreparedLaunch, EmulatorBackend]:
+         ) -> tuple[PreparedLaunch, EmulatorLoadedKernel]:
     return run_emulated(problem, shape, inputs, CONFIG, counters)
 
 
@@ -178,7 +178,7 @@ def test_a_narrow_window_skips_key_tiles(splits: int) -> None:
         assert verdict.ok, f"seed {SEED}: {verdict.message}"
         got = kernel.last_counters
         assert got is not None
-        counts[window] = got.mma_count  # type: ignore[attr-defined]
+        counts[window] = got.mma_count
     assert counts[(10, 0)] * 4 == counts[(-1, -1)], counts
 
 
@@ -239,7 +239,7 @@ def test_feature_defaults_compile_with_nvrtc_without_spills(arch: str,
     from flashtune.codegen.arch import get_arch
     from flashtune.toolchain.compiler import compile_source
 
-    problem = Problem(128, DType.BF16, op="decode", **switches)
+    problem = Problem(128, DType.BF16, op="decode", **cast(dict[str, Any], switches))
     config = DECODE.default_config(problem, get_arch(arch))
     kernel = compile_source(families.render(problem, config), arch)
     assert kernel.resources.spill_bytes == 0 and kernel.resources.registers > 0

@@ -31,7 +31,7 @@ from flashtune.families.base import Inputs
 from flashtune.families.checks import O_TOLERANCE
 from flashtune.families.decode import DECODE, O_BOUND, DecodeCase
 from flashtune.families.decode.fp8 import DECODE_FP8, E4M3_MAX, dequantised, quantise_e4m3
-from flashtune.runtime.backends.emulator import EmulatorBackend
+from flashtune.runtime.backends.emulator import EmulatorLoadedKernel
 from flashtune.runtime.launch import PreparedLaunch
 
 SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
@@ -132,7 +132,7 @@ def inputs_of(case: Fp8Case) -> Inputs:
 
 
 def _run(problem: Problem, shape: Shape, inputs: Inputs, counters: bool = False
-         ) -> tuple[PreparedLaunch, EmulatorBackend]:
+         ) -> tuple[PreparedLaunch, EmulatorLoadedKernel]:
     return run_emulated(problem, shape, inputs, CONFIG, counters)
 
 

@@ -20,7 +20,7 @@ import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -206,7 +206,8 @@ def inputs_of(case: ModCase, problem: Problem, values: dict[str, object]) -> Inp
                                                  case.num_splits))
     tensors = {**drawn.tensors, **{k: v for k, v in values.items()
                                    if isinstance(v, torch.Tensor)}}
-    scalars = {**drawn.scalars, **{k: v for k, v in values.items()
+    # the traced values are its captured tensors and their sizes (ints)
+    scalars = {**drawn.scalars, **{k: cast(int, v) for k, v in values.items()
                                    if not isinstance(v, torch.Tensor)}}
     return Inputs(tensors, scalars)
 
@@ -218,7 +219,7 @@ def _launch(case: ModCase, score_mod: Fn | None, mask_mod: Fn | None,
     the family's float64 reference) asserted."""
     traced = trace(score_mod, mask_mod)
     problem = Problem(DIM, DType.FP16, op="decode", features=(traced_feature(traced),),
-                      **switches)
+                      **cast(dict[str, Any], switches))
     inputs = inputs_of(case, problem, traced.values(torch.device("cpu")))
     launch = prepare(EmulatorBackend().load(families.render(problem, CONFIG)), case.shape(),
                      "cpu", inputs=inputs, poison=True)

@@ -16,7 +16,7 @@ import itertools
 import os
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -309,7 +309,8 @@ def test_wide_defaults_compile_without_spills(arch: str, dims: tuple[int, int],
                                               switches: dict[str, bool]) -> None:
     from flashtune.toolchain.compiler import compile_source
 
-    problem = Problem(dims[0], DType.BF16, op="decode", head_dim_v=dims[1], **switches)
+    problem = Problem(dims[0], DType.BF16, op="decode", head_dim_v=dims[1],
+                      **cast(dict[str, Any], switches))
     config = DECODE.default_config(problem, get_arch(arch))
     resources = compile_source(families.render(problem, config), arch).resources
     assert resources.spill_bytes == 0 and resources.registers > 0, (

@@ -60,7 +60,7 @@ def _ftz(x: np.ndarray) -> np.ndarray:
 
 
 def _expected(start: np.ndarray, target: np.ndarray, values: np.ndarray) -> np.ndarray:
-    acc = start.astype(np.float32).copy()
+    acc: np.ndarray = start.astype(np.float32).copy()
     for t, v in zip(target, values, strict=True):
         acc[t] = _ftz(_ftz(acc[t]) + _ftz(np.float32(v)))
     return acc
@@ -68,7 +68,7 @@ def _expected(start: np.ndarray, target: np.ndarray, values: np.ndarray) -> np.n
 
 def _run_add(module: EmulatedModule, start: np.ndarray, target: list[int], values: list[float]
              ) -> np.ndarray:
-    acc = start.astype(np.float32).copy()
+    acc: np.ndarray = start.astype(np.float32).copy()
     tgt = np.asarray(target, dtype=np.int32)
     val = np.asarray(values, dtype=np.float32)
     module["add_each"].launch(1, 32, [ptr(acc), ptr(tgt), ptr(val), i32(len(target))])

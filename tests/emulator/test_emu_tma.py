@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from typing import TypedDict
 
 import numpy as np
 import pytest
@@ -111,13 +112,13 @@ def reference(x: np.ndarray, tmap: TensorMap, coords: tuple[int, ...]) -> np.nda
     return out
 
 
-def run(kernel, tmap: TensorMap | object, coords: tuple[int, ...], *, expect: int | None = None,  # type: ignore[no-untyped-def]
+def run(kernel, tmap: TensorMap, coords: tuple[int, ...], *, expect: int | None = None,  # type: ignore[no-untyped-def]
         offset: int = 0, bug: int = 0, rank: int = 4,
         schedule: Schedule = Schedule.FORWARD) -> np.ndarray:
-    nbytes = tmap.box_bytes  # type: ignore[attr-defined]
+    nbytes = tmap.box_bytes
     out = np.full(nbytes, 0xEE, dtype=np.uint8)
     c = list(coords) + [0] * (4 - len(coords))
-    args: list[Arg] = [(ArgType.TMAP, tmap), ptr(out), i32(nbytes), i32(rank),  # type: ignore[list-item]
+    args: list[Arg] = [(ArgType.TMAP, tmap), ptr(out), i32(nbytes), i32(rank),
                        *(i32(v) for v in c), i32(nbytes if expect is None else expect),
                        i32(offset), i32(bug)]
     kernel.launch(1, 128, args, smem_bytes=SMEM,
@@ -168,6 +169,14 @@ def test_the_emulator_record_layout() -> None:
     assert tuple(blob[108:112]) == (4, 2, 3, 0) and blob[117] == TmaDType.BFLOAT16
 
 
+class _Planted(TypedDict, total=False):
+    """Keywords of ``run`` that plant a bug."""
+
+    offset: int
+    bug: int
+    expect: int
+
+
 @pytest.mark.parametrize(("kwargs", "pattern"), [
     ({"offset": 64}, r"tma_load at .*destination .* is not 128-byte aligned"),
     ({"bug": 1}, r"mbarrier_arrive at .*last arrival of phase 0 .* transaction bytes completed "
@@ -176,7 +185,7 @@ def test_the_emulator_record_layout() -> None:
                                  r"beyond"),
     ({"expect": 4096}, r"tma_load at .*complete 12288 more transaction bytes than phase 0"),
 ])
-def test_planted_bugs_are_caught(kernel, kwargs: dict[str, int], pattern: str) -> None:  # type: ignore[no-untyped-def]
+def test_planted_bugs_are_caught(kernel, kwargs: _Planted, pattern: str) -> None:  # type: ignore[no-untyped-def]
     x = qkv_like(100, 1, 128, seed=5)
     with pytest.raises(EmulatorError, match=pattern):
         run(kernel, panel_map(x, 64, TmaSwizzle.B128), (0, 0, 0, 0), **kwargs)

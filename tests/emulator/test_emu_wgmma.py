@@ -134,7 +134,8 @@ def module() -> EmulatedModule:
 
 def _bits(x: np.ndarray, dtype: str) -> np.ndarray:
     t = torch.from_numpy(x).to(torch.float16 if dtype == "fp16" else torch.bfloat16)
-    return t.view(torch.int16).numpy().view(np.uint16).copy()
+    bits: np.ndarray = t.view(torch.int16).numpy().view(np.uint16).copy()
+    return bits
 
 
 def _values(bits: np.ndarray, dtype: str) -> np.ndarray:
@@ -163,7 +164,8 @@ def _run(module: EmulatedModule, entry: str, mode: int, bug: int, seed: int,
 @pytest.mark.parametrize("entry", list(ENTRIES))
 def test_wgmma_matches_float64(module: EmulatedModule, entry: str, mode: int,
                                schedule: Schedule) -> None:
-    seed = int.from_bytes(hashlib.sha256(f"{entry}{mode}{schedule}".encode()).digest()[:4])
+    seed = int.from_bytes(hashlib.sha256(f"{entry}{mode}{schedule}".encode()).digest()[:4],
+                          "big")
     d, expected = _run(module, entry, mode, 0, seed, schedule)
     # Products of 16-bit floats are exact; each k16 step rounds the f32 sum once (4 steps).
     err = np.abs(d.astype(np.float64) - expected)

@@ -36,8 +36,9 @@ SEED = int(os.environ["FLASHTUNE_TEST_SEED"])
 ARCH = get_arch("sm_89")
 #: GQA with lengths off the tile grid; causal Nq > Nk (rows that see no key); Nq > Nk.
 SHAPES = (Shape(1, 2, 1, 77, 70), Shape(2, 2, 2, 9, 4), Shape(1, 1, 1, 100, 33))
-FEATURES = (frozenset(), frozenset({"window"}), frozenset({"softcap"}), frozenset({"alibi"}),
-            frozenset({"varlen"}), frozenset({"varlen", "softcap", "alibi"}))
+FEATURES: tuple[frozenset[str], ...] = (
+    frozenset(), frozenset({"window"}), frozenset({"softcap"}), frozenset({"alibi"}),
+    frozenset({"varlen"}), frozenset({"varlen", "softcap", "alibi"}))
 CONFIGS = (None, KernelConfig(64, 64, 4, 2, extras={"dqmode": "split"}),
            KernelConfig(64, 32, 2, 1, extras={"dqmode": "atomic"}))
 

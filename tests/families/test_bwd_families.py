@@ -32,6 +32,7 @@ from flashtune.codegen.spec import (
 )
 from flashtune.families.bwd import BACKWARD, BACKWARD_DETERMINISTIC, defaults, space
 from flashtune.families.bwd.rows import CONVERT, PREPROCESS
+from flashtune.families.defaults import DefaultEntry
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions, Schedule
 from flashtune.runtime.launch import prepare, verify
 
@@ -100,10 +101,10 @@ def test_defaults_pass_the_rules_for_every_problem(arch: str) -> None:
                 config = family.default_config(problem, spec)
                 assert family.static_check(problem, config, spec) is None, (problem, config)
                 assert space.dq_mode(config) == ("split" if family.deterministic else "atomic")
-            for family in (PREPROCESS, CONVERT):
-                problem = _problem(head_dim, DType.BF16, False, family.op)
-                assert family.static_check(problem, family.default_config(problem, spec),
-                                           spec) is None
+            for row_family in (PREPROCESS, CONVERT):
+                problem = _problem(head_dim, DType.BF16, False, row_family.op)
+                assert row_family.static_check(problem, row_family.default_config(problem, spec),
+                                               spec) is None
 
 
 def test_default_table_is_complete_with_reasons() -> None:
@@ -285,7 +286,7 @@ def test_rows_without_keys_and_a_wrong_result_are_caught() -> None:
 @pytest.mark.parametrize("entry", defaults.DEFAULT_TABLE,
                          ids=lambda e: f"{e.arch_class.value}-d{e.head_dim}-"
                                        f"{'causal' if e.causal else 'full'}")
-def test_every_default_entry_in_the_emulator(entry: defaults.DefaultEntry) -> None:
+def test_every_default_entry_in_the_emulator(entry: DefaultEntry) -> None:
     for dtype in DType:
         for family in (BACKWARD, BACKWARD_DETERMINISTIC):
             problem = _problem(entry.head_dim, dtype, entry.causal, family.op)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+from typing import Any, cast
 
 import pytest
 import torch
@@ -102,7 +103,7 @@ def _id(case: tuple[dict[str, bool], tuple[int, int] | None, DType, KernelConfig
 def _run_case(case: tuple[dict[str, bool], tuple[int, int] | None, DType, KernelConfig,
                           Shape, str]) -> None:
     switches, window, dtype, config, shape, op = case
-    problem = Problem(64, dtype, op=op, **switches)
+    problem = Problem(64, dtype, op=op, **cast(dict[str, Any], switches))
     seed = random.Random(f"{SEED}-{_id(case)}").randrange(2**31)
     _check(problem, config, shape, window, seed)
 

@@ -170,13 +170,15 @@ def test_attention_trains_with_a_wide_head_dim(deterministic: bool) -> None:
     out = flashtune.attention(q, k, v, causal=True, backend="emulator",
                               deterministic=deterministic)
     assert isinstance(out, torch.Tensor)
-    out.backward(grad)
+    out.backward(grad)  # type: ignore[no-untyped-call]  # unannotated in torch
     ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    _attention(*ref, True).backward(grad.double())
+    rq, rk, rv = ref
+    _attention(rq, rk, rv, True).backward(grad.double())  # type: ignore[no-untyped-call]  # unannotated in torch
     # PyTorch's own attention in bf16 (every product and the softmax rounded): its error
     # against float64 is the scale of flash-attn's rule.
     low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    _attention(*low, True).backward(grad)
+    lq, lk, lv = low
+    _attention(lq, lk, lv, True).backward(grad)  # type: ignore[no-untyped-call]  # unannotated in torch
     for name, got, want, base in zip("qkv", (q.grad, k.grad, v.grad),
                                      (r.grad for r in ref), (t.grad for t in low),
                                      strict=True):

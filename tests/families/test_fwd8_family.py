@@ -33,10 +33,10 @@ from flashtune.codegen.spec import KernelConfig, Problem, Shape
 from flashtune.errors import FeatureNotSupported, InvalidConfig, InvalidProblem
 from flashtune.families.checks import O_TOLERANCE
 from flashtune.families.fwd8 import FORWARD_FP8, O_BOUND, RANDOM_DESCALE
-from flashtune.perf.sass.disasm import disassemble
 from flashtune.perf.sass.parse import categorize
 from flashtune.runtime.backends.emulator import EmulatorBackend, LaunchOptions
 from flashtune.toolchain.compiler import compile_source
+from flashtune.toolchain.disasm import disassemble
 
 HEAD_DIMS = (32, 64, 96, 128, 256)
 #: (batch, heads_q, heads_kv, seqlen_q, seqlen_k): GQA 4:2 with lengths off the tile grid,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+from typing import Any, cast
 
 import pytest
 import torch
@@ -87,7 +88,7 @@ def _check(problem: Problem, config: KernelConfig, shape: Shape,
 
 
 def _problem(switches: dict[str, bool], head_dim: int, dtype: DType) -> Problem:
-    return Problem(head_dim, dtype, op=HOPPER_BACKWARD.op, **switches)
+    return Problem(head_dim, dtype, op=HOPPER_BACKWARD.op, **cast(dict[str, Any], switches))
 
 
 def _grid() -> list[Case]:

@@ -19,7 +19,6 @@ import itertools
 import os
 import random
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -192,8 +191,8 @@ def test_attention_with_mods_on_a_virtual_sm90a_runs_fwd90aws(
         assert isinstance(out, torch.Tensor)
         assert first_use.refused("virtual-sm_90a") is None
         assert forward_ops() == {FAMILY.op}, forward_ops()
-        bhsd: Any = (t.transpose(1, 2) for t in (q, k, v))
-        ref, _ = dense(*bhsd, dim ** -0.5, score_mod, mask_mod, torch.float64)
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        ref, _ = dense(qt, kt, vt, dim ** -0.5, score_mod, mask_mod, torch.float64)
         err = float((out.transpose(1, 2).double() - ref).abs().max())
         assert err <= 4e-2, f"seed {SEED}: {err}"
 
@@ -216,12 +215,13 @@ def test_flex_attention_with_a_block_mask_on_a_virtual_sm90a_runs_both_sm90a_ker
         out = flashtune.flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
         assert isinstance(out, torch.Tensor)
         g = torch.randn(out.shape, generator=gen)
-        (out.float() * g).sum().backward()
+        (out.float() * g).sum().backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         assert forward_ops() == {FAMILY.op}, forward_ops()
         assert forward_ops("bwd") == {HOPPER_BACKWARD.op}, forward_ops("bwd")
         leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        ref, _ = dense(*leaves, dim ** -0.5, None, mask_mod, torch.float64)
-        (ref * g.double()).sum().backward()
+        lq, lk, lv = leaves
+        ref, _ = dense(lq, lk, lv, dim ** -0.5, None, mask_mod, torch.float64)
+        (ref * g.double()).sum().backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         err = float((out.detach().double() - ref.detach()).abs().max())
         assert err <= 4e-2, f"seed {SEED}: {err}"
         for name, got, want in zip("qkv", (q, k, v), leaves, strict=True):

@@ -20,6 +20,7 @@ import itertools
 import math
 import os
 import random
+from typing import Any, TypedDict, cast
 
 import pytest
 import torch
@@ -69,7 +70,7 @@ Case = tuple[dict[str, bool], tuple[int, int] | None, int, DType, str, Shape]
 
 
 def _problem(switches: dict[str, bool], head_dim: int, dtype: DType) -> Problem:
-    return Problem(head_dim, dtype, op=FAMILY.op, **switches)
+    return Problem(head_dim, dtype, op=FAMILY.op, **cast(dict[str, Any], switches))
 
 
 def _config(problem: Problem, schedule: str) -> KernelConfig:
@@ -109,6 +110,15 @@ def _inputs(problem: Problem, shape: Shape, window: tuple[int, int] | None, seed
         inputs = Inputs(inputs.tensors, {**inputs.scalars, "window_left": window[0],
                                          "window_right": window[1]})
     return inputs
+
+
+class _Attend64Keywords(TypedDict):
+    """The keywords of ``_attend64``."""
+
+    causal: bool
+    window: tuple[int, int] | None
+    cap: float | None
+    scale: float
 
 
 def _attend64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_slopes: torch.Tensor | None,
@@ -167,8 +177,8 @@ def _reference64(problem: Problem, inputs: Inputs) -> tuple[torch.Tensor, torch.
     cap = float(s["softcap"]) if problem.softcap else None
     sinks = t.get("sinks")
     slopes = t.get("alibi_slopes")
-    kw = {"causal": problem.causal, "window": window, "cap": cap,
-          "scale": float(s["softmax_scale"])}
+    kw: _Attend64Keywords = {"causal": problem.causal, "window": window, "cap": cap,
+                             "scale": float(s["softmax_scale"])}
     if problem.varlen:
         cq, ck = t["cu_seqlens_q"].tolist(), t["cu_seqlens_k"].tolist()
         o = torch.zeros(*t["q"].shape[:-1], t["v"].shape[-1], dtype=torch.float64)

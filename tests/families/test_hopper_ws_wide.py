@@ -21,6 +21,7 @@ import math
 import os
 import random
 import re
+from typing import Any, cast
 
 import pytest
 import torch
@@ -64,7 +65,8 @@ SMEM_LIMIT = 232448
 
 def _problem(head_dim: int, head_dim_v: int, dtype: DType = DType.BF16,
              **switches: bool) -> Problem:
-    return Problem(head_dim, dtype, op=FAMILY.op, head_dim_v=head_dim_v, **switches)
+    return Problem(head_dim, dtype, op=FAMILY.op, head_dim_v=head_dim_v,
+                   **cast(dict[str, Any], switches))
 
 
 # ------------------------------------------------------------------ space and rules

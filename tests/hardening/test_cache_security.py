@@ -8,6 +8,7 @@ import hashlib
 import io
 import os
 import stat
+import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,7 @@ def _no_write(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(cache_module.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)  # what cache_module calls
 
 
 def test_read_only_cache_serves_what_it_has_and_explains_what_it_lacks(

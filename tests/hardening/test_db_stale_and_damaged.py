@@ -18,7 +18,6 @@ from hardening_helpers import damage_table_page, is_root
 
 from flashtune.codegen.spec import ProblemBucket
 from flashtune.db import TuningStore
-from flashtune.db import engine as engine_module
 from flashtune.errors import DatabaseError
 from flashtune.runtime.dispatch import Dispatcher, NamedDevice, Tier
 
@@ -79,9 +78,10 @@ def read_only_directory(tuned: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
                     and "mode=ro" in target and "immutable=1" not in target
                     and Path(f"{tuned}-wal").exists() and not Path(f"{tuned}-shm").exists()):
                 raise sqlite3.OperationalError("unable to open database file")
-            return real(target, *args, **kwargs)
+            connection: sqlite3.Connection = real(target, *args, **kwargs)
+            return connection
 
-        monkeypatch.setattr(engine_module.sqlite3, "connect", connect)
+        monkeypatch.setattr(sqlite3, "connect", connect)  # what flashtune.db.engine calls
     yield tuned
     directory.chmod(0o755)
 
@@ -147,9 +147,9 @@ def test_a_sound_database_is_checked_once_per_process(tuned: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The check is cheap: one quick_check per file and process, at open."""
     from flashtune.db import store as store_module
+    from flashtune.db.engine import integrity_problems as real  # what store_module calls
 
     ran: list[bool] = []
-    real = store_module.integrity_problems
 
     def counting(engine: Any, **kwargs: Any) -> list[str]:
         ran.append(kwargs.get("quick", False))

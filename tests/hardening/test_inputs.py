@@ -140,7 +140,7 @@ def test_softmax_scale_out_of_range(scale: object) -> None:
         check_softmax_scale(scale, 64)
     q, k, v = (torch.zeros(1, 8, 1, 64, dtype=torch.float16) for _ in range(3))
     with pytest.raises(InvalidInput, match="softmax_scale"):
-        flashtune.attention(q, k, v, softmax_scale=scale, backend="emulator")  # type: ignore[arg-type]
+        flashtune.attention(q, k, v, softmax_scale=scale, backend="emulator")  # type: ignore[call-overload]  # ill-typed on purpose
 
 
 def test_softmax_scale_limit_cannot_overflow_fp16_scores() -> None:

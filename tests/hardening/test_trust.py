@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import sqlalchemy as sa
@@ -156,7 +156,7 @@ def test_impossible_timings_are_refused(tmp_path: Path, field: str, value: float
                   field: value}
         if field == "median_ms":
             values["min_ms"] = value
-        bad = trial(H100, P, N, FAST, rng=rng, **values)
+        bad = trial(H100, P, N, FAST, rng=rng, **cast(dict[str, Any], values))
         with pytest.raises(DatabaseError, match=reason):
             store.record_trial(bad)
         assert store.trials() == []

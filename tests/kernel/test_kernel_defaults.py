@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from flashtune.codegen.arch import ARCHS, ArchSpec, get_arch
+from flashtune.codegen.arch import ARCHS, ArchClass, ArchSpec, arch_class, get_arch
 from flashtune.codegen.spec import COMPILED_HEAD_DIMS, MAX_HEAD_DIM, DType, Problem
 from flashtune.errors import InvalidConfig
 from flashtune.families.fwd import FORWARD, defaults, space
@@ -40,19 +40,19 @@ def test_table_entry_itself_fits_every_known_arch(arch: str) -> None:
 def test_table_is_complete_and_unique() -> None:
     keys = [e.key for e in defaults.DEFAULT_TABLE]
     assert len(keys) == len(set(keys)), "duplicate default entries"
-    expected = set(itertools.product(defaults.ArchClass, COMPILED_HEAD_DIMS, (False, True)))
+    expected = set(itertools.product(ArchClass, COMPILED_HEAD_DIMS, (False, True)))
     assert set(keys) == expected
 
 
 def test_every_class_has_an_arch_and_each_arch_the_class_of_its_shared_memory() -> None:
     classes = {spec.default_class for spec in ARCHS.values()}
-    assert classes == set(defaults.ArchClass)
+    assert classes == set(ArchClass)
     for name, spec in ARCHS.items():
         # the classes stand for shared memory per block: 227 KB, 163 KB, 99 KB
         smem = spec.max_smem_per_block // 1024
-        expected = {227: defaults.ArchClass.SM90, 163: defaults.ArchClass.SM80,
-                    99: defaults.ArchClass.SM86}[smem]
-        assert defaults.arch_class(spec) is expected, name
+        expected = {227: ArchClass.SM90, 163: ArchClass.SM80,
+                    99: ArchClass.SM86}[smem]
+        assert arch_class(spec) is expected, name
 
 
 def test_entries_are_in_the_search_space_with_reasons() -> None:

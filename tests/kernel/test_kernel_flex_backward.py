@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -76,7 +76,8 @@ def _verify(score: str, mask: str, op: str, tiles: bool, seed: int,
     window, softcap, alibi) switched on under the modification."""
     traced = trace(SCORES[score], MASKS[mask], tiles=tiles)
     family: BackwardFamily = FAMILIES[op]
-    problem = Problem(64, DType.FP16, op=op, features=[traced_feature(traced)], **builtins)
+    problem = Problem(64, DType.FP16, op=op, features=[traced_feature(traced)],
+                      **cast(dict[str, Any], builtins))
     shape = Shape(2, H, 2, 70, N)
     where = f"{score}+{mask} {op} tiles={tiles} {builtins} seed={seed}"
     config = CONFIGS[op]
@@ -90,7 +91,7 @@ def _verify(score: str, mask: str, op: str, tiles: bool, seed: int,
     verdict = family.compare(problem, shape, outputs, family.reference(problem, inputs))
     assert verdict.ok, f"{where}: {verdict.message}"
     # Control: without the modification the reference differs (the kernel applied it).
-    plain = Problem(64, DType.FP16, op=op, **builtins)
+    plain = Problem(64, DType.FP16, op=op, **cast(dict[str, Any], builtins))
     control = family.reference(plain, inputs)
     got = outputs["dk"].double()
     assert (got - control["dk"]).abs().max() > 10 * (got - family.reference(

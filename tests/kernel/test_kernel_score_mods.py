@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterator
+from typing import Any, cast
 
 import pytest
 import torch
@@ -84,7 +85,7 @@ _CASES = [
 def test_a_declared_modification_runs_in_the_forward_kernel(
         declared: None, head_dim: int, dtype: DType, switches: dict[str, bool],
         shape: Shape) -> None:
-    problem = Problem(head_dim, dtype, **switches)
+    problem = Problem(head_dim, dtype, **cast(dict[str, Any], switches))
     seed = random.Random(f"{_SEED}-{problem.key()}").randrange(2**31)
     outputs, inputs = _run(problem, shape, seed)
     where = f"{problem.key()} {shape.key()} {dict(inputs.scalars)} seed={seed}"

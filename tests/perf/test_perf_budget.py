@@ -41,8 +41,10 @@ def test_every_instruction_lands_in_one_class() -> None:
 
 def test_fa2_figures_match_only_the_same_tile() -> None:
     d128 = Problem(128, DType.BF16)
-    assert fa2_figure(d128, KernelConfig(128, 32, 4, 2), "sm_90").instructions == 536
-    assert fa2_figure(d128, KernelConfig(128, 64, 4, 1), "sm_90").instructions == 933
+    figure = fa2_figure(d128, KernelConfig(128, 32, 4, 2), "sm_90")
+    assert figure is not None and figure.instructions == 536
+    figure = fa2_figure(d128, KernelConfig(128, 64, 4, 1), "sm_90")
+    assert figure is not None and figure.instructions == 933
     assert fa2_figure(d128, KernelConfig(128, 32, 8, 2), "sm_90") is None  # other warps
     assert fa2_figure(d128, KernelConfig(128, 32, 4, 2), "sm_80") is None  # not measured
     assert fa2_figure(Problem(64, DType.BF16), KernelConfig(128, 32, 4, 2), "sm_90") is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import cast
 
 import pytest
 from test_perf_loops import TWO_LOOPS
@@ -120,7 +121,8 @@ def test_predictions_name_the_fitted_parameters() -> None:
     tuned = predict(D128, TILE, Shape.square(1, 16, 1024), "H100",
                     params=replace(DEFAULT_PARAMS, overlap=0.2))
     assert dict((n, s) for n, _, s in tuned.parameters)["overlap"].startswith("set by")
-    assert pred.to_dict()["parameters"][0]["name"] == "overlap"
+    parameters = cast(list[dict[str, object]], pred.to_dict()["parameters"])
+    assert parameters[0]["name"] == "overlap"
 
 
 def test_fa2_baseline_spills_as_measured() -> None:

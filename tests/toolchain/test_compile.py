@@ -15,7 +15,7 @@ from flashtune.families import render
 from flashtune.toolchain import compiler
 from flashtune.toolchain.cache import ArtifactCache
 from flashtune.toolchain.compiler import compile_source
-from flashtune.toolchain.cuda import Toolchain
+from flashtune.toolchain.cuda import Toolchain, find_toolchain
 from flashtune.toolchain.disasm import disassemble
 
 PROBLEM = Problem(head_dim=64, dtype=DType.BF16, causal=True)
@@ -182,7 +182,7 @@ def test_arch_this_nvrtc_cannot_target(source: KernelSource, cache: ArtifactCach
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     from flashtune.toolchain import nvrtc
 
-    lib = nvrtc.load(compiler.find_toolchain().nvrtc_path)
+    lib = nvrtc.load(find_toolchain().nvrtc_path)
     monkeypatch.setitem(lib.__dict__, "supported_archs", (75, 80, 86))
     with pytest.raises(ToolchainNotFound, match=r"cannot compile for sm_90.*flashtune\[cu13\]"):
         compile_source(source, "sm_90", cache=cache)

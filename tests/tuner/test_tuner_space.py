@@ -29,7 +29,7 @@ def test_a_search_space_encodes_indices_and_decodes_reasons() -> None:
     assert SPACE.choices == ("tile", "mode", "fast")  # the constant is not asked for
     assert set(SPACE.distributions()) == {"tile", "mode", "fast"}
     assert SPACE.distributions()["mode"] == optuna.distributions.IntDistribution(0, 2)
-    point = {"tile": 64, "mode": "b", "fast": True, "fixed": 7}
+    point: Point = {"tile": 64, "mode": "b", "fast": True, "fixed": 7}
     assert SPACE.encode(point) == {"tile": 2, "mode": 1, "fast": 1}
     assert SPACE.decode(SPACE.encode(point)) == point
     assert SPACE.decode({"tile": 3, "mode": 2, "fast": 0}) == "tile 128 has no mode c"

@@ -214,7 +214,7 @@ def test_the_database_url_is_never_on_a_workers_command_line(
         started.append((argv, env))
         return None
 
-    monkeypatch.setattr(workers.subprocess, "Popen", popen)
+    monkeypatch.setattr(subprocess, "Popen", popen)  # what workers calls
     start_worker(spec_for(url, call_log), {"CUDA_VISIBLE_DEVICES": "1"})
     [(argv, env)] = started
     assert not any("s3cret-pw" in arg or "db.example" in arg for arg in argv), argv
