@@ -1,14 +1,16 @@
 """How fast do search strategies find the best config? Replayed on real GPU landscapes.
 
-    python benchmarks/search_efficiency.py [DIR] [--repeats 25] [--jobs N] [--out DIR]
+    python benchmarks/search_efficiency.py [DIR] [--repeats 25 | --seeds LIST] [--jobs N]
+        [--out DIR]
         [--strategies flashtune,random,...] [--only NAMES] [--synthetic]
         [--charge-proposals] [--overhead TRIALS] [--journal PATH] [--quick]
 
 Every landscape in DIR (default: ../shared/landscapes next to the repository where it
 exists, else the two shipped with flashtune, flashtune/tuner/landscapes) is a
 brute-forced search space of one kernel on one GPU (see its README). Each strategy runs
-``--repeats`` seeded times through flashtune's own search loop (``flashtune.tuner.replay``:
-an in-memory Optuna study, the proposal screening, the pipeline) against the recorded
+``--repeats`` seeded times (seeds 0 to N-1, or the ``--seeds`` given) through flashtune's
+own search loop (``flashtune.tuner.replay``: an in-memory Optuna study, the proposal
+screening, the pipeline) against the recorded
 compile and run times on a simulated clock, up to 10 % of the brute-force time. Reported
 per landscape, strategy and budget (1, 2, 5, 10 % of the brute-force time): the mean (with
 its standard error over the runs) and the 10th percentile of best found / optimum, and an
@@ -514,13 +516,46 @@ def overhead(path: str, strategy: str, trials: int, seed: int = 0) -> Overhead:
                     len(t), float(t.mean()), float(np.percentile(t, 95)), float(t.max()))
 
 
+def seed_list(text: str) -> tuple[int, ...]:
+    """``--seeds``: comma-separated seeds and inclusive ranges ("0-16,18-49"), sorted."""
+    seeds: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            low, high = int(first), int(last if dash else first)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part.strip()!r} is not a seed or a range of seeds: expected numbers and "
+                "inclusive ranges, comma-separated, e.g. 0-16,18-49") from None
+        if low < 0 or high < low:
+            raise argparse.ArgumentTypeError(
+                f"{part.strip()!r}: a range goes up from a seed of 0 or more, e.g. 18-49")
+        seeds.update(range(low, high + 1))
+    return tuple(sorted(seeds))
+
+
+def format_seeds(seeds: Sequence[int]) -> str:
+    """Sorted seeds as inclusive ranges: (0, 1, 2, 5) -> "0-2, 5"."""
+    spans: list[list[int]] = []
+    for seed in seeds:
+        if spans and seed == spans[-1][1] + 1:
+            spans[-1][1] = seed
+        else:
+            spans.append([seed, seed])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("directory", nargs="?", type=Path, default=DEFAULT_DIR,
                         help="landscape files (*.json.gz, *.json); default: %(default)s")
-    parser.add_argument("--repeats", type=int, default=25,
-                        help="seeded runs per landscape and strategy (seeds 0 to N-1); "
-                             "default: %(default)s")
+    runs = parser.add_mutually_exclusive_group()
+    runs.add_argument("--repeats", type=int, default=25,
+                      help="seeded runs per landscape and strategy (seeds 0 to N-1); "
+                           "default: %(default)s")
+    runs.add_argument("--seeds", type=seed_list, default=None, metavar="LIST",
+                      help="these seeds instead of 0 to N-1: numbers and inclusive ranges, "
+                           "comma-separated (0-16,18-49)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="worker processes; default: the CPU count (%(default)s)")
     parser.add_argument("--out", type=Path, default=Path("search-efficiency"),
@@ -578,7 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "(or leave cmaes out of --strategies)", file=sys.stderr)
         return 2
     budgets: tuple[float, ...] = BUDGETS
-    repeats = args.repeats
+    repeats = args.repeats if args.seeds is None else len(args.seeds)
     transfer = not args.no_transfer
     if args.quick:
         tokens = [str(min(paths, key=lambda p: p.stat().st_size))]
@@ -588,27 +623,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if repeats < 1:
         print(f"--repeats must be at least 1, got {repeats}", file=sys.stderr)
         return 2
+    seeds = args.seeds if args.seeds is not None and not args.quick else tuple(range(repeats))
     max_budget = budgets[-1]
     charge = args.charge_proposals
     landscapes = [landscape_at(t) for t in tokens]
     tasks = [Task(t, s, seed, max_budget=max_budget, charge=charge)
-             for t in tokens for s in strategies for seed in range(repeats)]
+             for t in tokens for s in strategies for seed in seeds]
     if transfer and "flashtune" in strategies:
         for t, L in zip(tokens, landscapes, strict=True):
             tasks += [Task(t, "flashtune", seed, "noisy", max_budget, charge)
-                      for seed in range(repeats)]
+                      for seed in seeds]
             for source in landscapes:
                 if source is not L and source.kernel == L.kernel \
                         and source.space.names == L.space.names:
                     tasks += [Task(t, "flashtune", seed, f"warm:{source.path}",
-                                   max_budget, charge) for seed in range(repeats)]
+                                   max_budget, charge) for seed in seeds]
     # the slow runs first, so that the pool's last tasks are short ones
     tasks.sort(key=lambda t: (t.strategy not in ("tpe", "tpe-multivariate", "gp"),
                               -_size(t.landscape)))
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"{len(landscapes)} landscape(s), {len(tasks)} runs on {args.jobs} process(es); "
-          f"budgets {[f'{100 * b:g}%' for b in budgets]} of the brute-force time; seeds 0-"
-          f"{repeats - 1} for every strategy; proposal time "
+          f"budgets {[f'{100 * b:g}%' for b in budgets]} of the brute-force time; seeds "
+          f"{format_seeds(seeds)} for every strategy; proposal time "
           f"{'charged to' if charge else 'not charged to'} the simulated clock")
     for L in landscapes:
         extra = ""

@@ -329,6 +329,32 @@ def test_benchmark_journal_resumes_a_stopped_run(landscapes: Path, tmp_path: Pat
     assert ran == []
 
 
+def test_benchmark_runs_the_seeds_it_is_given(landscapes: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """--seeds runs exactly the listed seeds (a gap in a journal can be left out of a table)
+    and refuses a malformed list, naming it."""
+    search_efficiency = _search_efficiency()
+    assert search_efficiency.seed_list("5, 0-2,2") == (0, 1, 2, 5)
+    assert search_efficiency.format_seeds((0, 1, 2, 5, 7, 8)) == "0-2, 5, 7-8"
+    log = tmp_path / "runs.jsonl"
+    argv = [str(landscapes), "--seeds", "1,3-4", "--strategies", "random", "--no-transfer",
+            "--jobs", "1", "--overhead", "0", "--only", "bowl_GPUA", "--out", str(tmp_path),
+            "--journal", str(log)]
+    assert search_efficiency.main(argv) == 0
+    assert "seeds 1, 3-4 for every strategy" in capsys.readouterr().out
+    assert sorted(json.loads(line)["task"]["seed"] for line in log.read_text().splitlines()) \
+        == [1, 3, 4]
+    rows = list(csv.DictReader((tmp_path / "search_efficiency.csv").open()))
+    assert {int(r["runs"]) for r in rows} == {3}
+    for bad in ("3-1", "x", "1,,2"):
+        with pytest.raises(SystemExit) as stop:
+            search_efficiency.main([*argv[:1], "--seeds", bad])
+        assert stop.value.code == 2
+        assert "--seeds" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        search_efficiency.main([*argv[:1], "--seeds", "1", "--repeats", "3"])
+
+
 def test_benchmark_verdict_gives_the_noise_of_a_miss(landscapes: Path) -> None:
     search_efficiency = _search_efficiency()
     path = str(landscapes / "bowl_GPUA.json.gz")
