@@ -613,17 +613,17 @@ def main(argv: Sequence[str] | None = None) -> int:
               "(or leave cmaes out of --strategies)", file=sys.stderr)
         return 2
     budgets: tuple[float, ...] = BUDGETS
-    repeats = args.repeats if args.seeds is None else len(args.seeds)
+    if args.seeds is None and args.repeats < 1:
+        print(f"--repeats must be at least 1, got {args.repeats}", file=sys.stderr)
+        return 2
+    seeds = tuple(range(args.repeats)) if args.seeds is None else args.seeds
     transfer = not args.no_transfer
     if args.quick:
         tokens = [str(min(paths, key=lambda p: p.stat().st_size))]
-        strategies, repeats, budgets, transfer = ["flashtune", "random"], 3, BUDGETS[:2], False
+        strategies, seeds, budgets = ["flashtune", "random"], (0, 1, 2), BUDGETS[:2]
+        transfer = False
         args.jobs = 1  # a pool's start-up would cost more than these runs
         args.overhead = 0
-    if repeats < 1:
-        print(f"--repeats must be at least 1, got {repeats}", file=sys.stderr)
-        return 2
-    seeds = args.seeds if args.seeds is not None and not args.quick else tuple(range(repeats))
     max_budget = budgets[-1]
     charge = args.charge_proposals
     landscapes = [landscape_at(t) for t in tokens]
