@@ -46,18 +46,30 @@ def test_gcc_builds_and_uses_the_precompiled_prelude(tmp_path: Path) -> None:
     assert Path(include).is_file() and Path(include).is_relative_to(cache.root)
     assert Path(include + ".gch").stat().st_size > 1_000_000
     assert build.prelude_include(cache, RUNTIME, _flags(), cxx) == include
-    # Other flags are another precompiled header (GCC would refuse this one under them).
-    other = build.prelude_include(cache, RUNTIME, [*_flags(), "-DFTEMU_TEST_OTHER=1"], cxx)
+    # A macro the prelude never reads (a kernel's own knob) shares the precompiled header;
+    # one it reads makes another (GCC would refuse this one under it).
+    own = [*_flags(), "-DFTEMU_TEST_OWN_KNOB=3", "-DNDEBUG"]
+    assert build.prelude_include(cache, RUNTIME, own, cxx) == include
+    read = [*_flags(), "-DFT_DYNAMIC_SMEM=1"]  # primitives.h defines it unless set
+    other = build.prelude_include(cache, RUNTIME, read, cxx)
     assert other != include and Path(other + ".gch").is_file()
 
     src = tmp_path / "halve.cu"
     src.write_text(SOURCE)
-    # -H lists each header read; a precompiled header GCC used is listed with a "!".
-    proc = subprocess.run([cxx, *_flags(), *build._include_flags(()), "-H", "-fsyntax-only",
-                           "-include", include, "-x", "c++", str(src)],
-                          capture_output=True, text=True, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert f"! {include}.gch" in proc.stderr.splitlines()[0], proc.stderr[:2000]
+
+    def first_header(flags: list[str], prelude: str) -> str:
+        # -H lists each header read: "!" marks a precompiled header GCC used, "x" one it
+        # found and refused (then it parses the plain header).
+        proc = subprocess.run([cxx, *flags, *build._include_flags(()), "-H", "-fsyntax-only",
+                               "-include", prelude, "-x", "c++", str(src)],
+                              capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc.stderr.splitlines()[0]
+
+    assert f"! {include}.gch" in first_header(_flags(), include)
+    assert f"! {include}.gch" in first_header(own, include)
+    assert f"! {other}.gch" in first_header(read, other)
+    assert f"x {include}.gch" in first_header(read, include)
 
 
 def test_other_compilers_parse_the_plain_header(tmp_path: Path,

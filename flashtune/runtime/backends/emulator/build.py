@@ -10,8 +10,10 @@ compiler identity and CUDA header versions.
 The header every kernel build includes first (``flashtune_emu/runtime.h``, which pulls in the
 C++ standard library and the CUDA half/bfloat16 headers: about 45,000 lines) is precompiled
 once per compiler and flag set where the compiler is GCC: parsing it is about half of a kernel
-build. A precompiled header GCC cannot use is skipped by GCC itself (it parses the header as
-usual), so it only ever changes the build's time, never its result.
+build. Its flag set leaves out the -D options of macros the prelude never reads, so kernels
+that differ only in their own macros share it. A precompiled header GCC cannot use (a macro
+it reads is defined another way) is skipped by GCC itself (it parses the header as usual), so
+it only ever changes the build's time, never its result.
 
 Each library carries its own cache key as the exported string ``ftemu_build_key``
 (``flashtune-emulator-key:<key>``); ``bound_library`` checks the file for it before the
@@ -21,6 +23,7 @@ a key is discarded and rebuilt instead of loaded.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -223,9 +226,31 @@ def runtime_library(cache: ArtifactCache | None = None, *, asan: bool = False,
 #: precompiled form exists.
 PRELUDE = "flashtune_emu/runtime.h"
 _PRELUDE_STUB = f'#include "{PRELUDE}"\n'
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: Preludes already looked up in this process, by cache and key: a lookup reads and checks
 #: about 60 MB, and a failed build is not retried for every kernel.
 _PRELUDES: dict[tuple[Path, str], str] = {}
+
+
+@functools.lru_cache(maxsize=1)
+def _prelude_names() -> frozenset[str]:
+    """Every identifier the emulator's headers mention."""
+    return frozenset(word for path in _header_files(INCLUDE_DIR)
+                     for word in _IDENTIFIER.findall(path.read_text()))
+
+
+def prelude_flags(flags: Sequence[str]) -> list[str]:
+    """``flags`` less the -D options of macros the prelude does not read, the flags its
+    precompiled form is built and keyed with. A define stays when the emulator's headers name
+    its macro or when its name is reserved (a leading underscore: the switches of the standard
+    library and the CUDA headers). Where a define left out does reach the prelude after all,
+    GCC refuses the precompiled form and parses the header, so the choice changes build times
+    only."""
+    def read_by_prelude(flag: str) -> bool:
+        name = flag[2:].split("=", 1)[0]
+        return name.startswith("_") or name in _prelude_names()
+
+    return [f for f in flags if not f.startswith("-D") or read_by_prelude(f)]
 
 
 def prelude_include(cache: ArtifactCache, runtime: Path, flags: Sequence[str], cxx: str
@@ -235,6 +260,7 @@ def prelude_include(cache: ArtifactCache, runtime: Path, flags: Sequence[str], c
     itself for other compilers or where the precompiled form failed to build (logged once)."""
     if not toolchain.is_gcc(cxx):
         return PRELUDE
+    flags = prelude_flags(flags)
     h = hashlib.sha256(b"flashtune-emulator-prelude\0")
     # The runtime's name covers the emulator headers, the CUDA headers and the compiler.
     h.update("\0".join([runtime.name, *flags]).encode())
