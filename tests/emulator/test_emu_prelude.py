@@ -72,6 +72,13 @@ def test_gcc_builds_and_uses_the_precompiled_prelude(tmp_path: Path) -> None:
     assert f"x {include}.gch" in first_header(read, include)
 
 
+def test_the_prelude_is_keyed_by_the_defines_it_can_read() -> None:
+    flags = ["-O1", "-DNDEBUG", "-D_GLIBCXX_ASSERTIONS", "-DFT_DYNAMIC_SMEM=1",
+             "-DFLASHTUNE_EMULATOR=1", "-DFT_WS_PLANTED_BUG=2"]
+    assert build.prelude_flags(flags) == ["-O1", "-D_GLIBCXX_ASSERTIONS", "-DFT_DYNAMIC_SMEM=1",
+                                          "-DFLASHTUNE_EMULATOR=1"]
+
+
 def test_other_compilers_parse_the_plain_header(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(host, "is_gcc", lambda cxx: False)
