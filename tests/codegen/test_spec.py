@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
 import itertools
 import os
 import random
@@ -200,3 +203,14 @@ def test_bucket_round_trip_on_random_lengths() -> None:
 def test_bad_bucket_keys(key: str) -> None:
     with pytest.raises(InvalidProblem):
         ProblemBucket.from_key(key)
+
+
+def test_the_init_type_checkers_see_takes_the_fields_in_order() -> None:
+    """KernelConfig spells out its __init__ for type checkers only (``extras`` may be a
+    mapping there), so a field added to the dataclass must be added to it too."""
+    tree = ast.parse(inspect.getsource(KernelConfig).lstrip())
+    inits = [node for node in ast.walk(tree)
+             if isinstance(node, ast.FunctionDef) and node.name == "__init__"]
+    assert len(inits) == 1, "KernelConfig should spell out one __init__ for type checkers"
+    params = [arg.arg for arg in inits[0].args.args[1:]]
+    assert params == [f.name for f in dataclasses.fields(KernelConfig)]
