@@ -18,15 +18,12 @@ Failures are not cached: fixing the cause and retrying recompiles.
 from __future__ import annotations
 
 import hashlib
-import multiprocessing
-import os
 import re
-import signal
 import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -54,6 +51,7 @@ from flashtune.toolchain.compiled import (
     unpack,
 )
 from flashtune.toolchain.cuda import CUDA_HEADERS, INSTALL_HINT, Toolchain, find_toolchain
+from flashtune.toolchain.processes import compile_process_pool
 from flashtune.toolchain.resources import Resources, parse_ptxas_log
 
 __all__ = [
@@ -416,35 +414,6 @@ def compile_pairs(
             finally:  # on Ctrl-C (or an error) only the compiles under way finish
                 pool.shutdown(wait=False, cancel_futures=True)
     return [r for r in results if r is not None]
-
-
-def tie_worker_to_parent() -> None:
-    """Make this worker process (compile or tuning) die with its parent and leave Ctrl-C to
-    it, so that a killed `flashtune tune` or `compile --all` leaves no workers behind and
-    Ctrl-C prints the parent's one message. The terminal sends SIGINT to the whole process
-    group; a KeyboardInterrupt inside a pool worker can also cut a result short in the
-    pool's pipe, and the pool's manager thread, which the parent joins at exit, would then
-    wait for the rest of it forever. The parent stops or cancels the workers' work."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() == 1:  # the parent died before the request took effect
-            os._exit(1)
-
-
-def compile_process_pool(workers: int) -> ProcessPoolExecutor:
-    """The one kind of compile worker pool (``compile --all``, precompile, the tuner).
-
-    Spawned, not forked: workers inherit neither the locks held by this process's threads
-    nor a CUDA context; they die with their parent and ignore Ctrl-C, which is the parent's.
-    """
-    return ProcessPoolExecutor(max_workers=workers,
-                               mp_context=multiprocessing.get_context("spawn"),
-                               initializer=tie_worker_to_parent)
 
 
 def compile_many(

@@ -29,6 +29,7 @@ import optuna
 from flashtune.codegen.arch import ArchSpec
 from flashtune.codegen.spec import Problem
 from flashtune.errors import TuningError
+from flashtune.toolchain.processes import sigint_held, tie_worker_to_parent
 from flashtune.tuner.interrupt import checkpoint
 from flashtune.tuner.measure.base import Measurer, TimingPlan
 from flashtune.tuner.measure.factory import make_measurer
@@ -130,9 +131,10 @@ def start_worker(spec: WorkerSpec, env: Mapping[str, str] | None = None
     inherited): the worker is killed when this process dies. The database URL goes in the
     worker's environment (``WORKER_DB_ENV``), not in SPEC on its command line."""
     hidden = dataclasses.replace(spec, db="")
-    return subprocess.Popen([sys.executable, "-m", "flashtune.tuner.workers", _TIED,
-                             hidden.to_json()],
-                            env={**os.environ, **(env or {}), WORKER_DB_ENV: spec.db})
+    with sigint_held():  # a Ctrl-C while it imports is the parent's (tie_worker_to_parent)
+        return subprocess.Popen([sys.executable, "-m", "flashtune.tuner.workers", _TIED,
+                                 hidden.to_json()],
+                                env={**os.environ, **(env or {}), WORKER_DB_ENV: spec.db})
 
 
 def run_workers(spec: WorkerSpec, count: int, *, gpus: Sequence[int] | None = None,
@@ -257,8 +259,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"usage: python -m flashtune.tuner.workers [{_TIED}] SPEC_JSON", file=sys.stderr)
         return 2
     if tied:
-        from flashtune.toolchain.compiler import tie_worker_to_parent
-
         # A killed `flashtune tune --workers N` leaves no workers measuring on (the trial in
         # flight is reaped and measured again by --resume); on Ctrl-C run_workers terminates
         # them and prints the one --resume hint, with no traceback from a worker.

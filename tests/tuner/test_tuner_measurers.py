@@ -1,14 +1,19 @@
 """The one factory of measurers (tuner/measure/factory.py): names, aliases, factories
-named ``module:function``, and the error for an unknown name."""
+named ``module:function``, and the error for an unknown name; a compile worker that dies."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any, cast
+
 import pytest
-from tuner_synthetic import SyntheticMeasurer
+from tuner_synthetic import SyntheticMeasurer, dying_compiler
 
 from flashtune.errors import TuningError
+from flashtune.tuner.measure.base import TimingPlan
 from flashtune.tuner.measure.dry import DryRunMeasurer
 from flashtune.tuner.measure.factory import make_measurer, measurer_names
+from flashtune.tuner.measure.kernels import CompilePool, KernelMeasurement
 
 
 def test_a_dry_run_by_name_or_alias_is_untimed_for_its_arch() -> None:
@@ -35,3 +40,13 @@ def test_a_factory_named_module_function_gets_its_options() -> None:
         make_measurer("tuner_synthetic:nothing_here")
     with pytest.raises(TuningError, match="takes no options"):
         make_measurer("dry-run", options={"peak_tflops": 1.0})
+
+
+def test_a_dead_compile_worker_stops_the_run_with_what_to_do() -> None:
+    with CompilePool(dying_compiler, workers=1) as pool:
+        workload = cast(Any, SimpleNamespace(problem="problem"))
+        measurement = KernelMeasurement(cast(Any, None), workload, pool, TimingPlan(0, 1), 0)
+        started = measurement.start(cast(Any, "config"))
+        with pytest.raises(TuningError, match="compile worker process ended abruptly") as info:
+            measurement.finish(cast(Any, "config"), started)
+    assert "--resume" in str(info.value) and "--compile-workers" in str(info.value)

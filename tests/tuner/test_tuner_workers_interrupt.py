@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 from interrupt_helpers import interrupt_when_ready, start_as_foreground_job
 from tuner_synthetic import read_log
 from tuner_testlib import FAST, subprocess_env
 
-from flashtune.tuner.workers import WorkerSpec
+from flashtune.tuner.workers import WorkerSpec, start_worker
 
 PARENT = """\
 import sys
@@ -50,3 +53,23 @@ def test_sigint_to_the_group_stops_the_workers_without_tracebacks(
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert err.count("parent interrupted") == 1, err
     assert err.count("stopping the workers") == 1, err
+
+
+def test_a_worker_leaves_ctrl_c_to_its_parent_from_its_start(
+        db_url: str, call_log: str, capfd: pytest.CaptureFixture[str]) -> None:
+    """SIGINT while the worker still imports, before its own code can ignore it: the worker
+    goes on and finishes its trials, printing nothing about it."""
+    spec = WorkerSpec(head_dim=128, dtype="bf16", causal=False, op="fwd", seqlens=(1024,),
+                      db=db_url, measurer="tuner_synthetic:synthetic_measurer",
+                      measurer_options={"log_path": call_log},
+                      options=dataclasses.replace(FAST, trials=3, sampler="tpe"))
+    proc = start_worker(spec, env=subprocess_env())
+    hits = 0
+    while proc.poll() is None and not read_log(call_log):
+        proc.send_signal(signal.SIGINT)
+        hits += 1
+        time.sleep(0.02)
+    code = proc.wait(timeout=300)
+    err = capfd.readouterr().err
+    assert code == 0 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert hits >= 5, f"the worker measured after {hits} signals: the test did not hit its start"

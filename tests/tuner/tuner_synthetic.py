@@ -185,3 +185,8 @@ def synthetic_measurer(**kwargs: Any) -> SyntheticMeasurer:
     if "best" in kwargs:
         kwargs["best"] = KernelConfig.from_key(str(kwargs["best"]))
     return SyntheticMeasurer(**kwargs)
+
+
+def dying_compiler(problem: Problem, config: KernelConfig) -> CompileOutcome:
+    """A compile worker killed mid-compile (as the kernel's OOM killer would)."""
+    os._exit(9)

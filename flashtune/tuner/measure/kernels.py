@@ -7,10 +7,12 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from flashtune.codegen.spec import KernelConfig, Problem
-from flashtune.toolchain.compiler import compile_process_pool
+from flashtune.errors import TuningError
+from flashtune.toolchain.processes import compile_process_pool
 from flashtune.tuner.measure.base import CompileOutcome, Compiler, Measurer, TimingPlan
 from flashtune.tuner.measure.evaluate import TrialResult, evaluate
 from flashtune.tuner.measure.workload import Workload
@@ -21,7 +23,7 @@ class CompilePool:
 
     Outcomes are memoised per (problem, config): buckets of one problem share binaries, so
     each config is compiled once per run. Worker processes come from
-    ``runtime.compiler.compile_process_pool``: spawned (no inherited threads or CUDA context)
+    ``toolchain.processes.compile_process_pool``: spawned (no inherited threads or CUDA context)
     and killed with their parent.
     """
 
@@ -76,5 +78,12 @@ class KernelMeasurement:
         return self.pool.submit(self.workload.problem, config)
 
     def finish(self, config: KernelConfig, started: cf.Future[Any]) -> TrialResult:
-        return evaluate(self.backend, self.workload, config, started.result(), self.plan,
+        try:
+            compiled = started.result()
+        except BrokenProcessPool as exc:  # not this config's fault: no trial to record
+            raise TuningError(
+                "a compile worker process ended abruptly (killed, or out of memory?), so "
+                "its pool cannot go on; every finished trial is saved: rerun with --resume, "
+                "with fewer --compile-workers (0 compiles in this process)") from exc
+        return evaluate(self.backend, self.workload, config, compiled, self.plan,
                         self.max_spill_bytes)
