@@ -83,7 +83,7 @@ class KernelMeasurement:
         except BrokenProcessPool as exc:  # not this config's fault: no trial to record
             raise TuningError(
                 "a compile worker process ended abruptly (killed, or out of memory?), so "
-                "its pool cannot go on; every finished trial is saved: rerun with --resume, "
-                "with fewer --compile-workers (0 compiles in this process)") from exc
+                "its pool cannot go on; every finished trial is saved: rerun with --resume "
+                "and fewer --compile-workers (0 compiles in this process)") from exc
         return evaluate(self.backend, self.workload, config, compiled, self.plan,
                         self.max_spill_bytes)
